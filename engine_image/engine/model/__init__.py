@@ -1,0 +1,1 @@
+"""Model code (torch): Llama-family decoder, paged attention, loaders, tokenizer."""

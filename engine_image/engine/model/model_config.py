@@ -1,0 +1,101 @@
+"""ModelConfig: the shape of a Llama-family decoder, whatever file it came from.
+
+Loaders (Hugging Face directory, GGUF, random) all produce one of these; the
+model, the KV cache sizing and the cluster simulator's cost model read it.
+Field names follow Hugging Face's config.json. No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    # None: hidden_size // num_attention_heads.
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Hugging Face's rope_scaling dict (e.g. {"rope_type": "llama3", "factor": 8.0, ...}).
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    # One id, or several (chat models often end turns with their own token).
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Where it came from, for messages and the model fingerprint.
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"model config {self.name!r}: {name} must be >= 1, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"model config {self.name!r}: num_attention_heads ({self.num_attention_heads}) "
+                f"is not a multiple of num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"model config {self.name!r}: hidden_size {self.hidden_size} is not divisible "
+                    f"by num_attention_heads {self.num_attention_heads}; give head_dim"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes per token per element byte (multiply by the dtype's size)."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+
+    @property
+    def num_parameters(self) -> int:
+        h, i, layers = self.hidden_size, self.intermediate_size, self.num_hidden_layers
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return layers * per_layer + embed + h
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], name: str = "model") -> ModelConfig:
+        """From a Hugging Face config.json (LlamaForCausalLM and compatible)."""
+        eos = cfg.get("eos_token_id")
+        eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (eos,))
+        heads = cfg["num_attention_heads"]
+        try:
+            return cls(
+                vocab_size=cfg["vocab_size"],
+                hidden_size=cfg["hidden_size"],
+                intermediate_size=cfg["intermediate_size"],
+                num_hidden_layers=cfg["num_hidden_layers"],
+                num_attention_heads=heads,
+                num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+                head_dim=cfg.get("head_dim"),
+                rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+                rope_theta=cfg.get("rope_theta", 10000.0),
+                rope_scaling=cfg.get("rope_scaling"),
+                max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+                tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                name=name,
+            )
+        except KeyError as missing:
+            raise ValueError(f"{name}: config.json has no {missing} field") from None

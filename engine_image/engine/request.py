@@ -1,0 +1,141 @@
+"""One request's lifecycle: what it asked for, what it has produced, where it is.
+
+The scheduler owns Request objects; the runner only reads the StepPlan.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"  # queued for prefill (new, preempted, or mid-chunk)
+    RUNNING = "running"  # prefilled; decodes each decode step
+    HANDOFF = "handoff"  # PROMPT engine: prefilled, KV pinned until a decoder fetches it
+    FINISHED_STOPPED = "stop"  # EOS, a stop token id, or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = "abort"  # cancelled, deadline passed, or client gone
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    # Most tokens to generate.
+    max_tokens: int = 16
+    # 0 means greedy.
+    temperature: float = 1.0
+    # Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p.
+    top_p: float = 1.0
+    # Keep only the top_k most likely tokens; None keeps all.
+    top_k: int | None = None
+    # Seed of this request's own generator; None draws from the engine's.
+    seed: int | None = None
+    # Token ids that end generation (besides EOS), kept in the output.
+    stop_token_ids: tuple[int, ...] = ()
+    # Strings that end generation; matched by the detokenizer, cut from the text.
+    stop: tuple[str, ...] = ()
+    # Keep generating past EOS (benchmarks).
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not _is_real(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k is not None and (
+            isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1
+        ):
+            raise ValueError(f"top_k must be a positive integer or None, got {self.top_k!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    # Ends generation unless sampling_params.ignore_eos; set by the engine from the model.
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Higher is served first.
+    priority: int = 0
+
+    status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
+    # Prompt then output: one list, so a step never concatenates the prompt.
+    token_ids: list[int] = field(init=False)
+    # Leading tokens of token_ids whose KV is in the cache.
+    num_computed_tokens: int = field(default=0, init=False)
+    # Of those, how many came from the prefix cache (at the last admission).
+    num_cached_tokens: int = field(default=0, init=False)
+    # The KV manager's block table for this request (the same list), for quick reads.
+    block_ids: list[int] = field(default_factory=list, init=False)
+    # Drafts to verify in the next decode step.
+    draft_token_ids: list[int] = field(default_factory=list, init=False)
+    # Times this request was preempted and put back to recompute.
+    num_preemptions: int = field(default=0, init=False)
+    # Length at which it stops: prompt + max_tokens, capped by the engine's max_model_len.
+    max_num_tokens: int = field(init=False)
+    # Token ids that end it: the stop ids, and EOS unless ignore_eos.
+    stop_token_set: frozenset[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r} has an empty prompt")
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.max_num_tokens = self.num_prompt_tokens + self.sampling_params.max_tokens
+        stop = set(self.sampling_params.stop_token_ids)
+        if self.eos_token_id is not None and not self.sampling_params.ignore_eos:
+            stop.add(self.eos_token_id)
+        self.stop_token_set = frozenset(stop)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished

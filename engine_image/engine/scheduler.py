@@ -1,0 +1,488 @@
+"""The step scheduler: decides what each engine step computes.
+
+Faithful to the deepinfer scheduler (docs/scheduler.md has the rules and
+where Tandem goes beyond them):
+- PROMPT engines run prefill steps only, COMPLETION engines decode steps only,
+  NORMAL engines choose per step with a decode-step counter and two kinds of
+  attempt points: ALL (every rank must want prefill) and ANY (one rank is
+  enough), decided by all-reduce MIN votes across data-parallel ranks.
+- A rank wants prefill while KV usage is at most the watermark (90 %) and a
+  request waits. A second vote turns the step into decode when no rank could
+  actually schedule a prompt, so full slots never livelock on empty steps.
+- One step holds at most max_num_batched_tokens tokens; long prompts are
+  chunked when chunked prefill is on, and wait otherwise.
+- With speculative decoding a decode step computes 1 + len(drafts) tokens per
+  sequence and accepts at most that many.
+
+Pure Python and no torch: the engine, the tests and the cluster simulator all
+drive it the same way: schedule() -> runner -> update().
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from tandem.engine.config import EngineConfig, EngineType
+from tandem.engine.kv_manager import KVCacheManager
+from tandem.engine.plan import RequestOutput, ScheduledSeq, StepPlan, StepResult
+from tandem.engine.request import Request, RequestStatus
+
+# All-reduces one int with MIN across the data-parallel ranks and returns the result.
+Vote = Callable[[int], int]
+
+
+class PromptTooLongError(ValueError):
+    """The prompt is longer than the engine's prompt limit."""
+
+
+def _single_rank_vote(value: int) -> int:
+    return value
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, vote: Vote | None = None) -> None:
+        if config.data_parallel_size > 1 and vote is None:
+            raise ValueError(
+                f"data_parallel_size is {config.data_parallel_size}: the scheduler needs a "
+                "vote (an all-reduce MIN across the ranks) to keep step types in lockstep"
+            )
+        if config.num_speculative_tokens and config.vocab_size is None:
+            raise ValueError(
+                "num_speculative_tokens > 0 needs vocab_size: after prefill the drafts "
+                "are placeholders with id vocab_size - 1"
+            )
+        if num_blocks * config.block_size < config.max_model_len:
+            raise ValueError(
+                f"{num_blocks} KV blocks of {config.block_size} tokens hold "
+                f"{num_blocks * config.block_size} tokens, fewer than one sequence of "
+                f"max_model_len {config.max_model_len}: give the cache more blocks or "
+                "lower max_model_len"
+            )
+        self.config = config
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self._vote = vote or _single_rank_vote
+        # Without peers there is nobody to keep in lockstep, so an idle rank
+        # need not count decode steps it has nothing to decode in.
+        self._single_rank = config.data_parallel_size == 1 and vote is None
+        self.requests: dict[str, Request] = {}
+        # Prefill queue, highest priority first; a request mid-chunk is at the front.
+        self.waiting: deque[Request] = deque()
+        # Prefilled requests in admission order; the newest is preempted first.
+        self.running: list[Request] = []
+        # PROMPT engine: prefilled requests whose KV is pinned for a decoder to fetch.
+        self.handoff: dict[str, Request] = {}
+        # COMPLETION engine: requests whose KV is being fetched from a PROMPT engine.
+        self.receiving: dict[str, Request] = {}
+        # Decode steps since the last prompt step; the same on every rank.
+        self.decode_step = 0
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------- requests in
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request for prefill.
+
+        Raises PromptTooLongError (a ValueError) for a prompt over the limit,
+        so it is refused at once rather than queued forever.
+        """
+        limit = self.config.prompt_limit
+        if request.num_prompt_tokens > limit:
+            raise PromptTooLongError(
+                f"prompt of request {request.request_id!r} has {request.num_prompt_tokens} "
+                f"tokens, more than this engine's limit of {limit} "
+                f"(max_model_len {self.config.max_model_len}, "
+                f"max_num_batched_tokens {self.config.max_num_batched_tokens}, "
+                f"chunked prefill {'on' if self.config.enable_chunked_prefill else 'off'})"
+            )
+        self._register(request)
+        self._enqueue(request)
+
+    def _register(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id!r} was already scheduled elsewhere")
+        request.max_num_tokens = min(request.max_num_tokens, self.config.max_model_len)
+        self.requests[request.request_id] = request
+
+    def _enqueue(self, request: Request) -> None:
+        waiting = self.waiting
+        if not waiting or waiting[-1].priority >= request.priority:
+            waiting.append(request)
+            return
+        for i, queued in enumerate(waiting):
+            # Never ahead of a request mid-chunk: its KV is half written.
+            if queued.priority < request.priority and queued.num_computed_tokens == 0:
+                waiting.insert(i, request)
+                return
+        waiting.append(request)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request wherever it is and free its KV at once."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> RequestOutput | None:
+        """End a request from outside the step loop (abort, stop string, deadline).
+
+        Returns None if the engine does not know the request (already finished).
+        """
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            if request_id in self.receiving:
+                del self.receiving[request_id]
+            else:
+                self.waiting.remove(request)
+        elif request.status is RequestStatus.HANDOFF:
+            del self.handoff[request_id]
+        self._retire(request, status)
+        return RequestOutput(request_id, [], status)
+
+    # ------------------------------------------------------------- the step
+
+    def schedule(self) -> StepPlan:
+        """Plan the next step. On several ranks, every rank calls this in lockstep."""
+        if self.config.engine_type is EngineType.PROMPT:
+            plan = self._schedule_prefill() or StepPlan(is_prefill=True)
+        else:
+            plan = self._schedule_by_vote()
+        plan.decode_step = self.decode_step
+        self.decode_step = 0 if plan.is_prefill else self.decode_step + 1
+        return plan
+
+    def _schedule_by_vote(self) -> StepPlan:
+        """NORMAL (and COMPLETION, whose queue only holds KV to recompute)."""
+        cfg = self.config
+        step = self.decode_step
+        is_any_point = step != 0 and step % cfg.prefill_any_attempt_interval == 0
+        is_all_point = step % cfg.prefill_attempt_interval == 0
+        if self._single_rank and not self.running:
+            is_any_point = True  # nothing to decode: no reason to make a prompt wait
+        if not is_any_point and not is_all_point:
+            return self._schedule_decode()
+
+        want = self._wants_prefill()
+        if is_any_point:  # ANY: one rank that wants is enough (ANY wins where both fall)
+            do_prefill = self._vote(0 if want else 1) == 0
+        else:  # ALL: every rank must want
+            do_prefill = self._vote(1 if want else 0) == 1
+        if not do_prefill:
+            return self._schedule_decode()
+
+        plan = self._schedule_prefill() if want else None
+        # Second vote: did any rank really schedule a prompt? If none could
+        # (slots full, blocks short), decode, or full slots would livelock.
+        if self._vote(0 if plan else 1) != 0:
+            return self._schedule_decode()
+        # A rank with nothing to prefill runs an empty prompt step alongside.
+        return plan or StepPlan(is_prefill=True)
+
+    def _wants_prefill(self) -> bool:
+        if not self.waiting:
+            return False
+        if self.kv.usage <= self.config.cache_prefill_watermark:
+            return True
+        # A prompt mid-chunk already holds all its blocks: finishing it costs no KV.
+        return self.kv.holds_blocks(self.waiting[0].request_id)
+
+    def _schedule_prefill(self) -> StepPlan | None:
+        """Admit waiting prompts in order until the budget, slots or blocks run out."""
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        slots = cfg.max_num_seqs - len(self.running)
+        waiting, kv = self.waiting, self.kv
+        plan = StepPlan(is_prefill=True)
+        while waiting and budget > 0 and slots > 0:
+            request = waiting[0]
+            rid = request.request_id
+            admitted = kv.holds_blocks(rid)
+            cached = [] if admitted else kv.match_prefix(request)
+            start = request.num_computed_tokens if admitted else len(cached) * cfg.block_size
+            num_new = request.num_tokens - start
+            if num_new > budget:
+                if not cfg.enable_chunked_prefill:
+                    break  # waits for a step with room for the whole prompt
+                num_new = budget
+            if not admitted:
+                # Reserve the whole prompt now, so a prompt mid-chunk never
+                # waits on blocks another request holds.
+                if kv.allocate(rid, request.num_tokens, cached) is None:
+                    break
+                request.block_ids = kv.block_table(rid)
+                request.num_computed_tokens = start
+                request.num_cached_tokens = start
+                plan.num_prefix_cached_tokens += start
+            end = start + num_new
+            last_chunk = end == request.num_tokens
+            plan.num_scheduled_tokens[rid] = num_new
+            plan.seqs.append(
+                ScheduledSeq(
+                    request_id=rid,
+                    token_ids=request.token_ids[start:end],
+                    start_pos=start,
+                    block_ids=request.block_ids,
+                    sample=last_chunk,
+                    draft_token_ids=[],
+                    sampling_params=request.sampling_params,
+                    num_output_tokens=request.num_output_tokens,
+                )
+            )
+            budget -= num_new
+            slots -= 1
+            if last_chunk:
+                waiting.popleft()
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+        return plan if plan.seqs else None
+
+    def _schedule_decode(self) -> StepPlan:
+        """Decode every running sequence that fits the budget; preempt for blocks."""
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        block_size = cfg.block_size
+        kv, running = self.kv, self.running
+        plan = StepPlan(is_prefill=False)
+        scheduled, seqs = plan.num_scheduled_tokens, plan.seqs
+        i = 0
+        while i < len(running):
+            request = running[i]
+            tokens = request.token_ids
+            drafts = request.draft_token_ids
+            if drafts:
+                # Never verify drafts past max_tokens or max_model_len: a step
+                # yields at most 1 + len(drafts) tokens, the room left.
+                room = request.max_num_tokens - len(tokens)
+                if len(drafts) >= room:
+                    drafts = drafts[: room - 1]
+            num_new = 1 + len(drafts)
+            if num_new > budget:
+                break
+            rid = request.request_id
+            start = request.num_computed_tokens
+            table = request.block_ids
+            if start + num_new > len(table) * block_size:  # needs another block
+                while kv.allocate(rid, start + num_new) is None:
+                    victim = running.pop()  # the newest running request
+                    self._preempt(victim)
+                    plan.preempted_request_ids.append(victim.request_id)
+                    if victim is request:
+                        break
+                if request.status is not RequestStatus.RUNNING:
+                    break  # preempted itself: everything after it is gone too
+            scheduled[rid] = num_new
+            seqs.append(
+                ScheduledSeq(
+                    rid,
+                    [tokens[-1], *drafts] if drafts else [tokens[-1]],
+                    start,
+                    table,
+                    True,
+                    drafts,
+                    request.sampling_params,
+                    len(tokens) - request.num_prompt_tokens,
+                )
+            )
+            budget -= num_new
+            i += 1
+        return plan
+
+    def _preempt(self, request: Request) -> None:
+        """Free a running request's KV and queue it, first, to be recomputed."""
+        self.kv.free(request.request_id)
+        request.block_ids = []
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.draft_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ------------------------------------------------------------ results in
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """Apply a step's result: advance computed tokens, append samples, finish."""
+        cfg = self.config
+        kv, requests = self.kv, self.requests
+        block_size = cfg.block_size
+        sampled = result.sampled_token_ids
+        proposed = result.draft_token_ids or {}
+        num_spec = cfg.num_speculative_tokens
+        is_prefill = plan.is_prefill
+        is_prompt_engine = cfg.engine_type is EngineType.PROMPT
+        outputs: list[RequestOutput] = []
+        ended: list[Request] = []
+        for seq in plan.seqs:
+            rid = seq.request_id
+            request = requests.get(rid)
+            if request is None:
+                continue  # aborted while the step ran
+            start = seq.start_pos
+            if not seq.sample:  # a prompt chunk: KV written, nothing sampled
+                request.num_computed_tokens = start + len(seq.token_ids)
+                kv.cache_computed(request)
+                continue
+            tokens = sampled.get(rid)
+            if not tokens:
+                raise ValueError(f"step result has no sampled token for request {rid!r}")
+            num_accepted = len(tokens) - 1
+            if num_accepted:
+                drafts = seq.draft_token_ids
+                if num_accepted > len(drafts):
+                    raise ValueError(
+                        f"request {rid!r} got {len(tokens)} tokens from a step that verified "
+                        f"{len(drafts)} drafts: at most {1 + len(drafts)} rows (nextn + 1 = "
+                        f"{num_spec + 1}) can be accepted"
+                    )
+                if tokens[:num_accepted] != drafts[:num_accepted]:
+                    raise ValueError(f"request {rid!r}: accepted tokens differ from its drafts")
+            # Prefill: the whole chunk has KV. Decode: the fed tokens up to the
+            # last accepted draft do; a rejected draft's KV is overwritten later.
+            computed = start + (len(seq.token_ids) if is_prefill else len(tokens))
+            request.num_computed_tokens = computed
+            if computed // block_size > start // block_size:  # a block filled up
+                kv.cache_computed(request)
+            new_tokens, status = _append(request, tokens)
+
+            if status is not None:
+                ended.append(request)
+                self._retire(request, status)
+            elif is_prompt_engine:
+                status = RequestStatus.HANDOFF
+                request.status = status
+                ended.append(request)
+                self.handoff[rid] = request
+            elif num_spec:
+                next_drafts = proposed.get(rid)
+                if next_drafts is None:
+                    # After prefill: placeholders, all an MTP head has before its first step.
+                    next_drafts = [cfg.draft_placeholder_id] * num_spec if is_prefill else []
+                elif len(next_drafts) > num_spec:
+                    raise ValueError(
+                        f"request {rid!r}: {len(next_drafts)} drafts proposed, "
+                        f"num_speculative_tokens is {num_spec}"
+                    )
+                request.draft_token_ids = next_drafts
+            outputs.append(RequestOutput(rid, new_tokens, status or request.status, num_accepted))
+        if ended:
+            gone = set(map(id, ended))
+            self.running = [r for r in self.running if id(r) not in gone]
+        return outputs
+
+    def _retire(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.draft_token_ids = []
+        request.block_ids = []
+        self.kv.free(request.request_id)
+        del self.requests[request.request_id]
+
+    # ------------------------------------------------------ disaggregation
+
+    def release_handoff(self, request_id: str) -> None:
+        """PROMPT engine: a decoder fetched the KV (or nobody did in time): free it."""
+        request = self.handoff.pop(request_id, None)
+        if request is not None:
+            self._retire(request, RequestStatus.FINISHED_STOPPED)
+
+    def admit_handoff(self, request: Request, first_token_ids: list[int]) -> list[int] | None:
+        """COMPLETION engine: take a request prefilled elsewhere.
+
+        Reserves blocks for the prompt's KV and returns the block table the
+        transfer writes into, or None if there is no room (leave the handoff
+        for another engine). Then call handoff_received or handoff_failed.
+        """
+        self._register(request)
+        if len(self.running) + len(self.receiving) >= self.config.max_num_seqs or (
+            self.kv.usage > self.config.cache_prefill_watermark
+        ):
+            del self.requests[request.request_id]
+            return None
+        if self.kv.allocate(request.request_id, request.num_prompt_tokens) is None:
+            self.kv.free(request.request_id)
+            del self.requests[request.request_id]
+            return None
+        request.token_ids.extend(first_token_ids)
+        request.block_ids = self.kv.block_table(request.request_id)
+        self.receiving[request.request_id] = request
+        return request.block_ids
+
+    def handoff_received(self, request_id: str) -> None:
+        """The prompt's KV arrived: the request decodes from its first token on."""
+        request = self.receiving.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        if self.config.num_speculative_tokens:
+            placeholder = self.config.draft_placeholder_id
+            request.draft_token_ids = [placeholder] * self.config.num_speculative_tokens
+        self.kv.cache_computed(request)
+        self.running.append(request)
+
+    def handoff_failed(self, request_id: str) -> None:
+        """The KV could not be fetched: recompute the prompt here, first in line."""
+        request = self.receiving.pop(request_id)
+        self.kv.free(request_id)
+        request.block_ids = []
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+
+    # -------------------------------------------------------------- metrics
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv.usage
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def waiting_prompt_tokens(self) -> int:
+        """Tokens still to prefill for every waiting request."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.receiving)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if scheduler and KV bookkeeping disagree."""
+        self.kv.check_integrity()
+        placed = (
+            [r.request_id for r in self.waiting]
+            + [r.request_id for r in self.running]
+            + list(self.handoff)
+            + list(self.receiving)
+        )
+        if sorted(placed) != sorted(self.requests):
+            raise AssertionError("a request is lost or in two queues")
+        for request in self.running:
+            if request.block_ids is not self.kv.block_table(request.request_id):
+                raise AssertionError(f"running request {request.request_id!r} lost its table")
+            if request.num_computed_tokens != request.num_tokens - 1:
+                raise AssertionError(f"running request {request.request_id!r} is not decodable")
+        if len(self.running) > self.config.max_num_seqs:
+            raise AssertionError("more running requests than max_num_seqs")
+
+
+def _append(request: Request, tokens: list[int]) -> tuple[list[int], RequestStatus | None]:
+    """Append sampled tokens up to the first stop; return them and the finish status."""
+    token_ids, stop = request.token_ids, request.stop_token_set
+    token_ids.extend(tokens)
+    if len(token_ids) < request.max_num_tokens and stop.isdisjoint(tokens):
+        return tokens, None  # the common case: no stop anywhere
+    del token_ids[len(token_ids) - len(tokens) :]
+    for i, token in enumerate(tokens):
+        token_ids.append(token)
+        if token in stop:
+            return tokens[: i + 1], RequestStatus.FINISHED_STOPPED
+        if len(token_ids) >= request.max_num_tokens:
+            return tokens[: i + 1], RequestStatus.FINISHED_LENGTH
+    return tokens, None
