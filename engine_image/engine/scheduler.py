@@ -21,32 +21,20 @@ drive it the same way: schedule() -> runner -> update().
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 
 from tandem.engine.config import EngineConfig, EngineType
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.plan import RequestOutput, ScheduledSeq, StepPlan, StepResult
 from tandem.engine.request import Request, RequestStatus
-
-# All-reduces one int with MIN across the data-parallel ranks and returns the result.
-Vote = Callable[[int], int]
+from tandem.engine.step_vote import Point, StepVote, Vote
 
 
 class PromptTooLongError(ValueError):
     """The prompt is longer than the engine's prompt limit."""
 
 
-def _single_rank_vote(value: int) -> int:
-    return value
-
-
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, vote: Vote | None = None) -> None:
-        if config.data_parallel_size > 1 and vote is None:
-            raise ValueError(
-                f"data_parallel_size is {config.data_parallel_size}: the scheduler needs a "
-                "vote (an all-reduce MIN across the ranks) to keep step types in lockstep"
-            )
         if config.num_speculative_tokens and config.vocab_size is None:
             raise ValueError(
                 "num_speculative_tokens > 0 needs vocab_size: after prefill the drafts "
@@ -61,10 +49,7 @@ class Scheduler:
             )
         self.config = config
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self._vote = vote or _single_rank_vote
-        # Without peers there is nobody to keep in lockstep, so an idle rank
-        # need not count decode steps it has nothing to decode in.
-        self._single_rank = config.data_parallel_size == 1 and vote is None
+        self._votes = StepVote(config, vote)
         self.requests: dict[str, Request] = {}
         # Prefill queue, highest priority first; a request mid-chunk is at the front.
         self.waiting: deque[Request] = deque()
@@ -86,6 +71,11 @@ class Scheduler:
         Raises PromptTooLongError (a ValueError) for a prompt over the limit,
         so it is refused at once rather than queued forever.
         """
+        if self.config.engine_type is EngineType.COMPLETION:
+            raise ValueError(
+                "a COMPLETION engine only decodes requests prefilled elsewhere: "
+                "hand them over with admit_handoff()"
+            )
         limit = self.config.prompt_limit
         if request.num_prompt_tokens > limit:
             raise PromptTooLongError(
@@ -158,27 +148,15 @@ class Scheduler:
 
     def _schedule_by_vote(self) -> StepPlan:
         """NORMAL (and COMPLETION, whose queue only holds KV to recompute)."""
-        cfg = self.config
-        step = self.decode_step
-        is_any_point = step != 0 and step % cfg.prefill_any_attempt_interval == 0
-        is_all_point = step % cfg.prefill_attempt_interval == 0
-        if self._single_rank and not self.running:
-            is_any_point = True  # nothing to decode: no reason to make a prompt wait
-        if not is_any_point and not is_all_point:
+        votes = self._votes
+        point = votes.point(self.decode_step, idle=not self.running)
+        if point is Point.NONE:
             return self._schedule_decode()
-
         want = self._wants_prefill()
-        if is_any_point:  # ANY: one rank that wants is enough (ANY wins where both fall)
-            do_prefill = self._vote(0 if want else 1) == 0
-        else:  # ALL: every rank must want
-            do_prefill = self._vote(1 if want else 0) == 1
-        if not do_prefill:
+        if not votes.agree_to_prefill(point, want):
             return self._schedule_decode()
-
         plan = self._schedule_prefill() if want else None
-        # Second vote: did any rank really schedule a prompt? If none could
-        # (slots full, blocks short), decode, or full slots would livelock.
-        if self._vote(0 if plan else 1) != 0:
+        if not votes.anyone_scheduled(plan is not None):
             return self._schedule_decode()
         # A rank with nothing to prefill runs an empty prompt step alongside.
         return plan or StepPlan(is_prefill=True)
@@ -396,6 +374,8 @@ class Scheduler:
         transfer writes into, or None if there is no room (leave the handoff
         for another engine). Then call handoff_received or handoff_failed.
         """
+        if self.config.engine_type is not EngineType.COMPLETION:
+            raise ValueError("only a COMPLETION engine takes handoffs")
         self._register(request)
         if len(self.running) + len(self.receiving) >= self.config.max_num_seqs or (
             self.kv.usage > self.config.cache_prefill_watermark

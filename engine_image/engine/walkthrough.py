@@ -43,7 +43,8 @@ def attempt_points(say: Callable[[str], None]) -> None:
             break
         waited += 1
     say(f"   {waited} decode steps later, at decode_step = {counter} (an ALL point), a prompt")
-    say(f"   step prefills {list(plan.num_scheduled_tokens)}; the counter is now {sched.decode_step}")
+    prefilled = list(plan.num_scheduled_tokens)
+    say(f"   step prefills {prefilled}; the counter is now {sched.decode_step}")
     say("   (with the defaults 256 seqs and budget 4,096 both prompts fit one step)")
 
 

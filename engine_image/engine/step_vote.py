@@ -1,0 +1,74 @@
+"""When a NORMAL engine prefills: the deepinfer attempt points and votes.
+
+A NORMAL engine decodes by default. Every `prefill_attempt_interval` decode
+steps (an ALL point) it prefills if every data-parallel rank wants to; every
+`prefill_any_attempt_interval` steps (an ANY point) one rank wanting is
+enough, so an isolated rank's prompt waits at most that long. ANY wins where
+both fall. Ranks agree through all-reduce MIN votes, and because every rank
+keeps the same decode-step counter, they cast the same votes in the same order
+and never hang in a collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import Enum
+
+from tandem.engine.config import EngineConfig
+
+# All-reduces one int with MIN across the data-parallel ranks and returns the result.
+Vote = Callable[[int], int]
+
+
+class Point(Enum):
+    NONE = "none"  # decode without asking anyone
+    ALL = "all"  # prefill only if every rank wants to
+    ANY = "any"  # prefill if any rank wants to
+
+
+def _alone(value: int) -> int:
+    return value
+
+
+class StepVote:
+    def __init__(self, config: EngineConfig, vote: Vote | None = None) -> None:
+        if config.data_parallel_size > 1 and vote is None:
+            raise ValueError(
+                f"data_parallel_size is {config.data_parallel_size}: the scheduler needs a "
+                "vote (an all-reduce MIN across the ranks) to keep step types in lockstep"
+            )
+        self._vote = vote or _alone
+        self._all_interval = config.prefill_attempt_interval
+        self._any_interval = config.prefill_any_attempt_interval
+        # Without peers there is nobody to keep in lockstep.
+        self.single_rank = vote is None
+
+    def point(self, decode_step: int, *, idle: bool) -> Point:
+        """The kind of attempt point at this counter value.
+
+        A single rank with nothing to decode treats every step as an ANY point:
+        counting empty decode steps would only delay its next prompt.
+        """
+        if idle and self.single_rank:
+            return Point.ANY
+        if decode_step != 0 and decode_step % self._any_interval == 0:
+            return Point.ANY
+        if decode_step % self._all_interval == 0:
+            return Point.ALL
+        return Point.NONE
+
+    def agree_to_prefill(self, point: Point, want: bool) -> bool:
+        """First vote: do the ranks prefill at this point?"""
+        if point is Point.ANY:
+            return self._vote(0 if want else 1) == 0
+        return self._vote(1 if want else 0) == 1
+
+    def anyone_scheduled(self, scheduled: bool) -> bool:
+        """Second vote: did any rank really schedule a prompt?
+
+        `want` only saw a non-empty queue; planning can still come back empty
+        (slots full, blocks short). If every rank did, the step must decode: an
+        empty prompt step would reset the counter and the next step would vote
+        and fail again, forever.
+        """
+        return self._vote(0 if scheduled else 1) == 0
