@@ -33,8 +33,10 @@ class ScheduledSeq:
     draft_token_ids: list[int]
     # How to sample (the runner's sampler reads it).
     sampling_params: SamplingParams
-    # Tokens sampled so far (n-gram drafting and stop checks read the whole sequence).
+    # Tokens sampled before this step (seeded sampling keys its randomness on it).
     num_output_tokens: int
+    # The whole sequence before this step, prompt then output (live: read, never keep).
+    all_token_ids: list[int]
 
 
 @dataclass(slots=True)

@@ -209,6 +209,7 @@ class Scheduler:
                     draft_token_ids=[],
                     sampling_params=request.sampling_params,
                     num_output_tokens=request.num_output_tokens,
+                    all_token_ids=request.token_ids,
                 )
             )
             budget -= num_new
@@ -264,6 +265,7 @@ class Scheduler:
                     drafts,
                     request.sampling_params,
                     len(tokens) - request.num_prompt_tokens,
+                    tokens,
                 )
             )
             budget -= num_new

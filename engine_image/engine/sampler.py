@@ -1,0 +1,359 @@
+"""The sampler: turns a step's logits into tokens, verifying speculative drafts.
+
+Row layout. A sequence fed [last, x_0, ..., x_{d-1}] (its last accepted token,
+then d drafts) owns 1 + d consecutive logit rows starting at `SampleRows.start`:
+row j is the model's distribution p_j for output position num_generated + j,
+the token after x_{j-1} (after `last` for j = 0). So row j < d verifies draft
+x_j, and row d is the bonus row, used only when every draft was accepted. A
+prefill (or a decode without drafts) owns one row.
+
+Verification. The target distribution p_j is the model's after temperature,
+then top-k, then top-p. For a deterministic drafter (n-gram: the proposal q is
+a point mass on x_j) speculative rejection sampling accepts x_j with
+probability p_j(x_j) and otherwise samples from p_j with x_j removed. We get
+exactly that by drawing y_j ~ p_j and accepting x_j iff y_j == x_j; on a
+mismatch y_j is the correction (p_j conditioned on y_j != x_j). Greedy is the
+same with y_j = argmax p_j. A benefit: given the same logits, a seeded request
+emits the same tokens with or without speculation, whatever the drafts were.
+
+For a drafter with its own distribution (an MTP head sampling its drafts),
+pass `draft_probs` q: x_j is accepted when u * q_j(x_j) < p_j(x_j), else the
+correction is drawn from norm(max(0, p_j - q_j)); the output distribution is
+p either way. Emitted per sequence: the accepted drafts, then one new token.
+
+Randomness. Each row takes one uniform. A seeded request derives it from a
+counter-based hash of (seed, output position, stream), not from a per-request
+torch.Generator: it is stateless, vectorised over rows, independent of batch
+composition and of how many draws earlier steps made, and it survives
+preemption and the PROMPT -> COMPLETION handoff (no generator state to move).
+Seeds are taken modulo 2**64. Unseeded rows draw from the sampler's own
+generator. Sampling is inverse-CDF in two levels (blocks of the vocabulary,
+then within the block) in float64, so even tail tokens of a 150k vocabulary
+keep their probability.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.plan import StepPlan
+from tandem.engine.request import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64 increment, as a signed int64
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+# Uniform streams: 0 draws the sampled token, 1 the accept test against draft_probs.
+_STREAM_SAMPLE, _STREAM_ACCEPT = 0, 1
+# top-p looks for its cutoff among this many most likely tokens before sorting a row.
+_CANDIDATES = 256
+
+
+@dataclass(slots=True)
+class SampleRows:
+    """One sequence's logit rows: 1 + len(drafts) of them from `start`."""
+
+    request_id: str
+    # First logit row of this sequence.
+    start: int
+    # Drafts being verified; row j < len(drafts) verifies drafts[j].
+    drafts: list[int]
+    sampling_params: SamplingParams
+    # Output tokens before this step: row j samples output position num_generated + j.
+    num_generated: int
+
+    @property
+    def num_rows(self) -> int:
+        return 1 + len(self.drafts)
+
+
+def rows_for_plan(plan: StepPlan) -> list[SampleRows]:
+    """The rows of the sampled sequences of a plan, packed in batch order.
+
+    The runner gathers the logits of each sampled sequence's last 1 + d
+    positions in this order (a prefill chunk that does not end its prompt
+    samples nothing and owns no row).
+    """
+    rows: list[SampleRows] = []
+    start = 0
+    for seq in plan.seqs:
+        if seq.sample:
+            drafts = seq.draft_token_ids
+            rows.append(
+                SampleRows(
+                    seq.request_id, start, drafts, seq.sampling_params, seq.num_output_tokens
+                )
+            )
+            start += 1 + len(drafts)
+    return rows
+
+
+class Sampler:
+    """Samples and verifies drafts for a step's logits; see the module docstring."""
+
+    def __init__(self, seed: int = 0) -> None:
+        # On the CPU whatever the logits' device: R numbers a step are cheap to
+        # move, and one generator keeps unseeded draws reproducible per sampler.
+        self._generator = torch.Generator().manual_seed(seed)
+
+    def free(self, request_id: str) -> None:
+        """Drop per-request state: there is none (seeded randomness is stateless)."""
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: list[SampleRows],
+        draft_probs: torch.Tensor | None = None,
+    ) -> list[list[int]]:
+        """Accepted drafts then one new token, per entry of `rows`.
+
+        logits: [R, V] float. draft_probs: optional [R, V], row-aligned with
+        logits, the distribution each draft was drawn from (read on the draft
+        rows of sampled sequences only); None means point-mass drafts.
+        """
+        if logits.dim() != 2 or not logits.is_floating_point():
+            raise ValueError(f"logits must be a [rows, vocab] float tensor, got {logits.shape}")
+        num_rows, vocab = logits.shape
+        if draft_probs is not None and draft_probs.shape != logits.shape:
+            raise ValueError(
+                f"draft_probs has shape {tuple(draft_probs.shape)}, logits {(num_rows, vocab)}"
+            )
+        greedy: list[int] = []
+        rand: list[int] = []
+        for s in rows:
+            n = 1 + len(s.drafts)
+            if s.start < 0 or s.start + n > num_rows:
+                raise ValueError(
+                    f"request {s.request_id!r} owns logit rows [{s.start}, {s.start + n}) "
+                    f"but logits have {num_rows} rows"
+                )
+            (greedy if s.sampling_params.temperature == 0.0 else rand).extend(
+                range(s.start, s.start + n)
+            )
+        tokens: list[int] = [0] * num_rows
+        # Per row: whether its draft passed the test against draft_probs (q rows only).
+        accept: dict[int, bool] = {}
+        if greedy:
+            if len(greedy) == num_rows:
+                tokens = logits.argmax(-1).tolist()
+            else:
+                picked = logits.index_select(0, _index(greedy, logits.device))
+                for row, tok in zip(greedy, picked.argmax(-1).tolist(), strict=True):
+                    tokens[row] = tok
+        if rand:
+            self._sample_random(logits, rows, rand, draft_probs, tokens, accept)
+
+        out: list[list[int]] = []
+        for s in rows:
+            start, drafts = s.start, s.drafts
+            emitted: list[int] = []
+            for j, draft in enumerate(drafts):
+                row = start + j
+                ok = accept.get(row)
+                if ok if ok is not None else tokens[row] == draft:
+                    emitted.append(draft)
+                else:
+                    emitted.append(tokens[row])
+                    break
+            else:
+                emitted.append(tokens[start + len(drafts)])
+            out.append(emitted)
+        return out
+
+    def _sample_random(
+        self,
+        logits: torch.Tensor,
+        rows: list[SampleRows],
+        rand: list[int],
+        draft_probs: torch.Tensor | None,
+        tokens: list[int],
+        accept: dict[int, bool],
+    ) -> None:
+        """Fill `tokens` (and `accept`, with draft_probs) for the rows with temperature > 0."""
+        device = logits.device
+        temps: list[float] = []
+        top_ks: list[int] = []
+        top_ps: list[float] = []
+        seeds: list[int] = []
+        seeded: list[bool] = []
+        positions: list[int] = []
+        # Draft rows checked against draft_probs: index into `rand`, and the draft.
+        q_at: list[int] = []
+        q_drafts: list[int] = []
+        vocab = logits.shape[1]
+        for s in rows:
+            params = s.sampling_params
+            if params.temperature == 0.0:
+                continue
+            n = 1 + len(s.drafts)
+            temps += [params.temperature] * n
+            top_ks += [min(params.top_k or vocab, vocab)] * n
+            top_ps += [params.top_p] * n
+            seed = params.seed
+            seeded += [seed is not None] * n
+            seeds += [_to_int64(seed or 0)] * n
+            positions.extend(range(s.num_generated, s.num_generated + n))
+            if draft_probs is not None and s.drafts:
+                first = len(temps) - n
+                q_at.extend(range(first, first + len(s.drafts)))
+                q_drafts.extend(s.drafts)
+        if max(q_drafts, default=0) >= vocab or min(q_drafts, default=0) < 0:
+            raise ValueError(f"a draft token id is outside the vocabulary of {vocab}")
+
+        index = _index(rand, device)
+        temps_t = torch.tensor(temps, device=device, dtype=torch.float32).unsqueeze(1)
+        if len(rand) == len(logits) and rand == list(range(len(logits))):
+            scaled = logits.float().div(temps_t)  # every row: no gather
+        else:
+            scaled = logits.index_select(0, index).float().div_(temps_t)
+        probs = _filtered_probs(scaled, top_ks, top_ps)
+
+        seed_t = torch.tensor(seeds, device=device)
+        pos_t = torch.tensor(positions, device=device)
+        any_seeded = any(seeded)
+        seeded_t = torch.tensor(seeded, device=device) if any_seeded else None
+
+        def uniforms(stream: int) -> torch.Tensor:
+            u = torch.rand(len(rand), dtype=torch.float64, generator=self._generator)
+            if seeded_t is None:
+                return u.to(device)
+            return torch.where(seeded_t, _hash_uniform(seed_t, pos_t, stream), u.to(device))
+
+        if q_at:
+            at = torch.tensor(q_at, device=device)
+            x = torch.tensor(q_drafts, device=device).unsqueeze(1)
+            p = probs.index_select(0, at)
+            p.div_(p.sum(-1, keepdim=True))
+            q = draft_probs.index_select(0, index.index_select(0, at)).to(p.dtype)
+            # Accept with probability min(1, p(x) / q(x)).
+            u = uniforms(_STREAM_ACCEPT).index_select(0, at)
+            passed = u * q.gather(1, x).squeeze(1) < p.gather(1, x).squeeze(1)
+            residual = (p - q).clamp_(min=0.0)
+            # p == q leaves no residual, but then the draft is always accepted.
+            empty = residual.sum(-1, keepdim=True) <= 0
+            probs.index_copy_(0, at, torch.where(empty, p, residual))
+            for i, ok in zip(q_at, passed.tolist(), strict=True):
+                accept[rand[i]] = ok
+        sampled = _inverse_cdf(probs, uniforms(_STREAM_SAMPLE)).tolist()
+        for row, tok in zip(rand, sampled, strict=True):
+            tokens[row] = tok
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _to_int64(seed: int) -> int:
+    seed &= _MASK64
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 (wrapping multiply, logical shifts by masking)."""
+    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _MIX1
+    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _MIX2
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
+
+
+def _hash_uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
+    """A uniform in [0, 1) per element from (seed, position, stream), 53 random bits."""
+    # splitmix64 twice: a stream per seed, then its (position, stream)-th output.
+    counter = position * 2 + stream + 1
+    z = _mix(_mix(seed + _GOLDEN) + counter * _GOLDEN)
+    return ((z >> 11) & ((1 << 53) - 1)).double() * (1.0 / (1 << 53))
+
+
+def _filtered_probs(scaled: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """Unnormalised probabilities of temperature-scaled logits after top-k then top-p.
+
+    Both filters keep the tokens at or above a per-row cutoff logit, so ties
+    at the cutoff all stay (and the result never depends on tie order): top-k
+    cuts at the k-th largest logit; top-p, on the renormalised top-k
+    distribution, keeps in descending order each token whose preceding mass is
+    below top_p. The cutoff is looked for among the top _CANDIDATES tokens
+    (no full sort); only rows whose kept mass reaches past them are sorted.
+    """
+    vocab = scaled.shape[1]
+    device = scaled.device
+    probs = torch.softmax(scaled, dim=-1)
+    max_k = max((k for k in top_ks if k < vocab), default=0)
+    use_p = min(top_ps) < 1.0
+    if not max_k and not use_p:
+        return probs
+    k = torch.tensor(top_ks, device=device).unsqueeze(1)
+    top_p = torch.tensor(top_ps, device=device, dtype=probs.dtype).unsqueeze(1)
+    num_cand = min(vocab, max(max_k, _CANDIDATES if use_p else 0))
+    cutoff, spill = _cutoffs(scaled, probs, k, top_p, num_cand)
+    if spill is not None and bool(spill.any()):
+        rows = spill.nonzero().squeeze(1)
+        full, _ = _cutoffs(scaled[rows], probs[rows], k[rows], top_p[rows], vocab)
+        cutoff.index_copy_(0, rows, full)
+    return probs.masked_fill_(scaled < cutoff, 0.0)
+
+
+def _cutoffs(
+    scaled: torch.Tensor, probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, num_cand: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-row cutoff logits [n, 1] from the top num_cand tokens, and the rows
+    whose top-p cutoff may lie beyond them (None when num_cand covers the vocabulary)."""
+    vocab = scaled.shape[1]
+    vals, idx = scaled.topk(num_cand, dim=-1)  # sorted, descending
+    has_k = k < vocab
+    kth = vals.gather(1, k.clamp(max=num_cand) - 1)
+    cutoff = torch.where(has_k, kth, float("-inf"))
+    if not bool((top_p < 1.0).any()):
+        return cutoff, None
+    in_k = torch.softmax(vals.masked_fill(vals < cutoff, float("-inf")), dim=-1)
+    cand = torch.where(has_k, in_k, probs.gather(1, idx))
+    before = cand.cumsum(-1).sub_(cand)
+    num_kept = (before < top_p).sum(-1, keepdim=True)
+    use_p = top_p < 1.0
+    cutoff = torch.where(use_p, torch.maximum(cutoff, vals.gather(1, num_kept - 1)), cutoff)
+    if num_cand == vocab:
+        return cutoff, None
+    # Every candidate kept and still short of top_p: the cutoff is further down.
+    spill = use_p & ~has_k & (before[:, -1:] + cand[:, -1:] < top_p)
+    return cutoff, spill.squeeze(1)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of non-negative (unnormalised) `probs` for uniforms `u`.
+
+    Two levels keep float64 precision cheap: pick a block of the vocabulary by
+    its mass, then a token inside it by its share of the block. Tokens of
+    probability 0 are never picked.
+    """
+    n, vocab = probs.shape
+    block = _block_size(vocab)
+    num_blocks = -(-vocab // block)
+    if num_blocks * block != vocab:
+        probs = torch.nn.functional.pad(probs, (0, num_blocks * block - vocab))
+    blocks = probs.view(n, num_blocks, block)
+    mass = blocks.sum(-1).double()
+    cdf = mass.cumsum(-1)
+    total = cdf[:, -1:].contiguous()
+    x = u.unsqueeze(1) * total
+    # x can round up to total; the clamp lands on the last block with mass.
+    b = torch.minimum(
+        torch.searchsorted(cdf, x, right=True), torch.searchsorted(cdf, total)
+    ).clamp_(max=num_blocks - 1)
+    before = torch.where(b > 0, cdf.gather(1, (b - 1).clamp_(min=0)), 0.0)
+    # The draw's place inside the block, in [0, 1); rounding must not push it below 0,
+    # where a leading zero-probability token would be picked.
+    share = ((x - before) / mass.gather(1, b)).clamp_(min=0.0)
+    inner = blocks.gather(1, b.unsqueeze(2).expand(n, 1, block)).squeeze(1)
+    inner_cdf = inner.double().cumsum_(-1)
+    inner_total = inner_cdf[:, -1:].contiguous()
+    i = torch.minimum(
+        torch.searchsorted(inner_cdf, share * inner_total, right=True),
+        torch.searchsorted(inner_cdf, inner_total),
+    ).clamp_(max=block - 1)
+    return (b * block + i).squeeze(1)
+
+
+def _block_size(vocab: int) -> int:
+    if vocab <= 256:
+        return vocab
+    return next((b for b in (256, 128, 64) if vocab % b == 0), 256)
