@@ -75,7 +75,20 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], name: str = "model") -> ModelConfig:
-        """From a Hugging Face config.json (LlamaForCausalLM and compatible)."""
+        """From a Hugging Face config.json (LlamaForCausalLM and compatible).
+
+        transformers >= 5 writes rope settings as one `rope_parameters` dict
+        ({"rope_theta": ..., "rope_type": ..., ...}); older versions wrote
+        `rope_theta` and `rope_scaling`. Both are read.
+        """
+        rope = cfg.get("rope_parameters")
+        if isinstance(rope, dict):
+            rope = dict(rope)
+            cfg = dict(cfg)
+            if "rope_theta" in rope:
+                cfg.setdefault("rope_theta", rope.pop("rope_theta"))
+            if rope.get("rope_type", "default") != "default":
+                cfg.setdefault("rope_scaling", rope)
         eos = cfg.get("eos_token_id")
         eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (eos,))
         heads = cfg["num_attention_heads"]

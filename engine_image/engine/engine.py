@@ -1,0 +1,240 @@
+"""Engine: the scheduler, the runner and the tokenizer, stepped together.
+
+The service layer (Redis, HTTP) and the offline `LLM` both drive this:
+
+    engine.add_request("r1", prompt="Hello", sampling_params=SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for out in engine.step():          # EngineOutput per request that moved
+            ...
+
+It turns text into token ids, applies stop strings through the incremental
+detokenizer, and reports per-step statistics for the metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.plan import StepPlan
+from tandem.engine.request import Request, RequestStatus, SamplingParams
+from tandem.engine.runner import ModelRunner
+from tandem.engine.scheduler import Scheduler, Vote
+from tandem.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    # Tokens generated this step.
+    new_token_ids: list[int]
+    # Text they decode to (held back while it may still become a stop string).
+    text_delta: str
+    # "stop", "length" or "abort" once finished; "handoff" when a PROMPT engine pinned it.
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    # Prompt tokens served from the prefix cache.
+    num_cached_tokens: int
+    # Drafts accepted this step (speculative decoding).
+    num_accepted_drafts: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None and self.finish_reason != "handoff"
+
+
+@dataclass(slots=True)
+class StepStats:
+    """The last step, for metrics."""
+
+    is_prefill: bool = False
+    num_scheduled_tokens: int = 0
+    num_seqs: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class EngineTotals:
+    """Counters since the engine started, for metrics."""
+
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefix_cached_tokens: int = 0
+    preemptions: int = 0
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    text: list[str] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        tokenizer: Tokenizer | None,
+        num_blocks: int,
+        *,
+        vote: Vote | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(config, num_blocks, vote)
+        # The model's EOS; extra ids (a chat model's end-of-turn) stop as well.
+        self._eos = eos_token_ids[0] if eos_token_ids else None
+        self._extra_eos = tuple(eos_token_ids[1:])
+        self._tracked: dict[str, _Tracked] = {}
+        self.last_step = StepStats()
+        self.totals = EngineTotals()
+
+    # ---------------------------------------------------------------- input
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
+    ) -> Request:
+        """Queue a request; raises ValueError (e.g. PromptTooLongError) if it cannot run."""
+        params = sampling_params or SamplingParams()
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt (text) or prompt_token_ids")
+        if prompt_token_ids is None:
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt_token_ids")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        self._check_token_ids(prompt_token_ids)
+        if self._extra_eos and not params.ignore_eos:
+            params = _with_stop_ids(params, self._extra_eos)
+        request = Request(
+            request_id, prompt_token_ids, params, eos_token_id=self._eos, priority=priority
+        )
+        self.scheduler.add_request(request)
+        self._track(request)
+        return request
+
+    def _check_token_ids(self, token_ids: list[int]) -> None:
+        vocab = self.config.vocab_size
+        for token in token_ids:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"prompt token ids must be non-negative integers, got {token!r}")
+            if vocab is not None and token >= vocab:
+                raise ValueError(f"prompt token id {token} is outside the vocabulary ({vocab})")
+
+    def _track(self, request: Request) -> None:
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, request.sampling_params.stop
+            )
+        self._tracked[request.request_id] = _Tracked(request, detok)
+
+    def abort(self, request_id: str) -> EngineOutput | None:
+        """Cancel a request and free its KV at once; None if it already finished."""
+        out = self.scheduler.abort_request(request_id)
+        tracked = self._tracked.pop(request_id, None)
+        self.runner.free(request_id)
+        if out is None or tracked is None:
+            return None
+        return self._output(tracked, [], "", "abort")
+
+    # ----------------------------------------------------------------- step
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineOutput]:
+        started = time.perf_counter()
+        plan = self.scheduler.schedule()
+        result = self.runner.execute(plan)
+        updates = self.scheduler.update(plan, result)
+        for rid in plan.preempted_request_ids:
+            self.runner.free(rid)  # its sampler/drafter state restarts with the recompute
+        outputs = []
+        for update in updates:
+            tracked = self._tracked.get(update.request_id)
+            if tracked is None:
+                continue
+            out = self._apply(tracked, update.new_token_ids, update.status)
+            out.num_accepted_drafts = update.num_accepted_drafts
+            outputs.append(out)
+        self._record(plan, outputs, time.perf_counter() - started)
+        return outputs
+
+    def _apply(
+        self, tracked: _Tracked, new_tokens: list[int], status: RequestStatus
+    ) -> EngineOutput:
+        request = tracked.request
+        delta, reason = "", None
+        if tracked.detokenizer is not None:
+            delta, stopped = tracked.detokenizer.add(new_tokens)
+            if stopped and not status.is_finished:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                status = RequestStatus.FINISHED_STOPPED
+            elif status.is_finished and not stopped:
+                delta += tracked.detokenizer.flush()
+        if status.is_finished:
+            reason = status.value
+        elif status is RequestStatus.HANDOFF:
+            reason = "handoff"
+        if reason is not None and reason != "handoff":
+            self._tracked.pop(request.request_id, None)
+            self.runner.free(request.request_id)
+        return self._output(tracked, new_tokens, delta, reason)
+
+    def _output(
+        self,
+        tracked: _Tracked,
+        new_tokens: list[int],
+        delta: str,
+        reason: str | None,
+    ) -> EngineOutput:
+        request = tracked.request
+        return EngineOutput(
+            request.request_id,
+            new_tokens,
+            delta,
+            reason,
+            request.num_prompt_tokens,
+            request.num_output_tokens,
+            request.num_cached_tokens,
+        )
+
+    def _record(self, plan: StepPlan, outputs: list[EngineOutput], seconds: float) -> None:
+        last, totals = self.last_step, self.totals
+        last.is_prefill = plan.is_prefill
+        last.num_scheduled_tokens = plan.total_tokens
+        last.num_seqs = len(plan.seqs)
+        last.seconds = seconds
+        if plan.is_prefill:
+            totals.prefill_steps += 1
+            totals.prefill_tokens += plan.total_tokens
+        else:
+            totals.decode_steps += 1
+            totals.decode_tokens += plan.total_tokens
+        totals.prefix_cached_tokens += plan.num_prefix_cached_tokens
+        totals.preemptions += len(plan.preempted_request_ids)
+        totals.drafts_proposed += sum(len(s.draft_token_ids) for s in plan.seqs)
+        totals.drafts_accepted += sum(o.num_accepted_drafts for o in outputs)
+
+
+def _with_stop_ids(params: SamplingParams, extra: tuple[int, ...]) -> SamplingParams:
+    stop_ids = tuple(dict.fromkeys(params.stop_token_ids + extra))
+    return dataclasses.replace(params, stop_token_ids=stop_ids)

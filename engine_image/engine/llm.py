@@ -1,0 +1,202 @@
+"""The offline API: generate text in-process, no server.
+
+from tandem.engine import LLM, SamplingParams
+llm = LLM("smollm2")
+out = llm.chat([{"role": "user", "content": "What is the capital of France?"}])
+print(out[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.drafter import NgramDrafter
+from tandem.engine.engine import Engine
+from tandem.engine.model.attention import allocate_kv_cache
+from tandem.engine.model.loader import LoadedModel, kv_blocks_for, load_model
+from tandem.engine.request import SamplingParams
+from tandem.engine.runner import ModelRunner
+from tandem.engine.sampler import Sampler
+
+
+@dataclass
+class CompletionOutput:
+    request_id: str
+    # The prompt as given (None when token ids were given).
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    # "stop" or "length".
+    finish_reason: str
+    # Prompt tokens whose prefill the prefix cache saved.
+    num_cached_tokens: int
+
+
+class LLM:
+    """A model and an engine in this process.
+
+    model is a spec for resolve_model (a Hugging Face directory, a .gguf
+    file, "smollm2", "random:<size>") or a LoadedModel to share its weights.
+
+    engine_config_fields are EngineConfig fields (max_model_len,
+    num_speculative_tokens, enable_chunked_prefill, ...). The KV pool is
+    num_kv_blocks blocks, or as many as kv_cache_memory bytes hold (default
+    1 GiB on the CPU, 90 % of free memory on a GPU).
+    """
+
+    def __init__(
+        self,
+        model: str | LoadedModel = "smollm2",
+        *,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        seed: int = 0,
+        **engine_config_fields: Any,
+    ) -> None:
+        unknown = set(engine_config_fields) - set(EngineConfig.field_names())
+        if unknown:
+            raise ValueError(f"unknown engine settings: {', '.join(sorted(unknown))}")
+        if "vocab_size" in engine_config_fields:
+            raise ValueError("vocab_size comes from the model; do not set it")
+        if isinstance(model, LoadedModel):  # share one copy of the weights
+            loaded = model
+        else:
+            loaded = load_model(model, dtype=dtype, device=device)
+        self.loaded = loaded
+        block_size = engine_config_fields.get("block_size", 16)
+        if num_kv_blocks is None:
+            num_kv_blocks = kv_blocks_for(
+                loaded.config,
+                block_size=block_size,
+                dtype=loaded.dtype,
+                device=loaded.device,
+                kv_cache_bytes=kv_cache_memory,
+            )
+        fields = dict(engine_config_fields)
+        fields.setdefault(
+            "max_model_len",
+            min(loaded.config.max_position_embeddings, num_kv_blocks * block_size),
+        )
+        config = EngineConfig(vocab_size=loaded.config.vocab_size, **fields)
+        self.engine = build_engine(loaded, config, num_kv_blocks, seed=seed)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> list[CompletionOutput]:
+        """Generate for every prompt (text, or token ids); outputs come back in order."""
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompts or prompt_token_ids")
+        texts: list[str | None]
+        if prompts is not None:
+            texts = [prompts] if isinstance(prompts, str) else list(prompts)
+            ids: list[list[int] | None] = [None] * len(texts)
+        else:
+            ids = [list(p) for p in prompt_token_ids]
+            texts = [None] * len(ids)
+        params = _per_prompt(sampling_params, len(texts))
+        return self._run(texts, ids, params)
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
+        """Answer one conversation (a list of messages) or several, with the model's template."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        ids = [self.tokenizer.encode_chat(list(c)) for c in conversations]
+        params = _per_prompt(sampling_params, len(ids))
+        return self._run([None] * len(ids), ids, params)
+
+    def _run(
+        self,
+        texts: list[str | None],
+        ids: list[list[int] | None],
+        params: list[SamplingParams],
+    ) -> list[CompletionOutput]:
+        engine = self.engine
+        order, outputs = [], {}
+        try:
+            for text, token_ids, p in zip(texts, ids, params, strict=True):
+                rid = f"llm-{next(self._ids)}"
+                request = engine.add_request(rid, text, p, prompt_token_ids=token_ids)
+                order.append((rid, text, request))
+            pieces: dict[str, list[str]] = {rid: [] for rid, _, _ in order}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    pieces[out.request_id].append(out.text_delta)
+                    if out.finished:
+                        outputs[out.request_id] = out
+        except BaseException:
+            for rid, _, _ in order:
+                engine.abort(rid)
+            raise
+        results = []
+        for rid, text, request in order:
+            out = outputs[rid]
+            results.append(
+                CompletionOutput(
+                    rid,
+                    text,
+                    request.prompt_token_ids,
+                    "".join(pieces[rid]),
+                    request.output_token_ids,
+                    out.finish_reason,
+                    out.num_cached_tokens,
+                )
+            )
+        return results
+
+
+def build_engine(
+    loaded: LoadedModel, config: EngineConfig, num_blocks: int, *, seed: int = 0, vote=None
+) -> Engine:
+    """An Engine over a loaded model: KV cache, sampler, drafter, runner."""
+    kv = allocate_kv_cache(
+        loaded.config, num_blocks, config.block_size, loaded.dtype, loaded.device
+    )
+    drafter = NgramDrafter() if config.num_speculative_tokens else None
+    runner = ModelRunner(
+        loaded.model,
+        kv,
+        block_size=config.block_size,
+        sampler=Sampler(seed),
+        drafter=drafter,
+        num_speculative_tokens=config.num_speculative_tokens,
+    )
+    tokenizer = loaded.source.tokenizer
+    eos = tokenizer.eos_token_ids if tokenizer is not None else ()
+    eos = eos or loaded.config.eos_token_ids
+    return Engine(config, runner, tokenizer, num_blocks, vote=vote, eos_token_ids=tuple(eos))
+
+
+def _per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"{len(params)} sampling params for {n} prompts")
+    return params

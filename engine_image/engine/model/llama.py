@@ -1,0 +1,246 @@
+"""LlamaForCausalLM: the Llama-family decoder over the paged KV cache.
+
+Parameter names equal Hugging Face transformers' LlamaForCausalLM state_dict
+names, so a checkpoint's tensors load by name (load_weights). Projections stay
+unfused: measured on CPU, fusing q/k/v or gate/up saves two small launches per
+layer (<1% of a decode step), not worth diverging from the checkpoint's names.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.engine.model.attention import AttentionMetadata, paged_attention
+from tandem.engine.model.model_config import ModelConfig
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_inv_freq(config: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
+    """float32 [head_dim // 2] inverse frequencies, scaled as the checkpoint asks (as HF)."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling or {}
+    # Older configs spell the key "type".
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / _scaling_field(config, scaling, "factor")
+    if rope_type == "llama3":
+        return _llama3_inv_freq(config, scaling, inv_freq)
+    raise ValueError(
+        f"model {config.name!r}: rope_type {rope_type!r} is not supported "
+        f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+    )
+
+
+def _scaling_field(config: ModelConfig, scaling: dict, key: str) -> float:
+    if key not in scaling:
+        raise ValueError(f"model {config.name!r}: rope_scaling {scaling} has no {key!r}")
+    return float(scaling[key])
+
+
+def _llama3_inv_freq(config: ModelConfig, scaling: dict, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by factor, short kept, a smooth blend between."""
+    factor = _scaling_field(config, scaling, "factor")
+    low = _scaling_field(config, scaling, "low_freq_factor")
+    high = _scaling_field(config, scaling, "high_freq_factor")
+    old_len = _scaling_field(config, scaling, "original_max_position_embeddings")
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated by cos/sin [T, 1, D] (HF's rotate_half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # In float32, cast back before the weight: what HF does, so bf16 matches bit for bit.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        hidden, q_size = config.hidden_size, self.heads * self.head_dim
+        kv_size = self.kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, q_size, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=False)
+        self.o_proj = nn.Linear(q_size, hidden, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        rows = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(rows, self.heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(rows, self.kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(rows, self.kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(rows, self.heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family decoder. Weights start as zeros (norms as ones) until load_weights."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.config = config
+        # Built on the meta device, then materialised: skips the random init of every
+        # matrix, which for billions of parameters costs longer than loading them.
+        with torch.device("meta"):
+            self.model = LlamaModel(config)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # dtype first, while still on meta, so nothing is allocated twice.
+        self.to(dtype).to_empty(device=device)
+        # Tied after to_empty (which would untie), before the fill (which would touch the
+        # discarded head's pages).
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                param.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+        # float32 whatever the weights' dtype: bf16 would round positions' angles.
+        inv_freq = rope_inv_freq(config, device)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] (final norm applied) for the step's flat tokens."""
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"{len(kv_caches)} KV caches for {len(self.model.layers)} layers")
+        x = self.model.embed_tokens(input_ids)
+        # cos/sin once per step, shared by every layer.
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] for the rows being sampled."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+    ) -> set[str]:
+        """Copy checkpoint tensors (Hugging Face names) into the parameters.
+
+        Returns the names loaded. With strict, a parameter no tensor filled is a
+        ValueError (pass strict=False when loading one shard at a time).
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        tied = self.config.tie_word_embeddings
+        loaded: set[str] = set()
+        for name, tensor in named_tensors:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # recomputed from the config
+            if tied and name == "lm_head.weight":
+                continue  # the embedding is the head; some tied checkpoints carry a copy
+            param = params.get(name)
+            if param is None:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no parameter in {self.config.name!r} "
+                    f"(Llama parameter names, e.g. model.layers.0.self_attn.q_proj.weight)"
+                )
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(tensor)
+            loaded.add(name)
+        if tied:
+            loaded.add("lm_head.weight")
+        missing = sorted(set(params) - loaded)
+        if strict and missing:
+            shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+            raise ValueError(
+                f"checkpoint for {self.config.name!r} lacks {len(missing)} tensors: {shown}"
+            )
+        return loaded

@@ -1,0 +1,139 @@
+"""ModelRunner: executes a StepPlan on the model and its paged KV cache.
+
+    result = runner.execute(plan)
+
+One forward pass over every scheduled token of the step (prompt chunks, or
+each sequence's last token plus its drafts), logits only for the rows that
+are sampled, then the sampler (which verifies drafts) and the drafter (which
+proposes the next ones). The runner keeps no per-request state of its own
+beyond what the sampler and drafter hold; `free` drops it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import overload
+
+import torch
+
+from tandem.engine.drafter import Drafter
+from tandem.engine.model.attention import AttentionMetadata, decode_group_tokens
+from tandem.engine.plan import StepPlan, StepResult
+from tandem.engine.sampler import Sampler, rows_for_plan
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        *,
+        block_size: int,
+        sampler: Sampler,
+        drafter: Drafter | None = None,
+        num_speculative_tokens: int = 0,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.sampler = sampler
+        self.drafter = drafter if num_speculative_tokens else None
+        self.num_speculative_tokens = num_speculative_tokens
+        self.device = kv_caches[0].device
+        # Decode batches are split into groups sized for this model's KV rows.
+        self._group_tokens = decode_group_tokens(model.config, kv_caches[0].dtype, self.device)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        seqs = plan.seqs
+        if not seqs:  # an empty prompt step keeps data-parallel ranks in lockstep
+            return StepResult()
+        input_ids: list[int] = []
+        starts: list[int] = []
+        lengths: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        for seq in seqs:
+            tokens = seq.token_ids
+            input_ids.extend(tokens)
+            starts.append(seq.start_pos)
+            lengths.append(len(tokens))
+            tables.append(seq.block_ids)
+            if seq.sample:  # the last 1 + len(drafts) rows of the sequence
+                end = len(input_ids)
+                sample_rows.extend(range(end - 1 - len(seq.draft_token_ids), end))
+
+        meta = AttentionMetadata.build(
+            starts,
+            lengths,
+            tables,
+            self.block_size,
+            plan.is_prefill,
+            self.device,
+            group_tokens=self._group_tokens,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        hidden = self.model(ids, meta.positions, self.kv_caches, meta)
+        if not sample_rows:  # only prompt chunks that sample nothing yet
+            return StepResult()
+        if len(sample_rows) != len(input_ids):
+            index = torch.tensor(sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
+            hidden = hidden.index_select(0, index)
+        logits = self.model.compute_logits(hidden)
+
+        rows = rows_for_plan(plan)
+        tokens = self.sampler.sample(logits, rows)
+        sampled = {row.request_id: toks for row, toks in zip(rows, tokens, strict=True)}
+        if self.drafter is None:
+            return StepResult(sampled)
+        drafts = {}
+        k = self.num_speculative_tokens
+        for seq in seqs:
+            accepted = sampled.get(seq.request_id)
+            if accepted is not None:
+                sequence = _Appended(seq.all_token_ids, accepted)
+                drafts[seq.request_id] = self.drafter.propose(seq.request_id, sequence, k)
+        return StepResult(sampled, drafts)
+
+    def free(self, request_id: str) -> None:
+        """Forget a request that finished or was preempted."""
+        self.sampler.free(request_id)
+        if self.drafter is not None:
+            self.drafter.free(request_id)
+
+
+class _Appended(Sequence[int]):
+    """base + extra without copying base (a sequence of thousands of tokens).
+
+    The drafter reads the sequence as it will be after this step's tokens,
+    before the scheduler has appended them.
+    """
+
+    __slots__ = ("_base", "_extra", "_split")
+
+    def __init__(self, base: list[int], extra: list[int]) -> None:
+        self._base, self._extra, self._split = base, extra, len(base)
+
+    def __len__(self) -> int:
+        return self._split + len(self._extra)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        split = self._split
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            if stop <= split:
+                return self._base[start:stop]
+            if start >= split:
+                return self._extra[start - split : stop - split]
+            return self._base[start:] + self._extra[: stop - split]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self._base[index] if index < split else self._extra[index - split]

@@ -1,0 +1,284 @@
+"""Tokenizer: text <-> token ids, chat templates, and streaming detokenisation.
+
+Wraps a `tokenizers.Tokenizer` (built from tokenizer.json or from GGUF
+metadata) and renders the checkpoint's own Jinja chat template the way Hugging
+Face transformers does, so prompts match what the model was trained on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# Decoding "\ufffd" at the end means the last token(s) stopped mid UTF-8 character.
+_REPLACEMENT = "\ufffd"
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token_id: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+        add_bos_token: bool = False,
+        chat_template: str | None = None,
+        special_tokens: Mapping[str, str] | None = None,
+    ) -> None:
+        """`special_tokens`: template variables such as bos_token="<s>"; derived from ids if absent.
+
+        `add_bos_token`: prepend BOS on encode(add_special_tokens=True) unless the
+        backend's post-processor already did (Llama 3's tokenizer.json does).
+        """
+        self._backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
+        self.add_bos_token = add_bos_token
+        self.chat_template = chat_template
+        self._template: jinja2.Template | None = None
+        names = dict(special_tokens or {})
+        if "bos_token" not in names and bos_token_id is not None:
+            names["bos_token"] = backend.id_to_token(bos_token_id) or ""
+        if "eos_token" not in names and self.eos_token_ids:
+            names["eos_token"] = backend.id_to_token(self.eos_token_ids[0]) or ""
+        self._special_tokens = names
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        return self._backend
+
+    @property
+    def vocab_size(self) -> int:
+        """Tokens the tokenizer knows, added tokens included (may be below the model's vocab)."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"can only encode a string, got {type(text).__name__}")
+        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        bos = self.bos_token_id
+        if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
+            ids.insert(0, bos)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """The prompt text for `messages`, rendered with the checkpoint's own template.
+
+        `extra` reaches the template as variables, as in transformers (e.g. tools).
+        """
+        template = self._compiled_template()
+        context = {
+            **self._special_tokens,
+            **extra,
+            "messages": _checked_messages(messages),
+            "add_generation_prompt": add_generation_prompt,
+        }
+        try:
+            return template.render(**context)
+        except (jinja2.TemplateError, TypeError, ValueError) as err:
+            raise ValueError(f"chat template failed to render: {err}") from err
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt, **extra)
+        # The template writes BOS itself when the model wants one (as transformers assumes).
+        return self.encode(text, add_special_tokens=False)
+
+    def _compiled_template(self) -> jinja2.Template:
+        if self._template is None:
+            if not self.chat_template:
+                raise ValueError("this model has no chat template; send a plain prompt instead")
+            try:
+                self._template = _template_environment().from_string(self.chat_template)
+            except jinja2.TemplateError as err:
+                raise ValueError(f"the model's chat template does not compile: {err}") from err
+        return self._template
+
+
+def _template_environment() -> ImmutableSandboxedEnvironment:
+    """The Jinja environment transformers renders chat templates in (sandboxed)."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson escapes HTML characters, which changes prompts; transformers' does not.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _checked_messages(messages: Any) -> list[dict[str, Any]]:
+    """Copies of the messages, each with a role and string content (text parts joined)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"message {i} must be a dict, got {type(message).__name__}")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"message {i} has no 'role' (a non-empty string)")
+        if "content" not in message:
+            raise ValueError(f"message {i} ({role}) has no 'content'")
+        content = message["content"]
+        if isinstance(content, list):
+            content = _joined_text_parts(content, i)
+        elif content is None and not message.get("tool_calls"):
+            raise ValueError(f"message {i} ({role}) has no content and no tool_calls")
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(
+                f"message {i} ({role}): content must be a string or a list of text parts, "
+                f"got {type(content).__name__}"
+            )
+        checked.append({**message, "content": content})
+    return checked
+
+
+def _joined_text_parts(parts: list[Any], index: int) -> str:
+    texts = []
+    for part in parts:
+        if not (isinstance(part, dict) and part.get("type") == "text"):
+            raise ValueError(f"message {index}: only text content parts are supported")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"message {index}: a text part needs a string 'text'")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into text deltas as they arrive, honouring stop strings.
+
+    Decodes a sliding window of ids and emits only complete characters: a UTF-8
+    character split over several tokens comes out once its last byte arrives. The
+    window starts a few prompt tokens back because some decoders (SentencePiece's)
+    drop a leading space at the start of what they decode.
+
+    A stop string and everything after it is cut. Text that could still grow into a
+    stop string is held back until it cannot; `flush()` releases it when
+    generation ends for another reason.
+    """
+
+    _PROMPT_CONTEXT = 5
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int],
+        stop: tuple[str, ...] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        self._tokenizer = tokenizer
+        self._stop = tuple(stop)
+        self._longest_stop = max((len(s) for s in stop), default=0)
+        self._skip_special = skip_special_tokens
+        self._ids = [int(i) for i in prompt_ids[-self._PROMPT_CONTEXT :]]
+        # ids[_prefix:_read] is the window already decoded; ids[_read:] is new.
+        self._prefix = 0
+        self._read = len(self._ids)
+        self._text = ""  # all generated text decoded so far, held back part included
+        self._emitted = 0  # how much of _text was returned
+        self._stopped = False
+
+    @property
+    def text(self) -> str:
+        """The text returned so far."""
+        return self._text[: self._emitted]
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def add(self, new_token_ids: Sequence[int]) -> tuple[str, bool]:
+        """(text to send now, whether a stop string matched). After a stop, always ("", True)."""
+        if self._stopped:
+            return "", True
+        self._ids.extend(new_token_ids)
+        before = self._decode(self._prefix, self._read)
+        after = self._decode(self._prefix, len(self._ids))
+        if len(after) <= len(before) or after.endswith(_REPLACEMENT):
+            return self._consume("", final=False)
+        self._prefix, self._read = self._read, len(self._ids)
+        return self._consume(after[len(before) :], final=False)
+
+    def flush(self) -> str:
+        """Everything still held back, for when generation ended without a stop string.
+
+        An incomplete UTF-8 sequence at the very end comes out as U+FFFD, since no
+        more bytes will complete it.
+        """
+        if self._stopped:
+            return ""
+        before = self._decode(self._prefix, self._read)
+        after = self._decode(self._prefix, len(self._ids))
+        self._prefix = self._read = len(self._ids)
+        delta, _ = self._consume(after[len(before) :], final=True)
+        return delta
+
+    def _decode(self, start: int, end: int) -> str:
+        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special)
+
+    def _consume(self, piece: str, final: bool) -> tuple[str, bool]:
+        # A new match must end inside `piece`, so it starts at most this far back.
+        search_from = max(0, len(self._text) - self._longest_stop + 1)
+        self._text += piece
+        # (end, start) of each stop's first match: the stop that completes first wins,
+        # as it would have had the text come one character at a time.
+        hits = [(i + len(s), i) for s in self._stop if (i := self._text.find(s, search_from)) != -1]
+        if hits:
+            # Held-back text never left, so the cut cannot fall before what was sent.
+            self._text = self._text[: max(min(hits)[1], self._emitted)]
+            self._stopped = True
+            return self._release(len(self._text)), True
+        hold = 0 if final else self._stop_prefix_length()
+        return self._release(len(self._text) - hold), False
+
+    def _release(self, upto: int) -> str:
+        if upto <= self._emitted:
+            return ""
+        delta = self._text[self._emitted : upto]
+        self._emitted = upto
+        return delta
+
+    def _stop_prefix_length(self) -> int:
+        """Length of the longest end of the text that is the start of some stop string."""
+        text = self._text
+        for k in range(min(self._longest_stop - 1, len(text)), 0, -1):
+            tail = text[-k:]
+            if any(s.startswith(tail) for s in self._stop if len(s) > k):
+                return k
+        return 0

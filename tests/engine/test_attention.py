@@ -1,0 +1,273 @@
+"""paged_attention against dense causal attention computed from unpaged K/V."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.engine.model.attention import (
+    AttentionMetadata,
+    allocate_kv_cache,
+    decode_group_tokens,
+    paged_attention,
+)
+from tandem.engine.model.model_config import ModelConfig
+
+
+@dataclass
+class Seq:
+    """A sequence's full K/V (as if never paged) and the slice this step feeds."""
+
+    k: torch.Tensor  # [context, KVH, D]
+    v: torch.Tensor
+    start: int
+    table: list[int]
+
+    @property
+    def count(self) -> int:
+        return self.k.shape[0] - self.start
+
+
+def reference(q: torch.Tensor, seq: Seq, scale: float) -> torch.Tensor:
+    """Dense attention of the step's rows over the whole sequence, float64."""
+    group = q.shape[1] // seq.k.shape[1]
+    k = seq.k.double().repeat_interleave(group, 1)
+    v = seq.v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    q_pos = torch.arange(seq.start, seq.k.shape[0])
+    causal = torch.arange(seq.k.shape[0])[None, :] <= q_pos[:, None]
+    scores = scores.masked_fill(~causal, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def run_step(
+    seqs: list[Seq],
+    heads: int,
+    block_size: int,
+    num_blocks: int,
+    is_prefill: bool,
+    dtype: torch.dtype = torch.float32,
+    group_tokens: int | None = None,
+    gen: torch.Generator | None = None,
+) -> None:
+    """Cache the prefixes, run one step, check outputs and the written cache."""
+    kv_heads, head_dim = seqs[0].k.shape[1:]
+    cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    flat = cache.view(2, -1, kv_heads, head_dim)
+    for s in seqs:
+        for p in range(s.start):
+            slot = s.table[p // block_size] * block_size + p % block_size
+            flat[0, slot], flat[1, slot] = s.k[p], s.v[p]
+    meta = AttentionMetadata.build(
+        [s.start for s in seqs],
+        [s.count for s in seqs],
+        [s.table for s in seqs],
+        block_size,
+        is_prefill,
+        "cpu",
+        group_tokens=group_tokens,
+    )
+    expected_pos = torch.cat([torch.arange(s.start, s.k.shape[0]) for s in seqs])
+    assert torch.equal(meta.positions, expected_pos)
+    q = torch.randn(sum(s.count for s in seqs), heads, head_dim, generator=gen)
+    k = torch.cat([s.k[s.start :] for s in seqs])
+    v = torch.cat([s.v[s.start :] for s in seqs])
+    scale = head_dim**-0.5
+    out = paged_attention(q.to(dtype), k.to(dtype), v.to(dtype), cache, meta, scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    row = 0
+    for s in seqs:
+        want = reference(q[row : row + s.count].to(dtype), s, scale)
+        torch.testing.assert_close(out[row : row + s.count].double(), want, atol=tol, rtol=tol)
+        row += s.count
+        for p in range(s.start, s.k.shape[0]):
+            slot = s.table[p // block_size] * block_size + p % block_size
+            assert torch.equal(flat[0, slot], s.k[p].to(dtype))
+            assert torch.equal(flat[1, slot], s.v[p].to(dtype))
+
+
+def make_seqs(
+    specs: list[tuple[int, int]],
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    gen: torch.Generator,
+    shared_prefix_blocks: int = 0,
+) -> tuple[list[Seq], int]:
+    """Sequences (start, count) with block tables scattered over a pool.
+
+    With shared_prefix_blocks, every sequence's first blocks (and their K/V) are the
+    first sequence's, as prefix reuse would leave them.
+    """
+    needs = [-(-(start + count) // block_size) for start, count in specs]
+    num_blocks = sum(needs) + 3
+    pool = torch.randperm(num_blocks, generator=gen).tolist()
+    seqs = []
+    for (start, count), need in zip(specs, needs, strict=True):
+        table = [pool.pop() for _ in range(need)]
+        k = torch.randn(start + count, kv_heads, head_dim, generator=gen)
+        v = torch.randn(start + count, kv_heads, head_dim, generator=gen)
+        if seqs and shared_prefix_blocks:
+            shared = shared_prefix_blocks * block_size
+            if start < shared:
+                raise ValueError("a shared prefix must be cached")
+            table[:shared_prefix_blocks] = seqs[0].table[:shared_prefix_blocks]
+            k[:shared], v[:shared] = seqs[0].k[:shared], seqs[0].v[:shared]
+        seqs.append(Seq(k, v, start, table))
+    return seqs, num_blocks
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("kv_heads,heads", [(2, 2), (2, 8)])
+def test_decode_varied_contexts(block_size: int, kv_heads: int, heads: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    specs = [(0, 1), (7, 1), (33, 1), (64, 1), (100, 1)]
+    seqs, num_blocks = make_seqs(specs, kv_heads, 16, block_size, gen)
+    run_step(seqs, heads, block_size, num_blocks, is_prefill=False, gen=gen)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("kv_heads,heads", [(1, 1), (2, 8)])
+def test_decode_with_drafts(block_size: int, kv_heads: int, heads: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    specs = [(12, 1 + 8), (40, 1 + 3), (5, 1), (70, 1 + 3)]
+    seqs, num_blocks = make_seqs(specs, kv_heads, 8, block_size, gen)
+    run_step(seqs, heads, block_size, num_blocks, is_prefill=False, gen=gen)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("kv_heads,heads", [(2, 2), (1, 4)])
+def test_prefill_from_scratch(block_size: int, kv_heads: int, heads: int) -> None:
+    gen = torch.Generator().manual_seed(2)
+    seqs, num_blocks = make_seqs([(0, 37), (0, 1), (0, 16)], kv_heads, 16, block_size, gen)
+    run_step(seqs, heads, block_size, num_blocks, is_prefill=True, gen=gen)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prefill_second_chunk_reads_first(block_size: int) -> None:
+    gen = torch.Generator().manual_seed(3)
+    # Chunk 2 of two prompts (chunk 1 cached), one not block-aligned, beside a fresh prompt.
+    seqs, num_blocks = make_seqs([(32, 20), (0, 9), (13, 30)], 2, 16, block_size, gen)
+    run_step(seqs, 8, block_size, num_blocks, is_prefill=True, gen=gen)
+
+
+@pytest.mark.parametrize("is_prefill", [True, False])
+def test_shared_prefix_blocks(is_prefill: bool) -> None:
+    gen = torch.Generator().manual_seed(4)
+    block_size = 4
+    count = 11 if is_prefill else 3
+    # Three sequences whose first 3 blocks are one physical copy.
+    specs = [(14, count), (12, count), (20, count)]
+    seqs, num_blocks = make_seqs(specs, 2, 8, block_size, gen, shared_prefix_blocks=3)
+    assert seqs[1].table[:3] == seqs[0].table[:3] == seqs[2].table[:3]
+    run_step(seqs, 8, block_size, num_blocks, is_prefill=is_prefill, gen=gen)
+
+
+@pytest.mark.parametrize("is_prefill", [True, False])
+def test_bfloat16(is_prefill: bool) -> None:
+    gen = torch.Generator().manual_seed(5)
+    specs = [(20, 6), (3, 2)] if is_prefill else [(20, 3), (50, 1)]
+    seqs, num_blocks = make_seqs(specs, 2, 16, 4, gen)
+    run_step(seqs, 8, 4, num_blocks, is_prefill, dtype=torch.bfloat16, gen=gen)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    data=st.data(),
+    block_size=st.sampled_from([1, 4, 16]),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 4]),
+    head_dim=st.sampled_from([4, 8]),
+    is_prefill=st.booleans(),
+    group_tokens=st.sampled_from([None, 0, 1, 40]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_steps(
+    data: st.DataObject,
+    block_size: int,
+    kv_heads: int,
+    group: int,
+    head_dim: int,
+    is_prefill: bool,
+    group_tokens: int | None,
+    seed: int,
+) -> None:
+    max_count = 24 if is_prefill else 9
+    specs = data.draw(
+        st.lists(st.tuples(st.integers(0, 60), st.integers(1, max_count)), min_size=1, max_size=5)
+    )
+    gen = torch.Generator().manual_seed(seed)
+    seqs, num_blocks = make_seqs(specs, kv_heads, head_dim, block_size, gen)
+    run_step(
+        seqs,
+        kv_heads * group,
+        block_size,
+        num_blocks,
+        is_prefill,
+        group_tokens=group_tokens,
+        gen=gen,
+    )
+
+
+def test_decode_groups_split_by_budget() -> None:
+    meta = AttentionMetadata.build(
+        [10, 99, 30, 31], [1, 1, 1, 1], [[0] * 7] * 4, 16, False, "cpu", group_tokens=70
+    )
+    assert meta.decode is not None
+    groups = meta.decode.groups
+    # Longest first; 100 tokens alone, then 32 + 31 padded to 2 * 32, then 11.
+    assert [(g.first, g.num_seqs) for g in groups] == [(0, 1), (1, 2), (3, 1)]
+    assert [g.max_context for g in groups] == [100, 32, 11]
+    # Nothing to mask: one query each, and no padding in the single-sequence groups.
+    assert groups[0].bias is None and groups[2].bias is None
+    assert groups[1].bias is not None
+    unlimited = AttentionMetadata.build(
+        [10, 99, 30, 31], [1, 1, 1, 2], [[0] * 7] * 4, 16, False, "cpu", group_tokens=0
+    )
+    assert unlimited.decode is not None and len(unlimited.decode.groups) == 1
+
+
+def test_slot_mapping() -> None:
+    meta = AttentionMetadata.build([5, 0], [3, 2], [[7, 2], [4]], 4, True, "cpu")
+    assert meta.positions.tolist() == [5, 6, 7, 0, 1]
+    assert meta.slot_mapping.tolist() == [2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 16, 17]
+    assert meta.context_lens == [8, 2]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (([0], [1, 1], [[0], [0]], 4, False), "must match"),
+        (([6], [3], [[0, 1]], 4, False), "need 3 blocks"),
+        (([0], [0], [[0]], 4, True), "num_tokens >= 1"),
+        (([], [], [], 4, True), "empty batch"),
+        (([0], [1], [[0]], 0, True), "block_size"),
+    ],
+)
+def test_build_rejects_bad_input(args: tuple, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AttentionMetadata.build(*args, device="cpu")
+
+
+def test_allocate_kv_cache() -> None:
+    config = ModelConfig(
+        vocab_size=10,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    caches = allocate_kv_cache(config, 5, 16, torch.bfloat16, "cpu")
+    assert len(caches) == 3
+    assert caches[0].shape == (2, 5, 16, 2, 8) and caches[0].dtype == torch.bfloat16
+    assert not caches[0].any()
+    assert decode_group_tokens(config, torch.float32, "cpu") > 0
+    assert decode_group_tokens(config, torch.float32, "meta") == 0
+    with pytest.raises(ValueError, match="num_blocks"):
+        allocate_kv_cache(config, 0, 16, torch.float32, "cpu")

