@@ -11,10 +11,9 @@ import random
 
 import pytest
 import torch
+import transformers
 
 from tandem.engine import LLM, SamplingParams
-
-transformers = pytest.importorskip("transformers", reason="transformers is the reference")
 
 SHAPES = {
     # name: (hidden, heads, kv_heads, layers, vocab, tied)

@@ -1,0 +1,342 @@
+"""Engine throughput: Tandem against Hugging Face generate, same model, same run.
+
+    python bench/engine_throughput.py [--model smollm2] [--threads 2] [--quick]
+
+Baseline: transformers' LlamaForCausalLM holding the very weights Tandem
+loads, run with `generate` (greedy). Reported: tokens/s for decode at batch 64
+and batch 1 and for a 1,024-token prefill, the ratio to HF, and the fraction
+of this machine's roofline (matmul peak and memory read bandwidth, measured in
+the same run); then a continuous-batching run (Poisson arrivals, mixed
+lengths) against HF static batching, with TTFT and TPOT percentiles.
+Figures are recorded in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine import LLM, SamplingParams
+from tandem.engine.model.loader import LoadedModel, load_model
+from tandem.engine.model.model_config import ModelConfig
+
+
+@dataclass
+class Machine:
+    matmul_flops: float  # fp32 FLOP/s of a large matmul
+    read_bytes: float  # bytes/s of a streaming read
+
+
+def measure_machine(rounds: int = 5) -> Machine:
+    n = 2048
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best_mm = min(_timed(lambda: torch.mm(a, b)) for _ in range(rounds))
+    big = torch.ones(256 * 1024 * 1024 // 4)  # 256 MiB, far past the caches
+    big.sum()
+    best_read = min(_timed(big.sum) for _ in range(rounds))
+    return Machine(2 * n**3 / best_mm, big.numel() * 4 / best_read)
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# ------------------------------------------------------------------ roofline
+
+
+def matmul_params(config: ModelConfig) -> int:
+    """Weights a token multiplies through: everything but the embedding lookup."""
+    embed = config.vocab_size * config.hidden_size
+    lm_head = embed  # tied or not, the LM head is a vocab x hidden matmul
+    untied_extra = 0 if config.tie_word_embeddings else embed
+    return config.num_parameters - embed - untied_extra + lm_head
+
+
+def decode_roofline(config: ModelConfig, machine: Machine, batch: int, context: int) -> float:
+    """Upper bound on decode tokens/s: weights read once per step, 2 FLOPs per weight per token."""
+    params = matmul_params(config)
+    kv_bytes = batch * context * config.kv_bytes_per_token * 4
+    attn_flops = 4 * batch * context * config.num_attention_heads * config.head_dim
+    step_flops = 2 * params * batch + attn_flops * config.num_hidden_layers
+    step_bytes = params * 4 + kv_bytes
+    step = max(step_flops / machine.matmul_flops, step_bytes / machine.read_bytes)
+    return batch / step
+
+
+def prefill_flops(config: ModelConfig, tokens: int) -> float:
+    attn = 2 * tokens * tokens * config.num_attention_heads * config.head_dim  # causal half
+    return 2 * matmul_params(config) * tokens + attn * config.num_hidden_layers
+
+
+# ---------------------------------------------------------------- the models
+
+
+def hf_model(loaded: LoadedModel):
+    import transformers
+
+    c = loaded.config
+    config = transformers.LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.load_state_dict(dict(loaded.source.iter_weights()), strict=False)
+    model.tie_weights()
+    return model
+
+
+def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> float:
+    ids = torch.tensor(prompts)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+        )
+    return time.perf_counter() - start
+
+
+def hf_decode_tps(model, prompts, new_tokens: int) -> float:
+    """Decode tokens/s: generate N+1 tokens minus generate 1 (the prefill)."""
+    one = min(hf_generate(model, prompts, 1) for _ in range(2))
+    full = hf_generate(model, prompts, new_tokens + 1)
+    return len(prompts) * new_tokens / (full - one)
+
+
+def tandem_decode_tps(llm: LLM, prompts, new_tokens: int) -> float:
+    engine = llm.engine
+    params = SamplingParams(max_tokens=new_tokens + 1, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(
+            f"d{i}-{time.monotonic_ns()}", prompt_token_ids=prompt, sampling_params=params
+        )
+    engine.step()  # the prefill
+    start = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    assert steps == new_tokens
+    return len(prompts) * new_tokens / (time.perf_counter() - start)
+
+
+def tandem_prefill_seconds(llm: LLM, prompt: list[int]) -> float:
+    engine = llm.engine
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine.add_request(f"p-{time.monotonic_ns()}", prompt_token_ids=prompt, sampling_params=params)
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.perf_counter() - start
+
+
+def hf_prefill_seconds(model, prompt: list[int]) -> float:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        start = time.perf_counter()
+        model(ids)
+    return time.perf_counter() - start
+
+
+# --------------------------------------------------------- continuous batching
+
+
+@dataclass
+class Arrival:
+    at: float  # seconds after the start
+    prompt: list[int]
+    output_len: int
+
+
+def poisson_workload(n: int, rate: float, vocab: int, seed: int = 0) -> list[Arrival]:
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(32, 256))]
+        out.append(Arrival(t, prompt, rng.randint(16, 96)))
+    return out
+
+
+@dataclass
+class Served:
+    ttft: list[float]
+    tpot: list[float]
+    tokens: int
+    seconds: float
+
+    def row(self, name: str) -> str:
+        p = _percentiles
+        return (
+            f"{name:<22} {self.tokens / self.seconds:>8.1f} "
+            f"{p(self.ttft, 50):>9.2f} {p(self.ttft, 90):>9.2f} "
+            f"{p(self.tpot, 50) * 1e3:>9.1f} {p(self.tpot, 90) * 1e3:>9.1f}"
+        )
+
+
+def _percentiles(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if values else 0.0
+
+
+def tandem_continuous(llm: LLM, workload: list[Arrival]) -> Served:
+    engine = llm.engine
+    start = time.perf_counter()
+    pending = list(workload)
+    first: dict[str, float] = {}
+    arrival: dict[str, float] = {}
+    ttft, tpot, tokens = [], [], 0
+    while pending or engine.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while pending and pending[0].at <= now:
+            a = pending.pop(0)
+            rid = f"c{len(arrival)}-{time.monotonic_ns()}"
+            params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
+            engine.add_request(rid, prompt_token_ids=a.prompt, sampling_params=params)
+            arrival[rid] = a.at
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, pending[0].at - now))
+            continue
+        for out in engine.step():
+            t = time.perf_counter() - start
+            if out.request_id not in first and out.new_token_ids:
+                first[out.request_id] = t
+                ttft.append(t - arrival[out.request_id])
+            if out.finished:
+                tokens += out.num_output_tokens
+                if out.num_output_tokens > 1:
+                    tpot.append((t - first[out.request_id]) / (out.num_output_tokens - 1))
+    return Served(ttft, tpot, tokens, time.perf_counter() - start)
+
+
+def hf_static(model, workload: list[Arrival], max_batch: int) -> Served:
+    """HF generate over static batches: whatever has arrived, up to max_batch, left-padded."""
+    import transformers
+
+    class Clock(transformers.LogitsProcessor):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
+    start = time.perf_counter()
+    pending = list(workload)
+    ttft, tpot, tokens = [], [], 0
+    while pending:
+        now = time.perf_counter() - start
+        if pending[0].at > now:
+            time.sleep(pending[0].at - now)
+            continue
+        batch = [a for a in pending[:max_batch] if a.at <= now]
+        del pending[: len(batch)]
+        width = max(len(a.prompt) for a in batch)
+        ids = torch.tensor([[0] * (width - len(a.prompt)) + a.prompt for a in batch])
+        mask = torch.tensor([[0] * (width - len(a.prompt)) + [1] * len(a.prompt) for a in batch])
+        clock = Clock()
+        new = max(a.output_len for a in batch)
+        with torch.inference_mode():
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                logits_processor=transformers.LogitsProcessorList([clock]),
+            )
+        for a in batch:
+            times = [t - start for t in clock.times[: a.output_len]]
+            ttft.append(times[0] - a.at)
+            if len(times) > 1:
+                tpot.append((times[-1] - times[0]) / (len(times) - 1))
+            tokens += a.output_len
+    return Served(ttft, tpot, tokens, time.perf_counter() - start)
+
+
+# ---------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="fewer tokens, for a smoke run")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    new_tokens = 8 if args.quick else 32
+    rng = random.Random(0)
+
+    machine = measure_machine()
+    print(
+        f"machine: fp32 matmul {machine.matmul_flops / 1e9:.0f} GFLOP/s, "
+        f"read {machine.read_bytes / 1e9:.1f} GB/s, {args.threads} threads"
+    )
+    loaded = load_model(args.model, dtype="float32", device="cpu")
+    config = loaded.config
+    llm = LLM(loaded, max_model_len=2048, enable_prefix_caching=False)
+    hf = hf_model(loaded)
+
+    def prompts(batch: int, length: int) -> list[list[int]]:
+        return [[rng.randrange(config.vocab_size) for _ in range(length)] for _ in range(batch)]
+
+    print(f"\n{'case':<28} {'tandem':>9} {'hf':>9} {'ratio':>7} {'roofline':>9} {'of roof':>8}")
+    for batch in (64, 1):
+        batch_prompts = prompts(batch, 64)
+        ours = tandem_decode_tps(llm, batch_prompts, new_tokens)
+        theirs = hf_decode_tps(hf, batch_prompts, new_tokens)
+        roof = decode_roofline(config, machine, batch, 64 + new_tokens // 2)
+        print(
+            f"{f'decode batch {batch} (tok/s)':<28} {ours:>9.1f} {theirs:>9.1f} "
+            f"{ours / theirs:>6.2f}x {roof:>9.1f} {ours / roof:>7.0%}"
+        )
+    prompt = prompts(1, 1024)[0]
+    ours = min(tandem_prefill_seconds(llm, prompts(1, 1024)[0]) for _ in range(3))
+    theirs = min(hf_prefill_seconds(hf, prompt) for _ in range(3))
+    peak_share = prefill_flops(config, 1024) / ours / machine.matmul_flops
+    print(
+        f"{'prefill 1024 (tok/s)':<28} {1024 / ours:>9.1f} {1024 / theirs:>9.1f} "
+        f"{theirs / ours:>6.2f}x {'':>9} {peak_share:>7.0%}"
+    )
+    hf_share = prefill_flops(config, 1024) / theirs / machine.matmul_flops
+    print(f"  (HF prefill reaches {hf_share:.0%} of the matmul peak)")
+
+    n, rate = (16, 2.0) if args.quick else (48, 3.0)
+    workload = poisson_workload(n, rate, config.vocab_size)
+    print(f"\ncontinuous batching: {n} requests, Poisson {rate}/s, prompts 32-256, outputs 16-96")
+    heads = ("tok/s", "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90")
+    print(f"{'server':<22} " + " ".join(f"{h:>{8 if h == 'tok/s' else 9}}" for h in heads))
+    tandem = tandem_continuous(llm, workload)
+    static = hf_static(hf, workload, max_batch=16)
+    print(tandem.row("tandem (continuous)"))
+    print(static.row("hf generate (static)"))
+    print(
+        f"throughput ratio {tandem.tokens / tandem.seconds / (static.tokens / static.seconds):.2f}x"
+        " (TTFT in s, TPOT in ms)"
+    )
+
+
+if __name__ == "__main__":
+    main()
