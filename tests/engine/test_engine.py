@@ -112,11 +112,13 @@ def test_unknown_engine_settings_are_refused():
         LLM("random:tiny", max_seqs=4)
 
 
-def test_chat_uses_the_template_and_answers(llm):
-    if llm.tokenizer.chat_template is None:
-        pytest.skip("random:tiny ships no chat template")
-    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3))
-    assert len(out) == 1 and out[0].token_ids
+def test_chat_renders_the_checkpoint_template_and_answers(llm):
+    messages = [{"role": "user", "content": "hi"}]
+    out = llm.chat(messages, SamplingParams(max_tokens=3))
+    rendered = llm.tokenizer.apply_chat_template(messages)
+    assert rendered.endswith("<|im_start|>assistant\n")  # the generation prompt
+    assert out[0].prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
+    assert len(out[0].token_ids) == 3
 
 
 def test_engine_outputs_stream_deltas_that_add_up_to_the_text(llm):

@@ -14,6 +14,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from tandem.engine.model.gguf_file import unpermute_rotary
 from tandem.engine.model.model_config import ModelConfig
@@ -58,7 +59,6 @@ def gguf_name(hf_name: str) -> str:
 
 def hf_llama(config: ModelConfig):
     """transformers' LlamaForCausalLM with our config (test-only reference)."""
-    transformers = pytest.importorskip("transformers")
     # ModelConfig's field names are config.json's, except these three.
     same = {k: v for k, v in vars(config).items() if k not in ("name", "eos_token_ids")}
     same["rope_parameters"] = {"rope_theta": same.pop("rope_theta"), "rope_type": "default"}
@@ -206,7 +206,8 @@ def test_smollm2_tensors_equal_transformers_gguf_loader(smollm2, smollm2_weights
     # AutoModelForCausalLM.from_pretrained(dir, gguf_file=...) insists on the
     # `accelerate` package, absent here; the function it calls to read and
     # dequantise GGUF tensors does not, so compare against that.
-    utils = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
+    from transformers import modeling_gguf_pytorch_utils as utils
+
     with torch.device("meta"):  # only its parameter names are used
         model = hf_llama(smollm2.config)
     theirs = utils.load_gguf_checkpoint(

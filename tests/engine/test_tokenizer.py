@@ -6,6 +6,7 @@ import importlib.util
 
 import pytest
 import tokenizers
+import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -60,7 +61,6 @@ def test_smollm2_round_trips_text(smol: Tokenizer) -> None:
 @needs_smollm2
 @pytest.mark.slow
 def test_smollm2_matches_transformers_gguf_tokenizer(smol: Tokenizer) -> None:
-    transformers = pytest.importorskip("transformers")
     path = smollm2_path()
     theirs = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     for text in TEXTS:
