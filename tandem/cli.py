@@ -39,12 +39,22 @@ def _chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine(args: argparse.Namespace) -> int:
+    from tandem.engine.service import main as service
+
+    return service.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     walk = sub.add_parser("walkthrough", help="narrate the step scheduler's rules")
     walk.set_defaults(func=_walkthrough)
+
+    engine = sub.add_parser("engine", help="run an engine that serves requests from Redis")
+    _add_engine_arguments(engine)
+    engine.set_defaults(func=_engine)
 
     for name, help_text in (
         ("chat", "answer a question with a local model"),
@@ -62,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
         cmd.set_defaults(func=_chat)
     return parser
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    from tandem.engine.service.arguments import add_arguments
+
+    add_arguments(parser)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,6 +67,8 @@ class EngineTotals:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     prefix_cached_tokens: int = 0
+    # Tokens of admitted requests: the denominator of the prefix-cache hit rate.
+    admitted_tokens: int = 0
     preemptions: int = 0
     drafts_proposed: int = 0
     drafts_accepted: int = 0
@@ -98,6 +100,8 @@ class Engine:
         self._eos = eos_token_ids[0] if eos_token_ids else None
         self._extra_eos = tuple(eos_token_ids[1:])
         self._tracked: dict[str, _Tracked] = {}
+        # Resumed requests found complete on arrival: reported by the next step().
+        self._finished_early: list[tuple[Request, str]] = []
         self.last_step = StepStats()
         self.totals = EngineTotals()
 
@@ -111,8 +115,33 @@ class Engine:
         *,
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
+        generated_token_ids: list[int] | None = None,
     ) -> Request:
-        """Queue a request; raises ValueError (e.g. PromptTooLongError) if it cannot run."""
+        """Queue a request; raises ValueError (e.g. PromptTooLongError) if it cannot run.
+
+        generated_token_ids resumes a request another engine started: those
+        tokens were already sent, so they are recomputed (not sampled again) and
+        generation continues after them.
+        """
+        request = self._make_request(request_id, prompt, prompt_token_ids, sampling_params)
+        request.priority = priority
+        if generated_token_ids:
+            self._check_token_ids(generated_token_ids)
+            request.token_ids.extend(generated_token_ids)
+            if _already_done(request):  # the last engine died before saying so
+                self._finished_early.append((request, "stop"))
+                return request
+        self.scheduler.add_request(request)
+        self._track(request)
+        return request
+
+    def _make_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
+        sampling_params: SamplingParams | None,
+    ) -> Request:
         params = sampling_params or SamplingParams()
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompt (text) or prompt_token_ids")
@@ -123,12 +152,40 @@ class Engine:
         self._check_token_ids(prompt_token_ids)
         if self._extra_eos and not params.ignore_eos:
             params = _with_stop_ids(params, self._extra_eos)
-        request = Request(
-            request_id, prompt_token_ids, params, eos_token_id=self._eos, priority=priority
-        )
-        self.scheduler.add_request(request)
-        self._track(request)
-        return request
+        return Request(request_id, prompt_token_ids, params, eos_token_id=self._eos)
+
+    # ------------------------------------------------------- disaggregation
+
+    def admit_handoff(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_ids: list[int],
+        sampling_params: SamplingParams,
+    ) -> list[int] | None:
+        """COMPLETION engine: reserve KV for a request prefilled elsewhere.
+
+        Returns the block table the KV transfer writes into, or None when there
+        is no room yet. Then call handoff_received (KV arrived) or
+        handoff_failed (recompute it here).
+        """
+        request = self._make_request(request_id, None, prompt_token_ids, sampling_params)
+        table = self.scheduler.admit_handoff(request, first_token_ids)
+        if table is not None:
+            self._track(request)
+        return table
+
+    def handoff_received(self, request_id: str) -> None:
+        self.scheduler.handoff_received(request_id)
+
+    def handoff_failed(self, request_id: str) -> None:
+        self.scheduler.handoff_failed(request_id)
+
+    def release_handoff(self, request_id: str) -> None:
+        """PROMPT engine: the decoder has the KV (or the offer expired): free it."""
+        self.scheduler.release_handoff(request_id)
+        self._tracked.pop(request_id, None)
+        self.runner.free(request_id)
 
     def _check_token_ids(self, token_ids: list[int]) -> None:
         vocab = self.config.vocab_size
@@ -141,8 +198,9 @@ class Engine:
     def _track(self, request: Request) -> None:
         detok = None
         if self.tokenizer is not None:
+            # Primed with everything before the next token, so text continues seamlessly.
             detok = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, request.sampling_params.stop
+                self.tokenizer, request.token_ids, request.sampling_params.stop
             )
         self._tracked[request.request_id] = _Tracked(request, detok)
 
@@ -158,9 +216,25 @@ class Engine:
     # ----------------------------------------------------------------- step
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return bool(self._finished_early) or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineOutput]:
+        early = [self._early_output(r, reason) for r, reason in self._finished_early]
+        self._finished_early.clear()
+        return early + self._step()
+
+    def _early_output(self, request: Request, reason: str) -> EngineOutput:
+        return EngineOutput(
+            request.request_id,
+            [],
+            "",
+            reason,
+            request.num_prompt_tokens,
+            request.num_output_tokens,
+            0,
+        )
+
+    def _step(self) -> list[EngineOutput]:
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         result = self.runner.execute(plan)
@@ -230,6 +304,7 @@ class Engine:
             totals.decode_steps += 1
             totals.decode_tokens += plan.total_tokens
         totals.prefix_cached_tokens += plan.num_prefix_cached_tokens
+        totals.admitted_tokens += plan.num_admitted_tokens
         totals.preemptions += len(plan.preempted_request_ids)
         totals.drafts_proposed += sum(len(s.draft_token_ids) for s in plan.seqs)
         totals.drafts_accepted += sum(o.num_accepted_drafts for o in outputs)
@@ -238,3 +313,10 @@ class Engine:
 def _with_stop_ids(params: SamplingParams, extra: tuple[int, ...]) -> SamplingParams:
     stop_ids = tuple(dict.fromkeys(params.stop_token_ids + extra))
     return dataclasses.replace(params, stop_token_ids=stop_ids)
+
+
+def _already_done(request: Request) -> bool:
+    """A resumed request whose generated tokens already end it."""
+    if request.num_tokens >= request.max_num_tokens:
+        return True
+    return request.num_output_tokens > 0 and request.token_ids[-1] in request.stop_token_set

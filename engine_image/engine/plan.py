@@ -53,6 +53,8 @@ class StepPlan:
     preempted_request_ids: list[str] = field(default_factory=list)
     # Prompt tokens whose prefill was skipped thanks to the prefix cache.
     num_prefix_cached_tokens: int = 0
+    # Tokens of the requests admitted this step (what the prefix cache was asked for).
+    num_admitted_tokens: int = 0
     # The decode-step counter when this step was planned (0 right after a prompt step).
     decode_step: int = 0
 

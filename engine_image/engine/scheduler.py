@@ -196,6 +196,7 @@ class Scheduler:
                 request.num_computed_tokens = start
                 request.num_cached_tokens = start
                 plan.num_prefix_cached_tokens += start
+                plan.num_admitted_tokens += request.num_tokens
             end = start + num_new
             last_chunk = end == request.num_tokens
             plan.num_scheduled_tokens[rid] = num_new
@@ -372,7 +373,8 @@ class Scheduler:
     def admit_handoff(self, request: Request, first_token_ids: list[int]) -> list[int] | None:
         """COMPLETION engine: take a request prefilled elsewhere.
 
-        Reserves blocks for the prompt's KV and returns the block table the
+        first_token_ids are the tokens generated there (usually just the first).
+        Reserves blocks for the KV of all but the last of them and returns the block table the
         transfer writes into, or None if there is no room (leave the handoff
         for another engine). Then call handoff_received or handoff_failed.
         """
@@ -384,8 +386,10 @@ class Scheduler:
         ):
             del self.requests[request.request_id]
             return None
-        if self.kv.allocate(request.request_id, request.num_prompt_tokens) is None:
-            self.kv.free(request.request_id)
+        # KV arrives for every token but the newest sampled one, whose KV the
+        # first decode step computes.
+        num_kv_tokens = request.num_prompt_tokens + len(first_token_ids) - 1
+        if self.kv.allocate(request.request_id, num_kv_tokens) is None:
             del self.requests[request.request_id]
             return None
         request.token_ids.extend(first_token_ids)
@@ -396,7 +400,7 @@ class Scheduler:
     def handoff_received(self, request_id: str) -> None:
         """The prompt's KV arrived: the request decodes from its first token on."""
         request = self.receiving.pop(request_id)
-        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_computed_tokens = request.num_tokens - 1
         request.status = RequestStatus.RUNNING
         if self.config.num_speculative_tokens:
             placeholder = self.config.draft_placeholder_id

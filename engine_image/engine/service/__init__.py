@@ -1,0 +1,1 @@
+"""The engine as a service: Redis work queues, KV handoff, health and metrics."""

@@ -1,0 +1,184 @@
+"""HandoffFlow: moving a prefilled request from a PROMPT engine to a COMPLETION engine.
+
+PROMPT side: after prefill the request's KV stays pinned and is offered (a
+Handoff on the handoff stream, the KV on this engine's KV server) until a
+decoder fetches it or the offer expires.
+
+COMPLETION side: a handoff is admitted (blocks reserved), its KV fetched on a
+background thread, and the request decodes once the KV is in. If the fetch
+fails (peer gone, fingerprint or size mismatch, timeout), the request is
+recomputed here instead: slower, never lost, never hung.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import time
+
+import torch
+
+from tandem.engine.engine import Engine, EngineOutput
+from tandem.engine.request import SamplingParams
+from tandem.engine.service.kv_handoff import KVFetches, PinnedOffers, token_slots
+from tandem.engine.service.kv_transfer import KVLayout, PinnedKV, fetch_kv
+from tandem.engine.service.metrics import EngineMetrics
+from tandem.engine.service.redis_io import RedisIO
+from tandem.engine.service.settings import WorkerSettings
+from tandem.protocol import Handoff, WorkItem
+
+
+class HandoffFlow:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        kv_caches: list[torch.Tensor],
+        layout: KVLayout,
+        block_size: int,
+    ) -> None:
+        self.settings = settings
+        self.kv_caches = kv_caches
+        self.layout = layout
+        self.block_size = block_size
+        # PROMPT side.
+        self.offers = PinnedOffers()
+        self.fetched: queue.SimpleQueue[str] = queue.SimpleQueue()  # from the KV server
+        self._to_publish: list[Handoff] = []
+        # COMPLETION side.
+        self.fetches = KVFetches(fetch_kv)
+        self._waiting_room: list[tuple[Handoff, SamplingParams, list[int]]] = []
+
+    @property
+    def num_offers(self) -> int:
+        return len(self.offers)
+
+    # ---------------------------------------------------------- PROMPT side
+
+    def offer(self, engine: Engine, work: WorkItem, out: EngineOutput, io: RedisIO) -> None:
+        """Pin the prefilled KV and queue its Handoff (published after the flush)."""
+        request = engine.scheduler.handoff[out.request_id]
+        num_kv = request.num_computed_tokens  # every token but the newest sampled one
+        slots = token_slots(request.block_ids, num_kv, self.block_size)
+        expires_at = time.time() + self.settings.handoff_ttl
+        self.offers.add(PinnedKV(out.request_id, slots, self.settings.fingerprint), expires_at)
+        self._to_publish.append(
+            Handoff(
+                work=dataclasses.asdict(work),
+                prompt_token_ids=request.prompt_token_ids,
+                first_token_ids=request.output_token_ids,
+                kv_address=self.settings.kv_address,
+                kv_handle=out.request_id,
+                num_kv_tokens=num_kv,
+                fingerprint=self.settings.fingerprint,
+                prompt_engine=self.settings.engine_id,
+                expires_at=expires_at,
+                num_cached_tokens=out.num_cached_tokens,
+            )
+        )
+
+    def publish_pending(self, io: RedisIO) -> None:
+        for handoff in self._to_publish:
+            io.queue.publish_handoff(handoff)
+        self._to_publish.clear()
+
+    def on_fetched(self, handle: str) -> None:
+        """Called by the KV server thread after a decoder confirmed the KV."""
+        self.fetched.put(handle)
+
+    def expire_offers(self, engine: Engine, now: float) -> None:
+        for handle in self.offers.expired(now):
+            if self.offers.remove(handle):
+                engine.release_handoff(handle)
+
+    # ------------------------------------------------------ COMPLETION side
+
+    def take(
+        self,
+        engine: Engine,
+        handoff: Handoff,
+        params: SamplingParams,
+        sent: list[int],
+        metrics: EngineMetrics,
+    ) -> int:
+        """Admit a handoff and start fetching its KV; returns the prompt's cached tokens."""
+        generated = sent if len(sent) > len(handoff.first_token_ids) else handoff.first_token_ids
+        self._admit(engine, handoff, params, list(generated), metrics)
+        return handoff.num_cached_tokens
+
+    def _admit(
+        self,
+        engine: Engine,
+        handoff: Handoff,
+        params: SamplingParams,
+        generated: list[int],
+        metrics: EngineMetrics,
+    ) -> bool:
+        rid = handoff.work["request_id"]
+        table = engine.admit_handoff(rid, handoff.prompt_token_ids, generated, params)
+        if table is None:  # no room yet: retry every turn, the entry stays ours
+            self._waiting_room.append((handoff, params, generated))
+            return False
+        reason = self._recompute_reason(handoff, generated)
+        if reason is not None:
+            metrics.kv_transfer_failed(reason)
+            engine.handoff_failed(rid)
+            return True
+        self.fetches.start(
+            rid,
+            address=handoff.kv_address,
+            handle=handoff.kv_handle,
+            fingerprint=handoff.fingerprint,
+            num_tokens=handoff.num_kv_tokens,
+            dest_slots=token_slots(table, handoff.num_kv_tokens, self.block_size),
+            kv_caches=self.kv_caches,
+            layout=self.layout,
+            timeout=self.settings.kv_fetch_timeout,
+        )
+        return True
+
+    def _recompute_reason(self, handoff: Handoff, generated: list[int]) -> str | None:
+        if handoff.fingerprint != self.settings.fingerprint:
+            return "mismatch"
+        if len(generated) != len(handoff.first_token_ids):
+            return "stale"  # an earlier decoder got further; its KV is gone
+        if time.time() > handoff.expires_at:
+            return "expired"
+        return None
+
+    def fetching(self, request_id: str) -> bool:
+        return request_id in self.fetches.in_flight
+
+    def drop(self, request_id: str) -> None:
+        """Forget a handoff still waiting for room (its request was cancelled)."""
+        self._waiting_room = [
+            w for w in self._waiting_room if w[0].work["request_id"] != request_id
+        ]
+
+    # ---------------------------------------------------------------- both
+
+    def absorb(self, engine: Engine, metrics: EngineMetrics) -> list[str]:
+        """Apply what the threads reported; returns the requests whose fetch ended."""
+        while True:
+            try:
+                handle = self.fetched.get_nowait()
+            except queue.Empty:
+                break
+            if self.offers.remove(handle):
+                engine.release_handoff(handle)
+        results = []
+        for outcome in self.fetches.done():
+            if outcome.stats is not None:
+                engine.handoff_received(outcome.request_id)
+                metrics.kv_transfer_bytes.inc(outcome.stats.bytes)
+                metrics.kv_transfer_seconds.observe(outcome.stats.seconds)
+            else:
+                metrics.kv_transfer_failed(outcome.error.reason)
+                engine.handoff_failed(outcome.request_id)
+            results.append(outcome.request_id)
+        waiting, self._waiting_room = self._waiting_room, []
+        for handoff, params, generated in waiting:
+            self._admit(engine, handoff, params, generated, metrics)
+        return results
+
+    def close(self) -> None:
+        self.fetches.close()

@@ -1,0 +1,107 @@
+"""Both ends of a KV handoff, as the engine loop sees them.
+
+PROMPT side, `PinnedOffers`: the KV of prefilled requests, offered to
+decoders until fetched or expired. The KV server thread looks offers up; the
+main thread adds and removes them.
+
+COMPLETION side, `KVFetches`: fetches running on a small thread pool; their
+outcomes come back to the main thread, which alone touches the scheduler.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.service.kv_transfer import KVTransferError, PinnedKV, TransferStats
+
+
+def token_slots(block_table: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots of positions 0..num_tokens-1 of a sequence."""
+    positions = torch.arange(num_tokens)
+    table = torch.tensor(block_table, dtype=torch.long)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+class PinnedOffers:
+    """Thread-safe: request id -> (pinned KV, unix expiry)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._offers: dict[str, tuple[PinnedKV, float]] = {}
+
+    def add(self, pinned: PinnedKV, expires_at: float) -> None:
+        with self._lock:
+            self._offers[pinned.handle] = (pinned, expires_at)
+
+    def lookup(self, handle: str) -> PinnedKV | None:
+        """For the KV server thread: the offer, if it is still valid."""
+        with self._lock:
+            offer = self._offers.get(handle)
+        if offer is None or offer[1] < time.time():
+            return None
+        return offer[0]
+
+    def remove(self, handle: str) -> bool:
+        with self._lock:
+            return self._offers.pop(handle, None) is not None
+
+    def expired(self, now: float) -> list[str]:
+        with self._lock:
+            return [h for h, (_, expiry) in self._offers.items() if expiry < now]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._offers)
+
+
+@dataclass(frozen=True)
+class FetchOutcome:
+    request_id: str
+    stats: TransferStats | None  # set on success
+    error: KVTransferError | None  # set on failure
+
+
+class KVFetches:
+    """Runs fetches off the main thread; outcomes are collected with `done()`."""
+
+    def __init__(self, fetch: Callable[..., TransferStats], max_parallel: int = 2) -> None:
+        self._fetch = fetch
+        self._pool = ThreadPoolExecutor(max_parallel, thread_name_prefix="kv-fetch")
+        self._outcomes: queue.SimpleQueue[FetchOutcome] = queue.SimpleQueue()
+        # Requests whose fetch is in flight: their blocks must not be freed yet,
+        # or a fetch would write into blocks another request now owns.
+        self.in_flight: set[str] = set()
+
+    def start(self, request_id: str, **fetch_args: object) -> None:
+        self.in_flight.add(request_id)
+        self._pool.submit(self._run, request_id, fetch_args)
+
+    def _run(self, request_id: str, fetch_args: dict[str, object]) -> None:
+        try:
+            stats = self._fetch(**fetch_args)
+            self._outcomes.put(FetchOutcome(request_id, stats, None))
+        except KVTransferError as exc:
+            self._outcomes.put(FetchOutcome(request_id, None, exc))
+        except Exception as exc:  # a bug must not strand the request: recompute it
+            error = KVTransferError("protocol", f"{type(exc).__name__}: {exc}")
+            self._outcomes.put(FetchOutcome(request_id, None, error))
+
+    def done(self) -> list[FetchOutcome]:
+        outcomes = []
+        while True:
+            try:
+                outcome = self._outcomes.get_nowait()
+            except queue.Empty:
+                return outcomes
+            self.in_flight.discard(outcome.request_id)
+            outcomes.append(outcome)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,164 @@
+"""`tandem engine`: one engine process (or one per data-parallel rank) serving from Redis."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+
+import redis
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm import build_engine
+from tandem.engine.model.loader import kv_blocks_for, load_model
+from tandem.engine.service.arguments import add_arguments, engine_fields
+from tandem.engine.service.cancellation import CancelListener
+from tandem.engine.service.handoff_flow import HandoffFlow
+from tandem.engine.service.http import HealthServer
+from tandem.engine.service.kv_transfer import KVLayout, KVServer
+from tandem.engine.service.metrics import EngineMetrics
+from tandem.engine.service.redis_io import RedisIO
+from tandem.engine.service.settings import WorkerSettings
+from tandem.engine.service.worker import EngineWorker
+from tandem.protocol import Keys, Role
+
+log = logging.getLogger("tandem.engine")
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.data_parallel_size > 1:
+        from tandem.engine.service.ranks import run_ranks
+
+        return run_ranks(args)
+    return serve(args, rank=0)
+
+
+def serve(args: argparse.Namespace, rank: int, vote=None) -> int:
+    """Load the model, wire the service together, run until drained."""
+    role = Role(args.role)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    fields = engine_fields(args)
+    block_size = fields.get("block_size", 16)
+    num_blocks = args.num_kv_blocks or kv_blocks_for(
+        loaded.config,
+        block_size=block_size,
+        dtype=loaded.dtype,
+        device=loaded.device,
+        kv_cache_bytes=args.kv_cache_memory,
+    )
+    fields.setdefault(
+        "max_model_len", min(loaded.config.max_position_embeddings, num_blocks * block_size)
+    )
+    config = EngineConfig(vocab_size=loaded.config.vocab_size, **fields)
+    engine = build_engine(loaded, config, num_blocks, seed=args.seed, vote=vote)
+
+    host = args.advertise_host or _default_advertise_host(args.host)
+    engine_id = args.engine_id or f"{role.value}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+    if rank:
+        engine_id = f"{engine_id}-r{rank}"
+    kv_caches = engine.runner.kv_caches
+    layout = KVLayout.of(kv_caches)
+    fingerprint = _fingerprint(loaded.source.fingerprint, layout)
+    kv_server = None
+    kv_address = ""
+    settings_kwargs = dict(
+        role=role,
+        model_name=args.served_model_name or args.model,
+        engine_id=engine_id,
+        fingerprint=fingerprint,
+        handoff_ttl=args.handoff_ttl,
+        claim_idle_ms=args.claim_idle_ms,
+        max_deliveries=args.max_deliveries,
+        keep_alive_every=min(5.0, args.claim_idle_ms / 4000),
+        drain_timeout=args.drain_timeout,
+        kv_fetch_timeout=args.kv_fetch_timeout,
+        max_waiting=args.max_waiting,
+        max_waiting_tokens=2 * config.max_num_batched_tokens,
+    )
+    metrics = EngineMetrics(settings_kwargs["model_name"], role.value)
+    keys = Keys(prefix=args.key_prefix)
+    client = redis.Redis.from_url(args.redis_url)
+    worker: EngineWorker | None = None
+
+    def live() -> tuple[bool, str]:
+        if worker is None:
+            return True, "starting"
+        stalled = time.monotonic() - worker.last_loop_at
+        return stalled < 120, f"last loop {stalled:.1f}s ago"
+
+    def ready() -> tuple[bool, str]:
+        if worker is None or worker.draining:
+            return False, "draining" if worker else "starting"
+        reachable = io.ping()
+        return reachable, "model loaded, redis reachable" if reachable else "redis unreachable"
+
+    http = HealthServer(args.host, args.port + rank, live=live, ready=ready, metrics=metrics.render)
+    http.start()
+    settings_kwargs["http_address"] = f"{host}:{http.port}"
+    handoffs: HandoffFlow | None = None
+    if role is Role.PROMPT:
+        # The callbacks reach `handoffs`, set just below, before any offer exists.
+        kv_server = KVServer(
+            kv_caches,
+            layout,
+            lookup=lambda h: handoffs.offers.lookup(h),
+            on_fetched=lambda h: handoffs.on_fetched(h),
+            host=args.host,
+            advertise_host=host,
+            port=args.kv_port + rank if args.kv_port else 0,
+        )
+        kv_address = kv_server.start()
+    settings = WorkerSettings(kv_address=kv_address, **settings_kwargs)
+    if role is not Role.NORMAL:
+        handoffs = HandoffFlow(settings, kv_caches, layout, config.block_size)
+    io = RedisIO(client, keys, settings, CancelListener(args.redis_url, keys))
+    worker = EngineWorker(engine, settings, io, metrics, handoffs, vote=vote)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("signal %s: draining (up to %.0fs)", signum, settings.drain_timeout)
+        worker.drain()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    log.info(
+        "engine %s ready: role %s, model %s, http %s%s",
+        engine_id,
+        role.value,
+        settings.model_name,
+        settings.http_address,
+        f", kv {kv_address}" if kv_address else "",
+    )
+    try:
+        return worker.run()
+    finally:
+        if kv_server is not None:
+            kv_server.stop()
+        if handoffs is not None:
+            handoffs.close()
+        http.stop()
+        io.close()
+        log.info("engine %s stopped", engine_id)
+
+
+def _fingerprint(weights: str, layout: KVLayout) -> str:
+    text = f"{weights}|{layout.num_layers}|{layout.num_kv_heads}|{layout.head_dim}|{layout.dtype}"
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _default_advertise_host(bind: str) -> str:
+    if bind not in ("0.0.0.0", "::", ""):
+        return bind
+    return os.environ.get("POD_IP") or socket.gethostbyname(socket.gethostname())
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="tandem engine")
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

@@ -1,0 +1,150 @@
+"""The engine's Prometheus metrics: what the operator scales on (docs/metrics.md).
+
+One CollectorRegistry per engine (no process-wide default registry), so two
+engines in one test process never mix their numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tandem.engine.engine import Engine, EngineTotals
+
+# Latency buckets in seconds: sub-10 ms decode steps on GPUs to minutes-long CPU prefills.
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TRANSFER = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_DRAFTS = (0, 1, 2, 3, 4, 5, 6, 8)
+
+
+class EngineMetrics:
+    def __init__(self, model: str, role: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = {"model": model, "role": role}
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, list(labels), registry=r).labels(**labels)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, [*labels, *extra], registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, list(labels), buckets=buckets, registry=r).labels(**labels)
+
+        self._labels = labels
+        self.kv_cache_usage = gauge(
+            "tandem_engine_kv_cache_usage", "Fraction of KV cache blocks in use (0-1)."
+        )
+        self.requests_running = gauge("tandem_engine_requests_running", "Requests decoding.")
+        self.requests_waiting = gauge(
+            "tandem_engine_requests_waiting", "Requests queued in the engine for prefill."
+        )
+        self.waiting_prompt_tokens = gauge(
+            "tandem_engine_waiting_prompt_tokens", "Prompt tokens still to prefill in the engine."
+        )
+        self.kv_pinned_requests = gauge(
+            "tandem_engine_kv_pinned_requests", "PROMPT engine: prefilled KV awaiting a decoder."
+        )
+        self.token_budget = gauge(
+            "tandem_engine_token_budget", "max_num_batched_tokens: the token budget of a step."
+        )
+        self.budget_utilization = gauge(
+            "tandem_engine_budget_utilization",
+            "Scheduled tokens of the last step over the budget (rate of "
+            "scheduled_tokens_total / steps_total / budget gives the mean).",
+        )
+        self._steps = counter("tandem_engine_steps_total", "Engine steps by kind.", ("kind",))
+        self._scheduled = counter(
+            "tandem_engine_scheduled_tokens_total", "Tokens computed, by step kind.", ("kind",)
+        )
+        self.prefix_queries = counter(
+            "tandem_engine_prefix_cache_queries_total", "Prompt tokens looked up in the cache."
+        ).labels(**labels)
+        self.prefix_hits = counter(
+            "tandem_engine_prefix_cache_hits_total", "Prompt tokens served from the prefix cache."
+        ).labels(**labels)
+        self.preemptions = counter(
+            "tandem_engine_preemptions_total", "Requests preempted to free KV (recomputed later)."
+        ).labels(**labels)
+        self.drafts_proposed = counter(
+            "tandem_engine_spec_drafts_total", "Speculative draft tokens verified."
+        ).labels(**labels)
+        self.drafts_accepted = counter(
+            "tandem_engine_spec_accepted_total", "Speculative draft tokens accepted."
+        ).labels(**labels)
+        self.accepted_per_step = histogram(
+            "tandem_engine_spec_accepted_per_step", "Drafts accepted per decode step.", _DRAFTS
+        )
+        self.ttft = histogram(
+            "tandem_engine_time_to_first_token_seconds",
+            "From the gateway queueing a request to its first token.",
+            _LATENCY,
+        )
+        self.tpot = histogram(
+            "tandem_engine_time_per_output_token_seconds",
+            "Mean time between output tokens of a finished request.",
+            _LATENCY,
+        )
+        self.step_seconds = histogram(
+            "tandem_engine_step_seconds", "Wall time of one engine step.", _LATENCY
+        )
+        self._requests = counter(
+            "tandem_engine_requests_total", "Requests ended, by outcome.", ("outcome",)
+        )
+        self.kv_transfer_bytes = counter(
+            "tandem_engine_kv_transfer_bytes_total", "KV bytes received from PROMPT engines."
+        ).labels(**labels)
+        self.kv_transfer_seconds = histogram(
+            "tandem_engine_kv_transfer_seconds", "Time to fetch one request's KV.", _TRANSFER
+        )
+        self._kv_failures = counter(
+            "tandem_engine_kv_transfer_failures_total",
+            "KV fetches that failed (the prompt was recomputed), by reason.",
+            ("reason",),
+        )
+        self.kv_served_bytes = counter(
+            "tandem_engine_kv_served_bytes_total", "KV bytes sent to COMPLETION engines."
+        ).labels(**labels)
+        # The engine totals at the last observe_step, to turn them into increments.
+        self._seen = EngineTotals()
+
+    def request_ended(self, outcome: str) -> None:
+        self._requests.labels(**self._labels, outcome=outcome).inc()
+
+    def kv_transfer_failed(self, reason: str) -> None:
+        self._kv_failures.labels(**self._labels, reason=reason).inc()
+
+    def observe_step(self, engine: Engine) -> None:
+        """After each step: counters from the engine's totals, gauges from the scheduler."""
+        step, totals, seen = engine.last_step, engine.totals, self._seen
+        kind = "prefill" if step.is_prefill else "decode"
+        self._steps.labels(**self._labels, kind=kind).inc()
+        self._scheduled.labels(**self._labels, kind=kind).inc(step.num_scheduled_tokens)
+        self.step_seconds.observe(step.seconds)
+        budget = engine.scheduler.config.max_num_batched_tokens
+        self.budget_utilization.set(step.num_scheduled_tokens / budget)
+        self.prefix_queries.inc(totals.admitted_tokens - seen.admitted_tokens)
+        self.prefix_hits.inc(totals.prefix_cached_tokens - seen.prefix_cached_tokens)
+        self.preemptions.inc(totals.preemptions - seen.preemptions)
+        proposed = totals.drafts_proposed - seen.drafts_proposed
+        accepted = totals.drafts_accepted - seen.drafts_accepted
+        self.drafts_proposed.inc(proposed)
+        self.drafts_accepted.inc(accepted)
+        if proposed:
+            self.accepted_per_step.observe(accepted / max(step.num_seqs, 1))
+        self._seen = dataclasses.replace(totals)
+        self.observe_queues(engine)
+
+    def observe_queues(self, engine: Engine) -> None:
+        sched = engine.scheduler
+        self.kv_cache_usage.set(sched.kv_usage)
+        self.requests_running.set(sched.num_running)
+        self.requests_waiting.set(sched.num_waiting)
+        self.waiting_prompt_tokens.set(sched.waiting_prompt_tokens)
+        self.kv_pinned_requests.set(len(sched.handoff))
+        self.token_budget.set(sched.config.max_num_batched_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

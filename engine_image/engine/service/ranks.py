@@ -1,0 +1,56 @@
+"""Data-parallel engine groups: one process per rank, voting through torch.distributed.
+
+Each rank is a full engine (its own KV cache, its own Redis consumer) whose
+scheduler votes with its peers on every step's type (gloo on CPU, NCCL on
+CUDA), so the ranks run prefill and decode steps in lockstep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import signal
+
+from tandem.redis_server import free_port
+
+
+def run_ranks(args: argparse.Namespace) -> int:
+    """Start data_parallel_size rank processes; forward SIGTERM/SIGINT; wait for all."""
+    world = args.data_parallel_size
+    port = free_port()
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch state
+    procs = [
+        ctx.Process(target=_rank_main, args=(args, rank, world, port), name=f"rank-{rank}")
+        for rank in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+
+    def forward(signum: int, _frame: object) -> None:
+        for proc in procs:
+            if proc.pid is not None and proc.is_alive():
+                os.kill(proc.pid, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    for proc in procs:
+        proc.join()
+    codes = [proc.exitcode or 0 for proc in procs]
+    return max(codes, key=abs)
+
+
+def _rank_main(args: argparse.Namespace, rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    from tandem.engine.dp_vote import gloo_vote
+    from tandem.engine.service.main import serve
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        code = serve(args, rank=rank, vote=gloo_vote())
+    finally:
+        dist.destroy_process_group()
+    raise SystemExit(code)

@@ -1,0 +1,255 @@
+"""Response streams: engines write a request's events, the gateway reads them.
+
+Each request has its own stream of ResponseEvents. An event's `offset` is the
+number of output tokens before it, so when an engine dies and another resumes
+the request, events that overlap what was already written are recognised and
+dropped: `ResponseDeduplicator` holds that rule as a pure class, shared by the
+synchronous reader here and any asyncio reader the gateway grows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from tandem.protocol import RESPONSE_TTL_SECONDS, Keys, ResponseEvent
+
+# Events per XRANGE when reading a whole history: bounds one reply's size.
+_HISTORY_CHUNK = 1000
+
+
+class ResponseDeduplicator:
+    """Turns the events of a response stream into what a client should see.
+
+    Feed events in stream order to `accept`: it returns the event to pass on
+    (trimmed of tokens already passed on), or None for an event entirely seen,
+    and nothing after the first final event. It also assembles the response.
+
+    Tokens are exact. Text is exact when engines decode the same tokens to the
+    same text (the same model and tokenizer): an overlapping event's text is
+    matched against what was sent from its first token on.
+    """
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.final: ResponseEvent | None = None
+        self._parts: list[str] = []
+        self._text_len = 0
+        # Token offset -> length of the text sent up to it, for the offsets where
+        # that is known: where an overlapping event's text starts.
+        self._text_at: dict[int, int] = {0: 0}
+
+    @property
+    def next_offset(self) -> int:
+        """Tokens passed on so far (the offset a resuming engine continues at)."""
+        return len(self.token_ids)
+
+    @property
+    def text(self) -> str:
+        return "".join(self._parts)
+
+    @property
+    def done(self) -> bool:
+        return self.final is not None
+
+    def accept(self, event: ResponseEvent) -> ResponseEvent | None:
+        if self.final is not None:
+            return None
+        start, seen = event.offset, self.next_offset
+        end = start + len(event.token_ids)
+        if start < seen:
+            # Written by an engine that was behind (it resumed from an older
+            # history, or it is a stalled engine whose request was reclaimed).
+            text = self._unsent_text(start, end, event.text)
+            if not event.is_final and (not event.token_ids or end <= seen):
+                return None
+            event = dataclasses.replace(
+                event, offset=seen, token_ids=event.token_ids[seen - start :], text=text
+            )
+        # start > seen would be a gap (tokens never written): pass the event on
+        # anyway; the client loses those tokens but not the rest of the answer.
+        self.token_ids.extend(event.token_ids)
+        if event.text:
+            self._parts.append(event.text)
+            self._text_len += len(event.text)
+        self._text_at[self.next_offset] = self._text_len
+        if event.is_final:
+            self.final = event
+        return event
+
+    def _unsent_text(self, start: int, end: int, text: str) -> str:
+        """The part of an overlapping event's text not sent yet."""
+        at = self._text_at.get(start)
+        if at is None:
+            return text  # cannot tell: a repeated fragment beats a missing one
+        sent = self.text[at:]
+        if text.startswith(sent):
+            return text[len(sent) :]
+        if sent.startswith(text):
+            # All sent already; and now the text at `end` is known, for the next
+            # event of the same engine, which starts there.
+            if end <= self.next_offset:
+                self._text_at.setdefault(end, at + len(text))
+            return ""
+        return text  # the engines decoded differently: keep it, as above
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseHistory:
+    """What a request's stream already holds, de-duplicated."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    # Set when the request already finished (or failed): do not run it again.
+    final: ResponseEvent | None = None
+
+    @property
+    def next_offset(self) -> int:
+        return len(self.token_ids)
+
+
+class ResponseWriter:
+    """Buffers an engine step's events and sends them in one pipeline."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        engine_id: str,
+        *,
+        ttl_seconds: int = RESPONSE_TTL_SECONDS,
+    ) -> None:
+        if not engine_id:
+            raise ValueError("engine_id must be non-empty")
+        if ttl_seconds < 1:
+            raise ValueError(f"ttl_seconds must be at least 1, got {ttl_seconds}")
+        self.client = client
+        self.keys = keys
+        self.engine_id = engine_id
+        self.ttl_seconds = ttl_seconds
+        self._buffer: list[tuple[str, ResponseEvent]] = []
+
+    def __len__(self) -> int:
+        """Events buffered and not yet flushed."""
+        return len(self._buffer)
+
+    def add(self, request_id: str, event: ResponseEvent) -> None:
+        if not request_id:
+            raise ValueError("request_id must be non-empty")
+        if event.offset < 0:
+            raise ValueError(f"event offset must be >= 0, got {event.offset}")
+        if not event.engine_id:
+            event = dataclasses.replace(event, engine_id=self.engine_id)
+        self._buffer.append((request_id, event))
+
+    def flush(self) -> int:
+        """Send every buffered event, in order; returns how many were sent.
+
+        On a Redis error the buffer is kept and the error raised: flushing again
+        may repeat events that did get through, which readers drop by offset.
+        """
+        if not self._buffer:
+            return 0
+        pipe = self.client.pipeline(transaction=False)
+        streams: dict[str, None] = {}
+        for request_id, event in self._buffer:
+            stream = self.keys.response_stream(request_id)
+            pipe.xadd(stream, event.to_fields())
+            streams[stream] = None
+        for stream in streams:
+            # After the XADDs: EXPIRE on a stream that does not exist yet is a no-op.
+            pipe.expire(stream, self.ttl_seconds)
+        pipe.execute()
+        sent = len(self._buffer)
+        self._buffer.clear()
+        return sent
+
+    def history(self, request_id: str) -> ResponseHistory:
+        """What was already sent for a request (by any engine), de-duplicated.
+
+        An engine taking over a re-delivered request skips it when `final` is set,
+        else resumes at `next_offset`. Raises ProtocolError on an unreadable event:
+        resuming from a history it cannot read could repeat or drop tokens.
+        """
+        dedup = ResponseDeduplicator()
+        stream = self.keys.response_stream(request_id)
+        low = "-"
+        while not dedup.done:
+            chunk = self.client.xrange(stream, min=low, max="+", count=_HISTORY_CHUNK)
+            for entry_id, fields in chunk:
+                dedup.accept(ResponseEvent.from_fields(fields))
+                low = f"({_str(entry_id)}"
+            if len(chunk) < _HISTORY_CHUNK:
+                break
+        return ResponseHistory(list(dedup.token_ids), dedup.text, dedup.final)
+
+
+# Longest single blocking read of a response stream.
+MAX_BLOCK_MS = 1000
+
+
+class ResponseReader:
+    """The gateway's side: reads a request's events as engines write them."""
+
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        self.client = client
+        self.keys = keys
+
+    def read(
+        self, request_id: str, last_id: str = "0-0", block_ms: int = 0
+    ) -> list[tuple[str, ResponseEvent]]:
+        """Events after `last_id`, as written (duplicates included).
+
+        block_ms=0 returns at once (unlike Redis, where BLOCK 0 waits forever).
+        Raises ProtocolError on an event it cannot read (gateway and engine speak
+        different protocol versions).
+        """
+        if block_ms < 0:
+            raise ValueError(f"block_ms must be >= 0, got {block_ms}")
+        stream = self.keys.response_stream(request_id)
+        reply = self.client.xread({stream: last_id}, block=block_ms or None)
+        events: list[tuple[str, ResponseEvent]] = []
+        for _name, entries in reply or []:
+            for entry_id, fields in entries:
+                events.append((_str(entry_id), ResponseEvent.from_fields(fields)))
+        return events
+
+    def events(
+        self, request_id: str, timeout: float, *, last_id: str = "0-0"
+    ) -> Iterator[ResponseEvent]:
+        """Yield the events a client should see, in order, ending with the final one.
+
+        Raises TimeoutError when `timeout` seconds pass without any new event (a
+        whole generation can take far longer than one wait, so the limit is per
+        event, not for the whole response).
+        """
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        dedup = ResponseDeduplicator()
+        last_event_at = time.monotonic()
+        while True:
+            left = timeout - (time.monotonic() - last_event_at)
+            if left <= 0:
+                raise TimeoutError(f"no response event for request {request_id!r} in {timeout:g} s")
+            # Short waits: a blocking read longer than the client's socket timeout
+            # (5 s by default in redis-py) fails instead of waiting.
+            wait_ms = max(1, min(int(left * 1000), MAX_BLOCK_MS))
+            batch = self.read(request_id, last_id, block_ms=wait_ms)
+            if batch:
+                last_event_at = time.monotonic()
+            for entry_id, event in batch:
+                last_id = entry_id
+                passed = dedup.accept(event)
+                if passed is not None:
+                    yield passed
+                if dedup.done:
+                    return
+
+
+def _str(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,68 @@
+"""WorkerSettings: how an engine service behaves, beyond the EngineConfig."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tandem.protocol import EngineInfo, Role
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    role: Role
+    # The served model name: the key of its streams and what clients ask for.
+    model_name: str
+    # Unique per process; the consumer name in the Redis groups.
+    engine_id: str
+    # host:port of the /healthz, /readyz, /metrics server.
+    http_address: str
+    # host:port of the KV server (PROMPT engines), else "".
+    kv_address: str = ""
+    # Identifies weights, dtype and KV layout: KV moves only between equal fingerprints.
+    fingerprint: str = ""
+    # How long a PROMPT engine keeps prefilled KV for a decoder to fetch.
+    handoff_ttl: float = 30.0
+    # Entries pending this long on a silent consumer are taken over.
+    claim_idle_ms: int = 30_000
+    # Deliveries after which a request fails instead of being retried again.
+    max_deliveries: int = 3
+    # How often held entries are marked alive, and the registry refreshed.
+    keep_alive_every: float = 5.0
+    heartbeat_every: float = 2.0
+    # An idle engine waits this long on Redis for work.
+    idle_block_ms: int = 50
+    # Pull only while fewer requests (and prompt tokens) wait in the engine.
+    max_waiting: int = 16
+    max_waiting_tokens: int = 16_384
+    # SIGTERM: running requests get this long to finish.
+    drain_timeout: float = 30.0
+    # A KV fetch taking longer than this falls back to recomputing.
+    kv_fetch_timeout: float = 10.0
+    started_at: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))
+        for name in ("claim_idle_ms", "max_deliveries", "max_waiting", "max_waiting_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("handoff_ttl", "drain_timeout", "kv_fetch_timeout", "keep_alive_every"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.keep_alive_every * 1000 >= self.claim_idle_ms:
+            raise ValueError(
+                f"keep_alive_every ({self.keep_alive_every}s) must be well below claim_idle_ms "
+                f"({self.claim_idle_ms} ms), or other engines would take over live requests"
+            )
+
+    def engine_info(self, *, draining: bool, **load: float) -> EngineInfo:
+        return EngineInfo(
+            engine_id=self.engine_id,
+            model=self.model_name,
+            role=str(self.role),
+            http_address=self.http_address,
+            kv_address=self.kv_address,
+            started_at=self.started_at,
+            draining=draining,
+            **load,
+        )

@@ -1,0 +1,337 @@
+"""EngineWorker: the engine's main loop as a service.
+
+Each turn of the loop:
+  1. apply what other threads reported (cancellations, KV fetches, KV fetched);
+  2. end requests past their deadline, free KV offers nobody fetched;
+  3. pull work from Redis, only as much as there is room for;
+  4. run one engine step and turn its outputs into response events;
+  5. flush the events, then acknowledge what is now durable (never before);
+  6. every few seconds: keep held entries alive, heartbeat the registry.
+
+Rules it keeps (docs/engine-service.md): an entry is acknowledged only once
+its outcome is written (finished, failed with a clear error, or handed off);
+an entry another engine left behind is resumed after the tokens the client
+already has, so nothing is lost or sent twice; SIGTERM stops the pulling and
+lets running requests finish.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tandem.engine.engine import Engine, EngineOutput
+from tandem.engine.request import SamplingParams
+from tandem.engine.scheduler import PromptTooLongError
+from tandem.engine.service.handoff_flow import HandoffFlow
+from tandem.engine.service.metrics import EngineMetrics
+from tandem.engine.service.redis_io import RedisIO
+from tandem.engine.service.settings import WorkerSettings
+from tandem.engine.service.work_queue import Delivery
+from tandem.protocol import ErrorCode, Handoff, ResponseEvent, Role, Usage, WorkItem
+
+
+@dataclass
+class Held:
+    """A request this engine works on, and the Redis entry that stays pending meanwhile."""
+
+    delivery: Delivery
+    work: WorkItem
+    # Output tokens the client already has (resumed or sent by a PROMPT engine).
+    sent: int = 0
+    first_token_at: float | None = None
+    cached_tokens: int = 0
+    # Set when a cancellation or deadline arrives while the KV is still being fetched.
+    end_with: tuple[ErrorCode, str] | None = field(default=None)
+
+
+class EngineWorker:
+    def __init__(
+        self,
+        engine: Engine,
+        settings: WorkerSettings,
+        io: RedisIO,
+        metrics: EngineMetrics,
+        handoffs: HandoffFlow | None = None,
+        *,
+        vote: Callable[[int], int] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.io = io
+        self.metrics = metrics
+        self.handoffs = handoffs
+        # Data-parallel ranks step together (all-reduce MIN across ranks): they
+        # vote each turn on whether anyone is busy and whether everyone is done.
+        self._vote = vote
+        self.held: dict[str, Held] = {}
+        self._to_ack: list[Delivery] = []
+        self._draining = False
+        self._drain_deadline = float("inf")
+        self._last_keep_alive = self._last_heartbeat = 0.0
+        self.last_loop_at = time.monotonic()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def drain(self) -> None:
+        """Stop taking work; finish what runs (SIGTERM)."""
+        if not self._draining:
+            self._draining = True
+            self._drain_deadline = time.monotonic() + self.settings.drain_timeout
+            self.io.heartbeat(self._engine_info(draining=True))
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def run(self) -> int:
+        try:
+            while not self._drained():
+                self.run_once()
+        finally:
+            self.io.deregister(self.settings.engine_id)
+        return 0
+
+    def _drained(self) -> bool:
+        done = self._draining and (self._idle() or time.monotonic() > self._drain_deadline)
+        if self._vote is not None:  # every rank must be done, or none leaves
+            done = self._vote(1 if done else 0) == 1
+        return done
+
+    def _idle(self) -> bool:
+        pinned = self.handoffs is not None and self.handoffs.num_offers > 0
+        return not self.engine.has_unfinished_requests() and not self.held and not pinned
+
+    def run_once(self) -> None:
+        self.last_loop_at = time.monotonic()
+        self._absorb()
+        self._expire()
+        busy = self.engine.has_unfinished_requests()
+        self._pull(block=not busy)
+        busy = self.engine.has_unfinished_requests()
+        if self._vote is not None:  # an idle rank steps (empty) while any rank works
+            busy = self._vote(0 if busy else 1) == 0
+        if busy:
+            self._publish(self.engine.step())
+            self.metrics.observe_step(self.engine)
+        self.io.responses.flush()
+        if self.handoffs is not None:
+            self.handoffs.publish_pending(self.io)
+        if self._to_ack:
+            self.io.queue.ack(self._to_ack)
+            self._to_ack.clear()
+        self._periodic()
+
+    # ---------------------------------------------------------------- input
+
+    def _absorb(self) -> None:
+        for rid in self.io.cancelled(list(self.held)):
+            self._end(rid, ErrorCode.CANCELLED, "the client cancelled the request")
+        if self.handoffs is not None:
+            for rid in self.handoffs.absorb(self.engine, self.metrics):
+                held = self.held.get(rid)
+                if held is not None and held.end_with is not None:
+                    self._end(rid, *held.end_with)
+
+    def _expire(self) -> None:
+        now = time.time()
+        for rid, held in list(self.held.items()):
+            deadline = held.work.deadline
+            if deadline is not None and now > deadline:
+                self._end(rid, ErrorCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+        if self.handoffs is not None:
+            self.handoffs.expire_offers(self.engine, now)
+
+    def _room(self) -> int:
+        """How many entries to take now: only what the engine can start soon."""
+        sched, cfg = self.engine.scheduler, self.engine.config
+        if self._draining or sched.kv_usage > cfg.cache_prefill_watermark:
+            return 0
+        in_flight = len(self.held)
+        if self.settings.role is Role.COMPLETION:
+            return max(0, cfg.max_num_seqs - in_flight)
+        if sched.waiting_prompt_tokens >= self.settings.max_waiting_tokens:
+            return 0
+        return max(
+            0, min(self.settings.max_waiting - sched.num_waiting, cfg.max_num_seqs - in_flight)
+        )
+
+    def _pull(self, *, block: bool) -> None:
+        room = self._room()
+        if room == 0:
+            if block:
+                time.sleep(self.settings.idle_block_ms / 1000)
+            return
+        result = self.io.queue.pull(room, self.settings.idle_block_ms if block else 0)
+        for delivery in result:
+            self._take(delivery)
+
+    def _take(self, delivery: Delivery) -> None:
+        message = delivery.message
+        work = message.work_item if isinstance(message, Handoff) else message
+        rid = work.request_id
+        if rid in self.held:  # re-delivered to us while we still work on it
+            return
+        if delivery.exhausted:
+            self._fail(
+                delivery,
+                work,
+                ErrorCode.REDELIVERY_LIMIT,
+                (
+                    f"request {rid} was given to engines {delivery.times_delivered} times and "
+                    "none finished it (they kept failing); not retrying"
+                ),
+            )
+            return
+        if self.io.is_cancelled(rid):
+            self._to_ack.append(delivery)
+            return
+        history = self.io.responses.history(rid) if delivery.reclaimed else None
+        if history is not None and history.final is not None:  # it finished elsewhere
+            self._to_ack.append(delivery)
+            return
+        if work.deadline is not None and time.time() > work.deadline:
+            self._fail(delivery, work, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed in queue")
+            return
+        sent = list(history.token_ids) if history else []
+        try:
+            params = SamplingParams(**work.sampling)
+            if isinstance(message, Handoff):
+                cached = self.handoffs.take(self.engine, message, params, sent, self.metrics)
+                self.held[rid] = Held(
+                    delivery,
+                    work,
+                    sent=max(len(sent), len(message.first_token_ids)),
+                    cached_tokens=cached,
+                )
+                return
+            self._add(work, params, sent)
+        except PromptTooLongError as exc:
+            self._fail(delivery, work, ErrorCode.PROMPT_TOO_LONG, str(exc))
+            return
+        except (ValueError, TypeError) as exc:
+            self._fail(delivery, work, ErrorCode.INVALID_REQUEST, str(exc))
+            return
+        self.held[rid] = Held(delivery, work, sent=len(sent))
+
+    def _add(self, work: WorkItem, params: SamplingParams, sent: list[int]) -> None:
+        engine = self.engine
+        ids = work.prompt_token_ids
+        if work.messages is not None:
+            if engine.tokenizer is None:
+                raise ValueError("this model has no tokenizer, so no chat template")
+            ids = engine.tokenizer.encode_chat(work.messages)
+        engine.add_request(
+            work.request_id,
+            work.prompt,
+            params,
+            prompt_token_ids=ids,
+            priority=work.priority,
+            generated_token_ids=sent,
+        )
+
+    # --------------------------------------------------------------- output
+
+    def _publish(self, outputs: list[EngineOutput]) -> None:
+        for out in outputs:
+            held = self.held.get(out.request_id)
+            if held is None:
+                continue
+            if out.new_token_ids:
+                self._send_tokens(held, out)
+            if out.finish_reason == "handoff":
+                self.handoffs.offer(self.engine, held.work, out, self.io)
+                self._release(held)
+                self.metrics.request_ended("handoff")
+            elif out.finished and out.finish_reason != "abort":
+                usage = Usage(
+                    out.num_prompt_tokens,
+                    out.num_output_tokens,
+                    max(out.num_cached_tokens, held.cached_tokens),
+                )
+                event = ResponseEvent.finish(
+                    out.num_output_tokens, out.finish_reason, usage, self.settings.engine_id
+                )
+                self.io.responses.add(out.request_id, event)
+                self._observe_finish(held, out)
+                self._release(held)
+                self.metrics.request_ended(out.finish_reason)
+
+    def _send_tokens(self, held: Held, out: EngineOutput) -> None:
+        offset = out.num_output_tokens - len(out.new_token_ids)
+        event = ResponseEvent.tokens(
+            offset, out.new_token_ids, out.text_delta, self.settings.engine_id
+        )
+        self.io.responses.add(out.request_id, event)
+        if held.first_token_at is None:
+            held.first_token_at = time.time()
+            if offset == 0:  # this engine produced the request's first token
+                self.metrics.ttft.observe(held.first_token_at - held.work.created_at)
+
+    def _observe_finish(self, held: Held, out: EngineOutput) -> None:
+        generated = out.num_output_tokens - held.sent
+        if held.first_token_at is not None and generated > 1:
+            span = time.time() - held.first_token_at
+            self.metrics.tpot.observe(span / (generated - 1))
+
+    def _release(self, held: Held) -> None:
+        """The outcome is written: acknowledge once the events are flushed."""
+        self.held.pop(held.work.request_id, None)
+        self._to_ack.append(held.delivery)
+
+    def _end(self, rid: str, code: ErrorCode, message: str) -> None:
+        """Cancel or time out a request: free its KV now, tell the client why."""
+        held = self.held.get(rid)
+        if held is None:
+            return
+        if self.handoffs is not None and self.handoffs.fetching(rid):
+            held.end_with = (code, message)  # its blocks are being written: wait
+            return
+        if self.handoffs is not None:
+            self.handoffs.drop(rid)
+        self.engine.abort(rid)
+        self._fail(held.delivery, held.work, code, message, offset=held.sent)
+        self.held.pop(rid, None)
+
+    def _drop(self, rid: str) -> None:
+        """Forget a request another engine now owns: free its KV, write and ack nothing."""
+        held = self.held.get(rid)
+        if held is None or (self.handoffs is not None and self.handoffs.fetching(rid)):
+            return  # a fetch in flight finishes first; the next keep-alive retries
+        if self.handoffs is not None:
+            self.handoffs.drop(rid)
+        self.engine.abort(rid)
+        self.held.pop(rid, None)
+
+    def _fail(
+        self, delivery: Delivery, work: WorkItem, code: ErrorCode, message: str, offset: int = 0
+    ) -> None:
+        event = ResponseEvent.error(code, message, self.settings.engine_id, offset)
+        self.io.responses.add(work.request_id, event)
+        self._to_ack.append(delivery)
+        self.metrics.request_ended(str(code))
+
+    # ------------------------------------------------------------ periodic
+
+    def _periodic(self) -> None:
+        now = time.monotonic()
+        if self.held and now - self._last_keep_alive > self.settings.keep_alive_every:
+            lost = self.io.queue.keep_alive([h.delivery for h in self.held.values()])
+            for delivery in lost:  # we stalled and another engine took it over: let it
+                self._drop(delivery.request_id)
+            self._last_keep_alive = now
+        if now - self._last_heartbeat > self.settings.heartbeat_every:
+            self.io.heartbeat(self._engine_info(draining=self._draining))
+            self.metrics.observe_queues(self.engine)
+            self._last_heartbeat = now
+
+    def _engine_info(self, *, draining: bool):
+        sched = self.engine.scheduler
+        return self.settings.engine_info(
+            draining=draining,
+            kv_usage=sched.kv_usage,
+            running=sched.num_running,
+            waiting=sched.num_waiting,
+            waiting_prompt_tokens=sched.waiting_prompt_tokens,
+        )

@@ -1,0 +1,299 @@
+"""The contract between gateway and engines: Redis key names and message formats.
+
+Both sides import this module and nothing of each other. Everything crossing
+Redis is a versioned JSON document in one stream field ("data"), so a field
+can be added without breaking readers, and a reader refuses a major version it
+does not know instead of misreading it.
+
+Request path (docs/protocol.md has the whole story):
+
+    gateway  --XADD WorkItem-->      work stream {model} per priority   (group "engines")
+    PROMPT   --XADD Handoff-->       handoff stream {model}             (group "decoders")
+    engines  --XADD ResponseEvent--> response stream per request        (gateway XREADs)
+    gateway  --SET + PUBLISH-->      cancel key and channel
+    engines  --SET (TTL)-->          registry entry per engine          (heartbeat)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, ClassVar
+
+PROTOCOL_VERSION = 1
+
+# Priority levels, highest first: engines take work from higher levels first.
+PRIORITY_HIGH, PRIORITY_NORMAL, PRIORITY_LOW = 2, 1, 0
+PRIORITIES = (PRIORITY_HIGH, PRIORITY_NORMAL, PRIORITY_LOW)
+
+# Consumer groups.
+WORK_GROUP = "engines"
+HANDOFF_GROUP = "decoders"
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be read: bad JSON, wrong version, missing fields."""
+
+
+class Role(StrEnum):
+    NORMAL = "normal"
+    PROMPT = "prompt"
+    COMPLETION = "completion"
+
+
+class ErrorCode(StrEnum):
+    """Why a request failed, as the engine reports it; the gateway maps it to HTTP."""
+
+    PROMPT_TOO_LONG = "prompt_too_long"  # 400, message names both lengths
+    INVALID_REQUEST = "invalid_request"  # 400: bad sampling parameters, bad token ids
+    DEADLINE_EXCEEDED = "deadline_exceeded"  # 504
+    CANCELLED = "cancelled"  # the client went away
+    REDELIVERY_LIMIT = "redelivery_limit"  # 503: engines kept dying while serving it
+    ENGINE_ERROR = "engine_error"  # 500: a bug; the message says what
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Every Redis key and channel name, under one prefix (tests use their own).
+
+    Work and handoff streams of a model share the hash tag {model}, so one
+    XREADGROUP over all priorities stays on one Redis Cluster slot.
+    """
+
+    prefix: str = "tandem"
+
+    def work_stream(self, model: str, priority: int) -> str:
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")
+        return f"{self.prefix}:{{{model}}}:work:p{priority}"
+
+    def work_streams(self, model: str) -> list[str]:
+        """All work streams of a model, highest priority first."""
+        return [self.work_stream(model, p) for p in PRIORITIES]
+
+    def handoff_stream(self, model: str) -> str:
+        return f"{self.prefix}:{{{model}}}:handoff"
+
+    def queued_tokens(self, model: str) -> str:
+        """Counter of (estimated) prompt tokens queued and not yet taken by an engine."""
+        return f"{self.prefix}:{{{model}}}:queued_tokens"
+
+    def response_stream(self, request_id: str) -> str:
+        return f"{self.prefix}:resp:{request_id}"
+
+    def cancel_key(self, request_id: str) -> str:
+        return f"{self.prefix}:cancel:{request_id}"
+
+    @property
+    def cancel_channel(self) -> str:
+        return f"{self.prefix}:cancel"
+
+    def engine_key(self, engine_id: str) -> str:
+        return f"{self.prefix}:engine:{engine_id}"
+
+    @property
+    def engines_set(self) -> str:
+        return f"{self.prefix}:engines"
+
+
+# How long a response stream lives after its last event: long enough for a
+# slow client and for an engine that re-delivers the request to see it ended.
+RESPONSE_TTL_SECONDS = 600
+# A cancellation is remembered this long (a request queued longer is rare).
+CANCEL_TTL_SECONDS = 3600
+# A registry entry expires this long after the engine's last heartbeat.
+ENGINE_TTL_SECONDS = 10
+
+
+class _Message:
+    """JSON round trip with a version check, for the dataclasses below."""
+
+    KIND: ClassVar[str]
+
+    def to_fields(self) -> dict[str, str]:
+        body = dataclasses.asdict(self)  # type: ignore[call-overload]
+        return {"v": str(PROTOCOL_VERSION), "kind": self.KIND, "data": json.dumps(body)}
+
+    @classmethod
+    def from_fields(cls, fields: dict[Any, Any]):
+        fields = {_text(k): _text(v) for k, v in fields.items()}
+        try:
+            version = int(fields["v"])
+            kind = fields["kind"]
+            body = json.loads(fields["data"])
+        except (KeyError, ValueError) as exc:
+            raise ProtocolError(f"unreadable {cls.__name__}: {exc}") from None
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"{cls.__name__} has protocol version {version}; this side speaks "
+                f"{PROTOCOL_VERSION}: upgrade gateway and engines together"
+            )
+        if kind != cls.KIND:
+            raise ProtocolError(f"expected a {cls.KIND!r} message, got {kind!r}")
+        return cls._from_dict(body)
+
+    @classmethod
+    def _from_dict(cls, body: dict[str, Any]):
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        missing = [
+            f.name
+            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+            if f.name not in body
+            and f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+        ]
+        if missing:
+            raise ProtocolError(f"{cls.__name__} lacks {', '.join(missing)}")
+        # Unknown fields come from a newer minor revision: ignore them.
+        return cls(**{k: v for k, v in body.items() if k in names})
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass
+class WorkItem(_Message):
+    """A request as the gateway queues it; the engine tokenizes and validates."""
+
+    KIND: ClassVar[str] = "work"
+
+    request_id: str
+    model: str
+    # Exactly one of prompt (completions), messages (chat) or prompt_token_ids.
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    prompt_token_ids: list[int] | None = None
+    # SamplingParams fields (max_tokens, temperature, top_p, top_k, seed, stop,
+    # stop_token_ids, ignore_eos), validated by the engine.
+    sampling: dict[str, Any] = field(default_factory=dict)
+    priority: int = PRIORITY_NORMAL
+    # Unix seconds: when the gateway queued it, and when it must be done by.
+    created_at: float = field(default_factory=time.time)
+    deadline: float | None = None
+    # The gateway's estimate, for the queued-tokens counter the autoscaler reads.
+    estimated_prompt_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        given = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))
+        if given != 1:
+            raise ProtocolError(
+                f"work item {self.request_id!r} needs exactly one of prompt, messages, "
+                f"prompt_token_ids ({given} given)"
+            )
+
+
+@dataclass
+class Handoff(_Message):
+    """A prefilled request whose KV a PROMPT engine holds for a COMPLETION engine."""
+
+    KIND: ClassVar[str] = "handoff"
+
+    work: dict[str, Any]  # the WorkItem, as a dict (see .work_item)
+    prompt_token_ids: list[int]
+    # Tokens the prefill sampled (already sent to the client).
+    first_token_ids: list[int]
+    # Where the KV is: the PROMPT engine's KV server, and the handle to ask for.
+    kv_address: str
+    kv_handle: str
+    # Tokens of KV on offer (the prompt), and what they must match.
+    num_kv_tokens: int
+    fingerprint: str
+    prompt_engine: str
+    # Unix seconds after which the PROMPT engine frees the KV: recompute instead.
+    expires_at: float
+    # Prompt tokens the PROMPT engine served from its prefix cache (for usage).
+    num_cached_tokens: int = 0
+
+    @property
+    def work_item(self) -> WorkItem:
+        return WorkItem._from_dict(self.work)
+
+
+class EventKind(StrEnum):
+    TOKENS = "tokens"
+    FINISH = "finish"
+    ERROR = "error"
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass
+class ResponseEvent(_Message):
+    """One event of a request's response stream.
+
+    `offset` is the number of output tokens sent before this event: a reader
+    that has seen more skips the overlap, so an engine that resumes a request
+    after another died never makes the client see a token twice.
+    """
+
+    KIND: ClassVar[str] = "event"
+
+    event: str  # an EventKind
+    offset: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" on FINISH
+    usage: dict[str, int] | None = None  # a Usage on FINISH
+    error_code: str | None = None  # an ErrorCode on ERROR
+    error_message: str | None = None
+    engine_id: str = ""
+
+    @classmethod
+    def tokens(cls, offset: int, token_ids: list[int], text: str, engine_id: str):
+        return cls(EventKind.TOKENS, offset, list(token_ids), text, engine_id=engine_id)
+
+    @classmethod
+    def finish(cls, offset: int, reason: str, usage: Usage, engine_id: str):
+        return cls(
+            EventKind.FINISH,
+            offset,
+            finish_reason=reason,
+            usage=dataclasses.asdict(usage),
+            engine_id=engine_id,
+        )
+
+    @classmethod
+    def error(cls, code: ErrorCode, message: str, engine_id: str, offset: int = 0):
+        return cls(
+            EventKind.ERROR,
+            offset,
+            error_code=str(code),
+            error_message=message,
+            engine_id=engine_id,
+        )
+
+    @property
+    def is_final(self) -> bool:
+        return self.event in (EventKind.FINISH, EventKind.ERROR)
+
+
+@dataclass
+class EngineInfo(_Message):
+    """An engine's registry entry, refreshed by its heartbeat."""
+
+    KIND: ClassVar[str] = "engine"
+
+    engine_id: str
+    model: str  # the served model name
+    role: str  # a Role
+    # host:port of its HTTP server (/healthz, /readyz, /metrics).
+    http_address: str
+    # host:port of its KV server (PROMPT engines), else "".
+    kv_address: str = ""
+    started_at: float = field(default_factory=time.time)
+    heartbeat_at: float = field(default_factory=time.time)
+    draining: bool = False
+    # Load at the last heartbeat.
+    kv_usage: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    waiting_prompt_tokens: int = 0

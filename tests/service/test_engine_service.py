@@ -1,0 +1,213 @@
+"""Engine processes serving from a real Redis: results, handoff, crashes, drain.
+
+Every engine here is a real `tandem engine` process on a tiny seeded random
+model; requests go in through the protocol module exactly as the gateway
+sends them.
+"""
+
+import time
+
+import pytest
+import redis
+from support.engines import Client, EngineProcess
+
+from tandem.engine import LLM, SamplingParams
+from tandem.protocol import HANDOFF_GROUP, ErrorCode, EventKind, Handoff, WorkItem
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The offline engine on the same seeded weights: what every service path must match."""
+    llm = LLM("random:tiny", max_model_len=256, num_kv_blocks=128)
+
+    def greedy(prompt_token_ids, max_tokens):
+        params = SamplingParams(max_tokens=max_tokens, **GREEDY)
+        return llm.generate(prompt_token_ids=[prompt_token_ids], sampling_params=params)[0]
+
+    return greedy
+
+
+@pytest.fixture
+def engines(redis_url, keys, tmp_path):
+    started = []
+
+    def start(role, *extra, wait=True):
+        proc = EngineProcess(role, redis_url, keys, list(extra), log_dir=tmp_path).start()
+        started.append(proc)
+        return proc.wait_ready() if wait else proc
+
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+@pytest.fixture
+def client(redis_url, keys):
+    c = Client(redis_url, keys)
+    yield c
+    c.close()
+
+
+def eventually(check, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+PROMPT = [5, 9, 17, 33, 2, 101, 77, 4, 8, 15, 16, 23, 42]
+
+
+def test_normal_engine_streams_what_the_offline_engine_generates(engines, client, reference):
+    engines("normal")
+    rid = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 24, **GREEDY})
+    answer = client.answer(rid)
+    expected = reference(PROMPT, 24)
+    assert answer.ok and answer.final.finish_reason == "length"
+    assert answer.token_ids == expected.token_ids
+    assert answer.text == expected.text
+    assert answer.final.usage == {"prompt_tokens": 13, "completion_tokens": 24, "cached_tokens": 0}
+
+
+def test_prompt_and_completion_engines_match_normal_and_really_move_kv(engines, client, reference):
+    prompt = engines("prompt")
+    decode = engines("completion")
+    rid = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 24, **GREEDY})
+    answer = client.answer(rid)
+    assert answer.ok
+    assert answer.token_ids == reference(PROMPT, 24).token_ids
+    assert answer.engines == {prompt.engine_id, decode.engine_id}
+    assert decode.metric("tandem_engine_kv_transfer_bytes_total") > 0
+    assert decode.metric("tandem_engine_kv_transfer_failures_total") == 0
+    # The decoder never prefilled: every token it computed was a decode token.
+    assert decode.metric("tandem_engine_scheduled_tokens_total", kind="prefill") == 0
+    # Freed after the fetch (the gauge follows within a heartbeat).
+    assert eventually(lambda: prompt.metric("tandem_engine_kv_pinned_requests") == 0)
+
+
+def test_bad_requests_end_with_clear_errors(engines, client):
+    engines("normal")
+    too_long = client.submit(prompt_token_ids=[1] * 300)
+    bad_params = client.submit(prompt_token_ids=[1, 2], sampling={"max_tokens": 0})
+    unknown_param = client.submit(prompt_token_ids=[1, 2], sampling={"max_tokns": 5})
+    out_of_vocab = client.submit(prompt_token_ids=[1, 99999])
+    a, b, c, d = (
+        client.answer(r).final for r in (too_long, bad_params, unknown_param, out_of_vocab)
+    )
+    assert a.error_code == ErrorCode.PROMPT_TOO_LONG
+    assert "has 300 tokens, more than this engine's limit of 256" in a.error_message
+    assert (
+        b.error_code == ErrorCode.INVALID_REQUEST
+        and "max_tokens must be at least 1" in b.error_message
+    )
+    assert c.error_code == ErrorCode.INVALID_REQUEST and "max_tokns" in c.error_message
+    assert d.error_code == ErrorCode.INVALID_REQUEST and "outside the vocabulary" in d.error_message
+
+
+def _pending(redis_url, stream, group):
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return client.xpending(stream, group)["pending"]
+    finally:
+        client.close()
+
+
+def test_kill_9_of_a_decoder_mid_decode_loses_nothing(engines, client, reference, redis_url, keys):
+    engines("prompt")
+    claim = ("--claim-idle-ms", "1500")
+    first = engines("completion", *claim)
+    rid = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 200, **GREEDY})
+    seen = 0
+    for event in client.events(rid, timeout=60):
+        if event.engine_id == first.engine_id and event.event == EventKind.TOKENS:
+            seen += len(event.token_ids)
+            if seen >= 10:
+                break
+    first.kill()  # mid-decode: its handoff entry stays pending
+    second = engines("completion", *claim)
+    started = time.monotonic()
+    answer = client.answer(rid, timeout=60)
+    assert answer.ok, answer.final
+    assert answer.token_ids == reference(PROMPT, 200).token_ids  # resumed, no token twice
+    assert second.engine_id in answer.engines
+    assert time.monotonic() - started < 30
+    assert _pending(redis_url, keys.handoff_stream("tiny"), HANDOFF_GROUP) == 0
+
+
+def test_kill_9_of_the_prompt_engine_before_the_fetch_recomputes(
+    engines, client, reference, redis_url, keys
+):
+    prompt = engines("prompt")
+    rid = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 20, **GREEDY})
+    conn = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + 30
+    while conn.xlen(keys.handoff_stream("tiny")) == 0:  # no decoder yet: the handoff waits
+        assert time.monotonic() < deadline, "no handoff published"
+        time.sleep(0.05)
+    conn.close()
+    prompt.kill()
+    decode = engines("completion")
+    answer = client.answer(rid)
+    assert answer.ok and answer.token_ids == reference(PROMPT, 20).token_ids
+    assert decode.metric("tandem_engine_kv_transfer_failures_total", reason="unreachable") == 1
+
+
+def test_a_handoff_with_another_model_fingerprint_is_refused_and_recomputed(
+    engines, client, reference, redis_url, keys
+):
+    decode = engines("completion")
+    work = WorkItem(
+        "forged", "tiny", prompt_token_ids=PROMPT, sampling={"max_tokens": 12, **GREEDY}
+    )
+    first = reference(PROMPT, 1).token_ids
+    handoff = Handoff(
+        work=work.__dict__,
+        prompt_token_ids=PROMPT,
+        first_token_ids=first,
+        kv_address="127.0.0.1:1",
+        kv_handle="forged",
+        num_kv_tokens=len(PROMPT),
+        fingerprint="another-model",
+        prompt_engine="nobody",
+        expires_at=time.time() + 60,
+    )
+    conn = redis.Redis.from_url(redis_url)
+    conn.xadd(keys.handoff_stream("tiny"), handoff.to_fields())
+    conn.close()
+    answer = client.answer("forged")
+    assert answer.ok
+    assert first + answer.token_ids == reference(PROMPT, 12).token_ids
+    assert decode.metric("tandem_engine_kv_transfer_failures_total", reason="mismatch") == 1
+
+
+def test_sigterm_drains_running_requests_takes_no_new_ones_and_exits_0(engines, client, reference):
+    engine = engines("normal", "--drain-timeout", "60")
+    rid = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 150, **GREEDY})
+    for event in client.events(rid, timeout=60):
+        if event.event == EventKind.TOKENS:
+            break  # it is running
+    engine.process.send_signal(15)
+    time.sleep(0.3)
+    late = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 5, **GREEDY})
+    assert engine.process.wait(timeout=60) == 0
+    assert client.answer(rid).token_ids == reference(PROMPT, 150).token_ids
+    # The late request is still queued for another engine.
+    other = engines("normal")
+    assert client.answer(late).ok and other.engine_id in client.answer(late).engines
+
+
+def test_two_data_parallel_ranks_vote_through_gloo_and_serve(engines, client, reference):
+    # At most two waiting requests per rank: both ranks must take work.
+    engines("normal", "--data-parallel-size", "2", "--max-waiting", "2")
+    prompts = [PROMPT[: 5 + i] for i in range(6)]
+    rids = [
+        client.submit(prompt_token_ids=p, sampling={"max_tokens": 12, **GREEDY}) for p in prompts
+    ]
+    answers = [client.answer(r) for r in rids]
+    assert all(a.ok for a in answers)
+    assert [a.token_ids for a in answers] == [reference(p, 12).token_ids for p in prompts]
+    assert len(set().union(*(a.engines for a in answers))) == 2  # both ranks served

@@ -1,0 +1,333 @@
+"""KV transfer between a PROMPT and a COMPLETION engine over real localhost sockets."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+
+import pytest
+import torch
+
+from tandem.engine.service.kv_transfer import (
+    KVLayout,
+    KVServer,
+    KVTransferError,
+    PinnedKV,
+    TCPTransport,
+    fetch_kv,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+BLOCKS, BLOCK_SIZE = 16, 4
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+TOKENS = 37  # ends in a partial block
+LAYER_BYTES = TOKENS * LAYOUT.layer_token_bytes
+
+
+def caches(layout: KVLayout, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (2, BLOCKS, BLOCK_SIZE, layout.num_kv_heads, layout.head_dim)
+    return [torch.randn(shape, generator=gen).to(layout.dtype) for _ in range(layout.num_layers)]
+
+
+def scattered_slots(num_tokens: int, seed: int) -> torch.Tensor:
+    """Slots of positions 0..num_tokens-1 on a random block table, as an engine has them."""
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randperm(BLOCKS, generator=gen)[: -(-num_tokens // BLOCK_SIZE)]
+    positions = torch.arange(num_tokens)
+    return table[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+
+
+def rows(kv_caches: list[torch.Tensor], slots: torch.Tensor) -> list[torch.Tensor]:
+    return [c.view(2, -1, c.shape[3], c.shape[4])[:, slots] for c in kv_caches]
+
+
+class Offers:
+    """What a PROMPT engine gives the server: pinned KV by handle, and fetched handles."""
+
+    def __init__(self, *pinned: PinnedKV) -> None:
+        self.pinned = {p.handle: p for p in pinned}
+        self.fetched: list[str] = []
+        self.any_fetched = threading.Event()
+
+    def lookup(self, handle: str) -> PinnedKV | None:
+        return self.pinned.get(handle)
+
+    def on_fetched(self, handle: str) -> None:
+        self.fetched.append(handle)
+        self.any_fetched.set()
+
+
+@contextmanager
+def serving(src: list[torch.Tensor], offers: Offers, **options: object) -> Iterator[KVServer]:
+    server = KVServer(src, LAYOUT, offers.lookup, offers.on_fetched, "127.0.0.1", **options)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_copies_exactly_the_requests_rows(dtype):
+    layout = KVLayout(3, 2, 8, dtype)
+    src, dst = caches(layout, seed=1), caches(layout, seed=2)
+    before = [c.clone() for c in dst]
+    src_slots, dst_slots = scattered_slots(TOKENS, seed=3), scattered_slots(TOKENS, seed=4)
+    offers = Offers(PinnedKV("req-1", src_slots, "fp"))
+    # Frames of 3 tokens: every layer takes many frames, the last one partial.
+    server = KVServer(src, layout, offers.lookup, offers.on_fetched, "127.0.0.1", frame_bytes=200)
+    address = server.start()
+    try:
+        stats = fetch_kv(address, "req-1", "fp", TOKENS, dst_slots, dst, layout, timeout=10)
+        assert offers.any_fetched.wait(5)
+    finally:
+        server.stop()
+    assert offers.fetched == ["req-1"]
+    assert (stats.bytes, stats.layers) == (TOKENS * layout.bytes_per_token, 3)
+    for got, want in zip(rows(dst, dst_slots), rows(src, src_slots), strict=True):
+        assert torch.equal(got, want)
+    untouched = torch.ones(BLOCKS * BLOCK_SIZE, dtype=torch.bool)
+    untouched[dst_slots] = False
+    for got, old in zip(dst, before, strict=True):
+        flat, old_flat = got.view(2, -1, 2, 8), old.view(2, -1, 2, 8)
+        assert torch.equal(flat[:, untouched], old_flat[:, untouched])
+
+
+def fetch_error(address: str, handle: str = "req-1", **overrides: object) -> KVTransferError:
+    args = dict(fingerprint="fp", num_tokens=TOKENS, dest_slots=scattered_slots(TOKENS, 4))
+    args.update(kv_caches=caches(LAYOUT, 2), layout=LAYOUT, timeout=5.0)
+    args.update(overrides)
+    with pytest.raises(KVTransferError) as info:
+        fetch_kv(address, handle, **args)  # type: ignore[arg-type]
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("case", "reason", "words"),
+    [
+        ("unknown handle", "refused", "unknown or expired"),
+        ("fingerprint", "mismatch", "fingerprint"),
+        ("token count", "mismatch", "tokens"),
+        ("layout", "mismatch", "layout"),
+    ],
+)
+def test_refusals_raise_their_reason_and_free_nothing(case, reason, words):
+    offers = Offers(PinnedKV("req-1", scattered_slots(TOKENS, 3), "fp"))
+    other = KVLayout(3, 2, 16, torch.float32)
+    overrides = {
+        "unknown handle": {"handle": "nope"},
+        "fingerprint": {"fingerprint": "other-weights"},
+        "token count": {"num_tokens": TOKENS - 1, "dest_slots": scattered_slots(TOKENS - 1, 4)},
+        "layout": {"layout": other, "kv_caches": caches(other, 2)},
+    }[case]
+    with serving(caches(LAYOUT, 1), offers) as server:
+        error = fetch_error(server.address, **overrides)
+    assert error.reason == reason
+    assert words in str(error)
+    assert offers.fetched == []  # stop() waited for the server's threads
+
+
+def test_kv_released_during_the_transfer_is_refused():
+    pinned = PinnedKV("req-1", scattered_slots(TOKENS, 3), "fp")
+    offers = Offers(pinned)
+    looked_up = []
+
+    def lookup(handle: str) -> PinnedKV | None:
+        looked_up.append(handle)
+        return pinned if len(looked_up) == 1 else None  # expired after the first look
+
+    server = KVServer(caches(LAYOUT, 1), LAYOUT, lookup, offers.on_fetched, "127.0.0.1")
+    server.start()
+    try:
+        error = fetch_error(server.address)
+    finally:
+        server.stop()
+    assert error.reason == "refused"
+    assert "released during the transfer" in str(error)
+    assert offers.fetched == []
+
+
+def test_nothing_listening_is_unreachable():
+    probe = socket.create_server(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    assert fetch_error(f"127.0.0.1:{port}").reason == "unreachable"
+
+
+def test_stopped_server_is_unreachable():
+    offers = Offers(PinnedKV("req-1", scattered_slots(TOKENS, 3), "fp"))
+    with serving(caches(LAYOUT, 1), offers) as server:
+        address = server.address
+    assert fetch_error(address).reason == "unreachable"
+    assert offers.fetched == []
+
+
+def test_stop_cuts_a_connection_that_never_asks():
+    offers = Offers(PinnedKV("req-1", scattered_slots(TOKENS, 3), "fp"))
+    with serving(caches(LAYOUT, 1), offers) as server:
+        idle = socket.create_connection(("127.0.0.1", int(server.address.rsplit(":", 1)[1])))
+        time.sleep(0.05)  # let a worker take it and wait for its request
+        start = time.monotonic()
+    elapsed = time.monotonic() - start
+    assert idle.recv(1) == b""  # the server closed it
+    idle.close()
+    assert elapsed < 2  # not the 30 s io_timeout
+
+
+def test_layout_of_caches():
+    assert KVLayout.of(caches(LAYOUT, 1)) == LAYOUT
+    strided = [c.transpose(3, 4) for c in caches(LAYOUT, 1)]
+    with pytest.raises(ValueError, match="contiguous"):
+        KVLayout.of(strided)
+    with pytest.raises(ValueError, match="positive int"):
+        KVLayout(0, 2, 8, torch.float32)
+
+
+def test_silent_server_times_out():
+    silent = socket.create_server(("127.0.0.1", 0))  # the kernel accepts; nobody answers
+    port = silent.getsockname()[1]
+    try:
+        start = time.monotonic()
+        error = fetch_error(f"127.0.0.1:{port}", timeout=0.3)
+        elapsed = time.monotonic() - start
+    finally:
+        silent.close()
+    assert error.reason == "timeout"
+    assert elapsed < 2
+
+
+class Proxy:
+    """Relays one connection to `target`; cuts or corrupts the server's bytes at an offset."""
+
+    def __init__(self, target: str, at: int, corrupt: bool) -> None:
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.at, self.corrupt = at, corrupt
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._relay, daemon=True)
+        self.thread.start()
+
+    def _relay(self) -> None:
+        client, _ = self.listener.accept()
+        server = socket.create_connection(self.target)
+        threading.Thread(target=_pipe, args=(client, server), daemon=True).start()
+        sent = 0
+        try:
+            while chunk := bytearray(server.recv(1 << 16)):
+                if sent <= self.at < sent + len(chunk):
+                    if not self.corrupt:
+                        client.sendall(chunk[: self.at - sent])
+                        return  # the server "dies" mid-frame
+                    chunk[self.at - sent] ^= 0x5A
+                client.sendall(chunk)
+                sent += len(chunk)
+        except OSError:
+            pass  # the client gave up
+        finally:
+            for sock in (client, server):
+                with suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)  # close() would not wake _pipe's recv
+                sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+        self.thread.join(5)
+
+
+def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    """Client to server: requests and the ack; the client's end is passed on."""
+    with suppress(OSError):  # a client that closes with unread data resets the connection
+        while data := source.recv(1 << 16):
+            sink.sendall(data)
+    with suppress(OSError):
+        sink.shutdown(socket.SHUT_WR)
+
+
+@pytest.mark.parametrize(("corrupt", "reason"), [(False, "unreachable"), (True, "checksum")])
+def test_server_dying_or_corrupting_mid_stream(corrupt, reason):
+    offers = Offers(PinnedKV("req-1", scattered_slots(TOKENS, 3), "fp"))
+    # One frame per layer; the offset lands mid-payload of layer 1's frame whatever the
+    # few hundred bytes of JSON header before the frames.
+    with serving(caches(LAYOUT, 1), offers, frame_bytes=1 << 20) as server:
+        proxy = Proxy(server.address, at=LAYER_BYTES * 3 // 2 + 200, corrupt=corrupt)
+        try:
+            error = fetch_error(proxy.address)
+        finally:
+            proxy.close()
+    assert error.reason == reason
+    assert offers.fetched == []
+
+
+def test_two_fetches_at_once_from_one_server():
+    tokens = 60
+    src = caches(LAYOUT, seed=1)
+    slots = {"a": scattered_slots(tokens, 5), "b": scattered_slots(tokens, 6)}
+    dests = {"a": scattered_slots(tokens, 7), "b": scattered_slots(tokens, 8)}
+    dst = {h: caches(LAYOUT, seed=9) for h in slots}
+    offers = Offers(*(PinnedKV(h, s, f"fp-{h}") for h, s in slots.items()))
+    transport = TCPTransport(host="127.0.0.1")
+    server = transport.serve(src, LAYOUT, offers.lookup, offers.on_fetched)
+    address = server.start()
+    start = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def fetch(handle: str) -> None:
+        start.wait()
+        try:
+            transport.fetch(
+                address, handle, f"fp-{handle}", tokens, dests[handle], dst[handle], LAYOUT, 10.0
+            )
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=fetch, args=(h,)) for h in slots]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    server.stop()
+    assert errors == []
+    assert sorted(offers.fetched) == ["a", "b"]
+    for handle in slots:
+        for got, want in zip(
+            rows(dst[handle], dests[handle]), rows(src, slots[handle]), strict=True
+        ):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        ({"dest_slots": scattered_slots(TOKENS - 1, 4)}, "shape"),
+        ({"dest_slots": torch.full((TOKENS,), BLOCKS * BLOCK_SIZE)}, "outside"),
+        ({"dest_slots": scattered_slots(TOKENS, 4).int()}, "long"),
+        ({"timeout": 0}, "timeout"),
+        ({"kv_caches": caches(LAYOUT, 2)[:2]}, "2 KV caches"),
+    ],
+)
+def test_bad_arguments_raise_value_error(overrides, words):
+    args = dict(fingerprint="fp", num_tokens=TOKENS, dest_slots=scattered_slots(TOKENS, 4))
+    args.update(kv_caches=caches(LAYOUT, 2), layout=LAYOUT, timeout=5.0)
+    args.update(overrides)
+    with pytest.raises(ValueError, match=words):
+        fetch_kv("127.0.0.1:1", "req-1", **args)  # type: ignore[arg-type]
+
+
+def test_address_without_port_raises_value_error():
+    with pytest.raises(ValueError, match="host:port"):
+        fetch_kv(
+            "kv-server",
+            "req-1",
+            "fp",
+            TOKENS,
+            scattered_slots(TOKENS, 4),
+            caches(LAYOUT, 2),
+            LAYOUT,
+            5.0,
+        )

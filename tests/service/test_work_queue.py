@@ -1,0 +1,289 @@
+"""WorkQueue against a real Redis: priorities, reclaiming, acks, counters, depth."""
+
+import dataclasses
+import threading
+import time
+
+import pytest
+
+from tandem.engine.service.work_queue import (
+    TOKENS_FIELD,
+    WorkQueue,
+    enqueue,
+    queue_depth,
+)
+from tandem.protocol import (
+    PRIORITY_HIGH,
+    PRIORITY_LOW,
+    PRIORITY_NORMAL,
+    WORK_GROUP,
+    Handoff,
+    Role,
+    WorkItem,
+)
+
+MODEL = "m"
+IDLE_MS = 200
+
+
+def item(request_id, priority=PRIORITY_NORMAL, tokens=0):
+    return WorkItem(
+        request_id=request_id,
+        model=MODEL,
+        prompt_token_ids=[1, 2, 3],
+        priority=priority,
+        estimated_prompt_tokens=tokens,
+    )
+
+
+@pytest.fixture
+def queue(redis_client, keys):
+    def make(consumer="e1", role=Role.NORMAL, **kwargs):
+        kwargs.setdefault("claim_idle_ms", IDLE_MS)
+        return WorkQueue(redis_client, keys, MODEL, role, consumer, **kwargs)
+
+    return make
+
+
+def ids(deliveries):
+    return [d.request_id for d in deliveries]
+
+
+def counter(redis_client, keys):
+    return int(redis_client.get(keys.queued_tokens(MODEL)) or 0)
+
+
+def test_higher_priorities_first_and_max_items_across_streams(redis_client, keys, queue):
+    q = queue()
+    for n in range(2):
+        enqueue(redis_client, keys, item(f"low{n}", PRIORITY_LOW))
+        enqueue(redis_client, keys, item(f"normal{n}", PRIORITY_NORMAL))
+        enqueue(redis_client, keys, item(f"high{n}", PRIORITY_HIGH))
+    assert ids(q.pull(1).work) == ["high0"]
+    assert ids(q.pull(2).work) == ["high1", "normal0"]
+    assert ids(q.pull(10).work) == ["normal1", "low0", "low1"]
+    assert not q.pull(10)
+    enqueue(redis_client, keys, item("x"))
+    (d,) = q.pull(5).work  # a new entry: delivered once, not reclaimed
+    assert (d.times_delivered, d.reclaimed, d.stream) == (1, False, keys.work_stream(MODEL, 1))
+
+
+def test_dead_consumer_entries_are_reclaimed_until_exhausted(redis_client, keys, queue):
+    dead = queue("dead", max_deliveries=3)
+    for n in range(2):
+        enqueue(redis_client, keys, item(f"r{n}", tokens=5))
+    assert [d.times_delivered for d in dead.pull(5).work] == [1, 1]
+
+    survivor = queue("survivor", max_deliveries=3)
+    assert not survivor.pull(5).work  # not idle long enough yet
+    for times in (2, 3):
+        time.sleep(IDLE_MS * 1.5 / 1000)
+        pulled = queue(f"taker{times}", max_deliveries=3).pull(5)
+        assert [(d.request_id, d.times_delivered, d.reclaimed) for d in pulled.work] == [
+            ("r0", times, True),
+            ("r1", times, True),
+        ]
+    time.sleep(IDLE_MS * 1.5 / 1000)
+    pulled = survivor.pull(5)
+    assert pulled.work == []
+    assert [(d.request_id, d.times_delivered) for d in pulled.exhausted] == [("r0", 4), ("r1", 4)]
+    assert all(d.exhausted for d in pulled) and len(pulled) == 2
+    assert survivor.ack(pulled.exhausted) == 2
+    assert redis_client.xpending(keys.work_stream(MODEL, 1), WORK_GROUP)["pending"] == 0
+
+
+def test_exhausted_entries_take_no_room(redis_client, keys, queue):
+    enqueue(redis_client, keys, item("old", PRIORITY_HIGH))
+    queue("dead", max_deliveries=1).pull(1)
+    enqueue(redis_client, keys, item("new", PRIORITY_LOW))
+    time.sleep(IDLE_MS * 1.5 / 1000)
+    pulled = queue("e2", max_deliveries=1).pull(1)
+    assert ids(pulled.exhausted) == ["old"]
+    assert ids(pulled.work) == ["new"]
+    assert [(d.request_id, d.exhausted) for d in pulled] == [("new", False), ("old", True)]
+
+
+def test_keep_alive_protects_entries_in_work(redis_client, keys, queue):
+    worker, thief = queue("worker"), queue("thief")
+    enqueue(redis_client, keys, item("long"))
+    held = worker.pull(1).work
+    deadline = time.monotonic() + IDLE_MS * 3 / 1000
+    while time.monotonic() < deadline:
+        assert worker.keep_alive(held) == []
+        assert not thief.pull(5)
+        time.sleep(IDLE_MS / 4 / 1000)
+    time.sleep(IDLE_MS * 1.5 / 1000)  # the worker stalls: now the entry may go
+    assert ids(thief.pull(5).work) == ["long"]
+    # The stalled worker learns it lost the entry and does not steal it back.
+    assert worker.keep_alive(held) == held
+    assert (
+        redis_client.xpending_range(keys.work_stream(MODEL, 1), WORK_GROUP, "-", "+", 10)[0][
+            "consumer"
+        ]
+        == b"thief"
+    )
+
+
+def test_ack_clears_pending_and_deletes(redis_client, keys, queue):
+    q = queue()
+    for n in range(3):
+        enqueue(redis_client, keys, item(f"r{n}", priority=(PRIORITY_HIGH, PRIORITY_LOW)[n % 2]))
+    pulled = q.pull(3).work
+    assert q.ack(pulled) == 3
+    assert q.ack(pulled) == 0  # idempotent
+    for stream in keys.work_streams(MODEL):
+        assert redis_client.xpending(stream, WORK_GROUP)["pending"] == 0
+        assert redis_client.xlen(stream) == 0
+    time.sleep(IDLE_MS * 1.5 / 1000)
+    assert not queue("e2").pull(5)
+
+
+def test_malformed_entries_are_acked_and_reported(redis_client, keys, queue):
+    q = queue()
+    stream = keys.work_stream(MODEL, PRIORITY_NORMAL)
+    bad = [
+        redis_client.xadd(stream, {"junk": "1"}).decode(),
+        redis_client.xadd(stream, {"v": "1", "kind": "work", "data": "[1, 2]"}).decode(),
+        redis_client.xadd(stream, {"v": "99", "kind": "work", "data": "{}"}).decode(),
+    ]
+    enqueue(redis_client, keys, item("good"))
+    pulled = q.pull(10)
+    assert ids(pulled.work) == ["good"]
+    assert [entry_id for entry_id, _ in pulled.malformed] == bad
+    assert "protocol version 99" in pulled.malformed[2][1]
+    assert redis_client.xpending(stream, WORK_GROUP)["pending"] == 1  # only the good one
+    time.sleep(IDLE_MS * 1.5 / 1000)
+    assert ids(queue("e2").pull(10).work) == ["good"]  # the bad ones never come back
+
+
+def test_entry_deleted_while_pending_is_dropped(redis_client, keys, queue):
+    enqueue(redis_client, keys, item("gone"))
+    (d,) = queue("dead").pull(1).work
+    redis_client.xdel(d.stream, d.entry_id)
+    time.sleep(IDLE_MS * 1.5 / 1000)
+    pulled = queue("e2").pull(5)
+    assert [entry_id for entry_id, _ in pulled.malformed] == [d.entry_id]
+    assert redis_client.xpending(d.stream, WORK_GROUP)["pending"] == 0
+
+
+def test_queued_tokens_counter(redis_client, keys, queue):
+    enqueue(redis_client, keys, item("a", PRIORITY_HIGH, tokens=10))
+    enqueue(redis_client, keys, item("b", PRIORITY_NORMAL, tokens=20))
+    enqueue(redis_client, keys, item("c", PRIORITY_LOW, tokens=0))
+    assert counter(redis_client, keys) == 30
+    queue("dead").pull(1)
+    assert counter(redis_client, keys) == 20
+    time.sleep(IDLE_MS * 1.5 / 1000)
+    assert ids(queue("e2").pull(1).work) == ["a"]  # the reclaim: no second decrement
+    assert counter(redis_client, keys) == 20
+    redis_client.set(keys.queued_tokens(MODEL), 5)  # e.g. a counter reset under load
+    queue("e3").pull(5)
+    assert counter(redis_client, keys) == 0
+    # An entry some other producer added without counting subtracts nothing.
+    enqueue(redis_client, keys, item("d", tokens=7))
+    redis_client.xadd(keys.work_stream(MODEL, 1), item("e", tokens=50).to_fields())
+    queue("e3").pull(5)
+    assert counter(redis_client, keys) == 0
+    assert TOKENS_FIELD not in item("e").to_fields()
+
+
+def test_queue_depth(redis_client, keys, queue):
+    for n in range(3):
+        enqueue(redis_client, keys, item(f"n{n}", PRIORITY_NORMAL, tokens=4))
+    enqueue(redis_client, keys, item("h", PRIORITY_HIGH, tokens=4))
+    before = queue_depth(redis_client, keys, MODEL)  # no engine yet: no groups
+    assert before.waiting == {PRIORITY_HIGH: 1, PRIORITY_NORMAL: 3, PRIORITY_LOW: 0}
+    assert (before.pending, before.queued_tokens, before.total_waiting) == (0, 16, 4)
+    q = queue()
+    taken = q.pull(2).work
+    state = queue_depth(redis_client, keys, MODEL)
+    assert state.waiting == {PRIORITY_HIGH: 0, PRIORITY_NORMAL: 2, PRIORITY_LOW: 0}
+    assert (state.pending, state.queued_tokens) == (2, 8)
+    q.ack(taken[:1])
+    state = queue_depth(redis_client, keys, MODEL)
+    assert (state.total_waiting, state.pending) == (2, 1)
+    assert (state.handoff_waiting, state.handoff_pending) == (0, 0)
+
+
+def handoff(request_id):
+    return Handoff(
+        work=dataclasses.asdict(item(request_id)),
+        prompt_token_ids=[1, 2, 3],
+        first_token_ids=[4],
+        kv_address="127.0.0.1:1",
+        kv_handle="h",
+        num_kv_tokens=3,
+        fingerprint="f",
+        prompt_engine="p1",
+        expires_at=time.time() + 60,
+    )
+
+
+def test_handoffs_go_to_completion_engines(redis_client, keys, queue):
+    prompt = queue("p1", role=Role.PROMPT)
+    completion = queue("c1", role=Role.COMPLETION)
+    prompt.publish_handoff(handoff("r1"))
+    assert queue_depth(redis_client, keys, MODEL).handoff_waiting == 1
+    (d,) = completion.pull(4).work
+    assert isinstance(d.message, Handoff)
+    assert (d.request_id, d.stream) == ("r1", keys.handoff_stream(MODEL))
+    assert not prompt.pull(4)  # prompt engines read the work streams only
+    assert queue_depth(redis_client, keys, MODEL).handoff_pending == 1
+    completion.ack([d])
+    assert queue_depth(redis_client, keys, MODEL).handoff_pending == 0
+
+
+def test_handoff_with_a_bad_work_item_is_malformed(keys, queue):
+    completion = queue("c1", role=Role.COMPLETION)
+    bad = handoff("r1")
+    bad.work = {"model": MODEL}  # no request_id, no prompt
+    entry_id = queue("p1", role=Role.PROMPT).publish_handoff(bad)
+    pulled = completion.pull(4)
+    assert pulled.work == [] and [e for e, _ in pulled.malformed] == [entry_id]
+
+
+def test_pull_blocks_until_work_arrives(redis_client, keys, queue):
+    q = queue()
+    started = time.monotonic()
+    assert not q.pull(3, block_ms=200)
+    assert 0.15 < time.monotonic() - started < 1.5
+    timer = threading.Timer(0.2, enqueue, (redis_client, keys, item("late", PRIORITY_LOW)))
+    timer.start()
+    started = time.monotonic()
+    assert ids(q.pull(3, block_ms=5000).work) == ["late"]
+    assert time.monotonic() - started < 2
+    timer.join()
+
+
+def test_groups_come_back_after_the_streams_vanish(redis_client, keys, queue):
+    q = queue()
+    redis_client.delete(*keys.work_streams(MODEL))
+    enqueue(redis_client, keys, item("after"))
+    assert ids(q.pull(3).work) == ["after"]
+
+
+def test_input_checks(redis_client, keys, queue):
+    q = queue()
+    with pytest.raises(ValueError, match="max_items"):
+        q.pull(0)
+    with pytest.raises(ValueError, match="block_ms"):
+        q.pull(1, block_ms=-1)
+    with pytest.raises(ValueError):
+        queue(role="decoder")
+    with pytest.raises(ValueError, match="max_deliveries"):
+        queue(max_deliveries=0)
+    with pytest.raises(ValueError, match="estimated_prompt_tokens"):
+        enqueue(redis_client, keys, item("r", tokens=-1))
+    bad_priority = item("r")
+    bad_priority.priority = 7
+    with pytest.raises(ValueError, match="priority"):
+        enqueue(redis_client, keys, bad_priority)
+
+
+def test_keep_alive_after_the_streams_vanish_loses_nothing(redis_client, keys, queue):
+    q = queue()
+    enqueue(redis_client, keys, item("r"))
+    held = q.pull(1).work
+    redis_client.delete(*keys.work_streams(MODEL))  # Redis lost its data
+    assert q.keep_alive(held) == []  # nobody else can take them: keep serving
+    assert q.ack(held) == 0

@@ -1,0 +1,162 @@
+"""Real engine processes for service tests, and a client speaking the Redis protocol."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from tandem.engine.service.responses import ResponseReader
+from tandem.engine.service.work_queue import enqueue
+from tandem.protocol import EventKind, Keys, ResponseEvent, WorkItem
+from tandem.redis_server import free_port
+
+MODEL = "random:tiny"
+
+
+@dataclass
+class EngineProcess:
+    role: str
+    redis_url: str
+    keys: Keys
+    extra: list[str] = field(default_factory=list)
+    model: str = MODEL
+    served_name: str = "tiny"
+    log_dir: Path | None = None
+    port: int = field(default_factory=free_port)
+    kv_port: int = field(default_factory=free_port)
+    engine_id: str = field(default_factory=lambda: f"e-{uuid.uuid4().hex[:6]}")
+    process: subprocess.Popen | None = None
+
+    def start(self) -> EngineProcess:
+        cmd = [
+            sys.executable, "-m", "tandem.cli", "engine",
+            "--role", self.role,
+            "--model", self.model,
+            "--served-model-name", self.served_name,
+            "--redis-url", self.redis_url,
+            "--key-prefix", self.keys.prefix,
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--kv-port", str(self.kv_port),
+            "--engine-id", self.engine_id,
+            "--max-model-len", "256",
+            "--num-kv-blocks", "128",
+            *self.extra,
+        ]  # fmt: skip
+        log = open(self._log_path(), "wb")  # noqa: SIM115 (lives as long as the process)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        return self
+
+    def _log_path(self) -> Path:
+        folder = self.log_dir or Path("/tmp")
+        return folder / f"{self.engine_id}.log"
+
+    def log(self) -> str:
+        return self._log_path().read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 60.0) -> EngineProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"engine exited {self.process.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.url("/readyz"), timeout=1) as resp:
+                    if resp.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"engine not ready after {timeout}s:\n{self.log()}")
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def metrics(self) -> list[tuple[str, dict[str, str], float]]:
+        """Samples of /metrics as (name, labels, value)."""
+        with urllib.request.urlopen(self.url("/metrics"), timeout=5) as resp:
+            text = resp.read().decode()
+        samples = []
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            head, _, value = line.rpartition(" ")
+            name, _, labels = head.partition("{")
+            pairs = re.findall(r'(\w+)="([^"]*)"', labels)
+            samples.append((name, dict(pairs), float(value)))
+        return samples
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of one metric whose labels include the given ones."""
+        return sum(
+            value
+            for sample, have, value in self.metrics()
+            if sample == name and labels.items() <= have.items()
+        )
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=timeout)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+
+@dataclass
+class Answer:
+    token_ids: list[int]
+    text: str
+    final: ResponseEvent
+    engines: set[str]
+
+    @property
+    def ok(self) -> bool:
+        return self.final.event == EventKind.FINISH
+
+
+class Client:
+    """Submits work items and reads their response streams, as the gateway does."""
+
+    def __init__(self, redis_url: str, keys: Keys, model: str = "tiny") -> None:
+        self.redis = redis.Redis.from_url(redis_url)
+        self.keys = keys
+        self.model = model
+
+    def submit(self, **fields) -> str:
+        rid = fields.pop("request_id", None) or f"req-{uuid.uuid4().hex[:8]}"
+        fields.setdefault("sampling", {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True})
+        enqueue(self.redis, self.keys, WorkItem(rid, self.model, **fields))
+        return rid
+
+    def events(self, request_id: str, timeout: float = 60.0):
+        return ResponseReader(self.redis, self.keys).events(request_id, timeout=timeout)
+
+    def answer(self, request_id: str, timeout: float = 60.0) -> Answer:
+        tokens, text, engines = [], [], set()
+        for event in self.events(request_id, timeout):
+            engines.add(event.engine_id)
+            if event.event == EventKind.TOKENS:
+                tokens.extend(event.token_ids)
+                text.append(event.text)
+            if event.is_final:
+                return Answer(tokens, "".join(text), event, engines)
+        raise TimeoutError(f"no final event for {request_id} within {timeout}s")
+
+    def close(self) -> None:
+        self.redis.close()
