@@ -211,3 +211,62 @@ def test_two_data_parallel_ranks_vote_through_gloo_and_serve(engines, client, re
     assert all(a.ok for a in answers)
     assert [a.token_ids for a in answers] == [reference(p, 12).token_ids for p in prompts]
     assert len(set().union(*(a.engines for a in answers))) == 2  # both ranks served
+
+
+def test_cancelling_a_running_request_frees_its_kv_at_once(engines, client, redis_url, keys):
+    from tandem.engine.service.cancellation import cancel
+
+    engine = engines("normal")
+    rid = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 250, **GREEDY})
+    events = client.events(rid, timeout=60)
+    next(e for e in events if e.event == EventKind.TOKENS)  # it is decoding
+    assert engine.metric("tandem_engine_kv_cache_usage") > 0
+    conn = redis.Redis.from_url(redis_url)
+    cancel(conn, keys, rid)
+    conn.close()
+    final = next(e for e in events if e.is_final)
+    assert final.error_code == ErrorCode.CANCELLED
+    assert eventually(lambda: engine.metric("tandem_engine_kv_cache_usage") == 0)
+    assert engine.metric("tandem_engine_requests_total", outcome="cancelled") == 1
+
+
+def test_a_request_past_its_deadline_ends_with_a_clear_error(engines, client):
+    engine = engines("normal")
+    rid = client.submit(
+        prompt_token_ids=PROMPT,
+        sampling={"max_tokens": 250, **GREEDY},
+        deadline=time.time() + 0.3,
+    )
+    final = client.answer(rid).final
+    assert final.error_code == ErrorCode.DEADLINE_EXCEEDED
+    assert "deadline" in final.error_message
+    assert eventually(lambda: engine.metric("tandem_engine_kv_cache_usage") == 0)
+
+
+def test_a_request_delivered_twice_runs_once(engines, client, keys, redis_url):
+    engine = engines("normal")
+    rid = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 8, **GREEDY})
+    first = client.answer(rid)
+    client.submit(request_id=rid, prompt_token_ids=PROMPT, sampling={"max_tokens": 8, **GREEDY})
+    conn = redis.Redis.from_url(redis_url)
+    assert eventually(lambda: sum(conn.xlen(s) for s in keys.work_streams("tiny")) == 0)
+    conn.close()
+    assert client.answer(rid).token_ids == first.token_ids  # no token twice
+    assert engine.metric("tandem_engine_requests_total") == 1
+
+
+def test_a_request_whose_engines_keep_dying_fails_clearly(engines, client, keys, redis_url):
+    from tandem.engine.service.work_queue import WorkQueue
+    from tandem.protocol import Role
+
+    conn = redis.Redis.from_url(redis_url)
+    rid = client.submit(prompt_token_ids=PROMPT)
+    # A consumer that takes the request and dies without a word.
+    doomed = WorkQueue(conn, keys, "tiny", Role.NORMAL, "doomed", claim_idle_ms=100)
+    assert len(doomed.pull(1).work) == 1
+    engines("normal", "--claim-idle-ms", "300", "--max-deliveries", "1")
+    final = client.answer(rid).final
+    assert final.error_code == ErrorCode.REDELIVERY_LIMIT
+    assert "not retrying" in final.error_message
+    assert eventually(lambda: conn.xpending(keys.work_stream("tiny", 1), "engines")["pending"] == 0)
+    conn.close()

@@ -187,14 +187,15 @@ class EngineWorker:
         if self.io.is_cancelled(rid):
             self._to_ack.append(delivery)
             return
-        history = self.io.responses.history(rid) if delivery.reclaimed else None
-        if history is not None and history.final is not None:  # it finished elsewhere
+        # Every delivery, not only reclaimed ones: a gateway may retry a request id.
+        history = self.io.responses.history(rid)
+        if history.final is not None:  # it already ended: never run it twice
             self._to_ack.append(delivery)
             return
         if work.deadline is not None and time.time() > work.deadline:
             self._fail(delivery, work, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed in queue")
             return
-        sent = list(history.token_ids) if history else []
+        sent = list(history.token_ids)
         try:
             params = SamplingParams(**work.sampling)
             if isinstance(message, Handoff):
