@@ -39,6 +39,43 @@ def _chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up(args: argparse.Namespace) -> int:
+    import signal
+    import tempfile
+    from pathlib import Path
+
+    from tandem.up import Stack, UpConfig, banner
+
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-up-"))
+    config = UpConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        mode=args.mode,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        redis_url=args.redis_url,
+        log_dir=log_dir,
+    )
+    stack = Stack(config)
+    signal.signal(signal.SIGTERM, lambda *_: stack.request_stop())
+    signal.signal(signal.SIGINT, lambda *_: stack.request_stop())
+    try:
+        stack.start()
+        print(banner(stack), flush=True)
+        stack.supervise()
+    finally:
+        print("stopping...", file=sys.stderr)
+        stack.stop()
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from tandem import demo
+
+    return demo.run(args.model, args.question, mode=args.mode)
+
+
 def _engine(args: argparse.Namespace) -> int:
     from tandem.engine.service import main as service
 
@@ -56,21 +93,33 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_arguments(engine)
     engine.set_defaults(func=_engine)
 
-    for name, help_text in (
-        ("chat", "answer a question with a local model"),
-        ("demo", "the product's main job on this machine: a real answer from SmolLM2"),
-    ):
-        cmd = sub.add_parser(name, help=help_text)
-        if name == "chat":
-            cmd.add_argument("question")
-        else:
-            cmd.set_defaults(question=DEMO_QUESTION)
-        cmd.add_argument("--model", default="smollm2", help="HF directory, .gguf, smollm2")
-        cmd.add_argument("--max-tokens", type=int, default=64)
-        cmd.add_argument("--temperature", type=float, default=0.0)
-        cmd.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16")
-        cmd.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-        cmd.set_defaults(func=_chat)
+    chat = sub.add_parser("chat", help="answer a question with a model in this process")
+    chat.add_argument("question")
+    chat.add_argument("--model", default="smollm2", help="HF directory, .gguf, smollm2")
+    chat.add_argument("--max-tokens", type=int, default=64)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16")
+    chat.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    chat.set_defaults(func=_chat)
+
+    up = sub.add_parser("up", help="run Redis, a gateway and engines on this machine")
+    up.add_argument("--model", default="smollm2")
+    up.add_argument("--served-model-name", default=None)
+    up.add_argument("--mode", choices=["normal", "disaggregated"], default="normal")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--api-key", default=None, help="default: a new random key")
+    up.add_argument("--redis-url", default=None, help="default: an embedded redis-server")
+    up.add_argument("--log-dir", default=None)
+    up.set_defaults(func=_up)
+
+    demo = sub.add_parser(
+        "demo", help="the main job: `tandem up`, one streamed chat answer over HTTP, shut down"
+    )
+    demo.add_argument("--model", default="smollm2")
+    demo.add_argument("--mode", choices=["normal", "disaggregated"], default="normal")
+    demo.add_argument("--question", default=DEMO_QUESTION)
+    demo.set_defaults(func=_demo)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible gateway: HTTP in, Redis work queue out, tokens streamed back."""

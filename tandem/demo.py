@@ -1,0 +1,62 @@
+"""`tandem demo`: the product's main job, end to end, on this machine.
+
+Starts `tandem up` (embedded Redis, a gateway, an engine with SmolLM2), asks
+one question through the OpenAI-compatible HTTP API with streaming, prints
+the answer as it arrives, and shuts everything down.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import httpx
+
+from tandem.redis_server import free_port
+from tandem.up import Stack, UpConfig
+
+
+def stream_chat(url: str, api_key: str, model: str, question: str, max_tokens: int):
+    """Yield the answer's text pieces from /v1/chat/completions with stream=true."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {api_key}"}
+    with httpx.stream(
+        "POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=300
+    ) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            raise RuntimeError(f"HTTP {resp.status_code}: {resp.text}")
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                return
+            for choice in json.loads(data).get("choices", []):
+                piece = choice.get("delta", {}).get("content")
+                if piece:
+                    yield piece
+
+
+def run(model: str, question: str, mode: str = "normal", max_tokens: int = 64) -> int:
+    config = UpConfig(model=model, mode=mode, port=free_port())
+    started = time.perf_counter()
+
+    def say(line: str) -> None:
+        print(f"  [{time.perf_counter() - started:5.1f}s] {line}", file=sys.stderr)
+
+    with Stack(config).start(say=say) as stack:
+        print(f"> {question}")
+        asked = time.perf_counter()
+        for piece in stream_chat(stack.url, stack.api_key, config.name, question, max_tokens):
+            print(piece, end="", flush=True)
+        print()
+        say(f"answered in {time.perf_counter() - asked:.2f}s through {stack.url}/v1")
+    return 0

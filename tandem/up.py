@@ -1,0 +1,273 @@
+"""`tandem up`: the whole product on one machine, no cluster, no root.
+
+An embedded Redis (or --redis-url), engines for one model (Normal: one
+engine; Disaggregated: a PROMPT and a COMPLETION engine), and the gateway,
+each a child process with its log in the run folder. An engine that dies is
+restarted (with backoff); Ctrl-C or SIGTERM drains and stops everything.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tandem.redis_server import RedisServer, free_port
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    model: str = "smollm2"
+    # Name clients ask for; default: the model spec.
+    served_model_name: str | None = None
+    mode: str = "normal"  # or "disaggregated"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # None: generate one
+    redis_url: str | None = None  # None: start an embedded Redis
+    # Extra `tandem engine` flags for every engine (e.g. ["--max-model-len", "2048"]).
+    engine_args: tuple[str, ...] = ()
+    log_dir: Path | None = None
+    ready_timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("normal", "disaggregated"):
+            raise ValueError(f"mode must be normal or disaggregated, got {self.mode!r}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+
+@dataclass
+class Child:
+    """One supervised process."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    ready_url: str
+    restartable: bool
+    process: subprocess.Popen | None = None
+    restarts: int = 0
+    next_start: float = 0.0
+    env: dict[str, str] = field(default_factory=dict)
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")  # noqa: SIM115 (lives as long as the process)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        self.process = subprocess.Popen(
+            self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        log.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.ready_url, timeout=1) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def signal(self, signum: int) -> None:
+        if self.alive:
+            self.process.send_signal(signum)
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class Stack:
+    """Starts, watches and stops the processes of one `tandem up`."""
+
+    def __init__(self, config: UpConfig) -> None:
+        self.config = config
+        self.api_key = config.api_key or f"tk-{secrets.token_urlsafe(18)}"
+        self._tmp = None
+        if config.log_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="tandem-up-")
+        self.log_dir = config.log_dir or Path(self._tmp.name)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.redis: RedisServer | None = None
+        self.redis_url = config.redis_url or ""
+        self.children: list[Child] = []
+        self._stop = threading.Event()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    # --------------------------------------------------------------- start
+
+    def start(self, say=print) -> Stack:
+        cfg = self.config
+        if not self.redis_url:
+            self.redis = RedisServer(data_dir=self.log_dir / "redis").start()
+            self.redis_url = self.redis.url
+            say(f"redis      {self.redis_url} (embedded)")
+        roles = ["normal"] if cfg.mode == "normal" else ["prompt", "completion"]
+        for role in roles:
+            self.children.append(self._engine(role))
+        self.children.append(self._gateway())
+        for child in self.children:
+            child.start()
+            say(f"{child.name:<10} starting (log {child.log_path})")
+        self._wait_ready(say)
+        return self
+
+    def _engine(self, role: str) -> Child:
+        port = free_port()
+        argv = [
+            sys.executable, "-m", "tandem.cli", "engine",
+            "--role", role,
+            "--model", self.config.model,
+            "--served-model-name", self.config.name,
+            "--redis-url", self.redis_url,
+            "--host", "127.0.0.1",
+            "--port", str(port),
+            "--kv-port", str(free_port()),
+            "--engine-id", f"up-{role}",
+            *self.config.engine_args,
+        ]  # fmt: skip
+        return Child(
+            f"{role} engine",
+            argv,
+            self.log_dir / f"engine-{role}.log",
+            f"http://127.0.0.1:{port}/readyz",
+            restartable=True,
+        )
+
+    def _gateway(self) -> Child:
+        cfg = self.config
+        argv = [
+            sys.executable, "-m", "tandem.cli", "gateway",
+            "--host", cfg.host,
+            "--port", str(cfg.port),
+            "--redis-url", self.redis_url,
+        ]  # fmt: skip
+        return Child(
+            "gateway",
+            argv,
+            self.log_dir / "gateway.log",
+            f"http://{cfg.host}:{cfg.port}/readyz",
+            restartable=True,
+            env={"TANDEM_API_KEYS": self.api_key},
+        )
+
+    def _wait_ready(self, say) -> None:
+        deadline = time.monotonic() + self.config.ready_timeout
+        pending = list(self.children)
+        while pending:
+            if self._stop.is_set():  # Ctrl-C while starting
+                self.stop()
+                raise KeyboardInterrupt
+            for child in list(pending):
+                if not child.alive:
+                    self.stop()
+                    raise RuntimeError(f"{child.name} exited while starting:\n{child.tail()}")
+                if child.ready():
+                    say(f"{child.name:<10} ready")
+                    pending.remove(child)
+            if time.monotonic() > deadline:
+                self.stop()
+                names = ", ".join(c.name for c in pending)
+                raise RuntimeError(f"not ready after {self.config.ready_timeout:.0f}s: {names}")
+            time.sleep(0.25)
+        self._wait_for_model(deadline)
+
+    def _wait_for_model(self, deadline: float) -> None:
+        """The gateway lists the model once an engine's heartbeat reached the registry."""
+        request = urllib.request.Request(
+            f"{self.url}/v1/models", headers={"Authorization": f"Bearer {self.api_key}"}
+        )
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(request, timeout=2) as resp:
+                    if self.config.name in resp.read().decode():
+                        return
+            except OSError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"the gateway never listed model {self.config.name!r}")
+
+    # ----------------------------------------------------------- supervise
+
+    def supervise(self, say=print) -> None:
+        """Until stop(): restart children that die, with exponential backoff."""
+        while not self._stop.wait(0.5):
+            for child in self.children:
+                if child.alive or not child.restartable:
+                    continue
+                now = time.monotonic()
+                if child.next_start == 0.0:
+                    code = child.process.returncode if child.process else None
+                    delay = min(30.0, 2.0**child.restarts)
+                    say(f"{child.name} exited ({code}); restarting in {delay:.0f}s")
+                    child.next_start = now + delay
+                elif now >= child.next_start:
+                    child.restarts += 1
+                    child.next_start = 0.0
+                    child.start()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Drain: SIGTERM every child, wait, then kill what is left; stop Redis."""
+        self._stop.set()
+        for child in reversed(self.children):  # gateway first: no new work
+            child.signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for child in self.children:
+            if child.process is None:
+                continue
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def banner(stack: Stack) -> str:
+    name = stack.config.name
+    return f"""
+Tandem is up: {stack.config.mode} mode, model {name!r}
+  URL      {stack.url}/v1
+  API key  {stack.api_key}
+  logs     {stack.log_dir}
+
+  curl {stack.url}/v1/chat/completions \\
+    -H "Authorization: Bearer {stack.api_key}" -H "Content-Type: application/json" \\
+    -d '{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+
+Ctrl-C stops everything.
+"""
