@@ -27,14 +27,10 @@ from collections.abc import Callable
 import torch
 import xxhash
 
-from tandem.engine.service.kv_transfer import (
-    DEFAULT_FRAME_BYTES,
-    KVLayout,
-    KVServer,
-    PinnedKV,
-    _tune,  # the transfer's socket options, so the baseline gets the same
-    fetch_kv,
-)
+from tandem.engine.service.kv_tcp import KVServer, fetch_kv
+from tandem.engine.service.kv_transfer import KVLayout, PinnedKV
+from tandem.engine.service.kv_wire import DEFAULT_FRAME_BYTES
+from tandem.engine.service.kv_wire import tune as _tune  # same socket options for the baseline
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.float32)
 BLOCK_SIZE = 16

@@ -11,14 +11,8 @@ from contextlib import contextmanager, suppress
 import pytest
 import torch
 
-from tandem.engine.service.kv_transfer import (
-    KVLayout,
-    KVServer,
-    KVTransferError,
-    PinnedKV,
-    TCPTransport,
-    fetch_kv,
-)
+from tandem.engine.service.kv_tcp import KVServer, TCPTransport, fetch_kv
+from tandem.engine.service.kv_transfer import KVLayout, KVTransferError, PinnedKV
 
 pytestmark = pytest.mark.timeout(30)
 

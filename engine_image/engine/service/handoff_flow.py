@@ -21,7 +21,8 @@ import torch
 from tandem.engine.engine import Engine, EngineOutput
 from tandem.engine.request import SamplingParams
 from tandem.engine.service.kv_handoff import KVFetches, PinnedOffers, token_slots
-from tandem.engine.service.kv_transfer import KVLayout, PinnedKV, fetch_kv
+from tandem.engine.service.kv_tcp import fetch_kv
+from tandem.engine.service.kv_transfer import KVLayout, PinnedKV
 from tandem.engine.service.metrics import EngineMetrics
 from tandem.engine.service.redis_io import RedisIO
 from tandem.engine.service.settings import WorkerSettings

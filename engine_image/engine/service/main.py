@@ -21,7 +21,8 @@ from tandem.engine.service.arguments import add_arguments, engine_fields
 from tandem.engine.service.cancellation import CancelListener
 from tandem.engine.service.handoff_flow import HandoffFlow
 from tandem.engine.service.http import HealthServer
-from tandem.engine.service.kv_transfer import KVLayout, KVServer
+from tandem.engine.service.kv_tcp import KVServer
+from tandem.engine.service.kv_transfer import KVLayout
 from tandem.engine.service.metrics import EngineMetrics
 from tandem.engine.service.redis_io import RedisIO
 from tandem.engine.service.settings import WorkerSettings

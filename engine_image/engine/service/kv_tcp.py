@@ -1,0 +1,273 @@
+"""The TCP KV transport: KVServer (PROMPT engines) and fetch_kv (COMPLETION engines)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tandem.engine.service.kv_transfer import (
+    KVLayout,
+    KVTransferError,
+    Lookup,
+    OnFetched,
+    PinnedKV,
+    Reason,
+    TransferStats,
+)
+from tandem.engine.service.kv_wire import (
+    DEFAULT_FRAME_BYTES,
+    WIRE_VERSION,
+    Buffer,
+    Frame,
+    Frames,
+    WireError,
+    check_reply,
+    one_intra_op_thread,
+    pipeline,
+    raise_refusal,
+    recv_exact,
+    recv_msg,
+    send_msg,
+    tune,
+)
+
+log = logging.getLogger(__name__)
+
+
+class KVServer:
+    """Serves the pinned KV in this engine's caches to fetchers, a bounded pool at a time.
+
+    Transfers only read rows of pinned requests, which the engine's main thread leaves
+    alone while it steps on other blocks; they reach it only through lookup and
+    on_fetched (see KVTransport).
+    """
+
+    def __init__(
+        self,
+        kv_caches: list[torch.Tensor],
+        layout: KVLayout,
+        lookup: Lookup,
+        on_fetched: OnFetched,
+        host: str = "0.0.0.0",
+        advertise_host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        max_connections: int = 4,
+        io_timeout: float = 30.0,
+        frame_bytes: int = DEFAULT_FRAME_BYTES,
+    ) -> None:
+        layout.check_caches(kv_caches)
+        if max_connections < 1 or io_timeout <= 0 or frame_bytes < 1:
+            raise ValueError(
+                f"KVServer needs max_connections >= 1, io_timeout > 0 and frame_bytes >= 1, "
+                f"got {max_connections}, {io_timeout}, {frame_bytes}"
+            )
+        self._caches, self._layout = kv_caches, layout
+        self._lookup, self._on_fetched = lookup, on_fetched
+        self._bind, self._advertise_host = (host, port), advertise_host
+        self._max_connections, self._io_timeout = max_connections, io_timeout
+        self._frame_tokens = max(1, frame_bytes // layout.layer_token_bytes)
+        self._listener: socket.socket | None = None
+        self._threads: tuple[threading.Thread, ThreadPoolExecutor] | None = None
+        self._open: set[socket.socket] = set()  # accepted, not closed: stop() cuts them
+        self._lock = threading.Lock()
+        self.address = ""
+
+    def start(self) -> str:
+        """Listen; returns the address to advertise, "host:port"."""
+        if self._listener is not None:
+            raise ValueError(f"the KV server already listens on {self.address}")
+        host, port = self._bind
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family, backlog=64)
+        port, name = self._listener.getsockname()[1], self._advertise_host
+        self.address = f"[{name}]:{port}" if ":" in name else f"{name}:{port}"
+        # Connections beyond the pool wait in its queue, their fetchers' deadlines running.
+        workers = ThreadPoolExecutor(self._max_connections, "kv-serve", one_intra_op_thread)
+        acceptor = threading.Thread(
+            target=self._accept, args=(self._listener, workers), name="kv-accept", daemon=True
+        )
+        acceptor.start()
+        self._threads = acceptor, workers
+        return self.address
+
+    def stop(self) -> None:
+        """Stop listening, cut open transfers (their fetchers recompute), wait for them."""
+        listener, self._listener = self._listener, None
+        if listener is None or self._threads is None:
+            return
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)  # wakes accept() on Linux; close() does not
+        listener.close()
+        acceptor, workers = self._threads
+        acceptor.join()
+        with self._lock:
+            for conn in self._open:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+        workers.shutdown(wait=True, cancel_futures=True)
+        with self._lock:  # connections whose turn never came
+            for conn in self._open:
+                conn.close()
+            self._open.clear()
+
+    def _accept(self, listener: socket.socket, workers: ThreadPoolExecutor) -> None:
+        while True:
+            try:
+                conn, peer = listener.accept()
+            except OSError:
+                return  # stop() closed the listener
+            tune(conn)
+            conn.settimeout(self._io_timeout)
+            with self._lock:
+                self._open.add(conn)
+            workers.submit(self._serve, conn, peer)
+
+    def _serve(self, conn: socket.socket, peer: Any) -> None:
+        try:
+            self._serve_fetch(conn, peer)
+        except (OSError, WireError) as exc:
+            log.info("KV fetch from %s ended early: %s", peer, exc)
+        except Exception:  # a bug: log it; the fetcher sees a dropped connection
+            log.exception("KV fetch from %s failed", peer)
+        finally:
+            with self._lock:
+                self._open.discard(conn)
+            conn.close()
+
+    def _serve_fetch(self, conn: socket.socket, peer: Any) -> None:
+        pinned, refusal = self._admit(recv_msg(conn, None))
+        if pinned is None:
+            log.info("KV fetch from %s refused: %s", peer, refusal["error"])
+            send_msg(conn, {"ok": False, **refusal}, None)
+            return
+        layout, num_tokens, frame_tokens = self._layout, pinned.slots.numel(), self._frame_tokens
+        reply = {"ok": True, "layout": layout.to_dict(), "num_tokens": num_tokens}
+        send_msg(conn, {**reply, "frame_tokens": frame_tokens, "byteorder": sys.byteorder}, None)
+        frames = Frames(self._caches, pinned.slots, layout, frame_tokens)
+        pipeline(frames, frames.pack, lambda frame, buf: conn.sendall(frames.wire(frame, buf)))
+        # The rows were read while pinned only if the handle is still there: the engine
+        # drops it from lookup before it frees (and reuses) its blocks.
+        again = self._lookup(pinned.handle)
+        if again is None or not torch.equal(again.slots, pinned.slots):
+            error = f"the KV of handle {pinned.handle!r} was released during the transfer"
+            send_msg(conn, {"ok": False, "reason": Reason.REFUSED, "error": error}, None)
+            return
+        send_msg(conn, {"ok": True}, None)
+        ack = recv_msg(conn, None)
+        if ack.get("op") != "ack" or ack.get("handle") != pinned.handle:
+            raise WireError(f"expected an ack for {pinned.handle!r}, got {ack!r:.200}")
+        try:
+            self._on_fetched(pinned.handle)
+        except Exception:
+            log.exception("on_fetched(%r) failed", pinned.handle)
+
+    def _admit(self, request: dict[str, Any]) -> tuple[PinnedKV | None, dict[str, str]]:
+        """The pinned KV a request may fetch, or None and why not (reason, error)."""
+        handle, want = request.get("handle"), self._layout.to_dict()
+        pinned = self._lookup(handle) if isinstance(handle, str) else None
+        if request.get("v") != WIRE_VERSION or request.get("op") != "fetch":
+            why = Reason.PROTOCOL, f"expected a wire version {WIRE_VERSION} fetch: {request!r:.200}"
+        elif request.get("layout") != want:
+            why = Reason.MISMATCH, f"KV layout {request.get('layout')!r:.200}, server's {want}"
+        elif pinned is None:
+            why = Reason.REFUSED, f"handle {handle!r:.100} is unknown or expired"
+        elif request.get("fingerprint") != pinned.fingerprint:
+            why = Reason.MISMATCH, f"the fingerprint does not match handle {handle!r}'s"
+        elif request.get("num_tokens") != pinned.slots.numel():
+            count = f"{request.get('num_tokens')!r:.20}"
+            why = (
+                Reason.MISMATCH,
+                f"{count} tokens asked, handle {handle!r} has {pinned.slots.numel()}",
+            )
+        else:
+            return pinned, {}
+        return None, {"reason": why[0], "error": why[1]}
+
+
+def fetch_kv(
+    address: str,
+    handle: str,
+    fingerprint: str,
+    num_tokens: int,
+    dest_slots: torch.Tensor,
+    kv_caches: list[torch.Tensor],
+    layout: KVLayout,
+    timeout: float,
+) -> TransferStats:
+    """Copy the KV of `handle` from the KV server at `address` into dest_slots.
+
+    dest_slots: long [num_tokens], the flat cache slots (position order) of the blocks
+    reserved for the request. `timeout` bounds the whole fetch. Raises KVTransferError
+    on any failure, after which those rows are garbage; ValueError for bad arguments.
+    """
+    layout.check_caches(kv_caches)
+    num_slots = kv_caches[0].shape[1] * kv_caches[0].shape[2]
+    host, _, port = address.rpartition(":")
+    if not isinstance(num_tokens, int) or num_tokens < 1 or not timeout > 0:
+        raise ValueError(f"need num_tokens >= 1 and timeout > 0, got {num_tokens!r}, {timeout!r}")
+    if not isinstance(dest_slots, torch.Tensor) or dest_slots.dtype != torch.long:
+        raise ValueError(f"dest_slots must be a long tensor, got {dest_slots!r:.100}")
+    if dest_slots.shape != (num_tokens,):
+        raise ValueError(f"dest_slots has shape {tuple(dest_slots.shape)}, not ({num_tokens},)")
+    if int(dest_slots.min()) < 0 or int(dest_slots.max()) >= num_slots:
+        raise ValueError(f"dest_slots has slots outside the caches' 0..{num_slots - 1}")
+    if not host or not port.isdigit():
+        raise ValueError(f"KV address must be host:port, got {address!r}")
+    start, deadline = time.perf_counter(), time.monotonic() + timeout
+    request = {"op": "fetch", "handle": handle, "fingerprint": fingerprint}
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout) as sock:
+            tune(sock)
+            send_msg(
+                sock, {**request, "num_tokens": num_tokens, "layout": layout.to_dict()}, deadline
+            )
+            frame_tokens = check_reply(recv_msg(sock, deadline), num_tokens, layout)
+            frames = Frames(kv_caches, dest_slots, layout, frame_tokens)
+
+            def receive(frame: Frame, buf: Buffer) -> None:
+                recv_exact(sock, frames.wire(frame, buf), deadline)
+
+            pipeline(frames, receive, frames.unpack)
+            if not (trailer := recv_msg(sock, deadline)).get("ok"):
+                raise_refusal(trailer)
+            # The KV is complete and was pinned while read: a lost ack only leaves the
+            # server to free it at expiry, no reason to recompute.
+            with contextlib.suppress(OSError):
+                send_msg(sock, {"op": "ack", "handle": handle}, deadline)
+    except KVTransferError as exc:
+        raise KVTransferError(exc.reason, f"{address}, handle {handle!r}: {exc.detail}") from None
+    except TimeoutError as exc:
+        raise KVTransferError(Reason.TIMEOUT, f"{address} did not finish in {timeout} s") from exc
+    except WireError as exc:
+        raise KVTransferError(Reason.PROTOCOL, f"{address}: {exc}") from exc
+    except OSError as exc:
+        raise KVTransferError(Reason.UNREACHABLE, f"{address}: {exc}") from exc
+    seconds = time.perf_counter() - start
+    return TransferStats(num_tokens * layout.bytes_per_token, seconds, layout.num_layers)
+
+
+@dataclass(frozen=True)
+class TCPTransport:
+    """KVTransport over TCP: KVServer and fetch_kv."""
+
+    host: str = "0.0.0.0"
+    advertise_host: str = "127.0.0.1"
+    port: int = 0
+
+    def serve(
+        self, kv_caches: list[torch.Tensor], layout: KVLayout, lookup: Lookup, on_fetched: OnFetched
+    ) -> KVServer:
+        host, advertise = self.host, self.advertise_host
+        return KVServer(kv_caches, layout, lookup, on_fetched, host, advertise, self.port)
+
+    fetch = staticmethod(fetch_kv)
