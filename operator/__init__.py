@@ -1,0 +1,1 @@
+"""The Tandem operator: ModelDeployment custom resources into prefill and decode engine pods."""
