@@ -1,0 +1,299 @@
+"""The autoscaler: how many pods one role wants now (docs/autoscaling.md has the why).
+
+`decide` is a pure function of (role, observed pods, Redis queue state, policy,
+history, now): no I/O, no clock, no global state. The caller keeps the returned
+`ScalingHistory` and passes it to the next evaluation, so the same inputs always
+give the same decision and every rule is a table-driven test.
+
+Each signal is turned into "replicas needed" (demand), HPA's ratio rule in
+absolute form: demand = sum over ready pods of metric / target, so a pod at the
+target is one replica. The largest signal wins; then, in order: tolerance band,
+scale to / from zero, scale-down stabilisation window, scale-up step limit,
+min/max bounds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from tandem.engine.service.work_queue import QueueState
+from tandem.operator.engine_metrics import PodLoad
+from tandem.operator.scaling_policy import ScalingPolicy, ScalingRole
+
+# ceil() of a demand computed in floats: 0.7 * 3 / 0.7 must ask for 3 pods, not 4.
+_EPSILON = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class RoleObservation:
+    """One role as seen now."""
+
+    # The replicas last asked of the actuator (spec.replicas): starting pods included.
+    current_replicas: int
+    # A PodLoad for every pod that could be scraped (ready or not). Replicas with
+    # no usable load (starting, unreachable) are `current_replicas` minus the ready
+    # pods that have the metric: see `_per_pod`.
+    pods: tuple[PodLoad, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = self.current_replicas
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"current_replicas must be an integer >= 0, got {n!r}")
+        object.__setattr__(self, "pods", tuple(self.pods))
+
+    @property
+    def ready_pods(self) -> tuple[PodLoad, ...]:
+        return tuple(p for p in self.pods if p.ready)
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingHistory:
+    """What one evaluation leaves for the next; kept by the caller, never mutated."""
+
+    # (time, recommendation) within the scale-down window, each strictly higher
+    # than every later one: a later, higher recommendation outlives an earlier one
+    # in the window, so the window's maximum is the first entry still inside it
+    # and the tuple stays a handful of entries long.
+    recommendations: tuple[tuple[float, int], ...] = ()
+    # When the replica count last changed (status: lastScaleTime).
+    last_scale_at: float | None = None
+    # When the role last had any work (queued, pending or running).
+    last_active_at: float | None = None
+
+    def peak_since(self, start: float) -> int | None:
+        """The highest recommendation made after `start`, if any."""
+        for t, replicas in self.recommendations:
+            if t > start:
+                return replicas
+        return None
+
+    def recorded(
+        self, now: float, replicas: int, window_start: float
+    ) -> tuple[tuple[float, int], ...]:
+        kept = [(t, r) for t, r in self.recommendations if t > window_start]
+        while kept and kept[-1][1] <= replicas:
+            kept.pop()
+        return (*kept, (now, replicas))
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    role: ScalingRole
+    replicas: int
+    current: int
+    # From the signals alone, before the window, the step limit and the bounds.
+    recommendation: int
+    reason: str
+    history: ScalingHistory
+    # Replicas each signal asks for (pods without metrics counted idle).
+    signals: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def changed(self) -> bool:
+        return self.replicas != self.current
+
+
+@dataclass(frozen=True, slots=True)
+class _Signal:
+    name: str
+    # Replicas needed, pods lacking the metric counted idle (HPA's scale-up rule)...
+    up: float
+    # ...and counted at the target (HPA's scale-down rule for missing metrics).
+    down: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Demand:
+    signals: tuple[_Signal, ...]
+    active: bool
+
+    @property
+    def up(self) -> float:
+        return max((s.up for s in self.signals), default=0.0)
+
+    @property
+    def down(self) -> float:
+        return max((s.down for s in self.signals), default=0.0)
+
+    @property
+    def driver(self) -> str:
+        return max(self.signals, key=lambda s: s.up).name if self.signals else "none"
+
+
+def decide(
+    role: ScalingRole | str,
+    observed: RoleObservation,
+    queue: QueueState,
+    policy: ScalingPolicy,
+    history: ScalingHistory,
+    now: float,
+) -> Decision:
+    """The replicas `role` should have now, why, and the history for next time."""
+    role = ScalingRole(role)
+    if isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now):
+        raise ValueError(f"now must be a finite number of seconds, got {now!r}")
+    current = observed.current_replicas
+    demand = _demand(role, observed, queue, policy)
+    # A fresh history (operator restart) starts the idle clock now: an unknown
+    # past never counts as idle time.
+    last_active = history.last_active_at
+    if demand.active or last_active is None:
+        last_active = now
+    idle_zero = (
+        policy.min_replicas == 0
+        and not demand.active
+        and now - last_active >= policy.scale_to_zero_after_seconds
+    )
+    recommendation, why = _recommend(current, demand, policy, idle_zero, now - last_active)
+    notes = [why]
+
+    replicas = recommendation
+    window_start = now - policy.scale_down_stabilization_seconds
+    if replicas < current and not idle_zero:
+        # HPA: scale down only to the highest recommendation of the window.
+        peak = max(replicas, history.peak_since(window_start) or 0)
+        if peak > replicas:
+            notes.append(
+                f"scale-down held at {min(current, peak)} by the "
+                f"{policy.scale_down_stabilization_seconds:g}s window"
+            )
+        replicas = min(current, peak)
+    if replicas > current:
+        # Measured from ready pods (Knative): pods still starting use up the step,
+        # so a scale-up is never stacked on one that has not come up yet.
+        ready = min(current, len(observed.ready_pods))
+        limit = max(
+            ready + policy.scale_up_max_step,
+            math.ceil(ready * (1 + policy.scale_up_max_percent / 100) - _EPSILON),
+        )
+        if replicas > max(current, limit):
+            notes.append(f"step limit {max(current, limit)} ({ready} ready)")
+            replicas = max(current, limit)
+    if replicas < policy.min_replicas:
+        notes.append(f"minReplicas {policy.min_replicas}")
+    elif replicas > policy.max_replicas:
+        notes.append(f"maxReplicas {policy.max_replicas}")
+    replicas = min(policy.max_replicas, max(policy.min_replicas, replicas))
+
+    new_history = ScalingHistory(
+        recommendations=history.recorded(now, recommendation, window_start),
+        last_scale_at=now if replicas != current else history.last_scale_at,
+        last_active_at=last_active,
+    )
+    verb = "scale" if replicas != current else "keep"
+    return Decision(
+        role=role,
+        replicas=replicas,
+        current=current,
+        recommendation=recommendation,
+        reason=f"{role} {verb} {current}->{replicas}: " + "; ".join(notes),
+        history=new_history,
+        signals=tuple((s.name, round(s.up, 6)) for s in demand.signals),
+    )
+
+
+def decide_all(
+    observed: Mapping[ScalingRole, RoleObservation],
+    queue: QueueState,
+    policies: Mapping[ScalingRole, ScalingPolicy],
+    histories: Mapping[ScalingRole, ScalingHistory],
+    now: float,
+) -> dict[ScalingRole, Decision]:
+    """`decide` for every observed role, each on its own signals and history."""
+    missing = [str(role) for role in observed if role not in policies]
+    if missing:
+        raise ValueError(f"no scaling policy for role(s) {', '.join(missing)}")
+    return {
+        role: decide(role, obs, queue, policies[role], histories.get(role, ScalingHistory()), now)
+        for role, obs in observed.items()
+    }
+
+
+# ------------------------------------------------------------------ signals
+
+
+def _recommend(
+    current: int, demand: _Demand, policy: ScalingPolicy, idle_zero: bool, idle_for: float
+) -> tuple[int, str]:
+    """The replicas the signals ask for, with HPA's tolerance band, and why."""
+    if idle_zero:
+        return 0, f"idle {idle_for:g}s >= scaleToZeroAfterSeconds, scale to zero"
+    if current == 0:
+        if not demand.active:
+            return 0, "no work"
+        # No pod to measure: the queue alone sizes the first step (at least one pod).
+        return max(1, _ceil(demand.up)), f"work queued, scale from zero ({_asks(demand)})"
+    up, down = demand.up / current, demand.down / current
+    if up > 1 + policy.tolerance:
+        recommendation, why = _ceil(demand.up), f"{_asks(demand)}, {up:.2f}x current"
+    elif down < 1 - policy.tolerance:
+        recommendation, why = _ceil(demand.down), f"{_asks(demand)}, {down:.2f}x current"
+    else:
+        return current, f"{_asks(demand)}, within tolerance {policy.tolerance:g}"
+    if recommendation == 0:
+        # Zero only through the idle timer: queued work with 0 tokens still needs a pod.
+        return 1, why + ("; at least 1 until idle" if policy.min_replicas == 0 else "")
+    return recommendation, why
+
+
+def _asks(demand: _Demand) -> str:
+    return f"{demand.driver} asks {demand.up:.2f}" if demand.signals else "no signal"
+
+
+def _demand(
+    role: ScalingRole, observed: RoleObservation, queue: QueueState, policy: ScalingPolicy
+) -> _Demand:
+    current, pods, ready = observed.current_replicas, observed.pods, observed.ready_pods
+    signals: list[_Signal] = []
+    if role in (ScalingRole.NORMAL, ScalingRole.DECODE):
+        measured = [p for p in ready if math.isfinite(p.kv_cache_usage)]
+        usage = sum(max(0.0, p.kv_cache_usage) for p in measured)
+        if role is ScalingRole.DECODE:
+            # KV usage saturates at 1 per pod, so alone it cannot show a 4x load.
+            # Handoffs no decoder has room for are the rest of the demand, each
+            # costing the KV a running request holds on average.
+            backlog = queue.handoff_waiting + sum(p.requests_waiting for p in pods)
+            running = sum(p.requests_running for p in measured)
+            if backlog and running:
+                usage += backlog * usage / running
+        signals.append(
+            _per_pod("kv_cache", usage / policy.target_kv_cache_usage, len(measured), current)
+        )
+    if role is ScalingRole.PREFILL:
+        values = [p.budget_utilization for p in ready if p.budget_utilization is not None]
+        measured_util = [max(0.0, u) for u in values if math.isfinite(u)]
+        units = sum(measured_util) / policy.target_budget_utilization
+        signals.append(_per_pod("budget", units, len(measured_util), current))
+    if role in (ScalingRole.NORMAL, ScalingRole.PREFILL):
+        # Absolute, like an HPA External metric with an AverageValue target: the
+        # tokens are waiting whoever will take them, so no per-pod adjustment.
+        tokens = queue.queued_tokens + sum(p.waiting_prompt_tokens for p in pods)
+        units = tokens / policy.target_queued_tokens_per_replica
+        signals.append(_Signal("queued_tokens", units, units))
+    return _Demand(tuple(signals), _active(role, pods, queue))
+
+
+def _per_pod(name: str, units: float, measured: int, current: int) -> _Signal:
+    """A per-pod signal; replicas lacking the metric are idle going up, at target going down."""
+    return _Signal(name, units, units + max(0, current - measured))
+
+
+def _active(role: ScalingRole, pods: Iterable[PodLoad], queue: QueueState) -> bool:
+    """Whether the role has any work: what scale from zero and to zero look at."""
+    # Taken-but-unacked entries (pending) count: an engine is serving them even
+    # when its /metrics could not be read.
+    work = queue.queued_tokens > 0 or queue.total_waiting > 0 or queue.pending > 0
+    if role is ScalingRole.DECODE:
+        # Every queued request will need a decoder: start decode's cold start
+        # alongside prefill's instead of after the first handoff.
+        work = work or queue.handoff_waiting > 0 or queue.handoff_pending > 0
+    return work or any(
+        p.requests_running or p.requests_waiting or p.waiting_prompt_tokens or p.kv_pinned_requests
+        for p in pods
+    )
+
+
+def _ceil(x: float) -> int:
+    return max(0, math.ceil(x - _EPSILON))

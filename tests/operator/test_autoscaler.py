@@ -1,0 +1,412 @@
+"""The autoscaler's rules as tables and properties: a pure function, so no cluster, no clock."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.engine.service.work_queue import QueueState
+from tandem.operator.autoscaler import (
+    Decision,
+    RoleObservation,
+    ScalingHistory,
+    decide,
+    decide_all,
+)
+from tandem.operator.engine_metrics import PodLoad
+from tandem.operator.scaling_policy import ScalingPolicy, ScalingRole
+from tandem.protocol import Role
+
+NORMAL, PREFILL, DECODE = ScalingRole.NORMAL, ScalingRole.PREFILL, ScalingRole.DECODE
+POLICY = ScalingPolicy(min_replicas=1, max_replicas=32)
+TOKENS = POLICY.target_queued_tokens_per_replica
+
+
+def queue(tokens=0, waiting=0, pending=0, handoff_waiting=0, handoff_pending=0) -> QueueState:
+    return QueueState({2: 0, 1: waiting, 0: 0}, pending, tokens, handoff_waiting, handoff_pending)
+
+
+def pods(n, *, kv=0.7, running=10, waiting=0, util=0.7, ready=True, first=0):
+    return tuple(
+        PodLoad(f"p{first + i}", ready, kv, running, waiting, 0, budget_utilization=util)
+        for i in range(n)
+    )
+
+
+def observe(current, *groups) -> RoleObservation:
+    return RoleObservation(current, tuple(p for g in groups for p in g))
+
+
+def once(role, obs, q=None, policy=POLICY, history=None, now=0.0) -> Decision:
+    return decide(role, obs, q or queue(), policy, history or ScalingHistory(), now)
+
+
+class Loop:
+    """Evaluations every `interval` seconds; the actuator obeys and pods start at once."""
+
+    def __init__(self, role, replicas, policy=POLICY, interval=15.0) -> None:
+        self.role, self.replicas, self.policy, self.interval = role, replicas, policy, interval
+        self.history, self.now, self.events = ScalingHistory(), 0.0, []
+
+    def step(self, obs_for, q=None) -> Decision:
+        d = decide(
+            self.role, obs_for(self.replicas), q or queue(), self.policy, self.history, self.now
+        )
+        if d.changed:
+            self.events.append((self.now, d.current, d.replicas))
+        self.replicas, self.history = d.replicas, d.history
+        self.now += self.interval
+        return d
+
+
+def kv_load(total: float, *, running_per_unit: float = 10):
+    """Decode pods sharing `total` replicas' worth of KV at the 0.7 target."""
+
+    def obs(n: int) -> RoleObservation:
+        per = min(1.0, total * 0.7 / n) if n else 0.0
+        return observe(n, pods(n, kv=per, running=round(per * running_per_unit / 0.7)))
+
+    return obs
+
+
+# ------------------------------------------------------------------ steady, step, flapping
+
+
+@pytest.mark.parametrize(
+    ("role", "obs", "q"),
+    [
+        (DECODE, observe(4, pods(4, kv=0.7)), queue()),
+        (NORMAL, observe(4, pods(4, kv=0.7)), queue(tokens=3 * TOKENS)),
+        (PREFILL, observe(4, pods(4, util=0.7)), queue(tokens=2 * TOKENS)),
+        (PREFILL, observe(4, pods(4, util=0.1)), queue(tokens=4 * TOKENS)),
+    ],
+)
+def test_steady_load_changes_nothing(role, obs, q):
+    d = once(role, obs, q)
+    assert (d.replicas, d.changed) == (4, False)
+    assert "within tolerance" in d.reason
+
+
+@pytest.mark.parametrize(
+    ("role", "obs", "q"),
+    [
+        # Prefill: budget saturated and 4x the queued tokens (16 replicas' worth).
+        (PREFILL, observe(4, pods(4, util=1.0)), queue(tokens=16 * TOKENS)),
+        # Normal: KV full and the queue 4x what 4 replicas should have ahead of them.
+        (NORMAL, observe(4, pods(4, kv=1.0)), queue(tokens=16 * TOKENS, waiting=40)),
+        # Decode: KV saturates at 1, the handoffs nobody has room for show the rest.
+        (DECODE, observe(4, pods(4, kv=1.0, running=14)), queue(handoff_waiting=104)),
+    ],
+)
+def test_a_4x_load_step_scales_up_in_one_evaluation_bounded_by_the_step(role, obs, q):
+    d = once(role, obs, q)
+    assert d.recommendation >= 16
+    # Default step: max(4 pods, 100 %) of the 4 ready pods.
+    assert d.replicas == 8
+    assert "step limit 8" in d.reason
+    tight = ScalingPolicy(max_replicas=32, scale_up_max_step=1, scale_up_max_percent=50)
+    assert once(role, obs, q, policy=tight).replicas == 6
+
+
+@pytest.mark.parametrize(
+    ("ready", "step", "percent", "expected"),
+    [(4, 4, 100.0, 8), (10, 4, 100.0, 20), (10, 4, 10.0, 14), (10, 1, 0.0, 11), (1, 2, 300.0, 4)],
+)
+def test_the_step_limit_is_the_larger_of_pods_and_percent(ready, step, percent, expected):
+    policy = ScalingPolicy(max_replicas=100, scale_up_max_step=step, scale_up_max_percent=percent)
+    d = once(PREFILL, observe(ready, pods(ready)), queue(tokens=1000 * TOKENS), policy)
+    assert d.replicas == expected
+
+
+def test_load_flapping_inside_the_tolerance_never_scales():
+    # A seeded random walk of the total within ±8 % of the target, each pod jittered.
+    rng, level = random.Random(20240611), 1.0
+    loop = Loop(DECODE, 6)
+    for _ in range(100):
+        level = min(1.08, max(0.92, level + rng.uniform(-0.04, 0.04)))
+        usage = [0.7 * level * rng.uniform(0.99, 1.01) for _ in range(6)]
+        loop.step(lambda n, u=usage: observe(n, *(pods(1, kv=x, first=i) for i, x in enumerate(u))))
+    assert loop.events == []
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.floats(0.91, 1.09), min_size=100, max_size=100))
+def test_any_load_inside_the_tolerance_band_never_scales(levels):
+    loop = Loop(PREFILL, 5)
+    for level in levels:
+        loop.step(lambda n, x=level: observe(n, pods(n, util=0.7 * x)))
+    assert loop.events == []
+
+
+# ------------------------------------------------------------------ scale down
+
+
+def test_a_drop_scales_down_only_after_the_window():
+    loop = Loop(DECODE, 8)
+    loop.step(kv_load(8))  # t=0: the last high recommendation
+    while loop.now <= 600:
+        loop.step(kv_load(2))
+    assert loop.events == [(300.0, 8, 2)]
+
+
+def test_the_window_keeps_the_highest_recommendation_not_the_latest():
+    loop = Loop(DECODE, 8)
+    loop.step(kv_load(8))  # t=0
+    for _ in range(9):
+        loop.step(kv_load(2))  # t=15..135
+    loop.step(kv_load(5))  # t=150: a brief rebound
+    while loop.now <= 600:
+        loop.step(kv_load(2))
+    # At 300 the 8 leaves the window but the 5 of t=150 holds until 450.
+    assert loop.events == [(300.0, 8, 5), (450.0, 5, 2)]
+
+
+def test_a_zero_window_scales_down_at_once():
+    policy = ScalingPolicy(max_replicas=32, scale_down_stabilization_seconds=0)
+    d = once(DECODE, kv_load(2)(8), policy=policy)
+    assert d.replicas == 2
+
+
+# ------------------------------------------------------------------ pods still starting
+
+
+def test_pods_still_starting_are_credited_no_second_scale_up():
+    busy = queue(tokens=16 * TOKENS)
+    first = once(PREFILL, observe(2, pods(2, util=1.0)), busy)
+    assert first.replicas == 6  # max(2 + 4, 2 x 200 %)
+    # Next evaluation: 4 pods still starting (scraped, not ready), the backlog has
+    # even grown; the step is spent on them, so nothing more is asked yet.
+    starting = pods(4, util=None, running=0, ready=False, first=2)
+    obs = observe(6, pods(2, util=1.0), starting)
+    again = once(PREFILL, obs, queue(tokens=20 * TOKENS), history=first.history, now=15.0)
+    assert (again.replicas, again.changed) == (6, False)
+    # Pods that are not even scraped yet (no PodLoad at all) count the same.
+    quiet = once(PREFILL, observe(6, pods(2, util=1.0)), busy, history=first.history, now=15.0)
+    assert quiet.replicas == 6
+    # Once they are ready the scale-up resumes from 6 ready pods.
+    up = once(PREFILL, observe(6, pods(6, util=1.0)), busy, history=again.history, now=30.0)
+    assert up.replicas == 12
+
+
+def test_kv_demand_is_absolute_so_starting_pods_do_not_repeat_a_scale_up():
+    # 2 ready decoders at 0.98 ask for 3 replicas; with 1 more starting, the same
+    # usage asks for the same 3 (HPA: not-ready pods count 0 when scaling up).
+    first = once(DECODE, observe(2, pods(2, kv=0.98)))
+    assert first.replicas == 3
+    obs = observe(3, pods(2, kv=0.98), pods(1, kv=0.0, running=0, ready=False, first=2))
+    assert once(DECODE, obs, history=first.history, now=15.0).replicas == 3
+
+
+def test_pods_without_metrics_count_at_target_when_scaling_down():
+    # 4 replicas, 2 of them unmeasured: their idle-looking absence must not pull
+    # the role down (HPA: missing metrics are 100 % of target on scale-down).
+    d = once(DECODE, observe(4, pods(2, kv=0.3)))
+    assert d.recommendation == 3  # ceil(0.6 / 0.7 + 2 unmeasured)
+    assert once(DECODE, observe(4, pods(2, kv=0.6))).replicas == 4
+
+
+# ------------------------------------------------------------------ zero and one
+
+
+ZERO = ScalingPolicy(min_replicas=0, max_replicas=8, scale_to_zero_after_seconds=60)
+
+
+@pytest.mark.parametrize(
+    ("role", "q", "expected"),
+    [
+        (PREFILL, queue(tokens=1), 1),
+        (NORMAL, queue(waiting=1), 1),
+        (PREFILL, queue(pending=1), 1),
+        (DECODE, queue(handoff_waiting=1), 1),
+        # Decode wakes with prefill's work, not after the first handoff.
+        (DECODE, queue(tokens=500), 1),
+        # A big backlog starts up to one step of pods at once.
+        (PREFILL, queue(tokens=100 * TOKENS), 4),
+        (NORMAL, queue(), 0),
+    ],
+)
+def test_queued_work_scales_from_zero(role, q, expected):
+    d = once(role, observe(0), q, ZERO)
+    assert d.replicas == expected
+    assert ("scale from zero" in d.reason) == (expected > 0)
+
+
+def test_scale_to_zero_after_the_idle_period_not_before():
+    idle = lambda n: observe(n, pods(n, kv=0.0, running=0, util=0.0))  # noqa: E731
+    loop = Loop(NORMAL, 1, policy=ZERO, interval=10.0)
+    loop.step(lambda n: observe(n, pods(n, kv=0.3, running=2)))  # t=0: work
+    while loop.now <= 120:
+        loop.step(idle)
+    assert loop.events == [(60.0, 1, 0)]
+
+
+def test_work_restarts_the_idle_clock():
+    idle = lambda n: observe(n, pods(n, kv=0.0, running=0, util=0.0))  # noqa: E731
+    loop = Loop(PREFILL, 1, policy=ZERO, interval=10.0)
+    for t in range(13):  # t=0..120
+        loop.step(idle, queue(pending=1) if t == 4 else None)
+    assert loop.events == [(100.0, 1, 0)]
+
+
+def test_a_fresh_history_never_counts_as_idle():
+    # An operator that just restarted knows nothing of the past: it waits a full period.
+    d = once(NORMAL, observe(1, pods(1, kv=0.0, running=0)), policy=ZERO, now=1e6)
+    assert d.replicas == 1 and d.history.last_active_at == 1e6
+
+
+def test_min_replicas_one_never_goes_to_zero():
+    loop = Loop(NORMAL, 1, policy=ScalingPolicy(scale_to_zero_after_seconds=0), interval=60)
+    for _ in range(10):
+        loop.step(lambda n: observe(n, pods(n, kv=0.0, running=0)))
+    assert loop.events == [] and loop.replicas == 1
+
+
+# ------------------------------------------------------------------ roles
+
+
+def test_prefill_heavy_load_raises_prefill_not_decode():
+    observed = {
+        PREFILL: observe(2, pods(2, util=1.0)),
+        DECODE: observe(2, pods(2, kv=0.7)),
+    }
+    policies = {PREFILL: POLICY, DECODE: POLICY}
+    out = decide_all(observed, queue(tokens=10 * TOKENS), policies, {}, 0.0)
+    assert out[PREFILL].replicas == 6 and out[DECODE].replicas == 2
+
+
+def test_decode_heavy_load_raises_decode_not_prefill():
+    observed = {
+        PREFILL: observe(2, pods(2, util=0.7)),
+        DECODE: observe(2, pods(2, kv=1.0, running=20)),
+    }
+    policies = {PREFILL: POLICY, DECODE: POLICY}
+    out = decide_all(observed, queue(handoff_waiting=40), policies, {}, 0.0)
+    assert out[PREFILL].replicas == 2 and out[DECODE].replicas == 6
+    assert dict(out[DECODE].signals)["kv_cache"] == pytest.approx(2 * (1 + 1) / 0.7)
+
+
+def test_normal_scales_on_kv_and_on_queued_tokens():
+    assert once(NORMAL, observe(2, pods(2, kv=1.0))).replicas == 3
+    assert once(NORMAL, observe(2, pods(2, kv=0.7)), queue(tokens=5 * TOKENS)).replicas == 5
+
+
+def test_decide_all_needs_a_policy_per_role():
+    with pytest.raises(ValueError, match="decode"):
+        decide_all({DECODE: observe(1)}, queue(), {PREFILL: POLICY}, {}, 0.0)
+
+
+def test_engine_roles_map_to_scaling_roles():
+    assert [ScalingRole.of_engine(r) for r in Role] == [NORMAL, PREFILL, DECODE]
+
+
+# ------------------------------------------------------------------ properties
+
+
+def pod_loads():
+    return st.builds(
+        PodLoad,
+        pod=st.text("abc", min_size=1, max_size=3),
+        ready=st.booleans(),
+        kv_cache_usage=st.floats(0.0, 1.0),
+        requests_running=st.integers(0, 64),
+        requests_waiting=st.integers(0, 16),
+        waiting_prompt_tokens=st.integers(0, 50_000),
+        budget_utilization=st.none() | st.floats(0.0, 1.0),
+    )
+
+
+def queues():
+    return st.builds(
+        queue,
+        tokens=st.integers(0, 10**6),
+        waiting=st.integers(0, 100),
+        pending=st.integers(0, 100),
+        handoff_waiting=st.integers(0, 100),
+    )
+
+
+@st.composite
+def policies(draw):
+    lo = draw(st.integers(0, 10))
+    return ScalingPolicy(
+        min_replicas=lo,
+        max_replicas=draw(st.integers(max(lo, 1), 40)),
+        tolerance=draw(st.floats(0.0, 0.5)),
+        scale_up_max_step=draw(st.integers(1, 8)),
+        scale_up_max_percent=draw(st.floats(0.0, 300.0)),
+        scale_down_stabilization_seconds=draw(st.sampled_from([0.0, 30.0, 300.0])),
+        scale_to_zero_after_seconds=draw(st.sampled_from([0.0, 30.0])),
+    )
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    role=st.sampled_from(list(ScalingRole)),
+    policy=policies(),
+    start=st.integers(0, 50),
+    rounds=st.lists(st.tuples(st.lists(pod_loads(), max_size=8), queues()), max_size=6),
+)
+def test_bounds_hold_and_scale_ups_respect_the_step(role, policy, start, rounds):
+    replicas, history = start, ScalingHistory()
+    for i, (loads, q) in enumerate(rounds):
+        obs = RoleObservation(replicas, tuple(loads))
+        d = decide(role, obs, q, policy, history, now=10.0 * i)
+        assert policy.min_replicas <= d.replicas <= policy.max_replicas
+        if q.queued_tokens or q.total_waiting or q.pending:
+            assert d.replicas >= 1  # never to zero, or left there, with work queued
+        ready = min(replicas, len(obs.ready_pods))
+        step = max(
+            ready + policy.scale_up_max_step,
+            math.ceil(ready * (1 + policy.scale_up_max_percent / 100) - 1e-9),
+        )
+        assert d.replicas <= max(replicas, step, policy.min_replicas)
+        # Pure: the same inputs give the same decision.
+        assert decide(role, obs, q, policy, history, now=10.0 * i) == d
+        replicas, history = d.replicas, d.history
+
+
+def test_history_stays_small_over_a_long_run():
+    rng = random.Random(7)
+    loop = Loop(DECODE, 4, interval=1.0)
+    for _ in range(2000):
+        loop.step(kv_load(rng.uniform(1, 8)))
+        assert len(loop.history.recommendations) <= 301
+
+
+# ------------------------------------------------------------------ validation
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"min_replicas": 5, "max_replicas": 2}, "must not exceed"),
+        ({"min_replicas": -1}, "min_replicas"),
+        ({"max_replicas": 0}, "max_replicas"),
+        ({"max_replicas": True}, "max_replicas"),
+        ({"target_kv_cache_usage": 0.0}, r"\(0, 1\]"),
+        ({"target_kv_cache_usage": 1.5}, r"\(0, 1\]"),
+        ({"target_budget_utilization": float("nan")}, "finite"),
+        ({"target_queued_tokens_per_replica": 0}, "target_queued_tokens_per_replica"),
+        ({"tolerance": 1.0}, "tolerance"),
+        ({"scale_up_max_step": 0}, "scale_up_max_step"),
+        ({"scale_up_max_percent": -1}, "scale_up_max_percent"),
+        ({"scale_down_stabilization_seconds": -5}, "scale_down_stabilization_seconds"),
+        ({"scale_to_zero_after_seconds": "60"}, "scale_to_zero_after_seconds"),
+    ],
+)
+def test_bad_policy_values_are_value_errors(fields, message):
+    with pytest.raises(ValueError, match=message):
+        ScalingPolicy(**fields)
+
+
+def test_bad_inputs_are_value_errors():
+    with pytest.raises(ValueError, match="current_replicas"):
+        RoleObservation(-1)
+    with pytest.raises(ValueError, match="now"):
+        once(DECODE, observe(1), now=float("nan"))
+    with pytest.raises(ValueError):
+        once("gpu", observe(1))

@@ -1,0 +1,262 @@
+"""engine_metrics against the exposition text a real EngineMetrics renders, and a real socket."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from tandem.engine.engine import EngineTotals, StepStats
+from tandem.engine.service.http import HealthServer
+from tandem.engine.service.metrics import EngineMetrics
+from tandem.operator.engine_metrics import (
+    DirectScrape,
+    PodSample,
+    budget_utilization,
+    busy_fraction,
+    parse_metrics,
+    pod_load,
+    restarted,
+    scrape,
+    step_fill,
+)
+
+BUDGET = 1000
+
+
+class FakeEngine:
+    """Just what EngineMetrics.observe_step reads: the last step, totals, the scheduler."""
+
+    def __init__(self, budget: int = BUDGET) -> None:
+        self.last_step = StepStats()
+        self.totals = EngineTotals()
+        self.scheduler = SimpleNamespace(
+            config=SimpleNamespace(max_num_batched_tokens=budget),
+            kv_usage=0.0,
+            num_running=0,
+            num_waiting=0,
+            waiting_prompt_tokens=0,
+            handoff={},
+        )
+
+    def step(self, metrics: EngineMetrics, *, prefill: bool, tokens: int, seconds: float) -> None:
+        self.last_step = StepStats(prefill, tokens, num_seqs=1, seconds=seconds)
+        metrics.observe_step(self)  # type: ignore[arg-type]
+
+
+def sample(metrics: EngineMetrics, at: float, *, pod: str = "p0", ready: bool = True):
+    return parse_metrics(metrics.render().decode(), pod=pod, ready=ready, scraped_at=at)
+
+
+def test_parses_the_gauges_and_counters_an_engine_renders():
+    metrics, engine = EngineMetrics("tiny", "prompt"), FakeEngine()
+    engine.scheduler.kv_usage = 0.25
+    engine.scheduler.num_running = 3
+    engine.scheduler.num_waiting = 2
+    engine.scheduler.waiting_prompt_tokens = 640
+    engine.scheduler.handoff = {"r1": object()}
+    engine.step(metrics, prefill=True, tokens=800, seconds=0.5)
+    engine.step(metrics, prefill=False, tokens=3, seconds=0.25)
+
+    s = sample(metrics, 12.0)
+
+    assert (s.pod, s.ready, s.scraped_at) == ("p0", True, 12.0)
+    assert (s.model, s.role) == ("tiny", "prompt")
+    assert s.kv_cache_usage == 0.25
+    assert (s.requests_running, s.requests_waiting) == (3, 2)
+    assert (s.waiting_prompt_tokens, s.kv_pinned_requests, s.token_budget) == (640, 1, BUDGET)
+    assert s.steps_total == {"prefill": 1.0, "decode": 1.0}
+    assert s.scheduled_tokens_total == {"prefill": 800.0, "decode": 3.0}
+    assert s.step_seconds_total == pytest.approx(0.75)
+    assert s.started_at is not None
+
+
+def test_an_engine_that_never_stepped_has_no_counters_yet():
+    s = sample(EngineMetrics("tiny", "completion"), 0.0)
+    assert s.steps_total == {} and s.steps("prefill") == 0.0
+    assert s.token_budget == 0 and s.step_seconds_total == 0.0
+
+
+def test_rates_between_two_scrapes():
+    metrics, engine = EngineMetrics("tiny", "prompt"), FakeEngine()
+    engine.step(metrics, prefill=True, tokens=100, seconds=1.0)
+    prev = sample(metrics, 100.0)
+    # 10 s later: 4 prefill steps of 500 tokens (half the budget), 2 s of stepping.
+    for _ in range(4):
+        engine.step(metrics, prefill=True, tokens=500, seconds=0.5)
+    engine.step(metrics, prefill=False, tokens=7, seconds=0.0)
+    curr = sample(metrics, 110.0)
+
+    assert not restarted(prev, curr)
+    assert step_fill(prev, curr) == pytest.approx(0.5)
+    assert step_fill(prev, curr, "decode") == pytest.approx(7 / BUDGET)
+    assert busy_fraction(prev, curr) == pytest.approx(0.2)
+    assert budget_utilization(prev, curr) == pytest.approx(0.5 * 0.2)
+
+
+def test_a_full_but_rarely_stepping_pod_is_not_read_as_busy():
+    # One budget-sized prompt in a minute: every step full, the pod nearly idle.
+    metrics, engine = EngineMetrics("tiny", "prompt"), FakeEngine()
+    prev = sample(metrics, 0.0)
+    engine.step(metrics, prefill=True, tokens=BUDGET, seconds=0.6)
+    curr = sample(metrics, 60.0)
+    assert step_fill(prev, curr) == pytest.approx(1.0)
+    assert budget_utilization(prev, curr) == pytest.approx(0.01)
+
+
+def test_an_idle_interval_reads_zero_and_a_first_scrape_reads_unknown():
+    metrics, engine = EngineMetrics("tiny", "prompt"), FakeEngine()
+    engine.step(metrics, prefill=True, tokens=500, seconds=0.5)
+    prev, curr = sample(metrics, 0.0), sample(metrics, 15.0)
+    assert step_fill(prev, curr) is None
+    assert budget_utilization(prev, curr) == 0.0
+    assert pod_load(curr, prev).budget_utilization == 0.0
+    assert pod_load(curr).budget_utilization is None
+    # Same or reversed timestamps: no interval, no rate.
+    assert budget_utilization(curr, curr) is None
+
+
+def test_a_restarted_engine_is_detected_by_its_created_timestamps():
+    old, engine = EngineMetrics("tiny", "prompt"), FakeEngine()
+    for _ in range(10):
+        engine.step(old, prefill=True, tokens=900, seconds=0.1)
+    prev = sample(old, 0.0)
+    time.sleep(0.01)  # a later process start: a different _created timestamp
+    new, engine = EngineMetrics("tiny", "prompt"), FakeEngine()
+    for _ in range(20):  # more steps than before: only _created tells the reset
+        engine.step(new, prefill=True, tokens=400, seconds=0.1)
+    curr = sample(new, 10.0)
+
+    assert restarted(prev, curr)
+    # Prometheus' rule: after a reset, the whole counter value is the increase.
+    assert step_fill(prev, curr) == pytest.approx(0.4)
+    assert busy_fraction(prev, curr) == pytest.approx(0.2)
+
+
+def test_a_counter_going_down_is_a_reset_without_created_series():
+    old, engine = EngineMetrics("tiny", "prompt"), FakeEngine()
+    for _ in range(10):
+        engine.step(old, prefill=True, tokens=900, seconds=0.1)
+    new, engine = EngineMetrics("tiny", "prompt"), FakeEngine()
+    for _ in range(2):
+        engine.step(new, prefill=True, tokens=300, seconds=0.5)
+
+    def without_created(m: EngineMetrics, at: float) -> PodSample:
+        text = "\n".join(
+            line for line in m.render().decode().splitlines() if "_created" not in line
+        )
+        return parse_metrics(text + "\n", pod="p0", ready=True, scraped_at=at)
+
+    prev, curr = without_created(old, 0.0), without_created(new, 10.0)
+    assert prev.started_at is None
+    assert restarted(prev, curr)
+    assert step_fill(prev, curr) == pytest.approx(0.3)
+    assert busy_fraction(prev, curr) == pytest.approx(0.1)
+
+
+def test_text_that_is_not_an_engines_metrics_is_refused():
+    with pytest.raises(ValueError, match="tandem_engine_kv_cache_usage"):
+        parse_metrics("# TYPE up gauge\nup 1\n", pod="p0", ready=True, scraped_at=0.0)
+
+
+def test_pod_load_refuses_samples_of_two_pods():
+    m = EngineMetrics("tiny", "prompt")
+    with pytest.raises(ValueError, match="two pods"):
+        pod_load(sample(m, 1.0, pod="a"), sample(m, 0.0, pod="b"))
+
+
+# ------------------------------------------------------------------ scraping
+
+
+class Endpoint:
+    """The engine's own HTTP server on a free port, with answers a test can swap."""
+
+    def __init__(self) -> None:
+        self.render = EngineMetrics("tiny", "normal").render
+        self.ready = True
+        self.server = HealthServer(
+            "127.0.0.1",
+            0,
+            live=lambda: (True, "ok"),
+            ready=lambda: (self.ready, "test"),
+            metrics=lambda: self.render(),
+        ).start()
+        self.url = f"http://127.0.0.1:{self.server.port}"
+
+    def serve(self, render, *, ready: bool = True) -> str:
+        self.render, self.ready = render, ready
+        return self.url
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    # One server for the module: each shutdown waits out serve_forever's 0.5 s poll.
+    ep = Endpoint()
+    yield ep
+    ep.server.stop()
+
+
+def scrape_once(url: str, *, timeout: float = 2.0) -> PodSample | None:
+    async def run() -> PodSample | None:
+        async with httpx.AsyncClient() as client:
+            return await scrape(client, url, "p0", timeout=timeout)
+
+    return asyncio.run(run())
+
+
+def test_scrape_reads_a_live_engine(endpoint):
+    metrics, engine = EngineMetrics("tiny", "completion"), FakeEngine()
+    engine.scheduler.kv_usage = 0.5
+    engine.step(metrics, prefill=False, tokens=4, seconds=0.01)
+    url = endpoint.serve(metrics.render)
+    before = time.monotonic()
+    s = scrape_once(url + "/")
+    assert s is not None and s.ready and s.kv_cache_usage == 0.5
+    assert s.steps_total == {"decode": 1.0}
+    assert before <= s.scraped_at <= time.monotonic()
+
+
+def test_a_pod_whose_readiness_probe_fails_is_sampled_not_ready(endpoint):
+    s = scrape_once(endpoint.serve(EngineMetrics("tiny", "normal").render, ready=False))
+    assert s is not None and not s.ready
+
+
+def test_an_unreachable_pod_is_none():
+    with socket.socket() as sock:  # a port nobody listens on once closed
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert scrape_once(f"http://127.0.0.1:{port}") is None
+
+
+def test_a_slow_pod_is_none_after_the_timeout():
+    # A listening socket nobody accepts from: the kernel completes the handshake,
+    # the request goes out, no answer ever comes (a pod stuck in a long GC, say).
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)
+        started = time.monotonic()
+        assert scrape_once(f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=0.2) is None
+        assert time.monotonic() - started < 1.0
+
+
+def test_an_erroring_or_foreign_metrics_page_is_none(endpoint):
+    def broken() -> bytes:
+        raise RuntimeError("boom")  # HealthServer answers 500
+
+    for render in (broken, lambda: b"# TYPE up gauge\nup 1\n", lambda: b"\xff{not prometheus"):
+        assert scrape_once(endpoint.serve(render)) is None
+
+
+def test_direct_scrape_is_a_sample_source(endpoint):
+    url = endpoint.serve(EngineMetrics("tiny", "prompt").render)
+
+    async def run() -> PodSample | None:
+        async with httpx.AsyncClient() as client:
+            return await DirectScrape(client).sample("p7", url)
+
+    s = asyncio.run(run())
+    assert s is not None and s.pod == "p7"
