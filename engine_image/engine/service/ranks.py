@@ -46,6 +46,10 @@ def _rank_main(args: argparse.Namespace, rank: int, world: int, port: int) -> No
     from tandem.engine.dp_vote import gloo_vote
     from tandem.engine.service.main import serve
 
+    import torch
+
+    if torch.cuda.is_available() and args.device in (None, "cuda"):
+        args.device = f"cuda:{rank}"  # one GPU per rank, not all ranks on GPU 0
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )

@@ -1,0 +1,202 @@
+"""Pure builders: a validated ModelDeployment spec -> the Kubernetes objects of its roles.
+
+Per role: a ConfigMap with the engine flags, a headless Service, the
+Deployment (manifests_pods.py) and a PodDisruptionBudget, all owned by the
+ModelDeployment so they go when it goes. The builders read neither the
+cluster nor the status: the replica count of each role is an argument (the
+autoscaler's decision), so the same spec and counts always give the same
+objects, which is what lets the controller repair drift by reapplying them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.operator.engine_flags import engine_flags
+from tandem.operator.manifests_pods import container_ports, deployment
+from tandem.operator.role_spec import RoleName, RoleSpec
+from tandem.operator.spec import API_VERSION, KIND, ModelDeploymentSpec
+
+DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
+_INT32 = (-(2**31), 2**31 - 1)
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The ModelDeployment the objects belong to."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        return {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+@dataclass(frozen=True)
+class OperatorDefaults:
+    """What the operator's settings supply when a spec leaves it out."""
+
+    image: str
+    redis_url: str
+    key_prefix: str = "tandem"
+
+
+def selector_labels(name: str, role_name: RoleName) -> dict[str, str]:
+    """The labels that pick a role's pods; never change them (Deployment selectors are fixed)."""
+    return {
+        "app.kubernetes.io/name": "tandem-engine",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": role_name.value,
+    }
+
+
+def labels(name: str, role_name: RoleName) -> dict[str, str]:
+    return {
+        **selector_labels(name, role_name),
+        "app.kubernetes.io/managed-by": "tandem-operator",
+        "serving.tandem.dev/model": name,
+        "serving.tandem.dev/role": role_name.value,
+    }
+
+
+def child_name(name: str, role_name: RoleName) -> str:
+    """`<name>-<role>`: the Deployment, Service and PodDisruptionBudget of a role."""
+    return f"{name}-{role_name.value}"
+
+
+def build_manifests(
+    owner: Owner,
+    spec: ModelDeploymentSpec,
+    replicas: Mapping[RoleName, int],
+    defaults: OperatorDefaults,
+) -> list[dict[str, Any]]:
+    """Every object of every role of the spec's mode; `replicas` gives each role's count."""
+    manifests: list[dict[str, Any]] = []
+    for role_name in spec.roles():
+        if role_name not in replicas:
+            raise ValueError(f"no replica count given for role {role_name.value}")
+        manifests.extend(role_manifests(owner, spec, role_name, replicas[role_name], defaults))
+    return manifests
+
+
+def role_manifests(
+    owner: Owner,
+    spec: ModelDeploymentSpec,
+    role_name: RoleName,
+    replicas: int,
+    defaults: OperatorDefaults,
+) -> list[dict[str, Any]]:
+    """ConfigMap, Service, Deployment and PodDisruptionBudget of one role."""
+    role = spec.roles().get(role_name)
+    if role is None:
+        raise ValueError(f"spec.{role_name.value} is not set in {spec.mode.value} mode")
+    flags = engine_flags(owner.name, spec, role_name, role, defaults.key_prefix)
+    selector = selector_labels(owner.name, role_name)
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": _metadata(owner, role_name, f"{child_name(owner.name, role_name)}-engine"),
+            "data": flags,
+        },
+        _service(owner, role_name, role, selector),
+        deployment(
+            metadata=_metadata(owner, role_name, child_name(owner.name, role_name)),
+            selector=selector,
+            spec=spec,
+            role_name=role_name,
+            role=role,
+            replicas=replicas,
+            image=spec.image or defaults.image,
+            redis_env=_redis_env(spec, defaults),
+            flags=flags,
+        ),
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": _metadata(owner, role_name, child_name(owner.name, role_name)),
+            "spec": {
+                "maxUnavailable": 1,
+                "selector": {"matchLabels": dict(selector)},
+                # A crash-looping pod protects nothing: let a node drain evict it.
+                "unhealthyPodEvictionPolicy": "AlwaysAllow",
+            },
+        },
+    ]
+
+
+def pod_deletion_cost_patch(pod_name: str, cost: int) -> dict[str, Any]:
+    """A merge patch for pod `pod_name`: on scale-down the ReplicaSet removes the cheapest first.
+
+    The autoscaler gives the least-loaded pods the lowest cost, so a scale-down
+    drains the pods with the least work in flight.
+    """
+    if isinstance(cost, bool) or not isinstance(cost, int):
+        raise ValueError(f"pod deletion cost must be an integer, got {cost!r}")
+    if not _INT32[0] <= cost <= _INT32[1]:
+        raise ValueError(f"pod deletion cost must fit in 32 bits, got {cost}")
+    if not pod_name:
+        raise ValueError("pod_name must not be empty")
+    return {"metadata": {"name": pod_name, "annotations": {DELETION_COST_ANNOTATION: str(cost)}}}
+
+
+def _metadata(owner: Owner, role_name: RoleName, name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": labels(owner.name, role_name),
+        "ownerReferences": [owner.reference()],
+    }
+
+
+def _service(
+    owner: Owner, role_name: RoleName, role: RoleSpec, selector: Mapping[str, str]
+) -> dict[str, Any]:
+    """Headless: engines are found by pod address (registry, scraping), never load-balanced."""
+    ports = [
+        {
+            "name": port["name"],
+            "port": port["containerPort"],
+            "targetPort": port["name"],
+            "protocol": "TCP",
+        }
+        for port in container_ports(role_name, role)
+    ]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(owner, role_name, child_name(owner.name, role_name)),
+        "spec": {
+            "clusterIP": "None",
+            "selector": dict(selector),
+            "ports": ports,
+            # Scrapers and the operator want every engine, starting ones included.
+            "publishNotReadyAddresses": True,
+        },
+    }
+
+
+def _redis_env(spec: ModelDeploymentSpec, defaults: OperatorDefaults) -> dict[str, Any]:
+    """TANDEM_REDIS_URL, which the engine reads when no --redis-url is given.
+
+    An environment variable, not a flag, so a URL from a Secret (password
+    included) never shows in the ConfigMap or the process list.
+    """
+    name = "TANDEM_REDIS_URL"
+    redis = spec.redis
+    if redis is not None and redis.url_secret_ref is not None:
+        ref = redis.url_secret_ref
+        return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+    if redis is not None and redis.url is not None:
+        return {"name": name, "value": redis.url}
+    return {"name": name, "value": defaults.redis_url}

@@ -1,0 +1,275 @@
+"""The Deployment of one role: its pod template, engine container and model volumes.
+
+Why a Deployment even for data-parallel groups: `tandem engine
+--data-parallel-size N` runs the N ranks as processes of ONE pod that vote
+over gloo (NCCL on GPUs) on localhost. A pod is the whole group, replicas are
+independent groups, and no pod needs a stable identity or a peer's address,
+so a StatefulSet would add ordering and naming nothing uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tandem.operator.engine_flags import (
+    HTTP_PORT,
+    HUGGING_FACE_DIR,
+    KV_PORT,
+    MODELS_DIR,
+    config_hash,
+    engine_arguments,
+)
+from tandem.operator.role_spec import RoleName, RoleSpec
+from tandem.operator.spec import ModelDeploymentSpec
+
+CONFIG_HASH_ANNOTATION = "serving.tandem.dev/config-hash"
+# The user the engine image runs as (engine_image/Dockerfile).
+ENGINE_UID = 10001
+CACHE_DIR = "/cache"
+# Model loading may take long (a 70B model from network storage); the probe
+# budget covers it so the kubelet never kills a pod that is still loading.
+STARTUP_PROBE_PERIOD_SECONDS = 10
+STARTUP_PROBE_FAILURES = 180  # 30 minutes
+# Seconds between the engine's drain deadline and the kubelet's SIGKILL.
+GRACE_MARGIN_SECONDS = 30
+
+# The init container that downloads spec.model.huggingFace into the model volume.
+# Only the files the engine loads (no .bin, .pt, ONNX or GGUF duplicates).
+FETCH_SCRIPT = """\
+import os, sys
+try:
+    from huggingface_hub import snapshot_download
+except ImportError:
+    sys.exit("this image has no huggingface_hub, which spec.model.huggingFace needs")
+path = snapshot_download(
+    repo_id=os.environ["HF_MODEL_ID"],
+    revision=os.environ["HF_MODEL_REVISION"],
+    local_dir=os.environ["MODEL_DIR"],
+    allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"],
+)
+print("fetched", os.environ["HF_MODEL_ID"], "into", path)
+"""
+
+
+def deployment(
+    *,
+    metadata: dict[str, Any],
+    selector: Mapping[str, str],
+    spec: ModelDeploymentSpec,
+    role_name: RoleName,
+    role: RoleSpec,
+    replicas: int,
+    image: str,
+    redis_env: dict[str, Any],
+    flags: Mapping[str, str],
+) -> dict[str, Any]:
+    """The role's Deployment with `replicas` pods (the autoscaler's number, not the spec's)."""
+    if replicas < 0:
+        raise ValueError(f"replicas must be at least 0, got {replicas}")
+    pod_labels = dict(metadata["labels"])
+    annotations = {
+        CONFIG_HASH_ANNOTATION: config_hash(flags),
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(HTTP_PORT),
+        "prometheus.io/path": "/metrics",
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata,
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": dict(selector)},
+            # Add a pod before removing one: serving capacity never drops in a rollout.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "revisionHistoryLimit": 5,
+            "progressDeadlineSeconds": STARTUP_PROBE_PERIOD_SECONDS * STARTUP_PROBE_FAILURES + 300,
+            "template": {
+                "metadata": {"labels": pod_labels, "annotations": annotations},
+                "spec": _pod_spec(spec, role_name, role, image, redis_env, flags),
+            },
+        },
+    }
+
+
+def _pod_spec(
+    spec: ModelDeploymentSpec,
+    role_name: RoleName,
+    role: RoleSpec,
+    image: str,
+    redis_env: dict[str, Any],
+    flags: Mapping[str, str],
+) -> dict[str, Any]:
+    volumes, mounts = _volumes(spec, role)
+    pod: dict[str, Any] = {
+        # Engines never call the Kubernetes API.
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": role.drain_timeout_seconds + GRACE_MARGIN_SECONDS,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": ENGINE_UID,
+            "runAsGroup": ENGINE_UID,
+            "fsGroup": ENGINE_UID,
+            # Without this the kubelet chowns every file of a model volume at each mount.
+            "fsGroupChangePolicy": "OnRootMismatch",
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    if spec.model.hugging_face is not None:
+        pod["initContainers"] = [_fetch_container(spec, image)]
+    pod["containers"] = [_engine_container(spec, role_name, role, image, redis_env, flags, mounts)]
+    pod["volumes"] = volumes
+    if role.node_selector:
+        pod["nodeSelector"] = dict(role.node_selector)
+    if role.tolerations:
+        pod["tolerations"] = [t.to_dict() for t in role.tolerations]
+    if role.affinity:
+        pod["affinity"] = dict(role.affinity)
+    return pod
+
+
+def _engine_container(
+    spec: ModelDeploymentSpec,
+    role_name: RoleName,
+    role: RoleSpec,
+    image: str,
+    redis_env: dict[str, Any],
+    flags: Mapping[str, str],
+    mounts: list[dict[str, Any]],
+) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": image,
+        "command": ["tandem", "engine"],
+        "args": engine_arguments(flags),
+        "ports": container_ports(role_name, role),
+        "env": [
+            # The address the engine advertises to peers (KV transfer, registry).
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            redis_env,
+            {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+        ],
+        "resources": role.resources.to_dict() if role.resources else {},
+        "startupProbe": _probe(
+            "/healthz",
+            period=STARTUP_PROBE_PERIOD_SECONDS,
+            failures=STARTUP_PROBE_FAILURES,
+        ),
+        "readinessProbe": _probe("/readyz", period=5, failures=2),
+        "livenessProbe": _probe("/healthz", period=10, failures=6),
+        "securityContext": _container_security(),
+        "volumeMounts": mounts,
+    }
+    if spec.image_pull_policy is not None:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    return container
+
+
+def container_ports(role_name: RoleName, role: RoleSpec) -> list[dict[str, Any]]:
+    """One HTTP port per rank, and one KV port per rank on prefill pods (only they serve KV)."""
+    ports = []
+    for rank in range(role.data_parallel_size):
+        suffix = f"-{rank}" if rank else ""
+        ports.append({"name": f"http{suffix}", "containerPort": HTTP_PORT + rank})
+        if role_name is RoleName.PREFILL:
+            ports.append({"name": f"kv{suffix}", "containerPort": KV_PORT + rank})
+    for port in ports:
+        port["protocol"] = "TCP"
+    return ports
+
+
+def _fetch_container(spec: ModelDeploymentSpec, image: str) -> dict[str, Any]:
+    source = spec.model.hugging_face
+    if source is None:
+        raise ValueError("spec.model.huggingFace is not set")
+    env: list[dict[str, Any]] = [
+        {"name": "HF_MODEL_ID", "value": source.id},
+        {"name": "HF_MODEL_REVISION", "value": source.revision},
+        {"name": "MODEL_DIR", "value": HUGGING_FACE_DIR},
+        # The Hub client's own cache and lock files; the root filesystem is read-only.
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+    ]
+    if source.token_secret_name is not None:
+        env.append(
+            {
+                "name": "HF_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": source.token_secret_name, "key": "token"}},
+            }
+        )
+    container: dict[str, Any] = {
+        "name": "fetch-model",
+        "image": image,
+        "command": ["python", "-c", FETCH_SCRIPT],
+        "env": env,
+        "resources": {
+            "requests": {"cpu": "500m", "memory": "512Mi"},
+            "limits": {"memory": "2Gi"},
+        },
+        "securityContext": _container_security(),
+        "volumeMounts": [
+            {"name": "model", "mountPath": MODELS_DIR},
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "cache", "mountPath": CACHE_DIR},
+        ],
+    }
+    if spec.image_pull_policy is not None:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    return container
+
+
+def _volumes(
+    spec: ModelDeploymentSpec, role: RoleSpec
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The pod's volumes and the engine's mounts: scratch space and the model."""
+    volumes: list[dict[str, Any]] = [
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "cache", "emptyDir": {}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "cache", "mountPath": CACHE_DIR},
+    ]
+    if role.data_parallel_size > 1:
+        # Rank processes share tensors and NCCL buffers through /dev/shm, which a
+        # container otherwise caps at 64 MiB.
+        volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}})
+        mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+    source = spec.model
+    if source.pvc is not None:
+        volumes.append(
+            {
+                "name": "model",
+                "persistentVolumeClaim": {
+                    "claimName": source.pvc.claim_name,
+                    "readOnly": source.pvc.read_only,
+                },
+            }
+        )
+        mounts.append({"name": "model", "mountPath": MODELS_DIR, "readOnly": source.pvc.read_only})
+    elif source.hugging_face is not None:
+        volumes.append({"name": "model", "emptyDir": {}})
+        mounts.append({"name": "model", "mountPath": MODELS_DIR, "readOnly": True})
+    return volumes, mounts
+
+
+def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }

@@ -1,0 +1,332 @@
+"""The ModelDeployment spec (serving.tandem.dev/v1alpha1): the one source of truth.
+
+crd.py turns these models into the CRD's OpenAPI schema (defaults, ranges,
+descriptions, CEL rules) and docs/modeldeployment.md; validation.py re-checks
+specs with them; manifests.py builds the engine pods from them.
+
+Engine defaults are read from EngineConfig, so the CRD cannot drift from the
+engine it configures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import Field
+
+from tandem.engine.config import EngineConfig
+from tandem.operator.quantity import ByteQuantity
+from tandem.operator.role_spec import DecodeRole, NormalRole, PrefillRole, RoleName, RoleSpec
+from tandem.operator.spec_base import CelRule, SpecModel, count_set
+
+GROUP = "serving.tandem.dev"
+VERSION = "v1alpha1"
+KIND = "ModelDeployment"
+PLURAL = "modeldeployments"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# Children are named <name>-<role> (longest: "-prefill"); a Service name is a
+# DNS-1035 label of at most 63 characters.
+MAX_NAME_LENGTH = 63 - len("-prefill")
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+
+# Rules on metadata.name, which only a rule at the CRD's root can see.
+NAME_RULES = (
+    CelRule(
+        rule=f"self.metadata.name.size() <= {MAX_NAME_LENGTH}",
+        message=f"metadata.name must be at most {MAX_NAME_LENGTH} characters: "
+        "child objects are named <name>-prefill and a Service name has at most 63",
+        holds=lambda name: len(name) <= MAX_NAME_LENGTH,
+    ),
+    CelRule(
+        rule=f"self.metadata.name.matches('{NAME_PATTERN}')",
+        message="metadata.name must start with a letter and hold only lowercase letters, "
+        "digits and '-' (it names the role Services)",
+        holds=lambda name: re.fullmatch(NAME_PATTERN, name) is not None,
+    ),
+)
+
+_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
+class Mode(StrEnum):
+    NORMAL = "Normal"
+    DISAGGREGATED = "Disaggregated"
+
+
+class PvcSource(SpecModel):
+    """Weights on a PersistentVolumeClaim, mounted at /models in the engine pods."""
+
+    cel_rules = (
+        CelRule(
+            rule="!has(self.subPath) || "
+            "(!self.subPath.startsWith('/') && !self.subPath.matches('(^|/)[.][.](/|$)'))",
+            message="pvc.subPath must be a relative path inside the claim, without '..'",
+            holds=lambda p: (
+                p.sub_path is None
+                or (not p.sub_path.startswith("/") and ".." not in p.sub_path.split("/"))
+            ),
+            field_path=".subPath",
+        ),
+    )
+
+    claim_name: str = Field(min_length=1, max_length=253, description="The claim's name.")
+    sub_path: str | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        description="The model's directory (or .gguf file) inside the claim; "
+        "default: the claim's root.",
+    )
+    read_only: bool = Field(True, description="Mount the claim read-only.")
+
+
+class HuggingFaceSource(SpecModel):
+    """A Hugging Face Hub repository, downloaded by an init container into the pod.
+
+    The engine then loads the local copy: it never downloads at run time.
+    Every new pod downloads again; for large models a pvc starts pods faster.
+    """
+
+    id: str = Field(
+        min_length=1,
+        max_length=256,
+        pattern=r"^[A-Za-z0-9][-A-Za-z0-9_.]*(/[A-Za-z0-9][-A-Za-z0-9_.]*)?$",
+        description="Repository id, e.g. HuggingFaceTB/SmolLM2-135M-Instruct.",
+    )
+    revision: str = Field(
+        "main",
+        min_length=1,
+        max_length=256,
+        description="Branch, tag or commit; pin a commit for reproducible pods.",
+    )
+    token_secret_name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        description="A Secret whose key `token` holds a Hub token (gated or private models).",
+    )
+
+
+class ModelSpec(SpecModel):
+    """Where the weights come from (exactly one source) and the name clients ask for."""
+
+    cel_rules = (
+        CelRule(
+            rule="(has(self.path) ? 1 : 0) + (has(self.pvc) ? 1 : 0)"
+            " + (has(self.huggingFace) ? 1 : 0) == 1",
+            message="spec.model needs exactly one source: path, pvc or huggingFace",
+            holds=lambda m: count_set(m.path, m.pvc, m.hugging_face) == 1,
+        ),
+    )
+
+    path: str | None = Field(
+        None,
+        min_length=1,
+        max_length=4096,
+        description="A Hugging Face directory or .gguf file inside the image or a volume "
+        "(or an engine built-in such as smollm2), passed to `--model` as is.",
+    )
+    pvc: PvcSource | None = Field(None, description="Weights on a PersistentVolumeClaim.")
+    hugging_face: HuggingFaceSource | None = Field(
+        None, description="Weights fetched from the Hugging Face Hub before the engine starts."
+    )
+    served_model_name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        pattern=r"^[^{}\s]+$",
+        description="The model name clients ask for (`--served-model-name`); "
+        "default: metadata.name.",
+    )
+
+
+class EngineSpec(SpecModel):
+    """Engine settings shared by every role (`tandem engine` flags; see docs/scheduler.md)."""
+
+    cel_rules = (
+        CelRule(
+            rule="!has(self.maxNumBatchedTokens) || !has(self.maxModelLen) || "
+            "self.enableChunkedPrefill || self.maxNumBatchedTokens >= self.maxModelLen",
+            message="maxNumBatchedTokens must be at least maxModelLen unless "
+            "enableChunkedPrefill is true: a prompt of maxModelLen tokens could never be scheduled",
+            holds=lambda e: (
+                e.max_num_batched_tokens is None
+                or e.max_model_len is None
+                or e.enable_chunked_prefill
+                or e.max_num_batched_tokens >= e.max_model_len
+            ),
+            field_path=".maxNumBatchedTokens",
+        ),
+        CelRule(
+            rule="!has(self.maxNumBatchedTokens) || "
+            "self.maxNumBatchedTokens > self.numSpeculativeTokens",
+            message="maxNumBatchedTokens must hold one decode step of one sequence "
+            "(1 + numSpeculativeTokens tokens)",
+            holds=lambda e: (
+                e.max_num_batched_tokens is None
+                or e.max_num_batched_tokens > e.num_speculative_tokens
+            ),
+            field_path=".maxNumBatchedTokens",
+        ),
+    )
+
+    max_model_len: int | None = Field(
+        None,
+        ge=1,
+        description="Longest sequence (prompt + output) served; default: the model's context "
+        "length, capped by what the KV cache holds. Set it whenever you set "
+        "maxNumBatchedTokens without chunked prefill.",
+    )
+    max_num_seqs: int = Field(
+        _ENGINE_DEFAULTS["max_num_seqs"], ge=1, description="Most sequences running at once."
+    )
+    max_num_batched_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Token budget of one step; default: max(maxModelLen, 4096, "
+        "maxNumSeqs × (1 + numSpeculativeTokens)).",
+    )
+    enable_chunked_prefill: bool = Field(
+        _ENGINE_DEFAULTS["enable_chunked_prefill"],
+        description="Cut prompts that do not fit a step's remaining budget into chunks.",
+    )
+    num_speculative_tokens: int = Field(
+        _ENGINE_DEFAULTS["num_speculative_tokens"],
+        ge=0,
+        le=16,
+        description="Draft tokens verified per sequence and decode step (0: no speculation).",
+    )
+    prefill_attempt_interval: int = Field(
+        _ENGINE_DEFAULTS["prefill_attempt_interval"],
+        ge=1,
+        description="Normal role: every this many decode steps, prefill if every rank wants to.",
+    )
+    prefill_any_attempt_interval: int = Field(
+        _ENGINE_DEFAULTS["prefill_any_attempt_interval"],
+        ge=1,
+        description="Normal role: every this many decode steps, prefill if any rank wants to.",
+    )
+    cache_prefill_watermark: float = Field(
+        _ENGINE_DEFAULTS["cache_prefill_watermark"],
+        gt=0,
+        le=1,
+        description="An engine takes new prompts only while its KV cache usage is at most this.",
+    )
+    block_size: int = Field(
+        _ENGINE_DEFAULTS["block_size"], ge=1, le=1024, description="Tokens per KV cache block."
+    )
+    enable_prefix_caching: bool = Field(
+        _ENGINE_DEFAULTS["enable_prefix_caching"],
+        description="Reuse the KV of full blocks shared with earlier prompts.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight and KV dtype; auto: bfloat16 on GPUs, float32 on CPUs."
+    )
+    kv_cache_memory: ByteQuantity | None = Field(
+        None,
+        description="Bytes of KV cache per rank, e.g. 4Gi; default: 90 % of the GPU memory "
+        "left after the weights, 1 GiB on CPUs.",
+    )
+
+
+class SecretKeyRef(SpecModel):
+    """A key of a Secret in the ModelDeployment's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, description="The Secret's name.")
+    key: str = Field("url", min_length=1, max_length=253, description="The key in the Secret.")
+
+
+class RedisSpec(SpecModel):
+    """The Redis the gateway and engines share; default: the operator's."""
+
+    cel_rules = (
+        CelRule(
+            rule="has(self.url) != has(self.urlSecretRef)",
+            message="spec.redis needs exactly one of url or urlSecretRef",
+            holds=lambda r: count_set(r.url, r.url_secret_ref) == 1,
+        ),
+    )
+
+    url: str | None = Field(
+        None,
+        max_length=2048,
+        pattern=r"^(redis|rediss|unix)://",
+        description="redis://host:port/db (no password: use urlSecretRef for one).",
+    )
+    url_secret_ref: SecretKeyRef | None = Field(
+        None, description="A Secret key holding the URL (for URLs with a password)."
+    )
+
+
+class ModelDeploymentSpec(SpecModel):
+    """One model served by Tandem engines: Normal (one role does it all) or Disaggregated."""
+
+    cel_rules = (
+        CelRule(
+            rule="self.mode != 'Disaggregated' || (has(self.prefill) && has(self.decode))",
+            message="Disaggregated mode needs both spec.prefill and spec.decode",
+            holds=lambda s: (
+                s.mode is not Mode.DISAGGREGATED or (s.prefill is not None and s.decode is not None)
+            ),
+        ),
+        CelRule(
+            rule="self.mode != 'Disaggregated' || !has(self.normal)",
+            message="spec.normal is for Normal mode; Disaggregated mode uses spec.prefill "
+            "and spec.decode",
+            holds=lambda s: s.mode is not Mode.DISAGGREGATED or s.normal is None,
+        ),
+        CelRule(
+            rule="self.mode != 'Normal' || has(self.normal)",
+            message="Normal mode needs spec.normal",
+            holds=lambda s: s.mode is not Mode.NORMAL or s.normal is not None,
+        ),
+        CelRule(
+            rule="self.mode != 'Normal' || (!has(self.prefill) && !has(self.decode))",
+            message="spec.prefill and spec.decode are for Disaggregated mode; Normal mode "
+            "uses spec.normal",
+            holds=lambda s: s.mode is not Mode.NORMAL or (s.prefill is None and s.decode is None),
+        ),
+    )
+
+    model: ModelSpec = Field(description="The weights and the name clients ask for.")
+    image: str | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        description="Engine image; default: the operator's (its --engine-image setting).",
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
+        None, description="Kubernetes' default: Always for :latest, IfNotPresent otherwise."
+    )
+    engine: EngineSpec = Field(
+        default_factory=EngineSpec,
+        json_schema_extra={"default": {}},
+        description="Engine settings shared by every role.",
+    )
+    mode: Mode = Field(
+        Mode.NORMAL,
+        strict=False,
+        description="Normal: spec.normal engines prefill and decode. Disaggregated: "
+        "spec.prefill engines prefill and hand the KV to spec.decode engines.",
+    )
+    redis: RedisSpec | None = Field(None, description="Redis; default: the operator's.")
+    normal: NormalRole | None = Field(None, description="Normal mode: the engines.")
+    prefill: PrefillRole | None = Field(None, description="Disaggregated mode: prefill engines.")
+    decode: DecodeRole | None = Field(None, description="Disaggregated mode: decode engines.")
+
+    def roles(self) -> dict[RoleName, RoleSpec]:
+        """The roles this spec runs, in a stable order (prefill before decode)."""
+        found = {
+            RoleName.NORMAL: self.normal,
+            RoleName.PREFILL: self.prefill,
+            RoleName.DECODE: self.decode,
+        }
+        return {name: role for name, role in found.items() if role is not None}
+
+    def served_model_name(self, name: str) -> str:
+        """What clients ask for: spec.model.servedModelName, else the object's name."""
+        return self.model.served_model_name or name

@@ -1,0 +1,301 @@
+"""The pure manifest builders: golden files for the examples, and the rules every pod follows.
+
+Golden files (tests/operator/golden/<example>.yaml) hold the exact objects the
+examples become. After an intended change, regenerate them and review the diff:
+
+    TANDEM_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/operator/test_manifests.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.service.arguments import add_arguments, engine_fields
+from tandem.operator.manifests import (
+    DELETION_COST_ANNOTATION,
+    OperatorDefaults,
+    Owner,
+    build_manifests,
+    pod_deletion_cost_patch,
+    role_manifests,
+)
+from tandem.operator.manifests_pods import CONFIG_HASH_ANNOTATION
+from tandem.operator.role_spec import RoleName
+from tandem.operator.spec import ModelDeploymentSpec
+from tandem.operator.validation import validate_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).resolve().parent / "golden"
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+K8S_VERSION = "1.33"
+UPDATE_GOLDEN = os.environ.get("TANDEM_UPDATE_GOLDEN") == "1"
+
+DEFAULTS = OperatorDefaults(
+    image="ghcr.io/tandem-serving/engine:0.1.0",
+    redis_url="redis://tandem-redis.tandem-system.svc:6379/0",
+)
+LABEL_KEYS = {
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/component",
+    "app.kubernetes.io/managed-by",
+    "serving.tandem.dev/model",
+    "serving.tandem.dev/role",
+}
+
+
+def _load(path: Path) -> tuple[Owner, ModelDeploymentSpec]:
+    obj = yaml.safe_load(path.read_text())
+    name = obj["metadata"]["name"]
+    owner = Owner(name=name, namespace="default", uid="0b5e7c1a-5c1e-4d3f-9a0e-000000000001")
+    return owner, validate_spec(obj["spec"], name=name)
+
+
+def _build(owner: Owner, spec: ModelDeploymentSpec, **overrides: int) -> list[dict[str, Any]]:
+    replicas = {role: r.initial_replicas for role, r in spec.roles().items()}
+    replicas.update({RoleName(k): v for k, v in overrides.items()})
+    return build_manifests(owner, spec, replicas, DEFAULTS)
+
+
+def _spec(raw: dict[str, Any]) -> ModelDeploymentSpec:
+    return validate_spec(raw, name="m")
+
+
+def _pod(manifests: list[dict[str, Any]], role: str) -> dict[str, Any]:
+    (deployment,) = [
+        m
+        for m in manifests
+        if m["kind"] == "Deployment" and m["metadata"]["labels"]["serving.tandem.dev/role"] == role
+    ]
+    return deployment["spec"]["template"]
+
+
+class _GoldenDumper(yaml.SafeDumper):
+    """Multi-line strings (the fetch script) as literal blocks, so a golden diff reads well."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+_GoldenDumper.add_representer(
+    str,
+    lambda dumper, text: dumper.represent_scalar(
+        "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None
+    ),
+)
+
+
+def _render(manifests: list[dict[str, Any]]) -> str:
+    return yaml.dump_all(manifests, Dumper=_GoldenDumper, sort_keys=False, width=100)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_examples_match_their_golden_manifests(path):
+    rendered = _render(_build(*_load(path)))
+    golden = GOLDEN / f"{path.stem}.yaml"
+    if UPDATE_GOLDEN:
+        golden.parent.mkdir(exist_ok=True)
+        golden.write_text(rendered)
+    assert golden.exists(), f"no golden file: run with TANDEM_UPDATE_GOLDEN=1 ({__doc__})"
+    assert rendered == golden.read_text(), "manifests changed: see this file's docstring"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_every_manifest_passes_kubernetes_validate_strict(path):
+    for manifest in _build(*_load(path)):
+        kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_labels_and_owner_references_on_every_object(path):
+    owner, spec = _load(path)
+    manifests = _build(owner, spec)
+    assert len(manifests) == 4 * len(spec.roles())
+    for manifest in manifests:
+        meta = manifest["metadata"]
+        assert set(meta["labels"]) >= LABEL_KEYS, meta["name"]
+        assert meta["labels"]["app.kubernetes.io/name"] == "tandem-engine"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "tandem-operator"
+        assert meta["labels"]["serving.tandem.dev/model"] == owner.name
+        assert meta["namespace"] == owner.namespace
+        (ref,) = meta["ownerReferences"]
+        assert ref == {
+            "apiVersion": "serving.tandem.dev/v1alpha1",
+            "kind": "ModelDeployment",
+            "name": owner.name,
+            "uid": owner.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    kinds = sorted(m["kind"] for m in manifests[:4])
+    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service"]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_every_pod_is_probed_locked_down_and_drains(path):
+    owner, spec = _load(path)
+    manifests = _build(owner, spec)
+    for role_name, role in spec.roles().items():
+        template = _pod(manifests, role_name.value)
+        pod = template["spec"]
+        assert CONFIG_HASH_ANNOTATION in template["metadata"]["annotations"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["terminationGracePeriodSeconds"] > role.drain_timeout_seconds
+        for container in pod["containers"] + pod.get("initContainers", []):
+            security = container["securityContext"]
+            assert security["readOnlyRootFilesystem"] is True
+            assert security["allowPrivilegeEscalation"] is False
+            mounts = {m["mountPath"] for m in container["volumeMounts"]}
+            assert "/tmp" in mounts
+        (engine,) = pod["containers"]
+        assert engine["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        assert engine["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        startup = engine["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60
+        env = {e["name"]: e for e in engine["env"]}
+        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert "TANDEM_REDIS_URL" in env
+        role_flag = engine["args"][engine["args"].index("--role") + 1]
+        assert role_flag == role_name.engine_role.value
+
+
+def test_engine_arguments_parse_into_the_configuration_the_spec_describes():
+    owner, spec = _load(ROOT / "examples" / "llama-8b-disaggregated.yaml")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for role_name, _ in spec.roles().items():
+        (configmap, _, deployment, _) = role_manifests(owner, spec, role_name, 1, DEFAULTS)
+        args = parser.parse_args(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+        config = EngineConfig(**engine_fields(args))
+        assert config.engine_type.value == role_name.engine_role.value
+        assert config.max_model_len == spec.engine.max_model_len
+        assert config.max_num_batched_tokens == spec.engine.max_num_batched_tokens
+        assert config.num_speculative_tokens == spec.engine.num_speculative_tokens
+        assert config.enable_prefix_caching is spec.engine.enable_prefix_caching
+        assert args.model == "/models/llama-3.1-8b-instruct"
+        assert args.served_model_name == "llama-3.1-8b-instruct"
+        assert args.dtype == "bfloat16"
+        assert args.redis_url  # from TANDEM_REDIS_URL or the default: never a flag
+        # The ConfigMap shows exactly what the pods are given.
+        assert configmap["data"]["max-model-len"] == "16384"
+        assert configmap["data"]["role"] == args.role
+
+
+def test_a_config_change_changes_the_pod_hash_and_nothing_else_does():
+    raw = {"model": {"path": "/m"}, "normal": {"maxReplicas": 4}}
+    owner = Owner("m", "ns", "uid")
+
+    def pod_hash(spec_raw: dict[str, Any], replicas: int = 1) -> str:
+        manifests = _build(owner, _spec(spec_raw), normal=replicas)
+        return _pod(manifests, "normal")["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
+
+    base = pod_hash(raw)
+    assert pod_hash(raw) == base
+    assert pod_hash(raw, replicas=3) == base  # scaling is no reason to roll
+    assert pod_hash({**raw, "engine": {"maxNumSeqs": 64}}) != base
+    assert pod_hash({**raw, "engine": {"enableChunkedPrefill": True}}) != base
+    assert pod_hash({**raw, "model": {"path": "/other"}}) != base
+
+
+def test_data_parallel_pods_hold_the_whole_group():
+    raw = {
+        "model": {"path": "/m"},
+        "mode": "Disaggregated",
+        "prefill": {"dataParallelSize": 2},
+        "decode": {"dataParallelSize": 4},
+    }
+    manifests = _build(Owner("m", "ns", "uid"), _spec(raw))
+    assert {m["kind"] for m in manifests} == {
+        "ConfigMap",
+        "Service",
+        "Deployment",
+        "PodDisruptionBudget",
+    }
+    prefill = _pod(manifests, "prefill")["spec"]
+    ports = [(p["name"], p["containerPort"]) for p in prefill["containers"][0]["ports"]]
+    assert ports == [("http", 8100), ("kv", 8200), ("http-1", 8101), ("kv-1", 8201)]
+    decode = _pod(manifests, "decode")["spec"]
+    assert [p["name"] for p in decode["containers"][0]["ports"]] == [
+        "http",
+        "http-1",
+        "http-2",
+        "http-3",
+    ]
+    assert any(v["name"] == "shm" for v in decode["volumes"])
+    args = decode["containers"][0]["args"]
+    assert args[args.index("--data-parallel-size") + 1] == "4"
+    for manifest in manifests:
+        kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
+
+
+def test_model_sources_become_volumes_and_the_model_flag():
+    owner = Owner("m", "ns", "uid")
+    path_pod = _pod(_build(owner, _spec({"model": {"path": "/m"}, "normal": {}})), "normal")
+    assert not any(v["name"] == "model" for v in path_pod["spec"]["volumes"])
+    assert "initContainers" not in path_pod["spec"]
+
+    pvc = {"model": {"pvc": {"claimName": "weights", "readOnly": False}}, "normal": {}}
+    pvc_pod = _pod(_build(owner, _spec(pvc)), "normal")["spec"]
+    (volume,) = [v for v in pvc_pod["volumes"] if v["name"] == "model"]
+    assert volume["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": False}
+    args = pvc_pod["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == "/models"
+
+    hf = {"model": {"huggingFace": {"id": "o/m", "revision": "abc", "tokenSecretName": "hf"}}}
+    hf_pod = _pod(_build(owner, _spec({**hf, "normal": {}})), "normal")["spec"]
+    (fetch,) = hf_pod["initContainers"]
+    env = {e["name"]: e for e in fetch["env"]}
+    assert env["HF_MODEL_ID"]["value"] == "o/m" and env["HF_MODEL_REVISION"]["value"] == "abc"
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+    engine_mounts = {m["name"]: m for m in hf_pod["containers"][0]["volumeMounts"]}
+    assert engine_mounts["model"]["readOnly"] is True  # only the init container writes
+
+
+def test_redis_url_comes_from_the_spec_a_secret_or_the_operator():
+    owner = Owner("m", "ns", "uid")
+
+    def redis_env(extra: dict[str, Any]) -> dict[str, Any]:
+        raw = {"model": {"path": "/m"}, "normal": {}, **extra}
+        engine = _pod(_build(owner, _spec(raw)), "normal")["spec"]["containers"][0]
+        (env,) = [e for e in engine["env"] if e["name"] == "TANDEM_REDIS_URL"]
+        return env
+
+    assert redis_env({})["value"] == DEFAULTS.redis_url
+    assert redis_env({"redis": {"url": "redis://r:1/2"}})["value"] == "redis://r:1/2"
+    secret = redis_env({"redis": {"urlSecretRef": {"name": "redis"}}})
+    assert secret["valueFrom"]["secretKeyRef"] == {"name": "redis", "key": "url"}
+
+
+def test_replicas_image_and_builder_errors():
+    owner = Owner("m", "ns", "uid")
+    spec = _spec({"model": {"path": "/m"}, "image": "mine:1", "normal": {"maxReplicas": 9}})
+    (_, _, deployment, _) = role_manifests(owner, spec, RoleName.NORMAL, 7, DEFAULTS)
+    assert deployment["spec"]["replicas"] == 7
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "mine:1"
+    with pytest.raises(ValueError, match="no replica count given for role normal"):
+        build_manifests(owner, spec, {}, DEFAULTS)
+    with pytest.raises(ValueError, match=r"spec\.decode is not set in Normal mode"):
+        role_manifests(owner, spec, RoleName.DECODE, 1, DEFAULTS)
+    with pytest.raises(ValueError, match="replicas must be at least 0"):
+        role_manifests(owner, spec, RoleName.NORMAL, -1, DEFAULTS)
+
+
+def test_pod_deletion_cost_patch():
+    patch = pod_deletion_cost_patch("m-decode-abc", -5)
+    assert patch == {
+        "metadata": {"name": "m-decode-abc", "annotations": {DELETION_COST_ANNOTATION: "-5"}}
+    }
+    assert DELETION_COST_ANNOTATION == "controller.kubernetes.io/pod-deletion-cost"
+    for bad in (2**31, 1.5, True):
+        with pytest.raises(ValueError, match="pod deletion cost"):
+            pod_deletion_cost_patch("p", bad)
+    with pytest.raises(ValueError, match="pod_name"):
+        pod_deletion_cost_patch("", 1)
