@@ -52,11 +52,15 @@ def run(model: str, question: str, mode: str = "normal", max_tokens: int = 64) -
     def say(line: str) -> None:
         print(f"  [{time.perf_counter() - started:5.1f}s] {line}", file=sys.stderr)
 
-    with Stack(config).start(say=say) as stack:
+    stack = Stack(config)
+    try:
+        stack.start(say=say)
         print(f"> {question}")
         asked = time.perf_counter()
         for piece in stream_chat(stack.url, stack.api_key, config.name, question, max_tokens):
             print(piece, end="", flush=True)
         print()
         say(f"answered in {time.perf_counter() - asked:.2f}s through {stack.url}/v1")
+    finally:
+        stack.stop()
     return 0

@@ -54,6 +54,7 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         binary = find_redis_server()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
         args = {
             "port": str(self.port),
             "bind": "127.0.0.1",

@@ -37,6 +37,10 @@ class UpConfig:
     engine_args: tuple[str, ...] = ()
     log_dir: Path | None = None
     ready_timeout: float = 300.0
+    # A ModelDeployment document (`tandem up -f`): its roles, replicas and
+    # autoscaling replace model/mode, and the autoscaler runs every `scale_every`.
+    manifest: dict | None = None
+    scale_every: float = 5.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("normal", "disaggregated"):
@@ -46,6 +50,10 @@ class UpConfig:
 
     @property
     def name(self) -> str:
+        if self.manifest is not None:
+            spec = self.manifest.get("spec") or {}
+            metadata = self.manifest.get("metadata") or {}
+            return (spec.get("model") or {}).get("servedModelName") or metadata.get("name", "")
         return self.served_model_name or self.model
 
 
@@ -108,6 +116,7 @@ class Stack:
         self.redis: RedisServer | None = None
         self.redis_url = config.redis_url or ""
         self.children: list[Child] = []
+        self.actuator = None  # a LocalActuator with `-f model.yaml`
         self._stop = threading.Event()
 
     @property
@@ -122,15 +131,33 @@ class Stack:
             self.redis = RedisServer(data_dir=self.log_dir / "redis").start()
             self.redis_url = self.redis.url
             say(f"redis      {self.redis_url} (embedded)")
-        roles = ["normal"] if cfg.mode == "normal" else ["prompt", "completion"]
-        for role in roles:
-            self.children.append(self._engine(role))
+        starting = []
+        if cfg.manifest is not None:
+            starting += self._start_actuator()
+        else:
+            roles = ["normal"] if cfg.mode == "normal" else ["prompt", "completion"]
+            for role in roles:
+                self.children.append(self._engine(role))
         self.children.append(self._gateway())
         for child in self.children:
             child.start()
+        for child in starting + self.children:
             say(f"{child.name:<10} starting (log {child.log_path})")
-        self._wait_ready(say)
+        self._wait_ready(say, starting + self.children)
         return self
+
+    def _start_actuator(self) -> list[Child]:
+        from tandem.operator.local_actuator import LocalActuator, load_manifest
+
+        name, spec = load_manifest(self.config.manifest)
+        self.actuator = LocalActuator(
+            name,
+            spec,
+            redis_url=self.redis_url,
+            log_dir=self.log_dir,
+            extra_engine_args=self.config.engine_args,
+        )
+        return self.actuator.start()
 
     def _engine(self, role: str) -> Child:
         port = free_port()
@@ -171,9 +198,9 @@ class Stack:
             env={"TANDEM_API_KEYS": self.api_key},
         )
 
-    def _wait_ready(self, say) -> None:
+    def _wait_ready(self, say, children: list[Child]) -> None:
         deadline = time.monotonic() + self.config.ready_timeout
-        pending = list(self.children)
+        pending = list(children)
         while pending:
             if self._stop.is_set():  # Ctrl-C while starting
                 self.stop()
@@ -210,21 +237,39 @@ class Stack:
     # ----------------------------------------------------------- supervise
 
     def supervise(self, say=print) -> None:
-        """Until stop(): restart children that die, with exponential backoff."""
+        """Until stop(): restart children that die (with backoff); run the autoscaler."""
+        next_evaluation = time.monotonic() + self.config.scale_every
         while not self._stop.wait(0.5):
             for child in self.children:
-                if child.alive or not child.restartable:
-                    continue
-                now = time.monotonic()
-                if child.next_start == 0.0:
-                    code = child.process.returncode if child.process else None
-                    delay = min(30.0, 2.0**child.restarts)
-                    say(f"{child.name} exited ({code}); restarting in {delay:.0f}s")
-                    child.next_start = now + delay
-                elif now >= child.next_start:
-                    child.restarts += 1
-                    child.next_start = 0.0
-                    child.start()
+                self._restart_if_dead(child, say)
+            if self.actuator is None:
+                continue
+            self.actuator.supervise()
+            if time.monotonic() >= next_evaluation:
+                next_evaluation = time.monotonic() + self.config.scale_every
+                try:
+                    for decision in self.actuator.evaluate().values():
+                        if decision.changed:
+                            say(
+                                f"scale {decision.role}: {decision.current} -> "
+                                f"{decision.replicas} ({decision.reason})"
+                            )
+                except Exception as exc:
+                    say(f"autoscaler evaluation failed: {exc}")
+
+    def _restart_if_dead(self, child: Child, say) -> None:
+        if child.alive or not child.restartable:
+            return
+        now = time.monotonic()
+        if child.next_start == 0.0:
+            code = child.process.returncode if child.process else None
+            delay = min(30.0, 2.0**child.restarts)
+            say(f"{child.name} exited ({code}); restarting in {delay:.0f}s")
+            child.next_start = now + delay
+        elif now >= child.next_start:
+            child.restarts += 1
+            child.next_start = 0.0
+            child.start()
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -234,6 +279,8 @@ class Stack:
         self._stop.set()
         for child in reversed(self.children):  # gateway first: no new work
             child.signal(signal.SIGTERM)
+        if self.actuator is not None:
+            self.actuator.stop(timeout)
         deadline = time.monotonic() + timeout
         for child in self.children:
             if child.process is None:

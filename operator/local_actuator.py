@@ -1,0 +1,220 @@
+"""The second actuator: one ModelDeployment as engine processes on this machine.
+
+`tandem up -f model.yaml` runs this where the Kubernetes operator would run
+pods: the same spec validation, the same engine flags, the same pure
+autoscaler, with `tandem engine` processes in place of pods. Scale-up starts
+processes; scale-down sends SIGTERM to the least-loaded ones, which drain
+(finish what they run) and exit, exactly as pods do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+from tandem.engine.service.work_queue import queue_depth
+from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide_all
+from tandem.operator.engine_flags import engine_arguments, engine_flags
+from tandem.operator.engine_metrics import PodSample, pod_load, scrape
+from tandem.operator.policy import scaling_policy
+from tandem.operator.role_spec import RoleName
+from tandem.operator.scaling_policy import ScalingRole
+from tandem.operator.spec import ModelDeploymentSpec
+from tandem.operator.validation import validate_spec
+from tandem.protocol import Keys
+from tandem.redis_server import free_port
+from tandem.up import Child
+
+log = logging.getLogger("tandem.local")
+
+
+@dataclass
+class EngineProcess:
+    """One engine of a role, like one pod."""
+
+    role: RoleName
+    child: Child
+    http_port: int
+    draining: bool = False
+    last_sample: PodSample | None = None
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def name(self) -> str:
+        return self.child.name
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+
+def load_manifest(manifest: dict[str, Any]) -> tuple[str, ModelDeploymentSpec]:
+    """(name, validated spec) of a ModelDeployment document; InvalidSpec explains a bad one."""
+    if manifest.get("kind") != "ModelDeployment":
+        raise ValueError(f"expected kind ModelDeployment, got {manifest.get('kind')!r}")
+    name = (manifest.get("metadata") or {}).get("name")
+    if not name:
+        raise ValueError("the ModelDeployment has no metadata.name")
+    spec = validate_spec(manifest.get("spec"), name=name)
+    if spec.model.pvc is not None or spec.model.hugging_face is not None:
+        raise ValueError(
+            "on one machine the model must be spec.model.path (a local directory, a .gguf "
+            "file, or an alias such as smollm2): PVCs and Hub downloads are cluster features"
+        )
+    return name, spec
+
+
+class LocalActuator:
+    def __init__(
+        self,
+        name: str,
+        spec: ModelDeploymentSpec,
+        *,
+        redis_url: str,
+        log_dir: Path,
+        keys: Keys | None = None,
+        extra_engine_args: tuple[str, ...] = (),
+    ) -> None:
+        self.name = name
+        self.spec = spec
+        self.redis_url = redis_url
+        self.log_dir = log_dir
+        self.keys = keys or Keys()
+        self.extra_engine_args = extra_engine_args
+        self.model = spec.served_model_name(name)
+        self.roles = spec.roles()
+        self.policies = {ScalingRole(r): scaling_policy(s) for r, s in self.roles.items()}
+        self.histories = {ScalingRole(r): ScalingHistory() for r in self.roles}
+        self.replicas = {r: s.initial_replicas for r, s in self.roles.items()}
+        self.engines: dict[RoleName, list[EngineProcess]] = {r: [] for r in self.roles}
+        self.decisions: list[Decision] = []  # every change, for `tandem up` output and tests
+        self._serial = 0
+        self._redis = redis.Redis.from_url(redis_url)
+
+    # ------------------------------------------------------------ processes
+
+    def start(self) -> list[Child]:
+        for role, count in self.replicas.items():
+            for _ in range(count):
+                self._spawn(role)
+        return [e.child for engines in self.engines.values() for e in engines]
+
+    def _spawn(self, role: RoleName) -> EngineProcess:
+        self._serial += 1
+        flags = engine_flags(self.name, self.spec, role, self.roles[role], self.keys.prefix)
+        port = free_port()
+        flags.update(host="127.0.0.1", port=str(port), **{"kv-port": str(free_port())})
+        flags["engine-id"] = f"{self.name}-{role}-{self._serial}"
+        argv = [
+            sys.executable, "-m", "tandem.cli", "engine",
+            *engine_arguments(flags),
+            *self.extra_engine_args,
+        ]  # fmt: skip
+        child = Child(
+            f"{role}-{self._serial}",
+            argv,
+            self.log_dir / f"engine-{role}-{self._serial}.log",
+            f"http://127.0.0.1:{port}/readyz",
+            restartable=True,
+            env={"TANDEM_REDIS_URL": self.redis_url},
+        )
+        child.start()
+        engine = EngineProcess(role, child, port)
+        self.engines[role].append(engine)
+        log.info("%s: started %s", self.name, engine.name)
+        return engine
+
+    def active(self, role: RoleName) -> list[EngineProcess]:
+        return [e for e in self.engines[role] if not e.draining]
+
+    def supervise(self) -> None:
+        """Restart engines that died (not those draining); forget drained ones that exited."""
+        for role, engines in self.engines.items():
+            for engine in list(engines):
+                if engine.child.alive:
+                    continue
+                engines.remove(engine)
+                if not engine.draining:
+                    log.warning("%s: %s exited; starting another", self.name, engine.name)
+                    self._spawn(role)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        everyone = [e for engines in self.engines.values() for e in engines]
+        for engine in everyone:
+            engine.child.signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for engine in everyone:
+            if engine.child.process is None:
+                continue
+            try:
+                engine.child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:
+                engine.child.process.kill()
+                engine.child.process.wait()
+        self._redis.close()
+
+    # ---------------------------------------------------------- autoscaling
+
+    def evaluate(self, now: float | None = None) -> dict[ScalingRole, Decision]:
+        """Scrape, decide, act: one evaluation of every role."""
+        now = time.monotonic() if now is None else now
+        observed = asyncio.run(self._observe())
+        queue = queue_depth(self._redis, self.keys, self.model)
+        decisions = decide_all(observed, queue, self.policies, self.histories, now)
+        for role, decision in decisions.items():
+            self.histories[role] = decision.history
+            if decision.changed:
+                self._resize(RoleName(role), decision)
+        return decisions
+
+    async def _observe(self) -> dict[ScalingRole, RoleObservation]:
+        async with httpx.AsyncClient() as client:
+            observed = {}
+            for role in self.roles:
+                engines = self.active(role)
+                samples = await asyncio.gather(*(scrape(client, e.url, e.name) for e in engines))
+                loads = []
+                for engine, sample in zip(engines, samples, strict=True):
+                    if sample is not None:
+                        loads.append(pod_load(sample, engine.last_sample))
+                        engine.last_sample = sample
+                observed[ScalingRole(role)] = RoleObservation(self.replicas[role], tuple(loads))
+            return observed
+
+    def _resize(self, role: RoleName, decision: Decision) -> None:
+        log.info(
+            "%s: %s %d -> %d (%s)",
+            self.name,
+            role,
+            decision.current,
+            decision.replicas,
+            decision.reason,
+        )
+        self.decisions.append(decision)
+        self.replicas[role] = decision.replicas
+        active = self.active(role)
+        for _ in range(decision.replicas - len(active)):
+            self._spawn(role)
+        surplus = len(active) - decision.replicas
+        if surplus > 0:
+            # The least-loaded go first (what pod-deletion-cost does in a cluster).
+            for engine in sorted(active, key=_load)[:surplus]:
+                engine.draining = True
+                engine.child.signal(signal.SIGTERM)
+                log.info("%s: draining %s", self.name, engine.name)
+
+
+def _load(engine: EngineProcess) -> tuple[int, float]:
+    sample = engine.last_sample
+    if sample is None:
+        return (0, 0.0)
+    return (sample.requests_running + sample.requests_waiting, sample.kv_cache_usage)
