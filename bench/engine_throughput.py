@@ -82,22 +82,8 @@ def prefill_flops(config: ModelConfig, tokens: int) -> float:
 def hf_model(loaded: LoadedModel):
     import transformers
 
-    c = loaded.config
     config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta,
-        max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=c.tie_word_embeddings,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
+        **loaded.config.to_hf_dict(), bos_token_id=None, eos_token_id=None, pad_token_id=0
     )
     model = transformers.LlamaForCausalLM(config).eval()
     model.load_state_dict(dict(loaded.source.iter_weights()), strict=False)

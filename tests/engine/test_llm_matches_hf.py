@@ -135,23 +135,10 @@ def test_ngram_speculative_decoding(checkpoint):
 def smollm2_hf(smollm2):
     """transformers' Llama with the weights Tandem reads from the GGUF."""
     source = smollm2.source
-    c = source.config
+    # No EOS: min_new_tokens would otherwise mask it out, and Tandem's ignore_eos
+    # keeps EOS possible (it only does not stop on it).
     config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta,
-        max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=c.tie_word_embeddings,
-        # No EOS: min_new_tokens would otherwise mask it out, and Tandem's
-        # ignore_eos keeps EOS possible (it only does not stop on it).
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
+        **source.config.to_hf_dict(), bos_token_id=None, eos_token_id=None, pad_token_id=None
     )
     hf = transformers.LlamaForCausalLM(config).eval()
     missing, unexpected = hf.load_state_dict(dict(source.iter_weights()), strict=False)

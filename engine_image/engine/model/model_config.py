@@ -73,6 +73,23 @@ class ModelConfig:
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return layers * per_layer + embed + h
 
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The Hugging Face config.json fields of this shape (LlamaConfig's kwargs)."""
+        return {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+        }
+
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], name: str = "model") -> ModelConfig:
         """From a Hugging Face config.json (LlamaForCausalLM and compatible).
