@@ -1,0 +1,274 @@
+"""One reconciliation pass of a ModelDeployment: read, plan (pure), write.
+
+Level-triggered: whatever woke it (a change of the ModelDeployment, of one of
+its children, or the periodic autoscaler tick), a pass reads the current
+object and children, asks reconcile.plan what should change and writes only
+that. Passes of one ModelDeployment never overlap (a lock per object), so a
+burst of child events cannot race two creates of the same Deployment.
+
+Order of writes: pod-deletion costs before the replica change they prepare
+(the ReplicaSet reads them when it picks pods to remove), children next,
+Events, and the status last, so the status never claims what was not done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from tandem.operator import scaling
+from tandem.operator.autoscaler import Decision
+from tandem.operator.kube import ApiError, KubeApi
+from tandem.operator.manifests import OperatorDefaults
+from tandem.operator.reconcile import ChildKey, Plan, plan, repair_patch, role_replicas
+from tandem.operator.role_spec import RoleName
+from tandem.operator.settings import OperatorSettings
+from tandem.operator.sources import MetricSources
+from tandem.operator.spec import ModelDeploymentSpec
+from tandem.operator.validation import InvalidSpec, validate_spec
+
+log = logging.getLogger(__name__)
+
+Body = dict[str, Any]
+CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "PodDisruptionBudget")
+KIND = "ModelDeployment"
+
+
+@dataclass(frozen=True)
+class _Scaling:
+    """What an autoscaler evaluation asks of this pass."""
+
+    memory: scaling.ScalerMemory
+    changed: Mapping[RoleName, Decision] = field(default_factory=dict)
+    # Pod name -> deletion cost, written before the scale-down.
+    costs: Mapping[str, int] = field(default_factory=dict)
+
+
+class Controller:
+    """Reconciles ModelDeployments; one per operator instance (it holds the per-object locks)."""
+
+    def __init__(
+        self,
+        kube: KubeApi,
+        sources: MetricSources,
+        settings: OperatorSettings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._kube = kube
+        self._sources = sources
+        self._settings = settings
+        self._defaults = OperatorDefaults(
+            image=settings.engine_image,
+            redis_url=settings.redis_url,
+            key_prefix=settings.key_prefix,
+        )
+        # The autoscaler's clock (seconds, monotonic); tests pass a fake one.
+        self._clock = clock
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+
+    async def reconcile(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        autoscale: bool = False,
+        memory: scaling.ScalerMemory | None = None,
+    ) -> scaling.ScalerMemory | None:
+        """Converge one ModelDeployment; with `autoscale`, evaluate the autoscaler first.
+
+        Returns the autoscaler's memory for the next evaluation (the caller keeps it).
+        """
+        lock = self._locks.setdefault((namespace, name), asyncio.Lock())
+        async with lock:
+            model = await self._kube.get(KIND, namespace, name)
+            if model is None:
+                # Gone (a child's event can come after its owner's): nothing to converge.
+                self.forget(namespace, name)
+                return memory
+            if model["metadata"].get("deletionTimestamp"):
+                return memory  # garbage collection removes the children
+            return await self._reconcile(model, autoscale, memory)
+
+    def forget(self, namespace: str, name: str) -> None:
+        """The ModelDeployment is gone: drop its lock."""
+        self._locks.pop((namespace, name), None)
+
+    async def _reconcile(
+        self, model: Body, autoscale: bool, memory: scaling.ScalerMemory | None
+    ) -> scaling.ScalerMemory | None:
+        meta = model["metadata"]
+        children = await self._children(meta["namespace"], meta["name"])
+        outcome = await self._autoscale(model, children, memory) if autoscale else None
+        now = _now()
+        changed = outcome.changed if outcome else {}
+        recorded = None
+        for role_name, decision in changed.items():
+            recorded = scaling.last_scale(role_name, decision, now)
+        actions = plan(
+            model,
+            children,
+            self._defaults,
+            now=now,
+            decisions={role: d.replicas for role, d in changed.items()},
+            last_scale=recorded,
+        )
+        await self._apply(model, actions, outcome)
+        return outcome.memory if outcome else memory
+
+    async def _children(self, namespace: str, name: str) -> list[Body]:
+        selector = {
+            "app.kubernetes.io/instance": name,
+            "app.kubernetes.io/managed-by": "tandem-operator",
+        }
+        pages = await asyncio.gather(
+            *(self._kube.list(kind, namespace, selector) for kind in CHILD_KINDS)
+        )
+        return [child for page in pages for child in page]
+
+    # ------------------------------------------------------------------ autoscaling
+
+    async def _autoscale(
+        self, model: Body, children: list[Body], memory: scaling.ScalerMemory | None
+    ) -> _Scaling | None:
+        meta = model["metadata"]
+        memory = memory or scaling.ScalerMemory()
+        try:
+            spec = validate_spec(model.get("spec"), name=meta["name"])
+        except InvalidSpec:
+            return None  # the plan reports it; nothing to scale
+        found = {ChildKey(c["kind"], c["metadata"]["name"]): c for c in children}
+        replicas = role_replicas(spec, meta["name"], found, model.get("status") or {}, {})
+        deployments = [k for k in found if k.kind == "Deployment"]
+        if len(deployments) < len(spec.roles()):
+            return _Scaling(memory)  # roles still being created: nothing to measure yet
+        namespace = meta["namespace"]
+        pods = await self._kube.list("Pod", namespace, scaling.pod_selector(meta["name"]))
+        try:
+            redis_url = await self._redis_url(namespace, spec)
+            queue = await self._sources.queues.depth(
+                redis_url, spec.served_model_name(meta["name"])
+            )
+        except (redis.RedisError, OSError, LookupError, ValueError) as error:
+            # Without the queue, an idle-looking model may be drowning in requests:
+            # skip this evaluation rather than scale down on half the picture.
+            log.warning(
+                "%s/%s: no queue depth (%s); autoscaling skipped", namespace, meta["name"], error
+            )
+            return _Scaling(memory)
+        samples = await self._sources.sample_all(scaling.scrape_targets(pods))
+        evaluation = scaling.evaluate(spec, replicas, pods, samples, queue, memory, self._clock())
+        costs: dict[str, int] = {}
+        for role_name, decision in evaluation.changed.items():
+            if decision.replicas < decision.current:
+                role_pods = scaling.pods_of(pods, role_name)
+                wanted = scaling.deletion_costs(role_pods, samples, memory.samples)
+                costs.update(scaling.cost_changes(role_pods, wanted))
+        return _Scaling(evaluation.memory, evaluation.changed, costs)
+
+    async def _redis_url(self, namespace: str, spec: ModelDeploymentSpec) -> str:
+        """The Redis the model's engines use: spec.redis (a URL or a Secret) or the operator's."""
+        if spec.redis is None:
+            return self._settings.redis_url
+        if spec.redis.url is not None:
+            return spec.redis.url
+        ref = spec.redis.url_secret_ref
+        assert ref is not None  # the spec's rule: exactly one of url and urlSecretRef
+        secret = await self._kube.get("Secret", namespace, ref.name)
+        if secret is None or ref.key not in (secret.get("data") or {}):
+            raise LookupError(f"Secret {ref.name} has no key {ref.key!r}")
+        return base64.b64decode(secret["data"][ref.key]).decode().strip()
+
+    # ------------------------------------------------------------------ writes
+
+    async def _apply(self, model: Body, actions: Plan, outcome: _Scaling | None) -> None:
+        meta = model["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        for pod, cost in (outcome.costs if outcome else {}).items():
+            await self._kube.set_pod_deletion_cost(namespace, pod, cost)
+        for manifest in actions.creates:
+            await self._create(manifest)
+        for patch in actions.patches:
+            await self._kube.patch(patch.kind, namespace, patch.name, patch.patch)
+        for key in actions.deletes:
+            await self._kube.delete(key.kind, namespace, key.name)
+        await self._post_events(model, actions, outcome)
+        if actions.status is not None:
+            await self._kube.patch_status(KIND, namespace, name, actions.status)
+        if actions.touches_children:
+            log.info(
+                "%s/%s: created %s; patched %s; deleted %s",
+                namespace,
+                name,
+                [f"{c['kind']}/{c['metadata']['name']}" for c in actions.creates],
+                [f"{p.kind}/{p.name} ({', '.join(p.drift)})" for p in actions.patches],
+                [f"{k.kind}/{k.name}" for k in actions.deletes],
+            )
+
+    async def _create(self, manifest: Body) -> None:
+        try:
+            await self._kube.create(manifest)
+        except ApiError as error:
+            if not error.already_exists:
+                raise
+            # Made meanwhile (a user, or an older incarnation of this object): adopt it
+            # unless another controller owns it.
+            meta = manifest["metadata"]
+            existing = await self._kube.get(manifest["kind"], meta["namespace"], meta["name"])
+            if existing is None:
+                raise
+            ours = meta["ownerReferences"][0]["uid"]
+            owners = existing["metadata"].get("ownerReferences") or []
+            other = [o for o in owners if o.get("controller") and o.get("uid") != ours]
+            other = [o for o in other if o.get("kind") != KIND or o.get("name") != meta["name"]]
+            if other:
+                raise RuntimeError(
+                    f"{manifest['kind']} {meta['name']} exists and belongs to "
+                    f"{other[0].get('kind')} {other[0].get('name')}: rename or delete it"
+                ) from error
+            await self._kube.patch(
+                manifest["kind"], meta["namespace"], meta["name"], repair_patch(manifest, existing)
+            )
+
+    async def _post_events(self, model: Body, actions: Plan, outcome: _Scaling | None) -> None:
+        previous = model.get("status") or {}
+        if actions.invalid is not None:
+            if previous.get("phase") != "Invalid" or previous.get("message") != actions.invalid:
+                await self._kube.post_event(
+                    model, reason="InvalidSpec", message=actions.invalid, warning=True
+                )
+            return
+        for decision in (outcome.changed if outcome else {}).values():
+            await self._kube.post_event(
+                model, reason=scaling.event_reason(decision), message=decision.reason
+            )
+        if "observedGeneration" not in previous:
+            return  # the first pass: creating the children is not news
+        spec_changed = previous["observedGeneration"] != model["metadata"].get("generation")
+        # Replica-only patches are scaling or re-clamping, reported above or by the spec change.
+        changes = [
+            f"{p.kind} {p.name}: {', '.join(p.drift)}"
+            for p in actions.patches
+            if set(p.drift) != {"spec.replicas"}
+        ]
+        made = "created" if spec_changed else "recreated"
+        changes += [f"{c['kind']} {c['metadata']['name']}: {made}" for c in actions.creates]
+        changes += [f"{k.kind} {k.name}: deleted" for k in actions.deletes]
+        if changes:
+            await self._kube.post_event(
+                model,
+                reason="SpecApplied" if spec_changed else "DriftRepaired",
+                message="; ".join(changes),
+            )
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,0 +1,186 @@
+"""Pure glue between a ModelDeployment and the autoscaler: policies, observations, costs.
+
+autoscaler.py decides from numbers; this module turns Kubernetes objects into
+those numbers and the decisions back into what the operator writes: the
+scaling policy of a role spec, which pods to scrape, the observation of a
+role, the pod-deletion costs before a scale-down and the status.lastScale
+record. No I/O: the controller scrapes and writes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.engine.service.work_queue import QueueState
+from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide
+from tandem.operator.engine_flags import HTTP_PORT
+from tandem.operator.engine_metrics import PodLoad, PodSample, pod_load
+from tandem.operator.manifests import DELETION_COST_ANNOTATION, selector_labels
+from tandem.operator.role_spec import DecodeRole, NormalRole, PrefillRole, RoleName, RoleSpec
+from tandem.operator.scaling_policy import ScalingPolicy, ScalingRole
+from tandem.operator.spec import ModelDeploymentSpec
+
+Body = Mapping[str, Any]
+ROLE_LABEL = "serving.tandem.dev/role"
+_MAX_REASON = 1024  # status.lastScale.reason (status_model.py)
+
+
+@dataclass(frozen=True)
+class ScalerMemory:
+    """What one evaluation of a ModelDeployment leaves for the next (kept in memory only)."""
+
+    histories: Mapping[RoleName, ScalingHistory] = field(default_factory=dict)
+    # The last sample of each pod: rates (budget utilisation) need two.
+    samples: Mapping[str, PodSample] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    decisions: Mapping[RoleName, Decision]
+    memory: ScalerMemory
+
+    @property
+    def changed(self) -> dict[RoleName, Decision]:
+        return {role: d for role, d in self.decisions.items() if d.changed}
+
+
+def policy(role: RoleSpec) -> ScalingPolicy:
+    """The CRD's scaling fields of one role, as the autoscaler's policy."""
+    fields: dict[str, Any] = {
+        "min_replicas": role.min_replicas,
+        "max_replicas": role.max_replicas,
+        "tolerance": role.tolerance,
+        "scale_up_max_step": role.scale_up_max_step,
+        "scale_up_max_percent": float(role.scale_up_max_percent),
+        "scale_down_stabilization_seconds": float(role.scale_down_stabilization_seconds),
+    }
+    if role.scale_to_zero_after is not None:
+        fields["scale_to_zero_after_seconds"] = float(role.scale_to_zero_after)
+    if isinstance(role, NormalRole | DecodeRole):
+        fields["target_kv_cache_usage"] = role.target_kv_cache_usage
+    if isinstance(role, PrefillRole):
+        fields["target_budget_utilization"] = role.target_budget_utilization
+    if isinstance(role, NormalRole | PrefillRole):
+        fields["target_queued_tokens_per_replica"] = role.target_queued_tokens_per_replica
+    return ScalingPolicy(**fields)
+
+
+def pod_ready(pod: Body) -> bool:
+    """Ready (the kubelet's readiness probe passed) and not on its way out."""
+    if pod.get("metadata", {}).get("deletionTimestamp"):
+        return False
+    conditions = pod.get("status", {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def scrape_targets(pods: Sequence[Body]) -> dict[str, str]:
+    """Pod name -> base URL of its engine (rank 0), for every ready pod with an address."""
+    targets = {}
+    for pod in pods:
+        ip = pod.get("status", {}).get("podIP")
+        if ip and pod_ready(pod):
+            host = f"[{ip}]" if ":" in ip else ip
+            targets[pod["metadata"]["name"]] = f"http://{host}:{HTTP_PORT}"
+    return targets
+
+
+def pod_selector(name: str) -> dict[str, str]:
+    """The labels of every engine pod of ModelDeployment `name`, all roles."""
+    labels = selector_labels(name, RoleName.NORMAL)
+    del labels["app.kubernetes.io/component"]
+    return labels
+
+
+def pods_of(pods: Sequence[Body], role: RoleName) -> list[Body]:
+    return [p for p in pods if p.get("metadata", {}).get("labels", {}).get(ROLE_LABEL) == role]
+
+
+def evaluate(
+    spec: ModelDeploymentSpec,
+    replicas: Mapping[RoleName, int],
+    pods: Sequence[Body],
+    samples: Mapping[str, PodSample],
+    queue: QueueState,
+    memory: ScalerMemory,
+    now: float,
+) -> Evaluation:
+    """The autoscaler's decision for every role, each on its own signals and history."""
+    decisions: dict[RoleName, Decision] = {}
+    histories = dict(memory.histories)
+    for role_name, role in spec.roles().items():
+        loads = tuple(
+            pod_load(samples[name], memory.samples.get(name))
+            for name in (p["metadata"]["name"] for p in pods_of(pods, role_name))
+            if name in samples
+        )
+        observed = RoleObservation(current_replicas=replicas[role_name], pods=loads)
+        # A role seen for the first time (a new model, or an operator that just
+        # started) counts its current replicas as recommended now: no scale-down
+        # before a whole window of evidence, whatever the first scrape shows.
+        history = histories.get(role_name) or ScalingHistory(
+            recommendations=((now, replicas[role_name]),)
+        )
+        decision = decide(ScalingRole(role_name.value), observed, queue, policy(role), history, now)
+        decisions[role_name] = decision
+        histories[role_name] = decision.history
+    # Pods that were not scraped this time keep their last sample: one failed
+    # scrape must not cost the next evaluation its rate. Gone pods are dropped.
+    alive = {p["metadata"]["name"] for p in pods}
+    kept = {n: s for n, s in memory.samples.items() if n in alive and n not in samples}
+    return Evaluation(decisions, ScalerMemory(histories, {**kept, **samples}))
+
+
+def deletion_costs(
+    pods: Sequence[Body], samples: Mapping[str, PodSample], previous: Mapping[str, PodSample]
+) -> dict[str, int]:
+    """controller.kubernetes.io/pod-deletion-cost for each pod of a role about to shrink.
+
+    The ReplicaSet removes the lowest cost first (after pods that are not ready),
+    so the least-loaded pods get the lowest costs: they drain soonest. Pods
+    without a sample (starting, unreadable) cost 0, below every measured pod.
+    """
+    measured = [
+        (load_key(pod_load(samples[name], previous.get(name))), name)
+        for name in (p["metadata"]["name"] for p in pods)
+        if name in samples
+    ]
+    costs = {p["metadata"]["name"]: 0 for p in pods}
+    for rank, (_, name) in enumerate(sorted(measured), start=1):
+        costs[name] = rank
+    return costs
+
+
+def load_key(load: PodLoad) -> tuple[float, ...]:
+    """Work in flight first (what a drain waits for), then KV held, then queued prompts."""
+    kv = load.kv_cache_usage if math.isfinite(load.kv_cache_usage) else 0.0
+    requests = load.requests_running + load.requests_waiting + load.kv_pinned_requests
+    return (float(requests), kv, float(load.waiting_prompt_tokens))
+
+
+def cost_changes(pods: Sequence[Body], costs: Mapping[str, int]) -> dict[str, int]:
+    """The costs that differ from the pods' current annotations (only those are written)."""
+    changes = {}
+    for pod in pods:
+        name = pod["metadata"]["name"]
+        current = (pod["metadata"].get("annotations") or {}).get(DELETION_COST_ANNOTATION)
+        if name in costs and current != str(costs[name]):
+            changes[name] = costs[name]
+    return changes
+
+
+def last_scale(role: RoleName, decision: Decision, now: str) -> dict[str, Any]:
+    """status.lastScale for a decision that changed the role's replicas."""
+    return {
+        "role": role.value,
+        "from": decision.current,
+        "to": decision.replicas,
+        "reason": decision.reason[:_MAX_REASON],
+        "time": now,
+    }
+
+
+def event_reason(decision: Decision) -> str:
+    return "ScaledUp" if decision.replicas > decision.current else "ScaledDown"

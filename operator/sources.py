@@ -1,0 +1,93 @@
+"""Where the autoscaler's numbers come from: engine /metrics and the model's Redis queues.
+
+Both are Protocols so that tests drive the operator with fake numbers; in
+production `SampleSource` is engine_metrics.DirectScrape (HTTP GET of each
+engine pod's /metrics on port 8100) and `QueueSource` is RedisQueues
+(work_queue.queue_depth, one MULTI round trip per model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import httpx
+import redis
+
+from tandem.engine.service.work_queue import QueueState, queue_depth
+from tandem.operator.engine_metrics import DirectScrape, PodSample, SampleSource
+from tandem.protocol import Keys
+
+# The Redis client may wait this long for a queue depth; a slow Redis skips one evaluation.
+_REDIS_TIMEOUT_S = 2.0
+
+
+class QueueSource(Protocol):
+    """A model's backlog in the Redis it is served from."""
+
+    async def depth(self, redis_url: str, model: str) -> QueueState: ...
+
+
+class RedisQueues:
+    """QueueSource over real Redis servers, one client per URL (models may use their own Redis)."""
+
+    def __init__(self, key_prefix: str) -> None:
+        self._keys = Keys(key_prefix)
+        self._clients: dict[str, redis.Redis] = {}
+
+    async def depth(self, redis_url: str, model: str) -> QueueState:
+        client = self._clients.get(redis_url)
+        if client is None:
+            client = redis.Redis.from_url(
+                redis_url,
+                socket_timeout=_REDIS_TIMEOUT_S,
+                socket_connect_timeout=_REDIS_TIMEOUT_S,
+            )
+            self._clients[redis_url] = client
+        # queue_depth is the engines' own synchronous code; a thread keeps kopf's loop free.
+        return await asyncio.to_thread(queue_depth, client, self._keys, model)
+
+    async def aclose(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
+
+@dataclass(frozen=True)
+class MetricSources:
+    """The autoscaler's two inputs."""
+
+    samples: SampleSource
+    queues: QueueSource
+
+    async def sample_all(self, targets: Mapping[str, str]) -> dict[str, PodSample]:
+        """Scrape every pod (name -> base URL) at once; unreadable pods are left out."""
+        names = list(targets)
+        results = await asyncio.gather(*(self.samples.sample(n, targets[n]) for n in names))
+        return {name: s for name, s in zip(names, results, strict=True) if s is not None}
+
+
+class _HttpScrape(DirectScrape):
+    """DirectScrape that owns its HTTP client (closed with the operator)."""
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def production_sources(key_prefix: str, scrape_timeout_s: float) -> MetricSources:
+    """HTTP scraping of engine pods and Redis queue depths. Call inside the running loop."""
+    # Engines are reached by pod IP over plain HTTP; no proxy from the environment applies.
+    client = httpx.AsyncClient(trust_env=False)
+    return MetricSources(
+        samples=_HttpScrape(client, timeout=scrape_timeout_s),
+        queues=RedisQueues(key_prefix),
+    )
+
+
+async def close_sources(sources: MetricSources) -> None:
+    for part in (sources.samples, sources.queues):
+        close = getattr(part, "aclose", None)
+        if close is not None:
+            await close()

@@ -1,0 +1,162 @@
+"""Pure status derivation: per-role pod counts -> phase, reason and conditions.
+
+The shape is status_model.py's (the CRD's status schema). The phase answers
+"is the model served as asked?":
+
+- Ready: every role has its desired pods ready and nothing is rolling.
+- Pending: no pod of any role is ready yet (a new model, or scaling from zero).
+- Progressing: some pods ready, others starting, rolling or being added.
+- Degraded: a Deployment reports it cannot progress, or a role that was
+  serving lost ready pods it still should have (crash loop, eviction, node
+  loss) outside a rollout or a scale-up.
+- Invalid: the spec was refused; the reason is in the Invalid condition.
+
+Degraded needs the previous status to tell "lost" from "not there yet": only a
+model that was Ready (or already Degraded) can degrade, and a role whose
+desired count just went up is scaling, not degraded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.operator.role_spec import RoleName
+from tandem.operator.status_model import ConditionType, Phase
+
+Body = Mapping[str, Any]
+# Status fields are bounded by the CRD schema (status_model.py).
+_MAX_REASON = 1024
+_MAX_MESSAGE = 32768
+
+
+@dataclass(frozen=True)
+class RoleCounts:
+    """One role as its Deployment reports it."""
+
+    desired: int
+    replicas: int = 0
+    ready: int = 0
+    # Pods being replaced or added: a new template or count not yet rolled out.
+    rolling: bool = False
+    # The Deployment says it cannot progress (deadline exceeded, replica failure).
+    stalled: bool = False
+
+
+def valid_status(
+    meta: Body,
+    counts: Mapping[RoleName, RoleCounts],
+    previous: Body,
+    now: str,
+    last_scale: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The full status of a ModelDeployment whose spec is valid."""
+    phase, reason, message = _phase(counts, previous)
+    status: dict[str, Any] = {
+        "observedGeneration": meta.get("generation"),
+        "phase": phase.value,
+        "reason": reason,
+        "message": message,
+        "roles": {
+            role.value: {"desired": c.desired, "replicas": c.replicas, "ready": c.ready}
+            for role, c in counts.items()
+        },
+        "conditions": conditions(phase, reason, message, previous, meta.get("generation"), now),
+    }
+    if last_scale is not None:
+        status["lastScale"] = dict(last_scale)
+    return status
+
+
+def invalid_status(meta: Body, why: str, previous: Body, now: str) -> dict[str, Any]:
+    """The status of a refused spec: Invalid, with the reason; role counts left as they were."""
+    message = why[:_MAX_MESSAGE]
+    return {
+        "observedGeneration": meta.get("generation"),
+        "phase": Phase.INVALID.value,
+        "reason": "InvalidSpec",
+        "message": message,
+        "conditions": conditions(
+            Phase.INVALID, "InvalidSpec", message, previous, meta.get("generation"), now
+        ),
+    }
+
+
+def status_patch(previous: Body, new: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The merge patch from `previous` to `new`, or None when nothing changed.
+
+    Fields `new` does not manage (lastScale between scalings) are kept; roles
+    of another mode (after a mode change) are removed.
+    """
+    patch = dict(new)
+    if "roles" in new:
+        gone = {role: None for role in previous.get("roles") or {} if role not in new["roles"]}
+        if gone:
+            patch["roles"] = {**new["roles"], **gone}
+    changed = any(previous.get(key) != value for key, value in patch.items() if key != "roles")
+    changed = changed or ("roles" in patch and previous.get("roles") != new["roles"])
+    return patch if changed else None
+
+
+def conditions(
+    phase: Phase, reason: str, message: str, previous: Body, generation: Any, now: str
+) -> list[dict[str, Any]]:
+    """Ready, Progressing, Degraded and Invalid; a transition time moves only with the status."""
+    before = {c.get("type"): c for c in previous.get("conditions") or []}
+    holds = {
+        ConditionType.READY: phase is Phase.READY,
+        ConditionType.PROGRESSING: phase in (Phase.PENDING, Phase.PROGRESSING),
+        ConditionType.DEGRADED: phase is Phase.DEGRADED,
+        ConditionType.INVALID: phase is Phase.INVALID,
+    }
+    result = []
+    for kind, true in holds.items():
+        status = "True" if true else "False"
+        why, text = reason, message
+        if kind is ConditionType.INVALID and not true:
+            why, text = "SpecValid", "the spec passed the operator's checks"
+        old = before.get(kind.value) or {}
+        since = old.get("lastTransitionTime") if old.get("status") == status else None
+        result.append(
+            {
+                "type": kind.value,
+                "status": status,
+                "reason": why[:_MAX_REASON],
+                "message": text[:_MAX_MESSAGE],
+                "lastTransitionTime": since or now,
+                "observedGeneration": generation,
+            }
+        )
+    return result
+
+
+def _phase(counts: Mapping[RoleName, RoleCounts], previous: Body) -> tuple[Phase, str, str]:
+    summary = ", ".join(f"{role.value} {c.ready}/{c.desired} ready" for role, c in counts.items())
+    short = {role: c for role, c in counts.items() if c.ready < c.desired}
+    rolling = [role.value for role, c in counts.items() if c.rolling]
+    if not short and not rolling:
+        return Phase.READY, "AllReplicasReady", summary
+    stalled = [role.value for role, c in counts.items() if c.stalled]
+    if stalled:
+        return (
+            Phase.DEGRADED,
+            "ProgressDeadlineExceeded",
+            f"{', '.join(stalled)} cannot progress: {summary}",
+        )
+    reported = previous.get("roles") or {}
+    was_serving = previous.get("phase") in (Phase.READY.value, Phase.DEGRADED.value)
+    lost = [
+        role.value
+        for role, c in short.items()
+        if was_serving
+        and not c.rolling
+        and c.desired <= ((reported.get(role.value) or {}).get("desired") or 0)
+    ]
+    if lost:
+        return Phase.DEGRADED, "ReplicasUnavailable", f"{', '.join(lost)} lost pods: {summary}"
+    if not any(c.ready for c in counts.values()):
+        return Phase.PENDING, "PodsStarting", f"no engine pod ready yet: {summary}"
+    if rolling:
+        return Phase.PROGRESSING, "RollingOut", f"{', '.join(rolling)} rolling out: {summary}"
+    return Phase.PROGRESSING, "PodsStarting", summary

@@ -1,0 +1,290 @@
+"""The operator against an emulated API server: children, rollouts, drift, status, deletion.
+
+Autoscaling, peering and API failures: test_operator_scaling.py. A smoke test
+against a real cluster runs when KUBECONFIG is set (test_operator_cluster.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from support.kube_api import (
+    CHILDREN,
+    CLUSTER_PEERINGS,
+    DEPLOYMENTS,
+    MODELS,
+    NAMESPACES,
+    PODS,
+    ApiError,
+)
+from support.kube_cluster import NAMESPACE, PEERING, eventually
+
+from tandem.operator.manifests_pods import CONFIG_HASH_ANNOTATION
+from tandem.operator.sources import MetricSources
+
+pytestmark = pytest.mark.asyncio
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+GOLDEN = Path(__file__).resolve().parent / "golden"
+# What the API server and the workload controllers add; never the operator's business.
+SERVER_SET = ("uid", "resourceVersion", "creationTimestamp", "generation", "managedFields")
+
+
+def example(name: str) -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "examples" / f"{name}.yaml").read_text())
+
+
+def normal(name: str = "m", **role: Any) -> dict[str, Any]:
+    """A small Normal-mode ModelDeployment."""
+    return {
+        "apiVersion": "serving.tandem.dev/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": name},
+        "spec": {"model": {"path": "smollm2"}, "mode": "Normal", "normal": role},
+    }
+
+
+def phase(cluster: Any, name: str) -> str | None:
+    return ((cluster.model(name) or {}).get("status") or {}).get("phase")
+
+
+def condition(cluster: Any, name: str, kind: str) -> dict[str, Any]:
+    conditions = (cluster.model(name) or {}).get("status", {}).get("conditions") or []
+    return next((c for c in conditions if c["type"] == kind), {})
+
+
+def server_free(obj: dict[str, Any]) -> dict[str, Any]:
+    obj = copy.deepcopy(obj)
+    obj.pop("status", None)
+    for key in SERVER_SET:
+        obj["metadata"].pop(key, None)
+    return obj
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+async def test_each_example_makes_exactly_its_golden_children(cluster, operator, path):
+    manifest = yaml.safe_load(path.read_text())
+    name = manifest["metadata"]["name"]
+    created = await cluster.apply(manifest)
+    golden = list(yaml.safe_load_all((GOLDEN / path.name).read_text()))
+    for child in golden:  # the goldens carry a fixed owner uid
+        child["metadata"]["ownerReferences"][0]["uid"] = created["metadata"]["uid"]
+    want = {(c["kind"], c["metadata"]["name"]): c for c in golden}
+
+    def children() -> dict[tuple[str, str], dict[str, Any]]:
+        return {(c["kind"], c["metadata"]["name"]): server_free(c) for c in cluster.children(name)}
+
+    await eventually(lambda: children() == want, what=f"{name}'s children match the golden")
+    await eventually(lambda: phase(cluster, name) == "Ready", what="Ready")
+
+
+async def test_a_spec_change_rolls_the_pods(cluster, operator):
+    await cluster.apply(example("smollm2-cpu"))
+    await eventually(lambda: phase(cluster, "smollm2") == "Ready")
+    before = cluster.child("Deployment", "smollm2-normal")
+    old_hash = before["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
+    old_pods = {p["metadata"]["name"] for p in cluster.pods("smollm2", "normal")}
+
+    await cluster.patch_model("smollm2", {"spec": {"engine": {"maxNumSeqs": 64}}})
+
+    def rolled() -> bool:
+        deployment = cluster.child("Deployment", "smollm2-normal")
+        annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+        return annotations[CONFIG_HASH_ANNOTATION] != old_hash
+
+    await eventually(rolled, what="a new config hash in the pod template")
+    assert cluster.child("ConfigMap", "smollm2-normal-engine")["data"]["max-num-seqs"] == "64"
+    await eventually(
+        lambda: (
+            cluster.model("smollm2")["status"].get("observedGeneration") == 2
+            and phase(cluster, "smollm2") == "Ready"
+        ),
+        what="Ready at generation 2",
+    )
+    new_pods = {p["metadata"]["name"] for p in cluster.pods("smollm2", "normal")}
+    assert new_pods and not new_pods & old_pods, "every pod was replaced"
+    await eventually(lambda: cluster.events("SpecApplied"), what="a SpecApplied Event")
+
+
+async def test_a_bound_change_reclamps_the_replicas(cluster, operator):
+    await cluster.apply(normal(replicas=1, minReplicas=1, maxReplicas=3))
+    await eventually(lambda: cluster.child("Deployment", "m-normal"), what="Deployment")
+
+    await cluster.patch_model("m", {"spec": {"normal": {"replicas": None, "minReplicas": 2}}})
+    await eventually(lambda: cluster.child("Deployment", "m-normal")["spec"]["replicas"] == 2)
+    await eventually(lambda: cluster.model("m")["status"]["roles"]["normal"]["desired"] == 2)
+
+    await cluster.patch_model("m", {"spec": {"normal": {"minReplicas": 1, "maxReplicas": 1}}})
+    await eventually(lambda: cluster.child("Deployment", "m-normal")["spec"]["replicas"] == 1)
+
+
+async def test_a_deleted_child_comes_back(cluster, operator):
+    await cluster.apply(example("llama-8b-disaggregated"))
+    await eventually(lambda: phase(cluster, "llama-8b-split") == "Ready")
+    old = cluster.child("Deployment", "llama-8b-split-decode")
+
+    await cluster.api.delete(DEPLOYMENTS, NAMESPACE, "llama-8b-split-decode")
+
+    def recreated() -> bool:
+        new = cluster.child("Deployment", "llama-8b-split-decode")
+        return new is not None and new["metadata"]["uid"] != old["metadata"]["uid"]
+
+    await eventually(recreated, what="the decode Deployment recreated")
+    new = cluster.child("Deployment", "llama-8b-split-decode")
+    assert server_free(new) == server_free(old), "recreated as it was, replicas included"
+    await eventually(lambda: cluster.events("DriftRepaired"), what="a DriftRepaired Event")
+    await eventually(lambda: phase(cluster, "llama-8b-split") == "Ready")
+
+
+async def test_hand_edits_of_owned_fields_are_set_back(cluster, operator):
+    await cluster.apply(example("llama-8b-disaggregated"))
+    name = "llama-8b-split-decode"
+    await eventually(lambda: cluster.child("Deployment", name), what="decode Deployment")
+    wanted = cluster.child("Deployment", name)["spec"]["template"]["spec"]
+    containers = copy.deepcopy(wanted["containers"])
+    containers[0]["image"] = "example.com/someone-elses:latest"
+
+    await cluster.api.patch(
+        DEPLOYMENTS,
+        NAMESPACE,
+        name,
+        {
+            "spec": {
+                "template": {"spec": {"containers": containers, "nodeSelector": {"hand": "made"}}}
+            }
+        },
+    )
+    await cluster.api.patch(
+        CHILDREN["ConfigMap"],
+        NAMESPACE,
+        f"{name}-engine",
+        {"data": {"max-num-seqs": "1", "extra": "flag"}},
+    )
+
+    def repaired() -> bool:
+        pod_spec = cluster.child("Deployment", name)["spec"]["template"]["spec"]
+        data = cluster.child("ConfigMap", f"{name}-engine")["data"]
+        return (
+            pod_spec["containers"] == wanted["containers"]
+            and "nodeSelector" not in pod_spec
+            and data.get("max-num-seqs") == "256"
+            and "extra" not in data
+        )
+
+    await eventually(repaired, what="image, nodeSelector and ConfigMap set back")
+    (event,) = await eventually(lambda: cluster.events("DriftRepaired"), what="an Event")
+    assert "containers[0].image" in event["message"]
+
+
+async def test_the_crd_admission_refuses_what_its_rules_refuse(cluster):
+    with pytest.raises(ApiError) as refused:
+        await cluster.apply(normal(minReplicas=3, maxReplicas=1))
+    assert refused.value.status == 422
+    assert "minReplicas must not exceed maxReplicas" in refused.value.message
+
+
+async def test_an_invalid_spec_is_reported_and_creates_nothing(cluster, operator):
+    await cluster.apply(normal(minReplicas=3, maxReplicas=1), admit=False)
+
+    await eventually(lambda: phase(cluster, "m") == "Invalid", what="phase Invalid")
+    invalid = condition(cluster, "m", "Invalid")
+    assert invalid["status"] == "True" and invalid["reason"] == "InvalidSpec"
+    assert "minReplicas must not exceed maxReplicas" in invalid["message"]
+    assert condition(cluster, "m", "Ready")["status"] == "False"
+    assert cluster.children("m") == []
+    (event,) = await eventually(lambda: cluster.events("InvalidSpec"), what="an Event")
+    assert event["type"] == "Warning" and "minReplicas" in event["message"]
+
+
+async def test_a_spec_only_the_operator_refuses_is_invalid_too(cluster, operator):
+    manifest = normal(minReplicas=1)
+    manifest["spec"]["engine"] = {"kvCacheMemory": "1.5"}  # a quantity, but no whole bytes
+    await cluster.apply(manifest)  # the CRD's schema accepts it
+
+    await eventually(lambda: phase(cluster, "m") == "Invalid", what="phase Invalid")
+    assert "kvCacheMemory" in condition(cluster, "m", "Invalid")["message"]
+    assert cluster.children("m") == []
+
+
+async def test_an_invalid_edit_leaves_the_running_children_alone(cluster, operator):
+    await cluster.apply(normal(replicas=2, minReplicas=1, maxReplicas=3))
+    await eventually(lambda: phase(cluster, "m") == "Ready")
+    versions = {
+        c["metadata"]["name"]: c["metadata"]["resourceVersion"] for c in cluster.children("m")
+    }
+
+    await cluster.patch_model("m", {"spec": {"normal": {"maxReplicas": 1}}}, admit=False)
+    await eventually(lambda: phase(cluster, "m") == "Invalid", what="phase Invalid")
+    await asyncio.sleep(1.0)  # five autoscaler ticks: full passes that must change nothing
+    assert {
+        c["metadata"]["name"]: c["metadata"]["resourceVersion"] for c in cluster.children("m")
+    } == versions
+
+    await cluster.patch_model("m", {"spec": {"normal": {"maxReplicas": 3}}})
+    await eventually(lambda: phase(cluster, "m") == "Ready", what="Ready again once fixed")
+    assert condition(cluster, "m", "Invalid")["status"] == "False"
+
+
+async def test_status_follows_the_readiness_of_the_pods(cluster, operator):
+    cluster.workloads.set_ready(NAMESPACE, "m-normal", 0)
+    await cluster.apply(normal(replicas=2, minReplicas=1, maxReplicas=3))
+    await eventually(lambda: phase(cluster, "m") == "Pending", what="Pending")
+    assert condition(cluster, "m", "Progressing")["status"] == "True"
+
+    cluster.workloads.set_ready(NAMESPACE, "m-normal", 1)
+    await eventually(lambda: phase(cluster, "m") == "Progressing", what="Progressing")
+    assert cluster.model("m")["status"]["roles"]["normal"] == {
+        "desired": 2,
+        "replicas": 2,
+        "ready": 1,
+    }
+
+    cluster.workloads.set_ready(NAMESPACE, "m-normal", 2)
+    await eventually(lambda: phase(cluster, "m") == "Ready", what="Ready")
+    assert condition(cluster, "m", "Ready")["status"] == "True"
+
+    cluster.workloads.set_ready(NAMESPACE, "m-normal", 1)
+    await eventually(lambda: phase(cluster, "m") == "Degraded", what="Degraded")
+    degraded = condition(cluster, "m", "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "ReplicasUnavailable"
+    assert condition(cluster, "m", "Ready")["status"] == "False"
+
+    cluster.workloads.set_ready(NAMESPACE, "m-normal", None)
+    await eventually(lambda: phase(cluster, "m") == "Ready", what="Ready again")
+
+
+async def test_a_cluster_wide_operator_serves_every_namespace(cluster, metrics, clock):
+    await cluster.api.create(CLUSTER_PEERINGS, None, {"metadata": {"name": PEERING}})
+    await cluster.start_operator(
+        lambda: MetricSources(metrics, metrics), clock=clock, namespaces=()
+    )
+    await cluster.api.create(NAMESPACES, None, {"metadata": {"name": "team-b"}})
+    manifest = normal()
+    manifest["metadata"]["namespace"] = "team-b"
+    await cluster.api.create(MODELS, "team-b", manifest)
+
+    def served() -> bool:
+        status = cluster.api.read(MODELS, "team-b", "m").get("status") or {}
+        return status.get("phase") == "Ready"
+
+    await eventually(served, what="a model in another namespace served")
+    assert cluster.api.read(CHILDREN["Deployment"], "team-b", "m-normal") is not None
+
+
+async def test_deleting_the_model_deletes_its_children(cluster, operator):
+    await cluster.apply(example("llama-8b-disaggregated"))
+    await eventually(lambda: phase(cluster, "llama-8b-split") == "Ready")
+    # kopf's finalizer (its timer needs one) is there before the deletion.
+    await eventually(lambda: cluster.model("llama-8b-split")["metadata"].get("finalizers"))
+
+    await cluster.api.delete(MODELS, NAMESPACE, "llama-8b-split")
+
+    await eventually(lambda: cluster.model("llama-8b-split") is None, what="model gone")
+    await eventually(lambda: cluster.children("llama-8b-split") == [], what="children gone")
+    assert cluster.api.select(PODS, NAMESPACE) == []

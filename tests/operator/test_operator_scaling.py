@@ -1,0 +1,191 @@
+"""The operator's autoscaling, peering and API-failure handling, against the emulated API.
+
+Engine metrics and queue depths are fakes (conftest.FakeMetrics); the
+autoscaler's clock is fake too, so the stabilisation window passes when the
+test says so, while kopf's timer ticks every 0.2 s of real time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from base64 import b64encode
+from typing import Any
+
+import pytest
+from support.kube_api import DEPLOYMENTS, MODELS, PEERINGS, PODS, SECRETS
+from support.kube_cluster import NAMESPACE, PEERING, eventually
+
+from tandem.operator.manifests import DELETION_COST_ANNOTATION
+from tandem.operator.sources import MetricSources
+
+pytestmark = pytest.mark.asyncio
+
+WINDOW_S = 3  # scaleDownStabilizationSeconds of the test models (fake seconds)
+
+
+def split(name: str = "m") -> dict[str, Any]:
+    """A Disaggregated model whose roles both scale between 1 and 4 pods."""
+    bounds = {
+        "replicas": 1,
+        "minReplicas": 1,
+        "maxReplicas": 4,
+        "scaleDownStabilizationSeconds": WINDOW_S,
+    }
+    return {
+        "apiVersion": "serving.tandem.dev/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"path": "smollm2"},
+            "mode": "Disaggregated",
+            "prefill": {**bounds, "targetQueuedTokensPerReplica": 1000},
+            "decode": {**bounds, "targetKVCacheUsage": 0.7},
+        },
+    }
+
+
+def replicas(cluster: Any, role: str) -> int:
+    return cluster.child("Deployment", f"m-{role}")["spec"]["replicas"]
+
+
+def ready(cluster: Any) -> bool:
+    return (cluster.model("m") or {}).get("status", {}).get("phase") == "Ready"
+
+
+async def test_decode_scales_up_at_once_and_down_after_the_window(
+    cluster, operator, metrics, clock
+):
+    metrics.kv = {"m-decode": 0.3, "m-prefill": 0.3}
+    await cluster.apply(split())
+    await eventually(lambda: ready(cluster), what="Ready")
+
+    evaluations = len(metrics.queue_reads)  # one queue read per evaluation
+    metrics.kv["m-decode"] = 1.0  # 1.43 replicas' worth at the 0.7 target
+
+    reads_when_scaled: list[int] = []
+
+    def scaled_up() -> bool:
+        reads_when_scaled.append(len(metrics.queue_reads) - evaluations)
+        return replicas(cluster, "decode") == 2
+
+    await eventually(scaled_up, what="decode scaled up")
+    # The evaluation under way when the load changed may have read the old gauges.
+    assert reads_when_scaled[-1] <= 2, "scaled up by the first evaluation that saw the load"
+    assert replicas(cluster, "prefill") == 1, "prefill is decided on its own signals"
+    (event,) = await eventually(lambda: cluster.events("ScaledUp"), what="a ScaledUp Event")
+    assert event["message"].startswith("decode scale 1->2")
+    await eventually(lambda: _last_scale(cluster) == ("decode", 1, 2), what="lastScale 1->2")
+    await eventually(lambda: ready(cluster) and len(cluster.pods("m", "decode")) == 2)
+
+    busier, idler = sorted(p["metadata"]["name"] for p in cluster.pods("m", "decode"))
+    metrics.kv.update({busier: 0.10, idler: 0.02})  # one pod's worth is plenty
+    await asyncio.sleep(1.0)  # five evaluations inside the (fake) window
+    assert replicas(cluster, "decode") == 2, "no scale-down inside the stabilisation window"
+
+    clock.advance(WINDOW_S + 1)
+    await eventually(lambda: replicas(cluster, "decode") == 1, what="decode scaled down")
+    await eventually(
+        lambda: [p["metadata"]["name"] for p in cluster.pods("m", "decode")] == [busier],
+        what="the idler pod removed",
+    )
+    costs = {name: _last_cost(cluster, name) for name in (busier, idler)}
+    assert costs[idler] < costs[busier], "the least-loaded pod was made the cheapest to remove"
+    assert _first(cluster, f"pods/{idler}") < _first(cluster, "deployments/m-decode", replicas=1)
+    await eventually(lambda: cluster.events("ScaledDown"), what="a ScaledDown Event")
+    await eventually(lambda: _last_scale(cluster) == ("decode", 2, 1), what="lastScale 2->1")
+    assert replicas(cluster, "prefill") == 1
+
+
+async def test_prefill_scales_on_queued_tokens_alone(cluster, operator, metrics):
+    metrics.kv = {"m-decode": 0.7}  # decode exactly at its target
+    await cluster.apply(split())
+    await eventually(lambda: ready(cluster), what="Ready")
+
+    metrics.queued_tokens = 2500  # 2.5 replicas' worth at 1000 tokens per replica
+    await eventually(lambda: replicas(cluster, "prefill") == 3, what="prefill scaled up")
+    assert replicas(cluster, "decode") == 1
+    assert ("redis://tandem-redis.tandem-system.svc:6379/0", "m") in metrics.queue_reads
+
+
+async def test_the_queue_is_read_from_the_models_own_redis(cluster, operator, metrics):
+    url = "redis://:secret@model-redis:6379/1"
+    secret = {
+        "metadata": {"name": "model-redis"},
+        "data": {"url": b64encode(url.encode()).decode()},
+    }
+    await cluster.api.create(SECRETS, NAMESPACE, secret)
+    manifest = split()
+    manifest["spec"]["redis"] = {"urlSecretRef": {"name": "model-redis"}}
+    await cluster.apply(manifest)
+    await eventually(lambda: (url, "m") in metrics.queue_reads, what="a read of the model's Redis")
+
+
+async def test_only_the_leader_acts_and_the_standby_takes_over(cluster, metrics, clock):
+    def sources() -> MetricSources:
+        return MetricSources(metrics, metrics)
+
+    leader = await cluster.start_operator(sources, clock=clock, priority=100)
+    standby = await cluster.start_operator(sources, clock=clock, priority=0)
+    await eventually(lambda: len(_peers(cluster)) == 2, what="both replicas in the peering")
+
+    await cluster.apply(split())
+    await eventually(lambda: ready(cluster), what="Ready")
+    await asyncio.sleep(0.6)  # three timer ticks in which a standby could have acted
+    assert cluster.writes_by(leader), "the leader made the children"
+    assert cluster.writes_by(standby) == [], "the standby wrote nothing"
+    assert cluster.writes_by(standby, peering=True), "the standby keeps its peering entry"
+
+    await leader.stop()  # it leaves the peering object as it goes
+    await cluster.api.delete(DEPLOYMENTS, NAMESPACE, "m-decode")
+    await eventually(
+        lambda: cluster.child("Deployment", "m-decode"),
+        timeout=5,
+        what="the standby, now active, repairs the drift",
+    )
+    assert cluster.writes_by(standby)
+
+
+async def test_api_errors_and_conflicts_are_retried(cluster, metrics, clock, caplog):
+    caplog.set_level(logging.WARNING, logger="tandem.operator.kube")
+    cluster.api.fail_next("POST", DEPLOYMENTS, status=500, reason="InternalError")
+    cluster.api.fail_next("PATCH", MODELS, "m", subresource="status", status=409)
+    await cluster.start_operator(lambda: MetricSources(metrics, metrics), clock=clock)
+
+    await cluster.apply(split())
+    await eventually(lambda: ready(cluster), what="Ready despite the failures")
+    assert cluster.api.faults_left == 0, "both failures were served"
+    creates = [
+        r for r in cluster.api if r.method.value == "POST" and r.url.path.endswith("/deployments")
+    ]
+    assert len(creates) == 3, "two Deployments, one of them created twice"
+    retried = [r.getMessage() for r in caplog.records if "retrying in" in r.getMessage()]
+    assert any("500" in m for m in retried) and any("409" in m for m in retried)
+
+
+def _last_scale(cluster: Any) -> tuple[str, int, int] | None:
+    scale = cluster.model("m")["status"].get("lastScale")
+    return None if scale is None else (scale["role"], scale["from"], scale["to"])
+
+
+def _peers(cluster: Any) -> dict[str, Any]:
+    peering = cluster.api.read(PEERINGS, NAMESPACE, PEERING)
+    return (peering or {}).get("status") or {}
+
+
+def _last_cost(cluster: Any, pod: str) -> int:
+    """The pod's deletion cost as last written (from its history: it may be gone by now)."""
+    history = cluster.api.objects[PODS, NAMESPACE, pod].history
+    last = next(v for v in reversed(list(history)) if v is not None)
+    return int(last["metadata"]["annotations"][DELETION_COST_ANNOTATION])
+
+
+def _first(cluster: Any, path: str, *, replicas: int | None = None) -> int:
+    """Index in the API server's log of the first PATCH of `path` (setting `replicas`)."""
+    for index, request in enumerate(cluster.api):
+        data = request.data if isinstance(request.data, dict) else {}
+        patched = data.get("spec", {}).get("replicas")
+        matches = request.method.value == "PATCH" and request.url.path.endswith(path)
+        if matches and replicas in (None, patched):
+            return index
+    raise AssertionError(f"no PATCH of {path}")

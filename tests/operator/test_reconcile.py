@@ -1,0 +1,260 @@
+"""The operator's pure parts: plans, drift, status phases and the autoscaler glue. No I/O."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from tandem.engine.service.work_queue import QueueState
+from tandem.operator.engine_metrics import PodSample
+from tandem.operator.manifests import DELETION_COST_ANNOTATION, OperatorDefaults
+from tandem.operator.reconcile import ChildKey, drift, plan, repair_patch, role_replicas
+from tandem.operator.role_spec import RoleName
+from tandem.operator.scaling import (
+    ScalerMemory,
+    cost_changes,
+    deletion_costs,
+    evaluate,
+    policy,
+    scrape_targets,
+)
+from tandem.operator.status import RoleCounts, conditions, status_patch, valid_status
+from tandem.operator.status_model import Phase
+from tandem.operator.validation import validate_spec
+from tandem.protocol import PRIORITIES
+
+DEFAULTS = OperatorDefaults(image="engine:1", redis_url="redis://r:6379/0")
+NOW = "2026-01-01T00:00:00Z"
+META = {"name": "m", "namespace": "ns", "uid": "u-1", "generation": 1}
+
+
+def model(role: dict[str, Any] | None = None, status: dict[str, Any] | None = None) -> dict:
+    spec = {"model": {"path": "smollm2"}, "mode": "Normal", "normal": role or {}}
+    return {"metadata": dict(META), "spec": spec, "status": status or {}}
+
+
+def children_of(model_body: dict[str, Any]) -> list[dict[str, Any]]:
+    return [copy.deepcopy(m) for m in plan(model_body, [], DEFAULTS, now=NOW).creates]
+
+
+def test_a_new_model_creates_four_children_per_role_and_reports_pending():
+    actions = plan(model(), [], DEFAULTS, now=NOW)
+    kinds = sorted(c["kind"] for c in actions.creates)
+    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service"]
+    assert not actions.patches and not actions.deletes
+    assert actions.status["phase"] == "Pending"
+    assert actions.status["roles"] == {"normal": {"desired": 1, "replicas": 0, "ready": 0}}
+
+
+def test_what_the_api_server_adds_is_not_drift():
+    children = children_of(model({"resources": {"limits": {"cpu": 2, "memory": "1Gi"}}}))
+    for child in children:
+        child["metadata"].update(uid="x", resourceVersion="7", creationTimestamp=NOW)
+        child["status"] = {"anything": True}
+        if child["kind"] == "Service":
+            child["spec"].update(clusterIPs=["None"], sessionAffinity="None", type="ClusterIP")
+        if child["kind"] == "Deployment":
+            pod = child["spec"]["template"]["spec"]
+            pod.update(dnsPolicy="ClusterFirst", restartPolicy="Always")
+            pod["containers"][0]["terminationMessagePath"] = "/dev/termination-log"
+            # The API server writes quantities back in canonical form.
+            pod["containers"][0]["resources"]["limits"] = {"cpu": "2", "memory": "1024Mi"}
+    assert (
+        plan(
+            model({"resources": {"limits": {"cpu": 2, "memory": "1Gi"}}}),
+            children,
+            DEFAULTS,
+            now=NOW,
+        ).patches
+        == ()
+    )
+
+
+def test_owned_fields_changed_removed_or_added_are_drift_and_repaired():
+    deployment = next(c for c in children_of(model()) if c["kind"] == "Deployment")
+    desired = copy.deepcopy(deployment)
+    pod = deployment["spec"]["template"]["spec"]
+    pod["containers"][0]["image"] = "other:1"
+    pod["nodeSelector"] = {"hand": "made"}
+    del pod["volumes"]
+    assert set(drift(desired, deployment)) == {
+        "spec.template.spec.containers[0].image",
+        "spec.template.spec.volumes",
+        "spec.template.spec.nodeSelector",
+    }
+    patch = repair_patch(desired, deployment)
+    assert patch["spec"]["template"]["spec"]["nodeSelector"] is None  # merge patch: remove
+    assert patch["spec"]["template"]["spec"]["containers"][0]["image"] == "engine:1"
+    assert patch["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+
+
+def test_extra_configmap_keys_are_drift():
+    config = next(c for c in children_of(model()) if c["kind"] == "ConfigMap")
+    desired = copy.deepcopy(config)
+    config["data"]["extra"] = "1"
+    assert drift(desired, config) == ("data.extra",)
+    assert repair_patch(desired, config)["data"]["extra"] is None
+
+
+def test_a_role_of_another_mode_is_deleted():
+    children = children_of(model())
+    split = model()
+    split["spec"] = {"model": {"path": "x"}, "mode": "Disaggregated", "prefill": {}, "decode": {}}
+    actions = plan(split, children, DEFAULTS, now=NOW)
+    assert {k.name for k in actions.deletes} == {"m-normal", "m-normal-engine"}
+    assert len(actions.creates) == 8
+
+
+def test_replicas_come_from_the_autoscaler_then_the_deployment_then_status_then_spec():
+    spec = validate_spec(model({"replicas": 2, "maxReplicas": 5})["spec"], name="m")
+    key = ChildKey("Deployment", "m-normal")
+    deployment = {key: {"spec": {"replicas": 4}}}
+    reported = {"roles": {"normal": {"desired": 3}}}
+    normal = RoleName.NORMAL
+    assert role_replicas(spec, "m", deployment, reported, {normal: 5}) == {normal: 5}
+    assert role_replicas(spec, "m", deployment, reported, {}) == {normal: 4}
+    assert role_replicas(spec, "m", {}, reported, {}) == {normal: 3}
+    assert role_replicas(spec, "m", {}, {}, {}) == {normal: 2}
+    assert role_replicas(spec, "m", {key: {"spec": {"replicas": 9}}}, {}, {}) == {normal: 5}
+
+
+def test_an_invalid_spec_plans_no_child_change_and_says_why():
+    actions = plan(
+        model({"minReplicas": 3, "maxReplicas": 1}), children_of(model()), DEFAULTS, now=NOW
+    )
+    assert not actions.touches_children
+    assert actions.status["phase"] == "Invalid"
+    assert "minReplicas must not exceed maxReplicas" in actions.status["message"]
+    assert "roles" not in actions.status
+
+
+@pytest.mark.parametrize(
+    ("counts", "previous", "expected"),
+    [
+        ({"desired": 2, "ready": 2, "replicas": 2}, {}, Phase.READY),
+        ({"desired": 2, "ready": 0, "replicas": 2}, {}, Phase.PENDING),
+        ({"desired": 2, "ready": 1, "replicas": 2}, {}, Phase.PROGRESSING),
+        ({"desired": 0}, {}, Phase.READY),  # scaled to zero as asked
+        # A Ready model that loses a pod it should still have:
+        (
+            {"desired": 2, "ready": 1, "replicas": 2},
+            {"phase": "Ready", "desired": 2},
+            Phase.DEGRADED,
+        ),
+        # ...stays Degraded until the pod is back:
+        (
+            {"desired": 2, "ready": 1, "replicas": 2},
+            {"phase": "Degraded", "desired": 2},
+            Phase.DEGRADED,
+        ),
+        # A scale-up is not a loss:
+        (
+            {"desired": 3, "ready": 2, "replicas": 3},
+            {"phase": "Ready", "desired": 2},
+            Phase.PROGRESSING,
+        ),
+        # Neither is a rollout:
+        (
+            {"desired": 2, "ready": 1, "replicas": 2, "rolling": True},
+            {"phase": "Ready", "desired": 2},
+            Phase.PROGRESSING,
+        ),
+        ({"desired": 2, "ready": 1, "replicas": 2, "stalled": True}, {}, Phase.DEGRADED),
+    ],
+)
+def test_phases(counts, previous, expected):
+    before = {
+        "phase": previous.get("phase"),
+        "roles": {"normal": {"desired": previous.get("desired")}},
+    }
+    status = valid_status(META, {RoleName.NORMAL: RoleCounts(**counts)}, before, NOW)
+    assert status["phase"] == expected.value
+    held = {c["type"] for c in status["conditions"] if c["status"] == "True"}
+    assert held == {Phase.READY: {"Ready"}, Phase.DEGRADED: {"Degraded"}}.get(
+        expected, {"Progressing"}
+    )
+
+
+def test_an_unchanged_status_is_not_written_and_transition_times_stay():
+    counts = {RoleName.NORMAL: RoleCounts(desired=1, replicas=1, ready=1)}
+    first = valid_status(META, counts, {}, NOW)
+    assert status_patch(first, valid_status(META, counts, first, "2030-01-01T00:00:00Z")) is None
+    later = conditions(Phase.PENDING, "PodsStarting", "-", first, 1, "2030-01-01T00:00:00Z")
+    times = {c["type"]: c["lastTransitionTime"] for c in later}
+    assert times["Ready"] == "2030-01-01T00:00:00Z" and times["Invalid"] == NOW
+
+
+# ------------------------------------------------------------------ autoscaler glue
+
+
+def pod(name: str, role: str = "decode", *, ready: bool = True, cost: int | None = None) -> dict:
+    annotations = {} if cost is None else {DELETION_COST_ANNOTATION: str(cost)}
+    return {
+        "metadata": {
+            "name": name,
+            "labels": {"serving.tandem.dev/role": role},
+            "annotations": annotations,
+        },
+        "status": {"podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": str(ready)}]},
+    }
+
+
+def sample(name: str, kv: float, running: int = 1) -> PodSample:
+    return PodSample(
+        pod=name,
+        ready=True,
+        scraped_at=1.0,
+        kv_cache_usage=kv,
+        requests_running=running,
+        requests_waiting=0,
+        waiting_prompt_tokens=0,
+        token_budget=8192,
+    )
+
+
+QUIET = QueueState(dict.fromkeys(PRIORITIES, 0), 0, 0, 0, 0)
+
+
+def test_policy_maps_the_role_fields():
+    spec = validate_spec(
+        {
+            "model": {"path": "x"},
+            "mode": "Disaggregated",
+            "prefill": {"minReplicas": 0, "maxReplicas": 3, "targetQueuedTokensPerReplica": 100},
+            "decode": {"targetKVCacheUsage": 0.5},
+        },
+        name="m",
+    )
+    prefill, decode = policy(spec.prefill), policy(spec.decode)
+    assert (prefill.min_replicas, prefill.max_replicas) == (0, 3)
+    assert prefill.target_queued_tokens_per_replica == 100
+    assert prefill.scale_to_zero_after_seconds == 300
+    assert decode.target_kv_cache_usage == 0.5
+
+
+def test_only_ready_pods_with_an_address_are_scraped():
+    gone = pod("c")
+    del gone["status"]["podIP"]
+    targets = scrape_targets([pod("a"), pod("b", ready=False), gone])
+    assert targets == {"a": "http://10.0.0.1:8100"}
+
+
+def test_the_least_loaded_pod_is_the_cheapest_to_remove():
+    pods = [pod("busy"), pod("idle"), pod("new", ready=False)]
+    samples = {"busy": sample("busy", 0.6, running=8), "idle": sample("idle", 0.1, running=1)}
+    costs = deletion_costs(pods, samples, {})
+    assert costs == {"new": 0, "idle": 1, "busy": 2}
+    pods[1]["metadata"]["annotations"][DELETION_COST_ANNOTATION] = "1"
+    assert cost_changes(pods, costs) == {"new": 0, "busy": 2}
+
+
+def test_a_first_evaluation_never_scales_down():
+    spec = validate_spec(model({"replicas": 3, "maxReplicas": 3})["spec"], name="m")
+    pods = [pod(n, "normal") for n in "abc"]
+    samples = {n: sample(n, 0.01, running=0) for n in "abc"}
+    first = evaluate(spec, {RoleName.NORMAL: 3}, pods, samples, QUIET, ScalerMemory(), now=0.0)
+    assert first.changed == {}
+    later = evaluate(spec, {RoleName.NORMAL: 3}, pods, samples, QUIET, first.memory, now=301.0)
+    assert later.changed[RoleName.NORMAL].replicas == 1
