@@ -25,8 +25,8 @@ from tandem.engine.service.work_queue import queue_depth
 from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide_all
 from tandem.operator.engine_flags import engine_arguments, engine_flags
 from tandem.operator.engine_metrics import PodSample, pod_load, scrape
-from tandem.operator.policy import scaling_policy
 from tandem.operator.role_spec import RoleName
+from tandem.operator.scaling import policy as scaling_policy
 from tandem.operator.scaling_policy import ScalingRole
 from tandem.operator.spec import ModelDeploymentSpec
 from tandem.operator.validation import validate_spec
