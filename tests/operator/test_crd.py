@@ -17,15 +17,13 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.crd_schema import api_server_errors, cel_errors, with_defaults
+from support.kube_version import K8S_VERSION
 
 from tandem.operator import crd
 from tandem.operator.validation import invalid_reason, validate_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
-# A release kubernetes-validate ships schemas for, with CEL fieldPath (1.28+) and
-# the PodDisruptionBudget unhealthyPodEvictionPolicy (GA in 1.31).
-K8S_VERSION = "1.33"
 
 SCHEMA = crd.root_schema()
 

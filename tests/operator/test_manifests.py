@@ -16,6 +16,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from support.kube_version import K8S_VERSION
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.service.arguments import add_arguments, engine_fields
@@ -35,7 +36,6 @@ from tandem.operator.validation import validate_spec
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).resolve().parent / "golden"
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
-K8S_VERSION = "1.33"
 UPDATE_GOLDEN = os.environ.get("TANDEM_UPDATE_GOLDEN") == "1"
 
 DEFAULTS = OperatorDefaults(

@@ -41,12 +41,11 @@ def run_ranks(args: argparse.Namespace) -> int:
 
 
 def _rank_main(args: argparse.Namespace, rank: int, world: int, port: int) -> None:
+    import torch
     import torch.distributed as dist
 
     from tandem.engine.dp_vote import gloo_vote
     from tandem.engine.service.main import serve
-
-    import torch
 
     if torch.cuda.is_available() and args.device in (None, "cuda"):
         args.device = f"cuda:{rank}"  # one GPU per rank, not all ranks on GPU 0

@@ -1,0 +1,104 @@
+"""values.yaml and values.schema.json: helm refuses bad values naming the key; a comment per key."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+import yaml
+from support.helm import CHART, run_helm, template_args
+
+SCHEMA = json.loads((CHART / "values.schema.json").read_text())
+VALUES_TEXT = (CHART / "values.yaml").read_text()
+
+# (--set assignments, what helm's error must say). The schema's messages name the key
+# as a JSON pointer; the chart's own checks (templates/_helpers.tpl) name it in words.
+BAD_VALUES = [
+    (["gateway.replicas=-1"], "at '/gateway/replicas': minimum: got -1, want 0"),
+    (["operator.replicas=-2"], "at '/operator/replicas': minimum: got -2, want 0"),
+    (["operator.replicas=two"], "at '/operator/replicas': got string, want integer"),
+    (["gateway.maxQueue=lots"], "at '/gateway/maxQueue': got string, want integer"),
+    (["gateway.auth.enabled=maybe"], "at '/gateway/auth/enabled': got string, want boolean"),
+    (["gateway.replicaCount=3"], "at '/gateway': additional properties 'replicaCount' not allowed"),
+    (["replicas=3"], "at '': additional properties 'replicas' not allowed"),
+    (["redis.persistance.enabled=false"], "at '/redis': additional properties 'persistance'"),
+    (["operator.scope=everywhere"], "at '/operator/scope': value must be one of"),
+    (["operator.scrapeInterval=0"], "at '/operator/scrapeInterval'"),
+    (["gateway.port=70000"], "at '/gateway/port': maximum: got 70,000, want 65,535"),
+    (["redis.runAsUser=0"], "at '/redis/runAsUser': minimum: got 0, want 1"),
+    (["redis.auth.password=p@ss/word"], "at '/redis/auth/password'"),
+    (["redis.external.url=http://redis:6379"], "at '/redis/external/url'"),
+    (["gateway.resources.limits=null"], "at '/gateway/resources': missing property 'limits'"),
+    (["operator.namespaces={Team_A}"], "at '/operator/namespaces/0'"),
+    (["monitoring.interval=30"], "at '/monitoring/interval'"),
+    (["gateway.auth.keys[0].key=sk-1"], "at '/gateway/auth/keys/0': missing property 'name'"),
+    (
+        ["gateway.auth.bootstrapKey=false"],
+        "gateway.auth: no API key source",
+    ),
+    (["redis.enabled=false"], "redis: with redis.enabled=false set redis.external.url"),
+    (["operator.namespaces={team-a}"], "operator.namespaces is for operator.scope=namespace"),
+]
+
+
+@pytest.mark.parametrize(("sets", "message"), BAD_VALUES, ids=[s[0][0] for s in BAD_VALUES])
+def test_helm_template_refuses_bad_values_naming_the_key(helm, sets, message):
+    result = run_helm(helm, *template_args(CHART, sets=sets))
+    assert result.returncode != 0, f"{sets} was accepted"
+    assert message in result.stderr, result.stderr
+
+
+def test_helm_lint_reports_the_same(helm):
+    result = run_helm(helm, "lint", str(CHART), "--set", "gateway.replicas=-1")
+    assert result.returncode != 0
+    assert "at '/gateway/replicas': minimum: got -1, want 0" in result.stdout + result.stderr
+
+
+def _properties(node: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """(dotted path, schema) of every named property, not of free-form maps or list items."""
+    found = []
+    for name, child in node.get("properties", {}).items():
+        found.append((f"{path}{name}", child))
+        found += _properties(child, f"{path}{name}.")
+    return found
+
+
+def test_every_schema_property_is_described_and_objects_are_closed():
+    for path, node in _properties(SCHEMA):
+        assert node.get("description"), f"{path}: no description"
+        if node.get("properties"):
+            assert node.get("additionalProperties") is False, f"{path}: unknown keys pass"
+
+
+def _documented_keys(text: str) -> dict[str, bool]:
+    """Dotted path of every mapping key in values.yaml -> whether a comment line precedes it."""
+    found: dict[str, bool] = {}
+    stack: list[tuple[int, str]] = []
+    previous = ""
+    for line in text.splitlines():
+        match = re.match(r"^(\s*)([A-Za-z][\w.-]*):", line)
+        if match and not line.lstrip().startswith("- "):
+            indent, key = len(match.group(1)), match.group(2)
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            path = ".".join([*(k for _, k in stack), key])
+            found[path] = previous.lstrip().startswith("#")
+            stack.append((indent, key))
+        if line.strip():
+            previous = line
+    return found
+
+
+def test_values_yaml_documents_every_key_the_schema_names():
+    documented = _documented_keys(VALUES_TEXT)
+    for path, _ in _properties(SCHEMA):
+        assert path in documented, f"{path} is in the schema but not in values.yaml"
+        assert documented[path], f"values.yaml: {path} has no comment above it"
+
+
+def test_values_yaml_passes_its_own_schema():
+    import jsonschema
+
+    jsonschema.validate(yaml.safe_load(VALUES_TEXT), SCHEMA)

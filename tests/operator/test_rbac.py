@@ -1,0 +1,141 @@
+"""operator/rbac.py is exactly what the operator uses: every request it makes, and nothing more.
+
+The real operator (kube.py and kopf) runs against the emulated API server,
+which logs every request; each one becomes the (apiGroup, resource, verb) an
+RBAC rule grants. The scenario walks every code path that touches the API
+(adoption of a taken name, a Secret-held Redis URL, a scale-down with
+deletion costs and Events, a mode change that deletes a role's children), so
+the log must equal the table: a request outside it would be refused by the
+chart's RBAC, and a grant never used is one too many. The chart's rules are
+compared with the same table in tests/helm/.
+"""
+
+from __future__ import annotations
+
+from base64 import b64encode
+from typing import Any
+
+import pytest
+from support.kube_api import CHILDREN, CLUSTER_PEERINGS, SECRETS
+from support.kube_cluster import NAMESPACE, PEERING, Cluster, OperatorReplica, eventually
+
+from tandem.operator import rbac
+from tandem.operator.manifests import selector_labels
+from tandem.operator.role_spec import RoleName
+from tandem.operator.sources import MetricSources
+
+_VERBS = {"GET": "get", "POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
+
+
+def used(cluster: Cluster, replica: OperatorReplica) -> frozenset[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) of every resource request `replica` sent."""
+    found = set()
+    for request in cluster.api:
+        resource = request.resource
+        if request.url.port != replica.port or resource is None or resource.plural is None:
+            continue  # another client, or discovery (/api, /apis: no RBAC rule needed)
+        verb = _VERBS[request.method.value]
+        if verb == "get" and not request.name:
+            verb = "watch" if request.params.get("watch") == "true" else "list"
+        plural = (
+            f"{resource.plural}/{request.subresource}" if request.subresource else resource.plural
+        )
+        found.add((resource.group or "", plural, verb))
+    return frozenset(found)
+
+
+def _normal_model() -> dict[str, Any]:
+    return {
+        "apiVersion": "serving.tandem.dev/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": "m"},
+        "spec": {
+            "model": {"path": "smollm2"},
+            "mode": "Normal",
+            "redis": {"urlSecretRef": {"name": "model-redis"}},
+            "normal": {
+                "replicas": 2,
+                "minReplicas": 1,
+                "maxReplicas": 3,
+                "scaleDownStabilizationSeconds": 0,
+            },
+        },
+    }
+
+
+async def _taken_names(cluster: Cluster) -> None:
+    """Objects already named as the normal role's children: the operator gets and adopts them."""
+    selector = selector_labels("m", RoleName.NORMAL)
+    specs: dict[str, dict[str, Any]] = {
+        "ConfigMap": {},
+        "Service": {"spec": {"selector": selector}},
+        "PodDisruptionBudget": {"spec": {"selector": {"matchLabels": selector}}},
+        "Deployment": {
+            "spec": {
+                "replicas": 0,
+                "selector": {"matchLabels": selector},
+                "template": {"metadata": {"labels": selector}, "spec": {"containers": []}},
+            }
+        },
+    }
+    for kind, body in specs.items():
+        name = "m-normal-engine" if kind == "ConfigMap" else "m-normal"
+        await cluster.api.create(CHILDREN[kind], NAMESPACE, {"metadata": {"name": name}, **body})
+
+
+@pytest.mark.asyncio
+async def test_a_namespaced_operator_uses_exactly_the_table(cluster, metrics, clock):
+    url = b64encode(b"redis://model-redis:6379/0").decode()
+    await cluster.api.create(
+        SECRETS, NAMESPACE, {"metadata": {"name": "model-redis"}, "data": {"url": url}}
+    )
+    await _taken_names(cluster)
+    replica = await cluster.start_operator(lambda: MetricSources(metrics, metrics), clock=clock)
+    metrics.default_kv = 0.02  # one pod's worth is plenty: a scale-down with deletion costs
+
+    await cluster.apply(_normal_model())
+    await eventually(lambda: cluster.model("m").get("status", {}).get("phase") == "Ready")
+    clock.advance(60)  # past the first evaluation's recommendation (the current count)
+    await eventually(lambda: cluster.events("ScaledDown"), what="a scale-down")
+    await cluster.patch_model(
+        "m",
+        {
+            "spec": {
+                "mode": "Disaggregated",
+                "normal": None,
+                "prefill": {"minReplicas": 1},
+                "decode": {"minReplicas": 1},
+            }
+        },
+    )
+    await eventually(lambda: cluster.child("Deployment", "m-normal") is None, what="mode change")
+
+    want = rbac.triples(rbac.required(clusterwide=False))
+    got = used(cluster, replica)
+    assert got - want == set(), "requests the chart's RBAC would refuse"
+    assert want - got == set(), "grants the operator never used"
+
+
+@pytest.mark.asyncio
+async def test_a_cluster_wide_operator_uses_only_the_table(cluster, metrics, clock):
+    await cluster.api.create(CLUSTER_PEERINGS, None, {"metadata": {"name": PEERING}})
+    replica = await cluster.start_operator(
+        lambda: MetricSources(metrics, metrics), clock=clock, namespaces=()
+    )
+    await cluster.apply({**_normal_model(), "spec": {"model": {"path": "smollm2"}, "normal": {}}})
+    await eventually(lambda: (cluster.model("m") or {}).get("status", {}).get("phase") == "Ready")
+
+    got = used(cluster, replica)
+    assert got - rbac.triples(rbac.required(clusterwide=True)) == set()
+    assert rbac.triples([rbac.CLUSTER_PEERING, rbac.CRDS]) <= got
+    assert not any(resource == "namespaces" for _, resource, _ in got), "cluster-wide: no need"
+
+
+def test_the_table_grants_no_wildcards_and_no_verb_twice():
+    for clusterwide in (True, False):
+        grants = rbac.required(clusterwide=clusterwide)
+        keys = [(g.group, g.resource) for g in grants]
+        assert len(keys) == len(set(keys))
+        for grant in grants:
+            assert "*" not in (grant.group, grant.resource, *grant.verbs)
+            assert len(grant.verbs) == len(set(grant.verbs))
