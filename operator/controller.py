@@ -38,7 +38,7 @@ from tandem.operator.validation import InvalidSpec, validate_spec
 log = logging.getLogger(__name__)
 
 Body = dict[str, Any]
-CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "PodDisruptionBudget")
+CHILD_KINDS = ("ConfigMap", "Secret", "Service", "Deployment", "PodDisruptionBudget")
 KIND = "ModelDeployment"
 
 

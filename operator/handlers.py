@@ -6,7 +6,7 @@ default), so a process can run several operators, as the tests do.
 What wakes a reconciliation of a ModelDeployment:
 - any event of the ModelDeployment (spec edits, and the status the operator
   writes, which finds nothing left to do);
-- any event of a child (Deployment, Service, ConfigMap, PodDisruptionBudget
+- any event of a child (Deployment, Service, ConfigMap, Secret, PodDisruptionBudget
   labelled managed-by=tandem-operator): drift is repaired at once, and the
   status follows the Deployments' readiness;
 - a timer every scrape interval: the autoscaler's evaluation, and a full resync
@@ -33,6 +33,7 @@ CHILD_RESOURCES = (
     ("apps", "v1", "deployments"),
     ("", "v1", "services"),
     ("", "v1", "configmaps"),
+    ("", "v1", "secrets"),
     ("policy", "v1", "poddisruptionbudgets"),
 )
 # kopf's own bookkeeping (finalizer, progress) under the operator's API group.

@@ -1,7 +1,8 @@
 """Pure builders: a validated ModelDeployment spec -> the Kubernetes objects of its roles.
 
 Per role: a ConfigMap with the engine flags, a headless Service, the
-Deployment (manifests_pods.py) and a PodDisruptionBudget, all owned by the
+Deployment (manifests_pods.py), a PodDisruptionBudget and, when the engines use
+the operator's Redis, a Secret with its URL, all owned by the
 ModelDeployment so they go when it goes. The builders read neither the
 cluster nor the status: the replica count of each role is an argument (the
 autoscaler's decision), so the same spec and counts always give the same
@@ -10,6 +11,7 @@ objects, which is what lets the controller repair drift by reapplying them.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -96,13 +98,15 @@ def role_manifests(
     replicas: int,
     defaults: OperatorDefaults,
 ) -> list[dict[str, Any]]:
-    """ConfigMap, Service, Deployment and PodDisruptionBudget of one role."""
+    """ConfigMap, Service, Deployment, PodDisruptionBudget (and Redis Secret) of one role."""
     role = spec.roles().get(role_name)
     if role is None:
         raise ValueError(f"spec.{role_name.value} is not set in {spec.mode.value} mode")
     flags = engine_flags(owner.name, spec, role_name, role, defaults.key_prefix)
     selector = selector_labels(owner.name, role_name)
+    secret = _redis_secret(owner, spec, role_name, defaults)
     return [
+        *([secret] if secret is not None else []),
         {
             "apiVersion": "v1",
             "kind": "ConfigMap",
@@ -118,7 +122,7 @@ def role_manifests(
             role=role,
             replicas=replicas,
             image=spec.image or defaults.image,
-            redis_env=_redis_env(spec, defaults),
+            redis_env=_redis_env(spec, None if secret is None else secret["metadata"]["name"]),
             flags=flags,
         ),
         {
@@ -186,11 +190,36 @@ def _service(
     }
 
 
-def _redis_env(spec: ModelDeploymentSpec, defaults: OperatorDefaults) -> dict[str, Any]:
+def redis_secret_name(name: str, role_name: RoleName) -> str:
+    return f"{child_name(name, role_name)}-redis"
+
+
+def _redis_secret(
+    owner: Owner, spec: ModelDeploymentSpec, role_name: RoleName, defaults: OperatorDefaults
+) -> dict[str, Any] | None:
+    """The operator's Redis URL for a spec without spec.redis, as a Secret in its namespace.
+
+    The URL usually carries the password (the chart's Redis has one), and a Secret in
+    the operator's namespace cannot be referenced from another: so a copy, owned by
+    the ModelDeployment, that only the engines' environment reads.
+    """
+    if spec.redis is not None:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(owner, role_name, redis_secret_name(owner.name, role_name)),
+        "type": "Opaque",
+        # `data`, not `stringData`: what the API server returns, so drift compares equal.
+        "data": {"url": base64.b64encode(defaults.redis_url.encode()).decode()},
+    }
+
+
+def _redis_env(spec: ModelDeploymentSpec, default_secret: str | None) -> dict[str, Any]:
     """TANDEM_REDIS_URL, which the engine reads when no --redis-url is given.
 
     An environment variable, not a flag, so a URL from a Secret (password
-    included) never shows in the ConfigMap or the process list.
+    included) never shows in the ConfigMap, the Deployment or the process list.
     """
     name = "TANDEM_REDIS_URL"
     redis = spec.redis
@@ -199,4 +228,6 @@ def _redis_env(spec: ModelDeploymentSpec, defaults: OperatorDefaults) -> dict[st
         return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
     if redis is not None and redis.url is not None:
         return {"name": name, "value": redis.url}
-    return {"name": name, "value": defaults.redis_url}
+    if default_secret is None:
+        raise ValueError("a spec without spec.redis needs the operator's Redis Secret")
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": default_secret, "key": "url"}}}

@@ -51,13 +51,14 @@ SERVED: tuple[Grant, ...] = (
     Grant("apps", "deployments", OWN),
     Grant("", "services", OWN),
     Grant("", "configmaps", OWN),
+    # Secrets: the copies of the operator's Redis URL it writes for engines
+    # (manifests.py), and a get of spec.redis.urlSecretRef to read the queue depth.
+    Grant("", "secrets", OWN),
     Grant("policy", "poddisruptionbudgets", OWN),
     # The autoscaler lists engine pods and sets their deletion cost before a scale-down.
     Grant("", "pods", ("list", "patch")),
     # ScaledUp/ScaledDown/SpecApplied/DriftRepaired/InvalidSpec, and kopf's warnings.
     Grant("", "events", ("create",)),
-    # spec.redis.urlSecretRef: the queue depth is read from the model's own Redis.
-    Grant("", "secrets", ("get",)),
 )
 # kopf's peering: keep-alives are merge patches of the object's status; the list and
 # watch tell a replica whether a peer of higher priority lives.

@@ -37,7 +37,10 @@ _OPTIONAL_OWNED: Mapping[str, tuple[tuple[str, ...], ...]] = {
     ),
 }
 # Maps the operator owns whole: extra keys in the child are drift.
-_EXACT: Mapping[str, tuple[tuple[str, ...], ...]] = {"ConfigMap": (("data",),)}
+_EXACT: Mapping[str, tuple[tuple[str, ...], ...]] = {
+    "ConfigMap": (("data",),),
+    "Secret": (("data",),),
+}
 _MISSING = object()
 
 

@@ -47,7 +47,13 @@ def _up(args: argparse.Namespace) -> int:
     from tandem.up import Stack, UpConfig, banner
 
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-up-"))
+    manifest = None
+    if args.file:
+        import yaml
+
+        manifest = yaml.safe_load(Path(args.file).read_text())
     config = UpConfig(
+        manifest=manifest,
         model=args.model,
         served_model_name=args.served_model_name,
         mode=args.mode,
@@ -82,6 +88,30 @@ def _engine(args: argparse.Namespace) -> int:
     return service.main(args)
 
 
+def _gateway(args: argparse.Namespace) -> int:
+    from tandem.gateway import main as gateway
+
+    return gateway.main(args)
+
+
+def _operator(args: argparse.Namespace) -> int:
+    from tandem.operator import main as operator
+
+    return operator.main(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from tandem.loadgen import main as loadgen
+
+    return loadgen.main(args)
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from tandem.sim import main as sim
+
+    return sim.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -92,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
     engine = sub.add_parser("engine", help="run an engine that serves requests from Redis")
     _add_engine_arguments(engine)
     engine.set_defaults(func=_engine)
+
+    gateway = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
+    _add_gateway_arguments(gateway)
+    gateway.set_defaults(func=_gateway)
+
+    operator = sub.add_parser("operator", help="run the Kubernetes operator for ModelDeployments")
+    _add_operator_arguments(operator)
+    operator.set_defaults(func=_operator)
 
     chat = sub.add_parser("chat", help="answer a question with a model in this process")
     chat.add_argument("question")
@@ -111,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--api-key", default=None, help="default: a new random key")
     up.add_argument("--redis-url", default=None, help="default: an embedded redis-server")
     up.add_argument("--log-dir", default=None)
+    up.add_argument(
+        "-f",
+        "--file",
+        default=None,
+        help="a ModelDeployment YAML: run its roles here and autoscale them",
+    )
     up.set_defaults(func=_up)
 
     demo = sub.add_parser(
@@ -120,11 +164,43 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--mode", choices=["normal", "disaggregated"], default="normal")
     demo.add_argument("--question", default=DEMO_QUESTION)
     demo.set_defaults(func=_demo)
+
+    bench = sub.add_parser("bench", help="load an OpenAI-compatible endpoint and report goodput")
+    _add_bench_arguments(bench)
+    bench.set_defaults(func=_bench)
+
+    sim = sub.add_parser("sim", help="simulate a Tandem cluster with the real scheduler")
+    _add_sim_arguments(sim)
+    sim.set_defaults(func=_sim)
     return parser
 
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     from tandem.engine.service.arguments import add_arguments
+
+    add_arguments(parser)
+
+
+def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
+    from tandem.gateway.main import add_arguments
+
+    add_arguments(parser)
+
+
+def _add_operator_arguments(parser: argparse.ArgumentParser) -> None:
+    from tandem.operator.settings import add_arguments
+
+    add_arguments(parser)
+
+
+def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from tandem.loadgen.main import add_arguments
+
+    add_arguments(parser)
+
+
+def _add_sim_arguments(parser: argparse.ArgumentParser) -> None:
+    from tandem.sim.main import add_arguments
 
     add_arguments(parser)
 

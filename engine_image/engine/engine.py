@@ -14,6 +14,7 @@ detokenizer, and reports per-step statistics for the metrics.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -23,6 +24,8 @@ from tandem.engine.request import Request, RequestStatus, SamplingParams
 from tandem.engine.runner import ModelRunner
 from tandem.engine.scheduler import Scheduler, Vote
 from tandem.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("tandem.engine")
 
 
 @dataclass(slots=True)
@@ -42,6 +45,8 @@ class EngineOutput:
     num_cached_tokens: int
     # Drafts accepted this step (speculative decoding).
     num_accepted_drafts: int = 0
+    # Set with finish_reason "error": what went wrong.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -198,10 +203,14 @@ class Engine:
     def _track(self, request: Request) -> None:
         detok = None
         if self.tokenizer is not None:
-            # Primed with everything before the next token, so text continues seamlessly.
             detok = IncrementalDetokenizer(
-                self.tokenizer, request.token_ids, request.sampling_params.stop
+                self.tokenizer, request.prompt_token_ids, request.sampling_params.stop
             )
+            if request.num_output_tokens:
+                # Tokens generated elsewhere (a PROMPT engine, or an engine that died):
+                # replay them so this detokenizer is where the other one was, with any
+                # half-decoded character still pending; the text itself was sent.
+                detok.add(request.output_token_ids)
         self._tracked[request.request_id] = _Tracked(request, detok)
 
     def abort(self, request_id: str) -> EngineOutput | None:
@@ -237,7 +246,11 @@ class Engine:
     def _step(self) -> list[EngineOutput]:
         started = time.perf_counter()
         plan = self.scheduler.schedule()
-        result = self.runner.execute(plan)
+        try:
+            result = self.runner.execute(plan)
+        except Exception as exc:  # one bad batch must not take the engine down
+            log.exception("step failed; ending its %d requests", len(plan.seqs))
+            return self._fail_step(plan, exc)
         updates = self.scheduler.update(plan, result)
         for rid in plan.preempted_request_ids:
             self.runner.free(rid)  # its sampler/drafter state restarts with the recompute
@@ -250,6 +263,19 @@ class Engine:
             out.num_accepted_drafts = update.num_accepted_drafts
             outputs.append(out)
         self._record(plan, outputs, time.perf_counter() - started)
+        return outputs
+
+    def _fail_step(self, plan: StepPlan, exc: Exception) -> list[EngineOutput]:
+        """End every request of a step that raised, with the error as the reason."""
+        outputs = []
+        for seq in plan.seqs:
+            tracked = self._tracked.pop(seq.request_id, None)
+            self.scheduler.abort_request(seq.request_id)
+            self.runner.free(seq.request_id)
+            if tracked is not None:
+                out = self._output(tracked, [], "", "error")
+                out.error = f"the engine failed on this request: {type(exc).__name__}: {exc}"
+                outputs.append(out)
         return outputs
 
     def _apply(

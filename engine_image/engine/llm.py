@@ -144,6 +144,8 @@ class LLM:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     pieces[out.request_id].append(out.text_delta)
+                    if out.finish_reason == "error":
+                        raise RuntimeError(out.error)
                     if out.finished:
                         outputs[out.request_id] = out
         except BaseException:

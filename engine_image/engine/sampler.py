@@ -308,7 +308,8 @@ def _cutoffs(
     in_k = torch.softmax(vals.masked_fill(vals < cutoff, float("-inf")), dim=-1)
     cand = torch.where(has_k, in_k, probs.gather(1, idx))
     before = cand.cumsum(-1).sub_(cand)
-    num_kept = (before < top_p).sum(-1, keepdim=True)
+    # Top-p keeps at least the most likely token, even for a top_p that rounds to 0.
+    num_kept = (before < top_p).sum(-1, keepdim=True).clamp_(min=1)
     use_p = top_p < 1.0
     cutoff = torch.where(use_p, torch.maximum(cutoff, vals.gather(1, num_kept - 1)), cutoff)
     if num_cand == vocab:

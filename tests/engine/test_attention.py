@@ -1,14 +1,21 @@
-"""paged_attention against dense causal attention computed from unpaged K/V."""
+"""paged_attention against dense causal attention computed from unpaged K/V.
+
+Decode steps run on both paths: the C++ kernel (cpu_kernels.py; skipped where it
+cannot be built) and the pure-torch fallback, forced with build(kernel=False).
+"""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tandem.engine.model import cpu_kernels
 from tandem.engine.model.attention import (
     AttentionMetadata,
     allocate_kv_cache,
@@ -16,6 +23,12 @@ from tandem.engine.model.attention import (
     paged_attention,
 )
 from tandem.engine.model.model_config import ModelConfig
+
+needs_kernels = pytest.mark.skipif(
+    cpu_kernels.load() is None, reason="the C++ CPU kernels could not be built here"
+)
+# The decode paths: the C++ kernel, the torch fallback.
+PATHS = [pytest.param(True, id="kernel", marks=needs_kernels), pytest.param(False, id="torch")]
 
 
 @dataclass
@@ -53,8 +66,14 @@ def run_step(
     dtype: torch.dtype = torch.float32,
     group_tokens: int | None = None,
     gen: torch.Generator | None = None,
+    kernel: bool | None = None,
+    fused_qkv: bool = False,
 ) -> None:
-    """Cache the prefixes, run one step, check outputs and the written cache."""
+    """Cache the prefixes, run one step, check outputs and the written cache.
+
+    kernel picks the decode path (AttentionMetadata.build); fused_qkv passes q, k, v as
+    strided views of one [T, (H + 2 KVH) * D] tensor, as a fused projection makes them.
+    """
     kv_heads, head_dim = seqs[0].k.shape[1:]
     cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
     flat = cache.view(2, -1, kv_heads, head_dim)
@@ -70,16 +89,27 @@ def run_step(
         is_prefill,
         "cpu",
         group_tokens=group_tokens,
+        kernel=kernel,
     )
+    if not is_prefill:
+        assert (meta.paged is not None) == bool(kernel) or kernel is None
+        assert (meta.decode is None) == (meta.paged is not None)
     expected_pos = torch.cat([torch.arange(s.start, s.k.shape[0]) for s in seqs])
     assert torch.equal(meta.positions, expected_pos)
     q = torch.randn(sum(s.count for s in seqs), heads, head_dim, generator=gen)
     k = torch.cat([s.k[s.start :] for s in seqs])
     v = torch.cat([s.v[s.start :] for s in seqs])
     scale = head_dim**-0.5
-    out = paged_attention(q.to(dtype), k.to(dtype), v.to(dtype), cache, meta, scale)
+    q_in, k_in, v_in = q.to(dtype), k.to(dtype), v.to(dtype)
+    if fused_qkv:
+        rows, heads_q = q.shape[:2]
+        qkv = torch.cat([t.reshape(rows, -1) for t in (q_in, k_in, v_in)], dim=1)
+        sizes = [heads_q * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+        q_in, k_in, v_in = (part.view(rows, -1, head_dim) for part in qkv.split(sizes, dim=1))
+        assert not q_in.is_contiguous()
+    out = paged_attention(q_in, k_in, v_in, cache, meta, scale)
     assert out.shape == q.shape and out.dtype == dtype
-    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    tol = {torch.float32: 1e-5, torch.float16: 5e-3}.get(dtype, 3e-2)
     row = 0
     for s in seqs:
         want = reference(q[row : row + s.count].to(dtype), s, scale)
@@ -122,22 +152,44 @@ def make_seqs(
     return seqs, num_blocks
 
 
+@pytest.mark.parametrize("kernel", PATHS)
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("kv_heads,heads", [(2, 2), (2, 8)])
-def test_decode_varied_contexts(block_size: int, kv_heads: int, heads: int) -> None:
+def test_decode_varied_contexts(block_size: int, kv_heads: int, heads: int, kernel: bool) -> None:
     gen = torch.Generator().manual_seed(0)
-    specs = [(0, 1), (7, 1), (33, 1), (64, 1), (100, 1)]
+    # Contexts across several 32-token kernel tiles, one ending exactly on a tile.
+    specs = [(0, 1), (7, 1), (33, 1), (63, 1), (100, 1)]
     seqs, num_blocks = make_seqs(specs, kv_heads, 16, block_size, gen)
-    run_step(seqs, heads, block_size, num_blocks, is_prefill=False, gen=gen)
+    run_step(seqs, heads, block_size, num_blocks, is_prefill=False, gen=gen, kernel=kernel)
 
 
+@pytest.mark.parametrize("kernel", PATHS)
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("kv_heads,heads", [(1, 1), (2, 8)])
-def test_decode_with_drafts(block_size: int, kv_heads: int, heads: int) -> None:
+def test_decode_with_drafts(block_size: int, kv_heads: int, heads: int, kernel: bool) -> None:
     gen = torch.Generator().manual_seed(1)
-    specs = [(12, 1 + 8), (40, 1 + 3), (5, 1), (70, 1 + 3)]
+    # Drafts straddling a tile boundary (30 + 9 rows), and several rows per sequence.
+    specs = [(12, 1 + 8), (40, 1 + 3), (5, 1), (70, 1 + 3), (30, 1 + 8)]
     seqs, num_blocks = make_seqs(specs, kv_heads, 8, block_size, gen)
-    run_step(seqs, heads, block_size, num_blocks, is_prefill=False, gen=gen)
+    run_step(seqs, heads, block_size, num_blocks, is_prefill=False, gen=gen, kernel=kernel)
+
+
+@needs_kernels
+@pytest.mark.parametrize("head_dim", [4, 24, 64, 128])
+def test_kernel_head_dims(head_dim: int) -> None:
+    # The kernel's vector paths by head_dim (multiples of 8, 16, 32; 4 takes plain loops).
+    gen = torch.Generator().manual_seed(7)
+    seqs, num_blocks = make_seqs([(45, 1), (3, 1 + 2), (80, 1 + 4)], 2, head_dim, 16, gen)
+    run_step(seqs, 8, 16, num_blocks, is_prefill=False, gen=gen, kernel=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_strided_qkv(dtype: torch.dtype) -> None:
+    # q, k, v as views of one fused-projection output: rows strided, no copy needed.
+    gen = torch.Generator().manual_seed(8)
+    seqs, num_blocks = make_seqs([(20, 1), (50, 1 + 3)], 2, 16, 4, gen)
+    run_step(seqs, 8, 4, num_blocks, False, dtype=dtype, gen=gen, kernel=True, fused_qkv=True)
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -156,8 +208,9 @@ def test_prefill_second_chunk_reads_first(block_size: int) -> None:
     run_step(seqs, 8, block_size, num_blocks, is_prefill=True, gen=gen)
 
 
+@pytest.mark.parametrize("kernel", PATHS)
 @pytest.mark.parametrize("is_prefill", [True, False])
-def test_shared_prefix_blocks(is_prefill: bool) -> None:
+def test_shared_prefix_blocks(is_prefill: bool, kernel: bool) -> None:
     gen = torch.Generator().manual_seed(4)
     block_size = 4
     count = 11 if is_prefill else 3
@@ -165,15 +218,23 @@ def test_shared_prefix_blocks(is_prefill: bool) -> None:
     specs = [(14, count), (12, count), (20, count)]
     seqs, num_blocks = make_seqs(specs, 2, 8, block_size, gen, shared_prefix_blocks=3)
     assert seqs[1].table[:3] == seqs[0].table[:3] == seqs[2].table[:3]
-    run_step(seqs, 8, block_size, num_blocks, is_prefill=is_prefill, gen=gen)
+    run_step(seqs, 8, block_size, num_blocks, is_prefill=is_prefill, gen=gen, kernel=kernel)
 
 
+@pytest.mark.parametrize("kernel", PATHS)
 @pytest.mark.parametrize("is_prefill", [True, False])
-def test_bfloat16(is_prefill: bool) -> None:
+def test_bfloat16(is_prefill: bool, kernel: bool) -> None:
     gen = torch.Generator().manual_seed(5)
-    specs = [(20, 6), (3, 2)] if is_prefill else [(20, 3), (50, 1)]
+    specs = [(20, 6), (3, 2)] if is_prefill else [(20, 3), (50, 1), (37, 1 + 4)]
     seqs, num_blocks = make_seqs(specs, 2, 16, 4, gen)
-    run_step(seqs, 8, 4, num_blocks, is_prefill, dtype=torch.bfloat16, gen=gen)
+    run_step(seqs, 8, 4, num_blocks, is_prefill, dtype=torch.bfloat16, gen=gen, kernel=kernel)
+
+
+@needs_kernels
+def test_kernel_float16() -> None:
+    gen = torch.Generator().manual_seed(6)
+    seqs, num_blocks = make_seqs([(20, 3), (50, 1)], 2, 16, 4, gen)
+    run_step(seqs, 8, 4, num_blocks, False, dtype=torch.float16, gen=gen, kernel=True)
 
 
 @settings(max_examples=40, deadline=None)
@@ -185,6 +246,7 @@ def test_bfloat16(is_prefill: bool) -> None:
     head_dim=st.sampled_from([4, 8]),
     is_prefill=st.booleans(),
     group_tokens=st.sampled_from([None, 0, 1, 40]),
+    kernel=st.sampled_from([False, None]),
     seed=st.integers(0, 2**16),
 )
 def test_random_steps(
@@ -195,6 +257,7 @@ def test_random_steps(
     head_dim: int,
     is_prefill: bool,
     group_tokens: int | None,
+    kernel: bool | None,
     seed: int,
 ) -> None:
     max_count = 24 if is_prefill else 9
@@ -211,12 +274,20 @@ def test_random_steps(
         is_prefill,
         group_tokens=group_tokens,
         gen=gen,
+        kernel=kernel,
     )
 
 
 def test_decode_groups_split_by_budget() -> None:
     meta = AttentionMetadata.build(
-        [10, 99, 30, 31], [1, 1, 1, 1], [[0] * 7] * 4, 16, False, "cpu", group_tokens=70
+        [10, 99, 30, 31],
+        [1, 1, 1, 1],
+        [[0] * 7] * 4,
+        16,
+        False,
+        "cpu",
+        group_tokens=70,
+        kernel=False,
     )
     assert meta.decode is not None
     groups = meta.decode.groups
@@ -227,7 +298,14 @@ def test_decode_groups_split_by_budget() -> None:
     assert groups[0].bias is None and groups[2].bias is None
     assert groups[1].bias is not None
     unlimited = AttentionMetadata.build(
-        [10, 99, 30, 31], [1, 1, 1, 2], [[0] * 7] * 4, 16, False, "cpu", group_tokens=0
+        [10, 99, 30, 31],
+        [1, 1, 1, 2],
+        [[0] * 7] * 4,
+        16,
+        False,
+        "cpu",
+        group_tokens=0,
+        kernel=False,
     )
     assert unlimited.decode is not None and len(unlimited.decode.groups) == 1
 
@@ -271,3 +349,44 @@ def test_allocate_kv_cache() -> None:
     assert decode_group_tokens(config, torch.float32, "meta") == 0
     with pytest.raises(ValueError, match="num_blocks"):
         allocate_kv_cache(config, 0, 16, torch.float32, "cpu")
+
+
+@needs_kernels
+def test_kernel_metadata() -> None:
+    meta = AttentionMetadata.build(
+        [10, 99, 30], [1, 3, 2], [[5, 1], [0] * 7, [2, 3]], 16, False, "cpu"
+    )
+    assert meta.decode is None and meta.paged is not None
+    p = meta.paged
+    assert p.block_tables.dtype == p.context_lens.dtype == p.query_start.dtype == torch.int32
+    assert p.block_tables.tolist() == [[5, 1] + [0] * 5, [0] * 7, [2, 3] + [0] * 5]
+    assert p.context_lens.tolist() == [11, 102, 32]
+    assert p.query_start.tolist() == [0, 1, 4, 6]
+    prefill = AttentionMetadata.build([0], [5], [[0]], 16, True, "cpu")
+    assert prefill.paged is None  # prefill runs SDPA
+    with pytest.raises(ValueError, match="runs on CPU"):
+        AttentionMetadata.build([0], [1], [[0]], 16, False, "meta", kernel=True)
+
+
+def test_kernels_disabled_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_kernels.ENV_DISABLE, "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # disabled on purpose: no warning
+        assert cpu_kernels.load() is None
+    meta = AttentionMetadata.build([4], [1], [[0]], 16, False, "cpu")
+    assert meta.paged is None and meta.decode is not None
+    with pytest.raises(ValueError, match=r"cpu_kernels\.load"):
+        AttentionMetadata.build([4], [1], [[0]], 16, False, "cpu", kernel=True)
+
+
+def test_failed_build_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    broken = tmp_path / "broken.cpp"
+    broken.write_text('#error "no kernels today"\n')
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.warns(RuntimeWarning, match="C\\+\\+ CPU kernels are unavailable") as caught:
+        assert cpu_kernels.build(broken) is None
+    assert len(caught) == 1
+    assert "no kernels today" in str(caught[0].message)  # the compiler's reason is passed on
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)  # as a failed build leaves it
+    meta = AttentionMetadata.build([4], [1], [[0]], 16, False, "cpu")
+    assert meta.paged is None and meta.decode is not None

@@ -134,3 +134,20 @@ def test_engine_outputs_stream_deltas_that_add_up_to_the_text(llm):
     assert final.finished and final.finish_reason == RequestStatus.FINISHED_LENGTH.value
     assert len(tokens) == final.num_output_tokens == 10
     assert "".join(deltas) == llm.tokenizer.decode(tokens)
+
+
+def test_a_step_that_raises_ends_its_requests_not_the_engine(llm, monkeypatch):
+    engine = llm.engine
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request("doomed", "x", params)
+
+    def broken(plan):
+        raise RuntimeError("kernel exploded")
+
+    with monkeypatch.context() as m:
+        m.setattr(engine.runner, "execute", broken)
+        (out,) = engine.step()
+    assert out.finish_reason == "error" and "kernel exploded" in out.error
+    assert not engine.has_unfinished_requests() and engine.scheduler.kv_usage == 0
+    # The engine goes on serving.
+    assert len(llm.generate(["after"], params)[0].token_ids) == 4

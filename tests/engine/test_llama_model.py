@@ -1,4 +1,9 @@
-"""LlamaForCausalLM over the paged cache against Hugging Face transformers' Llama."""
+"""LlamaForCausalLM over the paged cache against Hugging Face transformers' Llama.
+
+On CPU the model runs the C++ kernels (cpu_kernels.py) where they build; the HF
+comparisons also run on the pure-torch path, forced by making cpu_kernels.load()
+return None (as TANDEM_CPU_KERNELS=0 or a failed build does).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,18 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
+from tandem.engine.model import cpu_kernels
 from tandem.engine.model.attention import AttentionMetadata, allocate_kv_cache
-from tandem.engine.model.llama import LlamaForCausalLM, rope_inv_freq
+from tandem.engine.model.llama import LlamaForCausalLM, RMSNorm, apply_rope, rope_inv_freq
 from tandem.engine.model.model_config import ModelConfig
+
+needs_kernels = pytest.mark.skipif(
+    cpu_kernels.load() is None, reason="the C++ CPU kernels could not be built here"
+)
 
 BLOCK_SIZE = 4
 LLAMA3 = {
@@ -109,7 +120,12 @@ def test_prefill_matches_hf(pair: Pair) -> None:
     close(pair.step([("a", 0, prompt)], is_prefill=True), pair.hf_logits(prompt))
 
 
-def test_chunked_prefill_then_decode_matches_hf(pair: Pair) -> None:
+@pytest.mark.parametrize("kernels", [pytest.param(True, marks=needs_kernels), False])
+def test_chunked_prefill_then_decode_matches_hf(
+    pair: Pair, kernels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not kernels:
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     pair.tables.clear()
     pair.free = torch.randperm(64, generator=torch.Generator().manual_seed(2)).tolist()
     seq_a, seq_b = tokens(30, seed=11), tokens(16, seed=12)
@@ -221,3 +237,63 @@ def test_unsupported_rope_type() -> None:
         LlamaForCausalLM(config)
     with pytest.raises(ValueError, match="low_freq_factor"):
         rope_inv_freq(tiny_config(rope_scaling={"rope_type": "llama3", "factor": 8.0}))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_elementwise_kernels_match_torch(dtype: torch.dtype) -> None:
+    ops = cpu_kernels.load()
+    gen = torch.Generator().manual_seed(0)
+    rows, hidden, heads, kv_heads, head_dim, inner = 37, 48, 6, 2, 8, 40
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    # Float32 sums in another order: a few ulp; bfloat16 rounds every step alike.
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0, "rtol": 0}
+    norm = RMSNorm(hidden, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(randn(hidden))
+    x, delta = randn(rows, hidden, scale=3.0), randn(rows, hidden)
+    with torch.inference_mode():
+        torch.testing.assert_close(ops.rms_norm(x, norm.weight, 1e-5), norm(x), **tol)
+        residual = x.clone()
+        normed = ops.add_rms_norm_(residual, delta, norm.weight, 1e-5)
+        assert torch.equal(residual, x + delta)  # the residual stream, updated in place
+        torch.testing.assert_close(normed, norm(x + delta), **tol)
+        # RoPE on strided views of one fused projection, in place: bit for bit.
+        qkv = randn(rows, (heads + 2 * kv_heads) * head_dim)
+        q = qkv[:, : heads * head_dim].view(rows, heads, head_dim)
+        k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(rows, kv_heads, head_dim)
+        angles = torch.randn(rows, 1, head_dim, generator=gen) * 4
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        want_q, want_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+        ops.rope_(q, k, cos, sin)
+        assert torch.equal(q, want_q) and torch.equal(k, want_k)
+        assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)
+        # SiLU(gate) * up, gate/up as halves of one tensor; large |gate| saturates exp.
+        gate_up = randn(rows, 2 * inner, scale=4.0)
+        gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -1e-30])
+        gate, up = gate_up[:, :inner], gate_up[:, inner:]
+        got = ops.silu_mul(gate, up)
+        torch.testing.assert_close(
+            got, F.silu(gate) * up, atol=1e-6, rtol=1e-5 if tol["rtol"] else 8e-3
+        )
+
+
+@needs_kernels
+def test_kernels_need_inference_mode() -> None:
+    # No autograd formulas: with grad enabled the model keeps the torch path.
+    config = tiny_config()
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+    caches = allocate_kv_cache(config, 4, BLOCK_SIZE, torch.float32, "cpu")
+    meta = AttentionMetadata.build([0], [5], [[2, 0]], BLOCK_SIZE, True, "cpu")
+    hidden = model(torch.arange(5), meta.positions, caches, meta)
+    assert hidden.requires_grad
+    with torch.inference_mode():
+        fast = model(torch.arange(5), meta.positions, caches, meta)
+    torch.testing.assert_close(fast, hidden.detach(), atol=1e-5, rtol=1e-5)

@@ -329,3 +329,11 @@ def test_inverse_cdf_extremes_never_pick_zero_probability():
     # u = 1 is out of range, but x = u * total rounding up to total must end the same way.
     u = torch.tensor([0.0, 1.0 - 2.0**-53, 1.0], dtype=torch.float64)
     assert _inverse_cdf(probs, u).tolist() == [300, 650, 650]
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
+    # 5e-324 is a valid top_p (0 < p <= 1) that is 0.0 in float32.
+    logits = torch.tensor([[0.1, 3.0, 0.2, -1.0]])
+    params = SamplingParams(temperature=1.0, top_p=5e-324, seed=3)
+    rows = [SampleRows("r", 0, [], params, 0)]
+    assert Sampler(0).sample(logits, rows) == [[1]]

@@ -9,6 +9,7 @@ examples become. After an intended change, regenerate them and review the diff:
 from __future__ import annotations
 
 import argparse
+import base64
 import os
 from pathlib import Path
 from typing import Any
@@ -118,7 +119,9 @@ def test_every_manifest_passes_kubernetes_validate_strict(path):
 def test_labels_and_owner_references_on_every_object(path):
     owner, spec = _load(path)
     manifests = _build(owner, spec)
-    assert len(manifests) == 4 * len(spec.roles())
+    # ConfigMap, Service, Deployment, PDB, and the Redis URL's Secret when spec.redis is unset.
+    per_role = 4 + (spec.redis is None)
+    assert len(manifests) == per_role * len(spec.roles())
     for manifest in manifests:
         meta = manifest["metadata"]
         assert set(meta["labels"]) >= LABEL_KEYS, meta["name"]
@@ -135,8 +138,10 @@ def test_labels_and_owner_references_on_every_object(path):
             "controller": True,
             "blockOwnerDeletion": True,
         }
-    kinds = sorted(m["kind"] for m in manifests[:4])
-    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service"]
+    kinds = {"ConfigMap", "Deployment", "PodDisruptionBudget", "Service"}
+    if spec.redis is None:
+        kinds.add("Secret")
+    assert sorted(m["kind"] for m in manifests[:per_role]) == sorted(kinds)
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
@@ -172,7 +177,8 @@ def test_engine_arguments_parse_into_the_configuration_the_spec_describes():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     for role_name, _ in spec.roles().items():
-        (configmap, _, deployment, _) = role_manifests(owner, spec, role_name, 1, DEFAULTS)
+        by_kind = {m["kind"]: m for m in role_manifests(owner, spec, role_name, 1, DEFAULTS)}
+        configmap, deployment = by_kind["ConfigMap"], by_kind["Deployment"]
         args = parser.parse_args(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
         config = EngineConfig(**engine_fields(args))
         assert config.engine_type.value == role_name.engine_role.value
@@ -215,6 +221,7 @@ def test_data_parallel_pods_hold_the_whole_group():
     manifests = _build(Owner("m", "ns", "uid"), _spec(raw))
     assert {m["kind"] for m in manifests} == {
         "ConfigMap",
+        "Secret",
         "Service",
         "Deployment",
         "PodDisruptionBudget",
@@ -262,22 +269,31 @@ def test_model_sources_become_volumes_and_the_model_flag():
 def test_redis_url_comes_from_the_spec_a_secret_or_the_operator():
     owner = Owner("m", "ns", "uid")
 
-    def redis_env(extra: dict[str, Any]) -> dict[str, Any]:
+    def redis_env(extra: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         raw = {"model": {"path": "/m"}, "normal": {}, **extra}
-        engine = _pod(_build(owner, _spec(raw)), "normal")["spec"]["containers"][0]
+        manifests = _build(owner, _spec(raw))
+        engine = _pod(manifests, "normal")["spec"]["containers"][0]
         (env,) = [e for e in engine["env"] if e["name"] == "TANDEM_REDIS_URL"]
-        return env
+        return env, [m for m in manifests if m["kind"] == "Secret"]
 
-    assert redis_env({})["value"] == DEFAULTS.redis_url
-    assert redis_env({"redis": {"url": "redis://r:1/2"}})["value"] == "redis://r:1/2"
-    secret = redis_env({"redis": {"urlSecretRef": {"name": "redis"}}})
-    assert secret["valueFrom"]["secretKeyRef"] == {"name": "redis", "key": "url"}
+    # The operator's URL (with its password, in the chart) only ever through a Secret.
+    env, (secret,) = redis_env({})
+    assert "value" not in env
+    assert env["valueFrom"]["secretKeyRef"] == {"name": "m-normal-redis", "key": "url"}
+    assert secret["metadata"]["name"] == "m-normal-redis"
+    assert secret["metadata"]["namespace"] == "ns"
+    assert base64.b64decode(secret["data"]["url"]).decode() == DEFAULTS.redis_url
+    env, secrets = redis_env({"redis": {"url": "redis://r:1/2"}})
+    assert env["value"] == "redis://r:1/2" and not secrets
+    env, secrets = redis_env({"redis": {"urlSecretRef": {"name": "redis"}}})
+    assert env["valueFrom"]["secretKeyRef"] == {"name": "redis", "key": "url"} and not secrets
 
 
 def test_replicas_image_and_builder_errors():
     owner = Owner("m", "ns", "uid")
     spec = _spec({"model": {"path": "/m"}, "image": "mine:1", "normal": {"maxReplicas": 9}})
-    (_, _, deployment, _) = role_manifests(owner, spec, RoleName.NORMAL, 7, DEFAULTS)
+    manifests = role_manifests(owner, spec, RoleName.NORMAL, 7, DEFAULTS)
+    (deployment,) = [m for m in manifests if m["kind"] == "Deployment"]
     assert deployment["spec"]["replicas"] == 7
     assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "mine:1"
     with pytest.raises(ValueError, match="no replica count given for role normal"):

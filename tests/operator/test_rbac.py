@@ -51,8 +51,7 @@ def _normal_model() -> dict[str, Any]:
         "metadata": {"name": "m"},
         "spec": {
             "model": {"path": "smollm2"},
-            "mode": "Normal",
-            "redis": {"urlSecretRef": {"name": "model-redis"}},
+            "mode": "Normal",  # no spec.redis: the operator's, its URL copied into a Secret
             "normal": {
                 "replicas": 2,
                 "minReplicas": 1,
@@ -68,6 +67,7 @@ async def _taken_names(cluster: Cluster) -> None:
     selector = selector_labels("m", RoleName.NORMAL)
     specs: dict[str, dict[str, Any]] = {
         "ConfigMap": {},
+        "Secret": {},
         "Service": {"spec": {"selector": selector}},
         "PodDisruptionBudget": {"spec": {"selector": {"matchLabels": selector}}},
         "Deployment": {
@@ -79,7 +79,7 @@ async def _taken_names(cluster: Cluster) -> None:
         },
     }
     for kind, body in specs.items():
-        name = "m-normal-engine" if kind == "ConfigMap" else "m-normal"
+        name = {"ConfigMap": "m-normal-engine", "Secret": "m-normal-redis"}.get(kind, "m-normal")
         await cluster.api.create(CHILDREN[kind], NAMESPACE, {"metadata": {"name": name}, **body})
 
 
@@ -102,13 +102,20 @@ async def test_a_namespaced_operator_uses_exactly_the_table(cluster, metrics, cl
         {
             "spec": {
                 "mode": "Disaggregated",
+                # the model's own Redis now: the operator's copy goes, the queue is read here
+                "redis": {"urlSecretRef": {"name": "model-redis"}},
                 "normal": None,
                 "prefill": {"minReplicas": 1},
                 "decode": {"minReplicas": 1},
             }
         },
     )
-    await eventually(lambda: cluster.child("Deployment", "m-normal") is None, what="mode change")
+    normal = [("ConfigMap", "m-normal-engine"), ("Secret", "m-normal-redis")]
+    normal += [(kind, "m-normal") for kind in ("Deployment", "Service", "PodDisruptionBudget")]
+    await eventually(
+        lambda: all(cluster.child(kind, name) is None for kind, name in normal),
+        what="the normal role's children all deleted",
+    )
 
     want = rbac.triples(rbac.required(clusterwide=False))
     got = used(cluster, replica)

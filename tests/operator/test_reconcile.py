@@ -39,10 +39,10 @@ def children_of(model_body: dict[str, Any]) -> list[dict[str, Any]]:
     return [copy.deepcopy(m) for m in plan(model_body, [], DEFAULTS, now=NOW).creates]
 
 
-def test_a_new_model_creates_four_children_per_role_and_reports_pending():
+def test_a_new_model_creates_its_children_and_reports_pending():
     actions = plan(model(), [], DEFAULTS, now=NOW)
     kinds = sorted(c["kind"] for c in actions.creates)
-    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service"]
+    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Secret", "Service"]
     assert not actions.patches and not actions.deletes
     assert actions.status["phase"] == "Pending"
     assert actions.status["roles"] == {"normal": {"desired": 1, "replicas": 0, "ready": 0}}
@@ -103,8 +103,8 @@ def test_a_role_of_another_mode_is_deleted():
     split = model()
     split["spec"] = {"model": {"path": "x"}, "mode": "Disaggregated", "prefill": {}, "decode": {}}
     actions = plan(split, children, DEFAULTS, now=NOW)
-    assert {k.name for k in actions.deletes} == {"m-normal", "m-normal-engine"}
-    assert len(actions.creates) == 8
+    assert {k.name for k in actions.deletes} == {"m-normal", "m-normal-engine", "m-normal-redis"}
+    assert len(actions.creates) == 10
 
 
 def test_replicas_come_from_the_autoscaler_then_the_deployment_then_status_then_spec():

@@ -53,6 +53,7 @@ CLUSTER_PEERINGS = kmock.resource("kopf.dev", "v1", "clusterkopfpeerings")
 SECRETS = kmock.resource("", "v1", "secrets")
 CHILDREN = {
     "ConfigMap": kmock.resource("", "v1", "configmaps"),
+    "Secret": SECRETS,
     "Service": kmock.resource("", "v1", "services"),
     "Deployment": DEPLOYMENTS,
     "PodDisruptionBudget": kmock.resource("policy", "v1", "poddisruptionbudgets"),

@@ -7,10 +7,15 @@ block_table[p // block_size], offset p % block_size.
 The runner builds one AttentionMetadata per step; every index and mask the
 kernels need is computed there once, so per-layer work is tensor math only.
 
-Two paths, chosen by the step kind:
-- decode (1 + drafts rows per sequence): sequences are sorted by context length
-  and batched in groups; each group gathers its context from the cache and runs
-  two grouped batched matmuls (no KV-head expansion). Groups are sized so the
+Paths, chosen by the step kind:
+- decode on CPU, when the C++ kernels built (cpu_kernels.load()): one fused call
+  per layer writes the step's K/V into the cache and attends straight from the
+  paged cache through each sequence's block table (no gathered copy), GQA query
+  heads sharing each K/V read, drafts masked causally, softmax in float32.
+- decode otherwise (accelerators, or the kernels unavailable / disabled with
+  TANDEM_CPU_KERNELS=0 / build(kernel=False)): sequences are sorted by context
+  length and batched in groups; each group gathers its context from the cache and
+  runs two grouped batched matmuls (no KV-head expansion). Groups are sized so the
   gathered KV stays cache-resident on CPU; on accelerators one group holds all.
 - prefill (any chunk length): torch SDPA per sequence (flash kernels where they
   apply), is_causal when there is no cached prefix, an explicit mask when there is.
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem.engine.model import cpu_kernels
 from tandem.engine.model.model_config import ModelConfig
 
 # Gathered KV bytes per decode group that decode_group_tokens() aims for on CPU. Measured
@@ -96,6 +102,18 @@ class DecodeBatch:
 
 
 @dataclass(frozen=True, slots=True)
+class PagedDecode:
+    """A decode step as the C++ kernel reads it: sequences in batch order, nothing gathered."""
+
+    # [num_seqs, max_blocks] int32 block tables, padded with block 0 (never read).
+    block_tables: torch.Tensor
+    # [num_seqs] int32 context length of each sequence after this step.
+    context_lens: torch.Tensor
+    # [num_seqs + 1] int32 first flat row of each sequence (and the total).
+    query_start: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillSeq:
     """One sequence's prefill chunk: rows begin:end of the flat batch."""
 
@@ -118,10 +136,12 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     # Context length of each sequence after this step (cached + new).
     context_lens: list[int]
-    # Set for decode steps.
+    # Set for decode steps on the torch path.
     decode: DecodeBatch | None
     # Set for prefill steps.
     prefill_seqs: tuple[PrefillSeq, ...]
+    # Set for decode steps on the C++ kernel path (decode is None then).
+    paged: PagedDecode | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -137,11 +157,14 @@ class AttentionMetadata:
         is_prefill: bool,
         device: torch.device | str,
         group_tokens: int | None = None,
+        kernel: bool | None = None,
     ) -> AttentionMetadata:
         """Metadata for a step feeding num_tokens[i] tokens from start_positions[i] on.
 
         group_tokens caps a decode group's padded context tokens (0: no cap); None picks
         CPU_GROUP_TOKENS on CPU and no cap elsewhere (see decode_group_tokens()).
+        kernel picks the decode path: True the C++ kernel (an error if it is unavailable),
+        False the torch path, None the kernel when on CPU and cpu_kernels.load() built it.
         """
         _check_inputs(start_positions, num_tokens, block_tables, block_size)
         device = torch.device(device)
@@ -157,12 +180,18 @@ class AttentionMetadata:
         positions = torch.arange(int(counts.sum())) - row_starts[seq_of_row] + starts[seq_of_row]
         slots = tables[seq_of_row, positions // block_size] * block_size + positions % block_size
         context_lens = [s + n for s, n in zip(start_positions, num_tokens, strict=True)]
-        decode = None
+        decode = paged = None
         prefills: tuple[PrefillSeq, ...] = ()
         if is_prefill:
             prefills = tuple(
                 _prefill_seq(i, tables, start_positions, num_tokens, row_starts, block_size, device)
                 for i in range(len(num_tokens))
+            )
+        elif _use_kernel(kernel, device):
+            paged = PagedDecode(
+                block_tables=tables.to(torch.int32),
+                context_lens=torch.tensor(context_lens, dtype=torch.int32),
+                query_start=torch.cat((row_starts, counts.sum().view(1))).to(torch.int32),
             )
         else:
             decode = _decode_batch(
@@ -175,7 +204,21 @@ class AttentionMetadata:
             context_lens=context_lens,
             decode=decode,
             prefill_seqs=prefills,
+            paged=paged,
         )
+
+
+def _use_kernel(kernel: bool | None, device: torch.device) -> bool:
+    if kernel is False:
+        return False
+    if device.type != "cpu":
+        if kernel:
+            raise ValueError(f"the C++ decode kernel runs on CPU, not {device}")
+        return False
+    available = cpu_kernels.load() is not None
+    if kernel and not available:
+        raise ValueError("the C++ decode kernel was asked for, but cpu_kernels.load() failed")
+    return available
 
 
 def _check_inputs(
@@ -305,6 +348,21 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Write k/v [T, KVH, D] into the cache, then attend q [T, H, D]; returns [T, H, D]."""
+    if meta.paged is not None:
+        p = meta.paged
+        ops = cpu_kernels.load()
+        assert ops is not None  # the metadata is built for the kernel only once it loaded
+        return ops.paged_decode_attention(
+            _dense_heads(q),
+            _dense_heads(k),
+            _dense_heads(v),
+            kv_cache_layer,
+            meta.slot_mapping,
+            p.block_tables,
+            p.context_lens,
+            p.query_start,
+            scale,
+        )
     _, _, _, kv_heads, head_dim = kv_cache_layer.shape
     flat = kv_cache_layer.view(2, -1, kv_heads, head_dim)
     flat[0].index_copy_(0, meta.slot_mapping, k)
@@ -312,6 +370,14 @@ def paged_attention(
     if meta.is_prefill:
         return _prefill(q, k, v, flat, meta, scale)
     return _decode(q, flat, meta, scale)
+
+
+def _dense_heads(x: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] as the kernel reads it: rows may be strided (views of a fused
+    projection), each row's heads dense."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()
 
 
 def _decode(

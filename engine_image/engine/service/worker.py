@@ -241,7 +241,16 @@ class EngineWorker:
                 continue
             if out.new_token_ids:
                 self._send_tokens(held, out)
-            if out.finish_reason == "handoff":
+            if out.finish_reason == "error":
+                self._fail(
+                    held.delivery,
+                    held.work,
+                    ErrorCode.ENGINE_ERROR,
+                    out.error or "",
+                    offset=out.num_output_tokens,
+                )
+                self.held.pop(out.request_id, None)
+            elif out.finish_reason == "handoff":
                 self.handoffs.offer(self.engine, held.work, out, self.io)
                 self._release(held)
                 self.metrics.request_ended("handoff")

@@ -1,0 +1,144 @@
+"""Tandem's C++ CPU kernels (csrc/cpu_kernels.cpp), compiled once per machine on first use.
+
+    ops = cpu_kernels.load()  # torch.ops.tandem_cpu, or None: use the pure-torch paths
+
+Built just in time with torch.utils.cpp_extension.load (ninja and the system C++
+compiler, ~20 s) into a build directory under the user's cache,
+$XDG_CACHE_HOME/tandem/cpu_kernels/<key> (~/.cache when unset), where key names the
+torch version, the Python ABI, the instruction-set flags and a hash of the source:
+later processes on the same machine (and a CI run's later jobs) reuse the library,
+and any change to those inputs builds afresh. The instruction-set flags come from
+this machine's CPU (/proc/cpuinfo), never -march=native, so a cache directory
+shared by machines with different CPUs holds one build per flag set and none runs
+instructions its CPU lacks.
+
+When the build or the load fails (no compiler, no ninja, a non-x86 toolchain
+missing a flag...), load() warns once through `warnings` and returns None, and
+the callers keep the pure-torch paths. Set TANDEM_CPU_KERNELS=0 to use those
+paths without trying (the tests do so to cover them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+ENV_DISABLE = "TANDEM_CPU_KERNELS"
+# Tensor dtypes the kernels take.
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get(ENV_DISABLE, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def isa_flags() -> list[str]:
+    """Compiler flags for the vector extensions this CPU has (x86-64 Linux; else none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if {"avx2", "fma", "f16c"} <= flags:
+        return ["-mavx2", "-mfma", "-mf16c"]
+    return []
+
+
+def build_directory(source: Path, cflags: list[str]) -> Path:
+    key_parts = [
+        torch.__version__,
+        f"{sys.implementation.cache_tag}{getattr(sys, 'abiflags', '')}",
+        " ".join(cflags),
+        hashlib.sha256(source.read_bytes()).hexdigest(),
+    ]
+    key = hashlib.sha256("\n".join(key_parts).encode()).hexdigest()[:16]
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "tandem" / "cpu_kernels" / f"torch{torch.__version__}-{key}"
+
+
+def load() -> object | None:
+    """torch.ops.tandem_cpu with the kernels registered, or None if disabled or unavailable."""
+    if not enabled_by_env():
+        return None
+    return _built()
+
+
+@functools.cache  # one build (or one failed try, warned once) per process
+def _built() -> object | None:
+    return build(SOURCE)
+
+
+def build(source: Path) -> object | None:
+    """Compile (or reuse the cached build of) source and load it; None, warned, on failure."""
+    from torch.utils import cpp_extension
+
+    # -fno-trapping-math (as torch itself builds): lets gcc if-convert, so vectorise, the
+    # float clamps and selects of the softmax loops. Nothing reads floating-point traps.
+    cflags = ["-O3", "-fopenmp", "-fno-trapping-math", *isa_flags()]
+    try:
+        directory = build_directory(source, cflags)
+        directory.mkdir(parents=True, exist_ok=True)
+        with _exclusive(directory / "tandem.lock"), warnings.catch_warnings():
+            # torch's own lock file is stale if present: no live process holds ours (a
+            # build killed midway leaves it behind, and torch would wait on it forever).
+            (directory / "lock").unlink(missing_ok=True)
+            # e.g. a compiler-version advisory: only a failure is worth the user's attention.
+            warnings.simplefilter("ignore")
+            cpp_extension.load(
+                name="tandem_cpu_kernels",
+                sources=[str(source)],
+                extra_cflags=cflags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
+        return torch.ops.tandem_cpu
+    except Exception as exc:  # any failure means: use the torch paths
+        lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+        reason = " / ".join(lines[-3:]) if lines else type(exc).__name__
+        warnings.warn(
+            f"Tandem's C++ CPU kernels are unavailable ({type(exc).__name__}: {reason[:500]}); "
+            f"using the pure-torch paths (slower). Set {ENV_DISABLE}=0 to skip the build.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path, timeout_s: float = 600.0) -> Iterator[None]:
+    """An advisory lock across processes, which the OS drops if its holder dies."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's lock file alone
+        yield
+        return
+    with open(path, "a") as f:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{path} held for over {timeout_s:.0f} s") from None
+                time.sleep(0.1)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -1,0 +1,155 @@
+"""Admission: whether a request is queued, attached to earlier work, or refused.
+
+In order, cheapest and most telling first: the key may use the model (403),
+an engine serves it (404), an Idempotency-Key already has work (attach),
+the model's queue has room (429), the key's quotas allow it (429). Only
+then is the work queued. Quota is taken last so a request refused for any
+other reason costs the caller nothing.
+
+The queue limit compares a model's backlog (`queue_depth(...).total_waiting`)
+with --max-queue. Reading it costs a 9-command transaction, so a reading is
+reused for `queue_check_interval_s` (50 ms), plus what this replica queued
+since: under load that saves most reads, and the count never misses this
+replica's own admissions. Only a fresh reading refuses. Other replicas'
+admissions are seen at the next reading, so replicas admitting at the same
+instant may overshoot the limit by a few entries: it sheds load, it is not an
+exact cap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+
+from tandem.gateway.auth import ApiKey, check_model
+from tandem.gateway.broker import Broker
+from tandem.gateway.directory import ModelDirectory
+from tandem.gateway.errors import model_not_found, rate_limited
+from tandem.gateway.idempotency import IdempotencyLedger, IdempotencyRecord
+from tandem.gateway.jobs import Job
+from tandem.gateway.quota import Quotas
+from tandem.gateway.settings import GatewaySettings
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """An admitted request: the work items to read and the answer's identity."""
+
+    base_id: str
+    created: int
+    request_ids: list[str]
+    # time.monotonic() when queued (or attached).
+    enqueued_at: float
+    # Set when it reads an earlier attempt's work (Idempotency-Key).
+    attached: bool = False
+    # The Idempotency-Key record to drop if the gateway cancels the work.
+    ledger_key: str | None = None
+
+
+@dataclass
+class _Backlog:
+    read_at: float
+    waiting: int
+    queued_since: int = 0
+
+
+class QueueGauge:
+    """A model's waiting entries, read from Redis at most every `max_age_s`.
+
+    Concurrent requests that find the reading stale share one read, so a burst
+    does not turn into a burst of transactions.
+    """
+
+    def __init__(self, broker: Broker, max_age_s: float) -> None:
+        self.broker = broker
+        self.max_age_s = max_age_s
+        self._backlogs: dict[str, _Backlog] = {}
+        self._reads: dict[str, asyncio.Future[_Backlog]] = {}
+
+    async def waiting(self, model: str, limit: int) -> int:
+        """The model's waiting entries, read afresh whenever the estimate reaches
+        `limit`: entries queued since the last reading may be taken already, so
+        only a fresh reading may refuse a request."""
+        backlog = self._backlogs.get(model)
+        stale = backlog is None or time.monotonic() - backlog.read_at > self.max_age_s
+        if stale or backlog.waiting + backlog.queued_since >= limit:
+            backlog = await self._fresh(model)
+        return backlog.waiting + backlog.queued_since
+
+    async def _fresh(self, model: str) -> _Backlog:
+        read = self._reads.get(model)
+        if read is None:
+            read = self._reads[model] = asyncio.ensure_future(self._read(model))
+            read.add_done_callback(lambda _: self._reads.pop(model, None))
+        return await asyncio.shield(read)
+
+    async def _read(self, model: str) -> _Backlog:
+        depth = await self.broker.queue_depth(model)
+        backlog = self._backlogs[model] = _Backlog(time.monotonic(), depth.total_waiting)
+        return backlog
+
+    def queued(self, model: str, count: int) -> None:
+        backlog = self._backlogs.get(model)
+        if backlog is not None:
+            backlog.queued_since += count
+
+
+class Admission:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        broker: Broker,
+        directory: ModelDirectory,
+        quotas: Quotas,
+        ledger: IdempotencyLedger,
+    ) -> None:
+        self.settings = settings
+        self.broker = broker
+        self.directory = directory
+        self.quotas = quotas
+        self.ledger = ledger
+        self.queues = QueueGauge(broker, settings.queue_check_interval_s)
+
+    async def admit(self, caller: ApiKey, job: Job, idempotency_key: str | None) -> Ticket:
+        check_model(caller, job.model)
+        if not await self.directory.is_live(job.model):
+            raise model_not_found(job.model)
+        ledger_key = None
+        if idempotency_key is not None:
+            ledger_key = self.ledger.key(caller.name, idempotency_key)
+            mine = IdempotencyRecord(job.base_id, job.request_ids, job.created, job.digest)
+            first = await self.ledger.claim(ledger_key, mine, job.timeout)
+            if first is not None:
+                return Ticket(
+                    first.base_id,
+                    first.created,
+                    first.request_ids,
+                    time.monotonic(),
+                    attached=True,
+                    ledger_key=ledger_key,
+                )
+        try:
+            await self._check_room(job)
+            await self.quotas.admit(caller, job.cost_tokens)
+            await self.broker.enqueue(job.items)
+            self.queues.queued(job.model, job.n)
+        except BaseException:
+            if ledger_key is not None:  # nothing queued: a retry must queue afresh
+                with contextlib.suppress(Exception):  # the first error is the one to report
+                    await self.ledger.release(ledger_key, job.base_id)
+            raise
+        return Ticket(
+            job.base_id, job.created, job.request_ids, time.monotonic(), ledger_key=ledger_key
+        )
+
+    async def _check_room(self, job: Job) -> None:
+        waiting = await self.queues.waiting(job.model, self.settings.max_queue)
+        if waiting >= self.settings.max_queue:
+            raise rate_limited(
+                f"The queue of model {job.model!r} is full ({waiting} requests waiting, "
+                f"limit {self.settings.max_queue}); retry later",
+                "queue_full",
+                self.settings.queue_retry_after_s,
+            )

@@ -1,0 +1,110 @@
+"""create_app: one gateway replica's ASGI app, with everything it holds on app.state."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from tandem import __version__
+from tandem.gateway import routes_chat, routes_completions, routes_models, routes_ops
+from tandem.gateway.auth import ENV_VAR, KeyStore
+from tandem.gateway.errors import install_error_handlers
+from tandem.gateway.metrics import GatewayMetrics
+from tandem.gateway.middleware import BodyLimit, RequestObserver
+from tandem.gateway.service import GatewayService
+from tandem.gateway.settings import GatewaySettings
+
+_DESCRIPTION = """OpenAI-compatible API of Tandem. Extensions: `top_k`, `priority`
+("high" | "normal" | "low", or header `X-Tandem-Priority`), `ignore_eos`; headers
+`X-Tandem-Timeout` (seconds, lowers the server's request timeout) and
+`Idempotency-Key` (a retry attaches to the first attempt's work)."""
+
+
+def create_app(
+    settings: GatewaySettings,
+    *,
+    key_store: KeyStore | None = None,
+    redis_client: aioredis.Redis | None = None,
+) -> FastAPI:
+    """The gateway app. Raises ValueError on a bad configuration (no keys, a bad file).
+
+    key_store: default from settings.api_keys_file and $TANDEM_API_KEYS (or open
+    with settings.no_auth). redis_client: default one client (a bounded,
+    blocking pool) on settings.redis_url, closed with the app; a client passed
+    in stays the caller's.
+    """
+    if key_store is None:
+        if settings.no_auth:
+            key_store = KeyStore.open()
+        else:
+            key_store = KeyStore.load(settings.api_keys_file, os.environ.get(ENV_VAR))
+    client = redis_client if redis_client is not None else _redis_client(settings)
+    metrics = GatewayMetrics()
+    service = GatewayService(settings, key_store, client, metrics)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            if redis_client is None:
+                await client.aclose()
+                await client.connection_pool.disconnect()
+
+    app = FastAPI(
+        title="Tandem gateway",
+        version=__version__,
+        description=_DESCRIPTION,
+        lifespan=lifespan,
+        # The interactive docs load scripts from a CDN: not on a serving host.
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.gateway = service
+    install_error_handlers(app)
+    for module in (routes_chat, routes_completions, routes_models, routes_ops):
+        app.include_router(module.router)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, on_reject=metrics.rejected)
+    # Added last, so outermost: it also sees the body limit's 413s.
+    app.add_middleware(RequestObserver, metrics=metrics)
+    open_access = key_store.open_access
+    app.openapi = lambda: _openapi(app, open_access=open_access)  # type: ignore[method-assign]
+    return app
+
+
+def _redis_client(settings: GatewaySettings) -> aioredis.Redis:
+    # Blocking pool: past max_connections a request waits for a connection
+    # instead of failing with "Too many connections" (redis-py's default pool).
+    pool = aioredis.BlockingConnectionPool.from_url(
+        settings.redis_url, max_connections=settings.redis_max_connections, timeout=5
+    )
+    return aioredis.Redis(connection_pool=pool)
+
+
+def _openapi(app: FastAPI, *, open_access: bool) -> dict[str, Any]:
+    """FastAPI's schema, minus its 422 (validation errors are answered 400, which
+    every route documents with the OpenAI error body), and minus the bearer
+    scheme when the gateway runs without keys."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(
+        title=app.title, version=app.version, description=app.description, routes=app.routes
+    )
+    for path in schema.get("paths", {}).values():
+        for operation in path.values():
+            operation.get("responses", {}).pop("422", None)
+            if open_access:
+                operation.pop("security", None)
+    components = schema.get("components", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.get("schemas", {}).pop(name, None)
+    if open_access:
+        components.pop("securitySchemes", None)
+    app.openapi_schema = schema
+    return schema

@@ -1,0 +1,201 @@
+"""API keys: who is calling, which models they may use, and their quotas.
+
+Keys come from a file (`--api-keys-file`, YAML or JSON: a list of
+{key | key_sha256, name, models, rpm, tpm}) and from TANDEM_API_KEYS (plain
+keys separated by commas: every model, no quota). Only SHA-256 digests are
+kept, so a memory dump or a log of the store never shows a key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tandem.gateway.errors import forbidden, unauthorized
+
+ENV_VAR = "TANDEM_API_KEYS"
+_NAME = re.compile(r"^[A-Za-z0-9_.@:-]{1,64}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_FIELDS = {"key", "key_sha256", "name", "models", "rpm", "tpm"}
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """A caller: its name (for quotas and logs, never the key), models and limits."""
+
+    name: str
+    # None: every model.
+    models: frozenset[str] | None = None
+    # Requests and tokens per minute; None: unlimited.
+    rpm: int | None = None
+    tpm: int | None = None
+
+    def allows(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+
+ANONYMOUS = ApiKey("anonymous")
+
+
+class KeyStore:
+    """Digest -> ApiKey; `open_access()` lets everyone in as ANONYMOUS (--no-auth)."""
+
+    def __init__(self, keys: Mapping[bytes, ApiKey], *, open_access: bool = False) -> None:
+        if not keys and not open_access:
+            raise ValueError(
+                "no API keys configured: pass --api-keys-file, set TANDEM_API_KEYS, "
+                "or run with --no-auth on a trusted network"
+            )
+        self._keys = dict(keys)
+        self.open_access = open_access
+
+    @classmethod
+    def open(cls) -> KeyStore:
+        return cls({}, open_access=True)
+
+    @classmethod
+    def load(cls, path: str | None, env_value: str | None) -> KeyStore:
+        """Keys from a file and/or the TANDEM_API_KEYS value; ValueError if none or bad."""
+        entries: list[tuple[bytes, ApiKey]] = []
+        if path:
+            entries += parse_key_file(Path(path))
+        if env_value and env_value.strip():
+            entries += parse_env_keys(env_value)
+        keys: dict[bytes, ApiKey] = {}
+        names: set[str] = set()
+        for digest, key in entries:
+            if digest in keys:
+                raise ValueError(f"API key of {key.name!r} is listed twice")
+            if key.name in names:
+                raise ValueError(f"API key name {key.name!r} is used twice: names must be unique")
+            keys[digest] = key
+            names.add(key.name)
+        return cls(keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def authenticate(self, authorization: str | None) -> ApiKey:
+        """The caller of an `Authorization: Bearer <key>` header, or a 401."""
+        if self.open_access:
+            return ANONYMOUS
+        scheme, _, token = (authorization or "").strip().partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise unauthorized(
+                "Missing API key: send it as 'Authorization: Bearer <key>'", "missing_api_key"
+            )
+        digest = _digest(token)
+        # Every stored digest is compared, in constant time and without stopping at
+        # a match, so the answer's timing says nothing about which bytes matched.
+        # Linear in the number of keys: a key file holds tens or hundreds.
+        found: ApiKey | None = None
+        for stored, key in self._keys.items():
+            if hmac.compare_digest(digest, stored):
+                found = key
+        if found is None:
+            raise unauthorized("Incorrect API key provided", "invalid_api_key")
+        return found
+
+
+def check_model(key: ApiKey, model: str) -> None:
+    """403 unless the key may use the model."""
+    if not key.allows(model):
+        raise forbidden(f"API key {key.name!r} is not allowed to use model {model!r}")
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+# ------------------------------------------------------------------ parsing
+
+
+def parse_env_keys(value: str) -> list[tuple[bytes, ApiKey]]:
+    keys = [k.strip() for k in value.split(",") if k.strip()]
+    return [(_digest(k), ApiKey(f"env-{i + 1}")) for i, k in enumerate(keys)]
+
+
+def parse_key_file(path: Path) -> list[tuple[bytes, ApiKey]]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read API keys file {path}: {exc.strerror}") from None
+    data = _load(path, text)
+    if isinstance(data, dict) and "keys" in data:
+        data = data["keys"]
+    if not isinstance(data, list) or not data:
+        raise ValueError(f"{path}: expected a non-empty list of keys")
+    return [_entry(path, i, item) for i, item in enumerate(data)]
+
+
+def _load(path: Path, text: str) -> Any:
+    if path.suffix.lower() == ".json" or text.lstrip().startswith(("[", "{")):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON: {exc}") from None
+    try:
+        import yaml  # optional: only YAML key files need it
+    except ImportError:
+        raise ValueError(f"{path}: YAML key files need PyYAML (or write it as JSON)") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from None
+
+
+def _entry(path: Path, index: int, item: Any) -> tuple[bytes, ApiKey]:
+    where = f"{path}: key #{index + 1}"
+    if not isinstance(item, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(item).__name__}")
+    unknown = set(item) - _FIELDS
+    if unknown:
+        raise ValueError(f"{where}: unknown fields {sorted(unknown)}; known: {sorted(_FIELDS)}")
+    name = item.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"{where}: name must be 1-64 of A-Z a-z 0-9 _ . @ : -, got {name!r}")
+    where = f"{path}: key {name!r}"
+    if ("key" in item) == ("key_sha256" in item):
+        raise ValueError(f"{where}: give exactly one of key or key_sha256")
+    if "key" in item:
+        if not isinstance(item["key"], str) or not item["key"].strip():
+            raise ValueError(f"{where}: key must be a non-empty string")
+        digest = _digest(item["key"].strip())
+    else:
+        hexed = item["key_sha256"]
+        if not isinstance(hexed, str) or not _HEX64.match(hexed.lower()):
+            raise ValueError(f"{where}: key_sha256 must be 64 hex digits")
+        digest = bytes.fromhex(hexed)
+    return digest, ApiKey(
+        name,
+        _models(where, item.get("models", "*")),
+        _limit(where, "rpm", item.get("rpm")),
+        _limit(where, "tpm", item.get("tpm")),
+    )
+
+
+def _models(where: str, value: Any) -> frozenset[str] | None:
+    if value == "*" or value == ["*"]:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value or not all(isinstance(m, str) and m for m in value):
+        raise ValueError(f'{where}: models must be "*" or a non-empty list of model names')
+    if "*" in value:
+        raise ValueError(f'{where}: models lists "*" among names; use "*" alone')
+    return frozenset(value)
+
+
+def _limit(where: str, name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}: {name} must be a positive integer (or absent: unlimited)")
+    return value

@@ -1,0 +1,270 @@
+"""Every error the gateway answers, as the OpenAI error body.
+
+`{"error": {"message", "type", "param", "code"}}` is what the OpenAI SDKs parse
+into their exception classes, so this module is the one place that builds it:
+from the gateway's own refusals (GatewayError), from FastAPI's validation
+errors (answered 400, not FastAPI's 422: OpenAI clients expect 400), from
+unknown routes, from engine error events, and from anything unexpected.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tandem.gateway.schemas import ErrorResponse
+from tandem.protocol import ErrorCode
+
+log = logging.getLogger("tandem.gateway")
+
+INVALID = "invalid_request_error"
+SERVER = "server_error"
+
+
+class GatewayError(Exception):
+    """A request the gateway answers with an error instead of a completion.
+
+    `reason` labels the rejection metric (None: not a rejection, e.g. an
+    engine failure after the request was admitted).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        reason: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+        self.reason = reason
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), self.status, headers=self.headers)
+
+
+def error_body(
+    message: str, type: str = INVALID, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# ------------------------------------------------------------- constructors
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> GatewayError:
+    return GatewayError(400, message, param=param, code=code, reason="invalid")
+
+
+def not_supported(param: str, what: str | None = None) -> GatewayError:
+    return bad_request(f"{what or param} is not supported by this server", param, "unsupported")
+
+
+def unauthorized(message: str, code: str) -> GatewayError:
+    return GatewayError(401, message, type="authentication_error", code=code, reason="auth")
+
+
+def forbidden(message: str) -> GatewayError:
+    return GatewayError(
+        403,
+        message,
+        type="permission_error",
+        param="model",
+        code="model_not_allowed",
+        reason="forbidden",
+    )
+
+
+def model_not_found(model: str) -> GatewayError:
+    return GatewayError(
+        404,
+        f"The model {model!r} does not exist or no engine is serving it right now",
+        param="model",
+        code="model_not_found",
+        reason="unknown_model",
+    )
+
+
+def too_large(limit: int) -> GatewayError:
+    return GatewayError(
+        413, f"Request body larger than {limit} bytes", code="request_too_large", reason="too_large"
+    )
+
+
+def rate_limited(
+    message: str, code: str, retry_after: float | None, *, retryable: bool = True
+) -> GatewayError:
+    headers = {}
+    if retry_after is not None:
+        headers["Retry-After"] = str(max(1, int(-(-retry_after // 1))))
+    if not retryable:
+        # The OpenAI SDKs retry every 429 unless told not to.
+        headers["x-should-retry"] = "false"
+    return GatewayError(
+        429, message, type="rate_limit_error", code=code, headers=headers, reason=code
+    )
+
+
+def deadline_exceeded(message: str) -> GatewayError:
+    return GatewayError(504, message, type="timeout_error", code="deadline_exceeded")
+
+
+def unavailable(message: str, code: str = "unavailable") -> GatewayError:
+    return GatewayError(503, message, type=SERVER, code=code)
+
+
+# Engine error codes (docs/protocol.md) and the answer each gets.
+_ENGINE_ANSWERS: dict[str, tuple[int, str]] = {
+    ErrorCode.PROMPT_TOO_LONG: (400, INVALID),
+    ErrorCode.INVALID_REQUEST: (400, INVALID),
+    ErrorCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    ErrorCode.REDELIVERY_LIMIT: (503, SERVER),
+    ErrorCode.ENGINE_ERROR: (500, SERVER),
+    # Someone else cancelled it (another replica whose client left with the
+    # same Idempotency-Key, an operator): nothing will come.
+    ErrorCode.CANCELLED: (503, SERVER),
+}
+
+
+def from_engine(code: str | None, message: str | None, prompt_param: str) -> GatewayError:
+    """The answer to an engine's error event, with the engine's own message.
+
+    prompt_param names the field a too-long prompt came in ("messages", "prompt").
+    """
+    status, kind = _ENGINE_ANSWERS.get(code or "", (500, SERVER))
+    param = prompt_param if code == ErrorCode.PROMPT_TOO_LONG else None
+    return GatewayError(
+        status,
+        message or f"engine error {code}",
+        type=kind,
+        param=param,
+        code=code or ErrorCode.ENGINE_ERROR,
+    )
+
+
+# ------------------------------------------------------------------ OpenAPI
+
+_DESCRIPTIONS = {
+    400: "Invalid request (malformed JSON, wrong types, unsupported parameter, prompt too long)",
+    401: "Missing or unknown API key",
+    403: "The API key may not use this model",
+    404: "Unknown model (no live engine serves it)",
+    409: "Idempotency-Key reused with a different request",
+    413: "Request body too large",
+    429: "Queue full or quota exceeded; see Retry-After",
+    500: "Engine or gateway failure",
+    503: "Redis unreachable, or engines kept failing on the request",
+    504: "The request's deadline passed",
+}
+
+# `responses=` of every route: each documented error has the OpenAI error body.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": text} for status, text in _DESCRIPTIONS.items()
+}
+
+
+# ----------------------------------------------------------------- handlers
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(GatewayError, _on_gateway_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _on_validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _on_http_exception)  # type: ignore[arg-type]
+    app.add_exception_handler(RedisError, _on_redis_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _on_unexpected)
+
+
+async def _on_gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+    if exc.reason is not None:
+        request.app.state.gateway.metrics.rejected(exc.reason)
+    return exc.response()
+
+
+async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return await _on_gateway_error(request, validation_error(exc.errors()))
+
+
+async def _on_http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = INVALID if exc.status_code < 500 else SERVER
+    error = GatewayError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers)
+    return error.response()
+
+
+async def _on_redis_error(request: Request, exc: RedisError) -> JSONResponse:
+    log.warning("redis error on %s %s: %s", request.method, request.url.path, exc)
+    return unavailable(f"The gateway cannot reach Redis: {exc}", "redis_unreachable").response()
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unexpected error on %s %s", request.method, request.url.path)
+    error = GatewayError(500, f"internal error: {type(exc).__name__}", type=SERVER)
+    return error.response()
+
+
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> GatewayError:
+    """FastAPI's list of pydantic errors as one 400, naming the first bad field."""
+    if not errors:
+        return bad_request("invalid request")
+    first = _most_specific(errors)
+    kind = first.get("type", "")
+    param = _param(first.get("loc", ()))
+    if kind == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return bad_request(f"The request body is not valid JSON: {detail}".rstrip(": "))
+    if param is None:
+        return bad_request("The body must be a JSON object (Content-Type: application/json)")
+    if kind == "extra_forbidden":
+        return bad_request(f"Unrecognized request argument supplied: {param}", param)
+    if kind == "missing":
+        return bad_request(f"Missing required parameter: {param}", param)
+    message = str(first.get("msg", "invalid value"))
+    return bad_request(f"Invalid value for {param}: {message}", param)
+
+
+def _most_specific(errors: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """Of the errors about the first bad field, the deepest: a value that fits no
+    member of a union gets an error per member, and the one that went furthest
+    (list[int] at index 1, not "not a string") says best what is wrong."""
+    field = _param(errors[0].get("loc", ())) or ""
+    top = field.split(".")[0].split("[")[0]
+    same = [e for e in errors if (_param(e.get("loc", ())) or "").startswith(top)]
+    return max(same or errors[:1], key=lambda e: len(e.get("loc", ())))
+
+
+def _param(loc: Sequence[Any]) -> str | None:
+    """('body', 'messages', 0, 'role') -> 'messages[0].role'; None for the body itself."""
+    parts = list(loc[1:] if loc and loc[0] in ("body", "header", "query") else loc)
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _is_union_tag(str(part)):
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
+# Tags pydantic puts in a location inside a union: "str", "list[int]", "function-after[..]".
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _is_union_tag(part: str) -> bool:
+    return part in _TYPE_TAGS or "[" in part

@@ -1,0 +1,166 @@
+"""A Generation: one admitted request, read back from its work items' response streams.
+
+Choices (n > 1: one work item each) are read together and merged by index:
+non-streaming answers list them in index order; streams interleave chunks as
+tokens arrive, each chunk naming its choice's index. An error on any choice
+ends the whole request (the other choices are cancelled), as does the
+deadline. `abandon` is the one place work gets cancelled.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncGenerator
+
+from redis.exceptions import RedisError
+
+from tandem.gateway.admission import Ticket
+from tandem.gateway.broker import Broker
+from tandem.gateway.errors import (
+    SERVER,
+    GatewayError,
+    deadline_exceeded,
+    from_engine,
+    unavailable,
+)
+from tandem.gateway.idempotency import IdempotencyLedger
+from tandem.gateway.jobs import Job
+from tandem.gateway.metrics import GatewayMetrics
+from tandem.gateway.reader import AsyncResponseReader, DeadlinePassed
+from tandem.gateway.rendering import ChoiceResult, Renderer
+from tandem.gateway.streaming import DONE, sse
+from tandem.protocol import EventKind, ProtocolError, ResponseEvent
+
+log = logging.getLogger("tandem.gateway")
+
+Event = tuple[int, ResponseEvent]
+
+
+class Generation:
+    def __init__(
+        self,
+        job: Job,
+        ticket: Ticket,
+        renderer: Renderer,
+        *,
+        reader: AsyncResponseReader,
+        broker: Broker,
+        ledger: IdempotencyLedger,
+        metrics: GatewayMetrics,
+        arrived: float,
+    ) -> None:
+        self.job = job
+        self.ticket = ticket
+        self.renderer = renderer
+        self.reader = reader
+        self.broker = broker
+        self.ledger = ledger
+        self.metrics = metrics
+        # time.perf_counter() at the request's arrival (TTFT is measured from it).
+        self.arrived = arrived
+        self.deadline = time.monotonic() + job.timeout
+        self.choices = [ChoiceResult() for _ in ticket.request_ids]
+        self._open = set(range(len(ticket.request_ids)))
+        self._abandoned = False
+        self._first_token_sent = False
+
+    # ---------------------------------------------------------------- reading
+
+    async def events(self) -> AsyncGenerator[Event, None]:
+        """(choice index, event) until every choice ended; GatewayError on an
+        engine error, the deadline, or an unreadable or unreachable Redis."""
+        first = True
+        try:
+            async for index, event in self.reader.events(self.ticket.request_ids, self.deadline):
+                if first and not self.ticket.attached:
+                    waited = time.monotonic() - self.ticket.enqueued_at
+                    self.metrics.queue_wait(self.job.model, waited)
+                first = False
+                if event.is_final:
+                    self._open.discard(index)
+                if event.event == EventKind.ERROR:
+                    await self.abandon("choice_failed")
+                    raise from_engine(event.error_code, event.error_message, self.job.prompt_param)
+                self._absorb(index, event)
+                yield index, event
+        except DeadlinePassed:
+            await self.abandon("deadline")
+            raise deadline_exceeded(
+                f"The request did not finish within its deadline of {self.job.timeout:g} s"
+            ) from None
+        except ProtocolError as exc:
+            await self.abandon("protocol_error")
+            raise GatewayError(
+                500, f"Unreadable response from an engine: {exc}", type=SERVER, code="protocol"
+            ) from None
+        except (RedisError, OSError) as exc:
+            raise unavailable(f"Lost the connection to Redis while reading: {exc}") from None
+
+    def _absorb(self, index: int, event: ResponseEvent) -> None:
+        choice = self.choices[index]
+        if event.event == EventKind.TOKENS:
+            choice.parts.append(event.text)
+        elif event.event == EventKind.FINISH:
+            choice.finish_reason = event.finish_reason
+            choice.usage = event.usage
+
+    # --------------------------------------------------------------- answers
+
+    async def complete(self) -> dict:
+        """The whole answer, once every choice ended."""
+        async for _ in self.events():
+            pass
+        return self.renderer.response(self.choices)
+
+    async def stream(
+        self, first: Event, rest: AsyncGenerator[Event, None]
+    ) -> AsyncGenerator[bytes, None]:
+        """SSE chunks: the first event (already read), then the rest. An error after
+        the stream started ends it with an error chunk (the SDKs raise on it)."""
+        renderer = self.renderer
+        try:
+            for chunk in renderer.opening(len(self.choices)):
+                yield sse(chunk)
+            for chunk in self._chunks(*first):
+                yield chunk
+            async for index, event in rest:
+                for chunk in self._chunks(index, event):
+                    yield chunk
+            if renderer.include_usage:
+                yield sse(renderer.usage(self.choices))
+            yield DONE
+        except GatewayError as error:
+            yield sse(error.body())
+        finally:
+            await rest.aclose()
+
+    def _chunks(self, index: int, event: ResponseEvent) -> list[bytes]:
+        if event.event == EventKind.TOKENS and event.text:
+            if not self._first_token_sent:
+                self._first_token_sent = True
+                self.metrics.first_token(self.job.model, time.perf_counter() - self.arrived)
+            return [sse(self.renderer.text(index, event.text))]
+        if event.event == EventKind.FINISH:
+            return [sse(self.renderer.finish(index, event.finish_reason or "stop"))]
+        return []
+
+    # ------------------------------------------------------------ cancelling
+
+    async def abandon(self, why: str) -> None:
+        """Cancel the choices still running (the engine frees their KV), once.
+
+        Never raises: it runs while answering something else (an error, a
+        disconnect), and a Redis outage must not hide that answer.
+        """
+        if self._abandoned or not self._open:
+            return
+        self._abandoned = True
+        ids = [self.ticket.request_ids[i] for i in sorted(self._open)]
+        try:
+            await self.broker.cancel(ids)
+            self.metrics.cancelled(why, len(ids))
+            if self.ticket.ledger_key is not None:
+                await self.ledger.release(self.ticket.ledger_key, self.ticket.base_id)
+        except (RedisError, OSError) as exc:
+            log.warning("could not cancel %s (%s): %s", ", ".join(ids), why, exc)

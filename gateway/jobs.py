@@ -1,0 +1,289 @@
+"""A Job: what one OpenAI request becomes in Redis (its work items), and how.
+
+Building a Job is where a request is checked beyond its JSON types: refused
+parameters, conflicting ones, the sampling parameters (with the engine's own
+SamplingParams, so gateway and engine agree on what is valid), priority and
+timeout headers. The engine tokenizes; the gateway only estimates the prompt's
+tokens (characters / 4) for the queued-tokens counter and the tpm quota.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Literal
+
+from tandem.engine.request import SamplingParams
+from tandem.gateway.errors import bad_request, not_supported
+from tandem.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from tandem.gateway.settings import GatewaySettings
+from tandem.protocol import PRIORITY_HIGH, PRIORITY_LOW, PRIORITY_NORMAL, WorkItem
+
+PRIORITY_HEADER = "x-tandem-priority"
+TIMEOUT_HEADER = "x-tandem-timeout"
+IDEMPOTENCY_HEADER = "idempotency-key"
+_PRIORITIES = {"high": PRIORITY_HIGH, "normal": PRIORITY_NORMAL, "low": PRIORITY_LOW}
+# OpenAI's default max_tokens for (legacy) completions.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+_CHARS_PER_TOKEN = 4
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+
+
+@dataclass(frozen=True)
+class Job:
+    kind: Literal["chat", "completion"]
+    model: str
+    # The response id is derived from it; work item ids too.
+    base_id: str
+    created: int
+    items: tuple[WorkItem, ...]
+    stream: bool
+    include_usage: bool
+    # Seconds the whole request may take (the work items carry the absolute deadline).
+    timeout: float
+    estimated_prompt_tokens: int
+    max_tokens: int
+    body: ChatCompletionRequest | CompletionRequest = field(repr=False, compare=False)
+
+    @property
+    def n(self) -> int:
+        return len(self.items)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [item.request_id for item in self.items]
+
+    @property
+    def cost_tokens(self) -> int:
+        """What the tpm quota charges: estimated prompt + max_tokens, per choice."""
+        return self.n * (self.estimated_prompt_tokens + self.max_tokens)
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if self.kind == "chat" else "prompt"
+
+    @cached_property
+    def digest(self) -> str:
+        """The request's content, for Idempotency-Key (computed only when one is sent).
+
+        Delivery (stream or not) is not part of what was asked: a client may
+        retry a stream without streaming and get the same answer.
+        """
+        content = self.body.model_dump_json(exclude={"stream", "stream_options"})
+        return hashlib.sha256(content.encode()).hexdigest()
+
+
+class JobBuilder:
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+
+    def chat(self, body: ChatCompletionRequest, headers: Mapping[str, str]) -> Job:
+        _refuse_common(body)
+        if body.logprobs:
+            raise not_supported("logprobs")
+        if body.top_logprobs is not None:
+            raise not_supported("top_logprobs")
+        if body.tools:
+            raise not_supported("tools")
+        if body.tool_choice not in (None, "none"):
+            raise not_supported("tool_choice")
+        if body.response_format not in (None, {"type": "text"}):
+            raise not_supported("response_format", "response_format other than text")
+        if (
+            body.max_tokens is not None
+            and body.max_completion_tokens is not None
+            and body.max_tokens != body.max_completion_tokens
+        ):
+            raise bad_request(
+                "max_tokens and max_completion_tokens differ: give one of them",
+                "max_completion_tokens",
+            )
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        messages = [_message(i, m.role, m.content) for i, m in enumerate(body.messages)]
+        chars = sum(len(m["content"]) for m in messages)
+        prompt = {"messages": messages}
+        return self._job("chat", body, headers, prompt, _estimate(chars), max_tokens)
+
+    def completion(self, body: CompletionRequest, headers: Mapping[str, str]) -> Job:
+        _refuse_common(body)
+        if body.echo:
+            raise not_supported("echo")
+        if body.suffix:
+            raise not_supported("suffix")
+        if body.logprobs is not None:
+            raise not_supported("logprobs")
+        if body.best_of not in (None, 1, body.n or 1):
+            raise not_supported("best_of", "best_of other than n")
+        prompt = _prompt(body.prompt)
+        if "prompt" in prompt:
+            estimate = _estimate(len(prompt["prompt"]))
+        else:
+            estimate = len(prompt["prompt_token_ids"])
+        max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        return self._job("completion", body, headers, prompt, estimate, max_tokens)
+
+    def _job(
+        self,
+        kind: Literal["chat", "completion"],
+        body: ChatCompletionRequest | CompletionRequest,
+        headers: Mapping[str, str],
+        prompt: dict[str, Any],
+        estimate: int,
+        max_tokens: int | None,
+    ) -> Job:
+        n = body.n or 1
+        if n > self.settings.max_n:
+            raise bad_request(f"n must be at most {self.settings.max_n}, got {n}", "n")
+        max_tokens = max_tokens or self.settings.default_max_tokens
+        sampling = _sampling(body, max_tokens)
+        priority = _priority(body.priority, headers.get(PRIORITY_HEADER))
+        timeout = _timeout(self.settings.request_timeout, headers.get(TIMEOUT_HEADER))
+        base_id = uuid.uuid4().hex
+        now = time.time()
+        items = tuple(
+            WorkItem(
+                request_id=base_id if n == 1 else f"{base_id}-{i}",
+                model=body.model,
+                sampling=_with_seed(sampling, i),
+                priority=priority,
+                created_at=now,
+                deadline=now + timeout,
+                estimated_prompt_tokens=estimate,
+                **prompt,
+            )
+            for i in range(n)
+        )
+        return Job(
+            kind=kind,
+            model=body.model,
+            base_id=base_id,
+            created=int(now),
+            items=items,
+            stream=bool(body.stream),
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            timeout=timeout,
+            estimated_prompt_tokens=estimate,
+            max_tokens=max_tokens,
+            body=body,
+        )
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """Choice `index`'s seed: the request's own for choice 0 (so n=1 and the first
+    of n agree), a hash of (seed, index) for the others (distinct, reproducible)."""
+    if index == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}/{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def _refuse_common(body: ChatCompletionRequest | CompletionRequest) -> None:
+    if body.frequency_penalty:
+        raise not_supported("frequency_penalty", "frequency_penalty other than 0")
+    if body.presence_penalty:
+        raise not_supported("presence_penalty", "presence_penalty other than 0")
+    if body.logit_bias:
+        raise not_supported("logit_bias")
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+def _message(index: int, role: str, content: Any) -> dict[str, str]:
+    if content is None:
+        if role != "assistant":
+            raise bad_request(f"messages[{index}].content is missing", f"messages[{index}].content")
+        return {"role": role, "content": ""}
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise bad_request(
+                f"only text content parts are supported, got type {part.type!r}",
+                f"messages[{index}].content[{j}]",
+                "unsupported",
+            )
+        texts.append(part.text)
+    # Parts are joined by newlines, as most chat servers do.
+    return {"role": role, "content": "\n".join(texts)}
+
+
+def _prompt(prompt: Any) -> dict[str, Any]:
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise bad_request(
+                f"batched prompts (a list of {len(prompt)}) are not supported: "
+                "send one request per prompt",
+                "prompt",
+                "unsupported",
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        return {"prompt": prompt}
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    return {"prompt_token_ids": list(prompt)}
+
+
+def _estimate(chars: int) -> int:
+    return max(1, math.ceil(chars / _CHARS_PER_TOKEN))
+
+
+def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> dict[str, Any]:
+    fields: dict[str, Any] = {"max_tokens": max_tokens}
+    for name in _SAMPLING_FIELDS[1:]:
+        value = getattr(body, name)
+        if value is not None:
+            fields[name] = [value] if name == "stop" and isinstance(value, str) else value
+    if body.ignore_eos:
+        fields["ignore_eos"] = True
+    try:
+        SamplingParams(**fields)  # the engine's own rules, refused here before queueing
+    except ValueError as exc:
+        message = str(exc)
+        param = message.split(" ", 1)[0]
+        raise bad_request(message, param if param in _SAMPLING_FIELDS else None) from None
+    return fields
+
+
+def _with_seed(sampling: dict[str, Any], index: int) -> dict[str, Any]:
+    if index == 0 or sampling.get("seed") is None:
+        return sampling
+    return {**sampling, "seed": derive_seed(sampling["seed"], index)}
+
+
+def _priority(field: str | None, header: str | None) -> int:
+    # The body's field wins over the header: it is the more specific of the two.
+    if field is not None:
+        return _PRIORITIES[field]
+    if header is None:
+        return PRIORITY_NORMAL
+    value = _PRIORITIES.get(header.strip().lower())
+    if value is None:
+        raise bad_request(
+            f"X-Tandem-Priority must be high, normal or low, got {header!r}", "X-Tandem-Priority"
+        )
+    return value
+
+
+def _timeout(limit: float, header: str | None) -> float:
+    if header is None:
+        return limit
+    try:
+        seconds = float(header)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise bad_request(
+            f"X-Tandem-Timeout must be a positive number of seconds, got {header!r}",
+            "X-Tandem-Timeout",
+        )
+    # Only ever smaller: the server's limit protects the engines.
+    return min(limit, seconds)

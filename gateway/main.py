@@ -1,0 +1,91 @@
+"""`tandem gateway`: flags (light: `tandem --help` imports no web stack) and the server."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import signal
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="0.0.0.0", help="address to bind")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
+    parser.add_argument(
+        "--redis-url", default=os.environ.get("TANDEM_REDIS_URL", "redis://127.0.0.1:6379/0")
+    )
+    parser.add_argument("--key-prefix", default="tandem", help="prefix of every Redis key")
+    parser.add_argument(
+        "--api-keys-file",
+        default=None,
+        help="YAML or JSON list of {key | key_sha256, name, models, rpm, tpm}; "
+        "$TANDEM_API_KEYS adds comma-separated plain keys (all models)",
+    )
+    parser.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="accept every request without a key (only on a trusted network)",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=1000,
+        help="answer 429 while a model has this many requests waiting in its queue",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a request may take, queueing included (X-Tandem-Timeout lowers it)",
+    )
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413"
+    )
+    parser.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=1024,
+        help="max_tokens of chat requests that give none",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds in-flight requests get before their connections are cut "
+        "(their queued work is kept: retries with the same Idempotency-Key find it)",
+    )
+    parser.add_argument("--access-log", action="store_true", help="log every request")
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tandem.gateway.app import create_app
+    from tandem.gateway.settings import GatewaySettings
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    settings = GatewaySettings.from_args(args)
+    app = create_app(settings)
+    # Everything imported and built so far lives as long as the process: out of
+    # the collector's sight, a full collection under load takes milliseconds
+    # instead of a ~200 ms pause (measured at 200 requests/s).
+    gc.freeze()
+    log = logging.getLogger("tandem.gateway")
+    if settings.no_auth:
+        log.warning("--no-auth: every caller is accepted without a key")
+    else:
+        log.info("%d API keys loaded", len(app.state.gateway.key_store))
+    # uvicorn handles SIGTERM (a graceful shutdown), then raises it again for the
+    # handler found at start: a no-op one makes a drained gateway exit 0, as the
+    # engines do, instead of dying by the signal.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        timeout_graceful_shutdown=int(settings.shutdown_timeout) or 1,
+        access_log=settings.access_log,
+        log_level="info",
+    )
+    return 0

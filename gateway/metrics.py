@@ -1,0 +1,108 @@
+"""The gateway's Prometheus metrics, on a CollectorRegistry of its own (one per app).
+
+Latencies are what the client sees: TTFT from the request's arrival to the
+first token chunk written to a stream, end-to-end until the last byte of the
+response. Model labels only ever carry served model names (or "unknown"), so
+callers cannot blow up the label set with made-up names.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Seconds: sub-millisecond gateway work up to minutes-long CPU generations.
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+# Routes by their template; anything else is "other" (scanners hit random paths).
+ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/v1/models/{model}",
+    "/healthz",
+    "/readyz",
+    "/metrics",
+)
+
+
+def route_label(path: str) -> str:
+    if path in ROUTES:
+        return path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model}"
+    return "other"
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self._requests = Counter(
+            "tandem_gateway_requests_total",
+            "HTTP requests answered, by route, model and status code.",
+            ["route", "model", "status"],
+            registry=r,
+        )
+        self._latency = Histogram(
+            "tandem_gateway_request_seconds",
+            "End-to-end latency as the client sees it: arrival to the last byte.",
+            ["route", "model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self._ttft = Histogram(
+            "tandem_gateway_time_to_first_token_seconds",
+            "Streaming requests: arrival to the first token chunk sent.",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self._queue_wait = Histogram(
+            "tandem_gateway_queue_wait_seconds",
+            "Enqueue to the first response event from an engine.",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self._in_flight = Gauge(
+            "tandem_gateway_requests_in_flight",
+            "Requests being answered, by route.",
+            ["route"],
+            registry=r,
+        )
+        self._rejections = Counter(
+            "tandem_gateway_rejections_total",
+            "Requests refused before or instead of queueing, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self._cancellations = Counter(
+            "tandem_gateway_cancellations_total",
+            "Work items cancelled by the gateway, by why.",
+            ["why"],
+            registry=r,
+        )
+
+    def started(self, route: str) -> None:
+        self._in_flight.labels(route).inc()
+
+    def finished(self, route: str, model: str, status: int, seconds: float) -> None:
+        self._in_flight.labels(route).dec()
+        self._requests.labels(route, model, str(status)).inc()
+        if route not in ("/healthz", "/readyz", "/metrics"):
+            self._latency.labels(route, model).observe(seconds)
+
+    def first_token(self, model: str, seconds: float) -> None:
+        self._ttft.labels(model).observe(seconds)
+
+    def queue_wait(self, model: str, seconds: float) -> None:
+        self._queue_wait.labels(model).observe(seconds)
+
+    def rejected(self, reason: str) -> None:
+        self._rejections.labels(reason).inc()
+
+    def cancelled(self, why: str, count: int) -> None:
+        self._cancellations.labels(why).inc(count)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

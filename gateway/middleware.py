@@ -1,0 +1,124 @@
+"""Two pure-ASGI middlewares: the body size limit and the per-request metrics.
+
+Pure ASGI rather than Starlette's BaseHTTPMiddleware: that one runs the app in
+another task and costs a few hundred microseconds a request, and it hides the
+client's disconnect from the app, which the gateway needs to cancel work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tandem.gateway.errors import too_large
+from tandem.gateway.metrics import GatewayMetrics, route_label
+
+# Where routes leave the model label for the metrics (request.state.model_label).
+MODEL_LABEL = "model_label"
+
+
+class BodyLimit:
+    """Answers 413 for a body over `max_bytes`, declared or actually sent.
+
+    The body is read here in full (it is small: JSON up to max_bytes) and
+    replayed to the app; later receive() calls go to the server, so the app
+    still hears of the client's disconnect.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[str], None]) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.on_reject = on_reject
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            await self._refuse(send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left mid-body: nobody to answer
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._refuse(send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Send) -> None:
+        error = too_large(self.max_bytes)
+        self.on_reject(error.reason or "too_large")
+        response = error.response()
+        # The rest of the body is not read: the connection cannot be reused.
+        response.headers["Connection"] = "close"
+        await response({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+class RequestObserver:
+    """Counts every request by route, model and status; times it to its last byte."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = route_label(scope["path"])
+        started = time.perf_counter()
+        state = scope.setdefault("state", {})
+        state["arrived"] = started
+        status = 500  # an exception that escapes every handler
+        finished_at: float | None = None
+
+        async def observed(message: Message) -> None:
+            nonlocal status, finished_at
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                finished_at = time.perf_counter()
+            await send(message)
+
+        self.metrics.started(route)
+        try:
+            await self.app(scope, receive, observed)
+        finally:
+            seconds = (finished_at or time.perf_counter()) - started
+            model = str(state.get(MODEL_LABEL, ""))
+            self.metrics.finished(route, model, status, seconds)

@@ -1,0 +1,123 @@
+"""Per-key quotas: requests and tokens per minute, shared by every gateway replica.
+
+Each quota is a token bucket in Redis (a hash: level, updated-at) that refills
+at limit/60 per second up to `limit`. One Lua script checks both buckets of a
+key and takes from both or from neither, so concurrent requests on several
+replicas never overdraw, and a request refused for tokens uses up no request.
+Time is Redis's own clock (TIME): replicas with skewed clocks still agree.
+A bucket untouched for a minute is full, so its key expires then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from tandem.gateway.auth import ApiKey
+from tandem.gateway.errors import GatewayError, rate_limited
+
+# KEYS: rpm bucket, tpm bucket. ARGV: rpm limit, tpm limit (0: none), token cost.
+# Returns {1} when admitted, else {0, quota, seconds until it would pass}: "rpm",
+# "tpm", or "tpm_size" (the cost exceeds the whole bucket: never passes).
+# Numbers cross as strings: Redis truncates Lua numbers to integers.
+_TAKE_LUA = """
+if redis.replicate_commands then redis.replicate_commands() end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local function level(key, limit)
+  local state = redis.call('HMGET', key, 'level', 'at')
+  local lvl, at = tonumber(state[1]), tonumber(state[2])
+  if not lvl or not at then return limit end
+  return math.min(limit, lvl + math.max(0, now - at) * limit / 60)
+end
+local rpm, tpm, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local r, k
+if rpm > 0 then
+  r = level(KEYS[1], rpm)
+  if r < 1 then return {0, 'rpm', tostring((1 - r) * 60 / rpm)} end
+end
+if tpm > 0 then
+  if cost > tpm then return {0, 'tpm_size', '0'} end
+  k = level(KEYS[2], tpm)
+  if k < cost then return {0, 'tpm', tostring((cost - k) * 60 / tpm)} end
+end
+if r then
+  redis.call('HSET', KEYS[1], 'level', tostring(r - 1), 'at', tostring(now))
+  redis.call('PEXPIRE', KEYS[1], 60000)
+end
+if k then
+  redis.call('HSET', KEYS[2], 'level', tostring(k - cost), 'at', tostring(now))
+  redis.call('PEXPIRE', KEYS[2], 60000)
+end
+return {1}
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaDecision:
+    admitted: bool
+    # "rpm", "tpm" or "tpm_size" when refused.
+    quota: str = ""
+    retry_after: float = 0.0
+
+
+class Quotas:
+    def __init__(self, client: aioredis.Redis, prefix: str) -> None:
+        self.client = client
+        self.prefix = prefix
+        self._take = client.register_script(_TAKE_LUA)
+
+    def bucket_keys(self, name: str) -> list[str]:
+        # One hash tag per key name: both buckets on one Redis Cluster slot.
+        base = f"{self.prefix}:quota:{{{name}}}"
+        return [f"{base}:rpm", f"{base}:tpm"]
+
+    async def take(self, key: ApiKey, tokens: int) -> QuotaDecision:
+        """Use one request and `tokens` tokens of the key's quotas, or neither."""
+        if key.rpm is None and key.tpm is None:
+            return QuotaDecision(True)
+        if tokens < 0:
+            raise ValueError(f"tokens must be >= 0, got {tokens}")
+        reply = await self._take(
+            keys=self.bucket_keys(key.name), args=[key.rpm or 0, key.tpm or 0, tokens]
+        )
+        if int(reply[0]) == 1:
+            return QuotaDecision(True)
+        quota = _text(reply[1])
+        return QuotaDecision(False, quota, float(_text(reply[2])))
+
+    async def admit(self, key: ApiKey, tokens: int) -> None:
+        """take(), raising the 429 that names the quota when refused."""
+        decision = await self.take(key, tokens)
+        if not decision.admitted:
+            raise refusal(key, tokens, decision)
+
+
+def refusal(key: ApiKey, tokens: int, decision: QuotaDecision) -> GatewayError:
+    if decision.quota == "rpm":
+        return rate_limited(
+            f"Rate limit reached for requests per minute (rpm) of key {key.name!r}: "
+            f"limit {key.rpm}/min",
+            "rpm_exceeded",
+            decision.retry_after,
+        )
+    if decision.quota == "tpm_size":
+        return rate_limited(
+            f"Request too large for tokens per minute (tpm) of key {key.name!r}: it needs "
+            f"{tokens} tokens (estimated prompt + max_tokens, per choice), the limit is "
+            f"{key.tpm}/min; lower max_tokens or n",
+            "tpm_exceeded",
+            None,
+            retryable=False,
+        )
+    return rate_limited(
+        f"Rate limit reached for tokens per minute (tpm) of key {key.name!r}: limit "
+        f"{key.tpm}/min, this request needs {tokens}",
+        "tpm_exceeded",
+        decision.retry_after,
+    )
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

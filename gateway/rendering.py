@@ -1,0 +1,141 @@
+"""Renderers: a request's results in the OpenAI shape of its endpoint.
+
+Chat answers carry `message`/`delta` objects, completions plain `text`; both
+share ids, usage and the streaming rules. Bodies are built as plain dicts
+(a chunk per token batch must be cheap); tests/gateway/test_rendering.py
+validates them against the pydantic models in schemas.py that the OpenAPI
+schema documents.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ChoiceResult:
+    """What one choice produced so far."""
+
+    parts: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    # The engine's usage on the finish event: prompt_tokens, completion_tokens, cached_tokens.
+    usage: dict[str, int] | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def total_usage(choices: Sequence[ChoiceResult]) -> dict[str, Any]:
+    """Usage of a whole request: the prompt once (all choices share it, as OpenAI
+    counts it), the completion tokens of every choice."""
+    first = (choices[0].usage or {}) if choices else {}
+    prompt = int(first.get("prompt_tokens", 0))
+    completion = sum(int((c.usage or {}).get("completion_tokens", 0)) for c in choices)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": int(first.get("cached_tokens", 0))},
+    }
+
+
+class Renderer:
+    """The shapes of one request's answer; subclasses fill in the endpoint's part."""
+
+    id_prefix = ""
+    object = ""
+    chunk_object = ""
+
+    def __init__(self, base_id: str, created: int, model: str, *, include_usage: bool) -> None:
+        self.id = f"{self.id_prefix}{base_id}"
+        self.created = created
+        self.model = model
+        self.include_usage = include_usage
+
+    def response(self, choices: Sequence[ChoiceResult]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [self._choice(i, c) for i, c in enumerate(choices)],
+            "usage": total_usage(choices),
+        }
+
+    def opening(self, n: int) -> list[dict[str, Any]]:
+        """Chunks sent before any token."""
+        return []
+
+    def text(self, index: int, text: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def finish(self, index: int, reason: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def usage(self, choices: Sequence[ChoiceResult]) -> dict[str, Any]:
+        """The last chunk of a stream with include_usage: usage, no choices."""
+        return {**self._chunk([]), "usage": total_usage(choices)}
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk = {
+            "id": self.id,
+            "object": self.chunk_object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            chunk["usage"] = None  # OpenAI: every other chunk has usage null
+        return chunk
+
+    def _choice(self, index: int, choice: ChoiceResult) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class ChatRenderer(Renderer):
+    id_prefix = "chatcmpl-"
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def opening(self, n: int) -> list[dict[str, Any]]:
+        return [self._delta(i, {"role": "assistant", "content": ""}) for i in range(n)]
+
+    def text(self, index: int, text: str) -> dict[str, Any]:
+        return self._delta(index, {"content": text})
+
+    def finish(self, index: int, reason: str) -> dict[str, Any]:
+        return self._delta(index, {}, reason)
+
+    def _delta(self, index: int, delta: dict[str, Any], reason: str | None = None):
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return self._chunk([choice])
+
+    def _choice(self, index: int, choice: ChoiceResult) -> dict[str, Any]:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": choice.text},
+            "logprobs": None,
+            "finish_reason": choice.finish_reason,
+        }
+
+
+class CompletionRenderer(Renderer):
+    id_prefix = "cmpl-"
+    object = "text_completion"
+    chunk_object = "text_completion"
+
+    def text(self, index: int, text: str) -> dict[str, Any]:
+        return self._chunk([self._text(index, text, None)])
+
+    def finish(self, index: int, reason: str) -> dict[str, Any]:
+        return self._chunk([self._text(index, "", reason)])
+
+    def _choice(self, index: int, choice: ChoiceResult) -> dict[str, Any]:
+        return self._text(index, choice.text, choice.finish_reason)
+
+    @staticmethod
+    def _text(index: int, text: str, reason: str | None) -> dict[str, Any]:
+        return {"text": text, "index": index, "logprobs": None, "finish_reason": reason}

@@ -1,0 +1,46 @@
+"""GET /v1/models and /v1/models/{model}: models with live engines, in the OpenAI list format.
+
+A key sees only the models it may use.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from tandem.gateway.auth import check_model
+from tandem.gateway.dependencies import Caller
+from tandem.gateway.errors import ERROR_RESPONSES, model_not_found
+from tandem.gateway.schemas import ModelCard, ModelList
+from tandem.gateway.service import service_of
+from tandem.protocol import EngineInfo
+
+router = APIRouter()
+
+_ERRORS = {status: ERROR_RESPONSES[status] for status in (401, 403, 404, 500, 503)}
+
+
+@router.get("/v1/models", response_model=ModelList, responses=_ERRORS, summary="List models")
+async def list_models(request: Request, caller: Caller) -> ModelList:
+    models = await service_of(request).directory.models()
+    allowed = sorted(name for name in models if caller.allows(name))
+    return ModelList(data=[_card(name, models[name]) for name in allowed])
+
+
+@router.get(
+    "/v1/models/{model:path}",
+    response_model=ModelCard,
+    responses=_ERRORS,
+    summary="Retrieve a model (names may contain slashes)",
+)
+async def retrieve_model(model: str, request: Request, caller: Caller) -> ModelCard:
+    check_model(caller, model)
+    directory = service_of(request).directory
+    if not await directory.is_live(model):
+        raise model_not_found(model)
+    return _card(model, (await directory.models()).get(model, []))
+
+
+def _card(name: str, engines: list[EngineInfo]) -> ModelCard:
+    # "created": when its longest-running engine started.
+    started = min((e.started_at for e in engines), default=0.0)
+    return ModelCard(id=name, created=int(started))

@@ -1,0 +1,35 @@
+"""Probes and metrics: /healthz (the event loop answers), /readyz (Redis reachable), /metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from tandem.gateway.errors import ERROR_RESPONSES, unavailable
+from tandem.gateway.service import service_of
+
+router = APIRouter()
+
+
+@router.get("/healthz", summary="Liveness")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz", summary="Readiness: Redis reachable", responses={503: ERROR_RESPONSES[503]})
+async def readyz(request: Request) -> JSONResponse:
+    if not await service_of(request).broker.ping():
+        # Not a GatewayError: a failing probe is not a rejected request.
+        return unavailable("Redis is unreachable", "redis_unreachable").response()
+    return JSONResponse({"status": "ready"})
+
+
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics",
+    response_class=Response,
+    responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}},
+)
+async def metrics(request: Request) -> Response:
+    return Response(service_of(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)

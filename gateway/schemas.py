@@ -1,0 +1,231 @@
+"""The OpenAI wire format: request and response bodies, fields in the OpenAI order.
+
+Requests forbid unknown fields (OpenAI answers "Unrecognized request argument"
+too), so a misspelt parameter is an error instead of silently ignored. Fields
+the OpenAI API has but Tandem does not implement are declared, so a request
+that sets them to a neutral value (many clients send `logprobs: false` or
+`presence_penalty: 0`) passes and any other value is refused by name.
+Extensions (`top_k`, `priority`, `ignore_eos`) are marked as such.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# The biggest max_tokens accepted: far beyond any context, small enough for any engine.
+MAX_TOKENS_LIMIT = 2**31 - 1
+
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
+Priority = Literal["high", "normal", "low"]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ------------------------------------------------------------------ requests
+
+
+class ContentPart(BaseModel):
+    """A part of a message's content; only text parts are served."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    # Clients send name, tool_call_id and the like: not used, not an error.
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool | None = None
+
+
+# Field types the two request bodies share.
+Penalty = Annotated[float | None, Field(description="Only 0 is supported.")]
+LogitBias = Annotated[dict[str, float] | None, Field(description="Not supported.")]
+Choices = Annotated[int | None, Field(ge=1, description="Choices to generate.")]
+StopText = Annotated[str, Field(min_length=1)]
+Stop = StopText | list[StopText] | None
+Temperature = Annotated[float | None, Field(ge=0, le=2)]
+TopP = Annotated[float | None, Field(gt=0, le=1)]
+TopK = Annotated[int | None, Field(ge=1, description="Extension: top-k sampling.")]
+PriorityField = Annotated[
+    Priority | None,
+    Field(description="Extension: queue priority (or header X-Tandem-Priority)."),
+]
+IgnoreEos = Annotated[
+    bool | None, Field(description="Extension: keep generating past end-of-sequence.")
+]
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: str = Field(min_length=1)
+    frequency_penalty: Penalty = None
+    logit_bias: LogitBias = None
+    logprobs: bool | None = Field(default=None, description="Not supported.")
+    max_completion_tokens: MaxTokens | None = None
+    max_tokens: MaxTokens | None = None
+    # Accepted and ignored: they change nothing without tools or storage.
+    metadata: dict[str, str] | None = None
+    n: Choices = None
+    parallel_tool_calls: bool | None = None
+    presence_penalty: Penalty = None
+    response_format: dict[str, object] | None = Field(
+        default=None, description="Only {'type': 'text'}."
+    )
+    seed: int | None = None
+    stop: Stop = None
+    store: bool | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: Temperature = None
+    tool_choice: str | dict[str, object] | None = Field(default=None, description="Not supported.")
+    tools: list[dict[str, object]] | None = Field(default=None, description="Not supported.")
+    top_logprobs: int | None = Field(default=None, description="Not supported.")
+    top_p: TopP = None
+    user: str | None = None
+    # Extensions.
+    top_k: TopK = None
+    priority: PriorityField = None
+    ignore_eos: IgnoreEos = None
+
+
+class CompletionRequest(_Request):
+    model: str = Field(min_length=1)
+    # A string or token ids; a list of several prompts (batching) is refused.
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    best_of: int | None = Field(default=None, description="Only 1 (or n) is supported.")
+    echo: bool | None = Field(default=None, description="Not supported.")
+    frequency_penalty: Penalty = None
+    logit_bias: LogitBias = None
+    logprobs: int | None = Field(default=None, description="Not supported.")
+    max_tokens: MaxTokens | None = None
+    n: Choices = None
+    presence_penalty: Penalty = None
+    seed: int | None = None
+    stop: Stop = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    suffix: str | None = Field(default=None, description="Not supported.")
+    temperature: Temperature = None
+    top_p: TopP = None
+    user: str | None = None
+    # Extensions.
+    top_k: TopK = None
+    priority: PriorityField = None
+    ignore_eos: IgnoreEos = None
+
+
+# ----------------------------------------------------------------- responses
+
+FinishReason = Literal["stop", "length"]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One `data:` event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    text: str
+    index: int
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class Completion(BaseModel):
+    """A completion, or (with finish_reason null, usage absent) one streamed chunk."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tandem"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

@@ -1,0 +1,115 @@
+"""GatewayService: what one gateway app holds, and the path of a completion request.
+
+Created by `create_app` and kept on `app.state.gateway`: the settings, the
+keys, the metrics, one redis.asyncio client and the helpers built on it.
+Nothing lives at module level, so two apps in one process (tests, two
+replicas) share nothing but Redis.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import cast
+
+import redis.asyncio as aioredis
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tandem.gateway.admission import Admission
+from tandem.gateway.auth import ApiKey, KeyStore
+from tandem.gateway.broker import Broker
+from tandem.gateway.directory import ModelDirectory
+from tandem.gateway.disconnect import ClientGone, until_disconnected
+from tandem.gateway.generation import Generation
+from tandem.gateway.idempotency import IdempotencyLedger
+from tandem.gateway.jobs import IDEMPOTENCY_HEADER, Job, JobBuilder
+from tandem.gateway.metrics import GatewayMetrics
+from tandem.gateway.quota import Quotas
+from tandem.gateway.reader import AsyncResponseReader
+from tandem.gateway.rendering import ChatRenderer, CompletionRenderer, Renderer
+from tandem.gateway.settings import GatewaySettings
+from tandem.gateway.streaming import EventStreamResponse
+from tandem.protocol import Keys
+
+# What a request whose client left is logged as (nginx's "client closed request").
+CLIENT_GONE = 499
+
+
+class GatewayService:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        key_store: KeyStore,
+        client: aioredis.Redis,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.settings = settings
+        self.key_store = key_store
+        self.client = client
+        self.metrics = metrics
+        self.keys = Keys(prefix=settings.key_prefix)
+        self.jobs = JobBuilder(settings)
+        self.broker = Broker(client, self.keys)
+        self.reader = AsyncResponseReader(client, self.keys, block_ms=settings.read_block_ms)
+        self.directory = ModelDirectory(self.broker, settings.models_cache_s)
+        self.ledger = IdempotencyLedger(client, settings.key_prefix)
+        self.admission = Admission(
+            settings,
+            self.broker,
+            self.directory,
+            Quotas(client, settings.key_prefix),
+            self.ledger,
+        )
+
+    async def serve(self, request: Request, caller: ApiKey, job: Job) -> Response:
+        """Admit, queue, and answer one chat or completions request."""
+        # The model label of the metrics (middleware.MODEL_LABEL): callers cannot
+        # invent label values, an unknown name is "unknown".
+        request.state.model_label = self.directory.label(job.model)
+        ticket = await self.admission.admit(caller, job, request.headers.get(IDEMPOTENCY_HEADER))
+        request.state.model_label = job.model
+        kind: type[Renderer] = ChatRenderer if job.kind == "chat" else CompletionRenderer
+        renderer = kind(ticket.base_id, ticket.created, job.model, include_usage=job.include_usage)
+        arrived = cast(float, request.scope.get("state", {}).get("arrived", time.perf_counter()))
+        generation = Generation(
+            job,
+            ticket,
+            renderer,
+            reader=self.reader,
+            broker=self.broker,
+            ledger=self.ledger,
+            metrics=self.metrics,
+            arrived=arrived,
+        )
+        if job.stream:
+            return await self._stream(request, generation)
+        return await self._complete(request, generation)
+
+    async def _complete(self, request: Request, generation: Generation) -> Response:
+        try:
+            body = await until_disconnected(request.receive, generation.complete())
+        except ClientGone:
+            await generation.abandon("disconnect")
+            return Response(status_code=CLIENT_GONE)
+        return JSONResponse(body)
+
+    async def _stream(self, request: Request, generation: Generation) -> Response:
+        # The first event decides the status: an error before any token (a prompt
+        # too long, a deadline passed in the queue) is a proper HTTP error that
+        # the SDKs raise as such, not a 200 stream with an error inside.
+        events = generation.events()
+        try:
+            first = await until_disconnected(request.receive, anext(events))
+        except ClientGone:
+            await generation.abandon("disconnect")
+            return Response(status_code=CLIENT_GONE)
+        except BaseException:
+            await events.aclose()
+            raise
+        return EventStreamResponse(
+            generation.stream(first, events), lambda: generation.abandon("disconnect")
+        )
+
+
+def service_of(request: Request) -> GatewayService:
+    return cast(GatewayService, request.app.state.gateway)

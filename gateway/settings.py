@@ -1,0 +1,105 @@
+"""GatewaySettings: everything a gateway replica is configured with, checked at start."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+# Reads of a response stream block at most this long: redis-py's socket timeout
+# is 5 s by default, and a short read lets a replica notice deadlines promptly.
+MAX_READ_BLOCK_MS = 1000
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "tandem"
+    # YAML or JSON list of keys; TANDEM_API_KEYS adds plain keys (all models).
+    api_keys_file: str | None = None
+    # Open mode for a trusted network: every caller is "anonymous", no quotas.
+    no_auth: bool = False
+    # A model whose work streams hold this many waiting entries sheds new requests.
+    max_queue: int = 1000
+    # Seconds a request may take in all (queueing included); X-Tandem-Timeout lowers it.
+    request_timeout: float = 600.0
+    max_body_bytes: int = 1 << 20
+    # Chat requests without max_tokens generate at most this many tokens (the
+    # engine stops earlier at its context length); completions default to 16 as
+    # in the OpenAI API.
+    default_max_tokens: int = 1024
+    # Most choices one request may ask for (each is its own work item).
+    max_n: int = 16
+    read_block_ms: int = MAX_READ_BLOCK_MS
+    # How long the list of live models is reused before asking the registry again.
+    models_cache_s: float = 1.0
+    # Every in-flight request holds one connection while it waits for events.
+    redis_max_connections: int = 1024
+    # On SIGTERM, in-flight requests get this long; after that their connections
+    # are cut but their queued work is left to the engines (clients may retry
+    # with the same Idempotency-Key through another replica and get the answer).
+    shutdown_timeout: float = 30.0
+    # A model's backlog is read from Redis at most this often (admission.QueueGauge).
+    queue_check_interval_s: float = 0.05
+    # Retry-After of a 429 for a full queue.
+    queue_retry_after_s: int = 1
+    access_log: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if not self.redis_url:
+            raise ValueError("redis_url must be set (e.g. redis://127.0.0.1:6379/0)")
+        if not self.key_prefix or any(c in self.key_prefix for c in "{} \t\n"):
+            raise ValueError(
+                f"key_prefix must be non-empty without braces or spaces, got {self.key_prefix!r}"
+            )
+        if self.no_auth and self.api_keys_file:
+            raise ValueError("--no-auth and --api-keys-file contradict each other: choose one")
+        _at_least("max_queue", self.max_queue, 0)
+        _positive_seconds("request_timeout", self.request_timeout)
+        _at_least("max_body_bytes", self.max_body_bytes, 1024)
+        _at_least("default_max_tokens", self.default_max_tokens, 1)
+        _at_least("max_n", self.max_n, 1)
+        _at_least("redis_max_connections", self.redis_max_connections, 2)
+        _at_least("queue_retry_after_s", self.queue_retry_after_s, 1)
+        if not 1 <= self.read_block_ms <= MAX_READ_BLOCK_MS:
+            raise ValueError(
+                f"read_block_ms must be in 1..{MAX_READ_BLOCK_MS}, got {self.read_block_ms}"
+            )
+        for name in ("models_cache_s", "queue_check_interval_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {value}")
+        _positive_seconds("shutdown_timeout", self.shutdown_timeout)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> GatewaySettings:
+        return cls(
+            host=args.host,
+            port=args.port,
+            redis_url=args.redis_url,
+            key_prefix=args.key_prefix,
+            api_keys_file=args.api_keys_file,
+            no_auth=args.no_auth,
+            max_queue=args.max_queue,
+            request_timeout=args.request_timeout,
+            max_body_bytes=args.max_body_bytes,
+            default_max_tokens=args.default_max_tokens,
+            shutdown_timeout=args.shutdown_timeout,
+            access_log=args.access_log,
+        )
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _positive_seconds(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")

@@ -1,0 +1,64 @@
+"""Server-sent events: the `data: {...}` framing and a response that notices disconnects.
+
+Starlette's StreamingResponse watches for the client's disconnect only on
+older ASGI servers and never closes the body generator itself; this one
+always watches, tells the gateway when the client left mid-stream (so it
+cancels the work and the engine frees the KV), and always closes the
+generator, whatever ended the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from tandem.gateway.disconnect import wait_for_disconnect
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    def __init__(
+        self,
+        chunks: AsyncGenerator[bytes, None],
+        on_disconnect: Callable[[], Awaitable[None]],
+    ) -> None:
+        super().__init__(
+            chunks,
+            media_type="text/event-stream",
+            # No caching, and no buffering in nginx-like proxies: tokens go out as made.
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._chunks = chunks
+        self._on_disconnect = on_disconnect
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streamer = asyncio.ensure_future(self.stream_response(send))
+        watch = asyncio.ensure_future(wait_for_disconnect(receive))
+        gone = False
+        try:
+            await asyncio.wait({streamer, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if streamer.done():
+                error = streamer.exception()
+                if isinstance(error, OSError):  # the socket broke while sending
+                    gone = True
+                elif error is not None:
+                    raise error
+            else:
+                gone = True
+        finally:
+            watch.cancel()
+            streamer.cancel()
+            await asyncio.gather(streamer, watch, return_exceptions=True)
+            await self._chunks.aclose()
+        if gone:
+            await self._on_disconnect()

@@ -1,0 +1,1 @@
+"""tandem bench: a load generator and report for any OpenAI-compatible endpoint."""

@@ -1,0 +1,70 @@
+"""Fixtures of the gateway tests: live gateways (uvicorn in a thread) and real engines."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+from support.engines import EngineProcess
+
+from tandem.gateway.auth import KeyStore
+from tandem.protocol import Keys
+
+from .live import API_KEY, LiveGateway, settings_for, start_engine, wait_served
+
+
+@pytest.fixture
+def start_gateway(redis_url, keys) -> Iterator[Callable[..., LiveGateway]]:
+    """Start gateways on the test's Redis prefix; all stopped at the end."""
+    started: list[LiveGateway] = []
+
+    def start(key_store: KeyStore | None = None, **overrides) -> LiveGateway:
+        if key_store is None and not overrides.get("no_auth"):
+            key_store = KeyStore.load(None, API_KEY)
+        gateway = LiveGateway(settings_for(redis_url, keys, **overrides), key_store).start()
+        started.append(gateway)
+        return gateway
+
+    yield start
+    for gateway in started:
+        gateway.stop()
+
+
+@pytest.fixture
+def engines(redis_url, keys, tmp_path) -> Iterator[Callable[..., EngineProcess]]:
+    """Start engines (all ready before it returns); all stopped at the end."""
+    started: list[EngineProcess] = []
+
+    def start(*roles: str, extra: tuple[str, ...] = ()) -> list[EngineProcess]:
+        procs = [start_engine(role, redis_url, keys, tmp_path, *extra) for role in roles]
+        started.extend(procs)
+        return [wait_served(proc) for proc in procs]
+
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_keys() -> Keys:
+    return Keys(prefix=f"g{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture(scope="module")
+def shared_engine(redis_server, shared_keys, tmp_path_factory) -> Iterator[EngineProcess]:
+    """One NORMAL engine serving "tiny" for a whole test module."""
+    proc = wait_served(
+        start_engine("normal", redis_server.url, shared_keys, tmp_path_factory.mktemp("engine"))
+    )
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_gateway(redis_server, shared_keys, shared_engine) -> Iterator[LiveGateway]:
+    """A gateway (key API_KEY) in front of shared_engine, for a whole test module."""
+    settings = settings_for(redis_server.url, shared_keys)
+    gateway = LiveGateway(settings, KeyStore.load(None, API_KEY)).start()
+    yield gateway
+    gateway.stop()

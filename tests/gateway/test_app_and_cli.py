@@ -1,0 +1,118 @@
+"""The factory, the settings, the OpenAPI schema, and the `tandem gateway` command."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tandem.gateway.app import create_app
+from tandem.gateway.settings import GatewaySettings
+from tandem.redis_server import free_port
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"port": 70000}, "port"),
+        ({"key_prefix": "a{b}"}, "key_prefix"),
+        ({"max_queue": -1}, "max_queue"),
+        ({"request_timeout": 0}, "request_timeout"),
+        ({"request_timeout": float("inf")}, "request_timeout"),
+        ({"max_body_bytes": 10}, "max_body_bytes"),
+        ({"read_block_ms": 5000}, "read_block_ms"),
+        ({"no_auth": True, "api_keys_file": "k.json"}, "contradict"),
+    ],
+)
+def test_bad_settings_are_refused_by_name(fields, message):
+    with pytest.raises(ValueError, match=message):
+        GatewaySettings(**fields)
+
+
+def test_the_app_needs_keys_unless_open(monkeypatch):
+    monkeypatch.delenv("TANDEM_API_KEYS", raising=False)
+    with pytest.raises(ValueError, match="no API keys"):
+        create_app(GatewaySettings())
+    monkeypatch.setenv("TANDEM_API_KEYS", "sk-a,sk-b")
+    assert len(create_app(GatewaySettings()).state.gateway.key_store) == 2
+    assert create_app(GatewaySettings(no_auth=True)).state.gateway.key_store.open_access
+
+
+def test_the_schema_documents_errors_as_openai_bodies_and_no_422(monkeypatch):
+    monkeypatch.setenv("TANDEM_API_KEYS", "sk-a")
+    schema = create_app(GatewaySettings()).openapi()
+    text = json.dumps(schema)
+    assert '"422"' not in text and "HTTPValidationError" not in text
+    chat = schema["paths"]["/v1/chat/completions"]["post"]
+    for status in ("400", "401", "403", "404", "413", "429", "500", "503", "504"):
+        ref = chat["responses"][status]["content"]["application/json"]["schema"]["$ref"]
+        assert ref.endswith("/ErrorResponse")
+    assert chat["security"] and "securitySchemes" in schema["components"]
+    open_schema = create_app(GatewaySettings(no_auth=True)).openapi()
+    assert "security" not in open_schema["paths"]["/v1/chat/completions"]["post"]
+
+
+def test_help_imports_no_web_stack():
+    code = (
+        "import sys; from tandem.cli import build_parser; "
+        "build_parser().parse_args(['gateway', '--no-auth']); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('fastapi', 'uvicorn', 'starlette', 'pydantic', 'torch')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_tandem_gateway_serves_and_stops_on_sigterm(redis_url, keys):
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "tandem.cli", "gateway", "--no-auth",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--redis-url", redis_url, "--key-prefix", keys.prefix,
+    ]  # fmt: skip
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        assert httpx.get(f"http://127.0.0.1:{port}/readyz").json() == {"status": "ready"}
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
+        assert models == {"object": "list", "data": []}
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=15) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_a_bad_flag_value_is_an_error_message_not_a_traceback(tmp_path):
+    cmd = [sys.executable, "-m", "tandem.cli", "gateway", "--max-queue", "-3", "--no-auth"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2
+    assert "max_queue must be an integer >= 0" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_without_redis_the_gateway_answers_503_and_is_not_ready(start_gateway):
+    gateway = start_gateway(redis_url="redis://127.0.0.1:1/0")  # nothing listens there
+    with gateway.http() as client:
+        assert client.get("/healthz").status_code == 200
+        ready = client.get("/readyz")
+        assert ready.status_code == 503 and ready.json()["error"]["code"] == "redis_unreachable"
+        reply = client.post(
+            "/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+        )
+    assert reply.status_code == 503
+    assert reply.json()["error"]["code"] == "redis_unreachable"

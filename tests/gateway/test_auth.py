@@ -1,0 +1,109 @@
+"""API keys: the file formats, the environment, and what a request's header gets."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from tandem.gateway.auth import ANONYMOUS, KeyStore, check_model
+from tandem.gateway.errors import GatewayError
+
+
+def _store(tmp_path, text: str, name: str = "keys.json") -> KeyStore:
+    path = tmp_path / name
+    path.write_text(text)
+    return KeyStore.load(str(path), None)
+
+
+def test_json_and_yaml_files_give_the_same_keys(tmp_path):
+    digest = hashlib.sha256(b"sk-hashed").hexdigest()
+    entries = [
+        {"key": "sk-plain", "name": "alice", "models": ["tiny"], "rpm": 10, "tpm": 1000},
+        {"key_sha256": digest, "name": "bob", "models": "*"},
+    ]
+    yaml_text = (
+        "- key: sk-plain\n  name: alice\n  models: [tiny]\n  rpm: 10\n  tpm: 1000\n"
+        f"- key_sha256: {digest}\n  name: bob\n  models: '*'\n"
+    )
+    for store in (_store(tmp_path, json.dumps(entries)), _store(tmp_path, yaml_text, "k.yaml")):
+        alice = store.authenticate("Bearer sk-plain")
+        assert (alice.name, alice.models, alice.rpm, alice.tpm) == ("alice", {"tiny"}, 10, 1000)
+        bob = store.authenticate("bearer   sk-hashed ")
+        assert bob.name == "bob" and bob.models is None and bob.rpm is None
+        assert alice.allows("tiny") and not alice.allows("big") and bob.allows("big")
+
+
+def test_the_store_keeps_no_plain_key(tmp_path):
+    store = _store(tmp_path, json.dumps([{"key": "sk-secret-123", "name": "a"}]))
+    assert "sk-secret-123" not in repr(vars(store))
+
+
+@pytest.mark.parametrize(
+    ("header", "code"),
+    [
+        (None, "missing_api_key"),
+        ("", "missing_api_key"),
+        ("Basic c2stcGxhaW4=", "missing_api_key"),
+        ("Bearer ", "missing_api_key"),
+        ("Bearer sk-wrong", "invalid_api_key"),
+        ("Bearer sk-plai", "invalid_api_key"),
+    ],
+)
+def test_a_missing_or_unknown_key_is_a_401(tmp_path, header, code):
+    store = _store(tmp_path, json.dumps([{"key": "sk-plain", "name": "a"}]))
+    with pytest.raises(GatewayError) as caught:
+        store.authenticate(header)
+    assert caught.value.status == 401 and caught.value.code == code
+    assert "sk-plain" not in caught.value.message
+
+
+def test_environment_keys_allow_every_model_and_combine_with_the_file(tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps([{"key": "sk-file", "name": "file", "models": ["a"]}]))
+    store = KeyStore.load(str(path), " sk-env-1, ,sk-env-2 ")
+    assert len(store) == 3
+    assert store.authenticate("Bearer sk-env-2").models is None
+    with pytest.raises(GatewayError) as caught:
+        check_model(store.authenticate("Bearer sk-file"), "b")
+    assert caught.value.status == 403 and caught.value.param == "model"
+
+
+def test_open_access_lets_everyone_in_as_anonymous():
+    store = KeyStore.open()
+    assert store.authenticate(None) is ANONYMOUS and store.authenticate("Bearer x") is ANONYMOUS
+
+
+@pytest.mark.parametrize(
+    ("entries", "message"),
+    [
+        ([], "non-empty list"),
+        ({"key": "x"}, "non-empty list"),
+        ([{"key": "x"}], "name must be"),
+        ([{"key": "x", "name": "has space"}], "name must be"),
+        ([{"name": "a"}], "exactly one of key or key_sha256"),
+        ([{"name": "a", "key": "x", "key_sha256": "0" * 64}], "exactly one of"),
+        ([{"name": "a", "key_sha256": "abc"}], "64 hex digits"),
+        ([{"name": "a", "key": "x", "rpm": 0}], "rpm must be a positive integer"),
+        ([{"name": "a", "key": "x", "tpm": "many"}], "tpm must be a positive integer"),
+        ([{"name": "a", "key": "x", "models": []}], "models must be"),
+        ([{"name": "a", "key": "x", "models": ["a", "*"]}], '"*" alone'),
+        ([{"name": "a", "key": "x", "rmp": 3}], "unknown fields ['rmp']"),
+        ([{"name": "a", "key": "x"}, {"name": "a", "key": "y"}], "used twice"),
+        ([{"name": "a", "key": "x"}, {"name": "b", "key": "x"}], "listed twice"),
+    ],
+)
+def test_a_bad_key_file_is_a_clear_error_at_start(tmp_path, entries, message):
+    with pytest.raises(ValueError) as caught:
+        _store(tmp_path, json.dumps(entries))
+    assert message in str(caught.value)
+
+
+def test_no_keys_at_all_is_refused_unless_open(tmp_path):
+    with pytest.raises(ValueError, match="--no-auth"):
+        KeyStore.load(None, None)
+    with pytest.raises(ValueError, match="cannot read"):
+        KeyStore.load(str(tmp_path / "missing.json"), None)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        _store(tmp_path, "[{")

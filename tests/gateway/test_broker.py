@@ -1,0 +1,97 @@
+"""The gateway's asyncio twins of the protocol functions agree with the originals."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis.asyncio as aioredis
+
+from tandem.engine.service.cancellation import is_cancelled
+from tandem.engine.service.registry import Registry
+from tandem.engine.service.work_queue import WorkQueue, enqueue, queue_depth
+from tandem.gateway.broker import Broker
+from tandem.protocol import EngineInfo, Role, WorkItem
+
+
+def _run(redis_url, keys, work):
+    async def main():
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            return await work(Broker(client, keys))
+        finally:
+            await client.aclose()
+
+    return asyncio.run(main())
+
+
+def _fields(conn, stream):
+    [(_, fields)] = conn.xrange(stream)
+    return {k: v for k, v in fields.items() if k != b"data"}, WorkItem.from_fields(fields)
+
+
+def test_enqueue_writes_what_the_original_writes(redis_url, keys, redis_client):
+    item = WorkItem("a", "m", prompt="hello", priority=2, estimated_prompt_tokens=7, deadline=9.0)
+    twin = WorkItem("b", "m", prompt="hello", priority=2, estimated_prompt_tokens=7, deadline=9.0)
+    _run(redis_url, keys, lambda b: b.enqueue([item]))
+    ours = _fields(redis_client, keys.work_stream("m", 2))
+    redis_client.delete(keys.work_stream("m", 2))
+    enqueue(redis_client, keys, twin)
+    theirs = _fields(redis_client, keys.work_stream("m", 2))
+    assert ours[0] == theirs[0]  # v, kind, tokens
+    assert ours[1].prompt == theirs[1].prompt and ours[1].deadline == 9.0
+    assert int(redis_client.get(keys.queued_tokens("m"))) == 14
+
+
+def test_n_items_queue_in_one_transaction_and_an_engine_takes_them(redis_url, keys, redis_client):
+    items = [WorkItem(f"r-{i}", "m", prompt="x" * 8, estimated_prompt_tokens=2) for i in range(3)]
+    ids = _run(redis_url, keys, lambda b: b.enqueue(items))
+    assert len(ids) == 3 and int(redis_client.get(keys.queued_tokens("m"))) == 6
+    queue = WorkQueue(redis_client, keys, "m", Role.NORMAL, "engine-1")
+    pulled = queue.pull(10)
+    assert [d.request_id for d in pulled.work] == ["r-0", "r-1", "r-2"]
+    assert int(redis_client.get(keys.queued_tokens("m"))) == 0
+
+
+def test_queue_depth_matches_the_original(redis_url, keys, redis_client):
+    assert _run(redis_url, keys, lambda b: b.queue_depth("m")) == queue_depth(
+        redis_client, keys, "m"
+    )  # no group yet
+    for i in range(4):
+        enqueue(redis_client, keys, WorkItem(f"r{i}", "m", prompt="x", estimated_prompt_tokens=1))
+    enqueue(redis_client, keys, WorkItem("h", "m", prompt="x", priority=2))
+    WorkQueue(redis_client, keys, "m", Role.NORMAL, "e").pull(2)  # two pending
+    ours = _run(redis_url, keys, lambda b: b.queue_depth("m"))
+    assert ours == queue_depth(redis_client, keys, "m")
+    assert ours.total_waiting == 3 and ours.pending == 2
+
+
+def test_cancel_sets_the_key_and_publishes(redis_url, keys, redis_client):
+    pubsub = redis_client.pubsub()
+    pubsub.subscribe(keys.cancel_channel)
+    assert pubsub.get_message(timeout=1)["type"] == "subscribe"
+    _run(redis_url, keys, lambda b: b.cancel(["x", "y"]))
+    assert is_cancelled(redis_client, keys, "x") and is_cancelled(redis_client, keys, "y")
+    heard = [pubsub.get_message(timeout=1)["data"] for _ in range(2)]
+    assert heard == [b"x", b"y"]
+    pubsub.close()
+
+
+def test_live_engines_match_the_registry_and_prune_alike(redis_url, keys, redis_client):
+    registry = Registry(redis_client, keys, ttl_seconds=0.2)
+    registry.heartbeat(EngineInfo("old", "m", "normal", "h:1"))
+    time.sleep(0.3)
+    Registry(redis_client, keys, ttl_seconds=30).heartbeat(EngineInfo("e2", "m", "prompt", "h:2"))
+    Registry(redis_client, keys, ttl_seconds=30).heartbeat(EngineInfo("e1", "n", "normal", "h:3"))
+    redis_client.sadd(keys.engines_set, "garbled")
+    redis_client.set(keys.engine_key("garbled"), "not json")
+    ours = _run(redis_url, keys, lambda b: b.live_engines())
+    assert [e.engine_id for e in ours] == ["e1", "e2"]
+    assert redis_client.smembers(keys.engines_set) == {b"e1", b"e2", b"garbled"}  # "old" pruned
+    theirs = Registry(redis_client, keys).live("m")
+    assert _run(redis_url, keys, lambda b: b.live_engines("m")) == theirs
+
+
+def test_ping_says_whether_redis_answers(redis_url, keys):
+    assert _run(redis_url, keys, lambda b: b.ping())
+    assert not _run("redis://127.0.0.1:1/0", keys, lambda b: b.ping())

@@ -1,0 +1,80 @@
+"""A client that goes away cancels its work: the engine frees the KV at once."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+from .live import API_KEY
+
+LONG = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "Tell me a long story."}],
+    "max_tokens": 230,
+    "temperature": 0,
+    "ignore_eos": True,
+}
+
+
+def eventually(check, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_closing_a_stream_midway_frees_the_kv_on_the_engine(shared_gateway, shared_engine):
+    cancelled = shared_engine.metric("tandem_engine_requests_total", outcome="cancelled")
+    client = shared_gateway.openai()
+    stream = client.chat.completions.create(
+        **{k: v for k, v in LONG.items() if k != "ignore_eos"},
+        extra_body={"ignore_eos": True},
+        stream=True,
+    )
+    received = 0
+    for chunk in stream:
+        received += bool(chunk.choices and chunk.choices[0].delta.content)
+        if received >= 3:
+            break
+    assert shared_engine.metric("tandem_engine_kv_cache_usage") > 0  # it is decoding
+    stream.close()
+    assert eventually(lambda: shared_engine.metric("tandem_engine_kv_cache_usage") == 0)
+    assert eventually(
+        lambda: (
+            shared_engine.metric("tandem_engine_requests_total", outcome="cancelled")
+            == cancelled + 1
+        )
+    )
+    assert shared_gateway.metric("tandem_gateway_cancellations_total", why="disconnect") >= 1
+    client.close()
+
+
+def test_a_non_streaming_client_that_disconnects_cancels_too(shared_gateway, shared_engine):
+    cancelled = shared_engine.metric("tandem_engine_requests_total", outcome="cancelled")
+    body = json.dumps(LONG).encode()
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
+        b"Content-Type: application/json\r\n"
+        + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    port = shared_gateway.settings.port
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(request)
+        assert eventually(lambda: shared_engine.metric("tandem_engine_kv_cache_usage") > 0)
+    # Closed without reading a byte of the answer.
+    assert eventually(lambda: shared_engine.metric("tandem_engine_kv_cache_usage") == 0)
+    assert eventually(
+        lambda: (
+            shared_engine.metric("tandem_engine_requests_total", outcome="cancelled")
+            == cancelled + 1
+        )
+    )
+    # The gateway is unharmed.
+    reply = shared_gateway.openai().chat.completions.create(
+        model="tiny", messages=LONG["messages"], max_tokens=2
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length")

@@ -1,0 +1,201 @@
+"""Bad requests: each gets the right status and an OpenAI error body, and the
+gateway answers the next good request as if nothing happened."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+import redis
+
+from tandem.engine.service.cancellation import is_cancelled
+from tandem.engine.service.registry import Registry
+from tandem.engine.service.work_queue import enqueue
+from tandem.gateway.auth import KeyStore
+from tandem.protocol import EngineInfo, WorkItem
+
+from .live import API_KEY, LiveGateway, settings_for
+
+USER = [{"role": "user", "content": "Hi"}]
+GOOD = {"model": "tiny", "messages": USER, "max_tokens": 2, "temperature": 0}
+# Models an engine is registered for that takes no work: requests to them wait.
+FULL, SLOW, SLOW_STREAM, SLOW_CANCEL = "ghost-full", "ghost-slow", "ghost-stream", "ghost-cancel"
+KEYS = [
+    {"key": API_KEY, "name": "main"},
+    {"key": "sk-other-model", "name": "other", "models": ["other"]},
+    {"key": "sk-rpm", "name": "rpm-1", "rpm": 1},
+    {"key": "sk-tpm", "name": "tpm-100", "tpm": 100},
+]
+
+
+@pytest.fixture(scope="module")
+def gateway(redis_server, shared_keys, shared_engine, tmp_path_factory):
+    conn = redis.Redis.from_url(redis_server.url)
+    registry = Registry(conn, shared_keys, ttl_seconds=600)
+    for model in (FULL, SLOW, SLOW_STREAM, SLOW_CANCEL):
+        registry.heartbeat(EngineInfo(f"ghost-{model}", model, "normal", "127.0.0.1:1"))
+    enqueue(conn, shared_keys, WorkItem("queued-first", FULL, prompt="x"))
+    path = tmp_path_factory.mktemp("keys") / "keys.json"
+    path.write_text(json.dumps(KEYS))
+    settings = settings_for(redis_server.url, shared_keys, max_queue=1, max_body_bytes=4096)
+    live = LiveGateway(settings, KeyStore.load(str(path), None)).start()
+    yield live, conn
+    live.stop()
+    conn.close()
+
+
+@dataclass
+class Case:
+    status: int
+    body: dict | bytes | None = None
+    key: str | None = API_KEY
+    headers: dict[str, str] = field(default_factory=dict)
+    path: str = "/v1/chat/completions"
+    method: str = "POST"
+    # Sent first with the same key (to use up a quota).
+    before: dict | None = None
+    param: str | None = None
+    code: str | None = None
+    message: str = ""
+    check: Callable[[httpx.Response], None] | None = None
+
+    def send(self, client: httpx.Client) -> httpx.Response:
+        headers = {"Content-Type": "application/json", **self.headers}
+        if self.key:
+            headers["Authorization"] = f"Bearer {self.key}"
+        if self.before is not None:
+            client.post(self.path, json=self.before, headers=headers).raise_for_status()
+        content = self.body if isinstance(self.body, bytes) else json.dumps(self.body).encode()
+        return client.request(self.method, self.path, content=content, headers=headers)
+
+
+def _retry_after(response: httpx.Response) -> None:
+    assert int(response.headers["Retry-After"]) >= 1
+
+
+def _no_retry(response: httpx.Response) -> None:
+    assert response.headers["x-should-retry"] == "false"
+
+
+CASES = {
+    "malformed json": Case(400, b'{"model": "tiny", "messages": [', message="not valid JSON"),
+    "not an object": Case(400, b"[1, 2]", message="JSON object"),
+    "wrong type": Case(400, {**GOOD, "temperature": "hot"}, param="temperature"),
+    "wrong nested type": Case(400, {**GOOD, "messages": [{"role": "robot"}]},
+                              param="messages[0].role"),
+    "missing messages": Case(400, {"model": "tiny"}, param="messages", message="Missing"),
+    "missing model": Case(400, {"messages": USER}, param="model"),
+    "empty messages": Case(400, {**GOOD, "messages": []}, param="messages"),
+    "unknown argument": Case(400, {**GOOD, "max_tokenz": 3}, param="max_tokenz",
+                             message="Unrecognized request argument"),
+    "max_tokens 0": Case(400, {**GOOD, "max_tokens": 0}, param="max_tokens"),
+    "top_p 0": Case(400, {**GOOD, "top_p": 0}, param="top_p"),
+    "empty stop": Case(400, {**GOOD, "stop": [""]}, param="stop[0]"),
+    "n too big": Case(400, {**GOOD, "n": 99}, param="n"),
+    "logprobs": Case(400, {**GOOD, "logprobs": True}, param="logprobs", code="unsupported",
+                     message="not supported"),
+    "presence penalty": Case(400, {**GOOD, "presence_penalty": 1.0}, code="unsupported"),
+    "stream_options without stream": Case(400, {**GOOD, "stream_options": {}},
+                                          param="stream_options"),
+    "image part": Case(400, {**GOOD, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]},
+        param="messages[0].content[0]"),
+    "batched prompts": Case(400, {"model": "tiny", "prompt": ["a", "b"]},
+                            path="/v1/completions", param="prompt", message="batched"),
+    "empty prompt": Case(400, {"model": "tiny", "prompt": ""}, path="/v1/completions",
+                         param="prompt"),
+    "negative token id": Case(400, {"model": "tiny", "prompt": [1, -5]},
+                              path="/v1/completions", param="prompt[1]"),
+    "bad timeout header": Case(400, GOOD, headers={"X-Tandem-Timeout": "soon"},
+                               param="X-Tandem-Timeout"),
+    "bad priority header": Case(400, GOOD, headers={"X-Tandem-Priority": "urgent"},
+                                param="X-Tandem-Priority"),
+    "unknown model": Case(404, {**GOOD, "model": "nope"}, param="model",
+                          code="model_not_found"),
+    "prompt too long": Case(
+        400, {**GOOD, "messages": [{"role": "user", "content": "lorem ipsum " * 150}]},
+        param="messages", code="prompt_too_long", message="more than this engine's limit of 256",
+    ),
+    "no key": Case(401, GOOD, key=None, code="missing_api_key"),
+    "wrong key": Case(401, GOOD, key="sk-wrong", code="invalid_api_key"),
+    "key not allowed the model": Case(403, GOOD, key="sk-other-model", param="model",
+                                      code="model_not_allowed"),
+    "oversized body": Case(413, {**GOOD, "user": "x" * 5000}, code="request_too_large"),
+    "queue full": Case(429, {**GOOD, "model": FULL}, code="queue_full", check=_retry_after),
+    "requests per minute": Case(429, GOOD, key="sk-rpm", before=GOOD, code="rpm_exceeded",
+                                message="requests per minute", check=_retry_after),
+    "tokens per minute": Case(429, {**GOOD, "max_tokens": 60}, key="sk-tpm",
+                              before={**GOOD, "max_tokens": 60}, code="tpm_exceeded",
+                              message="tokens per minute", check=_retry_after),
+    "larger than the tpm quota": Case(429, {**GOOD, "max_tokens": 500}, key="sk-tpm",
+                                      code="tpm_exceeded", check=_no_retry),
+    "deadline passed": Case(504, {**GOOD, "model": SLOW}, headers={"X-Tandem-Timeout": "0.3"},
+                            code="deadline_exceeded"),
+    "deadline passed, streaming": Case(504, {**GOOD, "model": SLOW_STREAM, "stream": True},
+                                       headers={"X-Tandem-Timeout": "0.3"},
+                                       code="deadline_exceeded"),
+    "unknown route": Case(404, GOOD, path="/v1/embeddings"),
+    "wrong method": Case(405, None, path="/v1/chat/completions", method="GET"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_bad_request_gets_an_openai_error_and_the_gateway_keeps_serving(gateway, name):
+    live, _ = gateway
+    case = CASES[name]
+    with httpx.Client(base_url=live.url, timeout=30) as client:
+        response = case.send(client)
+        assert response.status_code == case.status, response.text
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert isinstance(error["message"], str) and error["message"]
+        assert error["type"]
+        if case.param is not None:
+            assert error["param"] == case.param
+        if case.code is not None:
+            assert error["code"] == case.code
+        assert case.message in error["message"]
+        if case.check is not None:
+            case.check(response)
+        good = client.post("/v1/chat/completions", json=GOOD, headers=_auth(API_KEY))
+        assert good.status_code == 200, good.text
+        assert good.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_prompt_too_long_names_both_lengths(gateway):
+    live, _ = gateway
+    with live.http() as client:
+        body = {**GOOD, "messages": [{"role": "user", "content": "lorem ipsum " * 150}]}
+        message = client.post("/v1/chat/completions", json=body).json()["error"]["message"]
+    assert "has " in message and " tokens, more than this engine's limit of 256" in message
+
+
+def test_a_deadline_cancels_the_queued_work(gateway, shared_keys):
+    live, conn = gateway
+    before = live.metric("tandem_gateway_cancellations_total", why="deadline")
+    with live.http() as client:
+        reply = client.post(
+            "/v1/completions",
+            json={"model": SLOW_CANCEL, "prompt": "x", "max_tokens": 3},
+            headers={"X-Tandem-Timeout": "0.2"},
+        )
+    assert reply.status_code == 504
+    assert live.metric("tandem_gateway_cancellations_total", why="deadline") == before + 1
+    [(_, newest)] = conn.xrange(shared_keys.work_stream(SLOW_CANCEL, 1))
+    work = WorkItem.from_fields(newest)
+    assert is_cancelled(conn, shared_keys, work.request_id)
+    assert work.deadline is not None and work.deadline - work.created_at == pytest.approx(0.2)
+
+
+def test_rejections_are_counted_by_reason(gateway):
+    live, _ = gateway
+    assert live.metric("tandem_gateway_rejections_total", reason="auth") >= 2
+    assert live.metric("tandem_gateway_rejections_total", reason="queue_full") >= 1
+    assert live.metric("tandem_gateway_requests_total", status="401") >= 2
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}

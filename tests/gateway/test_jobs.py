@@ -1,0 +1,117 @@
+"""Requests into work items: parameters, seeds, priorities, deadlines, estimates."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tandem.gateway.errors import GatewayError
+from tandem.gateway.jobs import JobBuilder, derive_seed
+from tandem.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from tandem.gateway.settings import GatewaySettings
+from tandem.protocol import PRIORITY_HIGH, PRIORITY_LOW, PRIORITY_NORMAL
+
+BUILDER = JobBuilder(GatewaySettings(request_timeout=60, default_max_tokens=100, max_n=4))
+
+
+def _chat(headers=None, **fields):
+    body = {"model": "m", "messages": [{"role": "user", "content": "abcdefgh"}], **fields}
+    return BUILDER.chat(ChatCompletionRequest.model_validate(body), headers or {})
+
+
+def test_a_chat_request_becomes_one_work_item_with_its_sampling():
+    job = _chat(max_tokens=5, temperature=0.5, top_p=0.9, top_k=3, seed=7, stop="x")
+    [item] = job.items
+    assert item.messages == [{"role": "user", "content": "abcdefgh"}]
+    assert item.sampling == {
+        "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 3, "seed": 7, "stop": ["x"]
+    }  # fmt: skip
+    assert item.priority == PRIORITY_NORMAL and item.request_id == job.base_id
+    assert item.estimated_prompt_tokens == 2  # 8 characters / 4
+    assert item.deadline == pytest.approx(time.time() + 60, abs=1)
+    assert job.cost_tokens == 2 + 5
+
+
+def test_n_choices_get_distinct_reproducible_seeds_the_first_keeps_its_own():
+    job = _chat(n=3, seed=42, max_tokens=4)
+    seeds = [item.sampling["seed"] for item in job.items]
+    assert seeds[0] == 42 and len(set(seeds)) == 3
+    assert seeds == [derive_seed(42, i) for i in range(3)]
+    assert [item.request_id for item in job.items] == [f"{job.base_id}-{i}" for i in range(3)]
+    assert job.cost_tokens == 3 * (2 + 4)
+    unseeded = _chat(n=2)
+    assert all("seed" not in item.sampling for item in unseeded.items)
+
+
+def test_defaults_of_max_tokens():
+    assert _chat().max_tokens == 100  # the server's default for chat
+    body = CompletionRequest(model="m", prompt="abc")
+    assert BUILDER.completion(body, {}).max_tokens == 16  # OpenAI's for completions
+    assert _chat(max_completion_tokens=9).max_tokens == 9
+
+
+def test_priority_from_the_field_or_the_header():
+    assert _chat().items[0].priority == PRIORITY_NORMAL
+    assert _chat({"x-tandem-priority": "HIGH"}).items[0].priority == PRIORITY_HIGH
+    assert _chat({"x-tandem-priority": "high"}, priority="low").items[0].priority == PRIORITY_LOW
+
+
+def test_the_timeout_header_only_lowers_the_deadline():
+    assert _chat({"x-tandem-timeout": "2.5"}).timeout == 2.5
+    assert _chat({"x-tandem-timeout": "9999"}).timeout == 60
+    for bad in ("0", "-1", "nan", "inf", "soon"):
+        with pytest.raises(GatewayError) as caught:
+            _chat({"x-tandem-timeout": bad})
+        assert caught.value.param == "X-Tandem-Timeout"
+
+
+def test_prompts_text_token_ids_and_lists_of_one():
+    def prompt(value):
+        return BUILDER.completion(CompletionRequest(model="m", prompt=value), {}).items[0]
+
+    assert prompt("hello").prompt == "hello"
+    assert prompt(["hello"]).prompt == "hello"
+    assert prompt([1, 2, 3]).prompt_token_ids == [1, 2, 3]
+    assert prompt([[4, 5]]).prompt_token_ids == [4, 5]
+    assert prompt([1, 2, 3]).estimated_prompt_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"logit_bias": {"1": 2.0}}, "logit_bias"),
+        ({"n": 5}, "n"),
+        ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ],
+)
+def test_refused_parameters_are_named(fields, param):
+    with pytest.raises(GatewayError) as caught:
+        _chat(**fields)
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_neutral_values_of_unsupported_parameters_pass():
+    job = _chat(
+        logprobs=False,
+        frequency_penalty=0,
+        presence_penalty=0.0,
+        logit_bias={},
+        response_format={"type": "text"},
+        tool_choice="none",
+        n=1,
+    )
+    assert job.n == 1
+    body = CompletionRequest(model="m", prompt="x", best_of=2, n=2, echo=False, suffix="")
+    assert BUILDER.completion(body, {}).n == 2
+
+
+def test_the_digest_ignores_how_the_answer_is_delivered():
+    streamed = _chat(stream=True, stream_options={"include_usage": True})
+    assert streamed.digest == _chat().digest != _chat(max_tokens=3).digest

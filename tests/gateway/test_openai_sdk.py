@@ -1,0 +1,169 @@
+"""The official `openai` package, unmodified, against a live gateway and a real engine."""
+
+from __future__ import annotations
+
+import pytest
+from support.engines import Client
+
+GREEDY = {"temperature": 0.0}
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name three colours."},
+]
+
+
+@pytest.fixture(scope="module")
+def sdk(shared_gateway):
+    client = shared_gateway.openai()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def direct(redis_server, shared_keys, shared_gateway):
+    """The Redis protocol without the gateway: what the gateway must reproduce."""
+    client = Client(redis_server.url, shared_keys)
+    yield client
+    client.close()
+
+
+def test_models_lists_the_live_model(sdk):
+    assert [m.id for m in sdk.models.list()] == ["tiny"]
+    card = sdk.models.retrieve("tiny")
+    assert card.id == "tiny" and card.object == "model" and card.created > 0
+
+
+def test_chat_answers_what_the_engine_generates_with_its_usage(sdk, direct):
+    reply = sdk.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=12, extra_body={"ignore_eos": True}, **GREEDY
+    )
+    rid = direct.submit(
+        messages=MESSAGES, sampling={"max_tokens": 12, "ignore_eos": True, **GREEDY}
+    )
+    expected = direct.answer(rid)
+    assert reply.id.startswith("chatcmpl-") and reply.object == "chat.completion"
+    assert reply.model == "tiny" and reply.created > 0
+    [choice] = reply.choices
+    assert choice.index == 0 and choice.message.role == "assistant"
+    assert choice.message.content == expected.text
+    assert choice.finish_reason == "length"
+    usage = expected.final.usage
+    assert reply.usage.prompt_tokens == usage["prompt_tokens"] > 0
+    assert reply.usage.completion_tokens == 12
+    assert reply.usage.total_tokens == usage["prompt_tokens"] + 12
+    assert reply.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_chat_stream_with_include_usage_matches_the_plain_answer(sdk):
+    args = dict(model="tiny", messages=MESSAGES, max_completion_tokens=10, **GREEDY)
+    plain = sdk.chat.completions.create(**args)
+    chunks = list(
+        sdk.chat.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.id == chunks[0].id and c.object == "chat.completion.chunk" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == plain.choices[0].finish_reason and set(finishes[:-1]) == {None}
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert last.usage.completion_tokens == plain.usage.completion_tokens
+    # The same prompt again: its full KV blocks come from the engine's prefix cache.
+    assert last.usage.prompt_tokens_details.cached_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_text_content_parts_equal_the_joined_string(sdk):
+    parts = [{"type": "text", "text": "Name three"}, {"type": "text", "text": "colours."}]
+    as_parts = sdk.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=6, **GREEDY
+    )
+    as_text = sdk.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Name three\ncolours."}],
+        max_tokens=6,
+        **GREEDY,
+    )
+    assert as_parts.choices[0].message.content == as_text.choices[0].message.content
+    assert as_parts.usage.prompt_tokens == as_text.usage.prompt_tokens
+
+
+def test_completions_of_text_and_of_token_ids_stream_and_not(sdk, direct):
+    text = sdk.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, **GREEDY)
+    assert text.id.startswith("cmpl-") and text.object == "text_completion"
+    streamed = list(
+        sdk.completions.create(
+            model="tiny", prompt="Once upon a time", max_tokens=8, stream=True, **GREEDY
+        )
+    )
+    assert "".join(c.choices[0].text for c in streamed) == text.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == text.choices[0].finish_reason
+
+    ids = [5, 9, 17, 33, 2, 101, 77]
+    by_ids = sdk.completions.create(
+        model="tiny", prompt=ids, max_tokens=8, extra_body={"ignore_eos": True}, **GREEDY
+    )
+    rid = direct.submit(
+        prompt_token_ids=ids, sampling={"max_tokens": 8, "ignore_eos": True, **GREEDY}
+    )
+    assert by_ids.choices[0].text == direct.answer(rid).text
+    assert by_ids.usage.prompt_tokens == len(ids)
+    assert by_ids.usage.completion_tokens == 8
+
+
+def test_n_2_gives_two_choices_seeded_reproducibly(sdk):
+    args = dict(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=8,
+        temperature=1.0,
+        seed=1234,
+        n=2,
+        extra_body={"ignore_eos": True},
+    )
+    first = sdk.chat.completions.create(**args)
+    again = sdk.chat.completions.create(**args)
+    assert [c.index for c in first.choices] == [0, 1]
+    texts = [c.message.content for c in first.choices]
+    assert texts == [c.message.content for c in again.choices]
+    assert texts[0] != texts[1]  # each choice has its own seed
+    single = sdk.chat.completions.create(**{**args, "n": 1})
+    assert single.choices[0].message.content == texts[0]
+    # The prompt counted once (the choices share it), the completions of both.
+    assert first.usage.completion_tokens == 16
+    assert first.usage.prompt_tokens == single.usage.prompt_tokens
+
+    chunks = list(sdk.chat.completions.create(**args, stream=True))
+    merged = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            merged[choice.index] += choice.delta.content or ""
+    assert [merged[0], merged[1]] == texts
+
+
+def test_stop_strings_end_the_answer_before_them(sdk):
+    args = dict(model="tiny", prompt="The quick brown fox", max_tokens=24, **GREEDY)
+    full = sdk.completions.create(**args, extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[6:9]
+    assert stop.strip(), f"pick another window of {full!r}"
+    cut = full[: full.index(stop)]
+    for value in (stop, [stop, "never-seen-zzz"]):
+        reply = sdk.completions.create(**args, stop=value, extra_body={"ignore_eos": True})
+        assert reply.choices[0].text == cut
+        assert reply.choices[0].finish_reason == "stop"
+
+
+def test_priority_field_and_header_are_accepted(sdk):
+    high = sdk.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=3, extra_body={"priority": "high"}, **GREEDY
+    )
+    low = sdk.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=3,
+        extra_headers={"X-Tandem-Priority": "low"},
+        **GREEDY,
+    )
+    assert high.choices[0].message.content == low.choices[0].message.content

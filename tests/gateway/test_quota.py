@@ -1,0 +1,112 @@
+"""Token-bucket quotas in Redis: exact under concurrency, shared by replicas, refilling."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+
+from tandem.gateway.auth import ApiKey
+from tandem.gateway.errors import GatewayError
+from tandem.gateway.quota import Quotas
+
+
+def _run(redis_url, work):
+    async def main():
+        clients = [aioredis.Redis.from_url(redis_url) for _ in range(2)]
+        try:
+            return await work(*clients)
+        finally:
+            for client in clients:
+                await client.aclose()
+
+    return asyncio.run(main())
+
+
+def test_requests_per_minute_admit_exactly_the_limit_across_replicas(redis_url, keys):
+    key = ApiKey("k", rpm=5)
+
+    async def work(a, b):
+        replicas = [Quotas(a, keys.prefix), Quotas(b, keys.prefix)]
+        decisions = await asyncio.gather(*(replicas[i % 2].take(key, 0) for i in range(20)))
+        return decisions
+
+    decisions = _run(redis_url, work)
+    assert sum(d.admitted for d in decisions) == 5
+    refused = [d for d in decisions if not d.admitted]
+    assert {d.quota for d in refused} == {"rpm"}
+    # One request comes back every 60/5 = 12 s.
+    assert all(0 < d.retry_after <= 12.01 for d in refused)
+
+
+def test_a_request_refused_for_tokens_uses_no_request(redis_url, keys):
+    key = ApiKey("k", rpm=2, tpm=100)
+
+    async def work(a, _):
+        quotas = Quotas(a, keys.prefix)
+        return [await quotas.take(key, cost) for cost in (60, 60, 10, 1)]
+
+    first, second, third, fourth = _run(redis_url, work)
+    assert first.admitted and third.admitted
+    assert (second.admitted, second.quota) == (False, "tpm")
+    # 40 tokens left, 60 needed: 20 tokens at 100/60 per second.
+    assert second.retry_after == pytest.approx(12, abs=0.2)
+    assert (fourth.admitted, fourth.quota) == (False, "rpm")
+
+
+def test_a_cost_above_the_whole_bucket_is_refused_for_good(redis_url, keys):
+    key = ApiKey("k", tpm=100)
+
+    async def work(a, _):
+        quotas = Quotas(a, keys.prefix)
+        decision = await quotas.take(key, 101)
+        with pytest.raises(GatewayError) as caught:
+            await quotas.admit(key, 101)
+        return decision, caught.value
+
+    decision, error = _run(redis_url, work)
+    assert decision.quota == "tpm_size"
+    assert error.status == 429 and error.headers == {"x-should-retry": "false"}
+    assert "tokens per minute" in error.message and "101" in error.message
+
+
+def test_buckets_refill_with_time(redis_url, keys):
+    key = ApiKey("k", rpm=120)  # one request back every 0.5 s
+
+    async def work(a, _):
+        quotas = Quotas(a, keys.prefix)
+        burst = [await quotas.take(key, 0) for _ in range(121)]
+        await asyncio.sleep(0.6)
+        return burst, await quotas.take(key, 0)
+
+    burst, later = _run(redis_url, work)
+    assert sum(d.admitted for d in burst) == 120 and not burst[-1].admitted
+    assert later.admitted
+
+
+def test_the_429_names_the_quota_and_says_when_to_retry(redis_url, keys):
+    key = ApiKey("team-a", rpm=1)
+
+    async def work(a, _):
+        quotas = Quotas(a, keys.prefix)
+        await quotas.admit(key, 0)
+        with pytest.raises(GatewayError) as caught:
+            await quotas.admit(key, 0)
+        return caught.value
+
+    error = _run(redis_url, work)
+    assert error.status == 429 and error.code == "rpm_exceeded"
+    assert "requests per minute" in error.message and "team-a" in error.message
+    assert 55 <= int(error.headers["Retry-After"]) <= 60
+
+
+def test_keys_without_limits_never_touch_redis(keys):
+    async def work():
+        client = aioredis.Redis.from_url("redis://127.0.0.1:1/0")  # nothing listens there
+        try:
+            return await Quotas(client, keys.prefix).take(ApiKey("free"), 10**9)
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(work()).admitted

@@ -1,0 +1,85 @@
+"""Answers and chunks match the documented (OpenAI) models, field for field."""
+
+from __future__ import annotations
+
+import json
+
+from tandem.gateway.errors import error_body, validation_error
+from tandem.gateway.rendering import ChatRenderer, ChoiceResult, CompletionRenderer
+from tandem.gateway.schemas import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    ErrorResponse,
+)
+from tandem.gateway.streaming import DONE, sse
+
+
+def _choices() -> list[ChoiceResult]:
+    usage = {"prompt_tokens": 7, "completion_tokens": 3, "cached_tokens": 4}
+    return [
+        ChoiceResult(["Hel", "lo"], "stop", usage),
+        ChoiceResult(["Bye"], "length", {**usage, "completion_tokens": 5, "cached_tokens": 7}),
+    ]
+
+
+def _same(model, body: dict) -> None:
+    """The body validates and nothing is lost or added on the way."""
+    assert model.model_validate(body).model_dump(mode="json", exclude_unset=True) == body
+
+
+def test_chat_answers_and_chunks_follow_the_models():
+    renderer = ChatRenderer("abc", 1700000000, "tiny", include_usage=True)
+    body = renderer.response(_choices())
+    _same(ChatCompletion, body)
+    assert body["id"] == "chatcmpl-abc" and list(body) == [
+        "id", "object", "created", "model", "choices", "usage"
+    ]  # fmt: skip
+    assert [c["message"]["content"] for c in body["choices"]] == ["Hello", "Bye"]
+    # The prompt once, every choice's completion tokens.
+    assert body["usage"] == {
+        "prompt_tokens": 7,
+        "completion_tokens": 8,
+        "total_tokens": 15,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
+    for chunk in [*renderer.opening(2), renderer.text(1, "x"), renderer.finish(0, "stop")]:
+        _same(ChatCompletionChunk, chunk)
+        assert chunk["usage"] is None  # include_usage: null on every chunk but the last
+    last = renderer.usage(_choices())
+    _same(ChatCompletionChunk, last)
+    assert last["choices"] == [] and last["usage"]["total_tokens"] == 15
+
+
+def test_completion_answers_and_chunks_follow_the_models():
+    renderer = CompletionRenderer("xyz", 1700000000, "tiny", include_usage=False)
+    body = renderer.response(_choices())
+    _same(Completion, body)
+    assert body["id"] == "cmpl-xyz" and body["object"] == "text_completion"
+    assert [c["text"] for c in body["choices"]] == ["Hello", "Bye"]
+    assert renderer.opening(2) == []
+    chunk = renderer.text(0, "a")
+    assert "usage" not in chunk
+    _same(Completion, {**chunk, "usage": None})
+
+
+def test_sse_frames_are_data_lines():
+    assert sse({"a": 1}) == b'data: {"a":1}\n\n'
+    assert DONE == b"data: [DONE]\n\n"
+
+
+def test_error_bodies_follow_the_model():
+    _same(ErrorResponse, error_body("bad", "invalid_request_error", "n", "x"))
+    error = validation_error(
+        [{"type": "missing", "loc": ("body", "messages", 0, "role"), "msg": "Field required"}]
+    )
+    assert error.status == 400 and error.param == "messages[0].role"
+    _same(ErrorResponse, json.loads(error.response().body))
+
+
+def test_union_errors_name_the_deepest_location():
+    errors = [
+        {"type": "string_type", "loc": ("body", "prompt", "str"), "msg": "not a string"},
+        {"type": "greater_than_equal", "loc": ("body", "prompt", "list[int]", 1), "msg": ">= 0"},
+    ]
+    assert validation_error(errors).param == "prompt[1]"
