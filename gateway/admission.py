@@ -114,7 +114,7 @@ class Admission:
 
     async def admit(self, caller: ApiKey, job: Job, idempotency_key: str | None) -> Ticket:
         check_model(caller, job.model)
-        if not await self.directory.is_live(job.model):
+        if not await self.directory.is_served(job.model):
             raise model_not_found(job.model)
         ledger_key = None
         if idempotency_key is not None:

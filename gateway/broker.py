@@ -146,6 +146,17 @@ class Broker:
                 engines.append(info)
         return engines
 
+    async def declared_models(self) -> set[str]:
+        """Models a controller declared served (tandem/catalog.py), engines or not."""
+        names = sorted(_str(x) for x in await self.client.smembers(self.keys.models_set))
+        if not names:
+            return set()
+        raws = await self.client.mget([self.keys.model_key(n) for n in names])
+        expired = [name for name, raw in zip(names, raws, strict=True) if raw is None]
+        if expired:
+            await self.client.srem(self.keys.models_set, *expired)
+        return {name for name, raw in zip(names, raws, strict=True) if raw is not None}
+
 
 def _decode(engine_id: str, raw: Any) -> EngineInfo | None:
     # As the registry: an entry this side cannot read (another protocol version)

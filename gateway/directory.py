@@ -1,6 +1,10 @@
-"""ModelDirectory: which models have live engines, from the registry, briefly cached.
+"""ModelDirectory: which models are served, from the registry and the catalog, briefly cached.
 
-Asking the registry costs two round trips; a request path that did so every
+A model is served when it has live engines (the registry) or a controller
+declares it (tandem/catalog.py: scaled to zero, its engines start on queued
+work); requests for any other name are answered 404.
+
+Asking the registry and the catalog costs a few round trips; a request path that did so every
 time would spend them for an answer that changes every few seconds at most
 (an engine's entry lives 10 s past its last heartbeat). Concurrent requests
 share one refresh.
@@ -28,20 +32,21 @@ class ModelDirectory:
         self._lock = asyncio.Lock()
 
     async def models(self, *, max_age: float | None = None) -> dict[str, list[EngineInfo]]:
-        """Live engines by served model name."""
+        """Live engines by served model name; a declared model without any maps to []."""
         max_age = self.ttl_s if max_age is None else max_age
         if time.monotonic() - self._fetched_at <= max_age:
             return self._models
         async with self._lock:
             if time.monotonic() - self._fetched_at > max_age:  # nobody refreshed meanwhile
-                by_model: dict[str, list[EngineInfo]] = {}
+                declared = await self.broker.declared_models()
+                by_model: dict[str, list[EngineInfo]] = {name: [] for name in declared}
                 for info in await self.broker.live_engines():
                     by_model.setdefault(info.model, []).append(info)
                 self._models = by_model
                 self._fetched_at = time.monotonic()
         return self._models
 
-    async def is_live(self, model: str) -> bool:
+    async def is_served(self, model: str) -> bool:
         if model in await self.models():
             return True
         return model in await self.models(max_age=_MISS_REFRESH_S)

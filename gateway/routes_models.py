@@ -1,4 +1,6 @@
-"""GET /v1/models and /v1/models/{model}: models with live engines, in the OpenAI list format.
+"""GET /v1/models and /v1/models/{model}: the served models, in the OpenAI list format.
+
+Served: with live engines, or declared by a controller while scaled to zero.
 
 A key sees only the models it may use.
 """
@@ -35,7 +37,7 @@ async def list_models(request: Request, caller: Caller) -> ModelList:
 async def retrieve_model(model: str, request: Request, caller: Caller) -> ModelCard:
     check_model(caller, model)
     directory = service_of(request).directory
-    if not await directory.is_live(model):
+    if not await directory.is_served(model):
         raise model_not_found(model)
     return _card(model, (await directory.models()).get(model, []))
 

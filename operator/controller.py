@@ -24,6 +24,7 @@ from typing import Any
 
 import redis
 
+from tandem import catalog
 from tandem.operator import scaling
 from tandem.operator.autoscaler import Decision
 from tandem.operator.kube import ApiError, KubeApi
@@ -73,6 +74,8 @@ class Controller:
         )
         # The autoscaler's clock (seconds, monotonic); tests pass a fake one.
         self._clock = clock
+        # Each evaluation renews the model's catalog entry; a deleted model's lapses.
+        self._declaration_ttl_s = catalog.declaration_ttl_s(settings.scrape_interval_s)
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
 
     async def reconcile(
@@ -154,8 +157,10 @@ class Controller:
         pods = await self._kube.list("Pod", namespace, scaling.pod_selector(meta["name"]))
         try:
             redis_url = await self._redis_url(namespace, spec)
-            queue = await self._sources.queues.depth(
-                redis_url, spec.served_model_name(meta["name"])
+            served = spec.served_model_name(meta["name"])
+            queue = await self._sources.queues.depth(redis_url, served)
+            await self._sources.queues.declare(
+                redis_url, served, f"{namespace}/{meta['name']}", self._declaration_ttl_s
             )
         except (redis.RedisError, OSError, LookupError, ValueError) as error:
             # Without the queue, an idle-looking model may be drowning in requests:

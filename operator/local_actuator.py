@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import redis
 
+from tandem import catalog
 from tandem.engine.service.work_queue import queue_depth
 from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide_all
 from tandem.operator.engine_flags import engine_arguments, engine_flags
@@ -103,6 +104,7 @@ class LocalActuator:
     # ------------------------------------------------------------ processes
 
     def start(self) -> list[Child]:
+        self._declare()
         for role, count in self.replicas.items():
             for _ in range(count):
                 self._spawn(role)
@@ -168,6 +170,7 @@ class LocalActuator:
         """Scrape, decide, act: one evaluation of every role."""
         now = time.monotonic() if now is None else now
         observed = asyncio.run(self._observe())
+        self._declare()
         queue = queue_depth(self._redis, self.keys, self.model)
         decisions = decide_all(observed, queue, self.policies, self.histories, now)
         for role, decision in decisions.items():
@@ -175,6 +178,11 @@ class LocalActuator:
             if decision.changed:
                 self._resize(RoleName(role), decision)
         return decisions
+
+    def _declare(self) -> None:
+        """In the catalog, so that the gateway queues requests even while no engine runs."""
+        owner = f"local/{self.name}"
+        catalog.declare(self._redis, self.keys, self.model, owner, catalog.MIN_DECLARATION_TTL_S)
 
     async def _observe(self) -> dict[ScalingRole, RoleObservation]:
         async with httpx.AsyncClient() as client:

@@ -16,6 +16,7 @@ from typing import Protocol
 import httpx
 import redis
 
+from tandem import catalog
 from tandem.engine.service.work_queue import QueueState, queue_depth
 from tandem.operator.engine_metrics import DirectScrape, PodSample, SampleSource
 from tandem.protocol import Keys
@@ -25,9 +26,14 @@ _REDIS_TIMEOUT_S = 2.0
 
 
 class QueueSource(Protocol):
-    """A model's backlog in the Redis it is served from."""
+    """A model's backlog in the Redis it is served from, and its entry in the catalog there."""
 
     async def depth(self, redis_url: str, model: str) -> QueueState: ...
+
+    async def declare(self, redis_url: str, model: str, owner: str, ttl_s: float) -> None:
+        """Keep `model` in the catalog (tandem/catalog.py): gateways queue its requests even
+        while it has no engine, which is what lets it scale up from zero."""
+        ...
 
 
 class RedisQueues:
@@ -38,6 +44,14 @@ class RedisQueues:
         self._clients: dict[str, redis.Redis] = {}
 
     async def depth(self, redis_url: str, model: str) -> QueueState:
+        # queue_depth is the engines' own synchronous code; a thread keeps kopf's loop free.
+        return await asyncio.to_thread(queue_depth, self._client(redis_url), self._keys, model)
+
+    async def declare(self, redis_url: str, model: str, owner: str, ttl_s: float) -> None:
+        client = self._client(redis_url)
+        await asyncio.to_thread(catalog.declare, client, self._keys, model, owner, ttl_s)
+
+    def _client(self, redis_url: str) -> redis.Redis:
         client = self._clients.get(redis_url)
         if client is None:
             client = redis.Redis.from_url(
@@ -46,8 +60,7 @@ class RedisQueues:
                 socket_connect_timeout=_REDIS_TIMEOUT_S,
             )
             self._clients[redis_url] = client
-        # queue_depth is the engines' own synchronous code; a thread keeps kopf's loop free.
-        return await asyncio.to_thread(queue_depth, client, self._keys, model)
+        return client
 
     async def aclose(self) -> None:
         for client in self._clients.values():

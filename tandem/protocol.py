@@ -98,6 +98,14 @@ class Keys:
     def engines_set(self) -> str:
         return f"{self.prefix}:engines"
 
+    def model_key(self, model: str) -> str:
+        """A model a controller serves, live engines or not (catalog.py)."""
+        return f"{self.prefix}:model:{model}"
+
+    @property
+    def models_set(self) -> str:
+        return f"{self.prefix}:models"
+
 
 # How long a response stream lives after its last event: long enough for a
 # slow client and for an engine that re-delivers the request to see it ended.

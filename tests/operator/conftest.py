@@ -33,6 +33,8 @@ class FakeMetrics:
         self.running = 4
         self.queued_tokens = 0
         self.queue_reads: list[tuple[str, str]] = []
+        # Catalog declarations: (redis_url, served model name, owner).
+        self.declarations: list[tuple[str, str, str]] = []
 
     async def sample(self, pod: str, url: str) -> PodSample:
         prefixes = sorted((p for p in self.kv if pod.startswith(p)), key=len, reverse=True)
@@ -46,6 +48,9 @@ class FakeMetrics:
             waiting_prompt_tokens=0,
             token_budget=8192,
         )
+
+    async def declare(self, redis_url: str, model: str, owner: str, ttl_s: float) -> None:
+        self.declarations.append((redis_url, model, owner))
 
     async def depth(self, redis_url: str, model: str) -> QueueState:
         self.queue_reads.append((redis_url, model))

@@ -119,6 +119,8 @@ async def test_the_queue_is_read_from_the_models_own_redis(cluster, operator, me
     manifest["spec"]["redis"] = {"urlSecretRef": {"name": "model-redis"}}
     await cluster.apply(manifest)
     await eventually(lambda: (url, "m") in metrics.queue_reads, what="a read of the model's Redis")
+    # and declared there, so that its gateways queue requests even with no engine up
+    assert (url, "m", f"{NAMESPACE}/m") in metrics.declarations
 
 
 async def test_only_the_leader_acts_and_the_standby_takes_over(cluster, metrics, clock):

@@ -1,0 +1,74 @@
+"""A model scaled to zero: declared in the catalog, its requests wait in the queue.
+
+The operator (and `tandem up -f`) declares every model it runs (tandem/catalog.py);
+the gateway must queue requests for a declared model with no engine, so that the
+autoscaler sees work and starts one, instead of answering 404.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tandem import catalog
+from tandem.protocol import PRIORITY_NORMAL
+
+MODEL = "tiny"  # what the test engines serve
+
+
+def _wait(check, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.05)
+
+
+def test_a_request_for_a_declared_model_waits_for_its_first_engine(
+    start_gateway, engines, redis_client, keys
+):
+    gateway = start_gateway(models_cache_s=0.0)  # no cached list to wait out
+    with gateway.http() as http:
+        assert http.get("/v1/models").json()["data"] == []
+        catalog.declare(redis_client, keys, MODEL, "test/tiny", ttl_s=60)
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [MODEL]
+
+    answers = []
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 3}
+
+    def ask() -> None:
+        with gateway.http() as client:  # 60 s: an engine starts in a few
+            answers.append(client.post("/v1/completions", json=body))
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    # Queued, not refused: the work the autoscaler scales from zero on.
+    stream = keys.work_stream(MODEL, PRIORITY_NORMAL)
+    _wait(lambda: redis_client.xlen(stream) == 1)
+    engines("normal")  # what the autoscaler would start
+    asker.join(timeout=90)
+    [answer] = answers
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 3
+
+
+def test_an_undeclared_or_lapsed_model_is_unknown(start_gateway, redis_client, keys):
+    gateway = start_gateway(models_cache_s=0.0)
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 3}
+    with gateway.http() as http:
+        refused = http.post("/v1/completions", json=body)
+        assert refused.status_code == 404
+        assert refused.json()["error"]["code"] == "model_not_found"
+        catalog.declare(redis_client, keys, MODEL, "test/tiny", ttl_s=0.5)
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [MODEL]
+        time.sleep(0.6)  # the declaration lapses: a deleted ModelDeployment's fate
+        assert http.get("/v1/models").json()["data"] == []
+        assert http.post("/v1/completions", json=body).status_code == 404
+    assert redis_client.smembers(keys.models_set) == set()  # pruned by the reader
+
+
+def test_a_declaration_needs_a_positive_ttl(redis_client, keys):
+    with pytest.raises(ValueError, match="positive TTL"):
+        catalog.declare(redis_client, keys, MODEL, "x", ttl_s=0)
