@@ -21,11 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.model import cpu_kernels
-from tandem.engine.model.attention import (
-    AttentionMetadata,
-    decode_group_tokens,
-    paged_attention,
-)
+from tandem.engine.model.attention import paged_attention
+from tandem.engine.model.attention_metadata import AttentionMetadata, decode_group_tokens
 from tandem.engine.model.model_config import ModelConfig
 
 BLOCK_SIZE = 16

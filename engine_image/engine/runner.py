@@ -17,7 +17,7 @@ from typing import overload
 import torch
 
 from tandem.engine.drafter import Drafter
-from tandem.engine.model.attention import AttentionMetadata, decode_group_tokens
+from tandem.engine.model.attention_metadata import AttentionMetadata, decode_group_tokens
 from tandem.engine.plan import StepPlan, StepResult
 from tandem.engine.sampler import Sampler, rows_for_plan
 

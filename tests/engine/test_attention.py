@@ -16,12 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.engine.model import cpu_kernels
-from tandem.engine.model.attention import (
-    AttentionMetadata,
-    allocate_kv_cache,
-    decode_group_tokens,
-    paged_attention,
-)
+from tandem.engine.model.attention import allocate_kv_cache, paged_attention
+from tandem.engine.model.attention_metadata import AttentionMetadata, decode_group_tokens
 from tandem.engine.model.model_config import ModelConfig
 
 needs_kernels = pytest.mark.skipif(

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.model import cpu_kernels
-from tandem.engine.model.attention import AttentionMetadata, paged_attention
+from tandem.engine.model.attention import paged_attention
+from tandem.engine.model.attention_metadata import AttentionMetadata
 from tandem.engine.model.model_config import ModelConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")

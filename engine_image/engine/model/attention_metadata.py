@@ -1,0 +1,307 @@
+"""AttentionMetadata: everything a step's attention needs, computed once per step.
+
+Each layer's cache is one tensor kv[2, num_blocks, block_size, num_kv_heads, head_dim]
+(0 = K, 1 = V); a sequence's KV for position p lives at
+block_table[p // block_size], offset p % block_size. The runner builds one
+AttentionMetadata per step from the scheduler's block tables; every index and
+mask the kernels (attention.py) need is computed here, so per-layer work is
+tensor math only. Which decode path a step takes is decided here too:
+`paged` for the C++ CPU kernel, `decode` (groups of similar context length)
+for the torch path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.model import cpu_kernels
+from tandem.engine.model.model_config import ModelConfig
+
+# Gathered KV bytes per decode group that decode_group_tokens() aims for on CPU. Measured
+# (2 cores, batch 64 x ~512 context, 1B/8B/0.5B head shapes, fp32 and bf16): ~4 MiB groups
+# are at or near the best everywhere, 2-3x faster than one batch-wide gather (page faults
+# and cache misses on a >100 MiB temporary) and than a per-sequence loop (op overhead).
+CPU_GROUP_BYTES = 4 << 20
+# Padded context tokens per group when the caller gives no budget: 4 MiB at 2 KiB/token,
+# within ~30% of the best for KV sizes from 0.5 to 8 KiB/token.
+CPU_GROUP_TOKENS = 2048
+
+
+def decode_group_tokens(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> int:
+    """A group_tokens value for AttentionMetadata.build tuned to this model's KV size."""
+    if torch.device(device).type != "cpu":
+        return 0
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * config.num_key_value_heads * config.head_dim * elem
+    return max(1, CPU_GROUP_BYTES // per_token)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeGroup:
+    """Sequences first:first+num_seqs of the decode batch, padded to the longest context."""
+
+    first: int
+    num_seqs: int
+    max_context: int
+    # [max_context * num_seqs] cache slots, position-major (slot of position l, seq s at
+    # l * num_seqs + s) so the gathered K/V views as [L, seqs * kv_heads, D] for bmm.
+    gather_index: torch.Tensor
+    # [num_seqs, 1, max_context, 1, max_query] float32 0/-inf (causal and padding), a view
+    # into one batch-wide tensor; None when the group masks nothing.
+    bias: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeBatch:
+    """A decode step's sequences, sorted longest first and split into groups.
+
+    Query rows are padded to max_query per sequence (padded rows repeat the sequence's
+    last row and are dropped), so q and the output move in one op for all groups.
+    """
+
+    max_query: int
+    # [num_seqs * max_query] flat q rows, in sorted sequence order.
+    q_index: torch.Tensor
+    # [T] for each flat row, its row in the padded sorted result.
+    out_index: torch.Tensor
+    groups: tuple[DecodeGroup, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PagedDecode:
+    """A decode step as the C++ kernel reads it: sequences in batch order, nothing gathered."""
+
+    # [num_seqs, max_blocks] int32 block tables, padded with block 0 (never read).
+    block_tables: torch.Tensor
+    # [num_seqs] int32 context length of each sequence after this step.
+    context_lens: torch.Tensor
+    # [num_seqs + 1] int32 first flat row of each sequence (and the total).
+    query_start: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSeq:
+    """One sequence's prefill chunk: rows begin:end of the flat batch."""
+
+    begin: int
+    end: int
+    # [context] cache slots of the whole context, or None when nothing is cached before it.
+    gather_index: torch.Tensor | None
+    # [chunk, context] bool, True = attend; None with gather_index.
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Everything the attention kernels need for one step, built once per step."""
+
+    is_prefill: bool
+    # [T] position of every flat row (RoPE reads it).
+    positions: torch.Tensor
+    # [T] cache slot (block * block_size + offset) each row's K/V is written to.
+    slot_mapping: torch.Tensor
+    # Context length of each sequence after this step (cached + new).
+    context_lens: list[int]
+    # Set for decode steps on the torch path.
+    decode: DecodeBatch | None
+    # Set for prefill steps.
+    prefill_seqs: tuple[PrefillSeq, ...]
+    # Set for decode steps on the C++ kernel path (decode is None then).
+    paged: PagedDecode | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        start_positions: list[int],
+        num_tokens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        is_prefill: bool,
+        device: torch.device | str,
+        group_tokens: int | None = None,
+        kernel: bool | None = None,
+    ) -> AttentionMetadata:
+        """Metadata for a step feeding num_tokens[i] tokens from start_positions[i] on.
+
+        group_tokens caps a decode group's padded context tokens (0: no cap); None picks
+        CPU_GROUP_TOKENS on CPU and no cap elsewhere (see decode_group_tokens()).
+        kernel picks the decode path: True the C++ kernel (an error if it is unavailable),
+        False the torch path, None the kernel when on CPU and cpu_kernels.load() built it.
+        """
+        _check_inputs(start_positions, num_tokens, block_tables, block_size)
+        device = torch.device(device)
+        if group_tokens is None:
+            group_tokens = CPU_GROUP_TOKENS if device.type == "cpu" else 0
+        # Index math on CPU, then one copy of each result to the device.
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
+        starts = torch.tensor(start_positions, dtype=torch.long)
+        counts = torch.tensor(num_tokens, dtype=torch.long)
+        row_starts = torch.cumsum(counts, 0) - counts
+        seq_of_row = torch.repeat_interleave(torch.arange(len(num_tokens)), counts)
+        positions = torch.arange(int(counts.sum())) - row_starts[seq_of_row] + starts[seq_of_row]
+        slots = tables[seq_of_row, positions // block_size] * block_size + positions % block_size
+        context_lens = [s + n for s, n in zip(start_positions, num_tokens, strict=True)]
+        decode = paged = None
+        prefills: tuple[PrefillSeq, ...] = ()
+        if is_prefill:
+            prefills = tuple(
+                _prefill_seq(i, tables, start_positions, num_tokens, row_starts, block_size, device)
+                for i in range(len(num_tokens))
+            )
+        elif _use_kernel(kernel, device):
+            paged = PagedDecode(
+                block_tables=tables.to(torch.int32),
+                context_lens=torch.tensor(context_lens, dtype=torch.int32),
+                query_start=torch.cat((row_starts, counts.sum().view(1))).to(torch.int32),
+            )
+        else:
+            decode = _decode_batch(
+                start_positions, num_tokens, tables, block_size, group_tokens, device
+            )
+        return cls(
+            is_prefill=is_prefill,
+            positions=positions.to(device),
+            slot_mapping=slots.to(device),
+            context_lens=context_lens,
+            decode=decode,
+            prefill_seqs=prefills,
+            paged=paged,
+        )
+
+
+def _use_kernel(kernel: bool | None, device: torch.device) -> bool:
+    if kernel is False:
+        return False
+    if device.type != "cpu":
+        if kernel:
+            raise ValueError(f"the C++ decode kernel runs on CPU, not {device}")
+        return False
+    available = cpu_kernels.load() is not None
+    if kernel and not available:
+        raise ValueError("the C++ decode kernel was asked for, but cpu_kernels.load() failed")
+    return available
+
+
+def _check_inputs(
+    start_positions: list[int],
+    num_tokens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+) -> None:
+    if not num_tokens:
+        raise ValueError("attention metadata for an empty batch")
+    if len(start_positions) != len(num_tokens) or len(block_tables) != len(num_tokens):
+        raise ValueError(
+            f"attention metadata: {len(start_positions)} start positions, {len(num_tokens)} "
+            f"token counts and {len(block_tables)} block tables; they must match"
+        )
+    if block_size < 1:
+        raise ValueError(f"attention metadata: block_size must be >= 1, got {block_size}")
+    for i, (start, count, table) in enumerate(
+        zip(start_positions, num_tokens, block_tables, strict=True)
+    ):
+        if count < 1 or start < 0:
+            raise ValueError(
+                f"sequence {i}: needs num_tokens >= 1 and start >= 0, got {count}, {start}"
+            )
+        needed = -(-(start + count) // block_size)
+        if len(table) < needed:
+            raise ValueError(
+                f"sequence {i}: positions up to {start + count - 1} need {needed} blocks "
+                f"of {block_size}, its block table has {len(table)}"
+            )
+
+
+def _group_by_length(sorted_lens: list[int], group_tokens: int) -> list[tuple[int, int]]:
+    """(first, count) runs of the descending lengths whose padded size stays in budget."""
+    groups: list[tuple[int, int]] = []
+    first = 0
+    for i in range(1, len(sorted_lens) + 1):
+        # Descending: a group's first member is its longest.
+        full = group_tokens and (i - first + 1) * sorted_lens[first] > group_tokens
+        if i == len(sorted_lens) or full:
+            groups.append((first, i - first))
+            first = i
+    return groups
+
+
+def _decode_batch(
+    start_positions: list[int],
+    num_tokens: list[int],
+    tables: torch.Tensor,
+    block_size: int,
+    group_tokens: int,
+    device: torch.device,
+) -> DecodeBatch:
+    context_lens = [s + n for s, n in zip(start_positions, num_tokens, strict=True)]
+    # Longest first, so a group pads little.
+    order_list = sorted(range(len(context_lens)), key=lambda i: -context_lens[i])
+    sorted_lens = [context_lens[i] for i in order_list]
+    order = torch.tensor(order_list, dtype=torch.long)
+    counts = torch.tensor(num_tokens, dtype=torch.long)
+    row_starts = torch.cumsum(counts, 0) - counts
+    max_query, longest = max(num_tokens), sorted_lens[0]
+
+    query = torch.arange(max_query)
+    clamped = torch.minimum(query[None, :], counts[order][:, None] - 1)
+    q_index = (row_starts[order][:, None] + clamped).reshape(-1)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(len(order))
+    seq_of_row = torch.repeat_interleave(torch.arange(len(order)), counts)
+    out_index = (
+        rank[seq_of_row] * max_query + torch.arange(len(seq_of_row)) - row_starts[seq_of_row]
+    )
+
+    runs = _group_by_length(sorted_lens, group_tokens)
+    # A group masks when it verifies drafts (causal rows) or pads shorter contexts.
+    masked = [max_query > 1 or sorted_lens[f + n - 1] != sorted_lens[f] for f, n in runs]
+    ctx = torch.arange(longest)
+    bias = None
+    if any(masked):
+        q_pos = torch.tensor(start_positions)[order][:, None] + clamped
+        allowed = ctx[None, :, None] <= q_pos[:, None, :]  # [seqs, L, max_query]
+        bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf")).to(device)
+    # Moved whole, then sliced per group on the device.
+    slots = (tables[order][:, ctx // block_size] * block_size + ctx % block_size).to(device)
+    groups = []
+    for (first, n), needs_mask in zip(runs, masked, strict=True):
+        length = sorted_lens[first]
+        group_bias = None
+        if bias is not None and needs_mask:
+            group_bias = bias[first : first + n, None, :length, None, :]
+        groups.append(
+            DecodeGroup(
+                first=first,
+                num_seqs=n,
+                max_context=length,
+                gather_index=slots[first : first + n, :length].t().reshape(-1),
+                bias=group_bias,
+            )
+        )
+    return DecodeBatch(max_query, q_index.to(device), out_index.to(device), tuple(groups))
+
+
+def _prefill_seq(
+    i: int,
+    tables: torch.Tensor,
+    start_positions: list[int],
+    num_tokens: list[int],
+    row_starts: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+) -> PrefillSeq:
+    begin = int(row_starts[i])
+    start, count = start_positions[i], num_tokens[i]
+    if start == 0:
+        return PrefillSeq(begin, begin + count, None, None)
+    ctx = torch.arange(start + count)
+    slots = tables[i, ctx // block_size] * block_size + ctx % block_size
+    mask = ctx[None, :] <= (start + torch.arange(count))[:, None]
+    return PrefillSeq(begin, begin + count, slots.to(device), mask.to(device))
