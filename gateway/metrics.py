@@ -8,7 +8,11 @@ callers cannot blow up the label set with made-up names.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tandem.protocol import EngineInfo
 
 # Seconds: sub-millisecond gateway work up to minutes-long CPU generations.
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -76,6 +80,13 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self._engines = Gauge(
+            "tandem_gateway_engines",
+            "Live engines taking work (not draining) per served model and role, from the "
+            "registry as of the scrape; a model scaled to zero shows 0 for every role.",
+            ["model", "role"],
+            registry=r,
+        )
         self._cancellations = Counter(
             "tandem_gateway_cancellations_total",
             "Work items cancelled by the gateway, by why.",
@@ -103,6 +114,17 @@ class GatewayMetrics:
 
     def cancelled(self, why: str, count: int) -> None:
         self._cancellations.labels(why).inc(count)
+
+    def engines(self, models: Mapping[str, Sequence[EngineInfo]]) -> None:
+        """Replace the engine counts with the directory's current view."""
+        self._engines.clear()
+        for model, infos in models.items():
+            counts = dict.fromkeys(("normal", "prompt", "completion"), 0)
+            for info in infos:
+                if not info.draining:
+                    counts[info.role] = counts.get(info.role, 0) + 1
+            for role, count in counts.items():
+                self._engines.labels(model, role).set(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -32,4 +32,6 @@ async def readyz(request: Request) -> JSONResponse:
     responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}},
 )
 async def metrics(request: Request) -> Response:
-    return Response(service_of(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    service = service_of(request)
+    service.metrics.engines(await service.directory.models())
+    return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem import catalog
 from tandem.protocol import PRIORITY_NORMAL
@@ -24,6 +25,20 @@ def _wait(check, timeout: float = 15.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(0.05)
+
+
+def _engines_scraped(gateway) -> float:
+    """tandem_gateway_engines{model=tiny, role=normal} as a scrape of /metrics reads it."""
+    with gateway.http() as http:
+        text = http.get("/metrics").text
+    [value] = [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "tandem_gateway_engines"
+        and sample.labels == {"model": MODEL, "role": "normal"}
+    ]
+    return value
 
 
 def test_a_request_for_a_declared_model_waits_for_its_first_engine(
@@ -47,11 +62,13 @@ def test_a_request_for_a_declared_model_waits_for_its_first_engine(
     # Queued, not refused: the work the autoscaler scales from zero on.
     stream = keys.work_stream(MODEL, PRIORITY_NORMAL)
     _wait(lambda: redis_client.xlen(stream) == 1)
+    assert _engines_scraped(gateway) == 0
     engines("normal")  # what the autoscaler would start
     asker.join(timeout=90)
     [answer] = answers
     assert answer.status_code == 200, answer.text
     assert answer.json()["usage"]["completion_tokens"] == 3
+    assert _engines_scraped(gateway) == 1
 
 
 def test_an_undeclared_or_lapsed_model_is_unknown(start_gateway, redis_client, keys):

@@ -1,0 +1,178 @@
+"""One streamed request to an OpenAI-compatible endpoint, timed on the client.
+
+Timing starts just before the request is handed to httpx and covers what a
+user of the endpoint would see: connecting (if the pooled connection is not
+reused), the server's queueing and work, and reading the stream. TTFT is
+taken at the first SSE chunk carrying text (Tandem's chat streams open with
+a role-only chunk: not a token), the end at `data: [DONE]` or the end of
+the body. The output length is the server's `usage.completion_tokens`
+(requested with `stream_options.include_usage`), else the number of text
+chunks, which undercounts when a chunk carries several tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from tandem.loadgen.record import RequestRecord
+
+# Error messages kept in records and reports are cut here: a 413 may echo a lot.
+MAX_MESSAGE = 300
+
+
+@dataclass(frozen=True)
+class Target:
+    # Base URL up to and including /v1 (e.g. http://127.0.0.1:8000/v1).
+    base_url: str
+    # Model name sent in every request.
+    model: str
+    # "completions" (/v1/completions) or "chat" (/v1/chat/completions).
+    api: str = "completions"
+    # Send `ignore_eos: true` (Tandem and vLLM): outputs run to max_tokens.
+    ignore_eos: bool = True
+    # Sampling temperature; 0: greedy.
+    temperature: float = 0.0
+    # Seconds one request may take in all before it counts as a timeout.
+    timeout_s: float = 600.0
+    # Extra headers (Authorization).
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        path = "chat/completions" if self.api == "chat" else "completions"
+        return f"{self.base_url.rstrip('/')}/{path}"
+
+    def body(self, prompt: str | list[int], max_tokens: int, *, stream: bool) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model}
+        if self.api == "chat":
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        body |= {"max_tokens": max_tokens, "temperature": self.temperature, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+
+async def send(
+    client: httpx.AsyncClient,
+    target: Target,
+    record: RequestRecord,
+    prompt: str | list[int],
+    run_start: float,
+) -> RequestRecord:
+    """Send one streaming request and fill `record` with what happened (never raises)."""
+    body = target.body(prompt, record.max_tokens, stream=True)
+    started = time.perf_counter()
+    record.start_s = started - run_start
+    try:
+        async with asyncio.timeout(target.timeout_s):
+            async with client.stream("POST", target.url, json=body) as response:
+                record.status = response.status_code
+                if response.status_code != 200:
+                    await response.aread()
+                    record.error_kind = f"http_{response.status_code}"
+                    record.error_message = _error_message(response.text)
+                else:
+                    await _read_stream(response, target, record, run_start)
+    except TimeoutError:
+        record.error_kind = "timeout"
+        record.error_message = f"no complete answer within {target.timeout_s:g} s"
+    except httpx.TimeoutException as exc:
+        record.error_kind = "timeout"
+        record.error_message = _short(f"{type(exc).__name__}: {exc}")
+    except (httpx.TransportError, OSError) as exc:
+        record.error_kind = "connection"
+        record.error_message = _short(f"{type(exc).__name__}: {exc}")
+    except httpx.HTTPError as exc:  # an undecodable body
+        record.error_kind = "protocol"
+        record.error_message = _short(f"{type(exc).__name__}: {exc}")
+    record.e2e_s = time.perf_counter() - started
+    return record
+
+
+async def _read_stream(
+    response: httpx.Response, target: Target, record: RequestRecord, run_start: float
+) -> None:
+    chunks = 0
+    async for line in response.aiter_lines():
+        now = time.perf_counter()
+        if not line.startswith("data:"):
+            continue  # blank separators, comments, `event:` lines
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            break
+        try:
+            chunk = json.loads(payload)
+        except json.JSONDecodeError:
+            chunk = None
+        if not isinstance(chunk, dict):
+            record.error_kind = "protocol"
+            record.error_message = _short(f"unreadable SSE data: {payload}")
+            return
+        if "error" in chunk:
+            record.error_kind = "stream_error"
+            record.error_message = _error_message(payload)
+            return
+        for choice in chunk.get("choices") or []:
+            text = choice.get("text") if target.api == "completions" else None
+            if target.api == "chat":
+                text = (choice.get("delta") or {}).get("content")
+            if text:
+                if record.ttft_s is None:
+                    record.ttft_s = now - run_start - record.start_s
+                record.chunk_times_s.append(now - run_start)
+                chunks += 1
+            if choice.get("finish_reason"):
+                record.finish_reason = choice["finish_reason"]
+        usage = chunk.get("usage")
+        if usage:
+            record.prompt_tokens = usage.get("prompt_tokens")
+            record.output_tokens = usage.get("completion_tokens")
+            record.usage_reported = record.output_tokens is not None
+    if record.finish_reason is None:
+        record.error_kind = "protocol"
+        record.error_message = "the stream ended without a finish_reason"
+    if not record.usage_reported:
+        record.output_tokens = chunks
+
+
+async def probe_prompt_tokens(
+    client: httpx.AsyncClient, target: Target, prompt: str | list[int]
+) -> int:
+    """Prompt tokens the server counts for `prompt` (a one-token, non-streamed request)."""
+    response = await client.post(target.url, json=target.body(prompt, 1, stream=False))
+    if response.status_code != 200:
+        raise ValueError(
+            f"calibration request failed: HTTP {response.status_code}: "
+            f"{_error_message(response.text)}"
+        )
+    usage = response.json().get("usage") or {}
+    if not isinstance(usage.get("prompt_tokens"), int):
+        raise ValueError("the server sends no usage.prompt_tokens: cannot calibrate --prompt text")
+    return usage["prompt_tokens"]
+
+
+def _error_message(text: str) -> str:
+    """The OpenAI error body's message, else the raw text."""
+    try:
+        body = json.loads(text)
+        message = body["error"]["message"]
+        if isinstance(message, str):
+            return _short(message)
+    except (ValueError, KeyError, TypeError):
+        pass
+    return _short(text)
+
+
+def _short(text: str) -> str:
+    text = text.strip()
+    return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 3] + "..."

@@ -1,0 +1,88 @@
+"""Request traces: JSONL, one request per line, the format `tandem sim` reads too.
+
+    {"arrival_s": 0.0, "input_tokens": 512, "output_tokens": 128}
+
+`arrival_s` is seconds from the start of the run (>= 0, lines in any order:
+they are sorted); the token counts are integers >= 1. Blank lines and lines
+starting with `#` are skipped; other keys are allowed and ignored (a trace
+exported from elsewhere may carry ids or timestamps). A bad line is a
+TraceError naming the file, the line number and what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class TraceError(ValueError):
+    """A trace that cannot be read; the message names the line."""
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    # Seconds after the run's start at which the request is sent.
+    arrival_s: float
+    # Prompt length in tokens.
+    input_tokens: int
+    # Output length in tokens (max_tokens).
+    output_tokens: int
+
+
+def parse_trace(lines: Iterable[str], source: str = "<trace>") -> list[TraceRequest]:
+    """The requests of a trace, sorted by arrival."""
+    requests = []
+    for number, line in enumerate(lines, start=1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        requests.append(_parse_line(text, f"{source}:{number}"))
+    if not requests:
+        raise TraceError(f"{source}: no requests in the trace")
+    return sorted(requests, key=lambda r: r.arrival_s)
+
+
+def read_trace(path: str | Path) -> list[TraceRequest]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return parse_trace(handle, str(path))
+    except OSError as exc:
+        raise TraceError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+
+
+def write_trace(path: str | Path, requests: Iterable[TraceRequest]) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        for r in requests:
+            fields = {
+                "arrival_s": r.arrival_s,
+                "input_tokens": r.input_tokens,
+                "output_tokens": r.output_tokens,
+            }
+            handle.write(json.dumps(fields) + "\n")
+
+
+def _parse_line(text: str, where: str) -> TraceRequest:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{where}: not JSON ({exc.msg})") from None
+    if not isinstance(obj, dict):
+        raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    missing = [k for k in ("arrival_s", "input_tokens", "output_tokens") if k not in obj]
+    if missing:
+        raise TraceError(f"{where}: missing {', '.join(missing)}")
+    arrival = obj["arrival_s"]
+    if isinstance(arrival, bool) or not isinstance(arrival, int | float):
+        raise TraceError(f"{where}: arrival_s must be a number, got {arrival!r}")
+    if not math.isfinite(arrival) or arrival < 0:
+        raise TraceError(f"{where}: arrival_s must be finite and >= 0, got {arrival!r}")
+    counts = []
+    for key in ("input_tokens", "output_tokens"):
+        value = obj[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise TraceError(f"{where}: {key} must be an integer >= 1, got {value!r}")
+        counts.append(value)
+    return TraceRequest(float(arrival), counts[0], counts[1])

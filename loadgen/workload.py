@@ -1,0 +1,44 @@
+"""The workload: an (often infinite) stream of requests to send, from distributions or a trace.
+
+Each request is a TraceRequest (arrival offset, prompt and output lengths),
+the same shape whether it was sampled or read from a file, so the runner
+cannot tell the two apart. Sampling is seeded: one seed, one workload.
+Arguments are checked when the workload is made, not when it is first read.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+
+from tandem.loadgen.arrivals import arrival_offsets, check_rate
+from tandem.loadgen.lengths import LengthDist
+from tandem.loadgen.trace import TraceRequest
+
+
+def synthetic_workload(
+    rate: float,
+    burstiness: float,
+    input_tokens: LengthDist,
+    output_tokens: LengthDist,
+    seed: int,
+) -> Iterator[TraceRequest]:
+    check_rate(rate, burstiness)
+    # Separate streams, so changing a length distribution keeps the arrival times.
+    arrivals = arrival_offsets(rate, burstiness, random.Random(f"arrivals:{seed}"))
+    lengths = random.Random(f"lengths:{seed}")
+    return (
+        TraceRequest(arrival, input_tokens.sample(lengths), output_tokens.sample(lengths))
+        for arrival in arrivals
+    )
+
+
+def trace_workload(
+    requests: Sequence[TraceRequest], time_scale: float = 1.0
+) -> Iterator[TraceRequest]:
+    """The trace's requests; time_scale < 1 replays it faster (0.5: twice the rate)."""
+    if not time_scale > 0:
+        raise ValueError(f"--trace-time-scale must be > 0, got {time_scale}")
+    return (
+        TraceRequest(r.arrival_s * time_scale, r.input_tokens, r.output_tokens) for r in requests
+    )

@@ -1,0 +1,111 @@
+"""One request: what is sent, and how the stream and every kind of failure are recorded."""
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from tandem.loadgen.client import Target, send
+from tandem.loadgen.record import RequestRecord
+
+from .fake_server import FakeServer, sse
+
+TARGET = Target(base_url="http://fake/v1", model="m", timeout_s=5.0)
+
+
+def new_record(max_tokens=4):
+    return RequestRecord(0, 0.0, 0.0, input_tokens=3, max_tokens=max_tokens)
+
+
+def run(transport, target=TARGET, prompt=None, max_tokens=4):
+    async def go():
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await send(
+                client, target, new_record(max_tokens), prompt or [1, 2, 3], time.perf_counter()
+            )
+
+    return asyncio.run(go())
+
+
+def canned(*chunks: bytes, status=200):
+    async def handle(request):
+        return httpx.Response(status, content=b"".join(chunks))
+
+    return httpx.MockTransport(handle)
+
+
+def test_a_completion_stream_is_timed_and_counted():
+    server = FakeServer(first_delay=0.05, token_delay=0.02)
+    record = run(server.transport(), max_tokens=4)
+    assert record.ok and record.status == 200 and record.finish_reason == "length"
+    assert (record.output_tokens, record.prompt_tokens, record.usage_reported) == (4, 7, True)
+    assert len(record.chunk_times_s) == 4
+    assert 0.05 <= record.ttft_s < record.e2e_s
+    # Three gaps of 20 ms after the first token.
+    assert record.tpot_s == pytest.approx((record.e2e_s - record.ttft_s) / 3)
+    assert all(gap >= 0.019 for gap in record.chunk_gaps_s)
+    body = server.bodies[0]
+    assert body["prompt"] == [1, 2, 3] and body["max_tokens"] == 4 and body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True}
+    assert body["ignore_eos"] is True and body["model"] == "m"
+
+
+def test_a_chat_role_chunk_is_not_the_first_token():
+    server = FakeServer(first_delay=0.1)
+    chat = Target(base_url="http://fake/v1", model="m", api="chat", ignore_eos=False)
+    record = run(server.transport(), target=chat, prompt="hi")
+    assert record.ok and record.ttft_s >= 0.1
+    assert server.bodies[0]["messages"] == [{"role": "user", "content": "hi"}]
+    assert "ignore_eos" not in server.bodies[0]
+
+
+def test_without_usage_the_output_is_counted_in_chunks():
+    record = run(FakeServer(usage=False).transport(), max_tokens=3)
+    assert record.ok and (record.output_tokens, record.usage_reported) == (3, False)
+    assert record.prompt_tokens is None
+
+
+def test_an_http_error_keeps_its_status_and_the_servers_message():
+    body = b'{"error": {"message": "Queue full", "type": "x", "param": null, "code": "queue_full"}}'
+    record = run(canned(body, status=429))
+    assert (record.status, record.error_kind, record.error_message) == (
+        429,
+        "http_429",
+        "Queue full",
+    )
+    assert record.ttft_s is None and record.e2e_s is not None and not record.ok
+
+
+def test_an_error_event_in_the_stream():
+    error = {"error": {"message": "engine died", "type": "server_error"}}
+    record = run(canned(sse({"choices": [{"text": "a"}]}), sse(error)))
+    assert (record.status, record.error_kind, record.error_message) == (
+        200,
+        "stream_error",
+        "engine died",
+    )
+    assert record.ttft_s is not None
+
+
+def test_a_stream_that_ends_without_finishing_is_a_protocol_error():
+    record = run(canned(sse({"choices": [{"text": "a", "finish_reason": None}]})))
+    assert record.error_kind == "protocol" and "finish_reason" in record.error_message
+    record = run(canned(b"data: {oops\n\n"))
+    assert record.error_kind == "protocol" and "unreadable" in record.error_message
+
+
+def test_a_refused_connection():
+    def refuse(request):
+        raise httpx.ConnectError("connection refused")
+
+    record = run(httpx.MockTransport(refuse))
+    assert (record.status, record.error_kind) == (None, "connection")
+    assert "connection refused" in record.error_message
+
+
+def test_a_request_over_its_timeout():
+    slow = Target(base_url="http://fake/v1", model="m", timeout_s=0.1)
+    record = run(FakeServer(first_delay=1.0).transport(), target=slow)
+    assert record.error_kind == "timeout" and record.status == 200
+    assert 0.1 <= record.e2e_s < 0.9

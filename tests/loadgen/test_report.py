@@ -1,0 +1,179 @@
+"""Statistics, goodput and errors from hand-built records; the JSON report against its schema."""
+
+import json
+
+import jsonschema
+import pytest
+
+from tandem.loadgen.record import RequestRecord
+from tandem.loadgen.replicas import ReplicaSample
+from tandem.loadgen.report import Slo, build_report, format_report, percentile, summarize
+from tandem.loadgen.runner import RunResult
+from tandem.loadgen.schema import REPORT_SCHEMA
+
+
+def ok(index, start, ttft, e2e, tokens, chunks=None, prompt_tokens=None):
+    """A successful record; chunk times default to evenly spread after the first token."""
+    if chunks is None:
+        step = (e2e - ttft) / max(1, tokens - 1)
+        chunks = [start + ttft + i * step for i in range(tokens)]
+    return RequestRecord(
+        index=index,
+        scheduled_s=start,
+        start_s=start,
+        input_tokens=10,
+        max_tokens=tokens,
+        status=200,
+        prompt_tokens=prompt_tokens,
+        output_tokens=tokens,
+        usage_reported=True,
+        ttft_s=ttft,
+        e2e_s=e2e,
+        chunk_times_s=chunks,
+        finish_reason="length",
+    )
+
+
+def failed(index, start, status, kind, message, e2e=0.01):
+    return RequestRecord(
+        index=index,
+        scheduled_s=start,
+        start_s=start,
+        input_tokens=10,
+        max_tokens=5,
+        status=status,
+        e2e_s=e2e,
+        error_kind=kind,
+        error_message=message,
+    )
+
+
+def records():
+    return [
+        # TTFT 0.1 s, TPOT (1.1 - 0.1) / 10 = 0.1 s.
+        ok(0, 0.0, 0.1, 1.1, 11),
+        # TTFT 0.3 s, TPOT (0.7 - 0.3) / 4 = 0.1 s.
+        ok(1, 0.5, 0.3, 0.7, 5, prompt_tokens=12),
+        # TTFT 0.05 s, TPOT (3.05 - 0.05) / 10 = 0.3 s; ends at 4.0 s.
+        ok(2, 0.95, 0.05, 3.05, 11),
+        # One token: no TPOT.
+        ok(3, 1.0, 0.2, 0.2, 1),
+        failed(4, 1.5, 429, "http_429", "queue full"),
+        failed(5, 1.6, 429, "http_429", "queue full again"),
+        failed(6, 1.7, None, "timeout", "no complete answer within 5 s", e2e=5.0),
+    ]
+
+
+def result(recs=None, replicas=()):
+    recs = records() if recs is None else recs
+    ends = [r.end_s for r in recs]
+    return RunResult(recs, max(ends) - min(r.start_s for r in recs), 1.0e9, list(replicas))
+
+
+def test_percentiles_interpolate_linearly():
+    values = [4.0, 1.0, 3.0, 2.0]  # sorted 1..4: rank (n - 1) q / 100
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 50) == 2.5
+    assert percentile(values, 90) == pytest.approx(3.7)
+    assert percentile(values, 100) == 4.0
+    assert percentile([7.0], 99) == 7.0
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_summary_scales_and_handles_no_values():
+    s = summarize([0.001, 0.002, 0.003], scale=1000)
+    assert (s.count, s.mean, s.p50, s.min, s.max) == (3, pytest.approx(2.0), 2.0, 1.0, 3.0)
+    assert summarize([]) is None
+
+
+def test_tpot_is_time_after_the_first_token_per_further_token():
+    recs = records()
+    assert recs[0].tpot_s == pytest.approx(0.1)
+    assert recs[2].tpot_s == pytest.approx(0.3)
+    assert recs[3].tpot_s is None  # one token
+    assert recs[4].tpot_s is None  # failed
+
+
+def test_report_counts_throughput_and_latencies_of_successes_only():
+    report = build_report(result(), Slo(), {})
+    # Wall: first send (0.0) to last end (timeout: 1.7 + 5.0).
+    assert report["wall_s"] == pytest.approx(6.7)
+    req = report["requests"]
+    assert (req["sent"], req["ok"], req["failed"]) == (7, 4, 3)
+    assert req["by_status"] == {"200": 4, "429": 2, "none": 1}
+    assert req["errors"] == {
+        "http_429": {"count": 2, "example": "queue full"},
+        "timeout": {"count": 1, "example": "no complete answer within 5 s"},
+    }
+    thr = report["throughput"]
+    assert thr["output_tokens"] == 11 + 5 + 11 + 1
+    # Input tokens: the server's count where it gave one (12), else the requested 10.
+    assert thr["input_tokens"] == 10 + 12 + 10 + 10
+    assert thr["requests_per_s"] == pytest.approx(4 / 6.7)
+    assert thr["output_tokens_per_s"] == pytest.approx(28 / 6.7)
+    lat = report["latency_ms"]
+    assert lat["ttft"]["count"] == 4
+    assert lat["ttft"]["mean"] == pytest.approx((100 + 300 + 50 + 200) / 4)
+    assert lat["ttft"]["p50"] == pytest.approx(150.0)
+    assert lat["tpot"]["count"] == 3
+    assert lat["tpot"]["max"] == pytest.approx(300.0)
+    assert lat["e2e"]["max"] == pytest.approx(3050.0)  # the 5 s timeout is not a latency
+    assert lat["itl"]["count"] == 10 + 4 + 10
+
+
+@pytest.mark.parametrize(
+    ("slo", "good"),
+    [
+        (Slo(), 4),  # no SLO: every success
+        (Slo(ttft_ms=150), 2),  # TTFT 100 and 50
+        (Slo(tpot_ms=150), 3),  # TPOT 100, 100, and the one-token request
+        (Slo(ttft_ms=150, tpot_ms=150), 1),  # only request 0 meets both
+        (Slo(ttft_ms=10), 0),
+    ],
+)
+def test_goodput_counts_successes_that_met_every_given_slo(slo, good):
+    report = build_report(result(), slo, {})
+    assert report["goodput"]["good"] == good
+    assert report["goodput"]["fraction"] == pytest.approx(good / 7)
+    assert report["goodput"]["requests_per_s"] == pytest.approx(good / 6.7)
+
+
+def test_slos_must_be_positive():
+    with pytest.raises(ValueError, match="--slo-tpot-ms"):
+        Slo(tpot_ms=0)
+
+
+def test_the_json_report_follows_its_schema():
+    replicas = [ReplicaSample(0.0, {"prompt": 1, "completion": 2})]
+    report = build_report(result(replicas=replicas), Slo(ttft_ms=100), {"model": "m"})
+    # Through JSON and back, as a consumer reads it.
+    jsonschema.validate(json.loads(json.dumps(report)), REPORT_SCHEMA)
+    assert [r["index"] for r in report["records"]] == list(range(7))
+    # And the schema is not vacuous: a report without latencies or with a wrong count fails.
+    broken = json.loads(json.dumps(report))
+    del broken["latency_ms"]["ttft"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, REPORT_SCHEMA)
+    broken = json.loads(json.dumps(report))
+    broken["requests"]["ok"] = "4"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, REPORT_SCHEMA)
+
+
+def test_a_run_with_no_success_still_reports():
+    report = build_report(result([failed(0, 0.0, 503, "http_503", "down")]), Slo(), {})
+    jsonschema.validate(report, REPORT_SCHEMA)
+    assert report["latency_ms"]["ttft"] is None
+    assert "http_503 x1: down" in format_report(report)
+
+
+def test_the_text_report_shows_every_section():
+    replicas = [ReplicaSample(0.0, {"normal": 1}), ReplicaSample(1.0, {"normal": 2})]
+    text = format_report(build_report(result(replicas=replicas), Slo(ttft_ms=150), {}))
+    assert "7 sent, 4 ok, 3 failed" in text
+    assert "HTTP status 200: 4, 429: 2, none: 1" in text
+    assert "TTFT" in text and "TPOT" in text and "E2E" in text
+    assert "(2/7 met TTFT <= 150 ms)" in text
+    assert "timeout x1" in text
+    assert "replicas     normal 1..2" in text
