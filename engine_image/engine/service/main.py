@@ -92,7 +92,7 @@ def serve(args: argparse.Namespace, rank: int, vote=None) -> int:
         if worker is None:
             return True, "starting"
         stalled = time.monotonic() - worker.last_loop_at
-        return stalled < 120, f"last loop {stalled:.1f}s ago"
+        return stalled < worker.settings.stall_limit, f"last loop {stalled:.1f}s ago"
 
     def ready() -> tuple[bool, str]:
         if worker is None or worker.draining:

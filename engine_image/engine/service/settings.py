@@ -30,6 +30,8 @@ class WorkerSettings:
     # How often held entries are marked alive, and the registry refreshed.
     keep_alive_every: float = 5.0
     heartbeat_every: float = 2.0
+    # A loop silent this long is hung: the liveness probe fails and heartbeats stop.
+    stall_limit: float = 120.0
     # An idle engine waits this long on Redis for work.
     idle_block_ms: int = 50
     # Pull only while fewer requests (and prompt tokens) wait in the engine.
@@ -46,7 +48,14 @@ class WorkerSettings:
         for name in ("claim_idle_ms", "max_deliveries", "max_waiting", "max_waiting_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("handoff_ttl", "drain_timeout", "kv_fetch_timeout", "keep_alive_every"):
+        for name in (
+            "handoff_ttl",
+            "drain_timeout",
+            "kv_fetch_timeout",
+            "keep_alive_every",
+            "heartbeat_every",
+            "stall_limit",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.keep_alive_every * 1000 >= self.claim_idle_ms:

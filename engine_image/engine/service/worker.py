@@ -6,7 +6,8 @@ Each turn of the loop:
   3. pull work from Redis, only as much as there is room for;
   4. run one engine step and turn its outputs into response events;
   5. flush the events, then acknowledge what is now durable (never before);
-  6. every few seconds: keep held entries alive, heartbeat the registry.
+  6. every few seconds: keep held entries alive, heartbeat the registry (a thread
+     repeats the last beat while a long step runs: heartbeat.py).
 
 Rules it keeps (docs/engine-service.md): an entry is acknowledged only once
 its outcome is written (finished, failed with a clear error, or handed off);
@@ -25,6 +26,7 @@ from tandem.engine.engine import Engine, EngineOutput
 from tandem.engine.request import SamplingParams
 from tandem.engine.scheduler import PromptTooLongError
 from tandem.engine.service.handoff_flow import HandoffFlow
+from tandem.engine.service.heartbeat import Heartbeat
 from tandem.engine.service.metrics import EngineMetrics
 from tandem.engine.service.redis_io import RedisIO
 from tandem.engine.service.settings import WorkerSettings
@@ -71,6 +73,11 @@ class EngineWorker:
         self._drain_deadline = float("inf")
         self._last_keep_alive = self._last_heartbeat = 0.0
         self.last_loop_at = time.monotonic()
+        self.heartbeat = Heartbeat(
+            self.io.heartbeat,
+            settings.heartbeat_every,
+            loop_alive=lambda: time.monotonic() - self.last_loop_at < settings.stall_limit,
+        )
 
     # ------------------------------------------------------------ lifecycle
 
@@ -79,17 +86,19 @@ class EngineWorker:
         if not self._draining:
             self._draining = True
             self._drain_deadline = time.monotonic() + self.settings.drain_timeout
-            self.io.heartbeat(self._engine_info(draining=True))
+            self.heartbeat.beat(self._engine_info(draining=True))
 
     @property
     def draining(self) -> bool:
         return self._draining
 
     def run(self) -> int:
+        self.heartbeat.start()
         try:
             while not self._drained():
                 self.run_once()
         finally:
+            self.heartbeat.stop()
             self.io.deregister(self.settings.engine_id)
         return 0
 
@@ -332,7 +341,7 @@ class EngineWorker:
                 self._drop(delivery.request_id)
             self._last_keep_alive = now
         if now - self._last_heartbeat > self.settings.heartbeat_every:
-            self.io.heartbeat(self._engine_info(draining=self._draining))
+            self.heartbeat.beat(self._engine_info(draining=self._draining))
             self.metrics.observe_queues(self.engine)
             self._last_heartbeat = now
 
