@@ -11,7 +11,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 
-from tandem.operator.quantity import quantity_bytes
+from tandem.operator.quantity import quantity_bytes, quantity_value
 from tandem.operator.role_spec import RoleName, RoleSpec
 from tandem.operator.spec import ModelDeploymentSpec
 
@@ -69,9 +69,23 @@ def engine_flags(
         "block-size": engine.block_size,
         "enable-chunked-prefill": _switch(engine.enable_chunked_prefill),
         "disable-prefix-caching": _switch(not engine.enable_prefix_caching),
+        "threads": cpu_threads(role),
     }
     flags.update({flag: str(value) for flag, value in optional.items() if value is not None})
     return flags
+
+
+def cpu_threads(role: RoleSpec) -> int | None:
+    """Threads per rank from the pod's CPU limit, for a pod without GPUs; None: torch's default.
+
+    torch counts the node's cores, not the container's CPU quota: a 4-CPU pod on a
+    64-core node would run 64 OpenMP threads on 4 CPUs' time, spinning at each barrier.
+    """
+    limits = (role.resources.limits if role.resources else None) or {}
+    if "cpu" not in limits or any(key.endswith("/gpu") for key in limits):
+        return None
+    cores = int(quantity_value(limits["cpu"]))  # whole cores; 500m -> 1 below
+    return max(1, cores // role.data_parallel_size)
 
 
 def engine_arguments(flags: Mapping[str, str]) -> list[str]:

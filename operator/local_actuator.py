@@ -33,7 +33,7 @@ from tandem.operator.spec import ModelDeploymentSpec
 from tandem.operator.validation import validate_spec
 from tandem.protocol import Keys
 from tandem.redis_server import free_port
-from tandem.up import Child
+from tandem.up import Child, engine_threads
 
 log = logging.getLogger("tandem.local")
 
@@ -116,6 +116,9 @@ class LocalActuator:
         port = free_port()
         flags.update(host="127.0.0.1", port=str(port), **{"kv-port": str(free_port())})
         flags["engine-id"] = f"{self.name}-{role}-{self._serial}"
+        # The cores are shared by as many engines as the roles may scale to.
+        most = sum(r.max_replicas * r.data_parallel_size for r in self.roles.values())
+        flags.setdefault("threads", str(engine_threads(most)))
         argv = [
             sys.executable, "-m", "tandem.cli", "engine",
             *engine_arguments(flags),

@@ -23,6 +23,16 @@ from pathlib import Path
 from tandem.redis_server import RedisServer, free_port
 
 
+def engine_threads(num_engines: int) -> int:
+    """CPU threads for each of num_engines engines sharing this machine's cores.
+
+    Sharing beats oversubscribing: torch's OpenMP workers spin at every barrier,
+    so two 2-thread engines on 2 cores each run several times slower than two
+    1-thread ones.
+    """
+    return max(1, len(os.sched_getaffinity(0)) // max(1, num_engines))
+
+
 @dataclass(frozen=True)
 class UpConfig:
     model: str = "smollm2"
@@ -136,8 +146,9 @@ class Stack:
             starting += self._start_actuator()
         else:
             roles = ["normal"] if cfg.mode == "normal" else ["prompt", "completion"]
+            threads = engine_threads(len(roles))
             for role in roles:
-                self.children.append(self._engine(role))
+                self.children.append(self._engine(role, threads))
         self.children.append(self._gateway())
         for child in self.children:
             child.start()
@@ -159,7 +170,7 @@ class Stack:
         )
         return self.actuator.start()
 
-    def _engine(self, role: str) -> Child:
+    def _engine(self, role: str, threads: int) -> Child:
         port = free_port()
         argv = [
             sys.executable, "-m", "tandem.cli", "engine",
@@ -171,6 +182,7 @@ class Stack:
             "--port", str(port),
             "--kv-port", str(free_port()),
             "--engine-id", f"up-{role}",
+            "--threads", str(threads),
             *self.config.engine_args,
         ]  # fmt: skip
         return Child(

@@ -21,6 +21,7 @@ from support.kube_version import K8S_VERSION
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.service.arguments import add_arguments, engine_fields
+from tandem.operator.engine_flags import engine_flags
 from tandem.operator.manifests import (
     DELETION_COST_ANNOTATION,
     OperatorDefaults,
@@ -315,3 +316,17 @@ def test_pod_deletion_cost_patch():
             pod_deletion_cost_patch("p", bad)
     with pytest.raises(ValueError, match="pod_name"):
         pod_deletion_cost_patch("", 1)
+
+
+def test_cpu_pods_get_one_thread_per_limited_core():
+    def threads(resources: dict[str, Any] | None, dp: int = 1) -> str | None:
+        role = {"dataParallelSize": dp, **({"resources": resources} if resources else {})}
+        spec = _spec({"model": {"path": "/m"}, "normal": role})
+        return engine_flags("m", spec, RoleName.NORMAL, spec.normal, "tandem").get("threads")
+
+    assert threads({"limits": {"cpu": "3"}}) == "3"
+    assert threads({"limits": {"cpu": "500m"}}) == "1"  # never 0
+    assert threads({"limits": {"cpu": "8"}}, dp=2) == "4"  # per rank
+    assert threads({"limits": {"cpu": "8", "nvidia.com/gpu": 1}}) is None  # GPU: torch decides
+    assert threads({"requests": {"cpu": "2"}}) is None  # no limit: the pod may burst
+    assert threads(None) is None

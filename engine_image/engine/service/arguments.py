@@ -43,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-parallel-size", type=int, default=1)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--device", default=None)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for the model (default: torch's, every core it sees; give the "
+        "cores this engine owns when several share a machine or a pod has a CPU limit)",
+    )
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
     parser.add_argument("--enable-chunked-prefill", action="store_true")

@@ -13,6 +13,7 @@ import time
 import uuid
 
 import redis
+import torch
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm import build_engine
@@ -44,6 +45,12 @@ def main(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace, rank: int, vote=None) -> int:
     """Load the model, wire the service together, run until drained."""
     role = Role(args.role)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {args.threads}")
+        # More threads than cores owned is far worse than too few: torch's OpenMP
+        # workers spin at every barrier while the core they wait for runs someone else.
+        torch.set_num_threads(args.threads)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     fields = engine_fields(args)
     block_size = fields.get("block_size", 16)
