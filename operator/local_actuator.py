@@ -118,7 +118,8 @@ class LocalActuator:
         flags["engine-id"] = f"{self.name}-{role}-{self._serial}"
         # The cores are shared by as many engines as the roles may scale to.
         most = sum(r.max_replicas * r.data_parallel_size for r in self.roles.values())
-        flags.setdefault("threads", str(engine_threads(most)))
+        if "threads" not in flags and (threads := engine_threads(most)) is not None:
+            flags["threads"] = str(threads)
         argv = [
             sys.executable, "-m", "tandem.cli", "engine",
             *engine_arguments(flags),

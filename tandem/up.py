@@ -23,13 +23,15 @@ from pathlib import Path
 from tandem.redis_server import RedisServer, free_port
 
 
-def engine_threads(num_engines: int) -> int:
+def engine_threads(num_engines: int) -> int | None:
     """CPU threads for each of num_engines engines sharing this machine's cores.
 
     Sharing beats oversubscribing: torch's OpenMP workers spin at every barrier,
     so two 2-thread engines on 2 cores each run several times slower than two
-    1-thread ones.
+    1-thread ones. None: the user set OMP_NUM_THREADS, which the engines inherit.
     """
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
     return max(1, len(os.sched_getaffinity(0)) // max(1, num_engines))
 
 
@@ -170,7 +172,7 @@ class Stack:
         )
         return self.actuator.start()
 
-    def _engine(self, role: str, threads: int) -> Child:
+    def _engine(self, role: str, threads: int | None) -> Child:
         port = free_port()
         argv = [
             sys.executable, "-m", "tandem.cli", "engine",
@@ -182,7 +184,7 @@ class Stack:
             "--port", str(port),
             "--kv-port", str(free_port()),
             "--engine-id", f"up-{role}",
-            "--threads", str(threads),
+            *(["--threads", str(threads)] if threads is not None else []),
             *self.config.engine_args,
         ]  # fmt: skip
         return Child(

@@ -171,6 +171,21 @@ def test_decode_with_drafts(block_size: int, kv_heads: int, heads: int, kernel: 
 
 
 @needs_kernels
+def test_kernel_spreads_a_large_step_over_threads() -> None:
+    # The suite runs single-threaded (tests/conftest.py); a step this large takes the
+    # kernel's OpenMP path (>= 2048 token-heads), which must give the same answer.
+    gen = torch.Generator().manual_seed(2)
+    specs = [(300, 1), (517, 1 + 3), (64, 1), (1000, 1)]
+    seqs, num_blocks = make_seqs(specs, 2, 16, 16, gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        run_step(seqs, 4, 16, num_blocks, is_prefill=False, gen=gen, kernel=True)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
 @pytest.mark.parametrize("head_dim", [4, 24, 64, 128])
 def test_kernel_head_dims(head_dim: int) -> None:
     # The kernel's vector paths by head_dim (multiples of 8, 16, 32; 4 takes plain loops).
