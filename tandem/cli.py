@@ -200,7 +200,7 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_sim_arguments(parser: argparse.ArgumentParser) -> None:
-    from tandem.sim.main import add_arguments
+    from tandem.sim.arguments import add_arguments
 
     add_arguments(parser)
 

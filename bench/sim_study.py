@@ -1,0 +1,69 @@
+"""The simulator's studies (docs/simulator.md): tables on stdout, plots under docs/img/.
+
+    .venv/bin/python bench/sim_study.py disagg      # Normal vs Disaggregated, 70B, 16 H200s
+    .venv/bin/python bench/sim_study.py intervals   # ALL / ANY prefill intervals, 4 DP ranks
+    .venv/bin/python bench/sim_study.py autoscale   # a bursty day: autoscaler vs fixed peak
+
+Every run is seeded: the same command prints the same tables (the wall times
+in the progress lines aside).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from tandem.sim import study_autoscale, study_disagg, study_intervals
+
+IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
+
+
+def disagg(args: argparse.Namespace) -> None:
+    results = []
+    for workload in study_disagg.WORKLOADS:
+        runs = study_disagg.sweep(workload, args.duration or 120.0, args.seed, log=_log)
+        results.append((workload, runs))
+        print(study_disagg.table(workload, runs), "\n", flush=True)
+    study_disagg.plot(results, str(IMG / "sim-disagg.png"))
+
+
+def intervals(args: argparse.Namespace) -> None:
+    by_rate = {}
+    for rate in (args.rate,) if args.rate else study_intervals.RATES:
+        runs = study_intervals.sweep(rate, args.duration or 120.0, args.seed, log=_log)
+        print(study_intervals.table(runs, rate), "\n", flush=True)
+        by_rate[rate] = runs
+    study_intervals.plot(by_rate, str(IMG / "sim-intervals.png"))
+
+
+def autoscale(args: argparse.Namespace) -> None:
+    duration = args.duration or study_autoscale.DAY_S
+    requests = study_autoscale.trace(args.rate or 3.0, args.seed, duration)
+    _log(f"  day trace: {len(requests)} requests")
+    runs = study_autoscale.run_pair(requests, until_s=duration, log=_log)
+    print(study_autoscale.table(runs))
+    print(study_autoscale.summary_line(runs))
+    study_autoscale.plot(requests, runs, str(IMG / "sim-autoscale.png"))
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("study", choices=["disagg", "intervals", "autoscale"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--duration", type=float, default=None, help="seconds of arrivals")
+    parser.add_argument("--rate", type=float, default=None, help="requests/s (mean)")
+    args = parser.parse_args()
+    IMG.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    {"disagg": disagg, "intervals": intervals, "autoscale": autoscale}[args.study](args)
+    _log(f"took {time.perf_counter() - started:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

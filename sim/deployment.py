@@ -1,0 +1,165 @@
+"""Deployment: the roles a simulated cluster runs, with their engine configs and policies.
+
+Built from command-line style arguments (mode, replicas and bounds per role)
+or from a ModelDeployment YAML through the operator's own validation
+(tandem.operator.validation.validate_spec), its EngineConfig per role
+(validation.engine_config) and its scaling policy per role (scaling.policy),
+so a YAML the operator refuses is refused here with the same reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from tandem.engine.config import EngineConfig, EngineType
+from tandem.operator.role_spec import RoleName
+from tandem.operator.scaling import policy as role_policy
+from tandem.operator.scaling_policy import ScalingPolicy, ScalingRole
+from tandem.operator.validation import engine_config, validate_spec
+
+ENGINE_TYPE = {
+    ScalingRole.NORMAL: EngineType.NORMAL,
+    ScalingRole.PREFILL: EngineType.PROMPT,
+    ScalingRole.DECODE: EngineType.COMPLETION,
+}
+# Simulated prompts carry no content, so the prefix cache could only miss: it is
+# turned off, which skips hashing every block (the biggest per-prompt cost).
+_NO_PREFIX_CACHE = {"enable_prefix_caching": False}
+
+
+@dataclass(frozen=True)
+class RoleSetup:
+    """One role of the cluster."""
+
+    role: ScalingRole
+    # The EngineConfig of every rank of every pod of the role.
+    engine: EngineConfig
+    # Bounds, targets and damping of the real autoscaler for this role.
+    policy: ScalingPolicy
+    # Pods at t = 0 (ready at once).
+    replicas: int
+    # Devices one rank spans with tensor parallelism.
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.policy.min_replicas <= self.replicas <= self.policy.max_replicas:
+            raise ValueError(
+                f"{self.role}: replicas {self.replicas} is outside "
+                f"[{self.policy.min_replicas}, {self.policy.max_replicas}]"
+            )
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"{self.role}: tp must be an integer >= 1, got {self.tp!r}")
+        if self.engine.engine_type is not ENGINE_TYPE[self.role]:
+            raise ValueError(f"{self.role} pods run {ENGINE_TYPE[self.role]} engines")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks per pod (they vote on each step's type)."""
+        return self.engine.data_parallel_size
+
+    @property
+    def gpus_per_pod(self) -> int:
+        return self.tp * self.dp
+
+    @property
+    def autoscaled(self) -> bool:
+        return self.policy.min_replicas < self.policy.max_replicas
+
+
+@dataclass(frozen=True)
+class Deployment:
+    roles: Mapping[ScalingRole, RoleSetup]
+
+    def __post_init__(self) -> None:
+        names = set(self.roles)
+        if names not in ({ScalingRole.NORMAL}, {ScalingRole.PREFILL, ScalingRole.DECODE}):
+            raise ValueError(
+                "a deployment is either one normal role or a prefill and a decode role, "
+                f"got {sorted(names)}"
+            )
+
+    @property
+    def mode(self) -> str:
+        return "normal" if ScalingRole.NORMAL in self.roles else "disaggregated"
+
+    @property
+    def autoscaled(self) -> bool:
+        return any(r.autoscaled for r in self.roles.values())
+
+
+def role_setup(
+    role: ScalingRole | str,
+    *,
+    replicas: int = 1,
+    min_replicas: int | None = None,
+    max_replicas: int | None = None,
+    tp: int = 1,
+    engine: Mapping[str, object] | None = None,
+    policy: Mapping[str, object] | None = None,
+) -> RoleSetup:
+    """A role from plain values: bounds default to a fixed count of `replicas`."""
+    role = ScalingRole(role)
+    config = EngineConfig(
+        **{**_defaults(), **(engine or {}), **_NO_PREFIX_CACHE, "engine_type": ENGINE_TYPE[role]}
+    )
+    bounds = {
+        "min_replicas": replicas if min_replicas is None else min_replicas,
+        "max_replicas": replicas if max_replicas is None else max_replicas,
+    }
+    return RoleSetup(role, config, ScalingPolicy(**{**bounds, **(policy or {})}), replicas, tp)
+
+
+def _defaults() -> dict[str, object]:
+    # Long enough for the studies' 4k-token prompts plus their outputs.
+    return {"max_model_len": 8192}
+
+
+def normal(replicas: int, tp: int = 1, **kwargs: object) -> Deployment:
+    return Deployment(
+        {ScalingRole.NORMAL: role_setup("normal", replicas=replicas, tp=tp, **kwargs)}
+    )
+
+
+def disaggregated(
+    prefill: int, decode: int, tp: int = 1, engine: Mapping[str, object] | None = None
+) -> Deployment:
+    return Deployment(
+        {
+            ScalingRole.PREFILL: role_setup("prefill", replicas=prefill, tp=tp, engine=engine),
+            ScalingRole.DECODE: role_setup("decode", replicas=decode, tp=tp, engine=engine),
+        }
+    )
+
+
+def from_yaml(path: str | Path, tp: int = 1, vocab_size: int | None = None) -> Deployment:
+    """The roles of a ModelDeployment manifest, validated as the operator validates it."""
+    path = Path(path)
+    try:
+        manifest = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("kind") != "ModelDeployment":
+        raise ValueError(f"{path}: expected a document of kind ModelDeployment")
+    name = (manifest.get("metadata") or {}).get("name") or "sim"
+    spec = validate_spec(manifest.get("spec"), name=name)
+    roles = {}
+    for role_name, role in spec.roles().items():
+        config = engine_config(spec.engine, role_name, role)
+        if spec.engine.max_model_len is None:  # the model's length: the simulator's default
+            # The budget was derived from a stand-in length: derive it again.
+            budget = spec.engine.max_num_batched_tokens
+            config = dataclasses.replace(config, **_defaults(), max_num_batched_tokens=budget)
+        # Speculation needs the vocabulary for its draft placeholders (the model's).
+        config = dataclasses.replace(config, **_NO_PREFIX_CACHE, vocab_size=vocab_size)
+        scaling_role = ScalingRole(RoleName(role_name).value)
+        roles[scaling_role] = RoleSetup(
+            scaling_role, config, role_policy(role), role.initial_replicas, tp
+        )
+    return Deployment(roles)

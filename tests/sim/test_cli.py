@@ -1,0 +1,63 @@
+"""`tandem sim` on the command line."""
+
+import json
+
+from tandem.cli import main
+
+
+def test_a_bad_trace_line_is_a_clear_error(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"arrival_s": 0, "input_tokens": 8, "output_tokens": 4}\nnot json\n')
+    assert main(["sim", "--model", "llama-8b", "--trace", str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert "line 2: not valid JSON" in err and "Traceback" not in err
+
+
+def test_bad_arguments_are_explained(capsys):
+    assert main(["sim", "--model", "gpt-9"]) == 2
+    assert "unknown model 'gpt-9'" in capsys.readouterr().err
+    assert main(["sim", "--model", "llama-70b", "--tp", "1"]) == 2
+    assert "raise tp" in capsys.readouterr().err
+
+
+def test_json_report(tmp_path, capsys):
+    args = ["sim", "--model", "llama-8b", "--rate", "5", "--duration", "10", "--json"]
+    assert main([*args, "--mode", "disaggregated", "--save-trace", str(tmp_path / "t.jsonl")]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["summary"]["requests"] == doc["summary"]["finished"] > 0
+    assert doc["setup"]["mode"] == "disaggregated"
+    # The saved trace replays to the same result.
+    assert (
+        main(
+            [
+                "sim",
+                "--model",
+                "llama-8b",
+                "--trace",
+                str(tmp_path / "t.jsonl"),
+                "--json",
+                "--mode",
+                "disaggregated",
+            ]
+        )
+        == 0
+    )
+    again = json.loads(capsys.readouterr().out)
+    assert again["summary"]["finished"] == doc["summary"]["finished"]
+    assert again["summary"]["ttft"]["p50"] == doc["summary"]["ttft"]["p50"]
+
+
+def test_deployment_yaml(tmp_path, capsys):
+    path = tmp_path / "md.yaml"
+    path.write_text(
+        "kind: ModelDeployment\nmetadata: {name: m}\nspec:\n  model: {path: smollm2}\n"
+        "  mode: Disaggregated\n  prefill: {replicas: 1, maxReplicas: 2}\n"
+        "  decode: {replicas: 2, maxReplicas: 3}\n"
+    )
+    args = ["sim", "--model", "llama-8b", "--deployment", str(path), "--rate", "2"]
+    assert main([*args, "--duration", "10", "--json"]) == 0
+    roles = json.loads(capsys.readouterr().out)["setup"]["roles"]
+    assert roles["decode"]["replicas"] == 2 and roles["prefill"]["max"] == 2
+    path.write_text("kind: ModelDeployment\nmetadata: {name: m}\nspec: {mode: Sideways}\n")
+    assert main(["sim", "--deployment", str(path)]) == 2
+    assert "spec.mode" in capsys.readouterr().err

@@ -1,0 +1,141 @@
+"""The simulated cluster: conservation, determinism, the real scheduler's rules, disaggregation."""
+
+import dataclasses
+import statistics
+
+import pytest
+
+from tandem.engine.scheduler import Scheduler
+from tandem.sim import deployment as deploy
+from tandem.sim.cluster import ClusterConfig, simulate
+from tandem.sim.devices import H200
+from tandem.sim.model_shapes import model_shape
+from tandem.sim.summary import SLO, summarize
+from tandem.sim.workload import LengthDist, TraceRequest, synthesize
+
+LLAMA_8B = model_shape("llama-8b")
+
+
+def _workload(rate=20.0, duration=20.0, seed=0, prompt="lognormal:1000:0.5", out="uniform:50:200"):
+    return synthesize(
+        rate=rate,
+        duration_s=duration,
+        input_len=LengthDist.parse(prompt, cap=8000),
+        output_len=LengthDist.parse(out),
+        seed=seed,
+    )
+
+
+def _run(deployment, requests, **kwargs):
+    return simulate(ClusterConfig(deployment, H200, LLAMA_8B, **kwargs), requests)
+
+
+def _mean_ttft(result):
+    return statistics.mean(r.ttft_s for r in result.records if r.finished)
+
+
+def test_every_request_finishes_or_is_reported_failed():
+    requests = [*_workload(duration=10.0), TraceRequest(5.0, 9000, 10)]  # over the limit
+    requests.sort(key=lambda r: r.arrival_s)
+    for deployment in (deploy.normal(2), deploy.disaggregated(1, 1)):
+        result = _run(deployment, requests)
+        summary = summarize(result, SLO())
+        assert summary.finished + summary.failed == len(requests)
+        assert summary.failed == 1 and summary.unfinished == 0
+        failed = next(r for r in result.records if r.failure)
+        assert "more than this engine's limit" in failed.failure
+        for r in result.records:
+            if r.finished:
+                assert r.arrival_s <= r.first_token_s <= r.finish_s
+
+
+def test_a_run_stopped_early_reports_the_rest_unfinished():
+    requests = _workload(duration=10.0)
+    result = _run(deploy.normal(1), requests, max_time_s=5.0)
+    summary = summarize(result, SLO())
+    assert summary.unfinished > 0
+    assert summary.finished + summary.failed + summary.unfinished == len(requests)
+
+
+def test_same_seed_same_result():
+    a = _run(deploy.disaggregated(1, 1), _workload(seed=7))
+    b = _run(deploy.disaggregated(1, 1), _workload(seed=7))
+    assert [(r.first_token_s, r.finish_s) for r in a.records] == [
+        (r.first_token_s, r.finish_s) for r in b.records
+    ]
+
+
+def test_disaggregation_moves_kv_before_decoding():
+    # One request: the decoder's first step waits for its KV, which takes bytes / bandwidth.
+    request = [TraceRequest(0.0, 4000, 3)]
+    fast = _run(deploy.disaggregated(1, 1), request)
+    slow_network = dataclasses.replace(
+        ClusterConfig(deploy.disaggregated(1, 1), H200, LLAMA_8B),
+    )
+    slow = simulate(
+        dataclasses.replace(
+            slow_network, network=dataclasses.replace(slow_network.network, bandwidth=1e8)
+        ),
+        request,
+    )
+    kv_bytes = 4000 * LLAMA_8B.kv_bytes_per_token
+    assert slow.records[0].ttft_s == pytest.approx(fast.records[0].ttft_s)
+    extra = slow.records[0].finish_s - fast.records[0].finish_s
+    assert extra == pytest.approx(kv_bytes / 1e8 - kv_bytes / 50e9, rel=0.01)
+
+
+def test_the_prefill_attempt_interval_rule_drives_ttft():
+    # One busy Normal engine: new prompts wait for the next attempt point, so
+    # shorter intervals (a config rule of the real scheduler) mean shorter TTFT.
+    requests = _workload(rate=8.0, duration=30.0)
+    rare = _run(deploy.normal(1), requests)  # defaults: 70 / 100
+    often = _run(
+        deploy.normal(1, engine={"prefill_attempt_interval": 5, "prefill_any_attempt_interval": 8}),
+        requests,
+    )
+    assert _mean_ttft(often) < 0.5 * _mean_ttft(rare)
+
+
+def test_a_patched_scheduler_method_changes_the_result(monkeypatch):
+    # A stricter "wants prefill" rule (only when nothing runs) makes prompts wait
+    # for every running request to finish: TTFT rises, decode runs undisturbed.
+    requests = _workload(rate=8.0, duration=20.0)
+    before = _run(deploy.normal(1), requests)
+    original = Scheduler._wants_prefill
+    monkeypatch.setattr(
+        Scheduler, "_wants_prefill", lambda self: not self.running and original(self)
+    )
+    after = _run(deploy.normal(1), requests)
+    assert all(r.finished for r in after.records)
+    assert _mean_ttft(after) > 2 * _mean_ttft(before)
+    tpot = [statistics.mean(r.tpot_s for r in x.records) for x in (before, after)]
+    assert tpot[1] < tpot[0]
+
+
+def test_data_parallel_ranks_vote_in_lockstep():
+    requests = _workload(rate=10.0, duration=5.0)
+    result = _run(deploy.normal(1, engine={"data_parallel_size": 2}), requests)
+    assert all(r.finished for r in result.records)
+    assert result.pods[0].gpus == 2
+
+
+def test_the_autoscaler_scales_up_under_a_burst_and_down_after():
+    # Long prompts, short answers: the queued prompt tokens ask for more pods.
+    burst = _workload(rate=25.0, duration=60.0, prompt="4000", out="uniform:10:30")
+    role = deploy.role_setup(
+        "normal",
+        replicas=1,
+        min_replicas=1,
+        max_replicas=6,
+        policy={"scale_down_stabilization_seconds": 120.0},
+    )
+    result = _run(deploy.Deployment({role.role: role}), burst, startup_s=20.0, until_s=900.0)
+    desired = [p.desired for p in result.timeline]
+    assert max(desired) > 1
+    assert desired[-1] == 1
+    ups = [e for e in result.scale_events if e.to_replicas > e.from_replicas]
+    downs = [e for e in result.scale_events if e.to_replicas < e.from_replicas]
+    assert ups and downs and ups[0].time_s < downs[-1].time_s
+    assert all(r.finished for r in result.records)
+    fixed = _run(deploy.normal(max(desired)), burst, until_s=900.0)
+    assert result.gpu_seconds < fixed.gpu_seconds

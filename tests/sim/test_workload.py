@@ -1,0 +1,92 @@
+"""Traces and synthetic workloads."""
+
+import numpy as np
+import pytest
+
+from tandem.sim.workload import (
+    LengthDist,
+    TraceRequest,
+    arrivals,
+    day_trace,
+    read_trace,
+    synthesize,
+    write_trace,
+)
+
+
+def _chat(seed=0, rate=5.0, duration=60.0):
+    return synthesize(
+        rate=rate,
+        duration_s=duration,
+        input_len=LengthDist.parse("lognormal:1000:0.5"),
+        output_len=LengthDist.parse("uniform:100:300"),
+        seed=seed,
+    )
+
+
+def test_trace_round_trip(tmp_path):
+    requests = _chat()
+    path = tmp_path / "trace.jsonl"
+    write_trace(path, requests)
+    again = read_trace(path)
+    assert [(r.input_tokens, r.output_tokens) for r in again] == [
+        (r.input_tokens, r.output_tokens) for r in requests
+    ]
+    assert [r.arrival_s for r in again] == [r.arrival_s for r in requests]
+
+
+def test_a_bad_line_is_named(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    good = '{"arrival_s": 0, "input_tokens": 10, "output_tokens": 5}'
+    path.write_text(good + '\n\n{"arrival_s": 1,\n')
+    with pytest.raises(ValueError, match=r"line 3: not valid JSON"):
+        read_trace(path)
+    path.write_text('{"arrival_s": 0, "input_tokens": 10}\n')
+    with pytest.raises(ValueError, match=r"line 1: missing output_tokens"):
+        read_trace(path)
+    path.write_text('{"arrival_s": 0, "input_tokens": 0, "output_tokens": 5}\n')
+    with pytest.raises(ValueError, match=r"line 1: input_tokens must be an integer >= 1"):
+        read_trace(path)
+
+
+def test_unsorted_traces_are_sorted(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    write_trace(path, [TraceRequest(2.0, 5, 5), TraceRequest(1.0, 6, 6)])
+    assert [r.arrival_s for r in read_trace(path)] == [1.0, 2.0]
+
+
+def test_synthetic_workloads_are_seeded():
+    assert _chat(seed=3) == _chat(seed=3)
+    assert _chat(seed=3) != _chat(seed=4)
+
+
+def test_poisson_rate_and_bursty_variation():
+    rng = np.random.default_rng(0)
+    poisson = arrivals(rng, rate=50.0, duration_s=200.0)
+    bursty = arrivals(rng, rate=50.0, duration_s=200.0, cv=3.0)
+    assert len(poisson) == pytest.approx(10_000, rel=0.05)
+    gaps_p, gaps_b = np.diff(poisson), np.diff(bursty)
+    assert gaps_p.std() / gaps_p.mean() == pytest.approx(1.0, rel=0.1)
+    assert gaps_b.std() / gaps_b.mean() > 2.0
+
+
+def test_length_distributions():
+    rng = np.random.default_rng(0)
+    assert set(LengthDist.parse("7").sample(rng, 10).tolist()) == {7}
+    lognormal = LengthDist.parse("lognormal:1000:0.5").sample(rng, 20_000)
+    assert lognormal.mean() == pytest.approx(1000, rel=0.03)
+    with pytest.raises(ValueError, match="lognormal:MEAN:SIGMA"):
+        LengthDist.parse("normal:5")
+
+
+def test_day_trace_peaks_at_noon():
+    day = day_trace(
+        mean_rate=0.5,
+        input_len=LengthDist.parse("100"),
+        output_len=LengthDist.parse("10"),
+        bursts_per_day=0,
+        seed=1,
+    )
+    hours = np.array([r.arrival_s for r in day]) // 3600
+    night, noon = (hours < 2).sum(), ((hours >= 11) & (hours < 13)).sum()
+    assert noon > 4 * night
