@@ -94,8 +94,14 @@ class LocalActuator:
         self.model = spec.served_model_name(name)
         self.roles = spec.roles()
         self.policies = {ScalingRole(r): scaling_policy(s) for r, s in self.roles.items()}
-        self.histories = {ScalingRole(r): ScalingHistory() for r in self.roles}
         self.replicas = {r: s.initial_replicas for r, s in self.roles.items()}
+        # As the operator does for a role it sees first: the starting count counts as
+        # recommended now, so nothing scales down before a whole window of evidence.
+        started = time.monotonic()
+        self.histories = {
+            ScalingRole(r): ScalingHistory(recommendations=((started, self.replicas[r]),))
+            for r in self.roles
+        }
         self.engines: dict[RoleName, list[EngineProcess]] = {r: [] for r in self.roles}
         self.decisions: list[Decision] = []  # every change, for `tandem up` output and tests
         self._serial = 0
