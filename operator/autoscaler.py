@@ -269,25 +269,10 @@ def _demand(
     if role in (ScalingRole.NORMAL, ScalingRole.PREFILL):
         # Absolute, like an HPA External metric with an AverageValue target: the
         # tokens are waiting whoever will take them, so no per-pod adjustment.
-        tokens = queue.queued_tokens + sum(_backlog_tokens(p) for p in pods)
+        tokens = queue.queued_tokens + sum(p.waiting_prompt_tokens for p in pods)
         units = tokens / policy.target_queued_tokens_per_replica
         signals.append(_Signal("queued_tokens", units, units))
     return _Demand(tuple(signals), _active(role, pods, queue))
-
-
-def _backlog_tokens(pod: PodLoad) -> int:
-    """The prompt tokens waiting in a pod that its next prefill step cannot take.
-
-    An engine pulls work ahead (up to twice its token budget) and a NORMAL one
-    holds it until its next attempt point (up to 70 decode steps): one step's
-    worth waiting there is how it works, not a backlog. Counted whole, it read
-    as a replica's worth per busy pod, so after every scale-down the remaining
-    pods' buffers filled and asked for the pod back (the simulator's bursty-day
-    study: 228 scale events a day).
-    """
-    if pod.token_budget is None:
-        return pod.waiting_prompt_tokens
-    return max(0, pod.waiting_prompt_tokens - pod.token_budget)
 
 
 def _per_pod(name: str, units: float, measured: int, current: int) -> _Signal:

@@ -86,8 +86,6 @@ class PodLoad:
     kv_pinned_requests: int = 0
     # budget_utilization() over the last interval; None on a pod's first scrape.
     budget_utilization: float | None = None
-    # Tokens one prefill step takes (max_num_batched_tokens); None when unknown.
-    token_budget: int | None = None
 
 
 def parse_metrics(text: str, *, pod: str, ready: bool, scraped_at: float) -> PodSample:
@@ -216,7 +214,6 @@ def pod_load(curr: PodSample, prev: PodSample | None = None) -> PodLoad:
         waiting_prompt_tokens=curr.waiting_prompt_tokens,
         kv_pinned_requests=curr.kv_pinned_requests,
         budget_utilization=None if prev is None else budget_utilization(prev, curr),
-        token_budget=curr.token_budget or None,
     )
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 
@@ -293,20 +292,6 @@ def test_decode_heavy_load_raises_decode_not_prefill():
 def test_normal_scales_on_kv_and_on_queued_tokens():
     assert once(NORMAL, observe(2, pods(2, kv=1.0))).replicas == 3
     assert once(NORMAL, observe(2, pods(2, kv=0.7)), queue(tokens=5 * TOKENS)).replicas == 5
-
-
-def test_a_pods_next_prefill_step_is_not_backlog():
-    def buffered(waiting_tokens: int, budget: int | None) -> RoleObservation:
-        pod = PodLoad("p", True, 0.7, 10, 8, waiting_tokens, token_budget=budget)
-        return observe(2, (pod, dataclasses.replace(pod, pod="q")))
-
-    # Pulled ahead, each within what its next prefill step takes: steady, no flapping.
-    assert once(NORMAL, buffered(8000, budget=8192)).replicas == 2
-    # Beyond it, only the excess is queued work: 2 x 3 x 8192 = 6 replicas' worth.
-    assert once(NORMAL, buffered(4 * 8192, budget=8192)).replicas == 6
-    # A pod that does not say its budget counts all it holds (as before).
-    assert once(NORMAL, buffered(2 * TOKENS, budget=None)).replicas == 4
-    assert once(PREFILL, buffered(8000, budget=8192)).replicas == 2
 
 
 def test_decide_all_needs_a_policy_per_role():
