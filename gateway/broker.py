@@ -10,19 +10,21 @@ original on a real Redis, so the two cannot drift apart unnoticed.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
 
-from tandem.engine.service.work_queue import TOKENS_FIELD, QueueState
+from tandem.engine.service.registry import read_entry
+from tandem.engine.service.work_queue import (
+    TOKENS_FIELD,
+    QueueState,
+    queue_depth_commands,
+    queue_state,
+)
 from tandem.protocol import (
     CANCEL_TTL_SECONDS,
-    HANDOFF_GROUP,
-    PRIORITIES,
-    WORK_GROUP,
     EngineInfo,
     Keys,
     WorkItem,
@@ -87,35 +89,9 @@ class Broker:
 
     async def queue_depth(self, model: str) -> QueueState:
         """As `work_queue.queue_depth`: waiting = XLEN - pending, one MULTI snapshot."""
-        streams = [*self.keys.work_streams(model), self.keys.handoff_stream(model)]
-        groups = [WORK_GROUP] * len(PRIORITIES) + [HANDOFF_GROUP]
         pipe = self.client.pipeline(transaction=True)
-        for stream, group in zip(streams, groups, strict=True):
-            pipe.xlen(stream)
-            pipe.xpending(stream, group)
-        pipe.get(self.keys.queued_tokens(model))
-        results = await pipe.execute(raise_on_error=False)
-        waiting: list[int] = []
-        pending: list[int] = []
-        for length, summary in zip(results[0:-1:2], results[1:-1:2], strict=True):
-            if isinstance(length, Exception):
-                raise length
-            # No group yet (no engine ever started): nothing is pending.
-            if isinstance(summary, Exception) and "NOGROUP" not in str(summary):
-                raise summary
-            held = 0 if isinstance(summary, Exception) else int(summary["pending"])
-            waiting.append(max(0, int(length) - held))
-            pending.append(held)
-        tokens = results[-1]
-        if isinstance(tokens, Exception):
-            raise tokens
-        return QueueState(
-            waiting=dict(zip(PRIORITIES, waiting[:-1], strict=True)),
-            pending=sum(pending[:-1]),
-            queued_tokens=max(0, int(tokens or 0)),
-            handoff_waiting=waiting[-1],
-            handoff_pending=pending[-1],
-        )
+        queue_depth_commands(pipe, self.keys, model)
+        return queue_state(await pipe.execute(raise_on_error=False))
 
     async def cancel(self, request_ids: Sequence[str]) -> None:
         """As `cancellation.cancel`, for several requests in one round trip."""
@@ -141,7 +117,7 @@ class Broker:
             await self.client.srem(self.keys.engines_set, *expired)
         engines = []
         for engine_id, raw in zip(ids, raws, strict=True):
-            info = None if raw is None else _decode(engine_id, raw)
+            info = None if raw is None else read_entry(engine_id, raw)
             if info is not None and (model is None or info.model == model):
                 engines.append(info)
         return engines
@@ -156,19 +132,6 @@ class Broker:
         if expired:
             await self.client.srem(self.keys.models_set, *expired)
         return {name for name, raw in zip(names, raws, strict=True) if raw is not None}
-
-
-def _decode(engine_id: str, raw: Any) -> EngineInfo | None:
-    # As the registry: an entry this side cannot read (another protocol version)
-    # is skipped, not pruned; its engine is alive for a newer gateway.
-    try:
-        fields = json.loads(raw)
-        if not isinstance(fields, dict):
-            raise ValueError("not a JSON object")
-        return EngineInfo.from_fields(fields)
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        log.warning("skipping unreadable registry entry of engine %r: %s", engine_id, exc)
-        return None
 
 
 def _str(value: Any) -> str:

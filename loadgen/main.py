@@ -38,8 +38,8 @@ from tandem.loadgen.replicas import (
 )
 from tandem.loadgen.report import Slo, build_report, format_report
 from tandem.loadgen.runner import RunLimits, RunResult, run
-from tandem.loadgen.trace import read_trace
 from tandem.loadgen.workload import synthetic_workload, trace_workload
+from tandem.trace import read_trace
 
 DEFAULT_REQUESTS = 100
 # Word counts of the two calibration probes of --prompt text.

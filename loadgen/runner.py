@@ -22,7 +22,7 @@ from tandem.loadgen.client import Target, send
 from tandem.loadgen.progress import Progress, progress_line
 from tandem.loadgen.record import RequestRecord
 from tandem.loadgen.replicas import ReplicaPoller, ReplicaSample
-from tandem.loadgen.trace import TraceRequest
+from tandem.trace import TraceRequest
 
 # (index, prompt tokens) -> the prompt to send.
 PromptMaker = Callable[[int, int], "str | list[int]"]

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 
 from tandem.loadgen.arrivals import arrival_offsets, check_rate
 from tandem.loadgen.lengths import LengthDist
-from tandem.loadgen.trace import TraceRequest
+from tandem.trace import TraceRequest
 
 
 def synthetic_workload(

@@ -42,7 +42,7 @@ from tandem.sim.cluster_config import ClusterConfig
 from tandem.sim.network import Links
 from tandem.sim.pod import Handoff, Pod, PodState, sampling
 from tandem.sim.records import PodLife, ReplicaPoint, RequestRecord, RunResult, ScaleEvent
-from tandem.sim.workload import TraceRequest
+from tandem.trace import TraceRequest
 
 _STEP, _TRANSFER, _READY, _TICK = range(4)
 _RUNNING, _HANDOFF = RequestStatus.RUNNING, RequestStatus.HANDOFF

@@ -21,7 +21,8 @@ from tandem.sim.model_shapes import model_shape
 from tandem.sim.network import Network
 from tandem.sim.report import document, text
 from tandem.sim.summary import SLO, summarize
-from tandem.sim.workload import LengthDist, read_trace, synthesize, write_trace
+from tandem.sim.workload import LengthDist, synthesize
+from tandem.trace import read_trace, write_trace
 
 # Tensor parallelism a model needs by default: a 70B model's bf16 weights (141 GB)
 # leave no KV room on one H200.

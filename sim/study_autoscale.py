@@ -17,7 +17,8 @@ from tandem.sim.devices import H200
 from tandem.sim.model_shapes import model_shape
 from tandem.sim.records import RunResult
 from tandem.sim.summary import SLO, summarize
-from tandem.sim.workload import LengthDist, TraceRequest, day_trace
+from tandem.sim.workload import LengthDist, day_trace
+from tandem.trace import TraceRequest
 
 TP = 4
 MAX_PODS = 8

@@ -1,6 +1,6 @@
 """Workload: the requests a simulation replays, from a JSONL trace or from distributions.
 
-A trace has one JSON object per line, the format `tandem bench --trace` reads:
+A trace (tandem/trace.py) has one JSON object per line, shared with `tandem bench --trace`:
 
     {"arrival_s": 0.0, "input_tokens": 1024, "output_tokens": 300}
 
@@ -13,90 +13,13 @@ random bursts on top, drawn by thinning a Poisson process.
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-_FIELDS = ("arrival_s", "input_tokens", "output_tokens")
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    """One request of a workload."""
-
-    # Seconds after the start of the trace at which the request reaches the gateway.
-    arrival_s: float
-    # Prompt length in tokens.
-    input_tokens: int
-    # Tokens to generate (the request never stops early: no EOS in a simulation).
-    output_tokens: int
-
-    def __post_init__(self) -> None:
-        if not math.isfinite(self.arrival_s) or self.arrival_s < 0:
-            raise ValueError(f"arrival_s must be a finite number >= 0, got {self.arrival_s!r}")
-        for name in ("input_tokens", "output_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
-# ---------------------------------------------------------------- traces
-
-
-def read_trace(path: str | Path) -> list[TraceRequest]:
-    """The requests of a JSONL trace, sorted by arrival; ValueError names the bad line."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ValueError(f"cannot read trace {path}: {exc.strerror or exc}") from None
-    requests = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        requests.append(_parse_line(line, f"{path} line {number}"))
-    if not requests:
-        raise ValueError(f"trace {path} has no requests")
-    return sorted(requests, key=lambda r: r.arrival_s)
-
-
-def _parse_line(line: str, where: str) -> TraceRequest:
-    try:
-        item = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
-    if not isinstance(item, dict):
-        raise ValueError(f"{where}: expected an object with {', '.join(_FIELDS)}")
-    missing = [f for f in _FIELDS if f not in item]
-    if missing:
-        raise ValueError(f"{where}: missing {', '.join(missing)}")
-    arrival = item["arrival_s"]
-    if isinstance(arrival, bool) or not isinstance(arrival, int | float):
-        raise ValueError(f"{where}: arrival_s must be a number, got {arrival!r}")
-    try:
-        return TraceRequest(float(arrival), item["input_tokens"], item["output_tokens"])
-    except ValueError as exc:
-        raise ValueError(f"{where}: {exc}") from None
-
-
-def write_trace(path: str | Path, requests: Iterable[TraceRequest]) -> None:
-    with Path(path).open("w") as f:
-        for r in requests:
-            f.write(
-                json.dumps(
-                    {
-                        "arrival_s": r.arrival_s,
-                        "input_tokens": r.input_tokens,
-                        "output_tokens": r.output_tokens,
-                    }
-                )
-                + "\n"
-            )
-
+from tandem.trace import TraceRequest
 
 # ---------------------------------------------------------- distributions
 

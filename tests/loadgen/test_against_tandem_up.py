@@ -25,8 +25,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem import cli
-from tandem.loadgen.trace import TraceRequest, write_trace
 from tandem.redis_server import free_port
+from tandem.trace import TraceRequest, write_trace
 from tandem.up import Stack, UpConfig
 
 pytestmark = pytest.mark.timeout(240)

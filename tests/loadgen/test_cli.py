@@ -39,7 +39,7 @@ def test_a_bad_trace_line_is_named(capsys, tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"arrival_s": 0, "input_tokens": 1, "output_tokens": 1}\n{"arrival_s": 1}\n')
     assert cli.main(["bench", "--trace", str(trace)]) == 2
-    assert f"{trace}:2: missing input_tokens, output_tokens" in capsys.readouterr().err
+    assert f"{trace} line 2: missing input_tokens, output_tokens" in capsys.readouterr().err
 
 
 def test_an_unreachable_server_is_a_clear_error(capsys):

@@ -6,7 +6,7 @@ import io
 from tandem.loadgen.client import Target
 from tandem.loadgen.progress import Progress
 from tandem.loadgen.runner import RunLimits, run
-from tandem.loadgen.trace import TraceRequest
+from tandem.trace import TraceRequest
 
 from .fake_server import FakeServer
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tandem.loadgen.trace import TraceError, TraceRequest, parse_trace, read_trace, write_trace
+from tandem.trace import TraceError, TraceRequest, parse_trace, read_trace, write_trace
 
 
 def test_lines_are_parsed_sorted_and_comments_skipped():
@@ -25,7 +25,7 @@ def test_write_then_read_round_trips(tmp_path):
 @pytest.mark.parametrize(
     ("line", "problem"),
     [
-        ("not json", "not JSON"),
+        ("not json", "not valid JSON"),
         ("[1, 2]", "expected a JSON object, got list"),
         ('{"arrival_s": 0, "input_tokens": 3}', "missing output_tokens"),
         ('{"arrival_s": "0", "input_tokens": 3, "output_tokens": 1}', "arrival_s must be a number"),
@@ -38,7 +38,7 @@ def test_write_then_read_round_trips(tmp_path):
 def test_a_bad_line_is_named_by_file_and_number(tmp_path, line, problem):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"arrival_s": 0, "input_tokens": 1, "output_tokens": 1}\n\n' + line + "\n")
-    with pytest.raises(TraceError, match=f"{path}:3: ") as info:
+    with pytest.raises(TraceError, match=f"{path} line 3: ") as info:
         read_trace(path)
     assert problem in str(info.value)
 

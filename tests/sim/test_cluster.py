@@ -11,7 +11,8 @@ from tandem.sim.cluster import ClusterConfig, simulate
 from tandem.sim.devices import H200
 from tandem.sim.model_shapes import model_shape
 from tandem.sim.summary import SLO, summarize
-from tandem.sim.workload import LengthDist, TraceRequest, synthesize
+from tandem.sim.workload import LengthDist, synthesize
+from tandem.trace import TraceRequest
 
 LLAMA_8B = model_shape("llama-8b")
 

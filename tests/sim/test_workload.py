@@ -3,15 +3,8 @@
 import numpy as np
 import pytest
 
-from tandem.sim.workload import (
-    LengthDist,
-    TraceRequest,
-    arrivals,
-    day_trace,
-    read_trace,
-    synthesize,
-    write_trace,
-)
+from tandem.sim.workload import LengthDist, arrivals, day_trace, synthesize
+from tandem.trace import TraceRequest, read_trace, write_trace
 
 
 def _chat(seed=0, rate=5.0, duration=60.0):

@@ -73,7 +73,7 @@ class Registry:
         for engine_id, raw in zip(ids, raws, strict=True):
             if raw is None:
                 continue
-            info = _decode(engine_id, raw)
+            info = read_entry(engine_id, raw)
             if info is not None and (model is None or info.model == model):
                 engines.append(info)
         return engines
@@ -86,7 +86,7 @@ class Registry:
         return by_model
 
 
-def _decode(engine_id: str, raw: bytes | str) -> EngineInfo | None:
+def read_entry(engine_id: str, raw: bytes | str) -> EngineInfo | None:
     # An entry this side cannot read (another protocol version, a stray key) is
     # skipped, not pruned: its engine is alive and may be read by a newer gateway.
     try:

@@ -392,20 +392,30 @@ def queue_depth(client: redis.Redis, keys: Keys, model: str) -> QueueState:
     last-delivered-id would be O(backlog). A stream whose group does not exist yet
     (no engine started) has nothing pending.
     """
-    streams = [*keys.work_streams(model), keys.handoff_stream(model)]
-    groups = [WORK_GROUP] * len(PRIORITIES) + [HANDOFF_GROUP]
     # MULTI: one snapshot, so an ack between XLEN and XPENDING cannot skew `waiting`.
     pipe = client.pipeline(transaction=True)
+    queue_depth_commands(pipe, keys, model)
+    return queue_state(pipe.execute(raise_on_error=False))
+
+
+def queue_depth_commands(pipe: Any, keys: Keys, model: str) -> None:
+    """Queue queue_depth's commands on a pipeline (sync or asyncio: the gateway's too)."""
+    streams = [*keys.work_streams(model), keys.handoff_stream(model)]
+    groups = [WORK_GROUP] * len(PRIORITIES) + [HANDOFF_GROUP]
     for stream, group in zip(streams, groups, strict=True):
         pipe.xlen(stream)
         pipe.xpending(stream, group)
     pipe.get(keys.queued_tokens(model))
-    results = pipe.execute(raise_on_error=False)
+
+
+def queue_state(results: list[Any]) -> QueueState:
+    """The QueueState of queue_depth_commands' results (executed with raise_on_error=False)."""
     waiting: list[int] = []
     pending: list[int] = []
     for length, summary in zip(results[0:-1:2], results[1:-1:2], strict=True):
         if isinstance(length, Exception):
             raise length
+        # No group yet (no engine ever started): nothing is pending.
         if isinstance(summary, Exception) and "NOGROUP" not in str(summary):
             raise summary
         held = 0 if isinstance(summary, Exception) else int(summary["pending"])

@@ -1,4 +1,4 @@
-"""Request traces: JSONL, one request per line, the format `tandem sim` reads too.
+"""Request traces (JSONL, one request per line): what `tandem bench` and `tandem sim` replay.
 
     {"arrival_s": 0.0, "input_tokens": 512, "output_tokens": 128}
 
@@ -22,14 +22,22 @@ class TraceError(ValueError):
     """A trace that cannot be read; the message names the line."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TraceRequest:
     # Seconds after the run's start at which the request is sent.
     arrival_s: float
     # Prompt length in tokens.
     input_tokens: int
-    # Output length in tokens (max_tokens).
+    # Output length in tokens (max_tokens; a simulated request never stops early).
     output_tokens: int
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.arrival_s) or self.arrival_s < 0:
+            raise ValueError(f"arrival_s must be finite and >= 0, got {self.arrival_s!r}")
+        for name in ("input_tokens", "output_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def parse_trace(lines: Iterable[str], source: str = "<trace>") -> list[TraceRequest]:
@@ -39,7 +47,7 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>") -> list[TraceRequ
         text = line.strip()
         if not text or text.startswith("#"):
             continue
-        requests.append(_parse_line(text, f"{source}:{number}"))
+        requests.append(_parse_line(text, f"{source} line {number}"))
     if not requests:
         raise TraceError(f"{source}: no requests in the trace")
     return sorted(requests, key=lambda r: r.arrival_s)
@@ -68,7 +76,7 @@ def _parse_line(text: str, where: str) -> TraceRequest:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise TraceError(f"{where}: not JSON ({exc.msg})") from None
+        raise TraceError(f"{where}: not valid JSON ({exc.msg})") from None
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     missing = [k for k in ("arrival_s", "input_tokens", "output_tokens") if k not in obj]
