@@ -5,6 +5,7 @@ model; requests go in through the protocol module exactly as the gateway
 sends them.
 """
 
+import socket
 import time
 
 import pytest
@@ -12,6 +13,7 @@ import redis
 from support.engines import Client, EngineProcess
 
 from tandem.engine import LLM, SamplingParams
+from tandem.engine.service.registry import Registry
 from tandem.protocol import HANDOFF_GROUP, ErrorCode, EventKind, Handoff, WorkItem
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -200,15 +202,39 @@ def test_sigterm_drains_running_requests_takes_no_new_ones_and_exits_0(engines, 
 
 def test_two_data_parallel_ranks_vote_through_gloo_and_serve(engines, client, reference):
     # At most two waiting requests per rank: both ranks must take work.
-    engines("normal", "--data-parallel-size", "2", "--max-waiting", "2")
+    group = engines("normal", "--data-parallel-size", "2", "--max-waiting", "2")
+    # Ready is rank 0's /readyz: wait for rank 1 too, or its start counts as serving time.
+    ids = {group.engine_id, f"{group.engine_id}-r1"}
+    registry = Registry(client.redis, client.keys)
+    assert eventually(lambda: ids <= {e.engine_id for e in registry.live()}, 120)
     prompts = [PROMPT[: 5 + i] for i in range(6)]
     rids = [
         client.submit(prompt_token_ids=p, sampling={"max_tokens": 12, **GREEDY}) for p in prompts
     ]
-    answers = [client.answer(r) for r in rids]
+    try:
+        answers = [client.answer(r) for r in rids]
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\nengine log:\n{group.log()}") from None
     assert all(a.ok for a in answers)
     assert [a.token_ids for a in answers] == [reference(p, 12).token_ids for p in prompts]
     assert len(set().union(*(a.engines for a in answers))) == 2  # both ranks served
+
+
+def test_a_rank_that_fails_ends_its_whole_group(redis_url, keys, tmp_path):
+    # Rank 1 serves HTTP on port + 1: taken, it fails at start. Its peer would wait in
+    # the first vote for ever; the group must exit instead, so a supervisor restarts it.
+    proc = EngineProcess("normal", redis_url, keys, ["--data-parallel-size", "2"], log_dir=tmp_path)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        proc.port = taken.getsockname()[1] - 1
+        proc.start()
+        try:
+            code = proc.process.wait(timeout=120)
+        finally:
+            proc.stop()
+    assert code != 0, proc.log()
+    assert "Address already in use" in proc.log()
 
 
 def test_cancelling_a_running_request_frees_its_kv_at_once(engines, client, redis_url, keys):

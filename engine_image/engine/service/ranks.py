@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 
@@ -34,10 +35,18 @@ def run_ranks(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    for proc in procs:
-        proc.join()
-    codes = [proc.exitcode or 0 for proc in procs]
-    return max(codes, key=abs)
+    # A rank that fails (a port taken, a bad device) leaves its peers blocked in a
+    # collective for good: end the whole group, so the process exits and is restarted.
+    while any(proc.is_alive() for proc in procs):
+        multiprocessing.connection.wait([proc.sentinel for proc in procs], timeout=1.0)
+        failed = [proc.exitcode for proc in procs if proc.exitcode not in (None, 0)]
+        if failed:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+                proc.join()
+            return failed[0] if failed[0] > 0 else 1
+    return 0
 
 
 def _rank_main(args: argparse.Namespace, rank: int, world: int, port: int) -> None:
