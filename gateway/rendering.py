@@ -9,6 +9,7 @@ schema documents.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +43,7 @@ def total_usage(choices: Sequence[ChoiceResult]) -> dict[str, Any]:
     }
 
 
-class Renderer:
+class Renderer(ABC):
     """The shapes of one request's answer; subclasses fill in the endpoint's part."""
 
     id_prefix = ""
@@ -69,11 +70,13 @@ class Renderer:
         """Chunks sent before any token."""
         return []
 
+    @abstractmethod
     def text(self, index: int, text: str) -> dict[str, Any]:
-        raise NotImplementedError
+        """A stream chunk carrying new text of choice `index`."""
 
+    @abstractmethod
     def finish(self, index: int, reason: str) -> dict[str, Any]:
-        raise NotImplementedError
+        """The stream chunk that ends choice `index`."""
 
     def usage(self, choices: Sequence[ChoiceResult]) -> dict[str, Any]:
         """The last chunk of a stream with include_usage: usage, no choices."""
@@ -91,8 +94,9 @@ class Renderer:
             chunk["usage"] = None  # OpenAI: every other chunk has usage null
         return chunk
 
+    @abstractmethod
     def _choice(self, index: int, choice: ChoiceResult) -> dict[str, Any]:
-        raise NotImplementedError
+        """Choice `index` of the whole (non-streamed) response."""
 
 
 class ChatRenderer(Renderer):
