@@ -103,15 +103,7 @@ def fit(samples: Sequence[Sample], device: Device, shape: ModelShape, max_iter: 
             break
         compute_bound = relabelled
     overhead, per_seq, a, b = (float(p) for p in params)
-    fitted = device.with_efficiency(
-        peak_flops=max(device.peak_flops, 1 / a),
-        compute_efficiency=min(1.0, 1 / (a * device.peak_flops)),
-        memory_bandwidth=max(device.memory_bandwidth, 1 / b),
-        memory_efficiency=min(1.0, 1 / (b * device.memory_bandwidth)),
-        step_overhead_s=overhead,
-        seq_overhead_s=per_seq,
-    )
-    return Fit(fitted, shape, iterations)
+    return Fit(_fitted(device, overhead, per_seq, a, b), shape, iterations)
 
 
 def _fit_sum(samples: Sequence[Sample], device: Device, shape: ModelShape) -> Fit:
@@ -137,16 +129,23 @@ def _fit_sum(samples: Sequence[Sample], device: Device, shape: ModelShape) -> Fi
     measured = np.array([s.seconds for s in samples])
     overhead, per_seq, a, b, r = _nonnegative_fit(columns, measured)
     a, b = max(a, 1e-30), max(b, 1e-30)
-    fitted = device.with_efficiency(
+    return Fit(_fitted(device, overhead, per_seq, a, b, repack_passes=r / b), shape, 1)
+
+
+def _fitted(
+    device: Device, overhead: float, per_seq: float, a: float, b: float, **extra: float
+) -> Device:
+    """The device whose seconds per FLOP are a and per byte b: efficiencies against its
+    peaks, the peaks raised where the fit beats them."""
+    return device.with_efficiency(
         peak_flops=max(device.peak_flops, 1 / a),
         compute_efficiency=min(1.0, 1 / (a * device.peak_flops)),
         memory_bandwidth=max(device.memory_bandwidth, 1 / b),
         memory_efficiency=min(1.0, 1 / (b * device.memory_bandwidth)),
         step_overhead_s=overhead,
         seq_overhead_s=per_seq,
-        repack_passes=r / b,
+        **extra,
     )
-    return Fit(fitted, shape, 1)
 
 
 def _nonnegative_fit(columns: list[np.ndarray], measured: np.ndarray) -> list[float]:

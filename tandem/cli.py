@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 
@@ -82,54 +83,51 @@ def _demo(args: argparse.Namespace) -> int:
     return demo.run(args.model, args.question, mode=args.mode)
 
 
-def _engine(args: argparse.Namespace) -> int:
-    from tandem.engine.service import main as service
+# The long-running parts: command -> (help, module with add_arguments, module with main).
+# Both imported only when needed, so `tandem --help` loads no torch and no web stack.
+SERVICES = {
+    "engine": (
+        "run an engine that serves requests from Redis",
+        "tandem.engine.service.arguments",
+        "tandem.engine.service.main",
+    ),
+    "gateway": (
+        "run the OpenAI-compatible HTTP gateway",
+        "tandem.gateway.main",
+        "tandem.gateway.main",
+    ),
+    "operator": (
+        "run the Kubernetes operator for ModelDeployments",
+        "tandem.operator.settings",
+        "tandem.operator.main",
+    ),
+    "bench": (
+        "load an OpenAI-compatible endpoint and report goodput",
+        "tandem.loadgen.main",
+        "tandem.loadgen.main",
+    ),
+    "sim": (
+        "simulate a Tandem cluster with the real scheduler",
+        "tandem.sim.arguments",
+        "tandem.sim.main",
+    ),
+}
 
-    return service.main(args)
 
-
-def _gateway(args: argparse.Namespace) -> int:
-    from tandem.gateway import main as gateway
-
-    return gateway.main(args)
-
-
-def _operator(args: argparse.Namespace) -> int:
-    from tandem.operator import main as operator
-
-    return operator.main(args)
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from tandem.loadgen import main as loadgen
-
-    return loadgen.main(args)
-
-
-def _sim(args: argparse.Namespace) -> int:
-    from tandem.sim import main as sim
-
-    return sim.main(args)
+def _run_service(args: argparse.Namespace) -> int:
+    return importlib.import_module(SERVICES[args.command][2]).main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    for command, (help_text, arguments, _) in SERVICES.items():
+        service = sub.add_parser(command, help=help_text)
+        importlib.import_module(arguments).add_arguments(service)
+        service.set_defaults(func=_run_service)
 
     walk = sub.add_parser("walkthrough", help="narrate the step scheduler's rules")
     walk.set_defaults(func=_walkthrough)
-
-    engine = sub.add_parser("engine", help="run an engine that serves requests from Redis")
-    _add_engine_arguments(engine)
-    engine.set_defaults(func=_engine)
-
-    gateway = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
-    _add_gateway_arguments(gateway)
-    gateway.set_defaults(func=_gateway)
-
-    operator = sub.add_parser("operator", help="run the Kubernetes operator for ModelDeployments")
-    _add_operator_arguments(operator)
-    operator.set_defaults(func=_operator)
 
     chat = sub.add_parser("chat", help="answer a question with a model in this process")
     chat.add_argument("question")
@@ -165,44 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--question", default=DEMO_QUESTION)
     demo.set_defaults(func=_demo)
 
-    bench = sub.add_parser("bench", help="load an OpenAI-compatible endpoint and report goodput")
-    _add_bench_arguments(bench)
-    bench.set_defaults(func=_bench)
-
-    sim = sub.add_parser("sim", help="simulate a Tandem cluster with the real scheduler")
-    _add_sim_arguments(sim)
-    sim.set_defaults(func=_sim)
     return parser
-
-
-def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    from tandem.engine.service.arguments import add_arguments
-
-    add_arguments(parser)
-
-
-def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
-    from tandem.gateway.main import add_arguments
-
-    add_arguments(parser)
-
-
-def _add_operator_arguments(parser: argparse.ArgumentParser) -> None:
-    from tandem.operator.settings import add_arguments
-
-    add_arguments(parser)
-
-
-def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from tandem.loadgen.main import add_arguments
-
-    add_arguments(parser)
-
-
-def _add_sim_arguments(parser: argparse.ArgumentParser) -> None:
-    from tandem.sim.arguments import add_arguments
-
-    add_arguments(parser)
 
 
 def main(argv: list[str] | None = None) -> int:

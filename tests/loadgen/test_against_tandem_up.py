@@ -18,16 +18,16 @@ that took TTFT at the wrong chunk or timed from the planned arrival would fail).
 """
 
 import json
-import threading
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from support.stacks import running_stack
 
 from tandem import cli
 from tandem.redis_server import free_port
 from tandem.trace import TraceRequest, write_trace
-from tandem.up import Stack, UpConfig
+from tandem.up import UpConfig
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -52,14 +52,8 @@ def stack(tmp_path, monkeypatch):
         log_dir=tmp_path / "up",
         engine_args=("--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "128"),
     )
-    stack = Stack(config)
-    stack.start(say=lambda line: None)
-    supervisor = threading.Thread(target=stack.supervise, kwargs={"say": lambda line: None})
-    supervisor.start()
-    yield stack
-    stack.request_stop()
-    supervisor.join(timeout=30)
-    stack.stop()
+    with running_stack(config) as stack:
+        yield stack
 
 
 def gateway_samples(url):

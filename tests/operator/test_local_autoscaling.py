@@ -2,15 +2,15 @@
 and no request fails during either change. Real Redis, gateway and engines."""
 
 import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from support.stacks import running_stack
 
 from tandem.redis_server import free_port
-from tandem.up import Stack, UpConfig
+from tandem.up import UpConfig
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,14 +37,8 @@ MANIFEST = {
 @pytest.fixture
 def stack(tmp_path):
     config = UpConfig(manifest=MANIFEST, port=free_port(), log_dir=tmp_path, scale_every=1.0)
-    stack = Stack(config)
-    stack.start(say=lambda line: None)
-    supervisor = threading.Thread(target=stack.supervise, kwargs={"say": lambda line: None})
-    supervisor.start()
-    yield stack
-    stack.request_stop()
-    supervisor.join(timeout=30)
-    stack.stop()
+    with running_stack(config) as stack:
+        yield stack
 
 
 def _ask(stack, i):

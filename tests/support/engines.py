@@ -51,9 +51,6 @@ class EngineProcess:
             "--engine-id", self.engine_id,
             "--max-model-len", "256",
             "--num-kv-blocks", "128",
-            # Tests run several engines on 2 cores: one thread each, or their OpenMP
-            # workers spin-wait for cores the others hold (steps 5-10x slower).
-            "--threads", "1",
             *self.extra,
         ]  # fmt: skip
         log = open(self._log_path(), "wb")  # noqa: SIM115 (lives as long as the process)
