@@ -4,8 +4,9 @@ import os
 import uuid
 
 # One CPU thread for torch in the test process and the engines it spawns (they inherit
-# the environment), set before torch loads: OpenMP workers spin at each barrier, so on 2 cores any other busy process
-# (an engine, Redis, the gateway) made 2-thread model steps 5-20x slower.
+# the environment), set before torch loads: OpenMP workers spin at each barrier, so on
+# 2 cores any other busy process (an engine, Redis, the gateway) made 2-thread model
+# steps 5-20x slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
