@@ -1,8 +1,10 @@
 """LlamaForCausalLM over the paged cache against Hugging Face transformers' Llama.
 
-On CPU the model runs the C++ kernels (cpu_kernels.py) where they build; the HF
-comparisons also run on the pure-torch path, forced by making cpu_kernels.load()
-return None (as TANDEM_CPU_KERNELS=0 or a failed build does).
+On CPU the model runs the C++ kernels (cpu_kernels.py) and MKL-packed projections
+(linear.py) where they build, packed as the loader packs them; the HF comparisons
+also run on the pure-torch path, forced by making cpu_kernels.load() return None
+and dropping the packed weights (as TANDEM_CPU_KERNELS=0 or a failed build leaves
+a model).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from transformers import LlamaForCausalLM as HFLlama
 from tandem.engine.model import cpu_kernels
 from tandem.engine.model.attention import allocate_kv_cache
 from tandem.engine.model.attention_metadata import AttentionMetadata
+from tandem.engine.model.linear import Linear, pack_linears, unpack_linears
 from tandem.engine.model.llama import LlamaForCausalLM, RMSNorm, apply_rope, rope_inv_freq
 from tandem.engine.model.model_config import ModelConfig
 
@@ -73,6 +76,7 @@ class Pair:
         self.config = ModelConfig.from_hf_dict(self.hf.config.to_dict(), name="tiny-llama")
         self.model = LlamaForCausalLM(self.config)
         self.model.load_weights(self.hf.state_dict().items())
+        pack_linears(self.model)  # as load_model does
         self.caches = allocate_kv_cache(self.config, 64, BLOCK_SIZE, torch.float32, "cpu")
         self.free = torch.randperm(64, generator=torch.Generator().manual_seed(1)).tolist()
         self.tables: dict[str, list[int]] = {}
@@ -127,6 +131,7 @@ def test_chunked_prefill_then_decode_matches_hf(
 ) -> None:
     if not kernels:
         monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+        unpack_linears(pair.model)
     pair.tables.clear()
     pair.free = torch.randperm(64, generator=torch.Generator().manual_seed(2)).tolist()
     seq_a, seq_b = tokens(30, seed=11), tokens(16, seed=12)
@@ -142,6 +147,8 @@ def test_chunked_prefill_then_decode_matches_hf(
     # A verify step: the last token plus drafts, a different number per sequence.
     got = pair.step([("b", 13, seq_b[13:16]), ("a", 25, seq_a[25:30])], is_prefill=False)
     close(got, torch.cat([want_b[13:16], want_a[25:30]]))
+    monkeypatch.undo()
+    pack_linears(pair.model)  # the module-scoped pair as the other tests expect it
 
 
 def test_greedy_matches_hf_generate(pair: Pair) -> None:
@@ -298,3 +305,52 @@ def test_kernels_need_inference_mode() -> None:
     with torch.inference_mode():
         fast = model(torch.arange(5), meta.positions, caches, meta)
     torch.testing.assert_close(fast, hidden.detach(), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_packed_linear_matches_f_linear() -> None:
+    ops = cpu_kernels.load()
+    if not ops.packed_gemm_available():
+        pytest.skip("this torch build has no MKL to pack weights with")
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(40, 96, generator=gen)
+    packed = ops.pack_linear_weight(weight)
+    # Any row count (the packing is tuned for 64), none, and a row-strided view.
+    for rows in (0, 1, 5, 64, 333):
+        x = torch.randn(rows, 96, generator=gen)
+        torch.testing.assert_close(ops.packed_linear(x, packed, weight), F.linear(x, weight))
+    wide = torch.randn(7, 200, generator=gen)[:, 3:99]
+    torch.testing.assert_close(ops.packed_linear(wide, packed, weight), F.linear(wide, weight))
+    with pytest.raises(RuntimeError, match="not this weight's packed form"):
+        ops.packed_linear(wide, packed, torch.randn(41, 96))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.pack_linear_weight(weight.bfloat16())
+
+
+def test_linear_packs_only_what_it_can_and_unpacks_on_new_weights() -> None:
+    ops = cpu_kernels.load()
+    model = LlamaForCausalLM(tiny_config(tie_word_embeddings=True))
+    state = {n: torch.randn(p.shape) for n, p in model.state_dict().items() if n != "lm_head.weight"}
+    model.load_weights(state.items())
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 7 + 1  # q k v o gate up down, and the (tied) head
+    packed = pack_linears(model)
+    if ops is None or not ops.packed_gemm_available():
+        assert packed == 0 and all(m.packed is None for m in linears)
+        return
+    assert packed == len(linears) and all(m.packed is not None for m in linears)
+    assert "packed" not in str(list(model.state_dict()))  # not a parameter or buffer
+    caches = allocate_kv_cache(model.config, 4, BLOCK_SIZE, torch.float32, "cpu")
+    meta = AttentionMetadata.build([0], [5], [[2, 0]], BLOCK_SIZE, True, "cpu")
+    with torch.inference_mode():
+        fast = model.compute_logits(model(torch.arange(5), meta.positions, caches, meta))
+    unpack_linears(model)
+    with torch.inference_mode():
+        plain = model.compute_logits(model(torch.arange(5), meta.positions, caches, meta))
+    torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
+    # New weights drop the packed copies, which would still multiply by the old ones.
+    pack_linears(model)
+    model.load_weights(state.items())
+    assert all(m.packed is None for m in linears)
+    # bfloat16 weights are not packed (MKL's packed GEMM here is float32).
+    assert pack_linears(model.to(torch.bfloat16)) == 0

@@ -12,6 +12,7 @@ from tandem.engine.request import SamplingParams
 from tandem.engine.sampler import (
     Sampler,
     SampleRows,
+    _argmax,
     _filtered_probs,
     _inverse_cdf,
     rows_for_plan,
@@ -77,6 +78,23 @@ def test_greedy_rows_among_random_rows():
         SampleRows("c", 4, [], hot, 0),
     ]
     assert sampler.sample(logits, rows) == [[1, 2], [3, 4], [5]]
+
+
+def test_greedy_argmax_is_torch_argmax_ties_nan_and_infinities_included():
+    # float32 CPU logits take the C++ kernel where it builds; the rule is torch's.
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, 1000, generator=gen)
+    logits[1, [10, 700]] = 9.0  # a tie: the first index
+    logits[2, 999] = 9.0  # the last element
+    logits[3, [5, 600]] = float("nan")  # NaN counts as the maximum, the first one
+    logits[4, :] = float("-inf")
+    logits[5, 17] = float("inf")
+    logits[6, 40:] = float("-inf")  # masked tail beside finite values
+    logits[7, :64] = -1.0  # the maximum sits past the first 64-wide chunk
+    logits[7, 64:] = -2.0
+    logits[7, 300] = -0.5
+    for view in (logits, logits[:, ::2], logits[::3]):
+        assert torch.equal(_argmax(view), view.argmax(-1)), view.shape
 
 
 def test_never_more_than_one_plus_drafts_and_drafts_are_a_prefix():

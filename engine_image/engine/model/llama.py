@@ -10,8 +10,10 @@ weight at the same FLOP rate), not worth diverging from the checkpoint's names.
 On CPU in inference (no_grad / inference_mode) the forward uses the C++ kernels of
 cpu_kernels.py when they build: each residual add fused into the RMSNorm after it,
 RoPE in place on q and k, SiLU(gate) * up in one pass, and the paged decode
-attention kernel. Otherwise (accelerators, autograd, TANDEM_CPU_KERNELS=0, no
-compiler) it runs the torch modules below, which define the semantics.
+attention kernel; its projections multiply through MKL-packed weights once the
+loader has packed them (linear.py). Otherwise (accelerators, autograd,
+TANDEM_CPU_KERNELS=0, no compiler) it runs the torch modules below, which define
+the semantics.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import nn
 from tandem.engine.model import cpu_kernels
 from tandem.engine.model.attention import paged_attention
 from tandem.engine.model.attention_metadata import AttentionMetadata
+from tandem.engine.model.linear import Linear, unpack_linears
 from tandem.engine.model.model_config import ModelConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -110,10 +113,10 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         hidden, q_size = config.hidden_size, self.heads * self.head_dim
         kv_size = self.kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, q_size, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_size, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_size, bias=False)
-        self.o_proj = nn.Linear(q_size, hidden, bias=False)
+        self.q_proj = Linear(hidden, q_size, bias=False)
+        self.k_proj = Linear(hidden, kv_size, bias=False)
+        self.v_proj = Linear(hidden, kv_size, bias=False)
+        self.o_proj = Linear(q_size, hidden, bias=False)
 
     def forward(
         self,
@@ -140,9 +143,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden, inner = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inner, bias=False)
+        self.up_proj = Linear(hidden, inner, bias=False)
+        self.down_proj = Linear(inner, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, ops: object | None = None) -> torch.Tensor:
         if ops is None:
@@ -195,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
         # matrix, which for billions of parameters costs longer than loading them.
         with torch.device("meta"):
             self.model = LlamaModel(config)
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         # dtype first, while still on meta, so nothing is allocated twice.
         self.to(dtype).to_empty(device=device)
         # Tied after to_empty (which would untie), before the fill (which would touch the
@@ -257,6 +260,7 @@ class LlamaForCausalLM(nn.Module):
         Returns the names loaded. With strict, a parameter no tensor filled is a
         ValueError (pass strict=False when loading one shard at a time).
         """
+        unpack_linears(self)  # packed copies would keep the old weights
         params = dict(self.named_parameters(remove_duplicate=False))
         tied = self.config.tie_word_embeddings
         loaded: set[str] = set()
