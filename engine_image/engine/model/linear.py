@@ -58,7 +58,8 @@ def pack_linears(model: nn.Module) -> int:
         for module in _linears(model):
             module.packed = None
             weight = module.weight
-            if module.bias is None and weight.device.type == "cpu" and weight.dtype == torch.float32:
+            on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
+            if module.bias is None and on_cpu:
                 module.packed = ops.pack_linear_weight(weight)
                 count += 1
     return count
