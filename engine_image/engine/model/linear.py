@@ -6,8 +6,10 @@ A plain sgemm repacks its weight operand into its kernel's panel layout on every
 call; at decode batch sizes (tens of rows) that costs about as much as the
 multiply itself. MKL's pack API does it once: after pack_linears, an inference
 forward on a float32 CPU matrix runs cpu_kernels' packed_linear on the packed copy.
-Measured on SmolLM2-135M's projections, 64 rows, 2 threads: ~17 % less matmul
-time per decode step than F.linear (docs/benchmarks.md).
+Measured on SmolLM2-135M's projections, 2 threads: ~17 % less matmul time than
+F.linear at 64 rows (a decode step, docs/benchmarks.md), ~5 % at 256, even at
+512, and 4 % more at 1,024, where F.linear's repacking is amortised and its own
+blocking wins: so only steps under PACKED_MAX_ROWS rows use the packed copy.
 
 The packed copy is a second copy of the weights in memory, in MKL's layout, which
 must never move: it is a plain attribute, not a parameter or buffer, so .to() and
@@ -25,6 +27,9 @@ from torch import nn
 
 from tandem.engine.model import cpu_kernels
 
+# Row counts from which F.linear is at least as fast (see above).
+PACKED_MAX_ROWS = 512
+
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same names) with an optional packed weight."""
@@ -36,6 +41,7 @@ class Linear(nn.Linear):
         if (
             packed is not None
             and x.dim() == 2
+            and x.shape[0] < PACKED_MAX_ROWS
             and x.device.type == "cpu"
             and x.dtype == torch.float32
             and not torch.is_grad_enabled()
