@@ -5,16 +5,39 @@ from __future__ import annotations
 import json
 import socket
 import time
+from collections.abc import Iterator
 
-from .live import API_KEY
+import pytest
+from support.engines import EngineProcess
+
+from .live import API_KEY, start_engine, wait_served
 
 LONG = {
     "model": "tiny",
     "messages": [{"role": "user", "content": "Tell me a long story."}],
-    "max_tokens": 230,
+    # Seconds of decoding on the tiny model (~1.6 ms a token), so the request is
+    # still running when the client goes; 230 tokens took under 0.4 s and a busy
+    # machine could finish them before the cancel arrived.
+    "max_tokens": 1900,
     "temperature": 0,
     "ignore_eos": True,
 }
+
+
+@pytest.fixture(scope="module")
+def shared_engine(redis_server, shared_keys, tmp_path_factory) -> Iterator[EngineProcess]:
+    """This module's NORMAL engine: as conftest's, with room for LONG's 1,900 tokens."""
+    proc = start_engine(
+        "normal",
+        redis_server.url,
+        shared_keys,
+        tmp_path_factory.mktemp("engine"),
+        *("--max-model-len", "2048", "--num-kv-blocks", "160"),
+    )
+    try:
+        yield wait_served(proc)
+    finally:
+        proc.stop()
 
 
 def eventually(check, timeout: float = 15.0) -> bool:
