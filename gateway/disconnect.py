@@ -12,7 +12,7 @@ the same Idempotency-Key through another replica still gets its answer.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from starlette.types import Receive
@@ -31,9 +31,18 @@ async def wait_for_disconnect(receive: Receive) -> None:
             return
 
 
-async def until_disconnected(receive: Receive, awaitable: Awaitable[T]) -> T:
-    """The awaitable's result, or ClientGone (after cancelling it) if the client
-    disconnects first."""
+async def until_disconnected(
+    receive: Receive, awaitable: Awaitable[T], on_gone: Callable[[], Awaitable[None]]
+) -> T:
+    """The awaitable's result; or, if the client disconnects first, on_gone()
+    awaited, the awaitable cancelled, and ClientGone raised.
+
+    on_gone (which cancels the engines' work) runs before the awaitable is
+    stopped, not after: a task's cancellation can be lost inside the Redis
+    client (redis-py 8.1's asyncio XREAD was seen returning normally after its
+    task was cancelled, the reading loop going on), and the awaitable then runs
+    until the work ends, which only on_gone brings about early.
+    """
     work = asyncio.ensure_future(awaitable)
     watch = asyncio.ensure_future(wait_for_disconnect(receive))
     try:
@@ -46,6 +55,7 @@ async def until_disconnected(receive: Receive, awaitable: Awaitable[T]) -> T:
     if work.done():
         watch.cancel()
         return work.result()
+    await on_gone()
     work.cancel()
     # Let it unwind (its generators close, its Redis read is abandoned) first.
     await asyncio.gather(work, return_exceptions=True)

@@ -87,9 +87,10 @@ class GatewayService:
 
     async def _complete(self, request: Request, generation: Generation) -> Response:
         try:
-            body = await until_disconnected(request.receive, generation.complete())
+            body = await until_disconnected(
+                request.receive, generation.complete(), lambda: generation.abandon("disconnect")
+            )
         except ClientGone:
-            await generation.abandon("disconnect")
             return Response(status_code=CLIENT_GONE)
         return JSONResponse(body)
 
@@ -99,9 +100,10 @@ class GatewayService:
         # the SDKs raise as such, not a 200 stream with an error inside.
         events = generation.events()
         try:
-            first = await until_disconnected(request.receive, anext(events))
+            first = await until_disconnected(
+                request.receive, anext(events), lambda: generation.abandon("disconnect")
+            )
         except ClientGone:
-            await generation.abandon("disconnect")
             return Response(status_code=CLIENT_GONE)
         except BaseException:
             await events.aclose()

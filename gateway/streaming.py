@@ -44,21 +44,17 @@ class EventStreamResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streamer = asyncio.ensure_future(self.stream_response(send))
         watch = asyncio.ensure_future(wait_for_disconnect(receive))
-        gone = False
         try:
             await asyncio.wait({streamer, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if streamer.done():
-                error = streamer.exception()
-                if isinstance(error, OSError):  # the socket broke while sending
-                    gone = True
-                elif error is not None:
-                    raise error
-            else:
-                gone = True
+            # Gone: the server said so, or the socket broke while sending.
+            gone = not streamer.done() or isinstance(streamer.exception(), OSError)
+            if gone:
+                # Before the streamer is stopped: see disconnect.until_disconnected.
+                await self._on_disconnect()
+            elif (error := streamer.exception()) is not None:
+                raise error
         finally:
             watch.cancel()
             streamer.cancel()
             await asyncio.gather(streamer, watch, return_exceptions=True)
             await self._chunks.aclose()
-        if gone:
-            await self._on_disconnect()
