@@ -147,6 +147,10 @@ class Generation:
 
     # ------------------------------------------------------------ cancelling
 
+    async def client_gone(self) -> None:
+        """The HTTP client left: cancel what still runs (see disconnect.py)."""
+        await self.abandon("disconnect")
+
     async def abandon(self, why: str) -> None:
         """Cancel the choices still running (the engine frees their KV), once.
 

@@ -88,7 +88,7 @@ class GatewayService:
     async def _complete(self, request: Request, generation: Generation) -> Response:
         try:
             body = await until_disconnected(
-                request.receive, generation.complete(), lambda: generation.abandon("disconnect")
+                request.receive, generation.complete(), generation.client_gone
             )
         except ClientGone:
             return Response(status_code=CLIENT_GONE)
@@ -100,17 +100,13 @@ class GatewayService:
         # the SDKs raise as such, not a 200 stream with an error inside.
         events = generation.events()
         try:
-            first = await until_disconnected(
-                request.receive, anext(events), lambda: generation.abandon("disconnect")
-            )
+            first = await until_disconnected(request.receive, anext(events), generation.client_gone)
         except ClientGone:
             return Response(status_code=CLIENT_GONE)
         except BaseException:
             await events.aclose()
             raise
-        return EventStreamResponse(
-            generation.stream(first, events), lambda: generation.abandon("disconnect")
-        )
+        return EventStreamResponse(generation.stream(first, events), generation.client_gone)
 
 
 def service_of(request: Request) -> GatewayService:

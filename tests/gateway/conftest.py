@@ -11,7 +11,7 @@ from support.engines import EngineProcess
 from tandem.gateway.auth import KeyStore
 from tandem.protocol import Keys
 
-from .live import API_KEY, LiveGateway, settings_for, start_engine, wait_served
+from .live import API_KEY, LiveGateway, serving_engine, settings_for, start_engine, wait_served
 
 
 @pytest.fixture
@@ -54,11 +54,9 @@ def shared_keys() -> Keys:
 @pytest.fixture(scope="module")
 def shared_engine(redis_server, shared_keys, tmp_path_factory) -> Iterator[EngineProcess]:
     """One NORMAL engine serving "tiny" for a whole test module."""
-    proc = wait_served(
-        start_engine("normal", redis_server.url, shared_keys, tmp_path_factory.mktemp("engine"))
-    )
-    yield proc
-    proc.stop()
+    logs = tmp_path_factory.mktemp("engine")
+    with serving_engine("normal", redis_server.url, shared_keys, logs) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -89,6 +91,18 @@ def start_engine(
     # need an engine to answer.
     with mock.patch.dict(os.environ, {"TANDEM_CPU_KERNELS": "0"}):
         return EngineProcess(role, redis_url, keys, list(extra), log_dir=log_dir).start()
+
+
+@contextlib.contextmanager
+def serving_engine(
+    role: str, redis_url: str, keys: Keys, log_dir: Path, *extra: str
+) -> Iterator[EngineProcess]:
+    """A started, served engine, stopped on leaving (also if it never became served)."""
+    proc = start_engine(role, redis_url, keys, log_dir, *extra)
+    try:
+        yield wait_served(proc)
+    finally:
+        proc.stop()
 
 
 def wait_served(proc: EngineProcess, timeout: float = 60.0) -> EngineProcess:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from support.engines import EngineProcess
 
-from .live import API_KEY, start_engine, wait_served
+from .live import API_KEY, serving_engine
 
 LONG = {
     "model": "tiny",
@@ -26,17 +26,10 @@ LONG = {
 @pytest.fixture(scope="module")
 def shared_engine(redis_server, shared_keys, tmp_path_factory) -> Iterator[EngineProcess]:
     """This module's NORMAL engine: as conftest's, with room for LONG's 1,900 tokens."""
-    proc = start_engine(
-        "normal",
-        redis_server.url,
-        shared_keys,
-        tmp_path_factory.mktemp("engine"),
-        *("--max-model-len", "2048", "--num-kv-blocks", "160"),
-    )
-    try:
-        yield wait_served(proc)
-    finally:
-        proc.stop()
+    logs = tmp_path_factory.mktemp("engine")
+    room = ("--max-model-len", "2048", "--num-kv-blocks", "160")
+    with serving_engine("normal", redis_server.url, shared_keys, logs, *room) as proc:
+        yield proc
 
 
 def eventually(check, timeout: float = 15.0) -> bool:
