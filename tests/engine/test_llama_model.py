@@ -1,7 +1,7 @@
 """LlamaForCausalLM over the paged cache against Hugging Face transformers' Llama.
 
-On CPU the model runs the C++ kernels (cpu_kernels.py) and MKL-packed projections
-(linear.py) where they build, packed as the loader packs them; the HF comparisons
+On CPU the model runs the C++ kernels (cpu_kernels.py) and oneDNN-packed projections
+(linear.py) where they are available, packed as the loader packs them; the HF comparisons
 also run on the pure-torch path, forced by making cpu_kernels.load() return None
 and dropping the packed weights (as TANDEM_CPU_KERNELS=0 or a failed build leaves
 a model).
@@ -20,7 +20,7 @@ from transformers import LlamaForCausalLM as HFLlama
 from tandem.engine.model import cpu_kernels
 from tandem.engine.model.attention import allocate_kv_cache
 from tandem.engine.model.attention_metadata import AttentionMetadata
-from tandem.engine.model.linear import Linear, pack_linears, unpack_linears
+from tandem.engine.model.linear import pack_linears, unpack_linears
 from tandem.engine.model.llama import LlamaForCausalLM, RMSNorm, apply_rope, rope_inv_freq
 from tandem.engine.model.model_config import ModelConfig
 
@@ -305,53 +305,3 @@ def test_kernels_need_inference_mode() -> None:
     with torch.inference_mode():
         fast = model(torch.arange(5), meta.positions, caches, meta)
     torch.testing.assert_close(fast, hidden.detach(), atol=1e-5, rtol=1e-5)
-
-
-@needs_kernels
-def test_packed_linear_matches_f_linear() -> None:
-    ops = cpu_kernels.load()
-    if not ops.packed_gemm_available():
-        pytest.skip("this torch build has no MKL to pack weights with")
-    gen = torch.Generator().manual_seed(5)
-    weight = torch.randn(40, 96, generator=gen)
-    packed = ops.pack_linear_weight(weight)
-    # Any row count (the packing is tuned for 64), none, and a row-strided view.
-    for rows in (0, 1, 5, 64, 333):
-        x = torch.randn(rows, 96, generator=gen)
-        torch.testing.assert_close(ops.packed_linear(x, packed, weight), F.linear(x, weight))
-    wide = torch.randn(7, 200, generator=gen)[:, 3:99]
-    torch.testing.assert_close(ops.packed_linear(wide, packed, weight), F.linear(wide, weight))
-    with pytest.raises(RuntimeError, match="not this weight's packed form"):
-        ops.packed_linear(wide, packed, torch.randn(41, 96))
-    with pytest.raises(RuntimeError, match="float32"):
-        ops.pack_linear_weight(weight.bfloat16())
-
-
-def test_linear_packs_only_what_it_can_and_unpacks_on_new_weights() -> None:
-    ops = cpu_kernels.load()
-    model = LlamaForCausalLM(tiny_config(tie_word_embeddings=True))
-    state = {n: torch.randn(p.shape) for n, p in model.state_dict().items()}
-    del state["lm_head.weight"]  # tied
-    model.load_weights(state.items())
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert len(linears) == 7 + 1  # q k v o gate up down, and the (tied) head
-    packed = pack_linears(model)
-    if ops is None or not ops.packed_gemm_available():
-        assert packed == 0 and all(m.packed is None for m in linears)
-        return
-    assert packed == len(linears) and all(m.packed is not None for m in linears)
-    assert "packed" not in str(list(model.state_dict()))  # not a parameter or buffer
-    caches = allocate_kv_cache(model.config, 4, BLOCK_SIZE, torch.float32, "cpu")
-    meta = AttentionMetadata.build([0], [5], [[2, 0]], BLOCK_SIZE, True, "cpu")
-    with torch.inference_mode():
-        fast = model.compute_logits(model(torch.arange(5), meta.positions, caches, meta))
-    unpack_linears(model)
-    with torch.inference_mode():
-        plain = model.compute_logits(model(torch.arange(5), meta.positions, caches, meta))
-    torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
-    # New weights drop the packed copies, which would still multiply by the old ones.
-    pack_linears(model)
-    model.load_weights(state.items())
-    assert all(m.packed is None for m in linears)
-    # bfloat16 weights are not packed (MKL's packed GEMM here is float32).
-    assert pack_linears(model.to(torch.bfloat16)) == 0

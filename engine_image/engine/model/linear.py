@@ -1,22 +1,24 @@
-"""Linear layers that, on the CPU, multiply through a packed copy of their weight.
+"""Linear layers that, on the CPU, multiply through a pre-packed copy of their weight.
 
     pack_linears(model)  # once the weights are final (the loader does it)
 
-A plain sgemm repacks its weight operand into its kernel's panel layout on every
+A plain GEMM repacks its weight operand into its kernel's panel layout on every
 call; at decode batch sizes (tens of rows) that costs about as much as the
-multiply itself. MKL's pack API does it once: after pack_linears, an inference
-forward on a float32 CPU matrix runs cpu_kernels' packed_linear on the packed copy.
-Measured on SmolLM2-135M's projections, 2 threads: ~17 % less matmul time than
-F.linear at 64 rows (a decode step, docs/benchmarks.md), ~5 % at 256, even at
-512, and 4 % more at 1,024, where F.linear's repacking is amortised and its own
-blocking wins: so only steps under PACKED_MAX_ROWS rows use the packed copy.
+multiply itself. pack_linears reorders each weight once into oneDNN's blocked
+layout (torch's own oneDNN, the library its CPU convolutions and bfloat16
+matmuls run on); an inference forward on the CPU then runs oneDNN's inner
+product on that copy. Measured on SmolLM2-135M's projections, 2 threads, AMD
+Zen 4 (docs/model-runtime.md): float32 1.7x faster than F.linear (MKL) at 64
+rows, 2.1x at 1 row, 1.2x at 1,024; bfloat16 1.3-1.7x, bit for bit equal to
+F.linear (which runs oneDNN without the prepacking).
 
-The packed copy is a second copy of the weights in memory, in MKL's layout, which
-must never move: it is a plain attribute, not a parameter or buffer, so .to() and
-state_dict leave it alone, and the forward uses it only for float32 CPU inputs
-without autograd. Everything else (autograd, other devices or dtypes, a torch
-without MKL, TANDEM_CPU_KERNELS=0) runs F.linear, which defines the semantics:
-results differ from it by float rounding order only.
+The packed copy is a second copy of the weights in memory, in oneDNN's opaque
+layout: it is a plain attribute, not a parameter or buffer, so .to() and
+state_dict leave it alone, and the forward uses it only for CPU inputs of its
+dtype without autograd. Everything else (autograd, other devices, a torch
+without oneDNN, a dtype this CPU's oneDNN cannot pack, TANDEM_CPU_KERNELS=0)
+runs F.linear, which defines the semantics: float32 results differ from it by
+summation order only.
 """
 
 from __future__ import annotations
@@ -27,47 +29,44 @@ from torch import nn
 
 from tandem.engine.model import cpu_kernels
 
-# Row counts from which F.linear is at least as fast (see above).
-PACKED_MAX_ROWS = 512
+# oneDNN picks its blocking for this many rows; any row count runs on the result.
+# Decode batches are tens of rows; measured, 1, 64 or 1,024 change no timing beyond noise.
+ROWS_HINT = 64
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, same names) with an optional packed weight."""
+    """nn.Linear (same parameters, same names) with an optional pre-packed weight."""
 
-    packed: torch.Tensor | None = None  # MKL's packed W, set by pack_linears
+    packed: torch.Tensor | None = None  # oneDNN's copy of weight, set by pack_linears
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed
         if (
             packed is not None
-            and x.dim() == 2
-            and x.shape[0] < PACKED_MAX_ROWS
             and x.device.type == "cpu"
-            and x.dtype == torch.float32
+            and x.dtype == packed.dtype
+            and x.shape[-1] == self.in_features  # else F.linear names the mismatch
             and not torch.is_grad_enabled()
         ):
-            return torch.ops.tandem_cpu.packed_linear(x, packed, self.weight)
+            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Pack each bias-free float32 CPU Linear of model; how many were packed.
+    """Pack each CPU Linear of model whose dtype oneDNN can pack here; how many were packed.
 
-    None are when the C++ kernels or torch's MKL are unavailable. Call again after
+    None are when TANDEM_CPU_KERNELS=0 or torch has no oneDNN. Call again after
     changing weights: a packed copy does not follow its weight (see unpack_linears).
     """
-    ops = cpu_kernels.load()
-    if ops is None or not ops.packed_gemm_available():
+    if not cpu_kernels.enabled_by_env() or not torch.backends.mkldnn.is_available():
         return 0
     count = 0
     with torch.no_grad():
         for module in _linears(model):
             module.packed = None
-            weight = module.weight
-            on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
-            if module.bias is None and on_cpu:
-                module.packed = ops.pack_linear_weight(weight)
-                count += 1
+            if module.weight.device.type == "cpu":
+                module.packed = _packed(module.weight)
+                count += module.packed is not None
     return count
 
 
@@ -75,6 +74,13 @@ def unpack_linears(model: nn.Module) -> None:
     """Drop the packed copies (F.linear again), e.g. before the weights change."""
     for module in _linears(model):
         module.packed = None
+
+
+def _packed(weight: torch.Tensor) -> torch.Tensor | None:
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ROWS_HINT)
+    except RuntimeError:  # e.g. float16 on a CPU without avx512_fp16: F.linear it is
+        return None
 
 
 def _linears(model: nn.Module) -> list[Linear]:

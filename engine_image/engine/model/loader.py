@@ -80,7 +80,7 @@ def load_model(
     model = LlamaForCausalLM(source.config, dtype=chosen_dtype, device=chosen_device)
     model.load_weights(source.iter_weights())
     model.eval()
-    pack_linears(model)  # float32 on the CPU: MKL's packed GEMM (linear.py)
+    pack_linears(model)  # on the CPU: oneDNN-packed projections (linear.py)
     return LoadedModel(source, model, chosen_device, chosen_dtype)
 
 

@@ -17,9 +17,6 @@
 // argmax_rows: greedy sampling's argmax over the vocabulary, vectorised (torch's
 //   CPU argmax is a scalar loop: 3 ms for 64 rows of 49k logits, against 0.6).
 //
-// pack_linear_weight, packed_linear: float32 x @ W^T through MKL's packed GEMM
-//   (see below), when the torch build carries MKL.
-//
 // Inner loops are plain C++ for gcc's auto-vectoriser (-O3, omp simd, contiguous
 // head_dim), plus GCC vector extensions where it cannot keep a register tile.
 // cpu_kernels.py adds -mavx2 -mfma -mf16c when the CPU has them (measured 4x on the
@@ -704,77 +701,6 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
-// ---------------------------------------------------------------------------
-// Packed linear layers: MKL packs the weight operand once instead of on every
-// call (why and when: linear.py). The symbols come from the MKL inside torch's
-// own library; they are weak, so a torch without MKL (e.g. an ARM build) loads
-// these kernels with packed_gemm_available() false, and the model keeps F.linear.
-
-extern "C" {
-size_t cblas_sgemm_pack_get_size(int identifier, int m, int n, int k) __attribute__((weak));
-void cblas_sgemm_pack(int layout, int identifier, int trans, int m, int n, int k, float alpha, const float* src,
-                      int ld, float* dest) __attribute__((weak));
-void cblas_sgemm_compute(int layout, int transa, int transb, int m, int n, int k, const float* a, int lda,
-                         const float* b, int ldb, float beta, float* c, int ldc) __attribute__((weak));
-}
-
-// CBLAS enum values (mkl_cblas.h).
-constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112, kPacked = 151, kBMatrix = 162;
-// The row count MKL tunes the packed layout for (a decode batch); any row count
-// computes with it.
-constexpr int kPackRows = 64;
-
-bool packed_gemm_available() { return cblas_sgemm_pack_get_size && cblas_sgemm_pack && cblas_sgemm_compute; }
-
-// Floats per output row of the packed buffer: the packed tensor is [n, that], so
-// its shape names the weight it came from (MKL rounds sizes up to whole panels).
-int64_t packed_row(int64_t n, int64_t k) {
-  const size_t bytes = cblas_sgemm_pack_get_size(kBMatrix, kPackRows, static_cast<int>(n), static_cast<int>(k));
-  const int64_t floats = static_cast<int64_t>((bytes + sizeof(float) - 1) / sizeof(float));
-  return (floats + n - 1) / n;
-}
-
-void check_packable(const at::Tensor& weight) {
-  TORCH_CHECK(packed_gemm_available(), "packed GEMM: this torch build has no MKL");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
-              "packed GEMM: weight must be a float32 CPU matrix [out, in]");
-  TORCH_CHECK(weight.size(0) > 0 && weight.size(1) > 0, "packed GEMM: weight is empty");
-  TORCH_CHECK(weight.size(0) < (1LL << 31) && weight.size(1) < (1LL << 31), "packed GEMM: weight too large");
-}
-
-// W [N, K] packed as the B operand of x @ W^T. MKL may embed addresses in the
-// buffer: it must never be copied or moved (callers keep it where it was made).
-at::Tensor pack_linear_weight(const at::Tensor& weight) {
-  check_packable(weight);
-  const at::Tensor w = weight.contiguous();
-  const int64_t n = w.size(0), k = w.size(1);
-  at::Tensor packed = w.new_empty({n, packed_row(n, k)});
-  cblas_sgemm_pack(kRowMajor, kBMatrix, kTrans, kPackRows, static_cast<int>(n), static_cast<int>(k), 1.0f,
-                   w.data_ptr<float>(), static_cast<int>(k), packed.data_ptr<float>());
-  return packed;
-}
-
-// x [M, K] @ W^T with W given packed (pack_linear_weight) and as itself (its shape).
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& weight) {
-  check_packable(weight);
-  const int64_t n = weight.size(0), k = weight.size(1);
-  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 2 && packed.size(0) == n &&
-                  packed.size(1) == packed_row(n, k) && packed.is_contiguous(),
-              "packed_linear: packed is not this weight's packed form");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat,
-              "packed_linear: x must be float32 [rows, ", k, "]");
-  // Row-strided views (a slice of a wider activation) are read in place.
-  const at::Tensor a = (x.stride(1) == 1 && x.stride(0) >= k) ? x : x.contiguous();
-  at::Tensor out = a.new_empty({a.size(0), n});
-  if (a.size(0) == 0) return out;
-  TORCH_CHECK(a.size(0) < (1LL << 31) && a.stride(0) < (1LL << 31), "packed_linear: x too large");
-  cblas_sgemm_compute(kRowMajor, kNoTrans, kPacked, static_cast<int>(a.size(0)), static_cast<int>(n),
-                      static_cast<int>(k), a.data_ptr<float>(), static_cast<int>(a.stride(0)),
-                      packed.data_ptr<float>(), static_cast<int>(k), 0.0f, out.data_ptr<float>(),
-                      static_cast<int>(n));
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY(tandem_cpu, m) {
@@ -786,9 +712,6 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
-  m.def("packed_gemm_available() -> bool", &packed_gemm_available);  // no tensor to dispatch on
-  m.def("pack_linear_weight(Tensor weight) -> Tensor");
-  m.def("packed_linear(Tensor x, Tensor packed, Tensor weight) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
@@ -798,6 +721,4 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("rope_", &rope_);
   m.impl("silu_mul", &silu_mul);
   m.impl("argmax_rows", &argmax_rows);
-  m.impl("pack_linear_weight", &pack_linear_weight);
-  m.impl("packed_linear", &packed_linear);
 }

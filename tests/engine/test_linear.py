@@ -1,0 +1,120 @@
+"""Linear: projections through oneDNN's pre-packed weights equal F.linear's.
+
+The packed path is what every CPU decode step and prefill runs (the loader packs);
+F.linear defines the semantics. float32 may differ by summation order only;
+bfloat16 runs the same oneDNN kernel as F.linear, so it must match bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.engine.model import cpu_kernels
+from tandem.engine.model.attention import allocate_kv_cache
+from tandem.engine.model.attention_metadata import AttentionMetadata
+from tandem.engine.model.linear import Linear, pack_linears, unpack_linears
+from tandem.engine.model.llama import LlamaForCausalLM
+from tandem.engine.model.model_config import ModelConfig
+
+needs_onednn = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
+)
+
+
+def packed_linear(out_features: int, in_features: int, bias: bool = False) -> Linear:
+    torch.manual_seed(5)
+    layer = Linear(in_features, out_features, bias=bias)
+    assert pack_linears(layer) == 1
+    return layer
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_forward_matches_f_linear_for_any_rows_and_layout(bias: bool) -> None:
+    layer = packed_linear(40, 96, bias)
+    gen = torch.Generator().manual_seed(6)
+    inputs = [torch.randn(rows, 96, generator=gen) for rows in (0, 1, 5, 64, 333)]
+    inputs.append(torch.randn(7, 200, generator=gen)[:, 3:99])  # row-strided view
+    inputs.append(torch.randn(2, 3, 96, generator=gen))  # leading batch dims
+    with torch.inference_mode():
+        for x in inputs:
+            got = layer(x)
+            assert got.shape == (*x.shape[:-1], 40)
+            torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
+
+
+@needs_onednn
+def test_packed_layer_keeps_f_linear_semantics_outside_inference() -> None:
+    layer = packed_linear(8, 16)
+    # Autograd: F.linear, so gradients flow to the weight.
+    x = torch.randn(3, 16)
+    layer(x).sum().backward()
+    assert layer.weight.grad is not None
+    # A wrong width gets F.linear's error naming the shapes, not a oneDNN failure.
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"3x15 and 16x8"):
+        layer(torch.randn(3, 15))
+    # Another dtype than the packed copy's: F.linear's own error too.
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="same dtype"):
+        layer(torch.randn(3, 16, dtype=torch.float64))
+
+
+@needs_onednn
+def test_bfloat16_packed_is_bit_for_bit_f_linear() -> None:
+    layer = packed_linear(48, 64).to(torch.bfloat16)
+    if pack_linears(layer) == 0:
+        pytest.skip("this CPU's oneDNN cannot pack bfloat16 weights")
+    x = torch.randn(9, 64).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(layer(x), F.linear(x, layer.weight))
+
+
+def tiny_model() -> LlamaForCausalLM:
+    config = ModelConfig(
+        vocab_size=11,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config)
+    state = {n: torch.randn(p.shape) for n, p in model.state_dict().items()}
+    del state["lm_head.weight"]  # tied
+    model.load_weights(state.items())
+    return model
+
+
+def logits(model: LlamaForCausalLM) -> torch.Tensor:
+    caches = allocate_kv_cache(model.config, 4, 4, torch.float32, "cpu")
+    meta = AttentionMetadata.build([0], [5], [[2, 0]], 4, True, "cpu")
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.arange(5), meta.positions, caches, meta))
+
+
+@needs_onednn
+def test_model_packs_every_projection_and_unpacks_on_new_weights() -> None:
+    model = tiny_model()
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 7 + 1  # q k v o gate up down, and the (tied) head
+    assert pack_linears(model) == len(linears)
+    assert all(m.packed is not None for m in linears)
+    assert "packed" not in str(list(model.state_dict()))  # not a parameter or buffer
+    fast = logits(model)
+    unpack_linears(model)
+    torch.testing.assert_close(fast, logits(model), atol=1e-5, rtol=1e-5)
+    # New weights drop the packed copies, which would still multiply by the old ones.
+    pack_linears(model)
+    model.load_weights((n, torch.randn(p.shape)) for n, p in model.named_parameters())
+    assert all(m.packed is None for m in linears)
+
+
+def test_nothing_is_packed_when_the_kernels_are_switched_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(cpu_kernels.ENV_DISABLE, "0")
+    model = tiny_model()
+    assert pack_linears(model) == 0
+    assert all(m.packed is None for m in model.modules() if isinstance(m, Linear))
