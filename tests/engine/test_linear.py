@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from tandem.engine.model import cpu_kernels
 from tandem.engine.model.attention import allocate_kv_cache
 from tandem.engine.model.attention_metadata import AttentionMetadata
-from tandem.engine.model.linear import Linear, pack_linears, unpack_linears
+from tandem.engine.model.linear import FusedLinears, Linear, pack_linears
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.model_config import ModelConfig
 
@@ -95,20 +95,44 @@ def logits(model: LlamaForCausalLM) -> torch.Tensor:
 
 
 @needs_onednn
+def test_fused_linears_equal_each_linear_alone() -> None:
+    torch.manual_seed(7)
+    parts = [Linear(32, n, bias=False) for n in (24, 8, 8)]
+    fused = FusedLinears.pack(*parts)
+    assert fused is not None and fused.sizes == [24, 8, 8]
+    x = torch.randn(5, 32)
+    with torch.inference_mode():
+        assert fused.applies(x)
+        outs = fused(x)
+        for part, out in zip(parts, outs, strict=True):
+            torch.testing.assert_close(out, F.linear(x, part.weight))
+    assert not fused.applies(torch.randn(5, 31))  # the separate Linears take over
+    assert not fused.applies(x)  # autograd on: the separate Linears too
+    assert FusedLinears.pack(Linear(32, 4), Linear(32, 4)) is None  # biases: not fused
+    with pytest.raises(ValueError, match="share their input width"):
+        FusedLinears.pack(Linear(32, 4, bias=False), Linear(16, 4, bias=False))
+
+
+@needs_onednn
 def test_model_packs_every_projection_and_unpacks_on_new_weights() -> None:
     model = tiny_model()
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert len(linears) == 7 + 1  # q k v o gate up down, and the (tied) head
-    assert pack_linears(model) == len(linears)
-    assert all(m.packed is not None for m in linears)
+    # q/k/v fused, gate/up fused, o and down alone, and the (tied) head.
+    assert model.pack_projections() == 5
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attn.qkv is not None and mlp.gate_up is not None
+    assert attn.q_proj.packed is None  # the fused copy is the only one
+    assert attn.o_proj.packed is not None and model.lm_head.packed is not None
     assert "packed" not in str(list(model.state_dict()))  # not a parameter or buffer
     fast = logits(model)
-    unpack_linears(model)
+    model.unpack_projections()
+    assert attn.qkv is None and all(
+        m.packed is None for m in model.modules() if isinstance(m, Linear)
+    )
     torch.testing.assert_close(fast, logits(model), atol=1e-5, rtol=1e-5)
     # New weights drop the packed copies, which would still multiply by the old ones.
-    pack_linears(model)
+    model.pack_projections()
     model.load_weights((n, torch.randn(p.shape)) for n, p in model.named_parameters())
-    assert all(m.packed is None for m in linears)
+    assert attn.qkv is None and mlp.gate_up is None and attn.o_proj.packed is None
 
 
 def test_nothing_is_packed_when_the_kernels_are_switched_off(
@@ -116,5 +140,6 @@ def test_nothing_is_packed_when_the_kernels_are_switched_off(
 ) -> None:
     monkeypatch.setenv(cpu_kernels.ENV_DISABLE, "0")
     model = tiny_model()
+    assert model.pack_projections() == 0
     assert pack_linears(model) == 0
     assert all(m.packed is None for m in model.modules() if isinstance(m, Linear))

@@ -20,7 +20,6 @@ from transformers import LlamaForCausalLM as HFLlama
 from tandem.engine.model import cpu_kernels
 from tandem.engine.model.attention import allocate_kv_cache
 from tandem.engine.model.attention_metadata import AttentionMetadata
-from tandem.engine.model.linear import pack_linears, unpack_linears
 from tandem.engine.model.llama import LlamaForCausalLM, RMSNorm, apply_rope, rope_inv_freq
 from tandem.engine.model.model_config import ModelConfig
 
@@ -76,7 +75,7 @@ class Pair:
         self.config = ModelConfig.from_hf_dict(self.hf.config.to_dict(), name="tiny-llama")
         self.model = LlamaForCausalLM(self.config)
         self.model.load_weights(self.hf.state_dict().items())
-        pack_linears(self.model)  # as load_model does
+        self.model.pack_projections()  # as load_model does
         self.caches = allocate_kv_cache(self.config, 64, BLOCK_SIZE, torch.float32, "cpu")
         self.free = torch.randperm(64, generator=torch.Generator().manual_seed(1)).tolist()
         self.tables: dict[str, list[int]] = {}
@@ -131,7 +130,7 @@ def test_chunked_prefill_then_decode_matches_hf(
 ) -> None:
     if not kernels:
         monkeypatch.setattr(cpu_kernels, "load", lambda: None)
-        unpack_linears(pair.model)
+        pair.model.unpack_projections()
     pair.tables.clear()
     pair.free = torch.randperm(64, generator=torch.Generator().manual_seed(2)).tolist()
     seq_a, seq_b = tokens(30, seed=11), tokens(16, seed=12)
@@ -148,7 +147,7 @@ def test_chunked_prefill_then_decode_matches_hf(
     got = pair.step([("b", 13, seq_b[13:16]), ("a", 25, seq_a[25:30])], is_prefill=False)
     close(got, torch.cat([want_b[13:16], want_a[25:30]]))
     monkeypatch.undo()
-    pack_linears(pair.model)  # the module-scoped pair as the other tests expect it
+    pair.model.pack_projections()  # the module-scoped pair as the other tests expect it
 
 
 def test_greedy_matches_hf_generate(pair: Pair) -> None:

@@ -1,17 +1,14 @@
 """LlamaForCausalLM: the Llama-family decoder over the paged KV cache.
 
 Parameter names equal Hugging Face transformers' LlamaForCausalLM state_dict
-names, so a checkpoint's tensors load by name (load_weights). Projections stay
-unfused: measured on CPU (SmolLM2-135M, 2 threads, interleaved A/B), one q/k/v
-and one gate/up matmul instead of five gain 2-4 ms of a ~120 ms batch-64 step
-with oneDNN (within noise), nothing with MKL: not worth diverging from the
-checkpoint's names.
+names, so a checkpoint's tensors load by name (load_weights); q/k/v and gate/up
+stay separate parameters, and only their packed copies are fused.
 
 On CPU in inference (no_grad / inference_mode) the forward uses the C++ kernels of
 cpu_kernels.py when they build: each residual add fused into the RMSNorm after it,
 RoPE in place on q and k, SiLU(gate) * up in one pass, and the paged decode
 attention kernel; its projections multiply through oneDNN-packed weights once the
-loader has packed them (linear.py). Otherwise (accelerators, autograd,
+loader has packed them (pack_projections, linear.py). Otherwise (accelerators, autograd,
 TANDEM_CPU_KERNELS=0, no compiler) it runs the torch modules below, which define
 the semantics.
 """
@@ -28,7 +25,7 @@ from torch import nn
 from tandem.engine.model import cpu_kernels
 from tandem.engine.model.attention import paged_attention
 from tandem.engine.model.attention_metadata import AttentionMetadata
-from tandem.engine.model.linear import Linear, unpack_linears
+from tandem.engine.model.linear import FusedLinears, Linear, pack_linears, unpack_linears
 from tandem.engine.model.model_config import ModelConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -105,6 +102,8 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    qkv: FusedLinears | None = None  # q/k/v as one packed product (pack_projections)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.heads = config.num_attention_heads
@@ -128,9 +127,13 @@ class LlamaAttention(nn.Module):
         ops: object | None = None,
     ) -> torch.Tensor:
         rows = x.shape[0]
-        q = self.q_proj(x).view(rows, self.heads, self.head_dim)
-        k = self.k_proj(x).view(rows, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(rows, self.kv_heads, self.head_dim)
+        if self.qkv is not None and self.qkv.applies(x):
+            q, k, v = self.qkv(x)  # row-strided views, which the kernels read in place
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(rows, self.heads, self.head_dim)
+        k = k.view(rows, self.kv_heads, self.head_dim)
+        v = v.view(rows, self.kv_heads, self.head_dim)
         if ops is None:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         else:
@@ -140,6 +143,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    gate_up: FusedLinears | None = None  # gate/up as one packed product (pack_projections)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden, inner = config.hidden_size, config.intermediate_size
@@ -148,9 +153,13 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(inner, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, ops: object | None = None) -> torch.Tensor:
+        if self.gate_up is not None and self.gate_up.applies(x):
+            gate, up = self.gate_up(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         if ops is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+            return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_mul(gate, up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -248,6 +257,27 @@ class LlamaForCausalLM(nn.Module):
             h = ops.add_rms_norm_(x, mlp, norm.weight, norm.eps)
         return h
 
+    def pack_projections(self) -> int:
+        """Packed copies of the projections for the CPU's fast path (linear.py): q/k/v and
+        gate/up each fused into one product, o/down and the LM head alone. Returns how
+        many products are packed (none off the CPU or with TANDEM_CPU_KERNELS=0)."""
+        self.unpack_projections()
+        count = pack_linears(self.lm_head)
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv = FusedLinears.pack(attn.q_proj, attn.k_proj, attn.v_proj)
+            mlp.gate_up = FusedLinears.pack(mlp.gate_proj, mlp.up_proj)
+            count += (attn.qkv is not None) + (mlp.gate_up is not None)
+            count += pack_linears(attn.o_proj) + pack_linears(mlp.down_proj)
+        return count
+
+    def unpack_projections(self) -> None:
+        """Drop every packed copy (the torch path again), e.g. before the weights change."""
+        unpack_linears(self)
+        for layer in self.model.layers:
+            layer.self_attn.qkv = None
+            layer.mlp.gate_up = None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows being sampled."""
         return self.lm_head(hidden).float()
@@ -260,7 +290,7 @@ class LlamaForCausalLM(nn.Module):
         Returns the names loaded. With strict, a parameter no tensor filled is a
         ValueError (pass strict=False when loading one shard at a time).
         """
-        unpack_linears(self)  # packed copies would keep the old weights
+        self.unpack_projections()  # packed copies would keep the old weights
         params = dict(self.named_parameters(remove_duplicate=False))
         tied = self.config.tie_word_embeddings
         loaded: set[str] = set()

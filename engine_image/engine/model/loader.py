@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.engine.model.linear import pack_linears
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.model_config import ModelConfig
 from tandem.engine.model.source import ModelSource, resolve_model
@@ -80,7 +79,7 @@ def load_model(
     model = LlamaForCausalLM(source.config, dtype=chosen_dtype, device=chosen_device)
     model.load_weights(source.iter_weights())
     model.eval()
-    pack_linears(model)  # on the CPU: oneDNN-packed projections (linear.py)
+    model.pack_projections()  # on the CPU: oneDNN-packed projections (linear.py)
     return LoadedModel(source, model, chosen_device, chosen_dtype)
 
 
