@@ -2,6 +2,8 @@
 
 Decode steps run on both paths: the C++ kernel (cpu_kernels.py; skipped where it
 cannot be built) and the pure-torch fallback, forced with build(kernel=False).
+Prefill takes the C++ kernel for float32 head dims that are multiples of 32, SDPA
+otherwise; tests force SDPA by making cpu_kernels.load() return None.
 """
 
 from __future__ import annotations
@@ -220,6 +222,54 @@ def test_prefill_second_chunk_reads_first(block_size: int) -> None:
 
 
 @pytest.mark.parametrize("kernel", PATHS)
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("kv_heads,heads", [(3, 3), (2, 8)])
+def test_prefill_head_dims_on_both_paths(
+    head_dim: int, kv_heads: int, heads: int, kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Head dims the C++ prefill kernel takes (multiples of 32); prompts across its
+    # 64-position blocks and 64-token tiles, fresh and after cached chunks.
+    if not kernel:
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    gen = torch.Generator().manual_seed(9)
+    specs = [(0, 130), (0, 1), (64, 64), (13, 100), (0, 37)]
+    seqs, num_blocks = make_seqs(specs, kv_heads, head_dim, 16, gen)
+    run_step(seqs, heads, 16, num_blocks, is_prefill=True, gen=gen, fused_qkv=head_dim == 64)
+
+
+@needs_kernels
+def test_prefill_kernel_spreads_over_threads() -> None:
+    gen = torch.Generator().manual_seed(10)
+    seqs, num_blocks = make_seqs([(0, 200), (70, 150)], 2, 32, 16, gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        run_step(seqs, 4, 16, num_blocks, is_prefill=True, gen=gen)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "q_shape,kv_shape,dtype,message",
+    [
+        ((5, 4, 32), (4, 2, 32), torch.float32, "shorter than the queries"),
+        ((5, 4, 16), (5, 2, 16), torch.float32, "multiple of 32"),
+        ((5, 4, 32), (5, 3, 32), torch.float32, "multiple of KV heads"),
+        ((5, 4, 32), (5, 2, 32), torch.bfloat16, "float32"),
+    ],
+)
+def test_prefill_kernel_rejects_what_it_cannot_run(
+    q_shape: tuple, kv_shape: tuple, dtype: torch.dtype, message: str
+) -> None:
+    ops = cpu_kernels.load()
+    q = torch.randn(q_shape).to(dtype)
+    k, v = torch.randn(kv_shape).to(dtype), torch.randn(kv_shape).to(dtype)
+    with pytest.raises(RuntimeError, match=message):
+        ops.causal_attention(q, k, v, 0.1)
+
+
+@pytest.mark.parametrize("kernel", PATHS)
 @pytest.mark.parametrize("is_prefill", [True, False])
 def test_shared_prefix_blocks(is_prefill: bool, kernel: bool) -> None:
     gen = torch.Generator().manual_seed(4)
@@ -395,7 +445,7 @@ def test_failed_build_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_
     broken.write_text('#error "no kernels today"\n')
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     with pytest.warns(RuntimeWarning, match="C\\+\\+ CPU kernels are unavailable") as caught:
-        assert cpu_kernels.build(broken) is None
+        assert cpu_kernels.build((broken,)) is None
     assert len(caught) == 1
     assert "no kernels today" in str(caught[0].message)  # the compiler's reason is passed on
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)  # as a failed build leaves it

@@ -45,6 +45,8 @@ CASES: dict[str, dict[str, Any]] = {
         "rope_theta": 500000.0,
         "rope_scaling": LLAMA3,
     },
+    # head_dim 32: the prefill takes the C++ kernel (the others take SDPA).
+    "gqa2-d32": {"num_attention_heads": 2, "num_key_value_heads": 1},
     "linear-tied": {
         "num_attention_heads": 4,
         "num_key_value_heads": 2,

@@ -17,8 +17,11 @@ Paths, chosen by the step kind:
   length and batched in groups; each group gathers its context from the cache and
   runs two grouped batched matmuls (no KV-head expansion). Groups are sized so the
   gathered KV stays cache-resident on CPU; on accelerators one group holds all.
-- prefill (any chunk length): torch SDPA per sequence (flash kernels where they
-  apply), is_causal when there is no cached prefix, an explicit mask when there is.
+- prefill on CPU in float32, when the C++ kernels built: one causal_attention call
+  per sequence (csrc/prefill_attention.cpp), the chunk's queries against its own
+  K/V, or against the whole context gathered from the cache after cached tokens.
+- prefill otherwise (any chunk length): torch SDPA per sequence (flash kernels where
+  they apply), is_causal when there is no cached prefix, an explicit mask when there is.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ import torch.nn.functional as F
 from tandem.engine.model import cpu_kernels
 from tandem.engine.model.attention_metadata import AttentionMetadata
 from tandem.engine.model.model_config import ModelConfig
+
+# The C++ prefill kernel's register tiles are 32 floats wide (csrc/prefill_attention.cpp).
+PREFILL_HEAD_DIM_MULTIPLE = 32
 
 
 def allocate_kv_cache(
@@ -131,27 +137,37 @@ def _prefill(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
+    ops = _prefill_kernel(q)
     gqa = q.shape[1] != k.shape[1]
     outputs = []
     for s in meta.prefill_seqs:
-        # SDPA wants [batch, heads, len, D]; 3-D inputs measured ~10x slower on CPU.
-        qs = q[s.begin : s.end].transpose(0, 1).unsqueeze(0)
-        if s.gather_index is None:
-            ks = k[s.begin : s.end].transpose(0, 1).unsqueeze(0)
-            vs = v[s.begin : s.end].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa
-            )
-        else:
+        qs, ks, vs = q[s.begin : s.end], k[s.begin : s.end], v[s.begin : s.end]
+        if s.gather_index is not None:  # after cached tokens: the whole context's KV
             kv = flat.index_select(1, s.gather_index)
-            o = F.scaled_dot_product_attention(
-                qs,
-                kv[0].transpose(0, 1).unsqueeze(0),
-                kv[1].transpose(0, 1).unsqueeze(0),
-                attn_mask=s.mask,
-                scale=scale,
-                enable_gqa=gqa,
-            )
+            ks, vs = kv[0], kv[1]
+        if ops is not None:
+            outputs.append(ops.causal_attention(_dense_heads(qs), ks, vs, scale))
+            continue
+        # SDPA wants [batch, heads, len, D]; 3-D inputs measured ~10x slower on CPU.
+        o = F.scaled_dot_product_attention(
+            qs.transpose(0, 1).unsqueeze(0),
+            ks.transpose(0, 1).unsqueeze(0),
+            vs.transpose(0, 1).unsqueeze(0),
+            is_causal=s.mask is None,
+            attn_mask=s.mask,
+            scale=scale,
+            enable_gqa=gqa,
+        )
         # [len, H, D]; the CPU and flash kernels lay it out contiguously already.
         outputs.append(o[0].transpose(0, 1))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def _prefill_kernel(q: torch.Tensor) -> object | None:
+    """torch.ops.tandem_cpu when the C++ prefill kernel takes q (float32 CPU inference,
+    head_dim a multiple of 32), else None: SDPA."""
+    if q.device.type != "cpu" or q.dtype != torch.float32 or torch.is_grad_enabled():
+        return None
+    if q.shape[-1] % PREFILL_HEAD_DIM_MULTIPLE:
+        return None
+    return cpu_kernels.load()

@@ -36,37 +36,15 @@
 #include <limits>
 #include <vector>
 
+#include "kernel_common.h"
+
 namespace {
+
+using namespace tandem;
 
 constexpr int64_t TILE = 16;  // context tokens per online-softmax update
 // Tokens beyond the current tile whose K/V rows are being prefetched (see decode_item).
 constexpr int64_t PREFETCH_AHEAD = 16;
-
-// exp(x) for x <= ~88, branch-free so that loops over it vectorise. Cephes' expf
-// polynomial after a Cody-Waite reduction: within 2 ulp of expf on [-87, 88];
-// below -87 it returns ~1e-38 instead of 0 (callers never add such a term to a
-// sum that is not already >= 1).
-inline float exp_approx(float x) {
-  // Clamp to [-87, 88] with bit masks: written as selects, gcc splits the loop per
-  // case and folds exp of the bounds, then divides by exp(88) speculatively in every
-  // lane, whose denormal quotients cost ~100x (measured in silu_mul).
-  const int32_t below = -static_cast<int32_t>(x < -87.0f), above = -static_cast<int32_t>(x > 88.0f);
-  x = std::bit_cast<float>((std::bit_cast<int32_t>(x) & ~(below | above)) |
-                           (std::bit_cast<int32_t>(-87.0f) & below) | (std::bit_cast<int32_t>(88.0f) & above));
-  // Round to nearest without a rounding instruction (1.5 * 2^23 trick).
-  const float shifter = 12582912.0f;
-  float n = (x * 1.44269504088896341f + shifter) - shifter;
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
-}
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
@@ -102,23 +80,6 @@ inline void axpy(float* y, float a, const float* x, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
-
-// GCC vector extensions: portable SIMD the compiler lowers to whatever the ISA
-// flags allow (two SSE registers without AVX). Used where the auto-vectoriser
-// cannot keep a register tile: QK dot products (8 independent accumulators, then
-// one transposing reduction) and the P.V update (accumulator rows held in
-// registers across a tile). Head dims that are not a multiple of VL take the
-// plain loops.
-constexpr int64_t VL = 8;
-typedef float vfloat __attribute__((vector_size(VL * sizeof(float))));
-typedef int32_t vint __attribute__((vector_size(VL * sizeof(int32_t))));
-
-inline vfloat vload(const float* p) {
-  vfloat v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void vstore(float* p, vfloat v) { __builtin_memcpy(p, &v, sizeof(v)); }
 
 // out[i] = sum of the lanes of v_i, for 8 vectors at once.
 inline vfloat reduce8(vfloat v0, vfloat v1, vfloat v2, vfloat v3, vfloat v4, vfloat v5, vfloat v6,
@@ -318,32 +279,8 @@ void decode_item(
         for (int64_t j = 0; j < lim; ++j) sc[j] = dot(s.q.data() + r * D, krows[j], D);
       }
     }
-    // Online softmax: probabilities against the new running max, and what came
-    // before rescaled to it. Masked tokens get probability 0.
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t lim = s.limit[r];
-      float* sc = s.scores.data() + r * TILE;
-      for (int64_t j = lim; j < n; ++j) sc[j] = 0.0f;
-      if (lim == 0) continue;
-      float mx = s.m[r];
-#pragma omp simd reduction(max : mx)
-      for (int64_t j = 0; j < lim; ++j) mx = sc[j] > mx ? sc[j] : mx;  // std::max blocks simd
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < lim; ++j) {
-        const float p = exp_approx(sc[j] - mx);
-        sc[j] = p;
-        sum += p;
-      }
-      if (s.m[r] != mx) {
-        const float corr = std::isinf(s.m[r]) ? 0.0f : exp_approx(s.m[r] - mx);
-        float* a = s.acc.data() + r * D;
-#pragma omp simd
-        for (int64_t i = 0; i < D; ++i) a[i] *= corr;
-        s.l[r] *= corr;
-        s.m[r] = mx;
-      }
-      s.l[r] += sum;
+      softmax_tile_row(s.scores.data() + r * TILE, s.limit[r], n, s.m[r], s.l[r], s.acc.data() + r * D, D);
     }
     if constexpr (widen) {
       for (int64_t j = 0; j < n; ++j) {

@@ -1,0 +1,80 @@
+// Helpers shared by Tandem's CPU kernels (cpu_kernels.cpp, prefill_attention.cpp).
+#pragma once
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+
+namespace tandem {
+
+// exp(x) for x <= ~88, branch-free so that loops over it vectorise. Cephes' expf
+// polynomial after a Cody-Waite reduction: within 2 ulp of expf on [-87, 88];
+// below -87 it returns ~1e-38 instead of 0 (callers never add such a term to a
+// sum that is not already >= 1).
+inline float exp_approx(float x) {
+  // Clamp to [-87, 88] with bit masks: written as selects, gcc splits the loop per
+  // case and folds exp of the bounds, then divides by exp(88) speculatively in every
+  // lane, whose denormal quotients cost ~100x (measured in silu_mul).
+  const int32_t below = -static_cast<int32_t>(x < -87.0f), above = -static_cast<int32_t>(x > 88.0f);
+  x = std::bit_cast<float>((std::bit_cast<int32_t>(x) & ~(below | above)) |
+                           (std::bit_cast<int32_t>(-87.0f) & below) | (std::bit_cast<int32_t>(88.0f) & above));
+  // Round to nearest without a rounding instruction (1.5 * 2^23 trick).
+  const float shifter = 12582912.0f;
+  float n = (x * 1.44269504088896341f + shifter) - shifter;
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+}
+
+// GCC vector extensions: portable SIMD the compiler lowers to whatever the ISA
+// flags allow (two SSE registers without AVX). Used where the auto-vectoriser
+// cannot keep a register tile: QK dot products (8 independent accumulators, then
+// one transposing reduction) and the P.V update (accumulator rows held in
+// registers across a tile). Head dims that are not a multiple of VL take the
+// plain loops.
+constexpr int64_t VL = 8;
+typedef float vfloat __attribute__((vector_size(VL * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(VL * sizeof(int32_t))));
+
+inline vfloat vload(const float* p) {
+  vfloat v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void vstore(float* p, vfloat v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+// One row of an online softmax over a tile of scores: sc[0..lim) are the visible
+// scores (sc[lim..n) masked). Turns them into probabilities against the new running
+// max m (sc[lim..n) become 0), rescales what came before (acc[0..D) and the running
+// sum l) to that max, and adds the tile's sum to l.
+inline void softmax_tile_row(float* sc, int64_t lim, int64_t n, float& m, float& l, float* acc, int64_t D) {
+  for (int64_t j = lim; j < n; ++j) sc[j] = 0.0f;
+  if (lim == 0) return;
+  float mx = m;
+#pragma omp simd reduction(max : mx)
+  for (int64_t j = 0; j < lim; ++j) mx = sc[j] > mx ? sc[j] : mx;  // std::max blocks simd
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < lim; ++j) {
+    const float p = exp_approx(sc[j] - mx);
+    sc[j] = p;
+    sum += p;
+  }
+  if (m != mx) {
+    const float corr = std::isinf(m) ? 0.0f : exp_approx(m - mx);
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) acc[i] *= corr;
+    l *= corr;
+    m = mx;
+  }
+  l += sum;
+}
+
+}  // namespace tandem

@@ -1,0 +1,169 @@
+// causal_attention: prefill attention for one sequence, built with cpu_kernels.cpp.
+//
+// q [T, H, D] holds the last T positions of a context whose keys and values are
+// k, v [L, KVH, D] (L >= T: a prompt chunk after cached tokens has L > T); query
+// row i sits at position L - T + i and attends to positions 0..L - T + i. Rows may
+// be strided (views of a fused QKV product); each row's heads are dense. float32.
+//
+// One work item per (KV head, block of QB query positions): the block's G * QB
+// query rows (its G query heads share the KV head) meet the context KT tokens at a
+// time. Scores are a register-tiled product of the rows against the tile's K,
+// transposed into L1; then an online softmax (kernel_common.h) and the
+// probabilities times the tile's V into float32 accumulators. Measured on
+// SmolLM2-135M's shapes (1,024 tokens, 9 heads over 3 KV heads, D 64, 2 threads,
+// AMD Zen 4): 9.3 ms a layer against 11.6 for torch's flash attention on CPU,
+// whose block products run through MKL.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "kernel_common.h"
+
+namespace {
+
+using namespace tandem;
+
+constexpr int64_t QB = 64;  // query positions per work item
+constexpr int64_t KT = 64;  // context tokens per tile
+constexpr int64_t NB = 4 * VL;  // output columns per register tile; D must be a multiple
+
+// c[MR rows][NB] += a[MR rows][0..K) * b[0..K)[NB]; rows lda, ldb, ldc apart. With
+// MR = 4 the tile holds 16 accumulators plus 4 of b: registers enough with AVX-512VL's
+// 32 (cpu_kernels.py adds its flags where the CPU has them); AVX2 spills some.
+template <int MR>
+inline void tile_product(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
+                         int64_t K) {
+  vfloat acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int t = 0; t < 4; ++t) acc[r][t] = vload(c + r * ldc + t * VL);
+  for (int64_t k = 0; k < K; ++k) {
+    const float* bk = b + k * ldb;
+    const vfloat b0 = vload(bk), b1 = vload(bk + VL), b2 = vload(bk + 2 * VL), b3 = vload(bk + 3 * VL);
+    for (int r = 0; r < MR; ++r) {
+      const vfloat ar = vfloat{} + a[r * lda + k];
+      acc[r][0] += ar * b0;
+      acc[r][1] += ar * b1;
+      acc[r][2] += ar * b2;
+      acc[r][3] += ar * b3;
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int t = 0; t < 4; ++t) vstore(c + r * ldc + t * VL, acc[r][t]);
+}
+
+// c[M][N] += a[M][K] * b[K][N], N a multiple of NB; each row group of a stays in L1
+// across its column tiles.
+inline void product(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc, int64_t M,
+                    int64_t N, int64_t K) {
+  int64_t r = 0;
+  for (; r + 4 <= M; r += 4)
+    for (int64_t n0 = 0; n0 < N; n0 += NB) tile_product<4>(a + r * lda, lda, b + n0, ldb, c + r * ldc + n0, ldc, K);
+  for (; r < M; ++r)
+    for (int64_t n0 = 0; n0 < N; n0 += NB) tile_product<1>(a + r * lda, lda, b + n0, ldb, c + r * ldc + n0, ldc, K);
+}
+
+struct Tensors {
+  const float* q;
+  const float* k;
+  const float* v;
+  float* out;  // [T, H, D] contiguous
+  int64_t q_stride, k_stride, v_stride;  // between rows
+  int64_t T, L, H, KVH, D;
+};
+
+struct Scratch {
+  std::vector<float> q, o, s, kt, m, l;
+};
+
+// One work item: KV head kvh, query positions q0 .. q0 + QB (clipped to T).
+void attend_block(const Tensors& t, int64_t kvh, int64_t q0, float scale, Scratch& s) {
+  const int64_t G = t.H / t.KVH, D = t.D;
+  const int64_t nq = std::min(QB, t.T - q0);
+  const int64_t R = nq * G;  // row r = qi * G + g
+  const int64_t first_pos = t.L - t.T + q0;  // position of the block's first query
+  s.q.resize(R * D);
+  s.o.assign(R * D, 0.0f);
+  s.s.resize(R * KT);
+  s.kt.resize(D * KT);
+  s.m.assign(R, -std::numeric_limits<float>::infinity());
+  s.l.assign(R, 0.0f);
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* src = t.q + (q0 + qi) * t.q_stride + (kvh * G + g) * D;
+      float* dst = s.q.data() + (qi * G + g) * D;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) dst[i] = src[i] * scale;
+    }
+  }
+  const int64_t end = first_pos + nq;  // the block's rows see keys [0, end) at most
+  for (int64_t k0 = 0; k0 < end; k0 += KT) {
+    const int64_t n = std::min(KT, end - k0);
+    // The tile's K transposed, [D][KT], zero past n (those scores are masked anyway).
+    for (int64_t j = 0; j < KT; ++j) {
+      const float* kr = t.k + (k0 + j) * t.k_stride + kvh * D;
+      for (int64_t d = 0; d < D; ++d) s.kt[d * KT + j] = j < n ? kr[d] : 0.0f;
+    }
+    std::fill(s.s.begin(), s.s.end(), 0.0f);
+    product(s.q.data(), D, s.kt.data(), KT, s.s.data(), KT, R, KT, D);
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t visible = std::min(n, std::max<int64_t>(first_pos + r / G - k0 + 1, 0));
+      softmax_tile_row(s.s.data() + r * KT, visible, KT, s.m[r], s.l[r], s.o.data() + r * D, D);
+    }
+    product(s.s.data(), KT, t.v + k0 * t.v_stride + kvh * D, t.v_stride, s.o.data(), D, R, D, n);
+  }
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = qi * G + g;
+      const float inv = 1.0f / s.l[r];  // >= 1: every row sees at least its own key
+      const float* src = s.o.data() + r * D;
+      float* dst = t.out + ((q0 + qi) * t.H + kvh * G + g) * D;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) dst[i] = src[i] * inv;
+    }
+  }
+}
+
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "causal_attention: q, k, v must be [rows, heads, D]");
+  for (const at::Tensor* x : {&q, &k, &v}) {
+    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2), "causal_attention: each row's heads must be dense");
+    TORCH_CHECK(x->scalar_type() == at::kFloat && x->device().is_cpu(), "causal_attention: float32 CPU tensors");
+  }
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), L = k.size(0), KVH = k.size(1);
+  TORCH_CHECK(v.sizes() == k.sizes() && k.size(2) == D, "causal_attention: k and v must be [L, KVH, D] as q's D");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "causal_attention: query heads must be a multiple of KV heads");
+  TORCH_CHECK(L >= T, "causal_attention: the context (", L, ") is shorter than the queries (", T, ")");
+  TORCH_CHECK(D % NB == 0, "causal_attention: head_dim must be a multiple of ", NB);
+  at::Tensor out = q.new_empty({T, H, D});
+  if (T == 0) return out;
+  const Tensors t{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
+                  q.stride(0), k.stride(0), v.stride(0), T, L, H, KVH, D};
+  const int64_t blocks = (T + QB - 1) / QB, items = blocks * KVH;
+  const float fscale = static_cast<float>(scale);
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), items));
+#pragma omp parallel num_threads(threads)
+  {
+    Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      // The latest blocks first: they see the most context, the short ones fill in.
+      const int64_t block = blocks - 1 - item / KVH;
+      attend_block(t, item % KVH, block * QB, fscale, scratch);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+  m.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("causal_attention", &causal_attention); }
