@@ -1,13 +1,15 @@
 """Microbenchmark: paged_attention's decode and prefill paths against plain SDPA.
 
     .venv/bin/python bench/attention_kernels.py [--threads 2] [--batch 64] [--context 512]
+        [--prefill 1024] [--only decode|prefill]
 
 Decode: the C++ kernel (cpu_kernels.py; "n/a" where it does not build) against the
 torch path (build(kernel=False), grouped gathers with the decode_group_tokens()
 budget) and a baseline: the same paged context gathered into a padded
 [B, L, KVH, D] batch, then one torch SDPA call (4-D, bool padding mask, enable_gqa).
 Both paged paths also write the step's K/V into the cache, as they do in the model.
-Prefill baseline: SDPA on contiguous tensors with is_causal, i.e. attention with no
+Prefill ("ours": the C++ kernel for float32, SDPA over the gathered context for
+bfloat16) against SDPA on contiguous tensors with is_causal, i.e. attention with no
 paging at all. Times are the minimum over interleaved rounds (the CPU may be shared).
 """
 
@@ -162,6 +164,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--prefill", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--only", choices=("decode", "prefill"), help="run one kind of case")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, block {BLOCK_SIZE}")
@@ -175,7 +178,7 @@ def main() -> None:
         tag = f"{name} {heads}h/{kv_heads}kv/d{head_dim}"
         for dtype in (torch.float32, torch.bfloat16):
             dt = str(dtype).removeprefix("torch.")
-            for drafts in (0, 4):
+            for drafts in (0, 4) if args.only != "prefill" else ():
                 t = bench_decode(shape, dtype, args.batch, args.context, drafts, args.rounds)
                 case = f"{tag} decode b{args.batch}x~{args.context} +{drafts}d {dt}"
                 kernel = t.get("kernel", float("nan"))
@@ -186,7 +189,7 @@ def main() -> None:
                 )
         for dtype in (torch.float32, torch.bfloat16):
             dt = str(dtype).removeprefix("torch.")
-            for cached in (0, args.prefill // 2):
+            for cached in (0, args.prefill // 2) if args.only != "decode" else ():
                 new = args.prefill - cached
                 t = bench_prefill(shape, dtype, new, cached, args.rounds)
                 case = f"{tag} prefill {new} after {cached} {dt}"

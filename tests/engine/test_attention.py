@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.engine.model import cpu_kernels
+from tandem.engine.model import attention, cpu_kernels
 from tandem.engine.model.attention import allocate_kv_cache, paged_attention
 from tandem.engine.model.attention_metadata import AttentionMetadata, decode_group_tokens
 from tandem.engine.model.model_config import ModelConfig
@@ -235,6 +235,21 @@ def test_prefill_head_dims_on_both_paths(
     specs = [(0, 130), (0, 1), (64, 64), (13, 100), (0, 37)]
     seqs, num_blocks = make_seqs(specs, kv_heads, head_dim, 16, gen)
     run_step(seqs, heads, 16, num_blocks, is_prefill=True, gen=gen, fused_qkv=head_dim == 64)
+
+
+@needs_kernels
+def test_prefill_takes_the_kernel_only_where_it_applies() -> None:
+    def takes(head_dim: int, dtype: torch.dtype = torch.float32, grad: bool = False) -> bool:
+        q = torch.randn(3, 4, head_dim, dtype=dtype, requires_grad=grad)
+        k = v = torch.randn(3, 2, head_dim, dtype=dtype)
+        return attention._prefill_kernel(q, k, v) is not None
+
+    assert takes(32) and takes(64) and takes(128)
+    assert not takes(16)  # not a multiple of the kernel's 32-wide tiles: SDPA
+    assert not takes(64, torch.bfloat16)  # float32 only
+    assert not takes(64, grad=True)  # autograd needs SDPA's backward
+    with torch.no_grad():
+        assert takes(64, grad=True)
 
 
 @needs_kernels

@@ -137,7 +137,7 @@ def _prefill(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    ops = _prefill_kernel(q)
+    ops = _prefill_kernel(q, k, v)
     gqa = q.shape[1] != k.shape[1]
     outputs = []
     for s in meta.prefill_seqs:
@@ -163,11 +163,13 @@ def _prefill(
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
-def _prefill_kernel(q: torch.Tensor) -> object | None:
-    """torch.ops.tandem_cpu when the C++ prefill kernel takes q (float32 CPU inference,
-    head_dim a multiple of 32), else None: SDPA."""
-    if q.device.type != "cpu" or q.dtype != torch.float32 or torch.is_grad_enabled():
+def _prefill_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> object | None:
+    """torch.ops.tandem_cpu when the C++ prefill kernel takes q (float32 on CPU, head_dim
+    a multiple of 32, nothing for autograd to track), else None: SDPA."""
+    if q.device.type != "cpu" or q.dtype != torch.float32:
         return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None  # the kernel has no backward
     if q.shape[-1] % PREFILL_HEAD_DIM_MULTIPLE:
         return None
     return cpu_kernels.load()
