@@ -37,7 +37,11 @@ ENV_DISABLE = "TANDEM_CPU_KERNELS"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CSRC = Path(__file__).parent / "csrc"
 # Compiled into one library; the headers beside them count for the build key too.
-SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "prefill_attention.cpp")
+SOURCES = (
+    CSRC / "cpu_kernels.cpp",  # declares every op; the elementwise kernels, argmax
+    CSRC / "decode_attention.cpp",
+    CSRC / "prefill_attention.cpp",
+)
 
 
 def enabled_by_env() -> bool:

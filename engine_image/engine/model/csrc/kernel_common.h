@@ -1,11 +1,38 @@
-// Helpers shared by Tandem's CPU kernels (cpu_kernels.cpp, prefill_attention.cpp).
+// Helpers shared by Tandem's CPU kernels (cpu_kernels.cpp and the two attention kernels).
 #pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace tandem {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// dst[0..n) = float(src[0..n)).
+inline void load_row(float* dst, const float* src, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+inline void load_row(float* dst, const c10::BFloat16* src, int64_t n) {
+  // bfloat16 is the top half of a float32: widen the bits, no rounding involved.
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u = static_cast<uint32_t>(bits[i]) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    dst[i] = f;
+  }
+}
+inline void load_row(float* dst, const c10::Half* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
 
 // exp(x) for x <= ~88, branch-free so that loops over it vectorise. Cephes' expf
 // polynomial after a Cody-Waite reduction: within 2 ulp of expf on [-87, 88];

@@ -1,4 +1,5 @@
-// causal_attention: prefill attention for one sequence, built with cpu_kernels.cpp.
+// causal_attention: prefill attention for one sequence, built with cpu_kernels.cpp
+// (which declares the op).
 //
 // q [T, H, D] holds the last T positions of a context whose keys and values are
 // k, v [L, KVH, D] (L >= T: a prompt chunk after cached tokens has L > T); query
@@ -161,9 +162,5 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 }  // namespace
-
-TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
-  m.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("causal_attention", &causal_attention); }
