@@ -58,15 +58,27 @@ inline void tile_product(const float* a, int64_t lda, const float* b, int64_t ld
     for (int t = 0; t < 4; ++t) vstore(c + r * ldc + t * VL, acc[r][t]);
 }
 
-// c[M][N] += a[M][K] * b[K][N], N a multiple of NB; each row group of a stays in L1
-// across its column tiles.
+// c[M][N] += a[M][K] * b[K][N] where row group r..r+4 needs only its first
+// need(r) columns (score tiles) or rows of b (probability tiles), rounded as each
+// case requires: the diagonal tile's early rows see few keys. Each row group of a
+// stays in L1 across its column tiles.
+template <typename Need>
 inline void product(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc, int64_t M,
-                    int64_t N, int64_t K) {
-  int64_t r = 0;
-  for (; r + 4 <= M; r += 4)
-    for (int64_t n0 = 0; n0 < N; n0 += NB) tile_product<4>(a + r * lda, lda, b + n0, ldb, c + r * ldc + n0, ldc, K);
-  for (; r < M; ++r)
-    for (int64_t n0 = 0; n0 < N; n0 += NB) tile_product<1>(a + r * lda, lda, b + n0, ldb, c + r * ldc + n0, ldc, K);
+                    int64_t N, int64_t K, bool trim_columns, Need need) {
+  for (int64_t r = 0; r < M; r += 4) {
+    const int64_t rows = std::min<int64_t>(4, M - r);
+    const int64_t lim = need(r + rows - 1);  // the group's last row sees the most
+    const int64_t cols = trim_columns ? std::min(N, (lim + NB - 1) / NB * NB) : N;
+    const int64_t depth = trim_columns ? K : std::min(K, lim);
+    for (int64_t n0 = 0; n0 < cols; n0 += NB) {
+      if (rows == 4) {
+        tile_product<4>(a + r * lda, lda, b + n0, ldb, c + r * ldc + n0, ldc, depth);
+      } else {
+        for (int64_t i = 0; i < rows; ++i)
+          tile_product<1>(a + (r + i) * lda, lda, b + n0, ldb, c + (r + i) * ldc + n0, ldc, depth);
+      }
+    }
+  }
 }
 
 struct Tensors {
@@ -110,13 +122,14 @@ void attend_block(const Tensors& t, int64_t kvh, int64_t q0, float scale, Scratc
       const float* kr = t.k + (k0 + j) * t.k_stride + kvh * D;
       for (int64_t d = 0; d < D; ++d) s.kt[d * KT + j] = j < n ? kr[d] : 0.0f;
     }
+    // Keys of this tile that row r sees (rows see up to their own position).
+    auto visible = [&](int64_t r) { return std::min(n, std::max<int64_t>(first_pos + r / G - k0 + 1, 0)); };
     std::fill(s.s.begin(), s.s.end(), 0.0f);
-    product(s.q.data(), D, s.kt.data(), KT, s.s.data(), KT, R, KT, D);
+    product(s.q.data(), D, s.kt.data(), KT, s.s.data(), KT, R, KT, D, true, visible);
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t visible = std::min(n, std::max<int64_t>(first_pos + r / G - k0 + 1, 0));
-      softmax_tile_row(s.s.data() + r * KT, visible, KT, s.m[r], s.l[r], s.o.data() + r * D, D);
+      softmax_tile_row(s.s.data() + r * KT, visible(r), KT, s.m[r], s.l[r], s.o.data() + r * D, D);
     }
-    product(s.s.data(), KT, t.v + k0 * t.v_stride + kvh * D, t.v_stride, s.o.data(), D, R, D, n);
+    product(s.s.data(), KT, t.v + k0 * t.v_stride + kvh * D, t.v_stride, s.o.data(), D, R, D, n, false, visible);
   }
   for (int64_t qi = 0; qi < nq; ++qi) {
     for (int64_t g = 0; g < G; ++g) {
