@@ -8,9 +8,10 @@ torch path (build(kernel=False), grouped gathers with the decode_group_tokens()
 budget) and a baseline: the same paged context gathered into a padded
 [B, L, KVH, D] batch, then one torch SDPA call (4-D, bool padding mask, enable_gqa).
 Both paged paths also write the step's K/V into the cache, as they do in the model.
-Prefill ("ours": the C++ kernel for float32, SDPA over the gathered context for
-bfloat16) against SDPA on contiguous tensors with is_causal, i.e. attention with no
-paging at all. Times are the minimum over interleaved rounds (the CPU may be shared).
+Prefill ("ours": the C++ prefill kernel, over the context gathered from the cache
+when some of it was cached) against SDPA on contiguous tensors with is_causal, i.e.
+attention with no paging at all. Times are the minimum over interleaved rounds (the
+CPU may be shared).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Decode steps run on both paths: the C++ kernel (cpu_kernels.py; skipped where it
 cannot be built) and the pure-torch fallback, forced with build(kernel=False).
-Prefill takes the C++ kernel for float32 head dims that are multiples of 32, SDPA
+Prefill takes the C++ kernel for head dims that are multiples of 32, SDPA
 otherwise; tests force SDPA by making cpu_kernels.load() return None.
 """
 
@@ -244,12 +244,20 @@ def test_prefill_takes_the_kernel_only_where_it_applies() -> None:
         k = v = torch.randn(3, 2, head_dim, dtype=dtype)
         return attention._prefill_kernel(q, k, v) is not None
 
-    assert takes(32) and takes(64) and takes(128)
+    assert takes(32) and takes(64) and takes(128) and takes(64, torch.bfloat16)
     assert not takes(16)  # not a multiple of the kernel's 32-wide tiles: SDPA
-    assert not takes(64, torch.bfloat16)  # float32 only
+    assert not takes(64, torch.float64)  # a dtype the kernels do not take
     assert not takes(64, grad=True)  # autograd needs SDPA's backward
     with torch.no_grad():
         assert takes(64, grad=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefill_kernel_half_precision(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(11)
+    seqs, num_blocks = make_seqs([(0, 70), (40, 30)], 2, 32, 16, gen)
+    run_step(seqs, 8, 16, num_blocks, is_prefill=True, dtype=dtype, gen=gen, fused_qkv=True)
 
 
 @needs_kernels
@@ -271,14 +279,15 @@ def test_prefill_kernel_spreads_over_threads() -> None:
         ((5, 4, 32), (4, 2, 32), torch.float32, "shorter than the queries"),
         ((5, 4, 16), (5, 2, 16), torch.float32, "multiple of 32"),
         ((5, 4, 32), (5, 3, 32), torch.float32, "multiple of KV heads"),
-        ((5, 4, 32), (5, 2, 32), torch.bfloat16, "float32"),
+        ((5, 4, 32), (5, 2, 32), torch.bfloat16, "one dtype"),
+        ((5, 4, 32), (5, 2, 32), torch.float64, "unsupported dtype"),
     ],
 )
 def test_prefill_kernel_rejects_what_it_cannot_run(
     q_shape: tuple, kv_shape: tuple, dtype: torch.dtype, message: str
 ) -> None:
     ops = cpu_kernels.load()
-    q = torch.randn(q_shape).to(dtype)
+    q = torch.randn(q_shape).to(torch.float64 if dtype == torch.float64 else torch.float32)
     k, v = torch.randn(kv_shape).to(dtype), torch.randn(kv_shape).to(dtype)
     with pytest.raises(RuntimeError, match=message):
         ops.causal_attention(q, k, v, 0.1)

@@ -17,9 +17,10 @@ Paths, chosen by the step kind:
   length and batched in groups; each group gathers its context from the cache and
   runs two grouped batched matmuls (no KV-head expansion). Groups are sized so the
   gathered KV stays cache-resident on CPU; on accelerators one group holds all.
-- prefill on CPU in float32, when the C++ kernels built: one causal_attention call
-  per sequence (csrc/prefill_attention.cpp), the chunk's queries against its own
-  K/V, or against the whole context gathered from the cache after cached tokens.
+- prefill on CPU with head_dim a multiple of 32, when the C++ kernels built: one
+  causal_attention call per sequence (csrc/prefill_attention.cpp), the chunk's
+  queries against its own K/V, or against the whole context gathered from the
+  cache after cached tokens.
 - prefill otherwise (any chunk length): torch SDPA per sequence (flash kernels where
   they apply), is_causal when there is no cached prefix, an explicit mask when there is.
 """
@@ -164,9 +165,9 @@ def _prefill(
 
 
 def _prefill_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> object | None:
-    """torch.ops.tandem_cpu when the C++ prefill kernel takes q (float32 on CPU, head_dim
-    a multiple of 32, nothing for autograd to track), else None: SDPA."""
-    if q.device.type != "cpu" or q.dtype != torch.float32:
+    """torch.ops.tandem_cpu when the C++ prefill kernel takes q (on CPU, a dtype the kernels
+    take, head_dim a multiple of 32, nothing for autograd to track), else None: SDPA."""
+    if q.device.type != "cpu" or q.dtype not in cpu_kernels.DTYPES:
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return None  # the kernel has no backward

@@ -4,7 +4,8 @@
 // q [T, H, D] holds the last T positions of a context whose keys and values are
 // k, v [L, KVH, D] (L >= T: a prompt chunk after cached tokens has L > T); query
 // row i sits at position L - T + i and attends to positions 0..L - T + i. Rows may
-// be strided (views of a fused QKV product); each row's heads are dense. float32.
+// be strided (views of a fused QKV product); each row's heads are dense. float32,
+// bfloat16 or float16, computed in float32.
 //
 // One work item per (KV head, block of QB query positions): the block's G * QB
 // query rows (its G query heads share the KV head) meet the context KT tokens at a
@@ -22,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "kernel_common.h"
@@ -81,37 +83,42 @@ inline void product(const float* a, int64_t lda, const float* b, int64_t ldb, fl
   }
 }
 
+template <typename T>
 struct Tensors {
-  const float* q;
-  const float* k;
-  const float* v;
-  float* out;  // [T, H, D] contiguous
+  const T* q;
+  const T* k;
+  const T* v;
+  T* out;  // [T, H, D] contiguous
   int64_t q_stride, k_stride, v_stride;  // between rows
-  int64_t T, L, H, KVH, D;
+  int64_t queries, context, H, KVH, D;  // query rows; context tokens (>= queries)
 };
 
 struct Scratch {
-  std::vector<float> q, o, s, kt, m, l;
+  std::vector<float> q, o, s, kt, vt, m, l;  // vt: a V tile widened to float32
 };
 
-// One work item: KV head kvh, query positions q0 .. q0 + QB (clipped to T).
-void attend_block(const Tensors& t, int64_t kvh, int64_t q0, float scale, Scratch& s) {
+// One work item: KV head kvh, query positions q0 .. q0 + QB (clipped to T). bfloat16
+// and float16 are widened to float32 on the way in and rounded once on the way out.
+template <typename T>
+void attend_block(const Tensors<T>& t, int64_t kvh, int64_t q0, float scale, Scratch& s) {
+  constexpr bool widen = !std::is_same_v<T, float>;
   const int64_t G = t.H / t.KVH, D = t.D;
-  const int64_t nq = std::min(QB, t.T - q0);
+  const int64_t nq = std::min(QB, t.queries - q0);
   const int64_t R = nq * G;  // row r = qi * G + g
-  const int64_t first_pos = t.L - t.T + q0;  // position of the block's first query
+  const int64_t first_pos = t.context - t.queries + q0;  // position of the block's first query
   s.q.resize(R * D);
   s.o.assign(R * D, 0.0f);
   s.s.resize(R * KT);
   s.kt.resize(D * KT);
+  if (widen) s.vt.resize(KT * D);
   s.m.assign(R, -std::numeric_limits<float>::infinity());
   s.l.assign(R, 0.0f);
   for (int64_t qi = 0; qi < nq; ++qi) {
     for (int64_t g = 0; g < G; ++g) {
-      const float* src = t.q + (q0 + qi) * t.q_stride + (kvh * G + g) * D;
       float* dst = s.q.data() + (qi * G + g) * D;
+      load_row(dst, t.q + (q0 + qi) * t.q_stride + (kvh * G + g) * D, D);
 #pragma omp simd
-      for (int64_t i = 0; i < D; ++i) dst[i] = src[i] * scale;
+      for (int64_t i = 0; i < D; ++i) dst[i] *= scale;
     }
   }
   const int64_t end = first_pos + nq;  // the block's rows see keys [0, end) at most
@@ -119,8 +126,8 @@ void attend_block(const Tensors& t, int64_t kvh, int64_t q0, float scale, Scratc
     const int64_t n = std::min(KT, end - k0);
     // The tile's K transposed, [D][KT], zero past n (those scores are masked anyway).
     for (int64_t j = 0; j < KT; ++j) {
-      const float* kr = t.k + (k0 + j) * t.k_stride + kvh * D;
-      for (int64_t d = 0; d < D; ++d) s.kt[d * KT + j] = j < n ? kr[d] : 0.0f;
+      const T* kr = t.k + (k0 + j) * t.k_stride + kvh * D;
+      for (int64_t d = 0; d < D; ++d) s.kt[d * KT + j] = j < n ? to_float(kr[d]) : 0.0f;
     }
     // Keys of this tile that row r sees (rows see up to their own position).
     auto visible = [&](int64_t r) { return std::min(n, std::max<int64_t>(first_pos + r / G - k0 + 1, 0)); };
@@ -129,36 +136,35 @@ void attend_block(const Tensors& t, int64_t kvh, int64_t q0, float scale, Scratc
     for (int64_t r = 0; r < R; ++r) {
       softmax_tile_row(s.s.data() + r * KT, visible(r), KT, s.m[r], s.l[r], s.o.data() + r * D, D);
     }
-    product(s.s.data(), KT, t.v + k0 * t.v_stride + kvh * D, t.v_stride, s.o.data(), D, R, D, n, false, visible);
+    const float* vtile;  // the tile's V rows, ldv apart
+    int64_t ldv;
+    if constexpr (widen) {
+      for (int64_t j = 0; j < n; ++j) load_row(s.vt.data() + j * D, t.v + (k0 + j) * t.v_stride + kvh * D, D);
+      vtile = s.vt.data();
+      ldv = D;
+    } else {
+      vtile = t.v + k0 * t.v_stride + kvh * D;
+      ldv = t.v_stride;
+    }
+    product(s.s.data(), KT, vtile, ldv, s.o.data(), D, R, D, n, false, visible);
   }
   for (int64_t qi = 0; qi < nq; ++qi) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = qi * G + g;
       const float inv = 1.0f / s.l[r];  // >= 1: every row sees at least its own key
       const float* src = s.o.data() + r * D;
-      float* dst = t.out + ((q0 + qi) * t.H + kvh * G + g) * D;
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i) dst[i] = src[i] * inv;
+      T* dst = t.out + ((q0 + qi) * t.H + kvh * G + g) * D;
+      for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<T>(src[i] * inv);
     }
   }
 }
 
-at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "causal_attention: q, k, v must be [rows, heads, D]");
-  for (const at::Tensor* x : {&q, &k, &v}) {
-    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2), "causal_attention: each row's heads must be dense");
-    TORCH_CHECK(x->scalar_type() == at::kFloat && x->device().is_cpu(), "causal_attention: float32 CPU tensors");
-  }
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), L = k.size(0), KVH = k.size(1);
-  TORCH_CHECK(v.sizes() == k.sizes() && k.size(2) == D, "causal_attention: k and v must be [L, KVH, D] as q's D");
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "causal_attention: query heads must be a multiple of KV heads");
-  TORCH_CHECK(L >= T, "causal_attention: the context (", L, ") is shorter than the queries (", T, ")");
-  TORCH_CHECK(D % NB == 0, "causal_attention: head_dim must be a multiple of ", NB);
-  at::Tensor out = q.new_empty({T, H, D});
-  if (T == 0) return out;
-  const Tensors t{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
-                  q.stride(0), k.stride(0), v.stride(0), T, L, H, KVH, D};
-  const int64_t blocks = (T + QB - 1) / QB, items = blocks * KVH;
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, double scale) {
+  const int64_t queries = q.size(0), KVH = k.size(1);
+  const Tensors<T> t{q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), out.data_ptr<T>(),
+                     q.stride(0), k.stride(0), v.stride(0), queries, k.size(0), q.size(1), KVH, q.size(2)};
+  const int64_t blocks = (queries + QB - 1) / QB, items = blocks * KVH;
   const float fscale = static_cast<float>(scale);
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), items));
 #pragma omp parallel num_threads(threads)
@@ -168,8 +174,37 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
     for (int64_t item = 0; item < items; ++item) {
       // The latest blocks first: they see the most context, the short ones fill in.
       const int64_t block = blocks - 1 - item / KVH;
-      attend_block(t, item % KVH, block * QB, fscale, scratch);
+      attend_block<T>(t, item % KVH, block * QB, fscale, scratch);
     }
+  }
+}
+
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "causal_attention: q, k, v must be [rows, heads, D]");
+  for (const at::Tensor* x : {&q, &k, &v}) {
+    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2), "causal_attention: each row's heads must be dense");
+    TORCH_CHECK(x->device().is_cpu() && x->scalar_type() == q.scalar_type(),
+                "causal_attention: q, k, v must be CPU tensors of one dtype");
+  }
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), L = k.size(0), KVH = k.size(1);
+  TORCH_CHECK(v.sizes() == k.sizes() && k.size(2) == D, "causal_attention: k and v must be [L, KVH, D] as q's D");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "causal_attention: query heads must be a multiple of KV heads");
+  TORCH_CHECK(L >= T, "causal_attention: the context (", L, ") is shorter than the queries (", T, ")");
+  TORCH_CHECK(D % NB == 0, "causal_attention: head_dim must be a multiple of ", NB);
+  at::Tensor out = q.new_empty({T, H, D});
+  if (T == 0) return out;
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      run<float>(q, k, v, out, scale);
+      break;
+    case at::kBFloat16:
+      run<c10::BFloat16>(q, k, v, out, scale);
+      break;
+    case at::kHalf:
+      run<c10::Half>(q, k, v, out, scale);
+      break;
+    default:
+      TORCH_CHECK(false, "causal_attention: unsupported dtype ", q.scalar_type());
   }
   return out;
 }
