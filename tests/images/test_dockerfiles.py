@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,14 @@ def test_the_build_context_builds_the_project(path, tmp_path):
         check=False,
     )
     assert build.returncode == 0, build.stderr[-2000:]
+    # The C++ kernels compile at run time from the installed package: every file they
+    # build from (sources and headers) must be package data.
+    csrc = context / "engine_image/engine/model/csrc"
+    if csrc.is_dir():
+        (wheel,) = (tmp_path / "dist").glob("*.whl")
+        shipped = set(zipfile.ZipFile(wheel).namelist())
+        needed = {f"tandem/engine/model/csrc/{f.name}" for f in csrc.iterdir()}
+        assert needed <= shipped, f"{path}: the wheel lacks {sorted(needed - shipped)}"
 
 
 def _ignored(_: str, names: list[str]) -> list[str]:
