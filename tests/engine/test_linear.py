@@ -109,6 +109,8 @@ def test_fused_linears_equal_each_linear_alone() -> None:
     assert not fused.applies(torch.randn(5, 31))  # the separate Linears take over
     assert not fused.applies(x)  # autograd on: the separate Linears too
     assert FusedLinears.pack(Linear(32, 4), Linear(32, 4)) is None  # biases: not fused
+    off_cpu = [Linear(32, 4, bias=False, device="meta") for _ in range(2)]
+    assert FusedLinears.pack(*off_cpu) is None and pack_linears(off_cpu[0]) == 0
     with pytest.raises(ValueError, match="share their input width"):
         FusedLinears.pack(Linear(32, 4, bias=False), Linear(16, 4, bias=False))
 

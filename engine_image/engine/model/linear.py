@@ -63,10 +63,10 @@ class FusedLinears:
     @classmethod
     def pack(cls, *linears: Linear) -> FusedLinears | None:
         """The fused product of linears, or None where it cannot run packed here."""
-        if any(m.bias is not None for m in linears):
-            return None
         if len({m.in_features for m in linears}) != 1:
             raise ValueError("FusedLinears: the Linears must share their input width")
+        if any(m.bias is not None for m in linears) or not _packable(linears[0].weight):
+            return None  # checked before the concatenation, which costs a weight's memory
         with torch.no_grad():
             weight = torch.cat([m.weight for m in linears])
         packed = _packed(weight)
@@ -101,10 +101,16 @@ def unpack_linears(model: nn.Module) -> None:
         module.packed = None
 
 
+def _packable(weight: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and cpu_kernels.enabled_by_env()
+        and torch.backends.mkldnn.is_available()
+    )
+
+
 def _packed(weight: torch.Tensor) -> torch.Tensor | None:
-    if not cpu_kernels.enabled_by_env() or not torch.backends.mkldnn.is_available():
-        return None
-    if weight.device.type != "cpu":
+    if not _packable(weight):
         return None
     try:
         with torch.no_grad():
