@@ -147,7 +147,8 @@ def _prefill(
             kv = flat.index_select(1, s.gather_index)
             ks, vs = kv[0], kv[1]
         if ops is not None:
-            outputs.append(ops.causal_attention(_dense_heads(qs), ks, vs, scale))
+            dense = [_dense_heads(x) for x in (qs, ks, vs)]
+            outputs.append(ops.causal_attention(*dense, scale))
             continue
         # SDPA wants [batch, heads, len, D]; 3-D inputs measured ~10x slower on CPU.
         o = F.scaled_dot_product_attention(
