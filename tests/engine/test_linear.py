@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.engine.model import cpu_kernels
+from tandem.engine.model import cpu_kernels, linear
 from tandem.engine.model.attention import allocate_kv_cache
 from tandem.engine.model.attention_metadata import AttentionMetadata
 from tandem.engine.model.linear import FusedLinears, Linear, pack_linears
@@ -145,3 +145,25 @@ def test_nothing_is_packed_when_the_kernels_are_switched_off(
     assert model.pack_projections() == 0
     assert pack_linears(model) == 0
     assert all(m.packed is None for m in model.modules() if isinstance(m, Linear))
+
+
+@needs_onednn
+def test_packing_is_skipped_with_a_warning_when_the_copies_would_not_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = tiny_model()
+    weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear)}
+    need = sum(w.numel() * w.element_size() for w in weights.values())
+    monkeypatch.setattr(linear, "available_memory", lambda: 2 * need - 1)
+    with pytest.warns(RuntimeWarning, match="not packing the projections"):
+        assert model.pack_projections() == 0
+    assert model.model.layers[0].self_attn.qkv is None
+    monkeypatch.setattr(linear, "available_memory", lambda: 2 * need)
+    assert model.pack_projections() == 5
+    monkeypatch.setattr(linear, "available_memory", lambda: None)  # unknown: pack
+    assert model.pack_projections() == 5
+
+
+def test_available_memory_reads_the_os() -> None:
+    available = linear.available_memory()
+    assert available is None or available > 0

@@ -24,6 +24,8 @@ summation order only.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -80,6 +82,38 @@ class FusedLinears:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each Linear's output, as column views of one product."""
         return _packed_product(x, self.packed, None).split(self.sizes, dim=-1)
+
+
+def packing_fits(model: nn.Module) -> bool:
+    """Whether packed copies of model's CPU Linear weights fit in half the memory the OS
+    reports available (the rest stays for the KV cache and activations); True where it
+    reports nothing. The copies are an optimisation: without them the model runs on
+    F.linear, slower but in half the weights' memory. Warns when they do not fit."""
+    weights = {id(m.weight): m.weight for m in _linears(model) if m.weight.device.type == "cpu"}
+    need = sum(w.numel() * w.element_size() for w in weights.values())
+    available = available_memory()
+    if available is None or need <= available // 2:
+        return True
+    warnings.warn(
+        f"not packing the projections for oneDNN: the packed copies need {need / 2**30:.1f} "
+        f"GiB and {available / 2**30:.1f} GiB of memory is available; the model runs on "
+        "F.linear, slower (docs/model-runtime.md)",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return False
+
+
+def available_memory() -> int | None:
+    """Bytes the OS reports available to new allocations (Linux MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -25,7 +25,13 @@ from torch import nn
 from tandem.engine.model import cpu_kernels
 from tandem.engine.model.attention import paged_attention
 from tandem.engine.model.attention_metadata import AttentionMetadata
-from tandem.engine.model.linear import FusedLinears, Linear, pack_linears, unpack_linears
+from tandem.engine.model.linear import (
+    FusedLinears,
+    Linear,
+    pack_linears,
+    packing_fits,
+    unpack_linears,
+)
 from tandem.engine.model.model_config import ModelConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -260,8 +266,11 @@ class LlamaForCausalLM(nn.Module):
     def pack_projections(self) -> int:
         """Packed copies of the projections for the CPU's fast path (linear.py): q/k/v and
         gate/up each fused into one product, o/down and the LM head alone. Returns how
-        many products are packed (none off the CPU or with TANDEM_CPU_KERNELS=0)."""
+        many products are packed (none off the CPU, with TANDEM_CPU_KERNELS=0, or when
+        the copies would not fit in memory: packing_fits warns then)."""
         self.unpack_projections()
+        if not packing_fits(self):
+            return 0
         count = pack_linears(self.lm_head)
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
