@@ -1,6 +1,6 @@
 """Engine throughput: Tandem against Hugging Face generate, same model, same run.
 
-    python bench/engine_throughput.py [--model smollm2] [--threads 2] [--quick]
+    python bench/engine_throughput.py [--model smollm2] [--threads 2] [--rounds 3] [--quick]
 
 Baseline: transformers' LlamaForCausalLM holding the very weights Tandem
 loads, run with `generate` (greedy). Each figure is the best of --rounds runs,
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine import LLM, SamplingParams
+from tandem.engine.model.linear import Linear, pack_linears
 from tandem.engine.model.loader import LoadedModel, load_model
 from tandem.engine.model.model_config import ModelConfig
 
@@ -35,14 +36,16 @@ class Machine:
 
 
 def measure_machine(rounds: int = 5) -> Machine:
-    """The peak is the faster of MKL (torch.mm) and oneDNN on a pre-packed weight (the
-    engine's projections): on some CPUs one of them is well short of the hardware."""
+    """The peak is the faster of MKL (torch.mm) and the engine's packed projection path
+    (linear.py: oneDNN): on some CPUs one of them is well short of the hardware."""
     n = 2048
     a, b = torch.randn(n, n), torch.randn(n, n)
+    projection = Linear(n, n, bias=False)
+    with torch.no_grad():
+        projection.weight.copy_(b)
     gemms = [lambda: torch.mm(a, b)]
-    if torch.backends.mkldnn.is_available():
-        packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
-        gemms.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+    if pack_linears(projection):
+        gemms.append(torch.inference_mode()(lambda: projection(a)))
     best_mm = float("inf")
     for gemm in gemms:
         gemm()

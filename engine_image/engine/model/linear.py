@@ -85,11 +85,11 @@ class FusedLinears:
 
 
 def packing_fits(model: nn.Module) -> bool:
-    """Whether packed copies of model's CPU Linear weights fit in half the memory the OS
+    """Whether packed copies of model's packable Linear weights fit in half the memory the OS
     reports available (the rest stays for the KV cache and activations); True where it
     reports nothing. The copies are an optimisation: without them the model runs on
     F.linear, slower but in half the weights' memory. Warns when they do not fit."""
-    weights = {id(m.weight): m.weight for m in _linears(model) if m.weight.device.type == "cpu"}
+    weights = {id(m.weight): m.weight for m in _linears(model) if _packable(m.weight)}
     need = sum(w.numel() * w.element_size() for w in weights.values())
     available = available_memory()
     if available is None or need <= available // 2:

@@ -82,23 +82,6 @@ void rms_norm_impl(at::Tensor& x, const at::Tensor* delta, const at::Tensor& wei
   });
 }
 
-template <typename F>
-void dispatch_float_types(at::ScalarType t, const char* name, F&& f) {
-  switch (t) {
-    case at::kFloat:
-      f(float{});
-      break;
-    case at::kBFloat16:
-      f(c10::BFloat16{});
-      break;
-    case at::kHalf:
-      f(c10::Half{});
-      break;
-    default:
-      TORCH_CHECK(false, name, ": unsupported dtype ", t);
-  }
-}
-
 // weight * (x / sqrt(mean(x^2) + eps)), as HF's LlamaRMSNorm.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "rms_norm x");

@@ -165,6 +165,21 @@ inline void prefetch_tokens(const T* kcache, const T* vcache, const int32_t* tab
   }
 }
 
+// rows[j] = the tile's row j of one cache half as float32: in place for float32,
+// widened into buf (TILE rows) for the 16-bit types.
+template <typename T>
+inline void tile_rows(const float** rows, const T* cache, const int64_t* offsets, int64_t n, int64_t D,
+                      std::vector<float>& buf) {
+  for (int64_t j = 0; j < n; ++j) {
+    if constexpr (std::is_same_v<T, float>) {
+      rows[j] = cache + offsets[j];
+    } else {
+      load_row(buf.data() + j * D, cache + offsets[j], D);
+      rows[j] = buf.data() + j * D;
+    }
+  }
+}
+
 struct Scratch {
   std::vector<float> q, acc, scores, m, l, kbuf, vbuf;
   std::vector<int64_t> limit;
@@ -200,8 +215,7 @@ void decode_item(
   s.l.assign(R, 0.0f);
   s.limit.resize(R);
   s.offsets.resize(TILE);
-  constexpr bool widen = !std::is_same_v<T, float>;
-  if (widen) {
+  if constexpr (!std::is_same_v<T, float>) {  // rows widened by tile_rows
     s.kbuf.resize(TILE * D);
     s.vbuf.resize(TILE * D);
   }
@@ -227,14 +241,7 @@ void decode_item(
     prefetched = ahead;
     const float* krows[TILE];
     const float* vrows[TILE];
-    if constexpr (widen) {
-      for (int64_t j = 0; j < n; ++j) {
-        load_row(s.kbuf.data() + j * D, kcache + offsets[j], D);
-        krows[j] = s.kbuf.data() + j * D;
-      }
-    } else {
-      for (int64_t j = 0; j < n; ++j) krows[j] = kcache + offsets[j];
-    }
+    tile_rows(krows, kcache, offsets, n, D, s.kbuf);
     // Tokens of the tile each row sees (the drafts' causal mask).
     for (int64_t r = 0; r < R; ++r) {
       const int64_t visible = first_pos + r / G + 1 - t0;
@@ -253,14 +260,7 @@ void decode_item(
     for (int64_t r = 0; r < R; ++r) {
       softmax_tile_row(s.scores.data() + r * TILE, s.limit[r], n, s.m[r], s.l[r], s.acc.data() + r * D, D);
     }
-    if constexpr (widen) {
-      for (int64_t j = 0; j < n; ++j) {
-        load_row(s.vbuf.data() + j * D, vcache + offsets[j], D);
-        vrows[j] = s.vbuf.data() + j * D;
-      }
-    } else {
-      for (int64_t j = 0; j < n; ++j) vrows[j] = vcache + offsets[j];
-    }
+    tile_rows(vrows, vcache, offsets, n, D, s.vbuf);
     if (D % (4 * VL) == 0) {
       pv_tile<4>(s.acc.data(), s.scores.data(), s.limit.data(), vrows, R, D);
     } else if (D % (2 * VL) == 0) {
@@ -375,20 +375,9 @@ at::Tensor paged_decode_attention(
               "query_start: int32 [seqs + 1]");
   TORCH_CHECK(block_tables.size(0) == context_lens.numel(), "one block table per sequence");
   at::Tensor out = q.new_empty(q.sizes());
-  switch (q.scalar_type()) {
-    case at::kFloat:
-      decode_impl<float>(q, k, v, kv_cache, slot_mapping, block_tables, context_lens, query_start, scale, out);
-      break;
-    case at::kBFloat16:
-      decode_impl<c10::BFloat16>(q, k, v, kv_cache, slot_mapping, block_tables, context_lens, query_start, scale,
-                                 out);
-      break;
-    case at::kHalf:
-      decode_impl<c10::Half>(q, k, v, kv_cache, slot_mapping, block_tables, context_lens, query_start, scale, out);
-      break;
-    default:
-      TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", q.scalar_type());
-  }
+  dispatch_float_types(q.scalar_type(), "paged_decode_attention", [&](auto tag) {
+    decode_impl<decltype(tag)>(q, k, v, kv_cache, slot_mapping, block_tables, context_lens, query_start, scale, out);
+  });
   return out;
 }
 

@@ -1,7 +1,9 @@
 // Helpers shared by Tandem's CPU kernels (cpu_kernels.cpp and the two attention kernels).
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #include <bit>
@@ -102,6 +104,25 @@ inline void softmax_tile_row(float* sc, int64_t lim, int64_t n, float& m, float&
     m = mx;
   }
   l += sum;
+}
+
+// f(tag) with a value of the C++ type of t (float, c10::BFloat16, c10::Half): one
+// kernel template instantiated per dtype the kernels take.
+template <typename F>
+void dispatch_float_types(at::ScalarType t, const char* name, F&& f) {
+  switch (t) {
+    case at::kFloat:
+      f(float{});
+      break;
+    case at::kBFloat16:
+      f(c10::BFloat16{});
+      break;
+    case at::kHalf:
+      f(c10::Half{});
+      break;
+    default:
+      TORCH_CHECK(false, name, ": unsupported dtype ", t);
+  }
 }
 
 }  // namespace tandem

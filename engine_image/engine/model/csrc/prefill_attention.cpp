@@ -193,19 +193,7 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(D % NB == 0, "causal_attention: head_dim must be a multiple of ", NB);
   at::Tensor out = q.new_empty({T, H, D});
   if (T == 0) return out;
-  switch (q.scalar_type()) {
-    case at::kFloat:
-      run<float>(q, k, v, out, scale);
-      break;
-    case at::kBFloat16:
-      run<c10::BFloat16>(q, k, v, out, scale);
-      break;
-    case at::kHalf:
-      run<c10::Half>(q, k, v, out, scale);
-      break;
-    default:
-      TORCH_CHECK(false, "causal_attention: unsupported dtype ", q.scalar_type());
-  }
+  dispatch_float_types(q.scalar_type(), "causal_attention", [&](auto tag) { run<decltype(tag)>(q, k, v, out, scale); });
   return out;
 }
 
