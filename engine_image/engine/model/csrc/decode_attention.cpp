@@ -103,7 +103,7 @@ inline void pv_rows(float* acc, const float* p, const float* const* v, int64_t n
       vfloat x[NV];
       for (int t = 0; t < NV; ++t) x[t] = vload(vj + t * VL);
       for (int r = 0; r < RB; ++r) {
-        const vfloat pr = vfloat{} + p[r * TILE + j];
+        const vfloat pr = splat(p[r * TILE + j]);
         for (int t = 0; t < NV; ++t) a[r][t] += pr * x[t];
       }
     }

@@ -49,7 +49,7 @@ inline void tile_product(const float* a, int64_t lda, const float* b, int64_t ld
     const float* bk = b + k * ldb;
     const vfloat b0 = vload(bk), b1 = vload(bk + VL), b2 = vload(bk + 2 * VL), b3 = vload(bk + 3 * VL);
     for (int r = 0; r < MR; ++r) {
-      const vfloat ar = vfloat{} + a[r * lda + k];
+      const vfloat ar = splat(a[r * lda + k]);
       acc[r][0] += ar * b0;
       acc[r][1] += ar * b1;
       acc[r][2] += ar * b2;
