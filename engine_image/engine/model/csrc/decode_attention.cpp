@@ -67,27 +67,31 @@ inline vfloat reduce8(vfloat v0, vfloat v1, vfloat v2, vfloat v3, vfloat v4, vfl
   return __builtin_shuffle(y0, y1, lo4) + __builtin_shuffle(y0, y1, hi4);
 }
 
-// scores[0..n) = q . k[j] for one query row; D % VL == 0.
-inline void qk_row(const float* q, const float* const* k, float* scores, int64_t n, int64_t D) {
+// scores[r][0..n) = q[r] . k[j] for RB (1 or 2) query rows (row r at q + r * D, its
+// scores at scores + r * TILE), four keys at a time: each K vector loaded feeds RB
+// rows, and one transposing reduction finishes 4 keys of 2 rows; D % VL == 0.
+template <int RB>
+inline void qk_rows(const float* q, const float* const* k, float* scores, int64_t n, int64_t D) {
+  static_assert(RB == 1 || RB == 2);
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    vfloat a0 = {}, a1 = {}, a2 = {}, a3 = {}, a4 = {}, a5 = {}, a6 = {}, a7 = {};
+  for (; j + 4 <= n; j += 4) {
+    vfloat a[2][4] = {};
     const float *k0 = k[j], *k1 = k[j + 1], *k2 = k[j + 2], *k3 = k[j + 3];
-    const float *k4 = k[j + 4], *k5 = k[j + 5], *k6 = k[j + 6], *k7 = k[j + 7];
     for (int64_t c = 0; c < D; c += VL) {
-      const vfloat qv = vload(q + c);
-      a0 += qv * vload(k0 + c);
-      a1 += qv * vload(k1 + c);
-      a2 += qv * vload(k2 + c);
-      a3 += qv * vload(k3 + c);
-      a4 += qv * vload(k4 + c);
-      a5 += qv * vload(k5 + c);
-      a6 += qv * vload(k6 + c);
-      a7 += qv * vload(k7 + c);
+      const vfloat x0 = vload(k0 + c), x1 = vload(k1 + c), x2 = vload(k2 + c), x3 = vload(k3 + c);
+      for (int r = 0; r < RB; ++r) {
+        const vfloat qv = vload(q + r * D + c);
+        a[r][0] += qv * x0;
+        a[r][1] += qv * x1;
+        a[r][2] += qv * x2;
+        a[r][3] += qv * x3;
+      }
     }
-    vstore(scores + j, reduce8(a0, a1, a2, a3, a4, a5, a6, a7));
+    const vfloat sums = reduce8(a[0][0], a[0][1], a[0][2], a[0][3], a[1][0], a[1][1], a[1][2], a[1][3]);
+    for (int r = 0; r < RB; ++r) __builtin_memcpy(scores + r * TILE + j, reinterpret_cast<const float*>(&sums) + 4 * r, 4 * sizeof(float));
   }
-  for (; j < n; ++j) scores[j] = dot(q, k[j], D);
+  for (; j < n; ++j)
+    for (int r = 0; r < RB; ++r) scores[r * TILE + j] = dot(q + r * D, k[j], D);
 }
 
 // acc[r][0..D) += sum_j p[r][j] * v[j][0..D) for RB rows (row stride D, p row stride
@@ -248,13 +252,18 @@ void decode_item(
       s.limit[r] = std::min(n, std::max<int64_t>(visible, 0));
     }
     // Scores: every query row against the tile's K rows, which stay in L1.
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t lim = s.limit[r];
-      float* sc = s.scores.data() + r * TILE;
-      if (vec) {
-        qk_row(s.q.data() + r * D, krows, sc, lim, D);
-      } else {
-        for (int64_t j = 0; j < lim; ++j) sc[j] = dot(s.q.data() + r * D, krows[j], D);
+    // (A pair of rows computes up to the longer limit; softmax_tile_row masks the rest.)
+    if (vec) {
+      int64_t r = 0;
+      for (; r + 2 <= R; r += 2) {
+        const int64_t lim = std::max(s.limit[r], s.limit[r + 1]);
+        qk_rows<2>(s.q.data() + r * D, krows, s.scores.data() + r * TILE, lim, D);
+      }
+      if (r < R) qk_rows<1>(s.q.data() + r * D, krows, s.scores.data() + r * TILE, s.limit[r], D);
+    } else {
+      for (int64_t r = 0; r < R; ++r) {
+        float* sc = s.scores.data() + r * TILE;
+        for (int64_t j = 0; j < s.limit[r]; ++j) sc[j] = dot(s.q.data() + r * D, krows[j], D);
       }
     }
     for (int64_t r = 0; r < R; ++r) {
