@@ -18,6 +18,7 @@ import torch
 from tandem.engine.config import EngineConfig
 from tandem.engine.drafter import NgramDrafter
 from tandem.engine.engine import Engine
+from tandem.engine.host_memory import keep_freed_memory
 from tandem.engine.model.attention import allocate_kv_cache
 from tandem.engine.model.loader import LoadedModel, kv_blocks_for, load_model
 from tandem.engine.request import SamplingParams
@@ -188,6 +189,8 @@ def build_engine(
     tokenizer = loaded.source.tokenizer
     eos = tokenizer.eos_token_ids if tokenizer is not None else ()
     eos = eos or loaded.config.eos_token_ids
+    if loaded.device.type == "cpu":
+        keep_freed_memory()  # each step's activations reuse the last one's pages
     return Engine(config, runner, tokenizer, num_blocks, vote=vote, eos_token_ids=tuple(eos))
 
 
