@@ -88,7 +88,8 @@ inline void qk_rows(const float* q, const float* const* k, float* scores, int64_
       }
     }
     const vfloat sums = reduce8(a[0][0], a[0][1], a[0][2], a[0][3], a[1][0], a[1][1], a[1][2], a[1][3]);
-    for (int r = 0; r < RB; ++r) __builtin_memcpy(scores + r * TILE + j, reinterpret_cast<const float*>(&sums) + 4 * r, 4 * sizeof(float));
+    const float* lanes = reinterpret_cast<const float*>(&sums);  // row 0's 4 scores, then row 1's
+    for (int r = 0; r < RB; ++r) __builtin_memcpy(scores + r * TILE + j, lanes + 4 * r, 4 * sizeof(float));
   }
   for (; j < n; ++j)
     for (int r = 0; r < RB; ++r) scores[r * TILE + j] = dot(q + r * D, k[j], D);
