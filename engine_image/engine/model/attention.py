@@ -168,10 +168,6 @@ def _prefill(
 def _prefill_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> object | None:
     """torch.ops.tandem_cpu when the C++ prefill kernel takes q (on CPU, a dtype the kernels
     take, head_dim a multiple of 32, nothing for autograd to track), else None: SDPA."""
-    if q.device.type != "cpu" or q.dtype not in cpu_kernels.DTYPES:
-        return None
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return None  # the kernel has no backward
     if q.shape[-1] % PREFILL_HEAD_DIM_MULTIPLE:
         return None
-    return cpu_kernels.load()
+    return cpu_kernels.for_tensors(q, k, v)

@@ -44,6 +44,16 @@ SOURCES = (
 )
 
 
+def for_tensors(*tensors: torch.Tensor) -> object | None:
+    """torch.ops.tandem_cpu when the kernels can take these tensors (on the CPU, in a dtype
+    they take, none that autograd tracks: the kernels have no backward), else None."""
+    if any(t.device.type != "cpu" or t.dtype not in DTYPES for t in tensors):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    return load()
+
+
 def enabled_by_env() -> bool:
     return os.environ.get(ENV_DISABLE, "1").strip().lower() not in ("0", "false", "no", "off")
 

@@ -40,11 +40,10 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 def _cpu_kernels(x: torch.Tensor) -> object | None:
     """torch.ops.tandem_cpu when x's forward can use them, else None (the torch path).
 
-    The kernels have no autograd formulas: only for inference (no_grad or inference_mode).
+    Only for inference (no_grad or inference_mode): besides having no backward, some
+    kernels write in place, which would corrupt what autograd saved of the weights.
     """
-    if x.device.type != "cpu" or x.dtype not in cpu_kernels.DTYPES or torch.is_grad_enabled():
-        return None
-    return cpu_kernels.load()
+    return None if torch.is_grad_enabled() else cpu_kernels.for_tensors(x)
 
 
 def rope_inv_freq(config: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:

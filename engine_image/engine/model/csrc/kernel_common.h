@@ -36,6 +36,24 @@ inline void load_row(float* dst, const c10::Half* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// dst[0..n) = float(src[0..n)) * scale: a query row, pre-scaled, into the kernels' scratch.
+template <typename T>
+inline void load_scaled_row(float* dst, const T* src, float scale, int64_t n) {
+  load_row(dst, src, n);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] *= scale;
+}
+
+// dst[0..n) = T(src[0..n) * mul): an output row, normalised, rounded once.
+template <typename T>
+inline void store_row(T* dst, const float* src, float mul, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i] * mul);
+}
+inline void store_row(float* dst, const float* src, float mul, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * mul;
+}
+
 // exp(x) for x <= ~88, branch-free so that loops over it vectorise. Cephes' expf
 // polynomial after a Cody-Waite reduction: within 2 ulp of expf on [-87, 88];
 // below -87 it returns ~1e-38 instead of 0 (callers never add such a term to a

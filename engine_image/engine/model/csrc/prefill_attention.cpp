@@ -115,10 +115,7 @@ void attend_block(const Tensors<T>& t, int64_t kvh, int64_t q0, float scale, Scr
   s.l.assign(R, 0.0f);
   for (int64_t qi = 0; qi < nq; ++qi) {
     for (int64_t g = 0; g < G; ++g) {
-      float* dst = s.q.data() + (qi * G + g) * D;
-      load_row(dst, t.q + (q0 + qi) * t.q_stride + (kvh * G + g) * D, D);
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i) dst[i] *= scale;
+      load_scaled_row(s.q.data() + (qi * G + g) * D, t.q + (q0 + qi) * t.q_stride + (kvh * G + g) * D, scale, D);
     }
   }
   const int64_t end = first_pos + nq;  // the block's rows see keys [0, end) at most
@@ -150,11 +147,8 @@ void attend_block(const Tensors<T>& t, int64_t kvh, int64_t q0, float scale, Scr
   }
   for (int64_t qi = 0; qi < nq; ++qi) {
     for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = qi * G + g;
-      const float inv = 1.0f / s.l[r];  // >= 1: every row sees at least its own key
-      const float* src = s.o.data() + r * D;
-      T* dst = t.out + ((q0 + qi) * t.H + kvh * G + g) * D;
-      for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<T>(src[i] * inv);
+      const int64_t r = qi * G + g;  // s.l[r] >= 1: every row sees at least its own key
+      store_row(t.out + ((q0 + qi) * t.H + kvh * G + g) * D, s.o.data() + r * D, 1.0f / s.l[r], D);
     }
   }
 }
