@@ -1,6 +1,7 @@
-"""Linear: projections through oneDNN's pre-packed weights equal F.linear's.
+"""Linear: projections through pre-packed weights equal F.linear's.
 
-The packed path is what every CPU decode step and prefill runs (the loader packs);
+The packed path is what every CPU decode step and prefill runs (the loader packs):
+float32 on Tandem's panel kernel (csrc/panel_linear.cpp), other dtypes on oneDNN.
 F.linear defines the semantics. float32 may differ by summation order only;
 bfloat16 runs the same oneDNN kernel as F.linear, so it must match bit for bit.
 """
@@ -21,6 +22,9 @@ from tandem.engine.model.model_config import ModelConfig
 needs_onednn = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
 )
+needs_kernels = pytest.mark.skipif(
+    cpu_kernels.load() is None, reason="the C++ kernels did not build here (warned)"
+)
 
 
 def packed_linear(out_features: int, in_features: int, bias: bool = False) -> Linear:
@@ -30,10 +34,11 @@ def packed_linear(out_features: int, in_features: int, bias: bool = False) -> Li
     return layer
 
 
-@needs_onednn
+@needs_kernels
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_forward_matches_f_linear_for_any_rows_and_layout(bias: bool) -> None:
     layer = packed_linear(40, 96, bias)
+    assert layer.packed is not None and layer.packed.panels  # float32: the panel kernel
     gen = torch.Generator().manual_seed(6)
     inputs = [torch.randn(rows, 96, generator=gen) for rows in (0, 1, 5, 64, 333)]
     inputs.append(torch.randn(7, 200, generator=gen)[:, 3:99])  # row-strided view
@@ -43,6 +48,58 @@ def test_packed_forward_matches_f_linear_for_any_rows_and_layout(bias: bool) -> 
             got = layer(x)
             assert got.shape == (*x.shape[:-1], 40)
             torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    ("rows", "in_features", "out_features"),
+    [
+        (1, 576, 960),  # a batch-1 decode step: one row, whole panels
+        (13, 100, 49),  # a partial tile of rows, a partial last panel
+        (64, 1536, 576),  # two k blocks, the second adding to the first's sums
+        (400, 1600, 97),  # three k blocks and three row blocks
+    ],
+)
+def test_panel_kernel_matches_f_linear(
+    rows: int, in_features: int, out_features: int, threads: int
+) -> None:
+    ops = cpu_kernels.load()
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    x = torch.randn(rows, in_features + 5, generator=gen)[:, 2 : 2 + in_features]  # strided
+    panels = ops.pack_panels(weight)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for b in (None, bias):
+            got = ops.panel_linear(x, panels, out_features, b)
+            expected = F.linear(x, weight, b)
+            torch.testing.assert_close(got, expected, atol=1e-4 * in_features**0.5, rtol=1e-4)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_kernels
+def test_panel_kernel_edges_and_errors() -> None:
+    ops = cpu_kernels.load()
+    weight, bias = torch.randn(5, 8), torch.randn(5)
+    panels = ops.pack_panels(weight)
+    assert ops.panel_linear(torch.randn(0, 8), panels, 5, None).shape == (0, 5)
+    no_features = ops.pack_panels(torch.randn(5, 0))  # an empty sum: the bias alone
+    assert torch.equal(ops.panel_linear(torch.randn(3, 0), no_features, 5, bias), bias.expand(3, 5))
+    with pytest.raises(RuntimeError, match="x has 7 features, the weight 8"):
+        ops.panel_linear(torch.randn(2, 7), panels, 5, None)
+    too_many = panels.shape[2] + 1
+    with pytest.raises(RuntimeError, match=f"out_features {too_many} does not match"):
+        ops.panel_linear(torch.randn(2, 8), panels, too_many, None)
+    with pytest.raises(RuntimeError, match="panels must come from pack_panels"):
+        ops.panel_linear(torch.randn(2, 8), weight, 5, None)
+    with pytest.raises(RuntimeError, match="bias must be float32"):
+        ops.panel_linear(torch.randn(2, 8), panels, 5, torch.randn(4))
+    with pytest.raises(RuntimeError, match="float32 weight"):
+        ops.pack_panels(weight.double())
 
 
 @needs_onednn
@@ -65,6 +122,7 @@ def test_bfloat16_packed_is_bit_for_bit_f_linear() -> None:
     layer = packed_linear(48, 64).to(torch.bfloat16)
     if pack_linears(layer) == 0:
         pytest.skip("this CPU's oneDNN cannot pack bfloat16 weights")
+    assert not layer.packed.panels  # the panel kernel is float32 only
     x = torch.randn(9, 64).bfloat16()
     with torch.inference_mode():
         assert torch.equal(layer(x), F.linear(x, layer.weight))

@@ -41,6 +41,7 @@ SOURCES = (
     CSRC / "cpu_kernels.cpp",  # declares every op; the elementwise kernels, argmax
     CSRC / "decode_attention.cpp",
     CSRC / "prefill_attention.cpp",
+    CSRC / "panel_linear.cpp",  # the float32 projections (linear.py)
 )
 
 

@@ -3,28 +3,30 @@
     pack_linears(module)  # once the weights are final; FusedLinears.pack(q, k, v) fuses
     # (the loader calls LlamaForCausalLM.pack_projections, which does both)
 
-A plain GEMM repacks its weight operand into its kernel's panel layout on every
-call; at decode batch sizes (tens of rows) that costs about as much as the
-multiply itself. pack_linears reorders each weight once into oneDNN's blocked
-layout (torch's own oneDNN, the library its CPU convolutions and bfloat16
-matmuls run on); an inference forward on the CPU then runs oneDNN's inner
-product on that copy. Measured on SmolLM2-135M's projections, 2 threads, AMD
-Zen 4 (docs/model-runtime.md): float32 1.7x faster than F.linear (MKL) at 64
-rows, 2.1x at 1 row, 1.2x at 1,024; bfloat16 1.3-1.7x, bit for bit equal to
-F.linear (which runs oneDNN without the prepacking).
+A plain GEMM repacks its weight operand into its kernel's layout on every call; at
+decode batch sizes (tens of rows) that costs about as much as the multiply itself.
+pack_linears reorders each weight once, into the layout of the kernel that will
+multiply by it:
+- float32: Tandem's panel kernel (csrc/panel_linear.cpp), column panels read front to
+  back. At decode batch sizes the product streams its weights from memory, and this
+  layout streams them fastest. Measured on SmolLM2-135M's projections, 2 threads, AMD
+  Zen 4 (docs/model-runtime.md): a 64-row step's products 86 ms against 93.5 with
+  oneDNN's packed inner product, 1 row 13 ms against 27, 1,024 rows the same;
+- other dtypes, or when the kernels did not build: oneDNN's blocked layout and inner
+  product (torch's own oneDNN). bfloat16 results are bit for bit F.linear's, which runs
+  the same oneDNN kernel without the prepacking.
 
-The packed copy is a second copy of the weights in memory, in oneDNN's opaque
-layout: it is a plain attribute, not a parameter or buffer, so .to() and
-state_dict leave it alone, and the forward uses it only for CPU inputs of its
-dtype without autograd. Everything else (autograd, other devices, a torch
-without oneDNN, a dtype this CPU's oneDNN cannot pack, TANDEM_CPU_KERNELS=0)
-runs F.linear, which defines the semantics: float32 results differ from it by
-summation order only.
+The packed copy is a second copy of the weights in memory: a plain attribute, not a
+parameter or buffer, so .to() and state_dict leave it alone, and the forward uses it
+only for CPU inputs of its dtype without autograd. Everything else (autograd, other
+devices, a dtype neither kernel packs, TANDEM_CPU_KERNELS=0) runs F.linear, which
+defines the semantics: float32 results differ from it by summation order only.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -37,14 +39,35 @@ from tandem.engine.model import cpu_kernels
 ROWS_HINT = 64
 
 
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight's copy in the layout of the kernel that multiplies by it."""
+
+    data: torch.Tensor  # the copy: panels for panel_linear, else oneDNN's opaque layout
+    out_features: int
+    panels: bool  # multiplied by Tandem's panel kernel (float32), else by oneDNN
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., in_features] @ weight.T + bias."""
+        if not self.panels:
+            return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
+        rows = x.reshape(-1, x.shape[-1])  # a row-strided 2-D view stays a view
+        out = torch.ops.tandem_cpu.panel_linear(rows, self.data, self.out_features, bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same names) with an optional pre-packed weight."""
 
-    packed: torch.Tensor | None = None  # oneDNN's copy of weight, set by pack_linears
+    packed: PackedWeight | None = None  # set by pack_linears
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _runs_packed(self.packed, x, self.in_features):
-            return _packed_product(x, self.packed, self.bias)
+            return self.packed.product(x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -57,8 +80,8 @@ class FusedLinears:
     only the packed copy, and callers keep the separate Linears for every other case.
     """
 
-    def __init__(self, packed: torch.Tensor, sizes: list[int], in_features: int) -> None:
-        self.packed = packed  # oneDNN's copy of the concatenated weights
+    def __init__(self, packed: PackedWeight, sizes: list[int], in_features: int) -> None:
+        self.packed = packed  # the concatenated weights' packed copy
         self.sizes = sizes  # each Linear's out_features, in order
         self.in_features = in_features
 
@@ -81,7 +104,7 @@ class FusedLinears:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each Linear's output, as column views of one product."""
-        return _packed_product(x, self.packed, None).split(self.sizes, dim=-1)
+        return self.packed.product(x, None).split(self.sizes, dim=-1)
 
 
 def packing_fits(model: nn.Module) -> bool:
@@ -95,7 +118,7 @@ def packing_fits(model: nn.Module) -> bool:
     if available is None or need <= available // 2:
         return True
     warnings.warn(
-        f"not packing the projections for oneDNN: the packed copies need {need / 2**30:.1f} "
+        f"not packing the projections: the packed copies need {need / 2**30:.1f} "
         f"GiB and {available / 2**30:.1f} GiB of memory is available; the model runs on "
         "F.linear, slower (docs/model-runtime.md)",
         RuntimeWarning,
@@ -117,9 +140,9 @@ def available_memory() -> int | None:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Pack each CPU Linear of model whose dtype oneDNN can pack here; how many were packed.
+    """Pack each CPU Linear of model whose dtype a kernel here can pack; how many were packed.
 
-    None are when TANDEM_CPU_KERNELS=0 or torch has no oneDNN. Call again after
+    None are when TANDEM_CPU_KERNELS=0. Call again after
     changing weights: a packed copy does not follow its weight (see unpack_linears).
     """
     count = 0
@@ -136,24 +159,27 @@ def unpack_linears(model: nn.Module) -> None:
 
 
 def _packable(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and cpu_kernels.enabled_by_env()
-        and torch.backends.mkldnn.is_available()
-    )
+    return weight.device.type == "cpu" and cpu_kernels.enabled_by_env()
 
 
-def _packed(weight: torch.Tensor) -> torch.Tensor | None:
+def _packed(weight: torch.Tensor) -> PackedWeight | None:
     if not _packable(weight):
         return None
-    try:
-        with torch.no_grad():
-            return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ROWS_HINT)
-    except RuntimeError:  # e.g. float16 on a CPU without avx512_fp16: F.linear it is
-        return None
+    out_features = weight.shape[0]
+    ops = cpu_kernels.load() if weight.dtype == torch.float32 else None
+    with torch.no_grad():
+        if ops is not None:
+            return PackedWeight(ops.pack_panels(weight), out_features, panels=True)
+        if not torch.backends.mkldnn.is_available():
+            return None
+        try:
+            data = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ROWS_HINT)
+        except RuntimeError:  # e.g. float16 on a CPU without avx512_fp16: F.linear it is
+            return None
+    return PackedWeight(data, out_features, panels=False)
 
 
-def _runs_packed(packed: torch.Tensor | None, x: torch.Tensor, in_features: int) -> bool:
+def _runs_packed(packed: PackedWeight | None, x: torch.Tensor, in_features: int) -> bool:
     return (
         packed is not None
         and x.device.type == "cpu"
@@ -161,12 +187,6 @@ def _runs_packed(packed: torch.Tensor | None, x: torch.Tensor, in_features: int)
         and x.shape[-1] == in_features  # else F.linear names the mismatch
         and not torch.is_grad_enabled()
     )
-
-
-def _packed_product(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def _linears(model: nn.Module) -> list[Linear]:

@@ -7,7 +7,7 @@ stay separate parameters, and only their packed copies are fused.
 On CPU in inference (no_grad / inference_mode) the forward uses the C++ kernels of
 cpu_kernels.py when they build: each residual add fused into the RMSNorm after it,
 RoPE in place on q and k, SiLU(gate) * up in one pass, and the paged decode
-attention kernel; its projections multiply through oneDNN-packed weights once the
+attention kernel; its projections multiply through pre-packed weights once the
 loader has packed them (pack_projections, linear.py). Otherwise (accelerators, autograd,
 TANDEM_CPU_KERNELS=0, no compiler) it runs the torch modules below, which define
 the semantics.

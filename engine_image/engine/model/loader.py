@@ -79,7 +79,7 @@ def load_model(
     model = LlamaForCausalLM(source.config, dtype=chosen_dtype, device=chosen_device)
     model.load_weights(source.iter_weights())
     model.eval()
-    model.pack_projections()  # on the CPU: oneDNN-packed projections (linear.py)
+    model.pack_projections()  # on the CPU: pre-packed projections (linear.py)
     return LoadedModel(source, model, chosen_device, chosen_dtype)
 
 

@@ -1,5 +1,5 @@
 // CPU kernels for Tandem's model runtime, built just in time by cpu_kernels.py into
-// one library with decode_attention.cpp and prefill_attention.cpp. This file
+// one library with decode_attention.cpp, prefill_attention.cpp and panel_linear.cpp. This file
 // declares every op of the library (TORCH_LIBRARY below) and holds the small ones:
 //
 // rms_norm, add_rms_norm_, rope_, silu_mul: the elementwise chains of a Llama
@@ -9,6 +9,7 @@
 //
 // The attention kernels: paged_decode_attention (decode_attention.cpp) and
 // causal_attention (prefill_attention.cpp); what they share is in kernel_common.h.
+// The float32 projections: pack_panels and panel_linear (panel_linear.cpp).
 // cpu_kernels.py compiles with -mavx2 -mfma -mf16c where the CPU has them, and
 // -mavx512f -mavx512vl where present (32 vector registers for the prefill
 // kernel's tiles).
@@ -252,6 +253,8 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("pack_panels(Tensor weight) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {

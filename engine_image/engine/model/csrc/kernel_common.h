@@ -1,4 +1,4 @@
-// Helpers shared by Tandem's CPU kernels (cpu_kernels.cpp and the two attention kernels).
+// Helpers shared by Tandem's CPU kernels (cpu_kernels.cpp, the two attention kernels, panel_linear.cpp).
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -90,12 +90,17 @@ constexpr int64_t VL = 8;
 typedef float vfloat __attribute__((vector_size(VL * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(VL * sizeof(int32_t))));
 
-inline vfloat vload(const float* p) {
-  vfloat v;
+// Unaligned load and store of a vector (vfloat, or another vector_size type V).
+template <typename V = vfloat>
+inline V vload(const float* p) {
+  V v;
   __builtin_memcpy(&v, p, sizeof(v));
   return v;
 }
-inline void vstore(float* p, vfloat v) { __builtin_memcpy(p, &v, sizeof(v)); }
+template <typename V>
+inline void vstore(float* p, V v) {
+  __builtin_memcpy(p, &v, sizeof(v));
+}
 // x in every lane: one vbroadcastss from memory. (vfloat{} + x, the obvious idiom,
 // costs a real scalar add of 0.0f first, since -0.0f + 0.0f is +0.0f, then a register
 // broadcast: measured ~20 % of the prefill kernel's time, in its innermost loop.)
