@@ -8,6 +8,8 @@ bfloat16 runs the same oneDNN kernel as F.linear, so it must match bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 from tandem.engine.model import cpu_kernels, linear
 from tandem.engine.model.attention import allocate_kv_cache
 from tandem.engine.model.attention_metadata import AttentionMetadata
-from tandem.engine.model.linear import FusedLinears, Linear, pack_linears
+from tandem.engine.model.linear import FusedLinears, GatedLinears, Linear, pack_linears
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.model_config import ModelConfig
 
@@ -50,9 +52,7 @@ def test_packed_forward_matches_f_linear_for_any_rows_and_layout(bias: bool) -> 
             torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
 
 
-@needs_kernels
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize(
+PANEL_SHAPES = pytest.mark.parametrize(
     ("rows", "in_features", "out_features"),
     [
         (1, 576, 960),  # a batch-1 decode step: one row, whole panels
@@ -61,6 +61,22 @@ def test_packed_forward_matches_f_linear_for_any_rows_and_layout(bias: bool) -> 
         (400, 1600, 97),  # three k blocks and three row blocks
     ],
 )
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(previous)
+
+
+def strided_rows(rows: int, features: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(rows, features + 5, generator=gen)[:, 2 : 2 + features]
+
+
+@needs_kernels
+@PANEL_SHAPES
 def test_panel_kernel_matches_f_linear(
     rows: int, in_features: int, out_features: int, threads: int
 ) -> None:
@@ -68,17 +84,26 @@ def test_panel_kernel_matches_f_linear(
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(out_features, in_features, generator=gen)
     bias = torch.randn(out_features, generator=gen)
-    x = torch.randn(rows, in_features + 5, generator=gen)[:, 2 : 2 + in_features]  # strided
+    x = strided_rows(rows, in_features, gen)
     panels = ops.pack_panels(weight)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for b in (None, bias):
-            got = ops.panel_linear(x, panels, out_features, b)
-            expected = F.linear(x, weight, b)
-            torch.testing.assert_close(got, expected, atol=1e-4 * in_features**0.5, rtol=1e-4)
-    finally:
-        torch.set_num_threads(previous)
+    for b in (None, bias):
+        got = ops.panel_linear(x, panels, out_features, b)
+        expected = F.linear(x, weight, b)
+        torch.testing.assert_close(got, expected, atol=1e-4 * in_features**0.5, rtol=1e-4)
+
+
+@needs_kernels
+@PANEL_SHAPES
+def test_gated_panel_kernel_matches_silu_of_gate_times_up(
+    rows: int, in_features: int, out_features: int, threads: int
+) -> None:
+    ops = cpu_kernels.load()
+    gen = torch.Generator().manual_seed(rows)
+    gate, up = (torch.randn(out_features, in_features, generator=gen) for _ in range(2))
+    x = strided_rows(rows, in_features, gen) / in_features**0.5  # sums of order 1
+    got = ops.panel_linear(x, ops.pack_gated_panels(gate, up), out_features, None, True)
+    expected = F.silu(F.linear(x, gate)) * F.linear(x, up)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
 
 @needs_kernels
@@ -98,6 +123,10 @@ def test_panel_kernel_edges_and_errors() -> None:
         ops.panel_linear(torch.randn(2, 8), weight, 5, None)
     with pytest.raises(RuntimeError, match="bias must be float32"):
         ops.panel_linear(torch.randn(2, 8), panels, 5, torch.randn(4))
+    with pytest.raises(RuntimeError, match="silu_mul takes no bias"):
+        ops.panel_linear(torch.randn(2, 8), panels, 5, bias, True)
+    with pytest.raises(RuntimeError, match="gate and up weights of one shape"):
+        ops.pack_gated_panels(weight, torch.randn(6, 8))
     with pytest.raises(RuntimeError, match="float32 weight"):
         ops.pack_panels(weight.double())
 
@@ -126,6 +155,11 @@ def test_bfloat16_packed_is_bit_for_bit_f_linear() -> None:
     x = torch.randn(9, 64).bfloat16()
     with torch.inference_mode():
         assert torch.equal(layer(x), F.linear(x, layer.weight))
+    # A bfloat16 model's gate/up: one oneDNN product, SiLU after (no gated panels).
+    model = tiny_model().to(torch.bfloat16)
+    assert model.pack_projections() == 5
+    assert model.model.layers[0].mlp.gated is None
+    assert model.model.layers[0].mlp.gate_up is not None
 
 
 def tiny_model() -> LlamaForCausalLM:
@@ -173,26 +207,44 @@ def test_fused_linears_equal_each_linear_alone() -> None:
         FusedLinears.pack(Linear(32, 4, bias=False), Linear(16, 4, bias=False))
 
 
-@needs_onednn
+@needs_kernels
+def test_gated_linears_equal_silu_of_gate_times_up() -> None:
+    torch.manual_seed(8)
+    gate, up = Linear(40, 60, bias=False), Linear(40, 60, bias=False)
+    gated = GatedLinears.pack(gate, up)
+    assert gated is not None and gated.packed.panels and gated.packed.silu_mul
+    with torch.inference_mode():
+        for x in (torch.randn(5, 40), torch.randn(70, 45)[:, 2:42], torch.randn(2, 3, 40)):
+            assert gated.applies(x)
+            expected = F.silu(F.linear(x, gate.weight)) * F.linear(x, up.weight)
+            torch.testing.assert_close(gated(x), expected)
+        assert not gated.applies(torch.randn(5, 39))
+    assert not gated.applies(torch.randn(5, 40))  # autograd on: the separate Linears
+    # What the panel kernel cannot run packs to None: the callers fuse gate/up instead.
+    assert GatedLinears.pack(Linear(40, 60), Linear(40, 60)) is None  # biases
+    assert GatedLinears.pack(gate.to(torch.bfloat16), up.to(torch.bfloat16)) is None
+    assert GatedLinears.pack(Linear(40, 60, bias=False), Linear(40, 61, bias=False)) is None
+
+
+@needs_kernels
 def test_model_packs_every_projection_and_unpacks_on_new_weights() -> None:
     model = tiny_model()
-    # q/k/v fused, gate/up fused, o and down alone, and the (tied) head.
+    # q/k/v fused, gate/up fused with SiLU, o and down alone, and the (tied) head.
     assert model.pack_projections() == 5
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    assert attn.qkv is not None and mlp.gate_up is not None
+    assert attn.qkv is not None and mlp.gated is not None and mlp.gate_up is None
     assert attn.q_proj.packed is None  # the fused copy is the only one
     assert attn.o_proj.packed is not None and model.lm_head.packed is not None
     assert "packed" not in str(list(model.state_dict()))  # not a parameter or buffer
     fast = logits(model)
     model.unpack_projections()
-    assert attn.qkv is None and all(
-        m.packed is None for m in model.modules() if isinstance(m, Linear)
-    )
+    assert attn.qkv is None and mlp.gated is None
+    assert all(m.packed is None for m in model.modules() if isinstance(m, Linear))
     torch.testing.assert_close(fast, logits(model), atol=1e-5, rtol=1e-5)
     # New weights drop the packed copies, which would still multiply by the old ones.
     model.pack_projections()
     model.load_weights((n, torch.randn(p.shape)) for n, p in model.named_parameters())
-    assert attn.qkv is None and mlp.gate_up is None and attn.o_proj.packed is None
+    assert attn.qkv is None and mlp.gated is None and attn.o_proj.packed is None
 
 
 def test_nothing_is_packed_when_the_kernels_are_switched_off(

@@ -46,6 +46,7 @@ class PackedWeight:
     data: torch.Tensor  # the copy: panels for panel_linear, else oneDNN's opaque layout
     out_features: int
     panels: bool  # multiplied by Tandem's panel kernel (float32), else by oneDNN
+    silu_mul: bool = False  # gate and up panels: the product is silu(gate) * up
 
     @property
     def dtype(self) -> torch.dtype:
@@ -56,7 +57,9 @@ class PackedWeight:
         if not self.panels:
             return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
         rows = x.reshape(-1, x.shape[-1])  # a row-strided 2-D view stays a view
-        out = torch.ops.tandem_cpu.panel_linear(rows, self.data, self.out_features, bias)
+        out = torch.ops.tandem_cpu.panel_linear(
+            rows, self.data, self.out_features, bias, self.silu_mul
+        )
         return out.view(*x.shape[:-1], self.out_features)
 
 
@@ -105,6 +108,37 @@ class FusedLinears:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each Linear's output, as column views of one product."""
         return self.packed.product(x, None).split(self.sizes, dim=-1)
+
+
+class GatedLinears:
+    """SwiGLU's silu(gate(x)) * up(x) as one packed product, on the panel kernel (float32
+    only): the product of gate and up, twice the activation's width, never reaches
+    memory. Where it cannot run, pack returns None and callers fuse gate and up with
+    FusedLinears, then apply silu_mul."""
+
+    def __init__(self, packed: PackedWeight, in_features: int) -> None:
+        self.packed = packed  # gate and up, packed half a panel each
+        self.in_features = in_features
+
+    @classmethod
+    def pack(cls, gate: Linear, up: Linear) -> GatedLinears | None:
+        weight = gate.weight
+        if gate.bias is not None or up.bias is not None or up.weight.shape != weight.shape:
+            return None
+        ops = cpu_kernels.load() if _packable(weight) and weight.dtype == torch.float32 else None
+        if ops is None:
+            return None
+        with torch.no_grad():
+            data = ops.pack_gated_panels(weight, up.weight)
+        return cls(
+            PackedWeight(data, gate.out_features, panels=True, silu_mul=True), gate.in_features
+        )
+
+    def applies(self, x: torch.Tensor) -> bool:
+        return _runs_packed(self.packed, x, self.in_features)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.packed.product(x, None)
 
 
 def packing_fits(model: nn.Module) -> bool:
@@ -165,18 +199,24 @@ def _packable(weight: torch.Tensor) -> bool:
 def _packed(weight: torch.Tensor) -> PackedWeight | None:
     if not _packable(weight):
         return None
-    out_features = weight.shape[0]
     ops = cpu_kernels.load() if weight.dtype == torch.float32 else None
+    if ops is None:
+        return onednn_packed(weight)
     with torch.no_grad():
-        if ops is not None:
-            return PackedWeight(ops.pack_panels(weight), out_features, panels=True)
-        if not torch.backends.mkldnn.is_available():
-            return None
-        try:
+        return PackedWeight(ops.pack_panels(weight), weight.shape[0], panels=True)
+
+
+def onednn_packed(weight: torch.Tensor) -> PackedWeight | None:
+    """weight packed for oneDNN's inner product, or None where this torch's oneDNN cannot
+    (also what bench/engine_throughput.py measures the machine's matmul peak with)."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        with torch.no_grad():
             data = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ROWS_HINT)
-        except RuntimeError:  # e.g. float16 on a CPU without avx512_fp16: F.linear it is
-            return None
-    return PackedWeight(data, out_features, panels=False)
+    except RuntimeError:  # e.g. float16 on a CPU without avx512_fp16: F.linear it is
+        return None
+    return PackedWeight(data, weight.shape[0], panels=False)
 
 
 def _runs_packed(packed: PackedWeight | None, x: torch.Tensor, in_features: int) -> bool:

@@ -8,7 +8,8 @@ On CPU in inference (no_grad / inference_mode) the forward uses the C++ kernels 
 cpu_kernels.py when they build: each residual add fused into the RMSNorm after it,
 RoPE in place on q and k, SiLU(gate) * up in one pass, and the paged decode
 attention kernel; its projections multiply through pre-packed weights once the
-loader has packed them (pack_projections, linear.py). Otherwise (accelerators, autograd,
+loader has packed them (pack_projections, linear.py), in float32 with SiLU(gate) * up
+inside the gate/up product. Otherwise (accelerators, autograd,
 TANDEM_CPU_KERNELS=0, no compiler) it runs the torch modules below, which define
 the semantics.
 """
@@ -27,6 +28,7 @@ from tandem.engine.model.attention import paged_attention
 from tandem.engine.model.attention_metadata import AttentionMetadata
 from tandem.engine.model.linear import (
     FusedLinears,
+    GatedLinears,
     Linear,
     pack_linears,
     packing_fits,
@@ -148,7 +150,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    gate_up: FusedLinears | None = None  # gate/up as one packed product (pack_projections)
+    # One packed product each (pack_projections): silu(gate) * up where the panel kernel
+    # runs it (float32), else gate/up with silu_mul after.
+    gated: GatedLinears | None = None
+    gate_up: FusedLinears | None = None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -158,6 +163,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(inner, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, ops: object | None = None) -> torch.Tensor:
+        if self.gated is not None and self.gated.applies(x):
+            return self.down_proj(self.gated(x))
         if self.gate_up is not None and self.gate_up.applies(x):
             gate, up = self.gate_up(x)
         else:
@@ -264,7 +271,8 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_projections(self) -> int:
         """Packed copies of the projections for the CPU's fast path (linear.py): q/k/v and
-        gate/up each fused into one product, o/down and the LM head alone. Returns how
+        gate/up (with SiLU where it can) each fused into one product, o/down and the LM
+        head alone. Returns how
         many products are packed (none off the CPU, with TANDEM_CPU_KERNELS=0, or when
         the copies would not fit in memory: packing_fits warns then)."""
         self.unpack_projections()
@@ -274,8 +282,10 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv = FusedLinears.pack(attn.q_proj, attn.k_proj, attn.v_proj)
-            mlp.gate_up = FusedLinears.pack(mlp.gate_proj, mlp.up_proj)
-            count += (attn.qkv is not None) + (mlp.gate_up is not None)
+            mlp.gated = GatedLinears.pack(mlp.gate_proj, mlp.up_proj)
+            if mlp.gated is None:
+                mlp.gate_up = FusedLinears.pack(mlp.gate_proj, mlp.up_proj)
+            count += (attn.qkv is not None) + (mlp.gated is not None or mlp.gate_up is not None)
             count += pack_linears(attn.o_proj) + pack_linears(mlp.down_proj)
         return count
 
@@ -284,7 +294,7 @@ class LlamaForCausalLM(nn.Module):
         unpack_linears(self)
         for layer in self.model.layers:
             layer.self_attn.qkv = None
-            layer.mlp.gate_up = None
+            layer.mlp.gated = layer.mlp.gate_up = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows being sampled."""

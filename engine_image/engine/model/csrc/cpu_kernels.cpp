@@ -176,7 +176,7 @@ void silu_mul_impl(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) {
         const float gf = to_float(g[i]);
-        const float act = to_float(round_to<T>(gf / (1.0f + exp_approx(-gf))));
+        const float act = to_float(round_to<T>(silu(gf)));
         o[i] = round_to<T>(act * to_float(u[i]));
       }
     }
@@ -254,7 +254,8 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("pack_panels(Tensor weight) -> Tensor");
-  m.def("panel_linear(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor");
+  m.def("pack_gated_panels(Tensor gate, Tensor up) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor panels, int out_features, Tensor? bias, bool silu_mul=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {

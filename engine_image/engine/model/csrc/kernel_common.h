@@ -80,6 +80,9 @@ inline float exp_approx(float x) {
   return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
 }
 
+// SiLU, x * sigmoid(x), as both SwiGLU paths compute it (silu_mul, panel_linear).
+inline float silu(float x) { return x / (1.0f + exp_approx(-x)); }
+
 // GCC vector extensions: portable SIMD the compiler lowers to whatever the ISA
 // flags allow (two SSE registers without AVX). Used where the auto-vectoriser
 // cannot keep a register tile: QK dot products (8 independent accumulators, then

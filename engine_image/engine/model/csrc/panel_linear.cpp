@@ -4,6 +4,10 @@
 //   pack_panels(W [N, K]) -> panels [P, K, NR]: panel p holds W's rows p*NR..p*NR+NR-1
 //     (zero past N), transposed, so that the kernel reads each panel front to back.
 //   panel_linear(x [M, K], panels, N, bias?) -> [M, N]
+//   pack_gated_panels(gate, up [N, K]) and panel_linear(x, panels, N, silu_mul=True):
+//     SwiGLU's silu(x @ gate^T) * (x @ up^T) in one product, each panel holding half
+//     gate, half up, so that the [M, 2N] product never reaches memory (it was 2 % of
+//     a SmolLM2 prefill, reading it back for silu_mul).
 //
 // Why not oneDNN's packed inner product (which the engine used before, and still uses
 // for bfloat16): at decode batch sizes the product is bound by streaming the weights
@@ -20,6 +24,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -69,21 +74,24 @@ struct Prefetch {
   int64_t per_k = 0;  // lines per k step
 };
 
-// c[0..R) x [0..cols) (row stride ldc) = (accumulate ? c : 0) + a[0..R) x [0..kc) . b,
-// with b a panel slice [kc, NR] and a rows of stride lda.
+// Where a register tile's sums start from and where they go.
+struct Sums {
+  const float* from = nullptr;  // earlier k blocks' partial sums, or null: start at 0
+  int64_t from_ld = 0, from_cols = 0;  // its row stride; the panel's columns it holds
+  float* to = nullptr;
+  int64_t to_ld = 0, to_cols = 0;  // the row stride; the output columns this panel fills
+  bool silu_mul = false;  // store silu(panel's first half) * its second half
+};
+
+// Sums over k of a[0..R) x [0..kc) . b, with b a panel slice [kc, NR] and a's rows lda
+// apart, added to `sums.from` and stored at `sums.to`.
 template <int R>
-void tile(const float* a, int64_t lda, const float* b, int64_t kc, float* c, int64_t ldc, int64_t cols,
-          bool accumulate, Prefetch pf) {
+void tile(const float* a, int64_t lda, const float* b, int64_t kc, const Sums& sums, Prefetch pf) {
   wvec acc[R][NV];
   for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < NV; ++v) acc[r][v] = wvec{};
-  }
-  if (accumulate) {
-    for (int r = 0; r < R; ++r) {
-      float row[NR] = {};
-      std::memcpy(row, c + r * ldc, cols * sizeof(float));
-      for (int v = 0; v < NV; ++v) acc[r][v] = vload<wvec>(row + v * W);
-    }
+    float row[NR] = {};
+    if (sums.from) std::memcpy(row, sums.from + r * sums.from_ld, sums.from_cols * sizeof(float));
+    for (int v = 0; v < NV; ++v) acc[r][v] = vload<wvec>(row + v * W);
   }
   for (int64_t k = 0; k < kc; ++k) {
     const float* bk = b + k * NR;
@@ -100,11 +108,17 @@ void tile(const float* a, int64_t lda, const float* b, int64_t kc, float* c, int
   for (int r = 0; r < R; ++r) {
     float row[NR];
     for (int v = 0; v < NV; ++v) vstore(row + v * W, acc[r][v]);
-    std::memcpy(c + r * ldc, row, cols * sizeof(float));
+    float* to = sums.to + r * sums.to_ld;
+    if (sums.silu_mul) {
+#pragma omp simd
+      for (int64_t i = 0; i < sums.to_cols; ++i) to[i] = tandem::silu(row[i]) * row[NR / 2 + i];
+    } else {
+      std::memcpy(to, row, sums.to_cols * sizeof(float));
+    }
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, bool, Prefetch);
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const Sums&, Prefetch);
 
 template <int... R>
 constexpr auto make_tiles(std::integer_sequence<int, R...>) {
@@ -120,6 +134,18 @@ at::Tensor pack_panels(const at::Tensor& weight) {
   return at::constant_pad_nd(weight, {0, 0, 0, P * NR - N}).view({P, NR, K}).transpose(1, 2).contiguous();
 }
 
+// For panel_linear's silu_mul: each panel holds NR / 2 rows of gate, then the same rows
+// of up, so that a tile has both halves of its outputs in registers.
+at::Tensor pack_gated_panels(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.dim() == 2 && gate.scalar_type() == at::kFloat && up.sizes() == gate.sizes() &&
+                  up.scalar_type() == at::kFloat,
+              "pack_gated_panels: expected float32 gate and up weights of one shape [out_features, in_features]");
+  constexpr int64_t H = NR / 2;
+  const int64_t N = gate.size(0), K = gate.size(1), P = (N + H - 1) / H;
+  auto halves = [&](const at::Tensor& w) { return at::constant_pad_nd(w, {0, 0, 0, P * H - N}).view({P, H, K}); };
+  return at::cat({halves(gate), halves(up)}, 1).transpose(1, 2).contiguous();
+}
+
 void add_bias(float* out, int64_t M, int64_t N, const float* bias) {
   at::parallel_for(0, M, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, N)), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
@@ -129,35 +155,43 @@ void add_bias(float* out, int64_t M, int64_t N, const float* bias) {
   });
 }
 
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& bias) {
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& bias,
+                        bool silu_mul) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "panel_linear: x must be float32 [rows, in_features] with a dense last dim");
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == NR && panels.scalar_type() == at::kFloat &&
                   panels.is_contiguous(),
               "panel_linear: panels must come from pack_panels");
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  const int64_t OC = silu_mul ? NR / 2 : NR;  // output columns per panel
   TORCH_CHECK(panels.size(1) == K, "panel_linear: x has ", K, " features, the weight ", panels.size(1));
-  TORCH_CHECK(N > (P - 1) * NR && N <= P * NR, "panel_linear: out_features ", N, " does not match the packed weight (",
-              P, " panels of ", NR, " columns)");
+  TORCH_CHECK(N > (P - 1) * OC && N <= P * OC, "panel_linear: out_features ", N, " does not match the packed weight (",
+              P, " panels of ", OC, " output columns)");
   if (bias) {
+    TORCH_CHECK(!silu_mul, "panel_linear: silu_mul takes no bias");
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
                 "panel_linear: bias must be float32 [out_features]");
   }
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
-  if (K == 0) {  // an empty sum
+  if (K == 0) {  // an empty sum (and silu(0) * 0 is 0)
     out.zero_();
     if (bias) add_bias(out.data_ptr<float>(), M, N, bias->data_ptr<float>());
     return out;
   }
+  // K in equal blocks (576 is one, 1,536 two): a short last block would cost a pass
+  // over the output for little work.
+  const int64_t k_blocks = (K + KC - 1) / KC, k_block = (K + k_blocks - 1) / k_blocks;
+  const int64_t MB = std::max<int64_t>(MR, A_BLOCK_FLOATS / k_block / MR * MR);
+  // Sums between k blocks: in the output, except that silu_mul's keeps half a panel's
+  // columns, so that its partial sums need whole panels of their own.
+  at::Tensor partial = silu_mul && k_blocks > 1 ? at::empty({M, P * NR}, x.options()) : out;
+  const int64_t partial_ld = partial.size(1);
   const float* a = x.data_ptr<float>();
   const float* b = panels.data_ptr<float>();
   float* c = out.data_ptr<float>();
+  float* pc = partial.data_ptr<float>();
   const int64_t lda = x.stride(0);
-  // K in equal blocks (576 is one, 1,536 two): a short last block would cost a pass
-  // over the output for little work.
-  const int64_t k_block = (K + (K + KC - 1) / KC - 1) / ((K + KC - 1) / KC);
-  const int64_t MB = std::max<int64_t>(MR, A_BLOCK_FLOATS / k_block / MR * MR);
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), P));
 #pragma omp parallel num_threads(threads)
   {
@@ -166,6 +200,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
     const int64_t p0 = P * t / nt, p1 = P * (t + 1) / nt;
     for (int64_t k0 = 0; k0 < K; k0 += k_block) {
       const int64_t kc = std::min(k_block, K - k0);
+      const bool last = k0 + kc == K;
       for (int64_t m0 = 0; m0 < M; m0 += MB) {
         const int64_t rows = std::min(MB, M - m0);
         const int64_t tiles = (rows + MR - 1) / MR;
@@ -174,14 +209,22 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
         const int64_t per_k = (lines + tiles * kc - 1) / (tiles * kc);
         for (int64_t p = p0; p < p1; ++p) {
           const float* slice = b + (p * K + k0) * NR;
-          const int64_t cols = std::min<int64_t>(NR, N - p * NR);
           const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(slice + K * NR) : nullptr;
+          // The panel's columns in the partial sums; in the output, once the last k block is in.
+          const int64_t partial_cols = std::min<int64_t>(NR, partial_ld - p * NR);
           for (int64_t ti = 0; ti < tiles; ++ti) {
             const int64_t m = m0 + ti * MR;
+            Sums sums;
+            if (k0 > 0) sums = {pc + m * partial_ld + p * NR, partial_ld, partial_cols};
+            if (last) {
+              sums.to = c + m * N + p * OC, sums.to_ld = N, sums.to_cols = std::min(OC, N - p * OC);
+              sums.silu_mul = silu_mul;
+            } else {
+              sums.to = pc + m * partial_ld + p * NR, sums.to_ld = partial_ld, sums.to_cols = partial_cols;
+            }
             Prefetch pf;
             if (next && ti * kc * per_k < lines) pf = {next + ti * kc * per_k * LINE, per_k};
-            TILES[std::min<int64_t>(MR, M - m) - 1](a + m * lda + k0, lda, slice, kc, c + m * N + p * NR, N, cols,
-                                                    k0 > 0, pf);
+            TILES[std::min<int64_t>(MR, M - m) - 1](a + m * lda + k0, lda, slice, kc, sums, pf);
           }
         }
       }
@@ -195,5 +238,6 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("pack_panels", &pack_panels);
+  m.impl("pack_gated_panels", &pack_gated_panels);
   m.impl("panel_linear", &panel_linear);
 }

@@ -36,15 +36,16 @@ constexpr int64_t QB = 64;  // query positions per work item
 constexpr int64_t KT = 64;  // context tokens per tile
 constexpr int64_t NB = 4 * VL;  // output columns per register tile; D must be a multiple
 
-// c[MR rows][NB] += a[MR rows][0..K) * b[0..K)[NB]; rows lda, ldb, ldc apart. With
-// MR = 4 the tile holds 16 accumulators plus 4 of b: registers enough with AVX-512VL's
-// 32 (cpu_kernels.py adds its flags where the CPU has them); AVX2 spills some.
-template <int MR>
+// c[MR rows][NB] (+)= a[MR rows][0..K) * b[0..K)[NB]; rows lda, ldb, ldc apart: added
+// to c when Accumulate, else written over it. With MR = 4 the tile holds 16
+// accumulators plus 4 of b: registers enough with AVX-512VL's 32 (cpu_kernels.py adds
+// its flags where the CPU has them); AVX2 spills some.
+template <int MR, bool Accumulate>
 inline void tile_product(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
                          int64_t K) {
   vfloat acc[MR][4];
   for (int r = 0; r < MR; ++r)
-    for (int t = 0; t < 4; ++t) acc[r][t] = vload(c + r * ldc + t * VL);
+    for (int t = 0; t < 4; ++t) acc[r][t] = Accumulate ? vload(c + r * ldc + t * VL) : vfloat{};
   for (int64_t k = 0; k < K; ++k) {
     const float* bk = b + k * ldb;
     const vfloat b0 = vload(bk), b1 = vload(bk + VL), b2 = vload(bk + 2 * VL), b3 = vload(bk + 3 * VL);
@@ -60,13 +61,15 @@ inline void tile_product(const float* a, int64_t lda, const float* b, int64_t ld
     for (int t = 0; t < 4; ++t) vstore(c + r * ldc + t * VL, acc[r][t]);
 }
 
-// c[M][N] += a[M][K] * b[K][N] where row group r..r+4 needs only its first
-// need(r) columns (score tiles) or rows of b (probability tiles), rounded as each
-// case requires: the diagonal tile's early rows see few keys. Each row group of a
-// stays in L1 across its column tiles.
-template <typename Need>
+// Score tiles: c[M][N] = a[M][K] * b[K][N] where row group r..r+4 needs only its first
+// need(r) columns, rounded up to NB (the columns past them are left unwritten).
+// Probability tiles: c[M][N] += a[M][K] * b[K][N] over the first need(r) rows of b.
+// The diagonal tile's early rows see few keys. Each row group of a stays in L1 across
+// its column tiles.
+template <bool Scores, typename Need>
 inline void product(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc, int64_t M,
-                    int64_t N, int64_t K, bool trim_columns, Need need) {
+                    int64_t N, int64_t K, Need need) {
+  constexpr bool trim_columns = Scores, accumulate = !Scores;
   for (int64_t r = 0; r < M; r += 4) {
     const int64_t rows = std::min<int64_t>(4, M - r);
     const int64_t lim = need(r + rows - 1);  // the group's last row sees the most
@@ -74,10 +77,10 @@ inline void product(const float* a, int64_t lda, const float* b, int64_t ldb, fl
     const int64_t depth = trim_columns ? K : std::min(K, lim);
     for (int64_t n0 = 0; n0 < cols; n0 += NB) {
       if (rows == 4) {
-        tile_product<4>(a + r * lda, lda, b + n0, ldb, c + r * ldc + n0, ldc, depth);
+        tile_product<4, accumulate>(a + r * lda, lda, b + n0, ldb, c + r * ldc + n0, ldc, depth);
       } else {
         for (int64_t i = 0; i < rows; ++i)
-          tile_product<1>(a + (r + i) * lda, lda, b + n0, ldb, c + (r + i) * ldc + n0, ldc, depth);
+          tile_product<1, accumulate>(a + (r + i) * lda, lda, b + n0, ldb, c + (r + i) * ldc + n0, ldc, depth);
       }
     }
   }
@@ -91,10 +94,30 @@ struct Tensors {
   T* out;  // [T, H, D] contiguous
   int64_t q_stride, k_stride, v_stride;  // between rows
   int64_t queries, context, H, KVH, D;  // query rows; context tokens (>= queries)
+  float* kt;  // K in float32, [KVH][context tiles][D][KT], zero past the context
 };
 
+inline int64_t context_tiles(int64_t context) { return (context + KT - 1) / KT; }
+
+// Every context tile of K transposed into t.kt, once for all the query blocks that
+// read it (each used to transpose its own copy: ~15 % of the kernel's time).
+template <typename T>
+void transpose_keys(const Tensors<T>& t) {
+  const int64_t tiles = context_tiles(t.context), D = t.D;
+#pragma omp for schedule(static)
+  for (int64_t item = 0; item < t.KVH * tiles; ++item) {
+    const int64_t kvh = item / tiles, k0 = item % tiles * KT;
+    float* kt = t.kt + item * D * KT;
+    for (int64_t j = 0; j < KT; ++j) {
+      const bool inside = k0 + j < t.context;
+      const T* kr = t.k + (k0 + j) * t.k_stride + kvh * D;
+      for (int64_t d = 0; d < D; ++d) kt[d * KT + j] = inside ? to_float(kr[d]) : 0.0f;
+    }
+  }
+}
+
 struct Scratch {
-  std::vector<float> q, o, s, kt, vt, m, l;  // vt: a V tile widened to float32
+  std::vector<float> q, o, s, vt, m, l;  // vt: a V tile widened to float32
 };
 
 // One work item: KV head kvh, query positions q0 .. q0 + QB (clipped to T). bfloat16
@@ -109,7 +132,6 @@ void attend_block(const Tensors<T>& t, int64_t kvh, int64_t q0, float scale, Scr
   s.q.resize(R * D);
   s.o.assign(R * D, 0.0f);
   s.s.resize(R * KT);
-  s.kt.resize(D * KT);
   if (widen) s.vt.resize(KT * D);
   s.m.assign(R, -std::numeric_limits<float>::infinity());
   s.l.assign(R, 0.0f);
@@ -121,15 +143,10 @@ void attend_block(const Tensors<T>& t, int64_t kvh, int64_t q0, float scale, Scr
   const int64_t end = first_pos + nq;  // the block's rows see keys [0, end) at most
   for (int64_t k0 = 0; k0 < end; k0 += KT) {
     const int64_t n = std::min(KT, end - k0);
-    // The tile's K transposed, [D][KT], zero past n (those scores are masked anyway).
-    for (int64_t j = 0; j < KT; ++j) {
-      const T* kr = t.k + (k0 + j) * t.k_stride + kvh * D;
-      for (int64_t d = 0; d < D; ++d) s.kt[d * KT + j] = j < n ? to_float(kr[d]) : 0.0f;
-    }
+    const float* kt = t.kt + (kvh * context_tiles(t.context) + k0 / KT) * D * KT;  // [D][KT]
     // Keys of this tile that row r sees (rows see up to their own position).
     auto visible = [&](int64_t r) { return std::min(n, std::max<int64_t>(first_pos + r / G - k0 + 1, 0)); };
-    std::fill(s.s.begin(), s.s.end(), 0.0f);
-    product(s.q.data(), D, s.kt.data(), KT, s.s.data(), KT, R, KT, D, true, visible);
+    product<true>(s.q.data(), D, kt, KT, s.s.data(), KT, R, KT, D, visible);
     for (int64_t r = 0; r < R; ++r) {
       softmax_tile_row(s.s.data() + r * KT, visible(r), KT, s.m[r], s.l[r], s.o.data() + r * D, D);
     }
@@ -143,7 +160,7 @@ void attend_block(const Tensors<T>& t, int64_t kvh, int64_t q0, float scale, Scr
       vtile = t.v + k0 * t.v_stride + kvh * D;
       ldv = t.v_stride;
     }
-    product(s.s.data(), KT, vtile, ldv, s.o.data(), D, R, D, n, false, visible);
+    product<false>(s.s.data(), KT, vtile, ldv, s.o.data(), D, R, D, n, visible);
   }
   for (int64_t qi = 0; qi < nq; ++qi) {
     for (int64_t g = 0; g < G; ++g) {
@@ -155,14 +172,18 @@ void attend_block(const Tensors<T>& t, int64_t kvh, int64_t q0, float scale, Scr
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, double scale) {
-  const int64_t queries = q.size(0), KVH = k.size(1);
+  const int64_t queries = q.size(0), KVH = k.size(1), D = q.size(2);
+  std::vector<float> kt(KVH * context_tiles(k.size(0)) * D * KT);
   const Tensors<T> t{q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), out.data_ptr<T>(),
-                     q.stride(0), k.stride(0), v.stride(0), queries, k.size(0), q.size(1), KVH, q.size(2)};
+                     q.stride(0),     k.stride(0),     v.stride(0),     queries,
+                     k.size(0),       q.size(1),       KVH,             D,
+                     kt.data()};
   const int64_t blocks = (queries + QB - 1) / QB, items = blocks * KVH;
   const float fscale = static_cast<float>(scale);
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), items));
 #pragma omp parallel num_threads(threads)
   {
+    transpose_keys(t);  // ends with the threads' barrier: every tile is ready
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
