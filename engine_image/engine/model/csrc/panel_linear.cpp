@@ -209,7 +209,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
         const int64_t per_k = (lines + tiles * kc - 1) / (tiles * kc);
         for (int64_t p = p0; p < p1; ++p) {
           const float* slice = b + (p * K + k0) * NR;
-          const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(slice + K * NR) : nullptr;
+          // The panel computed next: this one's neighbour, else the run's first panel
+          // for the next block of rows (it has left L2 since this block began).
+          const float* after = p + 1 < p1 ? slice + K * NR : m0 + MB < M ? b + (p0 * K + k0) * NR : nullptr;
+          const char* next = reinterpret_cast<const char*>(after);
           // The panel's columns in the partial sums; in the output, once the last k block is in.
           const int64_t partial_cols = std::min<int64_t>(NR, partial_ld - p * NR);
           for (int64_t ti = 0; ti < tiles; ++ti) {
