@@ -55,6 +55,23 @@ inline void store_row(float* dst, const float* src, float mul, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * mul;
 }
 
+// What exp_approx and vexp share, for x (a float or a vfloat) in [-87, 88]: exp(x) is
+// the result times 2^n. A Cody-Waite reduction, then Cephes' polynomial.
+template <typename V>
+inline V exp_reduced(V x, V& n) {
+  // Round to nearest without a rounding instruction (1.5 * 2^23 trick).
+  const float shifter = 12582912.0f;
+  n = (x * 1.44269504088896341f + shifter) - shifter;
+  V r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  V p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.0f;
+}
+
 // exp(x) for x <= ~88, branch-free so that loops over it vectorise. Cephes' expf
 // polynomial after a Cody-Waite reduction: within 2 ulp of expf on [-87, 88];
 // below -87 it returns ~1e-38 instead of 0 (callers never add such a term to a
@@ -66,18 +83,8 @@ inline float exp_approx(float x) {
   const int32_t below = -static_cast<int32_t>(x < -87.0f), above = -static_cast<int32_t>(x > 88.0f);
   x = std::bit_cast<float>((std::bit_cast<int32_t>(x) & ~(below | above)) |
                            (std::bit_cast<int32_t>(-87.0f) & below) | (std::bit_cast<int32_t>(88.0f) & above));
-  // Round to nearest without a rounding instruction (1.5 * 2^23 trick).
-  const float shifter = 12582912.0f;
-  float n = (x * 1.44269504088896341f + shifter) - shifter;
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  float n;
+  const float p = exp_reduced(x, n);
   return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
 }
 
@@ -115,17 +122,8 @@ inline vfloat splat(float x) { return vfloat{x, x, x, x, x, x, x, x}; }
 inline vfloat vexp(vfloat x) {
   x = x < -87.0f ? splat(-87.0f) : x;
   x = x > 88.0f ? splat(88.0f) : x;
-  const vfloat shifter = splat(12582912.0f);
-  const vfloat n = (x * 1.44269504088896341f + shifter) - shifter;
-  vfloat r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  vfloat p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  vfloat n;
+  const vfloat p = exp_reduced(x, n);
   const vint scale = (__builtin_convertvector(n, vint) + 127) << 23;
   return p * reinterpret_cast<const vfloat&>(scale);
 }
