@@ -1,7 +1,8 @@
 """Linear layers that, on the CPU, multiply through a pre-packed copy of their weight.
 
-    pack_linears(module)  # once the weights are final; FusedLinears.pack(q, k, v) fuses
-    # (the loader calls LlamaForCausalLM.pack_projections, which does both)
+    pack_linears(module)  # once the weights are final; FusedLinears.pack(q, k, v) fuses,
+    # GatedLinears.pack(gate, up) fuses with SwiGLU's SiLU (float32)
+    # (the loader calls LlamaForCausalLM.pack_projections, which does all three)
 
 A plain GEMM repacks its weight operand into its kernel's layout on every call; at
 decode batch sizes (tens of rows) that costs about as much as the multiply itself.
