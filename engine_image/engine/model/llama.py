@@ -9,9 +9,8 @@ cpu_kernels.py when they build: each residual add fused into the RMSNorm after i
 RoPE in place on q and k, SiLU(gate) * up in one pass, and the paged decode
 attention kernel; its projections multiply through pre-packed weights once the
 loader has packed them (pack_projections, linear.py), in float32 with SiLU(gate) * up
-inside the gate/up product. Otherwise (accelerators, autograd,
-TANDEM_CPU_KERNELS=0, no compiler) it runs the torch modules below, which define
-the semantics.
+inside the gate/up product. Otherwise (accelerators, autograd, TANDEM_CPU_KERNELS=0,
+no compiler) it runs the torch modules below, which define the semantics.
 """
 
 from __future__ import annotations
@@ -272,9 +271,9 @@ class LlamaForCausalLM(nn.Module):
     def pack_projections(self) -> int:
         """Packed copies of the projections for the CPU's fast path (linear.py): q/k/v and
         gate/up (with SiLU where it can) each fused into one product, o/down and the LM
-        head alone. Returns how
-        many products are packed (none off the CPU, with TANDEM_CPU_KERNELS=0, or when
-        the copies would not fit in memory: packing_fits warns then)."""
+        head alone. Returns how many products are packed (none off the CPU, with
+        TANDEM_CPU_KERNELS=0, or when the copies would not fit in memory: packing_fits
+        warns then)."""
         self.unpack_projections()
         if not packing_fits(self):
             return 0
