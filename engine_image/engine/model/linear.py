@@ -126,7 +126,7 @@ class GatedLinears:
         weight = gate.weight
         if gate.bias is not None or up.bias is not None or up.weight.shape != weight.shape:
             return None
-        ops = cpu_kernels.load() if _packable(weight) and weight.dtype == torch.float32 else None
+        ops = _panel_kernels(weight)
         if ops is None:
             return None
         with torch.no_grad():
@@ -197,10 +197,18 @@ def _packable(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and cpu_kernels.enabled_by_env()
 
 
+def _panel_kernels(weight: torch.Tensor) -> object | None:
+    """torch.ops.tandem_cpu where the panel kernel multiplies by weight (a float32 CPU
+    weight, the kernels on and built), else None."""
+    if not _packable(weight) or weight.dtype != torch.float32:
+        return None
+    return cpu_kernels.load()
+
+
 def _packed(weight: torch.Tensor) -> PackedWeight | None:
     if not _packable(weight):
         return None
-    ops = cpu_kernels.load() if weight.dtype == torch.float32 else None
+    ops = _panel_kernels(weight)
     if ops is None:
         return onednn_packed(weight)
     with torch.no_grad():

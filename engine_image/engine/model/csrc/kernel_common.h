@@ -129,8 +129,10 @@ inline vfloat vexp(vfloat x) {
 }
 
 inline float hmax(vfloat v) {
-  v = v > __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3) ? v : __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
-  v = v > __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5) ? v : __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  vfloat w = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v = v > w ? v : w;
+  w = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v = v > w ? v : w;
   return v[0] > v[1] ? v[0] : v[1];
 }
 

@@ -82,6 +82,7 @@ struct Sums {
   float* to = nullptr;
   int64_t to_ld = 0, to_cols = 0;  // the row stride; the output columns this panel fills
   bool silu_mul = false;  // store silu(panel's first half) * its second half
+  const float* bias = nullptr;  // added as the sums are stored (the last k block only)
 };
 
 // Sums over k of a[0..R) x [0..kc) . b, with b a panel slice [kc, NR] and a's rows lda
@@ -109,6 +110,9 @@ void tile(const float* a, int64_t lda, const float* b, int64_t kc, const Sums& s
   for (int r = 0; r < R; ++r) {
     float row[NR];
     for (int v = 0; v < NV; ++v) vstore(row + v * W, acc[r][v]);
+    if (sums.bias) {
+      for (int64_t i = 0; i < sums.to_cols; ++i) row[i] += sums.bias[i];
+    }
     float* to = sums.to + r * sums.to_ld;
     if (sums.silu_mul) {
 #pragma omp simd
@@ -147,15 +151,6 @@ at::Tensor pack_gated_panels(const at::Tensor& gate, const at::Tensor& up) {
   return at::cat({halves(gate), halves(up)}, 1).transpose(1, 2).contiguous();
 }
 
-void add_bias(float* out, int64_t M, int64_t N, const float* bias) {
-  at::parallel_for(0, M, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, N)), [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-#pragma omp simd
-      for (int64_t n = 0; n < N; ++n) out[m * N + n] += bias[n];
-    }
-  });
-}
-
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& bias,
                         bool silu_mul) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
@@ -176,8 +171,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
   if (K == 0) {  // an empty sum (and silu(0) * 0 is 0)
-    out.zero_();
-    if (bias) add_bias(out.data_ptr<float>(), M, N, bias->data_ptr<float>());
+    bias ? out.copy_(bias->expand({M, N})) : out.zero_();
     return out;
   }
   // K in equal blocks (576 is one, 1,536 two): a short last block would cost a pass
@@ -223,6 +217,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
             if (last) {
               sums.to = c + m * N + p * OC, sums.to_ld = N, sums.to_cols = std::min(OC, N - p * OC);
               sums.silu_mul = silu_mul;
+              if (bias) sums.bias = bias->data_ptr<float>() + p * OC;
             } else {
               sums.to = pc + m * partial_ld + p * NR, sums.to_ld = partial_ld, sums.to_cols = partial_cols;
             }
@@ -234,7 +229,6 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
       }
     }
   }
-  if (bias) add_bias(c, M, N, bias->data_ptr<float>());
   return out;
 }
 

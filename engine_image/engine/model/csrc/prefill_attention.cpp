@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -173,11 +174,12 @@ void attend_block(const Tensors<T>& t, int64_t kvh, int64_t q0, float scale, Scr
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, double scale) {
   const int64_t queries = q.size(0), KVH = k.size(1), D = q.size(2);
-  std::vector<float> kt(KVH * context_tiles(k.size(0)) * D * KT);
+  // Every element is written by transpose_keys: no zero fill first.
+  const std::unique_ptr<float[]> kt(new float[KVH * context_tiles(k.size(0)) * D * KT]);
   const Tensors<T> t{q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), out.data_ptr<T>(),
                      q.stride(0),     k.stride(0),     v.stride(0),     queries,
                      k.size(0),       q.size(1),       KVH,             D,
-                     kt.data()};
+                     kt.get()};
   const int64_t blocks = (queries + QB - 1) / QB, items = blocks * KVH;
   const float fscale = static_cast<float>(scale);
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), items));
