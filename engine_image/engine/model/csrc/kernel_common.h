@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 namespace tandem {
 
@@ -101,6 +102,29 @@ constexpr int64_t VL = 8;
 typedef float vfloat __attribute__((vector_size(VL * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(VL * sizeof(int32_t))));
 
+// The widest vector the ISA flags give, for register tiles that fill the register
+// file (panel_linear, prefill attention): 32 registers of 16 floats with AVX-512, 16
+// of 8 with AVX, 16 of 4 with SSE.
+#if defined(__AVX512F__)
+constexpr int W = 16;
+#elif defined(__AVX__)
+constexpr int W = 8;
+#else
+constexpr int W = 4;
+#endif
+typedef float wvec __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t wint __attribute__((vector_size(W * sizeof(int32_t))));
+
+// The float and int32 vectors of a size in bytes (a vector type's size is a template
+// argument only through a class).
+template <std::size_t Bytes>
+struct Vectors {
+  typedef float floats __attribute__((vector_size(Bytes)));
+  typedef int32_t ints __attribute__((vector_size(Bytes)));
+};
+template <typename V>
+using int_vector = typename Vectors<sizeof(V)>::ints;  // as wide as V
+
 // Unaligned load and store of a vector (vfloat, or another vector_size type V).
 template <typename V = vfloat>
 inline V vload(const float* p) {
@@ -112,34 +136,94 @@ template <typename V>
 inline void vstore(float* p, V v) {
   __builtin_memcpy(p, &v, sizeof(v));
 }
+
 // x in every lane: one vbroadcastss from memory. (vfloat{} + x, the obvious idiom,
 // costs a real scalar add of 0.0f first, since -0.0f + 0.0f is +0.0f, then a register
 // broadcast: measured ~20 % of the prefill kernel's time, in its innermost loop.)
-static_assert(VL == 8, "splat lists VL lanes");
-inline vfloat splat(float x) { return vfloat{x, x, x, x, x, x, x, x}; }
+template <typename V, std::size_t... I>
+inline V broadcast_lanes(float x, std::index_sequence<I...>) {
+  return V{((void)I, x)...};
+}
+template <typename V>
+inline V broadcast(float x) {
+  return broadcast_lanes<V>(x, std::make_index_sequence<sizeof(V) / sizeof(float)>{});
+}
+inline vfloat splat(float x) { return broadcast<vfloat>(x); }
+
+// The lane numbers 0, 1, ... of an int vector V.
+template <typename V, std::size_t... I>
+inline V lane_numbers(std::index_sequence<I...>) {
+  return V{static_cast<int32_t>(I)...};
+}
+template <typename V>
+inline V lanes() {
+  return lane_numbers<V>(std::make_index_sequence<sizeof(V) / sizeof(int32_t)>{});
+}
 
 // exp_approx in every lane (the same steps, so the same results up to FMA contraction).
-inline vfloat vexp(vfloat x) {
-  x = x < -87.0f ? splat(-87.0f) : x;
-  x = x > 88.0f ? splat(88.0f) : x;
-  vfloat n;
-  const vfloat p = exp_reduced(x, n);
-  const vint scale = (__builtin_convertvector(n, vint) + 127) << 23;
-  return p * reinterpret_cast<const vfloat&>(scale);
+template <typename V>
+inline V vexp(V x) {
+  x = x < -87.0f ? broadcast<V>(-87.0f) : x;
+  x = x > 88.0f ? broadcast<V>(88.0f) : x;
+  V n;
+  const V p = exp_reduced(x, n);
+  const int_vector<V> scale = (__builtin_convertvector(n, int_vector<V>) + 127) << 23;
+  return p * reinterpret_cast<const V&>(scale);
 }
 
-inline float hmax(vfloat v) {
-  vfloat w = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
-  v = v > w ? v : w;
-  w = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
-  v = v > w ? v : w;
-  return v[0] > v[1] ? v[0] : v[1];
+// 2^x in every lane, for x <= 0 (prefill attention's scores, kept in log2 units, less
+// their max): Cephes' exp2f polynomial after rounding x to an integer, within 2 ulp of
+// exp2f; below -126 it returns 2^-126 (callers mask such lanes or scale zeros by them).
+// Six fewer vector operations than vexp: no upper clamp, no two-part reduction.
+template <typename V>
+inline V vexp2_nonpositive(V x) {
+  x = x < -126.0f ? broadcast<V>(-126.0f) : x;
+  const float shifter = 12582912.0f;  // round to nearest, as in exp_reduced
+  const V n = (x + shifter) - shifter;
+  const V r = x - n;  // in [-0.5, 0.5]
+  V p = r * 1.535336188319500e-4f + 1.339887440266574e-3f;
+  p = p * r + 9.618437357674640e-3f;
+  p = p * r + 5.550332471162809e-2f;
+  p = p * r + 2.402264791363012e-1f;
+  p = p * r + 6.931472028550421e-1f;
+  p = p * r + 1.0f;
+  const int_vector<V> scale = (__builtin_convertvector(n, int_vector<V>) + 127) << 23;
+  return p * reinterpret_cast<const V&>(scale);
 }
 
-inline float hsum(vfloat v) {
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
-  return v[0] + v[1];
+// Lanes Offset, Offset + 1, ... of v, as a vector half as wide (in registers: a
+// memcpy of each half went through the stack).
+template <std::size_t Offset, typename V, std::size_t... I>
+inline typename Vectors<sizeof(V) / 2>::floats half_lanes(V v, std::index_sequence<I...>) {
+  return __builtin_shufflevector(v, v, (Offset + I)...);
+}
+template <typename V>
+inline void halves(V v, typename Vectors<sizeof(V) / 2>::floats& lo, typename Vectors<sizeof(V) / 2>::floats& hi) {
+  constexpr std::size_t H = sizeof(V) / sizeof(float) / 2;
+  lo = half_lanes<0>(v, std::make_index_sequence<H>{});
+  hi = half_lanes<H>(v, std::make_index_sequence<H>{});
+}
+
+// Horizontal max and sum, by halves (one shuffle a step for the compiler).
+template <typename V>
+inline float hmax(V v) {
+  if constexpr (sizeof(V) == 2 * sizeof(float)) {
+    return v[0] > v[1] ? v[0] : v[1];
+  } else {
+    typename Vectors<sizeof(V) / 2>::floats lo, hi;
+    halves(v, lo, hi);
+    return hmax(lo > hi ? lo : hi);
+  }
+}
+template <typename V>
+inline float hsum(V v) {
+  if constexpr (sizeof(V) == 2 * sizeof(float)) {
+    return v[0] + v[1];
+  } else {
+    typename Vectors<sizeof(V) / 2>::floats lo, hi;
+    halves(v, lo, hi);
+    return hsum(lo + hi);
+  }
 }
 
 // One row of an online softmax over a tile of scores: sc[0..lim) are the visible
@@ -155,7 +239,7 @@ inline void softmax_tile_row(float* sc, int64_t lim, int64_t n, float& m, float&
   }
   float mx = m, sum = 0.0f;
   if (n % VL == 0) {
-    const vint lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    const vint lane = lanes<vint>();
     const vfloat masked = splat(-std::numeric_limits<float>::infinity());
     const int32_t limit = static_cast<int32_t>(lim);  // a tile's width: small
     vfloat vmx = splat(m);

@@ -47,26 +47,20 @@ namespace {
 using tandem::vload;
 using tandem::vstore;
 
+using tandem::W;
+using tandem::wvec;
+// Rows of the register tile: MR x 3 accumulators, of 32 registers with AVX-512, of 16
+// without.
 #if defined(__AVX512F__)
-constexpr int W = 16;  // floats in a vector register
-constexpr int MR = 8;  // rows of the register tile: 8 x 3 accumulators of 32 registers
-#define SPLAT(x) wvec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}
-#elif defined(__AVX__)
-constexpr int W = 8;
-constexpr int MR = 4;  // 4 x 3 of 16 registers
-#define SPLAT(x) wvec{x, x, x, x, x, x, x, x}
+constexpr int MR = 8;
 #else
-constexpr int W = 4;
 constexpr int MR = 4;
-#define SPLAT(x) wvec{x, x, x, x}
 #endif
 constexpr int NV = 3;        // vectors across a panel
 constexpr int NR = NV * W;   // a panel's columns
 constexpr int64_t KC = 768;  // most k per block: a panel's slice of KC x NR floats (144 KiB at NR 48)
 constexpr int64_t A_BLOCK_FLOATS = 96 * 1024;  // x's rows per block: MB x KC floats (384 KiB)
 constexpr int64_t LINE = 64;                   // bytes of a cache line
-
-typedef float wvec __attribute__((vector_size(W * sizeof(float))));
 
 // What one register tile prefetches of the panel the thread computes next: per_k cache
 // lines a k step from `from` on, so that the memory traffic spreads over the tile.
@@ -101,7 +95,7 @@ void tile(const float* a, int64_t lda, const float* b, int64_t kc, const Sums& s
     for (int64_t i = 0; i < pf.per_k; ++i) __builtin_prefetch(pf.from + (k * pf.per_k + i) * LINE, 0, 2);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const wvec x = SPLAT(a[r * lda + k]);
+      const wvec x = tandem::broadcast<wvec>(a[r * lda + k]);
       acc[r][0] += x * b0;
       acc[r][1] += x * b1;
       acc[r][2] += x * b2;

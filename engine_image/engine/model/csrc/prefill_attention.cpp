@@ -9,22 +9,31 @@
 //
 // One work item per (KV head, block of QB query positions): the block's G * QB
 // query rows (its G query heads share the KV head) meet the context KT tokens at a
-// time. Scores are a register-tiled product of the rows against the tile's K
-// (transposed once per call, tile by tile, for all the blocks that read it); then an
-// online softmax (kernel_common.h) and the probabilities times the tile's V into
-// float32 accumulators. Measured on SmolLM2-135M's shapes (1,024 tokens, 9 heads
-// over 3 KV heads, D 64, 2 threads, AMD Zen 4): ~8 ms a layer against ~11.6 for
-// torch's flash attention on CPU, whose block products run through MKL.
+// time, MR rows at a time (attend_rows): their scores against the tile's K
+// (transposed once per call, tile by tile, for all the blocks that read it) stay in
+// registers through an online softmax step, and the probabilities times the tile's V
+// go into float32 accumulators. Scores are kept in log2 units (the query scale
+// includes log2(e)), so the softmax's exponentials are powers of two.
+//
+// Measured on SmolLM2-135M's shapes (1,024 tokens, 9 heads over 3 KV heads, D 64,
+// AMD Zen 4, docs/benchmarks.md): the products run at ~95 % of the FMA units' rate,
+// the exponentials take ~15 % of the time; 14.2-14.9 ms a layer on one thread
+// against 16.1-18.0 for the kernel before (scores in memory, then a softmax pass),
+// and ~11.6 ms on two threads for torch's flash attention on CPU.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <numbers>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kernel_common.h"
@@ -34,58 +43,129 @@ namespace {
 using namespace tandem;
 
 constexpr int64_t QB = 64;  // query positions per work item
-constexpr int64_t KT = 64;  // context tokens per tile
-constexpr int64_t NB = 4 * VL;  // output columns per register tile; D must be a multiple
+constexpr int TV = 4;  // vectors across a context tile
+constexpr int64_t KT = TV * W;  // context tokens per tile (64 with AVX-512)
+// Query rows per register tile: MR x TV score accumulators, then MR x (up to) 4 of the
+// output, of 32 registers with AVX-512, of 16 without. (6 rows measured no faster.)
+#if defined(__AVX512F__)
+constexpr int MR = 4;
+#else
+constexpr int MR = 2;
+#endif
+// head_dim's multiple (attention.py's PREFILL_HEAD_DIM_MULTIPLE): add_values takes D
+// 2 or 4 vectors at a time.
+constexpr int64_t HEAD_DIM_MULTIPLE = 32;
+static_assert(HEAD_DIM_MULTIPLE % (2 * W) == 0);
 
-// c[MR rows][NB] (+)= a[MR rows][0..K) * b[0..K)[NB]; rows lda, ldb, ldc apart: added
-// to c when Accumulate, else written over it. With MR = 4 the tile holds 16
-// accumulators plus 4 of b: registers enough with AVX-512VL's 32 (cpu_kernels.py adds
-// its flags where the CPU has them); AVX2 spills some.
-template <int MR, bool Accumulate>
-inline void tile_product(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
-                         int64_t K) {
-  vfloat acc[MR][4];
-  for (int r = 0; r < MR; ++r)
-    for (int t = 0; t < 4; ++t) acc[r][t] = Accumulate ? vload(c + r * ldc + t * VL) : vfloat{};
-  for (int64_t k = 0; k < K; ++k) {
-    const float* bk = b + k * ldb;
-    const vfloat b0 = vload(bk), b1 = vload(bk + VL), b2 = vload(bk + 2 * VL), b3 = vload(bk + 3 * VL);
-    for (int r = 0; r < MR; ++r) {
-      const vfloat ar = splat(a[r * lda + k]);
-      acc[r][0] += ar * b0;
-      acc[r][1] += ar * b1;
-      acc[r][2] += ar * b2;
-      acc[r][3] += ar * b3;
+// What a register tile of R query rows reads and keeps across one context tile.
+struct Rows {
+  const float* q;  // [R][D], scaled by the softmax scale times log2(e)
+  float* o;  // [R][D], the unnormalised outputs so far
+  float* m;  // [R], the running max of each row's scores (log2 units)
+  float* l;  // [R], the running sum of 2^(score - m)
+  const int64_t* visible;  // [R], the tile's keys each row sees (the rest masked)
+};
+
+// o[r][0 .. NV * W) = o[r][..] * corr[r] + sum over j < depth of p[r][j] * v[j][..].
+// Not inlined: inside attend_rows the compiler spilled the V vectors to the stack
+// (10.6 against 8.2 ms a layer).
+template <int R, int NV>
+__attribute__((noinline)) void add_values(const float* p, const float* v, int64_t ldv, int64_t depth,
+                                          const float* corr, float* o, int64_t D) {
+  wvec acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = vload<wvec>(o + r * D + c * W) * corr[r];
+  for (int64_t j = 0; j < depth; ++j) {
+    wvec vj[NV];
+    for (int c = 0; c < NV; ++c) vj[c] = vload<wvec>(v + j * ldv + c * W);
+    for (int r = 0; r < R; ++r) {
+      const wvec pr = broadcast<wvec>(p[r * KT + j]);
+      for (int c = 0; c < NV; ++c) acc[r][c] += pr * vj[c];
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int t = 0; t < 4; ++t) vstore(c + r * ldc + t * VL, acc[r][t]);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) vstore(o + r * D + c * W, acc[r][c]);
 }
 
-// Score tiles: c[M][N] = a[M][K] * b[K][N] where row group r..r+4 needs only its first
-// need(r) columns, rounded up to NB (the columns past them are left unwritten).
-// Probability tiles: c[M][N] += a[M][K] * b[K][N] over the first need(r) rows of b.
-// The diagonal tile's early rows see few keys. Each row group of a stays in L1 across
-// its column tiles.
-template <bool Scores, typename Need>
-inline void product(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc, int64_t M,
-                    int64_t N, int64_t K, Need need) {
-  constexpr bool trim_columns = Scores, accumulate = !Scores;
-  for (int64_t r = 0; r < M; r += 4) {
-    const int64_t rows = std::min<int64_t>(4, M - r);
-    const int64_t lim = need(r + rows - 1);  // the group's last row sees the most
-    const int64_t cols = trim_columns ? std::min(N, (lim + NB - 1) / NB * NB) : N;
-    const int64_t depth = trim_columns ? K : std::min(K, lim);
-    for (int64_t n0 = 0; n0 < cols; n0 += NB) {
-      if (rows == 4) {
-        tile_product<4, accumulate>(a + r * lda, lda, b + n0, ldb, c + r * ldc + n0, ldc, depth);
-      } else {
-        for (int64_t i = 0; i < rows; ++i)
-          tile_product<1, accumulate>(a + (r + i) * lda, lda, b + n0, ldb, c + (r + i) * ldc + n0, ldc, depth);
-      }
+// R query rows against one context tile: their scores against the tile's first C * W
+// keys (kt [D][KT]; the rows see no further) held in registers, masked, an online
+// softmax step on them, and the probabilities times the tile's values (v, rows ldv
+// apart) added to the rows' outputs. The scores never reach memory; the R rows'
+// softmax steps are independent, so their exps overlap.
+template <int R, int C>
+void attend_rows(const Rows& rows, const float* kt, const float* v, int64_t ldv, int64_t D) {
+  wvec s[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) s[r][c] = wvec{};
+  for (int64_t d = 0; d < D; ++d) {
+    wvec k[C];
+    for (int c = 0; c < C; ++c) k[c] = vload<wvec>(kt + d * KT + c * W);
+    for (int r = 0; r < R; ++r) {
+      const wvec qr = broadcast<wvec>(rows.q[r * D + d]);
+      for (int c = 0; c < C; ++c) s[r][c] += qr * k[c];
+    }
+  }
+  // Each row's new running max; masked scores become -inf.
+  using RowVector = typename Vectors<sizeof(float) * std::bit_ceil(unsigned{R > 1 ? R : 2})>::floats;  // a row a lane
+  RowVector previous = {}, latest = {};
+  const wint lane = lanes<wint>();
+  const wvec masked = broadcast<wvec>(-std::numeric_limits<float>::infinity());
+  for (int r = 0; r < R; ++r) {
+    const int32_t lim = static_cast<int32_t>(rows.visible[r]);  // a tile's width: small
+    if (lim < C * W) {
+      for (int c = 0; c < C; ++c) s[r][c] = lane + c * W < lim ? s[r][c] : masked;
+    }
+    wvec top = s[r][0];
+    for (int c = 1; c < C; ++c) top = s[r][c] > top ? s[r][c] : top;
+    previous[r] = rows.m[r];
+    latest[r] = std::max(previous[r], hmax(top));  // -inf while a row has seen no key
+  }
+  // What each row's earlier sums are rescaled by: 1 where the max holds (and for rows
+  // that have seen no key yet: their sums are 0), one vector exp for all the rows.
+  const RowVector corr = vexp2_nonpositive(previous == latest ? RowVector{} : previous - latest);
+  alignas(64) float p[R * KT];  // probabilities, for add_values to broadcast
+  int64_t depth = 0;  // the keys any row sees
+  for (int r = 0; r < R; ++r) {
+    const int64_t lim = rows.visible[r];
+    depth = std::max(depth, lim);
+    const wvec top = broadcast<wvec>(latest[r]);
+    wvec sum = {};
+    for (int c = 0; c < C; ++c) {
+      wvec e = vexp2_nonpositive(s[r][c] - top);
+      // Masked lanes: 2^-126 (or NaN, for a row that has seen no key) from the exp.
+      if (lim < (c + 1) * W) e = lane + c * W < static_cast<int32_t>(lim) ? e : wvec{};
+      vstore(p + r * KT + c * W, e);
+      sum += e;
+    }
+    rows.l[r] = rows.l[r] * corr[r] + hsum(sum);
+    rows.m[r] = latest[r];
+  }
+  float scales[R];  // corr, for add_values
+  for (int r = 0; r < R; ++r) scales[r] = corr[r];
+  for (int64_t d0 = 0; d0 < D;) {  // D is a multiple of 2 * W (HEAD_DIM_MULTIPLE)
+    if (D - d0 >= 4 * W) {
+      add_values<R, 4>(p, v + d0, ldv, depth, scales, rows.o + d0, D);
+      d0 += 4 * W;
+    } else {
+      add_values<R, 2>(p, v + d0, ldv, depth, scales, rows.o + d0, D);
+      d0 += 2 * W;
     }
   }
 }
+
+using RowsFn = void (*)(const Rows&, const float*, const float*, int64_t, int64_t);
+
+template <int R, int... C>
+constexpr std::array<RowsFn, TV> row_tiles(std::integer_sequence<int, C...>) {
+  return {&attend_rows<R, C + 1>...};
+}
+template <int... R>
+constexpr auto make_row_tiles(std::integer_sequence<int, R...>) {
+  return std::array<std::array<RowsFn, TV>, MR>{row_tiles<R + 1>(std::make_integer_sequence<int, TV>{})...};
+}
+// ROW_TILES[r - 1][c - 1]: the tile of r rows (a block's last rows may be fewer than
+// MR) that see c vectors of keys at most (the diagonal tile's early rows see fewer).
+constexpr auto ROW_TILES = make_row_tiles(std::make_integer_sequence<int, MR>{});
 
 template <typename T>
 struct Tensors {
@@ -118,7 +198,8 @@ void transpose_keys(const Tensors<T>& t) {
 }
 
 struct Scratch {
-  std::vector<float> q, o, s, vt, m, l;  // vt: a V tile widened to float32
+  std::vector<float> q, o, vt, m, l;  // vt: a V tile widened to float32
+  std::vector<int64_t> visible;
 };
 
 // One work item: KV head kvh, query positions q0 .. q0 + QB (clipped to T). bfloat16
@@ -132,10 +213,10 @@ void attend_block(const Tensors<T>& t, int64_t kvh, int64_t q0, float scale, Scr
   const int64_t first_pos = t.context - t.queries + q0;  // position of the block's first query
   s.q.resize(R * D);
   s.o.assign(R * D, 0.0f);
-  s.s.resize(R * KT);
   if (widen) s.vt.resize(KT * D);
   s.m.assign(R, -std::numeric_limits<float>::infinity());
   s.l.assign(R, 0.0f);
+  s.visible.resize(R);
   for (int64_t qi = 0; qi < nq; ++qi) {
     for (int64_t g = 0; g < G; ++g) {
       load_scaled_row(s.q.data() + (qi * G + g) * D, t.q + (q0 + qi) * t.q_stride + (kvh * G + g) * D, scale, D);
@@ -145,12 +226,6 @@ void attend_block(const Tensors<T>& t, int64_t kvh, int64_t q0, float scale, Scr
   for (int64_t k0 = 0; k0 < end; k0 += KT) {
     const int64_t n = std::min(KT, end - k0);
     const float* kt = t.kt + (kvh * context_tiles(t.context) + k0 / KT) * D * KT;  // [D][KT]
-    // Keys of this tile that row r sees (rows see up to their own position).
-    auto visible = [&](int64_t r) { return std::min(n, std::max<int64_t>(first_pos + r / G - k0 + 1, 0)); };
-    product<true>(s.q.data(), D, kt, KT, s.s.data(), KT, R, KT, D, visible);
-    for (int64_t r = 0; r < R; ++r) {
-      softmax_tile_row(s.s.data() + r * KT, visible(r), KT, s.m[r], s.l[r], s.o.data() + r * D, D);
-    }
     const float* vtile;  // the tile's V rows, ldv apart
     int64_t ldv;
     if constexpr (widen) {
@@ -161,7 +236,18 @@ void attend_block(const Tensors<T>& t, int64_t kvh, int64_t q0, float scale, Scr
       vtile = t.v + k0 * t.v_stride + kvh * D;
       ldv = t.v_stride;
     }
-    product<false>(s.s.data(), KT, vtile, ldv, s.o.data(), D, R, D, n, visible);
+    // Keys of this tile that row r sees (rows see up to their own position).
+    for (int64_t qi = 0; qi < nq; ++qi) {
+      const int64_t seen = std::min(n, std::max<int64_t>(first_pos + qi - k0 + 1, 0));
+      for (int64_t g = 0; g < G; ++g) s.visible[qi * G + g] = seen;
+    }
+    for (int64_t r = 0; r < R; r += MR) {
+      const int64_t rows = std::min<int64_t>(MR, R - r);
+      const int64_t seen = s.visible[r + rows - 1];  // the last row sees the most
+      if (seen == 0) continue;
+      const Rows tile{s.q.data() + r * D, s.o.data() + r * D, s.m.data() + r, s.l.data() + r, s.visible.data() + r};
+      ROW_TILES[rows - 1][(seen + W - 1) / W - 1](tile, kt, vtile, ldv, D);
+    }
   }
   for (int64_t qi = 0; qi < nq; ++qi) {
     for (int64_t g = 0; g < G; ++g) {
@@ -181,7 +267,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
                      k.size(0),       q.size(1),       KVH,             D,
                      kt.get()};
   const int64_t blocks = (queries + QB - 1) / QB, items = blocks * KVH;
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale * std::numbers::log2e);  // scores in log2 units
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), items));
 #pragma omp parallel num_threads(threads)
   {
@@ -207,7 +293,7 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(v.sizes() == k.sizes() && k.size(2) == D, "causal_attention: k and v must be [L, KVH, D] as q's D");
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "causal_attention: query heads must be a multiple of KV heads");
   TORCH_CHECK(L >= T, "causal_attention: the context (", L, ") is shorter than the queries (", T, ")");
-  TORCH_CHECK(D % NB == 0, "causal_attention: head_dim must be a multiple of ", NB);
+  TORCH_CHECK(D % HEAD_DIM_MULTIPLE == 0, "causal_attention: head_dim must be a multiple of ", HEAD_DIM_MULTIPLE);
   at::Tensor out = q.new_empty({T, H, D});
   if (T == 0) return out;
   dispatch_float_types(q.scalar_type(), "causal_attention", [&](auto tag) { run<decltype(tag)>(q, k, v, out, scale); });
