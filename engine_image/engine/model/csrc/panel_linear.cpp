@@ -83,6 +83,14 @@ struct Sums {
 // apart, added to `sums.from` and stored at `sums.to`.
 template <int R>
 void tile(const float* a, int64_t lda, const float* b, int64_t kc, const Sums& sums, Prefetch pf) {
+  // The lines the tile ends with: its rows of the output (for writing) and of the
+  // earlier sums, asked for now, kc * R * NV FMAs ahead of their use. (Stored to
+  // without, each output line missed at the end of the tile.)
+  for (int r = 0; r < R; ++r) {
+    const float* row = sums.to + r * sums.to_ld;
+    for (int64_t i = 0; i < sums.to_cols; i += LINE / sizeof(float)) __builtin_prefetch(row + i, 1, 3);
+    __builtin_prefetch(row + sums.to_cols - 1, 1, 3);  // rows need not start on a line
+  }
   wvec acc[R][NV];
   for (int r = 0; r < R; ++r) {
     if (!sums.from) {
