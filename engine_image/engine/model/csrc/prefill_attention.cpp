@@ -17,9 +17,9 @@
 //
 // Measured on SmolLM2-135M's shapes (1,024 tokens, 9 heads over 3 KV heads, D 64,
 // AMD Zen 4, docs/benchmarks.md): the products run at ~95 % of the FMA units' rate,
-// the exponentials take ~15 % of the time; 14.2-14.9 ms a layer on one thread
-// against 16.1-18.0 for the kernel before (scores in memory, then a softmax pass),
-// and ~11.6 ms on two threads for torch's flash attention on CPU.
+// the exponentials take ~15 % of the time. One thread: 14.2-14.9 ms a layer against
+// 16.1-18.0 for the kernel before (scores in memory, then a softmax pass). Two
+// threads: 7.3-7.9 ms against 11.8-14.3 for torch's flash attention on CPU (SDPA).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
