@@ -177,8 +177,8 @@ def available_memory() -> int | None:
 def pack_linears(model: nn.Module) -> int:
     """Pack each CPU Linear of model whose dtype a kernel here can pack; how many were packed.
 
-    None are when TANDEM_CPU_KERNELS=0. Call again after
-    changing weights: a packed copy does not follow its weight (see unpack_linears).
+    None are when TANDEM_CPU_KERNELS=0. Call again after changing weights: a packed
+    copy does not follow its weight (see unpack_linears).
     """
     count = 0
     for module in _linears(model):

@@ -83,9 +83,9 @@ struct Sums {
 // apart, added to `sums.from` and stored at `sums.to`.
 template <int R>
 void tile(const float* a, int64_t lda, const float* b, int64_t kc, const Sums& sums, Prefetch pf) {
-  // The lines the tile ends with: its rows of the output (for writing) and of the
-  // earlier sums, asked for now, kc * R * NV FMAs ahead of their use. (Stored to
-  // without, each output line missed at the end of the tile.)
+  // The lines the tile ends with, its rows of `to` (for writing), asked for now,
+  // kc * R * NV FMAs ahead of the stores; without, each missed at the end of the tile.
+  // (Earlier k blocks' sums sit in the same lines, except silu_mul's partial buffer.)
   for (int r = 0; r < R; ++r) {
     const float* row = sums.to + r * sums.to_ld;
     for (int64_t i = 0; i < sums.to_cols; i += LINE / sizeof(float)) __builtin_prefetch(row + i, 1, 3);

@@ -132,7 +132,8 @@ void attend_rows(const Rows& rows, const float* kt, const float* v, int64_t ldv,
     wvec sum = {};
     for (int c = 0; c < C; ++c) {
       wvec e = vexp2_nonpositive(s[r][c] - top);
-      // Masked lanes: 2^-126 (or NaN, for a row that has seen no key) from the exp.
+      // Masked lanes: the exp gives 2^-126 there (or NaN where a row's max is still
+      // -inf, which cannot happen: every row sees a key of the first tile).
       if (lim < (c + 1) * W) e = lane + c * W < static_cast<int32_t>(lim) ? e : wvec{};
       vstore(p + r * KT + c * W, e);
       sum += e;
