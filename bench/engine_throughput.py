@@ -6,8 +6,8 @@ Baseline: transformers' LlamaForCausalLM holding the very weights Tandem
 loads, run with `generate` (greedy). Each figure is the best of --rounds runs,
 Tandem's and HF's taken in turn. Reported: tokens/s for decode at batch 64
 and batch 1 and for a 1,024-token prefill, the ratio to HF, and the fraction
-of this machine's roofline (matmul peak and memory read bandwidth, measured in
-the same run); then a continuous-batching run (Poisson arrivals, mixed
+of this machine's roofline (matmul peak and memory read bandwidth, probed in
+turn with each case's own rounds, the best probe kept); then a continuous-batching run (Poisson arrivals, mixed
 lengths) against HF static batching, with TTFT and TPOT percentiles.
 Figures are recorded in docs/benchmarks.md.
 """
@@ -20,6 +20,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -28,6 +29,8 @@ from tandem.engine.model.linear import Linear, onednn_packed, pack_linears
 from tandem.engine.model.loader import LoadedModel, load_model
 from tandem.engine.model.model_config import ModelConfig
 
+T = TypeVar("T")
+
 
 @dataclass
 class Machine:
@@ -35,41 +38,57 @@ class Machine:
     read_bytes: float  # bytes/s of a streaming read
 
 
+class MachineProbe:
+    """Times this machine's fp32 matmul peak and its read bandwidth, one round of each
+    per `measure()`. The peak is the fastest of MKL (torch.mm), oneDNN's packed inner
+    product and the engine's own projection path (linear.py: the panel kernel): on
+    some CPUs one library is well short of the hardware, and the engine's kernel must
+    not set the bar it is measured against alone."""
+
+    def __init__(self, n: int = 2048) -> None:
+        self.n = n
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        projection = Linear(n, n, bias=False)
+        with torch.no_grad():
+            projection.weight.copy_(b)
+        self.gemms = [lambda: torch.mm(a, b)]
+        if pack_linears(projection):
+            self.gemms.append(torch.inference_mode()(lambda: projection(a)))
+        onednn = onednn_packed(b)
+        if onednn is not None:
+            self.gemms.append(torch.inference_mode()(lambda: onednn.product(a, None)))
+        self.big = torch.ones(256 * 1024 * 1024 // 4)  # 256 MiB, far past the caches
+        for warm in (*self.gemms, self.big.sum):
+            warm()
+
+    def measure(self) -> Machine:
+        best_mm = min(_timed(gemm) for gemm in self.gemms)
+        read = _timed(self.big.sum)
+        return Machine(2 * self.n**3 / best_mm, self.big.numel() * 4 / read)
+
+
+def best_machine(machines: list[Machine]) -> Machine:
+    return Machine(max(m.matmul_flops for m in machines), max(m.read_bytes for m in machines))
+
+
 def measure_machine(rounds: int = 5) -> Machine:
-    """The peak is the fastest of MKL (torch.mm), oneDNN's packed inner product and the
-    engine's own projection path (linear.py: the panel kernel), each the best of rounds
-    taken in turn: on some CPUs one library is well short of the hardware, and the
-    engine's kernel must not set the bar it is measured against alone."""
-    n = 2048
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    projection = Linear(n, n, bias=False)
-    with torch.no_grad():
-        projection.weight.copy_(b)
-    gemms = [lambda: torch.mm(a, b)]
-    if pack_linears(projection):
-        gemms.append(torch.inference_mode()(lambda: projection(a)))
-    onednn = onednn_packed(b)
-    if onednn is not None:
-        gemms.append(torch.inference_mode()(lambda: onednn.product(a, None)))
-    for gemm in gemms:
-        gemm()
-    best_mm = min(
-        min(times) for times in interleaved(rounds, *(lambda g=g: _timed(g) for g in gemms))
-    )
-    big = torch.ones(256 * 1024 * 1024 // 4)  # 256 MiB, far past the caches
-    big.sum()
-    best_read = min(_timed(big.sum) for _ in range(rounds))
-    return Machine(2 * n**3 / best_mm, big.numel() * 4 / best_read)
+    """The best peak and read bandwidth of `rounds` probes."""
+    probe = MachineProbe()
+    return best_machine([probe.measure() for _ in range(rounds)])
 
 
-def interleaved(rounds: int, *measures: Callable[[], float]) -> list[list[float]]:
+def interleaved(rounds: int, *measures: Callable[[], T]) -> list[list[T]]:
     """Each measure's values over rounds, taken in turn so that the machine's background
     load hits them alike (callers keep the best of each)."""
-    values: list[list[float]] = [[] for _ in measures]
+    values: list[list[T]] = [[] for _ in measures]
     for _ in range(rounds):
         for measure, out in zip(measures, values, strict=True):
             out.append(measure())
     return values
+
+
+def _figures(machine: Machine) -> str:
+    return f"{machine.matmul_flops / 1e9:>8.0f} {machine.read_bytes / 1e9:>6.1f}"
 
 
 def _timed(fn) -> float:
@@ -310,7 +329,8 @@ def main() -> None:
     new_tokens = 8 if args.quick else 32
     rng = random.Random(0)
 
-    machine = measure_machine()
+    probe = MachineProbe()
+    machine = best_machine([probe.measure() for _ in range(5)])
     print(
         f"machine: fp32 matmul {machine.matmul_flops / 1e9:.0f} GFLOP/s, "
         f"read {machine.read_bytes / 1e9:.1f} GB/s, {args.threads} threads"
@@ -323,37 +343,41 @@ def main() -> None:
     def prompts(batch: int, length: int) -> list[list[int]]:
         return [[rng.randrange(config.vocab_size) for _ in range(length)] for _ in range(batch)]
 
-    print(f"\n{'case':<28} {'tandem':>9} {'hf':>9} {'ratio':>7} {'roofline':>9} {'of roof':>8}")
+    # Each case's roofline comes from probes taken in turn with its own rounds: this
+    # machine's speed drifts by 5-15 % over minutes, and a peak from another stretch
+    # would move the fraction by as much.
+    print(
+        f"\n{'case':<28} {'tandem':>9} {'hf':>9} {'ratio':>7} {'roofline':>9} {'of roof':>8}"
+        f" {'GFLOP/s':>8} {'GB/s':>6}"
+    )
     for batch in (64, 1):
         batch_prompts = prompts(batch, 64)
-        ours, theirs = map(
-            max,
-            interleaved(
-                args.rounds,
-                lambda: tandem_decode_tps(llm, batch_prompts, new_tokens),  # noqa: B023
-                lambda: hf_decode_tps(hf, batch_prompts, new_tokens),  # noqa: B023
-            ),
+        ours, theirs, probes = interleaved(
+            args.rounds,
+            lambda: tandem_decode_tps(llm, batch_prompts, new_tokens),  # noqa: B023
+            lambda: hf_decode_tps(hf, batch_prompts, new_tokens),  # noqa: B023
+            probe.measure,
         )
-        roof = decode_roofline(config, machine, batch, 64 + new_tokens // 2)
+        ours, theirs, window = max(ours), max(theirs), best_machine(probes)
+        roof = decode_roofline(config, window, batch, 64 + new_tokens // 2)
         print(
             f"{f'decode batch {batch} (tok/s)':<28} {ours:>9.1f} {theirs:>9.1f} "
-            f"{ours / theirs:>6.2f}x {roof:>9.1f} {ours / roof:>7.0%}"
+            f"{ours / theirs:>6.2f}x {roof:>9.1f} {ours / roof:>7.0%} {_figures(window)}"
         )
     prompt = prompts(1, 1024)[0]
-    ours, theirs = map(
-        min,
-        interleaved(
-            args.rounds,
-            lambda: tandem_prefill_seconds(llm, prompts(1, 1024)[0]),  # new: no cache hit
-            lambda: hf_prefill_seconds(hf, prompt),
-        ),
+    ours, theirs, probes = interleaved(
+        args.rounds,
+        lambda: tandem_prefill_seconds(llm, prompts(1, 1024)[0]),  # new: no cache hit
+        lambda: hf_prefill_seconds(hf, prompt),
+        probe.measure,
     )
-    peak_share = prefill_flops(config, 1024) / ours / machine.matmul_flops
+    ours, theirs, window = min(ours), min(theirs), best_machine(probes)
+    peak_share = prefill_flops(config, 1024) / ours / window.matmul_flops
     print(
         f"{'prefill 1024 (tok/s)':<28} {1024 / ours:>9.1f} {1024 / theirs:>9.1f} "
-        f"{theirs / ours:>6.2f}x {'':>9} {peak_share:>7.0%}"
+        f"{theirs / ours:>6.2f}x {'':>9} {peak_share:>7.0%} {_figures(window)}"
     )
-    hf_share = prefill_flops(config, 1024) / theirs / machine.matmul_flops
+    hf_share = prefill_flops(config, 1024) / theirs / window.matmul_flops
     print(f"  (HF prefill reaches {hf_share:.0%} of the matmul peak)")
 
     n, rate = (16, 2.0) if args.quick else (48, 3.0)
