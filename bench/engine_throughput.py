@@ -7,8 +7,9 @@ loads, run with `generate` (greedy). Each figure is the best of --rounds runs,
 Tandem's and HF's taken in turn. Reported: tokens/s for decode at batch 64
 and batch 1 and for a 1,024-token prefill, the ratio to HF, and the fraction
 of this machine's roofline (matmul peak and memory read bandwidth, probed in
-turn with each case's own rounds, the best probe kept); then a continuous-batching run (Poisson arrivals, mixed
-lengths) against HF static batching, with TTFT and TPOT percentiles.
+turn with each case's own rounds, the best probe kept); then a
+continuous-batching run (Poisson arrivals, mixed lengths) against HF static
+batching, with TTFT and TPOT percentiles.
 Figures are recorded in docs/benchmarks.md.
 """
 
