@@ -8,14 +8,14 @@ give the same decision and every rule is a table-driven test.
 Each signal is turned into "replicas needed" (demand), HPA's ratio rule in
 absolute form: demand = sum over ready pods of metric / target, so a pod at the
 target is one replica. The largest signal wins; then, in order: tolerance band,
-scale to / from zero, scale-down stabilisation window, scale-up step limit,
-min/max bounds.
+scale to / from zero, scale-up and scale-down stabilisation windows, scale-up
+step limit, min/max bounds.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from tandem.engine.service.work_queue import QueueState
@@ -57,6 +57,9 @@ class ScalingHistory:
     # in the window, so the window's maximum is the first entry still inside it
     # and the tuple stays a handful of entries long.
     recommendations: tuple[tuple[float, int], ...] = ()
+    # The same for the scale-up window's minimum: each entry strictly lower than
+    # every later one. Empty on a fresh history (nothing argues against a scale-up).
+    lows: tuple[tuple[float, int], ...] = ()
     # When the replica count last changed (status: lastScaleTime).
     last_scale_at: float | None = None
     # When the role last had any work (queued, pending or running).
@@ -64,18 +67,30 @@ class ScalingHistory:
 
     def peak_since(self, start: float) -> int | None:
         """The highest recommendation made after `start`, if any."""
-        for t, replicas in self.recommendations:
-            if t > start:
-                return replicas
-        return None
+        return _first_after(self.recommendations, start)
 
-    def recorded(
-        self, now: float, replicas: int, window_start: float
-    ) -> tuple[tuple[float, int], ...]:
-        kept = [(t, r) for t, r in self.recommendations if t > window_start]
-        while kept and kept[-1][1] <= replicas:
-            kept.pop()
-        return (*kept, (now, replicas))
+    def low_since(self, start: float) -> int | None:
+        """The lowest recommendation made after `start`, if any."""
+        return _first_after(self.lows, start)
+
+
+def _first_after(entries: tuple[tuple[float, int], ...], start: float) -> int | None:
+    return next((replicas for t, replicas in entries if t > start), None)
+
+
+def _recorded(
+    entries: tuple[tuple[float, int], ...],
+    now: float,
+    replicas: int,
+    window_start: float,
+    outlives: Callable[[int, int], bool],
+) -> tuple[tuple[float, int], ...]:
+    """`entries` inside the window, less those the new recommendation outlives
+    (`outlives(new, old)`), then the new one: a monotonic queue of the window."""
+    kept = [(t, r) for t, r in entries if t > window_start]
+    while kept and outlives(replicas, kept[-1][1]):
+        kept.pop()
+    return (*kept, (now, replicas))
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,10 +165,22 @@ def decide(
     notes = [why]
 
     replicas = recommendation
-    window_start = now - policy.scale_down_stabilization_seconds
+    down_window_start = now - policy.scale_down_stabilization_seconds
+    up_window_start = now - policy.scale_up_stabilization_seconds
+    if replicas > current > 0:
+        # HPA: scale up only to the lowest recommendation of the window, this one
+        # included (a role at zero starts at once: its work has no pod at all).
+        low = history.low_since(up_window_start)
+        low = replicas if low is None else min(replicas, low)
+        if low < replicas:
+            notes.append(
+                f"scale-up held at {max(current, low)} by the "
+                f"{policy.scale_up_stabilization_seconds:g}s window"
+            )
+        replicas = max(current, low)
     if replicas < current and not idle_zero:
         # HPA: scale down only to the highest recommendation of the window.
-        peak = max(replicas, history.peak_since(window_start) or 0)
+        peak = max(replicas, history.peak_since(down_window_start) or 0)
         if peak > replicas:
             notes.append(
                 f"scale-down held at {min(current, peak)} by the "
@@ -178,7 +205,16 @@ def decide(
     replicas = min(policy.max_replicas, max(policy.min_replicas, replicas))
 
     new_history = ScalingHistory(
-        recommendations=history.recorded(now, recommendation, window_start),
+        recommendations=_recorded(
+            history.recommendations,
+            now,
+            recommendation,
+            down_window_start,
+            lambda new, old: new >= old,
+        ),
+        lows=_recorded(
+            history.lows, now, recommendation, up_window_start, lambda new, old: new <= old
+        ),
         last_scale_at=now if replicas != current else history.last_scale_at,
         last_active_at=last_active,
     )

@@ -148,6 +148,12 @@ class RoleSpec(SpecModel):
         description="One scale-up adds at most the larger of this percentage of the current "
         "count and scaleUpMaxStep pods.",
     )
+    scale_up_stabilization_seconds: int = Field(
+        0,
+        ge=0,
+        description="A scale-up takes the lowest recommendation of this many past seconds, "
+        "so a short spike adds no pods (0: at once). A role at zero always starts at once.",
+    )
     scale_down_stabilization_seconds: int = Field(
         300,
         ge=0,

@@ -55,6 +55,7 @@ def policy(role: RoleSpec) -> ScalingPolicy:
         "tolerance": role.tolerance,
         "scale_up_max_step": role.scale_up_max_step,
         "scale_up_max_percent": float(role.scale_up_max_percent),
+        "scale_up_stabilization_seconds": float(role.scale_up_stabilization_seconds),
         "scale_down_stabilization_seconds": float(role.scale_down_stabilization_seconds),
     }
     if role.scale_to_zero_after is not None:

@@ -171,6 +171,53 @@ def test_a_zero_window_scales_down_at_once():
     assert d.replicas == 2
 
 
+# ------------------------------------------------------------------ scale-up window
+
+UP_30 = ScalingPolicy(max_replicas=32, scale_up_stabilization_seconds=30)
+
+
+def run_queue(loop: Loop, replicas_worth) -> None:
+    """Prefill evaluations where the queued tokens alone ask for each listed count."""
+    for k in replicas_worth:
+        loop.step(lambda n: observe(n, pods(n, util=0.0)), queue(tokens=k * TOKENS))
+
+
+def test_a_single_high_reading_inside_the_up_window_adds_no_pod():
+    loop = Loop(PREFILL, 2, policy=UP_30)
+    run_queue(loop, [2, 2, 6, 2, 2, 2])  # one spike at t=30
+    assert loop.events == []
+
+
+def test_a_sustained_rise_scales_up_once_the_window_agrees():
+    loop = Loop(PREFILL, 2, policy=UP_30)
+    run_queue(loop, [2])  # t=0
+    d = loop.step(lambda n: observe(n, pods(n, util=0.0)), queue(tokens=6 * TOKENS))  # t=15
+    assert d.replicas == 2 and "scale-up held at 2 by the 30s window" in d.reason
+    run_queue(loop, [6])  # t=30: the window (0, 30] holds 6 and 6
+    assert loop.events == [(30.0, 2, 6)]
+
+
+def test_the_up_window_takes_its_lowest_recommendation_not_the_latest():
+    policy = ScalingPolicy(max_replicas=32, scale_up_stabilization_seconds=45)
+    loop = Loop(PREFILL, 2, policy=policy)
+    run_queue(loop, [2, 4, 6, 6, 6])  # t=0..60
+    # At 45 the window (0, 45] holds 4, 6, 6: up to 4; at 60, (15, 60], all 6.
+    assert loop.events == [(45.0, 2, 4), (60.0, 4, 6)]
+
+
+def test_the_up_window_never_delays_a_start_from_zero():
+    idle = once(PREFILL, observe(1, pods(1, util=0.0)), policy=UP_30)  # recommends 1 at t=0
+    d = once(PREFILL, observe(0), queue(tokens=3 * TOKENS), UP_30, idle.history, now=15.0)
+    assert d.replicas == 3
+
+
+def test_a_zero_up_window_is_the_default_and_scales_at_once():
+    assert ScalingPolicy().scale_up_stabilization_seconds == 0
+    loop = Loop(PREFILL, 2)
+    run_queue(loop, [2, 6])
+    assert loop.events == [(15.0, 2, 6)]
+
+
 # ------------------------------------------------------------------ pods still starting
 
 
@@ -338,6 +385,7 @@ def policies(draw):
         tolerance=draw(st.floats(0.0, 0.5)),
         scale_up_max_step=draw(st.integers(1, 8)),
         scale_up_max_percent=draw(st.floats(0.0, 300.0)),
+        scale_up_stabilization_seconds=draw(st.sampled_from([0.0, 15.0, 60.0])),
         scale_down_stabilization_seconds=draw(st.sampled_from([0.0, 30.0, 300.0])),
         scale_to_zero_after_seconds=draw(st.sampled_from([0.0, 30.0])),
     )
@@ -375,6 +423,7 @@ def test_history_stays_small_over_a_long_run():
     for _ in range(2000):
         loop.step(kv_load(rng.uniform(1, 8)))
         assert len(loop.history.recommendations) <= 301
+        assert len(loop.history.lows) <= 1  # no up window: only the latest
 
 
 # ------------------------------------------------------------------ validation
@@ -394,6 +443,7 @@ def test_history_stays_small_over_a_long_run():
         ({"tolerance": 1.0}, "tolerance"),
         ({"scale_up_max_step": 0}, "scale_up_max_step"),
         ({"scale_up_max_percent": -1}, "scale_up_max_percent"),
+        ({"scale_up_stabilization_seconds": -1}, "scale_up_stabilization_seconds"),
         ({"scale_down_stabilization_seconds": -5}, "scale_down_stabilization_seconds"),
         ({"scale_to_zero_after_seconds": "60"}, "scale_to_zero_after_seconds"),
     ],

@@ -223,7 +223,7 @@ def test_policy_maps_the_role_fields():
             "model": {"path": "x"},
             "mode": "Disaggregated",
             "prefill": {"minReplicas": 0, "maxReplicas": 3, "targetQueuedTokensPerReplica": 100},
-            "decode": {"targetKVCacheUsage": 0.5},
+            "decode": {"targetKVCacheUsage": 0.5, "scaleUpStabilizationSeconds": 45},
         },
         name="m",
     )
@@ -232,6 +232,10 @@ def test_policy_maps_the_role_fields():
     assert prefill.target_queued_tokens_per_replica == 100
     assert prefill.scale_to_zero_after_seconds == 300
     assert decode.target_kv_cache_usage == 0.5
+    assert (prefill.scale_up_stabilization_seconds, decode.scale_up_stabilization_seconds) == (
+        0,
+        45,
+    )
 
 
 def test_only_ready_pods_with_an_address_are_scraped():

@@ -34,6 +34,7 @@ def test_minimal_spec_gets_every_default():
         4,
         100,
     )
+    assert normal.scale_up_stabilization_seconds == 0
     assert normal.scale_down_stabilization_seconds == 300
     assert normal.scale_to_zero_after_seconds is None
     assert normal.scale_to_zero_after is None  # minReplicas 1: never
@@ -145,6 +146,7 @@ def _role(extra: dict) -> st.SearchStrategy[dict]:
         "dataParallelSize": st.integers(1, 8),
         "tolerance": st.floats(0, 0.99),
         "scaleUpMaxStep": st.integers(1, 10),
+        "scaleUpStabilizationSeconds": st.integers(0, 3600),
         "scaleDownStabilizationSeconds": st.integers(0, 3600),
         "nodeSelector": st.dictionaries(st.sampled_from(["zone", "gpu"]), st.text(max_size=5)),
         "resources": st.fixed_dictionaries(
