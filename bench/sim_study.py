@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/sim_study.py disagg      # Normal vs Disaggregated, 70B, 16 H200s
     .venv/bin/python bench/sim_study.py intervals   # ALL / ANY prefill intervals, 4 DP ranks
-    .venv/bin/python bench/sim_study.py autoscale   # a bursty day: autoscaler vs fixed peak
+    .venv/bin/python bench/sim_study.py autoscale   # a bursty day: autoscaler (scale-up
+                                                    # windows 0, 30, 60 s) vs fixed peak
 
 Every run is seeded: the same command prints the same tables (the wall times
 in the progress lines aside).
@@ -42,7 +43,8 @@ def autoscale(args: argparse.Namespace) -> None:
     duration = args.duration or study_autoscale.DAY_S
     requests = study_autoscale.trace(args.rate or 3.0, args.seed, duration)
     _log(f"  day trace: {len(requests)} requests")
-    runs = study_autoscale.run_pair(requests, until_s=duration, log=_log)
+    windows = [float(w) for w in args.scale_up_windows.split(",")]
+    runs = study_autoscale.run_study(requests, until_s=duration, up_windows=windows, log=_log)
     print(study_autoscale.table(runs))
     print(study_autoscale.summary_line(runs))
     study_autoscale.plot(requests, runs, str(IMG / "sim-autoscale.png"))
@@ -58,6 +60,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--duration", type=float, default=None, help="seconds of arrivals")
     parser.add_argument("--rate", type=float, default=None, help="requests/s (mean)")
+    parser.add_argument(
+        "--scale-up-windows",
+        default="0,30,60",
+        help="autoscale: scaleUpStabilizationSeconds of each autoscaled run, comma-separated",
+    )
     args = parser.parse_args()
     IMG.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
