@@ -8,7 +8,7 @@ at its output length, as `tandem bench` requests with ignore_eos do.
 
 What the engine service adds around the scheduler is copied from
 engine/service/worker.py and handoff_flow.py, as rules the pod keeps:
-- it pulls work only when it has room (`room`, worker._room);
+- it pulls work only when it has room (`room`: the service's own `pull_room`);
 - a COMPLETION pod holds handoffs it could not admit yet and retries them
   every turn (the waiting room); one it admits is decoded once its KV arrived;
 - a PROMPT pod keeps a prefilled request's KV pinned until the transfer ends;
@@ -21,10 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from tandem.engine.config import EngineType
 from tandem.engine.plan import RequestOutput, StepPlan, StepResult
 from tandem.engine.request import Request, SamplingParams
 from tandem.engine.scheduler import Scheduler
+from tandem.engine.service.room import pull_room
 from tandem.engine.service.settings import WorkerSettings
 from tandem.operator.engine_metrics import PodSample
 from tandem.sim.deployment import RoleSetup
@@ -134,18 +134,10 @@ class Pod:
         )
 
     def room(self, rank: int) -> int:
-        """How many entries this rank pulls now (engine/service/worker.py: _room)."""
+        """How many entries this rank pulls now: the engine service's own rule."""
         if self.state is not PodState.READY:
             return 0
-        sched, cfg, settings = self.ranks[rank], self.config, self.settings
-        if sched.kv.usage > cfg.cache_prefill_watermark:
-            return 0
-        in_flight = self.held(rank)
-        if self.engine_type is EngineType.COMPLETION:
-            return max(0, cfg.max_num_seqs - in_flight)
-        if sched.waiting_prompt_tokens >= settings.max_waiting_tokens:
-            return 0
-        return max(0, min(settings.max_waiting - len(sched.waiting), cfg.max_num_seqs - in_flight))
+        return pull_room(self.ranks[rank], self.settings, self.held(rank))
 
     def pull_order(self) -> list[int]:
         n = len(self.ranks)

@@ -29,9 +29,10 @@ from tandem.engine.service.handoff_flow import HandoffFlow
 from tandem.engine.service.heartbeat import Heartbeat
 from tandem.engine.service.metrics import EngineMetrics
 from tandem.engine.service.redis_io import RedisIO
+from tandem.engine.service.room import pull_room
 from tandem.engine.service.settings import WorkerSettings
 from tandem.engine.service.work_queue import Delivery
-from tandem.protocol import ErrorCode, Handoff, ResponseEvent, Role, Usage, WorkItem
+from tandem.protocol import ErrorCode, Handoff, ResponseEvent, Usage, WorkItem
 
 
 @dataclass
@@ -152,22 +153,10 @@ class EngineWorker:
         if self.handoffs is not None:
             self.handoffs.expire_offers(self.engine, now)
 
-    def _room(self) -> int:
-        """How many entries to take now: only what the engine can start soon."""
-        sched, cfg = self.engine.scheduler, self.engine.config
-        if self._draining or sched.kv_usage > cfg.cache_prefill_watermark:
-            return 0
-        in_flight = len(self.held)
-        if self.settings.role is Role.COMPLETION:
-            return max(0, cfg.max_num_seqs - in_flight)
-        if sched.waiting_prompt_tokens >= self.settings.max_waiting_tokens:
-            return 0
-        return max(
-            0, min(self.settings.max_waiting - sched.num_waiting, cfg.max_num_seqs - in_flight)
-        )
-
     def _pull(self, *, block: bool) -> None:
-        room = self._room()
+        room = (
+            0 if self._draining else pull_room(self.engine.scheduler, self.settings, len(self.held))
+        )
         if room == 0:
             if block:
                 time.sleep(self.settings.idle_block_ms / 1000)

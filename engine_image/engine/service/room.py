@@ -1,0 +1,32 @@
+"""How many work entries an engine pulls from Redis now.
+
+One rule, shared by the engine service (worker.py) and the cluster simulator
+(sim/pod.py), so that the simulator runs the engine's own admission and not a
+copy of it. Pure: it reads the scheduler's queues and the settings, no I/O.
+"""
+
+from __future__ import annotations
+
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.service.settings import WorkerSettings
+from tandem.protocol import Role
+
+
+def pull_room(scheduler: Scheduler, settings: WorkerSettings, held: int) -> int:
+    """Entries to take now: only what the engine can start soon.
+
+    `held` counts the entries taken and not yet acknowledged. Nothing while KV
+    usage is over the prefill watermark (what is pulled would only wait). A
+    COMPLETION engine takes handoffs up to `max_num_seqs` in flight; any other
+    stops at `max_waiting_tokens` prompt tokens waiting, and else fills its
+    waiting queue up to `max_waiting` entries and `max_num_seqs` in flight.
+    A draining engine pulls nothing: callers check that first.
+    """
+    config = scheduler.config
+    if scheduler.kv_usage > config.cache_prefill_watermark:
+        return 0
+    if settings.role is Role.COMPLETION:
+        return max(0, config.max_num_seqs - held)
+    if scheduler.waiting_prompt_tokens >= settings.max_waiting_tokens:
+        return 0
+    return max(0, min(settings.max_waiting - scheduler.num_waiting, config.max_num_seqs - held))

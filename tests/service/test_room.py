@@ -1,0 +1,64 @@
+"""pull_room: how much work an engine takes from Redis (shared with the simulator)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.engine.config import EngineConfig, EngineType
+from tandem.engine.request import Request, SamplingParams
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.service.room import pull_room
+from tandem.engine.service.settings import WorkerSettings
+from tandem.protocol import Role
+
+PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
+
+
+def settings(role: Role, **fields) -> WorkerSettings:
+    return WorkerSettings(role=role, model_name="m", engine_id="e", http_address="", **fields)
+
+
+def scheduler(engine_type=EngineType.NORMAL, num_blocks=4096, **fields) -> Scheduler:
+    return Scheduler(EngineConfig(engine_type=engine_type, **fields), num_blocks=num_blocks)
+
+
+def queue_prompts(sched: Scheduler, count: int, length: int) -> None:
+    for i in range(count):
+        sched.add_request(Request(f"r{i}", list(range(length)), PARAMS))
+
+
+def test_an_idle_engine_fills_its_waiting_queue():
+    sched = scheduler(max_num_seqs=256)
+    assert pull_room(sched, settings(Role.NORMAL, max_waiting=16), held=0) == 16
+
+
+def test_waiting_entries_and_held_ones_use_up_the_room():
+    sched = scheduler(max_num_seqs=20)
+    queue_prompts(sched, 5, 8)
+    # 16 waiting entries at most, 5 taken; and 20 in flight at most, 18 held.
+    assert pull_room(sched, settings(Role.NORMAL, max_waiting=16), held=5) == 11
+    assert pull_room(sched, settings(Role.NORMAL, max_waiting=16), held=18) == 2
+    assert pull_room(sched, settings(Role.NORMAL, max_waiting=16), held=25) == 0
+
+
+def test_enough_waiting_prompt_tokens_stop_the_pulling():
+    sched = scheduler()
+    queue_prompts(sched, 2, 600)
+    assert pull_room(sched, settings(Role.PROMPT, max_waiting_tokens=1_200), held=2) == 0
+    assert pull_room(sched, settings(Role.PROMPT, max_waiting_tokens=1_201), held=2) == 14
+
+
+def test_kv_over_the_watermark_takes_nothing():
+    sched = scheduler(num_blocks=128, max_model_len=2048)
+    queue_prompts(sched, 1, 1_900)  # 119 of 128 blocks once admitted
+    sched.schedule()
+    assert sched.kv_usage > sched.config.cache_prefill_watermark
+    assert pull_room(sched, settings(Role.NORMAL), held=1) == 0
+
+
+@pytest.mark.parametrize("held", [0, 7, 300])
+def test_a_completion_engine_takes_handoffs_up_to_its_sequences(held):
+    sched = scheduler(EngineType.COMPLETION, max_num_seqs=8)
+    # The waiting limits are for prompts: a decoder only counts what it runs.
+    got = pull_room(sched, settings(Role.COMPLETION, max_waiting=1, max_waiting_tokens=1), held)
+    assert got == max(0, 8 - held)
