@@ -27,6 +27,7 @@ from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory
 from tandem.operator.engine_flags import engine_arguments, engine_flags
 from tandem.operator.engine_metrics import PodSample, pod_load, scrape
 from tandem.operator.role_spec import RoleName
+from tandem.operator.scaling import plan_resize
 from tandem.operator.scaling import policy as scaling_policy
 from tandem.operator.scaling_policy import ScalingRole
 from tandem.operator.spec import ModelDeploymentSpec
@@ -220,19 +221,11 @@ class LocalActuator:
         self.decisions.append(decision)
         self.replicas[role] = decision.replicas
         active = self.active(role)
-        for _ in range(decision.replicas - len(active)):
+        start, drain = plan_resize(decision.replicas, [e.last_sample for e in active])
+        for _ in range(start):
             self._spawn(role)
-        surplus = len(active) - decision.replicas
-        if surplus > 0:
-            # The least-loaded go first (what pod-deletion-cost does in a cluster).
-            for engine in sorted(active, key=_load)[:surplus]:
-                engine.draining = True
-                engine.child.signal(signal.SIGTERM)
-                log.info("%s: draining %s", self.name, engine.name)
-
-
-def _load(engine: EngineProcess) -> tuple[int, float]:
-    sample = engine.last_sample
-    if sample is None:
-        return (0, 0.0)
-    return (sample.requests_running + sample.requests_waiting, sample.kv_cache_usage)
+        for i in drain:  # the least loaded (what pod-deletion-cost does in a cluster)
+            engine = active[i]
+            engine.draining = True
+            engine.child.signal(signal.SIGTERM)
+            log.info("%s: draining %s", self.name, engine.name)

@@ -154,6 +154,26 @@ def deletion_costs(
     return costs
 
 
+def plan_resize(target: int, samples: Sequence[PodSample | None]) -> tuple[int, list[int]]:
+    """How a role's active pods (their last samples, None for pods starting or not read
+    yet) come to `target`: (pods to start, indexes of the pods to drain).
+
+    Pods without a sample go first, as the ReplicaSet removes pods that are not
+    ready first; then the least loaded (`load_key`), in the order `deletion_costs`
+    gives them. Ties keep the given order. For actuators that start and stop
+    engines themselves: `tandem up` (local_actuator.py) and the simulator.
+    """
+    surplus = len(samples) - target
+    if surplus <= 0:
+        return -surplus, []
+
+    def key(i: int) -> tuple[float, ...]:
+        sample = samples[i]
+        return (0.0,) if sample is None else (1.0, *load_key(pod_load(sample)))
+
+    return 0, sorted(range(len(samples)), key=key)[:surplus]
+
+
 def load_key(load: PodLoad) -> tuple[float, ...]:
     """Work in flight first (what a drain waits for), then KV held, then queued prompts."""
     kv = load.kv_cache_usage if math.isfinite(load.kv_cache_usage) else 0.0

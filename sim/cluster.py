@@ -36,6 +36,7 @@ from tandem.engine.service.settings import WorkerSettings
 from tandem.engine.service.work_queue import QueueState
 from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide_all
 from tandem.operator.engine_metrics import pod_load
+from tandem.operator.scaling import plan_resize
 from tandem.operator.scaling_policy import ScalingRole
 from tandem.protocol import Role
 from tandem.sim.cluster_config import ClusterConfig
@@ -369,17 +370,19 @@ class Cluster:
         )
         self._replicas[role] = decision.replicas
         active = [p for p in self._pods[role] if p.active]
-        for _ in range(decision.replicas - len(active)):
+        start, drain = plan_resize(
+            decision.replicas,
+            [None if p.state is PodState.STARTING else p.last_sample for p in active],
+        )
+        for _ in range(start):
             self._spawn(role, now, ready_at=now + self.config.startup_s)
-        surplus = len(active) - decision.replicas
-        if surplus > 0:
-            # The least-loaded go first (pod-deletion-cost); starting pods read as idle.
-            for pod in sorted(active, key=_load)[:surplus]:
-                if pod.state is PodState.STARTING:
-                    self._retire(pod, now)
-                else:
-                    pod.state = PodState.DRAINING
-                    self._turn(pod, now)
+        for i in drain:  # starting pods first, then the least loaded
+            pod = active[i]
+            if pod.state is PodState.STARTING:
+                self._retire(pod, now)
+            else:
+                pod.state = PodState.DRAINING
+                self._turn(pod, now)
 
     def _record_replicas(self, now: float) -> None:
         for role, pods in self._pods.items():
@@ -394,13 +397,6 @@ class Cluster:
                     states.count(PodState.DRAINING),
                 )
             )
-
-
-def _load(pod: Pod) -> tuple[int, float]:
-    sample = pod.last_sample
-    if sample is None or pod.state is PodState.STARTING:
-        return (0, 0.0)
-    return (sample.requests_running + sample.requests_waiting, sample.kv_cache_usage)
 
 
 def simulate(config: ClusterConfig, requests: Sequence[TraceRequest]) -> RunResult:

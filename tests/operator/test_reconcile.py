@@ -17,6 +17,7 @@ from tandem.operator.scaling import (
     cost_changes,
     deletion_costs,
     evaluate,
+    plan_resize,
     policy,
     scrape_targets,
 )
@@ -252,6 +253,21 @@ def test_the_least_loaded_pod_is_the_cheapest_to_remove():
     assert costs == {"new": 0, "idle": 1, "busy": 2}
     pods[1]["metadata"]["annotations"][DELETION_COST_ANNOTATION] = "1"
     assert cost_changes(pods, costs) == {"new": 0, "busy": 2}
+
+
+def test_a_resize_starts_what_is_missing_and_drains_the_least_loaded_first():
+    samples = [
+        sample("busy", 0.6, running=8),
+        None,  # starting: nothing to drain, so it goes first
+        sample("light", 0.2, running=1),
+        sample("idle", 0.1, running=1),
+        sample("twin", 0.1, running=1),
+    ]
+    assert plan_resize(7, samples) == (2, [])
+    assert plan_resize(5, samples) == (0, [])
+    assert plan_resize(3, samples) == (0, [1, 3])
+    # Equal loads keep their order; the busy pod is the last to go.
+    assert plan_resize(0, samples) == (0, [1, 3, 4, 2, 0])
 
 
 def test_a_first_evaluation_never_scales_down():
