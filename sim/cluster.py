@@ -15,8 +15,9 @@ nothing. Between the events it copies the real system:
 - every `scrape_interval_s` the real autoscaler (tandem.operator.autoscaler.
   decide_all) sees each ready pod's PodSample through the real pod_load and
   the queues as a QueueState, and its decisions are applied the way
-  operator/local_actuator.py applies them: new pods start (ready after
-  `startup_s`), surplus pods drain, least loaded first. A role's first
+  operator/local_actuator.py applies them, through the same plan_resize: new
+  pods start (ready after `startup_s`), surplus pods drain, starting ones
+  first, then the least loaded. A role's first
   history is seeded as the Kubernetes operator seeds it (operator/scaling.py).
 """
 

@@ -6,9 +6,9 @@ costs, and is applied with scheduler.update() when it ends. The model's
 sampled tokens are stand-ins (token 0, never a stop token), so a request ends
 at its output length, as `tandem bench` requests with ignore_eos do.
 
-What the engine service adds around the scheduler is copied from
+What the engine service adds around the scheduler, from
 engine/service/worker.py and handoff_flow.py, as rules the pod keeps:
-- it pulls work only when it has room (`room`: the service's own `pull_room`);
+- it pulls work only when it has room (`room` calls the service's `pull_room`);
 - a COMPLETION pod holds handoffs it could not admit yet and retries them
   every turn (the waiting room); one it admits is decoded once its KV arrived;
 - a PROMPT pod keeps a prefilled request's KV pinned until the transfer ends;
