@@ -206,7 +206,8 @@ def test_two_data_parallel_ranks_vote_through_gloo_and_serve(engines, client, re
     # Ready is rank 0's /readyz: wait for rank 1 too, or its start counts as serving time.
     ids = {group.engine_id, f"{group.engine_id}-r1"}
     registry = Registry(client.redis, client.keys)
-    assert eventually(lambda: ids <= {e.engine_id for e in registry.live()}, 120)
+    live = lambda: {e.engine_id for e in registry.live()}  # noqa: E731
+    assert eventually(lambda: ids <= live(), 120), f"live: {live()}\n{group.log()}"
     prompts = [PROMPT[: 5 + i] for i in range(6)]
     rids = [
         client.submit(prompt_token_ids=p, sampling={"max_tokens": 12, **GREEDY}) for p in prompts
