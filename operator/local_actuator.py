@@ -120,8 +120,9 @@ class LocalActuator:
     def _spawn(self, role: RoleName) -> EngineProcess:
         self._serial += 1
         flags = engine_flags(self.name, self.spec, role, self.roles[role], self.keys.prefix)
-        port = free_port()
-        flags.update(host="127.0.0.1", port=str(port), **{"kv-port": str(free_port())})
+        ranks = self.roles[role].data_parallel_size  # rank r listens on port + r
+        port = free_port(ranks)
+        flags.update(host="127.0.0.1", port=str(port), **{"kv-port": str(free_port(ranks))})
         flags["engine-id"] = f"{self.name}-{role}-{self._serial}"
         # The cores are shared by as many engines as the roles may scale to.
         most = sum(r.max_replicas * r.data_parallel_size for r in self.roles.values())

@@ -33,10 +33,30 @@ def find_redis_server() -> Path:
     )
 
 
-def free_port() -> int:
+def free_port(count: int = 1) -> int:
+    """A local port that is free now, with the `count - 1` ports after it free too:
+    an engine with data-parallel ranks listens on port + rank, and one rank whose
+    port is taken ends the whole group."""
+    if count < 1:
+        raise ValueError(f"count must be at least 1, got {count}")
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+            if all(_bindable(base + i) for i in range(1, count)):
+                return base
+    raise RuntimeError(f"no run of {count} free local ports found in 100 tries")
+
+
+def _bindable(port: int) -> bool:
+    if port > 65535:
+        return False
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class RedisServer:

@@ -32,8 +32,9 @@ class EngineProcess:
     model: str = MODEL
     served_name: str = "tiny"
     log_dir: Path | None = None
-    port: int = field(default_factory=free_port)
-    kv_port: int = field(default_factory=free_port)
+    # Rank r of a data-parallel group listens on port + r (tests run up to 4 ranks).
+    port: int = field(default_factory=lambda: free_port(4))
+    kv_port: int = field(default_factory=lambda: free_port(4))
     engine_id: str = field(default_factory=lambda: f"e-{uuid.uuid4().hex[:6]}")
     process: subprocess.Popen | None = None
 
