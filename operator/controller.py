@@ -175,7 +175,7 @@ class Controller:
         for role_name, decision in evaluation.changed.items():
             if decision.replicas < decision.current:
                 role_pods = scaling.pods_of(pods, role_name)
-                wanted = scaling.deletion_costs(role_pods, samples, memory.samples)
+                wanted = scaling.deletion_costs(role_pods, samples)
                 costs.update(scaling.cost_changes(role_pods, wanted))
         return _Scaling(evaluation.memory, evaluation.changed, costs)
 

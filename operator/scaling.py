@@ -17,7 +17,7 @@ from typing import Any
 from tandem.engine.service.work_queue import QueueState
 from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide
 from tandem.operator.engine_flags import HTTP_PORT
-from tandem.operator.engine_metrics import PodLoad, PodSample, pod_load
+from tandem.operator.engine_metrics import PodSample, pod_load
 from tandem.operator.manifests import DELETION_COST_ANNOTATION, selector_labels
 from tandem.operator.role_spec import DecodeRole, NormalRole, PrefillRole, RoleName, RoleSpec
 from tandem.operator.scaling_policy import ScalingPolicy, ScalingRole
@@ -134,9 +134,7 @@ def evaluate(
     return Evaluation(decisions, ScalerMemory(histories, {**kept, **samples}))
 
 
-def deletion_costs(
-    pods: Sequence[Body], samples: Mapping[str, PodSample], previous: Mapping[str, PodSample]
-) -> dict[str, int]:
+def deletion_costs(pods: Sequence[Body], samples: Mapping[str, PodSample]) -> dict[str, int]:
     """controller.kubernetes.io/pod-deletion-cost for each pod of a role about to shrink.
 
     The ReplicaSet removes the lowest cost first (after pods that are not ready),
@@ -144,7 +142,7 @@ def deletion_costs(
     without a sample (starting, unreadable) cost 0, below every measured pod.
     """
     measured = [
-        (load_key(pod_load(samples[name], previous.get(name))), name)
+        (drain_key(samples[name]), name)
         for name in (p["metadata"]["name"] for p in pods)
         if name in samples
     ]
@@ -159,7 +157,7 @@ def plan_resize(target: int, samples: Sequence[PodSample | None]) -> tuple[int, 
     yet) come to `target`: (pods to start, indexes of the pods to drain).
 
     Pods without a sample go first, as the ReplicaSet removes pods that are not
-    ready first; then the least loaded (`load_key`), in the order `deletion_costs`
+    ready first; then the least loaded (`drain_key`), in the order `deletion_costs`
     gives them. Ties keep the given order. For actuators that start and stop
     engines themselves: `tandem up` (local_actuator.py) and the simulator.
     """
@@ -169,16 +167,17 @@ def plan_resize(target: int, samples: Sequence[PodSample | None]) -> tuple[int, 
 
     def key(i: int) -> tuple[float, ...]:
         sample = samples[i]
-        return (0.0,) if sample is None else (1.0, *load_key(pod_load(sample)))
+        return (0.0,) if sample is None else (1.0, *drain_key(sample))
 
     return 0, sorted(range(len(samples)), key=key)[:surplus]
 
 
-def load_key(load: PodLoad) -> tuple[float, ...]:
-    """Work in flight first (what a drain waits for), then KV held, then queued prompts."""
-    kv = load.kv_cache_usage if math.isfinite(load.kv_cache_usage) else 0.0
-    requests = load.requests_running + load.requests_waiting + load.kv_pinned_requests
-    return (float(requests), kv, float(load.waiting_prompt_tokens))
+def drain_key(sample: PodSample) -> tuple[float, ...]:
+    """How much a pod's drain costs, the least first: work in flight (what a drain
+    waits for), then KV held, then queued prompts."""
+    kv = sample.kv_cache_usage if math.isfinite(sample.kv_cache_usage) else 0.0
+    requests = sample.requests_running + sample.requests_waiting + sample.kv_pinned_requests
+    return (float(requests), kv, float(sample.waiting_prompt_tokens))
 
 
 def cost_changes(pods: Sequence[Body], costs: Mapping[str, int]) -> dict[str, int]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import textwrap
@@ -12,6 +11,7 @@ import threading
 import pytest
 
 from tandem.engine.dp_vote import ThreadVote, gloo_vote
+from tandem.redis_server import free_port
 
 WORKER = textwrap.dedent(
     """
@@ -28,12 +28,6 @@ WORKER = textwrap.dedent(
     dist.destroy_process_group()
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_gloo_vote_takes_the_min_across_two_processes():

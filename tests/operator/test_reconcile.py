@@ -249,7 +249,7 @@ def test_only_ready_pods_with_an_address_are_scraped():
 def test_the_least_loaded_pod_is_the_cheapest_to_remove():
     pods = [pod("busy"), pod("idle"), pod("new", ready=False)]
     samples = {"busy": sample("busy", 0.6, running=8), "idle": sample("idle", 0.1, running=1)}
-    costs = deletion_costs(pods, samples, {})
+    costs = deletion_costs(pods, samples)
     assert costs == {"new": 0, "idle": 1, "busy": 2}
     pods[1]["metadata"]["annotations"][DELETION_COST_ANNOTATION] = "1"
     assert cost_changes(pods, costs) == {"new": 0, "busy": 2}

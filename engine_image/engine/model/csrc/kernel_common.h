@@ -14,7 +14,7 @@
 #include <utility>
 
 #if defined(__AVX512F__)
-#include <immintrin.h>  // vexp2_nonpositive's rounding and scaling
+#include <immintrin.h>  // round_nearest, times_pow2
 #endif
 
 namespace tandem {
@@ -164,6 +164,30 @@ inline V lanes() {
   return lane_numbers<V>(std::make_index_sequence<sizeof(V) / sizeof(int32_t)>{});
 }
 
+// x rounded to the nearest integer (ties to even) in every lane, |x| < 2^22: one
+// vrndscaleps for an AVX-512 vector, else the shifter trick exp_reduced uses.
+template <typename V>
+inline V round_nearest(V x) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(V) == 64) {
+    return (V)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+#endif
+  const float shifter = 12582912.0f;
+  return (x + shifter) - shifter;
+}
+
+// p * 2^n in every lane, n integral in [-126, 127]: one vscalefps for an AVX-512
+// vector, else n added to the float exponent (the same result).
+template <typename V>
+inline V times_pow2(V p, V n) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(V) == 64) return (V)_mm512_scalef_ps((__m512)p, (__m512)n);
+#endif
+  const int_vector<V> scale = (__builtin_convertvector(n, int_vector<V>) + 127) << 23;
+  return p * reinterpret_cast<const V&>(scale);
+}
+
 // exp_approx in every lane (the same steps, so the same results up to FMA contraction).
 template <typename V>
 inline V vexp(V x) {
@@ -171,31 +195,19 @@ inline V vexp(V x) {
   x = x > 88.0f ? broadcast<V>(88.0f) : x;
   V n;
   const V p = exp_reduced(x, n);
-  const int_vector<V> scale = (__builtin_convertvector(n, int_vector<V>) + 127) << 23;
-  return p * reinterpret_cast<const V&>(scale);
+  return times_pow2(p, n);
 }
 
 // 2^x in every lane, for x <= 0 (prefill attention's scores, kept in log2 units, less
 // their max): Cephes' exp2f polynomial after rounding x to an integer, within 2 ulp of
 // exp2f; below -126 it returns 2^-126 (callers mask such lanes or scale zeros by them).
 // Six fewer vector operations than vexp: no upper clamp, no two-part reduction. With
-// AVX-512, one instruction rounds and one scales by 2^n (vscalefps), four fewer again
-// for the same result: 3 % of prefill attention's time.
+// AVX-512, one instruction rounds and one scales by 2^n, four fewer again for the same
+// result: 3 % of prefill attention's time.
 template <typename V>
 inline V vexp2_nonpositive(V x) {
   x = x < -126.0f ? broadcast<V>(-126.0f) : x;
-#if defined(__AVX512F__)
-  constexpr bool zmm = sizeof(V) == 64;
-#else
-  constexpr bool zmm = false;
-#endif
-  V n;
-  if constexpr (zmm) {
-    n = (V)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  } else {
-    const float shifter = 12582912.0f;  // round to nearest, as in exp_reduced
-    n = (x + shifter) - shifter;
-  }
+  const V n = round_nearest(x);
   const V r = x - n;  // in [-0.5, 0.5]
   V p = r * 1.535336188319500e-4f + 1.339887440266574e-3f;
   p = p * r + 9.618437357674640e-3f;
@@ -203,12 +215,7 @@ inline V vexp2_nonpositive(V x) {
   p = p * r + 2.402264791363012e-1f;
   p = p * r + 6.931472028550421e-1f;
   p = p * r + 1.0f;
-  if constexpr (zmm) {
-    return (V)_mm512_scalef_ps((__m512)p, (__m512)n);
-  } else {
-    const int_vector<V> scale = (__builtin_convertvector(n, int_vector<V>) + 127) << 23;
-    return p * reinterpret_cast<const V&>(scale);
-  }
+  return times_pow2(p, n);
 }
 
 // Lanes Offset, Offset + 1, ... of v, as a vector half as wide (in registers: a
