@@ -1,8 +1,8 @@
 """The gateway's side of the Redis protocol, on redis.asyncio.
 
-The engine package holds the synchronous originals (`work_queue.enqueue`,
-`work_queue.queue_depth`, `cancellation.cancel`, `registry.Registry.live`);
-they take a blocking client, which would stall the event loop. These are
+The synchronous originals (`tandem.backlog`'s `enqueue` and `queue_depth`, the
+engine package's `cancellation.cancel` and `registry.Registry.live`) take a
+blocking client, which would stall the event loop. These are
 their asyncio twins: the same keys, fields, atomicity and rules, from the
 same constants. tests/gateway/test_broker.py checks each twin against its
 original on a real Redis, so the two cannot drift apart unnoticed.
@@ -16,13 +16,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from tandem.backlog import TOKENS_FIELD, QueueState, queue_depth_commands, queue_state
 from tandem.engine.service.registry import read_entry
-from tandem.engine.service.work_queue import (
-    TOKENS_FIELD,
-    QueueState,
-    queue_depth_commands,
-    queue_state,
-)
 from tandem.protocol import (
     CANCEL_TTL_SECONDS,
     EngineInfo,
@@ -60,7 +55,7 @@ class Broker:
     async def enqueue(self, items: Sequence[WorkItem]) -> list[str]:
         """Queue work items (the n choices of one request) atomically.
 
-        As `work_queue.enqueue`, per item: XADD of its fields plus `tokens`, and the
+        As `backlog.enqueue`, per item: XADD of its fields plus `tokens`, and the
         model's queued-tokens counter raised by as much, atomically, so the counter
         never counts an entry that is not in a stream. One script instead of a
         MULTI: the same effect in one command, which costs redis-py's asyncio
@@ -88,7 +83,7 @@ class Broker:
         return [_str(entry_id) for entry_id in ids]
 
     async def queue_depth(self, model: str) -> QueueState:
-        """As `work_queue.queue_depth`: waiting = XLEN - pending, one MULTI snapshot."""
+        """As `backlog.queue_depth`: waiting = XLEN - pending, one MULTI snapshot."""
         pipe = self.client.pipeline(transaction=True)
         queue_depth_commands(pipe, self.keys, model)
         return queue_state(await pipe.execute(raise_on_error=False))

@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from tandem.engine.service.work_queue import QueueState
+from tandem.backlog import QueueState
 from tandem.operator.engine_metrics import PodLoad
 from tandem.operator.scaling_policy import ScalingPolicy, ScalingRole
 

@@ -22,7 +22,7 @@ import httpx
 import redis
 
 from tandem import catalog
-from tandem.engine.service.work_queue import queue_depth
+from tandem.backlog import queue_depth
 from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide_all
 from tandem.operator.engine_flags import engine_arguments, engine_flags
 from tandem.operator.engine_metrics import PodSample, pod_load, scrape

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.engine.service.work_queue import QueueState
+from tandem.backlog import QueueState
 from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide
 from tandem.operator.engine_flags import HTTP_PORT
 from tandem.operator.engine_metrics import PodSample, pod_load

@@ -3,7 +3,7 @@
 Both are Protocols so that tests drive the operator with fake numbers; in
 production `SampleSource` is engine_metrics.DirectScrape (HTTP GET of each
 engine pod's /metrics on port 8100) and `QueueSource` is RedisQueues
-(work_queue.queue_depth, one MULTI round trip per model).
+(tandem.backlog.queue_depth, one MULTI round trip per model).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import httpx
 import redis
 
 from tandem import catalog
-from tandem.engine.service.work_queue import QueueState, queue_depth
+from tandem.backlog import QueueState, queue_depth
 from tandem.operator.engine_metrics import DirectScrape, PodSample, SampleSource
 from tandem.protocol import Keys
 

@@ -139,3 +139,21 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def append_sampled(self, tokens: list[int]) -> tuple[list[int], RequestStatus | None]:
+        """Append a step's sampled tokens up to the first stop.
+
+        Returns the tokens kept and the finish status (None while it goes on).
+        """
+        token_ids, stop = self.token_ids, self.stop_token_set
+        token_ids.extend(tokens)
+        if len(token_ids) < self.max_num_tokens and stop.isdisjoint(tokens):
+            return tokens, None  # the common case: no stop anywhere
+        del token_ids[len(token_ids) - len(tokens) :]
+        for i, token in enumerate(tokens):
+            token_ids.append(token)
+            if token in stop:
+                return tokens[: i + 1], RequestStatus.FINISHED_STOPPED
+            if len(token_ids) >= self.max_num_tokens:
+                return tokens[: i + 1], RequestStatus.FINISHED_LENGTH
+        return tokens, None

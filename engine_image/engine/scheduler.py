@@ -328,7 +328,7 @@ class Scheduler:
             request.num_computed_tokens = computed
             if computed // block_size > start // block_size:  # a block filled up
                 kv.cache_computed(request)
-            new_tokens, status = _append(request, tokens)
+            new_tokens, status = request.append_sampled(tokens)
 
             if status is not None:
                 ended.append(request)
@@ -456,19 +456,3 @@ class Scheduler:
                 raise AssertionError(f"running request {request.request_id!r} is not decodable")
         if len(self.running) > self.config.max_num_seqs:
             raise AssertionError("more running requests than max_num_seqs")
-
-
-def _append(request: Request, tokens: list[int]) -> tuple[list[int], RequestStatus | None]:
-    """Append sampled tokens up to the first stop; return them and the finish status."""
-    token_ids, stop = request.token_ids, request.stop_token_set
-    token_ids.extend(tokens)
-    if len(token_ids) < request.max_num_tokens and stop.isdisjoint(tokens):
-        return tokens, None  # the common case: no stop anywhere
-    del token_ids[len(token_ids) - len(tokens) :]
-    for i, token in enumerate(tokens):
-        token_ids.append(token)
-        if token in stop:
-            return tokens[: i + 1], RequestStatus.FINISHED_STOPPED
-        if len(token_ids) >= request.max_num_tokens:
-            return tokens[: i + 1], RequestStatus.FINISHED_LENGTH
-    return tokens, None

@@ -7,9 +7,10 @@ import time
 
 import redis.asyncio as aioredis
 
+from tandem.backlog import enqueue, queue_depth
 from tandem.engine.service.cancellation import is_cancelled
 from tandem.engine.service.registry import Registry
-from tandem.engine.service.work_queue import WorkQueue, enqueue, queue_depth
+from tandem.engine.service.work_queue import WorkQueue
 from tandem.gateway.broker import Broker
 from tandem.protocol import EngineInfo, Role, WorkItem
 

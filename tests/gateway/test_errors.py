@@ -11,9 +11,9 @@ import httpx
 import pytest
 import redis
 
+from tandem.backlog import enqueue
 from tandem.engine.service.cancellation import is_cancelled
 from tandem.engine.service.registry import Registry
-from tandem.engine.service.work_queue import enqueue
 from tandem.gateway.auth import KeyStore
 from tandem.protocol import EngineInfo, WorkItem
 

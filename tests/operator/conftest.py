@@ -15,7 +15,7 @@ import pytest_asyncio
 from support.kube_api import ApiServer
 from support.kube_cluster import Cluster, OperatorReplica
 
-from tandem.engine.service.work_queue import QueueState
+from tandem.backlog import QueueState
 from tandem.operator.crd import root_schema
 from tandem.operator.engine_metrics import PodSample
 from tandem.operator.sources import MetricSources

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.engine.service.work_queue import QueueState
+from tandem.backlog import QueueState
 from tandem.operator.autoscaler import (
     Decision,
     RoleObservation,

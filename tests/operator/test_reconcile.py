@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tandem.engine.service.work_queue import QueueState
+from tandem.backlog import QueueState
 from tandem.operator.engine_metrics import PodSample
 from tandem.operator.manifests import DELETION_COST_ANNOTATION, OperatorDefaults
 from tandem.operator.reconcile import ChildKey, drift, plan, repair_patch, role_replicas

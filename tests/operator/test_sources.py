@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.engine.service.work_queue import enqueue
+from tandem.backlog import enqueue
 from tandem.operator.engine_metrics import PodSample
 from tandem.operator.sources import MetricSources, RedisQueues
 from tandem.protocol import WorkItem

@@ -6,12 +6,8 @@ import time
 
 import pytest
 
-from tandem.engine.service.work_queue import (
-    TOKENS_FIELD,
-    WorkQueue,
-    enqueue,
-    queue_depth,
-)
+from tandem.backlog import TOKENS_FIELD, enqueue, queue_depth
+from tandem.engine.service.work_queue import WorkQueue
 from tandem.protocol import (
     PRIORITY_HIGH,
     PRIORITY_LOW,

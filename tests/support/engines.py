@@ -15,8 +15,8 @@ from pathlib import Path
 
 import redis
 
+from tandem.backlog import enqueue
 from tandem.engine.service.responses import ResponseReader
-from tandem.engine.service.work_queue import enqueue
 from tandem.protocol import EventKind, Keys, ResponseEvent, WorkItem
 from tandem.redis_server import free_port
 
