@@ -305,7 +305,8 @@ def _demand(
     if role in (ScalingRole.NORMAL, ScalingRole.PREFILL):
         # Absolute, like an HPA External metric with an AverageValue target: the
         # tokens are waiting whoever will take them, so no per-pod adjustment.
-        tokens = queue.queued_tokens + sum(p.waiting_prompt_tokens for p in pods)
+        # The engines' share is each one's mean since the last scrape.
+        tokens = queue.queued_tokens + sum(p.buffered_tokens for p in pods)
         units = tokens / policy.target_queued_tokens_per_replica
         signals.append(_Signal("queued_tokens", units, units))
     return _Demand(tuple(signals), _active(role, pods, queue))

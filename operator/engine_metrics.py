@@ -60,6 +60,9 @@ class PodSample:
     scheduled_tokens_total: Mapping[str, float] = field(default_factory=dict)
     # Sum of tandem_engine_step_seconds: seconds spent stepping since the start.
     step_seconds_total: float = 0.0
+    # tandem_engine_waiting_prompt_token_seconds_total: waiting_prompt_tokens
+    # integrated over time; None from an engine that does not export it.
+    waiting_token_seconds_total: float | None = None
     # The step_seconds histogram's _created timestamp: set when the engine's
     # metrics were made, so a new value means the process restarted.
     started_at: float | None = None
@@ -86,6 +89,15 @@ class PodLoad:
     kv_pinned_requests: int = 0
     # budget_utilization() over the last interval; None on a pod's first scrape.
     budget_utilization: float | None = None
+    # mean_waiting_prompt_tokens() over the last interval; None on a pod's first
+    # scrape, across a restart, or from an engine without the counter.
+    mean_waiting_prompt_tokens: float | None = None
+
+    @property
+    def buffered_tokens(self) -> float:
+        """The engine's share of the queued-tokens signal: its mean, else the gauge now."""
+        mean = self.mean_waiting_prompt_tokens
+        return self.waiting_prompt_tokens if mean is None else mean
 
 
 def parse_metrics(text: str, *, pod: str, ready: bool, scraped_at: float) -> PodSample:
@@ -94,6 +106,7 @@ def parse_metrics(text: str, *, pod: str, ready: bool, scraped_at: float) -> Pod
     steps: dict[str, float] = {}
     scheduled: dict[str, float] = {}
     step_seconds = 0.0
+    waiting_token_seconds: float | None = None
     started_at: float | None = None
     labels: dict[str, str] = {}
     for family in text_string_to_metric_families(text):
@@ -109,6 +122,8 @@ def parse_metrics(text: str, *, pod: str, ready: bool, scraped_at: float) -> Pod
                 step_seconds = s.value
             elif name == "step_seconds_created":
                 started_at = s.value
+            elif name == "waiting_prompt_token_seconds_total":
+                waiting_token_seconds = s.value
             elif family.type == "gauge":
                 gauges[name] = s.value
                 labels = labels or dict(s.labels)
@@ -128,6 +143,7 @@ def parse_metrics(text: str, *, pod: str, ready: bool, scraped_at: float) -> Pod
         steps_total=steps,
         scheduled_tokens_total=scheduled,
         step_seconds_total=step_seconds,
+        waiting_token_seconds_total=waiting_token_seconds,
         started_at=started_at,
         model=labels.get("model", ""),
         role=labels.get("role", ""),
@@ -148,6 +164,11 @@ def restarted(prev: PodSample, curr: PodSample) -> bool:
     if both and prev.started_at != curr.started_at:
         return True
     pairs = [(prev.step_seconds_total, curr.step_seconds_total)]
+    if (
+        prev.waiting_token_seconds_total is not None
+        and curr.waiting_token_seconds_total is not None
+    ):
+        pairs.append((prev.waiting_token_seconds_total, curr.waiting_token_seconds_total))
     for kind in {*prev.steps_total, *prev.scheduled_tokens_total}:
         pairs.append((prev.steps(kind), curr.steps(kind)))
         pairs.append((prev.scheduled_tokens(kind), curr.scheduled_tokens(kind)))
@@ -201,6 +222,22 @@ def budget_utilization(prev: PodSample, curr: PodSample) -> float | None:
     return 0.0 if fill is None else min(1.0, fill * busy)
 
 
+def mean_waiting_prompt_tokens(prev: PodSample, curr: PodSample) -> float | None:
+    """Mean prompt tokens waiting in the engine over the interval.
+
+    rate(waiting_prompt_token_seconds_total). The gauge swings between an empty
+    and a full buffer around each prompt step, so one reading can say 0.4 or 3.7
+    replicas at one load; the rate is the interval's mean. None without the
+    counter, for a bad interval, or across a restart (the counter then began
+    inside the interval, at a time the scraper does not know).
+    """
+    before, after = prev.waiting_token_seconds_total, curr.waiting_token_seconds_total
+    interval = curr.scraped_at - prev.scraped_at
+    if before is None or after is None or not interval > 0 or restarted(prev, curr):
+        return None
+    return max(0.0, (after - before) / interval)
+
+
 def pod_load(curr: PodSample, prev: PodSample | None = None) -> PodLoad:
     """The autoscaler's view of a pod: `prev` is the previous sample of the same pod."""
     if prev is not None and prev.pod != curr.pod:
@@ -214,6 +251,7 @@ def pod_load(curr: PodSample, prev: PodSample | None = None) -> PodLoad:
         waiting_prompt_tokens=curr.waiting_prompt_tokens,
         kv_pinned_requests=curr.kv_pinned_requests,
         budget_utilization=None if prev is None else budget_utilization(prev, curr),
+        mean_waiting_prompt_tokens=None if prev is None else mean_waiting_prompt_tokens(prev, curr),
     )
 
 

@@ -239,6 +239,9 @@ class Cluster:
         elif pod.idle():  # draining and done
             self._retire(pod, now)
             return
+        # The engine's metrics after its step and pull; the next step's prompts
+        # count as waiting until it ends, as the engine's gauge counts them.
+        pod.observe_waiting(now)
         role = pod.setup.role
         if pod.has_unfinished():
             seconds = pod.begin_step(now)

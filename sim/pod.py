@@ -26,6 +26,7 @@ from tandem.engine.request import Request, SamplingParams
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.service.room import pull_room
 from tandem.engine.service.settings import WorkerSettings
+from tandem.engine.service.time_integral import TimeIntegral
 from tandem.operator.engine_metrics import PodSample
 from tandem.sim.deployment import RoleSetup
 from tandem.sim.lockstep import Lockstep
@@ -103,6 +104,8 @@ class Pod:
         # COMPLETION: handoffs taken but not admitted yet (no room), per rank.
         self.waiting_room: list[list[Handoff]] = [[] for _ in range(dp)]
         self.counters = Counters()
+        # The engine's waiting prompt tokens, integrated over time as its /metrics does.
+        self.waiting_token_seconds = TimeIntegral(created_at)
         self.last_sample: PodSample | None = None
         # Rotates which rank pulls first, as concurrent XREADGROUPs would.
         self._first_rank = 0
@@ -205,6 +208,10 @@ class Pod:
 
     # -------------------------------------------------------------- metrics
 
+    def observe_waiting(self, now: float) -> None:
+        """The prompt tokens waiting in the pod's ranks are what they are now, from now on."""
+        self.waiting_token_seconds.set(sum(s.waiting_prompt_tokens for s in self.ranks), now)
+
     def sample(self, now: float) -> PodSample:
         """What a scrape of this pod's /metrics reads now (summed over its ranks)."""
         ranks = self.ranks
@@ -221,6 +228,7 @@ class Pod:
             steps_total=dict(self.counters.steps),
             scheduled_tokens_total=dict(self.counters.scheduled_tokens),
             step_seconds_total=self.counters.step_seconds,
+            waiting_token_seconds_total=self.waiting_token_seconds.total(now),
             started_at=self.ready_at,
         )
 

@@ -15,7 +15,13 @@ DASHBOARD = CHART / "dashboards" / "tandem.json"
 # kube-state-metrics: the Deployments' replicas are the autoscaler's decisions.
 KUBE_STATE_METRICS = {"kube_deployment_spec_replicas", "kube_deployment_status_replicas_ready"}
 # Series names per metric type; the engine's counters are declared with "_total" already.
-_SUFFIXES = {"counter": ("",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+# An "integral" is a counter computed at each scrape (the waiting tokens' token-seconds).
+_SUFFIXES = {
+    "counter": ("",),
+    "integral": ("",),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "gauge": ("",),
+}
 
 
 def _series(registry: CollectorRegistry) -> set[str]:
@@ -28,7 +34,7 @@ def _engine_series() -> set[str]:
     """The engine's series, read from its metrics module's source: importing the module
     loads the engine, torch included (5 s), for a list of names."""
     source = (ROOT / "engine_image" / "engine" / "service" / "metrics.py").read_text()
-    found = re.findall(r'\b(gauge|counter|histogram)\(\s*"(tandem_engine_\w+)"', source)
+    found = re.findall(r'\b(gauge|counter|histogram|integral)\(\s*"(tandem_engine_\w+)"', source)
     assert len(found) > 15, "the engine's metric definitions changed shape: update this reader"
     return {name + suffix for kind, name in found for suffix in _SUFFIXES[kind]}
 

@@ -341,6 +341,19 @@ def test_normal_scales_on_kv_and_on_queued_tokens():
     assert once(NORMAL, observe(2, pods(2, kv=0.7)), queue(tokens=5 * TOKENS)).replicas == 5
 
 
+def test_engines_buffered_tokens_count_at_their_mean_since_the_last_scrape():
+    def buffered(now, mean):
+        return PodLoad("p0", True, 0.5, 4, 1, now, mean_waiting_prompt_tokens=mean)
+
+    # Scraped just after a prompt step emptied the buffer: the mean still shows
+    # the 3 replicas' worth it held most of the interval.
+    assert once(NORMAL, observe(1, (buffered(0, 3 * TOKENS),))).replicas == 3
+    # Scraped with a full buffer it rarely holds: the mean asks for 1, not 4.
+    assert once(NORMAL, observe(1, (buffered(4 * TOKENS, 0.5 * TOKENS),))).replicas == 1
+    # No interval yet (a first scrape): the gauge is all there is.
+    assert once(NORMAL, observe(1, (buffered(4 * TOKENS, None),))).replicas == 4
+
+
 def test_decide_all_needs_a_policy_per_role():
     with pytest.raises(ValueError, match="decode"):
         decide_all({DECODE: observe(1)}, queue(), {PREFILL: POLICY}, {}, 0.0)
@@ -363,6 +376,7 @@ def pod_loads():
         requests_waiting=st.integers(0, 16),
         waiting_prompt_tokens=st.integers(0, 50_000),
         budget_utilization=st.none() | st.floats(0.0, 1.0),
+        mean_waiting_prompt_tokens=st.none() | st.floats(0.0, 50_000.0),
     )
 
 

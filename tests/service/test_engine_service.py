@@ -255,6 +255,21 @@ def test_cancelling_a_running_request_frees_its_kv_at_once(engines, client, redi
     assert engine.metric("tandem_engine_requests_total", outcome="cancelled") == 1
 
 
+def test_the_waiting_tokens_integral_counts_a_prompt_from_pull_to_prefill(engines, client):
+    # The autoscaler rates this counter into the mean tokens waiting; a prompt
+    # waits from its pull to the end of its prefill step, so serving one adds to it.
+    engine = engines("normal")
+    name = "tandem_engine_waiting_prompt_token_seconds_total"
+    assert engine.metric(name) == 0
+    for _ in range(3):
+        rid = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 2, **GREEDY})
+        assert client.answer(rid).final.error_code is None
+    served = engine.metric(name)
+    assert served > 0
+    time.sleep(0.5)  # idle: nothing waits, so the counter stands still
+    assert engine.metric(name) == served
+
+
 def test_a_request_past_its_deadline_ends_with_a_clear_error(engines, client):
     engine = engines("normal")
     rid = client.submit(

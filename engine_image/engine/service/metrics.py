@@ -7,10 +7,14 @@ engines in one test process never mix their numbers.
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from tandem.engine.engine import Engine, EngineTotals
+from tandem.engine.service.time_integral import TimeIntegral
 
 # Latency buckets in seconds: sub-10 ms decode steps on GPUs to minutes-long CPU prefills.
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -19,7 +23,7 @@ _DRAFTS = (0, 1, 2, 3, 4, 5, 6, 8)
 
 
 class EngineMetrics:
-    def __init__(self, model: str, role: str) -> None:
+    def __init__(self, model: str, role: str, clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = {"model": model, "role": role}
         r = self.registry
@@ -33,6 +37,9 @@ class EngineMetrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, list(labels), buckets=buckets, registry=r).labels(**labels)
 
+        def integral(name: str, doc: str, value: Callable[[], float]) -> None:
+            r.register(_IntegralCollector(name, doc, labels, value))
+
         self._labels = labels
         self.kv_cache_usage = gauge(
             "tandem_engine_kv_cache_usage", "Fraction of KV cache blocks in use (0-1)."
@@ -43,6 +50,16 @@ class EngineMetrics:
         )
         self.waiting_prompt_tokens = gauge(
             "tandem_engine_waiting_prompt_tokens", "Prompt tokens still to prefill in the engine."
+        )
+        # Its time integral, read at each scrape: the autoscaler rates it into the
+        # interval's mean, which the gauge's swing around prompt steps hides.
+        self._clock = clock
+        self.waiting_token_seconds = TimeIntegral(clock())
+        integral(
+            "tandem_engine_waiting_prompt_token_seconds_total",
+            "Prompt tokens waiting in the engine, integrated over time (token-seconds): "
+            "its rate is the mean of tandem_engine_waiting_prompt_tokens.",
+            lambda: self.waiting_token_seconds.total(self._clock()),
         )
         self.kv_pinned_requests = gauge(
             "tandem_engine_kv_pinned_requests", "PROMPT engine: prefilled KV awaiting a decoder."
@@ -142,9 +159,25 @@ class EngineMetrics:
         self.kv_cache_usage.set(sched.kv_usage)
         self.requests_running.set(sched.num_running)
         self.requests_waiting.set(sched.num_waiting)
-        self.waiting_prompt_tokens.set(sched.waiting_prompt_tokens)
+        waiting = sched.waiting_prompt_tokens
+        self.waiting_prompt_tokens.set(waiting)
+        self.waiting_token_seconds.set(waiting, self._clock())
         self.kv_pinned_requests.set(len(sched.handoff))
         self.token_budget.set(sched.config.max_num_batched_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _IntegralCollector:
+    """A counter whose value is computed at each scrape (a TimeIntegral's total)."""
+
+    def __init__(
+        self, name: str, doc: str, labels: dict[str, str], value: Callable[[], float]
+    ) -> None:
+        self._name, self._doc, self._labels, self._value = name, doc, labels, value
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self._name, self._doc, labels=list(self._labels))
+        family.add_metric(list(self._labels.values()), self._value())
+        yield family

@@ -164,6 +164,8 @@ class EngineWorker:
         result = self.io.queue.pull(room, self.settings.idle_block_ms if block else 0)
         for delivery in result:
             self._take(delivery)
+        if result:  # the waiting tokens' integral counts them from now, not from the step's end
+            self.metrics.observe_queues(self.engine)
 
     def _take(self, delivery: Delivery) -> None:
         message = delivery.message
