@@ -159,28 +159,32 @@ def test_a_counter_going_down_is_a_reset_without_created_series():
     assert busy_fraction(prev, curr) == pytest.approx(0.1)
 
 
-class Clock:
-    """A clock the test moves: the waiting tokens' integral reads it."""
+class Buffer:
+    """An engine's metrics whose waiting prompt tokens the test sets at chosen times."""
 
     def __init__(self) -> None:
         self.now = 0.0
+        self.metrics = EngineMetrics("tiny", "normal", clock=lambda: self.now)
+        self.engine = FakeEngine()
 
-    def __call__(self) -> float:
-        return self.now
+    def hold(self, tokens: int, at: float) -> None:
+        self.now = at
+        self.engine.scheduler.waiting_prompt_tokens = tokens
+        self.metrics.observe_queues(self.engine)  # type: ignore[arg-type]
+
+    def scrape(self, at: float) -> PodSample:
+        self.now = at
+        return sample(self.metrics, at)
 
 
 def test_the_mean_of_waiting_tokens_counts_every_moment_not_the_scrape_instant():
     # A NORMAL engine's buffer: full (12,000 tokens) for 5 s of each 15 s, empty
     # whenever it is scraped. The gauge says 0 at both scrapes; the mean is 4,000.
-    clock = Clock()
-    metrics, engine = EngineMetrics("tiny", "normal", clock=clock), FakeEngine()
-    prev = sample(metrics, 0.0)
-    for at, tokens in ((4.0, 12_000), (9.0, 0)):
-        clock.now = at
-        engine.scheduler.waiting_prompt_tokens = tokens
-        metrics.observe_queues(engine)  # type: ignore[arg-type]
-    clock.now = 15.0
-    curr = sample(metrics, 15.0)
+    buffer = Buffer()
+    prev = buffer.scrape(0.0)
+    buffer.hold(12_000, at=4.0)
+    buffer.hold(0, at=9.0)
+    curr = buffer.scrape(15.0)
 
     assert curr.waiting_prompt_tokens == 0
     assert curr.waiting_token_seconds_total == pytest.approx(60_000)
@@ -191,30 +195,22 @@ def test_the_mean_of_waiting_tokens_counts_every_moment_not_the_scrape_instant()
 
 
 def test_waiting_tokens_count_until_the_scrape_itself():
-    clock = Clock()
-    metrics, engine = EngineMetrics("tiny", "normal", clock=clock), FakeEngine()
-    engine.scheduler.waiting_prompt_tokens = 300
-    metrics.observe_queues(engine)  # type: ignore[arg-type]
-    clock.now = 2.0
-    first = sample(metrics, 2.0)
-    clock.now = 7.0  # no change since: the counter still grows
-    second = sample(metrics, 7.0)
+    buffer = Buffer()
+    buffer.hold(300, at=0.0)
+    first = buffer.scrape(2.0)
+    second = buffer.scrape(7.0)  # no change since: the counter still grows
     assert first.waiting_token_seconds_total == pytest.approx(600)
     assert mean_waiting_prompt_tokens(first, second) == pytest.approx(300)
 
 
 def test_without_the_integral_or_across_a_restart_the_gauge_stands_in():
-    clock = Clock()
-    old, engine = EngineMetrics("tiny", "normal", clock=clock), FakeEngine()
-    engine.scheduler.waiting_prompt_tokens = 500
-    old.observe_queues(engine)  # type: ignore[arg-type]
-    clock.now = 10.0
-    prev = sample(old, 10.0)
+    old = Buffer()
+    old.hold(500, at=0.0)
+    prev = old.scrape(10.0)
     time.sleep(0.01)  # a later process start
-    new = EngineMetrics("tiny", "normal", clock=clock)
-    new.observe_queues(engine)  # type: ignore[arg-type]
-    clock.now = 20.0
-    curr = sample(new, 20.0)
+    new = Buffer()
+    new.hold(500, at=10.0)
+    curr = new.scrape(20.0)
     assert restarted(prev, curr)
     assert mean_waiting_prompt_tokens(prev, curr) is None
     assert pod_load(curr, prev).buffered_tokens == 500
@@ -222,7 +218,7 @@ def test_without_the_integral_or_across_a_restart_the_gauge_stands_in():
 
     # An engine from before the counter existed.
     text = "\n".join(
-        line for line in old.render().decode().splitlines() if "token_seconds" not in line
+        line for line in old.metrics.render().decode().splitlines() if "token_seconds" not in line
     )
     bare = parse_metrics(text + "\n", pod="p0", ready=True, scraped_at=30.0)
     assert bare.waiting_token_seconds_total is None
