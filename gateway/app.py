@@ -65,6 +65,9 @@ def create_app(
         # The interactive docs load scripts from a CDN: not on a serving host.
         docs_url=None,
         redoc_url=None,
+        # A stray trailing slash gets a JSON 404, not a 307 to an absolute URL
+        # (the wrong host behind a load balancer) with an empty body.
+        redirect_slashes=False,
     )
     app.state.gateway = service
     install_error_handlers(app)

@@ -204,9 +204,21 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
 
 
 async def _on_http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 400 and exc.__cause__ is not None:
+        # FastAPI's "There was an error parsing the body": say what was wrong.
+        return await _on_gateway_error(request, bad_request(_unparsable(exc.__cause__)))
     kind = INVALID if exc.status_code < 500 else SERVER
     error = GatewayError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers)
     return error.response()
+
+
+def _unparsable(cause: BaseException) -> str:
+    """Why a body that is not a JSONDecodeError could not be read as JSON."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"The request body is not valid UTF-8: {cause.reason} at byte {cause.start}"
+    if isinstance(cause, RecursionError):
+        return "The request body is not valid JSON here: it nests arrays or objects too deeply"
+    return f"The request body is not valid JSON: {cause}"
 
 
 async def _on_redis_error(request: Request, exc: RedisError) -> JSONResponse:
@@ -262,9 +274,10 @@ def _param(loc: Sequence[Any]) -> str | None:
     return out or None
 
 
-# Tags pydantic puts in a location inside a union: "str", "list[int]", "function-after[..]".
+# Tags pydantic puts in a location inside a union: "str", "list[int]",
+# "function-after[..]", "constrained-str" (a str with a length bound).
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 def _is_union_tag(part: str) -> bool:
-    return part in _TYPE_TAGS or "[" in part
+    return part in _TYPE_TAGS or "[" in part or part.startswith("constrained-")

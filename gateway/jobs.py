@@ -194,23 +194,44 @@ def _refuse_common(body: ChatCompletionRequest | CompletionRequest) -> None:
 
 
 def _message(index: int, role: str, content: Any) -> dict[str, str]:
+    # OpenAI's "developer" messages replace "system" ones; chat templates know only
+    # the latter (SmolLM2's would keep its default system prompt and add a stray turn).
+    role = "system" if role == "developer" else role
+    param = f"messages[{index}].content"
     if content is None:
         if role != "assistant":
-            raise bad_request(f"messages[{index}].content is missing", f"messages[{index}].content")
+            raise bad_request(f"{param} is missing", param)
         return {"role": role, "content": ""}
     if isinstance(content, str):
-        return {"role": role, "content": content}
+        return {"role": role, "content": _text(content, param)}
     texts = []
     for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
+        if part.type != "text":
             raise bad_request(
                 f"only text content parts are supported, got type {part.type!r}",
-                f"messages[{index}].content[{j}]",
+                f"{param}[{j}]",
                 "unsupported",
             )
-        texts.append(part.text)
+        if part.text is None:
+            raise bad_request(
+                f"Missing required parameter: {param}[{j}].text", f"{param}[{j}].text"
+            )
+        texts.append(_text(part.text, f"{param}[{j}].text"))
     # Parts are joined by newlines, as most chat servers do.
     return {"role": role, "content": "\n".join(texts)}
+
+
+def _text(value: str, param: str) -> str:
+    """Text a tokenizer can take: JSON's \\ud800 escapes can make a lone surrogate."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(
+            f"{param} is not valid Unicode: a lone surrogate "
+            f"(U+{ord(value[exc.start]):04X}) at character {exc.start}",
+            param,
+        ) from None
+    return value
 
 
 def _prompt(prompt: Any) -> dict[str, Any]:
@@ -226,7 +247,7 @@ def _prompt(prompt: Any) -> dict[str, Any]:
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")
-        return {"prompt": prompt}
+        return {"prompt": _text(prompt, "prompt")}
     if not prompt:
         raise bad_request("prompt must not be empty", "prompt")
     return {"prompt_token_ids": list(prompt)}

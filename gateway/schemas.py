@@ -1,7 +1,9 @@
 """The OpenAI wire format: request and response bodies, fields in the OpenAI order.
 
 Requests forbid unknown fields (OpenAI answers "Unrecognized request argument"
-too), so a misspelt parameter is an error instead of silently ignored. Fields
+too), so a misspelt parameter is an error instead of silently ignored, and
+their types are strict, as OpenAI's are: `"max_tokens": "2"`, `true` for a
+number or `1.0` for an integer are refused, not coerced. Fields
 the OpenAI API has but Tandem does not implement are declared, so a request
 that sets them to a neutral value (many clients send `logprobs: false` or
 `presence_penalty: 0`) passes and any other value is refused by name.
@@ -19,11 +21,14 @@ MAX_TOKENS_LIMIT = 2**31 - 1
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
+# OpenAI's seed is an int64; the engine's generator takes it modulo 2**64, where
+# every int64 has its own value.
+Seed = Annotated[int | None, Field(ge=-(2**63), le=2**63 - 1)]
 Priority = Literal["high", "normal", "low"]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # ------------------------------------------------------------------ requests
@@ -32,7 +37,7 @@ class _Request(BaseModel):
 class ContentPart(BaseModel):
     """A part of a message's content; only text parts are served."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     type: str
     text: str | None = None
@@ -40,7 +45,7 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     # Clients send name, tool_call_id and the like: not used, not an error.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -48,19 +53,19 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool | None = None
 
 
 # Field types the two request bodies share.
-Penalty = Annotated[float | None, Field(description="Only 0 is supported.")]
+Penalty = Annotated[float | None, Field(allow_inf_nan=False, description="Only 0 is supported.")]
 LogitBias = Annotated[dict[str, float] | None, Field(description="Not supported.")]
 Choices = Annotated[int | None, Field(ge=1, description="Choices to generate.")]
 StopText = Annotated[str, Field(min_length=1)]
 Stop = StopText | list[StopText] | None
-Temperature = Annotated[float | None, Field(ge=0, le=2)]
-TopP = Annotated[float | None, Field(gt=0, le=1)]
+Temperature = Annotated[float | None, Field(ge=0, le=2, allow_inf_nan=False)]
+TopP = Annotated[float | None, Field(gt=0, le=1, allow_inf_nan=False)]
 TopK = Annotated[int | None, Field(ge=1, description="Extension: top-k sampling.")]
 PriorityField = Annotated[
     Priority | None,
@@ -87,7 +92,7 @@ class ChatCompletionRequest(_Request):
     response_format: dict[str, object] | None = Field(
         default=None, description="Only {'type': 'text'}."
     )
-    seed: int | None = None
+    seed: Seed = None
     stop: Stop = None
     store: bool | None = None
     stream: bool | None = False
@@ -116,7 +121,7 @@ class CompletionRequest(_Request):
     max_tokens: MaxTokens | None = None
     n: Choices = None
     presence_penalty: Penalty = None
-    seed: int | None = None
+    seed: Seed = None
     stop: Stop = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None

@@ -137,6 +137,25 @@ CASES = {
     "deadline passed, streaming": Case(504, {**GOOD, "model": SLOW_STREAM, "stream": True},
                                        headers={"X-Tandem-Timeout": "0.3"},
                                        code="deadline_exceeded"),
+    "string for a number": Case(400, {**GOOD, "max_tokens": "2"}, param="max_tokens"),
+    "boolean for a number": Case(400, {**GOOD, "temperature": True}, param="temperature"),
+    "decimal for an integer": Case(400, {**GOOD, "n": 1.0}, param="n"),
+    "string for a boolean": Case(400, {**GOOD, "stream": "yes"}, param="stream"),
+    "NaN temperature": Case(400, json.dumps({**GOOD, "temperature": float("nan")}).encode(),
+                            param="temperature", message="finite"),
+    "seed beyond int64": Case(400, {**GOOD, "seed": 2**64}, param="seed"),
+    "lone surrogate": Case(400, {**GOOD, "messages": [{"role": "user", "content": "\ud800x"}]},
+                           param="messages[0].content", message="lone surrogate (U+D800)"),
+    "lone surrogate in a prompt": Case(400, {"model": "tiny", "prompt": "a\udfff"},
+                                       path="/v1/completions", param="prompt",
+                                       message="lone surrogate"),
+    "text part without text": Case(400, {**GOOD, "messages": [{"role": "user", "content": [
+        {"type": "text"}]}]}, param="messages[0].content[0].text", message="Missing"),
+    "empty stop string": Case(400, {**GOOD, "stop": ""}, param="stop"),
+    "invalid UTF-8": Case(400, b'{"model": "tiny", "user": "\xff\xfe"}',
+                          message="not valid UTF-8"),
+    "nested too deeply": Case(400, b"[" * 1500 + b"]" * 1500, message="too deeply"),
+    "trailing slash": Case(404, GOOD, path="/v1/chat/completions/"),
     "unknown route": Case(404, GOOD, path="/v1/embeddings"),
     "wrong method": Case(405, None, path="/v1/chat/completions", method="GET"),
 }  # fmt: skip
@@ -163,6 +182,19 @@ def test_a_bad_request_gets_an_openai_error_and_the_gateway_keeps_serving(gatewa
         good = client.post("/v1/chat/completions", json=GOOD, headers=_auth(API_KEY))
         assert good.status_code == 200, good.text
         assert good.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_an_integer_too_long_to_read_is_named(shared_gateway):
+    # Python refuses int literals over 4,300 digits; the body is over the test
+    # gateway's 4 KiB limit, so the shared one (1 MiB) reads it.
+    body = json.dumps(GOOD)[:-1].encode() + b', "seed": 1' + b"0" * 5000 + b"}"
+    with shared_gateway.http() as client:
+        response = client.post(
+            "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
+        )
+    assert response.status_code == 400
+    assert "not valid JSON" in response.json()["error"]["message"]
+    assert "digits" in response.json()["error"]["message"]
 
 
 def test_prompt_too_long_names_both_lengths(gateway):

@@ -33,6 +33,19 @@ def test_a_chat_request_becomes_one_work_item_with_its_sampling():
     assert job.cost_tokens == 2 + 5
 
 
+def test_developer_messages_are_system_messages():
+    # OpenAI's newer name for the system role; chat templates know only "system".
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": t} for t in ("Hi", "!")]},
+    ]
+    [item] = _chat(messages=messages).items
+    assert item.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi\n!"},
+    ]
+
+
 def test_n_choices_get_distinct_reproducible_seeds_the_first_keeps_its_own():
     job = _chat(n=3, seed=42, max_tokens=4)
     seeds = [item.sampling["seed"] for item in job.items]
