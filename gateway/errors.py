@@ -135,6 +135,7 @@ def unavailable(message: str, code: str = "unavailable") -> GatewayError:
 # Engine error codes (docs/protocol.md) and the answer each gets.
 _ENGINE_ANSWERS: dict[str, tuple[int, str]] = {
     ErrorCode.PROMPT_TOO_LONG: (400, INVALID),
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: (400, INVALID),
     ErrorCode.INVALID_REQUEST: (400, INVALID),
     ErrorCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
     ErrorCode.REDELIVERY_LIMIT: (503, SERVER),
@@ -151,7 +152,8 @@ def from_engine(code: str | None, message: str | None, prompt_param: str) -> Gat
     prompt_param names the field a too-long prompt came in ("messages", "prompt").
     """
     status, kind = _ENGINE_ANSWERS.get(code or "", (500, SERVER))
-    param = prompt_param if code == ErrorCode.PROMPT_TOO_LONG else None
+    too_long = code in (ErrorCode.PROMPT_TOO_LONG, ErrorCode.CONTEXT_LENGTH_EXCEEDED)
+    param = prompt_param if too_long else None
     return GatewayError(
         status,
         message or f"engine error {code}",

@@ -124,8 +124,15 @@ class JobBuilder:
             estimate = _estimate(len(prompt["prompt"]))
         else:
             estimate = len(prompt["prompt_token_ids"])
-        max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-        return self._job("completion", body, headers, prompt, estimate, max_tokens)
+        return self._job(
+            "completion",
+            body,
+            headers,
+            prompt,
+            estimate,
+            body.max_tokens,
+            default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
+        )
 
     def _job(
         self,
@@ -135,11 +142,13 @@ class JobBuilder:
         prompt: dict[str, Any],
         estimate: int,
         max_tokens: int | None,
+        default_max_tokens: int | None = None,
     ) -> Job:
         n = body.n or 1
         if n > self.settings.max_n:
             raise bad_request(f"n must be at most {self.settings.max_n}, got {n}", "n")
-        max_tokens = max_tokens or self.settings.default_max_tokens
+        given = max_tokens is not None  # the client's: it must fit in the context
+        max_tokens = max_tokens or default_max_tokens or self.settings.default_max_tokens
         sampling = _sampling(body, max_tokens)
         priority = _priority(body.priority, headers.get(PRIORITY_HEADER))
         timeout = _timeout(self.settings.request_timeout, headers.get(TIMEOUT_HEADER))
@@ -154,6 +163,7 @@ class JobBuilder:
                 created_at=now,
                 deadline=now + timeout,
                 estimated_prompt_tokens=estimate,
+                max_tokens_given=given,
                 **prompt,
             )
             for i in range(n)

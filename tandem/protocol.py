@@ -48,6 +48,8 @@ class ErrorCode(StrEnum):
     """Why a request failed, as the engine reports it; the gateway maps it to HTTP."""
 
     PROMPT_TOO_LONG = "prompt_too_long"  # 400, message names both lengths
+    # 400: prompt + the client's max_tokens exceed the context (OpenAI's code).
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     INVALID_REQUEST = "invalid_request"  # 400: bad sampling parameters, bad token ids
     DEADLINE_EXCEEDED = "deadline_exceeded"  # 504
     CANCELLED = "cancelled"  # the client went away
@@ -184,6 +186,10 @@ class WorkItem(_Message):
     deadline: float | None = None
     # The gateway's estimate, for the queued-tokens counter the autoscaler reads.
     estimated_prompt_tokens: int = 0
+    # The client chose sampling["max_tokens"]: a prompt that leaves less room in
+    # the context is refused (context_length_exceeded), as OpenAI does. False: it
+    # is the gateway's default, and generation stops where the context ends.
+    max_tokens_given: bool = False
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))

@@ -76,6 +76,12 @@ class Scheduler:
                 "a COMPLETION engine only decodes requests prefilled elsewhere: "
                 "hand them over with admit_handoff()"
             )
+        self.check_prompt(request)
+        self._register(request)
+        self._enqueue(request)
+
+    def check_prompt(self, request: Request) -> None:
+        """Raise PromptTooLongError if the prompt is over this engine's limit."""
         limit = self.config.prompt_limit
         if request.num_prompt_tokens > limit:
             raise PromptTooLongError(
@@ -85,8 +91,6 @@ class Scheduler:
                 f"max_num_batched_tokens {self.config.max_num_batched_tokens}, "
                 f"chunked prefill {'on' if self.config.enable_chunked_prefill else 'off'})"
             )
-        self._register(request)
-        self._enqueue(request)
 
     def _register(self, request: Request) -> None:
         if request.request_id in self.requests:

@@ -3,6 +3,7 @@
 import pytest
 
 from tandem.engine import LLM, SamplingParams
+from tandem.engine.engine import ContextLengthError
 from tandem.engine.request import RequestStatus
 from tandem.engine.scheduler import PromptTooLongError
 
@@ -73,6 +74,20 @@ def test_a_prompt_over_the_limit_is_a_clear_error(llm):
     ):
         llm.generate(prompt_token_ids=[[1] * 200])
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_an_exact_max_tokens_must_fit_in_the_context_a_default_is_cut(llm):
+    engine, params = llm.engine, SamplingParams(max_tokens=30, ignore_eos=True)
+    with pytest.raises(ContextLengthError, match=r"requested 130 tokens \(100 in the prompt, 30"):
+        engine.add_request("a", None, params, prompt_token_ids=[1] * 100, exact_max_tokens=True)
+    with pytest.raises(PromptTooLongError):  # too long on its own: that error, not this one
+        engine.add_request("b", None, params, prompt_token_ids=[1] * 200, exact_max_tokens=True)
+    assert not engine.has_unfinished_requests()
+    engine.add_request("c", None, params, prompt_token_ids=[1] * 98, exact_max_tokens=True)
+    engine.abort("c")
+    # Without it, generation runs to the end of the context and finishes with "length".
+    [out] = llm.generate(prompt_token_ids=[[1] * 100], sampling_params=params)
+    assert len(out.token_ids) == 28 and out.finish_reason == "length"
 
 
 @pytest.mark.parametrize(

@@ -119,6 +119,11 @@ CASES = {
         400, {**GOOD, "messages": [{"role": "user", "content": "lorem ipsum " * 150}]},
         param="messages", code="prompt_too_long", message="more than this engine's limit of 256",
     ),
+    "max_tokens past the context": Case(
+        400, {**GOOD, "max_tokens": 250, "messages": [{"role": "user", "content": "Hi " * 20}]},
+        param="messages", code="context_length_exceeded",
+        message="maximum context length is 256 tokens",
+    ),
     "no key": Case(401, GOOD, key=None, code="missing_api_key"),
     "wrong key": Case(401, GOOD, key="sk-wrong", code="invalid_api_key"),
     "key not allowed the model": Case(403, GOOD, key="sk-other-model", param="model",

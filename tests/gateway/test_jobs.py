@@ -64,6 +64,18 @@ def test_defaults_of_max_tokens():
     assert _chat(max_completion_tokens=9).max_tokens == 9
 
 
+def test_only_a_max_tokens_the_client_gave_must_fit_in_the_context():
+    # The engine refuses a prompt that leaves less room than the client's max_tokens;
+    # a default only stops generation where the context ends.
+    assert [i.max_tokens_given for i in _chat(n=2, max_tokens=5).items] == [True, True]
+    assert _chat(max_completion_tokens=5).items[0].max_tokens_given
+    assert not _chat().items[0].max_tokens_given
+    given = CompletionRequest(model="m", prompt="abc", max_tokens=16)
+    assert BUILDER.completion(given, {}).items[0].max_tokens_given
+    default = CompletionRequest(model="m", prompt="abc")
+    assert not BUILDER.completion(default, {}).items[0].max_tokens_given
+
+
 def test_priority_from_the_field_or_the_header():
     assert _chat().items[0].priority == PRIORITY_NORMAL
     assert _chat({"x-tandem-priority": "HIGH"}).items[0].priority == PRIORITY_HIGH

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tandem.engine.engine import Engine, EngineOutput
+from tandem.engine.engine import ContextLengthError, Engine, EngineOutput
 from tandem.engine.request import SamplingParams
 from tandem.engine.scheduler import PromptTooLongError
 from tandem.engine.service.handoff_flow import HandoffFlow
@@ -211,6 +211,9 @@ class EngineWorker:
         except PromptTooLongError as exc:
             self._fail(delivery, work, ErrorCode.PROMPT_TOO_LONG, str(exc))
             return
+        except ContextLengthError as exc:
+            self._fail(delivery, work, ErrorCode.CONTEXT_LENGTH_EXCEEDED, str(exc))
+            return
         except (ValueError, TypeError) as exc:
             self._fail(delivery, work, ErrorCode.INVALID_REQUEST, str(exc))
             return
@@ -230,6 +233,7 @@ class EngineWorker:
             prompt_token_ids=ids,
             priority=work.priority,
             generated_token_ids=sent,
+            exact_max_tokens=work.max_tokens_given,
         )
 
     # --------------------------------------------------------------- output
