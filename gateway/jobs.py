@@ -214,6 +214,8 @@ def _message(index: int, role: str, content: Any) -> dict[str, str]:
         return {"role": role, "content": ""}
     if isinstance(content, str):
         return {"role": role, "content": _text(content, param)}
+    if not content:
+        raise bad_request(f"{param} must not be an empty list of parts", param)
     texts = []
     for j, part in enumerate(content):
         if part.type != "text":
@@ -291,17 +293,15 @@ def _with_seed(sampling: dict[str, Any], index: int) -> dict[str, Any]:
 
 
 def _priority(field: str | None, header: str | None) -> int:
-    # The body's field wins over the header: it is the more specific of the two.
-    if field is not None:
-        return _PRIORITIES[field]
-    if header is None:
-        return PRIORITY_NORMAL
-    value = _PRIORITIES.get(header.strip().lower())
-    if value is None:
+    from_header = None if header is None else _PRIORITIES.get(header.strip().lower())
+    if header is not None and from_header is None:  # a typo even where the field wins
         raise bad_request(
             f"X-Tandem-Priority must be high, normal or low, got {header!r}", "X-Tandem-Priority"
         )
-    return value
+    # The body's field wins over the header: it is the more specific of the two.
+    if field is not None:
+        return _PRIORITIES[field]
+    return PRIORITY_NORMAL if from_header is None else from_header
 
 
 def _timeout(limit: float, header: str | None) -> float:

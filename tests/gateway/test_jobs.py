@@ -80,6 +80,15 @@ def test_priority_from_the_field_or_the_header():
     assert _chat().items[0].priority == PRIORITY_NORMAL
     assert _chat({"x-tandem-priority": "HIGH"}).items[0].priority == PRIORITY_HIGH
     assert _chat({"x-tandem-priority": "high"}, priority="low").items[0].priority == PRIORITY_LOW
+    with pytest.raises(GatewayError) as caught:  # the field wins, but a typo is still refused
+        _chat({"x-tandem-priority": "urgent"}, priority="low")
+    assert caught.value.param == "X-Tandem-Priority"
+
+
+def test_an_empty_list_of_content_parts_is_refused():
+    with pytest.raises(GatewayError) as caught:
+        _chat(messages=[{"role": "user", "content": []}])
+    assert caught.value.param == "messages[0].content"
 
 
 def test_the_timeout_header_only_lowers_the_deadline():
