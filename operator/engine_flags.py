@@ -96,7 +96,8 @@ def engine_arguments(flags: Mapping[str, str]) -> list[str]:
             if value == "true":
                 args.append(f"--{flag}")
         else:
-            args.extend([f"--{flag}", value])
+            # One word: a value that starts with "-" (a model named "-x") is not a flag.
+            args.append(f"--{flag}={value}")
     return args
 
 

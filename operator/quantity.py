@@ -7,7 +7,7 @@ server and the operator accept the same strings.
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Annotated
 
 from pydantic import AfterValidator, StrictInt, StrictStr, WithJsonSchema
@@ -41,20 +41,41 @@ _SUFFIXES = {
 }
 
 
+# Kubernetes keeps a quantity in an int64 of its base unit; past that, turning
+# "1e1000000" into an int would hold the operator's event loop for minutes.
+_LARGEST = Decimal(2**63 - 1)
+
+
 def quantity_value(value: int | str) -> Decimal:
     """The quantity as a number ("4Gi" -> 4294967296); ValueError naming the value otherwise."""
     if isinstance(value, int) and not isinstance(value, bool):
-        return Decimal(value)
-    match = _QUANTITY.fullmatch(value) if isinstance(value, str) else None
-    if match is None:
-        raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 8, '500m', '4Gi', '16G')")
-    suffix = match["suffix"]
-    try:
-        if suffix not in _SUFFIXES:  # a decimal exponent, e.g. 1e3
-            return Decimal(match["number"] + suffix)
-        return Decimal(match["number"]) * _SUFFIXES[suffix]
-    except InvalidOperation:
-        raise ValueError(f"{value!r} is not a Kubernetes quantity") from None
+        number = Decimal(value)
+    else:
+        match = _QUANTITY.fullmatch(value) if isinstance(value, str) else None
+        if match is None:
+            raise ValueError(
+                f"{_shown(value)} is not a Kubernetes quantity (e.g. 8, '500m', '4Gi', '16G')"
+            )
+        suffix = match["suffix"]
+        try:
+            # Built from the string, so the exponent is never expanded into digits.
+            if suffix not in _SUFFIXES:  # a decimal exponent, e.g. 1e3
+                number = Decimal(match["number"] + suffix)
+            else:
+                number = Decimal(match["number"]) * _SUFFIXES[suffix]
+        except ArithmeticError:  # InvalidOperation, Overflow
+            raise ValueError(f"{_shown(value)} is not a Kubernetes quantity") from None
+    if number.copy_abs() > _LARGEST:  # copy_abs: no context, so no overflow
+        raise ValueError(
+            f"{_shown(value)} is out of a Kubernetes quantity's range (2^63 - 1 at most)"
+        )
+    return number
+
+
+def _shown(value: object) -> str:
+    """The value for a message: a runaway string cut short (a reason is one line)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:30]}... ({len(text) - 2} characters)"
 
 
 def _check_quantity(value: int | str) -> int | str:
@@ -66,7 +87,7 @@ def quantity_bytes(value: int | str) -> int:
     """A quantity of bytes as an int; ValueError for fractions or negatives."""
     number = quantity_value(value)
     if number != number.to_integral_value() or number < 1:
-        raise ValueError(f"{value!r} is not a positive whole number of bytes")
+        raise ValueError(f"{_shown(value)} is not a positive whole number of bytes")
     return int(number)
 
 

@@ -17,6 +17,8 @@ from tandem.operator.quantity import Quantity
 from tandem.operator.spec_base import CelRule, SpecModel
 from tandem.protocol import Role
 
+_INT32_MAX = 2**31 - 1
+
 
 class RoleName(StrEnum):
     """A role's key under spec (and status.roles), and the engine role its pods run."""
@@ -101,15 +103,22 @@ class RoleSpec(SpecModel):
         ),
     )
 
+    # A Deployment's replicas is an int32.
     replicas: int | None = Field(
         None,
         ge=0,
+        le=_INT32_MAX,
         description="Pods to start with, before the autoscaler has metrics "
         "(default: minReplicas). The autoscaler owns the count afterwards.",
     )
-    min_replicas: int = Field(1, ge=0, description="Fewest pods; 0 lets the role scale to zero.")
+    min_replicas: int = Field(
+        1, ge=0, le=_INT32_MAX, description="Fewest pods; 0 lets the role scale to zero."
+    )
     max_replicas: int = Field(
-        1, ge=1, description="Most pods. Equal to minReplicas (the default) means no autoscaling."
+        1,
+        ge=1,
+        le=_INT32_MAX,
+        description="Most pods. Equal to minReplicas (the default) means no autoscaling.",
     )
     data_parallel_size: int = Field(
         1,

@@ -169,8 +169,7 @@ def test_every_pod_is_probed_locked_down_and_drains(path):
         env = {e["name"]: e for e in engine["env"]}
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert "TANDEM_REDIS_URL" in env
-        role_flag = engine["args"][engine["args"].index("--role") + 1]
-        assert role_flag == role_name.engine_role.value
+        assert f"--role={role_name.engine_role.value}" in engine["args"]
 
 
 def test_engine_arguments_parse_into_the_configuration_the_spec_describes():
@@ -194,6 +193,15 @@ def test_engine_arguments_parse_into_the_configuration_the_spec_describes():
         # The ConfigMap shows exactly what the pods are given.
         assert configmap["data"]["max-model-len"] == "16384"
         assert configmap["data"]["role"] == args.role
+
+
+def test_a_value_that_looks_like_a_flag_reaches_the_engine_as_a_value():
+    raw = {"model": {"path": "-weights", "servedModelName": "-my-model"}, "normal": {}}
+    manifests = _build(Owner("m", "ns", "uid"), _spec(raw), normal=1)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(_pod(manifests, "normal")["spec"]["containers"][0]["args"])
+    assert (args.model, args.served_model_name) == ("-weights", "-my-model")
 
 
 def test_a_config_change_changes_the_pod_hash_and_nothing_else_does():
@@ -239,7 +247,7 @@ def test_data_parallel_pods_hold_the_whole_group():
     ]
     assert any(v["name"] == "shm" for v in decode["volumes"])
     args = decode["containers"][0]["args"]
-    assert args[args.index("--data-parallel-size") + 1] == "4"
+    assert "--data-parallel-size=4" in args
     for manifest in manifests:
         kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
 
@@ -255,7 +263,7 @@ def test_model_sources_become_volumes_and_the_model_flag():
     (volume,) = [v for v in pvc_pod["volumes"] if v["name"] == "model"]
     assert volume["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": False}
     args = pvc_pod["containers"][0]["args"]
-    assert args[args.index("--model") + 1] == "/models"
+    assert "--model=/models" in args
 
     hf = {"model": {"huggingFace": {"id": "o/m", "revision": "abc", "tokenSecretName": "hf"}}}
     hf_pod = _pod(_build(owner, _spec({**hf, "normal": {}})), "normal")["spec"]

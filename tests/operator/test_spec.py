@@ -109,6 +109,11 @@ def test_served_model_name_defaults_to_the_object_name():
         ({"engine": {"kvCacheMemory": "4GB"}}, "not a Kubernetes quantity"),
         ({"engine": {"kvCacheMemory": "100m"}}, "not a positive whole number of bytes"),
         ({"normal": {"resources": {"limits": {"cpu": "lots"}}}}, "not a Kubernetes quantity"),
+        # Turned into an int, "1e1000000" held the event loop for half a minute.
+        ({"engine": {"kvCacheMemory": "1e1000000"}}, "out of a Kubernetes quantity's range"),
+        ({"normal": {"resources": {"limits": {"cpu": "1e5000"}}}}, "out of a Kubernetes"),
+        ({"normal": {"resources": {"limits": {"memory": "9" * 1000}}}}, r"\(1000 characters\)"),
+        ({"normal": {"maxReplicas": 2**31}}, "less than or equal to 2147483647"),
     ],
 )
 def test_bad_values_are_refused_with_a_clear_message(change, message):
