@@ -29,7 +29,14 @@ from tandem.operator import scaling
 from tandem.operator.autoscaler import Decision
 from tandem.operator.kube import ApiError, KubeApi
 from tandem.operator.manifests import OperatorDefaults
-from tandem.operator.reconcile import ChildKey, Plan, plan, repair_patch, role_replicas
+from tandem.operator.reconcile import (
+    ChildKey,
+    Plan,
+    plan,
+    refused,
+    repair_patch,
+    role_replicas,
+)
 from tandem.operator.role_spec import RoleName
 from tandem.operator.settings import OperatorSettings
 from tandem.operator.sources import MetricSources
@@ -199,10 +206,18 @@ class Controller:
         namespace, name = meta["namespace"], meta["name"]
         for pod, cost in (outcome.costs if outcome else {}).items():
             await self._kube.set_pod_deletion_cost(namespace, pod, cost)
-        for manifest in actions.creates:
-            await self._create(manifest)
-        for patch in actions.patches:
-            await self._kube.patch(patch.kind, namespace, patch.name, patch.patch)
+        try:
+            for manifest in actions.creates:
+                await self._create(manifest)
+            for patch in actions.patches:
+                await self._kube.patch(patch.kind, namespace, patch.name, patch.patch)
+        except ApiError as error:
+            if not error.refused:
+                raise  # retried with backoff
+            # The spec passed our checks but builds a child the API server refuses
+            # (a rule only it knows): say so in the status, not in a retry loop.
+            await self._apply(model, refused(model, str(error), now=_now()), None)
+            return
         for key in actions.deletes:
             await self._kube.delete(key.kind, namespace, key.name)
         await self._post_events(model, actions, outcome)

@@ -95,6 +95,11 @@ class ApiError(Exception):
     def already_exists(self) -> bool:
         return self.status == 409 and self.reason == "AlreadyExists"
 
+    @property
+    def refused(self) -> bool:
+        """The object itself is invalid (400, 422): only a changed spec can pass."""
+        return self.status in (400, 422)
+
 
 @dataclass(frozen=True)
 class Backoff:

@@ -207,6 +207,20 @@ def drift(desired: Body, actual: Body) -> tuple[str, ...]:
     return tuple(found)
 
 
+def refused(model: Body, error: str, *, now: str) -> Plan:
+    """The plan once the API server refused a child the spec builds: Invalid, in its words.
+
+    The spec passed the CRD and the operator's checks, so only a rule the API
+    server alone knows (a GPU count that must be whole, a label key's format)
+    stands in the way; retrying cannot help, a changed spec can.
+    """
+    meta, previous = model["metadata"], model.get("status") or {}
+    why = f"the API server refused a child object: {error}"
+    return Plan(
+        status=status_patch(previous, invalid_status(meta, why, previous, now)), invalid=why
+    )
+
+
 def repair_patch(desired: Body, actual: Body) -> dict[str, Any]:
     """A merge patch that sets every owned field of `actual` back to `desired`."""
     patch: dict[str, Any] = {
@@ -229,6 +243,8 @@ def repair_patch(desired: Body, actual: Body) -> dict[str, Any]:
 
 
 def _differences(desired: Any, actual: Any, path: str) -> list[str]:
+    if actual is _MISSING and _dropped_when_stored(desired):
+        return []  # the API server never keeps it: "repairing" it would never end
     if isinstance(desired, Mapping):
         if not isinstance(actual, Mapping):
             return [path or "."]
@@ -251,6 +267,16 @@ def _differences(desired: Any, actual: Any, path: str) -> list[str]:
         except ValueError:
             return [path]
     return [] if desired == actual and type(desired) is type(actual) else [path]
+
+
+def _dropped_when_stored(value: Any) -> bool:
+    """Whether the API server stores nothing for this value: Go's omitempty drops
+    empty strings, lists and maps, false and 0 (and a map of nothing but those)."""
+    if isinstance(value, Mapping):
+        return all(_dropped_when_stored(v) for v in value.values())
+    if isinstance(value, list):
+        return not value
+    return value is None or value is False or value == "" or (type(value) is int and value == 0)
 
 
 def _is_quantity(path: str) -> bool:

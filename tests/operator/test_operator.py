@@ -212,6 +212,27 @@ async def test_a_spec_only_the_operator_refuses_is_invalid_too(cluster, operator
     assert cluster.children("m") == []
 
 
+async def test_a_child_the_api_server_refuses_makes_the_model_invalid_until_it_passes(
+    cluster, operator
+):
+    # A rule only the API server knows (a GPU count that must be whole, a label
+    # key's format) refuses the Deployment: the status says so, once.
+    cluster.api.fail_next("POST", DEPLOYMENTS, status=422, reason="Invalid", times=10**6)
+    await cluster.apply(normal(minReplicas=1))
+
+    await eventually(lambda: phase(cluster, "m") == "Invalid", what="phase Invalid")
+    message = condition(cluster, "m", "Invalid")["message"]
+    assert "the API server refused a child object" in message and "422 Invalid" in message
+    (event,) = await eventually(lambda: cluster.events("InvalidSpec"), what="an Event")
+    assert event["type"] == "Warning"
+    await asyncio.sleep(1.0)  # five autoscaler ticks: each refused again, none reported again
+    assert len(cluster.events("InvalidSpec")) == 1
+
+    cluster.api.clear_faults()  # as if the spec had been fixed
+    await eventually(lambda: phase(cluster, "m") == "Ready", what="Ready once it passes")
+    assert condition(cluster, "m", "Invalid")["status"] == "False"
+
+
 async def test_an_invalid_edit_leaves_the_running_children_alone(cluster, operator):
     await cluster.apply(normal(replicas=2, minReplicas=1, maxReplicas=3))
     await eventually(lambda: phase(cluster, "m") == "Ready")

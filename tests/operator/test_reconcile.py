@@ -73,6 +73,32 @@ def test_what_the_api_server_adds_is_not_drift():
     )
 
 
+def _omit_empty(value: Any) -> Any:
+    """What the API server stores: Go's omitempty drops empty values."""
+    if isinstance(value, dict):
+        kept = {k: _omit_empty(v) for k, v in value.items()}
+        return {k: v for k, v in kept.items() if v not in ("", [], {}, None, False, 0)}
+    if isinstance(value, list):
+        return [_omit_empty(v) for v in value]
+    return value
+
+
+def test_empty_values_the_api_server_drops_are_not_drift():
+    # The docs' own "key empty with Exists" toleration, and empty resource maps:
+    # compared as written, every pass "repaired" them, forever.
+    role = {
+        "tolerations": [{"key": "", "operator": "Exists"}],
+        "resources": {"limits": {}, "requests": {}},
+    }
+    stored = [_omit_empty(c) for c in children_of(model(role))]
+    assert plan(model(role), stored, DEFAULTS, now=NOW).patches == ()
+    # A real change next to them is still drift.
+    deployment = next(c for c in stored if c["kind"] == "Deployment")
+    deployment["spec"]["template"]["spec"]["tolerations"][0]["operator"] = "Equal"
+    (patch,) = plan(model(role), stored, DEFAULTS, now=NOW).patches
+    assert patch.drift == ("spec.template.spec.tolerations[0].operator",)
+
+
 def test_owned_fields_changed_removed_or_added_are_drift_and_repaired():
     deployment = next(c for c in children_of(model()) if c["kind"] == "Deployment")
     desired = copy.deepcopy(deployment)

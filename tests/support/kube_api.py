@@ -101,6 +101,10 @@ class ApiServer(ApiStore):
         fault = _Fault(method.upper(), resource, name, subresource, status, reason, times)
         self._faults.append(fault)
 
+    def clear_faults(self) -> None:
+        """Serve every request again (faults not yet served are dropped)."""
+        self._faults.clear()
+
     @property
     def faults_left(self) -> int:
         return sum(fault.times for fault in self._faults)
