@@ -11,9 +11,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, WithJsonSchema
+from pydantic import Field, WithJsonSchema, model_validator
 
-from tandem.operator.quantity import Quantity
+from tandem.operator.quantity import Quantity, quantity_value
 from tandem.operator.spec_base import CelRule, SpecModel
 from tandem.protocol import Role
 
@@ -50,6 +50,21 @@ class Resources(SpecModel):
     requests: dict[str, Quantity] | None = Field(
         None, description="Resources the scheduler reserves for a pod (default: the limits)."
     )
+
+    @model_validator(mode="after")
+    def _whole_extended_resources(self) -> Resources:
+        # The API server's rule for extended resources (nvidia.com/gpu and the
+        # like): whole numbers. Checked here, it names the field before any pod.
+        for kind, amounts in (("limits", self.limits), ("requests", self.requests)):
+            for name, amount in (amounts or {}).items():
+                extended = "/" in name and not name.startswith("kubernetes.io/")
+                value = quantity_value(amount)
+                if extended and value != value.to_integral_value():
+                    raise ValueError(
+                        f"{kind}.{name}: an extended resource must be a whole number, "
+                        f"got {amount!r}"
+                    )
+        return self
 
 
 class Toleration(SpecModel):

@@ -114,6 +114,10 @@ def test_served_model_name_defaults_to_the_object_name():
         ({"normal": {"resources": {"limits": {"cpu": "1e5000"}}}}, "out of a Kubernetes"),
         ({"normal": {"resources": {"limits": {"memory": "9" * 1000}}}}, r"\(1000 characters\)"),
         ({"normal": {"maxReplicas": 2**31}}, "less than or equal to 2147483647"),
+        (
+            {"normal": {"resources": {"limits": {"nvidia.com/gpu": "0.5"}}}},
+            "limits.nvidia.com/gpu: an extended resource must be a whole number, got '0.5'",
+        ),
     ],
 )
 def test_bad_values_are_refused_with_a_clear_message(change, message):
