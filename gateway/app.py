@@ -10,6 +10,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 
 from tandem import __version__
 from tandem.gateway import routes_chat, routes_completions, routes_models, routes_ops
@@ -84,8 +86,14 @@ def create_app(
 def _redis_client(settings: GatewaySettings) -> aioredis.Redis:
     # Blocking pool: past max_connections a request waits for a connection
     # instead of failing with "Too many connections" (redis-py's default pool).
+    # A command that meets a dead connection (Redis restarted, a proxy closed it)
+    # reconnects and runs again, twice at most: without, every pooled connection
+    # failed one request with a 503 after Redis came back.
     pool = aioredis.BlockingConnectionPool.from_url(
-        settings.redis_url, max_connections=settings.redis_max_connections, timeout=5
+        settings.redis_url,
+        max_connections=settings.redis_max_connections,
+        timeout=5,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
     )
     return aioredis.Redis(connection_pool=pool)
 

@@ -8,6 +8,7 @@ replicas) share nothing but Redis.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import cast
 
@@ -104,7 +105,10 @@ class GatewayService:
         except ClientGone:
             return Response(status_code=CLIENT_GONE)
         except BaseException:
-            await events.aclose()
+            # Cancelled from outside (server shutdown), the read may still be
+            # unwinding: closing a running generator would raise over the real error.
+            with contextlib.suppress(RuntimeError):
+                await events.aclose()
             raise
         return EventStreamResponse(generation.stream(first, events), generation.client_gone)
 

@@ -34,7 +34,7 @@ from tandem.operator.spec import ModelDeploymentSpec
 from tandem.operator.validation import validate_spec
 from tandem.protocol import Keys
 from tandem.redis_server import free_port
-from tandem.up import Child, engine_threads
+from tandem.up import Child, drain_in_order, engine_threads
 
 log = logging.getLogger("tandem.local")
 
@@ -115,6 +115,10 @@ class LocalActuator:
         for role, count in self.replicas.items():
             for _ in range(count):
                 self._spawn(role)
+        return self.children()
+
+    def children(self) -> list[Child]:
+        """The engines' processes, every role."""
         return [e.child for engines in self.engines.values() for e in engines]
 
     def _spawn(self, role: RoleName) -> EngineProcess:
@@ -140,6 +144,7 @@ class LocalActuator:
             f"http://127.0.0.1:{port}/readyz",
             restartable=True,
             env={"TANDEM_REDIS_URL": self.redis_url},
+            stop_stage=1 if role is RoleName.DECODE else 0,
         )
         child.start()
         engine = EngineProcess(role, child, port)
@@ -162,18 +167,8 @@ class LocalActuator:
                     self._spawn(role)
 
     def stop(self, timeout: float = 30.0) -> None:
-        everyone = [e for engines in self.engines.values() for e in engines]
-        for engine in everyone:
-            engine.child.signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for engine in everyone:
-            if engine.child.process is None:
-                continue
-            try:
-                engine.child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except Exception:
-                engine.child.process.kill()
-                engine.child.process.wait()
+        """Drain every engine, decode last (it fetches the prefill engines' last KV)."""
+        drain_in_order(self.children(), time.monotonic() + timeout)
         self._redis.close()
 
     # ---------------------------------------------------------- autoscaling

@@ -72,7 +72,17 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        """How the server exited; None while it runs (or before it started)."""
+        return None if self._process is None else self._process.poll()
+
     def start(self, timeout: float = 10.0) -> RedisServer:
+        """Start the server (again, after it died: same port, same folder)."""
         binary = find_redis_server()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = {
@@ -104,6 +114,12 @@ class RedisServer:
                 time.sleep(0.05)
             finally:
                 client.close()
+
+    def kill(self) -> None:
+        """End the server as a crash would; its port and folder stay for start()."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
 
     def stop(self) -> None:
         if self._process is not None and self._process.poll() is None:

@@ -3,7 +3,8 @@
 An embedded Redis (or --redis-url), engines for one model (Normal: one
 engine; Disaggregated: a PROMPT and a COMPLETION engine), and the gateway,
 each a child process with its log in the run folder. An engine that dies is
-restarted (with backoff); Ctrl-C or SIGTERM drains and stops everything.
+restarted (with backoff), and so is the embedded Redis; Ctrl-C or SIGTERM
+answers every request already admitted, then stops everything.
 """
 
 from __future__ import annotations
@@ -17,9 +18,14 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis
+
+from tandem.backlog import queue_depth
+from tandem.protocol import Keys
 from tandem.redis_server import RedisServer, free_port
 
 
@@ -82,9 +88,14 @@ class Child:
     ready_url: str
     restartable: bool
     process: subprocess.Popen | None = None
+    # Restarts in a row: each waits twice as long, up to 30 s; reset once it stays up.
     restarts: int = 0
     next_start: float = 0.0
+    started_at: float = 0.0
     env: dict[str, str] = field(default_factory=dict)
+    # Stopped after the engines of the stage before have drained: decode engines
+    # go last, for the prompt engines wait until decoders fetched their KV.
+    stop_stage: int = 0
 
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 (lives as long as the process)
@@ -92,6 +103,7 @@ class Child:
         self.process = subprocess.Popen(
             self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+        self.started_at = time.monotonic()
         log.close()
 
     @property
@@ -109,12 +121,41 @@ class Child:
         if self.alive:
             self.process.send_signal(signum)
 
+    def wait_or_kill(self, deadline: float) -> None:
+        """Wait for the process to exit until `deadline` (monotonic), then kill it."""
+        if self.process is None:
+            return
+        try:
+            self.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
     def tail(self, lines: int = 20) -> str:
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
+
+
+def drain_in_order(children: Iterable[Child], deadline: float) -> None:
+    """SIGTERM the children stage by stage (Child.stop_stage), each stage once the one
+    before has exited; whatever is still running at `deadline` is killed."""
+    stages: dict[int, list[Child]] = {}
+    for child in children:
+        stages.setdefault(child.stop_stage, []).append(child)
+    for stage in sorted(stages):
+        for child in stages[stage]:
+            child.signal(signal.SIGTERM)
+        for child in stages[stage]:
+            child.wait_or_kill(deadline)
+
+
+# A child that stayed up this long starts its backoff afresh when it dies.
+STABLE_AFTER_S = 60.0
+# How long stopping may take: the admitted requests answered, every process drained.
+STOP_TIMEOUT_S = 60.0
 
 
 class Stack:
@@ -131,6 +172,7 @@ class Stack:
         self.redis: RedisServer | None = None
         self.redis_url = config.redis_url or ""
         self.children: list[Child] = []
+        self.gateway: Child | None = None
         self.actuator = None  # a LocalActuator with `-f model.yaml`
         self._stop = threading.Event()
 
@@ -154,7 +196,8 @@ class Stack:
             threads = engine_threads(len(roles))
             for role in roles:
                 self.children.append(self._engine(role, threads))
-        self.children.append(self._gateway())
+        self.gateway = self._gateway()
+        self.children.append(self.gateway)
         for child in self.children:
             child.start()
         for child in starting + self.children:
@@ -196,6 +239,7 @@ class Stack:
             self.log_dir / f"engine-{role}.log",
             f"http://127.0.0.1:{port}/readyz",
             restartable=True,
+            stop_stage=1 if role == "completion" else 0,
         )
 
     def _gateway(self) -> Child:
@@ -205,6 +249,8 @@ class Stack:
             "--host", cfg.host,
             "--port", str(cfg.port),
             "--redis-url", self.redis_url,
+            # Its streams end after the engines answered them, at stop()'s pace.
+            "--shutdown-timeout", str(STOP_TIMEOUT_S),
         ]  # fmt: skip
         return Child(
             "gateway",
@@ -257,6 +303,7 @@ class Stack:
         """Until stop(): restart children that die (with backoff); run the autoscaler."""
         next_evaluation = time.monotonic() + self.config.scale_every
         while not self._stop.wait(0.5):
+            self._restart_redis_if_dead(say)
             for child in self.children:
                 self._restart_if_dead(child, say)
             if self.actuator is None:
@@ -274,12 +321,27 @@ class Stack:
                 except Exception as exc:
                     say(f"autoscaler evaluation failed: {exc}")
 
+    def _restart_redis_if_dead(self, say) -> None:
+        if self.redis is None or self.redis.alive:
+            return
+        say(
+            f"redis exited ({self.redis.returncode}); restarting it on port {self.redis.port} "
+            "(it kept no data: queued requests are lost, engines reconnect)"
+        )
+        try:
+            self.redis.start()
+        except RuntimeError as exc:  # the port was taken meanwhile: nothing can recover
+            say(f"redis could not restart: {exc}; stopping")
+            self._stop.set()
+
     def _restart_if_dead(self, child: Child, say) -> None:
         if child.alive or not child.restartable:
             return
         now = time.monotonic()
         if child.next_start == 0.0:
             code = child.process.returncode if child.process else None
+            if now - child.started_at >= STABLE_AFTER_S:
+                child.restarts = 0  # a crash after a long run is not a crash loop
             delay = min(30.0, 2.0**child.restarts)
             say(f"{child.name} exited ({code}); restarting in {delay:.0f}s")
             child.next_start = now + delay
@@ -291,28 +353,54 @@ class Stack:
     def request_stop(self) -> None:
         self._stop.set()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Drain: SIGTERM every child, wait, then kill what is left; stop Redis."""
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Answer what was admitted, then stop everything; Redis last.
+
+        The gateway first takes no new requests (those in flight go on); the
+        engines then serve the model's queue until it is empty, since no one
+        else will; then they drain, decode engines last (they fetch the prompt
+        engines' last KV); then the gateway's streams end. What is still
+        running after `timeout` seconds is killed.
+        """
         self._stop.set()
-        for child in reversed(self.children):  # gateway first: no new work
-            child.signal(signal.SIGTERM)
-        if self.actuator is not None:
-            self.actuator.stop(timeout)
         deadline = time.monotonic() + timeout
-        for child in self.children:
-            if child.process is None:
-                continue
-            try:
-                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.process.kill()
-                child.process.wait()
+        gateway = self.gateway
+        if gateway is not None:
+            gateway.signal(signal.SIGTERM)
+            if self.redis_url:
+                self._wait_for_empty_queue(deadline)
+        if self.actuator is not None:
+            self.actuator.stop(max(0.1, deadline - time.monotonic()))
+        drain_in_order([c for c in self.children if c is not gateway], deadline)
+        if gateway is not None:
+            gateway.wait_or_kill(deadline)
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+    def _engines(self) -> list[Child]:
+        engines = [c for c in self.children if c is not self.gateway]
+        if self.actuator is not None:
+            engines += self.actuator.children()
+        return engines
+
+    def _wait_for_empty_queue(self, deadline: float) -> None:
+        """Until every admitted request of the model was answered (or the deadline)."""
+        client = redis.Redis.from_url(self.redis_url, socket_timeout=2)
+        try:
+            while time.monotonic() < deadline and any(c.alive for c in self._engines()):
+                queue = queue_depth(client, Keys(), self.config.name)
+                busy = queue.total_waiting + queue.pending
+                if not busy + queue.handoff_waiting + queue.handoff_pending:
+                    return
+                time.sleep(0.2)
+        except redis.RedisError:
+            return  # nothing to wait for: no engine can serve without it
+        finally:
+            client.close()
 
     def __enter__(self) -> Stack:
         return self.start()

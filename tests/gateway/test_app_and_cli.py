@@ -7,13 +7,14 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from tandem.gateway.app import create_app
 from tandem.gateway.settings import GatewaySettings
-from tandem.redis_server import free_port
+from tandem.redis_server import RedisServer, free_port
 
 
 @pytest.mark.parametrize(
@@ -116,3 +117,19 @@ def test_without_redis_the_gateway_answers_503_and_is_not_ready(start_gateway):
         )
     assert reply.status_code == 503
     assert reply.json()["error"]["code"] == "redis_unreachable"
+
+
+def test_after_redis_restarts_no_request_fails_on_a_dead_pooled_connection(start_gateway):
+    # The gateway's pooled connections all die with Redis; each used to fail its
+    # next request with a 503 once Redis was back.
+    with RedisServer() as server:
+        gateway = start_gateway(redis_url=server.url)
+        with gateway.http() as client, ThreadPoolExecutor(8) as pool:
+
+            def ready_codes() -> list[int]:  # in parallel: several pooled connections
+                return list(pool.map(lambda _: client.get("/readyz").status_code, range(32)))
+
+            assert set(ready_codes()) == {200}
+            server.kill()
+            server.start()  # same port
+            assert ready_codes() == [200] * 32
