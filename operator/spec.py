@@ -178,8 +178,8 @@ class EngineSpec(SpecModel):
         None,
         ge=1,
         description="Longest sequence (prompt + output) served; default: the model's context "
-        "length, capped by what the KV cache holds. Set it whenever you set "
-        "maxNumBatchedTokens without chunked prefill.",
+        "length, capped by what the KV cache holds and, when maxNumBatchedTokens is set "
+        "without chunked prefill, by that budget.",
     )
     max_num_seqs: int = Field(
         _ENGINE_DEFAULTS["max_num_seqs"], ge=1, description="Most sequences running at once."

@@ -9,8 +9,10 @@ the operator all import this module.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 
 class EngineType(StrEnum):
@@ -124,6 +126,21 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+
+def derived_max_model_len(fields: Mapping[str, Any], positions: int, cache_tokens: int) -> int:
+    """max_model_len when the EngineConfig `fields` give none.
+
+    The model's positions and what the KV cache holds bound it; so, without
+    chunked prefill, does a given token budget: a sequence must fit one step to
+    be prefilled (again, after a preemption). Capping this default is what a
+    budget set alone means; refusing it crash-looped every pod that set one.
+    """
+    length = min(positions, cache_tokens)
+    budget = fields.get("max_num_batched_tokens")
+    if budget is not None and not fields.get("enable_chunked_prefill", False):
+        length = min(length, budget)
+    return length
 
 
 def _require_int(name: str, value: object, *, minimum: int) -> None:

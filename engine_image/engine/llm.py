@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tandem.engine.config import EngineConfig
+from tandem.engine.config import EngineConfig, derived_max_model_len
 from tandem.engine.drafter import NgramDrafter
 from tandem.engine.engine import Engine
 from tandem.engine.host_memory import keep_freed_memory
@@ -85,7 +85,9 @@ class LLM:
         fields = dict(engine_config_fields)
         fields.setdefault(
             "max_model_len",
-            min(loaded.config.max_position_embeddings, num_kv_blocks * block_size),
+            derived_max_model_len(
+                fields, loaded.config.max_position_embeddings, num_kv_blocks * block_size
+            ),
         )
         config = EngineConfig(vocab_size=loaded.config.vocab_size, **fields)
         self.engine = build_engine(loaded, config, num_kv_blocks, seed=seed)

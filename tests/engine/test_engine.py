@@ -166,3 +166,16 @@ def test_a_step_that_raises_ends_its_requests_not_the_engine(llm, monkeypatch):
     assert not engine.has_unfinished_requests() and engine.scheduler.kv_usage == 0
     # The engine goes on serving.
     assert len(llm.generate(["after"], params)[0].token_ids) == 4
+
+
+def test_a_budget_set_alone_caps_the_derived_context_without_chunked_prefill():
+    # A sequence must fit one step to be prefilled (again, after a preemption):
+    # with no max_model_len given, the engine takes the budget's length, not an error.
+    capped = LLM("random:tiny", num_kv_blocks=64, max_num_batched_tokens=96)
+    assert capped.engine.scheduler.config.max_model_len == 96
+    chunked = LLM(
+        "random:tiny", num_kv_blocks=64, max_num_batched_tokens=96, enable_chunked_prefill=True
+    )
+    assert chunked.engine.scheduler.config.max_model_len == 64 * 16  # what the cache holds
+    with pytest.raises(ValueError, match="smaller than max_model_len"):  # given, it is checked
+        LLM("random:tiny", num_kv_blocks=64, max_num_batched_tokens=96, max_model_len=128)

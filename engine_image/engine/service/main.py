@@ -15,7 +15,7 @@ import uuid
 import redis
 import torch
 
-from tandem.engine.config import EngineConfig
+from tandem.engine.config import EngineConfig, derived_max_model_len
 from tandem.engine.llm import build_engine
 from tandem.engine.model.loader import kv_blocks_for, load_model
 from tandem.engine.service.arguments import add_arguments, engine_fields
@@ -62,7 +62,10 @@ def serve(args: argparse.Namespace, rank: int, vote=None) -> int:
         kv_cache_bytes=args.kv_cache_memory,
     )
     fields.setdefault(
-        "max_model_len", min(loaded.config.max_position_embeddings, num_blocks * block_size)
+        "max_model_len",
+        derived_max_model_len(
+            fields, loaded.config.max_position_embeddings, num_blocks * block_size
+        ),
     )
     config = EngineConfig(vocab_size=loaded.config.vocab_size, **fields)
     engine = build_engine(loaded, config, num_blocks, seed=args.seed, vote=vote)
