@@ -23,6 +23,7 @@ import redis
 
 from tandem import catalog
 from tandem.backlog import queue_depth
+from tandem.child import Child, drain_in_order
 from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide_all
 from tandem.operator.engine_flags import engine_arguments, engine_flags
 from tandem.operator.engine_metrics import PodSample, pod_load, scrape
@@ -34,7 +35,7 @@ from tandem.operator.spec import ModelDeploymentSpec
 from tandem.operator.validation import validate_spec
 from tandem.protocol import Keys
 from tandem.redis_server import free_port
-from tandem.up import Child, drain_in_order, engine_threads
+from tandem.up import engine_threads
 
 log = logging.getLogger("tandem.local")
 
@@ -145,6 +146,7 @@ class LocalActuator:
             restartable=True,
             env={"TANDEM_REDIS_URL": self.redis_url},
             stop_stage=1 if role is RoleName.DECODE else 0,
+            live_url=f"http://127.0.0.1:{port}/healthz",
         )
         child.start()
         engine = EngineProcess(role, child, port)
@@ -157,8 +159,12 @@ class LocalActuator:
 
     def supervise(self) -> None:
         """Restart engines that died (not those draining); forget drained ones that exited."""
+        now = time.monotonic()
         for role, engines in self.engines.items():
             for engine in list(engines):
+                if engine.child.hung(now):
+                    log.warning("%s: %s stopped answering; killing it", self.name, engine.name)
+                    engine.child.kill()
                 if engine.child.alive:
                     continue
                 engines.remove(engine)

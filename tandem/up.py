@@ -12,19 +12,18 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
 
 from tandem.backlog import queue_depth
+from tandem.child import Child, drain_in_order
 from tandem.protocol import Keys
 from tandem.redis_server import RedisServer, free_port
 
@@ -78,82 +77,6 @@ class UpConfig:
         return self.served_model_name or self.model
 
 
-@dataclass
-class Child:
-    """One supervised process."""
-
-    name: str
-    argv: list[str]
-    log_path: Path
-    ready_url: str
-    restartable: bool
-    process: subprocess.Popen | None = None
-    # Restarts in a row: each waits twice as long, up to 30 s; reset once it stays up.
-    restarts: int = 0
-    next_start: float = 0.0
-    started_at: float = 0.0
-    env: dict[str, str] = field(default_factory=dict)
-    # Stopped after the engines of the stage before have drained: decode engines
-    # go last, for the prompt engines wait until decoders fetched their KV.
-    stop_stage: int = 0
-
-    def start(self) -> None:
-        log = open(self.log_path, "ab")  # noqa: SIM115 (lives as long as the process)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
-        self.process = subprocess.Popen(
-            self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        self.started_at = time.monotonic()
-        log.close()
-
-    @property
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.ready_url, timeout=1) as resp:
-                return resp.status == 200
-        except OSError:
-            return False
-
-    def signal(self, signum: int) -> None:
-        if self.alive:
-            self.process.send_signal(signum)
-
-    def wait_or_kill(self, deadline: float) -> None:
-        """Wait for the process to exit until `deadline` (monotonic), then kill it."""
-        if self.process is None:
-            return
-        try:
-            self.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-    def tail(self, lines: int = 20) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
-
-
-def drain_in_order(children: Iterable[Child], deadline: float) -> None:
-    """SIGTERM the children stage by stage (Child.stop_stage), each stage once the one
-    before has exited; whatever is still running at `deadline` is killed."""
-    stages: dict[int, list[Child]] = {}
-    for child in children:
-        stages.setdefault(child.stop_stage, []).append(child)
-    for stage in sorted(stages):
-        for child in stages[stage]:
-            child.signal(signal.SIGTERM)
-        for child in stages[stage]:
-            child.wait_or_kill(deadline)
-
-
-# A child that stayed up this long starts its backoff afresh when it dies.
-STABLE_AFTER_S = 60.0
 # How long stopping may take: the admitted requests answered, every process drained.
 STOP_TIMEOUT_S = 60.0
 
@@ -240,6 +163,7 @@ class Stack:
             f"http://127.0.0.1:{port}/readyz",
             restartable=True,
             stop_stage=1 if role == "completion" else 0,
+            live_url=f"http://127.0.0.1:{port}/healthz",
         )
 
     def _gateway(self) -> Child:
@@ -259,6 +183,7 @@ class Stack:
             f"http://{cfg.host}:{cfg.port}/readyz",
             restartable=True,
             env={"TANDEM_API_KEYS": self.api_key},
+            live_url=f"http://{cfg.host}:{cfg.port}/healthz",
         )
 
     def _wait_ready(self, say, children: list[Child]) -> None:
@@ -335,14 +260,15 @@ class Stack:
             self._stop.set()
 
     def _restart_if_dead(self, child: Child, say) -> None:
+        now = time.monotonic()
+        if child.restartable and child.hung(now):
+            say(f"{child.name} stopped answering {child.live_url}; killing it")
+            child.kill()
         if child.alive or not child.restartable:
             return
-        now = time.monotonic()
         if child.next_start == 0.0:
             code = child.process.returncode if child.process else None
-            if now - child.started_at >= STABLE_AFTER_S:
-                child.restarts = 0  # a crash after a long run is not a crash loop
-            delay = min(30.0, 2.0**child.restarts)
+            delay = child.backoff(now)
             say(f"{child.name} exited ({code}); restarting in {delay:.0f}s")
             child.next_start = now + delay
         elif now >= child.next_start:

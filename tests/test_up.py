@@ -1,7 +1,8 @@
-"""`tandem up` as a supervisor: stopping in order, Redis restarted, crash backoff."""
+"""`tandem up` as a supervisor: stopping in order, Redis restarted, hung and crashing children."""
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -10,8 +11,9 @@ import httpx
 import pytest
 from support.stacks import running_stack
 
+from tandem.child import STABLE_AFTER_S, Child
 from tandem.redis_server import free_port
-from tandem.up import STABLE_AFTER_S, Child, Stack, UpConfig
+from tandem.up import Stack, UpConfig
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -86,18 +88,47 @@ def test_a_redis_that_dies_is_restarted_and_the_stack_serves_again(tmp_path, mon
         assert stack.redis.port == port  # the engines and gateway know that address
 
 
-def test_a_crash_after_a_long_run_restarts_at_once(tmp_path):
+def test_an_engine_that_stops_answering_is_killed_and_restarted(tmp_path, monkeypatch):
+    with running_stack(config(tmp_path, monkeypatch)) as stack:
+        engine = next(c for c in stack.children if c is not stack.gateway)
+        engine.liveness_period_s, engine.liveness_failures = 0.5, 3  # 10 s and 6 in a pod
+        hung = engine.process
+        time.sleep(1.5)  # a probe sees it ready: from now on it is probed
+        hung.send_signal(signal.SIGSTOP)  # alive, but answers nothing
+        try:
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline:
+                if engine.process is not hung and engine.ready():
+                    break
+                time.sleep(0.5)
+            else:
+                pytest.fail("the hung engine was not replaced within 90 s")
+        finally:
+            hung.send_signal(signal.SIGCONT)
+        assert hung.poll() is not None  # killed, not left stopped
+        assert chat(stack.url, 4).status_code == 200
+
+
+def test_the_restart_backoff_grows_in_a_crash_loop_and_resets_after_a_long_run(tmp_path):
+    child = Child("worker", [sys.executable, "-c", "pass"], tmp_path / "w.log", "", True)
+    now = time.monotonic()
+    child.restarts, child.started_at = 5, now - 1  # died at once, the sixth time
+    assert child.backoff(now) == 30
+    child.restarts, child.started_at = 5, now - STABLE_AFTER_S - 1
+    assert child.backoff(now) == 1
+    assert child.restarts == 0
+
+
+def test_a_dead_child_is_restarted_after_its_backoff(tmp_path):
     stack = Stack(UpConfig(log_dir=tmp_path))
     child = Child("worker", [sys.executable, "-c", "pass"], tmp_path / "w.log", "", True)
     child.start()
     child.process.wait()
     said: list[str] = []
-    child.restarts = 5  # a crash loop long ago: 30 s between starts
-    child.started_at = time.monotonic() - STABLE_AFTER_S - 1
     stack._restart_if_dead(child, said.append)
     assert said == ["worker exited (0); restarting in 1s"]
-    child.next_start = 0.0
-    child.started_at = time.monotonic()  # died at once this time: backoff grows
-    child.restarts = 5
+    first = child.process
+    child.next_start = time.monotonic()  # the backoff is over
     stack._restart_if_dead(child, said.append)
-    assert said[-1] == "worker exited (0); restarting in 30s"
+    assert child.process is not first and child.restarts == 1
+    child.process.wait()

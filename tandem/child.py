@@ -1,0 +1,135 @@
+"""One process `tandem up` supervises: start, probes, restart backoff, ordered stop.
+
+The probes and their timing are the ones the operator gives engine pods in a
+cluster (docs/operator.md): readiness from /readyz, liveness from /healthz
+every 10 s with 6 failures allowed, so a process that hangs (a stopped or
+deadlocked engine) is restarted here as the kubelet would restart it there.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# A child that stayed up this long starts its backoff afresh when it dies.
+STABLE_AFTER_S = 60.0
+# The longest wait before a restart: 1, 2, 4 ... seconds, then this.
+MAX_BACKOFF_S = 30.0
+
+
+@dataclass
+class Child:
+    """One supervised process."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    ready_url: str
+    restartable: bool
+    process: subprocess.Popen | None = None
+    # Restarts in a row: each waits twice as long, up to 30 s; reset once it stays up.
+    restarts: int = 0
+    next_start: float = 0.0
+    started_at: float = 0.0
+    env: dict[str, str] = field(default_factory=dict)
+    # Stopped after the children of the stage before have drained: decode engines
+    # go last, for the prompt engines wait until decoders fetched their KV.
+    stop_stage: int = 0
+    # Liveness: GET this every liveness_period_s once the child was ready; after
+    # liveness_failures failures in a row it is hung. Empty: not probed.
+    live_url: str = ""
+    liveness_period_s: float = 10.0
+    liveness_failures: int = 6
+    _was_ready: bool = field(default=False, init=False)
+    _failures: int = field(default=0, init=False)
+    _next_probe: float = field(default=0.0, init=False)
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")  # noqa: SIM115 (lives as long as the process)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        self.process = subprocess.Popen(
+            self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        self.started_at = time.monotonic()
+        self._was_ready, self._failures, self._next_probe = False, 0, 0.0
+        log.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def ready(self) -> bool:
+        return _answers(self.ready_url)
+
+    def hung(self, now: float) -> bool:
+        """Whether the child stopped answering its liveness probe (then restart it).
+
+        Probed only once it was ready: loading a model can take minutes, and its
+        HTTP server starts after that.
+        """
+        if not self.live_url or not self.alive or now < self._next_probe:
+            return False
+        self._next_probe = now + self.liveness_period_s
+        if not self._was_ready:
+            self._was_ready = self.ready()
+            return False
+        self._failures = 0 if _answers(self.live_url) else self._failures + 1
+        return self._failures >= self.liveness_failures
+
+    def backoff(self, now: float) -> float:
+        """Seconds to wait before starting it again, now that it died."""
+        if now - self.started_at >= STABLE_AFTER_S:
+            self.restarts = 0  # a crash after a long run is not a crash loop
+        return min(MAX_BACKOFF_S, 2.0**self.restarts)
+
+    def signal(self, signum: int) -> None:
+        if self.alive:
+            self.process.send_signal(signum)
+
+    def kill(self) -> None:
+        if self.alive:
+            self.process.kill()
+            self.process.wait()
+
+    def wait_or_kill(self, deadline: float) -> None:
+        """Wait for the process to exit until `deadline` (monotonic), then kill it."""
+        if self.process is None:
+            return
+        try:
+            self.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def drain_in_order(children: Iterable[Child], deadline: float) -> None:
+    """SIGTERM the children stage by stage (Child.stop_stage), each stage once the one
+    before has exited; whatever is still running at `deadline` is killed."""
+    stages: dict[int, list[Child]] = {}
+    for child in children:
+        stages.setdefault(child.stop_stage, []).append(child)
+    for stage in sorted(stages):
+        for child in stages[stage]:
+            child.signal(signal.SIGTERM)
+        for child in stages[stage]:
+            child.wait_or_kill(deadline)
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
