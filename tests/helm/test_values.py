@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import yaml
-from support.helm import CHART, run_helm, template_args
+from support.helm import CHART, render, run_helm, template_args
 
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 VALUES_TEXT = (CHART / "values.yaml").read_text()
@@ -40,6 +40,16 @@ BAD_VALUES = [
     ),
     (["redis.enabled=false"], "redis: with redis.enabled=false set redis.external.url"),
     (["operator.namespaces={team-a}"], "operator.namespaces is for operator.scope=namespace"),
+    # Left empty in a values file (or --set to null), a block or a leaf used to
+    # render a nil-pointer error or a flag with no value.
+    (["networkPolicy.gateway=null"], "at '/networkPolicy': missing property 'gateway'"),
+    (["gateway.shutdownTimeout=null"], "at '/gateway': missing property 'shutdownTimeout'"),
+    (["fullnameOverride=a.b"], "at '/fullnameOverride'"),
+    # A second app.kubernetes.io/name would break every selector.
+    (
+        ["commonLabels.app\\.kubernetes\\.io/name=x"],
+        "invalid propertyName 'app.kubernetes.io/name'",
+    ),
 ]
 
 
@@ -102,3 +112,45 @@ def test_values_yaml_passes_its_own_schema():
     import jsonschema
 
     jsonschema.validate(yaml.safe_load(VALUES_TEXT), SCHEMA)
+
+
+def test_strings_that_read_as_other_types_stay_strings(helm):
+    # YAML 1.1 reads a bare no/on as a boolean and "tandem:" as a map.
+    sets = ["redis.appendfsync=no", "keyPrefix=tandem:", "redis.persistence.storageClass=on"]
+    manifests = render(helm, sets=sets)
+    redis = next(m for m in manifests if m["kind"] == "StatefulSet")
+    args = redis["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--appendfsync") + 1] == "no"
+    assert redis["spec"]["volumeClaimTemplates"][0]["spec"]["storageClassName"] == "on"
+    deployments = [m for m in manifests if m["kind"] == "Deployment"]
+    gateway = next(m for m in deployments if m["metadata"]["name"].endswith("-gateway"))
+    assert "--key-prefix=tandem:" in gateway["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_an_ingress_without_hosts_or_paths_is_refused(helm, tmp_path):
+    # Rendered, both were Ingresses the API server refuses (no rules, no paths).
+    cases = (([], "/gateway/ingress/hosts"), ([{"host": "a.b", "paths": []}], "/paths"))
+    for hosts, where in cases:
+        values = tmp_path / "ingress.yaml"
+        ingress = {"enabled": True, "hosts": hosts}
+        values.write_text(yaml.safe_dump({"gateway": {"ingress": ingress}}))
+        result = run_helm(helm, *template_args(CHART, values=[values]))
+        assert result.returncode != 0 and "minItems: got 0, want 1" in result.stderr
+        assert where in result.stderr
+
+
+def test_a_namespace_that_reads_as_a_boolean_stays_a_name(helm):
+    result = run_helm(helm, "template", "t", str(CHART), "--namespace", "no")
+    assert result.returncode == 0, result.stderr
+    namespaces = {d["metadata"].get("namespace") for d in yaml.safe_load_all(result.stdout) if d}
+    assert namespaces <= {"no", None}
+
+
+def test_release_names_become_service_names_or_a_clear_error(helm):
+    dotted = run_helm(helm, "template", "my.release", str(CHART))
+    assert dotted.returncode == 0, dotted.stderr
+    names = {d["metadata"]["name"] for d in yaml.safe_load_all(dotted.stdout) if d}
+    assert "my-release-tandem-gateway" in names and not any("." in n for n in names)
+    digit = run_helm(helm, "template", "1abc", str(CHART))
+    assert digit.returncode != 0
+    assert "Services need a letter first" in digit.stderr

@@ -13,16 +13,19 @@ The prefix of every object name. 40 characters at most: the longest suffix,
 "-gateway-bootstrap-key", must still fit a 63-character name.
 */}}
 {{- define "tandem.fullname" -}}
+{{- $full := "" }}
 {{- if .Values.fullnameOverride }}
-{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- $full = .Values.fullnameOverride }}
 {{- else }}
 {{- $name := default .Chart.Name .Values.nameOverride }}
-{{- if contains $name .Release.Name }}
-{{- .Release.Name | trunc 40 | trimSuffix "-" }}
-{{- else }}
-{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- $full = contains $name .Release.Name | ternary .Release.Name (printf "%s-%s" .Release.Name $name) }}
 {{- end }}
+{{- /* Service names are DNS-1035 labels: no dots, a letter first. */}}
+{{- $full = $full | replace "." "-" | trunc 40 | trimSuffix "-" }}
+{{- if not (regexMatch "^[a-z]" $full) }}
+{{- fail (printf "object names would start with %q: Services need a letter first; use a release name or fullnameOverride that starts with one" $full) }}
 {{- end }}
+{{- $full }}
 {{- end }}
 
 {{/* <fullname>-<component>: a component's Deployment, Service, ServiceAccount... */}}
@@ -43,8 +46,12 @@ app.kubernetes.io/part-of: tandem
 app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
-{{- with .root.Values.commonLabels }}
-{{ toYaml . }}
+{{- /* The chart's own labels win: a second copy of a key would break the selectors. */}}
+{{- $own := fromYaml (include "tandem.selectorLabels" .) }}
+{{- range $key, $value := .root.Values.commonLabels }}
+{{- if and (not (hasKey $own $key)) (not (has $key (list "app.kubernetes.io/part-of" "app.kubernetes.io/version" "app.kubernetes.io/managed-by" "helm.sh/chart"))) }}
+{{ $key }}: {{ $value | quote }}
+{{- end }}
 {{- end }}
 {{- end }}
 
