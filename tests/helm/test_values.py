@@ -45,6 +45,17 @@ BAD_VALUES = [
     (["networkPolicy.gateway=null"], "at '/networkPolicy': missing property 'gateway'"),
     (["gateway.shutdownTimeout=null"], "at '/gateway': missing property 'shutdownTimeout'"),
     (["fullnameOverride=a.b"], "at '/fullnameOverride'"),
+    # Keys the gateway refuses at start (a crash loop): neither form of the key, or "*"
+    # in a list of models.
+    (["gateway.auth.keys[0].name=a"], "at '/gateway/auth/keys/0': 'oneOf' failed"),
+    (
+        [
+            "gateway.auth.keys[0].name=a",
+            "gateway.auth.keys[0].key=k",
+            "gateway.auth.keys[0].models={*,m}",
+        ],
+        "at '/gateway/auth/keys/0/models/0': 'not' failed",
+    ),
     # A second app.kubernetes.io/name would break every selector.
     (
         ["commonLabels.app\\.kubernetes\\.io/name=x"],
@@ -154,3 +165,12 @@ def test_release_names_become_service_names_or_a_clear_error(helm):
     digit = run_helm(helm, "template", "1abc", str(CHART))
     assert digit.returncode != 0
     assert "Services need a letter first" in digit.stderr
+
+
+def test_the_notes_send_models_to_a_namespace_the_operator_serves(helm):
+    values = CHART / "ci" / "namespace-scoped-values.yaml"
+    served = yaml.safe_load(values.read_text())["operator"]["namespaces"][0]
+    args = ["install", "t", str(CHART), "--dry-run=client", "-n", "tandem-system"]
+    result = run_helm(helm, *args, "--values", str(values))
+    assert result.returncode == 0, result.stderr
+    assert f"kubectl apply -n {served} -f examples/smollm2-cpu.yaml" in result.stdout
