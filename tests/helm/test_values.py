@@ -174,3 +174,27 @@ def test_the_notes_send_models_to_a_namespace_the_operator_serves(helm):
     result = run_helm(helm, *args, "--values", str(values))
     assert result.returncode == 0, result.stderr
     assert f"kubectl apply -n {served} -f examples/smollm2-cpu.yaml" in result.stdout
+
+
+def test_numbers_values_yaml_documents_are_accepted(helm):
+    # values.yaml says maxmemory "0" is none; --set makes 0 and 10 integers.
+    manifests = render(helm, sets=["redis.maxmemory=0", "redis.persistence.size=10"])
+    redis = next(m for m in manifests if m["kind"] == "StatefulSet")
+    args = redis["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--maxmemory") + 1] == "0"
+    claim = redis["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]
+    assert claim["storage"] == "10"
+
+
+def test_namespace_scoped_releases_in_two_namespaces_claim_different_cluster_objects(helm):
+    values = CHART / "ci" / "namespace-scoped-values.yaml"
+
+    def cluster_scoped(namespace: str) -> set[str]:
+        args = ["template", "tandem", str(CHART), "-n", namespace, "--values", str(values)]
+        result = run_helm(helm, *args)
+        assert result.returncode == 0, result.stderr
+        docs = [d for d in yaml.safe_load_all(result.stdout) if d]
+        return {d["metadata"]["name"] for d in docs if d["kind"].startswith("Cluster")}
+
+    first, second = cluster_scoped("ops-a"), cluster_scoped("ops-b")
+    assert first and not first & second
