@@ -128,6 +128,10 @@ async def test_only_the_leader_acts_and_the_standby_takes_over(cluster, metrics,
         return MetricSources(metrics, metrics)
 
     leader = await cluster.start_operator(sources, clock=clock, priority=100)
+    # The leader's entry first: a standby whose first look at the peering finds
+    # no one else resumes, and acts until it sees the leader (one CI run saw it
+    # write in that moment).
+    await eventually(lambda: len(_peers(cluster)) == 1, what="the leader in the peering")
     standby = await cluster.start_operator(sources, clock=clock, priority=0)
     await eventually(lambda: len(_peers(cluster)) == 2, what="both replicas in the peering")
 
