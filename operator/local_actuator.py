@@ -23,7 +23,7 @@ import redis
 
 from tandem import catalog
 from tandem.backlog import queue_depth
-from tandem.child import Child, drain_in_order
+from tandem.child import Child
 from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide_all
 from tandem.operator.engine_flags import engine_arguments, engine_flags
 from tandem.operator.engine_metrics import PodSample, pod_load, scrape
@@ -172,9 +172,8 @@ class LocalActuator:
                     log.warning("%s: %s exited; starting another", self.name, engine.name)
                     self._spawn(role)
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Drain every engine, decode last (it fetches the prefill engines' last KV)."""
-        drain_in_order(self.children(), time.monotonic() + timeout)
+    def close(self) -> None:
+        """Let go of Redis. The stack stops the engines (`children()`), in order."""
         self._redis.close()
 
     # ---------------------------------------------------------- autoscaling

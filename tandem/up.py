@@ -295,9 +295,9 @@ class Stack:
             gateway.signal(signal.SIGTERM)
             if self.redis_url:
                 self._wait_for_empty_queue(deadline)
+        drain_in_order(self._engines(), deadline)  # the actuator's too
         if self.actuator is not None:
-            self.actuator.stop(max(0.1, deadline - time.monotonic()))
-        drain_in_order([c for c in self.children if c is not gateway], deadline)
+            self.actuator.close()
         if gateway is not None:
             gateway.wait_or_kill(deadline)
         if self.redis is not None:
@@ -318,9 +318,8 @@ class Stack:
         client = redis.Redis.from_url(self.redis_url, socket_timeout=2)
         try:
             while time.monotonic() < deadline and any(c.alive for c in self._engines()):
-                queue = queue_depth(client, Keys(), self.config.name)
-                busy = queue.total_waiting + queue.pending
-                if not busy + queue.handoff_waiting + queue.handoff_pending:
+                q = queue_depth(client, Keys(), self.config.name)
+                if not (q.total_waiting or q.pending or q.handoff_waiting or q.handoff_pending):
                     return
                 time.sleep(0.2)
         except redis.RedisError:

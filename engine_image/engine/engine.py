@@ -28,10 +28,6 @@ from tandem.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 log = logging.getLogger("tandem.engine")
 
 
-class ContextLengthError(ValueError):
-    """The prompt leaves less room in the context than the max_tokens asked for."""
-
-
 @dataclass(slots=True)
 class EngineOutput:
     """What one step produced for one request."""
@@ -131,14 +127,10 @@ class Engine:
 
         generated_token_ids resumes a request another engine started: those
         tokens were already sent, so they are recomputed (not sampled again) and
-        generation continues after them. exact_max_tokens: the caller asked for
-        max_tokens of room, so a prompt that leaves less raises ContextLengthError
-        (else generation stops at max_model_len, finishing with "length").
+        generation continues after them. exact_max_tokens: see Scheduler.add_request
+        (ContextLengthError).
         """
         request = self._make_request(request_id, prompt, prompt_token_ids, sampling_params)
-        if exact_max_tokens:
-            self.scheduler.check_prompt(request)  # a prompt too long on its own says so
-            self._check_room(request)
         request.priority = priority
         if generated_token_ids:
             self._check_token_ids(generated_token_ids)
@@ -146,7 +138,7 @@ class Engine:
             if _already_done(request):  # the last engine died before saying so
                 self._finished_early.append((request, "stop"))
                 return request
-        self.scheduler.add_request(request)
+        self.scheduler.add_request(request, exact_max_tokens=exact_max_tokens)
         self._track(request)
         return request
 
@@ -201,16 +193,6 @@ class Engine:
         self.scheduler.release_handoff(request_id)
         self._tracked.pop(request_id, None)
         self.runner.free(request_id)
-
-    def _check_room(self, request: Request) -> None:
-        limit = self.scheduler.config.max_model_len
-        prompt, wanted = request.num_prompt_tokens, request.sampling_params.max_tokens
-        if prompt + wanted > limit:
-            raise ContextLengthError(
-                f"This model's maximum context length is {limit} tokens. However, you "
-                f"requested {prompt + wanted} tokens ({prompt} in the prompt, {wanted} in the "
-                "completion). Please reduce the length of the prompt or of max_tokens."
-            )
 
     def _check_token_ids(self, token_ids: list[int]) -> None:
         vocab = self.config.vocab_size

@@ -33,6 +33,10 @@ class PromptTooLongError(ValueError):
     """The prompt is longer than the engine's prompt limit."""
 
 
+class ContextLengthError(ValueError):
+    """The prompt leaves less room in the context than the max_tokens asked for."""
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, vote: Vote | None = None) -> None:
         if config.num_speculative_tokens and config.vocab_size is None:
@@ -65,32 +69,38 @@ class Scheduler:
 
     # ----------------------------------------------------------- requests in
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, *, exact_max_tokens: bool = False) -> None:
         """Queue a request for prefill.
 
         Raises PromptTooLongError (a ValueError) for a prompt over the limit,
-        so it is refused at once rather than queued forever.
+        so it is refused at once rather than queued forever. exact_max_tokens:
+        the caller asked for max_tokens of room, so a prompt that leaves less
+        raises ContextLengthError (else generation stops at max_model_len).
         """
         if self.config.engine_type is EngineType.COMPLETION:
             raise ValueError(
                 "a COMPLETION engine only decodes requests prefilled elsewhere: "
                 "hand them over with admit_handoff()"
             )
-        self.check_prompt(request)
-        self._register(request)
-        self._enqueue(request)
-
-    def check_prompt(self, request: Request) -> None:
-        """Raise PromptTooLongError if the prompt is over this engine's limit."""
-        limit = self.config.prompt_limit
+        cfg = self.config
+        limit = cfg.prompt_limit
         if request.num_prompt_tokens > limit:
             raise PromptTooLongError(
                 f"prompt of request {request.request_id!r} has {request.num_prompt_tokens} "
                 f"tokens, more than this engine's limit of {limit} "
-                f"(max_model_len {self.config.max_model_len}, "
-                f"max_num_batched_tokens {self.config.max_num_batched_tokens}, "
-                f"chunked prefill {'on' if self.config.enable_chunked_prefill else 'off'})"
+                f"(max_model_len {cfg.max_model_len}, "
+                f"max_num_batched_tokens {cfg.max_num_batched_tokens}, "
+                f"chunked prefill {'on' if cfg.enable_chunked_prefill else 'off'})"
             )
+        prompt, wanted = request.num_prompt_tokens, request.sampling_params.max_tokens
+        if exact_max_tokens and prompt + wanted > cfg.max_model_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {cfg.max_model_len} tokens. However, "
+                f"you requested {prompt + wanted} tokens ({prompt} in the prompt, {wanted} in "
+                "the completion). Please reduce the length of the prompt or of max_tokens."
+            )
+        self._register(request)
+        self._enqueue(request)
 
     def _register(self, request: Request) -> None:
         if request.request_id in self.requests:

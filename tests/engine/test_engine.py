@@ -3,9 +3,8 @@
 import pytest
 
 from tandem.engine import LLM, SamplingParams
-from tandem.engine.engine import ContextLengthError
 from tandem.engine.request import RequestStatus
-from tandem.engine.scheduler import PromptTooLongError
+from tandem.engine.scheduler import ContextLengthError, PromptTooLongError
 
 
 @pytest.fixture(scope="module")
