@@ -16,7 +16,13 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from tandem.backlog import TOKENS_FIELD, QueueState, queue_depth_commands, queue_state
+from tandem.backlog import (
+    ENQUEUE_SCRIPT,
+    QueueState,
+    enqueue_call,
+    queue_depth_commands,
+    queue_state,
+)
 from tandem.engine.service.registry import read_entry
 from tandem.protocol import (
     CANCEL_TTL_SECONDS,
@@ -27,24 +33,12 @@ from tandem.protocol import (
 
 log = logging.getLogger("tandem.gateway")
 
-# KEYS: the work stream, the model's queued-tokens counter. ARGV: total tokens,
-# arguments per entry, then each entry's field/value pairs. Returns the entry ids.
-_ENQUEUE_LUA = """
-local total, width = tonumber(ARGV[1]), tonumber(ARGV[2])
-local ids = {}
-for i = 3, #ARGV, width do
-  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, i, i + width - 1))
-end
-redis.call('INCRBY', KEYS[2], total)
-return ids
-"""
-
 
 class Broker:
     def __init__(self, client: aioredis.Redis, keys: Keys) -> None:
         self.client = client
         self.keys = keys
-        self._enqueue = client.register_script(_ENQUEUE_LUA)
+        self._enqueue = client.register_script(ENQUEUE_SCRIPT)
 
     async def ping(self) -> bool:
         try:
@@ -53,33 +47,14 @@ class Broker:
             return False
 
     async def enqueue(self, items: Sequence[WorkItem]) -> list[str]:
-        """Queue work items (the n choices of one request) atomically.
-
-        As `backlog.enqueue`, per item: XADD of its fields plus `tokens`, and the
-        model's queued-tokens counter raised by as much, atomically, so the counter
-        never counts an entry that is not in a stream. One script instead of a
-        MULTI: the same effect in one command, which costs redis-py's asyncio
-        client a third less CPU per request.
-        """
+        """Queue work items (the n choices of one request) atomically, each at most
+        once: `backlog.ENQUEUE_SCRIPT`, which `backlog.enqueue` runs too. Redis runs it
+        again when its reply was lost to a dead connection (the client's retry), and
+        the items queued the first time are not queued twice."""
         if not items:
             return []
-        first = items[0]
-        if any((i.model, i.priority) != (first.model, first.priority) for i in items):
-            raise ValueError("work items queued together must share model and priority")
-        stream = self.keys.work_stream(first.model, first.priority)
-        args: list[str] = []
-        total = 0
-        for item in items:
-            tokens = item.estimated_prompt_tokens
-            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-                raise ValueError(f"estimated_prompt_tokens must be an int >= 0, got {tokens!r}")
-            fields = {**item.to_fields(), TOKENS_FIELD: str(tokens)}
-            args += [x for pair in fields.items() for x in pair]
-            total += tokens
-        width = len(args) // len(items)
-        ids = await self._enqueue(
-            keys=[stream, self.keys.queued_tokens(first.model)], args=[total, width, *args]
-        )
+        script_keys, args = enqueue_call(self.keys, items)
+        ids = await self._enqueue(keys=script_keys, args=args)
         return [_str(entry_id) for entry_id in ids]
 
     async def queue_depth(self, model: str) -> QueueState:

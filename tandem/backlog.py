@@ -11,12 +11,20 @@ pending entries, and on Redis 6.2 (no XINFO lag) `waiting = XLEN - pending`, in 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 
-from tandem.protocol import HANDOFF_GROUP, PRIORITIES, WORK_GROUP, Keys, WorkItem
+from tandem.protocol import (
+    ENQUEUED_TTL_SECONDS,
+    HANDOFF_GROUP,
+    PRIORITIES,
+    WORK_GROUP,
+    Keys,
+    WorkItem,
+)
 
 # The stream field where `enqueue` records the tokens it added to the queued-tokens
 # counter: `pull` subtracts exactly that, without parsing the JSON inside Redis (and
@@ -43,18 +51,63 @@ class QueueState:
         return sum(self.waiting.values())
 
 
+# Queues work items on one stream, each at most once. KEYS: the work stream, the
+# model's queued-tokens counter, then each item's `Keys.enqueued` marker. ARGV: the
+# markers' TTL, the values per item, then per item its tokens and its field/value
+# pairs. Returns each item's entry id.
+#
+# An item whose marker exists was queued already (a producer whose connection died
+# after Redis ran the script runs it again): it gets the entry id it got then,
+# counts no tokens and adds no entry. A second entry would be served twice, into
+# one response stream. One script: the counter never counts an entry that is not
+# in the stream, and the marker never marks one that is not.
+ENQUEUE_SCRIPT = """
+local ttl, width = ARGV[1], tonumber(ARGV[2])
+local ids, total = {}, 0
+for n = 3, #KEYS do
+  local at = 3 + (n - 3) * width
+  local id = redis.call('GET', KEYS[n])
+  if not id then
+    id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, at + 1, at + width - 1))
+    redis.call('SET', KEYS[n], id, 'EX', ttl)
+    total = total + tonumber(ARGV[at])
+  end
+  ids[#ids + 1] = id
+end
+if total > 0 then redis.call('INCRBY', KEYS[2], total) end
+return ids
+"""
+
+
+def enqueue_call(keys: Keys, items: Sequence[WorkItem]) -> tuple[list[str], list[Any]]:
+    """ENQUEUE_SCRIPT's keys and arguments for items of one model and priority."""
+    if not items:
+        raise ValueError("nothing to enqueue")
+    first = items[0]
+    if any((i.model, i.priority) != (first.model, first.priority) for i in items):
+        raise ValueError("work items queued together must share model and priority")
+    stream = keys.work_stream(first.model, first.priority)  # ValueError on a bad priority
+    args: list[Any] = []
+    for item in items:
+        tokens = item.estimated_prompt_tokens
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"estimated_prompt_tokens must be an int >= 0, got {tokens!r}")
+        fields = {**item.to_fields(), TOKENS_FIELD: str(tokens)}
+        args += [tokens, *(x for pair in fields.items() for x in pair)]
+    markers = [keys.enqueued(item.model, item.request_id) for item in items]
+    width = len(args) // len(items)
+    return [stream, keys.queued_tokens(first.model), *markers], [
+        ENQUEUED_TTL_SECONDS,
+        width,
+        *args,
+    ]
+
+
 def enqueue(client: redis.Redis, keys: Keys, item: WorkItem) -> str:
-    """Queue a request on its model's stream of its priority; returns the entry id."""
-    tokens = item.estimated_prompt_tokens
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise ValueError(f"estimated_prompt_tokens must be an int >= 0, got {tokens!r}")
-    stream = keys.work_stream(item.model, item.priority)  # ValueError on a bad priority
-    fields = {**item.to_fields(), TOKENS_FIELD: str(tokens)}
-    # MULTI: the counter never counts an entry that is not in the stream.
-    pipe = client.pipeline(transaction=True)
-    pipe.xadd(stream, fields)
-    pipe.incrby(keys.queued_tokens(item.model), tokens)
-    entry_id = pipe.execute()[0]
+    """Queue a request on its model's stream of its priority; returns the entry id.
+    Queuing a request id again returns its entry and adds nothing (ENQUEUE_SCRIPT)."""
+    script_keys, args = enqueue_call(keys, [item])
+    (entry_id,) = client.register_script(ENQUEUE_SCRIPT)(keys=script_keys, args=args)
     return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
 

@@ -83,6 +83,10 @@ class Keys:
         """Counter of (estimated) prompt tokens queued and not yet taken by an engine."""
         return f"{self.prefix}:{{{model}}}:queued_tokens"
 
+    def enqueued(self, model: str, request_id: str) -> str:
+        """Marks a request id queued (tandem.backlog's enqueue), for the entry id it got."""
+        return f"{self.prefix}:{{{model}}}:enqueued:{request_id}"
+
     def response_stream(self, request_id: str) -> str:
         return f"{self.prefix}:resp:{request_id}"
 
@@ -114,6 +118,9 @@ class Keys:
 RESPONSE_TTL_SECONDS = 600
 # A cancellation is remembered this long (a request queued longer is rare).
 CANCEL_TTL_SECONDS = 3600
+# A request id stays marked queued this long: far longer than a producer's
+# reconnect-and-retry of its enqueue (about a second), which must find it queued.
+ENQUEUED_TTL_SECONDS = 60
 # A registry entry expires this long after the engine's last heartbeat.
 ENGINE_TTL_SECONDS = 10
 

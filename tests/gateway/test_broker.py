@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 
-from tandem.backlog import enqueue, queue_depth
+from tandem.backlog import ENQUEUE_SCRIPT, enqueue, queue_depth
 from tandem.engine.service.cancellation import is_cancelled
 from tandem.engine.service.registry import Registry
 from tandem.engine.service.work_queue import WorkQueue
+from tandem.gateway.app import _redis_client
 from tandem.gateway.broker import Broker
+from tandem.gateway.settings import GatewaySettings
 from tandem.protocol import EngineInfo, Role, WorkItem
 
 
@@ -52,6 +55,82 @@ def test_n_items_queue_in_one_transaction_and_an_engine_takes_them(redis_url, ke
     pulled = queue.pull(10)
     assert [d.request_id for d in pulled.work] == ["r-0", "r-1", "r-2"]
     assert int(redis_client.get(keys.queued_tokens("m"))) == 0
+
+
+def test_a_request_id_is_queued_once_however_often_it_is_enqueued(redis_url, keys, redis_client):
+    item = WorkItem("r", "m", prompt="x", estimated_prompt_tokens=5)
+    first = enqueue(redis_client, keys, item)
+    assert enqueue(redis_client, keys, item) == first
+    items = [item, WorkItem("s", "m", prompt="y", estimated_prompt_tokens=3)]
+    ids = _run(redis_url, keys, lambda b: b.enqueue(items))
+    assert ids[0] == first and ids[1] != first
+    assert redis_client.xlen(keys.work_stream("m", 1)) == 2
+    assert int(redis_client.get(keys.queued_tokens("m"))) == 8
+
+
+class _ReplyDropper:
+    """A TCP proxy to Redis that closes the connection in place of forwarding the
+    reply to the first script call: Redis ran it, the client never hears."""
+
+    def __init__(self, redis_url: str) -> None:
+        target = urlsplit(redis_url)
+        self.target = (target.hostname, target.port)
+        self.dropped = False
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    async def _serve(self, client_r, client_w) -> None:
+        redis_r, redis_w = await asyncio.open_connection(*self.target)
+        script_sent = asyncio.Event()
+
+        async def upstream() -> None:
+            while data := await client_r.read(65536):
+                if b"EVALSHA" in data.upper() and not self.dropped:
+                    script_sent.set()
+                redis_w.write(data)
+                await redis_w.drain()
+
+        async def downstream() -> None:
+            while data := await redis_r.read(65536):
+                if script_sent.is_set() and not self.dropped:
+                    self.dropped = True
+                    break
+                client_w.write(data)
+                await client_w.drain()
+
+        tasks = [asyncio.ensure_future(upstream()), asyncio.ensure_future(downstream())]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in tasks:
+            task.cancel()
+        client_w.close()
+        redis_w.close()
+
+
+def test_an_enqueue_whose_reply_was_lost_is_not_queued_twice(redis_url, keys, redis_client):
+    # The gateway's client runs a command again on a dead connection. An enqueue
+    # that Redis ran before the connection died is run again: it must not add a
+    # second entry, which an engine would answer a second time into one stream.
+    redis_client.script_load(ENQUEUE_SCRIPT)  # the first call runs, rather than NOSCRIPT
+    item = WorkItem("r", "m", prompt="x", estimated_prompt_tokens=5)
+
+    async def main():
+        proxy = _ReplyDropper(redis_url)
+        url = await proxy.start()
+        client = _redis_client(GatewaySettings(redis_url=url, no_auth=True))
+        try:
+            ids = await Broker(client, keys).enqueue([item])
+            return proxy.dropped, ids
+        finally:
+            await client.aclose()
+            proxy.server.close()
+
+    dropped, ids = asyncio.run(main())
+    assert dropped
+    [(entry_id, _)] = redis_client.xrange(keys.work_stream("m", 1))
+    assert ids == [entry_id.decode()]
+    assert int(redis_client.get(keys.queued_tokens("m"))) == 5
 
 
 def test_queue_depth_matches_the_original(redis_url, keys, redis_client):
