@@ -31,9 +31,9 @@ from collections import deque
 from collections.abc import Sequence
 
 from tandem.backlog import QueueState
+from tandem.engine.admission import PromptTooLongError
 from tandem.engine.config import EngineType
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.scheduler import PromptTooLongError
 from tandem.engine.service.settings import WorkerSettings
 from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide_all
 from tandem.operator.engine_metrics import pod_load

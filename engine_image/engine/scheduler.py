@@ -22,19 +22,12 @@ from __future__ import annotations
 
 from collections import deque
 
+from tandem.engine.admission import check_fits
 from tandem.engine.config import EngineConfig, EngineType
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.plan import RequestOutput, ScheduledSeq, StepPlan, StepResult
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.step_vote import Point, StepVote, Vote
-
-
-class PromptTooLongError(ValueError):
-    """The prompt is longer than the engine's prompt limit."""
-
-
-class ContextLengthError(ValueError):
-    """The prompt leaves less room in the context than the max_tokens asked for."""
 
 
 class Scheduler:
@@ -70,35 +63,19 @@ class Scheduler:
     # ----------------------------------------------------------- requests in
 
     def add_request(self, request: Request, *, exact_max_tokens: bool = False) -> None:
-        """Queue a request for prefill.
-
-        Raises PromptTooLongError (a ValueError) for a prompt over the limit,
-        so it is refused at once rather than queued forever. exact_max_tokens:
-        the caller asked for max_tokens of room, so a prompt that leaves less
-        raises ContextLengthError (else generation stops at max_model_len).
-        """
+        """Queue a request for prefill; raises admission's errors (ValueErrors) for one
+        that does not fit (admission.check_fits)."""
         if self.config.engine_type is EngineType.COMPLETION:
             raise ValueError(
                 "a COMPLETION engine only decodes requests prefilled elsewhere: "
                 "hand them over with admit_handoff()"
             )
-        cfg = self.config
-        limit = cfg.prompt_limit
-        if request.num_prompt_tokens > limit:
-            raise PromptTooLongError(
-                f"prompt of request {request.request_id!r} has {request.num_prompt_tokens} "
-                f"tokens, more than this engine's limit of {limit} "
-                f"(max_model_len {cfg.max_model_len}, "
-                f"max_num_batched_tokens {cfg.max_num_batched_tokens}, "
-                f"chunked prefill {'on' if cfg.enable_chunked_prefill else 'off'})"
-            )
-        prompt, wanted = request.num_prompt_tokens, request.sampling_params.max_tokens
-        if exact_max_tokens and prompt + wanted > cfg.max_model_len:
-            raise ContextLengthError(
-                f"This model's maximum context length is {cfg.max_model_len} tokens. However, "
-                f"you requested {prompt + wanted} tokens ({prompt} in the prompt, {wanted} in "
-                "the completion). Please reduce the length of the prompt or of max_tokens."
-            )
+        check_fits(
+            self.config,
+            request.num_prompt_tokens,
+            request.sampling_params.max_tokens,
+            exact_max_tokens=exact_max_tokens,
+        )
         self._register(request)
         self._enqueue(request)
 

@@ -21,9 +21,10 @@ import pytest
 from fastapi.testclient import TestClient
 from support.helm import CHART, helm_path, run_helm, template_args
 
+from tandem.engine.admission import PromptTooLongError
 from tandem.engine.config import EngineConfig
 from tandem.engine.request import Request
-from tandem.engine.scheduler import PromptTooLongError, Scheduler
+from tandem.engine.scheduler import Scheduler
 from tandem.gateway import errors
 from tandem.gateway.admission import Admission
 from tandem.gateway.app import create_app

@@ -3,8 +3,8 @@
 import pytest
 
 from tandem.engine import LLM, SamplingParams
+from tandem.engine.admission import ContextLengthError, PromptTooLongError
 from tandem.engine.request import RequestStatus
-from tandem.engine.scheduler import ContextLengthError, PromptTooLongError
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,11 @@
 import pytest
 from support.stepping import accept_all, fake_result, next_token, run_until_idle, step
 
+from tandem.engine.admission import PromptTooLongError
 from tandem.engine.config import EngineConfig
 from tandem.engine.plan import StepResult
 from tandem.engine.request import Request, RequestStatus, SamplingParams
-from tandem.engine.scheduler import PromptTooLongError, Scheduler
+from tandem.engine.scheduler import Scheduler
 
 LONG = SamplingParams(max_tokens=100_000, ignore_eos=True)
 

@@ -9,10 +9,11 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from tandem.engine.admission import PromptTooLongError
 from tandem.engine.config import EngineConfig
 from tandem.engine.plan import StepResult
 from tandem.engine.request import Request, SamplingParams
-from tandem.engine.scheduler import PromptTooLongError, Scheduler
+from tandem.engine.scheduler import Scheduler
 
 EOS = 3
 VOCAB = 64

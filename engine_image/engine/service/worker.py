@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tandem.engine.admission import ContextLengthError, PromptTooLongError
 from tandem.engine.engine import Engine, EngineOutput
 from tandem.engine.request import SamplingParams
-from tandem.engine.scheduler import ContextLengthError, PromptTooLongError
 from tandem.engine.service.handoff_flow import HandoffFlow
 from tandem.engine.service.heartbeat import Heartbeat
 from tandem.engine.service.metrics import EngineMetrics
