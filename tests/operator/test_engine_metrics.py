@@ -76,6 +76,17 @@ def test_parses_the_gauges_and_counters_an_engine_renders():
     assert s.started_at is not None
 
 
+def test_a_data_parallel_rank_s_empty_steps_are_not_counted():
+    # An idle rank steps empty while another rank works: no step, tokens or busy time.
+    metrics, engine = EngineMetrics("tiny", "normal"), FakeEngine()
+    engine.step(metrics, prefill=False, tokens=3, seconds=0.25)
+    engine.last_step = StepStats(is_prefill=False, num_scheduled_tokens=0, num_seqs=0, seconds=1)
+    metrics.observe_step(engine)  # type: ignore[arg-type]
+    s = sample(metrics, 1.0)
+    assert s.steps_total == {"decode": 1.0}
+    assert s.step_seconds_total == pytest.approx(0.25)
+
+
 def test_an_engine_that_never_stepped_has_no_counters_yet():
     s = sample(EngineMetrics("tiny", "completion"), 0.0)
     assert s.steps_total == {} and s.steps("prefill") == 0.0

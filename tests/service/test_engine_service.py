@@ -255,6 +255,21 @@ def test_cancelling_a_running_request_frees_its_kv_at_once(engines, client, redi
     assert engine.metric("tandem_engine_requests_total", outcome="cancelled") == 1
 
 
+def test_a_request_cancelled_while_queued_is_counted_where_it_ends(
+    engines, client, redis_url, keys
+):
+    from tandem.engine.service.cancellation import cancel
+
+    rid = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 8, **GREEDY})
+    conn = redis.Redis.from_url(redis_url)
+    cancel(conn, keys, rid)  # before any engine took it
+    engine = engines("normal")
+    assert eventually(lambda: sum(conn.xlen(s) for s in keys.work_streams("tiny")) == 0)
+    conn.close()
+    assert engine.metric("tandem_engine_requests_total", outcome="cancelled") == 1
+    assert engine.metric("tandem_engine_steps_total") == 0  # and it never ran
+
+
 def test_the_waiting_tokens_integral_counts_a_prompt_from_pull_to_prefill(engines, client):
     # The autoscaler rates this counter into the mean tokens waiting; a prompt
     # waits from its pull to the end of its prefill step, so serving one adds to it.
@@ -287,8 +302,11 @@ def test_a_request_delivered_twice_runs_once(engines, client, keys, redis_url):
     engine = engines("normal")
     rid = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 8, **GREEDY})
     first = client.answer(rid)
-    client.submit(request_id=rid, prompt_token_ids=PROMPT, sampling={"max_tokens": 8, **GREEDY})
     conn = redis.Redis.from_url(redis_url)
+    # Queued again once enqueue's marker has expired (a producer retrying long after):
+    # the engine must find the answer in the response stream and not run it again.
+    assert conn.delete(keys.enqueued("tiny", rid)) == 1
+    client.submit(request_id=rid, prompt_token_ids=PROMPT, sampling={"max_tokens": 8, **GREEDY})
     assert eventually(lambda: sum(conn.xlen(s) for s in keys.work_streams("tiny")) == 0)
     conn.close()
     assert client.answer(rid).token_ids == first.token_ids  # no token twice

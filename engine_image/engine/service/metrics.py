@@ -136,12 +136,16 @@ class EngineMetrics:
     def observe_step(self, engine: Engine) -> None:
         """After each step: counters from the engine's totals, gauges from the scheduler."""
         step, totals, seen = engine.last_step, engine.totals, self._seen
-        kind = "prefill" if step.is_prefill else "decode"
-        self._steps.labels(**self._labels, kind=kind).inc()
-        self._scheduled.labels(**self._labels, kind=kind).inc(step.num_scheduled_tokens)
-        self.step_seconds.observe(step.seconds)
-        budget = engine.scheduler.config.max_num_batched_tokens
-        self.budget_utilization.set(step.num_scheduled_tokens / budget)
+        # A data-parallel rank with no work steps empty, in lockstep with the others:
+        # not a step of its own. Counted, it would dilute the budget's use and count
+        # waiting at the vote as busy time.
+        if step.num_seqs:
+            kind = "prefill" if step.is_prefill else "decode"
+            self._steps.labels(**self._labels, kind=kind).inc()
+            self._scheduled.labels(**self._labels, kind=kind).inc(step.num_scheduled_tokens)
+            self.step_seconds.observe(step.seconds)
+            budget = engine.scheduler.config.max_num_batched_tokens
+            self.budget_utilization.set(step.num_scheduled_tokens / budget)
         self.prefix_queries.inc(totals.admitted_tokens - seen.admitted_tokens)
         self.prefix_hits.inc(totals.prefix_cached_tokens - seen.prefix_cached_tokens)
         self.preemptions.inc(totals.preemptions - seen.preemptions)

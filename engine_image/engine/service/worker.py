@@ -184,8 +184,9 @@ class EngineWorker:
                 ),
             )
             return
-        if self.io.is_cancelled(rid):
+        if self.io.is_cancelled(rid):  # cancelled while queued: it ends here
             self._to_ack.append(delivery)
+            self.metrics.request_ended(str(ErrorCode.CANCELLED))
             return
         # Every delivery, not only reclaimed ones: a gateway may retry a request id.
         history = self.io.responses.history(rid)
