@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 Body = dict[str, Any]
 _RETRYABLE = frozenset({409, 429, 500, 502, 503, 504})
 COMPONENT = "tandem-operator"
+# Writes of objects built from a user's spec: an unknown field (a typo in a pod
+# `affinity`, copied verbatim) is a 400 that names it, which makes the model
+# Invalid, where the default (Warn) drops the field and the pod runs without it.
+STRICT = {"fieldValidation": "Strict"}
 
 
 @dataclass(frozen=True)
@@ -185,7 +189,8 @@ class KubeApi:
     async def create(self, obj: Mapping[str, Any]) -> Body:
         """Create `obj` in its namespace; ApiError (already_exists) if the name is taken."""
         resource = KINDS[obj["kind"]]
-        return await self._request("POST", resource.path(obj["metadata"]["namespace"]), json=obj)
+        path = resource.path(obj["metadata"]["namespace"])
+        return await self._request("POST", path, params=STRICT, json=obj)
 
     async def patch(
         self,
@@ -200,7 +205,12 @@ class KubeApi:
         path = KINDS[kind].path(namespace, name, subresource)
         try:
             return await self._request(
-                "PATCH", path, json=patch, content_type="application/merge-patch+json"
+                "PATCH",
+                path,
+                # Not the status: an older CRD prunes fields it lacks, as it should.
+                params=STRICT if subresource is None else None,
+                json=patch,
+                content_type="application/merge-patch+json",
             )
         except ApiError as error:
             if error.not_found:

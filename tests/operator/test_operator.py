@@ -212,6 +212,18 @@ async def test_a_spec_only_the_operator_refuses_is_invalid_too(cluster, operator
     assert cluster.children("m") == []
 
 
+async def test_an_unknown_field_in_a_verbatim_affinity_makes_the_model_invalid(cluster, operator):
+    # The CRD keeps `affinity` as given; the API server's default would drop the
+    # misspelt key and run the pods anywhere. The operator writes strictly.
+    typo = {"nodeAfinity": {"requiredDuringSchedulingIgnoredDuringExecution": {}}}
+    await cluster.apply(normal(minReplicas=1, affinity=typo))
+
+    await eventually(lambda: phase(cluster, "m") == "Invalid", what="phase Invalid")
+    message = condition(cluster, "m", "Invalid")["message"]
+    assert 'unknown field "spec.template.spec.affinity.nodeAfinity"' in message
+    assert not [c for c in cluster.children("m") if c["kind"] == "Deployment"]
+
+
 async def test_a_child_the_api_server_refuses_makes_the_model_invalid_until_it_passes(
     cluster, operator
 ):

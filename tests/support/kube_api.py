@@ -14,9 +14,10 @@ test's reaction answers it with an error, so it cannot inject failures.
 The write semantics are kube_store.ApiStore's; ApiServer is the HTTP side:
 every request on a known resource is answered here (get, list and watch with
 label selectors; watches snapshot and subscribe under one lock; the
-namespaces path; create, merge or JSON patch, delete), discovery stays
-kmock's, and `fail_next` answers matching requests with an injected error
-(409, 500...) before anything is stored.
+namespaces path; create, merge or JSON patch, delete; fieldValidation=Strict,
+which refuses a built-in object's unknown fields), discovery stays kmock's,
+and `fail_next` answers matching requests with an injected error (409,
+500...) before anything is stored.
 """
 
 from __future__ import annotations
@@ -155,16 +156,17 @@ class ApiServer(ApiStore):
             if found is None:
                 raise not_found(resource, name)
             return _json(found)
+        strict = request.params.get("fieldValidation") == "Strict"
         async with self._lock:
             if action == kmock.action.CREATE:
                 created = await self._create(
-                    resource, namespace, request.data or {}, self.admission
+                    resource, namespace, request.data or {}, self.admission, strict
                 )
                 return _json(created, status=201)
             if action == kmock.action.UPDATE and name is not None:
                 patch = request.data
                 return _json(
-                    await self._patch(resource, namespace, name, patch, sub, self.admission)
+                    await self._patch(resource, namespace, name, patch, sub, self.admission, strict)
                 )
             if action == kmock.action.DELETE and name is not None:
                 return _json(await self._delete(resource, namespace, name))

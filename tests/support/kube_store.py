@@ -17,6 +17,9 @@ the HTTP side and lists every gap filled):
   schema, spec errors ratcheted (an unchanged spec is not checked again);
   `admission=False` (or `admit=False` per write) stores what it is given, as
   a cluster without the CRD's rules would;
+- fieldValidation=Strict on writes of built-in kinds: an unknown field is a
+  400 naming it (kubernetes-validate's schemas; the default, Warn, is not
+  emulated: the field is kept, where a real server drops it);
 - garbage collection: removing an owner removes its dependents (background
   propagation), as kube-controller-manager does.
 
@@ -41,6 +44,7 @@ import kmock
 from kmock._internal import dicts
 
 from support.crd_schema import api_server_errors, with_defaults
+from support.manifest_schemas import unknown_fields
 
 Body = dict[str, Any]
 MODELS = kmock.resource("serving.tandem.dev", "v1alpha1", "modeldeployments")
@@ -147,9 +151,18 @@ class ApiStore(kmock.KubernetesEmulator):
         return self.admission if admit is None else admit
 
     async def _create(
-        self, resource: kmock.resource, namespace: str | None, body: Mapping[str, Any], admit: bool
+        self,
+        resource: kmock.resource,
+        namespace: str | None,
+        body: Mapping[str, Any],
+        admit: bool,
+        strict: bool = False,
     ) -> Body:
         obj = copy.deepcopy(dict(body))
+        # The server names the type of what it stores, as the URL says, when a body did not.
+        group_version = f"{resource.group}/{resource.version}".lstrip("/")
+        obj.setdefault("apiVersion", group_version)
+        obj.setdefault("kind", self.resources[resource].kind)
         meta = obj.setdefault("metadata", {})
         namespaced = bool(self.resources[resource].namespaced)
         namespace = (namespace or meta.get("namespace")) if namespaced else None
@@ -169,6 +182,8 @@ class ApiStore(kmock.KubernetesEmulator):
         meta.update(name=name, uid=str(uuid.uuid4()), generation=1, creationTimestamp=_now())
         if resource == MODELS and admit:
             obj = self._admit(obj, name)
+        if strict:
+            _strict_decode(obj)
         return await self._commit(resource, "ADDED", obj)
 
     async def _patch(
@@ -179,6 +194,7 @@ class ApiStore(kmock.KubernetesEmulator):
         patch: Any,
         subresource: str | None,
         admit: bool,
+        strict: bool = False,
     ) -> Body:
         current = self.read(resource, namespace, name)
         if current is None or subresource not in (None, "status"):
@@ -220,6 +236,8 @@ class ApiStore(kmock.KubernetesEmulator):
         meta = patched["metadata"]  # admission returns a new object
         if _spec_of(patched) != _spec_of(current):
             meta["generation"] = int(old_meta.get("generation", 1)) + 1
+        if strict and subresource is None:
+            _strict_decode(patched)
         if patched == current:
             return current  # no change: no new resourceVersion, no event
         if meta.get("deletionTimestamp") and not meta.get("finalizers"):
@@ -337,3 +355,18 @@ def _spec_of(obj: Mapping[str, Any]) -> dict[str, Any]:
 
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _strict_decode(obj: Body) -> None:
+    """fieldValidation=Strict: a built-in object with a field its kind does not define
+    is refused (the default, Warn, drops the field with a warning header)."""
+    unknown = unknown_fields(obj)
+    if unknown:
+        kind, version = obj["kind"], obj["apiVersion"].rpartition("/")[2]
+        fields = ", ".join(f'unknown field "{field}"' for field in unknown)
+        raise ApiError(
+            400,
+            "BadRequest",
+            f'{kind} in version "{version}" cannot be handled as a {kind}: '
+            f"strict decoding error: {fields}",
+        )
