@@ -149,11 +149,19 @@ _ENGINE_ANSWERS: dict[str, tuple[int, str]] = {
 def from_engine(code: str | None, message: str | None, prompt_param: str) -> GatewayError:
     """The answer to an engine's error event, with the engine's own message.
 
-    prompt_param names the field a too-long prompt came in ("messages", "prompt").
+    prompt_param names the field the prompt came in ("messages", "prompt").
     """
     status, kind = _ENGINE_ANSWERS.get(code or "", (500, SERVER))
-    too_long = code in (ErrorCode.PROMPT_TOO_LONG, ErrorCode.CONTEXT_LENGTH_EXCEEDED)
-    param = prompt_param if too_long else None
+    # The gateway checked every other field before queueing (sampling with the
+    # engine's own SamplingParams), so what an engine still refuses is the
+    # prompt: a token id outside the vocabulary, a conversation the chat
+    # template refuses, besides its length.
+    about_prompt = code in (
+        ErrorCode.PROMPT_TOO_LONG,
+        ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+        ErrorCode.INVALID_REQUEST,
+    )
+    param = prompt_param if about_prompt else None
     return GatewayError(
         status,
         message or f"engine error {code}",
@@ -239,10 +247,10 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> GatewayError:
     if not errors:
         return bad_request("invalid request")
     first = _most_specific(errors)
-    kind = first.get("type", "")
+    kind, ctx = first.get("type", ""), first.get("ctx", {})
     param = _param(first.get("loc", ()))
     if kind == "json_invalid":
-        detail = first.get("ctx", {}).get("error", "")
+        detail = ctx.get("error", "")
         return bad_request(f"The request body is not valid JSON: {detail}".rstrip(": "))
     if param is None:
         return bad_request("The body must be a JSON object (Content-Type: application/json)")
@@ -250,6 +258,12 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> GatewayError:
         return bad_request(f"Unrecognized request argument supplied: {param}", param)
     if kind == "missing":
         return bad_request(f"Missing required parameter: {param}", param)
+    if kind == "too_long" and "max_length" in ctx:  # pydantic's says "after validation"
+        return bad_request(
+            f"Invalid value for {param}: at most {ctx['max_length']} items are allowed, "
+            f"got {ctx.get('actual_length')}",
+            param,
+        )
     message = str(first.get("msg", "invalid value"))
     return bad_request(f"Invalid value for {param}: {message}", param)
 
@@ -257,11 +271,16 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> GatewayError:
 def _most_specific(errors: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
     """Of the errors about the first bad field, the deepest: a value that fits no
     member of a union gets an error per member, and the one that went furthest
-    (list[int] at index 1, not "not a string") says best what is wrong."""
+    (list[int] at index 1, not "not a string") says best what is wrong. At the
+    same depth, a member whose type matched (a list of 5 stop strings: "at most
+    4 items") went further than one whose type did not ("not a string")."""
     field = _param(errors[0].get("loc", ())) or ""
     top = field.split(".")[0].split("[")[0]
     same = [e for e in errors if (_param(e.get("loc", ())) or "").startswith(top)]
-    return max(same or errors[:1], key=lambda e: len(e.get("loc", ())))
+    return max(
+        same or errors[:1],
+        key=lambda e: (len(e.get("loc", ())), not str(e.get("type", "")).endswith("_type")),
+    )
 
 
 def _param(loc: Sequence[Any]) -> str | None:

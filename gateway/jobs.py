@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from tandem.engine.request import SamplingParams
 from tandem.gateway.errors import bad_request, not_supported
-from tandem.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from tandem.gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from tandem.gateway.settings import GatewaySettings
 from tandem.protocol import PRIORITY_HIGH, PRIORITY_LOW, PRIORITY_NORMAL, WorkItem
 
@@ -72,9 +72,12 @@ class Job:
         """The request's content, for Idempotency-Key (computed only when one is sent).
 
         Delivery (stream or not) is not part of what was asked: a client may
-        retry a stream without streaming and get the same answer.
+        retry a stream without streaming and get the same answer. Unset fields
+        are left out, so that a field a later version adds does not change the
+        digest of a request that does not use it (replicas of two versions
+        during a rolling upgrade read a retry as the same request).
         """
-        content = self.body.model_dump_json(exclude={"stream", "stream_options"})
+        content = self.body.model_dump_json(exclude={"stream", "stream_options"}, exclude_none=True)
         return hashlib.sha256(content.encode()).hexdigest()
 
 
@@ -104,7 +107,7 @@ class JobBuilder:
                 "max_completion_tokens",
             )
         max_tokens = body.max_completion_tokens or body.max_tokens
-        messages = [_message(i, m.role, m.content) for i, m in enumerate(body.messages)]
+        messages = [_message(i, m) for i, m in enumerate(body.messages)]
         chars = sum(len(m["content"]) for m in messages)
         prompt = {"messages": messages}
         return self._job("chat", body, headers, prompt, _estimate(chars), max_tokens)
@@ -203,10 +206,41 @@ def _refuse_common(body: ChatCompletionRequest | CompletionRequest) -> None:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
 
-def _message(index: int, role: str, content: Any) -> dict[str, str]:
+# Fields of OpenAI's message schemas besides role and content, by role.
+_ROLE_FIELDS = {
+    "system": {"name"},
+    "developer": {"name"},
+    "user": {"name"},
+    "assistant": {"name", "refusal", "audio", "tool_calls", "function_call", "annotations"},
+    "tool": {"tool_call_id"},
+}
+# The schema's order, so the first bad field is the one named.
+_MESSAGE_FIELDS = tuple(f for f in ChatMessage.model_fields if f not in ("role", "content"))
+# Assistant fields served only empty (a past answer had none of these), and why.
+_UNSERVED = {
+    "tool_calls": "tool calls are not supported by this server",
+    "function_call": "function calls are not supported by this server",
+    "audio": "audio is not supported by this server",
+    "refusal": "refusals are not supported by this server: send the text as content",
+}
+
+
+def _message(index: int, message: ChatMessage) -> dict[str, str]:
+    for name in _MESSAGE_FIELDS:
+        value = getattr(message, name)
+        if value is None:  # some clients send every field, null where unused
+            continue
+        param = f"messages[{index}].{name}"
+        if name not in _ROLE_FIELDS[message.role]:
+            roles = [role for role, names in _ROLE_FIELDS.items() if name in names]
+            listed = roles[0] if len(roles) == 1 else f"{', '.join(roles[:-1])} or {roles[-1]}"
+            raise bad_request(f"{param} is only allowed in {listed} messages", param)
+        if name in _UNSERVED and value:
+            raise bad_request(f"{param}: {_UNSERVED[name]}", param, "unsupported")
     # OpenAI's "developer" messages replace "system" ones; chat templates know only
     # the latter (SmolLM2's would keep its default system prompt and add a stray turn).
-    role = "system" if role == "developer" else role
+    role = "system" if message.role == "developer" else message.role
+    content = message.content
     param = f"messages[{index}].content"
     if content is None:
         if role != "assistant":
@@ -228,6 +262,10 @@ def _message(index: int, role: str, content: Any) -> dict[str, str]:
             raise bad_request(
                 f"Missing required parameter: {param}[{j}].text", f"{param}[{j}].text"
             )
+        # Parts of other types have fields of their own; a text part has only these two.
+        if part.model_extra:
+            extra = f"{param}[{j}].{next(iter(part.model_extra))}"
+            raise bad_request(f"Unrecognized request argument supplied: {extra}", extra)
         texts.append(_text(part.text, f"{param}[{j}].text"))
     # Parts are joined by newlines, as most chat servers do.
     return {"role": role, "content": "\n".join(texts)}

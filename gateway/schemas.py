@@ -44,12 +44,28 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    # Clients send name, tool_call_id and the like: not used, not an error.
-    model_config = ConfigDict(extra="allow", strict=True)
+    """A message: the fields of OpenAI's message schemas, every role's together.
+
+    Which role may set which field, and which values are served, is checked in
+    jobs.py; a field no OpenAI message has is refused here, as OpenAI does.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    # Accepted, unused (as `user`): chat templates do not render it.
     name: str | None = None
+    # Assistant messages: what a past answer had besides its text. Only empty
+    # values are served (no tools, no audio); annotations (a reply's citations,
+    # sent back by clients that append the reply) are accepted, unused.
+    refusal: str | None = None
+    audio: dict[str, object] | None = None
+    tool_calls: list[dict[str, object]] | None = None
+    function_call: dict[str, object] | None = None
+    annotations: list[dict[str, object]] | None = None
+    # Tool messages: the call answered. Accepted, unused.
+    tool_call_id: str | None = None
 
 
 class StreamOptions(BaseModel):
@@ -63,7 +79,9 @@ Penalty = Annotated[float | None, Field(allow_inf_nan=False, description="Only 0
 LogitBias = Annotated[dict[str, float] | None, Field(description="Not supported.")]
 Choices = Annotated[int | None, Field(ge=1, description="Choices to generate.")]
 StopText = Annotated[str, Field(min_length=1)]
-Stop = StopText | list[StopText] | None
+# OpenAI's limit. The engine takes any number (the offline LLM API allows more).
+MAX_STOP_SEQUENCES = 4
+Stop = StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_SEQUENCES)] | None
 Temperature = Annotated[float | None, Field(ge=0, le=2, allow_inf_nan=False)]
 TopP = Annotated[float | None, Field(gt=0, le=1, allow_inf_nan=False)]
 TopK = Annotated[int | None, Field(ge=1, description="Extension: top-k sampling.")]

@@ -4,6 +4,7 @@ gateway answers the next good request as if nothing happened."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -109,6 +110,43 @@ CASES = {
                          param="prompt"),
     "negative token id": Case(400, {"model": "tiny", "prompt": [1, -5]},
                               path="/v1/completions", param="prompt[1]"),
+    "token id outside the vocabulary": Case(400, {"model": "tiny", "prompt": [1, 99999]},
+                                            path="/v1/completions", param="prompt",
+                                            code="invalid_request",
+                                            message="outside the vocabulary"),
+    "five stop sequences": Case(400, {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, param="stop",
+                                message="at most 4 items are allowed, got 5"),
+    "five stop sequences, completions": Case(400, {"model": "tiny", "prompt": "x",
+                                                   "stop": list("abcde")},
+                                             path="/v1/completions", param="stop",
+                                             message="at most 4"),
+    "unknown field in a message": Case(400, {**GOOD, "messages": [
+        {"role": "user", "content": "Hi", "foo": 1}]}, param="messages[0].foo",
+        message="Unrecognized request argument supplied: messages[0].foo"),
+    "unknown field in a text part": Case(400, {**GOOD, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hi", "cache_control": {}}]}]},
+        param="messages[0].content[0].cache_control", message="Unrecognized"),
+    "tool calls in a message": Case(400, {**GOOD, "messages": [*USER, {
+        "role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+        "function": {"name": "f", "arguments": "{}"}}]}, *USER]},
+        param="messages[1].tool_calls", code="unsupported",
+        message="tool calls are not supported"),
+    "function call in a message": Case(400, {**GOOD, "messages": [*USER, {
+        "role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}, *USER]},
+        param="messages[1].function_call", code="unsupported",
+        message="function calls are not supported"),
+    "audio in a message": Case(400, {**GOOD, "messages": [*USER, {
+        "role": "assistant", "audio": {"id": "audio_1"}}, *USER]},
+        param="messages[1].audio", code="unsupported", message="audio is not supported"),
+    "refusal in a message": Case(400, {**GOOD, "messages": [*USER, {
+        "role": "assistant", "content": None, "refusal": "I can't."}, *USER]},
+        param="messages[1].refusal", code="unsupported", message="refusals are not supported"),
+    "tool_call_id in a user message": Case(400, {**GOOD, "messages": [
+        {"role": "user", "content": "Hi", "tool_call_id": "call_1"}]},
+        param="messages[0].tool_call_id", message="only allowed in tool messages"),
+    "refusal in a user message": Case(400, {**GOOD, "messages": [
+        {"role": "user", "content": "Hi", "refusal": "no"}]},
+        param="messages[0].refusal", message="only allowed in assistant messages"),
     "bad timeout header": Case(400, GOOD, headers={"X-Tandem-Timeout": "soon"},
                                param="X-Tandem-Timeout"),
     "bad priority header": Case(400, GOOD, headers={"X-Tandem-Priority": "urgent"},
@@ -208,6 +246,44 @@ def test_prompt_too_long_names_both_lengths(gateway):
         body = {**GOOD, "messages": [{"role": "user", "content": "lorem ipsum " * 150}]}
         message = client.post("/v1/chat/completions", json=body).json()["error"]["message"]
     assert "has " in message and " tokens, more than this engine's limit of 256" in message
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {**GOOD, "messages": [{"role": "user", "content": "ab " * 300}]}),
+        ("/v1/completions", {"model": "tiny", "prompt": [1] * 300}),
+    ],
+)
+def test_prompt_too_long_says_what_to_do_without_internal_ids(gateway, path, body):
+    # The engine's request id is the gateway's uuid: the client never saw it, and
+    # it made every such message different.
+    live, _ = gateway
+    with live.http() as client:
+        error = client.post(path, json=body).json()["error"]
+    assert error["code"] == "prompt_too_long"
+    assert not re.search(r"[0-9a-f]{32}|request", error["message"]), error["message"]
+    if path == "/v1/completions":
+        assert "300 tokens" in error["message"]
+    assert "limit of 256" in error["message"] and "Please reduce" in error["message"]
+
+
+def test_four_stop_sequences_and_every_openai_message_field_pass(gateway):
+    # Fields OpenAI's message schemas define, at the values a client that sends
+    # every field (or appends OpenAI's own reply) uses where they do not apply.
+    messages = [
+        {"role": "developer", "content": "Be terse.", "name": "ops"},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}], "name": "ann"},
+        {"role": "assistant", "content": "Hello", "refusal": None, "annotations": [],
+         "audio": None, "tool_calls": [], "function_call": None, "name": "bot"},
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+        {"role": "user", "content": "Again", "tool_call_id": None},
+    ]  # fmt: skip
+    live, _ = gateway
+    with live.http() as client:
+        body = {**GOOD, "messages": messages, "stop": ["a", "b", "c", "d"]}
+        reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
 
 
 def test_a_deadline_cancels_the_queued_work(gateway, shared_keys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import openai
 import pytest
 from support.engines import Client
 
@@ -167,3 +168,20 @@ def test_priority_field_and_header_are_accepted(sdk):
         **GREEDY,
     )
     assert high.choices[0].message.content == low.choices[0].message.content
+
+
+def test_a_reply_appended_to_the_conversation_is_accepted(sdk):
+    # OpenAI's documented pattern: the SDK sends the reply's fields back as they came.
+    first = sdk.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, **GREEDY)
+    # OpenAI's own replies also carry refusal and annotations, which it accepts back.
+    theirs = {"role": "assistant", "content": "Red.", "refusal": None, "annotations": []}
+    again = [*MESSAGES, first.choices[0].message, theirs, {"role": "user", "content": "More."}]
+    reply = sdk.chat.completions.create(model="tiny", messages=again, max_tokens=3, **GREEDY)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_more_than_four_stop_sequences_raise_naming_stop(sdk):
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk.completions.create(model="tiny", prompt="x", max_tokens=2, stop=list("abcde"))
+    assert caught.value.param == "stop"
+    assert "at most 4" in caught.value.message

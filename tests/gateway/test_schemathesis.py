@@ -70,6 +70,9 @@ def _narrowed(schema: dict[str, Any]) -> dict[str, Any]:
         "required": ["type", "text"],
     }
     components["ChatMessage"]["properties"]["content"]["anyOf"].pop()  # not null
+    # Each belongs to one role (some are served only empty): elsewhere, a 400.
+    for field in ("refusal", "audio", "tool_calls", "function_call", "annotations", "tool_call_id"):
+        components["ChatMessage"]["properties"].pop(field)
     components["ChatMessage"]["required"] = ["role", "content"]
     return schema
 
