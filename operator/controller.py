@@ -28,7 +28,7 @@ from tandem import catalog
 from tandem.operator import scaling
 from tandem.operator.autoscaler import Decision
 from tandem.operator.kube import ApiError, KubeApi
-from tandem.operator.manifests import OperatorDefaults
+from tandem.operator.manifests import OperatorDefaults, pods_of
 from tandem.operator.reconcile import (
     ChildKey,
     Plan,
@@ -117,7 +117,8 @@ class Controller:
     ) -> scaling.ScalerMemory | None:
         meta = model["metadata"]
         children = await self._children(meta["namespace"], meta["name"])
-        outcome = await self._autoscale(model, children, memory) if autoscale else None
+        pods = await self._kube.list("Pod", meta["namespace"], scaling.pod_selector(meta["name"]))
+        outcome = await self._autoscale(model, children, pods, memory) if autoscale else None
         now = _now()
         changed = outcome.changed if outcome else {}
         recorded = None
@@ -130,6 +131,7 @@ class Controller:
             now=now,
             decisions={role: d.replicas for role, d in changed.items()},
             last_scale=recorded,
+            pods=pods,
         )
         await self._apply(model, actions, outcome)
         return outcome.memory if outcome else memory
@@ -147,7 +149,11 @@ class Controller:
     # ------------------------------------------------------------------ autoscaling
 
     async def _autoscale(
-        self, model: Body, children: list[Body], memory: scaling.ScalerMemory | None
+        self,
+        model: Body,
+        children: list[Body],
+        pods: list[Body],
+        memory: scaling.ScalerMemory | None,
     ) -> _Scaling | None:
         meta = model["metadata"]
         memory = memory or scaling.ScalerMemory()
@@ -161,7 +167,6 @@ class Controller:
         if len(deployments) < len(spec.roles()):
             return _Scaling(memory)  # roles still being created: nothing to measure yet
         namespace = meta["namespace"]
-        pods = await self._kube.list("Pod", namespace, scaling.pod_selector(meta["name"]))
         try:
             redis_url = await self._redis_url(namespace, spec)
             served = spec.served_model_name(meta["name"])
@@ -181,7 +186,7 @@ class Controller:
         costs: dict[str, int] = {}
         for role_name, decision in evaluation.changed.items():
             if decision.replicas < decision.current:
-                role_pods = scaling.pods_of(pods, role_name)
+                role_pods = pods_of(pods, role_name)
                 wanted = scaling.deletion_costs(role_pods, samples)
                 costs.update(scaling.cost_changes(role_pods, wanted))
         return _Scaling(evaluation.memory, evaluation.changed, costs)

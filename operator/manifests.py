@@ -12,7 +12,7 @@ objects, which is what lets the controller repair drift by reapplying them.
 from __future__ import annotations
 
 import base64
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,8 @@ from tandem.operator.role_spec import RoleName, RoleSpec
 from tandem.operator.spec import API_VERSION, KIND, ModelDeploymentSpec
 
 DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
+ROLE_LABEL = "serving.tandem.dev/role"
+Body = Mapping[str, Any]
 _INT32 = (-(2**31), 2**31 - 1)
 
 
@@ -67,8 +69,13 @@ def labels(name: str, role_name: RoleName) -> dict[str, str]:
         **selector_labels(name, role_name),
         "app.kubernetes.io/managed-by": "tandem-operator",
         "serving.tandem.dev/model": name,
-        "serving.tandem.dev/role": role_name.value,
+        ROLE_LABEL: role_name.value,
     }
+
+
+def pods_of(pods: Sequence[Body], role_name: RoleName) -> list[Body]:
+    """The pods of one role, among a model's."""
+    return [p for p in pods if p.get("metadata", {}).get("labels", {}).get(ROLE_LABEL) == role_name]
 
 
 def child_name(name: str, role_name: RoleName) -> str:

@@ -162,6 +162,9 @@ def _engine_container(
         ),
         "readinessProbe": _probe("/readyz", period=5, failures=2),
         "livenessProbe": _probe("/healthz", period=10, failures=6),
+        # A crash's last log lines (the engine's `tandem: error: ...`) become its
+        # termination message, which the operator quotes in the model's status.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),
         "volumeMounts": mounts,
     }
@@ -211,6 +214,7 @@ def _fetch_container(spec: ModelDeploymentSpec, image: str) -> dict[str, Any]:
             "requests": {"cpu": "500m", "memory": "512Mi"},
             "limits": {"memory": "2Gi"},
         },
+        "terminationMessagePolicy": "FallbackToLogsOnError",  # as the engine's
         "securityContext": _container_security(),
         "volumeMounts": [
             {"name": "model", "mountPath": MODELS_DIR},

@@ -19,7 +19,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.operator.manifests import OperatorDefaults, Owner, build_manifests, child_name
+from tandem.operator.manifests import (
+    OperatorDefaults,
+    Owner,
+    build_manifests,
+    child_name,
+    pods_of,
+)
+from tandem.operator.pod_trouble import PodTrouble, role_trouble
 from tandem.operator.quantity import quantity_value
 from tandem.operator.role_spec import RoleName
 from tandem.operator.spec import ModelDeploymentSpec
@@ -83,11 +90,13 @@ def plan(
     now: str,
     decisions: Mapping[RoleName, int] | None = None,
     last_scale: Mapping[str, Any] | None = None,
+    pods: Sequence[Body] = (),
 ) -> Plan:
     """What to do so that the children and the status match the ModelDeployment `model`.
 
     `decisions` are the autoscaler's new counts (roles it did not change are
-    left out); `last_scale` is the status.lastScale to record with them.
+    left out); `last_scale` is the status.lastScale to record with them;
+    `pods` are the model's engine pods, whose troubles the status quotes.
     """
     meta = model["metadata"]
     previous = model.get("status") or {}
@@ -121,7 +130,12 @@ def plan(
     changed |= {ChildKey(p.kind, p.name) for p in patches}
     deployments = {r: ChildKey("Deployment", child_name(owner.name, r)) for r in spec.roles()}
     counts = {
-        role_name: _counts(found.get(key), replicas[role_name], key in changed)
+        role_name: _counts(
+            found.get(key),
+            replicas[role_name],
+            key in changed,
+            role_trouble(pods_of(pods, role_name)),
+        )
         for role_name, key in deployments.items()
     }
     new_status = valid_status(meta, counts, previous, now, last_scale)
@@ -164,7 +178,9 @@ def role_replicas(
     return counts
 
 
-def _counts(deployment: Body | None, desired: int, changing: bool) -> RoleCounts:
+def _counts(
+    deployment: Body | None, desired: int, changing: bool, trouble: PodTrouble | None
+) -> RoleCounts:
     if deployment is None:
         return RoleCounts(desired=desired, rolling=True)
     status = deployment.get("status") or {}
@@ -184,6 +200,7 @@ def _counts(deployment: Body | None, desired: int, changing: bool) -> RoleCounts
         ready=int(status.get("readyReplicas") or 0),
         rolling=changing or stale or updated < replicas,
         stalled=stalled,
+        trouble=trouble,
     )
 
 

@@ -18,13 +18,12 @@ from tandem.backlog import QueueState
 from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide
 from tandem.operator.engine_flags import HTTP_PORT
 from tandem.operator.engine_metrics import PodSample, pod_load
-from tandem.operator.manifests import DELETION_COST_ANNOTATION, selector_labels
+from tandem.operator.manifests import DELETION_COST_ANNOTATION, pods_of, selector_labels
 from tandem.operator.role_spec import DecodeRole, NormalRole, PrefillRole, RoleName, RoleSpec
 from tandem.operator.scaling_policy import ScalingPolicy, ScalingRole
 from tandem.operator.spec import ModelDeploymentSpec
 
 Body = Mapping[str, Any]
-ROLE_LABEL = "serving.tandem.dev/role"
 _MAX_REASON = 1024  # status.lastScale.reason (status_model.py)
 
 
@@ -93,10 +92,6 @@ def pod_selector(name: str) -> dict[str, str]:
     labels = selector_labels(name, RoleName.NORMAL)
     del labels["app.kubernetes.io/component"]
     return labels
-
-
-def pods_of(pods: Sequence[Body], role: RoleName) -> list[Body]:
-    return [p for p in pods if p.get("metadata", {}).get("labels", {}).get(ROLE_LABEL) == role]
 
 
 def evaluate(

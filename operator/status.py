@@ -6,8 +6,10 @@ The shape is status_model.py's (the CRD's status schema). The phase answers
 - Ready: every role has its desired pods ready and nothing is rolling.
 - Pending: no pod of any role is ready yet (a new model, or scaling from zero).
 - Progressing: some pods ready, others starting, rolling or being added.
-- Degraded: a Deployment reports it cannot progress, or a role that was
-  serving lost ready pods it still should have (crash loop, eviction, node
+- Degraded: a role is short of ready pods for a reason that will not pass by
+  itself (an engine that keeps exiting, an image that cannot be pulled:
+  pod_trouble.py quotes the pod), a Deployment reports it cannot progress, or
+  a role that was serving lost ready pods it still should have (eviction, node
   loss) outside a rollout or a scale-up.
 - Invalid: the spec was refused; the reason is in the Invalid condition.
 
@@ -22,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.operator.pod_trouble import PodTrouble
 from tandem.operator.role_spec import RoleName
 from tandem.operator.status_model import ConditionType, Phase
 
@@ -42,6 +45,8 @@ class RoleCounts:
     rolling: bool = False
     # The Deployment says it cannot progress (deadline exceeded, replica failure).
     stalled: bool = False
+    # What its pods say keeps one of them from serving, if anything.
+    trouble: PodTrouble | None = None
 
 
 def valid_status(
@@ -137,6 +142,10 @@ def _phase(counts: Mapping[RoleName, RoleCounts], previous: Body) -> tuple[Phase
     rolling = [role.value for role, c in counts.items() if c.rolling]
     if not short and not rolling:
         return Phase.READY, "AllReplicasReady", summary
+    troubled = [(role, c.trouble) for role, c in short.items() if c.trouble is not None]
+    for role, trouble in troubled:  # the pods' own words before the Deployment's
+        if trouble.degrades:
+            return Phase.DEGRADED, trouble.reason, f"{role.value}: {trouble.message}; {summary}"
     stalled = [role.value for role, c in counts.items() if c.stalled]
     if stalled:
         return (
@@ -155,6 +164,10 @@ def _phase(counts: Mapping[RoleName, RoleCounts], previous: Body) -> tuple[Phase
     ]
     if lost:
         return Phase.DEGRADED, "ReplicasUnavailable", f"{', '.join(lost)} lost pods: {summary}"
+    if troubled:  # a pod no node can take yet: waiting, with the scheduler's reason
+        role, trouble = troubled[0]
+        phase = Phase.PROGRESSING if any(c.ready for c in counts.values()) else Phase.PENDING
+        return phase, trouble.reason, f"{role.value}: {trouble.message}; {summary}"
     if not any(c.ready for c in counts.values()):
         return Phase.PENDING, "PodsStarting", f"no engine pod ready yet: {summary}"
     if rolling:

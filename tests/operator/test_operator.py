@@ -292,6 +292,39 @@ async def test_status_follows_the_readiness_of_the_pods(cluster, operator):
     await eventually(lambda: phase(cluster, "m") == "Ready", what="Ready again")
 
 
+async def test_an_engine_that_keeps_exiting_is_quoted_in_the_status(cluster, operator):
+    cluster.workloads.set_ready(NAMESPACE, "m-normal", 0)
+    await cluster.apply(normal(minReplicas=1))
+    await eventually(lambda: phase(cluster, "m") == "Pending", what="Pending")
+    (pod,) = cluster.pods("m", "normal")
+    engine = next(c for c in pod["spec"]["containers"] if c["name"] == "engine")
+    assert engine["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    crashed = {
+        "name": "engine",
+        "ready": False,
+        "restartCount": 3,
+        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+        "lastState": {
+            "terminated": {
+                "exitCode": 1,
+                "message": "tandem: error: model '/models/x' is no such file or directory",
+            }
+        },
+    }
+    # What the kubelet writes after the third exit.
+    name = pod["metadata"]["name"]
+    status = {"status": {"containerStatuses": [crashed]}}
+    await cluster.api.patch(PODS, NAMESPACE, name, status, subresource="status")
+
+    await eventually(lambda: phase(cluster, "m") == "Degraded", what="Degraded")
+    degraded = condition(cluster, "m", "Degraded")
+    assert degraded["reason"] == "EngineCrashLoop"
+    assert "model '/models/x' is no such file or directory" in degraded["message"]
+
+    cluster.workloads.set_ready(NAMESPACE, "m-normal", None)  # fixed: it serves
+    await eventually(lambda: phase(cluster, "m") == "Ready", what="Ready once it serves")
+
+
 async def test_a_cluster_wide_operator_serves_every_namespace(cluster, metrics, clock):
     await cluster.api.create(CLUSTER_PEERINGS, None, {"metadata": {"name": PEERING}})
     await cluster.start_operator(
