@@ -92,14 +92,30 @@ capabilities:
   drop: [ALL]
 {{- end }}
 
-{{/* Where a component's pods run: "values" is its values block. */}}
-{{- define "tandem.podPlacement" -}}
-{{- with .root.Values.imagePullSecrets }}
+{{/*
+imagePullSecrets of a pod spec. Values take {name: regcred}, as a pod spec does,
+or the name alone (the form this chart took first); both render {name: ...}.
+*/}}
+{{- define "tandem.imagePullSecrets" -}}
+{{- $names := list }}
+{{- range .Values.imagePullSecrets }}
+{{- if kindIs "map" . }}
+{{- $names = append $names .name }}
+{{- else }}
+{{- $names = append $names . }}
+{{- end }}
+{{- end }}
+{{- with uniq $names }}
 imagePullSecrets:
 {{- range . }}
-  - name: {{ . }}
+  - name: {{ . | quote }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/* Where a component's pods run: "values" is its values block. */}}
+{{- define "tandem.podPlacement" -}}
+{{- include "tandem.imagePullSecrets" .root }}
 {{- with .values.priorityClassName }}
 priorityClassName: {{ . }}
 {{- end }}
@@ -171,8 +187,118 @@ expands $(REDIS_PASSWORD) into the URL when the container starts.
     sizeLimit: 64Mi
 {{- end }}
 
+{{/*
+A quantity ("500m", "1.5Gi", "1e3", or a number) as its value in nano-units, a
+float64 printed as text, so that two quantities compare by value: "1Gi" equals
+"1024Mi", "0.5" equals "500m". As the API server does, it rounds up to a whole
+nano-unit and caps at 2^63-1 units. The decimal part goes through one correctly
+rounded ParseFloat and a binary suffix multiplies by a power of two (exact), so
+a <= b by value gives nanos(a) <= nanos(b): a valid pair is never refused.
+The limit: quantities that differ only past ~15 significant digits may compare
+equal (a request a hair above its limit passes here; the API server refuses it).
+*/}}
+{{- define "tandem.quantityNanos" -}}
+{{- $text := toString . }}
+{{- $grammar := `^([+-]?)([0-9]*)(?:\.([0-9]*))?([KMGTPE]i|[numkMGTPE]|[eE]([+-]?)([0-9]+))?$` }}
+{{- if not (and (regexMatch $grammar $text) (regexMatch "[0-9]" (regexReplaceAll $grammar $text "${2}${3}"))) }}
+{{- fail (printf "%q is not a Kubernetes quantity (e.g. 2, 500m, 1.5Gi)" $text) }}
+{{- end }}
+{{- $fraction := regexReplaceAll $grammar $text "${3}" }}
+{{- $suffix := regexReplaceAll $grammar $text "${4}" }}
+{{- $digits := regexReplaceAll "^0+" (regexReplaceAll $grammar $text "${2}${3}") "" }}
+{{- /* The value is $digits x 10^$exponent nano-units, times a binary suffix. */}}
+{{- $exponent := sub 9 (len $fraction) }}
+{{- $decimal := dict "n" -9 "u" -6 "m" -3 "k" 3 "M" 6 "G" 9 "T" 12 "P" 15 "E" 18 }}
+{{- $binary := dict "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "Pi" 1125899906842624 "Ei" 1152921504606846976 }}
+{{- $cap := 9223372036854775807e9 }}
+{{- $power := regexReplaceAll "^0+" (regexReplaceAll $grammar $text "${6}") "" }}
+{{- if gt (len $power) 4 }}
+{{- /* 10^10000 or more (or less): past the cap, or below one nano-unit, either way. */}}
+{{- $exponent = eq (regexReplaceAll $grammar $text "${5}") "-" | ternary -100 100 }}
+{{- else if $power }}
+{{- $exponent = add $exponent (mul (eq (regexReplaceAll $grammar $text "${5}") "-" | ternary -1 1) (atoi $power)) }}
+{{- else if hasKey $decimal $suffix }}
+{{- $exponent = add $exponent (get $decimal $suffix) }}
+{{- end }}
+{{- $nanos := 0.0 }}
+{{- if not $digits }}
+{{- /* Out of float64's range, the answer is known: the cap, or one nano-unit. */}}
+{{- else if gt (add (len $digits) $exponent) 40 }}
+{{- $nanos = $cap }}
+{{- else if lt (add (len $digits) $exponent) -40 }}
+{{- $nanos = 1.0 }}
+{{- else }}
+{{- $nanos = printf "%se%d" $digits $exponent | float64 }}
+{{- with get $binary $suffix }}
+{{- $nanos = mulf $nanos . }}
+{{- end }}
+{{- $nanos = minf (ceil $nanos) $cap }}
+{{- end }}
+{{- if hasPrefix "-" $text }}
+{{- $nanos = mulf $nanos -1 }}
+{{- end }}
+{{- $nanos }}
+{{- end }}
+
+{{/*
+The chart's own pods with a request above its limit: the API server refuses
+them ("must be less than or equal to ... limit"); say which value, by name.
+*/}}
+{{- define "tandem.resourceChecks" -}}
+{{- $workloads := dict "operator" .Values.operator "gateway" .Values.gateway "tests" .Values.tests }}
+{{- if .Values.redis.enabled }}
+{{- $_ := set $workloads "redis" .Values.redis }}
+{{- end }}
+{{- range $component, $values := $workloads }}
+{{- $limits := $values.resources.limits }}
+{{- range $name, $request := $values.resources.requests }}
+{{- if hasKey $limits $name }}
+{{- $limit := index $limits $name }}
+{{- if gt (include "tandem.quantityNanos" $request | float64) (include "tandem.quantityNanos" $limit | float64) }}
+{{- fail (printf "%s.resources.requests.%s (%v) is more than %s.resources.limits.%s (%v): the API server refuses a pod that requests more than its limit. Lower the request or raise the limit" $component $name $request $component $name $limit) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+On an upgrade, Redis' volume claim against the StatefulSet already there: the
+API server refuses any change to a StatefulSet's volumeClaimTemplates, with a
+message that names no value. `lookup` finds nothing under `helm template`,
+`helm lint` or a client-side dry run, and then there is nothing to compare.
+*/}}
+{{- define "tandem.redisClaimCheck" -}}
+{{- $name := include "tandem.componentName" (dict "root" . "component" "redis") }}
+{{- $live := lookup "apps/v1" "StatefulSet" .Release.Namespace $name }}
+{{- if and .Values.redis.enabled $live }}
+{{- $persistence := .Values.redis.persistence }}
+{{- $claim := dict }}
+{{- range dig "spec" "volumeClaimTemplates" (list) $live }}
+{{- if eq (dig "metadata" "name" "" .) "data" }}
+{{- $claim = . }}
+{{- end }}
+{{- end }}
+{{- $liveSize := toString (dig "spec" "resources" "requests" "storage" "" $claim) }}
+{{- $liveClass := toString (dig "spec" "storageClassName" "" $claim) }}
+{{- $problem := "" }}
+{{- if ne (not (empty $claim)) $persistence.enabled }}
+{{- $problem = printf "redis.persistence.enabled is %t but the Redis StatefulSet %s was made with it %t" $persistence.enabled $name (not $persistence.enabled) }}
+{{- else if and $claim $liveSize (ne (include "tandem.quantityNanos" $liveSize | float64) (include "tandem.quantityNanos" $persistence.size | float64)) }}
+{{- $problem = printf "redis.persistence.size is %v but the Redis StatefulSet %s claims %s" $persistence.size $name $liveSize }}
+{{- else if and $claim (ne $liveClass (toString $persistence.storageClass)) }}
+{{- $problem = printf "redis.persistence.storageClass is %q but the Redis StatefulSet %s claims storage class %q" (toString $persistence.storageClass) $name $liveClass }}
+{{- end }}
+{{- if $problem }}
+{{- fail (printf "%s, and Kubernetes refuses any change to a StatefulSet's volume claims. Keep the value it was made with, or see \"Changing Redis' volume\" in docs/guide.md (in short: kubectl delete statefulset %s --namespace %s --cascade=orphan, then upgrade again)" $problem $name .Release.Namespace) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* The values that cannot work together, refused before anything is made. */}}
 {{- define "tandem.checks" -}}
+{{- include "tandem.resourceChecks" . }}
+{{- include "tandem.redisClaimCheck" . }}
 {{- $auth := .Values.gateway.auth }}
 {{- if and $auth.enabled (not $auth.existingSecret) (not $auth.keys) (not $auth.bootstrapKey) }}
 {{- fail "gateway.auth: no API key source. Set gateway.auth.keys, gateway.auth.existingSecret or gateway.auth.bootstrapKey, or gateway.auth.enabled=false (no authentication)" }}
