@@ -76,6 +76,7 @@ class Controller:
         self._settings = settings
         self._defaults = OperatorDefaults(
             image=settings.engine_image,
+            image_pull_secrets=settings.engine_image_pull_secrets,
             redis_url=settings.redis_url,
             key_prefix=settings.key_prefix,
         )

@@ -154,6 +154,9 @@ def _checks(node: Mapping[str, Any]) -> str:
         checks.append(f"at most {node['maxLength']} characters")
     if "pattern" in node and not node.get("x-kubernetes-int-or-string"):
         checks.append(f"matches `{node['pattern']}`")
+    if node.get("x-kubernetes-list-type") == "map":
+        keys = ", ".join(f"`{key}`" for key in node["x-kubernetes-list-map-keys"])
+        checks.append(f"each {keys} once")
     if node.get("x-kubernetes-validations"):
         checks.append("rules: see above")
     return ", ".join(checks)

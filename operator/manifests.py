@@ -53,6 +53,8 @@ class OperatorDefaults:
     image: str
     redis_url: str
     key_prefix: str = "tandem"
+    # Secret names the engine pods pull with when spec.imagePullSecrets is unset.
+    image_pull_secrets: tuple[str, ...] = ()
 
 
 def selector_labels(name: str, role_name: RoleName) -> dict[str, str]:
@@ -129,6 +131,7 @@ def role_manifests(
             role=role,
             replicas=replicas,
             image=spec.image or defaults.image,
+            image_pull_secrets=_image_pull_secrets(spec, defaults),
             redis_env=_redis_env(spec, None if secret is None else secret["metadata"]["name"]),
             flags=flags,
         ),
@@ -195,6 +198,18 @@ def _service(
             "publishNotReadyAddresses": True,
         },
     }
+
+
+def _image_pull_secrets(spec: ModelDeploymentSpec, defaults: OperatorDefaults) -> tuple[str, ...]:
+    """The spec's list replaces the operator's default whole (an empty list: none).
+
+    Replaced, not merged: a model that names its own registry's Secret would
+    otherwise also need the default's Secret in its namespace, or get a kubelet
+    warning about it on every pull.
+    """
+    if spec.image_pull_secrets is None:
+        return defaults.image_pull_secrets
+    return tuple(secret.name for secret in spec.image_pull_secrets)
 
 
 def redis_secret_name(name: str, role_name: RoleName) -> str:

@@ -9,7 +9,7 @@ so a StatefulSet would add ordering and naming nothing uses.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tandem.operator.engine_flags import (
@@ -61,6 +61,7 @@ def deployment(
     role: RoleSpec,
     replicas: int,
     image: str,
+    image_pull_secrets: Sequence[str],
     redis_env: dict[str, Any],
     flags: Mapping[str, str],
 ) -> dict[str, Any]:
@@ -90,7 +91,9 @@ def deployment(
             "progressDeadlineSeconds": STARTUP_PROBE_PERIOD_SECONDS * STARTUP_PROBE_FAILURES + 300,
             "template": {
                 "metadata": {"labels": pod_labels, "annotations": annotations},
-                "spec": _pod_spec(spec, role_name, role, image, redis_env, flags),
+                "spec": _pod_spec(
+                    spec, role_name, role, image, image_pull_secrets, redis_env, flags
+                ),
             },
         },
     }
@@ -101,6 +104,7 @@ def _pod_spec(
     role_name: RoleName,
     role: RoleSpec,
     image: str,
+    image_pull_secrets: Sequence[str],
     redis_env: dict[str, Any],
     flags: Mapping[str, str],
 ) -> dict[str, Any]:
@@ -120,6 +124,9 @@ def _pod_spec(
             "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
+    if image_pull_secrets:
+        # The pod's, so the fetch-model init container (same image) pulls with them too.
+        pod["imagePullSecrets"] = [{"name": name} for name in image_pull_secrets]
     if spec.model.hugging_face is not None:
         pod["initContainers"] = [_fetch_container(spec, image)]
     pod["containers"] = [_engine_container(spec, role_name, role, image, redis_env, flags, mounts)]

@@ -40,7 +40,13 @@ Body = Mapping[str, Any]
 _OPTIONAL_OWNED: Mapping[str, tuple[tuple[str, ...], ...]] = {
     "Deployment": tuple(
         ("spec", "template", "spec", key)
-        for key in ("nodeSelector", "tolerations", "affinity", "initContainers")
+        for key in (
+            "nodeSelector",
+            "tolerations",
+            "affinity",
+            "initContainers",
+            "imagePullSecrets",
+        )
     ),
 }
 # Maps the operator owns whole: extra keys in the child are drift.

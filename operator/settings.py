@@ -24,6 +24,13 @@ DEFAULT_REDIS_URL = "redis://tandem-redis:6379/0"
 DEFAULT_SCRAPE_INTERVAL_S = 15.0
 DEFAULT_PEERING_NAME = "tandem-operator"
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# A Secret's name is a DNS-1123 subdomain. Here (standard library only) so that the
+# spec's imagePullSecrets (spec.py) and the operator's default share one rule.
+SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECRET_NAME_RULE = (
+    "a Secret name (a DNS-1123 subdomain) has at most 253 lowercase letters, digits, "
+    "'-' and '.', and each part between dots starts and ends with a letter or digit"
+)
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,9 @@ class OperatorSettings:
 
     # Engine image for ModelDeployments that leave spec.image out.
     engine_image: str = DEFAULT_ENGINE_IMAGE
+    # docker-registry Secrets the engine pods pull with, for ModelDeployments that leave
+    # spec.imagePullSecrets out; looked up in each model's own namespace.
+    engine_image_pull_secrets: tuple[str, ...] = ()
     # Redis for ModelDeployments that leave spec.redis out; also where the
     # autoscaler reads queue depths from.
     redis_url: str = DEFAULT_REDIS_URL
@@ -55,6 +65,13 @@ class OperatorSettings:
     def __post_init__(self) -> None:
         if not self.engine_image:
             raise ValueError("engine image must not be empty")
+        for i, name in enumerate(self.engine_image_pull_secrets):
+            if not is_secret_name(name):
+                raise ValueError(
+                    f"engine image pull secret {name!r} is not a Secret name: {SECRET_NAME_RULE}"
+                )
+            if name in self.engine_image_pull_secrets[:i]:
+                raise ValueError(f"engine image pull secret {name!r} is given twice")
         if not re.match(r"^(redis|rediss|unix)://", self.redis_url):
             raise ValueError(
                 f"redis URL must start with redis://, rediss:// or unix://: {self.redis_url!r}"
@@ -84,6 +101,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--engine-image",
         "engine_image",
         f"engine image of specs without spec.image (default {DEFAULT_ENGINE_IMAGE})",
+    )
+    flag(
+        "--engine-image-pull-secret",
+        "engine_image_pull_secrets",
+        "Secret (in each model's namespace) the engine pods pull with when spec.imagePullSecrets "
+        "is unset; repeat for more, comma-separated in the variable (default: none)",
+        action="append",
     )
     flag(
         "--redis-url",
@@ -149,7 +173,7 @@ def from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) ->
         variable = env_name(name)
         raw = env.get(variable)
         if flag is not None:
-            values[name] = tuple(flag) if name == "namespaces" else flag
+            values[name] = tuple(flag) if isinstance(flag, list) else flag
         elif raw not in (None, ""):
             try:
                 values[name] = convert(raw)
@@ -163,7 +187,12 @@ def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper().removesuffix("_S")
 
 
-def _namespaces(raw: str) -> tuple[str, ...]:
+def is_secret_name(name: str) -> bool:
+    return len(name) <= 253 and re.fullmatch(SECRET_NAME_PATTERN, name) is not None
+
+
+def _names(raw: str) -> tuple[str, ...]:
+    """A comma-separated list: "a, b" -> ("a", "b"); empty parts dropped."""
     return tuple(part.strip() for part in raw.split(",") if part.strip())
 
 
@@ -177,9 +206,10 @@ def _boolean(raw: str) -> bool:
 
 _FIELDS = {
     "engine_image": str,
+    "engine_image_pull_secrets": _names,
     "redis_url": str,
     "key_prefix": str,
-    "namespaces": _namespaces,
+    "namespaces": _names,
     "scrape_interval_s": float,
     "scrape_timeout_s": float,
     "peering_name": str,

@@ -13,13 +13,14 @@ from __future__ import annotations
 import dataclasses
 import re
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field, field_validator
 
 from tandem.engine.config import EngineConfig
 from tandem.operator.quantity import ByteQuantity
 from tandem.operator.role_spec import DecodeRole, NormalRole, PrefillRole, RoleName, RoleSpec
+from tandem.operator.settings import SECRET_NAME_PATTERN, SECRET_NAME_RULE, is_secret_name
 from tandem.operator.spec_base import CelRule, SpecModel, count_set
 
 GROUP = "serving.tandem.dev"
@@ -262,6 +263,24 @@ class RedisSpec(SpecModel):
     )
 
 
+def _check_secret_name(name: str) -> str:
+    # Its own message: pydantic's would quote the pattern, which explains nothing.
+    if not is_secret_name(name):
+        raise ValueError(f"{name!r} is not a Secret name: {SECRET_NAME_RULE}")
+    return name
+
+
+class ImagePullSecret(SpecModel):
+    """A docker-registry Secret in the model's namespace, as in a pod's `imagePullSecrets`."""
+
+    name: Annotated[str, AfterValidator(_check_secret_name)] = Field(
+        min_length=1,
+        max_length=253,
+        json_schema_extra={"pattern": SECRET_NAME_PATTERN},
+        description="The Secret's name.",
+    )
+
+
 class ModelDeploymentSpec(SpecModel):
     """One model served by Tandem engines: Normal (one role does it all) or Disaggregated."""
 
@@ -302,6 +321,18 @@ class ModelDeploymentSpec(SpecModel):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
         None, description="Kubernetes' default: Always for :latest, IfNotPresent otherwise."
     )
+    image_pull_secrets: list[ImagePullSecret] | None = Field(
+        None,
+        # Keyed by name: the API server refuses a Secret listed twice.
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["name"],
+        },
+        description="docker-registry Secrets, in this namespace, the engine pods pull the "
+        "image with; default: the operator's (its --engine-image-pull-secret setting). A list "
+        "replaces that default, not adds to it; an empty list means none. A Secret that does "
+        "not exist is only a kubelet warning: the pull goes on without it.",
+    )
     engine: EngineSpec = Field(
         default_factory=EngineSpec,
         json_schema_extra={"default": {}},
@@ -317,6 +348,18 @@ class ModelDeploymentSpec(SpecModel):
     normal: NormalRole | None = Field(None, description="Normal mode: the engines.")
     prefill: PrefillRole | None = Field(None, description="Disaggregated mode: prefill engines.")
     decode: DecodeRole | None = Field(None, description="Disaggregated mode: decode engines.")
+
+    @field_validator("image_pull_secrets")
+    @classmethod
+    def _each_secret_once(
+        cls, secrets: list[ImagePullSecret] | None
+    ) -> list[ImagePullSecret] | None:
+        seen: set[str] = set()
+        for secret in secrets or ():
+            if secret.name in seen:
+                raise ValueError(f"Secret {secret.name!r} is listed twice")
+            seen.add(secret.name)
+        return secrets
 
     def roles(self) -> dict[RoleName, RoleSpec]:
         """The roles this spec runs, in a stable order (prefill before decode)."""

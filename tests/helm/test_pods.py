@@ -37,6 +37,11 @@ def test_no_pull_secrets_no_field(renders):
         ([{"name": "regcred", "namespace": "x"}], "at '/imagePullSecrets/0'"),
         ([""], "at '/imagePullSecrets/0'"),
         ([["regcred"]], "at '/imagePullSecrets/0'"),
+        # Not a Secret name (a DNS-1123 subdomain): the operator, which passes the names to
+        # the engine pods, would refuse to start.
+        ([{"name": "Reg_Cred"}], "at '/imagePullSecrets/0/name'"),
+        (["regcred-"], "at '/imagePullSecrets/0'"),
+        (["x" * 254], "at '/imagePullSecrets/0'"),
     ],
 )
 def test_malformed_pull_secrets_are_refused(helm, tmp_path, items, message):

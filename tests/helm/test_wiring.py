@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.helm import NAMESPACE, named, of_kind, render
+from support.helm import CHART, NAMESPACE, named, of_kind, render
 
 from tandem.cli import build_parser
 from tandem.gateway.settings import GatewaySettings
@@ -58,6 +58,24 @@ def test_the_operator_settings_come_out_of_its_environment(renders, name):
     assert settings.engine_image == "ghcr.io/tandem-serving/engine:0.1.0"
     assert settings.clusterwide is (name == "defaults-values")
     assert not settings.standalone and settings.liveness_endpoint.endswith(":8080/healthz")
+
+
+@pytest.mark.parametrize(
+    ("name", "sets", "names"),
+    [
+        ("placement-values", [], ("regcred", "mirror-pull")),  # both forms values take
+        ("defaults-values", ["imagePullSecrets[0].name=regcred"], ("regcred",)),
+        ("defaults-values", ["imagePullSecrets={a,b,a}"], ("a", "b")),
+        ("defaults-values", [], ()),
+    ],
+)
+def test_the_chart_pull_secrets_are_the_engine_pods_default(helm, name, sets, names):
+    values = [CHART / "ci" / f"{name}.yaml"]
+    manifests = render(helm, values=values, sets=sets)
+    env = _env(_container(named(manifests, "Deployment", "tandem-operator")))
+    assert ("TANDEM_OPERATOR_ENGINE_IMAGE_PULL_SECRETS" in env) is bool(names)
+    settings = from_args(build_parser().parse_args(["operator"]), env)
+    assert settings.engine_image_pull_secrets == names
 
 
 def test_each_operator_pod_gets_its_own_priority(renders, tmp_path: Path):

@@ -262,6 +262,28 @@ CASES = [
     ("redis-none", NORMAL, {"spec": {"redis": {}}}, "cel", "exactly one of url"),
     ("redis-scheme", NORMAL, {"spec": {"redis": {"url": "http://r"}}}, "schema", "does not match"),
     ("pull-policy", NORMAL, {"spec": {"imagePullPolicy": "Sometimes"}}, "schema", "not one of"),
+    (
+        "pull-secrets",
+        NORMAL,
+        {"spec": {"imagePullSecrets": [{"name": "regcred"}, {"name": "r.example.com"}]}},
+        None,
+        "",
+    ),
+    ("pull-secrets-empty", NORMAL, {"spec": {"imagePullSecrets": []}}, None, ""),
+    (
+        "pull-secret-name",
+        NORMAL,
+        {"spec": {"imagePullSecrets": [{"name": "Reg_Cred"}]}},
+        "schema",
+        "does not match",
+    ),
+    (
+        "pull-secret-twice",
+        NORMAL,
+        {"spec": {"imagePullSecrets": [{"name": "r"}, {"name": "r"}]}},
+        "schema",
+        "Duplicate value",
+    ),
     ("unknown-field", NORMAL, {"spec": {"normal": {"gpus": 1}}}, "schema", 'unknown field "spec'),
     (
         "prefill-target-on-decode",

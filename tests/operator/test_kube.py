@@ -152,6 +152,35 @@ def test_flags_beat_the_environment_which_beats_the_defaults():
     assert parse().clusterwide and parse().engine_image.startswith("ghcr.io/")
 
 
+def test_engine_pull_secrets_repeat_as_flags_and_split_at_commas_in_the_variable():
+    variable = "TANDEM_OPERATOR_ENGINE_IMAGE_PULL_SECRETS"
+    assert parse().engine_image_pull_secrets == ()
+    assert parse(env={variable: " regcred, mirror.example.com,,"}).engine_image_pull_secrets == (
+        "regcred",
+        "mirror.example.com",
+    )
+    flags = parse(
+        "--engine-image-pull-secret", "a", "--engine-image-pull-secret", "b", env={variable: "c"}
+    )
+    assert flags.engine_image_pull_secrets == ("a", "b")  # the flags, not the variable
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--engine-image-pull-secret", "Reg_Cred"], {}, "'Reg_Cred' is not a Secret name: a "),
+        ([], {"TANDEM_OPERATOR_ENGINE_IMAGE_PULL_SECRETS": "ok,-bad"}, "'-bad' is not a Secret"),
+        (["--engine-image-pull-secret", "a,b"], {}, "'a,b' is not a Secret name"),
+        (["--engine-image-pull-secret", ""], {}, "'' is not a Secret name"),
+        (["--engine-image-pull-secret", "x" * 254], {}, "at most 253"),
+        (["--engine-image-pull-secret", "r"] * 2, {}, "'r' is given twice"),
+    ],
+)
+def test_bad_engine_pull_secrets_are_refused(argv, env, message):
+    with pytest.raises(ValueError, match=message):
+        parse(*argv, env=env)
+
+
 def test_bad_settings_name_the_variable():
     with pytest.raises(ValueError, match="TANDEM_OPERATOR_SCRAPE_INTERVAL"):
         parse(env={"TANDEM_OPERATOR_SCRAPE_INTERVAL": "soon"})

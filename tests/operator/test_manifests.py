@@ -61,10 +61,15 @@ def _load(path: Path) -> tuple[Owner, ModelDeploymentSpec]:
     return owner, validate_spec(obj["spec"], name=name)
 
 
-def _build(owner: Owner, spec: ModelDeploymentSpec, **overrides: int) -> list[dict[str, Any]]:
+def _build(
+    owner: Owner,
+    spec: ModelDeploymentSpec,
+    defaults: OperatorDefaults = DEFAULTS,
+    **overrides: int,
+) -> list[dict[str, Any]]:
     replicas = {role: r.initial_replicas for role, r in spec.roles().items()}
     replicas.update({RoleName(k): v for k, v in overrides.items()})
-    return build_manifests(owner, spec, replicas, DEFAULTS)
+    return build_manifests(owner, spec, replicas, defaults)
 
 
 def _spec(raw: dict[str, Any]) -> ModelDeploymentSpec:
@@ -311,6 +316,39 @@ def test_replicas_image_and_builder_errors():
         role_manifests(owner, spec, RoleName.DECODE, 1, DEFAULTS)
     with pytest.raises(ValueError, match="replicas must be at least 0"):
         role_manifests(owner, spec, RoleName.NORMAL, -1, DEFAULTS)
+
+
+def test_pull_secrets_come_from_the_spec_else_the_operator_never_both():
+    owner = Owner("m", "ns", "uid")
+    operator_default = OperatorDefaults(
+        image=DEFAULTS.image, redis_url=DEFAULTS.redis_url, image_pull_secrets=("regcred", "mirror")
+    )
+    split = {
+        "model": {"huggingFace": {"id": "o/m"}},  # the fetch-model init container's pod too
+        "mode": "Disaggregated",
+        "prefill": {},
+        "decode": {},
+    }
+
+    def pull_secrets(extra: dict[str, Any], defaults: OperatorDefaults) -> dict[str, Any]:
+        manifests = _build(owner, _spec({**split, **extra}), defaults)
+        for manifest in manifests:
+            kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
+        pods = {role: _pod(manifests, role)["spec"] for role in ("prefill", "decode")}
+        assert all(pod["initContainers"][0]["name"] == "fetch-model" for pod in pods.values())
+        return {role: pod.get("imagePullSecrets") for role, pod in pods.items()}
+
+    defaulted = [{"name": "regcred"}, {"name": "mirror"}]
+    assert pull_secrets({}, operator_default) == {"prefill": defaulted, "decode": defaulted}
+    # The spec's list replaces the default whole, in its order.
+    own = {"imagePullSecrets": [{"name": "team-b"}, {"name": "regcred"}]}
+    mine = [{"name": "team-b"}, {"name": "regcred"}]
+    assert pull_secrets(own, operator_default) == {"prefill": mine, "decode": mine}
+    assert pull_secrets(own, DEFAULTS) == {"prefill": mine, "decode": mine}
+    # An empty list: none, default or not; neither: none, and no empty field.
+    none = {"prefill": None, "decode": None}
+    assert pull_secrets({"imagePullSecrets": []}, operator_default) == none
+    assert pull_secrets({}, DEFAULTS) == none
 
 
 def test_pod_deletion_cost_patch():

@@ -343,6 +343,37 @@ async def test_a_cluster_wide_operator_serves_every_namespace(cluster, metrics, 
     assert cluster.api.read(CHILDREN["Deployment"], "team-b", "m-normal") is not None
 
 
+async def test_engine_pods_pull_with_the_specs_secrets_else_the_operators(cluster, metrics, clock):
+    await cluster.start_operator(
+        lambda: MetricSources(metrics, metrics),
+        clock=clock,
+        engine_image_pull_secrets=("regcred", "mirror"),
+    )
+    own = normal("own")
+    own["spec"]["imagePullSecrets"] = [{"name": "team-b"}]
+    await cluster.apply(normal("plain"))
+    await cluster.apply(own)
+
+    def pull_secrets(name: str) -> list[str] | None:
+        deployment = cluster.child("Deployment", f"{name}-normal")
+        if deployment is None:
+            return None
+        secrets = deployment["spec"]["template"]["spec"].get("imagePullSecrets", [])
+        return [secret["name"] for secret in secrets]
+
+    await eventually(lambda: pull_secrets("plain") == ["regcred", "mirror"], what="the default")
+    await eventually(lambda: pull_secrets("own") == ["team-b"], what="the spec's, alone")
+    (pod,) = await eventually(lambda: cluster.pods("own", "normal"), what="a pod")
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "team-b"}]
+
+    # Taken out of the spec, the list falls back to the default; emptied, it goes.
+    await cluster.patch_model("own", {"spec": {"imagePullSecrets": None}})
+    await cluster.patch_model("plain", {"spec": {"imagePullSecrets": []}})
+    await eventually(lambda: pull_secrets("own") == ["regcred", "mirror"], what="the default")
+    await eventually(lambda: pull_secrets("plain") == [], what="no pull secrets")
+    await eventually(lambda: phase(cluster, "plain") == phase(cluster, "own") == "Ready")
+
+
 async def test_deleting_the_model_deletes_its_children(cluster, operator):
     await cluster.apply(example("llama-8b-disaggregated"))
     await eventually(lambda: phase(cluster, "llama-8b-split") == "Ready")

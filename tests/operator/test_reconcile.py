@@ -117,6 +117,17 @@ def test_owned_fields_changed_removed_or_added_are_drift_and_repaired():
     assert patch["metadata"]["ownerReferences"][0]["uid"] == "u-1"
 
 
+def test_pull_secrets_taken_out_of_the_spec_are_taken_out_of_the_pods():
+    # A merge patch only adds: without a null for it, the old Secret would stay forever.
+    with_secret = model()
+    with_secret["spec"]["imagePullSecrets"] = [{"name": "regcred"}]
+    children = children_of(with_secret)
+    (patch,) = plan(model(), children, DEFAULTS, now=NOW).patches
+    assert patch.drift == ("spec.template.spec.imagePullSecrets",)
+    assert patch.patch["spec"]["template"]["spec"]["imagePullSecrets"] is None
+    assert plan(with_secret, children, DEFAULTS, now=NOW).patches == ()
+
+
 def test_extra_configmap_keys_are_drift():
     config = next(c for c in children_of(model()) if c["kind"] == "ConfigMap")
     desired = copy.deepcopy(config)

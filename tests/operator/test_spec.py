@@ -94,6 +94,18 @@ def test_roles_in_mode_order_and_their_engine_roles():
     assert RoleName.NORMAL.engine_role is Role.NORMAL
 
 
+def test_image_pull_secrets_take_the_pod_spec_form_and_an_empty_list_stays():
+    assert ModelDeploymentSpec.model_validate(MINIMAL).image_pull_secrets is None
+    names = ["regcred", "registry.example.com", "a", "0-mirror-9", "x" * 253]
+    raw = {**MINIMAL, "imagePullSecrets": [{"name": n} for n in names]}
+    spec = ModelDeploymentSpec.model_validate(raw)
+    assert [s.name for s in spec.image_pull_secrets] == names
+    assert spec.to_dict()["imagePullSecrets"] == raw["imagePullSecrets"]
+    # Empty is not unset: it overrides the operator's default with none (manifests.py).
+    empty = ModelDeploymentSpec.model_validate({**MINIMAL, "imagePullSecrets": []})
+    assert empty.image_pull_secrets == [] and empty.to_dict()["imagePullSecrets"] == []
+
+
 def test_served_model_name_defaults_to_the_object_name():
     spec = ModelDeploymentSpec.model_validate(MINIMAL)
     assert spec.served_model_name("llama") == "llama"
@@ -118,6 +130,18 @@ def test_served_model_name_defaults_to_the_object_name():
             {"normal": {"resources": {"limits": {"nvidia.com/gpu": "0.5"}}}},
             "limits.nvidia.com/gpu: an extended resource must be a whole number, got '0.5'",
         ),
+        # Secret names are DNS-1123 subdomains; the message says what one is.
+        ({"imagePullSecrets": [{"name": "RegCred"}]}, "'RegCred' is not a Secret name: a "),
+        ({"imagePullSecrets": [{"name": "reg_cred"}]}, "'reg_cred' is not a Secret name"),
+        ({"imagePullSecrets": [{"name": "regcred-"}]}, "'regcred-' is not a Secret name"),
+        ({"imagePullSecrets": [{"name": "a..b"}]}, "each part between dots starts and ends"),
+        ({"imagePullSecrets": [{"name": ""}]}, "at least 1 character"),
+        ({"imagePullSecrets": [{"name": "x" * 254}]}, "at most 253 characters"),
+        ({"imagePullSecrets": [{"name": "r"}, {"name": "r"}]}, "Secret 'r' is listed twice"),
+        # The pod-spec form only: a bare name, or a namespace (pods use their own), is refused.
+        ({"imagePullSecrets": ["regcred"]}, "valid dictionary"),
+        ({"imagePullSecrets": [{"name": "r", "namespace": "x"}]}, r"Secrets\.0\.namespace"),
+        ({"imagePullSecrets": {"name": "r"}}, "valid list"),
     ],
 )
 def test_bad_values_are_refused_with_a_clear_message(change, message):
@@ -197,7 +221,14 @@ _queued = {"targetQueuedTokensPerReplica": st.integers(1, 10**6)}
 _specs = st.one_of(
     st.fixed_dictionaries(
         {"model": _model, "engine": _engine, "normal": _role({**_kv, **_queued})},
-        optional={"mode": st.just("Normal")},
+        optional={
+            "mode": st.just("Normal"),
+            "imagePullSecrets": st.lists(
+                st.fixed_dictionaries({"name": st.sampled_from(["a", "b.c", "d-1"])}),
+                max_size=3,
+                unique_by=lambda s: s["name"],
+            ),
+        },
     ),
     st.fixed_dictionaries(
         {

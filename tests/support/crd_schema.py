@@ -3,7 +3,8 @@
 Given a CRD's openAPIV3Schema and an object, in the API server's order:
 apply the schema's defaults, refuse unknown fields (kubectl's strict field
 validation), check the schema (jsonschema, draft 4: OpenAPI 3.0's boolean
-exclusive bounds), then evaluate every CEL rule (x-kubernetes-validations) at
+exclusive bounds) and that no two items of an x-kubernetes-list-type map list
+share their keys, then evaluate every CEL rule (x-kubernetes-validations) at
 its node with cel-python, `self` bound to the value there. Only `self` is
 bound (no oldSelf: these are create-time checks), and only the CEL the
 Tandem CRD uses is needed: has(), ternaries, arithmetic, comparisons,
@@ -77,6 +78,24 @@ def schema_errors(schema: Mapping[str, Any], value: Any) -> list[str]:
     ]
 
 
+def list_key_errors(schema: Mapping[str, Any], value: Any) -> list[str]:
+    """Items of an x-kubernetes-list-type map list that repeat another's keys (a Duplicate
+    value to the API server, which jsonschema has no word for)."""
+    errors = []
+    for path, node, here in _nodes(schema, value, ""):
+        if node.get("x-kubernetes-list-type") != "map" or not isinstance(here, list):
+            continue
+        seen = set()
+        for i, item in enumerate(here):
+            if not isinstance(item, dict):
+                continue
+            keys = json.dumps({k: item.get(k) for k in node["x-kubernetes-list-map-keys"]})
+            if keys in seen:
+                errors.append(f"{path}[{i}]: Duplicate value: {keys}")
+            seen.add(keys)
+    return errors
+
+
 @functools.cache
 def _program(rule: str) -> celpy.Runner:
     env = celpy.Environment()
@@ -123,4 +142,5 @@ def api_server_errors(schema: Mapping[str, Any], obj: Mapping[str, Any]) -> list
     """
     defaulted = with_defaults(schema, obj)
     errors = unknown_fields(schema, defaulted) + schema_errors(schema, defaulted)
+    errors += list_key_errors(schema, defaulted)
     return errors or cel_errors(schema, defaulted)

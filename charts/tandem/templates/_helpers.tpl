@@ -93,10 +93,10 @@ capabilities:
 {{- end }}
 
 {{/*
-imagePullSecrets of a pod spec. Values take {name: regcred}, as a pod spec does,
-or the name alone (the form this chart took first); both render {name: ...}.
+The names of the imagePullSecrets value, each once, as JSON. Values take {name: regcred},
+as a pod spec does, or the name alone (the form this chart took first).
 */}}
-{{- define "tandem.imagePullSecrets" -}}
+{{- define "tandem.imagePullSecretNames" -}}
 {{- $names := list }}
 {{- range .Values.imagePullSecrets }}
 {{- if kindIs "map" . }}
@@ -105,7 +105,12 @@ or the name alone (the form this chart took first); both render {name: ...}.
 {{- $names = append $names . }}
 {{- end }}
 {{- end }}
-{{- with uniq $names }}
+{{- toJson (uniq $names) }}
+{{- end }}
+
+{{/* imagePullSecrets of a pod spec: every name as {name: ...}. */}}
+{{- define "tandem.imagePullSecrets" -}}
+{{- with include "tandem.imagePullSecretNames" . | fromJsonArray }}
 imagePullSecrets:
 {{- range . }}
   - name: {{ . | quote }}
