@@ -4,9 +4,10 @@
 
 One forward pass over every scheduled token of the step (prompt chunks, or
 each sequence's last token plus its drafts), logits only for the rows that
-are sampled, then the sampler (which verifies drafts) and the drafter (which
-proposes the next ones). The runner keeps no per-request state of its own
-beyond what the sampler and drafter hold; `free` drops it.
+are sampled (and, when they are all greedy, only their argmax), then the
+sampler (which verifies drafts) and the drafter (which proposes the next
+ones). The runner keeps no per-request state of its own beyond what the
+sampler and drafter hold; `free` drops it.
 """
 
 from __future__ import annotations
@@ -79,10 +80,15 @@ class ModelRunner:
         if len(sample_rows) != len(input_ids):
             index = torch.tensor(sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
             hidden = hidden.index_select(0, index)
-        logits = self.model.compute_logits(hidden)
-
         rows = rows_for_plan(plan)
-        tokens = self.sampler.sample(logits, rows)
+        # A step whose rows are all greedy needs their argmax only (greedy_head.py).
+        greedy = None
+        if all(row.sampling_params.temperature == 0.0 for row in rows):
+            greedy = self.model.greedy_tokens(hidden)
+        if greedy is not None:
+            tokens = self.sampler.accept_greedy(greedy.tolist(), rows)
+        else:
+            tokens = self.sampler.sample(self.model.compute_logits(hidden), rows)
         sampled = {row.request_id: toks for row, toks in zip(rows, tokens, strict=True)}
         if self.drafter is None:
             return StepResult(sampled)

@@ -145,23 +145,20 @@ class Sampler:
                     tokens[row] = tok
         if rand:
             self._sample_random(logits, rows, rand, draft_probs, tokens, accept)
+        return _emitted(rows, tokens, accept)
 
-        out: list[list[int]] = []
+    def accept_greedy(self, tokens: list[int], rows: list[SampleRows]) -> list[list[int]]:
+        """As `sample` for rows that are all greedy, given each row's argmax token
+        (greedy_head.py computes it without the logits)."""
         for s in rows:
-            start, drafts = s.start, s.drafts
-            emitted: list[int] = []
-            for j, draft in enumerate(drafts):
-                row = start + j
-                ok = accept.get(row)
-                if ok if ok is not None else tokens[row] == draft:
-                    emitted.append(draft)
-                else:
-                    emitted.append(tokens[row])
-                    break
-            else:
-                emitted.append(tokens[start + len(drafts)])
-            out.append(emitted)
-        return out
+            if s.sampling_params.temperature != 0.0:
+                raise ValueError(f"request {s.request_id!r} samples: it needs its logits")
+            if s.start < 0 or s.start + 1 + len(s.drafts) > len(tokens):
+                raise ValueError(
+                    f"request {s.request_id!r} owns rows [{s.start}, "
+                    f"{s.start + 1 + len(s.drafts)}) of {len(tokens)} argmax tokens"
+                )
+        return _emitted(rows, tokens, {})
 
     def _sample_random(
         self,
@@ -240,6 +237,28 @@ class Sampler:
         sampled = _inverse_cdf(probs, uniforms(_STREAM_SAMPLE)).tolist()
         for row, tok in zip(rand, sampled, strict=True):
             tokens[row] = tok
+
+
+def _emitted(rows: list[SampleRows], tokens: list[int], accept: dict[int, bool]) -> list[list[int]]:
+    """Per entry of rows: its drafts up to the first one its row rejects, then its row's
+    token there (or after the last draft). accept holds the verdicts of drafts tested
+    against draft_probs; the others pass when they equal their row's token."""
+    out: list[list[int]] = []
+    for s in rows:
+        start, drafts = s.start, s.drafts
+        emitted: list[int] = []
+        for j, draft in enumerate(drafts):
+            row = start + j
+            ok = accept.get(row)
+            if ok if ok is not None else tokens[row] == draft:
+                emitted.append(draft)
+            else:
+                emitted.append(tokens[row])
+                break
+        else:
+            emitted.append(tokens[start + len(drafts)])
+        out.append(emitted)
+    return out
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -80,6 +80,23 @@ def test_greedy_rows_among_random_rows():
     assert sampler.sample(logits, rows) == [[1, 2], [3, 4], [5]]
 
 
+def test_argmax_tokens_verify_drafts_as_the_logits_do():
+    # The greedy head gives each row's argmax, not the logits: the same verdicts.
+    sampler = Sampler()
+    winners = [3, 4, 1, 7, 2, 6]
+    rows = [SampleRows("a", 0, [3, 4, 5], GREEDY, 0), SampleRows("b", 4, [2], GREEDY, 0)]
+    want = sampler.sample(one_hot_logits(winners), rows)
+    assert sampler.accept_greedy(winners, rows) == want == [[3, 4, 1], [2, 6]]
+
+
+def test_argmax_tokens_are_refused_for_a_row_that_samples_or_is_missing():
+    sampler = Sampler()
+    with pytest.raises(ValueError, match="samples: it needs its logits"):
+        sampler.accept_greedy([1], [SampleRows("a", 0, [], SamplingParams(temperature=0.7), 0)])
+    with pytest.raises(ValueError, match=r"owns rows \[0, 3\) of 2 argmax tokens"):
+        sampler.accept_greedy([1, 2], [SampleRows("a", 0, [5, 6], GREEDY, 0)])
+
+
 def test_greedy_argmax_is_torch_argmax_ties_nan_and_infinities_included():
     # float32 CPU logits take the C++ kernel where it builds; the rule is torch's.
     gen = torch.Generator().manual_seed(0)

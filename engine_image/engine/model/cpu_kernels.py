@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 ENV_DISABLE = "TANDEM_CPU_KERNELS"
+BF16_FLAG = "-mavx512bf16"
 # Tensor dtypes the kernels take.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CSRC = Path(__file__).parent / "csrc"
@@ -42,6 +43,7 @@ SOURCES = (
     CSRC / "decode_attention.cpp",
     CSRC / "prefill_attention.cpp",
     CSRC / "panel_linear.cpp",  # the float32 projections (linear.py)
+    CSRC / "greedy_head.cpp",  # greedy rows' LM head (greedy_head.py)
 )
 
 
@@ -76,7 +78,15 @@ def isa_flags() -> list[str]:
     # (its vectors stay 256-bit wide). Measured on AMD Zen 4: that kernel 1.3x faster,
     # the others no different.
     wide = ["-mavx512f", "-mavx512vl"] if {"avx512f", "avx512vl"} <= flags else []
+    # AVX512-BF16's dot products: greedy_head's screen (has_bf16_dot).
+    if wide and "avx512_bf16" in flags:
+        wide.append(BF16_FLAG)
     return ["-mavx2", "-mfma", "-mf16c", *wide]
+
+
+def has_bf16_dot() -> bool:
+    """Whether the kernels are built with AVX512-BF16 (greedy_head needs it)."""
+    return BF16_FLAG in isa_flags()
 
 
 def build_directory(sources: tuple[Path, ...], cflags: list[str]) -> Path:

@@ -25,6 +25,7 @@ from torch import nn
 from tandem.engine.model import cpu_kernels
 from tandem.engine.model.attention import paged_attention
 from tandem.engine.model.attention_metadata import AttentionMetadata
+from tandem.engine.model.greedy_head import GreedyHead
 from tandem.engine.model.linear import (
     FusedLinears,
     GatedLinears,
@@ -225,6 +226,8 @@ class LlamaForCausalLM(nn.Module):
         # discarded head's pages).
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # Greedy rows' LM head (pack_projections), a plain attribute as the packed copies.
+        self.greedy_head: GreedyHead | None = None
         with torch.no_grad():
             for name, param in self.named_parameters():
                 param.fill_(1.0 if name.endswith("norm.weight") else 0.0)
@@ -278,6 +281,7 @@ class LlamaForCausalLM(nn.Module):
         if not packing_fits(self):
             return 0
         count = pack_linears(self.lm_head)
+        self.greedy_head = GreedyHead.pack(self.lm_head)
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv = FusedLinears.pack(attn.q_proj, attn.k_proj, attn.v_proj)
@@ -291,6 +295,7 @@ class LlamaForCausalLM(nn.Module):
     def unpack_projections(self) -> None:
         """Drop every packed copy (the torch path again), e.g. before the weights change."""
         unpack_linears(self)
+        self.greedy_head = None
         for layer in self.model.layers:
             layer.self_attn.qkv = None
             layer.mlp.gated = layer.mlp.gate_up = None
@@ -298,6 +303,14 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows being sampled."""
         return self.lm_head(hidden).float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """argmax(compute_logits(hidden)) per row without the logits, where the greedy
+        head is packed (greedy_head.py) and can take hidden; else None."""
+        head = self.greedy_head
+        if head is None or hidden.dtype != torch.float32 or hidden.device.type != "cpu":
+            return None
+        return head(hidden)
 
     def load_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True

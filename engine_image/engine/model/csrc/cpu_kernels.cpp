@@ -10,6 +10,7 @@
 // The attention kernels: paged_decode_attention (decode_attention.cpp) and
 // causal_attention (prefill_attention.cpp); what they share is in kernel_common.h.
 // The float32 projections: pack_panels and panel_linear (panel_linear.cpp).
+// Greedy rows' LM head: pack_bf16_panels and greedy_head (greedy_head.cpp).
 // cpu_kernels.py compiles with -mavx2 -mfma -mf16c where the CPU has them, and
 // -mavx512f -mavx512vl where present (32 vector registers for the prefill
 // kernel's tiles).
@@ -256,6 +257,8 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("pack_panels(Tensor weight) -> Tensor");
   m.def("pack_gated_panels(Tensor gate, Tensor up) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor panels, int out_features, Tensor? bias, bool silu_mul=False) -> Tensor");
+  m.def("pack_bf16_panels(Tensor weight) -> Tensor");
+  m.def("greedy_head(Tensor x, Tensor panels, Tensor weight, Tensor norms, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {

@@ -1,0 +1,100 @@
+"""GreedyHead: greedy rows' tokens without the float32 logits, the float32 head's decision.
+
+The screen (bfloat16 dot products and a rigorous error bound, csrc/greedy_head.cpp)
+must never change a token: every case compares with the float32 head the engine
+runs otherwise (panel_linear) and its argmax (argmax_rows), bit for bit, including
+exact ties (the first maximum wins), near ties and rows holding NaN or infinity.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.engine import LLM, SamplingParams
+from tandem.engine.model import cpu_kernels
+from tandem.engine.model.greedy_head import GreedyHead
+from tandem.engine.model.linear import Linear
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.load() is None or not cpu_kernels.has_bf16_dot(),
+    reason="greedy_head runs on the C++ kernels built with AVX512-BF16, which this CPU lacks",
+)
+
+
+def head_of(vocab: int, hidden: int, seed: int = 0) -> Linear:
+    head = Linear(hidden, vocab, bias=False)
+    with torch.no_grad():
+        head.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(seed))
+    return head
+
+
+def float32_tokens(head: Linear, x: torch.Tensor) -> torch.Tensor:
+    """What the engine samples without the screen: panel_linear's logits, argmax_rows."""
+    ops = cpu_kernels.load()
+    vocab = head.weight.shape[0]
+    logits = ops.panel_linear(x, ops.pack_panels(head.weight), vocab, None, False)
+    return ops.argmax_rows(logits)
+
+
+@pytest.mark.parametrize(
+    ("vocab", "hidden"),
+    [(49152, 576), (1000, 64), (1003, 65), (50, 7), (47, 1)],  # partial panels, odd k
+)
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_the_screen_picks_the_float32_head_s_token(vocab, hidden, rows):
+    head = head_of(vocab, hidden)
+    x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows)) * 3
+    assert torch.equal(GreedyHead.pack(head)(x), float32_tokens(head, x))
+
+
+def test_ties_and_near_ties_go_to_the_float32_head_s_first_maximum():
+    head = head_of(2000, 96)
+    with torch.no_grad():
+        w = head.weight
+        w[700] = w[30]  # an exact tie: token 30 must win
+        w[31] = w[30] * (1 + 2**-20)  # a hair above: within the screen's error
+        w[32] = w[30] * (1 - 2**-20)  # and below
+    x = torch.cat([w[30:31] * 10, w[31:32] * -10, w[700:701] * 10])
+    want = float32_tokens(head, x)
+    assert torch.equal(GreedyHead.pack(head)(x), want)
+    assert want[0].item() in (30, 31)  # the case is a near tie indeed
+
+
+def test_rows_with_nan_or_infinity_follow_argmax_s_rule():
+    head = head_of(300, 40)
+    x = torch.randn(4, 40, generator=torch.Generator().manual_seed(1))
+    x[1, 3] = float("nan")
+    x[2, 0] = float("inf")
+    x[3] = 1e36  # |x| |w| past where float32 sums might overflow: no screen
+    assert torch.equal(GreedyHead.pack(head)(x), float32_tokens(head, x))
+
+
+def test_a_head_it_cannot_screen_is_not_packed():
+    assert GreedyHead.pack(Linear(8, 16, bias=True)) is None  # a bias: not the LM head
+    assert GreedyHead.pack(Linear(8, 16).to(torch.bfloat16)) is None
+
+
+def test_greedy_generation_is_the_same_with_and_without_the_screen(monkeypatch):
+    llm = LLM("random:small", max_model_len=256, num_kv_blocks=64)
+    model = llm.engine.runner.model
+    assert model.greedy_head is not None
+    prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(5 + 3 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    calls = []
+    screened_head = model.greedy_head
+    monkeypatch.setattr(model, "greedy_head", _Counting(screened_head, calls))
+    screened = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert calls  # the steps took the screen
+    monkeypatch.setattr(model, "greedy_head", None)
+    plain = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert screened == plain
+
+
+class _Counting:
+    def __init__(self, head: GreedyHead, calls: list[int]) -> None:
+        self.head, self.calls = head, calls
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.calls.append(hidden.shape[0])
+        return self.head(hidden)
