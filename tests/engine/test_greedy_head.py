@@ -14,7 +14,7 @@ import torch
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.model import cpu_kernels
 from tandem.engine.model.greedy_head import GreedyHead
-from tandem.engine.model.linear import Linear
+from tandem.engine.model.linear import Linear, pack_linears
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.load() is None or not cpu_kernels.has_bf16_dot(),
@@ -26,6 +26,7 @@ def head_of(vocab: int, hidden: int, seed: int = 0) -> Linear:
     head = Linear(hidden, vocab, bias=False)
     with torch.no_grad():
         head.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(seed))
+    pack_linears(head)  # the float32 panels, which the screen reads for exact logits
     return head
 
 
@@ -55,10 +56,27 @@ def test_ties_and_near_ties_go_to_the_float32_head_s_first_maximum():
         w[700] = w[30]  # an exact tie: token 30 must win
         w[31] = w[30] * (1 + 2**-20)  # a hair above: within the screen's error
         w[32] = w[30] * (1 - 2**-20)  # and below
+    pack_linears(head)  # again: the packed copy does not follow the weight
     x = torch.cat([w[30:31] * 10, w[31:32] * -10, w[700:701] * 10])
     want = float32_tokens(head, x)
     assert torch.equal(GreedyHead.pack(head)(x), want)
     assert want[0].item() in (30, 31)  # the case is a near tie indeed
+
+
+def test_a_token_bfloat16_rounding_puts_first_is_not_taken_on_the_screen_s_word():
+    # Token 10's logit is the larger in float32 (2.00732 against 2.00024), but its
+    # weights round down to bfloat16 and token 60's up (2.0 against 2.0039): only the
+    # error bound keeps 10 in the running. (Different panels of 48 tokens: a panel
+    # in the running is computed whole.)
+    head = Linear(2, 100, bias=False)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.weight[10] = torch.tensor([1 + 2**-8 - 2**-12] * 2)
+        head.weight[60] = torch.tensor([1 + 2**-8 + 2**-12, 1 - 2**-8])
+    pack_linears(head)
+    x = torch.ones(1, 2)
+    assert float32_tokens(head, x).item() == 10
+    assert GreedyHead.pack(head)(x).item() == 10
 
 
 def test_rows_with_nan_or_infinity_follow_argmax_s_rule():
@@ -71,8 +89,13 @@ def test_rows_with_nan_or_infinity_follow_argmax_s_rule():
 
 
 def test_a_head_it_cannot_screen_is_not_packed():
-    assert GreedyHead.pack(Linear(8, 16, bias=True)) is None  # a bias: not the LM head
-    assert GreedyHead.pack(Linear(8, 16).to(torch.bfloat16)) is None
+    biased = Linear(8, 16, bias=True)
+    pack_linears(biased)
+    assert GreedyHead.pack(biased) is None  # a bias: not an LM head
+    assert GreedyHead.pack(Linear(8, 16)) is None  # not on the panel kernel
+    half = Linear(8, 16).to(torch.bfloat16)
+    pack_linears(half)
+    assert GreedyHead.pack(half) is None  # bfloat16 runs on oneDNN
 
 
 def test_greedy_generation_is_the_same_with_and_without_the_screen(monkeypatch):

@@ -6,12 +6,13 @@
 A greedy step needs one token per row, not the [rows, vocab] logits. The kernel
 (csrc/greedy_head.cpp) screens every token with bfloat16 dot products, at twice the
 float32 FMA rate and half the bytes, bounds the screen's error rigorously, and
-computes float32 logits only for the tokens the bound cannot rule out (a handful),
-summed as the float32 head sums them. The decision is the float32 head's, bit for
-bit, ties and all; the bound and its proof are in the kernel's header.
+computes float32 logits only where the bound cannot rule tokens out (a panel or
+two of 48 tokens), from the float32 head's own panels as panel_linear sums them.
+The decision is the float32 head's, bit for bit, ties and all; the bound and its
+proof are in the kernel's header.
 
 SmolLM2-135M's head is a fifth of a decode step's FLOPs (49,152 x 576): a batch-64
-step's head 18 ms in float32 (panel_linear), ~9 ms screened (docs/benchmarks.md).
+step's head 18 ms in float32 (panel_linear), ~11 ms screened (docs/benchmarks.md).
 The cost: a bfloat16 copy of the head, half the float32 weight's size.
 """
 
@@ -31,20 +32,19 @@ class GreedyHead:
     """The LM head's copies the screen reads."""
 
     panels: torch.Tensor  # the weight in bfloat16, in the screen's panels
-    weight: torch.Tensor  # the float32 weight itself (the head's, not a copy): rescoring
+    float_panels: torch.Tensor  # the head's own float32 panels (panel_linear's): exact logits
     norms: torch.Tensor  # |w_j| per token, float32, rounded up: the bound's
 
     @classmethod
     def pack(cls, head: Linear) -> GreedyHead | None:
-        """The screen for a float32 CPU head without bias, where the kernels are built with
-        AVX512-BF16 and its copy fits in half the memory left; else None (the float32
-        head and argmax run instead)."""
-        weight = head.weight
+        """The screen for a head without bias that runs on the float32 panel kernel (packed:
+        pack_linears), where the kernels are built with AVX512-BF16 and the bfloat16 copy
+        fits in half the memory left; else None (the float32 head and argmax run)."""
+        weight, packed = head.weight, head.packed
         if (
-            weight.device.type != "cpu"
-            or weight.dtype != torch.float32
+            packed is None
+            or not packed.panels
             or head.bias is not None
-            or not weight.is_contiguous()
             or not cpu_kernels.has_bf16_dot()
         ):
             return None
@@ -55,11 +55,11 @@ class GreedyHead:
         with torch.no_grad():
             norms = torch.linalg.vector_norm(weight.double(), dim=1).float()
             norms = torch.nextafter(norms, torch.full_like(norms, math.inf))
-            return cls(ops.pack_bf16_panels(weight), weight.detach(), norms)
+            return cls(ops.pack_bf16_panels(weight), packed.data, norms)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """Token ids [rows]: the first maximum of each row's float32 logits."""
         rows = hidden.reshape(-1, hidden.shape[-1])
         return torch.ops.tandem_cpu.greedy_head(
-            rows, self.panels, self.weight, self.norms, self.weight.shape[0]
+            rows, self.panels, self.float_panels, self.norms, self.norms.shape[0]
         )

@@ -1,29 +1,35 @@
 // greedy_head: the argmax of the LM head's float32 logits, x @ W^T, for greedy rows,
 // without computing every logit in float32. The result is the token the float32 head
-// (panel_linear) and argmax_rows give, bit for bit the same decision.
+// (panel_linear) and argmax_rows give: the same decision, bit for bit.
 //
 //   pack_bf16_panels(W [N, K] float32) -> panels [P, ceil(K/2), NR, 2] bfloat16
-//   greedy_head(x [M, K], panels, W, norms [N], N) -> token ids [M] (int64)
+//   greedy_head(x [M, K], bf16 panels, float32 panels (pack_panels), norms [N], N)
+//     -> token ids [M] (int64)
 //
-// How: a screen, then exact rescoring of the few tokens it cannot rule out.
+// How: a screen, then exact logits where the screen cannot decide.
 //   1. a_j = x^ . w^_j, with x and W rounded to bfloat16 and float32 sums (AVX512-BF16's
-//      vdpbf16ps): twice the float32 FMA rate, half the bytes of W to stream.
-//   2. |a_j - f_j| <= e_j, f_j the float32 logit, for a rigorous e_j (below). Every j
-//      with a_j + e_j < L = max_k (a_k - e_k) has f_j < f_max: it cannot be the argmax,
-//      nor tie with it. The others are the candidates (SmolLM2, real text: median 2, a
-//      few over 100 in 633 rows).
-//   3. f_j for the candidates, summed as panel_linear sums (k in order, FMA), in index
-//      order: the first maximum, torch's rule.
+//      vdpbf16ps): twice the float32 FMA rate, half the bytes of W to stream. Nothing of
+//      a is stored: each register tile keeps, per row and panel of 48 tokens, the max of
+//      a_j - e_j and of a_j + e_j.
+//   2. |a_j - f_j| <= e_j, f_j the float32 logit, for a rigorous e_j (below). A token
+//      with a_j + e_j < L = max_k (a_k - e_k) has f_j < f_max: it can be neither the
+//      argmax nor tie with it. A panel whose max of a_j + e_j is below L holds no
+//      candidate (SmolLM2 over real text: a median of 2 candidates a row).
+//   3. The panels left get their float32 logits, computed as panel_linear's tile computes
+//      them (the same panels, k in order, FMA), in index order: the first maximum wins,
+//      torch's rule.
 //
 // The bound. With u = 2^-8 (bfloat16's unit roundoff), g(n) = n 2^-24 / (1 - n 2^-24),
 // S_j = sum_k |x_k w_jk| <= |x| |w_j| (Cauchy-Schwarz; near tight for dense rows):
 //   rounding x and w:        |x^ w^ - x w| <= (2u + u^2) |x w|, per term;
 //   a's float32 sums:        <= g(2K) (1 + u)^2 S_j (vdpbf16ps rounds at most twice a pair);
 //   f's float32 sums:        <= g(K) S_j;
-//   flushed denormals (vdpbf16ps and its conversion flush them): <= 4K 2^-126 (1 + max|x|)
-//   (1 + max|w|), absolute.
-// A row whose |x| |w|_max could reach 1e30 (or that holds a NaN or an infinity) skips the
-// screen: its logits are all computed in float32, so no sum overflows unseen.
+//   flushed denormals (vdpbf16ps flushes them): <= 4K 2^-126 (1 + max|x|) (1 + max|w|),
+//   absolute.
+// e_j = c |w_j| + slack holds all of it, with c and slack rounded up by far more than the
+// float arithmetic that applies them can lose. A row whose |x| |w|_max could reach 1e30
+// (or that holds a NaN or an infinity) skips the screen: all its logits are computed in
+// float32, so no sum overflows unseen.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -47,36 +53,16 @@
 
 namespace {
 
-constexpr int NV = 3;             // vectors across a panel
-constexpr int NR = NV * 16;       // a panel's columns
-constexpr int MR = 8;             // rows of the register tile: MR x NV accumulators
-constexpr int64_t LINE = 64;      // bytes of a cache line
-constexpr double UNIT = 1.0 / 256;  // bfloat16's unit roundoff, u = 2^-8
+constexpr int NV = 3;                  // vectors across a panel
+constexpr int NR = NV * 16;            // a panel's columns: panel_linear's with AVX-512
+constexpr int MR = 8;                  // rows of the register tile: MR x NV accumulators
+constexpr int64_t LINE = 64;           // bytes of a cache line
+constexpr double UNIT = 1.0 / 256;     // bfloat16's unit roundoff, u = 2^-8
 constexpr double SCREEN_LIMIT = 1e30;  // |x| |w|_max past this: no screen (overflow)
 
 double gamma(int64_t n) {
   const double t = static_cast<double>(n) * std::ldexp(1.0, -24);
   return t / (1.0 - t);
-}
-
-// f_j: w_j . x in float32, k in order with FMAs, as panel_linear's tiles sum a column.
-float exact_logit(const float* x, const float* w, int64_t K) {
-  float acc = 0.0f;
-  for (int64_t k = 0; k < K; ++k) acc = std::fma(x[k], w[k], acc);
-  return acc;
-}
-
-// The first maximum of row's logits, NaN first as torch's argmax has it: the row that
-// skips the screen.
-int64_t exact_argmax(const float* x, const float* weight, int64_t N, int64_t K) {
-  int64_t best = 0;
-  float top = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < N; ++j) {
-    const float f = exact_logit(x, weight + j * K, K);
-    if (std::isnan(f)) return j;
-    if (f > top || j == 0) top = f, best = j;
-  }
-  return best;
 }
 
 bool has_bf16_dot() {
@@ -98,19 +84,35 @@ at::Tensor pack_bf16_panels(const at::Tensor& weight) {
 
 #if defined(__AVX512BF16__)
 
-// What the screen needs of a row besides its bfloat16 pairs: e_j = c |w_j| + slack, the
-// bound on |a_j - f_j|, rounded up (c and slack are, by far more than a float product's
-// rounding).
+// What the screen needs of a row besides its bfloat16 pairs: e_j = c |w_j| + slack.
 struct RowBound {
   float c;
   float slack;
 };
 
-// Rows m..m+R of the screen against one panel: a = x^ . w^ over k pairs, stored at out
-// (ld apart), and each row's max over the panel of a_j - e_j at top[r * P].
+// Per row and panel: the max of a_j - e_j (low) and of a_j + e_j (high).
+struct PanelBounds {
+  float* low;
+  float* high;
+};
+
+// The float32 logits of one panel for one row, as panel_linear's tile sums them: from 0,
+// k in order, one FMA a step, the panel [K, NR] read front to back.
+inline void panel_logits(const float* x, const float* panel, int64_t K, float* out) {
+  __m512 acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 xk = _mm512_set1_ps(x[k]);
+    for (int v = 0; v < NV; ++v) acc[v] = _mm512_fmadd_ps(xk, _mm512_loadu_ps(panel + k * NR + v * 16), acc[v]);
+  }
+  for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + v * 16, acc[v]);
+}
+
+// Rows m..m+R of the screen against one panel: a = x^ . w^ over k pairs, kept in
+// registers; each row's low and high over the panel's columns at bounds[r * P].
 template <int R>
-void screen_tile(const uint32_t* xs, int64_t K2, const uint16_t* panel, const float* norms, const RowBound* bounds,
-                 float* out, int64_t ld, int64_t cols, float* top, int64_t P, const char* prefetch, int64_t per_k) {
+void screen_tile(const uint32_t* xs, int64_t K2, const uint16_t* panel, const float* norms, const RowBound* rows,
+                 int64_t cols, PanelBounds bounds, int64_t P, const char* prefetch, int64_t per_k) {
   __m512 acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
@@ -126,37 +128,29 @@ void screen_tile(const uint32_t* xs, int64_t K2, const uint16_t* panel, const fl
     }
   }
   for (int r = 0; r < R; ++r) {
-    const __m512 c = _mm512_set1_ps(bounds[r].c), slack = _mm512_set1_ps(bounds[r].slack);
-    if (cols == NR) {
-      __m512 low = _mm512_set1_ps(-INFINITY);
-      for (int v = 0; v < NV; ++v) {
-        _mm512_storeu_ps(out + r * ld + v * 16, acc[r][v]);
-        const __m512 e = _mm512_fmadd_ps(c, _mm512_loadu_ps(norms + v * 16), slack);
-        low = _mm512_max_ps(low, _mm512_sub_ps(acc[r][v], e));
-      }
-      top[r * P] = _mm512_reduce_max_ps(low);
-    } else {  // the last panel, past the vocabulary's end
-      float row[NR];
-      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(row + v * 16, acc[r][v]);
-      float low = -INFINITY;
-      for (int64_t j = 0; j < cols; ++j) {
-        out[r * ld + j] = row[j];
-        low = std::max(low, row[j] - std::fma(bounds[r].c, norms[j], bounds[r].slack));
-      }
-      top[r * P] = low;
+    const __m512 c = _mm512_set1_ps(rows[r].c), slack = _mm512_set1_ps(rows[r].slack);
+    __m512 low = _mm512_set1_ps(-INFINITY), high = low;
+    for (int v = 0; v < NV; ++v) {
+      // Columns past the vocabulary's end (the last panel) stay out of both maxima.
+      const int64_t valid = std::clamp<int64_t>(cols - v * 16, 0, 16);
+      const __mmask16 in = valid == 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
+      const __m512 e = _mm512_fmadd_ps(c, _mm512_maskz_loadu_ps(in, norms + v * 16), slack);
+      low = _mm512_mask_max_ps(low, in, low, _mm512_sub_ps(acc[r][v], e));
+      high = _mm512_mask_max_ps(high, in, high, _mm512_add_ps(acc[r][v], e));
     }
+    bounds.low[r * P] = _mm512_reduce_max_ps(low);
+    bounds.high[r * P] = _mm512_reduce_max_ps(high);
   }
 }
 
-using ScreenFn = void (*)(const uint32_t*, int64_t, const uint16_t*, const float*, const RowBound*, float*, int64_t,
-                          int64_t, float*, int64_t, const char*, int64_t);
+using ScreenFn = void (*)(const uint32_t*, int64_t, const uint16_t*, const float*, const RowBound*, int64_t,
+                          PanelBounds, int64_t, const char*, int64_t);
 constexpr ScreenFn SCREENS[MR] = {&screen_tile<1>, &screen_tile<2>, &screen_tile<3>, &screen_tile<4>,
                                   &screen_tile<5>, &screen_tile<6>, &screen_tile<7>, &screen_tile<8>};
 
-// The screen over `rows` rows (bfloat16 pairs xs): a [rows, N], and top [rows, P] each
-// row's max of a_j - e_j per panel.
+// The screen over `rows` rows (bfloat16 pairs xs): low and high [rows, P].
 void screen(const uint32_t* xs, int64_t rows, int64_t K2, const uint16_t* panels, const float* norms,
-            const RowBound* bounds, int64_t P, int64_t N, float* a, float* top) {
+            const RowBound* bounds, int64_t P, int64_t N, PanelBounds out) {
   const int64_t panel_elems = K2 * NR * 2;
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), P));
   const int64_t tiles = (rows + MR - 1) / MR;
@@ -173,61 +167,66 @@ void screen(const uint32_t* xs, int64_t rows, int64_t K2, const uint16_t* panels
       for (int64_t ti = 0; ti < tiles; ++ti) {
         const int64_t m = ti * MR;
         const bool fetch = next && ti * K2 * per_k < lines;
-        SCREENS[std::min<int64_t>(MR, rows - m) - 1](xs + m * K2, K2, panel, norms + p * NR, bounds + m,
-                                                     a + m * N + p * NR, N, cols, top + m * P + p, P,
-                                                     fetch ? next + ti * K2 * per_k * LINE : next, fetch ? per_k : 0);
+        SCREENS[std::min<int64_t>(MR, rows - m) - 1](
+            xs + m * K2, K2, panel, norms + p * NR, bounds + m, cols, {out.low + m * P + p, out.high + m * P + p},
+            P, fetch ? next + ti * K2 * per_k * LINE : next, fetch ? per_k : 0);
       }
     }
   }
 }
 
-// The tokens of a row the screen cannot rule out: a_j + e_j >= L, L = max_j (a_j - e_j).
-// Sums err by half an ulp of their result, and where the two sides meet their ulps are
-// L's: two ulps below L covers both.
-void candidates_of(const float* a, const float* norms, int64_t N, RowBound bound, float L,
-                   std::vector<int64_t>& out) {
-  L = std::nextafter(std::nextafter(L, -INFINITY), -INFINITY);
-  const __m512 c = _mm512_set1_ps(bound.c), slack = _mm512_set1_ps(bound.slack), low = _mm512_set1_ps(L);
-  int64_t j = 0;
-  for (; j + 16 <= N; j += 16) {
-    const __m512 e = _mm512_fmadd_ps(c, _mm512_loadu_ps(norms + j), slack);
-    __mmask16 in = _mm512_cmp_ps_mask(_mm512_add_ps(_mm512_loadu_ps(a + j), e), low, _CMP_GE_OQ);
-    for (; in; in &= in - 1) out.push_back(j + __builtin_ctz(in));
+// The first maximum of x's float32 logits over the panels `wanted` says to compute (all
+// of them: NaN first, as argmax_rows has it).
+template <typename Wanted>
+int64_t panels_argmax(const float* x, const float* panels, int64_t K, int64_t N, int64_t P, Wanted wanted) {
+  int64_t best = -1;
+  float top = 0.0f;
+  float f[NR];
+  for (int64_t p = 0; p < P; ++p) {
+    if (!wanted(p)) continue;
+    panel_logits(x, panels + p * K * NR, K, f);
+    const int64_t cols = std::min<int64_t>(NR, N - p * NR);
+    for (int64_t i = 0; i < cols; ++i) {
+      if (std::isnan(f[i])) return p * NR + i;
+      if (best < 0 || f[i] > top) top = f[i], best = p * NR + i;
+    }
   }
-  for (; j < N; ++j)
-    if (a[j] + std::fma(bound.c, norms[j], bound.slack) >= L) out.push_back(j);
+  return best;
 }
 
 #endif  // __AVX512BF16__
 
-at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& weight, const at::Tensor& norms,
-                       int64_t N) {
+at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& float_panels,
+                       const at::Tensor& norms, int64_t N) {
   TORCH_CHECK(has_bf16_dot(), "greedy_head: the kernels were built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "greedy_head: x must be float32 [rows, in_features]");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
-                  weight.size(0) == N && weight.size(1) == x.size(1),
-              "greedy_head: weight must be the contiguous float32 [out_features, in_features] of the head");
   const int64_t M = x.size(0), K = x.size(1), K2 = (K + 1) / 2, P = (N + NR - 1) / NR;
+  TORCH_CHECK(N > 0 && K > 0, "greedy_head: an empty head");
   TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() && panels.dim() == 4 &&
                   panels.size(0) == P && panels.size(1) == K2 && panels.size(2) == NR && panels.size(3) == 2,
-              "greedy_head: panels must come from pack_bf16_panels of the same weight");
+              "greedy_head: panels must come from pack_bf16_panels of the head");
+  TORCH_CHECK(float_panels.scalar_type() == at::kFloat && float_panels.is_contiguous() && float_panels.dim() == 3 &&
+                  float_panels.size(0) == P && float_panels.size(1) == K && float_panels.size(2) == NR,
+              "greedy_head: float_panels must come from pack_panels of the head");
   TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.numel() == N,
-              "greedy_head: norms must be the weight's row norms, float32 [out_features]");
-  TORCH_CHECK(N > 0 && K > 0, "greedy_head: an empty head");
+              "greedy_head: norms must be the head's row norms, float32 [out_features]");
   at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
+#if defined(__AVX512BF16__)
   if (M == 0) return out;
   const at::Tensor xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
+  const float* fp = float_panels.data_ptr<float>();
   const float* np = norms.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   const float norm_max = *std::max_element(np, np + N);
   const double w_abs_max = static_cast<double>(norm_max);  // |w_jk| <= |w_j|
   const double relative = 2 * UNIT + UNIT * UNIT + gamma(2 * K) * (1 + UNIT) * (1 + UNIT) + gamma(K);
 
-  // Which rows take the screen, their |x| and max|x|, and their bfloat16 pairs.
-  std::vector<int64_t> screened;
-  std::vector<double> x_norm(M), x_abs_max(M);
+  // Which rows take the screen, with their bfloat16 pairs and bounds; the others are
+  // computed in float32 whole.
+  std::vector<int64_t> screened, whole;
+  std::vector<uint32_t> xs;
+  std::vector<RowBound> bounds;
   for (int64_t r = 0; r < M; ++r) {
     const float* row = xp + r * K;
     double sq = 0, top = 0;
@@ -237,60 +236,40 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& panels, const at::
       sq += static_cast<double>(row[k]) * row[k];
       top = std::max(top, static_cast<double>(std::fabs(row[k])));
     }
-    x_norm[r] = std::sqrt(sq), x_abs_max[r] = top;
-    if (finite && x_norm[r] * norm_max < SCREEN_LIMIT) screened.push_back(r);
-  }
-  const int64_t S = static_cast<int64_t>(screened.size());
-  std::vector<int64_t> slow;
-  for (int64_t r = 0, s = 0; r < M; ++r) {
-    if (s < S && screened[s] == r) ++s;
-    else slow.push_back(r);
-  }
-  at::parallel_for(0, static_cast<int64_t>(slow.size()), 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) op[slow[i]] = exact_argmax(xp + slow[i] * K, wp, N, K);
-  });
-  if (S == 0) return out;
-
-#if defined(__AVX512BF16__)
-  std::vector<uint32_t> xs(S * K2, 0);
-  std::vector<RowBound> bounds(S);
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t r = screened[s];
-    const float* row = xp + r * K;
-    uint16_t* pairs = reinterpret_cast<uint16_t*>(xs.data() + s * K2);
+    const double norm = std::sqrt(sq);
+    if (!finite || norm * norm_max >= SCREEN_LIMIT) {
+      whole.push_back(r);
+      continue;
+    }
+    screened.push_back(r);
+    xs.resize(screened.size() * K2, 0);
+    uint16_t* pairs = reinterpret_cast<uint16_t*>(xs.data() + (screened.size() - 1) * K2);
     for (int64_t k = 0; k < K; ++k) {
       // Round to nearest even, as the weight's .to(bfloat16) does (finite inputs).
       const uint32_t bits = std::bit_cast<uint32_t>(row[k]);
       pairs[k] = static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
     }
-    const double slack = 4.0 * K * std::ldexp(1.0, -126) * (1 + x_abs_max[r]) * (1 + w_abs_max);
-    bounds[s] = {static_cast<float>(relative * x_norm[r] * (1 + 1e-6)),
-                 static_cast<float>(slack * (1 + 1e-6)) + std::numeric_limits<float>::denorm_min()};
+    const double slack = 4.0 * K * std::ldexp(1.0, -126) * (1 + top) * (1 + w_abs_max);
+    bounds.push_back({static_cast<float>(relative * norm * (1 + 1e-6)),
+                      static_cast<float>(slack * (1 + 1e-6)) + std::numeric_limits<float>::denorm_min()});
   }
-  // Uninitialised: the screen writes every element it is read at.
-  const at::Tensor a = at::empty({S, N}, x.options());
-  const at::Tensor top = at::empty({S, P}, x.options());
-  float* ap = a.data_ptr<float>();
-  float* tp = top.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(whole.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) op[whole[i]] = panels_argmax(xp + whole[i] * K, fp, K, N, P, [](int64_t) { return true; });
+  });
+  const int64_t S = static_cast<int64_t>(screened.size());
+  if (S == 0) return out;
+  std::vector<float> low(S * P), high(S * P);
   screen(xs.data(), S, K2, reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()), np, bounds.data(), P,
-         N, ap, tp);
-
+         N, {low.data(), high.data()});
   at::parallel_for(0, S, 1, [&](int64_t b, int64_t e) {
-    std::vector<int64_t> candidates;
     for (int64_t s = b; s < e; ++s) {
-      const int64_t r = screened[s];
-      const float L = *std::max_element(tp + s * P, tp + (s + 1) * P);
-      candidates.clear();
-      candidates_of(ap + s * N, np, N, bounds[s], L, candidates);
-      // f_j for each in index order: the first maximum wins, as argmax_rows has it.
-      const float* xr = xp + r * K;
-      int64_t best = candidates.front();
-      float top_f = exact_logit(xr, wp + best * K, K);
-      for (size_t i = 1; i < candidates.size(); ++i) {
-        const float f = exact_logit(xr, wp + candidates[i] * K, K);
-        if (f > top_f) top_f = f, best = candidates[i];
-      }
-      op[r] = best;
+      const float* lo = low.data() + s * P;
+      const float* hi = high.data() + s * P;
+      // Each side of a_j + e_j >= L rounds by half an ulp of its result, and where they
+      // meet, their ulps are L's: two ulps below L cover both.
+      float L = *std::max_element(lo, lo + P);
+      L = std::nextafter(std::nextafter(L, -INFINITY), -INFINITY);
+      op[screened[s]] = panels_argmax(xp + screened[s] * K, fp, K, N, P, [&](int64_t p) { return hi[p] >= L; });
     }
   });
 #endif
