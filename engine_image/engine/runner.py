@@ -4,14 +4,15 @@
 
 One forward pass over every scheduled token of the step (prompt chunks, or
 each sequence's last token plus its drafts), logits only for the rows that
-are sampled (and, when they are all greedy, only their argmax), then the
-sampler (which verifies drafts) and the drafter (which proposes the next
-ones). The runner keeps no per-request state of its own beyond what the
-sampler and drafter hold; `free` drops it.
+are sampled (greedy rows: only their argmax, where the model has a greedy
+head), then the sampler (which verifies drafts) and the drafter (which
+proposes the next ones). The runner keeps no per-request state of its own
+beyond what the sampler and drafter hold; `free` drops it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import overload
 
@@ -20,7 +21,7 @@ import torch
 from tandem.engine.drafter import Drafter
 from tandem.engine.model.attention_metadata import AttentionMetadata, decode_group_tokens
 from tandem.engine.plan import StepPlan, StepResult
-from tandem.engine.sampler import Sampler, rows_for_plan
+from tandem.engine.sampler import Sampler, SampleRows, rows_for_plan
 
 
 class ModelRunner:
@@ -81,14 +82,7 @@ class ModelRunner:
             index = torch.tensor(sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
             hidden = hidden.index_select(0, index)
         rows = rows_for_plan(plan)
-        # A step whose rows are all greedy needs their argmax only (greedy_head.py).
-        greedy = None
-        if all(row.sampling_params.temperature == 0.0 for row in rows):
-            greedy = self.model.greedy_tokens(hidden)
-        if greedy is not None:
-            tokens = self.sampler.accept_greedy(greedy.tolist(), rows)
-        else:
-            tokens = self.sampler.sample(self.model.compute_logits(hidden), rows)
+        tokens = self._sample(hidden, rows)
         sampled = {row.request_id: toks for row, toks in zip(rows, tokens, strict=True)}
         if self.drafter is None:
             return StepResult(sampled)
@@ -101,11 +95,52 @@ class ModelRunner:
                 drafts[seq.request_id] = self.drafter.propose(seq.request_id, sequence, k)
         return StepResult(sampled, drafts)
 
+    def _sample(self, hidden: torch.Tensor, rows: list[SampleRows]) -> list[list[int]]:
+        """Each entry's accepted drafts and new token. Greedy rows need only their argmax,
+        which the model's greedy head gives without the float32 logits (greedy_head.py);
+        the other rows, and every row where the model has no greedy head, go through
+        the logits and the sampler."""
+        greedy = [r for r in rows if r.sampling_params.temperature == 0.0]
+        if not greedy:
+            return self.sampler.sample(self.model.compute_logits(hidden), rows)
+        greedy_hidden, greedy_rows = _gather(hidden, greedy)
+        argmax = self.model.greedy_tokens(greedy_hidden)
+        if argmax is None:
+            return self.sampler.sample(self.model.compute_logits(hidden), rows)
+        tokens = dict(
+            zip(
+                (r.request_id for r in greedy),
+                self.sampler.accept_greedy(argmax.tolist(), greedy_rows),
+                strict=True,
+            )
+        )
+        sampled = [r for r in rows if r.sampling_params.temperature != 0.0]
+        if sampled:
+            sampled_hidden, sampled_rows = _gather(hidden, sampled)
+            logits = self.model.compute_logits(sampled_hidden)
+            drawn = self.sampler.sample(logits, sampled_rows)
+            tokens.update(zip((r.request_id for r in sampled), drawn, strict=True))
+        return [tokens[r.request_id] for r in rows]
+
     def free(self, request_id: str) -> None:
         """Forget a request that finished or was preempted."""
         self.sampler.free(request_id)
         if self.drafter is not None:
             self.drafter.free(request_id)
+
+
+def _gather(hidden: torch.Tensor, rows: list[SampleRows]) -> tuple[torch.Tensor, list[SampleRows]]:
+    """The hidden rows of `rows` (a subset of a step's, in order) and the rows renumbered
+    to index them."""
+    index: list[int] = []
+    moved: list[SampleRows] = []
+    for row in rows:
+        moved.append(dataclasses.replace(row, start=len(index)))
+        index.extend(range(row.start, row.start + row.num_rows))
+    if len(index) == hidden.shape[0]:  # every row, hence in order: no copy
+        return hidden, moved
+    picked = torch.tensor(index, dtype=torch.long).to(hidden.device, non_blocking=True)
+    return hidden.index_select(0, picked), moved
 
 
 class _Appended(Sequence[int]):

@@ -114,6 +114,24 @@ def test_greedy_generation_is_the_same_with_and_without_the_screen(monkeypatch):
     assert screened == plain
 
 
+def test_a_mixed_step_screens_its_greedy_rows_and_samples_the_others(monkeypatch):
+    llm = LLM("random:small", max_model_len=256, num_kv_blocks=64)
+    model = llm.engine.runner.model
+    prompts = [[(5 * i + 2 * j) % 700 + 1 for j in range(4 + 2 * i)] for i in range(6)]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    seeded = [
+        SamplingParams(max_tokens=16, temperature=0.8, seed=i, ignore_eos=True) for i in range(3)
+    ]
+    params = [greedy, seeded[0], greedy, seeded[1], greedy, seeded[2]]
+    calls: list[int] = []
+    monkeypatch.setattr(model, "greedy_head", _Counting(model.greedy_head, calls))
+    screened = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert calls and max(calls) == 3  # the three greedy rows, never the sampled ones
+    monkeypatch.setattr(model, "greedy_head", None)
+    plain = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert screened == plain  # seeded draws depend on the request, not on the batch
+
+
 class _Counting:
     def __init__(self, head: GreedyHead, calls: list[int]) -> None:
         self.head, self.calls = head, calls
