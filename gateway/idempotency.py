@@ -74,6 +74,10 @@ class IdempotencyLedger:
             if raw is None:
                 continue
             first = IdempotencyRecord(**json.loads(raw))
+            if first.base_id == record.base_id:
+                # Our own record: the SET ran and its reply was lost, and the client ran it
+                # again (a dead connection). Attaching to it would queue nothing.
+                return None
             if first.digest != record.digest:
                 raise GatewayError(
                     409,

@@ -72,12 +72,16 @@ class Job:
         """The request's content, for Idempotency-Key (computed only when one is sent).
 
         Delivery (stream or not) is not part of what was asked: a client may
-        retry a stream without streaming and get the same answer. Unset fields
-        are left out, so that a field a later version adds does not change the
-        digest of a request that does not use it (replicas of two versions
-        during a rolling upgrade read a retry as the same request).
+        retry a stream without streaming and get the same answer. Only the fields
+        the client sent count (and a null one as not sent): a field a later version
+        adds, whatever its default, does not change the digest of a request that
+        does not send it. (The gateway before this rule counted every field: across
+        an upgrade from it, a retry through a replica of the other version is a
+        409 until the first attempt's record expires.)
         """
-        content = self.body.model_dump_json(exclude={"stream", "stream_options"}, exclude_none=True)
+        content = self.body.model_dump_json(
+            exclude={"stream", "stream_options"}, exclude_unset=True, exclude_none=True
+        )
         return hashlib.sha256(content.encode()).hexdigest()
 
 

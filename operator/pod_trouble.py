@@ -27,8 +27,32 @@ _QUOTED_LINES = 3
 _QUOTED_CHARS = 600
 # Waiting reasons that do not pass by themselves (ContainerCreating and
 # PodInitializing do).
-_PULL = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName"})
+_PULL = frozenset(
+    {
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "ImageInspectError",
+        "ErrImageNeverPull",
+    }
+)
 _CONFIG = frozenset({"CreateContainerConfigError", "CreateContainerError", "RunContainerError"})
+# Restarts after which a container that failed last time and is not ready is in a
+# crash loop, between its back-offs too (running again, not ready yet): its trouble
+# holds through the cycle instead of coming and going with each restart.
+_LOOPING_RESTARTS = 2
+# Every reason a PodTrouble has: the status tells "never served, failing" from "lost".
+REASONS = frozenset(
+    {
+        "EngineCrashLoop",
+        "EngineOOMKilled",
+        "ModelFetchFailing",
+        "ModelFetchOOMKilled",
+        "ImagePullFailing",
+        "ContainerConfigError",
+        "Unschedulable",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -118,14 +142,19 @@ def _container_trouble(pod: str, container: Body, kind: _Container) -> PodTroubl
     if reason in _PULL:
         image = container.get("image", "the image")
         detail = waiting.get("message") or reason
+        if reason == "ErrImageNeverPull":
+            detail = f"imagePullPolicy is Never and the node does not have it ({detail})"
         return PodTrouble("ImagePullFailing", f"pod {pod}: {image} cannot be pulled: {detail}")
     if reason in _CONFIG:
         detail = waiting.get("message") or reason
         return PodTrouble("ContainerConfigError", f"pod {pod}: {kind.what} cannot start: {detail}")
     last = (container.get("lastState") or {}).get("terminated") or {}
-    if reason != "CrashLoopBackOff" or not last:
-        return None  # starting, or exited once and restarting: not a loop yet
     restarts = container.get("restartCount", 0)
+    failed = bool(last) and last.get("exitCode") != 0
+    if not (reason == "CrashLoopBackOff" and last) and not (
+        failed and restarts >= _LOOPING_RESTARTS
+    ):
+        return None  # starting, or exited once and restarting: not a loop yet
     if last.get("reason") == "OOMKilled":
         return PodTrouble(
             kind.oom,

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.operator.pod_trouble import PodTrouble
+from tandem.operator.pod_trouble import REASONS, PodTrouble
 from tandem.operator.role_spec import RoleName
 from tandem.operator.status_model import ConditionType, Phase
 
@@ -142,7 +142,12 @@ def _phase(counts: Mapping[RoleName, RoleCounts], previous: Body) -> tuple[Phase
     rolling = [role.value for role, c in counts.items() if c.rolling]
     if not short and not rolling:
         return Phase.READY, "AllReplicasReady", summary
-    troubled = [(role, c.trouble) for role, c in short.items() if c.trouble is not None]
+    # Short of ready pods, or rolling (new pods that fail while the old still serve).
+    troubled = [
+        (role, c.trouble)
+        for role, c in counts.items()
+        if c.trouble is not None and (c.ready < c.desired or c.rolling)
+    ]
     for role, trouble in troubled:  # the pods' own words before the Deployment's
         if trouble.degrades:
             return Phase.DEGRADED, trouble.reason, f"{role.value}: {trouble.message}; {summary}"
@@ -154,7 +159,11 @@ def _phase(counts: Mapping[RoleName, RoleCounts], previous: Body) -> tuple[Phase
             f"{', '.join(stalled)} cannot progress: {summary}",
         )
     reported = previous.get("roles") or {}
-    was_serving = previous.get("phase") in (Phase.READY.value, Phase.DEGRADED.value)
+    # Degraded by a pod's trouble says nothing of serving: a new model whose engines
+    # crashed is not one that lost pods once the crash is over.
+    was_serving = previous.get("phase") == Phase.READY.value or (
+        previous.get("phase") == Phase.DEGRADED.value and previous.get("reason") not in REASONS
+    )
     lost = [
         role.value
         for role, c in short.items()

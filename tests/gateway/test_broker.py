@@ -14,6 +14,7 @@ from tandem.engine.service.registry import Registry
 from tandem.engine.service.work_queue import WorkQueue
 from tandem.gateway.app import _redis_client
 from tandem.gateway.broker import Broker
+from tandem.gateway.idempotency import IdempotencyLedger, IdempotencyRecord
 from tandem.gateway.settings import GatewaySettings
 from tandem.protocol import EngineInfo, Role, WorkItem
 
@@ -70,11 +71,13 @@ def test_a_request_id_is_queued_once_however_often_it_is_enqueued(redis_url, key
 
 class _ReplyDropper:
     """A TCP proxy to Redis that closes the connection in place of forwarding the
-    reply to the first script call: Redis ran it, the client never hears."""
+    reply to the first command whose bytes hold `command`: Redis ran it, the client
+    never hears."""
 
-    def __init__(self, redis_url: str) -> None:
+    def __init__(self, redis_url: str, command: bytes = b"EVALSHA") -> None:
         target = urlsplit(redis_url)
         self.target = (target.hostname, target.port)
+        self.command = command
         self.dropped = False
 
     async def start(self) -> str:
@@ -87,7 +90,7 @@ class _ReplyDropper:
 
         async def upstream() -> None:
             while data := await client_r.read(65536):
-                if b"EVALSHA" in data.upper() and not self.dropped:
+                if self.command in data and not self.dropped:
                     script_sent.set()
                 redis_w.write(data)
                 await redis_w.drain()
@@ -131,6 +134,27 @@ def test_an_enqueue_whose_reply_was_lost_is_not_queued_twice(redis_url, keys, re
     [(entry_id, _)] = redis_client.xrange(keys.work_stream("m", 1))
     assert ids == [entry_id.decode()]
     assert int(redis_client.get(keys.queued_tokens("m"))) == 5
+
+
+def test_an_idempotency_claim_whose_reply_was_lost_still_queues(redis_url, keys):
+    # The SET NX ran; its retry finds the record. It is this request's own: attaching
+    # to it (as to a first attempt's) would queue nothing and time out.
+    record = IdempotencyRecord("chatcmpl-1", ["chatcmpl-1"], 1, "digest")
+
+    async def main():
+        proxy = _ReplyDropper(redis_url, command=b":idem:")
+        url = await proxy.start()
+        client = _redis_client(GatewaySettings(redis_url=url, no_auth=True))
+        try:
+            ledger = IdempotencyLedger(client, keys.prefix)
+            claimed = await ledger.claim(ledger.key("caller", "order-7"), record, timeout=30)
+            return proxy.dropped, claimed
+        finally:
+            await client.aclose()
+            proxy.server.close()
+
+    dropped, claimed = asyncio.run(main())
+    assert dropped and claimed is None  # go ahead and queue
 
 
 def test_queue_depth_matches_the_original(redis_url, keys, redis_client):

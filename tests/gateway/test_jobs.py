@@ -149,3 +149,15 @@ def test_neutral_values_of_unsupported_parameters_pass():
 def test_the_digest_ignores_how_the_answer_is_delivered():
     streamed = _chat(stream=True, stream_options={"include_usage": True})
     assert streamed.digest == _chat().digest != _chat(max_tokens=3).digest
+
+
+def test_the_digest_counts_only_the_fields_sent():
+    # A later version's field, default and all, leaves the digest of a request that
+    # does not send it as it was: replicas of both versions read a retry alike.
+    class Later(ChatCompletionRequest):
+        reasoning: bool = False
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "abcdefgh"}], "top_k": None}
+    now = BUILDER.chat(ChatCompletionRequest.model_validate(body), {}).digest
+    assert BUILDER.chat(Later.model_validate(body), {}).digest == now == _chat().digest
+    assert _chat(temperature=0.5).digest != now

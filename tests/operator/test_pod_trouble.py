@@ -51,6 +51,13 @@ def test_a_model_download_that_keeps_failing_is_quoted_before_the_waiting_engine
     assert "gated repo" in trouble.message
 
 
+def test_a_crash_loop_holds_between_its_back_offs():
+    # Running again after its third exit, not ready yet: still the same loop.
+    engine = {**crash_loop(), "restartCount": 3, "state": {"running": {}}}
+    trouble = pod_trouble(pod(engine=engine))
+    assert trouble is not None and trouble.reason == "EngineCrashLoop"
+
+
 def test_a_crash_without_a_message_points_at_the_logs():
     trouble = pod_trouble(pod(engine=crash_loop(message="")))
     assert trouble is not None and "kubectl logs --previous" in trouble.message
@@ -69,13 +76,27 @@ def test_an_engine_killed_for_memory_says_which_limit():
     assert "resources.limits.memory" in trouble.message
 
 
-@pytest.mark.parametrize("reason", ["ErrImagePull", "ImagePullBackOff", "InvalidImageName"])
+@pytest.mark.parametrize(
+    "reason",
+    [
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "ImageInspectError",
+    ],
+)
 def test_an_image_that_cannot_be_pulled(reason):
     waiting = {"reason": reason, "message": 'pull access denied for "ghcr.io/tandem/enigne"'}
     engine = {"image": "ghcr.io/tandem/enigne:1", "state": {"waiting": waiting}}
     trouble = pod_trouble(pod(engine=engine))
     assert trouble is not None and trouble.reason == "ImagePullFailing"
     assert "ghcr.io/tandem/enigne:1 cannot be pulled: pull access denied" in trouble.message
+
+
+def test_an_image_never_pulled_says_the_node_lacks_it():
+    waiting = {"reason": "ErrImageNeverPull", "message": "Container image is not present"}
+    trouble = pod_trouble(pod(engine={"image": "engine:dev", "state": {"waiting": waiting}}))
+    assert trouble is not None and "imagePullPolicy is Never" in trouble.message
 
 
 def test_a_missing_secret_stops_the_container_before_it_starts():
@@ -156,3 +177,19 @@ def test_a_troubled_pod_of_a_role_with_all_its_pods_ready_changes_nothing():
     )
     status = valid_status(META, {RoleName.NORMAL: counts}, {}, NOW)
     assert status["phase"] == Phase.READY.value
+
+
+def test_a_model_whose_crash_is_over_is_starting_not_degraded():
+    # It never served: once its pods stop crashing it is starting, not "lost pods".
+    previous = _status(0, pod(engine=crash_loop()))
+    previous["roles"] = {"normal": {"desired": 2}}
+    counts = RoleCounts(desired=2, replicas=2, ready=0)
+    status = valid_status(META, {RoleName.NORMAL: counts}, previous, NOW)
+    assert (status["phase"], status["reason"]) == (Phase.PENDING.value, "PodsStarting")
+
+
+def test_a_rollout_whose_new_pods_crash_is_degraded_while_the_old_still_serve():
+    trouble = role_trouble([pod(engine=crash_loop())])
+    counts = RoleCounts(desired=2, replicas=3, ready=2, rolling=True, trouble=trouble)
+    status = valid_status(META, {RoleName.NORMAL: counts}, {"phase": "Ready"}, NOW)
+    assert (status["phase"], status["reason"]) == (Phase.DEGRADED.value, "EngineCrashLoop")
