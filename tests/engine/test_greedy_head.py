@@ -88,6 +88,47 @@ def test_rows_with_nan_or_infinity_follow_argmax_s_rule():
     assert torch.equal(GreedyHead.pack(head)(x), float32_tokens(head, x))
 
 
+def _unguarded(head: Linear) -> GreedyHead:
+    """The screen of a head that GreedyHead.pack refuses: the kernel's own guards."""
+    ops = cpu_kernels.load()
+    w = head.weight.detach()
+    norms = torch.linalg.vector_norm(w.double(), dim=1).float()
+    return GreedyHead(ops.pack_bf16_panels(w), head.packed.data, norms)
+
+
+def test_a_head_with_nan_is_not_screened_and_the_kernel_would_compute_it_whole():
+    # A corrupt checkpoint: the float32 head's argmax is the first NaN logit.
+    for nan_at in (3, 70):
+        head = head_of(200, 16)
+        with torch.no_grad():
+            head.weight[nan_at, 5] = float("nan")
+        pack_linears(head)
+        assert GreedyHead.pack(head) is None
+        x = torch.randn(9, 16, generator=torch.Generator().manual_seed(nan_at))
+        assert torch.equal(_unguarded(head)(x), float32_tokens(head, x))
+
+
+def test_values_bfloat16_cannot_hold_are_not_screened():
+    # From 2^127 on, a float32 rounds to an infinite bfloat16. Tiny weights keep
+    # |x| |w| under the overflow guard; the screen would then see inf * 0 = NaN for the
+    # argmax (token 60) and +inf for token 0.
+    head = Linear(2, 96, bias=False)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.weight[:, 0] = -1e-10
+        head.weight[0] = torch.tensor([1e-37, 0.0])
+        head.weight[60] = torch.tensor([0.0, 1e-10])
+    pack_linears(head)
+    x = torch.tensor([[3.4e38, 1e30], [1.0, 2.0]])
+    assert float32_tokens(head, x)[0].item() == 60
+    assert torch.equal(GreedyHead.pack(head)(x), float32_tokens(head, x))
+    big = head_of(100, 8)
+    with torch.no_grad():
+        big.weight[7, 0] = 3.4e38
+    pack_linears(big)
+    assert GreedyHead.pack(big) is None
+
+
 def test_a_head_it_cannot_screen_is_not_packed():
     biased = Linear(8, 16, bias=True)
     pack_linears(biased)

@@ -308,7 +308,13 @@ class LlamaForCausalLM(nn.Module):
         """argmax(compute_logits(hidden)) per row without the logits, where the greedy
         head is packed (greedy_head.py) and can take hidden; else None."""
         head = self.greedy_head
-        if head is None or hidden.dtype != torch.float32 or hidden.device.type != "cpu":
+        # With autograd on, the head runs F.linear (linear.py), not the panels.
+        if (
+            head is None
+            or hidden.dtype != torch.float32
+            or hidden.device.type != "cpu"
+            or torch.is_grad_enabled()
+        ):
             return None
         return head(hidden)
 

@@ -27,9 +27,16 @@
 //   flushed denormals (vdpbf16ps flushes them): <= 4K 2^-126 (1 + max|x|) (1 + max|w|),
 //   absolute.
 // e_j = c |w_j| + slack holds all of it, with c and slack rounded up by far more than the
-// float arithmetic that applies them can lose. A row whose |x| |w|_max could reach 1e30
-// (or that holds a NaN or an infinity) skips the screen: all its logits are computed in
-// float32, so no sum overflows unseen.
+// float arithmetic that applies them can lose. Applying it in float32 loses nothing:
+// rounding is monotone, so real(a_i + e_i) >= f_i >= f_k >= real(a_k - e_k) gives
+// fl(a_i + e_i) >= fl(a_k - e_k) whatever their signs and sizes.
+// A row whose |x| |w|_max could reach 1e30, that holds a NaN or an infinity, or a value
+// bfloat16 cannot hold (|x_k| >= 2^127 rounds to infinity) skips the screen: all its
+// logits are computed in float32, so no sum overflows unseen. So do all rows of a head
+// whose norms are not finite (GreedyHead.pack refuses such a head in the first place).
+// Flushing denormals (torch.set_flush_denormal) is per thread, and panel_linear splits
+// panels over threads where this splits rows: with it on, logits in the denormal range
+// may differ between the two; the engine never sets it.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -59,6 +66,14 @@ constexpr int MR = 8;                  // rows of the register tile: MR x NV acc
 constexpr int64_t LINE = 64;           // bytes of a cache line
 constexpr double UNIT = 1.0 / 256;     // bfloat16's unit roundoff, u = 2^-8
 constexpr double SCREEN_LIMIT = 1e30;  // |x| |w|_max past this: no screen (overflow)
+constexpr double BF16_LIMIT = 0x1p127;  // |x_k| from this on may round to infinity
+
+// x's bits rounded to the nearest bfloat16, ties to even, as the weight's .to(bfloat16)
+// (finite x below BF16_LIMIT), in the low 16 bits.
+inline uint32_t to_bf16(float x) {
+  const uint32_t bits = std::bit_cast<uint32_t>(x);
+  return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16;
+}
 
 double gamma(int64_t n) {
   const double t = static_cast<double>(n) * std::ldexp(1.0, -24);
@@ -218,7 +233,9 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& panels, const at::
   const float* fp = float_panels.data_ptr<float>();
   const float* np = norms.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  const float norm_max = *std::max_element(np, np + N);
+  // A NaN among the norms would slip past max_element: look at every one.
+  const bool norms_finite = std::all_of(np, np + N, [](float v) { return std::isfinite(v); });
+  const float norm_max = norms_finite ? *std::max_element(np, np + N) : INFINITY;
   const double w_abs_max = static_cast<double>(norm_max);  // |w_jk| <= |w_j|
   const double relative = 2 * UNIT + UNIT * UNIT + gamma(2 * K) * (1 + UNIT) * (1 + UNIT) + gamma(K);
 
@@ -237,18 +254,14 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& panels, const at::
       top = std::max(top, static_cast<double>(std::fabs(row[k])));
     }
     const double norm = std::sqrt(sq);
-    if (!finite || norm * norm_max >= SCREEN_LIMIT) {
+    if (!finite || !(top < BF16_LIMIT) || !(norm * norm_max < SCREEN_LIMIT)) {
       whole.push_back(r);
       continue;
     }
     screened.push_back(r);
     xs.resize(screened.size() * K2, 0);
-    uint16_t* pairs = reinterpret_cast<uint16_t*>(xs.data() + (screened.size() - 1) * K2);
-    for (int64_t k = 0; k < K; ++k) {
-      // Round to nearest even, as the weight's .to(bfloat16) does (finite inputs).
-      const uint32_t bits = std::bit_cast<uint32_t>(row[k]);
-      pairs[k] = static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-    }
+    uint32_t* pairs = xs.data() + (screened.size() - 1) * K2;
+    for (int64_t k = 0; k < K; ++k) pairs[k / 2] |= to_bf16(row[k]) << (16 * (k % 2));
     const double slack = 4.0 * K * std::ldexp(1.0, -126) * (1 + top) * (1 + w_abs_max);
     bounds.push_back({static_cast<float>(relative * norm * (1 + 1e-6)),
                       static_cast<float>(slack * (1 + 1e-6)) + std::numeric_limits<float>::denorm_min()});
@@ -265,11 +278,15 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& panels, const at::
     for (int64_t s = b; s < e; ++s) {
       const float* lo = low.data() + s * P;
       const float* hi = high.data() + s * P;
-      // Each side of a_j + e_j >= L rounds by half an ulp of its result, and where they
-      // meet, their ulps are L's: two ulps below L cover both.
+      // Monotone rounding makes hi >= L exact for the argmax's panel (header); two ulps
+      // below L are a margin that costs nothing.
       float L = *std::max_element(lo, lo + P);
       L = std::nextafter(std::nextafter(L, -INFINITY), -INFINITY);
-      op[screened[s]] = panels_argmax(xp + screened[s] * K, fp, K, N, P, [&](int64_t p) { return hi[p] >= L; });
+      const float* xr = xp + screened[s] * K;
+      int64_t best = panels_argmax(xr, fp, K, N, P, [&](int64_t p) { return hi[p] >= L; });
+      // No panel in the running cannot happen with finite sums; should it, be exact.
+      if (best < 0) best = panels_argmax(xr, fp, K, N, P, [](int64_t) { return true; });
+      op[screened[s]] = best;
     }
   });
 #endif
