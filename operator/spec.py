@@ -53,6 +53,21 @@ NAME_RULES = (
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 
+def _check_secret_name(name: str) -> str:
+    # Its own message: pydantic's would quote the pattern, which explains nothing.
+    if not is_secret_name(name):
+        raise ValueError(f"{name!r} is not a Secret name: {SECRET_NAME_RULE}")
+    return name
+
+
+# A Secret's name, checked as the API server checks it (settings.SECRET_NAME_RULE).
+SecretName = Annotated[
+    str,
+    Field(min_length=1, max_length=253, json_schema_extra={"pattern": SECRET_NAME_PATTERN}),
+    AfterValidator(_check_secret_name),  # after the lengths: their messages are clearer
+]
+
+
 class Mode(StrEnum):
     NORMAL = "Normal"
     DISAGGREGATED = "Disaggregated"
@@ -104,10 +119,8 @@ class HuggingFaceSource(SpecModel):
         max_length=256,
         description="Branch, tag or commit; pin a commit for reproducible pods.",
     )
-    token_secret_name: str | None = Field(
+    token_secret_name: SecretName | None = Field(
         None,
-        min_length=1,
-        max_length=253,
         description="A Secret whose key `token` holds a Hub token (gated or private models).",
     )
 
@@ -237,7 +250,7 @@ class EngineSpec(SpecModel):
 class SecretKeyRef(SpecModel):
     """A key of a Secret in the ModelDeployment's namespace."""
 
-    name: str = Field(min_length=1, max_length=253, description="The Secret's name.")
+    name: SecretName = Field(description="The Secret's name.")
     key: str = Field("url", min_length=1, max_length=253, description="The key in the Secret.")
 
 
@@ -263,22 +276,10 @@ class RedisSpec(SpecModel):
     )
 
 
-def _check_secret_name(name: str) -> str:
-    # Its own message: pydantic's would quote the pattern, which explains nothing.
-    if not is_secret_name(name):
-        raise ValueError(f"{name!r} is not a Secret name: {SECRET_NAME_RULE}")
-    return name
-
-
 class ImagePullSecret(SpecModel):
     """A docker-registry Secret in the model's namespace, as in a pod's `imagePullSecrets`."""
 
-    name: Annotated[str, AfterValidator(_check_secret_name)] = Field(
-        min_length=1,
-        max_length=253,
-        json_schema_extra={"pattern": SECRET_NAME_PATTERN},
-        description="The Secret's name.",
-    )
+    name: SecretName = Field(description="The Secret's name.")
 
 
 class ModelDeploymentSpec(SpecModel):

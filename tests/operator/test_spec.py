@@ -132,6 +132,11 @@ def test_served_model_name_defaults_to_the_object_name():
         ),
         # Secret names are DNS-1123 subdomains; the message says what one is.
         ({"imagePullSecrets": [{"name": "RegCred"}]}, "'RegCred' is not a Secret name: a "),
+        ({"redis": {"urlSecretRef": {"name": "Redis_URL"}}}, "'Redis_URL' is not a Secret name"),
+        (
+            {"model": {"huggingFace": {"id": "org/m", "tokenSecretName": "HF token"}}},
+            "'HF token' is not a Secret name",
+        ),
         ({"imagePullSecrets": [{"name": "reg_cred"}]}, "'reg_cred' is not a Secret name"),
         ({"imagePullSecrets": [{"name": "regcred-"}]}, "'regcred-' is not a Secret name"),
         ({"imagePullSecrets": [{"name": "a..b"}]}, "each part between dots starts and ends"),
