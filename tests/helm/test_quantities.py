@@ -220,3 +220,33 @@ def test_the_helper_orders_as_the_api_server_does(nanos):
         for b in PROBES:
             if exact_nanos(a) <= exact_nanos(b):
                 assert nanos[f'"{a}"'] <= nanos[f'"{b}"'], (a, b)
+
+
+@pytest.mark.parametrize(
+    ("sets", "shown"),
+    [
+        (["redis.maxmemory=1gb"], "redis.maxmemory (1gb)"),  # 1 GiB, the default limit
+        (["redis.maxmemory=2g"], "redis.maxmemory (2g)"),
+        (["redis.maxmemory=768mb", "redis.resources.limits.memory=512Mi"], "(512Mi)"),
+        (["redis.maxmemory=2000000000"], "redis.maxmemory (2000000000)"),
+    ],
+)
+def test_a_redis_cap_at_or_above_its_memory_limit_is_refused(helm, sets, shown):
+    result = run_helm(helm, *template_args(CHART, sets=sets))
+    assert result.returncode != 0, f"{sets} was accepted"
+    assert shown in result.stderr and "is not below redis.resources.limits.memory" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        [],  # 768mb against 1Gi
+        ["redis.maxmemory=0"],  # no cap
+        ["redis.maxmemory=1000m"],  # 10^9 bytes, under 1 GiB
+        ["redis.maxmemory=1gb", "redis.resources.limits.memory=2Gi"],
+        ["redis.maxmemory=4gb", "redis.enabled=false", "redis.external.url=redis://r:6379/0"],
+    ],
+)
+def test_a_redis_cap_below_its_limit_passes(helm, sets):
+    result = run_helm(helm, *template_args(CHART, sets=sets))
+    assert result.returncode == 0, result.stderr

@@ -300,9 +300,36 @@ message that names no value. `lookup` finds nothing under `helm template`,
 {{- end }}
 {{- end }}
 
+{{/*
+Redis' maxmemory against its container's memory limit: at its cap Redis still needs
+memory beyond it (client buffers, the fork that rewrites the append-only file), so a
+cap at or above the limit gets the pod OOM-killed where Redis would have refused writes.
+maxmemory is in Redis' units: k, m, g are 1000s, kb, mb, gb 1024s; a number is bytes.
+*/}}
+{{- define "tandem.redisMemoryCheck" -}}
+{{- $redis := .Values.redis }}
+{{- $limit := dig "resources" "limits" "memory" "" $redis }}
+{{- if and $redis.enabled $limit }}
+{{- $cap := $redis.maxmemory }}
+{{- $bytes := 0.0 }}
+{{- if kindIs "string" $cap }}
+{{- $unit := regexFind "[a-z]+$" $cap }}
+{{- $scale := get (dict "b" 1 "k" 1000 "kb" 1024 "m" 1000000 "mb" 1048576 "g" 1000000000 "gb" 1073741824) $unit | default 1 }}
+{{- $bytes = mulf (trimSuffix $unit $cap | float64) $scale }}
+{{- else }}
+{{- $bytes = float64 $cap }}
+{{- end }}
+{{- $limitBytes := divf (include "tandem.quantityNanos" $limit | float64) 1e9 }}
+{{- if and (gt $bytes 0.0) (ge $bytes $limitBytes) }}
+{{- fail (printf "redis.maxmemory (%v) is not below redis.resources.limits.memory (%v): Redis needs memory beyond its cap, and the pod would be OOM-killed instead of Redis refusing writes. Lower maxmemory (about three quarters of the limit) or raise the limit" $cap $limit) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* The values that cannot work together, refused before anything is made. */}}
 {{- define "tandem.checks" -}}
 {{- include "tandem.resourceChecks" . }}
+{{- include "tandem.redisMemoryCheck" . }}
 {{- include "tandem.redisClaimCheck" . }}
 {{- $auth := .Values.gateway.auth }}
 {{- if and $auth.enabled (not $auth.existingSecret) (not $auth.keys) (not $auth.bootstrapKey) }}
