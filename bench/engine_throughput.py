@@ -9,7 +9,9 @@ and batch 1 and for a 1,024-token prefill, the ratio to HF, and the fraction
 of this machine's roofline (matmul peak and memory read bandwidth, probed in
 turn with each case's own rounds, the best probe kept); then a
 continuous-batching run (Poisson arrivals, mixed lengths) against HF static
-batching, with TTFT and TPOT percentiles.
+batching, with TTFT and TPOT percentiles. The decode rounds are greedy: where
+the CPU has AVX512-BF16, Tandem screens the LM head in bfloat16 (greedy_head.py,
+the float32 head's tokens), while the roofline counts the head in float32.
 Figures are recorded in docs/benchmarks.md.
 """
 
@@ -340,6 +342,8 @@ def main() -> None:
     config = loaded.config
     llm = LLM(loaded, max_model_len=2048, enable_prefix_caching=False)
     hf = hf_model(loaded)
+    if llm.engine.runner.model.greedy_head is not None:
+        print("greedy LM head: screened in bfloat16 (the roofline counts it in float32)")
 
     def prompts(batch: int, length: int) -> list[list[int]]:
         return [[rng.randrange(config.vocab_size) for _ in range(length)] for _ in range(batch)]
