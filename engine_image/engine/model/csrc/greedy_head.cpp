@@ -266,8 +266,9 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& panels, const at::
     bounds.push_back({static_cast<float>(relative * norm * (1 + 1e-6)),
                       static_cast<float>(slack * (1 + 1e-6)) + std::numeric_limits<float>::denorm_min()});
   }
+  const auto every_panel = [](int64_t) { return true; };
   at::parallel_for(0, static_cast<int64_t>(whole.size()), 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) op[whole[i]] = panels_argmax(xp + whole[i] * K, fp, K, N, P, [](int64_t) { return true; });
+    for (int64_t i = b; i < e; ++i) op[whole[i]] = panels_argmax(xp + whole[i] * K, fp, K, N, P, every_panel);
   });
   const int64_t S = static_cast<int64_t>(screened.size());
   if (S == 0) return out;
@@ -285,7 +286,7 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& panels, const at::
       const float* xr = xp + screened[s] * K;
       int64_t best = panels_argmax(xr, fp, K, N, P, [&](int64_t p) { return hi[p] >= L; });
       // No panel in the running cannot happen with finite sums; should it, be exact.
-      if (best < 0) best = panels_argmax(xr, fp, K, N, P, [](int64_t) { return true; });
+      if (best < 0) best = panels_argmax(xr, fp, K, N, P, every_panel);
       op[screened[s]] = best;
     }
   });
