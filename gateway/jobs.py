@@ -230,6 +230,16 @@ _UNSERVED = {
 
 
 def _message(index: int, message: ChatMessage) -> dict[str, str]:
+    if message.role == "tool":
+        # A tool message answers an assistant's tool_calls, which are refused above:
+        # it can only be an orphan, which OpenAI refuses too.
+        param = f"messages[{index}].role"
+        raise bad_request(
+            f"{param}: a 'tool' message answers an assistant's tool_calls, and tool calls "
+            "are not supported by this server",
+            param,
+            "unsupported",
+        )
     for name in _MESSAGE_FIELDS:
         value = getattr(message, name)
         if value is None:  # some clients send every field, null where unused

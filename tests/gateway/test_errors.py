@@ -141,6 +141,9 @@ CASES = {
     "refusal in a message": Case(400, {**GOOD, "messages": [*USER, {
         "role": "assistant", "content": None, "refusal": "I can't."}, *USER]},
         param="messages[1].refusal", code="unsupported", message="refusals are not supported"),
+    "a tool message": Case(400, {**GOOD, "messages": [*USER, {
+        "role": "tool", "content": "42", "tool_call_id": "call_1"}]},
+        param="messages[1].role", code="unsupported", message="tool calls are not supported"),
     "tool_call_id in a user message": Case(400, {**GOOD, "messages": [
         {"role": "user", "content": "Hi", "tool_call_id": "call_1"}]},
         param="messages[0].tool_call_id", message="only allowed in tool messages"),
@@ -276,7 +279,6 @@ def test_four_stop_sequences_and_every_openai_message_field_pass(gateway):
         {"role": "user", "content": [{"type": "text", "text": "Hi"}], "name": "ann"},
         {"role": "assistant", "content": "Hello", "refusal": None, "annotations": [],
          "audio": None, "tool_calls": [], "function_call": None, "name": "bot"},
-        {"role": "tool", "content": "42", "tool_call_id": "call_1"},
         {"role": "user", "content": "Again", "tool_call_id": None},
     ]  # fmt: skip
     live, _ = gateway
