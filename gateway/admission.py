@@ -132,7 +132,7 @@ class Admission:
                 )
         try:
             await self._check_room(job)
-            await self.quotas.admit(caller, job.cost_tokens)
+            await self.quotas.admit(caller, job.cost_tokens, job.base_id)
             await self.broker.enqueue(job.items)
             self.queues.queued(job.model, job.n)
         except BaseException:

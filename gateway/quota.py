@@ -17,11 +17,14 @@ import redis.asyncio as aioredis
 from tandem.gateway.auth import ApiKey
 from tandem.gateway.errors import GatewayError, rate_limited
 
-# KEYS: rpm bucket, tpm bucket. ARGV: rpm limit, tpm limit (0: none), token cost.
-# Returns {1} when admitted, else {0, quota, seconds until it would pass}: "rpm",
-# "tpm", or "tpm_size" (the cost exceeds the whole bucket: never passes).
-# Numbers cross as strings: Redis truncates Lua numbers to integers.
+# KEYS: rpm bucket, tpm bucket, the request's marker. ARGV: rpm limit, tpm limit
+# (0: none), token cost. Returns {1} when admitted, else {0, quota, seconds until it
+# would pass}: "rpm", "tpm", or "tpm_size" (the cost exceeds the whole bucket: never
+# passes). Numbers cross as strings: Redis truncates Lua numbers to integers.
+# The marker (60 s) makes a take that runs again (its reply lost with a dead
+# connection, the client's retry) admit without taking twice.
 _TAKE_LUA = """
+if redis.call('EXISTS', KEYS[3]) == 1 then return {1} end
 if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -50,6 +53,7 @@ if k then
   redis.call('HSET', KEYS[2], 'level', tostring(k - cost), 'at', tostring(now))
   redis.call('PEXPIRE', KEYS[2], 60000)
 end
+redis.call('SET', KEYS[3], '1', 'PX', 60000)
 return {1}
 """
 
@@ -69,27 +73,30 @@ class Quotas:
         self._take = client.register_script(_TAKE_LUA)
 
     def bucket_keys(self, name: str) -> list[str]:
-        # One hash tag per key name: both buckets on one Redis Cluster slot.
+        # One hash tag per key name: both buckets (and the markers) on one Cluster slot.
         base = f"{self.prefix}:quota:{{{name}}}"
         return [f"{base}:rpm", f"{base}:tpm"]
 
-    async def take(self, key: ApiKey, tokens: int) -> QuotaDecision:
-        """Use one request and `tokens` tokens of the key's quotas, or neither."""
+    def marker_key(self, name: str, request_id: str) -> str:
+        return f"{self.prefix}:quota:{{{name}}}:taken:{request_id}"
+
+    async def take(self, key: ApiKey, tokens: int, request_id: str) -> QuotaDecision:
+        """Use one request and `tokens` tokens of the key's quotas, or neither; a
+        request id already admitted (within a minute) takes nothing again."""
         if key.rpm is None and key.tpm is None:
             return QuotaDecision(True)
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
-        reply = await self._take(
-            keys=self.bucket_keys(key.name), args=[key.rpm or 0, key.tpm or 0, tokens]
-        )
+        script_keys = [*self.bucket_keys(key.name), self.marker_key(key.name, request_id)]
+        reply = await self._take(keys=script_keys, args=[key.rpm or 0, key.tpm or 0, tokens])
         if int(reply[0]) == 1:
             return QuotaDecision(True)
         quota = _text(reply[1])
         return QuotaDecision(False, quota, float(_text(reply[2])))
 
-    async def admit(self, key: ApiKey, tokens: int) -> None:
+    async def admit(self, key: ApiKey, tokens: int, request_id: str) -> None:
         """take(), raising the 429 that names the quota when refused."""
-        decision = await self.take(key, tokens)
+        decision = await self.take(key, tokens, request_id)
         if not decision.admitted:
             raise refusal(key, tokens, decision)
 

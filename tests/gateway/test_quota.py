@@ -29,7 +29,9 @@ def test_requests_per_minute_admit_exactly_the_limit_across_replicas(redis_url, 
 
     async def work(a, b):
         replicas = [Quotas(a, keys.prefix), Quotas(b, keys.prefix)]
-        decisions = await asyncio.gather(*(replicas[i % 2].take(key, 0) for i in range(20)))
+        decisions = await asyncio.gather(
+            *(replicas[i % 2].take(key, 0, f"r{i}") for i in range(20))
+        )
         return decisions
 
     decisions = _run(redis_url, work)
@@ -45,7 +47,7 @@ def test_a_request_refused_for_tokens_uses_no_request(redis_url, keys):
 
     async def work(a, _):
         quotas = Quotas(a, keys.prefix)
-        return [await quotas.take(key, cost) for cost in (60, 60, 10, 1)]
+        return [await quotas.take(key, cost, f"r{i}") for i, cost in enumerate((60, 60, 10, 1))]
 
     first, second, third, fourth = _run(redis_url, work)
     assert first.admitted and third.admitted
@@ -60,9 +62,9 @@ def test_a_cost_above_the_whole_bucket_is_refused_for_good(redis_url, keys):
 
     async def work(a, _):
         quotas = Quotas(a, keys.prefix)
-        decision = await quotas.take(key, 101)
+        decision = await quotas.take(key, 101, "r0")
         with pytest.raises(GatewayError) as caught:
-            await quotas.admit(key, 101)
+            await quotas.admit(key, 101, "r1")
         return decision, caught.value
 
     decision, error = _run(redis_url, work)
@@ -76,9 +78,9 @@ def test_buckets_refill_with_time(redis_url, keys):
 
     async def work(a, _):
         quotas = Quotas(a, keys.prefix)
-        burst = [await quotas.take(key, 0) for _ in range(121)]
+        burst = [await quotas.take(key, 0, f"r{i}") for i in range(121)]
         await asyncio.sleep(0.6)
-        return burst, await quotas.take(key, 0)
+        return burst, await quotas.take(key, 0, "later")
 
     burst, later = _run(redis_url, work)
     assert sum(d.admitted for d in burst) == 120 and not burst[-1].admitted
@@ -90,9 +92,9 @@ def test_the_429_names_the_quota_and_says_when_to_retry(redis_url, keys):
 
     async def work(a, _):
         quotas = Quotas(a, keys.prefix)
-        await quotas.admit(key, 0)
+        await quotas.admit(key, 0, "r0")
         with pytest.raises(GatewayError) as caught:
-            await quotas.admit(key, 0)
+            await quotas.admit(key, 0, "r1")
         return caught.value
 
     error = _run(redis_url, work)
@@ -105,8 +107,24 @@ def test_keys_without_limits_never_touch_redis(keys):
     async def work():
         client = aioredis.Redis.from_url("redis://127.0.0.1:1/0")  # nothing listens there
         try:
-            return await Quotas(client, keys.prefix).take(ApiKey("free"), 10**9)
+            return await Quotas(client, keys.prefix).take(ApiKey("free"), 10**9, "r0")
         finally:
             await client.aclose()
 
     assert asyncio.run(work()).admitted
+
+
+def test_a_take_run_again_for_the_same_request_takes_nothing_twice(redis_url, keys):
+    # The client reruns a script whose reply a dead connection lost: the request must
+    # be admitted, and charged once.
+    key = ApiKey("k", rpm=2, tpm=100)
+
+    async def work(a, _):
+        quotas = Quotas(a, keys.prefix)
+        first = await quotas.take(key, 60, "r0")
+        again = await quotas.take(key, 60, "r0")
+        other = await quotas.take(key, 30, "r1")  # 40 tokens and 1 request were left
+        return first, again, other
+
+    first, again, other = _run(redis_url, work)
+    assert first.admitted and again.admitted and other.admitted
