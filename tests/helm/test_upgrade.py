@@ -1,104 +1,69 @@
 """`helm upgrade` against what is already there: Redis' volume claims cannot change.
 
 The chart looks the StatefulSet up (`lookup`) and names the changed value; the API
-server would refuse the upgrade with a message that names none. A small stand-in for
-the API server answers Helm's discovery and the StatefulSet's GET, and `helm template
---dry-run=server` renders against it as `helm upgrade` does.
+server would refuse the upgrade with a message that names none. The emulated API
+server the operator's tests use (support.kube_api) holds the StatefulSet, and
+`helm template --dry-run=server` renders against it as `helm upgrade` does.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import kmock
 import pytest
 from support.helm import CHART, NAMESPACE, RELEASE, run_helm, template_args
+from support.kube_api import ApiServer
 
-STATEFULSET = f"/apis/apps/v1/namespaces/{NAMESPACE}/statefulsets/{RELEASE}-redis"
+from tandem.operator.crd import root_schema
 
-
-def _plural(kind: str) -> str:
-    lower = kind.lower()
-    if lower.endswith("y"):
-        return lower[:-1] + "ies"
-    return lower + ("es" if lower.endswith("s") else "s")
+STATEFULSETS = kmock.resource("apps", "v1", "statefulsets")
 
 
-def discovery(manifests: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """What Helm asks before it renders against a cluster: the version, and the API
-    groups and resources of every kind the chart makes (it maps each object to one)."""
-    resources: dict[str, dict[str, dict[str, Any]]] = {}
-    for manifest in manifests:
-        kind, namespaced = manifest["kind"], "namespace" in manifest["metadata"]
-        resource = {"name": _plural(kind), "kind": kind, "namespaced": namespaced, "verbs": []}
-        resources.setdefault(manifest["apiVersion"], {})[kind] = resource
-    answers: dict[str, dict[str, Any]] = {
-        "/version": {"major": "1", "minor": "33", "gitVersion": "v1.33.0"},
-        "/api": {"kind": "APIVersions", "versions": ["v1"]},
-    }
-    groups = []
-    for version, kinds in resources.items():
-        listed = {"kind": "APIResourceList", "groupVersion": version}
-        answers["/api/v1" if version == "v1" else f"/apis/{version}"] = {
-            **listed,
-            "resources": list(kinds.values()),
-        }
-        if version != "v1":
-            entry = {"groupVersion": version, "version": version.split("/")[1]}
-            groups.append(
-                {"name": version.split("/")[0], "versions": [entry], "preferredVersion": entry}
-            )
-    answers["/apis"] = {"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}
-    return answers
+class Cluster:
+    """The emulated API server on its own loop and thread, for Helm's synchronous calls."""
 
+    def __init__(self) -> None:
+        self.api = ApiServer(crd_schema=root_schema())
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self._server = self.run(self._enter())
 
-class _Server(ThreadingHTTPServer):
-    # Helm asks for every API group at once; past the default backlog of 5, a dropped
-    # connection waits out a 1 s retransmit.
-    request_queue_size = 64
+    async def _enter(self) -> Any:
+        server = kmock.Server(self.api)
+        await server.__aenter__()
+        return server
 
-
-class FakeApi:
-    """Discovery, plus the objects in `objects` by path; 404 for anything else."""
-
-    def __init__(self, discovery: dict[str, dict[str, Any]]) -> None:
-        self.objects: dict[str, dict[str, Any]] = {}
-        api = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                path = self.path.split("?")[0]
-                body = discovery.get(path) or api.objects.get(path)
-                status = 200 if body else 404
-                if body is None:
-                    body = {"kind": "Status", "status": "Failure", "reason": "NotFound"}
-                    body |= {"apiVersion": "v1", "code": 404}
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = _Server(("127.0.0.1", 0), Handler)
+    def run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=10)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
+        return str(self._server.url)
+
+    def redis(self, statefulset: dict[str, Any] | None) -> None:
+        """The Redis StatefulSet the cluster holds (None: there is none)."""
+        name = f"{RELEASE}-redis"
+        if self.api.read(STATEFULSETS, NAMESPACE, name) is not None:
+            self.run(self.api.delete(STATEFULSETS, NAMESPACE, name))
+        if statefulset is not None:
+            self.run(self.api.create(STATEFULSETS, NAMESPACE, statefulset))
+
+    def close(self) -> None:
+        self.run(self._server.__aexit__(None, None, None))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
 
 
 @pytest.fixture(scope="module")
-def server(renders, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeApi]:
-    """One stand-in for the module (Helm's discovery cache then serves every test)."""
-    fake = FakeApi(discovery([m for manifests in renders.values() for m in manifests]))
-    thread = threading.Thread(target=fake.server.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """One cluster for the module (Helm's discovery cache then serves every test)."""
+    emulated = Cluster()
     home = tmp_path_factory.mktemp("kube")
     kubeconfig = home / "kubeconfig"
     kubeconfig.write_text(
@@ -106,10 +71,12 @@ def server(renders, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeAp
             {
                 "apiVersion": "v1",
                 "kind": "Config",
-                "clusters": [{"name": "fake", "cluster": {"server": fake.url}}],
-                "users": [{"name": "fake", "user": {}}],
-                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
-                "current-context": "fake",
+                "clusters": [{"name": "emulated", "cluster": {"server": emulated.url}}],
+                "users": [{"name": "emulated", "user": {}}],
+                "contexts": [
+                    {"name": "emulated", "context": {"cluster": "emulated", "user": "emulated"}}
+                ],
+                "current-context": "emulated",
             }
         )
     )
@@ -117,16 +84,8 @@ def server(renders, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeAp
         patch.setenv("KUBECONFIG", str(kubeconfig))
         # Helm caches discovery per server, by default in ~/.kube/cache.
         patch.setenv("KUBECACHEDIR", str(home / "cache"))
-        yield fake
-    fake.server.shutdown()
-    fake.server.server_close()
-    thread.join()
-
-
-@pytest.fixture
-def api(server: FakeApi) -> FakeApi:
-    server.objects.clear()
-    return server
+        yield emulated
+    emulated.close()
 
 
 def _redis(claim: dict[str, Any] | None) -> dict[str, Any]:
@@ -194,8 +153,8 @@ CHANGED = [
 @pytest.mark.parametrize(
     ("claim", "sets", "problem"), CHANGED, ids=[c[2].split(" but")[0] for c in CHANGED]
 )
-def test_a_changed_claim_is_refused_naming_the_value(helm, api, claim, sets, problem):
-    api.objects[STATEFULSET] = _redis(claim)
+def test_a_changed_claim_is_refused_naming_the_value(helm, cluster, claim, sets, problem):
+    cluster.redis(_redis(claim))
     result = _upgrade(helm, sets)
     assert result.returncode != 0, "the upgrade rendered"
     assert f"redis.persistence.{problem}, and {HOW}" in result.stderr, result.stderr
@@ -217,13 +176,14 @@ def test_a_changed_claim_is_refused_naming_the_value(helm, api, claim, sets, pro
         (_claim("8Gi"), ["redis.enabled=false", "redis.external.url=redis://r:6379/0"]),
     ],
 )
-def test_an_unchanged_claim_upgrades(helm, api, claim, sets):
-    api.objects[STATEFULSET] = _redis(claim)
+def test_an_unchanged_claim_upgrades(helm, cluster, claim, sets):
+    cluster.redis(_redis(claim))
     result = _upgrade(helm, sets)
     assert result.returncode == 0, result.stderr
 
 
-def test_a_first_install_has_nothing_to_compare(helm, api):
+def test_a_first_install_has_nothing_to_compare(helm, cluster):
+    cluster.redis(None)
     result = _upgrade(helm, ["redis.persistence.size=16Gi"])
     assert result.returncode == 0, result.stderr
 

@@ -9,7 +9,9 @@ bare collection), 422 for a failed JSON-patch test (it answers 500), the
 admission of custom resources, owner-reference garbage collection, and a
 watch that cannot lose a change between its snapshot and its stream (it
 subscribes after sending the snapshot). It also stores a write even when a
-test's reaction answers it with an error, so it cannot inject failures.
+test's reaction answers it with an error, so it cannot inject failures. Its
+discovery says Kubernetes 1.26 and names the core group "/v1" (Helm's mapper
+then finds no core kind), and a refusal raised while serving became a 500.
 
 The write semantics are kube_store.ApiStore's; ApiServer is the HTTP side:
 every request on a known resource is answered here (get, list and watch with
@@ -51,6 +53,7 @@ from support.kube_store import (
     not_found,
     selector_matches,
 )
+from support.kube_version import K8S_VERSION
 
 __all__ = [
     "CHILDREN",
@@ -112,6 +115,19 @@ class ApiServer(ApiStore):
 
     # ------------------------------------------------------------------ HTTP
 
+    async def _serve_version(self, request: rendering.Request) -> Any:
+        # The core group's list names its version "v1"; kmock says "/v1", which Helm's
+        # mapper cannot parse (no Secret or Service kind found).
+        payload = await super()._serve_version(request)
+        payload["groupVersion"] = payload["groupVersion"].lstrip("/")
+        return payload
+
+    async def _serve_server_version(self, request: rendering.Request) -> dict[str, str]:
+        # The release every manifest is validated against (kmock says 1.26, which the
+        # chart's kubeVersion refuses).
+        major, minor = K8S_VERSION.split(".")
+        return {"major": major, "minor": minor, "gitVersion": f"v{K8S_VERSION}.0"}
+
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         match = _NAMESPACE_PATH.fullmatch(raw_request.path)
         if match is None:
@@ -133,12 +149,17 @@ class ApiServer(ApiStore):
             action=_action(raw_request.method, match["name"], raw_request.query.get("watch")),
         )
         self._requests.append(request)
+        return await self._handle(request)
+
+    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        # A refusal is a Status object with its code, as the API server answers it
+        # (kmock's own handling let it through as a 500 with a traceback).
         try:
-            return await self._handle(request)
+            return await self._serve(request)
         except kmock.KubernetesError as error:
             return await self._render_error(error)
 
-    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+    async def _serve(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         resource = request.resource
         if resource is None or resource.plural is None:
             return await super()._handle(request)  # discovery: kmock's own
