@@ -155,8 +155,9 @@ def make_seqs(
 @pytest.mark.parametrize("kv_heads,heads", [(2, 2), (2, 8)])
 def test_decode_varied_contexts(block_size: int, kv_heads: int, heads: int, kernel: bool) -> None:
     gen = torch.Generator().manual_seed(0)
-    # Contexts across several 32-token kernel tiles, one ending exactly on a tile.
-    specs = [(0, 1), (7, 1), (33, 1), (63, 1), (100, 1)]
+    # Contexts within and across the kernel's 128-token chunks, one ending exactly on a
+    # chunk, one a token past it, one several chunks long.
+    specs = [(0, 1), (7, 1), (33, 1), (127, 1), (128, 1), (300, 1)]
     seqs, num_blocks = make_seqs(specs, kv_heads, 16, block_size, gen)
     run_step(seqs, heads, block_size, num_blocks, is_prefill=False, gen=gen, kernel=kernel)
 
@@ -168,8 +169,9 @@ def test_decode_varied_contexts(block_size: int, kv_heads: int, heads: int, kern
 @pytest.mark.parametrize("kv_heads,heads", [(1, 1), (2, 8), (3, 9)])
 def test_decode_with_drafts(block_size: int, kv_heads: int, heads: int, kernel: bool) -> None:
     gen = torch.Generator().manual_seed(1)
-    # Drafts straddling a tile boundary (30 + 9 rows), and several rows per sequence.
-    specs = [(12, 1 + 8), (40, 1 + 3), (5, 1), (70, 1 + 3), (30, 1 + 8)]
+    # Drafts straddling the kernel's chunk boundary at 128 (124 + 9 rows: the first
+    # rows see none of the second chunk), and several rows per sequence.
+    specs = [(12, 1 + 8), (40, 1 + 3), (5, 1), (70, 1 + 3), (124, 1 + 8)]
     seqs, num_blocks = make_seqs(specs, kv_heads, 8, block_size, gen)
     run_step(seqs, heads, block_size, num_blocks, is_prefill=False, gen=gen, kernel=kernel)
 
@@ -312,7 +314,9 @@ def test_shared_prefix_blocks(is_prefill: bool, kernel: bool) -> None:
 @pytest.mark.parametrize("is_prefill", [True, False])
 def test_bfloat16(is_prefill: bool, kernel: bool) -> None:
     gen = torch.Generator().manual_seed(5)
-    specs = [(20, 6), (3, 2)] if is_prefill else [(20, 3), (50, 1), (37, 1 + 4)]
+    # Decode: one context over the kernel's 128-token chunk, its rows widened a group of
+    # keys at a time.
+    specs = [(20, 6), (3, 2)] if is_prefill else [(20, 3), (150, 1), (37, 1 + 4)]
     seqs, num_blocks = make_seqs(specs, 2, 16, 4, gen)
     run_step(seqs, 8, 4, num_blocks, is_prefill, dtype=torch.bfloat16, gen=gen, kernel=kernel)
 

@@ -2,10 +2,11 @@
 // built with cpu_kernels.cpp (which declares the op).
 //
 // One work item per (sequence, KV head), spread over OpenMP threads. The item
-// walks the sequence's context through its block table, TILE tokens at a time;
-// every query row of that KV head (its G query heads times 1 + drafts rows) reads
-// each K/V row once while it is in L1 (GQA sharing), and keeps an online softmax
-// (running max, running sum, float32 accumulator; kernel_common.h). Row i of a
+// walks the sequence's context through its block table, CHUNK tokens at a time:
+// the chunk's scores (every query row of that KV head, its G query heads times 1 +
+// drafts rows, against each K row, read once for all of them: GQA sharing), one
+// online-softmax update per row (running max, running sum, float32 accumulator;
+// kernel_common.h), then the chunk's V rows into the accumulators. Row i of a
 // sequence with n rows and context length c sits at position c - n + i and attends
 // to positions 0..c - n + i (causal over the drafts). The step's new K/V rows are
 // written to their cache slots first (in the same call, before any read), which
@@ -36,9 +37,12 @@ namespace {
 
 using namespace tandem;
 
-constexpr int64_t TILE = 16;  // context tokens per online-softmax update
-// Tokens beyond the current tile whose K/V rows are being prefetched (see decode_item).
-constexpr int64_t PREFETCH_AHEAD = 16;
+// Context tokens per online-softmax update: the scores of a chunk are kept (R x CHUNK
+// floats), so the running max and sum are rescaled once a chunk, not every few keys.
+constexpr int64_t CHUNK = 128;
+constexpr int64_t KEYS = 16;  // keys per step of the QK and PV loops (and prefetch)
+// Rows (K or V, in read order) asked for ahead of the one being read (RowPrefetch).
+constexpr int64_t PREFETCH_AHEAD = 32;
 
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.0f;
@@ -68,7 +72,7 @@ inline vfloat reduce8(vfloat v0, vfloat v1, vfloat v2, vfloat v3, vfloat v4, vfl
 }
 
 // scores[r][0..n) = q[r] . k[j] for RB (1 or 2) query rows (row r at q + r * D, its
-// scores at scores + r * TILE), four keys at a time: each K vector loaded feeds RB
+// scores at scores + r * CHUNK), four keys at a time: each K vector loaded feeds RB
 // rows, and one transposing reduction finishes 4 keys of 2 rows; D % VL == 0.
 template <int RB>
 inline void qk_rows(const float* q, const float* const* k, float* scores, int64_t n, int64_t D) {
@@ -89,14 +93,14 @@ inline void qk_rows(const float* q, const float* const* k, float* scores, int64_
     }
     const vfloat sums = reduce8(a[0][0], a[0][1], a[0][2], a[0][3], a[1][0], a[1][1], a[1][2], a[1][3]);
     const float* lanes = reinterpret_cast<const float*>(&sums);  // row 0's 4 scores, then row 1's
-    for (int r = 0; r < RB; ++r) __builtin_memcpy(scores + r * TILE + j, lanes + 4 * r, 4 * sizeof(float));
+    for (int r = 0; r < RB; ++r) __builtin_memcpy(scores + r * CHUNK + j, lanes + 4 * r, 4 * sizeof(float));
   }
   for (; j < n; ++j)
-    for (int r = 0; r < RB; ++r) scores[r * TILE + j] = dot(q + r * D, k[j], D);
+    for (int r = 0; r < RB; ++r) scores[r * CHUNK + j] = dot(q + r * D, k[j], D);
 }
 
 // acc[r][0..D) += sum_j p[r][j] * v[j][0..D) for RB rows (row stride D, p row stride
-// TILE), j < n, NV vectors of the head dim at a time held in registers.
+// CHUNK), j < n, NV vectors of the head dim at a time held in registers.
 template <int RB, int NV>
 inline void pv_rows(float* acc, const float* p, const float* const* v, int64_t n, int64_t D) {
   for (int64_t c = 0; c < D; c += NV * VL) {
@@ -108,7 +112,7 @@ inline void pv_rows(float* acc, const float* p, const float* const* v, int64_t n
       vfloat x[NV];
       for (int t = 0; t < NV; ++t) x[t] = vload(vj + t * VL);
       for (int r = 0; r < RB; ++r) {
-        const vfloat pr = splat(p[r * TILE + j]);
+        const vfloat pr = splat(p[r * CHUNK + j]);
         for (int t = 0; t < NV; ++t) a[r][t] += pr * x[t];
       }
     }
@@ -117,15 +121,19 @@ inline void pv_rows(float* acc, const float* p, const float* const* v, int64_t n
   }
 }
 
+// pv_rows over every row, for keys j0..j0+n of the chunk (p and v start at key j0).
 template <int NV>
-inline void pv_tile(float* acc, const float* p, const int64_t* limit, const float* const* v, int64_t R,
-                    int64_t D) {
+inline void pv_tile(float* acc, const float* p, const int64_t* limit, int64_t j0, const float* const* v, int64_t n,
+                    int64_t R, int64_t D) {
   int64_t r = 0;
   for (; r + 2 <= R; r += 2) {
-    const int64_t n = std::max(limit[r], limit[r + 1]);
-    if (n > 0) pv_rows<2, NV>(acc + r * D, p + r * TILE, v, n, D);
+    const int64_t lim = std::min(n, std::max(limit[r], limit[r + 1]) - j0);
+    if (lim > 0) pv_rows<2, NV>(acc + r * D, p + r * CHUNK, v, lim, D);
   }
-  if (r < R && limit[r] > 0) pv_rows<1, NV>(acc + r * D, p + r * TILE, v, limit[r], D);
+  if (r < R) {
+    const int64_t lim = std::min(n, limit[r] - j0);
+    if (lim > 0) pv_rows<1, NV>(acc + r * D, p + r * CHUNK, v, lim, D);
+  }
 }
 
 // Element offsets of tokens t0..t0+n of one KV head in the cache.
@@ -140,35 +148,50 @@ inline void tile_offsets(int64_t* out, const int32_t* table, int64_t t0, int64_t
   }
 }
 
-// Prefetch the K and V rows of tokens [from, to) of one KV head into the outer caches
-// (prefetcht2): a decode step reads every sequence's context once, from scattered
-// blocks that the hardware prefetcher does not follow. Measured on AMD Zen 4: a
-// steady window of PREFETCH_AHEAD tokens ahead cut the kernel's time by a third,
-// where a whole tile prefetched into L1 (prefetcht0) changed nothing (such bursts
-// overflow L1's miss buffers and are dropped). The division per token is kept on
-// purpose: it paces the prefetches, and a walk without it (as tile_offsets does)
-// issued them in bursts and measured 1.5x slower with the cache in memory.
+// The rows an item reads, in the order it reads them (each chunk's K rows, then its V
+// rows), asked for PREFETCH_AHEAD rows before they are needed (prefetcht2): a decode
+// step reads every sequence's context once, from scattered blocks that the hardware
+// prefetcher does not follow. The QK and PV loops call ahead() every few rows, which
+// paces the requests with the arithmetic; requests issued in bursts (a tile's worth at
+// once) overflow the miss buffers and are dropped, and measured 1.5x slower.
 template <typename T>
-inline void prefetch_tokens(const T* kcache, const T* vcache, const int32_t* table, int64_t from, int64_t to,
-                            int64_t block_size, int64_t row_stride, int64_t head_offset, int64_t row_bytes) {
-  for (int64_t t = from; t < to; ++t) {
-    const int64_t off = (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row_stride +
-                        head_offset;
-    const char* k = reinterpret_cast<const char*>(kcache + off);
-    const char* v = reinterpret_cast<const char*>(vcache + off);
-    for (int64_t b = 0; b < row_bytes; b += 64) {
-      __builtin_prefetch(k + b, 0, 1);
-      __builtin_prefetch(v + b, 0, 1);
+struct RowPrefetch {
+  const T* kcache;
+  const T* vcache;
+  const int64_t* offsets;  // the item's token offsets, [0, ctx)
+  int64_t ctx, row_bytes;
+  int64_t next = 0;  // read-order index of the next row to ask for
+  // Where `next` is: its token, whether it is a V row, its chunk.
+  int64_t token = 0, chunk_start = 0, chunk_end = 0;
+  bool is_v = false;
+
+  // Ask for every row up to read-order index `until` (exclusive).
+  void ahead(int64_t until) {
+    until = std::min(until, 2 * ctx);
+    if (chunk_end == 0) chunk_end = std::min(CHUNK, ctx);
+    for (; next < until; ++next) {
+      const char* row = reinterpret_cast<const char*>((is_v ? vcache : kcache) + offsets[token]);
+      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 1);
+      if (++token == chunk_end) {  // the chunk's V rows follow its K rows, then the next chunk
+        if (!is_v) {
+          token = chunk_start;
+        } else {
+          chunk_start = chunk_end;
+          chunk_end = std::min(chunk_end + CHUNK, ctx);
+        }
+        is_v = !is_v;
+      }
     }
   }
-}
+};
 
-// rows[j] = the tile's row j of one cache half as float32: in place for float32,
-// widened into buf (TILE rows) for the 16-bit types.
+// rows[j] = the chunk's row j of one cache half as float32, for j in [j0, j0 + n): in
+// place for float32, widened into buf (CHUNK rows) for the 16-bit types, a group of
+// keys at a time as the loops reach them (so that the reads follow the prefetches).
 template <typename T>
-inline void tile_rows(const float** rows, const T* cache, const int64_t* offsets, int64_t n, int64_t D,
-                      std::vector<float>& buf) {
-  for (int64_t j = 0; j < n; ++j) {
+inline void chunk_rows(const float** rows, const T* cache, const int64_t* offsets, int64_t j0, int64_t n, int64_t D,
+                       std::vector<float>& buf) {
+  for (int64_t j = j0; j < j0 + n; ++j) {
     if constexpr (std::is_same_v<T, float>) {
       rows[j] = cache + offsets[j];
     } else {
@@ -182,6 +205,7 @@ struct Scratch {
   std::vector<float> q, acc, scores, m, l, kbuf, vbuf;
   std::vector<int64_t> limit;
   std::vector<int64_t> offsets;
+  std::vector<const float*> krows, vrows;
 };
 
 // One work item: one KV head of one sequence, all its query rows.
@@ -208,69 +232,85 @@ void decode_item(
   const bool vec = D % VL == 0;
   s.q.resize(R * D);
   s.acc.assign(R * D, 0.0f);
-  s.scores.resize(R * TILE);
+  s.scores.resize(R * CHUNK);
   s.m.assign(R, -std::numeric_limits<float>::infinity());
   s.l.assign(R, 0.0f);
   s.limit.resize(R);
-  s.offsets.resize(TILE);
-  if constexpr (!std::is_same_v<T, float>) {  // rows widened by tile_rows
-    s.kbuf.resize(TILE * D);
-    s.vbuf.resize(TILE * D);
+  s.offsets.resize(ctx);
+  s.krows.resize(CHUNK);
+  s.vrows.resize(CHUNK);
+  if constexpr (!std::is_same_v<T, float>) {  // rows widened by chunk_rows
+    s.kbuf.resize(CHUNK * D);
+    s.vbuf.resize(CHUNK * D);
   }
+  const int64_t row_stride = KVH * D;  // between consecutive cache slots
+  tile_offsets(s.offsets.data(), table, 0, ctx, block_size, row_stride, kvh * D);
+  RowPrefetch<T> pf{kcache, vcache, s.offsets.data(), ctx, D * static_cast<int64_t>(sizeof(T))};
+  pf.ahead(PREFETCH_AHEAD);
   for (int64_t qi = 0; qi < nq; ++qi) {
     for (int64_t g = 0; g < G; ++g) {
       load_scaled_row(s.q.data() + (qi * G + g) * D, q + (row0 + qi) * q_stride + (kvh * G + g) * D, scale, D);
     }
   }
   const int64_t first_pos = ctx - nq;  // position of row 0
-  const int64_t row_stride = KVH * D;  // between consecutive cache slots
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-  int64_t prefetched = 0;  // tokens [0, prefetched) asked for
-  for (int64_t t0 = 0; t0 < ctx; t0 += TILE) {
-    const int64_t n = std::min(TILE, ctx - t0);
-    // Cache offsets of the tile's tokens, walking the block table (no division per token).
-    int64_t* offsets = s.offsets.data();
-    tile_offsets(offsets, table, t0, n, block_size, row_stride, kvh * D);
-    const int64_t ahead = std::min(ctx, t0 + TILE + PREFETCH_AHEAD);
-    prefetch_tokens(kcache, vcache, table, prefetched, ahead, block_size, row_stride, kvh * D, row_bytes);
-    prefetched = ahead;
-    const float* krows[TILE];
-    const float* vrows[TILE];
-    tile_rows(krows, kcache, offsets, n, D, s.kbuf);
-    // Tokens of the tile each row sees (the drafts' causal mask).
+  for (int64_t t0 = 0; t0 < ctx; t0 += CHUNK) {
+    const int64_t n = std::min(CHUNK, ctx - t0);
+    const int64_t* offsets = s.offsets.data() + t0;
+    const int64_t read0 = 2 * t0;  // read-order index of the chunk's first K row
+    const float** krows = s.krows.data();
+    const float** vrows = s.vrows.data();
+    // Tokens of the chunk each row sees (the drafts' causal mask).
     for (int64_t r = 0; r < R; ++r) {
       const int64_t visible = first_pos + r / G + 1 - t0;
       s.limit[r] = std::min(n, std::max<int64_t>(visible, 0));
     }
-    // Scores: every query row against the tile's K rows, which stay in L1.
+    // Scores: every query row against the chunk's K rows, four keys at a time, the
+    // rows of a pair of query rows read once for both.
     // (A pair of rows computes up to the longer limit; softmax_tile_row masks the rest.)
-    if (vec) {
+    for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
+      const int64_t kn = std::min(KEYS, n - j0);
+      pf.ahead(read0 + j0 + kn + PREFETCH_AHEAD);
+      chunk_rows(krows, kcache, offsets, j0, kn, D, s.kbuf);
       int64_t r = 0;
-      for (; r + 2 <= R; r += 2) {
-        const int64_t lim = std::max(s.limit[r], s.limit[r + 1]);
-        qk_rows<2>(s.q.data() + r * D, krows, s.scores.data() + r * TILE, lim, D);
-      }
-      if (r < R) qk_rows<1>(s.q.data() + r * D, krows, s.scores.data() + r * TILE, s.limit[r], D);
-    } else {
-      for (int64_t r = 0; r < R; ++r) {
-        float* sc = s.scores.data() + r * TILE;
-        for (int64_t j = 0; j < s.limit[r]; ++j) sc[j] = dot(s.q.data() + r * D, krows[j], D);
+      if (vec) {
+        for (; r + 2 <= R; r += 2) {
+          const int64_t lim = std::min(kn, std::max(s.limit[r], s.limit[r + 1]) - j0);
+          if (lim > 0) qk_rows<2>(s.q.data() + r * D, krows + j0, s.scores.data() + r * CHUNK + j0, lim, D);
+        }
+        if (r < R) {
+          const int64_t lim = std::min(kn, s.limit[r] - j0);
+          if (lim > 0) qk_rows<1>(s.q.data() + r * D, krows + j0, s.scores.data() + r * CHUNK + j0, lim, D);
+        }
+      } else {
+        for (; r < R; ++r) {
+          float* sc = s.scores.data() + r * CHUNK;
+          for (int64_t j = j0; j < j0 + kn && j < s.limit[r]; ++j) sc[j] = dot(s.q.data() + r * D, krows[j], D);
+        }
       }
     }
+    // Over n rounded up to whole vectors (the scores' rows have room; lanes past a
+    // row's limit are masked), so that a short last chunk takes the vector path too.
+    const int64_t width = (n + VL - 1) / VL * VL;
     for (int64_t r = 0; r < R; ++r) {
-      softmax_tile_row(s.scores.data() + r * TILE, s.limit[r], n, s.m[r], s.l[r], s.acc.data() + r * D, D);
+      softmax_tile_row(s.scores.data() + r * CHUNK, s.limit[r], width, s.m[r], s.l[r], s.acc.data() + r * D, D);
     }
-    tile_rows(vrows, vcache, offsets, n, D, s.vbuf);
-    if (D % (4 * VL) == 0) {
-      pv_tile<4>(s.acc.data(), s.scores.data(), s.limit.data(), vrows, R, D);
-    } else if (D % (2 * VL) == 0) {
-      pv_tile<2>(s.acc.data(), s.scores.data(), s.limit.data(), vrows, R, D);
-    } else if (vec) {
-      pv_tile<1>(s.acc.data(), s.scores.data(), s.limit.data(), vrows, R, D);
-    } else {
-      for (int64_t j = 0; j < n; ++j) {
-        for (int64_t r = 0; r < R; ++r) {
-          if (j < s.limit[r]) axpy(s.acc.data() + r * D, s.scores[r * TILE + j], vrows[j], D);
+    for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
+      const int64_t kn = std::min(KEYS, n - j0);
+      pf.ahead(read0 + n + j0 + kn + PREFETCH_AHEAD);
+      chunk_rows(vrows, vcache, offsets, j0, kn, D, s.vbuf);
+      const float* p = s.scores.data() + j0;
+      const float* const* v = vrows + j0;
+      if (D % (4 * VL) == 0) {
+        pv_tile<4>(s.acc.data(), p, s.limit.data(), j0, v, kn, R, D);
+      } else if (D % (2 * VL) == 0) {
+        pv_tile<2>(s.acc.data(), p, s.limit.data(), j0, v, kn, R, D);
+      } else if (vec) {
+        pv_tile<1>(s.acc.data(), p, s.limit.data(), j0, v, kn, R, D);
+      } else {
+        for (int64_t j = 0; j < kn; ++j) {
+          for (int64_t r = 0; r < R; ++r) {
+            if (j0 + j < s.limit[r]) axpy(s.acc.data() + r * D, p[r * CHUNK + j], v[j], D);
+          }
         }
       }
     }
