@@ -185,9 +185,10 @@ struct RowPrefetch {
   }
 };
 
-// rows[j] = the chunk's row j of one cache half as float32, for j in [j0, j0 + n): in
-// place for float32, widened into buf (CHUNK rows) for the 16-bit types, a group of
-// keys at a time as the loops reach them (so that the reads follow the prefetches).
+// rows[j] = the chunk's row j of one cache half as float32, for j in [j0, j0 + n), a
+// group of keys at a time as the loops reach them (so that the reads follow the
+// prefetches): in place for float32; for the 16-bit types widened into buf, which
+// holds one group (KEYS rows, in L1), so rows[j] lasts until the next group.
 template <typename T>
 inline void chunk_rows(const float** rows, const T* cache, const int64_t* offsets, int64_t j0, int64_t n, int64_t D,
                        std::vector<float>& buf) {
@@ -195,8 +196,9 @@ inline void chunk_rows(const float** rows, const T* cache, const int64_t* offset
     if constexpr (std::is_same_v<T, float>) {
       rows[j] = cache + offsets[j];
     } else {
-      load_row(buf.data() + j * D, cache + offsets[j], D);
-      rows[j] = buf.data() + j * D;
+      float* row = buf.data() + (j - j0) * D;
+      load_row(row, cache + offsets[j], D);
+      rows[j] = row;
     }
   }
 }
@@ -240,8 +242,8 @@ void decode_item(
   s.krows.resize(CHUNK);
   s.vrows.resize(CHUNK);
   if constexpr (!std::is_same_v<T, float>) {  // rows widened by chunk_rows
-    s.kbuf.resize(CHUNK * D);
-    s.vbuf.resize(CHUNK * D);
+    s.kbuf.resize(KEYS * D);
+    s.vbuf.resize(KEYS * D);
   }
   const int64_t row_stride = KVH * D;  // between consecutive cache slots
   tile_offsets(s.offsets.data(), table, 0, ctx, block_size, row_stride, kvh * D);
