@@ -165,14 +165,21 @@ struct RowPrefetch {
   int64_t token = 0, chunk_start = 0, chunk_end = 0;
   bool is_v = false;
 
-  // Ask for every row up to read-order index `until` (exclusive).
+  // Ask for every row up to read-order index `until` (exclusive): runs of one half's
+  // rows, the cursor moved once a run.
   void ahead(int64_t until) {
     until = std::min(until, 2 * ctx);
     if (chunk_end == 0) chunk_end = std::min(CHUNK, ctx);
-    for (; next < until; ++next) {
-      const char* row = reinterpret_cast<const char*>((is_v ? vcache : kcache) + offsets[token]);
-      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 1);
-      if (++token == chunk_end) {  // the chunk's V rows follow its K rows, then the next chunk
+    while (next < until) {
+      const int64_t run = std::min(until - next, chunk_end - token);
+      const char* base = reinterpret_cast<const char*>(is_v ? vcache : kcache);
+      for (int64_t t = token; t < token + run; ++t) {
+        const char* row = base + offsets[t] * static_cast<int64_t>(sizeof(T));
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 1);
+      }
+      next += run;
+      token += run;
+      if (token == chunk_end) {  // the chunk's V rows follow its K rows, then the next chunk
         if (!is_v) {
           token = chunk_start;
         } else {
