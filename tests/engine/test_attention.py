@@ -8,6 +8,7 @@ otherwise; tests force SDPA by making cpu_kernels.load() return None.
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,6 +190,92 @@ def test_kernel_spreads_a_large_step_over_threads() -> None:
         run_step(seqs, 4, 16, num_blocks, is_prefill=False, gen=gen, kernel=True)
     finally:
         torch.set_num_threads(threads)
+
+
+def _kernel_decode(q, k, v, cache, slots, tables, ctx, query_start):
+    return torch.ops.tandem_cpu.paged_decode_attention(
+        q,
+        k,
+        v,
+        cache,
+        torch.tensor(slots),
+        torch.tensor(tables, dtype=torch.int32),
+        torch.tensor(ctx, dtype=torch.int32),
+        torch.tensor(query_start, dtype=torch.int32),
+        q.shape[-1] ** -0.5,
+    )
+
+
+@needs_kernels
+@pytest.mark.parametrize("head_dim", [4, 16, 64])
+def test_kernel_rows_never_touch_values_they_do_not_see(head_dim: int) -> None:
+    # The second row's own V holds an infinity (a model gone wrong): the first row does
+    # not see that position and must come out as it would without it. With 3 query
+    # heads a KV head, the kernel pairs the first row's last head with the second row's
+    # first (rows qi * 3 + g); a pair sharing the P.V tile up to the longer one's keys
+    # turned the first row's head into NaN (0 * inf).
+    gen = torch.Generator().manual_seed(8)
+    ctx, rows, heads = 10, 3, 3
+    k, v = (
+        torch.randn(ctx, 1, head_dim, generator=gen),
+        torch.randn(ctx, 1, head_dim, generator=gen),
+    )
+    q = torch.randn(rows, heads, head_dim, generator=gen)
+    outs = []
+    for second_v in (v[ctx - 2].clone(), torch.full_like(v[ctx - 2], float("inf"))):
+        cache = torch.zeros(2, 3, 4, 1, head_dim)
+        flat = cache.view(2, -1, 1, head_dim)
+        flat[0, : ctx - rows], flat[1, : ctx - rows] = k[: ctx - rows], v[: ctx - rows]
+        step_v = v[ctx - rows :].clone()
+        step_v[1] = second_v
+        slots = list(range(ctx - rows, ctx))
+        outs.append(
+            _kernel_decode(q, k[ctx - rows :], step_v, cache, slots, [[0, 1, 2]], [ctx], [0, rows])
+        )
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.isfinite(outs[1][0]).all()
+    assert not torch.isfinite(outs[1][1:]).any()  # the rows that see it do
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "slots,tables,ctx,query_start,message",
+    [
+        ([5, 12], [[0, 1], [2, 0]], [5, 3], [0, 1, 2], "slot 12 is outside the cache's 12 slots"),
+        ([5, -1], [[0, 1], [2, 0]], [5, 3], [0, 1, 2], "slot -1 is outside"),
+        (
+            [5, 9],
+            [[0, 3], [2, 0]],
+            [5, 3],
+            [0, 1, 2],
+            "sequence 0: block 3 is outside the cache's 3 blocks",
+        ),
+        (
+            [5, 9],
+            [[0, 1], [2, 0]],
+            [9, 3],
+            [0, 1, 2],
+            "a context of 9 needs 3 blocks, its table has 2",
+        ),
+        ([5, 9], [[0, 1], [2, 0]], [5, 1], [0, 0, 2], "sequence 1: 2 rows for a context of 1"),
+        (
+            [5, 9],
+            [[0, 1], [2, 0]],
+            [5, 3],
+            [0, 1, 1],
+            "query_start must run from 0 to the rows (2)",
+        ),
+    ],
+)
+def test_kernel_refuses_indices_outside_its_inputs(
+    slots: list[int], tables: list[list[int]], ctx: list[int], query_start: list[int], message: str
+) -> None:
+    # The op follows these indices into the cache: out of range, it would write or read
+    # outside it. The metadata never builds such a step; a caller that does gets an error.
+    cache = torch.zeros(2, 3, 4, 1, 8)
+    q, k = torch.randn(2, 2, 8), torch.randn(2, 1, 8)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        _kernel_decode(q, k, k.clone(), cache, slots, tables, ctx, query_start)
+    assert not cache.any()  # refused before any write
 
 
 @needs_kernels

@@ -301,6 +301,35 @@ void decode_impl(
   }
 }
 
+// Every index the kernel follows, checked before it writes or reads the cache (a few
+// hundred integers a step): the slots in the cache, each sequence's rows (query_start
+// from 0 to every row, in order, no more rows than its context), and the blocks its
+// context reads, within its table and the cache.
+void check_indices(const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                   const at::Tensor& query_start, int64_t rows, int64_t num_blocks, int64_t block_size) {
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows; ++i) {
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < num_blocks * block_size, "slot_mapping: slot ", slots[i],
+                " is outside the cache's ", num_blocks * block_size, " slots");
+  }
+  const int64_t S = context_lens.numel(), width = block_tables.size(1);
+  const int32_t* ctx = context_lens.data_ptr<int32_t>();
+  const int32_t* qstart = query_start.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  TORCH_CHECK(qstart[0] == 0 && qstart[S] == rows, "query_start must run from 0 to the rows (", rows, ")");
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = qstart[s + 1] - qstart[s], blocks = (static_cast<int64_t>(ctx[s]) + block_size - 1) / block_size;
+    TORCH_CHECK(n >= 0 && ctx[s] >= n, "sequence ", s, ": ", n, " rows for a context of ", ctx[s]);
+    TORCH_CHECK(blocks <= width, "sequence ", s, ": a context of ", ctx[s], " needs ", blocks, " blocks, its table has ",
+                width);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int32_t block = tables[s * width + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "sequence ", s, ": block ", block, " is outside the cache's ",
+                  num_blocks, " blocks");
+    }
+  }
+}
+
 at::Tensor paged_decode_attention(
     const at::Tensor& q,
     const at::Tensor& k,
@@ -333,6 +362,7 @@ at::Tensor paged_decode_attention(
   TORCH_CHECK(query_start.scalar_type() == at::kInt && query_start.numel() == context_lens.numel() + 1,
               "query_start: int32 [seqs + 1]");
   TORCH_CHECK(block_tables.size(0) == context_lens.numel(), "one block table per sequence");
+  check_indices(slot_mapping, block_tables, context_lens, query_start, q.size(0), kv_cache.size(1), kv_cache.size(2));
   at::Tensor out = q.new_empty(q.sizes());
   dispatch_float_types(q.scalar_type(), "paged_decode_attention", [&](auto tag) {
     decode_impl<decltype(tag)>(q, k, v, kv_cache, slot_mapping, block_tables, context_lens, query_start, scale, out);

@@ -89,19 +89,20 @@ inline void pv_rows(float* acc, const float* p, int64_t ld, const float* const* 
 }
 
 // pv_rows over R rows, for keys j0..j0+n (p and v start at key j0; row r sees keys
-// below limit[r]), two rows at a time.
+// below limit[r]), two rows at a time up to the keys both see, then the row that sees
+// more alone: a row never multiplies a V row it must not see (0 * inf is NaN).
 template <int NV>
 inline void pv_tile(float* acc, const float* p, int64_t ld, const int64_t* limit, int64_t j0, const float* const* v,
                     int64_t n, int64_t R, int64_t D) {
+  const auto seen = [&](int64_t r) { return std::clamp<int64_t>(limit[r] - j0, 0, n); };
   int64_t r = 0;
   for (; r + 2 <= R; r += 2) {
-    const int64_t lim = std::min(n, std::max(limit[r], limit[r + 1]) - j0);
-    if (lim > 0) pv_rows<2, NV>(acc + r * D, p + r * ld, ld, v, lim, D);
+    const int64_t a = seen(r), b = seen(r + 1), both = std::min(a, b);
+    if (both > 0) pv_rows<2, NV>(acc + r * D, p + r * ld, ld, v, both, D);
+    const int64_t longer = a > b ? r : r + 1;
+    if (a != b) pv_rows<1, NV>(acc + longer * D, p + longer * ld + both, ld, v + both, std::max(a, b) - both, D);
   }
-  if (r < R) {
-    const int64_t lim = std::min(n, limit[r] - j0);
-    if (lim > 0) pv_rows<1, NV>(acc + r * D, p + r * ld, ld, v, lim, D);
-  }
+  if (r < R && seen(r) > 0) pv_rows<1, NV>(acc + r * D, p + r * ld, ld, v, seen(r), D);
 }
 
 }  // namespace tandem
