@@ -59,12 +59,17 @@ REASONS = frozenset(
 class PodTrouble:
     """What keeps a pod from serving."""
 
-    # The status reason, CamelCase: EngineCrashLoop, EngineOOMKilled,
+    # The status reason, one of REASONS: EngineCrashLoop, EngineOOMKilled,
     # ModelFetchFailing, ModelFetchOOMKilled (the fetch-model init container),
     # ImagePullFailing, ContainerConfigError, or Unschedulable.
     reason: str
     # For people: the pod, what happened, and its own words.
     message: str
+
+    def __post_init__(self) -> None:
+        # status.py tells a pod's trouble from other Degraded reasons by REASONS.
+        if self.reason not in REASONS:
+            raise ValueError(f"PodTrouble reason {self.reason!r} is not in REASONS; add it there")
 
     @property
     def degrades(self) -> bool:

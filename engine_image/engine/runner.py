@@ -78,11 +78,8 @@ class ModelRunner:
         hidden = self.model(ids, meta.positions, self.kv_caches, meta)
         if not sample_rows:  # only prompt chunks that sample nothing yet
             return StepResult()
-        if len(sample_rows) != len(input_ids):
-            index = torch.tensor(sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
-            hidden = hidden.index_select(0, index)
         rows = rows_for_plan(plan)
-        tokens = self._sample(hidden, rows)
+        tokens = self._sample(hidden, sample_rows, rows)
         sampled = {row.request_id: toks for row, toks in zip(rows, tokens, strict=True)}
         if self.drafter is None:
             return StepResult(sampled)
@@ -95,18 +92,22 @@ class ModelRunner:
                 drafts[seq.request_id] = self.drafter.propose(seq.request_id, sequence, k)
         return StepResult(sampled, drafts)
 
-    def _sample(self, hidden: torch.Tensor, rows: list[SampleRows]) -> list[list[int]]:
-        """Each entry's accepted drafts and new token. Greedy rows need only their argmax,
-        which the model's greedy head gives without the float32 logits (greedy_head.py);
-        the other rows, and every row where the model has no greedy head, go through
-        the logits and the sampler."""
+    def _sample(
+        self, hidden: torch.Tensor, positions: list[int], rows: list[SampleRows]
+    ) -> list[list[int]]:
+        """Each entry's accepted drafts and new token; row i of `rows` is hidden's row
+        positions[i]. Greedy rows need only their argmax, which the model's greedy head
+        gives without the float32 logits (greedy_head.py); the other rows, and every row
+        where the model has no greedy head, go through the logits and the sampler. Each
+        group's hidden rows are gathered once, straight from the step's."""
         greedy = [r for r in rows if r.sampling_params.temperature == 0.0]
-        if not greedy:
-            return self.sampler.sample(self.model.compute_logits(hidden), rows)
-        greedy_hidden, greedy_rows = _gather(hidden, greedy)
-        argmax = self.model.greedy_tokens(greedy_hidden)
+        argmax = None
+        if greedy:
+            greedy_hidden, greedy_rows = _gather(hidden, positions, greedy)
+            argmax = self.model.greedy_tokens(greedy_hidden)
         if argmax is None:
-            return self.sampler.sample(self.model.compute_logits(hidden), rows)
+            all_hidden, all_rows = _gather(hidden, positions, rows)
+            return self.sampler.sample(self.model.compute_logits(all_hidden), all_rows)
         tokens = dict(
             zip(
                 (r.request_id for r in greedy),
@@ -116,7 +117,7 @@ class ModelRunner:
         )
         sampled = [r for r in rows if r.sampling_params.temperature != 0.0]
         if sampled:
-            sampled_hidden, sampled_rows = _gather(hidden, sampled)
+            sampled_hidden, sampled_rows = _gather(hidden, positions, sampled)
             logits = self.model.compute_logits(sampled_hidden)
             drawn = self.sampler.sample(logits, sampled_rows)
             tokens.update(zip((r.request_id for r in sampled), drawn, strict=True))
@@ -129,15 +130,18 @@ class ModelRunner:
             self.drafter.free(request_id)
 
 
-def _gather(hidden: torch.Tensor, rows: list[SampleRows]) -> tuple[torch.Tensor, list[SampleRows]]:
-    """The hidden rows of `rows` (a subset of a step's, in order) and the rows renumbered
-    to index them."""
+def _gather(
+    hidden: torch.Tensor, positions: list[int], rows: list[SampleRows]
+) -> tuple[torch.Tensor, list[SampleRows]]:
+    """The hidden rows of `rows` (a subset of a step's, in order; row i of the step's
+    is hidden's row positions[i]) and the rows renumbered to index them."""
     index: list[int] = []
     moved: list[SampleRows] = []
     for row in rows:
         moved.append(dataclasses.replace(row, start=len(index)))
-        index.extend(range(row.start, row.start + row.num_rows))
-    if len(index) == hidden.shape[0]:  # every row, hence in order: no copy
+        index.extend(positions[row.start : row.start + row.num_rows])
+    # positions only rise: as many as hidden has are every row, in order (no copy).
+    if len(index) == hidden.shape[0]:
         return hidden, moved
     picked = torch.tensor(index, dtype=torch.long).to(hidden.device, non_blocking=True)
     return hidden.index_select(0, picked), moved

@@ -57,7 +57,6 @@ class GreedyHead:
             # corrupt checkpoint) defeats the bound: such a head stays float32.
             if not bool((weight.abs() < 2.0**127).all()):
                 return None
-        with torch.no_grad():
             norms = torch.linalg.vector_norm(weight.double(), dim=1).float()
             norms = torch.nextafter(norms, torch.full_like(norms, math.inf))
             return cls(ops.pack_bf16_panels(weight), packed.data, norms)
