@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import redis
 
 from tandem.engine.service.heartbeat import Heartbeat
 from tandem.engine.service.registry import Registry
@@ -47,6 +48,23 @@ def test_a_stalled_loop_drops_out(redis_client, keys):
         assert _live(registry) == set()
     finally:
         heartbeat.stop()
+
+
+def test_an_engine_counts_as_registered_only_once_a_beat_landed(redis_client, keys):
+    # /readyz waits for this: a ready engine the gateway cannot see would get 404s.
+    registry = Registry(redis_client, keys, ttl_seconds=TTL)
+
+    def unreachable(info: EngineInfo) -> None:
+        raise redis.ConnectionError("redis is down")
+
+    failing = Heartbeat(unreachable, every=TTL, loop_alive=lambda: True)
+    with pytest.raises(redis.ConnectionError):
+        failing.beat(_info())
+    assert not failing.registered
+    heartbeat = Heartbeat(registry.heartbeat, every=TTL, loop_alive=lambda: True)
+    assert not heartbeat.registered
+    heartbeat.beat(_info())
+    assert heartbeat.registered and _live(registry) == {"e1"}
 
 
 def test_the_interval_must_be_positive():

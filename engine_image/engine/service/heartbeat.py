@@ -36,6 +36,9 @@ class Heartbeat:
         self._loop_alive = loop_alive
         # The loop's latest view; replaced whole, so the thread reads it without a lock.
         self._info: EngineInfo | None = None
+        # Whether a beat reached the registry: until then the gateway does not
+        # route to this engine, so it must not count as ready.
+        self.registered = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
@@ -43,6 +46,7 @@ class Heartbeat:
         """Publish `info` now (from the loop), and keep re-sending it until the next one."""
         self._info = info
         self._send(info)
+        self.registered = True
 
     def start(self) -> None:
         self._thread.start()

@@ -107,6 +107,8 @@ def serve(args: argparse.Namespace, rank: int, vote=None) -> int:
     def ready() -> tuple[bool, str]:
         if worker is None or worker.draining:
             return False, "draining" if worker else "starting"
+        if not worker.heartbeat.registered:  # the gateway would answer 404 for it
+            return False, "not yet in the registry"
         reachable = io.ping()
         return reachable, "model loaded, redis reachable" if reachable else "redis unreachable"
 
