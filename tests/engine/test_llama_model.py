@@ -152,6 +152,44 @@ def test_chunked_prefill_then_decode_matches_hf(
     pair.model.pack_projections()  # the module-scoped pair as the other tests expect it
 
 
+@needs_kernels
+def test_the_packed_layers_compute_what_the_modules_compute(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The loader's model takes the packed fast path (packed_decoder.py); the modules'
+    # kernel path runs the same kernels, so the two agree bit for bit.
+    assert pair.model.packed_decoder is not None
+    seq_a, seq_b = tokens(30, seed=21), tokens(16, seed=22)
+    steps = [
+        ([("a", 0, seq_a[:13]), ("b", 0, seq_b[:5])], True),
+        ([("a", 13, seq_a[13:21]), ("b", 5, seq_b[5:9])], True),
+        ([("a", 21, seq_a[21:22]), ("b", 9, seq_b[9:10])], False),
+        ([("b", 10, seq_b[10:14]), ("a", 22, seq_a[22:27])], False),  # drafts to verify
+    ]
+    runs = []
+    for packed in (True, False):
+        if not packed:
+            monkeypatch.setattr(pair.model, "packed_decoder", None)
+        pair.tables.clear()
+        pair.free = list(range(64))
+        pair.caches = allocate_kv_cache(pair.config, 64, BLOCK_SIZE, torch.float32, "cpu")
+        runs.append([pair.step(feeds, is_prefill) for feeds, is_prefill in steps])
+    for packed, modules in zip(*runs, strict=True):
+        assert torch.equal(packed, modules)
+
+
+@needs_kernels
+def test_only_float32_panels_take_the_packed_layers() -> None:
+    model = LlamaForCausalLM(tiny_config(), dtype=torch.bfloat16)
+    assert model.pack_projections()
+    assert model.packed_decoder is None  # bfloat16 multiplies through oneDNN
+    model = LlamaForCausalLM(tiny_config())
+    assert model.pack_projections()
+    assert model.packed_decoder is not None
+    model.unpack_projections()
+    assert model.packed_decoder is None
+
+
 def test_greedy_matches_hf_generate(pair: Pair) -> None:
     pair.tables.clear()
     pair.free = list(range(64))[::-1]

@@ -9,7 +9,9 @@ cpu_kernels.py when they build: each residual add fused into the RMSNorm after i
 RoPE in place on q and k, SiLU(gate) * up in one pass, and the paged decode
 attention kernel; its projections multiply through pre-packed weights once the
 loader has packed them (pack_projections, linear.py), in float32 with SiLU(gate) * up
-inside the gate/up product. Otherwise (accelerators, autograd, TANDEM_CPU_KERNELS=0,
+inside the gate/up product. When every projection is packed so, the layers run
+as flat records of their packed panels (packed_decoder.py), the same kernels
+without the modules' Python between them. Otherwise (accelerators, autograd, TANDEM_CPU_KERNELS=0,
 no compiler) it runs the torch modules below, which define the semantics.
 """
 
@@ -35,6 +37,7 @@ from tandem.engine.model.linear import (
     unpack_linears,
 )
 from tandem.engine.model.model_config import ModelConfig
+from tandem.engine.model.packed_decoder import PackedDecoder
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -226,8 +229,10 @@ class LlamaForCausalLM(nn.Module):
         # discarded head's pages).
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # Greedy rows' LM head (pack_projections), a plain attribute as the packed copies.
+        # Greedy rows' LM head and the layers' fast path (pack_projections), plain
+        # attributes as the packed copies they hold.
         self.greedy_head: GreedyHead | None = None
+        self.packed_decoder: PackedDecoder | None = None
         with torch.no_grad():
             for name, param in self.named_parameters():
                 param.fill_(1.0 if name.endswith("norm.weight") else 0.0)
@@ -253,6 +258,8 @@ class LlamaForCausalLM(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         ops = _cpu_kernels(x)
+        if ops is not None and self.packed_decoder is not None and self.packed_decoder.applies(x):
+            return self.packed_decoder(x, cos, sin, kv_caches, meta)
         if ops is None:
             for layer, cache in zip(self.model.layers, kv_caches, strict=True):
                 x = layer(x, cos, sin, cache, meta)
@@ -290,12 +297,13 @@ class LlamaForCausalLM(nn.Module):
                 mlp.gate_up = FusedLinears.pack(mlp.gate_proj, mlp.up_proj)
             count += (attn.qkv is not None) + (mlp.gated is not None or mlp.gate_up is not None)
             count += pack_linears(attn.o_proj) + pack_linears(mlp.down_proj)
+        self.packed_decoder = PackedDecoder.build(self)
         return count
 
     def unpack_projections(self) -> None:
         """Drop every packed copy (the torch path again), e.g. before the weights change."""
         unpack_linears(self)
-        self.greedy_head = None
+        self.greedy_head = self.packed_decoder = None
         for layer in self.model.layers:
             layer.self_attn.qkv = None
             layer.mlp.gated = layer.mlp.gate_up = None

@@ -1,0 +1,139 @@
+"""PackedDecoder: the decoder layers' CPU fast path, as flat records of packed panels.
+
+Where every layer's projections run on the float32 panel kernel (q/k/v fused, SiLU
+inside the gate/up product, o and down alone: linear.py), a step needs nothing of
+the torch modules but their packed copies and norm weights. This walks the layers
+over records of exactly those, calling the kernels directly:
+
+    h = rms_norm(x); per layer: qkv -> RoPE -> paged attention -> o;
+    x += o, h = norm(x); x += down(silu(gate(h)) * up(h)), h = next norm(x)
+
+It computes what LlamaForCausalLM.forward's kernel branch computes, with the same
+kernels in the same order, so the results are equal bit for bit (tests). What it
+saves is the modules' Python between the kernels: ~4 ms of a ~115 ms batch-64
+SmolLM2 decode step on 2 threads (docs/model-runtime.md). The Python ran after each
+kernel had streamed a layer's weights through the caches, so every attribute lookup
+and module call paid misses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.model.attention import paged_attention
+from tandem.engine.model.attention_metadata import AttentionMetadata
+from tandem.engine.model.linear import PackedWeight
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer, as its kernels take it."""
+
+    qkv: torch.Tensor  # q, k and v's weights as one set of panels
+    qkv_features: int  # their out_features together
+    q_size: int  # heads * head_dim: q's columns, then k's and v's kv_size each
+    kv_size: int  # kv_heads * head_dim
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float  # the attention's softmax scale
+    o: torch.Tensor  # o_proj's panels
+    gated: torch.Tensor  # gate and up's panels (the product is silu(gate) * up)
+    inner: int  # the MLP's intermediate size
+    down: torch.Tensor  # down_proj's panels
+    hidden: int  # the residual stream's width (o's and down's out_features)
+    post_norm: torch.Tensor  # post_attention_layernorm's weight
+    post_eps: float
+    next_norm: torch.Tensor  # the next layer's input norm, the final norm after the last
+    next_eps: float
+
+
+class PackedDecoder:
+    def __init__(self, first_norm: torch.Tensor, first_eps: float, layers: list[_Layer]) -> None:
+        self.first_norm = first_norm  # layer 0's input_layernorm weight
+        self.first_eps = first_eps
+        self.layers = layers
+
+    @classmethod
+    def build(cls, model: torch.nn.Module) -> PackedDecoder | None:
+        """The fast path of a LlamaForCausalLM whose projections are all packed into
+        float32 panels (pack_projections), else None (its modules' forward serves)."""
+        layers = model.model.layers
+        records = []
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = attn.qkv.packed if attn.qkv is not None else None
+            gated = mlp.gated.packed if mlp.gated is not None else None
+            o, down = attn.o_proj.packed, mlp.down_proj.packed
+            if not all(_float32_panels(p) for p in (qkv, gated, o, down)):
+                return None
+            if attn.o_proj.bias is not None or mlp.down_proj.bias is not None:
+                return None
+            after = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
+            records.append(
+                _Layer(
+                    qkv=qkv.data,
+                    qkv_features=qkv.out_features,
+                    q_size=attn.heads * attn.head_dim,
+                    kv_size=attn.kv_heads * attn.head_dim,
+                    heads=attn.heads,
+                    kv_heads=attn.kv_heads,
+                    head_dim=attn.head_dim,
+                    scale=attn.scale,
+                    o=o.data,
+                    gated=gated.data,
+                    inner=gated.out_features,
+                    down=down.data,
+                    hidden=down.out_features,
+                    post_norm=layer.post_attention_layernorm.weight,
+                    post_eps=layer.post_attention_layernorm.eps,
+                    next_norm=after.weight,
+                    next_eps=after.eps,
+                )
+            )
+        if not records:
+            return None
+        first = layers[0].input_layernorm
+        return cls(first.weight, first.eps, records)
+
+    def applies(self, x: torch.Tensor) -> bool:
+        """Whether this step can take the fast path: float32 on the CPU, no autograd."""
+        return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The final hidden states [T, hidden] (final norm applied); x, the embeddings
+        [T, hidden], is the residual stream, updated in place."""
+        ops = torch.ops.tandem_cpu
+        # The overloads themselves: the packets would resolve them on every call.
+        linear, rope = ops.panel_linear.default, ops.rope_.default
+        add_rms_norm = ops.add_rms_norm_.default
+        rows = x.shape[0]
+        h = ops.rms_norm.default(x, self.first_norm, self.first_eps)
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            qkv = linear(h, layer.qkv, layer.qkv_features, None, False)
+            kv_end = layer.q_size + layer.kv_size
+            # Column views of the product, which the kernels read in place.
+            q = qkv[:, : layer.q_size].view(rows, layer.heads, layer.head_dim)
+            k = qkv[:, layer.q_size : kv_end].view(rows, layer.kv_heads, layer.head_dim)
+            v = qkv[:, kv_end:].view(rows, layer.kv_heads, layer.head_dim)
+            rope(q, k, cos, sin)
+            out = paged_attention(q, k, v, cache, meta, layer.scale)
+            o = linear(out.reshape(rows, layer.q_size), layer.o, layer.hidden, None, False)
+            h = add_rms_norm(x, o, layer.post_norm, layer.post_eps)  # x += o; h = norm(x)
+            gated = linear(h, layer.gated, layer.inner, None, True)
+            down = linear(gated, layer.down, layer.hidden, None, False)
+            h = add_rms_norm(x, down, layer.next_norm, layer.next_eps)
+        return h
+
+
+def _float32_panels(packed: PackedWeight | None) -> bool:
+    return packed is not None and packed.panels and packed.dtype == torch.float32
