@@ -10,7 +10,7 @@ over records of exactly those, calling the kernels directly:
 
 It computes what LlamaForCausalLM.forward's kernel branch computes, with the same
 kernels in the same order, so the results are equal bit for bit (tests). What it
-saves is the modules' Python between the kernels: ~4 ms of a ~115 ms batch-64
+saves is the modules' Python between the kernels: ~5 ms of a ~110 ms batch-64
 SmolLM2 decode step on 2 threads (docs/model-runtime.md). The Python ran after each
 kernel had streamed a layer's weights through the caches, so every attribute lookup
 and module call paid misses.
