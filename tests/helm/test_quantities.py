@@ -146,6 +146,63 @@ def test_requests_equal_to_limits_by_value_pass(helm, sets):
     render(helm, sets=sets)
 
 
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (
+            ["gateway.resources.requests.example\\.com/dongle=1"],
+            "gateway.resources.requests.example.com/dongle (1) has no limit",
+        ),
+        (
+            [
+                "gateway.resources.requests.example\\.com/dongle=1",
+                "gateway.resources.limits.example\\.com/dongle=2",
+            ],
+            "gateway.resources.requests.example.com/dongle (1) differs from "
+            "gateway.resources.limits.example.com/dongle (2)",
+        ),
+        (
+            [
+                "redis.resources.requests.hugepages-2Mi=2Mi",
+                "redis.resources.limits.hugepages-2Mi=4Mi",
+            ],
+            "redis.resources.requests.hugepages-2Mi (2Mi) differs from",
+        ),
+    ],
+)
+def test_a_resource_that_cannot_be_overcommitted_needs_its_request_equal_to_its_limit(
+    helm, sets, message
+):
+    # Extended resources and huge pages: the API server wants request == limit.
+    result = run_helm(helm, *template_args(CHART, sets=sets))
+    assert result.returncode != 0, f"{sets} was accepted"
+    assert message in result.stderr, result.stderr
+
+
+def _gateway_resources(helm, sets: list[str]) -> dict:
+    manifests = render(helm, sets=sets)
+    (gateway,) = [
+        m
+        for m in manifests
+        if m["kind"] == "Deployment" and m["metadata"]["name"].endswith("gateway")
+    ]
+    return gateway["spec"]["template"]["spec"]["containers"][0]["resources"]
+
+
+def test_an_extended_resource_equal_to_its_limit_or_a_limit_alone_passes(helm):
+    dongle = "example\\.com/dongle"
+    equal = [f"gateway.resources.requests.{dongle}=1", f"gateway.resources.limits.{dongle}=1000m"]
+    resources = _gateway_resources(helm, equal)
+    assert resources["requests"]["example.com/dongle"] == 1
+    assert resources["limits"]["example.com/dongle"] == "1000m"
+    # A limit alone: the API server sets the request to it.
+    resources = _gateway_resources(helm, [f"gateway.resources.limits.{dongle}=1"])
+    assert resources["limits"]["example.com/dongle"] == 1
+    # kubernetes.io names are native, overcommitted as cpu is: a request alone is fine.
+    native = ["gateway.resources.requests.kubernetes\\.io/anything=1"]
+    assert _gateway_resources(helm, native)["requests"]["kubernetes.io/anything"] == 1
+
+
 # ------------------------------------------------- the helper against exact arithmetic
 
 QUANTITY = re.compile(

@@ -248,6 +248,9 @@ equal (a request a hair above its limit passes here; the API server refuses it).
 {{/*
 The chart's own pods with a request above its limit: the API server refuses
 them ("must be less than or equal to ... limit"); say which value, by name.
+Resources it cannot overcommit (extended resources such as nvidia.com/gpu, named
+with a domain other than kubernetes.io, and hugepages-*) must have a limit, and
+the request must equal it.
 */}}
 {{- define "tandem.resourceChecks" -}}
 {{- $workloads := dict "operator" .Values.operator "gateway" .Values.gateway "tests" .Values.tests }}
@@ -257,9 +260,19 @@ them ("must be less than or equal to ... limit"); say which value, by name.
 {{- range $component, $values := $workloads }}
 {{- $limits := $values.resources.limits }}
 {{- range $name, $request := $values.resources.requests }}
+{{- $native := or (not (contains "/" $name)) (hasPrefix "kubernetes.io/" $name) }}
+{{- $exact := or (hasPrefix "hugepages-" $name) (not $native) }}
+{{- if and $exact (not (hasKey $limits $name)) }}
+{{- fail (printf "%s.resources.requests.%s (%v) has no limit: the API server cannot overcommit %s, and wants %s.resources.limits.%s set, equal to the request" $component $name $request $name $component $name) }}
+{{- end }}
 {{- if hasKey $limits $name }}
 {{- $limit := index $limits $name }}
-{{- if gt (include "tandem.quantityNanos" $request | float64) (include "tandem.quantityNanos" $limit | float64) }}
+{{- $asked := include "tandem.quantityNanos" $request | float64 }}
+{{- $most := include "tandem.quantityNanos" $limit | float64 }}
+{{- if and $exact (ne $asked $most) }}
+{{- fail (printf "%s.resources.requests.%s (%v) differs from %s.resources.limits.%s (%v): the API server cannot overcommit %s, so the request must equal the limit" $component $name $request $component $name $limit $name) }}
+{{- end }}
+{{- if gt $asked $most }}
 {{- fail (printf "%s.resources.requests.%s (%v) is more than %s.resources.limits.%s (%v): the API server refuses a pod that requests more than its limit. Lower the request or raise the limit" $component $name $request $component $name $limit) }}
 {{- end }}
 {{- end }}
