@@ -11,8 +11,9 @@ attention kernel; its projections multiply through pre-packed weights once the
 loader has packed them (pack_projections, linear.py), in float32 with SiLU(gate) * up
 inside the gate/up product. When every projection is packed so, the layers run
 as flat records of their packed panels (packed_decoder.py), the same kernels
-without the modules' Python between them. Otherwise (accelerators, autograd, TANDEM_CPU_KERNELS=0,
-no compiler) it runs the torch modules below, which define the semantics.
+without the modules' Python between them. Otherwise (accelerators, autograd,
+TANDEM_CPU_KERNELS=0, no compiler) it runs the torch modules below, which define
+the semantics.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from tandem.engine.model.attention_metadata import AttentionMetadata
 from tandem.engine.model.linear import PackedWeight
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Layer:
     """One decoder layer, as its kernels take it."""
 
@@ -51,6 +51,8 @@ class _Layer:
 
 
 class PackedDecoder:
+    """The layers of one model as _Layer records; built by pack_projections."""
+
     def __init__(self, first_norm: torch.Tensor, first_eps: float, layers: list[_Layer]) -> None:
         self.first_norm = first_norm  # layer 0's input_layernorm weight
         self.first_eps = first_eps
