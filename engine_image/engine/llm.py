@@ -139,9 +139,14 @@ class LLM:
         engine = self.engine
         order, outputs = [], {}
         try:
-            for text, token_ids, p in zip(texts, ids, params, strict=True):
+            for index, (text, token_ids, p) in enumerate(zip(texts, ids, params, strict=True)):
                 rid = f"llm-{next(self._ids)}"
-                request = engine.add_request(rid, text, p, prompt_token_ids=token_ids)
+                try:
+                    request = engine.add_request(rid, text, p, prompt_token_ids=token_ids)
+                except ValueError as exc:
+                    if len(texts) > 1:  # say which of the batch's prompts, as given
+                        exc.args = (f"prompt {index}: {exc}", *exc.args[1:])
+                    raise
                 order.append((rid, text, request))
             pieces: dict[str, list[str]] = {rid: [] for rid, _, _ in order}
             while engine.has_unfinished_requests():

@@ -104,6 +104,14 @@ def test_bad_prompts_are_clear_errors(llm, kwargs, message):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_a_bad_prompt_in_a_batch_is_named_by_its_index(llm):
+    with pytest.raises(PromptTooLongError, match=r"^prompt 2: The prompt has 200 tokens"):
+        llm.generate(prompt_token_ids=[[1, 2], [3], [1] * 200])
+    with pytest.raises(ValueError, match=r"^prompt 1: prompt token id 512 is outside"):
+        llm.generate(prompt_token_ids=[[1], [512]])
+    assert not llm.engine.has_unfinished_requests()  # the prompts before it are aborted
+
+
 def test_max_tokens_below_one_is_refused():
     with pytest.raises(ValueError, match="max_tokens must be at least 1"):
         SamplingParams(max_tokens=0)
