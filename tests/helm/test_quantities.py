@@ -198,9 +198,13 @@ def test_an_extended_resource_equal_to_its_limit_or_a_limit_alone_passes(helm):
     # A limit alone: the API server sets the request to it.
     resources = _gateway_resources(helm, [f"gateway.resources.limits.{dongle}=1"])
     assert resources["limits"]["example.com/dongle"] == 1
-    # kubernetes.io names are native, overcommitted as cpu is: a request alone is fine.
+    # kubernetes.io names (and its subdomains') are native, overcommitted as cpu is: a
+    # request alone, or below its limit, is fine.
     native = ["gateway.resources.requests.kubernetes\\.io/anything=1"]
     assert _gateway_resources(helm, native)["requests"]["kubernetes.io/anything"] == 1
+    sub = "node\\.kubernetes\\.io/x"
+    below = [f"gateway.resources.requests.{sub}=1", f"gateway.resources.limits.{sub}=2"]
+    assert _gateway_resources(helm, below)["limits"]["node.kubernetes.io/x"] == 2
 
 
 # ------------------------------------------------- the helper against exact arithmetic

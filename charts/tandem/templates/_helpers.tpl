@@ -249,8 +249,8 @@ equal (a request a hair above its limit passes here; the API server refuses it).
 The chart's own pods with a request above its limit: the API server refuses
 them ("must be less than or equal to ... limit"); say which value, by name.
 Resources it cannot overcommit (extended resources such as nvidia.com/gpu, named
-with a domain other than kubernetes.io, and hugepages-*) must have a limit, and
-the request must equal it.
+with a domain other than kubernetes.io or one of its subdomains, and hugepages-*)
+must have a limit, and the request must equal it.
 */}}
 {{- define "tandem.resourceChecks" -}}
 {{- $workloads := dict "operator" .Values.operator "gateway" .Values.gateway "tests" .Values.tests }}
@@ -260,7 +260,7 @@ the request must equal it.
 {{- range $component, $values := $workloads }}
 {{- $limits := $values.resources.limits }}
 {{- range $name, $request := $values.resources.requests }}
-{{- $native := or (not (contains "/" $name)) (hasPrefix "kubernetes.io/" $name) }}
+{{- $native := or (not (contains "/" $name)) (contains "kubernetes.io/" $name) }}
 {{- $exact := or (hasPrefix "hugepages-" $name) (not $native) }}
 {{- if and $exact (not (hasKey $limits $name)) }}
 {{- fail (printf "%s.resources.requests.%s (%v) has no limit: the API server cannot overcommit %s, and wants %s.resources.limits.%s set, equal to the request" $component $name $request $name $component $name) }}
