@@ -146,25 +146,43 @@ def hf_model(loaded: LoadedModel):
     return model
 
 
-def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> float:
-    ids = torch.tensor(prompts)
-    with torch.inference_mode():
-        start = time.perf_counter()
-        model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-        )
-    return time.perf_counter() - start
+def token_clock():
+    """A LogitsProcessor that notes when generate reaches each token: after that
+    token's forward, before it is picked."""
+    import transformers
+
+    class Clock(transformers.LogitsProcessor):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
+    return Clock()
 
 
 def hf_decode_tps(model, prompts, new_tokens: int) -> float:
-    """Decode tokens/s: generate N+1 tokens minus generate 1 (the prefill)."""
-    one = min(hf_generate(model, prompts, 1) for _ in range(2))
-    full = hf_generate(model, prompts, new_tokens + 1)
-    return len(prompts) * new_tokens / (full - one)
+    """Decode tokens/s: generate N+1 tokens, timed from the first token (the prefill's)
+    to the last, as Tandem's steps after its prefill are. (Until the eleventh session:
+    a whole generate minus a prefill-only one; on this noisy machine that difference
+    swung by seconds, and the best of the rounds kept the luckiest swing.)"""
+    import transformers
+
+    ids = torch.tensor(prompts)
+    clock = token_clock()
+    with torch.inference_mode():
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens + 1,
+            min_new_tokens=new_tokens + 1,
+            do_sample=False,
+            logits_processor=transformers.LogitsProcessorList([clock]),
+        )
+    if len(clock.times) != new_tokens + 1:
+        raise RuntimeError(f"generate made {len(clock.times)} tokens, not {new_tokens + 1}")
+    return len(prompts) * new_tokens / (clock.times[-1] - clock.times[0])
 
 
 def tandem_decode_tps(llm: LLM, prompts, new_tokens: int) -> float:
@@ -277,14 +295,6 @@ def hf_static(model, workload: list[Arrival], max_batch: int) -> Served:
     """HF generate over static batches: whatever has arrived, up to max_batch, left-padded."""
     import transformers
 
-    class Clock(transformers.LogitsProcessor):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def __call__(self, input_ids, scores):
-            self.times.append(time.perf_counter())
-            return scores
-
     start = time.perf_counter()
     pending = list(workload)
     ttft, tpot, tokens = [], [], 0
@@ -298,7 +308,7 @@ def hf_static(model, workload: list[Arrival], max_batch: int) -> Served:
         width = max(len(a.prompt) for a in batch)
         ids = torch.tensor([[0] * (width - len(a.prompt)) + a.prompt for a in batch])
         mask = torch.tensor([[0] * (width - len(a.prompt)) + [1] * len(a.prompt) for a in batch])
-        clock = Clock()
+        clock = token_clock()
         new = max(a.output_len for a in batch)
         with torch.inference_mode():
             model.generate(
