@@ -7,13 +7,10 @@ one costs compute, never correctness.
 
 An MTP (multi-token prediction) head does not fit `Drafter.propose`, and is
 not forced to: it drafts from the target model's last hidden states, so it
-runs inside the model runner after the forward pass, as
-`propose(hidden_states [num_seqs, hidden], last_tokens) -> drafts [num_seqs, k]`
-(and, when it samples its drafts, their probabilities, passed to
-`Sampler.sample(draft_probs=...)` in the next step). Its output goes to the
-scheduler the same way, through StepResult.draft_token_ids. After a prefill
-it has drafted nothing yet, which is why the scheduler feeds placeholder
-drafts. The protocol below is for drafters that need only the token ids.
+runs inside the model runner after the forward pass (mtp.py: `MtpHead`, and
+the distributions of sampled drafts kept for the sampler). Its drafts reach
+the scheduler the same way, through StepResult.draft_token_ids. The protocol
+below is for drafters that need only the token ids.
 """
 
 from __future__ import annotations

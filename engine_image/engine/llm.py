@@ -21,6 +21,7 @@ from tandem.engine.engine import Engine
 from tandem.engine.host_memory import keep_freed_memory
 from tandem.engine.model.attention import allocate_kv_cache
 from tandem.engine.model.loader import LoadedModel, kv_blocks_for, load_model
+from tandem.engine.mtp import MtpHead
 from tandem.engine.request import SamplingParams
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampler import Sampler
@@ -50,6 +51,9 @@ class LLM:
     num_speculative_tokens, enable_chunked_prefill, ...). The KV pool is
     num_kv_blocks blocks, or as many as kv_cache_memory bytes hold (default
     1 GiB on the CPU, 90 % of free memory on a GPU).
+
+    With num_speculative_tokens > 0 the n-gram drafter proposes the drafts,
+    or mtp_head does where one is given (an MtpHead: mtp.py).
     """
 
     def __init__(
@@ -61,6 +65,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         kv_cache_memory: int | None = None,
         seed: int = 0,
+        mtp_head: MtpHead | None = None,
         **engine_config_fields: Any,
     ) -> None:
         unknown = set(engine_config_fields) - set(EngineConfig.field_names())
@@ -90,7 +95,7 @@ class LLM:
             ),
         )
         config = EngineConfig(vocab_size=loaded.config.vocab_size, **fields)
-        self.engine = build_engine(loaded, config, num_kv_blocks, seed=seed)
+        self.engine = build_engine(loaded, config, num_kv_blocks, seed=seed, mtp_head=mtp_head)
         self._ids = itertools.count()
 
     @property
@@ -178,19 +183,27 @@ class LLM:
 
 
 def build_engine(
-    loaded: LoadedModel, config: EngineConfig, num_blocks: int, *, seed: int = 0, vote=None
+    loaded: LoadedModel,
+    config: EngineConfig,
+    num_blocks: int,
+    *,
+    seed: int = 0,
+    vote=None,
+    mtp_head: MtpHead | None = None,
 ) -> Engine:
     """An Engine over a loaded model: KV cache, sampler, drafter, runner."""
     kv = allocate_kv_cache(
         loaded.config, num_blocks, config.block_size, loaded.dtype, loaded.device
     )
-    drafter = NgramDrafter() if config.num_speculative_tokens else None
+    speculates = config.num_speculative_tokens > 0
+    drafter = NgramDrafter() if speculates and mtp_head is None else None
     runner = ModelRunner(
         loaded.model,
         kv,
         block_size=config.block_size,
         sampler=Sampler(seed),
         drafter=drafter,
+        mtp_head=mtp_head,
         num_speculative_tokens=config.num_speculative_tokens,
     )
     tokenizer = loaded.source.tokenizer

@@ -6,8 +6,9 @@ One forward pass over every scheduled token of the step (prompt chunks, or
 each sequence's last token plus its drafts), logits only for the rows that
 are sampled (greedy rows: only their argmax, where the model has a greedy
 head), then the sampler (which verifies drafts) and the drafter (which
-proposes the next ones). The runner keeps no per-request state of its own
-beyond what the sampler and drafter hold; `free` drops it.
+proposes the next ones): the n-gram drafter from the token ids, or an MTP
+head (mtp.py) from the step's hidden states. The runner keeps no per-request
+state of its own beyond what the sampler and drafters hold; `free` drops it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from tandem.engine.drafter import Drafter
 from tandem.engine.model.attention_metadata import AttentionMetadata, decode_group_tokens
+from tandem.engine.mtp import MtpDrafting, MtpHead
 from tandem.engine.plan import StepPlan, StepResult
 from tandem.engine.sampler import Sampler, SampleRows, rows_for_plan
 
@@ -33,13 +35,20 @@ class ModelRunner:
         block_size: int,
         sampler: Sampler,
         drafter: Drafter | None = None,
+        mtp_head: MtpHead | None = None,
         num_speculative_tokens: int = 0,
     ) -> None:
+        if drafter is not None and mtp_head is not None:
+            raise ValueError("give a drafter or an MTP head, not both: one proposes each step")
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.sampler = sampler
         self.drafter = drafter if num_speculative_tokens else None
+        self.mtp = None
+        if mtp_head is not None:
+            vocab = model.config.vocab_size
+            self.mtp = MtpDrafting(mtp_head, num_speculative_tokens, vocab)
         self.num_speculative_tokens = num_speculative_tokens
         self.device = kv_caches[0].device
         # Decode batches are split into groups sized for this model's KV rows.
@@ -81,6 +90,8 @@ class ModelRunner:
         rows = rows_for_plan(plan)
         tokens = self._sample(hidden, sample_rows, rows)
         sampled = {row.request_id: toks for row, toks in zip(rows, tokens, strict=True)}
+        if self.mtp is not None:
+            return StepResult(sampled, self._mtp_drafts(hidden, sample_rows, rows, tokens))
         if self.drafter is None:
             return StepResult(sampled)
         drafts = {}
@@ -91,6 +102,21 @@ class ModelRunner:
                 sequence = _Appended(seq.all_token_ids, accepted)
                 drafts[seq.request_id] = self.drafter.propose(seq.request_id, sequence, k)
         return StepResult(sampled, drafts)
+
+    def _mtp_drafts(
+        self,
+        hidden: torch.Tensor,
+        positions: list[int],
+        rows: list[SampleRows],
+        tokens: list[list[int]],
+    ) -> dict[str, list[int]]:
+        """The MTP head's drafts after each entry of rows emitted tokens[i]: its new token
+        came from its row after the accepted drafts (row i of `rows` is hidden's row
+        positions[i])."""
+        behind = [positions[r.start + len(t) - 1] for r, t in zip(rows, tokens, strict=True)]
+        picked = torch.tensor(behind, dtype=torch.long).to(hidden.device, non_blocking=True)
+        ids = [r.request_id for r in rows]
+        return self.mtp.propose(ids, hidden.index_select(0, picked), [t[-1] for t in tokens])
 
     def _sample(
         self, hidden: torch.Tensor, positions: list[int], rows: list[SampleRows]
@@ -107,7 +133,8 @@ class ModelRunner:
             argmax = self.model.greedy_tokens(greedy_hidden)
         if argmax is None:
             all_hidden, all_rows = _gather(hidden, positions, rows)
-            return self.sampler.sample(self.model.compute_logits(all_hidden), all_rows)
+            logits = self.model.compute_logits(all_hidden)
+            return self.sampler.sample(logits, all_rows, self._draft_probs(all_rows, logits))
         tokens = dict(
             zip(
                 (r.request_id for r in greedy),
@@ -119,15 +146,23 @@ class ModelRunner:
         if sampled:
             sampled_hidden, sampled_rows = _gather(hidden, positions, sampled)
             logits = self.model.compute_logits(sampled_hidden)
-            drawn = self.sampler.sample(logits, sampled_rows)
+            drawn = self.sampler.sample(
+                logits, sampled_rows, self._draft_probs(sampled_rows, logits)
+            )
             tokens.update(zip((r.request_id for r in sampled), drawn, strict=True))
         return [tokens[r.request_id] for r in rows]
+
+    def _draft_probs(self, rows: list[SampleRows], logits: torch.Tensor) -> torch.Tensor | None:
+        """The MTP head's distributions for the drafts `rows` verify (None: point masses)."""
+        return None if self.mtp is None else self.mtp.draft_probs(rows, logits.shape[0])
 
     def free(self, request_id: str) -> None:
         """Forget a request that finished or was preempted."""
         self.sampler.free(request_id)
         if self.drafter is not None:
             self.drafter.free(request_id)
+        if self.mtp is not None:
+            self.mtp.free(request_id)
 
 
 def _gather(

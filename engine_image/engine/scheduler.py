@@ -332,7 +332,7 @@ class Scheduler:
             elif num_spec:
                 next_drafts = proposed.get(rid)
                 if next_drafts is None:
-                    # After prefill: placeholders, all an MTP head has before its first step.
+                    # Nothing proposed after a prefill: placeholders keep decodes 1 + k wide.
                     next_drafts = [cfg.draft_placeholder_id] * num_spec if is_prefill else []
                 elif len(next_drafts) > num_spec:
                     raise ValueError(

@@ -4,9 +4,11 @@ Random Llama configs saved with save_pretrained (GQA ratios 1 and 4, tied and
 untied embeddings, an odd vocabulary), loaded by Tandem from the directory,
 under every scheduler path that touches the KV cache: mixed prompt lengths in
 one batch, chunked prefill, prefix-cache hits, preemption forced by a tiny KV
-pool, and n-gram speculative decoding. transformers is a test-only dependency.
+pool, and speculative decoding (n-gram drafts, and an MTP head's).
+transformers is a test-only dependency.
 """
 
+import itertools
 import random
 
 import pytest
@@ -14,6 +16,7 @@ import torch
 import transformers
 
 from tandem.engine import LLM, SamplingParams
+from tandem.engine.mtp import MtpDrafts
 
 SHAPES = {
     # name: (hidden, heads, kv_heads, layers, vocab, tied)
@@ -126,6 +129,35 @@ def test_ngram_speculative_decoding(checkpoint):
     totals = llm.engine.totals
     assert totals.drafts_proposed > 0  # speculation really ran
     assert totals.drafts_accepted <= totals.drafts_proposed
+
+
+class ReferenceBigramHead:
+    """An MTP head that drafts, after each token, the token that followed it in HF's
+    output (argmax drafts): right often, wrong where a token had several successors."""
+
+    def __init__(self, references: list[list[int]]) -> None:
+        self.next = {a: b for ref in references for a, b in itertools.pairwise(ref)}
+
+    def propose(self, hidden, tokens, num_drafts):
+        drafts = []
+        for token in tokens.tolist():
+            row = []
+            for _ in range(num_drafts):
+                token = self.next.get(token, 0)
+                row.append(token)
+            drafts.append(row)
+        return MtpDrafts(torch.tensor(drafts))
+
+
+def test_mtp_head_speculative_decoding(checkpoint):
+    path, hf = checkpoint
+    prompts = _prompts(hf.config.vocab_size, [9, 30], seed=5)
+    expected = [_hf_greedy(hf, p) for p in prompts]
+    head = ReferenceBigramHead(expected)
+    ours, llm = _tandem(path, prompts, num_speculative_tokens=3, mtp_head=head)
+    assert ours == expected
+    totals = llm.engine.totals
+    assert 0 < totals.drafts_accepted < totals.drafts_proposed
 
 
 # ------------------------------------------------------------ SmolLM2 (GGUF)
