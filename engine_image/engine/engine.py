@@ -262,7 +262,8 @@ class Engine:
             if tracked is None:
                 continue
             out = self._apply(tracked, update.new_token_ids, update.status)
-            out.num_accepted_drafts = update.num_accepted_drafts
+            # (Drafts cut off by a stop string were not kept: not counted.)
+            out.num_accepted_drafts = min(update.num_accepted_drafts, len(out.new_token_ids))
             outputs.append(out)
         self._record(plan, outputs, time.perf_counter() - started)
         return outputs
@@ -286,7 +287,14 @@ class Engine:
         request = tracked.request
         delta, reason = "", None
         if tracked.detokenizer is not None:
-            delta, stopped = tracked.detokenizer.add(new_tokens)
+            delta, stopped, kept = tracked.detokenizer.add_until_stop(new_tokens)
+            if kept < len(new_tokens):
+                # Accepted drafts after the token that completed a stop string: a run
+                # without speculation never sampled them.
+                del request.token_ids[kept - len(new_tokens) :]
+                new_tokens = new_tokens[:kept]
+                if status.is_finished:  # (a stop id or the length limit further on)
+                    request.status = status = RequestStatus.FINISHED_STOPPED
             if stopped and not status.is_finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                 status = RequestStatus.FINISHED_STOPPED

@@ -340,7 +340,9 @@ class Scheduler:
                         f"num_speculative_tokens is {num_spec}"
                     )
                 request.draft_token_ids = next_drafts
-            outputs.append(RequestOutput(rid, new_tokens, status or request.status, num_accepted))
+            # Drafts kept: those before a stop that cut the step's tokens short.
+            kept_drafts = min(num_accepted, len(new_tokens))
+            outputs.append(RequestOutput(rid, new_tokens, status or request.status, kept_drafts))
         if ended:
             gone = set(map(id, ended))
             self.running = [r for r in self.running if id(r) not in gone]

@@ -235,6 +235,21 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self._ids)
         return self._consume(after[len(before) :], final=False)
 
+    def add_until_stop(self, new_token_ids: Sequence[int]) -> tuple[str, bool, int]:
+        """As `add`, and how many of the ids it took: with stop strings, several ids (a
+        step's accepted drafts) go in one at a time, and the ids after the one that
+        completed a stop string are left out, as a run that sampled them one by one
+        would never have produced them."""
+        if not self._stop or len(new_token_ids) <= 1:
+            return (*self.add(new_token_ids), len(new_token_ids))
+        pieces = []
+        for i, token in enumerate(new_token_ids):
+            piece, stopped = self.add([token])
+            pieces.append(piece)
+            if stopped:
+                return "".join(pieces), True, i + 1
+        return "".join(pieces), False, len(new_token_ids)
+
     def flush(self) -> str:
         """Everything still held back, for when generation ended without a stop string.
 

@@ -52,6 +52,32 @@ def test_stop_string_ends_the_request_and_is_cut_from_the_text(llm):
     assert llm.engine.scheduler.kv_usage == 0
 
 
+def test_speculation_stops_where_a_stop_string_completes(llm):
+    """Drafts accepted after the token that completes a stop string are dropped: token
+    ids, text, reason and accepted-draft counts match a run without speculation."""
+    drafted = LLM(llm.loaded, max_model_len=128, num_kv_blocks=64, num_speculative_tokens=4)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    # Greedy falls into a loop; a prompt already inside it gets its drafts accepted at once.
+    (start,) = llm.generate(["abc"], params)
+    prompt = llm.tokenizer.encode("abc") + start.token_ids
+    cut_short = 0
+    for at in range(1, 13):
+        stop = start.text[-at - 2 : -at]
+        with_stop = SamplingParams(**{**vars_of(params), "stop": (stop,)})
+        before = drafted.engine.totals.drafts_accepted
+        ours = drafted.generate(prompt_token_ids=[prompt], sampling_params=with_stop)[0]
+        plain = llm.generate(prompt_token_ids=[prompt], sampling_params=with_stop)[0]
+        assert (ours.token_ids, ours.text, ours.finish_reason) == (
+            plain.token_ids,
+            plain.text,
+            plain.finish_reason,
+        )
+        accepted = drafted.engine.totals.drafts_accepted - before
+        assert accepted < len(ours.token_ids)  # counts only the drafts kept
+        cut_short += accepted > 0
+    assert cut_short  # drafts were accepted on the way to a stop
+
+
 def vars_of(params):
     return {f: getattr(params, f) for f in params.__dataclass_fields__}
 

@@ -428,6 +428,7 @@ def test_stop_inside_accepted_drafts_truncates_the_output():
     outputs = sched.update(plan, StepResult({"a": [4999, 4999, 4999, 5]}))
     assert outputs[0].new_token_ids == [4999]
     assert outputs[0].status is RequestStatus.FINISHED_STOPPED
+    assert outputs[0].num_accepted_drafts == 1  # the two after the stop are not kept
 
 
 def test_ignore_eos_keeps_going_to_max_tokens():
