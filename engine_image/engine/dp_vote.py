@@ -3,7 +3,8 @@
 Every rank's scheduler calls its vote the same number of times in the same
 order (scheduler.py), so a vote is a plain collective:
 
-    scheduler = Scheduler(config, num_blocks, vote=gloo_vote())   # one per process
+    dist.init_process_group(vote_backend(device), ...)               # one per process
+    scheduler = Scheduler(config, num_blocks, vote=distributed_vote())
     votes = ThreadVote(n); Scheduler(config, num_blocks, vote=votes.vote(rank))  # in-process
 """
 
@@ -25,7 +26,16 @@ def _check(value: int) -> None:
         raise ValueError(f"a vote must fit in int64, got {value}")
 
 
-def gloo_vote(group: dist.ProcessGroup | None = None) -> Callable[[int], int]:
+def vote_backend(device: str | None, nccl_available: bool | None = None) -> str:
+    """The torch.distributed backend for a rank on `device`: NCCL for a CUDA device
+    where torch has it, else gloo."""
+    if nccl_available is None:
+        nccl_available = dist.is_available() and dist.is_nccl_available()
+    on_gpu = device is not None and torch.device(device).type == "cuda"
+    return "nccl" if on_gpu and nccl_available else "gloo"
+
+
+def distributed_vote(group: dist.ProcessGroup | None = None) -> Callable[[int], int]:
     """A vote over an initialised torch.distributed group (the default group if None).
 
     The buffer lives where the backend reduces: on the CPU for gloo (or a
@@ -33,7 +43,8 @@ def gloo_vote(group: dist.ProcessGroup | None = None) -> Callable[[int], int]:
     """
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(
-            "torch.distributed is not initialised: call init_process_group() before gloo_vote()"
+            "torch.distributed is not initialised: "
+            "call init_process_group() before distributed_vote()"
         )
     backend = str(dist.get_backend(group))
     if "gloo" in backend or "nccl" not in backend:

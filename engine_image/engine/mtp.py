@@ -1,9 +1,11 @@
 """MTP heads: drafting from the target model's hidden states.
 
-A multi-token-prediction head (DeepSeek-V3's MTP modules, a Medusa or EAGLE
-head) drafts from the hidden state the target model just computed, so it runs
-inside the runner after the forward pass, not beside the scheduler as the
-n-gram drafter does. The runner hands it, for every sequence that sampled a
+A multi-token-prediction head drafts from the hidden state the target model
+just computed, so it runs inside the runner after the forward pass, not beside
+the scheduler as the n-gram drafter does. This fits heads that read the last
+hidden state alone (Medusa-style heads); DeepSeek-V3's MTP module and EAGLE
+attend over earlier positions and would need every position's hidden state and
+a cache per request. The runner hands it, for every sequence that sampled a
 token this step, the final hidden state (after the model's final norm: the LM
 head's input) at the position that produced the token, and the token:
 
@@ -89,28 +91,43 @@ class MtpDrafting:
                 f"the MTP head drafted a token outside the vocabulary of {self.vocab_size}"
             )
         if drafts.probs is not None:
-            self._keep(request_ids, listed, drafts.probs)
+            self._keep(request_ids, listed, drafts.probs, hidden.device)
         else:  # point masses: nothing to keep (a stale q must not outlive its drafts)
             for rid in request_ids:
                 self._proposals.pop(rid, None)
         return dict(zip(request_ids, listed, strict=True))
 
-    def _keep(self, request_ids: list[str], tokens: list[list[int]], probs: torch.Tensor) -> None:
+    def _keep(
+        self,
+        request_ids: list[str],
+        tokens: list[list[int]],
+        probs: torch.Tensor,
+        device: torch.device,
+    ) -> None:
         expected = (len(request_ids), self.num_drafts, self.vocab_size)
         if tuple(probs.shape) != expected or not probs.is_floating_point():
             raise ValueError(
                 f"the MTP head's draft probabilities must be float {list(expected)}, "
                 f"got {probs.dtype} {list(probs.shape)}"
             )
+        # A copy, on the model's device: the head may reuse its output buffer.
+        probs = probs.detach().to(device, torch.float32, copy=True)
+        totals = probs.sum(-1, keepdim=True)
+        if bool((probs < 0).any()) or not bool(((totals - 1).abs() < 1e-2).all()):
+            raise ValueError(
+                "the MTP head's draft probabilities must be distributions: "
+                "non-negative, each summing to 1"
+            )
+        probs.div_(totals)  # exactly, where a 16-bit softmax came close
         for i, (rid, drafted) in enumerate(zip(request_ids, tokens, strict=True)):
             self._proposals[rid] = _Proposal(drafted, probs[i])
 
     def draft_probs(self, rows: list[SampleRows], num_rows: int) -> torch.Tensor | None:
         """The sampler's draft_probs [num_rows, vocab] for `rows`, or None when no row's
         drafts came with distributions. Drafts without one (argmax drafts, placeholders
-        after a handoff) get a point mass, which the sampler's test treats as it treats
-        any point-mass draft. Greedy rows, and rows that verify no draft, are never read:
-        a greedy target is a point mass, so its draft passes exactly when it is the argmax.
+        after a handoff) keep rows of zeros, which the sampler verifies as point-mass
+        drafts. Greedy rows, and rows that verify no draft, are never read: a greedy
+        target is a point mass, so its draft passes exactly when it is the argmax.
         """
         found = [
             (row, self._proposals.get(row.request_id))
@@ -122,12 +139,10 @@ class MtpDrafting:
         device = next(p.probs.device for _, p in found if p is not None)
         q = torch.zeros(num_rows, self.vocab_size, device=device)
         for row, proposal in found:
-            m = len(row.drafts)  # the scheduler verifies a prefix of the proposal
+            m = len(row.drafts)
+            # The scheduler verifies a prefix of the proposal (placeholders match none).
             if proposal is not None and proposal.tokens[:m] == row.drafts:
                 q[row.start : row.start + m] = proposal.probs[:m]
-            else:
-                at = torch.arange(row.start, row.start + m, device=device)
-                q[at, torch.tensor(row.drafts, device=device)] = 1.0
         return q
 
     def free(self, request_id: str) -> None:

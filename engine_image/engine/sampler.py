@@ -19,7 +19,9 @@ emits the same tokens with or without speculation, whatever the drafts were.
 For a drafter with its own distribution (an MTP head sampling its drafts),
 pass `draft_probs` q: x_j is accepted when u * q_j(x_j) < p_j(x_j), else the
 correction is drawn from norm(max(0, p_j - q_j)); the output distribution is
-p either way. Emitted per sequence: the accepted drafts, then one new token.
+p either way. A row of zeros in q marks a point-mass draft (verified as
+above), so a seeded request's tokens do not depend on its batch having other
+rows with a q. Emitted per sequence: the accepted drafts, then one new token.
 
 Randomness. Each row takes one uniform. A seeded request derives it from a
 counter-based hash of (seed, output position, stream), not from a per-request
@@ -112,7 +114,8 @@ class Sampler:
 
         logits: [R, V] float. draft_probs: optional [R, V], row-aligned with
         logits, the distribution each draft was drawn from (read on the draft
-        rows of sampled sequences only); None means point-mass drafts.
+        rows of sampled sequences only); None, or a row of zeros, means a
+        point-mass draft.
         """
         if logits.dim() != 2 or not logits.is_floating_point():
             raise ValueError(f"logits must be a [rows, vocab] float tensor, got {logits.shape}")
@@ -222,9 +225,16 @@ class Sampler:
         if q_at:
             at = torch.tensor(q_at, device=device)
             x = torch.tensor(q_drafts, device=device).unsqueeze(1)
+            q = draft_probs.index_select(0, index.index_select(0, at)).to(device, probs.dtype)
+            # Rows of zeros are point-mass drafts: the y == x test below, not this one.
+            with_q = q.sum(-1) > 0
+            if not bool(with_q.all()):
+                kept = with_q.nonzero().squeeze(1)
+                at, x, q = at[kept], x[kept], q[kept]
+                q_at = [q_at[i] for i in kept.tolist()]
+        if q_at:
             p = probs.index_select(0, at)
             p.div_(p.sum(-1, keepdim=True))
-            q = draft_probs.index_select(0, index.index_select(0, at)).to(p.dtype)
             # Accept with probability min(1, p(x) / q(x)).
             u = uniforms(_STREAM_ACCEPT).index_select(0, at)
             passed = u * q.gather(1, x).squeeze(1) < p.gather(1, x).squeeze(1)

@@ -1,4 +1,5 @@
-"""The data-parallel vote: gloo across real processes, ThreadVote across threads."""
+"""The data-parallel vote: gloo across real processes, ThreadVote across threads;
+NCCL chosen for ranks on CUDA (no GPU here: the choice is what is tested)."""
 
 from __future__ import annotations
 
@@ -10,27 +11,27 @@ import threading
 
 import pytest
 
-from tandem.engine.dp_vote import ThreadVote, gloo_vote
+from tandem.engine.dp_vote import ThreadVote, distributed_vote, vote_backend
 from tandem.redis_server import free_port
 
 WORKER = textwrap.dedent(
     """
     import json, sys
     import torch.distributed as dist
-    from tandem.engine.dp_vote import gloo_vote
+    from tandem.engine.dp_vote import distributed_vote
 
     port, rank, values = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
     )
-    vote = gloo_vote()
+    vote = distributed_vote()
     print(json.dumps([vote(v) for v in values]))
     dist.destroy_process_group()
     """
 )
 
 
-def test_gloo_vote_takes_the_min_across_two_processes():
+def test_distributed_vote_takes_the_min_across_two_processes():
     values = [[5, -3, 10, 0, 2**40, 1], [7, 4, -8, 0, 1, 1]]
     port = str(free_port())
     procs = [
@@ -56,9 +57,23 @@ def test_gloo_vote_takes_the_min_across_two_processes():
     assert outputs == [expected, expected]
 
 
-def test_gloo_vote_needs_an_initialised_group():
+@pytest.mark.parametrize(
+    ("device", "nccl", "backend"),
+    [
+        (None, True, "gloo"),
+        ("cpu", True, "gloo"),
+        ("cuda:1", True, "nccl"),
+        ("cuda", True, "nccl"),
+        ("cuda:0", False, "gloo"),  # a torch built without NCCL
+    ],
+)
+def test_ranks_on_cuda_vote_over_nccl(device, nccl, backend):
+    assert vote_backend(device, nccl_available=nccl) == backend
+
+
+def test_distributed_vote_needs_an_initialised_group():
     with pytest.raises(ValueError, match="init_process_group"):
-        gloo_vote()
+        distributed_vote()
 
 
 def run_ranks(votes: ThreadVote, body) -> list[BaseException]:

@@ -96,28 +96,42 @@ def test_sampled_drafts_keep_the_target_distribution(tiny):
 
 
 class RecordingHead:
-    """Greedy drafts of a fixed token; records what the runner handed it."""
+    """Argmax drafts from a table of what follows what (right often enough for drafts
+    to be accepted); records what the runner handed it."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: torch.nn.Module, successors: dict[int, int]) -> None:
+        self.model, self.successors = model, successors
         self.calls: list[tuple[list[int], list[int]]] = []  # (argmax of hidden, tokens)
 
     def propose(self, hidden: torch.Tensor, tokens: torch.Tensor, num_drafts: int) -> MtpDrafts:
         argmax = self.model.compute_logits(hidden).argmax(-1).tolist()
         self.calls.append((argmax, tokens.tolist()))
-        return MtpDrafts(torch.full((len(tokens), num_drafts), 3, dtype=torch.long))
+        drafts = []
+        for token in tokens.tolist():
+            row = []
+            for _ in range(num_drafts):
+                token = self.successors.get(token, 0)
+                row.append(token)
+            drafts.append(row)
+        return MtpDrafts(torch.tensor(drafts))
 
 
 def test_the_head_gets_the_hidden_state_behind_each_new_token(tiny):
     """For greedy requests the new token is the argmax of the logits of the hidden
-    state the head gets: it is the row after the last accepted draft, prefill or decode."""
-    head = RecordingHead(tiny.model)
+    state the head gets: the row after the last accepted draft, prefill or decode."""
+    prompts = [[1, 2, 3], [9, 8, 7, 6, 5], [4]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = LLM(tiny, num_kv_blocks=64).generate(prompt_token_ids=prompts, sampling_params=params)
+    successors = {a: b for out in plain for a, b in itertools.pairwise(out.token_ids)}
+    head = RecordingHead(tiny.model, successors)
     llm = LLM(tiny, mtp_head=head, num_speculative_tokens=3, num_kv_blocks=64)
-    params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
-    llm.generate(prompt_token_ids=[[1, 2, 3], [9, 8, 7, 6, 5], [4]], sampling_params=params)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert llm.engine.totals.drafts_accepted > 10  # the rows after accepted drafts were read
     assert len(head.calls) > 1
     for argmax, tokens in head.calls:
         assert argmax == tokens
+    assert not llm.engine.runner.mtp._proposals  # nothing left behind
 
 
 def _drafting(vocab: int = 8, k: int = 2) -> MtpDrafting:
@@ -134,6 +148,7 @@ def _drafting(vocab: int = 8, k: int = 2) -> MtpDrafting:
 def test_draft_probs_are_laid_out_row_by_row():
     drafting = _drafting()
     q = torch.rand(3, 2, 8)
+    q /= q.sum(-1, keepdim=True)
     drafting.head.out = MtpDrafts(torch.tensor([[1, 2], [3, 4], [5, 6]]), q)
     proposed = drafting.propose(["a", "b", "c"], torch.zeros(3, 4), [0, 0, 0])
     assert proposed == {"a": [1, 2], "b": [3, 4], "c": [5, 6]}
@@ -141,15 +156,18 @@ def test_draft_probs_are_laid_out_row_by_row():
         SampleRows("a", 0, [1, 2], HOT, 4),  # both drafts verified: q rows 0, 1
         SampleRows("b", 3, [3, 4], GREEDY, 4),  # greedy: its rows are never read
         SampleRows("c", 6, [5], HOT, 4),  # trimmed by the scheduler: q's first row
-        SampleRows("d", 8, [7, 7], HOT, 0),  # placeholders, no proposal: point masses
+        SampleRows("d", 8, [7, 7], HOT, 0),  # placeholders, no proposal: point masses (0)
         SampleRows("e", 11, [], HOT, 2),  # no drafts
     ]
     out = drafting.draft_probs(rows, 12)
     expected = torch.zeros(12, 8)
     expected[0:2] = q[0]
     expected[6] = q[2, 0]
-    expected[8, 7] = expected[9, 7] = 1.0
-    assert torch.equal(out, expected)
+    assert torch.allclose(out, expected)
+
+    # The head's output was copied: a head may reuse its buffer.
+    q.zero_()
+    assert torch.allclose(drafting.draft_probs(rows, 12), expected)
 
     # Argmax drafts replace a request's distributions: its next drafts are point masses.
     drafting.head.out = MtpDrafts(torch.tensor([[1, 2]]))
@@ -167,6 +185,8 @@ def test_draft_probs_are_laid_out_row_by_row():
         (MtpDrafts(torch.tensor([[1.0, 2.0]])), "integers"),
         (MtpDrafts(torch.tensor([[1, 8]])), "outside the vocabulary of 8"),
         (MtpDrafts(torch.tensor([[1, 2]]), torch.rand(1, 2, 7)), r"float \[1, 2, 8\]"),
+        (MtpDrafts(torch.tensor([[1, 2]]), torch.full((1, 2, 8), 0.5)), "summing to 1"),
+        (MtpDrafts(torch.tensor([[1, 2]]), torch.full((1, 2, 8), 0.125) - 0.5), "non-negative"),
     ],
 )
 def test_what_a_head_returns_is_checked(out, match):
@@ -178,4 +198,15 @@ def test_what_a_head_returns_is_checked(out, match):
 
 def test_an_mtp_head_needs_speculative_tokens(tiny):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        LLM(tiny, mtp_head=RecordingHead(tiny.model), num_kv_blocks=16)
+        LLM(tiny, mtp_head=RecordingHead(tiny.model, {}), num_kv_blocks=16)
+
+
+def test_a_malformed_proposal_ends_its_requests_with_the_reason(tiny):
+    class OutOfVocabulary:
+        def propose(self, hidden, tokens, num_drafts):
+            return MtpDrafts(torch.full((len(tokens), num_drafts), 10**6))
+
+    llm = LLM(tiny, mtp_head=OutOfVocabulary(), num_speculative_tokens=2, num_kv_blocks=16)
+    with pytest.raises(RuntimeError, match="outside the vocabulary of 512"):
+        llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=GREEDY)
+    assert llm.engine.scheduler.kv_usage == 0

@@ -372,3 +372,17 @@ def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
     params = SamplingParams(temperature=1.0, top_p=5e-324, seed=3)
     rows = [SampleRows("r", 0, [], params, 0)]
     assert Sampler(0).sample(logits, rows) == [[1]]
+
+
+def test_a_row_of_zeros_in_draft_probs_is_a_point_mass_draft():
+    """A seeded request's tokens do not depend on other rows of its batch having a q."""
+    first, second = TARGETS[0][0], ROW1
+    for seed in range(20):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        row = SampleRows("a", 0, [3], params, 0)
+        alone = Sampler().sample(torch.tensor([first, second]), [row])
+        q = torch.zeros(4, 6)
+        q[2] = torch.tensor([0.1, 0.5, 0.1, 0.1, 0.1, 0.1])  # the other request's draft
+        rows = [SampleRows("a", 0, [3], params, 0), SampleRows("b", 2, [1], params, 0)]
+        batched = Sampler().sample(torch.tensor([first, second, first, second]), rows, q)
+        assert batched[0] == alone[0]

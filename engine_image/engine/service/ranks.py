@@ -53,16 +53,19 @@ def _rank_main(args: argparse.Namespace, rank: int, world: int, port: int) -> No
     import torch
     import torch.distributed as dist
 
-    from tandem.engine.dp_vote import gloo_vote
+    from tandem.engine.dp_vote import distributed_vote, vote_backend
     from tandem.engine.service.main import serve
 
     if torch.cuda.is_available() and args.device in (None, "cuda"):
         args.device = f"cuda:{rank}"  # one GPU per rank, not all ranks on GPU 0
+    backend = vote_backend(args.device)
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(args.device))  # where the vote's buffer lives
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     try:
-        code = serve(args, rank=rank, vote=gloo_vote())
+        code = serve(args, rank=rank, vote=distributed_vote())
     finally:
         dist.destroy_process_group()
     raise SystemExit(code)
