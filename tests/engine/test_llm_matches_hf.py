@@ -8,15 +8,14 @@ pool, and speculative decoding (n-gram drafts, and an MTP head's).
 transformers is a test-only dependency.
 """
 
-import itertools
 import random
 
 import pytest
 import torch
 import transformers
+from support.mtp_heads import SuccessorHead
 
 from tandem.engine import LLM, SamplingParams
-from tandem.engine.mtp import MtpDrafts
 
 SHAPES = {
     # name: (hidden, heads, kv_heads, layers, vocab, tied)
@@ -131,29 +130,11 @@ def test_ngram_speculative_decoding(checkpoint):
     assert totals.drafts_accepted <= totals.drafts_proposed
 
 
-class ReferenceBigramHead:
-    """An MTP head that drafts, after each token, the token that followed it in HF's
-    output (argmax drafts): right often, wrong where a token had several successors."""
-
-    def __init__(self, references: list[list[int]]) -> None:
-        self.next = {a: b for ref in references for a, b in itertools.pairwise(ref)}
-
-    def propose(self, hidden, tokens, num_drafts):
-        drafts = []
-        for token in tokens.tolist():
-            row = []
-            for _ in range(num_drafts):
-                token = self.next.get(token, 0)
-                row.append(token)
-            drafts.append(row)
-        return MtpDrafts(torch.tensor(drafts))
-
-
 def test_mtp_head_speculative_decoding(checkpoint):
     path, hf = checkpoint
     prompts = _prompts(hf.config.vocab_size, [9, 30], seed=5)
     expected = [_hf_greedy(hf, p) for p in prompts]
-    head = ReferenceBigramHead(expected)
+    head = SuccessorHead(expected)  # drafts what followed each token in HF's output
     ours, llm = _tandem(path, prompts, num_speculative_tokens=3, mtp_head=head)
     assert ours == expected
     totals = llm.engine.totals

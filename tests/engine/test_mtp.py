@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chi2_contingency
+from support.mtp_heads import SuccessorHead
 
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.model.loader import load_model
@@ -95,25 +96,18 @@ def test_sampled_drafts_keep_the_target_distribution(tiny):
     assert chi2_contingency(table).pvalue > ALPHA
 
 
-class RecordingHead:
-    """Argmax drafts from a table of what follows what (right often enough for drafts
-    to be accepted); records what the runner handed it."""
+class RecordingHead(SuccessorHead):
+    """Drafts well enough to be accepted; records what the runner handed it."""
 
-    def __init__(self, model: torch.nn.Module, successors: dict[int, int]) -> None:
-        self.model, self.successors = model, successors
+    def __init__(self, model: torch.nn.Module, references: list[list[int]]) -> None:
+        super().__init__(references)
+        self.model = model
         self.calls: list[tuple[list[int], list[int]]] = []  # (argmax of hidden, tokens)
 
     def propose(self, hidden: torch.Tensor, tokens: torch.Tensor, num_drafts: int) -> MtpDrafts:
         argmax = self.model.compute_logits(hidden).argmax(-1).tolist()
         self.calls.append((argmax, tokens.tolist()))
-        drafts = []
-        for token in tokens.tolist():
-            row = []
-            for _ in range(num_drafts):
-                token = self.successors.get(token, 0)
-                row.append(token)
-            drafts.append(row)
-        return MtpDrafts(torch.tensor(drafts))
+        return super().propose(hidden, tokens, num_drafts)
 
 
 def test_the_head_gets_the_hidden_state_behind_each_new_token(tiny):
@@ -122,8 +116,7 @@ def test_the_head_gets_the_hidden_state_behind_each_new_token(tiny):
     prompts = [[1, 2, 3], [9, 8, 7, 6, 5], [4]]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     plain = LLM(tiny, num_kv_blocks=64).generate(prompt_token_ids=prompts, sampling_params=params)
-    successors = {a: b for out in plain for a, b in itertools.pairwise(out.token_ids)}
-    head = RecordingHead(tiny.model, successors)
+    head = RecordingHead(tiny.model, [out.token_ids for out in plain])
     llm = LLM(tiny, mtp_head=head, num_speculative_tokens=3, num_kv_blocks=64)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
@@ -198,7 +191,7 @@ def test_what_a_head_returns_is_checked(out, match):
 
 def test_an_mtp_head_needs_speculative_tokens(tiny):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        LLM(tiny, mtp_head=RecordingHead(tiny.model, {}), num_kv_blocks=16)
+        LLM(tiny, mtp_head=RecordingHead(tiny.model, []), num_kv_blocks=16)
 
 
 def test_a_malformed_proposal_ends_its_requests_with_the_reason(tiny):
