@@ -96,11 +96,23 @@ def _check_bytes(value: int | str) -> int | str:
     return value
 
 
+# The least KV cache an engine is given: "1" (one byte) is a typo for 1Gi, and
+# less than a MiB holds too few tokens of any real model to serve a request.
+MIN_KV_CACHE_BYTES = 1 << 20
+
+
+def _check_kv_bytes(value: int | str) -> int | str:
+    size = quantity_bytes(value)
+    if size < MIN_KV_CACHE_BYTES:
+        raise ValueError(f"{_shown(value)} is too little KV cache ({size} bytes): at least 1Mi")
+    return value
+
+
 # A quantity kept as the user wrote it (int or string), so a round trip changes nothing.
 Quantity = Annotated[
     StrictInt | StrictStr, AfterValidator(_check_quantity), WithJsonSchema(QUANTITY_SCHEMA)
 ]
-# A quantity of bytes: a positive whole number once the suffix is applied.
-ByteQuantity = Annotated[
-    StrictInt | StrictStr, AfterValidator(_check_bytes), WithJsonSchema(QUANTITY_SCHEMA)
+# The KV cache's bytes: a whole number of at least MIN_KV_CACHE_BYTES.
+KvCacheBytes = Annotated[
+    StrictInt | StrictStr, AfterValidator(_check_kv_bytes), WithJsonSchema(QUANTITY_SCHEMA)
 ]

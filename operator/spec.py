@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field, field_validator
 
 from tandem.engine.config import EngineConfig
-from tandem.operator.quantity import ByteQuantity
+from tandem.operator.quantity import KvCacheBytes
 from tandem.operator.role_spec import DecodeRole, NormalRole, PrefillRole, RoleName, RoleSpec
 from tandem.operator.settings import SECRET_NAME_PATTERN, SECRET_NAME_RULE, is_secret_name
 from tandem.operator.spec_base import CelRule, SpecModel, count_set
@@ -240,10 +240,10 @@ class EngineSpec(SpecModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weight and KV dtype; auto: bfloat16 on GPUs, float32 on CPUs."
     )
-    kv_cache_memory: ByteQuantity | None = Field(
+    kv_cache_memory: KvCacheBytes | None = Field(
         None,
-        description="Bytes of KV cache per rank, e.g. 4Gi; default: 90 % of the GPU memory "
-        "left after the weights, 1 GiB on CPUs.",
+        description="Bytes of KV cache per rank, e.g. 4Gi (at least 1Mi); default: 90 % of "
+        "the GPU memory left after the weights, 1 GiB on CPUs.",
     )
 
 

@@ -113,6 +113,10 @@ PRODUCERS: dict[str, Callable[[Path], str]] = {
         {"model": {"path": "smollm2"}, "engine": {"kvCacheMemory": "1.5"}, "normal": {}},
         name="smollm2",
     ),
+    "too-little-kv-cache": lambda _: invalid_reason(
+        {"model": {"path": "smollm2"}, "engine": {"kvCacheMemory": "512Ki"}, "normal": {}},
+        name="smollm2",
+    ),
     "invalid-budget": lambda _: invalid_reason(
         {
             "model": {"path": "smollm2"},

@@ -120,6 +120,7 @@ def test_served_model_name_defaults_to_the_object_name():
         ({"normal": {"bogus": 1}}, "Extra inputs are not permitted"),
         ({"engine": {"kvCacheMemory": "4GB"}}, "not a Kubernetes quantity"),
         ({"engine": {"kvCacheMemory": "100m"}}, "not a positive whole number of bytes"),
+        ({"engine": {"kvCacheMemory": "1"}}, r"'1' is too little KV cache \(1 bytes\)"),
         ({"normal": {"resources": {"limits": {"cpu": "lots"}}}}, "not a Kubernetes quantity"),
         # Turned into an int, "1e1000000" held the event loop for half a minute.
         ({"engine": {"kvCacheMemory": "1e1000000"}}, "out of a Kubernetes quantity's range"),
@@ -213,7 +214,7 @@ _engine = st.fixed_dictionaries(
         "blockSize": st.sampled_from([8, 16, 32]),
         "enablePrefixCaching": st.booleans(),
         "dtype": st.sampled_from(["auto", "float32", "bfloat16", "float16"]),
-        "kvCacheMemory": st.one_of(st.integers(1, 2**40), st.just("4Gi")),
+        "kvCacheMemory": st.one_of(st.integers(2**20, 2**40), st.just("4Gi")),
     },
 )
 _model = st.one_of(
