@@ -16,7 +16,10 @@
 // Inner loops are plain C++ for gcc's auto-vectoriser (-O3, omp simd, contiguous
 // head_dim), plus GCC vector extensions where it cannot keep a register tile. The
 // -mavx2 -mfma -mf16c flags (cpu_kernels.py) measured 4x against the x86-64
-// baseline here; AVX-512 flags made no difference.
+// baseline here. The tiles take AVX-512's 16 lanes and up to 4 query rows at once
+// where the CPU has it (2 rows of 8 lanes before): the same speed where the context
+// streams from memory (plain decode at batch 64), 1.1-1.5x with drafts (more rows
+// per KV head) or a context the caches hold (docs/benchmarks.md).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -148,7 +151,7 @@ void decode_item(
     Scratch& s) {
   const int64_t G = H / KVH;
   const int64_t R = G * nq;  // query rows sharing this KV head, row r = qi * G + g
-  const bool vec = D % VL == 0;
+  const bool vec = D % DL == 0;
   s.q.resize(R * D);
   s.acc.assign(R * D, 0.0f);
   s.scores.resize(R * CHUNK);
@@ -190,18 +193,18 @@ void decode_item(
       const int64_t kn = std::min(KEYS, n - j0);
       pf.ahead(read0 + j0 + kn + PREFETCH_AHEAD);
       chunk_rows(krows, kcache, offsets, j0, kn, D, s.kbuf);
-      int64_t r = 0;
       if (vec) {
-        for (; r + 2 <= R; r += 2) {
-          const int64_t lim = std::min(kn, std::max(s.limit[r], s.limit[r + 1]) - j0);
-          if (lim > 0) qk_rows<2>(s.q.data() + r * D, krows + j0, s.scores.data() + r * CHUNK + j0, CHUNK, lim, D);
-        }
-        if (r < R) {
-          const int64_t lim = std::min(kn, s.limit[r] - j0);
-          if (lim > 0) qk_rows<1>(s.q.data() + r * D, krows + j0, s.scores.data() + r * CHUNK + j0, CHUNK, lim, D);
+        for (int64_t r = 0; r < R; r += TILE_ROWS) {
+          const int64_t rb = std::min<int64_t>(TILE_ROWS, R - r);
+          // Rows see no fewer keys than the rows before them: the block's last, the most.
+          const int64_t lim = std::min(kn, s.limit[r + rb - 1] - j0);
+          if (lim <= 0) continue;
+          with_rows(rb, [&]<int RB>() {
+            qk_rows<RB>(s.q.data() + r * D, krows + j0, s.scores.data() + r * CHUNK + j0, CHUNK, lim, D);
+          });
         }
       } else {
-        for (; r < R; ++r) {
+        for (int64_t r = 0; r < R; ++r) {
           float* sc = s.scores.data() + r * CHUNK;
           for (int64_t j = j0; j < j0 + kn && j < s.limit[r]; ++j) sc[j] = dot(s.q.data() + r * D, krows[j], D);
         }
@@ -219,9 +222,9 @@ void decode_item(
       chunk_rows(vrows, vcache, offsets, j0, kn, D, s.vbuf);
       const float* p = s.scores.data() + j0;
       const float* const* v = vrows + j0;
-      if (D % (4 * VL) == 0) {
+      if (D % (4 * DL) == 0) {
         pv_tile<4>(s.acc.data(), p, CHUNK, s.limit.data(), j0, v, kn, R, D);
-      } else if (D % (2 * VL) == 0) {
+      } else if (D % (2 * DL) == 0) {
         pv_tile<2>(s.acc.data(), p, CHUNK, s.limit.data(), j0, v, kn, R, D);
       } else if (vec) {
         pv_tile<1>(s.acc.data(), p, CHUNK, s.limit.data(), j0, v, kn, R, D);

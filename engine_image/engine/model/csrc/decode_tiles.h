@@ -38,29 +38,57 @@ inline vfloat reduce8(vfloat v0, vfloat v1, vfloat v2, vfloat v3, vfloat v4, vfl
   return __builtin_shuffle(y0, y1, lo4) + __builtin_shuffle(y0, y1, hi4);
 }
 
-// scores[r][0..n) = q[r] . k[j] for RB (1 or 2) query rows (row r at q + r * D, its
-// scores at scores + r * ld), four keys at a time: each K vector loaded feeds RB rows,
-// and one transposing reduction finishes 4 keys of 2 rows; D % VL == 0.
+// The tiles' vector: 16 lanes with AVX-512, else 8 (vfloat). Query rows a tile holds
+// in registers: 4 with AVX-512's 32 registers (16 accumulators, the K or V vectors and
+// a broadcast), 2 with 16 registers.
+constexpr int64_t DL = W >= 8 ? W : VL;
+typedef float dvec __attribute__((vector_size(DL * sizeof(float))));
+constexpr int TILE_ROWS = W >= 16 ? 4 : 2;
+
+// v's lanes summed pairwise down to 8 (lo half + hi half), for reduce8.
+template <typename V = dvec>
+inline vfloat fold8(V v) {
+  if constexpr (sizeof(V) == sizeof(vfloat)) {
+    return v;
+  } else {
+    vfloat lo, hi;
+    halves(v, lo, hi);
+    return lo + hi;
+  }
+}
+
+// scores[r][0..n) = q[r] . k[j] for RB query rows (row r at q + r * D, its scores at
+// scores + r * ld), four keys at a time: each K vector loaded feeds all RB rows, and a
+// transposing reduction finishes 4 keys of 2 rows at once; D % DL == 0.
 template <int RB>
 inline void qk_rows(const float* q, const float* const* k, float* scores, int64_t ld, int64_t n, int64_t D) {
-  static_assert(RB == 1 || RB == 2);
+  static_assert(RB >= 1 && RB <= TILE_ROWS);
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
-    vfloat a[2][4] = {};
+    dvec a[RB][4] = {};
     const float *k0 = k[j], *k1 = k[j + 1], *k2 = k[j + 2], *k3 = k[j + 3];
-    for (int64_t c = 0; c < D; c += VL) {
-      const vfloat x0 = vload(k0 + c), x1 = vload(k1 + c), x2 = vload(k2 + c), x3 = vload(k3 + c);
+    for (int64_t c = 0; c < D; c += DL) {
+      const dvec x0 = vload<dvec>(k0 + c), x1 = vload<dvec>(k1 + c), x2 = vload<dvec>(k2 + c),
+                 x3 = vload<dvec>(k3 + c);
       for (int r = 0; r < RB; ++r) {
-        const vfloat qv = vload(q + r * D + c);
+        const dvec qv = vload<dvec>(q + r * D + c);
         a[r][0] += qv * x0;
         a[r][1] += qv * x1;
         a[r][2] += qv * x2;
         a[r][3] += qv * x3;
       }
     }
-    const vfloat sums = reduce8(a[0][0], a[0][1], a[0][2], a[0][3], a[1][0], a[1][1], a[1][2], a[1][3]);
-    const float* lanes = reinterpret_cast<const float*>(&sums);  // row 0's 4 scores, then row 1's
-    for (int r = 0; r < RB; ++r) __builtin_memcpy(scores + r * ld + j, lanes + 4 * r, 4 * sizeof(float));
+    for (int r = 0; r < RB; r += 2) {
+      const int r1 = r + 1 < RB ? r + 1 : r;  // a lone last row pairs with zeros
+      const vfloat z = {};
+      const bool pair = r1 != r;
+      const vfloat sums = reduce8(fold8(a[r][0]), fold8(a[r][1]), fold8(a[r][2]), fold8(a[r][3]),
+                                  pair ? fold8(a[r1][0]) : z, pair ? fold8(a[r1][1]) : z,
+                                  pair ? fold8(a[r1][2]) : z, pair ? fold8(a[r1][3]) : z);
+      const float* lanes = reinterpret_cast<const float*>(&sums);  // row r's 4 scores, then r1's
+      __builtin_memcpy(scores + r * ld + j, lanes, 4 * sizeof(float));
+      if (pair) __builtin_memcpy(scores + r1 * ld + j, lanes + 4, 4 * sizeof(float));
+    }
   }
   for (; j < n; ++j)
     for (int r = 0; r < RB; ++r) scores[r * ld + j] = dot(q + r * D, k[j], D);
@@ -70,39 +98,58 @@ inline void qk_rows(const float* q, const float* const* k, float* scores, int64_
 // ld), j < n, NV vectors of the head dim at a time held in registers.
 template <int RB, int NV>
 inline void pv_rows(float* acc, const float* p, int64_t ld, const float* const* v, int64_t n, int64_t D) {
-  for (int64_t c = 0; c < D; c += NV * VL) {
-    vfloat a[RB][NV];
+  for (int64_t c = 0; c < D; c += NV * DL) {
+    dvec a[RB][NV];
     for (int r = 0; r < RB; ++r)
-      for (int t = 0; t < NV; ++t) a[r][t] = vload(acc + r * D + c + t * VL);
+      for (int t = 0; t < NV; ++t) a[r][t] = vload<dvec>(acc + r * D + c + t * DL);
     for (int64_t j = 0; j < n; ++j) {
       const float* vj = v[j] + c;
-      vfloat x[NV];
-      for (int t = 0; t < NV; ++t) x[t] = vload(vj + t * VL);
+      dvec x[NV];
+      for (int t = 0; t < NV; ++t) x[t] = vload<dvec>(vj + t * DL);
       for (int r = 0; r < RB; ++r) {
-        const vfloat pr = splat(p[r * ld + j]);
+        const dvec pr = broadcast<dvec>(p[r * ld + j]);
         for (int t = 0; t < NV; ++t) a[r][t] += pr * x[t];
       }
     }
     for (int r = 0; r < RB; ++r)
-      for (int t = 0; t < NV; ++t) vstore(acc + r * D + c + t * VL, a[r][t]);
+      for (int t = 0; t < NV; ++t) vstore(acc + r * D + c + t * DL, a[r][t]);
+  }
+}
+
+// f.template operator()<rb>() for a run-time rb in [1, TILE_ROWS].
+template <typename F>
+inline void with_rows(int64_t rb, F&& f) {
+  switch (rb) {
+    case 1: f.template operator()<1>(); break;
+    case 2: f.template operator()<2>(); break;
+    default:
+      if constexpr (TILE_ROWS >= 4) {
+        if (rb == 3) f.template operator()<3>();
+        else f.template operator()<4>();
+      }
   }
 }
 
 // pv_rows over R rows, for keys j0..j0+n (p and v start at key j0; row r sees keys
-// below limit[r]), two rows at a time up to the keys both see, then the row that sees
-// more alone: a row never multiplies a V row it must not see (0 * inf is NaN).
+// below limit[r]), TILE_ROWS rows at a time up to the keys all of them see, then each
+// row's further keys alone: a row never multiplies a V row it must not see (0 * inf is
+// NaN). (Rows see more keys only with drafts, the last few.)
 template <int NV>
 inline void pv_tile(float* acc, const float* p, int64_t ld, const int64_t* limit, int64_t j0, const float* const* v,
                     int64_t n, int64_t R, int64_t D) {
   const auto seen = [&](int64_t r) { return std::clamp<int64_t>(limit[r] - j0, 0, n); };
-  int64_t r = 0;
-  for (; r + 2 <= R; r += 2) {
-    const int64_t a = seen(r), b = seen(r + 1), both = std::min(a, b);
-    if (both > 0) pv_rows<2, NV>(acc + r * D, p + r * ld, ld, v, both, D);
-    const int64_t longer = a > b ? r : r + 1;
-    if (a != b) pv_rows<1, NV>(acc + longer * D, p + longer * ld + both, ld, v + both, std::max(a, b) - both, D);
+  for (int64_t r = 0; r < R; r += TILE_ROWS) {
+    const int64_t rb = std::min<int64_t>(TILE_ROWS, R - r);
+    int64_t common = n;
+    for (int64_t i = r; i < r + rb; ++i) common = std::min(common, seen(i));
+    if (common > 0) {
+      with_rows(rb, [&]<int RB>() { pv_rows<RB, NV>(acc + r * D, p + r * ld, ld, v, common, D); });
+    }
+    for (int64_t i = r; i < r + rb; ++i) {
+      const int64_t extra = seen(i) - common;
+      if (extra > 0) pv_rows<1, NV>(acc + i * D, p + i * ld + common, ld, v + common, extra, D);
+    }
   }
-  if (r < R && seen(r) > 0) pv_rows<1, NV>(acc + r * D, p + r * ld, ld, v, seen(r), D);
 }
 
 }  // namespace tandem
