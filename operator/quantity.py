@@ -91,11 +91,6 @@ def quantity_bytes(value: int | str) -> int:
     return int(number)
 
 
-def _check_bytes(value: int | str) -> int | str:
-    quantity_bytes(value)
-    return value
-
-
 # The least KV cache an engine is given: "1" (one byte) is a typo for 1Gi, and
 # less than a MiB holds too few tokens of any real model to serve a request.
 MIN_KV_CACHE_BYTES = 1 << 20

@@ -124,7 +124,10 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
-        num_full = request.num_computed_tokens // self.block_size
+        # Blocks whose KV is computed and whose tokens are all known (a stop can cut
+        # the tokens of a step short of the KV it computed).
+        computed = min(request.num_computed_tokens, len(request.token_ids))
+        num_full = computed // self.block_size
         offered = self._offered.get(rid, 0)
         if num_full <= offered:
             return

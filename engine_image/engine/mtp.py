@@ -119,6 +119,10 @@ class MtpDrafting:
                 "non-negative, each summing to 1"
             )
         probs.div_(totals)  # exactly, where a 16-bit softmax came close
+        drafted = torch.tensor(tokens, dtype=torch.long, device=device).unsqueeze(2)
+        if not bool((probs.gather(2, drafted) > 0).all()):
+            # (The acceptance test u * q(x) < p(x) would pass it whatever p says.)
+            raise ValueError("the MTP head drafted a token its own probabilities give 0")
         for i, (rid, drafted) in enumerate(zip(request_ids, tokens, strict=True)):
             self._proposals[rid] = _Proposal(drafted, probs[i])
 

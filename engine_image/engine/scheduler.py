@@ -317,9 +317,10 @@ class Scheduler:
             # last accepted draft do; a rejected draft's KV is overwritten later.
             computed = start + (len(seq.token_ids) if is_prefill else len(tokens))
             request.num_computed_tokens = computed
-            if computed // block_size > start // block_size:  # a block filled up
-                kv.cache_computed(request)
             new_tokens, status = request.append_sampled(tokens)
+            # After the append: a block that accepted drafts filled is hashed over them.
+            if computed // block_size > start // block_size:
+                kv.cache_computed(request)
 
             if status is not None:
                 ended.append(request)

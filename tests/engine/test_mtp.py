@@ -179,6 +179,7 @@ def test_draft_probs_are_laid_out_row_by_row():
         (MtpDrafts(torch.tensor([[1, 8]])), "outside the vocabulary of 8"),
         (MtpDrafts(torch.tensor([[1, 2]]), torch.rand(1, 2, 7)), r"float \[1, 2, 8\]"),
         (MtpDrafts(torch.tensor([[1, 2]]), torch.full((1, 2, 8), 0.5)), "summing to 1"),
+        (MtpDrafts(torch.tensor([[1, 2]]), torch.eye(8)[[0, 2]].unsqueeze(0)), "give 0"),
         (MtpDrafts(torch.tensor([[1, 2]]), torch.full((1, 2, 8), 0.125) - 0.5), "non-negative"),
     ],
 )

@@ -533,3 +533,21 @@ def test_a_decode_step_plans_each_running_sequence_once():
     assert all(s.sample and len(s.token_ids) == 1 for s in plan.seqs)
     sched.update(plan, fake_result(plan, next_token))
     sched.check_integrity()
+
+
+def test_blocks_filled_by_accepted_drafts_are_cached_under_their_tokens():
+    # Accepted drafts that fill a block: the block is hashed over its own 16 tokens
+    # (once they are appended), so a later prompt with the same prefix reuses it.
+    sched = spec_sched()
+    sched.add_request(Request("a", prompt(14), SamplingParams(max_tokens=8, ignore_eos=True)))
+    plan = sched.schedule()  # prefill: samples token 15, proposes three drafts
+    sched.update(plan, StepResult({"a": [50]}, {"a": [51, 52, 53]}))
+    plan = sched.schedule()  # feeds 50, 51, 52, 53 at positions 14..17: all accepted
+    sched.update(plan, StepResult({"a": [51, 52, 53, 54]}, {"a": [55]}))
+    request = sched.requests["a"]
+    assert request.num_computed_tokens == 18
+    known = list(request.token_ids)
+    sched.finish_request("a", RequestStatus.FINISHED_STOPPED)
+    sched.add_request(Request("b", [*known[:16], 42], SamplingParams(max_tokens=1)))
+    plan, _ = step(sched)
+    assert plan.num_prefix_cached_tokens == 16

@@ -56,9 +56,12 @@ def _rank_main(args: argparse.Namespace, rank: int, world: int, port: int) -> No
     from tandem.engine.dp_vote import distributed_vote, vote_backend
     from tandem.engine.service.main import serve
 
-    if torch.cuda.is_available() and args.device in (None, "cuda"):
+    own_gpu = torch.cuda.is_available() and args.device in (None, "cuda")
+    if own_gpu:
         args.device = f"cuda:{rank}"  # one GPU per rank, not all ranks on GPU 0
-    backend = vote_backend(args.device)
+    # NCCL takes one GPU per rank: ranks that share one (an explicit --device cuda:N)
+    # vote over gloo.
+    backend = vote_backend(args.device) if own_gpu else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(torch.device(args.device))  # where the vote's buffer lives
     dist.init_process_group(
