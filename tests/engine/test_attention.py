@@ -281,8 +281,8 @@ def test_kernel_refuses_indices_outside_its_inputs(
 @needs_kernels
 @pytest.mark.parametrize("head_dim", [4, 24, 32, 48, 64, 128])
 def test_kernel_head_dims(head_dim: int) -> None:
-    # The kernel's paths by head_dim: 1, 2 or 4 vectors of 16 lanes (AVX-512) or of 8 a
-    # pass, plain loops for the rest (4; and 24 with AVX-512).
+    # The kernel's paths by head_dim: 1, 2 or 4 vectors of 16 lanes (AVX-512) a pass, of
+    # 8 lanes for the rest of the multiples of 8 (24), plain loops below (4).
     gen = torch.Generator().manual_seed(7)
     seqs, num_blocks = make_seqs([(45, 1), (3, 1 + 2), (80, 1 + 4)], 2, head_dim, 16, gen)
     run_step(seqs, 8, 16, num_blocks, is_prefill=False, gen=gen, kernel=True)

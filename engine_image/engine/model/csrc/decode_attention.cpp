@@ -151,7 +151,7 @@ void decode_item(
     Scratch& s) {
   const int64_t G = H / KVH;
   const int64_t R = G * nq;  // query rows sharing this KV head, row r = qi * G + g
-  const bool vec = D % DL == 0;
+  const bool wide = D % DL == 0, vec = D % VL == 0;  // the tiles' vectors fit D
   s.q.resize(R * D);
   s.acc.assign(R * D, 0.0f);
   s.scores.resize(R * CHUNK);
@@ -193,16 +193,11 @@ void decode_item(
       const int64_t kn = std::min(KEYS, n - j0);
       pf.ahead(read0 + j0 + kn + PREFETCH_AHEAD);
       chunk_rows(krows, kcache, offsets, j0, kn, D, s.kbuf);
-      if (vec) {
-        for (int64_t r = 0; r < R; r += TILE_ROWS) {
-          const int64_t rb = std::min<int64_t>(TILE_ROWS, R - r);
-          // Rows see no fewer keys than the rows before them: the block's last, the most.
-          const int64_t lim = std::min(kn, s.limit[r + rb - 1] - j0);
-          if (lim <= 0) continue;
-          with_rows(rb, [&]<int RB>() {
-            qk_rows<RB>(s.q.data() + r * D, krows + j0, s.scores.data() + r * CHUNK + j0, CHUNK, lim, D);
-          });
-        }
+      // (Rows see no fewer keys than the rows before them: r = qi * G + g.)
+      if (wide) {
+        score_rows<dvec>(s.q.data(), krows, s.scores.data(), CHUNK, s.limit.data(), j0, kn, R, D);
+      } else if (vec) {
+        score_rows<vfloat>(s.q.data(), krows, s.scores.data(), CHUNK, s.limit.data(), j0, kn, R, D);
       } else {
         for (int64_t r = 0; r < R; ++r) {
           float* sc = s.scores.data() + r * CHUNK;
@@ -222,12 +217,10 @@ void decode_item(
       chunk_rows(vrows, vcache, offsets, j0, kn, D, s.vbuf);
       const float* p = s.scores.data() + j0;
       const float* const* v = vrows + j0;
-      if (D % (4 * DL) == 0) {
-        pv_tile<4>(s.acc.data(), p, CHUNK, s.limit.data(), j0, v, kn, R, D);
-      } else if (D % (2 * DL) == 0) {
-        pv_tile<2>(s.acc.data(), p, CHUNK, s.limit.data(), j0, v, kn, R, D);
+      if (wide) {
+        add_values<dvec>(s.acc.data(), p, CHUNK, s.limit.data(), j0, v, kn, R, D);
       } else if (vec) {
-        pv_tile<1>(s.acc.data(), p, CHUNK, s.limit.data(), j0, v, kn, R, D);
+        add_values<vfloat>(s.acc.data(), p, CHUNK, s.limit.data(), j0, v, kn, R, D);
       } else {
         for (int64_t j = 0; j < kn; ++j) {
           for (int64_t r = 0; r < R; ++r) {

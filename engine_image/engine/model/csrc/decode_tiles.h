@@ -38,15 +38,19 @@ inline vfloat reduce8(vfloat v0, vfloat v1, vfloat v2, vfloat v3, vfloat v4, vfl
   return __builtin_shuffle(y0, y1, lo4) + __builtin_shuffle(y0, y1, hi4);
 }
 
-// The tiles' vector: 16 lanes with AVX-512, else 8 (vfloat). Query rows a tile holds
-// in registers: 4 with AVX-512's 32 registers (16 accumulators, the K or V vectors and
-// a broadcast), 2 with 16 registers.
+// The tiles' vectors: 16 lanes with AVX-512 (dvec), else 8 (vfloat); head dims of 8
+// mod 16 take vfloat tiles with AVX-512 too. Query rows a tile holds in registers: 4
+// with 16-lane vectors (AVX-512's 32 registers: 16 accumulators, the K or V vectors
+// and a broadcast), 2 with 8-lane ones (16 registers with AVX2).
 constexpr int64_t DL = W >= 8 ? W : VL;
 typedef float dvec __attribute__((vector_size(DL * sizeof(float))));
-constexpr int TILE_ROWS = W >= 16 ? 4 : 2;
+template <typename V>
+constexpr int64_t lanes_of = sizeof(V) / sizeof(float);
+template <typename V>
+constexpr int tile_rows = lanes_of<V> >= 16 ? 4 : 2;
 
 // v's lanes summed pairwise down to 8 (lo half + hi half), for reduce8.
-template <typename V = dvec>
+template <typename V>
 inline vfloat fold8(V v) {
   if constexpr (sizeof(V) == sizeof(vfloat)) {
     return v;
@@ -59,19 +63,19 @@ inline vfloat fold8(V v) {
 
 // scores[r][0..n) = q[r] . k[j] for RB query rows (row r at q + r * D, its scores at
 // scores + r * ld), four keys at a time: each K vector loaded feeds all RB rows, and a
-// transposing reduction finishes 4 keys of 2 rows at once; D % DL == 0.
-template <int RB>
+// transposing reduction finishes 4 keys of 2 rows at once; D % lanes_of<V> == 0.
+template <int RB, typename V>
 inline void qk_rows(const float* q, const float* const* k, float* scores, int64_t ld, int64_t n, int64_t D) {
-  static_assert(RB >= 1 && RB <= TILE_ROWS);
+  static_assert(RB >= 1 && RB <= tile_rows<V>);
+  constexpr int64_t L = lanes_of<V>;
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
-    dvec a[RB][4] = {};
+    V a[RB][4] = {};
     const float *k0 = k[j], *k1 = k[j + 1], *k2 = k[j + 2], *k3 = k[j + 3];
-    for (int64_t c = 0; c < D; c += DL) {
-      const dvec x0 = vload<dvec>(k0 + c), x1 = vload<dvec>(k1 + c), x2 = vload<dvec>(k2 + c),
-                 x3 = vload<dvec>(k3 + c);
+    for (int64_t c = 0; c < D; c += L) {
+      const V x0 = vload<V>(k0 + c), x1 = vload<V>(k1 + c), x2 = vload<V>(k2 + c), x3 = vload<V>(k3 + c);
       for (int r = 0; r < RB; ++r) {
-        const dvec qv = vload<dvec>(q + r * D + c);
+        const V qv = vload<V>(q + r * D + c);
         a[r][0] += qv * x0;
         a[r][1] += qv * x1;
         a[r][2] += qv * x2;
@@ -96,59 +100,90 @@ inline void qk_rows(const float* q, const float* const* k, float* scores, int64_
 
 // acc[r][0..D) += sum_j p[r][j] * v[j][0..D) for RB rows (row stride D, p row stride
 // ld), j < n, NV vectors of the head dim at a time held in registers.
-template <int RB, int NV>
+template <int RB, int NV, typename V>
 inline void pv_rows(float* acc, const float* p, int64_t ld, const float* const* v, int64_t n, int64_t D) {
-  for (int64_t c = 0; c < D; c += NV * DL) {
-    dvec a[RB][NV];
+  constexpr int64_t L = lanes_of<V>;
+  for (int64_t c = 0; c < D; c += NV * L) {
+    V a[RB][NV];
     for (int r = 0; r < RB; ++r)
-      for (int t = 0; t < NV; ++t) a[r][t] = vload<dvec>(acc + r * D + c + t * DL);
+      for (int t = 0; t < NV; ++t) a[r][t] = vload<V>(acc + r * D + c + t * L);
     for (int64_t j = 0; j < n; ++j) {
       const float* vj = v[j] + c;
-      dvec x[NV];
-      for (int t = 0; t < NV; ++t) x[t] = vload<dvec>(vj + t * DL);
+      V x[NV];
+      for (int t = 0; t < NV; ++t) x[t] = vload<V>(vj + t * L);
       for (int r = 0; r < RB; ++r) {
-        const dvec pr = broadcast<dvec>(p[r * ld + j]);
+        const V pr = broadcast<V>(p[r * ld + j]);
         for (int t = 0; t < NV; ++t) a[r][t] += pr * x[t];
       }
     }
     for (int r = 0; r < RB; ++r)
-      for (int t = 0; t < NV; ++t) vstore(acc + r * D + c + t * DL, a[r][t]);
+      for (int t = 0; t < NV; ++t) vstore(acc + r * D + c + t * L, a[r][t]);
   }
 }
 
-// f.template operator()<rb>() for a run-time rb in [1, TILE_ROWS].
-template <typename F>
+// f.template operator()<rb>() for a run-time rb in [1, MaxRows] (2 or 4).
+template <int MaxRows, typename F>
 inline void with_rows(int64_t rb, F&& f) {
   switch (rb) {
     case 1: f.template operator()<1>(); break;
     case 2: f.template operator()<2>(); break;
     default:
-      if constexpr (TILE_ROWS >= 4) {
+      if constexpr (MaxRows >= 4) {
         if (rb == 3) f.template operator()<3>();
         else f.template operator()<4>();
       }
   }
 }
 
+// Every row's scores against keys j0..j0+n of a chunk (krows and the scores' rows start
+// at key 0; row r sees keys below limit[r], non-decreasing in r), tile_rows<V> rows at a
+// time, each block up to the keys its last row sees.
+template <typename V>
+inline void score_rows(const float* q, const float* const* krows, float* scores, int64_t ld, const int64_t* limit,
+                       int64_t j0, int64_t n, int64_t R, int64_t D) {
+  constexpr int TR = tile_rows<V>;
+  for (int64_t r = 0; r < R; r += TR) {
+    const int64_t rb = std::min<int64_t>(TR, R - r);
+    const int64_t lim = std::min(n, limit[r + rb - 1] - j0);
+    if (lim <= 0) continue;
+    with_rows<TR>(rb, [&]<int RB>() { qk_rows<RB, V>(q + r * D, krows + j0, scores + r * ld + j0, ld, lim, D); });
+  }
+}
+
 // pv_rows over R rows, for keys j0..j0+n (p and v start at key j0; row r sees keys
-// below limit[r]), TILE_ROWS rows at a time up to the keys all of them see, then each
-// row's further keys alone: a row never multiplies a V row it must not see (0 * inf is
-// NaN). (Rows see more keys only with drafts, the last few.)
-template <int NV>
+// below limit[r]), tile_rows<V> rows at a time up to the keys all of them see, then
+// each row's further keys alone: a row never multiplies a V row it must not see (0 *
+// inf is NaN). (Rows see more keys only with drafts, the last few.)
+template <int NV, typename V>
 inline void pv_tile(float* acc, const float* p, int64_t ld, const int64_t* limit, int64_t j0, const float* const* v,
                     int64_t n, int64_t R, int64_t D) {
+  constexpr int TR = tile_rows<V>;
   const auto seen = [&](int64_t r) { return std::clamp<int64_t>(limit[r] - j0, 0, n); };
-  for (int64_t r = 0; r < R; r += TILE_ROWS) {
-    const int64_t rb = std::min<int64_t>(TILE_ROWS, R - r);
+  for (int64_t r = 0; r < R; r += TR) {
+    const int64_t rb = std::min<int64_t>(TR, R - r);
     int64_t common = n;
     for (int64_t i = r; i < r + rb; ++i) common = std::min(common, seen(i));
     if (common > 0) {
-      with_rows(rb, [&]<int RB>() { pv_rows<RB, NV>(acc + r * D, p + r * ld, ld, v, common, D); });
+      with_rows<TR>(rb, [&]<int RB>() { pv_rows<RB, NV, V>(acc + r * D, p + r * ld, ld, v, common, D); });
     }
     for (int64_t i = r; i < r + rb; ++i) {
       const int64_t extra = seen(i) - common;
-      if (extra > 0) pv_rows<1, NV>(acc + i * D, p + i * ld + common, ld, v + common, extra, D);
+      if (extra > 0) pv_rows<1, NV, V>(acc + i * D, p + i * ld + common, ld, v + common, extra, D);
     }
+  }
+}
+
+// pv_tile with as many vectors of V a pass as D allows (4, 2 or 1); D % lanes_of<V> == 0.
+template <typename V>
+inline void add_values(float* acc, const float* p, int64_t ld, const int64_t* limit, int64_t j0,
+                       const float* const* v, int64_t n, int64_t R, int64_t D) {
+  constexpr int64_t L = lanes_of<V>;
+  if (D % (4 * L) == 0) {
+    pv_tile<4, V>(acc, p, ld, limit, j0, v, n, R, D);
+  } else if (D % (2 * L) == 0) {
+    pv_tile<2, V>(acc, p, ld, limit, j0, v, n, R, D);
+  } else {
+    pv_tile<1, V>(acc, p, ld, limit, j0, v, n, R, D);
   }
 }
 
