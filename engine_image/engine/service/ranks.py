@@ -60,8 +60,8 @@ def _rank_main(args: argparse.Namespace, rank: int, world: int, port: int) -> No
     if own_gpu:
         args.device = f"cuda:{rank}"  # one GPU per rank, not all ranks on GPU 0
     # NCCL takes one GPU per rank: ranks that share one (an explicit --device cuda:N)
-    # vote over gloo.
-    backend = vote_backend(args.device) if own_gpu else "gloo"
+    # vote as CPU ranks do, over gloo.
+    backend = vote_backend(args.device if own_gpu else None)
     if backend == "nccl":
         torch.cuda.set_device(torch.device(args.device))  # where the vote's buffer lives
     dist.init_process_group(
