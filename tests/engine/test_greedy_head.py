@@ -8,6 +8,8 @@ exact ties (the first maximum wins), near ties and rows holding NaN or infinity.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -20,6 +22,21 @@ pytestmark = pytest.mark.skipif(
     cpu_kernels.load() is None or not cpu_kernels.has_bf16_dot(),
     reason="greedy_head runs on the C++ kernels built with AVX512-BF16, which this CPU lacks",
 )
+# Both screens where this CPU has AMX (the tiles, and vdpbf16ps's register tiles); the
+# second alone where it has not.
+_OPS = cpu_kernels.load()
+SCREENS = (True, False) if _OPS is not None and _OPS.amx_ready() else (False,)
+
+
+@pytest.fixture(params=SCREENS, ids=lambda tiles: "amx" if tiles else "vdpbf16ps")
+def tiles(request) -> bool:
+    return request.param
+
+
+def screen(head: Linear, tiles: bool) -> GreedyHead:
+    packed = GreedyHead.pack(head)
+    assert packed is not None
+    return dataclasses.replace(packed, tiles=tiles)
 
 
 def head_of(vocab: int, hidden: int, seed: int = 0) -> Linear:
@@ -42,14 +59,14 @@ def float32_tokens(head: Linear, x: torch.Tensor) -> torch.Tensor:
     ("vocab", "hidden"),
     [(49152, 576), (1000, 64), (1003, 65), (50, 7), (47, 1)],  # partial panels, odd k
 )
-@pytest.mark.parametrize("rows", [1, 5, 64])
-def test_the_screen_picks_the_float32_head_s_token(vocab, hidden, rows):
+@pytest.mark.parametrize("rows", [1, 5, 17, 64])
+def test_the_screen_picks_the_float32_head_s_token(vocab, hidden, rows, tiles):
     head = head_of(vocab, hidden)
     x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows)) * 3
-    assert torch.equal(GreedyHead.pack(head)(x), float32_tokens(head, x))
+    assert torch.equal(screen(head, tiles)(x), float32_tokens(head, x))
 
 
-def test_ties_and_near_ties_go_to_the_float32_head_s_first_maximum():
+def test_ties_and_near_ties_go_to_the_float32_head_s_first_maximum(tiles):
     head = head_of(2000, 96)
     with torch.no_grad():
         w = head.weight
@@ -59,11 +76,11 @@ def test_ties_and_near_ties_go_to_the_float32_head_s_first_maximum():
     pack_linears(head)  # again: the packed copy does not follow the weight
     x = torch.cat([w[30:31] * 10, w[31:32] * -10, w[700:701] * 10])
     want = float32_tokens(head, x)
-    assert torch.equal(GreedyHead.pack(head)(x), want)
+    assert torch.equal(screen(head, tiles)(x), want)
     assert want[0].item() in (30, 31)  # the case is a near tie indeed
 
 
-def test_a_token_bfloat16_rounding_puts_first_is_not_taken_on_the_screen_s_word():
+def test_a_token_bfloat16_rounding_puts_first_is_not_taken_on_the_screen_s_word(tiles):
     # Token 10's logit is the larger in float32 (2.00732 against 2.00024), but its
     # weights round down to bfloat16 and token 60's up (2.0 against 2.0039): only the
     # error bound keeps 10 in the running. (Different panels of 48 tokens: a panel
@@ -76,27 +93,27 @@ def test_a_token_bfloat16_rounding_puts_first_is_not_taken_on_the_screen_s_word(
     pack_linears(head)
     x = torch.ones(1, 2)
     assert float32_tokens(head, x).item() == 10
-    assert GreedyHead.pack(head)(x).item() == 10
+    assert screen(head, tiles)(x).item() == 10
 
 
-def test_rows_with_nan_or_infinity_follow_argmax_s_rule():
+def test_rows_with_nan_or_infinity_follow_argmax_s_rule(tiles):
     head = head_of(300, 40)
     x = torch.randn(4, 40, generator=torch.Generator().manual_seed(1))
     x[1, 3] = float("nan")
     x[2, 0] = float("inf")
     x[3] = 1e36  # |x| |w| past where float32 sums might overflow: no screen
-    assert torch.equal(GreedyHead.pack(head)(x), float32_tokens(head, x))
+    assert torch.equal(screen(head, tiles)(x), float32_tokens(head, x))
 
 
-def _unguarded(head: Linear) -> GreedyHead:
+def _unguarded(head: Linear, tiles: bool) -> GreedyHead:
     """The screen of a head that GreedyHead.pack refuses: the kernel's own guards."""
     ops = cpu_kernels.load()
     w = head.weight.detach()
     norms = torch.linalg.vector_norm(w.double(), dim=1).float()
-    return GreedyHead(ops.pack_bf16_panels(w), head.packed.data, norms)
+    return GreedyHead(ops.pack_bf16_panels(w), head.packed.data, norms, tiles)
 
 
-def test_a_head_with_nan_is_not_screened_and_the_kernel_would_compute_it_whole():
+def test_a_head_with_nan_is_not_screened_and_the_kernel_would_compute_it_whole(tiles):
     # A corrupt checkpoint: the float32 head's argmax is the first NaN logit.
     for nan_at in (3, 70):
         head = head_of(200, 16)
@@ -105,10 +122,10 @@ def test_a_head_with_nan_is_not_screened_and_the_kernel_would_compute_it_whole()
         pack_linears(head)
         assert GreedyHead.pack(head) is None
         x = torch.randn(9, 16, generator=torch.Generator().manual_seed(nan_at))
-        assert torch.equal(_unguarded(head)(x), float32_tokens(head, x))
+        assert torch.equal(_unguarded(head, tiles)(x), float32_tokens(head, x))
 
 
-def test_values_bfloat16_cannot_hold_are_not_screened():
+def test_values_bfloat16_cannot_hold_are_not_screened(tiles):
     # From 2^127 on, a float32 rounds to an infinite bfloat16. Tiny weights keep
     # |x| |w| under the overflow guard; the screen would then see inf * 0 = NaN for the
     # argmax (token 60) and +inf for token 0.
@@ -121,7 +138,7 @@ def test_values_bfloat16_cannot_hold_are_not_screened():
     pack_linears(head)
     x = torch.tensor([[3.4e38, 1e30], [1.0, 2.0]])
     assert float32_tokens(head, x)[0].item() == 60
-    assert torch.equal(GreedyHead.pack(head)(x), float32_tokens(head, x))
+    assert torch.equal(screen(head, tiles)(x), float32_tokens(head, x))
     big = head_of(100, 8)
     with torch.no_grad():
         big.weight[7, 0] = 3.4e38

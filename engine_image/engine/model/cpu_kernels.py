@@ -78,9 +78,12 @@ def isa_flags() -> list[str]:
     # (its vectors stay 256-bit wide). Measured on AMD Zen 4: that kernel 1.3x faster,
     # the others no different.
     wide = ["-mavx512f", "-mavx512vl"] if {"avx512f", "avx512vl"} <= flags else []
-    # AVX512-BF16's dot products: greedy_head's screen (has_bf16_dot).
+    # AVX512-BF16's dot products: greedy_head's screen (has_bf16_dot); on AMX's tiles
+    # where the CPU has them (csrc/amx_tiles.h; the OS must grant them too: amx_ready).
     if wide and "avx512_bf16" in flags:
         wide.append(BF16_FLAG)
+        if {"amx_tile", "amx_bf16"} <= flags:
+            wide += ["-mamx-tile", "-mamx-bf16"]
     return ["-mavx2", "-mfma", "-mf16c", *wide]
 
 

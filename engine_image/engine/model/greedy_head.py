@@ -34,6 +34,7 @@ class GreedyHead:
     panels: torch.Tensor  # the weight in bfloat16, in the screen's panels
     float_panels: torch.Tensor  # the head's own float32 panels (panel_linear's): exact logits
     norms: torch.Tensor  # |w_j| per token, float32, rounded up: the bound's
+    tiles: bool = False  # screen on AMX tiles (~5x vdpbf16ps at batch 64), else vdpbf16ps
 
     @classmethod
     def pack(cls, head: Linear) -> GreedyHead | None:
@@ -59,11 +60,11 @@ class GreedyHead:
                 return None
             norms = torch.linalg.vector_norm(weight.double(), dim=1).float()
             norms = torch.nextafter(norms, torch.full_like(norms, math.inf))
-            return cls(ops.pack_bf16_panels(weight), packed.data, norms)
+            return cls(ops.pack_bf16_panels(weight), packed.data, norms, tiles=ops.amx_ready())
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """Token ids [rows]: the first maximum of each row's float32 logits."""
         rows = hidden.reshape(-1, hidden.shape[-1])
         return torch.ops.tandem_cpu.greedy_head(
-            rows, self.panels, self.float_panels, self.norms, self.norms.shape[0]
+            rows, self.panels, self.float_panels, self.norms, self.norms.shape[0], self.tiles
         )

@@ -258,7 +258,9 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("pack_gated_panels(Tensor gate, Tensor up) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor panels, int out_features, Tensor? bias, bool silu_mul=False) -> Tensor");
   m.def("pack_bf16_panels(Tensor weight) -> Tensor");
-  m.def("greedy_head(Tensor x, Tensor panels, Tensor float_panels, Tensor norms, int out_features) -> Tensor");
+  m.def(
+      "greedy_head(Tensor x, Tensor panels, Tensor float_panels, Tensor norms, int out_features, bool tiles) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {

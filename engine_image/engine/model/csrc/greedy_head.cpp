@@ -58,6 +58,8 @@
 #include <immintrin.h>
 #endif
 
+#include "amx_tiles.h"
+
 namespace {
 
 constexpr int NV = 3;                  // vectors across a panel
@@ -67,6 +69,7 @@ constexpr int64_t LINE = 64;           // bytes of a cache line
 constexpr double UNIT = 1.0 / 256;     // bfloat16's unit roundoff, u = 2^-8
 constexpr double SCREEN_LIMIT = 1e30;  // |x| |w|_max past this: no screen (overflow)
 constexpr double BF16_LIMIT = 0x1p127;  // |x_k| from this on may round to infinity
+constexpr int64_t PAIR_BLOCK = 16;     // k pairs padded to a multiple of this: an AMX tile's
 
 // x's bits rounded to the nearest bfloat16, ties to even, as the weight's .to(bfloat16)
 // (finite x below BF16_LIMIT), in the low 16 bits.
@@ -80,6 +83,18 @@ double gamma(int64_t n) {
   return t / (1.0 - t);
 }
 
+// k pairs a panel and a row of the screen hold: K's, zero-padded to whole tiles of k.
+int64_t padded_pairs(int64_t K) { return (K + 2 * PAIR_BLOCK - 1) / (2 * PAIR_BLOCK) * PAIR_BLOCK; }
+
+// Whether greedy_head can screen on AMX tiles: built for them, and granted by the OS.
+bool amx_ready() {
+#if defined(TANDEM_AMX)
+  return tandem::amx::permitted();
+#else
+  return false;
+#endif
+}
+
 bool has_bf16_dot() {
 #if defined(__AVX512BF16__)
   return true;
@@ -91,7 +106,7 @@ bool has_bf16_dot() {
 at::Tensor pack_bf16_panels(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
               "pack_bf16_panels: expected a float32 weight [out_features, in_features]");
-  const int64_t N = weight.size(0), K = weight.size(1), P = (N + NR - 1) / NR, K2 = (K + 1) / 2;
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + NR - 1) / NR, K2 = padded_pairs(K);
   // [P*NR, 2*K2] -> [P, NR, K2, 2] -> [P, K2, NR, 2]: panel p, k pair q, column c, k & 1.
   const at::Tensor padded = at::constant_pad_nd(weight, {0, 2 * K2 - K, 0, P * NR - N});
   return padded.to(at::kBFloat16).view({P, NR, K2, 2}).transpose(1, 2).contiguous();
@@ -123,6 +138,23 @@ inline void panel_logits(const float* x, const float* panel, int64_t K, float* o
   for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + v * 16, acc[v]);
 }
 
+// One row's screen over one panel, a [NR], into its low and high.
+inline void store_bounds(const __m512 (&a)[NV], RowBound row, const float* norms, int64_t cols, float* low_out,
+                         float* high_out) {
+  const __m512 c = _mm512_set1_ps(row.c), slack = _mm512_set1_ps(row.slack);
+  __m512 low = _mm512_set1_ps(-INFINITY), high = low;
+  for (int v = 0; v < NV; ++v) {
+    // Columns past the vocabulary's end (the last panel) stay out of both maxima.
+    const int64_t valid = std::clamp<int64_t>(cols - v * 16, 0, 16);
+    const __mmask16 in = valid == 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 e = _mm512_fmadd_ps(c, _mm512_maskz_loadu_ps(in, norms + v * 16), slack);
+    low = _mm512_mask_max_ps(low, in, low, _mm512_sub_ps(a[v], e));
+    high = _mm512_mask_max_ps(high, in, high, _mm512_add_ps(a[v], e));
+  }
+  *low_out = _mm512_reduce_max_ps(low);
+  *high_out = _mm512_reduce_max_ps(high);
+}
+
 // Rows m..m+R of the screen against one panel: a = x^ . w^ over k pairs, kept in
 // registers; each row's low and high over the panel's columns at bounds[r * P].
 template <int R>
@@ -142,20 +174,7 @@ void screen_tile(const uint32_t* xs, int64_t K2, const uint16_t* panel, const fl
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xq, b[v]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const __m512 c = _mm512_set1_ps(rows[r].c), slack = _mm512_set1_ps(rows[r].slack);
-    __m512 low = _mm512_set1_ps(-INFINITY), high = low;
-    for (int v = 0; v < NV; ++v) {
-      // Columns past the vocabulary's end (the last panel) stay out of both maxima.
-      const int64_t valid = std::clamp<int64_t>(cols - v * 16, 0, 16);
-      const __mmask16 in = valid == 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
-      const __m512 e = _mm512_fmadd_ps(c, _mm512_maskz_loadu_ps(in, norms + v * 16), slack);
-      low = _mm512_mask_max_ps(low, in, low, _mm512_sub_ps(acc[r][v], e));
-      high = _mm512_mask_max_ps(high, in, high, _mm512_add_ps(acc[r][v], e));
-    }
-    bounds.low[r * P] = _mm512_reduce_max_ps(low);
-    bounds.high[r * P] = _mm512_reduce_max_ps(high);
-  }
+  for (int r = 0; r < R; ++r) store_bounds(acc[r], rows[r], norms, cols, bounds.low + r * P, bounds.high + r * P);
 }
 
 using ScreenFn = void (*)(const uint32_t*, int64_t, const uint16_t*, const float*, const RowBound*, int64_t,
@@ -190,6 +209,67 @@ void screen(const uint32_t* xs, int64_t rows, int64_t K2, const uint16_t* panels
   }
 }
 
+#if defined(TANDEM_AMX)
+
+// The screen on AMX tiles: per panel, each 16 rows' a [16 x NR] in three C tiles (one per
+// 16 columns), summed over k by tdpbf16ps, the same float32 dot products of bfloat16
+// pairs as vdpbf16ps (its rounding and flushing, so the same bound), ~8x the rate. Rows
+// past `rows` (xs holds them as zeros, to whole tiles) are computed and dropped.
+void screen_tiles(const uint32_t* xs, int64_t rows, int64_t K2, const uint16_t* panels, const float* norms,
+                  const RowBound* bounds, int64_t P, int64_t N, PanelBounds out) {
+  namespace amx = tandem::amx;
+  static_assert(NR == NV * amx::COLUMNS && NV == 3, "three C tiles across a panel");
+  const int64_t panel_elems = K2 * NR * 2, groups = (rows + amx::ROWS - 1) / amx::ROWS;
+  const int64_t k_tiles = K2 / amx::PAIRS;
+  const int64_t x_stride = K2 * 4, panel_stride = NR * 4;  // bytes from one row of A, of B, to the next
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), P));
+  // The next panel's cache lines, fetched over this one's tiles: its first reading comes
+  // from memory, the tiles' loads alone would wait on it.
+  const int64_t lines = panel_elems * 2 / LINE, per_tile = (lines + groups * k_tiles - 1) / (groups * k_tiles);
+#pragma omp parallel num_threads(threads)
+  {
+    const amx::Tiles tiles(7);  // C: 0-2, A: 3, B: 4-6
+    alignas(64) float a[amx::ROWS][NR];
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t p0 = P * t / nt, p1 = P * (t + 1) / nt;
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint16_t* panel = panels + p * panel_elems;
+      const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(panel + panel_elems) : nullptr;
+      const int64_t cols = std::min<int64_t>(NR, N - p * NR);
+      for (int64_t g = 0; g < groups; ++g) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        const uint32_t* x = xs + g * amx::ROWS * K2;
+        for (int64_t kt = 0; kt < k_tiles; ++kt) {
+          const uint16_t* b = panel + kt * amx::PAIRS * NR * 2;
+          _tile_loadd(3, x + kt * amx::PAIRS, x_stride);
+          _tile_loadd(4, b, panel_stride);
+          _tile_loadd(5, b + 2 * amx::COLUMNS, panel_stride);
+          _tile_loadd(6, b + 4 * amx::COLUMNS, panel_stride);
+          _tile_dpbf16ps(0, 3, 4);
+          _tile_dpbf16ps(1, 3, 5);
+          _tile_dpbf16ps(2, 3, 6);
+          if (next) {
+            const int64_t first = (g * k_tiles + kt) * per_tile;
+            for (int64_t i = first; i < std::min(first + per_tile, lines); ++i) __builtin_prefetch(next + i * LINE, 0, 2);
+          }
+        }
+        _tile_stored(0, &a[0][0], NR * 4);
+        _tile_stored(1, &a[0][16], NR * 4);
+        _tile_stored(2, &a[0][32], NR * 4);
+        for (int64_t r = 0; r < std::min<int64_t>(amx::ROWS, rows - g * amx::ROWS); ++r) {
+          const __m512 sums[NV] = {_mm512_load_ps(&a[r][0]), _mm512_load_ps(&a[r][16]), _mm512_load_ps(&a[r][32])};
+          const int64_t m = g * amx::ROWS + r;
+          store_bounds(sums, bounds[m], norms + p * NR, cols, out.low + m * P + p, out.high + m * P + p);
+        }
+      }
+    }
+  }
+}
+
+#endif  // TANDEM_AMX
+
 // The first maximum of x's float32 logits over the panels `wanted` says to compute (all
 // of them: NaN first, as argmax_rows has it).
 template <typename Wanted>
@@ -212,10 +292,11 @@ int64_t panels_argmax(const float* x, const float* panels, int64_t K, int64_t N,
 #endif  // __AVX512BF16__
 
 at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& float_panels,
-                       const at::Tensor& norms, int64_t N) {
+                       const at::Tensor& norms, int64_t N, bool tiles) {
   TORCH_CHECK(has_bf16_dot(), "greedy_head: the kernels were built without AVX512-BF16");
+  TORCH_CHECK(!tiles || amx_ready(), "greedy_head: AMX tiles asked for, and this build or process has none");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "greedy_head: x must be float32 [rows, in_features]");
-  const int64_t M = x.size(0), K = x.size(1), K2 = (K + 1) / 2, P = (N + NR - 1) / NR;
+  const int64_t M = x.size(0), K = x.size(1), K2 = padded_pairs(K), P = (N + NR - 1) / NR;
   TORCH_CHECK(N > 0 && K > 0, "greedy_head: an empty head");
   TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() && panels.dim() == 4 &&
                   panels.size(0) == P && panels.size(1) == K2 && panels.size(2) == NR && panels.size(3) == 2,
@@ -273,8 +354,14 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& panels, const at::
   const int64_t S = static_cast<int64_t>(screened.size());
   if (S == 0) return out;
   std::vector<float> low(S * P), high(S * P);
-  screen(xs.data(), S, K2, reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()), np, bounds.data(), P,
-         N, {low.data(), high.data()});
+  const uint16_t* bp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
+#if defined(TANDEM_AMX)
+  if (tiles) {
+    xs.resize((S + tandem::amx::ROWS - 1) / tandem::amx::ROWS * tandem::amx::ROWS * K2, 0);  // whole tiles of rows
+    screen_tiles(xs.data(), S, K2, bp, np, bounds.data(), P, N, {low.data(), high.data()});
+  } else
+#endif
+    screen(xs.data(), S, K2, bp, np, bounds.data(), P, N, {low.data(), high.data()});
   at::parallel_for(0, S, 1, [&](int64_t b, int64_t e) {
     for (int64_t s = b; s < e; ++s) {
       const float* lo = low.data() + s * P;
@@ -300,3 +387,5 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("pack_bf16_panels", &pack_bf16_panels);
   m.impl("greedy_head", &greedy_head);
 }
+
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) { m.def("amx_ready() -> bool", &amx_ready); }
