@@ -63,10 +63,13 @@ constexpr int64_t A_BLOCK_FLOATS = 96 * 1024;  // x's rows per block: MB x KC fl
 constexpr int64_t LINE = 64;                   // bytes of a cache line
 
 // What one register tile prefetches of the panel the thread computes next: per_k cache
-// lines a k step from `from` on, so that the memory traffic spreads over the tile.
+// lines every `every` k steps from `from` on, so that the memory traffic spreads evenly
+// over the panel's tiles (fetched in a burst over the first few, the next panel's lines
+// queued behind each other: 7 % slower products at 64 rows on a Xeon).
 struct Prefetch {
   const char* from = nullptr;
-  int64_t per_k = 0;  // lines per k step
+  int64_t per_k = 0;  // lines a time
+  int64_t every = 1;  // k steps between times
 };
 
 // Where a register tile's sums start from and where they go.
@@ -103,10 +106,15 @@ void tile(const float* a, int64_t lda, const float* b, int64_t kc, const Sums& s
       for (int v = 0; v < NV; ++v) acc[r][v] = vload<wvec>(row + v * W);
     }
   }
+  const char* fetch = pf.from;
+  int64_t countdown = pf.per_k ? 1 : -1;  // never 0 without lines to fetch
   for (int64_t k = 0; k < kc; ++k) {
     const float* bk = b + k * NR;
     const wvec b0 = vload<wvec>(bk), b1 = vload<wvec>(bk + W), b2 = vload<wvec>(bk + 2 * W);
-    for (int64_t i = 0; i < pf.per_k; ++i) __builtin_prefetch(pf.from + (k * pf.per_k + i) * LINE, 0, 2);
+    if (--countdown == 0) {
+      for (int64_t i = 0; i < pf.per_k; ++i) __builtin_prefetch(fetch + i * LINE, 0, 2);
+      fetch += pf.per_k * LINE, countdown = pf.every;
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const wvec x = tandem::broadcast<wvec>(a[r * lda + k]);
@@ -222,7 +230,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
         const int64_t tiles = (rows + MR - 1) / MR;
         // The next panel's slice is kc x NR floats: spread its lines over the tiles.
         const int64_t lines = kc * NR * static_cast<int64_t>(sizeof(float)) / LINE;
-        const int64_t per_k = (lines + tiles * kc - 1) / (tiles * kc);
+        const int64_t steps = tiles * kc;  // k steps over the tiles
+        const int64_t per_k = (lines + steps - 1) / steps, every = std::max<int64_t>(1, steps / lines);
+        const int64_t tile_lines = (kc + every - 1) / every * per_k;
         for (int64_t p = p0; p < p1; ++p) {
           const float* slice = b + (p * K + k0) * NR;
           // The panel computed next: this one's neighbour, else the run's first panel
@@ -243,7 +253,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
               sums.to = pc + m * partial_ld + p * NR, sums.to_ld = partial_ld, sums.to_cols = partial_cols;
             }
             Prefetch pf;
-            if (next && ti * kc * per_k < lines) pf = {next + ti * kc * per_k * LINE, per_k};
+            if (next && ti * tile_lines < lines) pf = {next + ti * tile_lines * LINE, per_k, every};
             TILES[std::min<int64_t>(MR, M - m) - 1](a + m * lda + k0, lda, slice, kc, sums, pf);
           }
         }
