@@ -178,16 +178,23 @@ def test_decode_with_drafts(block_size: int, kv_heads: int, heads: int, kernel: 
 
 
 @needs_kernels
-def test_kernel_spreads_a_large_step_over_threads() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "specs",
+    [
+        [(300, 1), (517, 1 + 3), (64, 1), (1000, 1)],  # few sequences: an item per KV head
+        [(40 + 37 * i, 1 + i % 3) for i in range(9)],  # many: an item per sequence
+    ],
+)
+def test_kernel_spreads_a_large_step_over_threads(specs, dtype: torch.dtype) -> None:
     # The suite runs single-threaded (tests/conftest.py); a step this large takes the
     # kernel's OpenMP path (>= 2048 token-heads), which must give the same answer.
     gen = torch.Generator().manual_seed(2)
-    specs = [(300, 1), (517, 1 + 3), (64, 1), (1000, 1)]
-    seqs, num_blocks = make_seqs(specs, 2, 16, 16, gen)
+    seqs, num_blocks = make_seqs(specs, 3, 16, 16, gen)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        run_step(seqs, 4, 16, num_blocks, is_prefill=False, gen=gen, kernel=True)
+        run_step(seqs, 6, 16, num_blocks, is_prefill=False, dtype=dtype, gen=gen, kernel=True)
     finally:
         torch.set_num_threads(threads)
 

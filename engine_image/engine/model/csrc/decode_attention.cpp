@@ -1,10 +1,11 @@
 // paged_decode_attention: decode attention straight from the paged KV cache,
 // built with cpu_kernels.cpp (which declares the op).
 //
-// One work item per (sequence, KV head), spread over OpenMP threads. The item
-// walks the sequence's context through its block table, CHUNK tokens at a time:
-// the chunk's scores (every query row of that KV head, its G query heads times 1 +
-// drafts rows, against each K row, read once for all of them: GQA sharing), one
+// One work item per sequence (per (sequence, KV head) when there are few sequences),
+// spread over OpenMP threads. The item walks the sequence's context through its block
+// table, CHUNK tokens at a time: the chunk's scores (for each KV head, its G query
+// heads times 1 + drafts rows against each K row, read once for all of them: GQA
+// sharing), one
 // online-softmax update per row (running max, running sum, float32 accumulator;
 // kernel_common.h), then the chunk's V rows into the accumulators (the register
 // tiles of both products: decode_tiles.h). Row i of a sequence with n rows and
@@ -105,21 +106,24 @@ struct RowPrefetch {
   }
 };
 
-// rows[j] = the chunk's row j of one cache half as float32, for j in [j0, j0 + n), a
-// group of keys at a time as the loops reach them (so that the reads follow the
-// prefetches): in place for float32; for the 16-bit types widened into buf, which
-// holds one group (KEYS rows, in L1), so rows[j] lasts until the next group.
+// rows[h * CHUNK + j] = the item's KV head h's row of the chunk's token j, of one cache half, as
+// float32, for j in [j0, j0 + n), a group of keys at a time as the loops reach them (so
+// that the reads follow the prefetches): in place for float32; for the 16-bit types
+// widened into buf, which holds one group (KEYS tokens, in L1), so the rows last until
+// the next group.
 template <typename T>
-inline void chunk_rows(const float** rows, const T* cache, const int64_t* offsets, int64_t j0, int64_t n, int64_t D,
-                       std::vector<float>& buf) {
+inline void chunk_rows(const float** rows, const T* cache, const int64_t* offsets, int64_t j0, int64_t n, int64_t NH,
+                       int64_t D, std::vector<float>& buf) {
   for (int64_t j = j0; j < j0 + n; ++j) {
+    const float* token;  // the item's NH heads of token j, side by side
     if constexpr (std::is_same_v<T, float>) {
-      rows[j] = cache + offsets[j];
+      token = cache + offsets[j];
     } else {
-      float* row = buf.data() + (j - j0) * D;
-      load_row(row, cache + offsets[j], D);
-      rows[j] = row;
+      float* row = buf.data() + (j - j0) * NH * D;
+      load_row(row, cache + offsets[j], NH * D);
+      token = row;
     }
+    for (int64_t h = 0; h < NH; ++h) rows[h * CHUNK + j] = token + h * D;
   }
 }
 
@@ -130,7 +134,11 @@ struct Scratch {
   std::vector<const float*> krows, vrows;
 };
 
-// One work item: one KV head of one sequence, all its query rows.
+// One work item: KV heads h0..h0+NH of one sequence, all their query rows. A token's K
+// (and V) rows of all KV heads lie side by side in the cache, and an item of every head
+// reads them together, front to back (items of one KV head, each reading a third of each
+// token's rows, measured 1.15x slower at batch 64 on a Xeon); items of one head share a
+// few sequences out over the threads.
 template <typename T>
 void decode_item(
     const T* q,  // [T_rows, H, D], rows q_stride apart
@@ -142,7 +150,8 @@ void decode_item(
     int64_t ctx,  // context length after this step
     int64_t row0,  // first q row of the sequence
     int64_t nq,  // rows (1 + drafts)
-    int64_t kvh,  // this item's KV head
+    int64_t h0,  // the item's first KV head
+    int64_t NH,  // and its number of KV heads
     int64_t H,
     int64_t KVH,
     int64_t D,
@@ -150,28 +159,30 @@ void decode_item(
     float scale,
     Scratch& s) {
   const int64_t G = H / KVH;
-  const int64_t R = G * nq;  // query rows sharing this KV head, row r = qi * G + g
+  const int64_t R = G * nq;  // query rows sharing a KV head, row r = qi * G + g
+  const int64_t RT = NH * R;  // all the rows: KV head h0 + h's from h * R on
   const bool wide = D % DL == 0, vec = D % VL == 0;  // the tiles' vectors fit D
-  s.q.resize(R * D);
-  s.acc.assign(R * D, 0.0f);
-  s.scores.resize(R * CHUNK);
-  s.m.assign(R, -std::numeric_limits<float>::infinity());
-  s.l.assign(R, 0.0f);
+  s.q.resize(RT * D);
+  s.acc.assign(RT * D, 0.0f);
+  s.scores.resize(RT * CHUNK);
+  s.m.assign(RT, -std::numeric_limits<float>::infinity());
+  s.l.assign(RT, 0.0f);
   s.limit.resize(R);
   s.offsets.resize(ctx);
-  s.krows.resize(CHUNK);
-  s.vrows.resize(CHUNK);
+  s.krows.resize(NH * CHUNK);
+  s.vrows.resize(NH * CHUNK);
   if constexpr (!std::is_same_v<T, float>) {  // rows widened by chunk_rows
-    s.kbuf.resize(KEYS * D);
-    s.vbuf.resize(KEYS * D);
+    s.kbuf.resize(KEYS * NH * D);
+    s.vbuf.resize(KEYS * NH * D);
   }
-  const int64_t row_stride = KVH * D;  // between consecutive cache slots
-  tile_offsets(s.offsets.data(), table, 0, ctx, block_size, row_stride, kvh * D);
-  RowPrefetch<T> pf{kcache, vcache, s.offsets.data(), ctx, D * static_cast<int64_t>(sizeof(T))};
+  const int64_t row_stride = KVH * D;  // a token's rows, between consecutive cache slots
+  tile_offsets(s.offsets.data(), table, 0, ctx, block_size, row_stride, h0 * D);
+  RowPrefetch<T> pf{kcache, vcache, s.offsets.data(), ctx, NH * D * static_cast<int64_t>(sizeof(T))};
   pf.ahead(PREFETCH_AHEAD);
-  for (int64_t qi = 0; qi < nq; ++qi) {
-    for (int64_t g = 0; g < G; ++g) {
-      load_scaled_row(s.q.data() + (qi * G + g) * D, q + (row0 + qi) * q_stride + (kvh * G + g) * D, scale, D);
+  for (int64_t h = 0; h < NH; ++h) {
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t qi = r / G, g = r % G;
+      load_scaled_row(s.q.data() + (h * R + r) * D, q + (row0 + qi) * q_stride + ((h0 + h) * G + g) * D, scale, D);
     }
   }
   const int64_t first_pos = ctx - nq;  // position of row 0
@@ -179,61 +190,65 @@ void decode_item(
     const int64_t n = std::min(CHUNK, ctx - t0);
     const int64_t* offsets = s.offsets.data() + t0;
     const int64_t read0 = 2 * t0;  // read-order index of the chunk's first K row
-    const float** krows = s.krows.data();
-    const float** vrows = s.vrows.data();
-    // Tokens of the chunk each row sees (the drafts' causal mask).
+    // Tokens of the chunk each row sees (the drafts' causal mask), alike for every KV head.
     for (int64_t r = 0; r < R; ++r) {
       const int64_t visible = first_pos + r / G + 1 - t0;
       s.limit[r] = std::min(n, std::max<int64_t>(visible, 0));
     }
-    // Scores: every query row against the chunk's K rows, four keys at a time, the
-    // rows of a pair of query rows read once for both.
-    // (A pair of rows computes up to the longer limit; softmax_tile_row masks the rest.)
+    // Scores: every query row against the chunk's K rows, a group of keys at a time, each
+    // K row read once for the rows of its KV head (rows see no fewer keys than the rows
+    // before them: r = qi * G + g).
     for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
       const int64_t kn = std::min(KEYS, n - j0);
       pf.ahead(read0 + j0 + kn + PREFETCH_AHEAD);
-      chunk_rows(krows, kcache, offsets, j0, kn, D, s.kbuf);
-      // (Rows see no fewer keys than the rows before them: r = qi * G + g.)
-      if (wide) {
-        score_rows<dvec>(s.q.data(), krows, s.scores.data(), CHUNK, s.limit.data(), j0, kn, R, D);
-      } else if (vec) {
-        score_rows<vfloat>(s.q.data(), krows, s.scores.data(), CHUNK, s.limit.data(), j0, kn, R, D);
-      } else {
-        for (int64_t r = 0; r < R; ++r) {
-          float* sc = s.scores.data() + r * CHUNK;
-          for (int64_t j = j0; j < j0 + kn && j < s.limit[r]; ++j) sc[j] = dot(s.q.data() + r * D, krows[j], D);
+      chunk_rows(s.krows.data(), kcache, offsets, j0, kn, NH, D, s.kbuf);
+      for (int64_t h = 0; h < NH; ++h) {
+        const float* qh = s.q.data() + h * R * D;
+        const float* const* krows = s.krows.data() + h * CHUNK;
+        float* scores = s.scores.data() + h * R * CHUNK;
+        if (wide) {
+          score_rows<dvec>(qh, krows, scores, CHUNK, s.limit.data(), j0, kn, R, D);
+        } else if (vec) {
+          score_rows<vfloat>(qh, krows, scores, CHUNK, s.limit.data(), j0, kn, R, D);
+        } else {
+          for (int64_t r = 0; r < R; ++r) {
+            for (int64_t j = j0; j < j0 + kn && j < s.limit[r]; ++j) scores[r * CHUNK + j] = dot(qh + r * D, krows[j], D);
+          }
         }
       }
     }
     // Over n rounded up to whole vectors (the scores' rows have room; lanes past a
     // row's limit are masked), so that a short last chunk takes the vector path too.
     const int64_t width = (n + VL - 1) / VL * VL;
-    for (int64_t r = 0; r < R; ++r) {
-      softmax_tile_row(s.scores.data() + r * CHUNK, s.limit[r], width, s.m[r], s.l[r], s.acc.data() + r * D, D);
+    for (int64_t r = 0; r < RT; ++r) {
+      softmax_tile_row(s.scores.data() + r * CHUNK, s.limit[r % R], width, s.m[r], s.l[r], s.acc.data() + r * D, D);
     }
     for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
       const int64_t kn = std::min(KEYS, n - j0);
       pf.ahead(read0 + n + j0 + kn + PREFETCH_AHEAD);
-      chunk_rows(vrows, vcache, offsets, j0, kn, D, s.vbuf);
-      const float* p = s.scores.data() + j0;
-      const float* const* v = vrows + j0;
-      if (wide) {
-        add_values<dvec>(s.acc.data(), p, CHUNK, s.limit.data(), j0, v, kn, R, D);
-      } else if (vec) {
-        add_values<vfloat>(s.acc.data(), p, CHUNK, s.limit.data(), j0, v, kn, R, D);
-      } else {
-        for (int64_t j = 0; j < kn; ++j) {
-          for (int64_t r = 0; r < R; ++r) {
-            if (j0 + j < s.limit[r]) axpy(s.acc.data() + r * D, p[r * CHUNK + j], v[j], D);
+      chunk_rows(s.vrows.data(), vcache, offsets, j0, kn, NH, D, s.vbuf);
+      for (int64_t h = 0; h < NH; ++h) {
+        float* acc = s.acc.data() + h * R * D;
+        const float* p = s.scores.data() + h * R * CHUNK + j0;
+        const float* const* v = s.vrows.data() + h * CHUNK + j0;
+        if (wide) {
+          add_values<dvec>(acc, p, CHUNK, s.limit.data(), j0, v, kn, R, D);
+        } else if (vec) {
+          add_values<vfloat>(acc, p, CHUNK, s.limit.data(), j0, v, kn, R, D);
+        } else {
+          for (int64_t j = 0; j < kn; ++j) {
+            for (int64_t r = 0; r < R; ++r) {
+              if (j0 + j < s.limit[r]) axpy(acc + r * D, p[r * CHUNK + j], v[j], D);
+            }
           }
         }
       }
     }
   }
-  for (int64_t qi = 0; qi < nq; ++qi) {
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = qi * G + g;
-      store_row(out + ((row0 + qi) * H + kvh * G + g) * D, s.acc.data() + r * D, 1.0f / s.l[r], D);
+  for (int64_t h = 0; h < NH; ++h) {
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t qi = r / G, g = r % G, row = h * R + r;
+      store_row(out + ((row0 + qi) * H + (h0 + h) * G + g) * D, s.acc.data() + row * D, 1.0f / s.l[row], D);
     }
   }
 }
@@ -267,14 +282,16 @@ void decode_impl(
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* ctx = context_lens.data_ptr<int32_t>();
   const int32_t* qstart = query_start.data_ptr<int32_t>();
-  // Work items: (sequence, KV head) pairs. (Whole sequences, reading each token's
-  // heads together front to back, measured no faster.)
-  const int64_t items = S * KVH;
+  // Work items: whole sequences where there are enough to share out, else (sequence,
+  // KV head) pairs.
+  const int64_t max_threads = at::get_num_threads();
+  const int64_t NH = S >= 4 * max_threads ? KVH : 1;
+  const int64_t items = S * (KVH / NH);
   // A step with little context (batch 1, short prompts) runs on the calling thread:
   // its few microseconds of work would not pay for waking the others.
   int64_t token_heads = 0;
   for (int64_t i = 0; i < S; ++i) token_heads += static_cast<int64_t>(ctx[i]) * KVH;
-  const int64_t want = token_heads < 2048 ? 1 : at::get_num_threads();
+  const int64_t want = token_heads < 2048 ? 1 : max_threads;
   const int threads = static_cast<int>(std::min<int64_t>(want, items));
   const float fscale = static_cast<float>(scale);
 #pragma omp parallel num_threads(threads)
@@ -290,9 +307,9 @@ void decode_impl(
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-      const int64_t seq = item / KVH, h = item % KVH;
+      const int64_t seq = item / (KVH / NH), h0 = item % (KVH / NH) * NH;
       decode_item<T>(qp, q_stride, kc, vc, op, tables + seq * width, ctx[seq], qstart[seq],
-                     qstart[seq + 1] - qstart[seq], h, H, KVH, D, block_size, fscale, scratch);
+                     qstart[seq + 1] - qstart[seq], h0, NH, H, KVH, D, block_size, fscale, scratch);
     }
   }
 }
