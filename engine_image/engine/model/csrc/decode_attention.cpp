@@ -47,8 +47,10 @@ using namespace tandem;
 // floats), so the running max and sum are rescaled once a chunk, not every few keys.
 constexpr int64_t CHUNK = 128;
 constexpr int64_t KEYS = 16;  // keys per step of the QK and PV loops (and prefetch)
-// Rows (K or V, in read order) asked for ahead of the one being read (RowPrefetch).
-constexpr int64_t PREFETCH_AHEAD = 32;
+// Rows (K or V, in read order; a token's heads of the item) asked for ahead of the one
+// being read (RowPrefetch). 8 against 32: batch-64 attention 8 % faster on a Xeon, whose
+// prefetches wait for a free miss buffer; small batches alike.
+constexpr int64_t PREFETCH_AHEAD = 8;
 
 // Element offsets of tokens t0..t0+n of one KV head in the cache.
 inline void tile_offsets(int64_t* out, const int32_t* table, int64_t t0, int64_t n, int64_t block_size,
