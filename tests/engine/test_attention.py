@@ -180,13 +180,18 @@ def test_decode_with_drafts(block_size: int, kv_heads: int, heads: int, kernel: 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "specs",
+    ("specs", "heads"),
     [
-        [(300, 1), (517, 1 + 3), (64, 1), (1000, 1)],  # few sequences: an item per KV head
-        [(40 + 37 * i, 1 + i % 3) for i in range(9)],  # many: an item per sequence
+        # Few sequences: an item per KV head.
+        ([(300, 1), (517, 1 + 3), (64, 1), (1000, 1)], 6),
+        # Many: an item per sequence (its 3 KV heads, 2 query rows each, up to 3 each).
+        ([(40 + 37 * i, 1 + i % 3) for i in range(9)], 6),
+        # Many, with 3 query heads and up to 4 rows a KV head: 12 rows a head, so items
+        # of 2 heads and of 1 (the kernel's row budget).
+        ([(40 + 37 * i, 1 + i % 4) for i in range(9)], 9),
     ],
 )
-def test_kernel_spreads_a_large_step_over_threads(specs, dtype: torch.dtype) -> None:
+def test_kernel_spreads_a_large_step_over_threads(specs, heads: int, dtype: torch.dtype) -> None:
     # The suite runs single-threaded (tests/conftest.py); a step this large takes the
     # kernel's OpenMP path (>= 2048 token-heads), which must give the same answer.
     gen = torch.Generator().manual_seed(2)
@@ -194,7 +199,7 @@ def test_kernel_spreads_a_large_step_over_threads(specs, dtype: torch.dtype) -> 
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        run_step(seqs, 6, 16, num_blocks, is_prefill=False, dtype=dtype, gen=gen, kernel=True)
+        run_step(seqs, heads, 16, num_blocks, is_prefill=False, dtype=dtype, gen=gen, kernel=True)
     finally:
         torch.set_num_threads(threads)
 

@@ -47,10 +47,15 @@ using namespace tandem;
 // floats), so the running max and sum are rescaled once a chunk, not every few keys.
 constexpr int64_t CHUNK = 128;
 constexpr int64_t KEYS = 16;  // keys per step of the QK and PV loops (and prefetch)
-// Rows (K or V, in read order; a token's heads of the item) asked for ahead of the one
-// being read (RowPrefetch). 8 against 32: batch-64 attention 8 % faster on a Xeon, whose
-// prefetches wait for a free miss buffer; small batches alike.
-constexpr int64_t PREFETCH_AHEAD = 8;
+// Most query rows an item of several KV heads takes: their scores, accumulators and
+// queries (~1 KiB a row at head dim 64) stay in L1. (Llama-3.2-1B's shapes with 4
+// drafts, every head in one item: 7 % slower.)
+constexpr int64_t ROW_BUDGET = 32;
+// Bytes of rows (K or V, in read order) asked for ahead of the one being read
+// (RowPrefetch), as whole rows, at least 4. (32 rows of an item's heads, 24 KiB for
+// SmolLM2's three in float32, measured 8 % slower at batch 64 on a Xeon, whose
+// prefetches wait for a free miss buffer.)
+constexpr int64_t PREFETCH_BYTES = 8192;
 
 // Element offsets of tokens t0..t0+n of one KV head in the cache.
 inline void tile_offsets(int64_t* out, const int32_t* table, int64_t t0, int64_t n, int64_t block_size,
@@ -65,7 +70,7 @@ inline void tile_offsets(int64_t* out, const int32_t* table, int64_t t0, int64_t
 }
 
 // The rows an item reads, in the order it reads them (each chunk's K rows, then its V
-// rows), asked for PREFETCH_AHEAD rows before they are needed (prefetcht2): a decode
+// rows), asked for PREFETCH_BYTES before they are needed (prefetcht2): a decode
 // step reads every sequence's context once, from scattered blocks that the hardware
 // prefetcher does not follow. The QK and PV loops call ahead() every few rows, which
 // paces the requests with the arithmetic; requests issued in bursts (a tile's worth at
@@ -108,24 +113,22 @@ struct RowPrefetch {
   }
 };
 
-// rows[h * CHUNK + j] = the item's KV head h's row of the chunk's token j, of one cache half, as
-// float32, for j in [j0, j0 + n), a group of keys at a time as the loops reach them (so
-// that the reads follow the prefetches): in place for float32; for the 16-bit types
-// widened into buf, which holds one group (KEYS tokens, in L1), so the rows last until
-// the next group.
+// rows[j] = the chunk's row j of one KV head's cache half (cache: that head's first
+// element) as float32, for j in [j0, j0 + n), a group of keys at a time as the loops
+// reach them (so that the reads follow the prefetches): in place for float32; for the
+// 16-bit types widened into buf, which holds one group (KEYS rows, in L1), so rows[j]
+// lasts until the next group.
 template <typename T>
-inline void chunk_rows(const float** rows, const T* cache, const int64_t* offsets, int64_t j0, int64_t n, int64_t NH,
-                       int64_t D, std::vector<float>& buf) {
+inline void chunk_rows(const float** rows, const T* cache, const int64_t* offsets, int64_t j0, int64_t n, int64_t D,
+                       std::vector<float>& buf) {
   for (int64_t j = j0; j < j0 + n; ++j) {
-    const float* token;  // the item's NH heads of token j, side by side
     if constexpr (std::is_same_v<T, float>) {
-      token = cache + offsets[j];
+      rows[j] = cache + offsets[j];
     } else {
-      float* row = buf.data() + (j - j0) * NH * D;
-      load_row(row, cache + offsets[j], NH * D);
-      token = row;
+      float* row = buf.data() + (j - j0) * D;
+      load_row(row, cache + offsets[j], D);
+      rows[j] = row;
     }
-    for (int64_t h = 0; h < NH; ++h) rows[h * CHUNK + j] = token + h * D;
   }
 }
 
@@ -137,10 +140,10 @@ struct Scratch {
 };
 
 // One work item: KV heads h0..h0+NH of one sequence, all their query rows. A token's K
-// (and V) rows of all KV heads lie side by side in the cache, and an item of every head
-// reads them together, front to back (items of one KV head, each reading a third of each
-// token's rows, measured 1.15x slower at batch 64 on a Xeon); items of one head share a
-// few sequences out over the threads.
+// (and V) rows of all KV heads lie side by side in the cache, and an item of several
+// heads reads theirs together, front to back (items of one KV head, each reading a third
+// of each of SmolLM2's tokens, measured 1.15x slower at batch 64 on a Xeon); items of one
+// head share a few sequences out over the threads.
 template <typename T>
 void decode_item(
     const T* q,  // [T_rows, H, D], rows q_stride apart
@@ -171,16 +174,17 @@ void decode_item(
   s.l.assign(RT, 0.0f);
   s.limit.resize(R);
   s.offsets.resize(ctx);
-  s.krows.resize(NH * CHUNK);
-  s.vrows.resize(NH * CHUNK);
+  s.krows.resize(CHUNK);
+  s.vrows.resize(CHUNK);
   if constexpr (!std::is_same_v<T, float>) {  // rows widened by chunk_rows
-    s.kbuf.resize(KEYS * NH * D);
-    s.vbuf.resize(KEYS * NH * D);
+    s.kbuf.resize(KEYS * D);
+    s.vbuf.resize(KEYS * D);
   }
   const int64_t row_stride = KVH * D;  // a token's rows, between consecutive cache slots
   tile_offsets(s.offsets.data(), table, 0, ctx, block_size, row_stride, h0 * D);
   RowPrefetch<T> pf{kcache, vcache, s.offsets.data(), ctx, NH * D * static_cast<int64_t>(sizeof(T))};
-  pf.ahead(PREFETCH_AHEAD);
+  const int64_t ahead = std::max<int64_t>(4, PREFETCH_BYTES / pf.row_bytes);  // rows
+  pf.ahead(ahead);
   for (int64_t h = 0; h < NH; ++h) {
     for (int64_t r = 0; r < R; ++r) {
       const int64_t qi = r / G, g = r % G;
@@ -202,11 +206,11 @@ void decode_item(
     // before them: r = qi * G + g).
     for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
       const int64_t kn = std::min(KEYS, n - j0);
-      pf.ahead(read0 + j0 + kn + PREFETCH_AHEAD);
-      chunk_rows(s.krows.data(), kcache, offsets, j0, kn, NH, D, s.kbuf);
+      pf.ahead(read0 + j0 + kn + ahead);
       for (int64_t h = 0; h < NH; ++h) {
+        chunk_rows(s.krows.data(), kcache + h * D, offsets, j0, kn, D, s.kbuf);
         const float* qh = s.q.data() + h * R * D;
-        const float* const* krows = s.krows.data() + h * CHUNK;
+        const float* const* krows = s.krows.data();
         float* scores = s.scores.data() + h * R * CHUNK;
         if (wide) {
           score_rows<dvec>(qh, krows, scores, CHUNK, s.limit.data(), j0, kn, R, D);
@@ -227,12 +231,12 @@ void decode_item(
     }
     for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
       const int64_t kn = std::min(KEYS, n - j0);
-      pf.ahead(read0 + n + j0 + kn + PREFETCH_AHEAD);
-      chunk_rows(s.vrows.data(), vcache, offsets, j0, kn, NH, D, s.vbuf);
+      pf.ahead(read0 + n + j0 + kn + ahead);
       for (int64_t h = 0; h < NH; ++h) {
+        chunk_rows(s.vrows.data(), vcache + h * D, offsets, j0, kn, D, s.vbuf);
         float* acc = s.acc.data() + h * R * D;
         const float* p = s.scores.data() + h * R * CHUNK + j0;
-        const float* const* v = s.vrows.data() + h * CHUNK + j0;
+        const float* const* v = s.vrows.data() + j0;
         if (wide) {
           add_values<dvec>(acc, p, CHUNK, s.limit.data(), j0, v, kn, R, D);
         } else if (vec) {
@@ -284,11 +288,15 @@ void decode_impl(
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* ctx = context_lens.data_ptr<int32_t>();
   const int32_t* qstart = query_start.data_ptr<int32_t>();
-  // Work items: whole sequences where there are enough to share out, else (sequence,
-  // KV head) pairs.
+  // Work items: (sequence, group of KV heads). A group is every KV head, or as many as
+  // keep the item's rows within ROW_BUDGET, where there are enough sequences to share
+  // out; else one head.
   const int64_t max_threads = at::get_num_threads();
-  const int64_t NH = S >= 4 * max_threads ? KVH : 1;
-  const int64_t items = S * (KVH / NH);
+  int64_t most_rows = 1;  // query rows of the longest sequence (1 + drafts)
+  for (int64_t i = 0; i < S; ++i) most_rows = std::max<int64_t>(most_rows, qstart[i + 1] - qstart[i]);
+  const int64_t rows_per_head = H / KVH * most_rows;
+  const int64_t NH = S >= 4 * max_threads ? std::clamp<int64_t>(ROW_BUDGET / rows_per_head, 1, KVH) : 1;
+  const int64_t groups = (KVH + NH - 1) / NH, items = S * groups;
   // A step with little context (batch 1, short prompts) runs on the calling thread:
   // its few microseconds of work would not pay for waking the others.
   int64_t token_heads = 0;
@@ -309,9 +317,10 @@ void decode_impl(
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-      const int64_t seq = item / (KVH / NH), h0 = item % (KVH / NH) * NH;
+      const int64_t seq = item / groups, h0 = item % groups * NH;
       decode_item<T>(qp, q_stride, kc, vc, op, tables + seq * width, ctx[seq], qstart[seq],
-                     qstart[seq + 1] - qstart[seq], h0, NH, H, KVH, D, block_size, fscale, scratch);
+                     qstart[seq + 1] - qstart[seq], h0, std::min(NH, KVH - h0), H, KVH, D, block_size, fscale,
+                     scratch);
     }
   }
 }
