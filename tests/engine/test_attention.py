@@ -184,10 +184,11 @@ def test_decode_with_drafts(block_size: int, kv_heads: int, heads: int, kernel: 
     [
         # Few sequences: an item per KV head.
         ([(300, 1), (517, 1 + 3), (64, 1), (1000, 1)], 6),
-        # Many: an item per sequence (its 3 KV heads, 2 query rows each, up to 3 each).
+        # Many: where the CPU groups KV heads, an item per sequence (3 KV heads of 2 query
+        # heads, up to 3 rows a sequence).
         ([(40 + 37 * i, 1 + i % 3) for i in range(9)], 6),
-        # Many, with 3 query heads and up to 4 rows a KV head: 12 rows a head, so items
-        # of 2 heads and of 1 (the kernel's row budget).
+        # Many, 3 query heads a KV head and up to 4 rows a sequence: 12 rows a KV head,
+        # so grouped items of 2 heads and of 1 (the kernel's 32-row budget).
         ([(40 + 37 * i, 1 + i % 4) for i in range(9)], 9),
     ],
 )
@@ -204,7 +205,7 @@ def test_kernel_spreads_a_large_step_over_threads(specs, heads: int, dtype: torc
         torch.set_num_threads(threads)
 
 
-def _kernel_decode(q, k, v, cache, slots, tables, ctx, query_start):
+def _kernel_decode(q, k, v, cache, slots, tables, ctx, query_start, group_heads=None):
     return torch.ops.tandem_cpu.paged_decode_attention(
         q,
         k,
@@ -215,7 +216,53 @@ def _kernel_decode(q, k, v, cache, slots, tables, ctx, query_start):
         torch.tensor(ctx, dtype=torch.int32),
         torch.tensor(query_start, dtype=torch.int32),
         q.shape[-1] ** -0.5,
+        group_heads,
     )
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_items_of_one_or_several_kv_heads_agree(dtype: torch.dtype, threads: int) -> None:
+    # Work items of several KV heads of a sequence (the default on Intel CPUs: their rows
+    # read together) or of one KV head each (elsewhere) do the same sums in the same
+    # order: the same bits, and the reference's answer. Up to 4 rows of 3 query heads a
+    # KV head: 12 rows a head, so the grouped items hold 2 heads, then 1.
+    gen = torch.Generator().manual_seed(5)
+    block_size, heads = 16, 9
+    specs = [(40 + 37 * i, 1 + i % 4) for i in range(9)]
+    seqs, num_blocks = make_seqs(specs, 3, 16, block_size, gen)
+    cache = torch.zeros(2, num_blocks, block_size, 3, 16, dtype=dtype)
+    flat = cache.view(2, -1, 3, 16)
+    slots, tables, ctx, query_start = [], [], [], [0]
+    width = max(len(s.table) for s in seqs)
+    for s in seqs:
+        at = [s.table[p // block_size] * block_size + p % block_size for p in range(s.k.shape[0])]
+        flat[0, at[: s.start]] = s.k[: s.start].to(dtype)
+        flat[1, at[: s.start]] = s.v[: s.start].to(dtype)
+        slots += at[s.start :]
+        tables.append(s.table + [0] * (width - len(s.table)))
+        ctx.append(s.k.shape[0])
+        query_start.append(query_start[-1] + s.count)
+    q = torch.randn(query_start[-1], heads, 16, generator=gen).to(dtype)
+    k = torch.cat([s.k[s.start :] for s in seqs]).to(dtype)
+    v = torch.cat([s.v[s.start :] for s in seqs]).to(dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        grouped, single, default = (
+            _kernel_decode(q, k, v, cache, slots, tables, ctx, query_start, group_heads)
+            for group_heads in (True, False, None)
+        )
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(grouped, single) and torch.equal(default, grouped)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    row = 0
+    for s in seqs:
+        want = reference(q[row : row + s.count], s, 16**-0.5)
+        torch.testing.assert_close(grouped[row : row + s.count].double(), want, atol=tol, rtol=tol)
+        row += s.count
 
 
 @needs_kernels

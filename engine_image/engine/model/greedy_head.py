@@ -4,15 +4,17 @@
     tokens = head(hidden)            # int64 [rows]: argmax(lm_head(hidden)), the same tokens
 
 A greedy step needs one token per row, not the [rows, vocab] logits. The kernel
-(csrc/greedy_head.cpp) screens every token with bfloat16 dot products, at twice the
-float32 FMA rate and half the bytes, bounds the screen's error rigorously, and
+(csrc/greedy_head.cpp) screens every token with bfloat16 dot products (vdpbf16ps, twice
+the float32 FMA rate on AMD Zen 4, half the bytes; on AMX's tiles where the CPU and OS
+allow, ~4x vdpbf16ps on a Xeon), bounds the screen's error rigorously, and
 computes float32 logits only where the bound cannot rule tokens out (a panel or
 two of 48 tokens), from the float32 head's own panels as panel_linear sums them.
 The decision is the float32 head's, bit for bit, ties and all; the bound and its
 proof are in the kernel's header.
 
 SmolLM2-135M's head is a fifth of a decode step's FLOPs (49,152 x 576): a batch-64
-step's head 18 ms in float32 (panel_linear), ~11 ms screened (docs/benchmarks.md).
+step's head 18 ms in float32 (panel_linear), ~11 ms screened on Zen 4; on a Xeon
+with AMX 18-19 ms on vdpbf16ps, 4.6 on the tiles (docs/benchmarks.md).
 The cost: a bfloat16 copy of the head, half the float32 weight's size.
 """
 
@@ -34,7 +36,7 @@ class GreedyHead:
     panels: torch.Tensor  # the weight in bfloat16, in the screen's panels
     float_panels: torch.Tensor  # the head's own float32 panels (panel_linear's): exact logits
     norms: torch.Tensor  # |w_j| per token, float32, rounded up: the bound's
-    tiles: bool = False  # screen on AMX tiles (~5x vdpbf16ps at batch 64), else vdpbf16ps
+    tiles: bool = False  # screen on AMX tiles (~4x vdpbf16ps at batch 64), else vdpbf16ps
 
     @classmethod
     def pack(cls, head: Linear) -> GreedyHead | None:

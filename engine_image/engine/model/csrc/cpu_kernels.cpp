@@ -10,10 +10,10 @@
 // The attention kernels: paged_decode_attention (decode_attention.cpp) and
 // causal_attention (prefill_attention.cpp); what they share is in kernel_common.h.
 // The float32 projections: pack_panels and panel_linear (panel_linear.cpp).
-// Greedy rows' LM head: pack_bf16_panels and greedy_head (greedy_head.cpp).
-// cpu_kernels.py compiles with -mavx2 -mfma -mf16c where the CPU has them, and
+// Greedy rows' LM head: pack_bf16_panels, greedy_head and amx_ready (greedy_head.cpp).
+// cpu_kernels.py compiles with -mavx2 -mfma -mf16c where the CPU has them,
 // -mavx512f -mavx512vl where present (32 vector registers for the prefill
-// kernel's tiles).
+// kernel's tiles), then -mavx512bf16 and -mamx-tile -mamx-bf16 (greedy_head's screens).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -247,7 +247,8 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 TORCH_LIBRARY(tandem_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
-      "Tensor block_tables, Tensor context_lens, Tensor query_start, float scale) -> Tensor");
+      "Tensor block_tables, Tensor context_lens, Tensor query_start, float scale, bool? group_heads=None) -> "
+      "Tensor");
   m.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
@@ -259,8 +260,9 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("panel_linear(Tensor x, Tensor panels, int out_features, Tensor? bias, bool silu_mul=False) -> Tensor");
   m.def("pack_bf16_panels(Tensor weight) -> Tensor");
   m.def(
-      "greedy_head(Tensor x, Tensor panels, Tensor float_panels, Tensor norms, int out_features, bool tiles) "
-      "-> Tensor");
+      "greedy_head(Tensor x, Tensor panels, Tensor float_panels, Tensor norms, int out_features, "
+      "bool tiles=False) -> Tensor");
+  m.def("amx_ready() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {

@@ -1,11 +1,11 @@
 // paged_decode_attention: decode attention straight from the paged KV cache,
 // built with cpu_kernels.cpp (which declares the op).
 //
-// One work item per sequence (per (sequence, KV head) when there are few sequences),
-// spread over OpenMP threads. The item walks the sequence's context through its block
-// table, CHUNK tokens at a time: the chunk's scores (for each KV head, its G query
-// heads times 1 + drafts rows against each K row, read once for all of them: GQA
-// sharing), one
+// One work item per (sequence, KV head), or, where the CPU reads them faster
+// (group_heads: groups_heads_here), per (sequence, group of KV heads), spread over
+// OpenMP threads. The item walks the sequence's context through its block table, CHUNK
+// tokens at a time: the chunk's scores (for each KV head, its G query heads times 1 +
+// drafts rows against each K row, read once for all of them: GQA sharing), one
 // online-softmax update per row (running max, running sum, float32 accumulator;
 // kernel_common.h), then the chunk's V rows into the accumulators (the register
 // tiles of both products: decode_tiles.h). Row i of a sequence with n rows and
@@ -43,8 +43,8 @@ namespace {
 
 using namespace tandem;
 
-// Context tokens per online-softmax update: the scores of a chunk are kept (R x CHUNK
-// floats), so the running max and sum are rescaled once a chunk, not every few keys.
+// Context tokens per online-softmax update: the scores of a chunk are kept (a CHUNK-float
+// row for each of an item's query rows), so the running max and sum are rescaled once a chunk, not every few keys.
 constexpr int64_t CHUNK = 128;
 constexpr int64_t KEYS = 16;  // keys per step of the QK and PV loops (and prefetch)
 // Most query rows an item of several KV heads takes: their scores, accumulators and
@@ -270,6 +270,7 @@ void decode_impl(
     const at::Tensor& context_lens,
     const at::Tensor& query_start,
     double scale,
+    bool group_heads,
     at::Tensor& out) {
   const int64_t rows = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
@@ -288,14 +289,15 @@ void decode_impl(
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* ctx = context_lens.data_ptr<int32_t>();
   const int32_t* qstart = query_start.data_ptr<int32_t>();
-  // Work items: (sequence, group of KV heads). A group is every KV head, or as many as
-  // keep the item's rows within ROW_BUDGET, where there are enough sequences to share
-  // out; else one head.
+  // Work items: (sequence, group of KV heads). With group_heads, where there are enough
+  // sequences to share out, a group is every KV head or as many as keep the item's rows
+  // within ROW_BUDGET; else one head.
   const int64_t max_threads = at::get_num_threads();
   int64_t most_rows = 1;  // query rows of the longest sequence (1 + drafts)
   for (int64_t i = 0; i < S; ++i) most_rows = std::max<int64_t>(most_rows, qstart[i + 1] - qstart[i]);
   const int64_t rows_per_head = H / KVH * most_rows;
-  const int64_t NH = S >= 4 * max_threads ? std::clamp<int64_t>(ROW_BUDGET / rows_per_head, 1, KVH) : 1;
+  const int64_t NH =
+      group_heads && S >= 4 * max_threads ? std::clamp<int64_t>(ROW_BUDGET / rows_per_head, 1, KVH) : 1;
   const int64_t groups = (KVH + NH - 1) / NH, items = S * groups;
   // A step with little context (batch 1, short prompts) runs on the calling thread:
   // its few microseconds of work would not pay for waking the others.
@@ -323,6 +325,16 @@ void decode_impl(
                      scratch);
     }
   }
+}
+
+// Whether work items take several KV heads of a sequence by default on this CPU. On an
+// Intel Xeon (AMX generation) they read faster: batch-64 decode of SmolLM2 12.4-12.8 ms
+// against 15.6 for items of one head, float32 decode 3-16 % faster across Llama shapes.
+// On AMD Zen 4 the same reads measured slower (16.4-16.9 against 13.4 ms in the step,
+// docs/benchmarks.md): other CPUs keep items of one head.
+bool groups_heads_here() {
+  static const bool intel = __builtin_cpu_is("intel");
+  return intel;
 }
 
 // Every index the kernel follows, checked before it writes or reads the cache (a few
@@ -363,7 +375,8 @@ at::Tensor paged_decode_attention(
     const at::Tensor& block_tables,
     const at::Tensor& context_lens,
     const at::Tensor& query_start,
-    double scale) {
+    double scale,
+    c10::optional<bool> group_heads) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [rows, heads, D]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv_cache must be [2, blocks, bs, KVH, D]");
   // Rows may be strided (views of a fused QKV projection); heads and head_dim not.
@@ -389,7 +402,8 @@ at::Tensor paged_decode_attention(
   check_indices(slot_mapping, block_tables, context_lens, query_start, q.size(0), kv_cache.size(1), kv_cache.size(2));
   at::Tensor out = q.new_empty(q.sizes());
   dispatch_float_types(q.scalar_type(), "paged_decode_attention", [&](auto tag) {
-    decode_impl<decltype(tag)>(q, k, v, kv_cache, slot_mapping, block_tables, context_lens, query_start, scale, out);
+    decode_impl<decltype(tag)>(q, k, v, kv_cache, slot_mapping, block_tables, context_lens, query_start, scale,
+                               group_heads.value_or(groups_heads_here()), out);
   });
   return out;
 }

@@ -2,15 +2,18 @@
 // without computing every logit in float32. The result is the token the float32 head
 // (panel_linear) and argmax_rows give: the same decision, bit for bit.
 //
-//   pack_bf16_panels(W [N, K] float32) -> panels [P, ceil(K/2), NR, 2] bfloat16
-//   greedy_head(x [M, K], bf16 panels, float32 panels (pack_panels), norms [N], N)
+//   pack_bf16_panels(W [N, K] float32) -> panels [P, K2, NR, 2] bfloat16, K2 = K's pairs
+//     zero-padded to a multiple of 16 (an AMX tile's)
+//   greedy_head(x [M, K], bf16 panels, float32 panels (pack_panels), norms [N], N, tiles)
 //     -> token ids [M] (int64)
+//   amx_ready() -> whether `tiles` may be asked for (built for AMX, granted by the OS)
 //
 // How: a screen, then exact logits where the screen cannot decide.
 //   1. a_j = x^ . w^_j, with x and W rounded to bfloat16 and float32 sums (AVX512-BF16's
-//      vdpbf16ps): twice the float32 FMA rate, half the bytes of W to stream. Nothing of
-//      a is stored: each register tile keeps, per row and panel of 48 tokens, the max of
-//      a_j - e_j and of a_j + e_j.
+//      vdpbf16ps: twice the float32 FMA rate on AMD Zen 4, half the bytes of W to
+//      stream; or, with tiles, AMX's tdpbf16ps, ~4x vdpbf16ps on a Xeon). Per row and
+//      panel of 48 tokens only the max of a_j - e_j and of a_j + e_j is kept (the tiles
+//      store a 16 x 48 block of a at a time to take them).
 //   2. |a_j - f_j| <= e_j, f_j the float32 logit, for a rigorous e_j (below). A token
 //      with a_j + e_j < L = max_k (a_k - e_k) has f_j < f_max: it can be neither the
 //      argmax nor tie with it. A panel whose max of a_j + e_j is below L holds no
@@ -22,9 +25,11 @@
 // The bound. With u = 2^-8 (bfloat16's unit roundoff), g(n) = n 2^-24 / (1 - n 2^-24),
 // S_j = sum_k |x_k w_jk| <= |x| |w_j| (Cauchy-Schwarz; near tight for dense rows):
 //   rounding x and w:        |x^ w^ - x w| <= (2u + u^2) |x w|, per term;
-//   a's float32 sums:        <= g(2K) (1 + u)^2 S_j (vdpbf16ps rounds at most twice a pair);
+//   a's float32 sums:        <= g(2K) (1 + u)^2 S_j (vdpbf16ps and tdpbf16ps round at most
+//                            twice a pair: the Intel SDM's pseudo-code adds each product
+//                            of a pair in turn, rounding to nearest even);
 //   f's float32 sums:        <= g(K) S_j;
-//   flushed denormals (vdpbf16ps flushes them): <= 4K 2^-126 (1 + max|x|) (1 + max|w|),
+//   flushed denormals (both flush inputs and outputs): <= 4K 2^-126 (1 + max|x|) (1 + max|w|),
 //   absolute.
 // e_j = c |w_j| + slack holds all of it, with c and slack rounded up by far more than the
 // float arithmetic that applies them can lose. Applying it in float32 loses nothing:
@@ -69,7 +74,7 @@ constexpr int64_t LINE = 64;           // bytes of a cache line
 constexpr double UNIT = 1.0 / 256;     // bfloat16's unit roundoff, u = 2^-8
 constexpr double SCREEN_LIMIT = 1e30;  // |x| |w|_max past this: no screen (overflow)
 constexpr double BF16_LIMIT = 0x1p127;  // |x_k| from this on may round to infinity
-constexpr int64_t PAIR_BLOCK = 16;     // k pairs padded to a multiple of this: an AMX tile's
+constexpr int64_t PAIR_BLOCK = 16;     // k pairs padded to a multiple of this: the pairs of an AMX tile
 
 // x's bits rounded to the nearest bfloat16, ties to even, as the weight's .to(bfloat16)
 // (finite x below BF16_LIMIT), in the low 16 bits.
@@ -218,6 +223,7 @@ void screen(const uint32_t* xs, int64_t rows, int64_t K2, const uint16_t* panels
 void screen_tiles(const uint32_t* xs, int64_t rows, int64_t K2, const uint16_t* panels, const float* norms,
                   const RowBound* bounds, int64_t P, int64_t N, PanelBounds out) {
   namespace amx = tandem::amx;
+  static_assert(PAIR_BLOCK % amx::PAIRS == 0, "K2 holds whole tiles of k pairs");
   static_assert(NR == NV * amx::COLUMNS && NV == 3, "three C tiles across a panel");
   const int64_t panel_elems = K2 * NR * 2, groups = (rows + amx::ROWS - 1) / amx::ROWS;
   const int64_t k_tiles = K2 / amx::PAIRS;
@@ -388,4 +394,5 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("greedy_head", &greedy_head);
 }
 
-TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) { m.def("amx_ready() -> bool", &amx_ready); }
+// No tensor to dispatch on: the kernel for every backend.
+TORCH_LIBRARY_IMPL(tandem_cpu, CompositeImplicitAutograd, m) { m.impl("amx_ready", &amx_ready); }

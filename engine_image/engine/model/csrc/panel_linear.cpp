@@ -63,9 +63,10 @@ constexpr int64_t A_BLOCK_FLOATS = 96 * 1024;  // x's rows per block: MB x KC fl
 constexpr int64_t LINE = 64;                   // bytes of a cache line
 
 // What one register tile prefetches of the panel the thread computes next: per_k cache
-// lines every `every` k steps from `from` on, so that the memory traffic spreads evenly
-// over the panel's tiles (fetched in a burst over the first few, the next panel's lines
-// queued behind each other: 7 % slower products at 64 rows on a Xeon).
+// lines every `every` k steps from `from` on, so that the memory traffic spreads over the
+// panel's tiles (`every` rounds down: the last tile or two may fetch nothing). In a burst
+// over the first few tiles, the next panel's lines queued behind each other: 7 % slower
+// products at 64 rows on a Xeon.
 struct Prefetch {
   const char* from = nullptr;
   int64_t per_k = 0;  // lines a time
@@ -229,7 +230,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
         const int64_t rows = std::min(MB, M - m0);
         const int64_t tiles = (rows + MR - 1) / MR;
         // The next panel's slice is kc x NR floats: spread its lines over the tiles.
-        const int64_t lines = kc * NR * static_cast<int64_t>(sizeof(float)) / LINE;
+        const int64_t lines = (kc * NR * static_cast<int64_t>(sizeof(float)) + LINE - 1) / LINE;  // >= 1
         const int64_t steps = tiles * kc;  // k steps over the tiles
         const int64_t per_k = (lines + steps - 1) / steps, every = std::max<int64_t>(1, steps / lines);
         const int64_t tile_lines = (kc + every - 1) / every * per_k;
