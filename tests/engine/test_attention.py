@@ -395,7 +395,9 @@ def test_prefill_takes_the_kernel_only_where_it_applies() -> None:
         k = v = torch.randn(3, 2, head_dim, dtype=dtype)
         return attention._prefill_kernel(q, k, v) is not None
 
-    assert takes(32) and takes(64) and takes(128) and takes(64, torch.bfloat16)
+    assert takes(32) and takes(64) and takes(128) and takes(64, torch.float16)
+    # bfloat16 where the CPU has AMX: SDPA's flash kernel multiplies on its tiles.
+    assert takes(64, torch.bfloat16) == (not cpu_kernels.load().amx_ready())
     assert not takes(16)  # not a multiple of the kernel's 32-wide tiles: SDPA
     assert not takes(64, torch.float64)  # a dtype the kernels do not take
     assert not takes(64, grad=True)  # autograd needs SDPA's backward
@@ -409,6 +411,12 @@ def test_prefill_kernel_half_precision(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(11)
     seqs, num_blocks = make_seqs([(0, 70), (40, 30)], 2, 32, 16, gen)
     run_step(seqs, 8, 16, num_blocks, is_prefill=True, dtype=dtype, gen=gen, fused_qkv=True)
+    # The kernel itself, which the step above may leave to SDPA (bfloat16 with AMX).
+    for s in seqs:
+        q = torch.randn(s.count, 8, 32, generator=gen).to(dtype)
+        out = cpu_kernels.load().causal_attention(q, s.k.to(dtype), s.v.to(dtype), 32**-0.5)
+        want = reference(q, s, 32**-0.5)
+        torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=3e-2)
 
 
 @needs_kernels

@@ -167,7 +167,13 @@ def _prefill(
 
 def _prefill_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> object | None:
     """torch.ops.tandem_cpu when the C++ prefill kernel takes q (on CPU, a dtype the kernels
-    take, head_dim a multiple of 32, nothing for autograd to track), else None: SDPA."""
+    take, head_dim a multiple of 32, nothing for autograd to track) and beats SDPA, else
+    None: SDPA. bfloat16 on a CPU with AMX goes to SDPA, whose flash kernel multiplies on
+    the tiles where this one computes in float32: 1.3-2.5x faster on a Xeon
+    (docs/benchmarks.md, "Attention kernels")."""
     if q.shape[-1] % PREFILL_HEAD_DIM_MULTIPLE:
         return None
-    return cpu_kernels.for_tensors(q, k, v)
+    ops = cpu_kernels.for_tensors(q, k, v)
+    if ops is not None and q.dtype == torch.bfloat16 and ops.amx_ready():
+        return None
+    return ops

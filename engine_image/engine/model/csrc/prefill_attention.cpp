@@ -46,9 +46,10 @@ constexpr int64_t QB = 64;  // query positions per work item
 constexpr int TV = 4;  // vectors across a context tile
 constexpr int64_t KT = TV * W;  // context tokens per tile (64 with AVX-512)
 // Query rows per register tile: MR x TV score accumulators, then MR x (up to) 4 of the
-// output, of 32 registers with AVX-512, of 16 without. (6 rows measured no faster.)
+// output, of 32 registers with AVX-512 (29 of them), of 16 without. (6 rows against 4:
+// no faster on AMD Zen 4, 4-15 % faster on an Intel Xeon, docs/benchmarks.md.)
 #if defined(__AVX512F__)
-constexpr int MR = 4;
+constexpr int MR = 6;
 #else
 constexpr int MR = 2;
 #endif
