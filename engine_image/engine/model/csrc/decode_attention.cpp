@@ -44,7 +44,8 @@ namespace {
 using namespace tandem;
 
 // Context tokens per online-softmax update: the scores of a chunk are kept (a CHUNK-float
-// row for each of an item's query rows), so the running max and sum are rescaled once a chunk, not every few keys.
+// row for each of an item's query rows), so the running max and sum are rescaled once a
+// chunk, not every few keys.
 constexpr int64_t CHUNK = 128;
 constexpr int64_t KEYS = 16;  // keys per step of the QK and PV loops (and prefetch)
 // Most query rows an item of several KV heads takes: their scores, accumulators and
@@ -218,7 +219,8 @@ void decode_item(
           score_rows<vfloat>(qh, krows, scores, CHUNK, s.limit.data(), j0, kn, R, D);
         } else {
           for (int64_t r = 0; r < R; ++r) {
-            for (int64_t j = j0; j < j0 + kn && j < s.limit[r]; ++j) scores[r * CHUNK + j] = dot(qh + r * D, krows[j], D);
+            for (int64_t j = j0; j < j0 + kn && j < s.limit[r]; ++j)
+              scores[r * CHUNK + j] = dot(qh + r * D, krows[j], D);
           }
         }
       }

@@ -258,7 +258,8 @@ void screen_tiles(const uint32_t* xs, int64_t rows, int64_t K2, const uint16_t* 
           _tile_dpbf16ps(2, 3, 6);
           if (next) {
             const int64_t first = (g * k_tiles + kt) * per_tile;
-            for (int64_t i = first; i < std::min(first + per_tile, lines); ++i) __builtin_prefetch(next + i * LINE, 0, 2);
+            for (int64_t i = first; i < std::min(first + per_tile, lines); ++i)
+              __builtin_prefetch(next + i * LINE, 0, 2);
           }
         }
         _tile_stored(0, &a[0][0], NR * 4);
