@@ -10,7 +10,8 @@ later processes on the same machine (and a CI run's later jobs) reuse the librar
 and any change to those inputs builds afresh. The instruction-set flags come from
 this machine's CPU (/proc/cpuinfo), never -march=native, so a cache directory
 shared by machines with different CPUs holds one build per flag set and none runs
-instructions its CPU lacks.
+instructions its CPU lacks. The optional extensions (AVX512-BF16, AMX: the greedy
+head's screens) are asked for only where the compiler takes their flags.
 
 When the build or the load fails (no compiler, no ninja, a non-x86 toolchain
 missing a flag...), load() warns once through `warnings` and returns None, and
@@ -24,6 +25,7 @@ import contextlib
 import functools
 import hashlib
 import os
+import subprocess
 import sys
 import time
 import warnings
@@ -34,6 +36,7 @@ import torch
 
 ENV_DISABLE = "TANDEM_CPU_KERNELS"
 BF16_FLAG = "-mavx512bf16"
+AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
 # Tensor dtypes the kernels take.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CSRC = Path(__file__).parent / "csrc"
@@ -80,11 +83,32 @@ def isa_flags() -> list[str]:
     wide = ["-mavx512f", "-mavx512vl"] if {"avx512f", "avx512vl"} <= flags else []
     # AVX512-BF16's dot products: greedy_head's screen (has_bf16_dot); on AMX's tiles
     # where the CPU has them (csrc/amx_tiles.h; the OS must grant them too: amx_ready).
-    if wide and "avx512_bf16" in flags:
+    # Only where the compiler knows them (compiler_accepts): a CPU can be newer than it.
+    if wide and "avx512_bf16" in flags and compiler_accepts((BF16_FLAG,)):
         wide.append(BF16_FLAG)
-        if {"amx_tile", "amx_bf16"} <= flags:
-            wide += ["-mamx-tile", "-mamx-bf16"]
+        if {"amx_tile", "amx_bf16"} <= flags and compiler_accepts(AMX_FLAGS):
+            wide += AMX_FLAGS
     return ["-mavx2", "-mfma", "-mf16c", *wide]
+
+
+@functools.cache  # one probe per flag set and process
+def compiler_accepts(flags: tuple[str, ...]) -> bool:
+    """Whether the C++ compiler torch builds with (CXX, else c++) takes these flags. A CPU
+    may have an extension its compiler predates (AVX512-BF16 needs GCC 10, AMX GCC 11),
+    and one refused flag would fail the whole build: the kernels that need it are left
+    out instead (greedy_head's screens)."""
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        probe = subprocess.run(
+            [compiler, *flags, "-x", "c++", "-fsyntax-only", "-"],
+            input="",
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
 
 
 def has_bf16_dot() -> bool:

@@ -1,0 +1,30 @@
+"""cpu_kernels' choice of instruction-set flags: a CPU newer than its compiler (AMX on
+GCC 10, AVX512-BF16 on GCC 9) must not fail the whole kernel build over one flag."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tandem.engine.model import cpu_kernels
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler on this machine")
+def test_the_compiler_probe_tells_known_flags_from_unknown_ones(monkeypatch) -> None:
+    monkeypatch.delenv("CXX", raising=False)
+    assert cpu_kernels.compiler_accepts(("-O2",))
+    assert not cpu_kernels.compiler_accepts(("-mno-such-extension-anywhere",))
+
+
+def test_a_missing_compiler_accepts_nothing(monkeypatch) -> None:
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert not cpu_kernels.compiler_accepts.__wrapped__(("-O2",))
+
+
+def test_flags_the_compiler_refuses_are_left_out(monkeypatch) -> None:
+    refused = {cpu_kernels.BF16_FLAG, *cpu_kernels.AMX_FLAGS}
+    monkeypatch.setattr(cpu_kernels, "compiler_accepts", lambda flags: not set(flags) & refused)
+    flags = cpu_kernels.isa_flags()
+    assert not refused & set(flags)
+    assert not cpu_kernels.has_bf16_dot()  # the greedy head's screen is left out with it
