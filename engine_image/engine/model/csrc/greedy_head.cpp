@@ -187,38 +187,54 @@ using ScreenFn = void (*)(const uint32_t*, int64_t, const uint16_t*, const float
 constexpr ScreenFn SCREENS[MR] = {&screen_tile<1>, &screen_tile<2>, &screen_tile<3>, &screen_tile<4>,
                                   &screen_tile<5>, &screen_tile<6>, &screen_tile<7>, &screen_tile<8>};
 
-// The screen over `rows` rows (bfloat16 pairs xs): low and high [rows, P].
-void screen(const uint32_t* xs, int64_t rows, int64_t K2, const uint16_t* panels, const float* norms,
-            const RowBound* bounds, int64_t P, int64_t N, PanelBounds out) {
-  const int64_t panel_elems = K2 * NR * 2;
+// What the screens' threads hold for their run of panels: nothing for vdpbf16ps (AMX's
+// tile configuration below).
+struct NoScope {};
+
+// visit(p, panel, next, cols) for every panel, each OpenMP thread a contiguous run of them
+// with a Scope of its own for the run: next is the panel the thread takes after p (to
+// prefetch), null at the run's end; cols, p's columns within the vocabulary.
+template <typename Scope, typename Visit>
+void for_each_panel(const uint16_t* panels, int64_t P, int64_t panel_elems, int64_t N, Visit&& visit) {
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), P));
-  const int64_t tiles = (rows + MR - 1) / MR;
-  const int64_t lines = panel_elems * 2 / LINE;  // a panel's cache lines, fetched over its tiles
-  const int64_t per_k = (lines + tiles * K2 - 1) / (tiles * K2);
 #pragma omp parallel num_threads(threads)
   {
+    [[maybe_unused]] const Scope scope;
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t p0 = P * t / nt, p1 = P * (t + 1) / nt;
     for (int64_t p = p0; p < p1; ++p) {
       const uint16_t* panel = panels + p * panel_elems;
       const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(panel + panel_elems) : nullptr;
-      const int64_t cols = std::min<int64_t>(NR, N - p * NR);
-      for (int64_t ti = 0; ti < tiles; ++ti) {
-        const int64_t m = ti * MR;
-        const bool fetch = next && ti * K2 * per_k < lines;
-        SCREENS[std::min<int64_t>(MR, rows - m) - 1](
-            xs + m * K2, K2, panel, norms + p * NR, bounds + m, cols, {out.low + m * P + p, out.high + m * P + p},
-            P, fetch ? next + ti * K2 * per_k * LINE : next, fetch ? per_k : 0);
-      }
+      visit(p, panel, next, std::min<int64_t>(NR, N - p * NR));
     }
   }
+}
+
+// The screen over `rows` rows (bfloat16 pairs xs): low and high [rows, P].
+void screen(const uint32_t* xs, int64_t rows, int64_t K2, const uint16_t* panels, const float* norms,
+            const RowBound* bounds, int64_t P, int64_t N, PanelBounds out) {
+  const int64_t panel_elems = K2 * NR * 2;
+  const int64_t tiles = (rows + MR - 1) / MR;
+  const int64_t lines = panel_elems * 2 / LINE;  // a panel's cache lines, fetched over its tiles
+  const int64_t per_k = (lines + tiles * K2 - 1) / (tiles * K2);
+  for_each_panel<NoScope>(panels, P, panel_elems, N,
+                          [&](int64_t p, const uint16_t* panel, const char* next, int64_t cols) {
+                            for (int64_t ti = 0; ti < tiles; ++ti) {
+                              const int64_t m = ti * MR;
+                              const bool fetch = next && ti * K2 * per_k < lines;
+                              SCREENS[std::min<int64_t>(MR, rows - m) - 1](
+                                  xs + m * K2, K2, panel, norms + p * NR, bounds + m, cols,
+                                  {out.low + m * P + p, out.high + m * P + p}, P,
+                                  fetch ? next + ti * K2 * per_k * LINE : next, fetch ? per_k : 0);
+                            }
+                          });
 }
 
 #if defined(TANDEM_AMX)
 
 // The screen on AMX tiles: per panel, each 16 rows' a [16 x NR] in three C tiles (one per
 // 16 columns), summed over k by tdpbf16ps, the same float32 dot products of bfloat16
-// pairs as vdpbf16ps (its rounding and flushing, so the same bound), ~8x the rate. Rows
+// pairs as vdpbf16ps (its rounding and flushing, so the same bound), ~4x its speed on a Xeon. Rows
 // past `rows` (xs holds them as zeros, to whole tiles) are computed and dropped.
 void screen_tiles(const uint32_t* xs, int64_t rows, int64_t K2, const uint16_t* panels, const float* norms,
                   const RowBound* bounds, int64_t P, int64_t N, PanelBounds out) {
@@ -228,51 +244,44 @@ void screen_tiles(const uint32_t* xs, int64_t rows, int64_t K2, const uint16_t* 
   const int64_t panel_elems = K2 * NR * 2, groups = (rows + amx::ROWS - 1) / amx::ROWS;
   const int64_t k_tiles = K2 / amx::PAIRS;
   const int64_t x_stride = K2 * 4, panel_stride = NR * 4;  // bytes from one row of A, of B, to the next
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), P));
   // The next panel's cache lines, fetched over this one's tiles: its first reading comes
   // from memory, the tiles' loads alone would wait on it.
   const int64_t lines = panel_elems * 2 / LINE, per_tile = (lines + groups * k_tiles - 1) / (groups * k_tiles);
-#pragma omp parallel num_threads(threads)
-  {
-    const amx::Tiles tiles(7);  // C: 0-2, A: 3, B: 4-6
+  struct TileScope {
+    amx::Tiles tiles{7};  // C: 0-2, A: 3, B: 4-6
+  };
+  for_each_panel<TileScope>(panels, P, panel_elems, N, [&](int64_t p, const uint16_t* panel, const char* next,
+                                                            int64_t cols) {
     alignas(64) float a[amx::ROWS][NR];
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t p0 = P * t / nt, p1 = P * (t + 1) / nt;
-    for (int64_t p = p0; p < p1; ++p) {
-      const uint16_t* panel = panels + p * panel_elems;
-      const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(panel + panel_elems) : nullptr;
-      const int64_t cols = std::min<int64_t>(NR, N - p * NR);
-      for (int64_t g = 0; g < groups; ++g) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        const uint32_t* x = xs + g * amx::ROWS * K2;
-        for (int64_t kt = 0; kt < k_tiles; ++kt) {
-          const uint16_t* b = panel + kt * amx::PAIRS * NR * 2;
-          _tile_loadd(3, x + kt * amx::PAIRS, x_stride);
-          _tile_loadd(4, b, panel_stride);
-          _tile_loadd(5, b + 2 * amx::COLUMNS, panel_stride);
-          _tile_loadd(6, b + 4 * amx::COLUMNS, panel_stride);
-          _tile_dpbf16ps(0, 3, 4);
-          _tile_dpbf16ps(1, 3, 5);
-          _tile_dpbf16ps(2, 3, 6);
-          if (next) {
-            const int64_t first = (g * k_tiles + kt) * per_tile;
-            for (int64_t i = first; i < std::min(first + per_tile, lines); ++i)
-              __builtin_prefetch(next + i * LINE, 0, 2);
-          }
-        }
-        _tile_stored(0, &a[0][0], NR * 4);
-        _tile_stored(1, &a[0][16], NR * 4);
-        _tile_stored(2, &a[0][32], NR * 4);
-        for (int64_t r = 0; r < std::min<int64_t>(amx::ROWS, rows - g * amx::ROWS); ++r) {
-          const __m512 sums[NV] = {_mm512_load_ps(&a[r][0]), _mm512_load_ps(&a[r][16]), _mm512_load_ps(&a[r][32])};
-          const int64_t m = g * amx::ROWS + r;
-          store_bounds(sums, bounds[m], norms + p * NR, cols, out.low + m * P + p, out.high + m * P + p);
+    for (int64_t g = 0; g < groups; ++g) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      const uint32_t* x = xs + g * amx::ROWS * K2;
+      for (int64_t kt = 0; kt < k_tiles; ++kt) {
+        const uint16_t* b = panel + kt * amx::PAIRS * NR * 2;
+        _tile_loadd(3, x + kt * amx::PAIRS, x_stride);
+        _tile_loadd(4, b, panel_stride);
+        _tile_loadd(5, b + 2 * amx::COLUMNS, panel_stride);
+        _tile_loadd(6, b + 4 * amx::COLUMNS, panel_stride);
+        _tile_dpbf16ps(0, 3, 4);
+        _tile_dpbf16ps(1, 3, 5);
+        _tile_dpbf16ps(2, 3, 6);
+        if (next) {
+          const int64_t first = (g * k_tiles + kt) * per_tile;
+          for (int64_t i = first; i < std::min(first + per_tile, lines); ++i) __builtin_prefetch(next + i * LINE, 0, 2);
         }
       }
+      _tile_stored(0, &a[0][0], NR * 4);
+      _tile_stored(1, &a[0][16], NR * 4);
+      _tile_stored(2, &a[0][32], NR * 4);
+      for (int64_t r = 0; r < std::min<int64_t>(amx::ROWS, rows - g * amx::ROWS); ++r) {
+        const __m512 sums[NV] = {_mm512_load_ps(&a[r][0]), _mm512_load_ps(&a[r][16]), _mm512_load_ps(&a[r][32])};
+        const int64_t m = g * amx::ROWS + r;
+        store_bounds(sums, bounds[m], norms + p * NR, cols, out.low + m * P + p, out.high + m * P + p);
+      }
     }
-  }
+  });
 }
 
 #endif  // TANDEM_AMX
