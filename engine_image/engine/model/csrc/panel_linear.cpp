@@ -61,6 +61,11 @@ constexpr int NR = NV * W;   // a panel's columns
 constexpr int64_t KC = 768;  // most k per block: a panel's slice of KC x NR floats (144 KiB at NR 48)
 constexpr int64_t A_BLOCK_FLOATS = 96 * 1024;  // x's rows per block: MB x KC floats (384 KiB)
 constexpr int64_t LINE = 64;                   // bytes of a cache line
+// How many k steps ahead a tile asks for its panel rows in L1. The panel's slice sits
+// in L2 (KC x NR floats do not fit L1), and the L1 prefetcher alone left the FMAs
+// waiting on it: on a Xeon, 1,024-row products 3-5 % faster, 64 rows ~2 % (distances
+// 16-32 alike, docs/benchmarks.md).
+constexpr int64_t L1_AHEAD = 24;
 
 // What one register tile prefetches of the panel the thread computes next: per_k cache
 // lines every `every` k steps from `from` on, so that the memory traffic spreads over the
@@ -111,6 +116,9 @@ void tile(const float* a, int64_t lda, const float* b, int64_t kc, const Sums& s
   int64_t countdown = pf.per_k ? 1 : -1;  // never 0 without lines to fetch
   for (int64_t k = 0; k < kc; ++k) {
     const float* bk = b + k * NR;
+    // Rows are contiguous and the addresses at most a line apart: every line is asked
+    // for. (Past the slice's end they fetch the next k block's or panel's rows: harmless.)
+    for (int64_t i = 0; i < NR; i += LINE / sizeof(float)) __builtin_prefetch(bk + L1_AHEAD * NR + i, 0, 3);
     const wvec b0 = vload<wvec>(bk), b1 = vload<wvec>(bk + W), b2 = vload<wvec>(bk + 2 * W);
     if (--countdown == 0) {
       for (int64_t i = 0; i < pf.per_k; ++i) __builtin_prefetch(fetch + i * LINE, 0, 2);
