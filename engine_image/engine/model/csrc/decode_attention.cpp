@@ -310,6 +310,7 @@ void decode_impl(
   const float fscale = static_cast<float>(scale);
 #pragma omp parallel num_threads(threads)
   {
+    const FlushDenormals flush;
     // The step's K/V into the cache, all of it before any item reads.
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < rows * KVH; ++i) {

@@ -16,8 +16,36 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>  // round_nearest, times_pow2
 #endif
+#if defined(__SSE__)
+#include <xmmintrin.h>  // FlushDenormals
+#endif
 
 namespace tandem {
+
+// Denormals flushed to zero, as results (FTZ) and as inputs (DAZ), on the calling thread
+// while in scope; the thread's mode is restored after. For the attention kernels, whose
+// softmax makes them by construction: a probability under 2^-126 (a score ~87 below its
+// row's max) is a denormal, and every product with one took a microcode assist. A prefill
+// whose scores spread that far ran 3.5x slower (16.7 against 4.8 ms a layer on a Xeon);
+// flushed, what such a probability adds to a sum is lost below float32's resolution of
+// the sum anyway. Per thread (the x86 MXCSR): each OpenMP thread takes its own.
+class FlushDenormals {
+ public:
+#if defined(__SSE__)
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | FTZ | DAZ); }
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+#else
+  FlushDenormals() {}  // elsewhere the kernels keep the thread's mode
+#endif
+  FlushDenormals(const FlushDenormals&) = delete;
+  FlushDenormals& operator=(const FlushDenormals&) = delete;
+
+ private:
+#if defined(__SSE__)
+  static constexpr unsigned FTZ = 0x8000, DAZ = 0x0040;
+  unsigned saved_;
+#endif
+};
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }

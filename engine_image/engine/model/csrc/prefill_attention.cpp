@@ -273,6 +273,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), items));
 #pragma omp parallel num_threads(threads)
   {
+    const FlushDenormals flush;
     transpose_keys(t);  // ends with the threads' barrier: every tile is ready
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
