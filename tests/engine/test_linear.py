@@ -57,8 +57,10 @@ PANEL_SHAPES = pytest.mark.parametrize(
     [
         (1, 576, 960),  # a batch-1 decode step: one row, whole panels
         (13, 100, 49),  # a partial tile of rows, a partial last panel
-        (64, 1536, 576),  # two k blocks, the second adding to the first's sums
-        (400, 1600, 97),  # three k blocks and three row blocks
+        (64, 1536, 576),  # SmolLM2's down projection: one k block or two (by the L2's size)
+        # Several k blocks, each adding to the sums before, wherever a core's L2 holds up
+        # to 4 MiB (panel_linear.cpp's most_k_per_block), and several row blocks.
+        (400, 5000, 97),
     ],
 )
 

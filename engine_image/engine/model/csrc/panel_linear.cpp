@@ -33,6 +33,7 @@
 #include <torch/library.h>
 
 #include <omp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -58,14 +59,26 @@ constexpr int MR = 4;
 #endif
 constexpr int NV = 3;        // vectors across a panel
 constexpr int NR = NV * W;   // a panel's columns
-constexpr int64_t KC = 768;  // most k per block: a panel's slice of KC x NR floats (144 KiB at NR 48)
-constexpr int64_t A_BLOCK_FLOATS = 96 * 1024;  // x's rows per block: MB x KC floats (384 KiB)
+constexpr int64_t A_BLOCK_FLOATS = 96 * 1024;  // x's rows per block: MB x k_block floats (384 KiB)
 constexpr int64_t LINE = 64;                   // bytes of a cache line
 // How many k steps ahead a tile asks for its panel rows in L1. The panel's slice sits
-// in L2 (KC x NR floats do not fit L1), and the L1 prefetcher alone left the FMAs
+// in L2 (k_block x NR floats do not fit L1), and the L1 prefetcher alone left the FMAs
 // waiting on it: on a Xeon, 1,024-row products 3-5 % faster, 64 rows ~2 % (distances
 // 16-32 alike, docs/benchmarks.md).
 constexpr int64_t L1_AHEAD = 24;
+
+// The most k a block takes: a panel's slice (k x NR floats) gets a sixth of this core's
+// L2, beside x's block and the next panel's slice coming in. Where L2 is 2 MiB (a Xeon)
+// the down projection's 1,536 k are one block: its 1,024-row product 6 % faster than in
+// two, a prefill 1-2 %; where it is 1 MiB (AMD Zen 4) they stay two blocks of 768.
+int64_t most_k_per_block() {
+  static const int64_t most = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);  // bytes, per core; 0 or -1 unknown
+    const int64_t bytes = l2 > 0 ? l2 : int64_t{1} << 20;
+    return std::max<int64_t>(256, bytes / 6 / (NR * static_cast<int64_t>(sizeof(float))));
+  }();
+  return most;
+}
 
 // What one register tile prefetches of the panel the thread computes next: per_k cache
 // lines every `every` k steps from `from` on, so that the memory traffic spreads over the
@@ -214,7 +227,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
   }
   // K in equal blocks (576 is one, 1,536 two): a short last block would cost a pass
   // over the output for little work.
-  const int64_t k_blocks = (K + KC - 1) / KC, k_block = (K + k_blocks - 1) / k_blocks;
+  const int64_t most_k = most_k_per_block();
+  const int64_t k_blocks = (K + most_k - 1) / most_k, k_block = (K + k_blocks - 1) / k_blocks;
   const int64_t MB = std::max<int64_t>(MR, A_BLOCK_FLOATS / k_block / MR * MR);
   // Sums between k blocks: in the output, except that silu_mul's keeps half a panel's
   // columns, so that its partial sums need whole panels of their own.
