@@ -426,9 +426,9 @@ def test_prefill_kernel_half_precision(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("is_prefill", [True, False])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernels_on_scores_past_float32s_normal_range(is_prefill: bool, threads: int) -> None:
-    """Scores hundreds apart (a sharp head: most probabilities under 2^-126, which the
-    kernels flush to zero, kernel_common.h's FlushDenormals) still match the float64
-    reference, and every thread's own denormal mode is back afterwards."""
+    """Scores ~30x as spread as usual (a sharp head: many probabilities under 2^-126,
+    which the kernels flush to zero, kernel_common.h's FlushDenormals) still match the
+    float64 reference, and every thread's own denormal mode is back afterwards."""
     gen = torch.Generator().manual_seed(12)
     specs = [(0, 150), (60, 90)] if is_prefill else [(150, 1), (61, 5), (300, 1)]
     seqs, num_blocks = make_seqs(specs, 2, 32, 16, gen)

@@ -24,11 +24,12 @@ namespace tandem {
 
 // Denormals flushed to zero, as results (FTZ) and as inputs (DAZ), on the calling thread
 // while in scope; the thread's mode is restored after. For the attention kernels, whose
-// softmax makes them by construction: a probability under 2^-126 (a score ~87 below its
-// row's max) is a denormal, and every product with one took a microcode assist. A prefill
-// whose scores spread that far ran 3.5x slower (16.7 against 4.8 ms a layer on a Xeon);
-// flushed, what such a probability adds to a sum is lost below float32's resolution of
-// the sum anyway. Per thread (the x86 MXCSR): each OpenMP thread takes its own.
+// online softmax makes them where scores lie ~87 or more apart: probabilities and
+// rescale factors under 2^-126, and products with them. Each operation that met or made
+// one took a microcode assist: with scores hundreds apart a SmolLM2 prefill layer took
+// 50 ms against 5.1, a batch-64 decode 2.9-6.4x its time (a Xeon, docs/benchmarks.md).
+// Flushed, what such a value would add to a sum lies below float32's resolution of the
+// sum anyway. Per thread (the x86 MXCSR): each OpenMP thread takes its own.
 class FlushDenormals {
  public:
 #if defined(__SSE__)

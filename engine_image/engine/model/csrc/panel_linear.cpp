@@ -225,8 +225,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
     bias ? out.copy_(bias->expand({M, N})) : out.zero_();
     return out;
   }
-  // K in equal blocks (576 is one, 1,536 two): a short last block would cost a pass
-  // over the output for little work.
+  // K in equal blocks (576 is one; 1,536 one or two, by L2): a short last block would
+  // cost a pass over the output for little work.
   const int64_t most_k = most_k_per_block();
   const int64_t k_blocks = (K + most_k - 1) / most_k, k_block = (K + k_blocks - 1) / k_blocks;
   const int64_t MB = std::max<int64_t>(MR, A_BLOCK_FLOATS / k_block / MR * MR);
