@@ -68,15 +68,17 @@ def run_step(
     kernel: bool | None = None,
     fused_qkv: bool = False,
     tol: float | None = None,
+    stale: float = 0.0,
 ) -> None:
     """Cache the prefixes, run one step, check outputs and the written cache.
 
     kernel picks the decode path (AttentionMetadata.build); fused_qkv passes q, k, v as
     strided views of one [T, (H + 2 KVH) * D] tensor, as a fused projection makes them;
-    tol overrides the dtype's tolerance against the float64 reference.
+    tol overrides the dtype's tolerance against the float64 reference; stale fills the
+    cache's slots that no sequence writes.
     """
     kv_heads, head_dim = seqs[0].k.shape[1:]
-    cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), stale, dtype=dtype)
     flat = cache.view(2, -1, kv_heads, head_dim)
     for s in seqs:
         for p in range(s.start):
@@ -181,6 +183,21 @@ def test_decode_with_drafts(block_size: int, kv_heads: int, heads: int, kernel: 
 
 
 @needs_kernels
+@pytest.mark.parametrize("kernel", PATHS)
+@pytest.mark.parametrize("stale", [float("nan"), float("inf")])
+@pytest.mark.parametrize("drafts", [0, 3])
+def test_decode_reads_nothing_past_a_sequences_context(
+    kernel: bool, stale: float, drafts: int
+) -> None:
+    """Slots no sequence of the step owns hold non-finite values (another request's
+    overflow, a freed block's leftovers): the shorter sequences of a padded batch stay
+    exact on both paths, where a zero weight times inf would have made them NaN."""
+    gen = torch.Generator().manual_seed(13)
+    specs = [(45, 1 + drafts), (6, 1 + drafts), (23, 1 + drafts), (2, 1 + drafts)]
+    seqs, num_blocks = make_seqs(specs, 2, 16, 4, gen)
+    run_step(seqs, 4, 4, num_blocks, is_prefill=False, gen=gen, kernel=kernel, stale=stale)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("specs", "heads"),

@@ -16,7 +16,9 @@ Paths, chosen by the step kind:
   TANDEM_CPU_KERNELS=0 / build(kernel=False)): sequences are sorted by context
   length and batched in groups; each group gathers its context from the cache and
   runs two grouped batched matmuls (no KV-head expansion). Groups are sized so the
-  gathered KV stays cache-resident on CPU; on accelerators one group holds all.
+  gathered KV stays cache-resident on CPU; on accelerators one group holds all. A
+  shorter sequence's gathered positions past its end are zeroed: their slots hold
+  other requests' or stale K/V, and a non-finite one times its zero weight is NaN.
 - prefill on CPU with head_dim a multiple of 32, when the C++ kernels built: one
   causal_attention call per sequence (csrc/prefill_attention.cpp), the chunk's
   queries against its own K/V, or against the whole context gathered from the
@@ -116,9 +118,15 @@ def _decode(
     for g in batch.groups:
         n, ctx = g.num_seqs, g.max_context
         rows = slice(g.first * kv_heads, (g.first + n) * kv_heads)
+        kv = flat.index_select(1, g.gather_index)
+        if g.padding is not None:
+            # Past a shorter sequence's end the slots hold another request's K/V, or stale
+            # values: a non-finite one would make its zero weight NaN (0 * inf). Zeroed.
+            padded = g.padding[None, :, :, None, None]
+            kv.view(2, ctx, n, kv_heads, head_dim).masked_fill_(padded, 0)
         # [ctx, n * KVH, D]: batch index (seq, kv head) has a uniform stride, so bmm reads
         # the gathered tensor in place instead of copying it into a contiguous layout.
-        kv = flat.index_select(1, g.gather_index).view(2, ctx, n * kv_heads, head_dim)
+        kv = kv.view(2, ctx, n * kv_heads, head_dim)
         # Scores as [batch, ctx, queries] (K @ q^T): measured faster than q @ K^T for bf16.
         scores = torch.bmm(kv[0].transpose(0, 1), qs[rows].transpose(1, 2))
         if g.bias is not None:

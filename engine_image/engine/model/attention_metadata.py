@@ -51,6 +51,10 @@ class DecodeGroup:
     # [num_seqs, 1, max_context, 1, max_query] float32 0/-inf (causal and padding), a view
     # into one batch-wide tensor; None when the group masks nothing.
     bias: torch.Tensor | None
+    # [max_context, num_seqs] bool, position-major as gather_index: positions past each
+    # sequence's context, whose slots hold other requests' or stale K/V; None when the
+    # group's contexts are all one length.
+    padding: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,12 +274,16 @@ def _decode_batch(
         bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf")).to(device)
     # Moved whole, then sliced per group on the device.
     slots = (tables[order][:, ctx // block_size] * block_size + ctx % block_size).to(device)
+    past_end = ctx[:, None] >= torch.tensor(sorted_lens)[None, :]  # [L, seqs]
     groups = []
     for (first, n), needs_mask in zip(runs, masked, strict=True):
         length = sorted_lens[first]
         group_bias = None
         if bias is not None and needs_mask:
             group_bias = bias[first : first + n, None, :length, None, :]
+        padding = None
+        if sorted_lens[first + n - 1] != length:
+            padding = past_end[:length, first : first + n].to(device)
         groups.append(
             DecodeGroup(
                 first=first,
@@ -283,6 +291,7 @@ def _decode_batch(
                 max_context=length,
                 gather_index=slots[first : first + n, :length].t().reshape(-1),
                 bias=group_bias,
+                padding=padding,
             )
         )
     return DecodeBatch(max_query, q_index.to(device), out_index.to(device), tuple(groups))
