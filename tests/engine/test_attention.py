@@ -182,7 +182,6 @@ def test_decode_with_drafts(block_size: int, kv_heads: int, heads: int, kernel: 
     run_step(seqs, heads, block_size, num_blocks, is_prefill=False, gen=gen, kernel=kernel)
 
 
-@needs_kernels
 @pytest.mark.parametrize("kernel", PATHS)
 @pytest.mark.parametrize("stale", [float("nan"), float("inf")])
 @pytest.mark.parametrize("drafts", [0, 3])
@@ -198,6 +197,7 @@ def test_decode_reads_nothing_past_a_sequences_context(
     run_step(seqs, 4, 4, num_blocks, is_prefill=False, gen=gen, kernel=kernel, stale=stale)
 
 
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("specs", "heads"),
