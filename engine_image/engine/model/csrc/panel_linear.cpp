@@ -73,7 +73,11 @@ constexpr int64_t L1_AHEAD = 24;
 // two, a prefill 1-2 %; where it is 1 MiB (AMD Zen 4) they stay two blocks of 768.
 int64_t most_k_per_block() {
   static const int64_t most = [] {
+#if defined(_SC_LEVEL2_CACHE_SIZE)  // glibc's; other C libraries may lack it
     const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);  // bytes, per core; 0 or -1 unknown
+#else
+    const long l2 = 0;
+#endif
     const int64_t bytes = l2 > 0 ? l2 : int64_t{1} << 20;
     return std::max<int64_t>(256, bytes / 6 / (NR * static_cast<int64_t>(sizeof(float))));
   }();
