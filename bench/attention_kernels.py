@@ -12,8 +12,8 @@ Prefill ("ours": the C++ prefill kernel, over the context gathered from the cach
 when some of it was cached) against SDPA on contiguous tensors with is_causal, i.e.
 attention with no paging at all. Times are the minimum over interleaved rounds (the
 CPU may be shared). --sharpness S multiplies the queries by S: scores spread S times
-as far; at S ~600 they lie hundreds apart and most probabilities fall under float32's
-normal range (2^-126), as a very sharp head's do: the case for denormal arithmetic.
+as far; at S ~600 they lie hundreds apart, as a very sharp head's do, and the softmax's
+products fall under float32's normal range (2^-126): the case for denormal arithmetic.
 """
 
 from __future__ import annotations

@@ -59,8 +59,9 @@ PANEL_SHAPES = pytest.mark.parametrize(
         (13, 100, 49),  # a partial tile of rows, a partial last panel
         (64, 1536, 576),  # SmolLM2's down projection: one k block or two (by the L2's size)
         # Several k blocks, each adding to the sums before, wherever a core's L2 holds up
-        # to 4 MiB (panel_linear.cpp's most_k_per_block), and several row blocks.
-        (400, 5000, 97),
+        # to 4 MiB, AVX2's 24-column panels too (panel_linear.cpp's most_k_per_block),
+        # and several row blocks.
+        (100, 22000, 97),
     ],
 )
 

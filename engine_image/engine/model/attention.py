@@ -19,6 +19,9 @@ Paths, chosen by the step kind:
   gathered KV stays cache-resident on CPU; on accelerators one group holds all. A
   shorter sequence's gathered positions past its end are zeroed: their slots hold
   other requests' or stale K/V, and a non-finite one times its zero weight is NaN.
+  (A draft row's later drafts in the same sequence stay masked by weight only: a
+  non-finite K or V the model made for a later draft still turns the earlier rows
+  of that sequence NaN here, where the kernel path never reads them.)
 - prefill on CPU with head_dim a multiple of 32, when the C++ kernels built: one
   causal_attention call per sequence (csrc/prefill_attention.cpp), the chunk's
   queries against its own K/V, or against the whole context gathered from the
@@ -49,8 +52,10 @@ def allocate_kv_cache(
 ) -> list[torch.Tensor]:
     """One kv[2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer.
 
-    Zero-filled, not empty: padded decode rows read (then mask out) slots that may
-    never have been written, and garbage NaNs there would survive a zero weight.
+    Zero-filled, not empty: no path reads a slot before it is written (the kernels
+    stop at each sequence's context, the torch path zeroes what it gathers past it),
+    but a pool of defined values keeps any stray read finite, and the memory is
+    committed now rather than at some later step.
     """
     if num_blocks < 1 or block_size < 1:
         raise ValueError(

@@ -24,9 +24,10 @@ namespace tandem {
 
 // Denormals flushed to zero, as results (FTZ) and as inputs (DAZ), on the calling thread
 // while in scope; the thread's mode is restored after. For the attention kernels, whose
-// online softmax makes them where scores lie ~87 or more apart: probabilities and
-// rescale factors under 2^-126, and products with them. Each operation that met or made
-// one took a microcode assist: with scores hundreds apart a SmolLM2 prefill layer took
+// online softmax makes them where scores lie ~87 or more apart: its exponentials stop at
+// 2^-126 (the exp functions below clamp), but their products do not, a probability
+// times a value row, an output row times its rescale factor. Each operation that made or
+// met one took a microcode assist: with scores hundreds apart a SmolLM2 prefill layer took
 // 50 ms against 5.1, a batch-64 decode 2.9-6.4x its time (a Xeon, docs/benchmarks.md).
 // Flushed, what such a value would add to a sum lies below float32's resolution of the
 // sum anyway. Per thread (the x86 MXCSR): each OpenMP thread takes its own.

@@ -134,7 +134,9 @@ void tile(const float* a, int64_t lda, const float* b, int64_t kc, const Sums& s
   for (int64_t k = 0; k < kc; ++k) {
     const float* bk = b + k * NR;
     // Rows are contiguous and the addresses at most a line apart: every line is asked
-    // for. (Past the slice's end they fetch the next k block's or panel's rows: harmless.)
+    // for. Past the slice's end they fetch the next k block's or panel's rows, which the
+    // next tile does not read first: harmless, and wrapping round to the slice's first
+    // rows (which it does read) measured no faster.
     for (int64_t i = 0; i < NR; i += LINE / sizeof(float)) __builtin_prefetch(bk + L1_AHEAD * NR + i, 0, 3);
     const wvec b0 = vload<wvec>(bk), b1 = vload<wvec>(bk + W), b2 = vload<wvec>(bk + 2 * W);
     if (--countdown == 0) {
