@@ -212,17 +212,15 @@ def test_decode_reads_nothing_past_a_sequences_context(
         ([(40 + 37 * i, 1 + i % 4) for i in range(9)], 9),
     ],
 )
-def test_kernel_spreads_a_large_step_over_threads(specs, heads: int, dtype: torch.dtype) -> None:
-    # The suite runs single-threaded (tests/conftest.py); a step this large takes the
-    # kernel's OpenMP path (>= 2048 token-heads), which must give the same answer.
+@pytest.mark.parametrize("threads", [2], indirect=True)
+def test_kernel_spreads_a_large_step_over_threads(
+    specs, heads: int, dtype: torch.dtype, threads: int
+) -> None:
+    # A step this large takes the kernel's OpenMP path (>= 2048 token-heads), which must
+    # give the same answer.
     gen = torch.Generator().manual_seed(2)
     seqs, num_blocks = make_seqs(specs, 3, 16, 16, gen)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        run_step(seqs, heads, 16, num_blocks, is_prefill=False, dtype=dtype, gen=gen, kernel=True)
-    finally:
-        torch.set_num_threads(threads)
+    run_step(seqs, heads, 16, num_blocks, is_prefill=False, dtype=dtype, gen=gen, kernel=True)
 
 
 def _kernel_decode(q, k, v, cache, slots, tables, ctx, query_start, group_heads=None):
@@ -242,7 +240,6 @@ def _kernel_decode(q, k, v, cache, slots, tables, ctx, query_start, group_heads=
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_items_of_one_or_several_kv_heads_agree(dtype: torch.dtype, threads: int) -> None:
     # Work items of several KV heads of a sequence (the default on Intel CPUs: their rows
     # read together) or of one KV head each (elsewhere) do the same sums in the same
@@ -267,15 +264,10 @@ def test_kernel_items_of_one_or_several_kv_heads_agree(dtype: torch.dtype, threa
     q = torch.randn(query_start[-1], heads, 16, generator=gen).to(dtype)
     k = torch.cat([s.k[s.start :] for s in seqs]).to(dtype)
     v = torch.cat([s.v[s.start :] for s in seqs]).to(dtype)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        grouped, single, default = (
-            _kernel_decode(q, k, v, cache, slots, tables, ctx, query_start, group_heads)
-            for group_heads in (True, False, None)
-        )
-    finally:
-        torch.set_num_threads(before)
+    grouped, single, default = (
+        _kernel_decode(q, k, v, cache, slots, tables, ctx, query_start, group_heads)
+        for group_heads in (True, False, None)
+    )
     assert torch.equal(grouped, single) and torch.equal(default, grouped)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     row = 0
@@ -441,7 +433,6 @@ def test_prefill_kernel_half_precision(dtype: torch.dtype) -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("is_prefill", [True, False])
-@pytest.mark.parametrize("threads", [1, 2])
 def test_kernels_on_scores_past_float32s_normal_range(is_prefill: bool, threads: int) -> None:
     """Scores ~30x as spread as usual (a sharp head: many probabilities under 2^-126,
     which the kernels flush to zero, kernel_common.h's FlushDenormals) still match the
@@ -453,29 +444,20 @@ def test_kernels_on_scores_past_float32s_normal_range(is_prefill: bool, threads:
         s.k *= 30.0  # with q ~ N(0, 1): scores ~ N(0, 30^2)
     tiny = torch.full((1 << 16,), 1e-39)  # made now: under flushing, it would be 0
     assert tiny.view(torch.int32).all(), "this thread flushes denormals already"
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        # float32 scores of ~100 carry errors of ~1e-5, which the softmax passes on
-        # (as much with denormals kept).
-        run_step(seqs, 4, 16, num_blocks, is_prefill, gen=gen, kernel=True, tol=1e-4)
-        # A denormal survives arithmetic on the calling thread and on torch's others
-        # (compared as bits: a float comparison would flush them too).
-        assert torch.equal((tiny * 1.0).view(torch.int32), tiny.view(torch.int32))
-    finally:
-        torch.set_num_threads(before)
+    # float32 scores of ~100 carry errors of ~1e-5, which the softmax passes on (as much
+    # with denormals kept).
+    run_step(seqs, 4, 16, num_blocks, is_prefill, gen=gen, kernel=True, tol=1e-4)
+    # A denormal survives arithmetic on the calling thread and on torch's others
+    # (compared as bits: a float comparison would flush them too).
+    assert torch.equal((tiny * 1.0).view(torch.int32), tiny.view(torch.int32))
 
 
 @needs_kernels
-def test_prefill_kernel_spreads_over_threads() -> None:
+@pytest.mark.parametrize("threads", [2], indirect=True)
+def test_prefill_kernel_spreads_over_threads(threads: int) -> None:
     gen = torch.Generator().manual_seed(10)
     seqs, num_blocks = make_seqs([(0, 200), (70, 150)], 2, 32, 16, gen)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        run_step(seqs, 4, 16, num_blocks, is_prefill=True, gen=gen)
-    finally:
-        torch.set_num_threads(threads)
+    run_step(seqs, 4, 16, num_blocks, is_prefill=True, gen=gen)
 
 
 @needs_kernels

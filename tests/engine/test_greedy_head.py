@@ -66,17 +66,13 @@ def test_the_screen_picks_the_float32_head_s_token(vocab, hidden, rows, tiles):
     assert torch.equal(screen(head, tiles)(x), float32_tokens(head, x))
 
 
-def test_the_screens_split_over_threads(tiles):
-    # The suite runs single-threaded (tests/conftest.py); the engine runs the screen on
-    # every thread, each with its own panels (and, on AMX, its own tile configuration).
+@pytest.mark.parametrize("threads", [2], indirect=True)
+def test_the_screens_split_over_threads(tiles, threads):
+    # The engine runs the screen on every thread, each with its own panels (and, on AMX,
+    # its own tile configuration).
     head = head_of(49152, 576)
     x = torch.randn(64, 576, generator=torch.Generator().manual_seed(3)) * 3
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert torch.equal(screen(head, tiles)(x), float32_tokens(head, x))
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.equal(screen(head, tiles)(x), float32_tokens(head, x))
 
 
 def test_the_head_screens_on_amx_where_this_process_may():

@@ -8,8 +8,6 @@ bfloat16 runs the same oneDNN kernel as F.linear, so it must match bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -64,14 +62,6 @@ PANEL_SHAPES = pytest.mark.parametrize(
         (100, 22000, 97),
     ],
 )
-
-
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(previous)
 
 
 def strided_rows(rows: int, features: int, gen: torch.Generator) -> torch.Tensor:
