@@ -264,8 +264,10 @@ def _decode_batch(
     )
 
     runs = _group_by_length(sorted_lens, group_tokens)
-    # A group masks when it verifies drafts (causal rows) or pads shorter contexts.
-    masked = [max_query > 1 or sorted_lens[f + n - 1] != sorted_lens[f] for f, n in runs]
+    # A group pads when its contexts differ (longest first: its last is its shortest), and
+    # masks when it pads or verifies drafts (causal rows).
+    pads = [sorted_lens[f + n - 1] != sorted_lens[f] for f, n in runs]
+    masked = [max_query > 1 or p for p in pads]
     ctx = torch.arange(longest)
     bias = None
     if any(masked):
@@ -274,15 +276,17 @@ def _decode_batch(
         bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf")).to(device)
     # Moved whole, then sliced per group on the device.
     slots = (tables[order][:, ctx // block_size] * block_size + ctx % block_size).to(device)
-    past_end = ctx[:, None] >= torch.tensor(sorted_lens)[None, :]  # [L, seqs]
+    past_end = None
+    if any(pads):
+        past_end = ctx[:, None] >= torch.tensor(sorted_lens)[None, :]  # [L, seqs]
     groups = []
-    for (first, n), needs_mask in zip(runs, masked, strict=True):
+    for (first, n), needs_mask, needs_padding in zip(runs, masked, pads, strict=True):
         length = sorted_lens[first]
         group_bias = None
         if bias is not None and needs_mask:
             group_bias = bias[first : first + n, None, :length, None, :]
         padding = None
-        if sorted_lens[first + n - 1] != length:
+        if past_end is not None and needs_padding:
             padding = past_end[:length, first : first + n].to(device)
         groups.append(
             DecodeGroup(
