@@ -45,15 +45,17 @@ class Seq:
 
 
 def reference(q: torch.Tensor, seq: Seq, scale: float) -> torch.Tensor:
-    """Dense attention of the step's rows over the whole sequence, float64."""
+    """Dense attention of the step's rows over the whole sequence, float64, each row
+    over its own prefix only (so that no later position's values reach it at all)."""
     group = q.shape[1] // seq.k.shape[1]
     k = seq.k.double().repeat_interleave(group, 1)
     v = seq.v.double().repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    q_pos = torch.arange(seq.start, seq.k.shape[0])
-    causal = torch.arange(seq.k.shape[0])[None, :] <= q_pos[:, None]
-    scores = scores.masked_fill(~causal, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    rows = []
+    for i, row in enumerate(q.double()):
+        end = seq.start + i + 1
+        weights = (torch.einsum("hd,khd->hk", row, k[:end]) * scale).softmax(-1)
+        rows.append(torch.einsum("hk,khd->hd", weights, v[:end]))
+    return torch.stack(rows)
 
 
 def run_step(
@@ -69,15 +71,20 @@ def run_step(
     fused_qkv: bool = False,
     tol: float | None = None,
     stale: float = 0.0,
+    poison: float | None = None,
 ) -> None:
     """Cache the prefixes, run one step, check outputs and the written cache.
 
     kernel picks the decode path (AttentionMetadata.build); fused_qkv passes q, k, v as
     strided views of one [T, (H + 2 KVH) * D] tensor, as a fused projection makes them;
     tol overrides the dtype's tolerance against the float64 reference; stale fills the
-    cache's slots that no sequence writes.
+    cache's slots that no sequence writes; poison replaces each sequence's last K and V
+    row (a later draft the model overflowed on), and that row goes unchecked.
     """
     kv_heads, head_dim = seqs[0].k.shape[1:]
+    if poison is not None:
+        for s in seqs:
+            s.k[-1], s.v[-1] = poison, poison
     cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), stale, dtype=dtype)
     flat = cache.view(2, -1, kv_heads, head_dim)
     for s in seqs:
@@ -116,13 +123,16 @@ def run_step(
         tol = {torch.float32: 1e-5, torch.float16: 5e-3}.get(dtype, 3e-2)
     row = 0
     for s in seqs:
-        want = reference(q[row : row + s.count].to(dtype), s, scale)
-        torch.testing.assert_close(out[row : row + s.count].double(), want, atol=tol, rtol=tol)
+        checked = s.count - 1 if poison is not None else s.count
+        want = reference(q[row : row + checked].to(dtype), s, scale)
+        torch.testing.assert_close(out[row : row + checked].double(), want, atol=tol, rtol=tol)
         row += s.count
         for p in range(s.start, s.k.shape[0]):
             slot = s.table[p // block_size] * block_size + p % block_size
-            assert torch.equal(flat[0, slot], s.k[p].to(dtype))
-            assert torch.equal(flat[1, slot], s.v[p].to(dtype))
+            for half, values in ((0, s.k), (1, s.v)):
+                torch.testing.assert_close(
+                    flat[half, slot], values[p].to(dtype), rtol=0, atol=0, equal_nan=True
+                )
 
 
 def make_seqs(
@@ -195,6 +205,30 @@ def test_decode_reads_nothing_past_a_sequences_context(
     specs = [(45, 1 + drafts), (6, 1 + drafts), (23, 1 + drafts), (2, 1 + drafts)]
     seqs, num_blocks = make_seqs(specs, 2, 16, 4, gen)
     run_step(seqs, 4, 4, num_blocks, is_prefill=False, gen=gen, kernel=kernel, stale=stale)
+
+
+@pytest.mark.parametrize("kernel", PATHS)
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_a_later_drafts_non_finite_kv_leaves_the_rows_before_it_exact(
+    kernel: bool, poison: float
+) -> None:
+    """A draft whose K/V overflowed may be read only by its own row: the rows before it,
+    which decide whether it is accepted, stay exact on both paths. Mixed draft counts and
+    contexts, so that the torch path pads and groups alike."""
+    gen = torch.Generator().manual_seed(14)
+    specs = [(45, 1 + 3), (6, 1 + 1), (23, 1 + 4), (9, 1 + 2)]
+    seqs, num_blocks = make_seqs(specs, 2, 16, 4, gen)
+    run_step(
+        seqs,
+        4,
+        4,
+        num_blocks,
+        is_prefill=False,
+        gen=gen,
+        kernel=kernel,
+        poison=poison,
+        stale=poison,
+    )
 
 
 @needs_kernels
@@ -569,9 +603,14 @@ def test_decode_groups_split_by_budget() -> None:
     # Longest first; 100 tokens alone, then 32 + 31 padded to 2 * 32, then 11.
     assert [(g.first, g.num_seqs) for g in groups] == [(0, 1), (1, 2), (3, 1)]
     assert [g.max_context for g in groups] == [100, 32, 11]
-    # Nothing to mask: one query each, and no padding in the single-sequence groups.
-    assert groups[0].bias is None and groups[2].bias is None
-    assert groups[1].bias is not None
+    # Nothing to hide: one query each, and no padding in the single-sequence groups.
+    assert all(g.bias is None and g.zero_index is None for g in (groups[0], groups[2]))
+    assert groups[1].bias is not None and groups[1].zero_index is not None
+    assert groups[1].zero_index.tolist() == [31 * 2 + 1]  # position 31 of the second
+    assert not any(g.drafts for g in groups)
+    # Sequence 3 (rows at 31 and 32, sorted second) verifies the only draft: position 32
+    # is zeroed in the gathered K/V (as is all past its end), then read by its second row
+    # only.
     unlimited = AttentionMetadata.build(
         [10, 99, 30, 31],
         [1, 1, 1, 2],
@@ -583,6 +622,15 @@ def test_decode_groups_split_by_budget() -> None:
         kernel=False,
     )
     assert unlimited.decode is not None and len(unlimited.decode.groups) == 1
+    (group,) = unlimited.decode.groups
+    assert group.drafts is not None and group.zero_index is not None
+    assert group.drafts.positions.tolist() == [[0], [32], [0], [0]]
+    visible = [[[False, False]], [[False, True]], [[False, False]], [[False, False]]]
+    assert group.drafts.visible.tolist() == visible
+    zeroed = {(int(i) // 4, int(i) % 4) for i in group.zero_index}  # (position, seq)
+    assert {p for p, s in zeroed if s == 0} == set()
+    assert {p for p, s in zeroed if s == 1} == set(range(32, 100))
+    assert {p for p, s in zeroed if s == 3} == set(range(11, 100))
 
 
 def test_slot_mapping() -> None:

@@ -16,12 +16,12 @@ Paths, chosen by the step kind:
   TANDEM_CPU_KERNELS=0 / build(kernel=False)): sequences are sorted by context
   length and batched in groups; each group gathers its context from the cache and
   runs two grouped batched matmuls (no KV-head expansion). Groups are sized so the
-  gathered KV stays cache-resident on CPU; on accelerators one group holds all. A
-  shorter sequence's gathered positions past its end are zeroed: their slots hold
-  other requests' or stale K/V, and a non-finite one times its zero weight is NaN.
-  (A draft row's later drafts in the same sequence stay masked by weight only: a
-  non-finite K or V the model made for a later draft still turns the earlier rows
-  of that sequence NaN here, where the kernel path never reads them.)
+  gathered KV stays cache-resident on CPU; on accelerators one group holds all.
+  What a row must not read it reads as nothing, as the kernel does, even where the
+  K/V are not finite (another request's, a stale slot's, an overflowed draft's: a
+  zero weight times inf is NaN): the gathered copy is zeroed past each sequence's
+  end and at its later drafts, whose scores and values then go, from a copy kept
+  aside, to the rows that read them only.
 - prefill on CPU with head_dim a multiple of 32, when the C++ kernels built: one
   causal_attention call per sequence (csrc/prefill_attention.cpp), the chunk's
   queries against its own K/V, or against the whole context gathered from the
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.model import cpu_kernels
-from tandem.engine.model.attention_metadata import AttentionMetadata
+from tandem.engine.model.attention_metadata import AttentionMetadata, DraftTail
 from tandem.engine.model.model_config import ModelConfig
 
 # The C++ prefill kernel's register tiles are 32 floats wide (csrc/prefill_attention.cpp).
@@ -124,11 +124,11 @@ def _decode(
         n, ctx = g.num_seqs, g.max_context
         rows = slice(g.first * kv_heads, (g.first + n) * kv_heads)
         kv = flat.index_select(1, g.gather_index)
-        if g.padding is not None:
-            # Past a shorter sequence's end the slots hold another request's K/V, or stale
-            # values: a non-finite one would make its zero weight NaN (0 * inf). Zeroed.
-            padded = g.padding[None, :, :, None, None]
-            kv.view(2, ctx, n, kv_heads, head_dim).masked_fill_(padded, 0)
+        tail = None
+        if g.drafts is not None:  # the later drafts' K/V, kept before they are zeroed
+            tail = kv.view(2, ctx, n, kv_heads, head_dim)[:, g.drafts.positions, g.drafts.seq]
+        if g.zero_index is not None:
+            kv.index_fill_(1, g.zero_index, 0)
         # [ctx, n * KVH, D]: batch index (seq, kv head) has a uniform stride, so bmm reads
         # the gathered tensor in place instead of copying it into a contiguous layout.
         kv = kv.view(2, ctx, n * kv_heads, head_dim)
@@ -136,11 +136,46 @@ def _decode(
         scores = torch.bmm(kv[0].transpose(0, 1), qs[rows].transpose(1, 2))
         if g.bias is not None:
             scores = scores.view(n, kv_heads, ctx, group, nq) + g.bias
+            if g.drafts is not None and tail is not None:
+                _put_draft_scores(scores, tail[0], qs[rows], g.drafts)
             scores = scores.view(n * kv_heads, ctx, group * nq)
         probs = torch.softmax(scores, dim=1, dtype=torch.float32).to(q.dtype)
         torch.bmm(probs.transpose(1, 2), kv[1].transpose(0, 1), out=res[rows])
+        if g.drafts is not None and tail is not None:
+            _add_draft_values(res[rows], probs, tail[1], g.drafts, group)
     res = res.view(seqs, kv_heads, group, nq, head_dim).permute(0, 3, 1, 2, 4)
     return res.reshape(seqs * nq, heads, head_dim).index_select(0, batch.out_index)
+
+
+def _put_draft_scores(
+    scores: torch.Tensor, keys: torch.Tensor, q: torch.Tensor, drafts: DraftTail
+) -> None:
+    """Writes the later drafts' scores, from their keys [n, T, KVH, D] (zeroed in the
+    gathered copy), into scores [n, KVH, ctx, group, nq] for the rows that read them."""
+    n, drafted, kv_heads, head_dim = keys.shape
+    _, _, _, group, nq = scores.shape
+    keys = keys.transpose(1, 2).reshape(n * kv_heads, drafted, head_dim)
+    exact = torch.bmm(keys, q.transpose(1, 2)).view(n, kv_heads, drafted, group, nq)
+    at = (drafts.seq, slice(None), drafts.positions)  # [n, T, KVH, group, nq]
+    visible = drafts.visible[:, :, None, None, :]
+    scores[at] = torch.where(visible, exact.transpose(1, 2), scores[at])
+
+
+def _add_draft_values(
+    out: torch.Tensor, probs: torch.Tensor, values: torch.Tensor, drafts: DraftTail, group: int
+) -> None:
+    """Adds the later drafts' values [n, T, KVH, D] (zeroed in the gathered copy) into
+    out [n * KVH, group * nq, D] for the rows that read them: each row's own copy of the
+    values holds only what it may see."""
+    n, drafted, kv_heads, head_dim = values.shape
+    nq = drafts.visible.shape[2]
+    weights = probs.view(n, kv_heads, -1, group, nq)[drafts.seq, :, drafts.positions]
+    weights = weights.permute(0, 2, 4, 3, 1).reshape(n * kv_heads * nq, group, drafted)
+    seen = drafts.visible.transpose(1, 2)[:, None, :, :, None]  # [n, 1, nq, T, 1]
+    values = torch.where(seen, values.transpose(1, 2)[:, :, None], 0)  # [n, KVH, nq, T, D]
+    added = torch.bmm(weights, values.reshape(n * kv_heads * nq, drafted, head_dim))
+    out = out.view(n, kv_heads, group, nq, head_dim)
+    out.add_(added.view(n, kv_heads, nq, group, head_dim).transpose(2, 3))
 
 
 def _prefill(

@@ -39,6 +39,22 @@ def decode_group_tokens(config: ModelConfig, dtype: torch.dtype, device: torch.d
 
 
 @dataclass(frozen=True, slots=True)
+class DraftTail:
+    """A group's later drafts: the context positions that some of a sequence's own rows
+    must not read (row i of n sits at position c - n + i and reads up to it, so the last
+    n - 1 positions are each hidden from the rows before them)."""
+
+    # [num_seqs, 1] the group's sequence of each tail entry (an index, broadcast).
+    seq: torch.Tensor
+    # [num_seqs, max_query - 1] positions c - n + 1 .. c - 1 of each sequence, padded
+    # with 0 where it verifies fewer drafts.
+    positions: torch.Tensor
+    # [num_seqs, max_query - 1, max_query] bool: query row i reads entry t (t < i, and t
+    # one of the sequence's own; padding entries are read by no row).
+    visible: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
 class DecodeGroup:
     """Sequences first:first+num_seqs of the decode batch, padded to the longest context."""
 
@@ -51,10 +67,14 @@ class DecodeGroup:
     # [num_seqs, 1, max_context, 1, max_query] float32 0/-inf (causal and padding), a view
     # into one batch-wide tensor; None when the group masks nothing.
     bias: torch.Tensor | None
-    # [max_context, num_seqs] bool, position-major as gather_index: positions past each
-    # sequence's context, whose slots hold other requests' or stale K/V; None when the
-    # group's contexts are all one length.
-    padding: torch.Tensor | None = None
+    # Positions zeroed in the gathered K/V (index l * num_seqs + s, position-major as
+    # gather_index): past each sequence's end, where the slots hold other requests' or
+    # stale K/V, and its later drafts. A zero weight times a non-finite value would be
+    # NaN where the bias hides them. None when there are none.
+    zero_index: torch.Tensor | None = None
+    # The later drafts, whose scores and values go (from a copy kept before zeroing) to
+    # the rows that read them only.
+    drafts: DraftTail | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,41 +284,60 @@ def _decode_batch(
     )
 
     runs = _group_by_length(sorted_lens, group_tokens)
-    # A group pads when its contexts differ (longest first: its last is its shortest), and
-    # masks when it pads or verifies drafts (causal rows).
+    sorted_counts = counts[order]
+    # A group pads when its contexts differ (longest first: its last is its shortest),
+    # verifies drafts when a sequence feeds more than one row, and hides positions from
+    # some rows when it does either.
     pads = [sorted_lens[f + n - 1] != sorted_lens[f] for f, n in runs]
-    masked = [max_query > 1 or p for p in pads]
+    drafts = [bool((sorted_counts[f : f + n] > 1).any()) for f, n in runs]
     ctx = torch.arange(longest)
-    bias = None
-    if any(masked):
+    bias = zeroed = tail = None
+    if any(pads) or any(drafts):
         q_pos = torch.tensor(start_positions)[order][:, None] + clamped
-        allowed = ctx[None, :, None] <= q_pos[:, None, :]  # [seqs, L, max_query]
-        bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf")).to(device)
+        hidden = ctx[None, :, None] > q_pos[:, None, :]  # [seqs, L, max_query]
+        bias = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf")).to(device)
+        zeroed = ctx[:, None] >= torch.tensor(sorted_lens)[None, :]  # [L, seqs]: past the end
+        if any(drafts):
+            tail = [t.to(device) for t in _draft_tail(sorted_lens, sorted_counts, hidden, zeroed)]
     # Moved whole, then sliced per group on the device.
     slots = (tables[order][:, ctx // block_size] * block_size + ctx % block_size).to(device)
-    past_end = None
-    if any(pads):
-        past_end = ctx[:, None] >= torch.tensor(sorted_lens)[None, :]  # [L, seqs]
     groups = []
-    for (first, n), needs_mask, needs_padding in zip(runs, masked, pads, strict=True):
-        length = sorted_lens[first]
-        group_bias = None
-        if bias is not None and needs_mask:
-            group_bias = bias[first : first + n, None, :length, None, :]
-        padding = None
-        if past_end is not None and needs_padding:
-            padding = past_end[:length, first : first + n].to(device)
+    for (first, n), group_pads, group_drafts in zip(runs, pads, drafts, strict=True):
+        length, seqs = sorted_lens[first], slice(first, first + n)
+        group_bias = zero_index = group_tail = None
+        if bias is not None and zeroed is not None and (group_pads or group_drafts):
+            group_bias = bias[seqs, None, :length, None, :]
+            zero_index = zeroed[:length, seqs].flatten().nonzero().flatten().to(device)
+        if tail is not None and group_drafts:
+            seq = torch.arange(n, device=device)[:, None]
+            group_tail = DraftTail(seq, tail[0][seqs], tail[1][seqs])
         groups.append(
             DecodeGroup(
                 first=first,
                 num_seqs=n,
                 max_context=length,
-                gather_index=slots[first : first + n, :length].t().reshape(-1),
+                gather_index=slots[seqs, :length].t().reshape(-1),
                 bias=group_bias,
-                padding=padding,
+                zero_index=zero_index,
+                drafts=group_tail,
             )
         )
     return DecodeBatch(max_query, q_index.to(device), out_index.to(device), tuple(groups))
+
+
+def _draft_tail(
+    sorted_lens: list[int], sorted_counts: torch.Tensor, hidden: torch.Tensor, zeroed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DraftTail's positions and visible for the whole batch (sorted order, on CPU); the
+    positions are also marked in zeroed [L, seqs]."""
+    seqs = torch.arange(len(sorted_lens))[:, None]
+    entry = torch.arange(hidden.shape[2] - 1)[None, :]
+    real = entry < sorted_counts[:, None] - 1  # [seqs, T]
+    ends = torch.tensor(sorted_lens)[:, None]
+    positions = torch.where(real, ends - sorted_counts[:, None] + 1 + entry, 0)
+    visible = ~hidden[seqs, positions] & real[:, :, None]  # [seqs, T, max_query]
+    zeroed[positions[real], seqs.expand_as(positions)[real]] = True
+    return positions, visible
 
 
 def _prefill_seq(
