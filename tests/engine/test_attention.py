@@ -608,9 +608,9 @@ def test_decode_groups_split_by_budget() -> None:
     assert groups[1].bias is not None and groups[1].zero_index is not None
     assert groups[1].zero_index.tolist() == [31 * 2 + 1]  # position 31 of the second
     assert not any(g.drafts for g in groups)
-    # Sequence 3 (rows at 31 and 32, sorted second) verifies the only draft: position 32
-    # is zeroed in the gathered K/V (as is all past its end), then read by its second row
-    # only.
+    # Sequence 3 (rows at 31 and 32, sorted second) verifies the only draft, at 32: its
+    # score is set to -inf for the first row, and its V zeroed in the gathered copy and
+    # read by the second row only. The gathered K/V past each end are zeroed.
     unlimited = AttentionMetadata.build(
         [10, 99, 30, 31],
         [1, 1, 1, 2],
@@ -621,15 +621,21 @@ def test_decode_groups_split_by_budget() -> None:
         group_tokens=0,
         kernel=False,
     )
-    assert unlimited.decode is not None and len(unlimited.decode.groups) == 1
-    (group,) = unlimited.decode.groups
+    decode = unlimited.decode
+    assert decode is not None and len(decode.groups) == 1
+    (group,) = decode.groups
     assert group.drafts is not None and group.zero_index is not None
     assert group.drafts.positions.tolist() == [[0], [32], [0], [0]]
-    visible = [[[False, False]], [[False, True]], [[False, False]], [[False, False]]]
-    assert group.drafts.visible.tolist() == visible
+    assert [t.tolist() for t in group.drafts.hidden] == [[1], [32], [0]]
+    assert group.drafts.value_index.tolist() == [32 * 4 + 1]
+    assert decode.draft_visible is not None
+    assert (
+        decode.draft_visible.tolist()
+        == [[[False], [False]], [[False], [True]]] + [[[False], [False]]] * 2
+    )
     zeroed = {(int(i) // 4, int(i) % 4) for i in group.zero_index}  # (position, seq)
     assert {p for p, s in zeroed if s == 0} == set()
-    assert {p for p, s in zeroed if s == 1} == set(range(32, 100))
+    assert {p for p, s in zeroed if s == 1} == set(range(33, 100))
     assert {p for p, s in zeroed if s == 3} == set(range(11, 100))
 
 

@@ -19,9 +19,9 @@ Paths, chosen by the step kind:
   gathered KV stays cache-resident on CPU; on accelerators one group holds all.
   What a row must not read it reads as nothing, as the kernel does, even where the
   K/V are not finite (another request's, a stale slot's, an overflowed draft's: a
-  zero weight times inf is NaN): the gathered copy is zeroed past each sequence's
-  end and at its later drafts, whose scores and values then go, from a copy kept
-  aside, to the rows that read them only.
+  zero weight times inf is NaN, and so is -inf plus inf): the gathered copy is
+  zeroed past each sequence's end; a later draft's hidden scores are set to -inf,
+  and its V, zeroed there, goes to the rows that read it only.
 - prefill on CPU with head_dim a multiple of 32, when the C++ kernels built: one
   causal_attention call per sequence (csrc/prefill_attention.cpp), the chunk's
   queries against its own K/V, or against the whole context gathered from the
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.model import cpu_kernels
-from tandem.engine.model.attention_metadata import AttentionMetadata, DraftTail
+from tandem.engine.model.attention_metadata import AttentionMetadata, DecodeBatch, DraftTail
 from tandem.engine.model.model_config import ModelConfig
 
 # The C++ prefill kernel's register tiles are 32 floats wide (csrc/prefill_attention.cpp).
@@ -95,7 +95,7 @@ def paged_attention(
     flat[1].index_copy_(0, meta.slot_mapping, v)
     if meta.is_prefill:
         return _prefill(q, k, v, flat, meta, scale)
-    return _decode(q, flat, meta, scale)
+    return _decode(q, v, flat, meta, scale)
 
 
 def _dense_heads(x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +107,7 @@ def _dense_heads(x: torch.Tensor) -> torch.Tensor:
 
 
 def _decode(
-    q: torch.Tensor, flat: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, v: torch.Tensor, flat: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     batch = meta.decode
     if batch is None:
@@ -120,15 +120,15 @@ def _decode(
     qs = (q.index_select(0, batch.q_index) * scale).view(seqs, nq, kv_heads, group, head_dim)
     qs = qs.permute(0, 2, 3, 1, 4).reshape(seqs * kv_heads, group * nq, head_dim)
     res = torch.empty_like(qs)
+    drafts = _draft_values(v, batch) if batch.draft_visible is not None else None
     for g in batch.groups:
         n, ctx = g.num_seqs, g.max_context
         rows = slice(g.first * kv_heads, (g.first + n) * kv_heads)
         kv = flat.index_select(1, g.gather_index)
-        tail = None
-        if g.drafts is not None:  # the later drafts' K/V, kept before they are zeroed
-            tail = kv.view(2, ctx, n, kv_heads, head_dim)[:, g.drafts.positions, g.drafts.seq]
         if g.zero_index is not None:
             kv.index_fill_(1, g.zero_index, 0)
+        if g.drafts is not None:
+            kv[1].index_fill_(0, g.drafts.value_index, 0)
         # [ctx, n * KVH, D]: batch index (seq, kv head) has a uniform stride, so bmm reads
         # the gathered tensor in place instead of copying it into a contiguous layout.
         kv = kv.view(2, ctx, n * kv_heads, head_dim)
@@ -136,46 +136,47 @@ def _decode(
         scores = torch.bmm(kv[0].transpose(0, 1), qs[rows].transpose(1, 2))
         if g.bias is not None:
             scores = scores.view(n, kv_heads, ctx, group, nq) + g.bias
-            if g.drafts is not None and tail is not None:
-                _put_draft_scores(scores, tail[0], qs[rows], g.drafts)
+            if g.drafts is not None:  # -inf plus a non-finite K would be NaN: set, not added
+                s, p, i = g.drafts.hidden
+                scores[s, :, p, :, i] = -torch.inf
             scores = scores.view(n * kv_heads, ctx, group * nq)
         probs = torch.softmax(scores, dim=1, dtype=torch.float32).to(q.dtype)
         torch.bmm(probs.transpose(1, 2), kv[1].transpose(0, 1), out=res[rows])
-        if g.drafts is not None and tail is not None:
-            _add_draft_values(res[rows], probs, tail[1], g.drafts, group)
+        if g.drafts is not None and drafts is not None:
+            first, last = g.first * kv_heads * nq, (g.first + n) * kv_heads * nq
+            _add_draft_values(res[rows], probs, drafts[first:last], g.drafts, group)
     res = res.view(seqs, kv_heads, group, nq, head_dim).permute(0, 3, 1, 2, 4)
     return res.reshape(seqs * nq, heads, head_dim).index_select(0, batch.out_index)
 
 
-def _put_draft_scores(
-    scores: torch.Tensor, keys: torch.Tensor, q: torch.Tensor, drafts: DraftTail
-) -> None:
-    """Writes the later drafts' scores, from their keys [n, T, KVH, D] (zeroed in the
-    gathered copy), into scores [n, KVH, ctx, group, nq] for the rows that read them."""
-    n, drafted, kv_heads, head_dim = keys.shape
-    _, _, _, group, nq = scores.shape
-    keys = keys.transpose(1, 2).reshape(n * kv_heads, drafted, head_dim)
-    exact = torch.bmm(keys, q.transpose(1, 2)).view(n, kv_heads, drafted, group, nq)
-    at = (drafts.seq, slice(None), drafts.positions)  # [n, T, KVH, group, nq]
-    visible = drafts.visible[:, :, None, None, :]
-    scores[at] = torch.where(visible, exact.transpose(1, 2), scores[at])
+def _draft_values(v: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+    """The step's drafts' V rows, one copy per query row holding only the drafts it reads
+    (zeros elsewhere, so that a non-finite value reaches no row before it):
+    [seqs * KVH * max_query, max_query - 1, D], sorted order."""
+    visible = batch.draft_visible
+    if visible is None:
+        raise ValueError("decode metadata without drafts")
+    seqs, nq, drafted = visible.shape
+    kv_heads, head_dim = v.shape[1:]
+    # Row t + 1 of each sequence fed draft t (a sequence's padded rows repeat its last).
+    rows = v.index_select(0, batch.q_index).view(seqs, nq, kv_heads, head_dim)[:, 1:]
+    seen = visible[:, None, :, :, None]  # [seqs, 1, nq, T, 1]
+    values = torch.where(seen, rows.transpose(1, 2)[:, :, None], 0)  # [seqs, KVH, nq, T, D]
+    return values.reshape(seqs * kv_heads * nq, drafted, head_dim)
 
 
 def _add_draft_values(
     out: torch.Tensor, probs: torch.Tensor, values: torch.Tensor, drafts: DraftTail, group: int
 ) -> None:
-    """Adds the later drafts' values [n, T, KVH, D] (zeroed in the gathered copy) into
-    out [n * KVH, group * nq, D] for the rows that read them: each row's own copy of the
-    values holds only what it may see."""
-    n, drafted, kv_heads, head_dim = values.shape
-    nq = drafts.visible.shape[2]
+    """Adds the drafts' values (_draft_values' rows for the group; zeroed in the gathered
+    copy) into out [n * KVH, group * nq, D], weighted by each row's probabilities."""
+    nq = values.shape[0] // out.shape[0]
+    n, drafted = drafts.positions.shape
+    kv_heads, head_dim = out.shape[0] // n, out.shape[2]
     weights = probs.view(n, kv_heads, -1, group, nq)[drafts.seq, :, drafts.positions]
     weights = weights.permute(0, 2, 4, 3, 1).reshape(n * kv_heads * nq, group, drafted)
-    seen = drafts.visible.transpose(1, 2)[:, None, :, :, None]  # [n, 1, nq, T, 1]
-    values = torch.where(seen, values.transpose(1, 2)[:, :, None], 0)  # [n, KVH, nq, T, D]
-    added = torch.bmm(weights, values.reshape(n * kv_heads * nq, drafted, head_dim))
-    out = out.view(n, kv_heads, group, nq, head_dim)
-    out.add_(added.view(n, kv_heads, nq, group, head_dim).transpose(2, 3))
+    added = torch.bmm(weights, values).view(n, kv_heads, nq, group, head_dim)
+    out.view(n, kv_heads, group, nq, head_dim).add_(added.transpose(2, 3))
 
 
 def _prefill(

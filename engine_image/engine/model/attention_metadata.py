@@ -40,18 +40,20 @@ def decode_group_tokens(config: ModelConfig, dtype: torch.dtype, device: torch.d
 
 @dataclass(frozen=True, slots=True)
 class DraftTail:
-    """A group's later drafts: the context positions that some of a sequence's own rows
-    must not read (row i of n sits at position c - n + i and reads up to it, so the last
-    n - 1 positions are each hidden from the rows before them)."""
+    """A group's later drafts: row i of a sequence's n sits at position c - n + i and
+    reads up to it, so its last n - 1 positions are each hidden from the rows before
+    them. Their K stays in the gathered copy (hidden scores are set to -inf by index);
+    their V is zeroed there and added back to the rows that read it."""
 
-    # [num_seqs, 1] the group's sequence of each tail entry (an index, broadcast).
+    # [num_seqs, 1] the group's sequence of each entry (an index, broadcast).
     seq: torch.Tensor
-    # [num_seqs, max_query - 1] positions c - n + 1 .. c - 1 of each sequence, padded
-    # with 0 where it verifies fewer drafts.
+    # [num_seqs, max_query - 1] positions c - n + 1 .. c - 1 of each sequence, padded with
+    # 0 where it verifies fewer drafts (DecodeBatch.draft_visible hides those).
     positions: torch.Tensor
-    # [num_seqs, max_query - 1, max_query] bool: query row i reads entry t (t < i, and t
-    # one of the sequence's own; padding entries are read by no row).
-    visible: torch.Tensor
+    # [hidden pairs] each: (sequence, position, query row) of a draft hidden from a row.
+    hidden: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    # The drafts' V in the gathered copy (index l * num_seqs + s), zeroed.
+    value_index: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,13 +69,11 @@ class DecodeGroup:
     # [num_seqs, 1, max_context, 1, max_query] float32 0/-inf (causal and padding), a view
     # into one batch-wide tensor; None when the group masks nothing.
     bias: torch.Tensor | None
-    # Positions zeroed in the gathered K/V (index l * num_seqs + s, position-major as
-    # gather_index): past each sequence's end, where the slots hold other requests' or
-    # stale K/V, and its later drafts. A zero weight times a non-finite value would be
-    # NaN where the bias hides them. None when there are none.
+    # Positions past each sequence's end, zeroed in the gathered K/V (index l * num_seqs
+    # + s, position-major as gather_index): the slots hold other requests' or stale K/V,
+    # and a zero weight or a -inf bias meeting a non-finite one is NaN. None when none.
     zero_index: torch.Tensor | None = None
-    # The later drafts, whose scores and values go (from a copy kept before zeroing) to
-    # the rows that read them only.
+    # The group's later drafts, None when it verifies none.
     drafts: DraftTail | None = None
 
 
@@ -91,6 +91,10 @@ class DecodeBatch:
     # [T] for each flat row, its row in the padded sorted result.
     out_index: torch.Tensor
     groups: tuple[DecodeGroup, ...]
+    # [num_seqs, max_query, max_query - 1] bool, sorted order: query row i reads draft t
+    # (the row at q_index[s * max_query + t + 1]): t < i, and t one of its own. None
+    # without drafts.
+    draft_visible: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,26 +295,25 @@ def _decode_batch(
     pads = [sorted_lens[f + n - 1] != sorted_lens[f] for f, n in runs]
     drafts = [bool((sorted_counts[f : f + n] > 1).any()) for f, n in runs]
     ctx = torch.arange(longest)
-    bias = zeroed = tail = None
+    bias = past_end = None
     if any(pads) or any(drafts):
         q_pos = torch.tensor(start_positions)[order][:, None] + clamped
         hidden = ctx[None, :, None] > q_pos[:, None, :]  # [seqs, L, max_query]
         bias = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf")).to(device)
-        zeroed = ctx[:, None] >= torch.tensor(sorted_lens)[None, :]  # [L, seqs]: past the end
-        if any(drafts):
-            tail = [t.to(device) for t in _draft_tail(sorted_lens, sorted_counts, hidden, zeroed)]
+        past_end = ctx[:, None] >= torch.tensor(sorted_lens)[None, :]  # [L, seqs]
+    tails = _DraftTails(sorted_lens, sorted_counts) if any(drafts) else None
     # Moved whole, then sliced per group on the device.
     slots = (tables[order][:, ctx // block_size] * block_size + ctx % block_size).to(device)
     groups = []
     for (first, n), group_pads, group_drafts in zip(runs, pads, drafts, strict=True):
         length, seqs = sorted_lens[first], slice(first, first + n)
         group_bias = zero_index = group_tail = None
-        if bias is not None and zeroed is not None and (group_pads or group_drafts):
+        if bias is not None and (group_pads or group_drafts):
             group_bias = bias[seqs, None, :length, None, :]
-            zero_index = zeroed[:length, seqs].flatten().nonzero().flatten().to(device)
-        if tail is not None and group_drafts:
-            seq = torch.arange(n, device=device)[:, None]
-            group_tail = DraftTail(seq, tail[0][seqs], tail[1][seqs])
+        if past_end is not None and group_pads:
+            zero_index = past_end[:length, seqs].flatten().nonzero().flatten().to(device)
+        if tails is not None and group_drafts:
+            group_tail = tails.group(first, n, device)
         groups.append(
             DecodeGroup(
                 first=first,
@@ -322,22 +325,35 @@ def _decode_batch(
                 drafts=group_tail,
             )
         )
-    return DecodeBatch(max_query, q_index.to(device), out_index.to(device), tuple(groups))
+    visible = tails.visible.to(device) if tails is not None else None
+    return DecodeBatch(max_query, q_index.to(device), out_index.to(device), tuple(groups), visible)
 
 
-def _draft_tail(
-    sorted_lens: list[int], sorted_counts: torch.Tensor, hidden: torch.Tensor, zeroed: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """DraftTail's positions and visible for the whole batch (sorted order, on CPU); the
-    positions are also marked in zeroed [L, seqs]."""
-    seqs = torch.arange(len(sorted_lens))[:, None]
-    entry = torch.arange(hidden.shape[2] - 1)[None, :]
-    real = entry < sorted_counts[:, None] - 1  # [seqs, T]
-    ends = torch.tensor(sorted_lens)[:, None]
-    positions = torch.where(real, ends - sorted_counts[:, None] + 1 + entry, 0)
-    visible = ~hidden[seqs, positions] & real[:, :, None]  # [seqs, T, max_query]
-    zeroed[positions[real], seqs.expand_as(positions)[real]] = True
-    return positions, visible
+class _DraftTails:
+    """The batch's later drafts, in sorted order, on CPU, cut into DraftTails per group."""
+
+    def __init__(self, sorted_lens: list[int], sorted_counts: torch.Tensor) -> None:
+        drafted = int(sorted_counts.max()) - 1
+        entry = torch.arange(drafted)[None, :]
+        real = entry < sorted_counts[:, None] - 1  # [seqs, T]
+        first = torch.tensor(sorted_lens)[:, None] - sorted_counts[:, None] + 1
+        self.positions = torch.where(real, first + entry, 0)
+        row = torch.arange(drafted + 1)[:, None]
+        self.visible = (entry < row)[None] & real[:, None, :]  # [seqs, max_query, T]
+        self.real = real
+
+    def group(self, first: int, n: int, device: torch.device) -> DraftTail:
+        positions, real = self.positions[first : first + n], self.real[first : first + n]
+        seq = torch.arange(n)[:, None].expand_as(positions)
+        # Row i is hidden from draft t when i <= t (both within the sequence's own).
+        hidden = real[:, None, :] & ~self.visible[first : first + n]  # [n, rows, T]
+        s, i, t = hidden.nonzero().unbind(1)
+        return DraftTail(
+            seq=seq[:, :1].to(device),
+            positions=positions.to(device),
+            hidden=(s.to(device), positions[s, t].to(device), i.to(device)),
+            value_index=(positions * n + seq)[real].to(device),
+        )
 
 
 def _prefill_seq(
