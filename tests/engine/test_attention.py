@@ -209,14 +209,17 @@ def test_decode_reads_nothing_past_a_sequences_context(
 
 @pytest.mark.parametrize("kernel", PATHS)
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
-def test_a_later_drafts_non_finite_kv_leaves_the_rows_before_it_exact(
-    kernel: bool, poison: float
+# The torch path: one group, a group per sequence, groups of a few.
+@pytest.mark.parametrize("group_tokens", [None, 1, 40])
+def test_a_later_drafts_non_finite_kv_never_reaches_the_rows_before_it(
+    kernel: bool, poison: float, group_tokens: int | None
 ) -> None:
-    """A draft whose K/V overflowed may be read only by its own row: the rows before it,
-    which decide whether it is accepted, stay exact on both paths. Mixed draft counts and
-    contexts, so that the torch path pads and groups alike."""
+    """A draft whose K/V overflowed is read by its own row and the rows after it only:
+    the rows before it, which decide whether it is accepted, stay exact on both paths,
+    as do the shorter sequences beside stale non-finite slots. Mixed draft counts, and
+    contexts that end mid-block."""
     gen = torch.Generator().manual_seed(14)
-    specs = [(45, 1 + 3), (6, 1 + 1), (23, 1 + 4), (9, 1 + 2)]
+    specs = [(45, 1 + 3), (7, 1 + 1), (22, 1 + 4), (10, 1 + 2), (29, 1 + 1)]
     seqs, num_blocks = make_seqs(specs, 2, 16, 4, gen)
     run_step(
         seqs,
@@ -224,6 +227,7 @@ def test_a_later_drafts_non_finite_kv_leaves_the_rows_before_it_exact(
         4,
         num_blocks,
         is_prefill=False,
+        group_tokens=group_tokens,
         gen=gen,
         kernel=kernel,
         poison=poison,
@@ -607,7 +611,7 @@ def test_decode_groups_split_by_budget() -> None:
     assert all(g.bias is None and g.zero_index is None for g in (groups[0], groups[2]))
     assert groups[1].bias is not None and groups[1].zero_index is not None
     assert groups[1].zero_index.tolist() == [31 * 2 + 1]  # position 31 of the second
-    assert not any(g.drafts for g in groups)
+    assert not any(g.drafts for g in groups) and meta.decode.draft_visible is None
     # Sequence 3 (rows at 31 and 32, sorted second) verifies the only draft, at 32: its
     # score is set to -inf for the first row, and its V zeroed in the gathered copy and
     # read by the second row only. The gathered K/V past each end are zeroed.
@@ -637,6 +641,26 @@ def test_decode_groups_split_by_budget() -> None:
     assert {p for p, s in zeroed if s == 0} == set()
     assert {p for p, s in zeroed if s == 1} == set(range(33, 100))
     assert {p for p, s in zeroed if s == 3} == set(range(11, 100))
+
+
+def test_decode_metadata_hides_each_draft_from_the_rows_before_it() -> None:
+    # Sequence 0 feeds rows at 10, 11 and 12 (two drafts, at 11 and 12); sequence 1 one
+    # row at 4. One group, padded to 13 positions.
+    meta = AttentionMetadata.build(
+        [10, 4], [3, 1], [[0] * 4] * 2, 4, False, "cpu", group_tokens=0, kernel=False
+    )
+    decode = meta.decode
+    assert decode is not None and decode.draft_visible is not None
+    (group,) = decode.groups
+    drafts = group.drafts
+    assert drafts is not None and group.zero_index is not None
+    assert drafts.positions.tolist() == [[11, 12], [0, 0]]  # 1 has none: padding
+    # (sequence, position, row): 11 hidden from row 0, 12 from rows 0 and 1.
+    assert [t.tolist() for t in drafts.hidden] == [[0, 0, 0], [11, 12, 12], [0, 0, 1]]
+    assert drafts.value_index.tolist() == [11 * 2 + 0, 12 * 2 + 0]
+    visible = [[[False, False], [True, False], [True, True]], [[False, False]] * 3]
+    assert decode.draft_visible.tolist() == visible
+    assert group.zero_index.tolist() == [p * 2 + 1 for p in range(5, 13)]
 
 
 def test_slot_mapping() -> None:

@@ -15,13 +15,15 @@ Paths, chosen by the step kind:
 - decode otherwise (accelerators, or the kernels unavailable / disabled with
   TANDEM_CPU_KERNELS=0 / build(kernel=False)): sequences are sorted by context
   length and batched in groups; each group gathers its context from the cache and
-  runs two grouped batched matmuls (no KV-head expansion). Groups are sized so the
-  gathered KV stays cache-resident on CPU; on accelerators one group holds all.
+  runs two grouped batched matmuls (no KV-head expansion; a third, small, for
+  drafts). Groups are sized so the gathered KV stays cache-resident on CPU; on
+  accelerators one group holds all.
   What a row must not read it reads as nothing, as the kernel does, even where the
   K/V are not finite (another request's, a stale slot's, an overflowed draft's: a
   zero weight times inf is NaN, and so is -inf plus inf): the gathered copy is
-  zeroed past each sequence's end; a later draft's hidden scores are set to -inf,
-  and its V, zeroed there, goes to the rows that read it only.
+  zeroed past each sequence's end; a later draft's scores are set to -inf for the
+  rows before it, and its V, zeroed there, is added back only to the rows that
+  read it.
 - prefill on CPU with head_dim a multiple of 32, when the C++ kernels built: one
   causal_attention call per sequence (csrc/prefill_attention.cpp), the chunk's
   queries against its own K/V, or against the whole context gathered from the
@@ -120,7 +122,7 @@ def _decode(
     qs = (q.index_select(0, batch.q_index) * scale).view(seqs, nq, kv_heads, group, head_dim)
     qs = qs.permute(0, 2, 3, 1, 4).reshape(seqs * kv_heads, group * nq, head_dim)
     res = torch.empty_like(qs)
-    drafts = _draft_values(v, batch) if batch.draft_visible is not None else None
+    draft_values = _draft_values(v, batch) if batch.draft_visible is not None else None
     for g in batch.groups:
         n, ctx = g.num_seqs, g.max_context
         rows = slice(g.first * kv_heads, (g.first + n) * kv_heads)
@@ -141,10 +143,12 @@ def _decode(
                 scores[s, :, p, :, i] = -torch.inf
             scores = scores.view(n * kv_heads, ctx, group * nq)
         probs = torch.softmax(scores, dim=1, dtype=torch.float32).to(q.dtype)
-        torch.bmm(probs.transpose(1, 2), kv[1].transpose(0, 1), out=res[rows])
-        if g.drafts is not None and drafts is not None:
+        if g.drafts is None or draft_values is None:
+            torch.bmm(probs.transpose(1, 2), kv[1].transpose(0, 1), out=res[rows])
+        else:  # the drafts' part first, so that the sum rounds once in 16-bit dtypes
             first, last = g.first * kv_heads * nq, (g.first + n) * kv_heads * nq
-            _add_draft_values(res[rows], probs, drafts[first:last], g.drafts, group)
+            drafted = _weighted_draft_values(probs, draft_values[first:last], g.drafts, group)
+            torch.baddbmm(drafted, probs.transpose(1, 2), kv[1].transpose(0, 1), out=res[rows])
     res = res.view(seqs, kv_heads, group, nq, head_dim).permute(0, 3, 1, 2, 4)
     return res.reshape(seqs * nq, heads, head_dim).index_select(0, batch.out_index)
 
@@ -165,18 +169,18 @@ def _draft_values(v: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
     return values.reshape(seqs * kv_heads * nq, drafted, head_dim)
 
 
-def _add_draft_values(
-    out: torch.Tensor, probs: torch.Tensor, values: torch.Tensor, drafts: DraftTail, group: int
-) -> None:
-    """Adds the drafts' values (_draft_values' rows for the group; zeroed in the gathered
-    copy) into out [n * KVH, group * nq, D], weighted by each row's probabilities."""
-    nq = values.shape[0] // out.shape[0]
+def _weighted_draft_values(
+    probs: torch.Tensor, values: torch.Tensor, drafts: DraftTail, group: int
+) -> torch.Tensor:
+    """The drafts' share of each row's output, [n * KVH, group * nq, D]: _draft_values'
+    rows for the group (zeroed in the gathered copy) times each row's probabilities."""
     n, drafted = drafts.positions.shape
-    kv_heads, head_dim = out.shape[0] // n, out.shape[2]
+    kv_heads, nq = probs.shape[0] // n, values.shape[0] // probs.shape[0]
+    head_dim = values.shape[2]
     weights = probs.view(n, kv_heads, -1, group, nq)[drafts.seq, :, drafts.positions]
     weights = weights.permute(0, 2, 4, 3, 1).reshape(n * kv_heads * nq, group, drafted)
     added = torch.bmm(weights, values).view(n, kv_heads, nq, group, head_dim)
-    out.view(n, kv_heads, group, nq, head_dim).add_(added.transpose(2, 3))
+    return added.transpose(2, 3).reshape(n * kv_heads, group * nq, head_dim)
 
 
 def _prefill(

@@ -50,7 +50,8 @@ class DraftTail:
     # [num_seqs, max_query - 1] positions c - n + 1 .. c - 1 of each sequence, padded with
     # 0 where it verifies fewer drafts (DecodeBatch.draft_visible hides those).
     positions: torch.Tensor
-    # [hidden pairs] each: (sequence, position, query row) of a draft hidden from a row.
+    # (sequence in the group, position, query row) triples, one per draft and row it is
+    # hidden from, as three index tensors.
     hidden: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     # The drafts' V in the gathered copy (index l * num_seqs + s), zeroed.
     value_index: torch.Tensor
@@ -293,19 +294,19 @@ def _decode_batch(
     # verifies drafts when a sequence feeds more than one row, and hides positions from
     # some rows when it does either.
     pads = [sorted_lens[f + n - 1] != sorted_lens[f] for f, n in runs]
-    drafts = [bool((sorted_counts[f : f + n] > 1).any()) for f, n in runs]
+    verifies = [bool((sorted_counts[f : f + n] > 1).any()) for f, n in runs]
     ctx = torch.arange(longest)
     bias = past_end = None
-    if any(pads) or any(drafts):
+    if any(pads) or any(verifies):
         q_pos = torch.tensor(start_positions)[order][:, None] + clamped
         hidden = ctx[None, :, None] > q_pos[:, None, :]  # [seqs, L, max_query]
         bias = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf")).to(device)
         past_end = ctx[:, None] >= torch.tensor(sorted_lens)[None, :]  # [L, seqs]
-    tails = _DraftTails(sorted_lens, sorted_counts) if any(drafts) else None
+    tails = _DraftTails(sorted_lens, sorted_counts) if any(verifies) else None
     # Moved whole, then sliced per group on the device.
     slots = (tables[order][:, ctx // block_size] * block_size + ctx % block_size).to(device)
     groups = []
-    for (first, n), group_pads, group_drafts in zip(runs, pads, drafts, strict=True):
+    for (first, n), group_pads, group_drafts in zip(runs, pads, verifies, strict=True):
         length, seqs = sorted_lens[first], slice(first, first + n)
         group_bias = zero_index = group_tail = None
         if bias is not None and (group_pads or group_drafts):
@@ -345,7 +346,7 @@ class _DraftTails:
     def group(self, first: int, n: int, device: torch.device) -> DraftTail:
         positions, real = self.positions[first : first + n], self.real[first : first + n]
         seq = torch.arange(n)[:, None].expand_as(positions)
-        # Row i is hidden from draft t when i <= t (both within the sequence's own).
+        # Draft t is hidden from row i when i <= t (a real draft; so a real row too).
         hidden = real[:, None, :] & ~self.visible[first : first + n]  # [n, rows, T]
         s, i, t = hidden.nonzero().unbind(1)
         return DraftTail(
