@@ -294,7 +294,8 @@ def _decode_batch(
     # verifies drafts when a sequence feeds more than one row, and hides positions from
     # some rows when it does either.
     pads = [sorted_lens[f + n - 1] != sorted_lens[f] for f, n in runs]
-    verifies = [bool((sorted_counts[f : f + n] > 1).any()) for f, n in runs]
+    sorted_rows = sorted_counts.tolist()
+    verifies = [max(sorted_rows[f : f + n]) > 1 for f, n in runs]
     ctx = torch.arange(longest)
     bias = past_end = None
     if any(pads) or any(verifies):
@@ -331,7 +332,7 @@ def _decode_batch(
 
 
 class _DraftTails:
-    """The batch's later drafts, in sorted order, on CPU, cut into DraftTails per group."""
+    """The batch's later drafts, in sorted order, computed once and cut per group."""
 
     def __init__(self, sorted_lens: list[int], sorted_counts: torch.Tensor) -> None:
         drafted = int(sorted_counts.max()) - 1
@@ -341,20 +342,33 @@ class _DraftTails:
         self.positions = torch.where(real, first + entry, 0)
         row = torch.arange(drafted + 1)[:, None]
         self.visible = (entry < row)[None] & real[:, None, :]  # [seqs, max_query, T]
-        self.real = real
+        # Draft t is hidden from row i when i <= t (a real draft; so a real row too).
+        self.hidden_seq, self.hidden_row, t = (real[:, None, :] & ~self.visible).nonzero().unbind(1)
+        self.hidden_position = self.positions[self.hidden_seq, t]
+        self.real_seq, t = real.nonzero().unbind(1)
+        self.real_position = self.positions[self.real_seq, t]
+        # Where each sequence's entries begin in the hidden and real lists (sorted by seq).
+        self.hidden_start = _starts(self.hidden_seq, len(sorted_lens))
+        self.real_start = _starts(self.real_seq, len(sorted_lens))
 
     def group(self, first: int, n: int, device: torch.device) -> DraftTail:
-        positions, real = self.positions[first : first + n], self.real[first : first + n]
-        seq = torch.arange(n)[:, None].expand_as(positions)
-        # Draft t is hidden from row i when i <= t (a real draft; so a real row too).
-        hidden = real[:, None, :] & ~self.visible[first : first + n]  # [n, rows, T]
-        s, i, t = hidden.nonzero().unbind(1)
+        hidden = slice(self.hidden_start[first], self.hidden_start[first + n])
+        real = slice(self.real_start[first], self.real_start[first + n])
         return DraftTail(
-            seq=seq[:, :1].to(device),
-            positions=positions.to(device),
-            hidden=(s.to(device), positions[s, t].to(device), i.to(device)),
-            value_index=(positions * n + seq)[real].to(device),
+            seq=torch.arange(n, device=device)[:, None],
+            positions=self.positions[first : first + n].to(device),
+            hidden=(
+                (self.hidden_seq[hidden] - first).to(device),
+                self.hidden_position[hidden].to(device),
+                self.hidden_row[hidden].to(device),
+            ),
+            value_index=(self.real_position[real] * n + self.real_seq[real] - first).to(device),
         )
+
+
+def _starts(seq: torch.Tensor, seqs: int) -> list[int]:
+    """For sorted sequence ids, where each of 0..seqs (and the end) begins."""
+    return torch.searchsorted(seq, torch.arange(seqs + 1)).tolist()
 
 
 def _prefill_seq(
