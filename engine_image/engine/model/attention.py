@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.model import cpu_kernels
-from tandem.engine.model.attention_metadata import AttentionMetadata, DecodeBatch, DraftTail
+from tandem.engine.model.attention_metadata import AttentionMetadata, DraftTail
 from tandem.engine.model.model_config import ModelConfig
 
 # The C++ prefill kernel's register tiles are 32 floats wide (csrc/prefill_attention.cpp).
@@ -122,7 +122,8 @@ def _decode(
     qs = (q.index_select(0, batch.q_index) * scale).view(seqs, nq, kv_heads, group, head_dim)
     qs = qs.permute(0, 2, 3, 1, 4).reshape(seqs * kv_heads, group * nq, head_dim)
     res = torch.empty_like(qs)
-    draft_values = _draft_values(v, batch) if batch.draft_visible is not None else None
+    visible = batch.draft_visible
+    draft_values = _draft_values(v, batch.q_index, visible) if visible is not None else None
     for g in batch.groups:
         n, ctx = g.num_seqs, g.max_context
         rows = slice(g.first * kv_heads, (g.first + n) * kv_heads)
@@ -153,17 +154,14 @@ def _decode(
     return res.reshape(seqs * nq, heads, head_dim).index_select(0, batch.out_index)
 
 
-def _draft_values(v: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+def _draft_values(v: torch.Tensor, q_index: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """The step's drafts' V rows, one copy per query row holding only the drafts it reads
-    (zeros elsewhere, so that a non-finite value reaches no row before it):
-    [seqs * KVH * max_query, max_query - 1, D], sorted order."""
-    visible = batch.draft_visible
-    if visible is None:
-        raise ValueError("decode metadata without drafts")
+    (DecodeBatch.draft_visible; zeros elsewhere, so that a non-finite value reaches no
+    row before it): [seqs * KVH * max_query, max_query - 1, D], sorted order."""
     seqs, nq, drafted = visible.shape
     kv_heads, head_dim = v.shape[1:]
     # Row t + 1 of each sequence fed draft t (a sequence's padded rows repeat its last).
-    rows = v.index_select(0, batch.q_index).view(seqs, nq, kv_heads, head_dim)[:, 1:]
+    rows = v.index_select(0, q_index).view(seqs, nq, kv_heads, head_dim)[:, 1:]
     seen = visible[:, None, :, :, None]  # [seqs, 1, nq, T, 1]
     values = torch.where(seen, rows.transpose(1, 2)[:, :, None], 0)  # [seqs, KVH, nq, T, D]
     return values.reshape(seqs * kv_heads * nq, drafted, head_dim)

@@ -279,7 +279,8 @@ def _decode_batch(
     max_query, longest = max(num_tokens), sorted_lens[0]
 
     query = torch.arange(max_query)
-    clamped = torch.minimum(query[None, :], counts[order][:, None] - 1)
+    sorted_counts = counts[order]
+    clamped = torch.minimum(query[None, :], sorted_counts[:, None] - 1)
     q_index = (row_starts[order][:, None] + clamped).reshape(-1)
     rank = torch.empty_like(order)
     rank[order] = torch.arange(len(order))
@@ -289,7 +290,6 @@ def _decode_batch(
     )
 
     runs = _group_by_length(sorted_lens, group_tokens)
-    sorted_counts = counts[order]
     # A group pads when its contexts differ (longest first: its last is its shortest),
     # verifies drafts when a sequence feeds more than one row, and hides positions from
     # some rows when it does either.
@@ -302,6 +302,7 @@ def _decode_batch(
         q_pos = torch.tensor(start_positions)[order][:, None] + clamped
         hidden = ctx[None, :, None] > q_pos[:, None, :]  # [seqs, L, max_query]
         bias = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf")).to(device)
+    if any(pads):
         past_end = ctx[:, None] >= torch.tensor(sorted_lens)[None, :]  # [L, seqs]
     tails = _DraftTails(sorted_lens, sorted_counts) if any(verifies) else None
     # Moved whole, then sliced per group on the device.
