@@ -60,6 +60,9 @@ PANEL_SHAPES = pytest.mark.parametrize(
         # to 4 MiB, AVX2's 24-column panels too (panel_linear.cpp's most_k_per_block),
         # and several row blocks.
         (100, 22000, 97),
+        # Enough rows that two threads split the rows, not the panels (ROW_SPLIT): a
+        # partial last tile on the second thread's share, two k blocks, a partial panel.
+        (517, 3000, 50),
     ],
 )
 
@@ -97,6 +100,25 @@ def test_gated_panel_kernel_matches_silu_of_gate_times_up(
     got = ops.panel_linear(x, ops.pack_gated_panels(gate, up), out_features, None, True)
     expected = F.silu(F.linear(x, gate)) * F.linear(x, up)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [2], indirect=True)
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(silu_mul: bool, threads: int) -> None:
+    """A sequence's results must not change with the batch it shares a step with: the
+    same rows give the same bits alone, in a decode-sized batch (threads split the
+    panels) and in a prefill-sized one (threads split the rows)."""
+    ops = cpu_kernels.load()
+    gen = torch.Generator().manual_seed(7)
+    in_features, out_features = 576, 100
+    weights = [torch.randn(out_features, in_features, generator=gen) for _ in range(2)]
+    panels = ops.pack_gated_panels(*weights) if silu_mul else ops.pack_panels(weights[0])
+    x = strided_rows(1030, in_features, gen) / in_features**0.5
+    whole = ops.panel_linear(x, panels, out_features, None, silu_mul)
+    for start, stop in ((0, 1), (3, 67), (500, 530), (515, 1030)):
+        part = ops.panel_linear(x[start:stop], panels, out_features, None, silu_mul)
+        assert torch.equal(part, whole[start:stop]), (start, stop)
 
 
 @needs_kernels

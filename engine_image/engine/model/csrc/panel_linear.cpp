@@ -19,8 +19,8 @@
 //
 // The register tile is MR rows x NR columns: NV vectors of W floats per row, summed over
 // k in order (results differ from F.linear by summation order only). Columns are split
-// over threads by panels; rows and k are blocked so that a thread's slice of x and its
-// current panel stay in its L2. (Smaller k blocks, to keep a panel's slice in L1, and
+// over threads by panels, or rows where there are many (ROW_SPLIT); rows and k are
+// blocked so that a thread's slice of x and its current panel stay in its L2. (Smaller k blocks, to keep a panel's slice in L1, and
 // x packed in tile order both measured slower.)
 
 #include <ATen/Parallel.h>
@@ -61,6 +61,13 @@ constexpr int NV = 3;        // vectors across a panel
 constexpr int NR = NV * W;   // a panel's columns
 constexpr int64_t A_BLOCK_FLOATS = 96 * 1024;  // x's rows per block: MB x k_block floats (384 KiB)
 constexpr int64_t LINE = 64;                   // bytes of a cache line
+// Rows a thread must get before the threads split the rows rather than the panels. Split
+// by panels, every thread reads every row of x, half of them from the cache of the core
+// that wrote them (the product or norm before split its work too); split by rows, a
+// thread reads only its own rows but streams all the panels. Chained 1,024-row products
+// (a prefill's) 4-8 % faster so on a Xeon; at 64-256 rows the weights' traffic costs
+// more than it saves (docs/benchmarks.md). The results are the same either way.
+constexpr int64_t ROW_SPLIT = 256;
 // How many k steps ahead a tile asks for its panel rows in L1. The panel's slice sits
 // in L2 (k_block x NR floats do not fit L1), and the L1 prefetcher alone left the FMAs
 // waiting on it: on a Xeon, 1,024-row products 3-5 % faster, 64 rows ~2 % (distances
@@ -245,17 +252,23 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
   float* c = out.data_ptr<float>();
   float* pc = partial.data_ptr<float>();
   const int64_t lda = x.stride(0);
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), P));
+  const int64_t most_threads = at::get_num_threads();
+  const bool by_rows = most_threads > 1 && M >= ROW_SPLIT * most_threads;
+  const int threads = static_cast<int>(by_rows ? most_threads : std::min(most_threads, P));
 #pragma omp parallel num_threads(threads)
   {
-    // Each thread owns a contiguous run of panels: its columns of the output.
+    // Each thread owns a contiguous run of panels (its columns of the output), or of
+    // whole register tiles of rows.
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t p0 = P * t / nt, p1 = P * (t + 1) / nt;
+    const int64_t p0 = by_rows ? 0 : P * t / nt, p1 = by_rows ? P : P * (t + 1) / nt;
+    const int64_t row_tiles = (M + MR - 1) / MR;
+    const int64_t m_begin = by_rows ? row_tiles * t / nt * MR : 0;
+    const int64_t m_end = by_rows ? std::min(M, row_tiles * (t + 1) / nt * MR) : M;
     for (int64_t k0 = 0; k0 < K; k0 += k_block) {
       const int64_t kc = std::min(k_block, K - k0);
       const bool last = k0 + kc == K;
-      for (int64_t m0 = 0; m0 < M; m0 += MB) {
-        const int64_t rows = std::min(MB, M - m0);
+      for (int64_t m0 = m_begin; m0 < m_end; m0 += MB) {
+        const int64_t rows = std::min(MB, m_end - m0);
         const int64_t tiles = (rows + MR - 1) / MR;
         // The next panel's slice is kc x NR floats: spread its lines over the tiles.
         const int64_t lines = (kc * NR * static_cast<int64_t>(sizeof(float)) + LINE - 1) / LINE;  // >= 1
@@ -266,7 +279,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
           const float* slice = b + (p * K + k0) * NR;
           // The panel computed next: this one's neighbour, else the run's first panel
           // for the next block of rows (it has left L2 since this block began).
-          const float* after = p + 1 < p1 ? slice + K * NR : m0 + MB < M ? b + (p0 * K + k0) * NR : nullptr;
+          const float* after = p + 1 < p1 ? slice + K * NR : m0 + MB < m_end ? b + (p0 * K + k0) * NR : nullptr;
           const char* next = reinterpret_cast<const char*>(after);
           // The panel's columns in the partial sums; in the output, once the last k block is in.
           const int64_t partial_cols = std::min<int64_t>(NR, partial_ld - p * NR);
