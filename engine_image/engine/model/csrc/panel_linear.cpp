@@ -18,10 +18,11 @@
 // oneDNN's 93.5, 1 row 13 ms against 27; 1,024 rows the same.
 //
 // The register tile is MR rows x NR columns: NV vectors of W floats per row, summed over
-// k in order (results differ from F.linear by summation order only). Columns are split
-// over threads by panels, or rows where there are many (ROW_SPLIT); rows and k are
-// blocked so that a thread's slice of x and its current panel stay in its L2. (Smaller k blocks, to keep a panel's slice in L1, and
-// x packed in tile order both measured slower.)
+// k in order (results differ from F.linear by summation order only). The threads split
+// the columns by panels, or the rows where there are many (ROW_SPLIT); rows and k are
+// blocked so that a thread's slice of x and its current panel stay in its L2. (Smaller
+// k blocks, to keep a panel's slice in L1, and x packed in tile order both measured
+// slower.)
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
