@@ -31,7 +31,16 @@ _PRIORITIES = {"high": PRIORITY_HIGH, "normal": PRIORITY_NORMAL, "low": PRIORITY
 # OpenAI's default max_tokens for (legacy) completions.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _CHARS_PER_TOKEN = 4
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 @dataclass(frozen=True)
@@ -200,10 +209,6 @@ def derive_seed(seed: int, index: int) -> int:
 
 
 def _refuse_common(body: ChatCompletionRequest | CompletionRequest) -> None:
-    if body.frequency_penalty:
-        raise not_supported("frequency_penalty", "frequency_penalty other than 0")
-    if body.presence_penalty:
-        raise not_supported("presence_penalty", "presence_penalty other than 0")
     if body.logit_bias:
         raise not_supported("logit_bias")
     if body.stream_options is not None and not body.stream:

@@ -6,7 +6,7 @@ their types are strict, as OpenAI's are: `"max_tokens": "2"`, `true` for a
 number or `1.0` for an integer are refused, not coerced. Fields
 the OpenAI API has but Tandem does not implement are declared, so a request
 that sets them to a neutral value (many clients send `logprobs: false` or
-`presence_penalty: 0`) passes and any other value is refused by name.
+`logit_bias: {}`) passes and any other value is refused by name.
 Extensions (`top_k`, `priority`, `ignore_eos`) are marked as such.
 """
 
@@ -75,7 +75,10 @@ class StreamOptions(BaseModel):
 
 
 # Field types the two request bodies share.
-Penalty = Annotated[float | None, Field(allow_inf_nan=False, description="Only 0 is supported.")]
+Penalty = Annotated[
+    float | None,
+    Field(allow_inf_nan=False, ge=-2.0, le=2.0, description="-2 to 2, as OpenAI's."),
+]
 LogitBias = Annotated[dict[str, float] | None, Field(description="Not supported.")]
 Choices = Annotated[int | None, Field(ge=1, description="Choices to generate.")]
 StopText = Annotated[str, Field(min_length=1)]

@@ -47,6 +47,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     # Keep generating past EOS (benchmarks).
     ignore_eos: bool = False
+    # OpenAI's penalties, in [-2, 2]: a token's logit drops by presence_penalty once it
+    # has appeared in the output, and by frequency_penalty for each time (penalties.py).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -72,6 +76,22 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty changes this request's logits."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether its tokens come from its logits through the sampler: every request
+        but a greedy one without penalties, whose token is the model's argmax (which the
+        greedy head finds without the logits)."""
+        return not self.greedy or self.penalized
 
     @property
     def greedy(self) -> bool:

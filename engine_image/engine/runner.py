@@ -123,10 +123,11 @@ class ModelRunner:
     ) -> list[list[int]]:
         """Each entry's accepted drafts and new token; row i of `rows` is hidden's row
         positions[i]. Greedy rows need only their argmax, which the model's greedy head
-        gives without the float32 logits (greedy_head.py); the other rows, and every row
-        where the model has no greedy head, go through the logits and the sampler. Each
+        gives without the float32 logits (greedy_head.py); the other rows (sampled or
+        penalized), and every row where the model has no greedy head, go through the
+        logits and the sampler. Each
         group's hidden rows are gathered once, straight from the step's."""
-        greedy = [r for r in rows if r.sampling_params.temperature == 0.0]
+        greedy = [r for r in rows if not r.sampling_params.needs_logits]
         argmax = None
         if greedy:
             greedy_hidden, greedy_rows = _gather(hidden, positions, greedy)
@@ -142,7 +143,7 @@ class ModelRunner:
                 strict=True,
             )
         )
-        sampled = [r for r in rows if r.sampling_params.temperature != 0.0]
+        sampled = [r for r in rows if r.sampling_params.needs_logits]
         if sampled:
             sampled_hidden, sampled_rows = _gather(hidden, positions, sampled)
             logits = self.model.compute_logits(sampled_hidden)

@@ -7,9 +7,10 @@ the token after x_{j-1} (after `last` for j = 0). So row j < d verifies draft
 x_j, and row d is the bonus row, used only when every draft was accepted. A
 prefill (or a decode without drafts) owns one row.
 
-Verification. The target distribution p_j is the model's after temperature,
-then top-k, then top-p. For a deterministic drafter (n-gram: the proposal q is
-a point mass on x_j) speculative rejection sampling accepts x_j with
+Verification. The target distribution p_j is the model's after the penalties
+(penalties.py), temperature, then top-k, then top-p. For a deterministic
+drafter (n-gram: the proposal q is a point mass on x_j) speculative rejection
+sampling accepts x_j with
 probability p_j(x_j) and otherwise samples from p_j with x_j removed. We get
 exactly that by drawing y_j ~ p_j and accepting x_j iff y_j == x_j; on a
 mismatch y_j is the correction (p_j conditioned on y_j != x_j). Greedy is the
@@ -36,11 +37,13 @@ keep their probability.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from tandem.engine.model import cpu_kernels
+from tandem.engine.penalties import penalize
 from tandem.engine.plan import StepPlan
 from tandem.engine.request import SamplingParams
 
@@ -66,6 +69,8 @@ class SampleRows:
     sampling_params: SamplingParams
     # Output tokens before this step: row j samples output position num_generated + j.
     num_generated: int
+    # Those tokens, for the penalties (penalties.py); left empty where none applies.
+    output_token_ids: Sequence[int] = ()
 
     @property
     def num_rows(self) -> int:
@@ -83,11 +88,12 @@ def rows_for_plan(plan: StepPlan) -> list[SampleRows]:
     start = 0
     for seq in plan.seqs:
         if seq.sample:
-            drafts = seq.draft_token_ids
+            drafts, generated = seq.draft_token_ids, seq.num_output_tokens
+            output: Sequence[int] = ()
+            if seq.sampling_params.penalized:  # the sequence's tail (a copy: it is live)
+                output = seq.all_token_ids[len(seq.all_token_ids) - generated :]
             rows.append(
-                SampleRows(
-                    seq.request_id, start, drafts, seq.sampling_params, seq.num_output_tokens
-                )
+                SampleRows(seq.request_id, start, drafts, seq.sampling_params, generated, output)
             )
             start += 1 + len(drafts)
     return rows
@@ -124,6 +130,7 @@ class Sampler:
             raise ValueError(
                 f"draft_probs has shape {tuple(draft_probs.shape)}, logits {(num_rows, vocab)}"
             )
+        logits = penalize(logits, rows)
         greedy: list[int] = []
         rand: list[int] = []
         for s in rows:
@@ -154,8 +161,10 @@ class Sampler:
         """As `sample` for rows that are all greedy, given each row's argmax token
         (greedy_head.py computes it without the logits)."""
         for s in rows:
-            if s.sampling_params.temperature != 0.0:
-                raise ValueError(f"request {s.request_id!r} samples: it needs its logits")
+            if s.sampling_params.needs_logits:
+                raise ValueError(
+                    f"request {s.request_id!r} samples or is penalized: it needs its logits"
+                )
             if s.start < 0 or s.start + 1 + len(s.drafts) > len(tokens):
                 raise ValueError(
                     f"request {s.request_id!r} owns rows [{s.start}, "

@@ -61,7 +61,7 @@ def _prompts(vocab, lengths, seed=0):
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
-def _hf_greedy(hf, prompt, max_new=MAX_NEW):
+def _hf_greedy(hf, prompt, max_new=MAX_NEW, processors=()):
     with torch.no_grad():
         out = hf.generate(
             torch.tensor([prompt]),
@@ -70,6 +70,7 @@ def _hf_greedy(hf, prompt, max_new=MAX_NEW):
             min_new_tokens=max_new,
             do_sample=False,
             pad_token_id=0,
+            logits_processor=transformers.LogitsProcessorList(processors),
         )
     return out[0, len(prompt) :].tolist()
 
@@ -139,6 +140,47 @@ def test_mtp_head_speculative_decoding(checkpoint):
     assert ours == expected
     totals = llm.engine.totals
     assert 0 < totals.drafts_accepted < totals.drafts_proposed
+
+
+class _OpenAIPenalties(transformers.LogitsProcessor):
+    """OpenAI's presence and frequency penalties over the tokens generated so far, as
+    a logits processor for HF's generate: the reference Tandem's sampler must match."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        for row, ids in enumerate(input_ids[:, self.prompt_len :].tolist()):
+            for token in set(ids):
+                scores[row, token] -= self.presence + self.frequency * ids.count(token)
+        return scores
+
+
+@pytest.mark.parametrize("drafts", [0, 3], ids=["plain", "ngram-drafts"])
+def test_penalized_greedy_matches_hf_with_the_same_penalties(checkpoint, drafts):
+    """Penalized greedy rows leave the greedy head for the logits and the sampler; the
+    penalties count the output only, and a draft row counts the drafts before it."""
+    path, hf = checkpoint
+    base = _prompts(hf.config.vocab_size, [5, 4, 6], seed=6)
+    prompts = [b * 5 for b in base]  # repetitive: the n-gram drafter finds drafts
+    penalties = [(0.0, 1.5), (2.0, 0.0), (-0.5, 0.7)]  # (presence, frequency) a prompt
+    llm = LLM(str(path), max_model_len=256, num_kv_blocks=256, num_speculative_tokens=drafts)
+    changed = []
+    for prompt, (presence, frequency) in zip(prompts, penalties, strict=True):
+        params = SamplingParams(
+            max_tokens=MAX_NEW,
+            temperature=0.0,
+            ignore_eos=True,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+        )
+        ours = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0].token_ids
+        reference = _OpenAIPenalties(len(prompt), presence, frequency)
+        assert ours == _hf_greedy(hf, prompt, processors=[reference]), (presence, frequency)
+        changed.append(ours != _hf_greedy(hf, prompt))
+    assert any(changed)  # the penalties bite: outputs differ from plain greedy
+    if drafts:
+        assert llm.engine.totals.drafts_proposed > 0
 
 
 # ------------------------------------------------------------ SmolLM2 (GGUF)

@@ -55,6 +55,10 @@ def _answers(gateway: LiveGateway, content: str) -> list:
         if c.choices
     )
     seeded = client.chat.completions.create(**{**chat, "temperature": 0.8, "seed": 9, "n": 2})
+    # The decoder's penalties count the first token, which the prefill engine sampled.
+    penalized = client.chat.completions.create(
+        **chat, frequency_penalty=1.5, presence_penalty=0.5, **EOS
+    )
     by_ids = client.completions.create(
         model="tiny", prompt=IDS, max_tokens=16, temperature=0, **EOS
     )
@@ -67,6 +71,7 @@ def _answers(gateway: LiveGateway, content: str) -> list:
         [c.message.content for c in seeded.choices],
         [c.finish_reason for c in seeded.choices],
         by_ids.choices[0].text,
+        penalized.choices[0].message.content,
     ]
 
 
@@ -75,6 +80,7 @@ def test_disaggregated_and_normal_engines_answer_alike(pair):
     disaggregated, plain = _answers(split, "Hello there"), _answers(normal, "Hello there")
     assert disaggregated == plain
     assert plain[2] == 24 and plain[3] == plain[0]
+    assert plain[7] != plain[0]  # the penalties changed the greedy answer
     # The decoder really took the KV from the prefill engine.
     assert procs[1].metric("tandem_engine_kv_transfer_bytes_total") > 0
 

@@ -98,7 +98,8 @@ CASES = {
     "n too big": Case(400, {**GOOD, "n": 99}, param="n"),
     "logprobs": Case(400, {**GOOD, "logprobs": True}, param="logprobs", code="unsupported",
                      message="not supported"),
-    "presence penalty": Case(400, {**GOOD, "presence_penalty": 1.0}, code="unsupported"),
+    "presence penalty over 2": Case(400, {**GOOD, "presence_penalty": 2.5},
+                                    param="presence_penalty"),
     "stream_options without stream": Case(400, {**GOOD, "stream_options": {}},
                                           param="stream_options"),
     "image part": Case(400, {**GOOD, "messages": [{"role": "user", "content": [

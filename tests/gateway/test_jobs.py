@@ -21,11 +21,15 @@ def _chat(headers=None, **fields):
 
 
 def test_a_chat_request_becomes_one_work_item_with_its_sampling():
-    job = _chat(max_tokens=5, temperature=0.5, top_p=0.9, top_k=3, seed=7, stop="x")
+    job = _chat(
+        max_tokens=5, temperature=0.5, top_p=0.9, top_k=3, seed=7, stop="x",
+        presence_penalty=-0.5, frequency_penalty=1.25,
+    )  # fmt: skip
     [item] = job.items
     assert item.messages == [{"role": "user", "content": "abcdefgh"}]
     assert item.sampling == {
-        "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 3, "seed": 7, "stop": ["x"]
+        "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 3, "seed": 7, "stop": ["x"],
+        "presence_penalty": -0.5, "frequency_penalty": 1.25,
     }  # fmt: skip
     assert item.priority == PRIORITY_NORMAL and item.request_id == job.base_id
     assert item.estimated_prompt_tokens == 2  # 8 characters / 4
@@ -118,7 +122,6 @@ def test_prompts_text_token_ids_and_lists_of_one():
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"logit_bias": {"1": 2.0}}, "logit_bias"),
         ({"n": 5}, "n"),
         ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),

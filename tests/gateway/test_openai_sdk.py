@@ -55,6 +55,19 @@ def test_chat_answers_what_the_engine_generates_with_its_usage(sdk, direct):
     assert reply.usage.prompt_tokens_details.cached_tokens >= 0
 
 
+def test_penalties_reach_the_engine(sdk, direct):
+    penalties = {"presence_penalty": 0.5, "frequency_penalty": 1.5}
+    args = dict(model="tiny", messages=MESSAGES, max_tokens=24, extra_body={"ignore_eos": True})
+    penalized = sdk.chat.completions.create(**args, **penalties, **GREEDY)
+    plain = sdk.chat.completions.create(**args, **GREEDY)
+    sampling = {"max_tokens": 24, "ignore_eos": True, **penalties, **GREEDY}
+    expected = direct.answer(direct.submit(messages=MESSAGES, sampling=sampling))
+    assert penalized.choices[0].message.content == expected.text
+    assert penalized.choices[0].message.content != plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+        sdk.chat.completions.create(**args, frequency_penalty=2.5)
+
+
 def test_chat_stream_with_include_usage_matches_the_plain_answer(sdk):
     args = dict(model="tiny", messages=MESSAGES, max_completion_tokens=10, **GREEDY)
     plain = sdk.chat.completions.create(**args)

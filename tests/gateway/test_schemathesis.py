@@ -39,7 +39,7 @@ EXAMPLES = {GenerationMode.POSITIVE: 40, GenerationMode.NEGATIVE: 20}
 # Declared for compatibility but refused unless neutral: generating them only
 # produces 400s, which the error-table tests cover.
 REFUSED = (
-    "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs",
+    "logit_bias", "logprobs", "top_logprobs",
     "tools", "tool_choice", "response_format", "best_of", "echo", "suffix", "stream_options",
 )  # fmt: skip
 SMALL = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 6}, {"type": "null"}]}
