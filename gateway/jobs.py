@@ -209,8 +209,6 @@ def derive_seed(seed: int, index: int) -> int:
 
 
 def _refuse_common(body: ChatCompletionRequest | CompletionRequest) -> None:
-    if body.logit_bias:
-        raise not_supported("logit_bias")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
@@ -332,6 +330,8 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) 
         value = getattr(body, name)
         if value is not None:
             fields[name] = [value] if name == "stop" and isinstance(value, str) else value
+    if body.logit_bias:
+        fields["logit_bias"] = _logit_bias(body.logit_bias)
     if body.ignore_eos:
         fields["ignore_eos"] = True
     try:
@@ -339,8 +339,22 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) 
     except ValueError as exc:
         message = str(exc)
         param = message.split(" ", 1)[0]
-        raise bad_request(message, param if param in _SAMPLING_FIELDS else None) from None
+        named = param in _SAMPLING_FIELDS or param == "logit_bias"
+        raise bad_request(message, param if named else None) from None
     return fields
+
+
+def _logit_bias(bias: dict[str, float]) -> list[list[int | float]]:
+    """OpenAI's logit_bias, token ids as JSON's string keys, as the engine's pairs (the
+    engine refuses ids past its vocabulary)."""
+    pairs: list[list[int | float]] = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise bad_request(
+                f"logit_bias keys must be token ids (decimal integers), got {key!r}", "logit_bias"
+            )
+        pairs.append([int(key), value])
+    return pairs
 
 
 def _with_seed(sampling: dict[str, Any], index: int) -> dict[str, Any]:

@@ -5,8 +5,8 @@ too), so a misspelt parameter is an error instead of silently ignored, and
 their types are strict, as OpenAI's are: `"max_tokens": "2"`, `true` for a
 number or `1.0` for an integer are refused, not coerced. Fields
 the OpenAI API has but Tandem does not implement are declared, so a request
-that sets them to a neutral value (many clients send `logprobs: false` or
-`logit_bias: {}`) passes and any other value is refused by name.
+that sets them to a neutral value (many clients send `logprobs: false`)
+passes and any other value is refused by name.
 Extensions (`top_k`, `priority`, `ignore_eos`) are marked as such.
 """
 
@@ -79,7 +79,10 @@ Penalty = Annotated[
     float | None,
     Field(allow_inf_nan=False, ge=-2.0, le=2.0, description="-2 to 2, as OpenAI's."),
 ]
-LogitBias = Annotated[dict[str, float] | None, Field(description="Not supported.")]
+LogitBias = Annotated[
+    dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None,
+    Field(description="Token ids (as strings) to biases in [-100, 100], as OpenAI's."),
+]
 Choices = Annotated[int | None, Field(ge=1, description="Choices to generate.")]
 StopText = Annotated[str, Field(min_length=1)]
 # OpenAI's limit. The engine takes any number (the offline LLM API allows more).

@@ -185,7 +185,8 @@ class WorkItem(_Message):
     messages: list[dict[str, Any]] | None = None
     prompt_token_ids: list[int] | None = None
     # SamplingParams fields (max_tokens, temperature, top_p, top_k, seed, stop,
-    # stop_token_ids, ignore_eos), validated by the engine.
+    # stop_token_ids, ignore_eos, presence_penalty, frequency_penalty, logit_bias as
+    # [token id, bias] pairs), validated by the engine.
     sampling: dict[str, Any] = field(default_factory=dict)
     priority: int = PRIORITY_NORMAL
     # Unix seconds: when the gateway queued it, and when it must be done by.

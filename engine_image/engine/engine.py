@@ -157,6 +157,12 @@ class Engine:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
         self._check_token_ids(prompt_token_ids)
+        vocab = self.config.vocab_size
+        if vocab is not None and params.logit_bias and params.logit_bias[-1][0] >= vocab:
+            raise ValueError(  # the pairs are sorted: the last has the largest id
+                f"logit_bias token id {params.logit_bias[-1][0]} is outside the vocabulary "
+                f"({vocab})"
+            )
         if self._extra_eos and not params.ignore_eos:
             params = _with_stop_ids(params, self._extra_eos)
         return Request(request_id, prompt_token_ids, params, eos_token_id=self._eos)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -48,9 +49,13 @@ class SamplingParams:
     # Keep generating past EOS (benchmarks).
     ignore_eos: bool = False
     # OpenAI's penalties, in [-2, 2]: a token's logit drops by presence_penalty once it
-    # has appeared in the output, and by frequency_penalty for each time (penalties.py).
+    # has appeared in the output, and by frequency_penalty for each time
+    # (logit_adjustments.py).
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # OpenAI's logit_bias: (token id, bias) pairs (or a mapping), each bias in
+    # [-100, 100] added to that token's logit; kept sorted by token id.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -80,6 +85,7 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_real(value) or not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 
     @property
     def penalized(self) -> bool:
@@ -87,15 +93,42 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
+    def adjusts_logits(self) -> bool:
+        """Whether its penalties or bias change its logits before sampling."""
+        return self.penalized or bool(self.logit_bias)
+
+    @property
     def needs_logits(self) -> bool:
         """Whether its tokens come from its logits through the sampler: every request
-        but a greedy one without penalties, whose token is the model's argmax (which the
-        greedy head finds without the logits)."""
-        return not self.greedy or self.penalized
+        but a greedy one that leaves its logits as they are, whose token is the model's
+        argmax (which the greedy head finds without the logits)."""
+        return not self.greedy or self.adjusts_logits
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs, each checked."""
+    pairs = bias.items() if isinstance(bias, Mapping) else bias
+    try:
+        pairs = [tuple(pair) for pair in pairs]
+    except TypeError:
+        raise ValueError(f"logit_bias must map token ids to biases, got {bias!r}") from None
+    seen: set[int] = set()
+    for pair in pairs:
+        if len(pair) != 2:
+            raise ValueError(f"logit_bias must map token ids to biases, got {pair!r}")
+        token, value = pair
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
+        if not _is_real(value) or not -100.0 <= value <= 100.0:
+            raise ValueError(f"logit_bias of token {token} must be in [-100, 100], got {value!r}")
+        if token in seen:
+            raise ValueError(f"logit_bias gives token {token} twice")
+        seen.add(token)
+    return tuple(sorted((token, float(value)) for token, value in pairs))
 
 
 def _is_real(value: object) -> bool:

@@ -123,10 +123,10 @@ class ModelRunner:
     ) -> list[list[int]]:
         """Each entry's accepted drafts and new token; row i of `rows` is hidden's row
         positions[i]. Greedy rows need only their argmax, which the model's greedy head
-        gives without the float32 logits (greedy_head.py); the other rows (sampled or
-        penalized), and every row where the model has no greedy head, go through the
-        logits and the sampler. Each
-        group's hidden rows are gathered once, straight from the step's."""
+        gives without the float32 logits (greedy_head.py); the other rows (sampled, or
+        with penalties or a bias), and every row where the model has no greedy head, go
+        through the logits and the sampler. Each group's hidden rows are gathered once,
+        straight from the step's."""
         greedy = [r for r in rows if not r.sampling_params.needs_logits]
         argmax = None
         if greedy:

@@ -7,11 +7,11 @@ the token after x_{j-1} (after `last` for j = 0). So row j < d verifies draft
 x_j, and row d is the bonus row, used only when every draft was accepted. A
 prefill (or a decode without drafts) owns one row.
 
-Verification. The target distribution p_j is the model's after the penalties
-(penalties.py), temperature, then top-k, then top-p. For a deterministic
-drafter (n-gram: the proposal q is a point mass on x_j) speculative rejection
-sampling accepts x_j with
-probability p_j(x_j) and otherwise samples from p_j with x_j removed. We get
+Verification. The target distribution p_j is the model's after the request's
+penalties and bias (logit_adjustments.py), temperature, then top-k, then
+top-p. For a deterministic drafter (n-gram: the proposal q is a point mass on
+x_j) speculative rejection sampling accepts x_j with probability p_j(x_j) and
+otherwise samples from p_j with x_j removed. We get
 exactly that by drawing y_j ~ p_j and accepting x_j iff y_j == x_j; on a
 mismatch y_j is the correction (p_j conditioned on y_j != x_j). Greedy is the
 same with y_j = argmax p_j. A benefit: given the same logits, a seeded request
@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine.logit_adjustments import adjust_logits
 from tandem.engine.model import cpu_kernels
-from tandem.engine.penalties import penalize
 from tandem.engine.plan import StepPlan
 from tandem.engine.request import SamplingParams
 
@@ -69,7 +69,7 @@ class SampleRows:
     sampling_params: SamplingParams
     # Output tokens before this step: row j samples output position num_generated + j.
     num_generated: int
-    # Those tokens, for the penalties (penalties.py); left empty where none applies.
+    # Those tokens, for the penalties (logit_adjustments.py); empty where none applies.
     output_token_ids: Sequence[int] = ()
 
     @property
@@ -130,7 +130,7 @@ class Sampler:
             raise ValueError(
                 f"draft_probs has shape {tuple(draft_probs.shape)}, logits {(num_rows, vocab)}"
             )
-        logits = penalize(logits, rows)
+        logits = adjust_logits(logits, rows)
         greedy: list[int] = []
         rand: list[int] = []
         for s in rows:
@@ -163,7 +163,7 @@ class Sampler:
         for s in rows:
             if s.sampling_params.needs_logits:
                 raise ValueError(
-                    f"request {s.request_id!r} samples or is penalized: it needs its logits"
+                    f"request {s.request_id!r} samples or adjusts its logits: it needs them"
                 )
             if s.start < 0 or s.start + 1 + len(s.drafts) > len(tokens):
                 raise ValueError(

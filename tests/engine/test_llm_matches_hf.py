@@ -142,45 +142,67 @@ def test_mtp_head_speculative_decoding(checkpoint):
     assert 0 < totals.drafts_accepted < totals.drafts_proposed
 
 
-class _OpenAIPenalties(transformers.LogitsProcessor):
-    """OpenAI's presence and frequency penalties over the tokens generated so far, as
-    a logits processor for HF's generate: the reference Tandem's sampler must match."""
+class _OpenAIAdjustments(transformers.LogitsProcessor):
+    """OpenAI's presence and frequency penalties over the tokens generated so far, and
+    its logit_bias, as a logits processor for HF's generate: the reference Tandem's
+    sampler must match."""
 
-    def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
+    def __init__(self, prompt_len: int, presence: float, frequency: float, bias) -> None:
         self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+        self.bias = bias
 
     def __call__(self, input_ids, scores):
         for row, ids in enumerate(input_ids[:, self.prompt_len :].tolist()):
             for token in set(ids):
                 scores[row, token] -= self.presence + self.frequency * ids.count(token)
+            for token, value in self.bias.items():
+                scores[row, token] += value
         return scores
 
 
 @pytest.mark.parametrize("drafts", [0, 3], ids=["plain", "ngram-drafts"])
-def test_penalized_greedy_matches_hf_with_the_same_penalties(checkpoint, drafts):
-    """Penalized greedy rows leave the greedy head for the logits and the sampler; the
-    penalties count the output only, and a draft row counts the drafts before it."""
+def test_penalized_and_biased_greedy_matches_hf_with_the_same_adjustments(checkpoint, drafts):
+    """Greedy rows with penalties or a bias leave the greedy head for the logits and the
+    sampler; the penalties count the output only, and a draft row counts the drafts
+    before it."""
     path, hf = checkpoint
-    base = _prompts(hf.config.vocab_size, [5, 4, 6], seed=6)
+    base = _prompts(hf.config.vocab_size, [5, 4, 6, 5], seed=6)
     prompts = [b * 5 for b in base]  # repetitive: the n-gram drafter finds drafts
-    penalties = [(0.0, 1.5), (2.0, 0.0), (-0.5, 0.7)]  # (presence, frequency) a prompt
+    # (presence, frequency, bias) a prompt; the last bans plain greedy's first token.
+    first = _hf_greedy(hf, prompts[3], max_new=1)[0]
+    adjustments = [
+        (0.0, 1.5, {}),
+        (2.0, 0.0, {}),
+        (-0.5, 0.7, {}),
+        (0.0, 0.0, {first: -100.0, 3: 2.0}),
+    ]
     llm = LLM(str(path), max_model_len=256, num_kv_blocks=256, num_speculative_tokens=drafts)
     changed = []
-    for prompt, (presence, frequency) in zip(prompts, penalties, strict=True):
+    for prompt, (presence, frequency, bias) in zip(prompts, adjustments, strict=True):
         params = SamplingParams(
             max_tokens=MAX_NEW,
             temperature=0.0,
             ignore_eos=True,
             presence_penalty=presence,
             frequency_penalty=frequency,
+            logit_bias=bias,
         )
         ours = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0].token_ids
-        reference = _OpenAIPenalties(len(prompt), presence, frequency)
-        assert ours == _hf_greedy(hf, prompt, processors=[reference]), (presence, frequency)
+        reference = _OpenAIAdjustments(len(prompt), presence, frequency, bias)
+        assert ours == _hf_greedy(hf, prompt, processors=[reference]), (presence, frequency, bias)
         changed.append(ours != _hf_greedy(hf, prompt))
-    assert any(changed)  # the penalties bite: outputs differ from plain greedy
+    assert any(changed[:3]) and changed[3]  # the adjustments bite
     if drafts:
         assert llm.engine.totals.drafts_proposed > 0
+
+
+def test_a_logit_bias_token_outside_the_vocabulary_is_refused(checkpoint):
+    path, hf = checkpoint
+    llm = LLM(str(path), max_model_len=64, num_kv_blocks=16)
+    vocab = hf.config.vocab_size
+    bad = SamplingParams(max_tokens=2, logit_bias={vocab: 1.0})
+    with pytest.raises(ValueError, match=f"logit_bias token id {vocab} is outside the vocabulary"):
+        llm.generate(prompt_token_ids=[[1, 2]], sampling_params=bad)
 
 
 # ------------------------------------------------------------ SmolLM2 (GGUF)

@@ -57,7 +57,7 @@ def _answers(gateway: LiveGateway, content: str) -> list:
     seeded = client.chat.completions.create(**{**chat, "temperature": 0.8, "seed": 9, "n": 2})
     # The decoder's penalties count the first token, which the prefill engine sampled.
     penalized = client.chat.completions.create(
-        **chat, frequency_penalty=1.5, presence_penalty=0.5, **EOS
+        **chat, frequency_penalty=1.5, presence_penalty=0.5, logit_bias={"5": 2.0}, **EOS
     )
     by_ids = client.completions.create(
         model="tiny", prompt=IDS, max_tokens=16, temperature=0, **EOS

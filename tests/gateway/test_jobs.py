@@ -122,7 +122,6 @@ def test_prompts_text_token_ids_and_lists_of_one():
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"logit_bias": {"1": 2.0}}, "logit_bias"),
         ({"n": 5}, "n"),
         ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
@@ -132,6 +131,15 @@ def test_refused_parameters_are_named(fields, param):
     with pytest.raises(GatewayError) as caught:
         _chat(**fields)
     assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_logit_bias_keys_become_token_ids_and_bad_ones_are_named():
+    [item] = _chat(logit_bias={"20": -100, "1": 2.5}).items
+    assert item.sampling["logit_bias"] == [[20, -100], [1, 2.5]]
+    for bias in ({"x": 1.0}, {"-1": 1.0}, {"1.5": 1.0}, {"1": 100.5}):
+        with pytest.raises(GatewayError) as caught:
+            _chat(logit_bias=bias)
+        assert caught.value.status == 400 and caught.value.param == "logit_bias", bias
 
 
 def test_neutral_values_of_unsupported_parameters_pass():

@@ -68,6 +68,18 @@ def test_penalties_reach_the_engine(sdk, direct):
         sdk.chat.completions.create(**args, frequency_penalty=2.5)
 
 
+def test_logit_bias_reaches_the_engine(sdk, direct):
+    args = dict(model="tiny", messages=MESSAGES, max_tokens=8, extra_body={"ignore_eos": True})
+    forced = sdk.chat.completions.create(**args, logit_bias={"5": 100}, **GREEDY)
+    plain = sdk.chat.completions.create(**args, **GREEDY)
+    sampling = {"max_tokens": 8, "ignore_eos": True, "logit_bias": [[5, 100]], **GREEDY}
+    expected = direct.answer(direct.submit(messages=MESSAGES, sampling=sampling))
+    assert forced.choices[0].message.content == expected.text
+    assert forced.choices[0].message.content != plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        sdk.chat.completions.create(**args, logit_bias={"99999999": 1})
+
+
 def test_chat_stream_with_include_usage_matches_the_plain_answer(sdk):
     args = dict(model="tiny", messages=MESSAGES, max_completion_tokens=10, **GREEDY)
     plain = sdk.chat.completions.create(**args)

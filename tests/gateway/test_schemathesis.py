@@ -36,8 +36,9 @@ CHECKS = [
 EXAMPLES = {GenerationMode.POSITIVE: 40, GenerationMode.NEGATIVE: 20}
 
 
-# Declared for compatibility but refused unless neutral: generating them only
-# produces 400s, which the error-table tests cover.
+# Declared for compatibility but refused unless neutral, or (logit_bias) valid only
+# with the model's own token ids as keys: generating them mostly produces 400s,
+# which the error-table tests cover.
 REFUSED = (
     "logit_bias", "logprobs", "top_logprobs",
     "tools", "tool_choice", "response_format", "best_of", "echo", "suffix", "stream_options",
