@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from tandem.engine.config import EngineConfig
-from tandem.engine.plan import StepPlan
+from tandem.engine.plan import StepPlan, TokenLogprobs
 from tandem.engine.request import Request, RequestStatus, SamplingParams
 from tandem.engine.runner import ModelRunner
 from tandem.engine.scheduler import Scheduler, Vote
@@ -47,6 +47,8 @@ class EngineOutput:
     num_accepted_drafts: int = 0
     # Set with finish_reason "error": what went wrong.
     error: str | None = None
+    # One entry per new token, where the request asked for logprobs.
+    logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -270,6 +272,9 @@ class Engine:
             out = self._apply(tracked, update.new_token_ids, update.status)
             # (Drafts cut off by a stop string were not kept: not counted.)
             out.num_accepted_drafts = min(update.num_accepted_drafts, len(out.new_token_ids))
+            step_logprobs = (result.logprobs or {}).get(update.request_id)
+            if step_logprobs is not None:  # the step's tokens, cut as they were
+                out.logprobs = step_logprobs[: len(out.new_token_ids)]
             outputs.append(out)
         self._record(plan, outputs, time.perf_counter() - started)
         return outputs

@@ -22,6 +22,7 @@ from tandem.engine.host_memory import keep_freed_memory
 from tandem.engine.model.attention import allocate_kv_cache
 from tandem.engine.model.loader import LoadedModel, kv_blocks_for, load_model
 from tandem.engine.mtp import MtpHead
+from tandem.engine.plan import TokenLogprobs
 from tandem.engine.request import SamplingParams
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampler import Sampler
@@ -39,6 +40,8 @@ class CompletionOutput:
     finish_reason: str
     # Prompt tokens whose prefill the prefix cache saved.
     num_cached_tokens: int
+    # Where SamplingParams.logprobs asked for them: one entry per token of token_ids.
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class LLM:
@@ -154,9 +157,12 @@ class LLM:
                     raise
                 order.append((rid, text, request))
             pieces: dict[str, list[str]] = {rid: [] for rid, _, _ in order}
+            logprobs: dict[str, list[TokenLogprobs]] = {}
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     pieces[out.request_id].append(out.text_delta)
+                    if out.logprobs is not None:
+                        logprobs.setdefault(out.request_id, []).extend(out.logprobs)
                     if out.finish_reason == "error":
                         raise RuntimeError(out.error)
                     if out.finished:
@@ -177,6 +183,7 @@ class LLM:
                     request.output_token_ids,
                     out.finish_reason,
                     out.num_cached_tokens,
+                    logprobs.get(rid, [] if request.sampling_params.logprobs is not None else None),
                 )
             )
         return results

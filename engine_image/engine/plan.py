@@ -75,6 +75,18 @@ class StepResult:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Drafts proposed for each request's next decode step.
     draft_token_ids: dict[str, list[int]] | None = None
+    # For requests that asked for logprobs: one entry per token of sampled_token_ids.
+    logprobs: dict[str, list[TokenLogprobs]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A generated token's log-probability under the model, and the most likely tokens
+    at its position (as many as the request asked for), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass(slots=True)

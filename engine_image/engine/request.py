@@ -30,6 +30,10 @@ _FINISHED = frozenset(
 )
 
 
+# The most alternatives a token's logprobs may list (OpenAI's top_logprobs limit).
+MAX_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     # Most tokens to generate.
@@ -56,6 +60,10 @@ class SamplingParams:
     # OpenAI's logit_bias: (token id, bias) pairs (or a mapping), each bias in
     # [-100, 100] added to that token's logit; kept sorted by token id.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Report each generated token's log-probability and those of this many most likely
+    # tokens at its position (0-20), from the model's own distribution (before the
+    # penalties, bias, temperature, top-k and top-p); None reports none.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -86,6 +94,14 @@ class SamplingParams:
             if not _is_real(value) or not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"
+            )
 
     @property
     def penalized(self) -> bool:
@@ -100,9 +116,10 @@ class SamplingParams:
     @property
     def needs_logits(self) -> bool:
         """Whether its tokens come from its logits through the sampler: every request
-        but a greedy one that leaves its logits as they are, whose token is the model's
-        argmax (which the greedy head finds without the logits)."""
-        return not self.greedy or self.adjusts_logits
+        but a greedy one that leaves its logits as they are and reports no logprobs,
+        whose token is the model's argmax (which the greedy head finds without the
+        logits)."""
+        return not self.greedy or self.adjusts_logits or self.logprobs is not None
 
     @property
     def greedy(self) -> bool:

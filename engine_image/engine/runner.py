@@ -20,9 +20,10 @@ from typing import overload
 import torch
 
 from tandem.engine.drafter import Drafter
+from tandem.engine.logprobs import token_logprobs
 from tandem.engine.model.attention_metadata import AttentionMetadata, decode_group_tokens
 from tandem.engine.mtp import MtpDrafting, MtpHead
-from tandem.engine.plan import StepPlan, StepResult
+from tandem.engine.plan import StepPlan, StepResult, TokenLogprobs
 from tandem.engine.sampler import Sampler, SampleRows, rows_for_plan
 
 
@@ -88,12 +89,13 @@ class ModelRunner:
         if not sample_rows:  # only prompt chunks that sample nothing yet
             return StepResult()
         rows = rows_for_plan(plan)
-        tokens = self._sample(hidden, sample_rows, rows)
+        tokens, logprobs = self._sample(hidden, sample_rows, rows)
         sampled = {row.request_id: toks for row, toks in zip(rows, tokens, strict=True)}
         if self.mtp is not None:
-            return StepResult(sampled, self._mtp_drafts(hidden, sample_rows, rows, tokens))
+            drafts = self._mtp_drafts(hidden, sample_rows, rows, tokens)
+            return StepResult(sampled, drafts, logprobs)
         if self.drafter is None:
-            return StepResult(sampled)
+            return StepResult(sampled, None, logprobs)
         drafts = {}
         k = self.num_speculative_tokens
         for seq in seqs:
@@ -101,7 +103,7 @@ class ModelRunner:
             if accepted is not None:
                 sequence = _Appended(seq.all_token_ids, accepted)
                 drafts[seq.request_id] = self.drafter.propose(seq.request_id, sequence, k)
-        return StepResult(sampled, drafts)
+        return StepResult(sampled, drafts, logprobs)
 
     def _mtp_drafts(
         self,
@@ -120,8 +122,9 @@ class ModelRunner:
 
     def _sample(
         self, hidden: torch.Tensor, positions: list[int], rows: list[SampleRows]
-    ) -> list[list[int]]:
-        """Each entry's accepted drafts and new token; row i of `rows` is hidden's row
+    ) -> tuple[list[list[int]], dict[str, list[TokenLogprobs]] | None]:
+        """Each entry's accepted drafts and new token, and the logprobs of those that
+        asked (logprobs.py; None where none did); row i of `rows` is hidden's row
         positions[i]. Greedy rows need only their argmax, which the model's greedy head
         gives without the float32 logits (greedy_head.py); the other rows (sampled, or
         with penalties or a bias), and every row where the model has no greedy head, go
@@ -135,7 +138,9 @@ class ModelRunner:
         if argmax is None:
             all_hidden, all_rows = _gather(hidden, positions, rows)
             logits = self.model.compute_logits(all_hidden)
-            return self.sampler.sample(logits, all_rows, self._draft_probs(all_rows, logits))
+            drawn = self.sampler.sample(logits, all_rows, self._draft_probs(all_rows, logits))
+            return drawn, token_logprobs(logits, all_rows, drawn) or None
+        logprobs = None
         tokens = dict(
             zip(
                 (r.request_id for r in greedy),
@@ -151,7 +156,8 @@ class ModelRunner:
                 logits, sampled_rows, self._draft_probs(sampled_rows, logits)
             )
             tokens.update(zip((r.request_id for r in sampled), drawn, strict=True))
-        return [tokens[r.request_id] for r in rows]
+            logprobs = token_logprobs(logits, sampled_rows, drawn) or None
+        return [tokens[r.request_id] for r in rows], logprobs
 
     def _draft_probs(self, rows: list[SampleRows], logits: torch.Tensor) -> torch.Tensor | None:
         """The MTP head's distributions for the drafts `rows` verify (None: point masses)."""

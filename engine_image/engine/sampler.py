@@ -163,7 +163,8 @@ class Sampler:
         for s in rows:
             if s.sampling_params.needs_logits:
                 raise ValueError(
-                    f"request {s.request_id!r} samples or adjusts its logits: it needs them"
+                    f"request {s.request_id!r} needs its logits "
+                    "(it samples, adjusts them or reports logprobs)"
                 )
             if s.start < 0 or s.start + 1 + len(s.drafts) > len(tokens):
                 raise ValueError(

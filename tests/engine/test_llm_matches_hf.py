@@ -196,6 +196,60 @@ def test_penalized_and_biased_greedy_matches_hf_with_the_same_adjustments(checkp
         assert llm.engine.totals.drafts_proposed > 0
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(temperature=0.0, logprobs=5),
+        dict(temperature=0.0, logprobs=3, frequency_penalty=1.0, logit_bias={7: 3.0}),
+        dict(temperature=0.9, seed=4, top_k=20, logprobs=0),
+    ],
+    ids=["greedy", "adjusted", "sampled"],
+)
+def test_logprobs_are_the_models_own_at_each_generated_position(checkpoint, settings):
+    """Each token's logprob, and its position's most likely tokens, equal HF's
+    log_softmax over the whole output fed back in one forward: the raw model's,
+    whatever the penalties, bias and temperature; and the same for drafts accepted
+    (an MTP head drafting the output the engine gave without speculation)."""
+    path, hf = checkpoint
+    prompts = _prompts(hf.config.vocab_size, [5, 30], seed=8)
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, **settings)
+    plain = LLM(str(path), max_model_len=256, num_kv_blocks=256).generate(
+        prompt_token_ids=prompts, sampling_params=params
+    )
+    head = SuccessorHead([out.token_ids for out in plain])
+    llm = LLM(
+        str(path), max_model_len=256, num_kv_blocks=256, num_speculative_tokens=3, mtp_head=head
+    )
+    drafted = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert llm.engine.totals.drafts_accepted > 0
+    for prompt, ours, again in zip(prompts, plain, drafted, strict=True):
+        assert again.token_ids == ours.token_ids
+        assert len(ours.logprobs) == len(again.logprobs) == len(ours.token_ids) == MAX_NEW
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + ours.token_ids])).logits[0]
+        want = torch.log_softmax(logits[len(prompt) - 1 : -1].double(), dim=-1)
+        entries = [*enumerate(ours.logprobs), *enumerate(again.logprobs)]
+        for position, entry in entries:
+            row, token = want[position], ours.token_ids[position]
+            assert entry.token_id == token
+            assert entry.logprob == pytest.approx(float(row[token]), abs=1e-4)
+            assert len(entry.top) == params.logprobs
+            top_values, _ = row.topk(params.logprobs)
+            assert [v for _, v in entry.top] == pytest.approx(top_values.tolist(), abs=1e-4)
+            for token_id, value in entry.top:  # ties may order alike values either way
+                assert value == pytest.approx(float(row[token_id]), abs=1e-4)
+
+
+def test_logprobs_are_none_unless_asked_and_a_bad_count_is_refused(checkpoint):
+    path, _ = checkpoint
+    llm = LLM(str(path), max_model_len=64, num_kv_blocks=16)
+    plain = SamplingParams(max_tokens=2, temperature=0.0)
+    assert llm.generate(prompt_token_ids=[[1, 2]], sampling_params=plain)[0].logprobs is None
+    for bad in (-1, 21, True, 2.0):
+        with pytest.raises(ValueError, match="logprobs must be an integer in \\[0, 20\\]"):
+            SamplingParams(logprobs=bad)
+
+
 def test_a_logit_bias_token_outside_the_vocabulary_is_refused(checkpoint):
     path, hf = checkpoint
     llm = LLM(str(path), max_model_len=64, num_kv_blocks=16)

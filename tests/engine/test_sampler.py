@@ -91,9 +91,9 @@ def test_argmax_tokens_verify_drafts_as_the_logits_do():
 
 def test_argmax_tokens_are_refused_for_a_row_that_samples_or_is_missing():
     sampler = Sampler()
-    with pytest.raises(ValueError, match="samples or adjusts its logits: it needs them"):
+    with pytest.raises(ValueError, match="needs its logits"):
         sampler.accept_greedy([1], [SampleRows("a", 0, [], SamplingParams(temperature=0.7), 0)])
-    with pytest.raises(ValueError, match="samples or adjusts its logits: it needs them"):
+    with pytest.raises(ValueError, match="needs its logits"):
         penalized = SamplingParams(temperature=0.0, presence_penalty=0.5)
         sampler.accept_greedy([1], [SampleRows("a", 0, [], penalized, 0)])
     with pytest.raises(ValueError, match=r"owns rows \[0, 3\) of 2 argmax tokens"):
