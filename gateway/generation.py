@@ -101,6 +101,7 @@ class Generation:
         choice = self.choices[index]
         if event.event == EventKind.TOKENS:
             choice.parts.append(event.text)
+            choice.logprobs.extend(event.logprobs or [])
         elif event.event == EventKind.FINISH:
             choice.finish_reason = event.finish_reason
             choice.usage = event.usage
@@ -136,11 +137,11 @@ class Generation:
             await rest.aclose()
 
     def _chunks(self, index: int, event: ResponseEvent) -> list[bytes]:
-        if event.event == EventKind.TOKENS and event.text:
+        if event.event == EventKind.TOKENS and (event.text or event.logprobs):
             if not self._first_token_sent:
                 self._first_token_sent = True
                 self.metrics.first_token(self.job.model, time.perf_counter() - self.arrived)
-            return [sse(self.renderer.text(index, event.text))]
+            return [sse(self.renderer.text(index, event.text, event.logprobs))]
         if event.event == EventKind.FINISH:
             return [sse(self.renderer.finish(index, event.finish_reason or "stop"))]
         return []

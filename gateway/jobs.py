@@ -64,6 +64,11 @@ class Job:
         return len(self.items)
 
     @property
+    def logprobs(self) -> bool:
+        """Whether the answer carries logprobs (the engines report them per token)."""
+        return "logprobs" in self.items[0].sampling
+
+    @property
     def request_ids(self) -> list[str]:
         return [item.request_id for item in self.items]
 
@@ -100,10 +105,8 @@ class JobBuilder:
 
     def chat(self, body: ChatCompletionRequest, headers: Mapping[str, str]) -> Job:
         _refuse_common(body)
-        if body.logprobs:
-            raise not_supported("logprobs")
-        if body.top_logprobs is not None:
-            raise not_supported("top_logprobs")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise bad_request("top_logprobs is only allowed when logprobs is true", "top_logprobs")
         if body.tools:
             raise not_supported("tools")
         if body.tool_choice not in (None, "none"):
@@ -131,8 +134,6 @@ class JobBuilder:
             raise not_supported("echo")
         if body.suffix:
             raise not_supported("suffix")
-        if body.logprobs is not None:
-            raise not_supported("logprobs")
         if body.best_of not in (None, 1, body.n or 1):
             raise not_supported("best_of", "best_of other than n")
         prompt = _prompt(body.prompt)
@@ -332,6 +333,12 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) 
             fields[name] = [value] if name == "stop" and isinstance(value, str) else value
     if body.logit_bias:
         fields["logit_bias"] = _logit_bias(body.logit_bias)
+    # Chat: logprobs is a switch, top_logprobs the alternatives; completions: a count.
+    if isinstance(body, ChatCompletionRequest):
+        if body.logprobs:
+            fields["logprobs"] = body.top_logprobs or 0
+    elif body.logprobs is not None:
+        fields["logprobs"] = body.logprobs
     if body.ignore_eos:
         fields["ignore_eos"] = True
     try:
@@ -339,7 +346,7 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) 
     except ValueError as exc:
         message = str(exc)
         param = message.split(" ", 1)[0]
-        named = param in _SAMPLING_FIELDS or param == "logit_bias"
+        named = param in _SAMPLING_FIELDS or param in ("logit_bias", "logprobs")
         raise bad_request(message, param if named else None) from None
     return fields
 

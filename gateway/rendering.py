@@ -1,7 +1,9 @@
 """Renderers: a request's results in the OpenAI shape of its endpoint.
 
 Chat answers carry `message`/`delta` objects, completions plain `text`; both
-share ids, usage and the streaming rules. Bodies are built as plain dicts
+share ids, usage and the streaming rules. Logprobs come from the engines in the
+chat shape (one {"token", "logprob", "bytes", "top_logprobs"} a token); the
+completions renderer turns them into that endpoint's parallel lists. Bodies are built as plain dicts
 (a chunk per token batch must be cheap); tests/gateway/test_rendering.py
 validates them against the pydantic models in schemas.py that the OpenAPI
 schema documents.
@@ -23,6 +25,8 @@ class ChoiceResult:
     finish_reason: str | None = None
     # The engine's usage on the finish event: prompt_tokens, completion_tokens, cached_tokens.
     usage: dict[str, int] | None = None
+    # Per token, where the request asked for logprobs (the chat shape).
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -50,11 +54,15 @@ class Renderer(ABC):
     object = ""
     chunk_object = ""
 
-    def __init__(self, base_id: str, created: int, model: str, *, include_usage: bool) -> None:
+    def __init__(
+        self, base_id: str, created: int, model: str, *, include_usage: bool, logprobs: bool = False
+    ) -> None:
         self.id = f"{self.id_prefix}{base_id}"
         self.created = created
         self.model = model
         self.include_usage = include_usage
+        # Whether the request asked for logprobs: choices carry them, else null.
+        self.logprobs = logprobs
 
     def response(self, choices: Sequence[ChoiceResult]) -> dict[str, Any]:
         return {
@@ -71,8 +79,10 @@ class Renderer(ABC):
         return []
 
     @abstractmethod
-    def text(self, index: int, text: str) -> dict[str, Any]:
-        """A stream chunk carrying new text of choice `index`."""
+    def text(
+        self, index: int, text: str, logprobs: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        """A stream chunk carrying new text of choice `index` (and its tokens' logprobs)."""
 
     @abstractmethod
     def finish(self, index: int, reason: str) -> dict[str, Any]:
@@ -107,23 +117,34 @@ class ChatRenderer(Renderer):
     def opening(self, n: int) -> list[dict[str, Any]]:
         return [self._delta(i, {"role": "assistant", "content": ""}) for i in range(n)]
 
-    def text(self, index: int, text: str) -> dict[str, Any]:
-        return self._delta(index, {"content": text})
+    def text(
+        self, index: int, text: str, logprobs: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        return self._delta(index, {"content": text}, logprobs=self._logprobs(logprobs or []))
 
     def finish(self, index: int, reason: str) -> dict[str, Any]:
         return self._delta(index, {}, reason)
 
-    def _delta(self, index: int, delta: dict[str, Any], reason: str | None = None):
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+    def _delta(
+        self,
+        index: int,
+        delta: dict[str, Any],
+        reason: str | None = None,
+        logprobs: dict[str, Any] | None = None,
+    ):
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return self._chunk([choice])
 
     def _choice(self, index: int, choice: ChoiceResult) -> dict[str, Any]:
         return {
             "index": index,
             "message": {"role": "assistant", "content": choice.text},
-            "logprobs": None,
+            "logprobs": self._logprobs(choice.logprobs),
             "finish_reason": choice.finish_reason,
         }
+
+    def _logprobs(self, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+        return {"content": entries, "refusal": None} if self.logprobs else None
 
 
 class CompletionRenderer(Renderer):
@@ -131,15 +152,46 @@ class CompletionRenderer(Renderer):
     object = "text_completion"
     chunk_object = "text_completion"
 
-    def text(self, index: int, text: str) -> dict[str, Any]:
-        return self._chunk([self._text(index, text, None)])
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Per choice, the characters of token text streamed so far (text_offset).
+        self._streamed: dict[int, int] = {}
+
+    def text(
+        self, index: int, text: str, logprobs: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        start = self._streamed.get(index, 0)
+        lists = self._lists(logprobs or [], start)
+        self._streamed[index] = start + sum(len(e["token"]) for e in logprobs or [])
+        return self._chunk([self._text(index, text, None, lists)])
 
     def finish(self, index: int, reason: str) -> dict[str, Any]:
-        return self._chunk([self._text(index, "", reason)])
+        return self._chunk([self._text(index, "", reason, None)])
 
     def _choice(self, index: int, choice: ChoiceResult) -> dict[str, Any]:
-        return self._text(index, choice.text, choice.finish_reason)
+        lists = self._lists(choice.logprobs, 0)
+        return self._text(index, choice.text, choice.finish_reason, lists)
+
+    def _lists(self, entries: list[dict[str, Any]], start: int) -> dict[str, Any] | None:
+        """The completions endpoint's logprobs: parallel lists over the tokens, each
+        token's alternatives as {text: logprob}, and where each token's text starts."""
+        if not self.logprobs:
+            return None
+        offsets = []
+        for entry in entries:
+            offsets.append(start)
+            start += len(entry["token"])
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [
+                {t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries
+            ],
+            "text_offset": offsets,
+        }
 
     @staticmethod
-    def _text(index: int, text: str, reason: str | None) -> dict[str, Any]:
-        return {"text": text, "index": index, "logprobs": None, "finish_reason": reason}
+    def _text(
+        index: int, text: str, reason: str | None, logprobs: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": reason}

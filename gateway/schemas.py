@@ -5,7 +5,7 @@ too), so a misspelt parameter is an error instead of silently ignored, and
 their types are strict, as OpenAI's are: `"max_tokens": "2"`, `true` for a
 number or `1.0` for an integer are refused, not coerced. Fields
 the OpenAI API has but Tandem does not implement are declared, so a request
-that sets them to a neutral value (many clients send `logprobs: false`)
+that sets them to a neutral value (many clients send `tool_choice: "none"`)
 passes and any other value is refused by name.
 Extensions (`top_k`, `priority`, `ignore_eos`) are marked as such.
 """
@@ -105,7 +105,9 @@ class ChatCompletionRequest(_Request):
     model: str = Field(min_length=1)
     frequency_penalty: Penalty = None
     logit_bias: LogitBias = None
-    logprobs: bool | None = Field(default=None, description="Not supported.")
+    logprobs: bool | None = Field(
+        default=None, description="Each token's log-probability, the model's own."
+    )
     max_completion_tokens: MaxTokens | None = None
     max_tokens: MaxTokens | None = None
     # Accepted and ignored: they change nothing without tools or storage.
@@ -124,7 +126,9 @@ class ChatCompletionRequest(_Request):
     temperature: Temperature = None
     tool_choice: str | dict[str, object] | None = Field(default=None, description="Not supported.")
     tools: list[dict[str, object]] | None = Field(default=None, description="Not supported.")
-    top_logprobs: int | None = Field(default=None, description="Not supported.")
+    top_logprobs: int | None = Field(
+        default=None, ge=0, le=20, description="Most likely tokens a position lists (logprobs)."
+    )
     top_p: TopP = None
     user: str | None = None
     # Extensions.
@@ -141,7 +145,12 @@ class CompletionRequest(_Request):
     echo: bool | None = Field(default=None, description="Not supported.")
     frequency_penalty: Penalty = None
     logit_bias: LogitBias = None
-    logprobs: int | None = Field(default=None, description="Not supported.")
+    logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=5,
+        description="Most likely tokens a position lists, with each token's log-probability.",
+    )
     max_tokens: MaxTokens | None = None
     n: Choices = None
     presence_penalty: Penalty = None
@@ -175,6 +184,32 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's logprobs: one entry per token of its content."""
+
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """A completion choice's logprobs: lists parallel over its tokens."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -183,7 +218,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -204,7 +239,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -222,7 +257,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChoice(BaseModel):
     text: str
     index: int
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 

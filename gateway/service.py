@@ -70,7 +70,13 @@ class GatewayService:
         ticket = await self.admission.admit(caller, job, request.headers.get(IDEMPOTENCY_HEADER))
         request.state.model_label = job.model
         kind: type[Renderer] = ChatRenderer if job.kind == "chat" else CompletionRenderer
-        renderer = kind(ticket.base_id, ticket.created, job.model, include_usage=job.include_usage)
+        renderer = kind(
+            ticket.base_id,
+            ticket.created,
+            job.model,
+            include_usage=job.include_usage,
+            logprobs=job.logprobs,
+        )
         arrived = cast(float, request.scope.get("state", {}).get("arrived", time.perf_counter()))
         generation = Generation(
             job,

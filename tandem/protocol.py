@@ -268,10 +268,23 @@ class ResponseEvent(_Message):
     error_code: str | None = None  # an ErrorCode on ERROR
     error_message: str | None = None
     engine_id: str = ""
+    # Where the request asked for logprobs: one per token of token_ids, in OpenAI's
+    # chat shape: {"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
+    # "bytes"}, ...]}.
+    logprobs: list[dict[str, Any]] | None = None
 
     @classmethod
-    def tokens(cls, offset: int, token_ids: list[int], text: str, engine_id: str):
-        return cls(EventKind.TOKENS, offset, list(token_ids), text, engine_id=engine_id)
+    def tokens(
+        cls,
+        offset: int,
+        token_ids: list[int],
+        text: str,
+        engine_id: str,
+        logprobs: list[dict[str, Any]] | None = None,
+    ):
+        return cls(
+            EventKind.TOKENS, offset, list(token_ids), text, engine_id=engine_id, logprobs=logprobs
+        )
 
     @classmethod
     def finish(cls, offset: int, reason: str, usage: Usage, engine_id: str):

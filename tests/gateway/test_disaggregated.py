@@ -59,6 +59,12 @@ def _answers(gateway: LiveGateway, content: str) -> list:
     penalized = client.chat.completions.create(
         **chat, frequency_penalty=1.5, presence_penalty=0.5, logit_bias={"5": 2.0}, **EOS
     )
+    # The first token's logprobs come from the prefill engine, the rest from the decoder.
+    scored = client.chat.completions.create(**chat, logprobs=True, top_logprobs=2, **EOS)
+    logprobs = [
+        (e.token, round(e.logprob, 3), [t.token for t in e.top_logprobs])
+        for e in scored.choices[0].logprobs.content
+    ]
     by_ids = client.completions.create(
         model="tiny", prompt=IDS, max_tokens=16, temperature=0, **EOS
     )
@@ -72,6 +78,7 @@ def _answers(gateway: LiveGateway, content: str) -> list:
         [c.finish_reason for c in seeded.choices],
         by_ids.choices[0].text,
         penalized.choices[0].message.content,
+        logprobs,
     ]
 
 
@@ -81,6 +88,7 @@ def test_disaggregated_and_normal_engines_answer_alike(pair):
     assert disaggregated == plain
     assert plain[2] == 24 and plain[3] == plain[0]
     assert plain[7] != plain[0]  # the penalties changed the greedy answer
+    assert len(plain[8]) == 24
     # The decoder really took the KV from the prefill engine.
     assert procs[1].metric("tandem_engine_kv_transfer_bytes_total") > 0
 

@@ -118,7 +118,6 @@ def test_prompts_text_token_ids_and_lists_of_one():
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"logprobs": True}, "logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
@@ -131,6 +130,15 @@ def test_refused_parameters_are_named(fields, param):
     with pytest.raises(GatewayError) as caught:
         _chat(**fields)
     assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_logprobs_become_the_engines_count_of_alternatives():
+    assert _chat(logprobs=True, top_logprobs=3).items[0].sampling["logprobs"] == 3
+    assert _chat(logprobs=True).items[0].sampling["logprobs"] == 0
+    assert _chat(logprobs=True).logprobs and not _chat(logprobs=False).logprobs
+    assert "logprobs" not in _chat(logprobs=False).items[0].sampling
+    body = CompletionRequest(model="m", prompt="x", logprobs=2)
+    assert BUILDER.completion(body, {}).items[0].sampling["logprobs"] == 2
 
 
 def test_logit_bias_keys_become_token_ids_and_bad_ones_are_named():

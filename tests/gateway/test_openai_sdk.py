@@ -68,6 +68,48 @@ def test_penalties_reach_the_engine(sdk, direct):
         sdk.chat.completions.create(**args, frequency_penalty=2.5)
 
 
+def test_chat_logprobs_cover_every_token_streamed_or_not(sdk):
+    args = dict(model="tiny", messages=MESSAGES, max_tokens=10, extra_body={"ignore_eos": True})
+    reply = sdk.chat.completions.create(**args, logprobs=True, top_logprobs=3, **GREEDY)
+    [choice] = reply.choices
+    content = choice.logprobs.content
+    assert len(content) == reply.usage.completion_tokens == 10
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.bytes == list(entry.token.encode())
+        # Greedy: each token is its position's most likely one.
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+    streamed = [
+        item
+        for chunk in sdk.chat.completions.create(
+            **args, logprobs=True, top_logprobs=3, stream=True, **GREEDY
+        )
+        if chunk.choices and chunk.choices[0].logprobs
+        for item in chunk.choices[0].logprobs.content
+    ]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [
+        (e.token, round(e.logprob, 4)) for e in content
+    ]
+    assert sdk.chat.completions.create(**args, **GREEDY).choices[0].logprobs is None
+
+
+def test_completion_logprobs_are_parallel_lists(sdk):
+    reply = sdk.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=6, logprobs=2, temperature=0.7, seed=3
+    )
+    lists = reply.choices[0].logprobs
+    assert len(lists.tokens) == len(lists.token_logprobs) == len(lists.top_logprobs) == 6
+    assert all(
+        len(top) <= 2 and lp <= 0
+        for top, lp in zip(lists.top_logprobs, lists.token_logprobs, strict=True)
+    )
+    # Each token's offset is where its text starts among the tokens' texts.
+    assert lists.text_offset == [sum(len(t) for t in lists.tokens[:i]) for i in range(6)]
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        sdk.completions.create(model="tiny", prompt="x", max_tokens=2, logprobs=6)
+
+
 def test_logit_bias_reaches_the_engine(sdk, direct):
     args = dict(model="tiny", messages=MESSAGES, max_tokens=8, extra_body={"ignore_eos": True})
     forced = sdk.chat.completions.create(**args, logit_bias={"5": 100}, **GREEDY)

@@ -63,6 +63,36 @@ def test_completion_answers_and_chunks_follow_the_models():
     _same(Completion, {**chunk, "usage": None})
 
 
+def _entry(token: str, logprob: float) -> dict:
+    top = [{"token": token, "logprob": logprob, "bytes": list(token.encode())}]
+    return {**top[0], "top_logprobs": [*top, {"token": "?", "logprob": -9.0, "bytes": [63]}]}
+
+
+def test_logprobs_follow_each_endpoints_model():
+    entries = [_entry("Hel", -0.5), _entry("lo", -0.25)]
+    choices = [ChoiceResult(["Hel", "lo"], "stop", None, entries)]
+    chat = ChatRenderer("abc", 1, "tiny", include_usage=False, logprobs=True)
+    body = chat.response(choices)
+    _same(ChatCompletion, body)
+    assert body["choices"][0]["logprobs"] == {"content": entries, "refusal": None}
+    _same(ChatCompletionChunk, chat.text(0, "Hel", entries[:1]))
+    plain = ChatRenderer("abc", 1, "tiny", include_usage=False).response(choices)
+    assert plain["choices"][0]["logprobs"] is None  # not asked for
+    completion = CompletionRenderer("xyz", 1, "tiny", include_usage=False, logprobs=True)
+    body = completion.response(choices)
+    _same(Completion, body)
+    assert body["choices"][0]["logprobs"] == {
+        "tokens": ["Hel", "lo"],
+        "token_logprobs": [-0.5, -0.25],
+        "top_logprobs": [{"Hel": -0.5, "?": -9.0}, {"lo": -0.25, "?": -9.0}],
+        "text_offset": [0, 3],
+    }
+    # Streamed, each chunk's offsets go on from the text streamed before it.
+    first, second = completion.text(0, "Hel", entries[:1]), completion.text(0, "lo", entries[1:])
+    assert first["choices"][0]["logprobs"]["text_offset"] == [0]
+    assert second["choices"][0]["logprobs"]["text_offset"] == [3]
+
+
 def test_sse_frames_are_data_lines():
     assert sse({"a": 1}) == b'data: {"a":1}\n\n'
     assert DONE == b"data: [DONE]\n\n"

@@ -168,6 +168,22 @@ def test_partial_overlap_is_trimmed():
     assert (dedup.token_ids, dedup.text) == (list(range(7)), text_of(range(7)))
 
 
+def test_an_overlaps_logprobs_are_trimmed_with_its_tokens():
+    def scored(start: int, end: int) -> ResponseEvent:
+        entries = [
+            {"token": f"<{t}>", "logprob": -t, "bytes": [], "top_logprobs": []}
+            for t in range(start, end)
+        ]
+        return ResponseEvent.tokens(
+            start, list(range(start, end)), text_of(range(start, end)), "a", entries
+        )
+
+    dedup = ResponseDeduplicator()
+    dedup.accept(scored(0, 3))
+    out = dedup.accept(scored(1, 5))  # an engine that resumed behind the stream
+    assert out.token_ids == [3, 4] and [e["logprob"] for e in out.logprobs] == [-3, -4]
+
+
 def test_overlap_from_an_unknown_text_boundary_keeps_its_text():
     dedup = ResponseDeduplicator()
     dedup.accept(tokens_event(0, 4))

@@ -68,8 +68,13 @@ class ResponseDeduplicator:
             text = self._unsent_text(start, end, event.text)
             if not event.is_final and (not event.token_ids or end <= seen):
                 return None
+            logprobs = None if event.logprobs is None else event.logprobs[seen - start :]
             event = dataclasses.replace(
-                event, offset=seen, token_ids=event.token_ids[seen - start :], text=text
+                event,
+                offset=seen,
+                token_ids=event.token_ids[seen - start :],
+                text=text,
+                logprobs=logprobs,
             )
         # start > seen would be a gap (tokens never written): pass the event on
         # anyway; the client loses those tokens but not the rest of the answer.

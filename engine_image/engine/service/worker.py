@@ -31,6 +31,7 @@ from tandem.engine.service.metrics import EngineMetrics
 from tandem.engine.service.redis_io import RedisIO
 from tandem.engine.service.room import pull_room
 from tandem.engine.service.settings import WorkerSettings
+from tandem.engine.service.wire_logprobs import wire_logprobs
 from tandem.engine.service.work_queue import Delivery
 from tandem.protocol import ErrorCode, Handoff, ResponseEvent, Usage, WorkItem
 
@@ -275,8 +276,11 @@ class EngineWorker:
 
     def _send_tokens(self, held: Held, out: EngineOutput) -> None:
         offset = out.num_output_tokens - len(out.new_token_ids)
+        logprobs = None
+        if out.logprobs is not None:
+            logprobs = wire_logprobs(out.logprobs, self.engine.tokenizer)
         event = ResponseEvent.tokens(
-            offset, out.new_token_ids, out.text_delta, self.settings.engine_id
+            offset, out.new_token_ids, out.text_delta, self.settings.engine_id, logprobs
         )
         self.io.responses.add(out.request_id, event)
         if held.first_token_at is None:

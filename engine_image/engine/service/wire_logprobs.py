@@ -1,0 +1,37 @@
+"""A step's token logprobs in the shape the response stream carries: OpenAI's chat
+logprobs, each token with its text and UTF-8 bytes, which the gateway cannot make
+(it has no tokenizer).
+
+A token's text is its own decode, as vLLM gives it: a token holding part of a
+multi-byte character decodes to U+FFFD, and its bytes are that text's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.engine.plan import TokenLogprobs
+from tandem.engine.tokenizer import Tokenizer
+
+
+def wire_logprobs(
+    entries: list[TokenLogprobs], tokenizer: Tokenizer | None
+) -> list[dict[str, Any]]:
+    """One dict per entry: {"token", "logprob", "bytes", "top_logprobs": [...]}."""
+    texts: dict[int, str] = {}
+
+    def token(token_id: int, logprob: float) -> dict[str, Any]:
+        text = texts.get(token_id)
+        if text is None:
+            # Without a tokenizer (token-id models) the id stands in for the text.
+            text = tokenizer.decode([token_id], False) if tokenizer else f"<{token_id}>"
+            texts[token_id] = text
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return [
+        {
+            **token(entry.token_id, entry.logprob),
+            "top_logprobs": [token(i, lp) for i, lp in entry.top],
+        }
+        for entry in entries
+    ]
