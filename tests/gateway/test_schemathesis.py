@@ -40,7 +40,7 @@ EXAMPLES = {GenerationMode.POSITIVE: 40, GenerationMode.NEGATIVE: 20}
 # with the model's own token ids as keys: generating them mostly produces 400s,
 # which the error-table tests cover.
 REFUSED = (
-    "logit_bias", "logprobs", "top_logprobs",
+    "logit_bias",
     "tools", "tool_choice", "response_format", "best_of", "echo", "suffix", "stream_options",
 )  # fmt: skip
 SMALL = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 6}, {"type": "null"}]}
