@@ -128,8 +128,8 @@ class ModelRunner:
         positions[i]. Greedy rows need only their argmax, which the model's greedy head
         gives without the float32 logits (greedy_head.py); the other rows (sampled,
         adjusted by penalties or a bias, or reporting logprobs), and every row where the
-        model has no greedy head, go through the logits and the sampler. Each group's hidden rows are gathered once,
-        straight from the step's."""
+        model has no greedy head, go through the logits and the sampler. Each group's
+        hidden rows are gathered once, straight from the step's."""
         greedy = [r for r in rows if not r.sampling_params.needs_logits]
         argmax = None
         if greedy:
