@@ -31,14 +31,11 @@ def adjust_logits(logits: torch.Tensor, rows: list[SampleRows]) -> torch.Tensor:
         return logits
     vocab = logits.shape[1]
     out = logits.float().clone()
+    penalized = [s for s in todo if s.sampling_params.penalized]
+    if penalized:
+        _penalize(out, penalized, vocab)
     for s in todo:
-        params, mine = s.sampling_params, out[s.start : s.start + s.num_rows]
-        if params.penalized:
-            counts = _output_counts(s, vocab, logits.device)  # [rows of s, vocab]
-            penalty = counts.mul(params.frequency_penalty).add_(
-                (counts > 0).to(counts.dtype).mul_(params.presence_penalty)
-            )
-            mine.sub_(penalty)
+        params = s.sampling_params
         if params.logit_bias:
             ids = [token for token, _ in params.logit_bias]
             if max(ids) >= vocab:
@@ -47,25 +44,33 @@ def adjust_logits(logits: torch.Tensor, rows: list[SampleRows]) -> torch.Tensor:
                     f"vocabulary of {vocab}"
                 )
             bias = torch.tensor([b for _, b in params.logit_bias], device=out.device)
-            mine[:, torch.tensor(ids, device=out.device)] += bias
+            out[s.start : s.start + s.num_rows, torch.tensor(ids, device=out.device)] += bias
     return out
 
 
-def _output_counts(s: SampleRows, vocab: int, device: torch.device) -> torch.Tensor:
-    """How often each token appears in the output each of s's rows follows: the output
-    so far, then for row j the drafts before it."""
-    tokens = torch.as_tensor(list(s.output_token_ids) + s.drafts, dtype=torch.long)
-    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
-        raise ValueError(
-            f"request {s.request_id!r}: an output or draft token id is outside the "
-            f"vocabulary of {vocab}"
-        )
-    num_out = len(s.output_token_ids)
-    base = torch.bincount(tokens[:num_out], minlength=vocab).to(torch.float32)
-    counts = base.expand(s.num_rows, vocab).clone()
-    if s.drafts:
-        # Row j gains drafts[0..j-1]: one-hot rows of the drafts, summed down the rows.
-        steps = torch.zeros(s.num_rows, vocab)
-        steps[torch.arange(1, s.num_rows), tokens[num_out:]] = 1.0
-        counts += steps.cumsum_(0)
-    return counts.to(device)
+def _penalize(out: torch.Tensor, rows: list[SampleRows], vocab: int) -> None:
+    """Take the penalties off `out` in place, at the (row, token) pairs that appeared:
+    a row's output is the sequence's so far, then for row j the drafts before it. Only
+    those pairs are touched (a dense count row per sequence cost ~8 ms a step for 64
+    penalized sequences of SmolLM2's 49k vocabulary; this ~2, most of it the copy)."""
+    keys = []  # row * vocab + token, once per appearance
+    frequency = torch.zeros(out.shape[0], dtype=torch.float32)
+    presence = torch.zeros(out.shape[0], dtype=torch.float32)
+    for s in rows:
+        params, num_out = s.sampling_params, len(s.output_token_ids)
+        tokens = torch.as_tensor([*s.output_token_ids, *s.drafts], dtype=torch.long)
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+            raise ValueError(
+                f"request {s.request_id!r}: an output or draft token id is outside the "
+                f"vocabulary of {vocab}"
+            )
+        for j in range(s.num_rows):
+            keys.append(tokens[: num_out + j] + (s.start + j) * vocab)
+        frequency[s.start : s.start + s.num_rows] = params.frequency_penalty
+        presence[s.start : s.start + s.num_rows] = params.presence_penalty
+    pairs, counts = torch.unique(torch.cat(keys), return_counts=True)
+    if not pairs.numel():
+        return
+    at = pairs // vocab
+    penalty = frequency[at] * counts + presence[at]
+    out.view(-1).index_add_(0, pairs.to(out.device), -penalty.to(out.device))
