@@ -41,6 +41,8 @@ _SAMPLING_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
 )
+# Every parameter the engine's SamplingParams checks, as a refusal names it.
+_CHECKED_FIELDS = (*_SAMPLING_FIELDS, "logit_bias", "logprobs")
 
 
 @dataclass(frozen=True)
@@ -346,8 +348,7 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) 
     except ValueError as exc:
         message = str(exc)
         param = message.split(" ", 1)[0]
-        named = param in _SAMPLING_FIELDS or param in ("logit_bias", "logprobs")
-        raise bad_request(message, param if named else None) from None
+        raise bad_request(message, param if param in _CHECKED_FIELDS else None) from None
     return fields
 
 

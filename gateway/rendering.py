@@ -3,8 +3,8 @@
 Chat answers carry `message`/`delta` objects, completions plain `text`; both
 share ids, usage and the streaming rules. Logprobs come from the engines in the
 chat shape (one {"token", "logprob", "bytes", "top_logprobs"} a token); the
-completions renderer turns them into that endpoint's parallel lists. Bodies are built as plain dicts
-(a chunk per token batch must be cheap); tests/gateway/test_rendering.py
+completions renderer turns them into that endpoint's parallel lists. Bodies are
+built as plain dicts (a chunk per token batch must be cheap); tests/gateway/test_rendering.py
 validates them against the pydantic models in schemas.py that the OpenAPI
 schema documents.
 """

@@ -49,6 +49,7 @@ class Tokenizer:
         if "eos_token" not in names and self.eos_token_ids:
             names["eos_token"] = backend.id_to_token(self.eos_token_ids[0]) or ""
         self._special_tokens = names
+        self._token_texts: dict[int, str] = {}  # token_text's, at most the vocabulary
 
     @property
     def backend(self) -> tokenizers.Tokenizer:
@@ -73,6 +74,14 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own decode, special tokens kept (logprobs name each token so);
+        remembered, as a stream asks for the same tokens step after step."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.decode([token_id], False)
+        return text
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any

@@ -268,3 +268,9 @@ def test_metaspace_decoder_keeps_spaces_between_chunks() -> None:
     tokenizer = Tokenizer(backend)
     deltas, *_ = _stream(tokenizer, [2, 3], prompt=[1])
     assert "".join(deltas) == " world again"
+
+
+def test_a_tokens_text_is_its_own_decode_with_special_tokens_kept(smol: Tokenizer) -> None:
+    ids = smol.encode("<|im_start|>Héllo, world")
+    assert [smol.token_text(i) for i in ids] == [smol.decode([i], False) for i in ids]
+    assert smol.token_text(ids[0]) == "<|im_start|>"  # kept, as logprobs name it

@@ -18,14 +18,10 @@ def wire_logprobs(
     entries: list[TokenLogprobs], tokenizer: Tokenizer | None
 ) -> list[dict[str, Any]]:
     """One dict per entry: {"token", "logprob", "bytes", "top_logprobs": [...]}."""
-    texts: dict[int, str] = {}
 
     def token(token_id: int, logprob: float) -> dict[str, Any]:
-        text = texts.get(token_id)
-        if text is None:
-            # Without a tokenizer (token-id models) the id stands in for the text.
-            text = tokenizer.decode([token_id], False) if tokenizer else f"<{token_id}>"
-            texts[token_id] = text
+        # Without a tokenizer (token-id models) the id stands in for the text.
+        text = tokenizer.token_text(token_id) if tokenizer else f"<{token_id}>"
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     return [
