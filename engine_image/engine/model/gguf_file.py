@@ -23,6 +23,7 @@ import tokenizers
 import torch
 from tokenizers import Regex, decoders, models, pre_tokenizers
 
+from tandem.engine.model.coded_weight import CodedWeight
 from tandem.engine.model.model_config import ModelConfig
 from tandem.engine.model.source import (
     ModelSource,
@@ -94,6 +95,7 @@ def load_gguf(path: Path) -> ModelSource:
         origin=f"gguf:{path}",
         # The plan holds views of the reader's memory map: no second metadata parse.
         weight_stream=lambda: _stream(plan, config),
+        code_stream=lambda: _codes(plan, config),
     )
 
 
@@ -253,6 +255,23 @@ def _plan(tensors: dict[str, Any], path: Path) -> list[tuple[str, Any]]:
 
 def _hf_shape(tensor: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(tensor.shape))
+
+
+def _codes(plan: list[tuple[str, Any]], config: ModelConfig) -> Iterator[tuple[str, CodedWeight]]:
+    """The projections' codes, where their type is a code form (coded_weight.py), in the
+    rows' order after the rotary unpermutation, as _stream gives their weights."""
+    for hf_name, tensor in plan:
+        if not hf_name.endswith("proj.weight"):
+            continue  # the embeddings and norms are not multiplied by the panel kernel
+        shape = _hf_shape(tensor)
+        coded = CodedWeight.from_gguf_blocks(tensor.data, tensor.tensor_type.name, shape)
+        if coded is None:
+            continue
+        heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+        for kind, n_head in heads.items():
+            if hf_name.endswith(f"{kind}.weight"):
+                coded = coded.rows(unpermute_rotary(np.arange(shape[0]), n_head))
+        yield hf_name, coded
 
 
 def _stream(plan: list[tuple[str, Any]], config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

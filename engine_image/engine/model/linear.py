@@ -13,6 +13,9 @@ multiply by it:
   layout streams them fastest. Measured on SmolLM2-135M's projections, 2 threads, AMD
   Zen 4 (docs/model-runtime.md): a 64-row step's products 86 ms against 93.5 with
   oneDNN's packed inner product, 1 row 13 ms against 27, 1,024 rows the same;
+  Where the checkpoint stores the weight quantised (a GGUF's Q4_1 or Q8_0), the packed
+  copy keeps its codes too, which the kernel widens to the same float32 values for
+  decode-sized products: a quarter of the bytes, the same bits (coded_weight.py);
 - other dtypes, or when the kernels did not build: oneDNN's blocked layout and inner
   product (torch's own oneDNN). bfloat16 results are bit for bit F.linear's, which runs
   the same oneDNN kernel without the prepacking.
@@ -34,6 +37,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.model import cpu_kernels
+from tandem.engine.model.coded_weight import (
+    CodedPanels,
+    CodedWeight,
+    pack_coded,
+    pack_gated_coded,
+)
 
 # oneDNN picks its blocking for this many rows; any row count runs on the result.
 # Measured at 1 and 64 rows: hints from 16 to 1,024 time alike, 1 is 25 % slower at 64.
@@ -48,19 +57,26 @@ class PackedWeight:
     out_features: int
     panels: bool  # multiplied by Tandem's panel kernel (float32), else by oneDNN
     silu_mul: bool = False  # gate and up panels: the product is silu(gate) * up
+    # The same panels coded (coded_weight.py), where the checkpoint stores the weight
+    # quantised: the kernel widens them where few rows make the weights' bytes count.
+    coded: CodedPanels | None = None
 
     @property
     def dtype(self) -> torch.dtype:
         return self.data.dtype
+
+    def panel_args(self, bias: torch.Tensor | None = None) -> tuple:
+        """panel_linear's arguments after x."""
+        c = self.coded
+        codes = (c.codes, c.scales, c.offsets) if c is not None else (None, None, None)
+        return (self.data, self.out_features, bias, self.silu_mul, *codes)
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in_features] @ weight.T + bias."""
         if not self.panels:
             return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
         rows = x.reshape(-1, x.shape[-1])  # a row-strided 2-D view stays a view
-        out = torch.ops.tandem_cpu.panel_linear(
-            rows, self.data, self.out_features, bias, self.silu_mul
-        )
+        out = torch.ops.tandem_cpu.panel_linear(rows, *self.panel_args(bias))
         return out.view(*x.shape[:-1], self.out_features)
 
 
@@ -68,6 +84,9 @@ class Linear(nn.Linear):
     """nn.Linear (same parameters, same names) with an optional pre-packed weight."""
 
     packed: PackedWeight | None = None  # set by pack_linears
+    # The checkpoint's quantised form of the weight, where it has one (set by the
+    # loader): packing keeps it if it gives exactly the weight's values.
+    coded: CodedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _runs_packed(self.packed, x, self.in_features):
@@ -98,7 +117,9 @@ class FusedLinears:
             return None  # checked before the concatenation, which costs a weight's memory
         with torch.no_grad():
             weight = torch.cat([m.weight for m in linears])
-        packed = _packed(weight)
+        codes = [m.coded for m in linears]
+        coded = CodedWeight.cat(codes) if all(c is not None for c in codes) else None
+        packed = _packed(weight, coded)
         if packed is None:
             return None
         return cls(packed, [m.out_features for m in linears], linears[0].in_features)
@@ -129,11 +150,13 @@ class GatedLinears:
         ops = _panel_kernels(weight)
         if ops is None:
             return None
+        coded = None
+        if _exact(gate.coded, gate.weight) and _exact(up.coded, up.weight):
+            coded = pack_gated_coded(gate.coded, up.coded, ops.panel_columns())
         with torch.no_grad():
             data = ops.pack_gated_panels(weight, up.weight)
-        return cls(
-            PackedWeight(data, gate.out_features, panels=True, silu_mul=True), gate.in_features
-        )
+        packed = PackedWeight(data, gate.out_features, panels=True, silu_mul=True, coded=coded)
+        return cls(packed, gate.in_features)
 
     def applies(self, x: torch.Tensor) -> bool:
         return _runs_packed(self.packed, x, self.in_features)
@@ -147,8 +170,10 @@ def packing_fits(model: nn.Module) -> bool:
     reports available (the rest stays for the KV cache and activations); True where it
     reports nothing. The copies are an optimisation: without them the model runs on
     F.linear, slower but in half the weights' memory. Warns when they do not fit."""
-    weights = {id(m.weight): m.weight for m in _linears(model) if _packable(m.weight)}
+    packable = [m for m in _linears(model) if _packable(m.weight)]
+    weights = {id(m.weight): m.weight for m in packable}
     need = sum(w.numel() * w.element_size() for w in weights.values())
+    need += sum(m.coded.codes.numel() for m in packable if m.coded is not None)  # int8 codes
     available = available_memory()
     if available is None or need <= available // 2:
         return True
@@ -182,7 +207,7 @@ def pack_linears(model: nn.Module) -> int:
     """
     count = 0
     for module in _linears(model):
-        module.packed = _packed(module.weight)
+        module.packed = _packed(module.weight, module.coded)
         count += module.packed is not None
     return count
 
@@ -205,14 +230,21 @@ def _panel_kernels(weight: torch.Tensor) -> object | None:
     return cpu_kernels.load()
 
 
-def _packed(weight: torch.Tensor) -> PackedWeight | None:
+def _packed(weight: torch.Tensor, coded: CodedWeight | None = None) -> PackedWeight | None:
+    """weight's packed copy: float32 panels (and coded ones where coded gives exactly its
+    values), or oneDNN's layout for other dtypes."""
     if not _packable(weight):
         return None
     ops = _panel_kernels(weight)
     if ops is None:
         return onednn_packed(weight)
+    panels = pack_coded(coded, ops.panel_columns()) if _exact(coded, weight) else None
     with torch.no_grad():
-        return PackedWeight(ops.pack_panels(weight), weight.shape[0], panels=True)
+        return PackedWeight(ops.pack_panels(weight), weight.shape[0], panels=True, coded=panels)
+
+
+def _exact(coded: CodedWeight | None, weight: torch.Tensor) -> bool:
+    return coded is not None and coded.matches(weight)
 
 
 def onednn_packed(weight: torch.Tensor) -> PackedWeight | None:

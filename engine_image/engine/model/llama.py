@@ -28,6 +28,7 @@ from torch import nn
 from tandem.engine.model import cpu_kernels
 from tandem.engine.model.attention import paged_attention
 from tandem.engine.model.attention_metadata import AttentionMetadata
+from tandem.engine.model.coded_weight import CodedWeight
 from tandem.engine.model.greedy_head import GreedyHead
 from tandem.engine.model.linear import (
     FusedLinears,
@@ -326,6 +327,16 @@ class LlamaForCausalLM(nn.Module):
         ):
             return None
         return head(hidden)
+
+    def load_codes(self, named_codes: Iterable[tuple[str, CodedWeight]]) -> None:
+        """Give projections their checkpoint's code forms (Hugging Face weight names), for
+        pack_projections to multiply by where they give exactly the loaded weights."""
+        modules = dict(self.named_modules())
+        for name, coded in named_codes:
+            module = modules.get(name.removesuffix(".weight"))
+            if not isinstance(module, Linear) or tuple(coded.shape) != tuple(module.weight.shape):
+                raise ValueError(f"codes {name!r} {tuple(coded.shape)} match no projection")
+            module.coded = coded
 
     def load_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True

@@ -78,6 +78,7 @@ def load_model(
     chosen_dtype = pick_dtype(dtype, chosen_device)
     model = LlamaForCausalLM(source.config, dtype=chosen_dtype, device=chosen_device)
     model.load_weights(source.iter_weights())
+    model.load_codes(source.iter_codes())
     model.eval()
     model.pack_projections()  # on the CPU: pre-packed projections (linear.py)
     return LoadedModel(source, model, chosen_device, chosen_dtype)

@@ -31,19 +31,16 @@ from tandem.engine.model.linear import PackedWeight
 class _Layer:
     """One decoder layer, as its kernels take it."""
 
-    qkv: torch.Tensor  # q, k and v's weights as one set of panels
-    qkv_features: int  # their out_features together
+    qkv: tuple  # panel_linear's arguments after x for q, k and v's fused panels
     q_size: int  # heads * head_dim: q's columns, then k's and v's kv_size each
     kv_size: int  # kv_heads * head_dim
     heads: int
     kv_heads: int
     head_dim: int
     scale: float  # the attention's softmax scale
-    o: torch.Tensor  # o_proj's panels
-    gated: torch.Tensor  # gate and up's panels (the product is silu(gate) * up)
-    inner: int  # the MLP's intermediate size
-    down: torch.Tensor  # down_proj's panels
-    hidden: int  # the residual stream's width (o's and down's out_features)
+    o: tuple  # o_proj's (all panel_linear's arguments after x, as qkv)
+    gated: tuple  # gate and up's (the product is silu(gate) * up)
+    down: tuple  # down_proj's
     post_norm: torch.Tensor  # post_attention_layernorm's weight
     post_eps: float
     next_norm: torch.Tensor  # the next layer's input norm, the final norm after the last
@@ -75,19 +72,16 @@ class PackedDecoder:
             after = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
             records.append(
                 _Layer(
-                    qkv=qkv.data,
-                    qkv_features=qkv.out_features,
+                    qkv=qkv.panel_args(),
                     q_size=attn.heads * attn.head_dim,
                     kv_size=attn.kv_heads * attn.head_dim,
                     heads=attn.heads,
                     kv_heads=attn.kv_heads,
                     head_dim=attn.head_dim,
                     scale=attn.scale,
-                    o=o.data,
-                    gated=gated.data,
-                    inner=gated.out_features,
-                    down=down.data,
-                    hidden=down.out_features,
+                    o=o.panel_args(),
+                    gated=gated.panel_args(),
+                    down=down.panel_args(),
                     post_norm=layer.post_attention_layernorm.weight,
                     post_eps=layer.post_attention_layernorm.eps,
                     next_norm=after.weight,
@@ -120,7 +114,7 @@ class PackedDecoder:
         rows = x.shape[0]
         h = ops.rms_norm.default(x, self.first_norm, self.first_eps)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            qkv = linear(h, layer.qkv, layer.qkv_features, None, False)
+            qkv = linear(h, *layer.qkv)
             kv_end = layer.q_size + layer.kv_size
             # Column views of the product, which the kernels read in place.
             q = qkv[:, : layer.q_size].view(rows, layer.heads, layer.head_dim)
@@ -128,10 +122,10 @@ class PackedDecoder:
             v = qkv[:, kv_end:].view(rows, layer.kv_heads, layer.head_dim)
             rope(q, k, cos, sin)
             out = paged_attention(q, k, v, cache, meta, layer.scale)
-            o = linear(out.reshape(rows, layer.q_size), layer.o, layer.hidden, None, False)
+            o = linear(out.reshape(rows, layer.q_size), *layer.o)
             h = add_rms_norm(x, o, layer.post_norm, layer.post_eps)  # x += o; h = norm(x)
-            gated = linear(h, layer.gated, layer.inner, None, True)
-            down = linear(gated, layer.down, layer.hidden, None, False)
+            gated = linear(h, *layer.gated)
+            down = linear(gated, *layer.down)
             h = add_rms_norm(x, down, layer.next_norm, layer.next_eps)
         return h
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.engine.model.coded_weight import CodedWeight
 from tandem.engine.model.model_config import ModelConfig
 from tandem.engine.tokenizer import Tokenizer
 
@@ -54,6 +55,11 @@ class ModelSource:
     origin: str
     # Opens a fresh stream each call, so weights can be loaded more than once.
     weight_stream: Callable[[], Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
+    # The quantised forms of the weights a checkpoint stores quantised (coded_weight.py),
+    # by the same names; None where it stores none.
+    code_stream: Callable[[], Iterator[tuple[str, CodedWeight]]] | None = field(
+        default=None, repr=False
+    )
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, tensor) pairs, one tensor in memory at a time.
@@ -62,6 +68,11 @@ class ModelSource:
         lm_head.weight is absent when the config ties it to the embeddings.
         """
         return self.weight_stream()
+
+    def iter_codes(self) -> Iterator[tuple[str, CodedWeight]]:
+        """(Hugging Face name, CodedWeight) for each weight stored in a code form the
+        panel kernel multiplies by exactly (e.g. a GGUF's Q4_1 projections)."""
+        return self.code_stream() if self.code_stream is not None else iter(())
 
 
 def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

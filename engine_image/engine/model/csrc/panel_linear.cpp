@@ -8,6 +8,11 @@
 //     SwiGLU's silu(x @ gate^T) * (x @ up^T) in one product, each panel holding half
 //     gate, half up, so that the [M, 2N] product never reaches memory (it was 2 % of
 //     a SmolLM2 prefill, reading it back for silu_mul).
+//   panel_linear(x, codes [P, K, NR] int8, N, ..., scales, offsets?): coded panels
+//     (coded_weight.py), each weight scale * code (+ offset) as a quantised checkpoint
+//     stores it, widened to those float32 values in the kernel: the same products, a
+//     quarter of the bytes streamed.
+//   panel_columns() -> NR
 //
 // Why not oneDNN's packed inner product (which the engine used before, and still uses
 // for bfloat16): at decode batch sizes the product is bound by streaming the weights
@@ -40,9 +45,15 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "kernel_common.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -113,10 +124,46 @@ struct Sums {
   const float* bias = nullptr;  // added as the sums are stored (the last k block only)
 };
 
+// A coded panel slice that the first row tile widens as it goes (CodedPanels below).
+struct Widening {
+  const int8_t* codes = nullptr;  // [kc, NR] at the slice's first k
+  const float* scales = nullptr;  // [kc / block, NR] from there
+  const float* offsets = nullptr;  // same, or null
+  int64_t block = 1;  // k a scale holds for
+  float* out = nullptr;  // [kc, NR]: the widened slice, which the other row tiles read
+};
+
+// W codes as floats: the sign extension and conversion in two instructions (gcc's
+// __builtin_convertvector went element by element).
+inline wvec as_floats(const int8_t* c) {
+#if defined(__AVX512F__)
+  return static_cast<wvec>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)))));
+#elif defined(__AVX2__)
+  return static_cast<wvec>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)))));
+#else
+  wvec q;
+  for (int i = 0; i < W; ++i) q[i] = static_cast<float>(c[i]);
+  return q;
+#endif
+}
+
+// scale * code (+ offset), rounded after each operation as the loader's dequantisation
+// does: the empty asm hands the product through a register the compiler cannot see
+// into, so that it does not fuse the multiply and add into one FMA.
+inline wvec widen(const int8_t* c, const float* scale, const float* offset) {
+  wvec w = as_floats(c) * vload<wvec>(scale);
+#if defined(__x86_64__) || defined(__i386__)
+  asm("" : "+v"(w));
+#endif
+  return offset ? w + vload<wvec>(offset) : w;
+}
+
 // Sums over k of a[0..R) x [0..kc) . b, with b a panel slice [kc, NR] and a's rows lda
-// apart, added to `sums.from` and stored at `sums.to`.
-template <int R>
-void tile(const float* a, int64_t lda, const float* b, int64_t kc, const Sums& sums, Prefetch pf) {
+// apart, added to `sums.from` and stored at `sums.to`. WIDEN: b is wd->out, which this
+// tile fills from the codes as it goes.
+template <int R, bool WIDEN>
+void tile(const float* a, int64_t lda, const float* b, int64_t kc, const Sums& sums, Prefetch pf,
+          const Widening* wd) {
   // The lines the tile ends with, its rows of `to` (for writing), asked for now,
   // kc * R * NV FMAs ahead of the stores; without, each missed at the end of the tile.
   // (Earlier k blocks' sums sit in the same lines, except silu_mul's partial buffer.)
@@ -139,14 +186,33 @@ void tile(const float* a, int64_t lda, const float* b, int64_t kc, const Sums& s
   }
   const char* fetch = pf.from;
   int64_t countdown = pf.per_k ? 1 : -1;  // never 0 without lines to fetch
+  const float* scale = WIDEN ? wd->scales : nullptr;
+  const float* offset = WIDEN ? wd->offsets : nullptr;
+  int64_t in_block = 0;
   for (int64_t k = 0; k < kc; ++k) {
     const float* bk = b + k * NR;
-    // Rows are contiguous and the addresses at most a line apart: every line is asked
-    // for. Past the slice's end they fetch the next k block's or panel's rows, which the
-    // next tile does not read first: harmless, and wrapping round to the slice's first
-    // rows (which it does read) measured no faster.
-    for (int64_t i = 0; i < NR; i += LINE / sizeof(float)) __builtin_prefetch(bk + L1_AHEAD * NR + i, 0, 3);
-    const wvec b0 = vload<wvec>(bk), b1 = vload<wvec>(bk + W), b2 = vload<wvec>(bk + 2 * W);
+    wvec b0, b1, b2;
+    if constexpr (WIDEN) {
+      const int8_t* c = wd->codes + k * NR;
+      __builtin_prefetch(c + L1_AHEAD * NR, 0, 3);
+      b0 = widen(c, scale, offset);
+      b1 = widen(c + W, scale + W, offset ? offset + W : nullptr);
+      b2 = widen(c + 2 * W, scale + 2 * W, offset ? offset + 2 * W : nullptr);
+      float* out = wd->out + k * NR;
+      vstore(out, b0), vstore(out + W, b1), vstore(out + 2 * W, b2);
+      if (++in_block == wd->block) {
+        in_block = 0;
+        scale += NR;
+        if (offset) offset += NR;
+      }
+    } else {
+      // Rows are contiguous and the addresses at most a line apart: every line is asked
+      // for. Past the slice's end they fetch the next k block's or panel's rows, which the
+      // next tile does not read first: harmless, and wrapping round to the slice's first
+      // rows (which it does read) measured no faster.
+      for (int64_t i = 0; i < NR; i += LINE / sizeof(float)) __builtin_prefetch(bk + L1_AHEAD * NR + i, 0, 3);
+      b0 = vload<wvec>(bk), b1 = vload<wvec>(bk + W), b2 = vload<wvec>(bk + 2 * W);
+    }
     if (--countdown == 0) {
       for (int64_t i = 0; i < pf.per_k; ++i) __builtin_prefetch(fetch + i * LINE, 0, 2);
       fetch += pf.per_k * LINE, countdown = pf.every;
@@ -188,14 +254,16 @@ void tile(const float* a, int64_t lda, const float* b, int64_t kc, const Sums& s
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const Sums&, Prefetch);
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const Sums&, Prefetch, const Widening*);
 
-template <int... R>
+template <bool WIDEN, int... R>
 constexpr auto make_tiles(std::integer_sequence<int, R...>) {
-  return std::array<TileFn, sizeof...(R)>{&tile<R + 1>...};
+  return std::array<TileFn, sizeof...(R)>{&tile<R + 1, WIDEN>...};
 }
-// TILES[r - 1]: the tile of r rows (the last rows of a block may be fewer than MR).
-constexpr auto TILES = make_tiles(std::make_integer_sequence<int, MR>{});
+// TILES[r - 1]: the tile of r rows (the last rows of a block may be fewer than MR);
+// WIDENING_TILES[r - 1] the same, widening a coded slice as it reads it.
+constexpr auto TILES = make_tiles<false>(std::make_integer_sequence<int, MR>{});
+constexpr auto WIDENING_TILES = make_tiles<true>(std::make_integer_sequence<int, MR>{});
 
 at::Tensor pack_panels(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
@@ -216,8 +284,115 @@ at::Tensor pack_gated_panels(const at::Tensor& gate, const at::Tensor& up) {
   return at::cat({halves(gate), halves(up)}, 1).transpose(1, 2).contiguous();
 }
 
+// Where a thread's panel slices come from. Float32 panels are read in place.
+struct FloatPanels {
+  const float* panels;
+  int64_t K;
+  const float* slice(int64_t p, int64_t k0) const { return panels + (p * K + k0) * NR; }
+  // The bytes a slice is read from, for the prefetch of the next one.
+  const char* source(int64_t p, int64_t k0) const { return reinterpret_cast<const char*>(slice(p, k0)); }
+  static int64_t source_bytes(int64_t kc) { return kc * NR * static_cast<int64_t>(sizeof(float)); }
+};
+
+// Coded panels (pack_coded in coded_weight.py): each weight an int8 code with a scale,
+// and optionally an offset, for each run of `block` k of each column, as a quantised
+// checkpoint stores them; the weight is scale * code (+ offset) rounded to float32 after
+// each operation, exactly the value the loader's dequantisation gives. The first row
+// tile of a slice widens it into the thread's buffer as it multiplies by it, the other
+// tiles read the buffer: ~1.1 bytes a weight come from memory instead of 4.
+struct CodedPanels {
+  const int8_t* codes;  // [P, K, NR]
+  const float* scales;  // [P, K / block, NR]
+  const float* offsets;  // same, or null: no offset
+  int64_t K, blocks_per_k;  // K / block
+  int64_t code_block;
+  float* buffer;  // the thread's, k_block x NR floats
+
+  Widening widening(int64_t p, int64_t k0) const {
+    const int64_t b = p * blocks_per_k + k0 / code_block;
+    return {codes + (p * K + k0) * NR, scales + b * NR, offsets ? offsets + b * NR : nullptr, code_block, buffer};
+  }
+  const char* source(int64_t p, int64_t k0) const { return reinterpret_cast<const char*>(codes + (p * K + k0) * NR); }
+  static int64_t source_bytes(int64_t kc) { return kc * NR; }
+};
+
+// One thread's share of the product: its panels (or rows), each k block's slices from
+// `src`, computed by the register tiles.
+struct Work {
+  const float* a;
+  int64_t lda, M, K, N, P, OC, k_block, MB, partial_ld;
+  float* c;
+  float* pc;
+  bool silu_mul, by_rows;
+  const float* bias;
+};
+
+template <typename Source>
+void thread_share(const Work& w, const Source& src, int64_t t, int64_t nt) {
+  // Each thread owns a contiguous run of panels (its columns of the output), or of
+  // whole register tiles of rows.
+  const int64_t M = w.M, K = w.K, N = w.N, P = w.P, MB = w.MB;
+  const int64_t p0 = w.by_rows ? 0 : P * t / nt, p1 = w.by_rows ? P : P * (t + 1) / nt;
+  const int64_t row_tiles = (M + MR - 1) / MR;
+  const int64_t m_begin = w.by_rows ? row_tiles * t / nt * MR : 0;
+  const int64_t m_end = w.by_rows ? std::min(M, row_tiles * (t + 1) / nt * MR) : M;
+  for (int64_t k0 = 0; k0 < K; k0 += w.k_block) {
+    const int64_t kc = std::min(w.k_block, K - k0);
+    const bool last = k0 + kc == K;
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += MB) {
+      const int64_t rows = std::min(MB, m_end - m0);
+      const int64_t tiles = (rows + MR - 1) / MR;
+      // The next panel's slice: spread its lines over the tiles.
+      const int64_t lines = (Source::source_bytes(kc) + LINE - 1) / LINE;  // >= 1
+      const int64_t steps = tiles * kc;  // k steps over the tiles
+      const int64_t per_k = (lines + steps - 1) / steps, every = std::max<int64_t>(1, steps / lines);
+      const int64_t tile_lines = (kc + every - 1) / every * per_k;
+      for (int64_t p = p0; p < p1; ++p) {
+        constexpr bool coded = std::is_same_v<Source, CodedPanels>;
+        Widening wd;
+        const float* slice;
+        if constexpr (coded) {
+          wd = src.widening(p, k0), slice = wd.out;
+        } else {
+          slice = src.slice(p, k0);
+        }
+        // The panel computed next: this one's neighbour, else the run's first panel
+        // for the next block of rows (it has left L2 since this block began).
+        const char* next = p + 1 < p1 ? src.source(p + 1, k0) : m0 + MB < m_end ? src.source(p0, k0) : nullptr;
+        // The panel's columns in the partial sums; in the output, once the last k block is in.
+        const int64_t partial_cols = std::min<int64_t>(NR, w.partial_ld - p * NR);
+        for (int64_t ti = 0; ti < tiles; ++ti) {
+          const int64_t m = m0 + ti * MR;
+          Sums sums;
+          if (k0 > 0) sums = {w.pc + m * w.partial_ld + p * NR, w.partial_ld, partial_cols};
+          if (last) {
+            sums.to = w.c + m * N + p * w.OC, sums.to_ld = N, sums.to_cols = std::min(w.OC, N - p * w.OC);
+            sums.silu_mul = w.silu_mul;
+            if (w.bias) sums.bias = w.bias + p * w.OC;
+          } else {
+            sums.to = w.pc + m * w.partial_ld + p * NR, sums.to_ld = w.partial_ld, sums.to_cols = partial_cols;
+          }
+          Prefetch pf;
+          if (next && ti * tile_lines < lines) pf = {next + ti * tile_lines * LINE, per_k, every};
+          const auto& tiles_here = coded && ti == 0 ? WIDENING_TILES : TILES;
+          tiles_here[std::min<int64_t>(MR, M - m) - 1](w.a + m * w.lda + k0, w.lda, slice, kc, sums, pf, &wd);
+        }
+      }
+    }
+  }
+}
+
+// A thread's buffer for widened slices: OpenMP's threads persist, so it is allocated
+// once per thread, not per product (a fresh one each call faulted in its pages).
+float* widening_buffer(int64_t floats) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
+  return buffer.data();
+}
+
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& bias,
-                        bool silu_mul) {
+                        bool silu_mul, const c10::optional<at::Tensor>& codes, const c10::optional<at::Tensor>& scales,
+                        const c10::optional<at::Tensor>& offsets) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "panel_linear: x must be float32 [rows, in_features] with a dense last dim");
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == NR && panels.scalar_type() == at::kFloat &&
@@ -228,6 +403,20 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
   TORCH_CHECK(panels.size(1) == K, "panel_linear: x has ", K, " features, the weight ", panels.size(1));
   TORCH_CHECK(N > (P - 1) * OC && N <= P * OC, "panel_linear: out_features ", N, " does not match the packed weight (",
               P, " panels of ", OC, " output columns)");
+  TORCH_CHECK(codes.has_value() == scales.has_value() && (codes || !offsets),
+              "panel_linear: codes come with scales (and offsets only with both)");
+  int64_t code_block = 1;
+  if (codes) {
+    TORCH_CHECK(codes->sizes() == panels.sizes() && codes->scalar_type() == at::kChar && codes->is_contiguous(),
+                "panel_linear: codes must be int8 panels shaped as the float32 ones (pack_coded)");
+    TORCH_CHECK(scales->dim() == 3 && scales->size(0) == P && scales->size(2) == NR && scales->size(1) > 0 &&
+                    K % scales->size(1) == 0 && scales->scalar_type() == at::kFloat && scales->is_contiguous(),
+                "panel_linear: scales must be float32 [panels, in_features / block, ", NR, "]");
+    TORCH_CHECK(!offsets || (offsets->sizes() == scales->sizes() && offsets->scalar_type() == at::kFloat &&
+                             offsets->is_contiguous()),
+                "panel_linear: offsets must be shaped as the scales");
+    code_block = K / scales->size(1);
+  }
   if (bias) {
     TORCH_CHECK(!silu_mul, "panel_linear: silu_mul takes no bias");
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
@@ -239,72 +428,44 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
     bias ? out.copy_(bias->expand({M, N})) : out.zero_();
     return out;
   }
+  const int64_t most_threads = at::get_num_threads();
+  const bool by_rows = most_threads > 1 && M >= ROW_SPLIT * most_threads;
+  // The codes where the threads split the panels. Split by rows, every thread would
+  // widen every panel for each of its blocks of rows: 10-13 % slower at 1,024 rows,
+  // whose products are bound by the arithmetic anyway (docs/benchmarks.md).
+  const bool widen = codes && !by_rows;
   // K in equal blocks (576 is one; 1,536 one or two, by L2): a short last block would
-  // cost a pass over the output for little work.
+  // cost a pass over the output for little work. Widened, the blocks hold whole code
+  // blocks (a slice's scales change only between them).
   const int64_t most_k = most_k_per_block();
-  const int64_t k_blocks = (K + most_k - 1) / most_k, k_block = (K + k_blocks - 1) / k_blocks;
+  const int64_t k_blocks = (K + most_k - 1) / most_k;
+  const int64_t unit = widen ? code_block : 1;
+  const int64_t k_block = ((K + k_blocks - 1) / k_blocks + unit - 1) / unit * unit;
   const int64_t MB = std::max<int64_t>(MR, A_BLOCK_FLOATS / k_block / MR * MR);
   // Sums between k blocks: in the output, except that silu_mul's keeps half a panel's
   // columns, so that its partial sums need whole panels of their own.
-  at::Tensor partial = silu_mul && k_blocks > 1 ? at::empty({M, P * NR}, x.options()) : out;
-  const int64_t partial_ld = partial.size(1);
-  const float* a = x.data_ptr<float>();
-  const float* b = panels.data_ptr<float>();
-  float* c = out.data_ptr<float>();
-  float* pc = partial.data_ptr<float>();
-  const int64_t lda = x.stride(0);
-  const int64_t most_threads = at::get_num_threads();
-  const bool by_rows = most_threads > 1 && M >= ROW_SPLIT * most_threads;
+  at::Tensor partial = silu_mul && k_block < K ? at::empty({M, P * NR}, x.options()) : out;
+  const Work w{x.data_ptr<float>(), x.stride(0), M, K, N, P, OC, k_block, MB, partial.size(1),
+               out.data_ptr<float>(), partial.data_ptr<float>(), silu_mul, by_rows,
+               bias ? bias->data_ptr<float>() : nullptr};
   const int threads = static_cast<int>(by_rows ? most_threads : std::min(most_threads, P));
 #pragma omp parallel num_threads(threads)
   {
-    // Each thread owns a contiguous run of panels (its columns of the output), or of
-    // whole register tiles of rows.
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t p0 = by_rows ? 0 : P * t / nt, p1 = by_rows ? P : P * (t + 1) / nt;
-    const int64_t row_tiles = (M + MR - 1) / MR;
-    const int64_t m_begin = by_rows ? row_tiles * t / nt * MR : 0;
-    const int64_t m_end = by_rows ? std::min(M, row_tiles * (t + 1) / nt * MR) : M;
-    for (int64_t k0 = 0; k0 < K; k0 += k_block) {
-      const int64_t kc = std::min(k_block, K - k0);
-      const bool last = k0 + kc == K;
-      for (int64_t m0 = m_begin; m0 < m_end; m0 += MB) {
-        const int64_t rows = std::min(MB, m_end - m0);
-        const int64_t tiles = (rows + MR - 1) / MR;
-        // The next panel's slice is kc x NR floats: spread its lines over the tiles.
-        const int64_t lines = (kc * NR * static_cast<int64_t>(sizeof(float)) + LINE - 1) / LINE;  // >= 1
-        const int64_t steps = tiles * kc;  // k steps over the tiles
-        const int64_t per_k = (lines + steps - 1) / steps, every = std::max<int64_t>(1, steps / lines);
-        const int64_t tile_lines = (kc + every - 1) / every * per_k;
-        for (int64_t p = p0; p < p1; ++p) {
-          const float* slice = b + (p * K + k0) * NR;
-          // The panel computed next: this one's neighbour, else the run's first panel
-          // for the next block of rows (it has left L2 since this block began).
-          const float* after = p + 1 < p1 ? slice + K * NR : m0 + MB < m_end ? b + (p0 * K + k0) * NR : nullptr;
-          const char* next = reinterpret_cast<const char*>(after);
-          // The panel's columns in the partial sums; in the output, once the last k block is in.
-          const int64_t partial_cols = std::min<int64_t>(NR, partial_ld - p * NR);
-          for (int64_t ti = 0; ti < tiles; ++ti) {
-            const int64_t m = m0 + ti * MR;
-            Sums sums;
-            if (k0 > 0) sums = {pc + m * partial_ld + p * NR, partial_ld, partial_cols};
-            if (last) {
-              sums.to = c + m * N + p * OC, sums.to_ld = N, sums.to_cols = std::min(OC, N - p * OC);
-              sums.silu_mul = silu_mul;
-              if (bias) sums.bias = bias->data_ptr<float>() + p * OC;
-            } else {
-              sums.to = pc + m * partial_ld + p * NR, sums.to_ld = partial_ld, sums.to_cols = partial_cols;
-            }
-            Prefetch pf;
-            if (next && ti * tile_lines < lines) pf = {next + ti * tile_lines * LINE, per_k, every};
-            TILES[std::min<int64_t>(MR, M - m) - 1](a + m * lda + k0, lda, slice, kc, sums, pf);
-          }
-        }
-      }
+    if (widen) {
+      const CodedPanels src{codes->data_ptr<int8_t>(), scales->data_ptr<float>(),
+                            offsets ? offsets->data_ptr<float>() : nullptr, K, scales->size(1), code_block,
+                            widening_buffer(k_block * NR)};
+      thread_share(w, src, t, nt);
+    } else {
+      thread_share(w, FloatPanels{panels.data_ptr<float>(), K}, t, nt);
     }
   }
   return out;
 }
+
+// The output columns of a panel (NR), for packers outside this file (coded_weight.py).
+int64_t panel_columns() { return NR; }
 
 }  // namespace
 
@@ -313,3 +474,6 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("pack_gated_panels", &pack_gated_panels);
   m.impl("panel_linear", &panel_linear);
 }
+
+// No tensor to dispatch on: registered for every backend.
+TORCH_LIBRARY_IMPL(tandem_cpu, CompositeImplicitAutograd, m) { m.impl("panel_columns", &panel_columns); }

@@ -1,0 +1,181 @@
+"""CodedWeight: a weight as its quantised checkpoint stores it, for exact float32 products.
+
+    coded = CodedWeight.from_gguf_blocks(blocks, "Q4_1", shape)  # or None: not a code form
+    coded.matches(weight)   # every float32 value equals scale * code (+ offset), bit for bit
+    pack_coded(coded, ...)  # panels for panel_linear (csrc/panel_linear.cpp)
+
+A GGUF file stores SmolLM2's projections as Q4_1: each run of 32 inputs of an output
+row holds 4-bit codes with one float16 scale and offset, and the loader's float32
+weight is (scale * code) + offset, rounded after each operation. The float32 model
+multiplies by exactly those values. Beside the float32 panels, the packed copy keeps
+them in this form (an int8 code a weight, a float32 scale and offset a block: ~1.1
+bytes a weight instead of 4), and where the threads split a product's panels (decode
+steps) the panel kernel widens each panel's codes back to the same float32 values
+once for all the rows it multiplies. The products are bit for bit those of the
+float32 panels; a step streams a quarter of the bytes. Measured on SmolLM2, 2
+threads, a Xeon: batch-1 decode 1.6-1.7x as fast, batch 64 alike (its products are
+bound by the arithmetic, which the widening adds ~6 % to), prefills untouched (their
+threads split the rows and keep the float32 panels: docs/benchmarks.md).
+
+Only forms whose widening is one multiply and at most one add qualify (Q4_1, Q8_0;
+Q4_0's d * (q - 8) could be added as codes q - 8 without an offset). Packing checks
+every value against the float32 weight before it trusts the codes (matches), so a
+checkpoint whose dequantisation rounds otherwise, or weights changed since loading,
+fall back to the float32 panels instead of giving different results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# Inputs sharing a scale in the GGUF block forms taken here.
+GGUF_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class CodedWeight:
+    """weight[n, k] = scales[n, k // block] * codes[n, k] (+ offsets[n, k // block]),
+    each operation rounded to float32."""
+
+    codes: torch.Tensor  # int8 [out_features, in_features]
+    scales: torch.Tensor  # float32 [out_features, in_features // block]
+    offsets: torch.Tensor | None  # as scales, or None: no offset is added
+
+    def __post_init__(self) -> None:
+        n, k = self.codes.shape
+        if self.codes.dtype != torch.int8 or self.scales.dtype != torch.float32:
+            raise ValueError("CodedWeight: codes must be int8 and scales float32")
+        if self.scales.dim() != 2 or self.scales.shape[0] != n or self.scales.shape[1] < 1:
+            raise ValueError(f"CodedWeight: scales {tuple(self.scales.shape)} for codes {(n, k)}")
+        if k % self.scales.shape[1]:
+            raise ValueError(
+                f"CodedWeight: {k} inputs do not split into {self.scales.shape[1]} blocks"
+            )
+        if self.offsets is not None and (
+            self.offsets.shape != self.scales.shape or self.offsets.dtype != torch.float32
+        ):
+            raise ValueError("CodedWeight: offsets must be float32 and shaped as the scales")
+
+    @property
+    def block(self) -> int:
+        return self.codes.shape[1] // self.scales.shape[1]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    @classmethod
+    def from_gguf_blocks(
+        cls, blocks: np.ndarray, kind: str, shape: tuple[int, int]
+    ) -> CodedWeight | None:
+        """The codes of a GGUF tensor's raw blocks (uint8 [..., bytes]) of type `kind`
+        ("Q4_1", "Q8_0"), for a weight of `shape` [out, in]; None for other types."""
+        out, inp = shape
+        raw = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(out * inp // GGUF_BLOCK, -1)
+        if kind == "Q4_1":  # float16 d, float16 m, 16 bytes: codes j (low) and j + 16 (high)
+            scale, offset = raw[:, 0:2].view(np.float16), raw[:, 2:4].view(np.float16)
+            packed = raw[:, 4:]
+            codes = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.int8)
+        elif kind == "Q8_0":  # float16 d, 32 int8 codes
+            scale, offset = raw[:, 0:2].view(np.float16), None
+            codes = raw[:, 2:].view(np.int8)
+        else:
+            return None
+        blocks_per_row = inp // GGUF_BLOCK
+
+        def table(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(values.astype(np.float32).reshape(out, blocks_per_row))
+
+        return cls(
+            codes=torch.from_numpy(np.ascontiguousarray(codes).reshape(out, inp)),
+            scales=table(scale),
+            offsets=None if offset is None else table(offset),
+        )
+
+    def rows(self, order: np.ndarray) -> CodedWeight:
+        """The same weight with its rows (outputs) reordered: row i is row order[i]."""
+        index = torch.from_numpy(np.asarray(order, dtype=np.int64))
+        offsets = None if self.offsets is None else self.offsets[index]
+        return CodedWeight(self.codes[index], self.scales[index], offsets)
+
+    def widened(self) -> torch.Tensor:
+        """The float32 weight the codes stand for (two rounded operations, no FMA)."""
+        values = self.codes.float() * self.scales.repeat_interleave(self.block, dim=1)
+        if self.offsets is not None:
+            values = values + self.offsets.repeat_interleave(self.block, dim=1)
+        return values
+
+    def matches(self, weight: torch.Tensor) -> bool:
+        """Whether weight holds exactly these values, bit for bit (signs of zero too)."""
+        if weight.dtype != torch.float32 or weight.shape != self.codes.shape:
+            return False
+        return torch.equal(
+            self.widened().view(torch.int32), weight.detach().cpu().view(torch.int32)
+        )
+
+    @staticmethod
+    def cat(parts: list[CodedWeight]) -> CodedWeight | None:
+        """The weights stacked along the outputs (fused q/k/v), or None where their
+        blocks or offset forms differ."""
+        if len({(p.block, p.offsets is None) for p in parts}) != 1:
+            return None
+        offsets = None if parts[0].offsets is None else torch.cat([p.offsets for p in parts])
+        return CodedWeight(
+            torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), offsets
+        )
+
+
+@dataclass(frozen=True)
+class CodedPanels:
+    """A CodedWeight in panel_linear's layout: panels of `columns` outputs, each
+    [in_features, columns] (codes) or [in_features // block, columns] (scales, offsets)."""
+
+    codes: torch.Tensor  # int8 [panels, in_features, columns]
+    scales: torch.Tensor  # float32 [panels, in_features // block, columns]
+    offsets: torch.Tensor | None
+
+
+def pack_coded(coded: CodedWeight, columns: int) -> CodedPanels:
+    """Panels of `columns` outputs (the kernel's NR), the last padded with zero codes."""
+    panels = -(-coded.shape[0] // columns)
+    return _panels(coded, lambda t: _column_panels(t, panels, columns))
+
+
+def pack_gated_coded(gate: CodedWeight, up: CodedWeight, columns: int) -> CodedPanels | None:
+    """For the SwiGLU product: each panel holds columns / 2 outputs of gate, then the
+    same outputs of up (as pack_gated_panels lays out float32 weights); None where the
+    two forms differ."""
+    if (
+        gate.shape != up.shape
+        or gate.block != up.block
+        or (gate.offsets is None) != (up.offsets is None)
+    ):
+        return None
+    half = columns // 2
+    panels = -(-gate.shape[0] // half)
+
+    def gated(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        def halves(t: torch.Tensor) -> torch.Tensor:
+            return _padded(t, panels * half).view(panels, half, -1)
+
+        return torch.cat([halves(g), halves(u)], dim=1).transpose(1, 2).contiguous()
+
+    offsets = None if gate.offsets is None else gated(gate.offsets, up.offsets)
+    return CodedPanels(gated(gate.codes, up.codes), gated(gate.scales, up.scales), offsets)
+
+
+def _panels(coded: CodedWeight, pack) -> CodedPanels:
+    offsets = None if coded.offsets is None else pack(coded.offsets)
+    return CodedPanels(pack(coded.codes), pack(coded.scales), offsets)
+
+
+def _column_panels(t: torch.Tensor, panels: int, columns: int) -> torch.Tensor:
+    """[rows, X] -> [panels, X, columns]: panel p holds rows p * columns.. transposed."""
+    return _padded(t, panels * columns).view(panels, columns, -1).transpose(1, 2).contiguous()
+
+
+def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[0]))

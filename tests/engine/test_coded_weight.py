@@ -1,0 +1,212 @@
+"""Coded weights: a quantised checkpoint's codes multiply exactly as its float32 weights.
+
+The packed projections of a GGUF model keep the file's codes beside the float32
+panels, and the panel kernel widens them to the same float32 values where a product
+has few rows (coded_weight.py, csrc/panel_linear.cpp). Nothing may change but the
+speed: the codes must widen to the loader's weights bit for bit, and a product over
+them must give the float32 panels' bits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tandem.engine import LLM, SamplingParams
+from tandem.engine.model import cpu_kernels
+from tandem.engine.model.coded_weight import CodedWeight, pack_coded, pack_gated_coded
+from tandem.engine.model.linear import Linear, pack_linears
+from tandem.engine.model.loader import load_model
+from tandem.engine.model.source import resolve_model
+from tests.engine.test_model_sources import write_llama_gguf
+
+needs_kernels = pytest.mark.skipif(
+    cpu_kernels.load() is None, reason="the C++ kernels did not build here (warned)"
+)
+Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+
+
+def gguf_coded(
+    weight: np.ndarray, kind: gguf.GGMLQuantizationType
+) -> tuple[CodedWeight, np.ndarray]:
+    """weight quantised by gguf itself: (our codes of the blocks, gguf's dequantisation)."""
+    raw = gguf.quants.quantize(weight, kind)
+    coded = CodedWeight.from_gguf_blocks(raw, kind.name, weight.shape)
+    assert coded is not None
+    return coded, gguf.quants.dequantize(raw, kind).reshape(weight.shape)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
+def test_codes_widen_to_what_gguf_dequantises_bit_for_bit(kind) -> None:
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((37, 96)).astype(np.float32)
+    weight[3] = 0.0  # all-zero blocks: a zero scale
+    weight[5, :32] = -1e-3  # a constant negative block
+    coded, expected = gguf_coded(weight, kind)
+    assert coded.block == 32 and (coded.offsets is None) == (kind == Q8_0)
+    assert torch.equal(bits(coded.widened()), bits(torch.from_numpy(expected)))
+    assert coded.matches(torch.from_numpy(expected))
+
+
+def test_other_gguf_types_have_no_codes_here() -> None:
+    weight = np.ones((2, 32), np.float32)
+    raw = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q4_0)
+    assert CodedWeight.from_gguf_blocks(raw, "Q4_0", weight.shape) is None
+
+
+def test_matches_refuses_any_other_value_even_the_sign_of_a_zero() -> None:
+    weight = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
+    weight[2, :32] = 0.0  # a block of zeros: widened to +0
+    coded, expected = gguf_coded(weight, Q4_1)
+    exact = torch.from_numpy(expected)
+    assert coded.matches(exact)
+    nudged = exact.clone()
+    nudged[1, 7] = torch.nextafter(nudged[1, 7], torch.tensor(np.inf))
+    negative_zero = exact.clone()
+    negative_zero[2, 0] = -0.0
+    for other in (nudged, negative_zero, exact.double(), exact[:, :32]):
+        assert not coded.matches(other)
+
+
+def test_rows_reorders_codes_scales_and_offsets_together() -> None:
+    coded, expected = gguf_coded(
+        np.random.default_rng(2).standard_normal((6, 64)).astype(np.float32), Q4_1
+    )
+    order = np.array([5, 0, 3, 1, 4, 2])
+    assert torch.equal(bits(coded.rows(order).widened()), bits(torch.from_numpy(expected[order])))
+
+
+def test_bad_code_forms_are_named() -> None:
+    codes = torch.zeros(4, 64, dtype=torch.int8)
+    with pytest.raises(ValueError, match="codes must be int8"):
+        CodedWeight(codes.float(), torch.ones(4, 2), None)
+    with pytest.raises(ValueError, match="do not split into 3 blocks"):
+        CodedWeight(codes, torch.ones(4, 3), None)
+    with pytest.raises(ValueError, match="offsets must be float32 and shaped as the scales"):
+        CodedWeight(codes, torch.ones(4, 2), torch.ones(4, 1))
+
+
+def random_coded(
+    out_features: int, in_features: int, gen: torch.Generator, offsets: bool
+) -> CodedWeight:
+    """Q4_1-like codes (0..15, float16 scales and offsets) or Q8_0-like (-128..127, no offset)."""
+    blocks = in_features // 32
+    scales = (torch.rand(out_features, blocks, generator=gen) / 50).half().float()
+    if offsets:
+        codes = torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.int8)
+        shifts = (-torch.rand(out_features, blocks, generator=gen) / 10).half().float()
+        return CodedWeight(codes, scales, shifts)
+    codes = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    return CodedWeight(codes, scales / 16, None)
+
+
+def coded_args(panels) -> tuple:
+    return (panels.codes, panels.scales, panels.offsets)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("rows", "in_features", "out_features"),
+    [
+        (1, 576, 960),  # a batch-1 decode step
+        (13, 96, 49),  # a partial tile of rows, a partial last panel
+        (64, 1536, 576),  # SmolLM2's down projection
+        (100, 22016, 97),  # several k blocks, each adding to the sums before
+        (517, 3008, 50),  # threads split the rows: the float32 panels serve
+    ],
+)
+@pytest.mark.parametrize("offsets", [True, False], ids=["offsets", "scales-only"])
+def test_coded_panels_give_the_float32_panels_bits(
+    rows: int, in_features: int, out_features: int, offsets: bool, threads: int
+) -> None:
+    ops = cpu_kernels.load()
+    gen = torch.Generator().manual_seed(rows)
+    columns = ops.panel_columns()
+    coded = random_coded(out_features, in_features, gen, offsets)
+    weight = coded.widened()
+    x = torch.randn(rows, in_features + 3, generator=gen)[:, 1 : 1 + in_features] / 8
+    bias = torch.randn(out_features, generator=gen)
+    panels = ops.pack_panels(weight)
+    for b in (None, bias):
+        expected = ops.panel_linear(x, panels, out_features, b)
+        got = ops.panel_linear(
+            x, panels, out_features, b, False, *coded_args(pack_coded(coded, columns))
+        )
+        assert torch.equal(bits(got), bits(expected))
+    up = random_coded(out_features, in_features, gen, offsets)
+    gated = ops.pack_gated_panels(weight, up.widened())
+    expected = ops.panel_linear(x, gated, out_features, None, True)
+    coded_gated = pack_gated_coded(coded, up, columns)
+    got = ops.panel_linear(x, gated, out_features, None, True, *coded_args(coded_gated))
+    assert torch.equal(bits(got), bits(expected))
+
+
+@needs_kernels
+def test_panel_linear_names_bad_codes() -> None:
+    ops = cpu_kernels.load()
+    coded = random_coded(5, 64, torch.Generator().manual_seed(0), True)
+    panels = ops.pack_panels(coded.widened())
+    c = pack_coded(coded, ops.panel_columns())
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="codes come with scales"):
+        ops.panel_linear(x, panels, 5, None, False, c.codes)
+    with pytest.raises(RuntimeError, match="codes must be int8 panels shaped as the float32 ones"):
+        ops.panel_linear(x, panels, 5, None, False, c.codes[:, :32], c.scales, c.offsets)
+    with pytest.raises(RuntimeError, match="scales must be float32"):
+        ops.panel_linear(x, panels, 5, None, False, c.codes, c.scales.double(), c.offsets)
+    with pytest.raises(RuntimeError, match="offsets must be shaped as the scales"):
+        ops.panel_linear(x, panels, 5, None, False, c.codes, c.scales, c.offsets[:, :1])
+
+
+@needs_kernels
+def test_a_linear_packs_its_codes_only_where_they_give_its_weight() -> None:
+    coded = random_coded(40, 64, torch.Generator().manual_seed(3), True)
+    layer = Linear(64, 40, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(coded.widened())
+    layer.coded = coded
+    assert pack_linears(layer) == 1 and layer.packed.coded is not None
+    with torch.no_grad():
+        layer.weight[0, 0] += 1.0  # the weights changed since the codes came
+    assert pack_linears(layer) == 1 and layer.packed.coded is None  # float32 panels alone
+
+
+@needs_kernels
+def test_a_gguf_model_packs_its_quantised_projections_coded(tmp_path: Path) -> None:
+    """q_proj and k_proj come out of the file un-permuted (gguf_file.py): their codes must
+    be reordered the same way, or they would not match and the model would fall back."""
+    source = resolve_model("random:tiny")
+    qtypes = {name: Q4_1 for name, _ in source.iter_weights() if name.endswith("proj.weight")}
+    qtypes["model.layers.0.mlp.down_proj.weight"] = Q8_0
+    path = tmp_path / "model.gguf"
+    write_llama_gguf(path, source, qtypes=qtypes)
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    for layer in loaded.model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for packed in (attn.qkv.packed, attn.o_proj.packed, mlp.gated.packed, mlp.down_proj.packed):
+            assert packed.coded is not None
+    assert loaded.model.packed_decoder is not None
+    # And the text does not depend on them: the same tokens once the codes are dropped.
+    prompts = [[1, 5, 9, 2], [7, 3]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm = LLM(loaded, num_kv_blocks=16)
+    with_codes = [
+        out.token_ids for out in llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    ]
+    for module in loaded.model.modules():
+        if isinstance(module, Linear):
+            module.coded = None
+    loaded.model.pack_projections()
+    assert loaded.model.model.layers[0].mlp.gated.packed.coded is None
+    without = [
+        out.token_ids for out in llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    ]
+    assert with_codes == without
