@@ -76,6 +76,16 @@ def test_matches_refuses_any_other_value_even_the_sign_of_a_zero() -> None:
         assert not coded.matches(other)
 
 
+def test_codes_whose_products_float32_rounds_are_refused() -> None:
+    """The kernel fuses scale * code + offset into one FMA, which rounds once: exact where
+    the product needs no rounding (float16 scales times 8-bit codes), not otherwise."""
+    codes = torch.full((1, 32), 3, dtype=torch.int8)
+    thirds = CodedWeight(codes, torch.tensor([[1 / 3]]), torch.tensor([[0.1]]))
+    assert not thirds.matches(thirds.widened())
+    halves = CodedWeight(codes, torch.tensor([[0.5]]), torch.tensor([[0.1]]))
+    assert halves.matches(halves.widened())
+
+
 def test_rows_reorders_codes_scales_and_offsets_together() -> None:
     coded, expected = gguf_coded(
         np.random.default_rng(2).standard_normal((6, 64)).astype(np.float32), Q4_1

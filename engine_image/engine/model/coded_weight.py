@@ -109,8 +109,15 @@ class CodedWeight:
         return values
 
     def matches(self, weight: torch.Tensor) -> bool:
-        """Whether weight holds exactly these values, bit for bit (signs of zero too)."""
+        """Whether weight holds exactly these values, bit for bit (signs of zero too), and
+        every scale * code is exact in float32, so that the kernel may fuse the multiply
+        and add (a GGUF's float16 scales times 8-bit codes always are)."""
         if weight.dtype != torch.float32 or weight.shape != self.codes.shape:
+            return False
+        scales = self.scales.repeat_interleave(self.block, dim=1)
+        if not torch.equal(
+            self.codes.double() * scales.double(), (self.codes.float() * scales).double()
+        ):
             return False
         return torch.equal(
             self.widened().view(torch.int32), weight.detach().cpu().view(torch.int32)
