@@ -203,7 +203,14 @@ def test_a_gguf_model_packs_its_quantised_projections_coded(tmp_path: Path) -> N
         attn, mlp = layer.self_attn, layer.mlp
         for packed in (attn.qkv.packed, attn.o_proj.packed, mlp.gated.packed, mlp.down_proj.packed):
             assert packed.coded is not None
-    assert loaded.model.packed_decoder is not None
+    decoder = loaded.model.packed_decoder
+    assert decoder is not None
+    # An int8 code a weight and two float32 a block of 32: under a third of the panels.
+    products = [
+        args for layer in decoder.layers for args in (layer.qkv, layer.o, layer.gated, layer.down)
+    ]
+    float32_bytes = sum(args[0].numel() * 4 for args in products)
+    assert float32_bytes / 4 < decoder.coded_bytes() < float32_bytes / 3
     # And the text does not depend on them: the same tokens once the codes are dropped.
     prompts = [[1, 5, 9, 2], [7, 3]]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -216,6 +223,7 @@ def test_a_gguf_model_packs_its_quantised_projections_coded(tmp_path: Path) -> N
             module.coded = None
     loaded.model.pack_projections()
     assert loaded.model.model.layers[0].mlp.gated.packed.coded is None
+    assert loaded.model.packed_decoder.coded_bytes() is None
     without = [
         out.token_ids for out in llm.generate(prompt_token_ids=prompts, sampling_params=params)
     ]

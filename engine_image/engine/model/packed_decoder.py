@@ -93,6 +93,18 @@ class PackedDecoder:
         first = layers[0].input_layernorm
         return cls(first.weight, first.eps, records)
 
+    def coded_bytes(self) -> int | None:
+        """Bytes of the projections' codes, scales and offsets (what a decode step streams
+        of them), or None where some product has no codes."""
+        products = [
+            args for layer in self.layers for args in (layer.qkv, layer.o, layer.gated, layer.down)
+        ]
+        if any(args[4] is None for args in products):
+            return None
+        return sum(
+            t.numel() * t.element_size() for args in products for t in args[4:] if t is not None
+        )
+
     def applies(self, x: torch.Tensor) -> bool:
         """Whether this step can take the fast path: float32 on the CPU, no autograd."""
         return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
