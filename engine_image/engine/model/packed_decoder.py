@@ -97,13 +97,12 @@ class PackedDecoder:
         """Bytes of the projections' codes, scales and offsets (what a decode step streams
         of them), or None where some product has no codes."""
         products = [
-            args for layer in self.layers for args in (layer.qkv, layer.o, layer.gated, layer.down)
+            p for layer in self.layers for p in (layer.qkv, layer.o, layer.gated, layer.down)
         ]
-        if any(args[4] is None for args in products):
+        coded = [p[4:] for p in products]  # panel_args: ..., codes, scales, offsets
+        if any(codes is None for codes, _, _ in coded):
             return None
-        return sum(
-            t.numel() * t.element_size() for args in products for t in args[4:] if t is not None
-        )
+        return sum(t.numel() * t.element_size() for c in coded for t in c if t is not None)
 
     def applies(self, x: torch.Tensor) -> bool:
         """Whether this step can take the fast path: float32 on the CPU, no autograd."""

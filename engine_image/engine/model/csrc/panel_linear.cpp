@@ -8,9 +8,11 @@
 //     SwiGLU's silu(x @ gate^T) * (x @ up^T) in one product, each panel holding half
 //     gate, half up, so that the [M, 2N] product never reaches memory (it was 2 % of
 //     a SmolLM2 prefill, reading it back for silu_mul).
-//   panel_linear(x, codes [P, K, NR] int8, N, ..., scales, offsets?): coded panels
-//     (coded_weight.py), each weight scale * code (+ offset) as a quantised checkpoint
-//     stores it, widened to those float32 values in the kernel: the same products, a
+//   panel_linear(x, panels, N, bias?, silu_mul, codes, scales, offsets?): the same
+//     product, where the threads split the panels (decode steps) from the weight's
+//     codes (coded_weight.py): int8 codes [P, K, NR] and per-block scales (and
+//     offsets) [P, K / block, NR], as a quantised checkpoint stores the weight,
+//     widened in the kernel to exactly the float32 panels' values: the same bits, a
 //     quarter of the bytes streamed.
 //   panel_columns() -> NR
 //
@@ -294,8 +296,8 @@ struct FloatPanels {
 
 // Coded panels (pack_coded in coded_weight.py): each weight an int8 code with a scale,
 // and optionally an offset, for each run of `block` k of each column, as a quantised
-// checkpoint stores them; the weight is scale * code (+ offset) rounded to float32 after
-// each operation, exactly the value the loader's dequantisation gives. The first row
+// checkpoint stores them; the weight is scale * code (+ offset), exactly the value the
+// loader's dequantisation gives (widen, above). The first row
 // tile of a slice widens it into the thread's buffer as it multiplies by it, the other
 // tiles read the buffer: ~1.1 bytes a weight come from memory instead of 4.
 struct CodedPanels {
