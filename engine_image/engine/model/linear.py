@@ -85,7 +85,8 @@ class Linear(nn.Linear):
 
     packed: PackedWeight | None = None  # set by pack_linears
     # The checkpoint's quantised form of the weight, where it has one (set by the
-    # loader): packing keeps it if it gives exactly the weight's values.
+    # loader, LlamaForCausalLM.load_codes): packing takes it into the packed copy if
+    # it gives exactly the weight's values.
     coded: CodedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

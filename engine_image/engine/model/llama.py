@@ -285,7 +285,11 @@ class LlamaForCausalLM(nn.Module):
         gate/up (with SiLU where it can) each fused into one product, o/down and the LM
         head alone. Returns how many products are packed (none off the CPU, with
         TANDEM_CPU_KERNELS=0, or when the copies would not fit in memory: packing_fits
-        warns then)."""
+        warns then).
+
+        Codes from load_codes go into the packed copies and leave the modules (their
+        copy would only hold ~1.25 bytes a weight of memory): packing again, e.g. after
+        new weights, uses the float32 panels alone."""
         self.unpack_projections()
         if not packing_fits(self):
             return 0
@@ -300,6 +304,9 @@ class LlamaForCausalLM(nn.Module):
             count += (attn.qkv is not None) + (mlp.gated is not None or mlp.gate_up is not None)
             count += pack_linears(attn.o_proj) + pack_linears(mlp.down_proj)
         self.packed_decoder = PackedDecoder.build(self)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.coded = None
         return count
 
     def unpack_projections(self) -> None:
