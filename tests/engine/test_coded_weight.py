@@ -28,6 +28,7 @@ needs_kernels = pytest.mark.skipif(
     cpu_kernels.load() is None, reason="the C++ kernels did not build here (warned)"
 )
 Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+CODE_TYPES = [gguf.GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")]
 
 
 def gguf_coded(
@@ -44,22 +45,24 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
-@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
+@pytest.mark.parametrize("kind", CODE_TYPES, ids=lambda kind: kind.name)
 def test_codes_widen_to_what_gguf_dequantises_bit_for_bit(kind) -> None:
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((37, 96)).astype(np.float32)
     weight[3] = 0.0  # all-zero blocks: a zero scale
     weight[5, :32] = -1e-3  # a constant negative block
     coded, expected = gguf_coded(weight, kind)
-    assert coded.block == 32 and (coded.offsets is None) == (kind == Q8_0)
+    assert coded.block == 32 and (coded.offsets is None) == (kind.name[-1] == "0")
     assert torch.equal(bits(coded.widened()), bits(torch.from_numpy(expected)))
     assert coded.matches(torch.from_numpy(expected))
 
 
 def test_other_gguf_types_have_no_codes_here() -> None:
-    weight = np.ones((2, 32), np.float32)
-    raw = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q4_0)
-    assert CodedWeight.from_gguf_blocks(raw, "Q4_0", weight.shape) is None
+    weight = np.ones((2, 256), np.float32)
+    raw = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.F16)
+    assert CodedWeight.from_gguf_blocks(raw, "F16", weight.shape) is None
+    q4_k = np.zeros((2, 144), np.uint8)  # one 256-weight super-block a row: 4.5 bits a weight
+    assert CodedWeight.from_gguf_blocks(q4_k, "Q4_K", weight.shape) is None
 
 
 def test_matches_refuses_any_other_value_even_the_sign_of_a_zero() -> None:

@@ -17,8 +17,9 @@ threads, a Xeon: batch-1 decode 1.6-1.7x as fast, batch 64 alike (its products a
 bound by the arithmetic, which the widening adds ~6 % to), prefills untouched (their
 threads split the rows and keep the float32 panels: docs/benchmarks.md).
 
-Only forms whose widening is one multiply and at most one add qualify (Q4_1, Q8_0;
-Q4_0's d * (q - 8) could be added as codes q - 8 without an offset). Packing checks
+Only forms whose widening is one multiply and at most one add qualify: GGUF's Q4_0,
+Q4_1, Q5_0, Q5_1 and Q8_0 (not the k-quants, whose scales are themselves
+quantised in super-blocks). Packing checks
 every value against the float32 weight before it trusts the codes (matches), so a
 checkpoint whose dequantisation rounds otherwise, or weights changed since loading,
 fall back to the float32 panels instead of giving different results.
@@ -72,25 +73,36 @@ class CodedWeight:
         cls, blocks: np.ndarray, kind: str, shape: tuple[int, int]
     ) -> CodedWeight | None:
         """The codes of a GGUF tensor's raw blocks (uint8 [..., bytes]) of type `kind`
-        ("Q4_1", "Q8_0"), for a weight of `shape` [out, in]; None for other types."""
+        (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), for a weight of `shape` [out, in]; None for
+        other types. Each block of 32: a float16 scale d, for the _1 types a float16
+        offset m, then the codes; the weight is d * code (+ m), as gguf dequantises."""
+        if kind not in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+            return None
         out, inp = shape
         raw = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(out * inp // GGUF_BLOCK, -1)
-        if kind == "Q4_1":  # float16 d, float16 m, 16 bytes: codes j (low) and j + 16 (high)
-            scale, offset = raw[:, 0:2].view(np.float16), raw[:, 2:4].view(np.float16)
-            packed = raw[:, 4:]
-            codes = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.int8)
-        elif kind == "Q8_0":  # float16 d, 32 int8 codes
-            scale, offset = raw[:, 0:2].view(np.float16), None
-            codes = raw[:, 2:].view(np.int8)
+        scale = raw[:, 0:2].view(np.float16)
+        offset = raw[:, 2:4].view(np.float16) if kind in ("Q4_1", "Q5_1") else None
+        rest = raw[:, 2:] if offset is None else raw[:, 4:]
+        if kind == "Q8_0":
+            codes = rest.view(np.int8).astype(np.int16)
         else:
-            return None
+            high = None
+            if kind.startswith("Q5"):  # 32 fifth bits, little-endian, before the nibbles
+                bits = rest[:, :4].copy().view("<u4")
+                high = (bits >> np.arange(GGUF_BLOCK, dtype=np.uint32)) & 1
+                rest = rest[:, 4:]
+            codes = np.concatenate([rest & 0x0F, rest >> 4], axis=1).astype(np.int16)  # j, j + 16
+            if high is not None:
+                codes |= (high << 4).astype(np.int16)
+            if offset is None:  # the _0 types are centred: q - 8, q - 16
+                codes -= 16 if kind == "Q5_0" else 8
         blocks_per_row = inp // GGUF_BLOCK
 
         def table(values: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(values.astype(np.float32).reshape(out, blocks_per_row))
 
         return cls(
-            codes=torch.from_numpy(np.ascontiguousarray(codes).reshape(out, inp)),
+            codes=torch.from_numpy(codes.astype(np.int8).reshape(out, inp)),
             scales=table(scale),
             offsets=None if offset is None else table(offset),
         )
