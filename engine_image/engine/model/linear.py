@@ -13,9 +13,10 @@ multiply by it:
   layout streams them fastest. Measured on SmolLM2-135M's projections, 2 threads, AMD
   Zen 4 (docs/model-runtime.md): a 64-row step's products 86 ms against 93.5 with
   oneDNN's packed inner product, 1 row 13 ms against 27, 1,024 rows the same. Where
-  the checkpoint stores the weight quantised (a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0), the packed copy
-  keeps its codes too, which the kernel widens to the same float32 values for
-  decode-sized products: a quarter of the bytes, the same bits (coded_weight.py);
+  the checkpoint stores the weight quantised (a GGUF's Q4_0, Q4_1, Q5_0, Q5_1 or
+  Q8_0), the packed copy keeps its codes too, which the kernel widens to the same
+  float32 values for decode-sized products: a quarter of the bytes, the same bits
+  (coded_weight.py);
 - other dtypes, or when the kernels did not build: oneDNN's blocked layout and inner
   product (torch's own oneDNN). bfloat16 results are bit for bit F.linear's, which runs
   the same oneDNN kernel without the prepacking.
