@@ -9,6 +9,7 @@ them must give the float32 panels' bits.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import gguf
@@ -18,11 +19,16 @@ import torch
 
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.model import cpu_kernels
-from tandem.engine.model.coded_weight import CodedWeight, pack_coded, pack_gated_coded
+from tandem.engine.model.coded_weight import (
+    CodedWeight,
+    narrow_panels,
+    pack_coded,
+    pack_gated_coded,
+)
 from tandem.engine.model.linear import Linear, pack_linears
 from tandem.engine.model.loader import load_model
 from tandem.engine.model.source import resolve_model
-from tests.engine.test_model_sources import write_llama_gguf
+from tests.engine.test_model_sources import _save_hf_dir, write_llama_gguf
 
 needs_kernels = pytest.mark.skipif(
     cpu_kernels.load() is None, reason="the C++ kernels did not build here (warned)"
@@ -171,7 +177,7 @@ def test_panel_linear_names_bad_codes() -> None:
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="codes come with scales"):
         ops.panel_linear(x, panels, 5, None, False, c.codes)
-    with pytest.raises(RuntimeError, match="codes must be int8 panels shaped as the float32 ones"):
+    with pytest.raises(RuntimeError, match="codes must be panels shaped as the float32 ones"):
         ops.panel_linear(x, panels, 5, None, False, c.codes[:, :32], c.scales, c.offsets)
     with pytest.raises(RuntimeError, match="scales must be float32"):
         ops.panel_linear(x, panels, 5, None, False, c.codes, c.scales.double(), c.offsets)
@@ -229,3 +235,64 @@ def test_a_gguf_model_packs_its_quantised_projections_coded(tmp_path: Path) -> N
         out.token_ids for out in llm.generate(prompt_token_ids=prompts, sampling_params=params)
     ]
     assert with_codes == without
+
+
+# --- 16-bit panels: a bfloat16 or float16 checkpoint loaded in float32 -------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize(
+    ("rows", "in_features", "out_features"), [(1, 576, 960), (13, 100, 49), (64, 1536, 97)]
+)
+def test_16_bit_panels_give_the_float32_panels_bits(
+    dtype: torch.dtype, rows: int, in_features: int, out_features: int, threads: int
+) -> None:
+    ops = cpu_kernels.load()
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype).float()
+    up = torch.randn(out_features, in_features, generator=gen).to(dtype).float()
+    x = torch.randn(rows, in_features, generator=gen) / 8
+    for panels, silu_mul in (
+        (ops.pack_panels(weight), False),
+        (ops.pack_gated_panels(weight, up), True),
+    ):
+        narrow = narrow_panels(panels)
+        assert narrow is not None and narrow.codes.dtype == dtype and narrow.scales is None
+        expected = ops.panel_linear(x, panels, out_features, None, silu_mul)
+        got = ops.panel_linear(x, panels, out_features, None, silu_mul, narrow.codes, None, None)
+        assert torch.equal(bits(got), bits(expected))
+
+
+def test_narrow_panels_only_where_every_value_survives() -> None:
+    gen = torch.Generator().manual_seed(0)
+    assert narrow_panels(torch.randn(2, 64, 48, generator=gen)) is None  # float32 values
+    halves = torch.randn(2, 64, 48, generator=gen).half().float()
+    halves[0, 0, 0] = 2.0**-20  # a float16 subnormal: bfloat16 lacks its bits
+    assert narrow_panels(halves).codes.dtype == torch.float16
+    brains = torch.randn(2, 64, 48, generator=gen).bfloat16().float()
+    brains[1, 2, 3] = torch.tensor(1e30).bfloat16().float()  # beyond float16's range
+    assert narrow_panels(brains).codes.dtype == torch.bfloat16
+    brains[1, 2, 4] = -0.0
+    assert torch.equal(bits(narrow_panels(brains).codes.float()), bits(brains))
+
+
+@needs_kernels
+def test_a_bfloat16_checkpoint_loaded_in_float32_multiplies_in_16_bits(tmp_path: Path) -> None:
+    config = resolve_model("random:tiny").config
+    _save_hf_dir(tmp_path, config, torch.bfloat16)
+    loaded = load_model(str(tmp_path), dtype="float32", device="cpu")
+    layer = loaded.model.model.layers[0]
+    for packed in (layer.self_attn.qkv.packed, layer.mlp.gated.packed, layer.mlp.down_proj.packed):
+        assert packed.coded is not None and packed.coded.codes.dtype == torch.bfloat16
+    prompts = [[1, 5, 9, 2], [7, 3]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm = LLM(loaded, num_kv_blocks=16)
+    narrow = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    decoder = loaded.model.packed_decoder
+    decoder.layers = [
+        dataclasses.replace(r, qkv=r.qkv[:4], o=r.o[:4], gated=r.gated[:4], down=r.down[:4])
+        for r in decoder.layers
+    ]  # the float32 panels alone
+    wide = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert narrow == wide

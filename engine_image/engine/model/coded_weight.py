@@ -149,12 +149,23 @@ class CodedWeight:
 
 @dataclass(frozen=True)
 class CodedPanels:
-    """A CodedWeight in panel_linear's layout: panels of `columns` outputs, each
-    [in_features, columns] (codes) or [in_features // block, columns] (scales, offsets)."""
+    """Float32 panels' values in fewer bytes, in panel_linear's layout (panels of
+    `columns` outputs): a CodedWeight's int8 codes with their scales and offsets, or
+    the panels themselves in bfloat16 or float16 where every value is one exactly."""
 
-    codes: torch.Tensor  # int8 [panels, in_features, columns]
-    scales: torch.Tensor  # float32 [panels, in_features // block, columns]
+    codes: torch.Tensor  # [panels, in_features, columns]: int8, bfloat16 or float16
+    scales: torch.Tensor | None  # int8 codes': float32 [panels, in_features // block, columns]
     offsets: torch.Tensor | None
+
+
+def narrow_panels(panels: torch.Tensor) -> CodedPanels | None:
+    """float32 panels as bfloat16 or float16 where that holds every value exactly (a
+    bfloat16 or float16 checkpoint loaded in float32), else None."""
+    for dtype in (torch.bfloat16, torch.float16):
+        narrow = panels.to(dtype)
+        if torch.equal(narrow.float().view(torch.int32), panels.view(torch.int32)):
+            return CodedPanels(narrow, None, None)
+    return None
 
 
 def pack_coded(coded: CodedWeight, columns: int) -> CodedPanels:

@@ -16,7 +16,8 @@ multiply by it:
   the checkpoint stores the weight quantised (a GGUF's Q4_0, Q4_1, Q5_0, Q5_1 or
   Q8_0), the packed copy keeps its codes too, which the kernel widens to the same
   float32 values for decode-sized products: a quarter of the bytes, the same bits
-  (coded_weight.py);
+  (coded_weight.py); where every weight is a bfloat16 or float16 value (a 16-bit
+  checkpoint loaded in float32), it keeps a 16-bit copy of the panels the same way;
 - other dtypes, or when the kernels did not build: oneDNN's blocked layout and inner
   product (torch's own oneDNN). bfloat16 results are bit for bit F.linear's, which runs
   the same oneDNN kernel without the prepacking.
@@ -41,6 +42,7 @@ from tandem.engine.model import cpu_kernels
 from tandem.engine.model.coded_weight import (
     CodedPanels,
     CodedWeight,
+    narrow_panels,
     pack_coded,
     pack_gated_coded,
 )
@@ -157,6 +159,8 @@ class GatedLinears:
             coded = pack_gated_coded(gate.coded, up.coded, ops.panel_columns())
         with torch.no_grad():
             data = ops.pack_gated_panels(weight, up.weight)
+        if coded is None:
+            coded = _narrow(data)
         packed = PackedWeight(data, gate.out_features, panels=True, silu_mul=True, coded=coded)
         return cls(packed, gate.in_features)
 
@@ -240,9 +244,19 @@ def _packed(weight: torch.Tensor, coded: CodedWeight | None = None) -> PackedWei
     ops = _panel_kernels(weight)
     if ops is None:
         return onednn_packed(weight)
-    panels = pack_coded(coded, ops.panel_columns()) if _exact(coded, weight) else None
     with torch.no_grad():
-        return PackedWeight(ops.pack_panels(weight), weight.shape[0], panels=True, coded=panels)
+        panels = ops.pack_panels(weight)
+    exact = _exact(coded, weight)
+    narrow = pack_coded(coded, ops.panel_columns()) if exact else _narrow(panels)
+    return PackedWeight(panels, weight.shape[0], panels=True, coded=narrow)
+
+
+def _narrow(panels: torch.Tensor) -> CodedPanels | None:
+    """The panels in 16 bits where that is exact and half the memory left holds them."""
+    available = available_memory()
+    if available is not None and panels.numel() * 2 > available // 2:
+        return None
+    return narrow_panels(panels)
 
 
 def _exact(coded: CodedWeight | None, weight: torch.Tensor) -> bool:

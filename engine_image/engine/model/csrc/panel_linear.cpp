@@ -126,10 +126,14 @@ struct Sums {
   const float* bias = nullptr;  // added as the sums are stored (the last k block only)
 };
 
-// A coded panel slice that the first row tile widens as it goes (CodedPanels below).
+// What a narrow panel holds (CodedPanels below): int8 codes with scales (and offsets),
+// or the weights themselves in bfloat16 or float16, where each is exact.
+enum class Narrow { Codes, BFloat16, Half };
+
+// A narrow panel slice that the first row tile widens as it goes.
 struct Widening {
-  const int8_t* codes = nullptr;  // [kc, NR] at the slice's first k
-  const float* scales = nullptr;  // [kc / block, NR] from there
+  const void* codes = nullptr;  // [kc, NR] at the slice's first k
+  const float* scales = nullptr;  // Codes: [kc / block, NR] from there
   const float* offsets = nullptr;  // same, or null
   int64_t block = 1;  // k a scale holds for
   float* out = nullptr;  // [kc, NR]: the widened slice, which the other row tiles read
@@ -149,6 +153,32 @@ inline wvec as_floats(const int8_t* c) {
 #endif
 }
 
+// W 16-bit floats as float32 (exactly: a bfloat16 is a float32's upper half).
+inline wvec bf16_floats(const uint16_t* c) {
+#if defined(__AVX512F__)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+  return static_cast<wvec>(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+#elif defined(__AVX2__)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+  return static_cast<wvec>(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+#else
+  wvec q;
+  for (int i = 0; i < W; ++i) q[i] = static_cast<float>(c10::BFloat16(c[i], c10::BFloat16::from_bits()));
+  return q;
+#endif
+}
+inline wvec half_floats(const uint16_t* c) {
+#if defined(__AVX512F__)
+  return static_cast<wvec>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c))));
+#elif defined(__F16C__) && defined(__AVX2__)
+  return static_cast<wvec>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
+#else
+  wvec q;
+  for (int i = 0; i < W; ++i) q[i] = static_cast<float>(c10::Half(c[i], c10::Half::from_bits()));
+  return q;
+#endif
+}
+
 // scale * code (+ offset) as one FMA: the loader rounds the product, then the sum, but
 // pack_coded takes only codes whose products with their scales float32 holds exactly
 // (a float16 scale times an 8-bit code needs 19 bits of the 24), so the fused
@@ -160,8 +190,8 @@ inline wvec widen(const int8_t* c, const float* scale, const float* offset) {
 
 // Sums over k of a[0..R) x [0..kc) . b, with b a panel slice [kc, NR] and a's rows lda
 // apart, added to `sums.from` and stored at `sums.to`. WIDEN: b is wd->out, which this
-// tile fills from the codes as it goes.
-template <int R, bool WIDEN>
+// tile fills from the narrow slice (FROM) as it goes.
+template <int R, bool WIDEN, Narrow FROM = Narrow::Codes>
 void tile(const float* a, int64_t lda, const float* b, int64_t kc, const Sums& sums, Prefetch pf,
           const Widening* wd) {
   // The lines the tile ends with, its rows of `to` (for writing), asked for now,
@@ -192,19 +222,22 @@ void tile(const float* a, int64_t lda, const float* b, int64_t kc, const Sums& s
   for (int64_t k = 0; k < kc; ++k) {
     const float* bk = b + k * NR;
     wvec b0, b1, b2;
-    if constexpr (WIDEN) {
-      const int8_t* c = wd->codes + k * NR;
+    if constexpr (WIDEN && FROM == Narrow::Codes) {
+      const int8_t* c = static_cast<const int8_t*>(wd->codes) + k * NR;
       __builtin_prefetch(c + L1_AHEAD * NR, 0, 3);
       b0 = widen(c, scale, offset);
       b1 = widen(c + W, scale + W, offset ? offset + W : nullptr);
       b2 = widen(c + 2 * W, scale + 2 * W, offset ? offset + 2 * W : nullptr);
-      float* out = wd->out + k * NR;
-      vstore(out, b0), vstore(out + W, b1), vstore(out + 2 * W, b2);
       if (++in_block == wd->block) {
         in_block = 0;
         scale += NR;
         if (offset) offset += NR;
       }
+    } else if constexpr (WIDEN) {
+      const uint16_t* c = static_cast<const uint16_t*>(wd->codes) + k * NR;
+      for (int64_t i = 0; i < NR; i += LINE / 2) __builtin_prefetch(c + L1_AHEAD * NR + i, 0, 3);
+      const auto floats = FROM == Narrow::BFloat16 ? bf16_floats : half_floats;
+      b0 = floats(c), b1 = floats(c + W), b2 = floats(c + 2 * W);
     } else {
       // Rows are contiguous and the addresses at most a line apart: every line is asked
       // for. Past the slice's end they fetch the next k block's or panel's rows, which the
@@ -212,6 +245,10 @@ void tile(const float* a, int64_t lda, const float* b, int64_t kc, const Sums& s
       // rows (which it does read) measured no faster.
       for (int64_t i = 0; i < NR; i += LINE / sizeof(float)) __builtin_prefetch(bk + L1_AHEAD * NR + i, 0, 3);
       b0 = vload<wvec>(bk), b1 = vload<wvec>(bk + W), b2 = vload<wvec>(bk + 2 * W);
+    }
+    if constexpr (WIDEN) {
+      float* out = wd->out + k * NR;
+      vstore(out, b0), vstore(out + W, b1), vstore(out + 2 * W, b2);
     }
     if (--countdown == 0) {
       for (int64_t i = 0; i < pf.per_k; ++i) __builtin_prefetch(fetch + i * LINE, 0, 2);
@@ -256,14 +293,20 @@ void tile(const float* a, int64_t lda, const float* b, int64_t kc, const Sums& s
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const Sums&, Prefetch, const Widening*);
 
-template <bool WIDEN, int... R>
+template <bool WIDEN, Narrow FROM, int... R>
 constexpr auto make_tiles(std::integer_sequence<int, R...>) {
-  return std::array<TileFn, sizeof...(R)>{&tile<R + 1, WIDEN>...};
+  return std::array<TileFn, sizeof...(R)>{&tile<R + 1, WIDEN, FROM>...};
 }
+using Tiles = std::array<TileFn, MR>;
 // TILES[r - 1]: the tile of r rows (the last rows of a block may be fewer than MR);
-// WIDENING_TILES[r - 1] the same, widening a coded slice as it reads it.
-constexpr auto TILES = make_tiles<false>(std::make_integer_sequence<int, MR>{});
-constexpr auto WIDENING_TILES = make_tiles<true>(std::make_integer_sequence<int, MR>{});
+// widening_tiles(from)[r - 1] the same, widening a narrow slice as it reads it.
+constexpr Tiles TILES = make_tiles<false, Narrow::Codes>(std::make_integer_sequence<int, MR>{});
+const Tiles& widening_tiles(Narrow from) {
+  static constexpr Tiles codes = make_tiles<true, Narrow::Codes>(std::make_integer_sequence<int, MR>{});
+  static constexpr Tiles bf16 = make_tiles<true, Narrow::BFloat16>(std::make_integer_sequence<int, MR>{});
+  static constexpr Tiles half = make_tiles<true, Narrow::Half>(std::make_integer_sequence<int, MR>{});
+  return from == Narrow::Codes ? codes : from == Narrow::BFloat16 ? bf16 : half;
+}
 
 at::Tensor pack_panels(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
@@ -291,18 +334,22 @@ struct FloatPanels {
   const float* slice(int64_t p, int64_t k0) const { return panels + (p * K + k0) * NR; }
   // The bytes a slice is read from, for the prefetch of the next one.
   const char* source(int64_t p, int64_t k0) const { return reinterpret_cast<const char*>(slice(p, k0)); }
-  static int64_t source_bytes(int64_t kc) { return kc * NR * static_cast<int64_t>(sizeof(float)); }
+  int64_t source_bytes(int64_t kc) const { return kc * NR * static_cast<int64_t>(sizeof(float)); }
 };
 
-// Coded panels (pack_coded in coded_weight.py): each weight an int8 code with a scale,
-// and optionally an offset, for each run of `block` k of each column, as a quantised
-// checkpoint stores them; the weight is scale * code (+ offset), exactly the value the
-// loader's dequantisation gives (widen, above). The first row
-// tile of a slice widens it into the thread's buffer as it multiplies by it, the other
-// tiles read the buffer: ~1.1 bytes a weight come from memory instead of 4.
+// Narrow panels (coded_weight.py): the float32 panels' values in fewer bytes, exactly.
+// Codes: each weight an int8 code with a scale, and optionally an offset, for each run
+// of `block` k of each column, as a quantised checkpoint stores them; the weight is
+// scale * code (+ offset), exactly the value the loader's dequantisation gives (widen,
+// above): ~1.1 bytes a weight. BFloat16, Half: weights that are exactly such values (a
+// bfloat16 checkpoint loaded in float32): 2 bytes. The first row tile of a slice
+// widens it into the thread's buffer as it multiplies by it; the other tiles read the
+// buffer.
 struct CodedPanels {
-  const int8_t* codes;  // [P, K, NR]
-  const float* scales;  // [P, K / block, NR]
+  Narrow from;
+  const char* codes;  // [P, K, NR] of int8, bfloat16 or float16
+  int64_t code_bytes;  // 1 or 2
+  const float* scales;  // Codes: [P, K / block, NR]
   const float* offsets;  // same, or null: no offset
   int64_t K, blocks_per_k;  // K / block
   int64_t code_block;
@@ -310,10 +357,11 @@ struct CodedPanels {
 
   Widening widening(int64_t p, int64_t k0) const {
     const int64_t b = p * blocks_per_k + k0 / code_block;
-    return {codes + (p * K + k0) * NR, scales + b * NR, offsets ? offsets + b * NR : nullptr, code_block, buffer};
+    return {source(p, k0), scales ? scales + b * NR : nullptr, offsets ? offsets + b * NR : nullptr, code_block,
+            buffer};
   }
-  const char* source(int64_t p, int64_t k0) const { return reinterpret_cast<const char*>(codes + (p * K + k0) * NR); }
-  static int64_t source_bytes(int64_t kc) { return kc * NR; }
+  const char* source(int64_t p, int64_t k0) const { return codes + (p * K + k0) * NR * code_bytes; }
+  int64_t source_bytes(int64_t kc) const { return kc * NR * code_bytes; }
 };
 
 // One thread's share of the product: its panels (or rows), each k block's slices from
@@ -343,7 +391,7 @@ void thread_share(const Work& w, const Source& src, int64_t t, int64_t nt) {
       const int64_t rows = std::min(MB, m_end - m0);
       const int64_t tiles = (rows + MR - 1) / MR;
       // The next panel's slice: spread its lines over the tiles.
-      const int64_t lines = (Source::source_bytes(kc) + LINE - 1) / LINE;  // >= 1
+      const int64_t lines = (src.source_bytes(kc) + LINE - 1) / LINE;  // >= 1
       const int64_t steps = tiles * kc;  // k steps over the tiles
       const int64_t per_k = (lines + steps - 1) / steps, every = std::max<int64_t>(1, steps / lines);
       const int64_t tile_lines = (kc + every - 1) / every * per_k;
@@ -374,8 +422,11 @@ void thread_share(const Work& w, const Source& src, int64_t t, int64_t nt) {
           }
           Prefetch pf;
           if (next && ti * tile_lines < lines) pf = {next + ti * tile_lines * LINE, per_k, every};
-          const auto& tiles_here = coded && ti == 0 ? WIDENING_TILES : TILES;
-          tiles_here[std::min<int64_t>(MR, M - m) - 1](w.a + m * w.lda + k0, w.lda, slice, kc, sums, pf, &wd);
+          const Tiles* tiles = &TILES;
+          if constexpr (coded) {
+            if (ti == 0) tiles = &widening_tiles(src.from);
+          }
+          (*tiles)[std::min<int64_t>(MR, M - m) - 1](w.a + m * w.lda + k0, w.lda, slice, kc, sums, pf, &wd);
         }
       }
     }
@@ -403,12 +454,21 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
   TORCH_CHECK(panels.size(1) == K, "panel_linear: x has ", K, " features, the weight ", panels.size(1));
   TORCH_CHECK(N > (P - 1) * OC && N <= P * OC, "panel_linear: out_features ", N, " does not match the packed weight (",
               P, " panels of ", OC, " output columns)");
-  TORCH_CHECK(codes.has_value() == scales.has_value() && (codes || !offsets),
-              "panel_linear: codes come with scales (and offsets only with both)");
+  // int8 codes come with scales (and maybe offsets); bfloat16 or float16 ones alone.
+  const at::ScalarType code_type = codes ? codes->scalar_type() : at::kFloat;
+  const Narrow from = code_type == at::kChar       ? Narrow::Codes
+                      : code_type == at::kBFloat16 ? Narrow::BFloat16
+                                                   : Narrow::Half;
+  TORCH_CHECK(!codes || code_type == at::kChar || code_type == at::kBFloat16 || code_type == at::kHalf,
+              "panel_linear: codes must be int8, bfloat16 or float16 panels");
+  TORCH_CHECK((codes && code_type == at::kChar) == scales.has_value() && (scales || !offsets),
+              "panel_linear: int8 codes come with scales (and offsets only with both), 16-bit ones alone");
   int64_t code_block = 1;
   if (codes) {
-    TORCH_CHECK(codes->sizes() == panels.sizes() && codes->scalar_type() == at::kChar && codes->is_contiguous(),
-                "panel_linear: codes must be int8 panels shaped as the float32 ones (pack_coded)");
+    TORCH_CHECK(codes->sizes() == panels.sizes() && codes->is_contiguous(),
+                "panel_linear: codes must be panels shaped as the float32 ones (pack_coded)");
+  }
+  if (scales) {
     TORCH_CHECK(scales->dim() == 3 && scales->size(0) == P && scales->size(2) == NR && scales->size(1) > 0 &&
                     K % scales->size(1) == 0 && scales->scalar_type() == at::kFloat && scales->is_contiguous(),
                 "panel_linear: scales must be float32 [panels, in_features / block, ", NR, "]");
@@ -453,8 +513,14 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
   {
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     if (widen) {
-      const CodedPanels src{codes->data_ptr<int8_t>(), scales->data_ptr<float>(),
-                            offsets ? offsets->data_ptr<float>() : nullptr, K, scales->size(1), code_block,
+      const CodedPanels src{from,
+                            static_cast<const char*>(codes->data_ptr()),
+                            static_cast<int64_t>(codes->element_size()),
+                            scales ? scales->data_ptr<float>() : nullptr,
+                            offsets ? offsets->data_ptr<float>() : nullptr,
+                            K,
+                            scales ? scales->size(1) : K,
+                            code_block,
                             widening_buffer(k_block * NR)};
       thread_share(w, src, t, nt);
     } else {
