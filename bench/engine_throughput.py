@@ -372,13 +372,13 @@ def main() -> None:
         f"\n{'case':<28} {'tandem':>9} {'hf':>9} {'ratio':>7} {'roofline':>9} {'of roof':>8}"
         f" {'GFLOP/s':>8} {'GB/s':>6}"
     )
-    # Where the projections are coded, what a step streams: their codes, and the LM head
+    # Where the projections have narrow panels, what a step streams: those, and the LM head
     # in bfloat16 where the greedy head screens it.
     model = llm.engine.runner.model
-    coded_bytes = model.packed_decoder.coded_bytes() if model.packed_decoder else None
-    if coded_bytes is not None:
-        coded_bytes += config.vocab_size * config.hidden_size * (2 if model.greedy_head else 4)
-    coded_shares = []
+    narrow_bytes = model.packed_decoder.narrow_bytes() if model.packed_decoder else None
+    if narrow_bytes is not None:
+        narrow_bytes += config.vocab_size * config.hidden_size * (2 if model.greedy_head else 4)
+    narrow_shares = []
     for batch in (64, 1):
         batch_prompts = prompts(batch, 64)
         ours, theirs, probes = interleaved(
@@ -393,14 +393,14 @@ def main() -> None:
             f"{f'decode batch {batch} (tok/s)':<28} {ours:>9.1f} {theirs:>9.1f} "
             f"{ours / theirs:>6.2f}x {roof:>9.1f} {ours / roof:>7.0%} {_figures(window)}"
         )
-        if coded_bytes is not None:
-            coded = decode_roofline(config, window, batch, 64 + new_tokens // 2, coded_bytes)
-            coded_shares.append(f"batch {batch} {coded:.1f} tok/s ({ours / coded:.0%})")
-    if coded_bytes is not None:
+        if narrow_bytes is not None:
+            narrow = decode_roofline(config, window, batch, 64 + new_tokens // 2, narrow_bytes)
+            narrow_shares.append(f"batch {batch} {narrow:.1f} tok/s ({ours / narrow:.0%})")
+    if narrow_bytes is not None:
         print(
-            f"  (the projections stream their checkpoint's codes: {coded_bytes / 1e6:.0f} MB "
+            f"  (the projections stream narrow panels: {narrow_bytes / 1e6:.0f} MB "
             f"of weights a step, not {matmul_params(config) * 4 / 1e6:.0f}; the roofline "
-            f"counting those bytes: {', '.join(coded_shares)})"
+            f"counting those bytes: {', '.join(narrow_shares)})"
         )
     prompt = prompts(1, 1024)[0]
     ours, theirs, probes = interleaved(

@@ -192,10 +192,10 @@ def test_a_linear_packs_its_codes_only_where_they_give_its_weight() -> None:
     with torch.no_grad():
         layer.weight.copy_(coded.widened())
     layer.coded = coded
-    assert pack_linears(layer) == 1 and layer.packed.coded is not None
+    assert pack_linears(layer) == 1 and layer.packed.narrow is not None
     with torch.no_grad():
         layer.weight[0, 0] += 1.0  # the weights changed since the codes came
-    assert pack_linears(layer) == 1 and layer.packed.coded is None  # float32 panels alone
+    assert pack_linears(layer) == 1 and layer.packed.narrow is None  # float32 panels alone
 
 
 @needs_kernels
@@ -211,7 +211,7 @@ def test_a_gguf_model_packs_its_quantised_projections_coded(tmp_path: Path) -> N
     for layer in loaded.model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for packed in (attn.qkv.packed, attn.o_proj.packed, mlp.gated.packed, mlp.down_proj.packed):
-            assert packed.coded is not None
+            assert packed.narrow is not None
     decoder = loaded.model.packed_decoder
     assert decoder is not None
     # An int8 code a weight and two float32 a block of 32: under a third of the panels.
@@ -219,7 +219,7 @@ def test_a_gguf_model_packs_its_quantised_projections_coded(tmp_path: Path) -> N
         args for layer in decoder.layers for args in (layer.qkv, layer.o, layer.gated, layer.down)
     ]
     float32_bytes = sum(args[0].numel() * 4 for args in products)
-    assert float32_bytes / 4 < decoder.coded_bytes() < float32_bytes / 3
+    assert float32_bytes / 4 < decoder.narrow_bytes() < float32_bytes / 3
     # And the text does not depend on them: the same tokens once the codes are dropped.
     prompts = [[1, 5, 9, 2], [7, 3]]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -229,8 +229,8 @@ def test_a_gguf_model_packs_its_quantised_projections_coded(tmp_path: Path) -> N
     ]
     assert all(m.coded is None for m in loaded.model.modules() if isinstance(m, Linear))
     loaded.model.pack_projections()  # the codes went into the first packing only
-    assert loaded.model.model.layers[0].mlp.gated.packed.coded is None
-    assert loaded.model.packed_decoder.coded_bytes() is None
+    assert loaded.model.model.layers[0].mlp.gated.packed.narrow is None
+    assert loaded.model.packed_decoder.narrow_bytes() is None
     without = [
         out.token_ids for out in llm.generate(prompt_token_ids=prompts, sampling_params=params)
     ]
@@ -284,7 +284,7 @@ def test_a_bfloat16_checkpoint_loaded_in_float32_multiplies_in_16_bits(tmp_path:
     loaded = load_model(str(tmp_path), dtype="float32", device="cpu")
     layer = loaded.model.model.layers[0]
     for packed in (layer.self_attn.qkv.packed, layer.mlp.gated.packed, layer.mlp.down_proj.packed):
-        assert packed.coded is not None and packed.coded.codes.dtype == torch.bfloat16
+        assert packed.narrow is not None and packed.narrow.codes.dtype == torch.bfloat16
     prompts = [[1, 5, 9, 2], [7, 3]]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     llm = LLM(loaded, num_kv_blocks=16)

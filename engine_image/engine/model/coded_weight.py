@@ -148,7 +148,7 @@ class CodedWeight:
 
 
 @dataclass(frozen=True)
-class CodedPanels:
+class NarrowPanels:
     """Float32 panels' values in fewer bytes, in panel_linear's layout (panels of
     `columns` outputs): a CodedWeight's int8 codes with their scales and offsets, or
     the panels themselves in bfloat16 or float16 where every value is one exactly."""
@@ -158,23 +158,23 @@ class CodedPanels:
     offsets: torch.Tensor | None
 
 
-def narrow_panels(panels: torch.Tensor) -> CodedPanels | None:
+def narrow_panels(panels: torch.Tensor) -> NarrowPanels | None:
     """float32 panels as bfloat16 or float16 where that holds every value exactly (a
     bfloat16 or float16 checkpoint loaded in float32), else None."""
     for dtype in (torch.bfloat16, torch.float16):
         narrow = panels.to(dtype)
         if torch.equal(narrow.float().view(torch.int32), panels.view(torch.int32)):
-            return CodedPanels(narrow, None, None)
+            return NarrowPanels(narrow, None, None)
     return None
 
 
-def pack_coded(coded: CodedWeight, columns: int) -> CodedPanels:
+def pack_coded(coded: CodedWeight, columns: int) -> NarrowPanels:
     """Panels of `columns` outputs (the kernel's NR), the last padded with zero codes."""
     panels = -(-coded.shape[0] // columns)
     return _panels(coded, lambda t: _column_panels(t, panels, columns))
 
 
-def pack_gated_coded(gate: CodedWeight, up: CodedWeight, columns: int) -> CodedPanels | None:
+def pack_gated_coded(gate: CodedWeight, up: CodedWeight, columns: int) -> NarrowPanels | None:
     """For the SwiGLU product: each panel holds columns / 2 outputs of gate, then the
     same outputs of up (as pack_gated_panels lays out float32 weights); None where the
     two forms differ."""
@@ -194,12 +194,12 @@ def pack_gated_coded(gate: CodedWeight, up: CodedWeight, columns: int) -> CodedP
         return torch.cat([halves(g), halves(u)], dim=1).transpose(1, 2).contiguous()
 
     offsets = None if gate.offsets is None else gated(gate.offsets, up.offsets)
-    return CodedPanels(gated(gate.codes, up.codes), gated(gate.scales, up.scales), offsets)
+    return NarrowPanels(gated(gate.codes, up.codes), gated(gate.scales, up.scales), offsets)
 
 
-def _panels(coded: CodedWeight, pack) -> CodedPanels:
+def _panels(coded: CodedWeight, pack) -> NarrowPanels:
     offsets = None if coded.offsets is None else pack(coded.offsets)
-    return CodedPanels(pack(coded.codes), pack(coded.scales), offsets)
+    return NarrowPanels(pack(coded.codes), pack(coded.scales), offsets)
 
 
 def _column_panels(t: torch.Tensor, panels: int, columns: int) -> torch.Tensor:

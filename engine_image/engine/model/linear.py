@@ -40,8 +40,8 @@ from torch import nn
 
 from tandem.engine.model import cpu_kernels
 from tandem.engine.model.coded_weight import (
-    CodedPanels,
     CodedWeight,
+    NarrowPanels,
     narrow_panels,
     pack_coded,
     pack_gated_coded,
@@ -60,9 +60,10 @@ class PackedWeight:
     out_features: int
     panels: bool  # multiplied by Tandem's panel kernel (float32), else by oneDNN
     silu_mul: bool = False  # gate and up panels: the product is silu(gate) * up
-    # The same panels coded (coded_weight.py), where the checkpoint stores the weight
-    # quantised: the kernel widens them where few rows make the weights' bytes count.
-    coded: CodedPanels | None = None
+    # The same panels in fewer bytes (coded_weight.py), exactly: the checkpoint's codes
+    # where it stores the weight quantised, else 16-bit floats where every value is one.
+    # The kernel widens them where few rows make the weights' bytes count.
+    narrow: NarrowPanels | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -70,7 +71,7 @@ class PackedWeight:
 
     def panel_args(self, bias: torch.Tensor | None = None) -> tuple:
         """panel_linear's arguments after x."""
-        c = self.coded
+        c = self.narrow
         codes = (c.codes, c.scales, c.offsets) if c is not None else (None, None, None)
         return (self.data, self.out_features, bias, self.silu_mul, *codes)
 
@@ -161,7 +162,7 @@ class GatedLinears:
             data = ops.pack_gated_panels(weight, up.weight)
         if coded is None:
             coded = _narrow(data)
-        packed = PackedWeight(data, gate.out_features, panels=True, silu_mul=True, coded=coded)
+        packed = PackedWeight(data, gate.out_features, panels=True, silu_mul=True, narrow=coded)
         return cls(packed, gate.in_features)
 
     def applies(self, x: torch.Tensor) -> bool:
@@ -248,10 +249,10 @@ def _packed(weight: torch.Tensor, coded: CodedWeight | None = None) -> PackedWei
         panels = ops.pack_panels(weight)
     exact = _exact(coded, weight)
     narrow = pack_coded(coded, ops.panel_columns()) if exact else _narrow(panels)
-    return PackedWeight(panels, weight.shape[0], panels=True, coded=narrow)
+    return PackedWeight(panels, weight.shape[0], panels=True, narrow=narrow)
 
 
-def _narrow(panels: torch.Tensor) -> CodedPanels | None:
+def _narrow(panels: torch.Tensor) -> NarrowPanels | None:
     """The panels in 16 bits where that is exact and half the memory left holds them."""
     available = available_memory()
     if available is not None and panels.numel() * 2 > available // 2:

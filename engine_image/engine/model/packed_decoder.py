@@ -93,16 +93,17 @@ class PackedDecoder:
         first = layers[0].input_layernorm
         return cls(first.weight, first.eps, records)
 
-    def coded_bytes(self) -> int | None:
-        """Bytes of the projections' codes, scales and offsets (what a decode step streams
-        of them), or None where some product has no codes."""
+    def narrow_bytes(self) -> int | None:
+        """Bytes of the projections' narrow panels (codes with their scales and offsets,
+        or 16-bit floats): what a decode step streams of them; None where some product
+        has none."""
         products = [
             p for layer in self.layers for p in (layer.qkv, layer.o, layer.gated, layer.down)
         ]
-        coded = [p[4:] for p in products]  # panel_args: ..., codes, scales, offsets
-        if any(codes is None for codes, _, _ in coded):
+        narrow = [p[4:] for p in products]  # panel_args: ..., codes, scales, offsets
+        if any(codes is None for codes, _, _ in narrow):
             return None
-        return sum(t.numel() * t.element_size() for c in coded for t in c if t is not None)
+        return sum(t.numel() * t.element_size() for n in narrow for t in n if t is not None)
 
     def applies(self, x: torch.Tensor) -> bool:
         """Whether this step can take the fast path: float32 on the CPU, no autograd."""

@@ -126,7 +126,7 @@ struct Sums {
   const float* bias = nullptr;  // added as the sums are stored (the last k block only)
 };
 
-// What a narrow panel holds (CodedPanels below): int8 codes with scales (and offsets),
+// What a narrow panel holds (NarrowPanels below): int8 codes with scales (and offsets),
 // or the weights themselves in bfloat16 or float16, where each is exact.
 enum class Narrow { Codes, BFloat16, Half };
 
@@ -345,7 +345,7 @@ struct FloatPanels {
 // bfloat16 checkpoint loaded in float32): 2 bytes. The first row tile of a slice
 // widens it into the thread's buffer as it multiplies by it; the other tiles read the
 // buffer.
-struct CodedPanels {
+struct NarrowPanels {
   Narrow from;
   const char* codes;  // [P, K, NR] of int8, bfloat16 or float16
   int64_t code_bytes;  // 1 or 2
@@ -396,7 +396,7 @@ void thread_share(const Work& w, const Source& src, int64_t t, int64_t nt) {
       const int64_t per_k = (lines + steps - 1) / steps, every = std::max<int64_t>(1, steps / lines);
       const int64_t tile_lines = (kc + every - 1) / every * per_k;
       for (int64_t p = p0; p < p1; ++p) {
-        constexpr bool coded = std::is_same_v<Source, CodedPanels>;
+        constexpr bool coded = std::is_same_v<Source, NarrowPanels>;
         Widening wd;
         const float* slice;
         if constexpr (coded) {
@@ -513,7 +513,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
   {
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     if (widen) {
-      const CodedPanels src{from,
+      const NarrowPanels src{from,
                             static_cast<const char*>(codes->data_ptr()),
                             static_cast<int64_t>(codes->element_size()),
                             scales ? scales->data_ptr<float>() : nullptr,
