@@ -137,9 +137,10 @@ def coded_args(panels) -> tuple:
     [
         (1, 576, 960),  # a batch-1 decode step
         (13, 96, 49),  # a partial tile of rows, a partial last panel
-        (64, 1536, 576),  # SmolLM2's down projection
-        (100, 22016, 97),  # several k blocks, each adding to the sums before
-        (517, 3008, 50),  # threads split the rows: the float32 panels serve
+        (32, 1536, 576),  # SmolLM2's down projection, the most rows widened
+        (20, 22016, 97),  # several k blocks, each adding to the sums before
+        (64, 576, 100),  # more rows than are widened for: the float32 panels serve
+        (517, 3008, 50),  # threads split the rows: the float32 panels again
     ],
 )
 @pytest.mark.parametrize("offsets", [True, False], ids=["offsets", "scales-only"])
@@ -205,6 +206,7 @@ def test_a_gguf_model_packs_its_quantised_projections_coded(tmp_path: Path) -> N
     source = resolve_model("random:tiny")
     qtypes = {name: Q4_1 for name, _ in source.iter_weights() if name.endswith("proj.weight")}
     qtypes["model.layers.0.mlp.down_proj.weight"] = Q8_0
+    qtypes["lm_head.weight"] = Q8_0  # untied here: the file's output.weight
     path = tmp_path / "model.gguf"
     write_llama_gguf(path, source, qtypes=qtypes)
     loaded = load_model(str(path), dtype="float32", device="cpu")
@@ -212,6 +214,7 @@ def test_a_gguf_model_packs_its_quantised_projections_coded(tmp_path: Path) -> N
         attn, mlp = layer.self_attn, layer.mlp
         for packed in (attn.qkv.packed, attn.o_proj.packed, mlp.gated.packed, mlp.down_proj.packed):
             assert packed.narrow is not None
+    assert loaded.model.lm_head.packed.narrow is not None
     decoder = loaded.model.packed_decoder
     assert decoder is not None
     # An int8 code a weight and two float32 a block of 32: under a third of the panels.
@@ -243,7 +246,7 @@ def test_a_gguf_model_packs_its_quantised_projections_coded(tmp_path: Path) -> N
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 @pytest.mark.parametrize(
-    ("rows", "in_features", "out_features"), [(1, 576, 960), (13, 100, 49), (64, 1536, 97)]
+    ("rows", "in_features", "out_features"), [(1, 576, 960), (13, 100, 49), (32, 1536, 97)]
 )
 def test_16_bit_panels_give_the_float32_panels_bits(
     dtype: torch.dtype, rows: int, in_features: int, out_features: int, threads: int
@@ -296,3 +299,11 @@ def test_a_bfloat16_checkpoint_loaded_in_float32_multiplies_in_16_bits(tmp_path:
     ]  # the float32 panels alone
     wide = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
     assert narrow == wide
+
+
+@needs_kernels
+def test_smollm2_multiplies_its_q4_1_projections_and_q8_0_head_from_their_codes(smollm2) -> None:
+    """The tied head's codes are the embedding's (token_embd, Q8_0)."""
+    model = smollm2.model
+    assert model.lm_head.packed.narrow.codes.dtype == torch.int8
+    assert model.packed_decoder.narrow_bytes() is not None

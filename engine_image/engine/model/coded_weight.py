@@ -9,13 +9,14 @@ row holds 4-bit codes with one float16 scale and offset, and the loader's float3
 weight is (scale * code) + offset, rounded after each operation. The float32 model
 multiplies by exactly those values. Beside the float32 panels, the packed copy keeps
 them in this form (an int8 code a weight, a float32 scale and offset a block: ~1.1
-bytes a weight instead of 4), and where the threads split a product's panels (decode
+bytes a weight instead of 4), and for products of up to 32 rows (small decode
 steps) the panel kernel widens each panel's codes back to the same float32 values
 once for all the rows it multiplies. The products are bit for bit those of the
-float32 panels; a step streams a quarter of the bytes. Measured on SmolLM2, 2
-threads, a Xeon: batch-1 decode 1.6-1.7x as fast, batch 64 alike (its products are
-bound by the arithmetic, which the widening adds ~6 % to), prefills untouched (their
-threads split the rows and keep the float32 panels: docs/benchmarks.md).
+float32 panels; such a step streams a quarter of the bytes. Measured on SmolLM2, 2
+threads, a Xeon: batch-1 decode 1.6-1.7x as fast, also when sampling (the LM head's
+codes too). More rows keep the float32 panels: their products are bound by the
+arithmetic, which the widening adds to (docs/benchmarks.md). Where a checkpoint
+stores 16-bit floats, narrow_panels keeps the panels in 16 bits the same way.
 
 Only forms whose widening is one multiply and at most one add qualify: GGUF's Q4_0,
 Q4_1, Q5_0, Q5_1 and Q8_0 (not the k-quants, whose scales are themselves

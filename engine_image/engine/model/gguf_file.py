@@ -258,11 +258,14 @@ def _hf_shape(tensor: Any) -> tuple[int, ...]:
 
 
 def _codes(plan: list[tuple[str, Any]], config: ModelConfig) -> Iterator[tuple[str, CodedWeight]]:
-    """The projections' codes, where their type is a code form (coded_weight.py), in the
-    rows' order after the rotary unpermutation, as _stream gives their weights."""
+    """The projections' and LM head's codes, where their type is a code form
+    (coded_weight.py), in the rows' order after the rotary unpermutation, as _stream
+    gives their weights."""
     for hf_name, tensor in plan:
-        if not hf_name.endswith("proj.weight"):
-            continue  # the embeddings and norms are not multiplied by the panel kernel
+        if hf_name == "model.embed_tokens.weight" and config.tie_word_embeddings:
+            hf_name = "lm_head.weight"  # the same tensor, multiplied as the LM head
+        elif not hf_name.endswith(("proj.weight", "lm_head.weight")):
+            continue  # the norms and untied embeddings are not multiplied by the panel kernel
         shape = _hf_shape(tensor)
         coded = CodedWeight.from_gguf_blocks(tensor.data, tensor.tensor_type.name, shape)
         if coded is None:

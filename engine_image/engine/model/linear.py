@@ -15,7 +15,7 @@ multiply by it:
   oneDNN's packed inner product, 1 row 13 ms against 27, 1,024 rows the same. Where
   the checkpoint stores the weight quantised (a GGUF's Q4_0, Q4_1, Q5_0, Q5_1 or
   Q8_0), the packed copy keeps its codes too, which the kernel widens to the same
-  float32 values for decode-sized products: a quarter of the bytes, the same bits
+  float32 values for products of few rows: a quarter of the bytes, the same bits
   (coded_weight.py); where every weight is a bfloat16 or float16 value (a 16-bit
   checkpoint loaded in float32), it keeps a 16-bit copy of the panels the same way;
 - other dtypes, or when the kernels did not build: oneDNN's blocked layout and inner

@@ -8,12 +8,12 @@
 //     SwiGLU's silu(x @ gate^T) * (x @ up^T) in one product, each panel holding half
 //     gate, half up, so that the [M, 2N] product never reaches memory (it was 2 % of
 //     a SmolLM2 prefill, reading it back for silu_mul).
-//   panel_linear(x, panels, N, bias?, silu_mul, codes, scales, offsets?): the same
-//     product, where the threads split the panels (decode steps) from the weight's
-//     codes (coded_weight.py): int8 codes [P, K, NR] and per-block scales (and
-//     offsets) [P, K / block, NR], as a quantised checkpoint stores the weight,
-//     widened in the kernel to exactly the float32 panels' values: the same bits, a
-//     quarter of the bytes streamed.
+//   panel_linear(x, panels, N, bias?, silu_mul, codes, scales?, offsets?): the same
+//     product, for up to WIDEN_ROWS rows (small decode steps) from the weight's narrow
+//     panels (coded_weight.py): int8 codes [P, K, NR] with per-block scales (and
+//     offsets) [P, K / block, NR], as a quantised checkpoint stores the weight, or
+//     bfloat16/float16 panels, widened in the kernel to exactly the float32 panels'
+//     values: the same bits, a quarter or half of the bytes streamed.
 //   panel_columns() -> NR
 //
 // Why not oneDNN's packed inner product (which the engine used before, and still uses
@@ -82,6 +82,13 @@ constexpr int64_t LINE = 64;                   // bytes of a cache line
 // (a prefill's) 4-8 % faster so on a Xeon; at 64-256 rows the weights' traffic costs
 // more than it saves (docs/benchmarks.md). The results are the same either way.
 constexpr int64_t ROW_SPLIT = 256;
+// The most rows a product widens narrow panels for (NarrowPanels below). The widening
+// costs the first row tile of each panel slice a few vector operations a k step,
+// which more rows share, while the bytes it saves matter less as the rows' arithmetic
+// grows. Chained SmolLM2-shaped products from codes against float32 panels, a Xeon:
+// 8 rows 1.6x as fast, 16 1.45x, 32 1.15x, 48 0.96x, 64 0.94x; 1,024 rows 0.88x
+// (docs/benchmarks.md).
+constexpr int64_t WIDEN_ROWS = 32;
 // How many k steps ahead a tile asks for its panel rows in L1. The panel's slice sits
 // in L2 (k_block x NR floats do not fit L1), and the L1 prefetcher alone left the FMAs
 // waiting on it: on a Xeon, 1,024-row products 3-5 % faster, 64 rows ~2 % (distances
@@ -490,10 +497,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
   }
   const int64_t most_threads = at::get_num_threads();
   const bool by_rows = most_threads > 1 && M >= ROW_SPLIT * most_threads;
-  // The codes where the threads split the panels. Split by rows, every thread would
-  // widen every panel for each of its blocks of rows: 10-13 % slower at 1,024 rows,
-  // whose products are bound by the arithmetic anyway (docs/benchmarks.md).
-  const bool widen = codes && !by_rows;
+  const bool widen = codes && M <= WIDEN_ROWS;
   // K in equal blocks (576 is one; 1,536 one or two, by L2): a short last block would
   // cost a pass over the output for little work. Widened, the blocks hold whole code
   // blocks (a slice's scales change only between them).
