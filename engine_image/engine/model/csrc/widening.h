@@ -1,0 +1,83 @@
+// Widening narrow panels back to float32 (panel_linear.cpp): int8 codes with per-block
+// scales (and offsets), as a quantised checkpoint stores a weight, or 16-bit floats,
+// each W values a vector, exactly the float32 values they stand for.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "kernel_common.h"
+
+namespace tandem {
+
+// What a narrow panel holds (NarrowPanels in panel_linear.cpp): int8 codes with scales
+// (and offsets), or the weights themselves in bfloat16 or float16, where each is exact.
+enum class Narrow { Codes, BFloat16, Half };
+
+// A narrow panel slice that the first row tile widens as it goes.
+struct Widening {
+  const void* codes = nullptr;  // [kc, NR] at the slice's first k (NR: a panel's columns)
+  const float* scales = nullptr;  // Codes: [kc / block, NR] from there
+  const float* offsets = nullptr;  // same, or null
+  int64_t block = 1;  // k a scale holds for
+  float* out = nullptr;  // [kc, NR]: the widened slice, which the other row tiles read
+};
+
+// W codes as floats: the sign extension and conversion in two instructions (gcc's
+// __builtin_convertvector went element by element).
+inline wvec as_floats(const int8_t* c) {
+#if defined(__AVX512F__)
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+  return static_cast<wvec>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+#elif defined(__AVX2__)
+  const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
+  return static_cast<wvec>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+#else
+  wvec q;
+  for (int i = 0; i < W; ++i) q[i] = static_cast<float>(c[i]);
+  return q;
+#endif
+}
+
+// W 16-bit floats as float32 (exactly: a bfloat16 is a float32's upper half).
+inline wvec bf16_floats(const uint16_t* c) {
+#if defined(__AVX512F__)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+  return static_cast<wvec>(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+#elif defined(__AVX2__)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+  return static_cast<wvec>(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+#else
+  wvec q;
+  for (int i = 0; i < W; ++i) q[i] = static_cast<float>(c10::BFloat16(c[i], c10::BFloat16::from_bits()));
+  return q;
+#endif
+}
+inline wvec half_floats(const uint16_t* c) {
+#if defined(__AVX512F__)
+  return static_cast<wvec>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c))));
+#elif defined(__F16C__) && defined(__AVX2__)
+  return static_cast<wvec>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
+#else
+  wvec q;
+  for (int i = 0; i < W; ++i) q[i] = static_cast<float>(c10::Half(c[i], c10::Half::from_bits()));
+  return q;
+#endif
+}
+
+// scale * code (+ offset) as one FMA: the loader rounds the product, then the sum, but
+// pack_coded takes only codes whose products with their scales float32 holds exactly
+// (a float16 scale times an 8-bit code needs 19 bits of the 24), so the fused
+// operation rounds once, to the same value.
+inline wvec widen(const int8_t* c, const float* scale, const float* offset) {
+  const wvec w = as_floats(c) * vload<wvec>(scale);
+  return offset ? w + vload<wvec>(offset) : w;
+}
+
+}  // namespace tandem
