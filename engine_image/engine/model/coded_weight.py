@@ -162,10 +162,16 @@ class NarrowPanels:
 def narrow_panels(panels: torch.Tensor) -> NarrowPanels | None:
     """float32 panels as bfloat16 or float16 where that holds every value exactly (a
     bfloat16 or float16 checkpoint loaded in float32), else None."""
+
+    def exact(t: torch.Tensor, narrow: torch.Tensor) -> bool:
+        return torch.equal(narrow.float().view(torch.int32), t.view(torch.int32))
+
+    head = panels.reshape(-1)[:4096]  # most float32 weights fail here, before a full copy
     for dtype in (torch.bfloat16, torch.float16):
-        narrow = panels.to(dtype)
-        if torch.equal(narrow.float().view(torch.int32), panels.view(torch.int32)):
-            return NarrowPanels(narrow, None, None)
+        if exact(head, head.to(dtype)):
+            narrow = panels.to(dtype)
+            if exact(panels, narrow):
+                return NarrowPanels(narrow, None, None)
     return None
 
 
