@@ -278,6 +278,8 @@ def test_narrow_panels_only_where_every_value_survives() -> None:
     assert narrow_panels(brains).codes.dtype == torch.bfloat16
     brains[1, 2, 4] = -0.0
     assert torch.equal(bits(narrow_panels(brains).codes.float()), bits(brains))
+    brains[1, 63, 47] = 0.1  # past the first values looked at alone: the whole is checked
+    assert narrow_panels(brains) is None
 
 
 @needs_kernels
