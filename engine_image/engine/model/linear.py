@@ -22,7 +22,8 @@ multiply by it:
   product (torch's own oneDNN). bfloat16 results are bit for bit F.linear's, which runs
   the same oneDNN kernel without the prepacking.
 
-The packed copy is a second copy of the weights in memory: a plain attribute, not a
+The packed copy is a second copy of the weights in memory (and its narrow panels, where
+there are any, ~1.25 or 2 bytes a weight more): a plain attribute, not a
 parameter or buffer, so .to() and state_dict leave it alone, and the forward uses it
 only for CPU inputs of its dtype without autograd. Everything else (autograd, other
 devices, a dtype neither kernel packs, TANDEM_CPU_KERNELS=0) runs F.linear, which
