@@ -2,7 +2,8 @@
 
     coded = CodedWeight.from_gguf_blocks(blocks, "Q4_1", shape)  # or None: not a code form
     coded.matches(weight)   # every float32 value equals scale * code (+ offset), bit for bit
-    pack_coded(coded, ...)  # panels for panel_linear (csrc/panel_linear.cpp)
+    pack_coded(coded, ...)  # NarrowPanels for panel_linear (csrc/panel_linear.cpp)
+    narrow_panels(panels)   # float32 panels in 16 bits, where every value is exact
 
 A GGUF file stores SmolLM2's projections as Q4_1: each run of 32 inputs of an output
 row holds 4-bit codes with one float16 scale and offset, and the loader's float32
@@ -19,11 +20,11 @@ arithmetic, which the widening adds to (docs/benchmarks.md). Where a checkpoint
 stores 16-bit floats, narrow_panels keeps the panels in 16 bits the same way.
 
 Only forms whose widening is one multiply and at most one add qualify: GGUF's Q4_0,
-Q4_1, Q5_0, Q5_1 and Q8_0 (not the k-quants, whose scales are themselves
-quantised in super-blocks). Packing checks
-every value against the float32 weight before it trusts the codes (matches), so a
-checkpoint whose dequantisation rounds otherwise, or weights changed since loading,
-fall back to the float32 panels instead of giving different results.
+Q4_1, Q5_0, Q5_1 and Q8_0 (not the k-quants, whose scales are themselves quantised
+in super-blocks). Packing checks every value against the float32 weight before it
+trusts the codes (matches), so a checkpoint whose dequantisation rounds otherwise,
+or weights changed since loading, fall back to the float32 panels instead of giving
+different results.
 """
 
 from __future__ import annotations
