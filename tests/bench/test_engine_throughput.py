@@ -5,26 +5,17 @@ between the sessions that record them (no other test imports it)."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-NUMBER = r"([0-9]+(?:\.[0-9]+)?)"
+from tests.bench.conftest import NUMBER, run_bench
+
 QUICK = ("--model", "random:tiny", "--quick", "--rounds", "1")
 
 
 @pytest.mark.slow
 def test_the_engine_bench_prints_every_case_against_hf() -> None:
-    run = subprocess.run(
-        [sys.executable, "-P", str(ROOT / "bench" / "engine_throughput.py"), *QUICK],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
+    run = run_bench("engine_throughput.py", *QUICK)
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout
     assert re.search(rf"^machine: fp32 matmul {NUMBER} GFLOP/s, read {NUMBER} GB/s", out, re.M)

@@ -1,0 +1,133 @@
+"""Narrow panels: products and decode steps from a checkpoint's codes, against float32.
+
+    python bench/narrow_panels.py [--model smollm2] [--threads 2] [--rounds 4] [--quick]
+
+Baseline: the same engine and model with the float32 panels alone (the narrow
+panels dropped from the packed decoder and the LM head), in the same process. A
+GGUF model's quantised projections keep their codes beside the float32 panels, and
+products of up to 32 rows widen them in the kernel (coded_weight.py,
+csrc/panel_linear.cpp's WIDEN_ROWS); this measures what that buys, two ways:
+- the model's own products, a layer's four chained through all its layers, by rows:
+  narrow panels passed (widened where the kernel does) against float32 panels alone;
+- decode steps, paired: narrow then float32 (or the reverse) each round, at batch 1
+  greedy, batch 1 sampled (the LM head's full logits from its codes) and batch 64.
+Figures are recorded in docs/benchmarks.md ("Narrow panels").
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import statistics
+import time
+
+import torch
+
+from tandem.engine import LLM, SamplingParams
+from tandem.engine.model.loader import load_model
+from tandem.engine.model.packed_decoder import PackedDecoder
+
+
+def float32_only(decoder: PackedDecoder) -> PackedDecoder:
+    """The decoder's records with the narrow panels dropped (panel_args' last three)."""
+
+    def wide(args: tuple) -> tuple:
+        return (*args[:4], None, None, None)
+
+    layers = [
+        dataclasses.replace(r, qkv=wide(r.qkv), o=wide(r.o), gated=wide(r.gated), down=wide(r.down))
+        for r in decoder.layers
+    ]
+    return PackedDecoder(decoder.first_norm, decoder.first_eps, layers)
+
+
+def chained_products_ms(decoder: PackedDecoder, rows: int, rounds: int) -> float:
+    """Best time of every layer's four products, each fed a fixed input of `rows` rows."""
+    linear = torch.ops.tandem_cpu.panel_linear.default
+    first = decoder.layers[0]
+    hidden = torch.randn(rows, first.qkv[0].shape[1]) / 8
+    inner = torch.randn(rows, first.down[0].shape[1]) / 8
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for layer in decoder.layers:
+            linear(hidden, *layer.qkv)
+            linear(hidden, *layer.o)
+            linear(hidden, *layer.gated)
+            linear(inner, *layer.down)
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def decode_tps(llm: LLM, batch: int, new_tokens: int, temperature: float, rng) -> float:
+    engine, vocab = llm.engine, llm.engine.config.vocab_size
+    params = SamplingParams(
+        max_tokens=new_tokens + 1, temperature=temperature, seed=1, ignore_eos=True
+    )
+    for i in range(batch):
+        prompt = [rng.randrange(vocab) for _ in range(64)]
+        engine.add_request(
+            f"n{i}-{time.monotonic_ns()}", prompt_token_ids=prompt, sampling_params=params
+        )
+    engine.step()  # the prefill, not timed
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return batch * new_tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="fewer steps and sizes (tests)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, dtype="float32", device="cpu")
+    model = loaded.model
+    narrow = model.packed_decoder
+    if narrow is None or narrow.narrow_bytes() is None:
+        raise SystemExit(f"{args.model}: its projections have no narrow panels to measure")
+    wide = float32_only(narrow)
+    head_narrow = model.lm_head.packed
+    head_wide = dataclasses.replace(head_narrow, narrow=None)
+    print(
+        f"{args.model}: narrow panels {narrow.narrow_bytes() / 1e6:.0f} MB, {args.threads} threads"
+    )
+
+    print(f"\n{'rows':>5} {'narrow ms':>10} {'float32 ms':>11} {'ratio':>7}")
+    with torch.inference_mode():
+        for rows in (1, 32, 64) if args.quick else (1, 8, 16, 32, 48, 64, 1024):
+            ours = chained_products_ms(narrow, rows, args.rounds)
+            theirs = chained_products_ms(wide, rows, args.rounds)
+            print(f"{rows:>5} {ours:>10.2f} {theirs:>11.2f} {theirs / ours:>6.2f}x")
+
+    llm = LLM(loaded, max_model_len=2048, enable_prefix_caching=False)
+    rng = random.Random(0)
+    new_tokens = 4 if args.quick else 32
+    print(f"\n{'decode (tok/s, medians)':<28} {'narrow':>8} {'float32':>8}  paired ratios")
+    for name, batch, temperature in (
+        ("batch 1 greedy", 1, 0.0),
+        ("batch 1 sampled", 1, 0.8),
+        ("batch 64 greedy", 64, 0.0),
+    ):
+        decode_tps(llm, batch, 2, temperature, rng)  # warm
+        tps = {"narrow": [], "float32": []}
+        for r in range(args.rounds):
+            order = ("narrow", "float32") if r % 2 == 0 else ("float32", "narrow")
+            for which in order:
+                model.packed_decoder = narrow if which == "narrow" else wide
+                model.lm_head.packed = head_narrow if which == "narrow" else head_wide
+                tps[which].append(decode_tps(llm, batch, new_tokens, temperature, rng))
+        ratios = [a / b for a, b in zip(tps["narrow"], tps["float32"], strict=True)]
+        print(
+            f"{name:<28} {statistics.median(tps['narrow']):>8.1f} "
+            f"{statistics.median(tps['float32']):>8.1f}  " + " ".join(f"{r:.3f}" for r in ratios)
+        )
+    model.packed_decoder, model.lm_head.packed = narrow, head_narrow
+
+
+if __name__ == "__main__":
+    main()
