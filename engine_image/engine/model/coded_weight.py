@@ -14,8 +14,8 @@ bytes a weight instead of 4), and for products of up to 32 rows (small decode
 steps) the panel kernel widens each panel's codes back to the same float32 values
 once for all the rows it multiplies. The products are bit for bit those of the
 float32 panels; such a step streams a quarter of the bytes. Measured on SmolLM2, 2
-threads, a Xeon: batch-1 decode 1.6-1.7x as fast, also when sampling (the LM head's
-codes too). More rows keep the float32 panels: their products are bound by the
+threads, a Xeon: batch-1 decode 1.9-2.0x as fast, 2.0-2.3x when sampling (the LM
+head's codes too). More rows keep the float32 panels: their products are bound by the
 arithmetic, which the widening adds to (docs/benchmarks.md). Where a checkpoint
 stores 16-bit floats, narrow_panels keeps the panels in 16 bits the same way.
 

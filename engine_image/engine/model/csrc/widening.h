@@ -26,7 +26,8 @@ struct Widening {
   const float* scales = nullptr;  // Codes: [kc / block, NR] from there
   const float* offsets = nullptr;  // same, or null
   int64_t block = 1;  // k a scale holds for
-  float* out = nullptr;  // [kc, NR]: the widened slice, which the other row tiles read
+  float* out = nullptr;  // [kc, NR]: the widened slice, which the other row tiles read;
+                         // null where there are none
 };
 
 // W codes as floats: the sign extension and conversion in two instructions (gcc's
