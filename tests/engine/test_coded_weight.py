@@ -149,7 +149,6 @@ def test_coded_panels_give_the_float32_panels_bits(
 ) -> None:
     ops = cpu_kernels.load()
     gen = torch.Generator().manual_seed(rows)
-    columns = ops.panel_columns()
     coded = random_coded(out_features, in_features, gen, offsets)
     weight = coded.widened()
     x = torch.randn(rows, in_features + 3, generator=gen)[:, 1 : 1 + in_features] / 8
@@ -158,13 +157,13 @@ def test_coded_panels_give_the_float32_panels_bits(
     for b in (None, bias):
         expected = ops.panel_linear(x, panels, out_features, b)
         got = ops.panel_linear(
-            x, panels, out_features, b, False, *coded_args(pack_coded(coded, columns))
+            x, panels, out_features, b, False, *coded_args(pack_coded(coded, ops))
         )
         assert torch.equal(bits(got), bits(expected))
     up = random_coded(out_features, in_features, gen, offsets)
     gated = ops.pack_gated_panels(weight, up.widened())
     expected = ops.panel_linear(x, gated, out_features, None, True)
-    coded_gated = pack_gated_coded(coded, up, columns)
+    coded_gated = pack_gated_coded(coded, up, ops)
     got = ops.panel_linear(x, gated, out_features, None, True, *coded_args(coded_gated))
     assert torch.equal(bits(got), bits(expected))
 
@@ -174,7 +173,7 @@ def test_panel_linear_names_bad_codes() -> None:
     ops = cpu_kernels.load()
     coded = random_coded(5, 64, torch.Generator().manual_seed(0), True)
     panels = ops.pack_panels(coded.widened())
-    c = pack_coded(coded, ops.panel_columns())
+    c = pack_coded(coded, ops)
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="codes come with scales"):
         ops.panel_linear(x, panels, 5, None, False, c.codes)

@@ -117,10 +117,7 @@ class CodedWeight:
 
     def widened(self) -> torch.Tensor:
         """The float32 weight the codes stand for (two rounded operations, no FMA)."""
-        values = self.codes.float() * self.scales.repeat_interleave(self.block, dim=1)
-        if self.offsets is not None:
-            values = values + self.offsets.repeat_interleave(self.block, dim=1)
-        return values
+        return self._widen()[2]
 
     def matches(self, weight: torch.Tensor) -> bool:
         """Whether weight holds exactly these values, bit for bit (signs of zero too), and
@@ -128,14 +125,18 @@ class CodedWeight:
         and add (a GGUF's float16 scales times 8-bit codes always are)."""
         if weight.dtype != torch.float32 or weight.shape != self.codes.shape:
             return False
-        scales = self.scales.repeat_interleave(self.block, dim=1)
-        if not torch.equal(
-            self.codes.double() * scales.double(), (self.codes.float() * scales).double()
-        ):
+        scales, products, values = self._widen()
+        if not torch.equal(self.codes.double() * scales.double(), products.double()):
             return False
-        return torch.equal(
-            self.widened().view(torch.int32), weight.detach().cpu().view(torch.int32)
-        )
+        return torch.equal(values.view(torch.int32), weight.detach().cpu().view(torch.int32))
+
+    def _widen(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per weight: its scale, scale * code, and that + offset, each rounded to float32."""
+        scales = self.scales.repeat_interleave(self.block, dim=1)
+        products = self.codes.float() * scales
+        if self.offsets is None:
+            return scales, products, products
+        return scales, products, products + self.offsets.repeat_interleave(self.block, dim=1)
 
     @staticmethod
     def cat(parts: list[CodedWeight]) -> CodedWeight | None:
@@ -176,44 +177,22 @@ def narrow_panels(panels: torch.Tensor) -> NarrowPanels | None:
     return None
 
 
-def pack_coded(coded: CodedWeight, columns: int) -> NarrowPanels:
-    """Panels of `columns` outputs (the kernel's NR), the last padded with zero codes."""
-    panels = -(-coded.shape[0] // columns)
-    return _panels(coded, lambda t: _column_panels(t, panels, columns))
+def pack_coded(coded: CodedWeight, ops) -> NarrowPanels:
+    """coded in panel_linear's layout, by the kernels' own packer (ops: torch.ops.tandem_cpu):
+    codes, scales and offsets each take the float32 panels' shape, a scale's row a block."""
+    offsets = None if coded.offsets is None else ops.pack_panels(coded.offsets)
+    return NarrowPanels(ops.pack_panels(coded.codes), ops.pack_panels(coded.scales), offsets)
 
 
-def pack_gated_coded(gate: CodedWeight, up: CodedWeight, columns: int) -> NarrowPanels | None:
-    """For the SwiGLU product: each panel holds columns / 2 outputs of gate, then the
-    same outputs of up (as pack_gated_panels lays out float32 weights); None where the
-    two forms differ."""
+def pack_gated_coded(gate: CodedWeight, up: CodedWeight, ops) -> NarrowPanels | None:
+    """For the SwiGLU product: gate and up laid out as pack_gated_panels lays out their
+    float32 weights (half a panel each); None where the two forms differ."""
     if (
         gate.shape != up.shape
         or gate.block != up.block
         or (gate.offsets is None) != (up.offsets is None)
     ):
         return None
-    half = columns // 2
-    panels = -(-gate.shape[0] // half)
-
-    def gated(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        def halves(t: torch.Tensor) -> torch.Tensor:
-            return _padded(t, panels * half).view(panels, half, -1)
-
-        return torch.cat([halves(g), halves(u)], dim=1).transpose(1, 2).contiguous()
-
-    offsets = None if gate.offsets is None else gated(gate.offsets, up.offsets)
-    return NarrowPanels(gated(gate.codes, up.codes), gated(gate.scales, up.scales), offsets)
-
-
-def _panels(coded: CodedWeight, pack) -> NarrowPanels:
-    offsets = None if coded.offsets is None else pack(coded.offsets)
-    return NarrowPanels(pack(coded.codes), pack(coded.scales), offsets)
-
-
-def _column_panels(t: torch.Tensor, panels: int, columns: int) -> torch.Tensor:
-    """[rows, X] -> [panels, X, columns]: panel p holds rows p * columns.. transposed."""
-    return _padded(t, panels * columns).view(panels, columns, -1).transpose(1, 2).contiguous()
-
-
-def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
-    return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[0]))
+    pack = ops.pack_gated_panels
+    offsets = None if gate.offsets is None else pack(gate.offsets, up.offsets)
+    return NarrowPanels(pack(gate.codes, up.codes), pack(gate.scales, up.scales), offsets)

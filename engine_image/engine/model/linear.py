@@ -158,7 +158,7 @@ class GatedLinears:
             return None
         coded = None
         if _exact(gate.coded, gate.weight) and _exact(up.coded, up.weight):
-            coded = pack_gated_coded(gate.coded, up.coded, ops.panel_columns())
+            coded = pack_gated_coded(gate.coded, up.coded, ops)
         with torch.no_grad():
             data = ops.pack_gated_panels(weight, up.weight)
         if coded is None:
@@ -249,7 +249,7 @@ def _packed(weight: torch.Tensor, coded: CodedWeight | None = None) -> PackedWei
     with torch.no_grad():
         panels = ops.pack_panels(weight)
     exact = _exact(coded, weight)
-    narrow = pack_coded(coded, ops.panel_columns()) if exact else _narrow(panels)
+    narrow = pack_coded(coded, ops) if exact else _narrow(panels)
     return PackedWeight(panels, weight.shape[0], panels=True, narrow=narrow)
 
 

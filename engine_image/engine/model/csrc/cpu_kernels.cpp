@@ -257,7 +257,6 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("pack_panels(Tensor weight) -> Tensor");
   m.def("pack_gated_panels(Tensor gate, Tensor up) -> Tensor");
-  m.def("panel_columns() -> int");
   m.def(
       "panel_linear(Tensor x, Tensor panels, int out_features, Tensor? bias, bool silu_mul=False, "
       "Tensor? codes=None, Tensor? scales=None, Tensor? offsets=None) -> Tensor");

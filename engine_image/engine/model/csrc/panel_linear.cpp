@@ -2,7 +2,8 @@
 // panels. The CPU's projections run on it (linear.py): decode steps, prefills, the LM head.
 //
 //   pack_panels(W [N, K]) -> panels [P, K, NR]: panel p holds W's rows p*NR..p*NR+NR-1
-//     (zero past N), transposed, so that the kernel reads each panel front to back.
+//     (zero past N), transposed, so that the kernel reads each panel front to back
+//     (also for narrow panels' int8 codes and their float32 scales and offsets).
 //   panel_linear(x [M, K], panels, N, bias?) -> [M, N]
 //   pack_gated_panels(gate, up [N, K]) and panel_linear(x, panels, N, silu_mul=True):
 //     SwiGLU's silu(x @ gate^T) * (x @ up^T) in one product, each panel holding half
@@ -14,7 +15,6 @@
 //     offsets) [P, K / block, NR], as a quantised checkpoint stores the weight, or
 //     bfloat16/float16 panels, widened in the kernel to exactly the float32 panels'
 //     values: the same bits, a quarter or half of the bytes streamed.
-//   panel_columns() -> NR
 //
 // Why not oneDNN's packed inner product (which the engine used before, and still uses
 // for bfloat16): at decode batch sizes the product is bound by streaming the weights
@@ -257,9 +257,13 @@ const Tiles& widening_tiles(Narrow from) {
   return from == Narrow::Codes ? codes : from == Narrow::BFloat16 ? bf16 : half;
 }
 
+// Float32 weights, and the int8 codes and float32 scales (or offsets) of narrow panels
+// (coded_weight.py), which take the same layout: a scale's row is a block of k.
+bool packable_type(const at::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kChar; }
+
 at::Tensor pack_panels(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
-              "pack_panels: expected a float32 weight [out_features, in_features]");
+  TORCH_CHECK(weight.dim() == 2 && packable_type(weight),
+              "pack_panels: expected a float32 weight [out_features, in_features] (or int8 codes)");
   const int64_t N = weight.size(0), K = weight.size(1), P = (N + NR - 1) / NR;
   return at::constant_pad_nd(weight, {0, 0, 0, P * NR - N}).view({P, NR, K}).transpose(1, 2).contiguous();
 }
@@ -267,9 +271,10 @@ at::Tensor pack_panels(const at::Tensor& weight) {
 // For panel_linear's silu_mul: each panel holds NR / 2 rows of gate, then the same rows
 // of up, so that a tile has both halves of its outputs in registers.
 at::Tensor pack_gated_panels(const at::Tensor& gate, const at::Tensor& up) {
-  TORCH_CHECK(gate.dim() == 2 && gate.scalar_type() == at::kFloat && up.sizes() == gate.sizes() &&
-                  up.scalar_type() == at::kFloat,
-              "pack_gated_panels: expected float32 gate and up weights of one shape [out_features, in_features]");
+  TORCH_CHECK(gate.dim() == 2 && packable_type(gate) && up.sizes() == gate.sizes() &&
+                  up.scalar_type() == gate.scalar_type(),
+              "pack_gated_panels: expected float32 gate and up weights of one shape [out_features, in_features]"
+              " (or int8 codes)");
   constexpr int64_t H = NR / 2;
   const int64_t N = gate.size(0), K = gate.size(1), P = (N + H - 1) / H;
   auto halves = [&](const at::Tensor& w) { return at::constant_pad_nd(w, {0, 0, 0, P * H - N}).view({P, H, K}); };
@@ -479,9 +484,6 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
   return out;
 }
 
-// The output columns of a panel (NR), for packers outside this file (coded_weight.py).
-int64_t panel_columns() { return NR; }
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
@@ -489,6 +491,3 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("pack_gated_panels", &pack_gated_panels);
   m.impl("panel_linear", &panel_linear);
 }
-
-// No tensor to dispatch on: registered for every backend.
-TORCH_LIBRARY_IMPL(tandem_cpu, CompositeImplicitAutograd, m) { m.impl("panel_columns", &panel_columns); }
