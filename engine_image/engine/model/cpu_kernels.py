@@ -47,6 +47,7 @@ SOURCES = (
     CSRC / "prefill_attention.cpp",
     CSRC / "panel_linear.cpp",  # the float32 projections (linear.py)
     CSRC / "greedy_head.cpp",  # greedy rows' LM head (greedy_head.py)
+    CSRC / "split_linear.cpp",  # float32 products on AMX tiles (split_planes.py)
 )
 
 

@@ -18,6 +18,9 @@ multiply by it:
   float32 values for products of few rows: a quarter of the bytes, the same bits
   (coded_weight.py); where every weight is a bfloat16 or float16 value (a 16-bit
   checkpoint loaded in float32), it keeps a 16-bit copy of the panels the same way;
+  where the CPU has AMX tiles and the weight is exactly one or two bfloat16 planes (a
+  GGUF's Q4/Q5 codes, a 16-bit checkpoint), products of more rows run on the tiles
+  instead (split_planes.py), in float32 arithmetic, faster than the FMAs;
 - other dtypes, or when the kernels did not build: oneDNN's blocked layout and inner
   product (torch's own oneDNN). bfloat16 results are bit for bit F.linear's, which runs
   the same oneDNN kernel without the prepacking.
@@ -47,6 +50,13 @@ from tandem.engine.model.coded_weight import (
     pack_coded,
     pack_gated_coded,
 )
+from tandem.engine.model.split_planes import (
+    WIDEN_ROWS,
+    SplitPlanes,
+    coded_planes,
+    gated_planes,
+    weight_planes,
+)
 
 # oneDNN picks its blocking for this many rows; any row count runs on the result.
 # Measured at 1 and 64 rows: hints from 16 to 1,024 time alike, 1 is 25 % slower at 64.
@@ -65,6 +75,9 @@ class PackedWeight:
     # where it stores the weight quantised, else 16-bit floats where every value is one.
     # The kernel widens them where few rows make the weights' bytes count.
     narrow: NarrowPanels | None = None
+    # The weight as bfloat16 planes for AMX's tiles (split_planes.py), exactly, where
+    # the CPU has them: products of more than WIDEN_ROWS rows run on them.
+    split: SplitPlanes | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -76,13 +89,23 @@ class PackedWeight:
         codes = (c.codes, c.scales, c.offsets) if c is not None else (None, None, None)
         return (self.data, self.out_features, bias, self.silu_mul, *codes)
 
+    def kernels(self, bias: torch.Tensor | None = None) -> tuple[tuple, tuple]:
+        """(kernel, its arguments after x) for products of up to WIDEN_ROWS rows, and for
+        more: panel_linear, or split_linear where there are planes."""
+        ops = torch.ops.tandem_cpu
+        small = (ops.panel_linear.default, self.panel_args(bias))
+        if self.split is None:
+            return small, small
+        large = (ops.split_linear.default, self.split.args(self.out_features, bias, self.silu_mul))
+        return small, large
+
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in_features] @ weight.T + bias."""
         if not self.panels:
             return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
         rows = x.reshape(-1, x.shape[-1])  # a row-strided 2-D view stays a view
-        out = torch.ops.tandem_cpu.panel_linear(rows, *self.panel_args(bias))
-        return out.view(*x.shape[:-1], self.out_features)
+        kernel, args = self.kernels(bias)[rows.shape[0] > WIDEN_ROWS]
+        return kernel(rows, *args).view(*x.shape[:-1], self.out_features)
 
 
 class Linear(nn.Linear):
@@ -163,7 +186,13 @@ class GatedLinears:
             data = ops.pack_gated_panels(weight, up.weight)
         if coded is None:
             coded = _narrow(data)
-        packed = PackedWeight(data, gate.out_features, panels=True, silu_mul=True, narrow=coded)
+        split = None
+        g, u = _split(ops, gate.weight, gate.coded), _split(ops, up.weight, up.coded)
+        if g is not None and u is not None:
+            split = gated_planes(g, u)
+        packed = PackedWeight(
+            data, gate.out_features, panels=True, silu_mul=True, narrow=coded, split=split
+        )
         return cls(packed, gate.in_features)
 
     def applies(self, x: torch.Tensor) -> bool:
@@ -250,7 +279,20 @@ def _packed(weight: torch.Tensor, coded: CodedWeight | None = None) -> PackedWei
         panels = ops.pack_panels(weight)
     exact = _exact(coded, weight)
     narrow = pack_coded(coded, ops) if exact else _narrow(panels)
-    return PackedWeight(panels, weight.shape[0], panels=True, narrow=narrow)
+    split = _split(ops, weight, coded)
+    return PackedWeight(panels, weight.shape[0], panels=True, narrow=narrow, split=split)
+
+
+def _split(ops, weight: torch.Tensor, coded: CodedWeight | None) -> SplitPlanes | None:
+    """weight's planes for AMX's tiles where this process has them, the weight is exactly
+    that (its codes', else its own values), and half the memory left holds them."""
+    if not ops.amx_ready():
+        return None
+    available = available_memory()
+    if available is not None and weight.numel() * 4 > available // 2:  # two bfloat16 planes
+        return None
+    with torch.no_grad():
+        return coded_planes(coded) if _exact(coded, weight) else weight_planes(weight)
 
 
 def _narrow(panels: torch.Tensor) -> NarrowPanels | None:

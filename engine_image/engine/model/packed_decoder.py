@@ -25,20 +25,23 @@ import torch
 from tandem.engine.model.attention import paged_attention
 from tandem.engine.model.attention_metadata import AttentionMetadata
 from tandem.engine.model.linear import PackedWeight
+from tandem.engine.model.split_planes import WIDEN_ROWS
 
 
 @dataclass(frozen=True, slots=True)
 class _Layer:
     """One decoder layer, as its kernels take it."""
 
-    qkv: tuple  # panel_linear's arguments after x for q, k and v's fused panels
+    # Per product, PackedWeight.kernels(): (kernel, its arguments after x) for steps of
+    # up to WIDEN_ROWS rows, and for more.
+    qkv: tuple  # q, k and v's fused product
     q_size: int  # heads * head_dim: q's columns, then k's and v's kv_size each
     kv_size: int  # kv_heads * head_dim
     heads: int
     kv_heads: int
     head_dim: int
     scale: float  # the attention's softmax scale
-    o: tuple  # o_proj's (all panel_linear's arguments after x, as qkv)
+    o: tuple  # o_proj's
     gated: tuple  # gate and up's (the product is silu(gate) * up)
     down: tuple  # down_proj's
     post_norm: torch.Tensor  # post_attention_layernorm's weight
@@ -72,16 +75,16 @@ class PackedDecoder:
             after = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
             records.append(
                 _Layer(
-                    qkv=qkv.panel_args(),
+                    qkv=qkv.kernels(),
                     q_size=attn.heads * attn.head_dim,
                     kv_size=attn.kv_heads * attn.head_dim,
                     heads=attn.heads,
                     kv_heads=attn.kv_heads,
                     head_dim=attn.head_dim,
                     scale=attn.scale,
-                    o=o.panel_args(),
-                    gated=gated.panel_args(),
-                    down=down.panel_args(),
+                    o=o.kernels(),
+                    gated=gated.kernels(),
+                    down=down.kernels(),
                     post_norm=layer.post_attention_layernorm.weight,
                     post_eps=layer.post_attention_layernorm.eps,
                     next_norm=after.weight,
@@ -100,7 +103,7 @@ class PackedDecoder:
         products = [
             p for layer in self.layers for p in (layer.qkv, layer.o, layer.gated, layer.down)
         ]
-        narrow = [p[4:] for p in products]  # panel_args: ..., codes, scales, offsets
+        narrow = [p[0][1][4:] for p in products]  # panel_args: ..., codes, scales, offsets
         if any(codes is None for codes, _, _ in narrow):
             return None
         return sum(t.numel() * t.element_size() for n in narrow for t in n if t is not None)
@@ -121,12 +124,13 @@ class PackedDecoder:
         [T, hidden], is the residual stream, updated in place."""
         ops = torch.ops.tandem_cpu
         # The overloads themselves: the packets would resolve them on every call.
-        linear, rope = ops.panel_linear.default, ops.rope_.default
-        add_rms_norm = ops.add_rms_norm_.default
+        rope, add_rms_norm = ops.rope_.default, ops.add_rms_norm_.default
         rows = x.shape[0]
+        large = rows > WIDEN_ROWS  # which of each product's kernels
         h = ops.rms_norm.default(x, self.first_norm, self.first_eps)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            qkv = linear(h, *layer.qkv)
+            linear, args = layer.qkv[large]
+            qkv = linear(h, *args)
             kv_end = layer.q_size + layer.kv_size
             # Column views of the product, which the kernels read in place.
             q = qkv[:, : layer.q_size].view(rows, layer.heads, layer.head_dim)
@@ -134,10 +138,13 @@ class PackedDecoder:
             v = qkv[:, kv_end:].view(rows, layer.kv_heads, layer.head_dim)
             rope(q, k, cos, sin)
             out = paged_attention(q, k, v, cache, meta, layer.scale)
-            o = linear(out.reshape(rows, layer.q_size), *layer.o)
+            linear, args = layer.o[large]
+            o = linear(out.reshape(rows, layer.q_size), *args)
             h = add_rms_norm(x, o, layer.post_norm, layer.post_eps)  # x += o; h = norm(x)
-            gated = linear(h, *layer.gated)
-            down = linear(gated, *layer.down)
+            linear, args = layer.gated[large]
+            gated = linear(h, *args)
+            linear, args = layer.down[large]
+            down = linear(gated, *args)
             h = add_rms_norm(x, down, layer.next_norm, layer.next_eps)
         return h
 

@@ -265,6 +265,9 @@ TORCH_LIBRARY(tandem_cpu, m) {
       "greedy_head(Tensor x, Tensor panels, Tensor float_panels, Tensor norms, int out_features, "
       "bool tiles=False) -> Tensor");
   m.def("amx_ready() -> bool");
+  m.def(
+      "split_linear(Tensor x, Tensor planes, int out_features, int sums_block, Tensor? bias, "
+      "bool silu_mul=False, Tensor? codes=None, Tensor? scales=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {

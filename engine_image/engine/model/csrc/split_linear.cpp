@@ -1,0 +1,363 @@
+// split_linear: y = x @ W^T in float32 arithmetic on AMX's bfloat16 tiles, for weights
+// that are exactly the sum of one or two bfloat16 "planes" (split_planes.py): a
+// quantised checkpoint's scale * code (Q4/Q5 with float16 scales: at most 16
+// significant bits), or a bfloat16 checkpoint's weights (one plane).
+//
+//   split_linear(x [M, K], planes, N, sums_block, bias?, silu_mul) -> [M, N]
+//
+// x is split exactly into three bfloat16 parts, x = x0 + x1 + x2 (8 significant bits
+// each, by truncation: float32's 24), and W = w0 (+ w1). Every product xi * wj of two
+// bfloat16 is exact in float32, and tdpbf16ps sums them in float32, so y is a float32
+// dot product of the exact weights, summed in another order than the float32 panels'
+// FMAs. Terms with i + j > 2 are left out: each is below 2^-24 of its product, under
+// float32's rounding of the sum (the tests hold y to a float64 reference more tightly
+// than the float32 panels reach). Two planes: 5 tdpbf16ps per 16 x 16 x 32 block, one
+// plane 3; AVX-512 FMAs take 256 cycles for the block, the tiles ~16 each.
+//
+// Offsets: a Q4_1/Q5_1 weight is scale * code + offset per block of 32 k; the offsets
+// carry float16's 11 bits and would not fit two planes beside the products. They ride
+// as extra k instead: W's planes continue past K with the offsets of each block of
+// sums_block k (zero-padded to whole tiles), and x's with its sums over those blocks,
+// x_block . (offset, ...) = offset * sum(x_block). sums_block 0: no such columns.
+//
+// planes: [T, KX / 32, J, 16, 32] bfloat16: per tile of 16 output columns and block of
+//   32 k (KX = K, plus the sums' columns padded to 32), J planes, each an AMX B tile:
+//   row q holds the column pairs (W[n, 2q], W[n, 2q + 1]) of the 16 columns. For
+//   silu_mul the tiles alternate gate, up, gate, up... over the same 16 columns, and
+//   y = silu(x @ gate^T) * (x @ up^T).
+//
+// Register blocking: 2 x 2 tiles of C (two 16-row tiles of x by two column tiles), the
+// two A tiles of x's parts and the two B tiles of a plane reloaded each step: the 8
+// tiles a core has. The four tdpbf16ps of a step are independent, which the tiles'
+// latency (~3 tdpbf16ps) needs.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
+#include <torch/library.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "amx_tiles.h"
+#include "kernel_common.h"
+
+#if defined(TANDEM_AMX) && defined(__AVX512BF16__)
+namespace {
+
+namespace amx = tandem::amx;
+
+constexpr int PARTS = 3;                           // x's bfloat16 parts
+constexpr int64_t TILE = amx::ROWS * amx::PAIRS * 2;  // bfloat16 in a tile (512)
+constexpr int64_t KT = amx::PAIRS * 2;               // k a tile covers (32)
+// x's split parts per thread block of rows stay in L2 beside the planes being read.
+constexpr int64_t SPLIT_BYTES = int64_t{1} << 20;
+
+// The three bfloat16 parts of 32 floats, stored as rows of tiles t, t + TILE, t + 2 TILE.
+inline void split32(const float* src, uint16_t* t) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
+  for (int p = 0; p < PARTS; ++p, t += TILE) {
+    const __m512i ia = _mm512_and_si512(_mm512_castps_si512(a), high);
+    const __m512i ib = _mm512_and_si512(_mm512_castps_si512(b), high);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(t), _mm512_cvtepi32_epi16(_mm512_srli_epi32(ia, 16)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(t + 16), _mm512_cvtepi32_epi16(_mm512_srli_epi32(ib, 16)));
+    a = _mm512_sub_ps(a, _mm512_castsi512_ps(ia));  // exact: the bits below
+    b = _mm512_sub_ps(b, _mm512_castsi512_ps(ib));
+  }
+}
+
+// Row m of x into the A tiles: parts [row tile][KX / 32][3][16][32].
+void split_row(const float* x, int64_t K, int64_t sums_block, uint16_t* row) {
+  const int64_t full = K / KT;
+  for (int64_t b = 0; b < full; ++b) split32(x + b * KT, row + b * PARTS * TILE);
+  if (!sums_block) return;
+  alignas(64) float sums[KT];
+  for (int64_t b0 = 0, kb = full; b0 < K / sums_block; b0 += KT, ++kb) {
+    std::fill(sums, sums + KT, 0.0f);
+    for (int64_t b = b0; b < std::min(K / sums_block, b0 + KT); ++b) {
+      const float* xb = x + b * sums_block;
+      __m512 acc = _mm512_loadu_ps(xb);
+      for (int64_t i = 16; i < sums_block; i += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(xb + i));
+      sums[b - b0] = _mm512_reduce_add_ps(acc);
+    }
+    split32(sums, row + kb * PARTS * TILE);
+  }
+}
+
+struct Product {
+  const uint16_t* parts;   // x's, [row tiles][KB][3][16][32]
+  const uint16_t* planes;  // [T][KB][J][16][32]
+  int64_t KB, J, M, N;
+  float* y;
+  const float* bias;
+  bool silu_mul;
+};
+
+// C tiles 0..3 += the terms of k block kb: A tiles 4, 5 (rows m0, m1), B tiles 6, 7 (column
+// tiles c0, c1). TWO_M / TWO_N: whether the second row / column tile exists.
+template <bool TWO_M, bool TWO_N>
+inline void block_sums(const Product& p, int64_t m0, const uint16_t* b0) {
+  const int64_t a_step = p.KB * PARTS * TILE, b_step = p.KB * p.J * TILE;
+  const uint16_t* a0 = p.parts + m0 * a_step;
+  const uint16_t* a1 = a0 + a_step;
+  const uint16_t* b1 = b0 + b_step;
+  constexpr int64_t LD = amx::ROW_BYTES;
+  for (int64_t kb = 0; kb < p.KB; ++kb, a0 += PARTS * TILE, a1 += PARTS * TILE, b0 += p.J * TILE, b1 += p.J * TILE) {
+    for (int64_t s = 0; s < PARTS; ++s) {  // terms by size: xi * wj with i + j = s
+      for (int64_t j = 0; j <= std::min<int64_t>(s, p.J - 1); ++j) {
+        const int64_t i = s - j;
+        _tile_loadd(4, a0 + i * TILE, LD);
+        _tile_loadd(6, b0 + j * TILE, LD);
+        _tile_dpbf16ps(0, 4, 6);
+        if constexpr (TWO_N) {
+          _tile_loadd(7, b1 + j * TILE, LD);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if constexpr (TWO_M) {
+          _tile_loadd(5, a1 + i * TILE, LD);
+          _tile_dpbf16ps(2, 5, 6);
+          if constexpr (TWO_N) _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+    }
+  }
+}
+
+// Where C tile `tile` (rows from m_tile, columns from column tile c) goes.
+inline void store_tile(const Product& p, const float (*c)[amx::COLUMNS], int64_t m_tile, int64_t col0, int64_t cols) {
+  const int64_t rows = std::min<int64_t>(amx::ROWS, p.M - m_tile * amx::ROWS);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* to = p.y + (m_tile * amx::ROWS + r) * p.N + col0;
+    if (p.bias) {
+      for (int64_t i = 0; i < cols; ++i) to[i] = c[r][i] + p.bias[col0 + i];
+    } else {
+      std::memcpy(to, c[r], cols * sizeof(float));
+    }
+  }
+}
+
+inline void store_gated(const Product& p, const float (*g)[amx::COLUMNS], const float (*u)[amx::COLUMNS],
+                        int64_t m_tile, int64_t col0, int64_t cols) {
+  const int64_t rows = std::min<int64_t>(amx::ROWS, p.M - m_tile * amx::ROWS);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* to = p.y + (m_tile * amx::ROWS + r) * p.N + col0;
+#pragma omp simd
+    for (int64_t i = 0; i < cols; ++i) to[i] = tandem::silu(g[r][i]) * u[r][i];
+  }
+}
+
+// The C tiles of rows m0 (m0 + 1) by column tiles c0 (c0 + 1), whose planes start at b,
+// summed over every k block and stored.
+template <bool TWO_M, bool TWO_N>
+void tile_block(const Product& p, int64_t m0, int64_t c0, const uint16_t* b) {
+  _tile_zero(0);
+  if constexpr (TWO_N) _tile_zero(1);
+  if constexpr (TWO_M) _tile_zero(2);
+  if constexpr (TWO_M && TWO_N) _tile_zero(3);
+  block_sums<TWO_M, TWO_N>(p, m0, b);
+  constexpr int64_t LD = amx::ROW_BYTES;
+  const int64_t ld = p.N * static_cast<int64_t>(sizeof(float));
+  // Whole tiles of plain sums go straight to the output; the rest through c.
+  const bool whole = !p.silu_mul && !p.bias && (m0 + (TWO_M ? 2 : 1)) * amx::ROWS <= p.M &&
+                     (c0 + (TWO_N ? 2 : 1)) * amx::COLUMNS <= p.N;
+  if (whole) {
+    float* y = p.y + m0 * amx::ROWS * p.N + c0 * amx::COLUMNS;
+    _tile_stored(0, y, ld);
+    if constexpr (TWO_N) _tile_stored(1, y + amx::COLUMNS, ld);
+    if constexpr (TWO_M) _tile_stored(2, y + amx::ROWS * p.N, ld);
+    if constexpr (TWO_M && TWO_N) _tile_stored(3, y + amx::ROWS * p.N + amx::COLUMNS, ld);
+    return;
+  }
+  alignas(64) float c[4][amx::ROWS][amx::COLUMNS];
+  _tile_stored(0, c[0], LD);
+  if constexpr (TWO_N) _tile_stored(1, c[1], LD);
+  if constexpr (TWO_M) _tile_stored(2, c[2], LD);
+  if constexpr (TWO_M && TWO_N) _tile_stored(3, c[3], LD);
+  if (p.silu_mul) {  // the column tiles are gate, up of the same columns
+    const int64_t col0 = c0 / 2 * amx::COLUMNS, cols = std::min<int64_t>(amx::COLUMNS, p.N - col0);
+    store_gated(p, c[0], c[1], m0, col0, cols);
+    if constexpr (TWO_M) store_gated(p, c[2], c[3], m0 + 1, col0, cols);
+    return;
+  }
+  for (int64_t n = 0; n < (TWO_N ? 2 : 1); ++n) {
+    const int64_t col0 = (c0 + n) * amx::COLUMNS, cols = std::min<int64_t>(amx::COLUMNS, p.N - col0);
+    store_tile(p, c[n], m0, col0, cols);
+    if (TWO_M) store_tile(p, c[2 + n], m0 + 1, col0, cols);
+  }
+}
+
+// A weight's codes (coded_planes): int8 [T][KBC][16][32] in the planes' tile layout,
+// float32 scales [T][KBC][32] (each column's, twice: its pair), and the tail's planes
+// [T][KBO][2][16][32] (the offsets' columns), expanded a column tile at a time.
+struct CodedTiles {
+  const int8_t* codes;
+  const float* scales;
+  const uint16_t* tail;
+  int64_t KBC, KBO;
+};
+
+// Column tile c's two planes, every k block, into `out`: scale * code as its high and low
+// bfloat16 halves (exact: packing checked that the low half has no more bits), then the
+// tail's. 1.25 bytes a weight streamed instead of the planes' 4: the steps bound by
+// reading the weights (a decode batch of 64) are that much less so.
+//
+// `ahead`: the column tile the thread expands next (or none), whose codes are asked for in
+// L2 now, a column pair's products ahead of their use: the first read of codes from
+// memory otherwise stalls here, ~half the expansion's time at 64 rows.
+void expand(const CodedTiles& w, int64_t c, uint16_t* out, const int64_t* ahead) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const int8_t* codes = w.codes + c * w.KBC * TILE;
+  const float* scales = w.scales + c * w.KBC * KT;
+  const char* fetch = ahead ? reinterpret_cast<const char*>(w.codes + *ahead * w.KBC * TILE) : nullptr;
+  const char* fetch_scales = ahead ? reinterpret_cast<const char*>(w.scales + *ahead * w.KBC * KT) : nullptr;
+  for (int64_t kb = 0; kb < w.KBC; ++kb, codes += TILE, scales += KT, out += 2 * TILE) {
+    if (fetch) {
+      for (int64_t i = 0; i < TILE; i += 64) _mm_prefetch(fetch + kb * TILE + i, _MM_HINT_T1);
+      for (int64_t i = 0; i < KT * 4; i += 64) _mm_prefetch(fetch_scales + kb * KT * 4 + i, _MM_HINT_T1);
+    }
+    const __m512 s0 = _mm512_loadu_ps(scales), s1 = _mm512_loadu_ps(scales + 16);
+    for (int q = 0; q < amx::ROWS; ++q) {
+      const int8_t* row = codes + q * KT;
+      const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+      const __m128i c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16));
+      const __m512 v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0)), s0);
+      const __m512 v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1)), s1);
+      const __m512 h0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v0), high));
+      const __m512 h1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v1), high));
+      // Both halves are bfloat16 values: the conversion's rounding leaves them as they are.
+      const __m512bh hi = _mm512_cvtne2ps_pbh(h1, h0);
+      const __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_sub_ps(v1, h1), _mm512_sub_ps(v0, h0));
+      _mm512_store_si512(out + q * KT, reinterpret_cast<const __m512i&>(hi));
+      _mm512_store_si512(out + TILE + q * KT, reinterpret_cast<const __m512i&>(lo));
+    }
+  }
+  if (w.KBO) std::memcpy(out, w.tail + c * w.KBO * 2 * TILE, w.KBO * 2 * TILE * sizeof(uint16_t));
+}
+
+// A buffer per thread (Tag tells the uses apart): allocated once, not per product, and
+// on a cache line, as tile rows must be (a row across two lines is two loads).
+template <typename Tag>
+uint16_t* thread_buffer(int64_t elems) {
+  struct Line {
+    alignas(64) uint16_t elems[32];
+  };
+  thread_local std::vector<Line> buffer;
+  const int64_t lines = (elems + 31) / 32;
+  if (static_cast<int64_t>(buffer.size()) < lines) buffer.resize(lines);
+  return buffer.front().elems;
+}
+struct PartsTag;    // x's parts: the calling thread's
+struct ExpandedTag;  // a column pair's planes: each OpenMP thread's
+
+}  // namespace
+#endif  // TANDEM_AMX
+
+at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N, int64_t sums_block,
+                        const c10::optional<at::Tensor>& bias, bool silu_mul, const c10::optional<at::Tensor>& codes,
+                        const c10::optional<at::Tensor>& scales) {
+#if defined(TANDEM_AMX) && defined(__AVX512BF16__)
+  TORCH_CHECK(amx::permitted(), "split_linear: this process may not use AMX tiles");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "split_linear: x must be float32 [rows, in_features] with a dense last dim");
+  TORCH_CHECK(planes.dim() == 5 && planes.scalar_type() == at::kBFloat16 && planes.is_contiguous() &&
+                  planes.size(3) == amx::ROWS && planes.size(4) == KT && planes.size(2) >= 1 && planes.size(2) <= 2,
+              "split_linear: planes must be bfloat16 [tiles, k blocks, 1 or 2 planes, 16, 32] (split_planes.py)");
+  const int64_t M = x.size(0), K = x.size(1), T = planes.size(0);
+  TORCH_CHECK(codes.has_value() == scales.has_value(), "split_linear: codes come with their scales");
+  const int64_t KBC = codes ? codes->size(1) : 0;  // k blocks from codes, then from planes
+  if (codes) {
+    TORCH_CHECK(codes->dim() == 4 && codes->scalar_type() == at::kChar && codes->is_contiguous() &&
+                    codes->size(0) == T && codes->size(2) == amx::ROWS && codes->size(3) == KT,
+                "split_linear: codes must be int8 [tiles, k blocks, 16, 32] (split_planes.py)");
+    TORCH_CHECK(scales->dim() == 3 && scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
+                    scales->size(0) == T && scales->size(1) == KBC && scales->size(2) == KT,
+                "split_linear: scales must be float32 [tiles, k blocks, 32]");
+    TORCH_CHECK(planes.size(2) == 2, "split_linear: codes expand to two planes; the tail's must be two");
+  }
+  const int64_t KB = KBC + planes.size(1), J = planes.size(2);
+  TORCH_CHECK(K % KT == 0, "split_linear: in_features ", K, " must be a multiple of ", KT);
+  TORCH_CHECK(sums_block == 0 || (sums_block % 16 == 0 && K % sums_block == 0),
+              "split_linear: sums_block must be 0 or a multiple of 16 dividing in_features");
+  const int64_t sum_cols = sums_block ? (K / sums_block + KT - 1) / KT * KT : 0;
+  TORCH_CHECK(KB * KT == K + sum_cols, "split_linear: the planes cover ", KB * KT, " k, x with its sums ",
+              K + sum_cols);
+  const int64_t per_col_tile = silu_mul ? 2 : 1;
+  TORCH_CHECK(T % per_col_tile == 0 && N > (T / per_col_tile - 1) * amx::COLUMNS &&
+                  N <= T / per_col_tile * amx::COLUMNS,
+              "split_linear: out_features ", N, " does not match ", T, " column tiles", silu_mul ? " (gated)" : "");
+  if (bias) {
+    TORCH_CHECK(!silu_mul, "split_linear: silu_mul takes no bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "split_linear: bias must be float32 [out_features]");
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  const int64_t MT = (M + amx::ROWS - 1) / amx::ROWS;
+  const int64_t row_tile_elems = KB * PARTS * TILE;
+  uint16_t* parts = thread_buffer<PartsTag>(MT * row_tile_elems);
+  const Product p{parts, reinterpret_cast<const uint16_t*>(planes.data_ptr()), KB, J, M, N,
+                  out.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr, silu_mul};
+  const CodedTiles coded{codes ? codes->data_ptr<int8_t>() : nullptr, scales ? scales->data_ptr<float>() : nullptr,
+                         p.planes, KBC, planes.size(1)};
+  const int64_t tile_elems = KB * J * TILE;  // a column tile's planes
+  const float* xp = x.data_ptr<float>();
+  const int64_t lda = x.stride(0);
+  // Blocks of row tile pairs whose parts fit SPLIT_BYTES; within one, each thread runs
+  // over its column tile pairs, and for each over the block's rows.
+  const int64_t pairs_m = (MT + 1) / 2, pairs_n = (T + 1) / 2;
+  const int64_t block_pairs = std::max<int64_t>(1, SPLIT_BYTES / (2 * row_tile_elems * 2));
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max(pairs_n, MT)));
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    for (int64_t r = MT * amx::ROWS * t / nt; r < MT * amx::ROWS * (t + 1) / nt; ++r) {
+      uint16_t* row = parts + r / amx::ROWS * row_tile_elems + r % amx::ROWS * KT;
+      if (r < M) {
+        split_row(xp + r * lda, K, sums_block, row);
+      } else {  // rows past M: zeros, whose sums are never stored
+        for (int64_t b = 0; b < KB * PARTS; ++b) std::memset(row + b * TILE, 0, KT * sizeof(uint16_t));
+      }
+    }
+#pragma omp barrier
+    const amx::Tiles tiles{8};
+    uint16_t* expanded = codes ? thread_buffer<ExpandedTag>(2 * tile_elems) : nullptr;
+    const int64_t n_begin = pairs_n * t / nt, n_end = pairs_n * (t + 1) / nt;
+    for (int64_t mb = 0; mb < pairs_m; mb += block_pairs) {
+      for (int64_t np = n_begin; np < n_end; ++np) {
+        const int64_t c0 = 2 * np;
+        const bool two_n = c0 + 1 < T;
+        if (codes) {
+          // The thread's next pair: these two tiles' codes are ahead of it by two.
+          const int64_t next0 = c0 + 2, next1 = c0 + 3;
+          const bool more = np + 1 < n_end;
+          expand(coded, c0, expanded, more ? &next0 : nullptr);
+          if (two_n) expand(coded, c0 + 1, expanded + tile_elems, more && next1 < T ? &next1 : nullptr);
+        }
+        const uint16_t* b = codes ? expanded : p.planes + c0 * tile_elems;
+        for (int64_t mp = mb; mp < std::min(pairs_m, mb + block_pairs); ++mp) {
+          const int64_t m0 = 2 * mp;
+          const bool two_m = m0 + 1 < MT;
+          if (two_m && two_n) tile_block<true, true>(p, m0, c0, b);
+          else if (two_m) tile_block<true, false>(p, m0, c0, b);
+          else if (two_n) tile_block<false, true>(p, m0, c0, b);
+          else tile_block<false, false>(p, m0, c0, b);
+        }
+      }
+    }
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "split_linear: the kernels were built without AMX");
+  (void)x, (void)planes, (void)N, (void)sums_block, (void)bias, (void)silu_mul, (void)codes, (void)scales;
+  return {};
+#endif
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("split_linear", &split_linear); }

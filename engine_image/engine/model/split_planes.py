@@ -1,0 +1,181 @@
+"""SplitPlanes: a weight as one or two bfloat16 planes, for float32 products on AMX tiles.
+
+    planes = coded_planes(coded)      # a GGUF's Q4/Q5 codes: d * code in two planes
+    planes = weight_planes(weight)    # a bfloat16 (one plane) or float16 (two) checkpoint's
+    gated = gated_planes(gate, up)    # SwiGLU's pair, for split_linear(..., silu_mul=True)
+    y = torch.ops.tandem_cpu.split_linear(x, planes.planes, n, planes.sums_block, None)
+
+Where the CPU has AMX (a Xeon since Sapphire Rapids), its tiles multiply bfloat16 at
+~16x the rate of the float32 FMA units. csrc/split_linear.cpp uses them for float32
+products whose weights are exactly the sum of one or two bfloat16 values: it splits x
+into three bfloat16 parts exactly, each product of parts is exact in float32, and the
+tiles sum them in float32 (the file says which terms it leaves out, each under 2^-24
+of its product). A decode step of more rows than the codes' widening serves
+(panel_linear's WIDEN_ROWS) or a prefill is bound by the float32 FMAs; on the tiles,
+SmolLM2's products ran 1.4-1.8x as fast at 64 rows and 1.4-2.0x at 1,024, a Xeon, 2
+threads (docs/benchmarks.md).
+
+Which weights qualify: a GGUF Q4_0/Q4_1/Q5_0/Q5_1 weight's scale * code (a float16
+scale's 11 bits times a 4- or 5-bit code: at most 16 bits, two planes); the _1 forms'
+offsets ride as extra inputs (split_linear.cpp), so the planes hold scale * code and
+the offset apart, whose exact sum is the loader's float32 weight, or that weight before
+its last rounding (half an ulp from it) where the sum needs more than float32's 24
+bits. Q8_0's 8-bit codes need three planes: not taken (nor are plain float32 weights),
+and those keep the float32 panels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.model.coded_weight import CodedWeight
+
+TILE_COLUMNS = 16  # output columns of an AMX tile of sums
+TILE_K = 32  # inputs a tile's row of bfloat16 pairs covers
+MOST_PLANES = 2  # split_linear's terms are written for one or two
+# Products of more rows than this run on the planes; fewer widen the codes (the same as
+# panel_linear's WIDEN_ROWS: at 32 rows the widened codes were the faster, at 64 the planes).
+WIDEN_ROWS = 32
+
+
+@dataclass(frozen=True)
+class SplitPlanes:
+    """A weight [out, in] as split_linear takes it."""
+
+    # bfloat16 [column tiles, k blocks, planes, 16, 32]: per 16 output columns and 32
+    # inputs (the inputs continued by the offsets' columns, where sums_block is set),
+    # each plane as an AMX B tile, row q holding the column pairs (w[n, 2q], w[n, 2q + 1]).
+    planes: torch.Tensor
+    # x's sums over each block of this many inputs meet the offsets' columns; 0: none.
+    sums_block: int
+    # A coded weight's codes, int8 [column tiles, k blocks, 16, 32] in the planes' layout,
+    # which the kernel expands to the two planes of scale * code as it goes; `planes`
+    # then holds only the offsets' columns (the tail). None: the planes hold it all.
+    codes: torch.Tensor | None = None
+    # The codes' scales, float32 [column tiles, k blocks, 32]: each column's twice (its pair).
+    scales: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def args(self, out_features: int, bias: torch.Tensor | None, silu_mul: bool) -> tuple:
+        """split_linear's arguments after x."""
+        return (
+            self.planes, out_features, self.sums_block, bias, silu_mul, self.codes, self.scales
+        )
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.planes, self.codes, self.scales) if t is not None]
+
+
+def coded_planes(coded: CodedWeight) -> SplitPlanes | None:
+    """coded's codes and scales, which the kernel expands to two planes of scale * code,
+    and its offsets' columns as planes; None where a product of the codes needs more than
+    two planes (Q8_0) or the inputs do not come in whole tiles."""
+    n, k = coded.shape
+    if k % TILE_K or coded.block % TILE_K:  # a tile's 32 inputs share one scale
+        return None
+    scales = coded.scales.repeat_interleave(coded.block, dim=1)
+    if _planes_of(coded.codes.float() * scales) is None:
+        return None
+    tiles = -(-n // TILE_COLUMNS)
+    tile_scales = torch.zeros(tiles * TILE_COLUMNS, k // TILE_K)
+    tile_scales[:n] = scales[:, ::TILE_K]
+    tile_scales = tile_scales.view(tiles, TILE_COLUMNS, -1).transpose(1, 2)
+    codes = _tiles([coded.codes.float()]).float().to(torch.int8)[:, :, 0].contiguous()
+    tail = torch.zeros(n, 0)
+    if coded.offsets is not None:
+        tail = torch.zeros(n, _whole_tiles(coded.offsets.shape[1]))
+        tail[:, : coded.offsets.shape[1]] = coded.offsets
+    tail_planes = _planes_of(tail)
+    if tail_planes is None:
+        return None
+    return SplitPlanes(
+        planes=_tiles([*tail_planes, torch.zeros_like(tail)][:MOST_PLANES]),
+        sums_block=0 if coded.offsets is None else coded.block,
+        codes=codes,
+        scales=tile_scales.repeat_interleave(2, dim=2).contiguous(),
+    )
+
+
+def weight_planes(weight: torch.Tensor) -> SplitPlanes | None:
+    """A float32 weight that is exactly one or two bfloat16 planes (a bfloat16 or float16
+    checkpoint's, loaded in float32); None for others."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % TILE_K:
+        return None
+    head = weight.detach().reshape(-1)[:4096]  # most float32 weights fail here, cheaply
+    if _planes_of(head) is None:
+        return None
+    return _split(weight.detach().cpu(), sums_block=0)
+
+
+def gated_planes(gate: SplitPlanes, up: SplitPlanes) -> SplitPlanes | None:
+    """gate's and up's column tiles alternating, as split_linear's silu_mul takes them;
+    None where their shapes or offsets differ."""
+    g, u = gate.planes, up.planes
+    if (
+        g.shape[:2] != u.shape[:2]
+        or gate.sums_block != up.sums_block
+        or (gate.codes is None) != (up.codes is None)
+    ):
+        return None
+    planes = max(g.shape[2], u.shape[2])
+    g, u = _with_planes(g, planes), _with_planes(u, planes)
+
+    def paired(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+        if a is None:
+            return None
+        return torch.stack([a, b], dim=1).reshape(-1, *a.shape[1:]).contiguous()
+
+    return SplitPlanes(
+        paired(g, u), gate.sums_block, paired(gate.codes, up.codes), paired(gate.scales, up.scales)
+    )
+
+
+def _split(weight: torch.Tensor, sums_block: int) -> SplitPlanes | None:
+    planes = _planes_of(weight)
+    if planes is None:
+        return None
+    return SplitPlanes(_tiles(planes), sums_block)
+
+
+def _planes_of(weight: torch.Tensor) -> list[torch.Tensor] | None:
+    """weight as the fewest bfloat16 planes that sum to it exactly (each the high half of
+    what the ones before left), or None where that takes more than MOST_PLANES."""
+    planes, rest = [], weight
+    for _ in range(MOST_PLANES):
+        high = (rest.view(torch.int32) & -65536).view(torch.float32)
+        planes.append(high)
+        rest = rest - high  # exact: the low bits
+        if not rest.any():
+            return planes
+    return None
+
+
+def _tiles(planes: list[torch.Tensor]) -> torch.Tensor:
+    """[n, k] planes -> bfloat16 [column tiles, k blocks, planes, 16, 32] (zero past n)."""
+    n, k = planes[0].shape
+    tiles = -(-n // TILE_COLUMNS)
+    out = torch.zeros(tiles, k // TILE_K, len(planes), TILE_K // 2, TILE_COLUMNS, 2)
+    for j, plane in enumerate(planes):
+        padded = torch.zeros(tiles * TILE_COLUMNS, k)
+        padded[:n] = plane
+        # [tile, column, block, pair, 2] -> [tile, block, pair, column, 2]
+        shaped = padded.view(tiles, TILE_COLUMNS, k // TILE_K, TILE_K // 2, 2)
+        out[:, :, j] = shaped.permute(0, 2, 3, 1, 4)
+    return out.view(tiles, k // TILE_K, len(planes), TILE_K // 2, TILE_K).to(torch.bfloat16)
+
+
+def _with_planes(planes: torch.Tensor, count: int) -> torch.Tensor:
+    missing = count - planes.shape[2]
+    if not missing:
+        return planes
+    zeros = planes.new_zeros(*planes.shape[:2], missing, *planes.shape[3:])
+    return torch.cat([planes, zeros], dim=2)
+
+
+def _whole_tiles(columns: int) -> int:
+    return -(-columns // TILE_K) * TILE_K

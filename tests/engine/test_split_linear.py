@@ -1,0 +1,198 @@
+"""Split planes: float32 products on AMX tiles, for weights that are one or two bfloat16 planes.
+
+Where the CPU has AMX, products of more rows than the codes' widening serves run on
+split_linear (split_planes.py, csrc/split_linear.cpp): x split into three bfloat16
+parts, the weight into one or two planes (a GGUF's scale * code, expanded from its
+codes in the kernel; a 16-bit checkpoint's values), the offsets as extra inputs.
+The results are float32 dot products of the weight's values in another summation
+order, so they are held to float32's error bound for a dot product against a float64
+reference: a missing part or plane would miss it by orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.engine.model import cpu_kernels
+from tandem.engine.model.coded_weight import CodedWeight
+from tandem.engine.model.linear import GatedLinears, Linear, pack_linears
+from tandem.engine.model.split_planes import (
+    TILE_COLUMNS,
+    TILE_K,
+    WIDEN_ROWS,
+    coded_planes,
+    gated_planes,
+    weight_planes,
+)
+from tests.engine.test_coded_weight import gguf_coded
+
+OPS = cpu_kernels.load()
+needs_amx = pytest.mark.skipif(
+    OPS is None or not OPS.amx_ready(),
+    reason="needs the kernels built with AMX tiles (a Xeon since Sapphire Rapids) and the OS's grant",
+)
+PLANE_TYPES = [gguf.GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1")]
+
+
+def coded(n: int, k: int, kind=gguf.GGMLQuantizationType.Q4_1, seed: int = 0):
+    """(CodedWeight, its float32 weight) quantised by gguf."""
+    rng = np.random.default_rng(seed)
+    weight = (rng.standard_normal((n, k)) / 8).astype(np.float32)
+    codes, values = gguf_coded(weight, kind)
+    return codes, torch.from_numpy(values.astype(np.float32))
+
+
+def within_float32_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, extra: int = 0) -> None:
+    """|y - x @ w.T| <= (K + extra + 2) u (|x| @ |w|.T): float32's bound for a dot product
+    of K terms (u = 2^-24), with room for the offsets' extra terms."""
+    ref = x.double() @ w.double().T
+    bound = (x.shape[1] + extra + 2) * 2.0**-24 * (x.double().abs() @ w.double().abs().T)
+    excess = (y.double() - ref).abs() - bound
+    assert excess.max().item() <= 0, f"over float32's bound by {excess.max().item():.3g}"
+
+
+def split(x: torch.Tensor, planes, n: int, bias=None, silu_mul=False) -> torch.Tensor:
+    return OPS.split_linear(x, *planes.args(n, bias, silu_mul))
+
+
+# ------------------------------------------------------------ planes (no AMX needed)
+
+
+def unpacked(planes, n: int, k: int) -> torch.Tensor:
+    """The weight the planes (or codes) stand for, [n, k] (for codes: scale * code)."""
+    t = planes.planes
+    if planes.codes is not None:
+        codes = planes.codes.float()  # [tiles, blocks, 16 pairs, 32]
+        scales = planes.scales.view(*planes.scales.shape[:2], 1, TILE_K)  # each column twice
+        t = (codes * scales)[:, :, None]
+    summed = t.float().sum(dim=2)  # [tiles, blocks, pairs, columns * 2]
+    tiles, blocks = summed.shape[:2]
+    shaped = summed.view(tiles, blocks, TILE_K // 2, TILE_COLUMNS, 2).permute(0, 3, 1, 2, 4)
+    return shaped.reshape(tiles * TILE_COLUMNS, blocks * TILE_K)[:n, :k]
+
+
+@pytest.mark.parametrize("kind", PLANE_TYPES, ids=lambda kind: kind.name)
+def test_codes_and_their_planes_hold_scale_times_code_and_the_offsets(kind) -> None:
+    codes, weight = coded(40, 96, kind)
+    planes = coded_planes(codes)
+    assert planes is not None and planes.codes.dtype == torch.int8
+    products = codes.codes.float() * codes.scales.repeat_interleave(32, dim=1)
+    assert torch.equal(unpacked(planes, 40, 96), products)
+    if codes.offsets is None:
+        assert planes.sums_block == 0 and planes.planes.shape[1] == 0
+    else:  # the tail's columns: each block's offset
+        assert planes.sums_block == 32
+        tail = unpacked(type(planes)(planes.planes, 32), 40, 3)
+        assert torch.equal(tail, codes.offsets)
+        assert torch.equal((products + codes.offsets.repeat_interleave(32, dim=1)), weight)
+
+
+def test_codes_needing_three_planes_are_refused() -> None:
+    # Q8_0: 8-bit codes times an 11-bit scale can need 19 bits, past two planes' 16.
+    codes, _ = coded(16, 64, gguf.GGMLQuantizationType.Q8_0)
+    assert coded_planes(codes) is None
+    odd = CodedWeight(torch.ones(16, 48, dtype=torch.int8), torch.ones(16, 3), None)
+    assert coded_planes(odd) is None  # 48 inputs: not whole tiles of 32
+
+
+def test_weight_planes_only_for_values_one_or_two_bfloat16_hold() -> None:
+    w = torch.randn(20, 64)
+    assert weight_planes(w) is None  # float32's 24 bits
+    one = weight_planes(w.bfloat16().float())
+    two = weight_planes(w.half().float())
+    assert one.planes.shape[2] == 1 and two.planes.shape[2] == 2
+    assert torch.equal(unpacked(one, 20, 64), w.bfloat16().float())
+    assert torch.equal(unpacked(two, 20, 64), w.half().float())
+    assert weight_planes(w.bfloat16().float()[:, :48]) is None  # not whole tiles
+
+
+# ------------------------------------------------------------ the kernel
+
+
+@needs_amx
+@pytest.mark.parametrize("kind", PLANE_TYPES, ids=lambda kind: kind.name)
+@pytest.mark.parametrize("rows", [1, 33, 47, 64, 100])
+@pytest.mark.parametrize("n", [16, 40, 200])
+def test_coded_products_are_float32_dot_products_of_the_weights(kind, rows, n) -> None:
+    codes, weight = coded(n, 96, kind, seed=rows)
+    planes = coded_planes(codes)
+    x = torch.randn(rows, 96)
+    y = split(x, planes, n)
+    within_float32_bound(y, x, weight, extra=3)
+    assert (y - F.linear(x, weight)).abs().max() < 1e-4
+
+
+@needs_amx
+def test_bias_and_the_gated_product() -> None:
+    gate, g = coded(72, 64, seed=1)
+    up, u = coded(72, 64, seed=2)
+    x = torch.randn(50, 64)
+    bias = torch.randn(72)
+    y = split(x, coded_planes(gate), 72, bias=bias)
+    within_float32_bound(y - bias, x, g, extra=2)
+    paired = gated_planes(coded_planes(gate), coded_planes(up))
+    out = split(x, paired, 72, silu_mul=True)
+    expected = F.silu(x.double() @ g.double().T) * (x.double() @ u.double().T)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@needs_amx
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_16_bit_weights_multiply_from_their_planes(dtype) -> None:
+    w = torch.randn(48, 128).to(dtype).float()
+    x = torch.randn(64, 128)
+    y = split(x, weight_planes(w), 48)
+    within_float32_bound(y, x, w)
+
+
+@needs_amx
+def test_a_linear_runs_big_products_on_its_planes_and_small_ones_on_its_panels() -> None:
+    codes, weight = coded(64, 128, seed=3)
+    linear = Linear(128, 64, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    linear.coded = codes
+    pack_linears(linear)
+    assert linear.packed.split is not None
+    (small, _), (large, _) = linear.packed.kernels()
+    assert small.name() == "tandem_cpu::panel_linear" and large.name() == "tandem_cpu::split_linear"
+    for rows in (WIDEN_ROWS, WIDEN_ROWS + 1, 200):
+        x = torch.randn(rows, 128)
+        with torch.no_grad():
+            within_float32_bound(linear(x), x, weight, extra=4)
+
+
+@needs_amx
+def test_gated_linears_take_both_weights_planes() -> None:
+    gate, up = Linear(64, 40, bias=False), Linear(64, 40, bias=False)
+    for linear, seed in ((gate, 4), (up, 5)):
+        codes, weight = coded(40, 64, seed=seed)
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+        linear.coded = codes
+    gated = GatedLinears.pack(gate, up)
+    assert gated.packed.split is not None
+    x = torch.randn(80, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(gated(x), F.silu(gate(x)) * up(x), rtol=1e-5, atol=1e-6)
+
+
+@needs_amx
+def test_bad_arguments_are_named() -> None:
+    codes, _ = coded(32, 64)
+    planes = coded_planes(codes)
+    x = torch.randn(40, 64)
+    with pytest.raises(RuntimeError, match="out_features"):
+        split(x, planes, 48)
+    with pytest.raises(RuntimeError, match="planes cover"):
+        split(torch.randn(40, 96), planes, 32)
+    with pytest.raises(RuntimeError, match="codes come with their scales"):
+        OPS.split_linear(x, planes.planes, 32, 32, None, False, planes.codes, None)
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        split(x.double(), planes, 32)
+    with pytest.raises(RuntimeError, match="silu_mul takes no bias"):
+        split(x, gated_planes(planes, planes), 32, bias=torch.zeros(32), silu_mul=True)
