@@ -46,7 +46,10 @@ class MachineProbe:
     per `measure()`. The peak is the fastest of MKL (torch.mm), oneDNN's packed inner
     product and the engine's own projection path (linear.py: the panel kernel): on
     some CPUs one library is well short of the hardware, and the engine's kernel must
-    not set the bar it is measured against alone."""
+    not set the bar it is measured against alone. Where the CPU has AMX, also the
+    engine's float32 products on its tiles (split_planes.py), for a weight of two
+    bfloat16 planes as a GGUF's Q4/Q5 codes are: the peak such a model's products
+    can reach here, above the FMA units'."""
 
     def __init__(self, n: int = 2048) -> None:
         self.n = n
@@ -60,6 +63,11 @@ class MachineProbe:
         onednn = onednn_packed(b)
         if onednn is not None:
             self.gemms.append(torch.inference_mode()(lambda: onednn.product(a, None)))
+        planed = Linear(n, n, bias=False)
+        with torch.no_grad():
+            planed.weight.copy_(b.half().float())  # float16 values: two bfloat16 planes
+        if pack_linears(planed) and planed.packed.split is not None:
+            self.gemms.append(torch.inference_mode()(lambda: planed(a)))
         self.big = torch.ones(256 * 1024 * 1024 // 4)  # 256 MiB, far past the caches
         for warm in (*self.gemms, self.big.sum):
             warm()
@@ -373,12 +381,17 @@ def main() -> None:
         f" {'GFLOP/s':>8} {'GB/s':>6}"
     )
     # Where the projections have narrow panels, what a batch-1 step streams: those, and
-    # the LM head in bfloat16 where the greedy head screens it. (Batch 64 multiplies the
-    # float32 panels: the kernel widens narrow ones for a few rows only, WIDEN_ROWS.)
+    # the LM head in bfloat16 where the greedy head screens it. Batch 64 streams them
+    # too where its products run on split planes expanded from the same codes (AMX),
+    # else the float32 panels: the kernel widens narrow ones for WIDEN_ROWS rows at most.
     model = llm.engine.runner.model
-    narrow_bytes = model.packed_decoder.narrow_bytes() if model.packed_decoder else None
+    decoder = model.packed_decoder
+    narrow_bytes = decoder.narrow_bytes() if decoder else None
     if narrow_bytes is not None:
         narrow_bytes += config.vocab_size * config.hidden_size * (2 if model.greedy_head else 4)
+    split = decoder is not None and decoder.layers[0].qkv[1][0].name().endswith("split_linear")
+    if split:
+        print("products of more than 32 rows: float32 on AMX tiles from the codes (split planes)")
     narrow_shares = []
     for batch in (64, 1):
         batch_prompts = prompts(batch, 64)
@@ -394,7 +407,7 @@ def main() -> None:
             f"{f'decode batch {batch} (tok/s)':<28} {ours:>9.1f} {theirs:>9.1f} "
             f"{ours / theirs:>6.2f}x {roof:>9.1f} {ours / roof:>7.0%} {_figures(window)}"
         )
-        if narrow_bytes is not None and batch == 1:
+        if narrow_bytes is not None and (batch == 1 or split):
             narrow = decode_roofline(config, window, batch, 64 + new_tokens // 2, narrow_bytes)
             narrow_shares.append(f"batch {batch} {narrow:.1f} tok/s ({ours / narrow:.0%})")
     if narrow_bytes is not None:

@@ -1,4 +1,5 @@
-"""Narrow panels: products and decode steps from a checkpoint's codes, against float32.
+"""Narrow panels and split planes: products and decode steps from a checkpoint's codes,
+against float32 panels.
 
     python bench/narrow_panels.py [--model smollm2] [--threads 2] [--rounds 4] [--quick]
 
@@ -6,9 +7,12 @@ Baseline: the same engine and model with the float32 panels alone (the narrow
 panels dropped from the packed decoder and the LM head), in the same process. A
 GGUF model's quantised projections keep their codes beside the float32 panels, and
 products of up to 32 rows widen them in the kernel (coded_weight.py,
-csrc/panel_linear.cpp's WIDEN_ROWS); this measures what that buys, two ways:
+csrc/panel_linear.cpp's WIDEN_ROWS); where the CPU has AMX, products of more rows run
+on its tiles from the same codes (split_planes.py, csrc/split_linear.cpp). This
+measures what both buy, two ways:
 - the model's own products, a layer's four chained through all its layers, by rows:
-  narrow panels passed (widened where the kernel does) against float32 panels alone;
+  the packed decoder's kernels for that many rows (narrow panels widened up to 32
+  rows, split planes past that where there are any) against float32 panels alone;
 - decode steps, paired: narrow then float32 (or the reverse) each round, at batch 1
   greedy, batch 1 sampled (the LM head's full logits from its codes) and batch 64.
 Figures are recorded in docs/benchmarks.md ("Narrow panels").
@@ -27,13 +31,17 @@ import torch
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.model.loader import load_model
 from tandem.engine.model.packed_decoder import PackedDecoder
+from tandem.engine.model.split_planes import WIDEN_ROWS
 
 
 def float32_only(decoder: PackedDecoder) -> PackedDecoder:
-    """The decoder's records with the narrow panels dropped (panel_args' last three)."""
+    """The decoder's records on the float32 panels alone: the narrow panels dropped
+    (panel_args' last three), and panel_linear for every row count."""
 
-    def wide(args: tuple) -> tuple:
-        return (*args[:4], None, None, None)
+    def wide(kernels: tuple) -> tuple:
+        (linear, args), _ = kernels
+        small = (linear, (*args[:4], None, None, None))
+        return small, small
 
     layers = [
         dataclasses.replace(r, qkv=wide(r.qkv), o=wide(r.o), gated=wide(r.gated), down=wide(r.down))
@@ -44,18 +52,21 @@ def float32_only(decoder: PackedDecoder) -> PackedDecoder:
 
 def chained_products_ms(decoder: PackedDecoder, rows: int, rounds: int) -> float:
     """Best time of every layer's four products, each fed a fixed input of `rows` rows."""
-    linear = torch.ops.tandem_cpu.panel_linear.default
-    first = decoder.layers[0]
-    hidden = torch.randn(rows, first.qkv[0].shape[1]) / 8
-    inner = torch.randn(rows, first.down[0].shape[1]) / 8
+    first, large = decoder.layers[0], rows > WIDEN_ROWS
+    hidden = torch.randn(rows, first.qkv[0][1][0].shape[1]) / 8  # panels [P, in, columns]
+    inner = torch.randn(rows, first.down[0][1][0].shape[1]) / 8
     best = float("inf")
     for _ in range(rounds):
         start = time.perf_counter()
         for layer in decoder.layers:
-            linear(hidden, *layer.qkv)
-            linear(hidden, *layer.o)
-            linear(hidden, *layer.gated)
-            linear(inner, *layer.down)
+            for kernels, x in (
+                (layer.qkv, hidden),
+                (layer.o, hidden),
+                (layer.gated, hidden),
+                (layer.down, inner),
+            ):
+                linear, args = kernels[large]
+                linear(x, *args)
         best = min(best, time.perf_counter() - start)
     return best * 1e3
 
@@ -92,9 +103,12 @@ def main() -> None:
         raise SystemExit(f"{args.model}: its projections have no narrow panels to measure")
     wide = float32_only(narrow)
     head_narrow = model.lm_head.packed
-    head_wide = dataclasses.replace(head_narrow, narrow=None)
+    head_wide = dataclasses.replace(head_narrow, narrow=None, split=None)
+    split = narrow.layers[0].qkv[1][0].name() == "tandem_cpu::split_linear"
     print(
-        f"{args.model}: narrow panels {narrow.narrow_bytes() / 1e6:.0f} MB, {args.threads} threads"
+        f"{args.model}: narrow panels {narrow.narrow_bytes() / 1e6:.0f} MB, {args.threads} threads;"
+        f" products of more than {WIDEN_ROWS} rows on "
+        + ("split planes (AMX)" if split else "the float32 panels (no AMX here)")
     )
 
     print(f"\n{'rows':>5} {'narrow ms':>10} {'float32 ms':>11} {'ratio':>7}")

@@ -33,7 +33,7 @@ from tests.engine.test_coded_weight import gguf_coded
 OPS = cpu_kernels.load()
 needs_amx = pytest.mark.skipif(
     OPS is None or not OPS.amx_ready(),
-    reason="needs the kernels built with AMX tiles (a Xeon since Sapphire Rapids) and the OS's grant",
+    reason="needs the kernels built with AMX tiles (Xeons since Sapphire Rapids), the OS's grant",
 )
 PLANE_TYPES = [gguf.GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1")]
 

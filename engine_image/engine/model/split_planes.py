@@ -63,9 +63,7 @@ class SplitPlanes:
 
     def args(self, out_features: int, bias: torch.Tensor | None, silu_mul: bool) -> tuple:
         """split_linear's arguments after x."""
-        return (
-            self.planes, out_features, self.sums_block, bias, silu_mul, self.codes, self.scales
-        )
+        return (self.planes, out_features, self.sums_block, bias, silu_mul, self.codes, self.scales)
 
     def _tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.planes, self.codes, self.scales) if t is not None]
