@@ -218,7 +218,9 @@ def test_a_gguf_model_packs_its_quantised_projections_coded(tmp_path: Path) -> N
     assert decoder is not None
     # An int8 code a weight and two float32 a block of 32: under a third of the panels.
     products = [
-        args for layer in decoder.layers for args in (layer.qkv, layer.o, layer.gated, layer.down)
+        kernels[0][1]  # panel_linear's arguments: the float32 panels first
+        for layer in decoder.layers
+        for kernels in (layer.qkv, layer.o, layer.gated, layer.down)
     ]
     float32_bytes = sum(args[0].numel() * 4 for args in products)
     assert float32_bytes / 4 < decoder.narrow_bytes() < float32_bytes / 3
@@ -294,8 +296,19 @@ def test_a_bfloat16_checkpoint_loaded_in_float32_multiplies_in_16_bits(tmp_path:
     llm = LLM(loaded, num_kv_blocks=16)
     narrow = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
     decoder = loaded.model.packed_decoder
+
+    def float32_panels(kernels: tuple) -> tuple:
+        (linear, args), _ = kernels  # panel_linear's: panels, out_features, bias, silu_mul
+        return (linear, args[:4]), (linear, args[:4])
+
     decoder.layers = [
-        dataclasses.replace(r, qkv=r.qkv[:4], o=r.o[:4], gated=r.gated[:4], down=r.down[:4])
+        dataclasses.replace(
+            r,
+            qkv=float32_panels(r.qkv),
+            o=float32_panels(r.o),
+            gated=float32_panels(r.gated),
+            down=float32_panels(r.down),
+        )
         for r in decoder.layers
     ]  # the float32 panels alone
     wide = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
