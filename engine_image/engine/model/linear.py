@@ -180,14 +180,16 @@ class GatedLinears:
         if ops is None:
             return None
         coded = None
-        if _exact(gate.coded, gate.weight) and _exact(up.coded, up.weight):
+        gate_exact, up_exact = _exact(gate.coded, gate.weight), _exact(up.coded, up.weight)
+        if gate_exact and up_exact:
             coded = pack_gated_coded(gate.coded, up.coded, ops)
         with torch.no_grad():
             data = ops.pack_gated_panels(weight, up.weight)
         if coded is None:
             coded = _narrow(data)
         split = None
-        g, u = _split(ops, gate.weight, gate.coded), _split(ops, up.weight, up.coded)
+        g = _split(ops, gate.weight, gate.coded if gate_exact else None)
+        u = _split(ops, up.weight, up.coded if up_exact else None)
         if g is not None and u is not None:
             split = gated_planes(g, u)
         packed = PackedWeight(
@@ -279,20 +281,21 @@ def _packed(weight: torch.Tensor, coded: CodedWeight | None = None) -> PackedWei
         panels = ops.pack_panels(weight)
     exact = _exact(coded, weight)
     narrow = pack_coded(coded, ops) if exact else _narrow(panels)
-    split = _split(ops, weight, coded)
+    split = _split(ops, weight, coded if exact else None)
     return PackedWeight(panels, weight.shape[0], panels=True, narrow=narrow, split=split)
 
 
-def _split(ops, weight: torch.Tensor, coded: CodedWeight | None) -> SplitPlanes | None:
+def _split(ops, weight: torch.Tensor, exact_codes: CodedWeight | None) -> SplitPlanes | None:
     """weight's planes for AMX's tiles where this process has them, the weight is exactly
-    that (its codes', else its own values), and half the memory left holds them."""
+    that (from exact_codes, the codes that give it, else its own values), and half the
+    memory left holds them (two bfloat16 planes a weight at most)."""
     if not ops.amx_ready():
         return None
     available = available_memory()
-    if available is not None and weight.numel() * 4 > available // 2:  # two bfloat16 planes
+    if available is not None and weight.numel() * 4 > available // 2:
         return None
     with torch.no_grad():
-        return coded_planes(coded) if _exact(coded, weight) else weight_planes(weight)
+        return coded_planes(exact_codes) if exact_codes is not None else weight_planes(weight)
 
 
 def _narrow(panels: torch.Tensor) -> NarrowPanels | None:
