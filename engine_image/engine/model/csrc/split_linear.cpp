@@ -92,7 +92,6 @@ void split_row(const float* x, int64_t K, int64_t sums_block, uint16_t* row) {
 }
 
 struct Product {
-  const uint16_t* parts;   // x's, [row tiles][KB][3][16][32]
   const uint16_t* planes;  // [T][KB][J][16][32]
   int64_t KB, J, M, N;
   float* y;
@@ -103,9 +102,8 @@ struct Product {
 // C tiles 0..3 += the terms of k block kb: A tiles 4, 5 (rows m0, m1), B tiles 6, 7 (column
 // tiles c0, c1). TWO_M / TWO_N: whether the second row / column tile exists.
 template <bool TWO_M, bool TWO_N>
-inline void block_sums(const Product& p, int64_t m0, const uint16_t* b0) {
+inline void block_sums(const Product& p, const uint16_t* a0, const uint16_t* b0) {
   const int64_t a_step = p.KB * PARTS * TILE, b_step = p.KB * p.J * TILE;
-  const uint16_t* a0 = p.parts + m0 * a_step;
   const uint16_t* a1 = a0 + a_step;
   const uint16_t* b1 = b0 + b_step;
   constexpr int64_t LD = amx::ROW_BYTES;
@@ -153,15 +151,15 @@ inline void store_gated(const Product& p, const float (*g)[amx::COLUMNS], const 
   }
 }
 
-// The C tiles of rows m0 (m0 + 1) by column tiles c0 (c0 + 1), whose planes start at b,
-// summed over every k block and stored.
+// The C tiles of row tiles m0 (m0 + 1), whose parts start at a, by column tiles c0
+// (c0 + 1), whose planes start at b, summed over every k block and stored.
 template <bool TWO_M, bool TWO_N>
-void tile_block(const Product& p, int64_t m0, int64_t c0, const uint16_t* b) {
+void tile_block(const Product& p, const uint16_t* a, int64_t m0, int64_t c0, const uint16_t* b) {
   _tile_zero(0);
   if constexpr (TWO_N) _tile_zero(1);
   if constexpr (TWO_M) _tile_zero(2);
   if constexpr (TWO_M && TWO_N) _tile_zero(3);
-  block_sums<TWO_M, TWO_N>(p, m0, b);
+  block_sums<TWO_M, TWO_N>(p, a, b);
   constexpr int64_t LD = amx::ROW_BYTES;
   const int64_t ld = p.N * static_cast<int64_t>(sizeof(float));
   // Whole tiles of plain sums go straight to the output; the rest through c.
@@ -253,8 +251,8 @@ uint16_t* thread_buffer(int64_t elems) {
   if (static_cast<int64_t>(buffer.size()) < lines) buffer.resize(lines);
   return buffer.front().elems;
 }
-struct PartsTag;    // x's parts: the calling thread's
-struct ExpandedTag;  // a column pair's planes: each OpenMP thread's
+struct PartsTag;     // x's parts
+struct ExpandedTag;  // a column pair's planes
 
 }  // namespace
 #endif  // TANDEM_AMX
@@ -301,8 +299,7 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
   if (M == 0) return out;
   const int64_t MT = (M + amx::ROWS - 1) / amx::ROWS;
   const int64_t row_tile_elems = KB * PARTS * TILE;
-  uint16_t* parts = thread_buffer<PartsTag>(MT * row_tile_elems);
-  const Product p{parts, reinterpret_cast<const uint16_t*>(planes.data_ptr()), KB, J, M, N,
+  const Product p{reinterpret_cast<const uint16_t*>(planes.data_ptr()), KB, J, M, N,
                   out.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr, silu_mul};
   const CodedTiles coded{codes ? codes->data_ptr<int8_t>() : nullptr, scales ? scales->data_ptr<float>() : nullptr,
                          p.planes, KBC, planes.size(1)};
@@ -313,23 +310,26 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
   // over its column tile pairs, and for each over the block's rows.
   const int64_t pairs_m = (MT + 1) / 2, pairs_n = (T + 1) / 2;
   const int64_t block_pairs = std::max<int64_t>(1, SPLIT_BYTES / (2 * row_tile_elems * 2));
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max(pairs_n, MT)));
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), pairs_n));
 #pragma omp parallel num_threads(threads)
   {
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    for (int64_t r = MT * amx::ROWS * t / nt; r < MT * amx::ROWS * (t + 1) / nt; ++r) {
-      uint16_t* row = parts + r / amx::ROWS * row_tile_elems + r % amx::ROWS * KT;
-      if (r < M) {
-        split_row(xp + r * lda, K, sums_block, row);
-      } else {  // rows past M: zeros, whose sums are never stored
-        for (int64_t b = 0; b < KB * PARTS; ++b) std::memset(row + b * TILE, 0, KT * sizeof(uint16_t));
-      }
-    }
-#pragma omp barrier
+    const int64_t n_begin = pairs_n * t / nt, n_end = pairs_n * (t + 1) / nt;
     const amx::Tiles tiles{8};
     uint16_t* expanded = codes ? thread_buffer<ExpandedTag>(2 * tile_elems) : nullptr;
-    const int64_t n_begin = pairs_n * t / nt, n_end = pairs_n * (t + 1) / nt;
+    // Each thread splits the rows it multiplies itself, into its own buffer: the parts
+    // another core wrote would reach this one line by line from that core's cache.
+    uint16_t* parts = thread_buffer<PartsTag>(std::min(MT, 2 * block_pairs) * row_tile_elems);
     for (int64_t mb = 0; mb < pairs_m; mb += block_pairs) {
+      const int64_t first_tile = 2 * mb, last_tile = std::min(MT, 2 * (mb + block_pairs));
+      for (int64_t r = first_tile * amx::ROWS; r < last_tile * amx::ROWS; ++r) {
+        uint16_t* row = parts + (r / amx::ROWS - first_tile) * row_tile_elems + r % amx::ROWS * KT;
+        if (r < M) {
+          split_row(xp + r * lda, K, sums_block, row);
+        } else {  // rows past M: zeros, whose sums are never stored
+          for (int64_t b = 0; b < KB * PARTS; ++b) std::memset(row + b * TILE, 0, KT * sizeof(uint16_t));
+        }
+      }
       for (int64_t np = n_begin; np < n_end; ++np) {
         const int64_t c0 = 2 * np;
         const bool two_n = c0 + 1 < T;
@@ -341,13 +341,13 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
           if (two_n) expand(coded, c0 + 1, expanded + tile_elems, more && next1 < T ? &next1 : nullptr);
         }
         const uint16_t* b = codes ? expanded : p.planes + c0 * tile_elems;
-        for (int64_t mp = mb; mp < std::min(pairs_m, mb + block_pairs); ++mp) {
-          const int64_t m0 = 2 * mp;
+        for (int64_t m0 = first_tile; m0 < last_tile; m0 += 2) {
+          const uint16_t* a = parts + (m0 - first_tile) * row_tile_elems;
           const bool two_m = m0 + 1 < MT;
-          if (two_m && two_n) tile_block<true, true>(p, m0, c0, b);
-          else if (two_m) tile_block<true, false>(p, m0, c0, b);
-          else if (two_n) tile_block<false, true>(p, m0, c0, b);
-          else tile_block<false, false>(p, m0, c0, b);
+          if (two_m && two_n) tile_block<true, true>(p, a, m0, c0, b);
+          else if (two_m) tile_block<true, false>(p, a, m0, c0, b);
+          else if (two_n) tile_block<false, true>(p, a, m0, c0, b);
+          else tile_block<false, false>(p, a, m0, c0, b);
         }
       }
     }
