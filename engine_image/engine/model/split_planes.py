@@ -1,9 +1,9 @@
 """SplitPlanes: a weight as one or two bfloat16 planes, for float32 products on AMX tiles.
 
-    planes = coded_planes(coded)      # a GGUF's Q4/Q5 codes: d * code in two planes
+    planes = coded_planes(coded)      # a GGUF's Q4/Q5 codes, expanded to d * code's two planes
     planes = weight_planes(weight)    # a bfloat16 (one plane) or float16 (two) checkpoint's
     gated = gated_planes(gate, up)    # SwiGLU's pair, for split_linear(..., silu_mul=True)
-    y = torch.ops.tandem_cpu.split_linear(x, planes.planes, n, planes.sums_block, None)
+    y = torch.ops.tandem_cpu.split_linear(x, *planes.args(n, bias=None, silu_mul=False))
 
 Where the CPU has AMX (a Xeon since Sapphire Rapids), its tiles multiply bfloat16 at
 ~16x the rate of the float32 FMA units. csrc/split_linear.cpp uses them for float32
@@ -12,8 +12,10 @@ into three bfloat16 parts exactly, each product of parts is exact in float32, an
 tiles sum them in float32 (the file says which terms it leaves out, each under 2^-24
 of its product). A decode step of more rows than the codes' widening serves
 (panel_linear's WIDEN_ROWS) or a prefill is bound by the float32 FMAs; on the tiles,
-SmolLM2's products ran 1.4-1.8x as fast at 64 rows and 1.4-2.0x at 1,024, a Xeon, 2
-threads (docs/benchmarks.md).
+SmolLM2's products chained through its layers ran 1.47x as fast at 64 rows and 1.67x
+at 1,024, a Xeon, 2 threads (docs/benchmarks.md). A coded weight is kept as its codes
+(1.25 bytes a weight), which the kernel expands to the planes as it goes: planes
+streamed from memory, 4 bytes a weight, bound a batch-64 step by their reading.
 
 Which weights qualify: a GGUF Q4_0/Q4_1/Q5_0/Q5_1 weight's scale * code (a float16
 scale's 11 bits times a 4- or 5-bit code: at most 16 bits, two planes); the _1 forms'

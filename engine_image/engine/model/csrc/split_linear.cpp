@@ -3,16 +3,17 @@
 // quantised checkpoint's scale * code (Q4/Q5 with float16 scales: at most 16
 // significant bits), or a bfloat16 checkpoint's weights (one plane).
 //
-//   split_linear(x [M, K], planes, N, sums_block, bias?, silu_mul) -> [M, N]
+//   split_linear(x [M, K], planes, N, sums_block, bias?, silu_mul, codes?, scales?) -> [M, N]
 //
 // x is split exactly into three bfloat16 parts, x = x0 + x1 + x2 (8 significant bits
 // each, by truncation: float32's 24), and W = w0 (+ w1). Every product xi * wj of two
 // bfloat16 is exact in float32, and tdpbf16ps sums them in float32, so y is a float32
 // dot product of the exact weights, summed in another order than the float32 panels'
 // FMAs. Terms with i + j > 2 are left out: each is below 2^-24 of its product, under
-// float32's rounding of the sum (the tests hold y to a float64 reference more tightly
-// than the float32 panels reach). Two planes: 5 tdpbf16ps per 16 x 16 x 32 block, one
-// plane 3; AVX-512 FMAs take 256 cycles for the block, the tiles ~16 each.
+// float32's rounding of the sum (the tests hold y to float32's error bound for a dot
+// product against float64). Two planes: 5 tdpbf16ps per 16 x 16 x 32 block, one plane
+// 3; AVX-512's FMAs take 256 cycles for the block, a tdpbf16ps 16 at best (~33 here,
+// its tiles loaded from L2).
 //
 // Offsets: a Q4_1/Q5_1 weight is scale * code + offset per block of 32 k; the offsets
 // carry float16's 11 bits and would not fit two planes beside the products. They ride
@@ -25,6 +26,9 @@
 //   row q holds the column pairs (W[n, 2q], W[n, 2q + 1]) of the 16 columns. For
 //   silu_mul the tiles alternate gate, up, gate, up... over the same 16 columns, and
 //   y = silu(x @ gate^T) * (x @ up^T).
+// codes, scales: a coded weight's int8 codes in the planes' layout and each column's
+//   scale, which each thread expands to the two planes of scale * code a column pair at
+//   a time (expand, below); `planes` then holds only the offsets' columns.
 //
 // Register blocking: 2 x 2 tiles of C (two 16-row tiles of x by two column tiles), the
 // two A tiles of x's parts and the two B tiles of a plane reloaded each step: the 8
@@ -64,12 +68,13 @@ inline void split32(const float* src, uint16_t* t) {
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
   for (int p = 0; p < PARTS; ++p, t += TILE) {
-    const __m512i ia = _mm512_and_si512(_mm512_castps_si512(a), high);
-    const __m512i ib = _mm512_and_si512(_mm512_castps_si512(b), high);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(t), _mm512_cvtepi32_epi16(_mm512_srli_epi32(ia, 16)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(t + 16), _mm512_cvtepi32_epi16(_mm512_srli_epi32(ib, 16)));
-    a = _mm512_sub_ps(a, _mm512_castsi512_ps(ia));  // exact: the bits below
-    b = _mm512_sub_ps(b, _mm512_castsi512_ps(ib));
+    const __m512 ha = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), high));
+    const __m512 hb = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(b), high));
+    // Both are bfloat16 values: the conversion's rounding leaves them as they are.
+    const __m512bh part = _mm512_cvtne2ps_pbh(hb, ha);
+    _mm512_storeu_si512(t, reinterpret_cast<const __m512i&>(part));
+    a = _mm512_sub_ps(a, ha);  // exact: the bits below
+    b = _mm512_sub_ps(b, hb);
   }
 }
 
