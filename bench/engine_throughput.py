@@ -389,15 +389,19 @@ def main() -> None:
         f"\n{'case':<28} {'tandem':>9} {'hf':>9} {'ratio':>7} {'roofline':>9} {'of roof':>8}"
         f" {'GFLOP/s':>8} {'GB/s':>6}"
     )
-    # Where the projections have narrow panels, what a batch-1 step streams: those, and
-    # the LM head in bfloat16 where the greedy head screens it. Batch 64 streams them
-    # too where its products run on split planes expanded from the same codes (AMX),
-    # else the float32 panels: the kernel widens narrow ones for WIDEN_ROWS rows at most.
+    # What a step streams of the weights, where it is not the float32 panels: narrow
+    # panels for up to WIDEN_ROWS rows, split planes' codes past that (AMX), and the LM
+    # head in bfloat16 where the greedy head screens it.
     model = llm.engine.runner.model
     decoder = model.packed_decoder
-    narrow_bytes = decoder.narrow_bytes() if decoder else None
-    if narrow_bytes is not None:
-        narrow_bytes += config.vocab_size * config.hidden_size * (2 if model.greedy_head else 4)
+    head_bytes = config.vocab_size * config.hidden_size * (2 if model.greedy_head else 4)
+    float32_bytes = matmul_params(config) * 4
+    streamed = {}
+    if decoder is not None:
+        for batch in (64, 1):
+            weights = decoder.weight_bytes(batch) + head_bytes
+            if weights < float32_bytes * 0.9:
+                streamed[batch] = weights
     split = decoder is not None and decoder.layers[0].qkv[1][0].name().endswith("split_linear")
     if split:
         print("products of more than 32 rows: float32 on AMX tiles from the codes (split planes)")
@@ -421,14 +425,16 @@ def main() -> None:
                 config, replace(window, matmul_flops=window.fma_flops), batch, 64 + new_tokens // 2
             )
             fma_shares.append(f"batch {batch} {ours / fma:.0%}")
-        if narrow_bytes is not None and (batch == 1 or split):
-            narrow = decode_roofline(config, window, batch, 64 + new_tokens // 2, narrow_bytes)
-            narrow_shares.append(f"batch {batch} {narrow:.1f} tok/s ({ours / narrow:.0%})")
-    if narrow_bytes is not None:
+        if batch in streamed:
+            narrow = decode_roofline(config, window, batch, 64 + new_tokens // 2, streamed[batch])
+            megabytes = streamed[batch] / 1e6
+            narrow_shares.append(
+                f"batch {batch} {megabytes:.0f} MB, {narrow:.1f} tok/s ({ours / narrow:.0%})"
+            )
+    if narrow_shares:
         print(
-            f"  (the projections stream narrow panels: {narrow_bytes / 1e6:.0f} MB "
-            f"of weights a step, not {matmul_params(config) * 4 / 1e6:.0f}; the roofline "
-            f"counting those bytes: {', '.join(narrow_shares)})"
+            f"  (the steps stream fewer bytes of weights than the {float32_bytes / 1e6:.0f} MB "
+            f"of float32; the roofline counting those: {'; '.join(narrow_shares)})"
         )
     prompt = prompts(1, 1024)[0]
     ours, theirs, probes = interleaved(

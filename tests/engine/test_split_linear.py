@@ -196,3 +196,19 @@ def test_bad_arguments_are_named() -> None:
         split(x.double(), planes, 32)
     with pytest.raises(RuntimeError, match="silu_mul takes no bias"):
         split(x, gated_planes(planes, planes), 32, bias=torch.zeros(32), silu_mul=True)
+
+
+@needs_amx
+def test_smollm2_decodes_batches_from_the_planes_of_its_codes(smollm2) -> None:
+    """Its Q4_1 projections: a step of more than 32 rows multiplies on the tiles and reads
+    their codes and scales (~1.3 bytes a weight), not the float32 panels (4)."""
+    decoder = smollm2.model.packed_decoder
+    _, (large, _) = decoder.layers[0].gated
+    assert large.name() == "tandem_cpu::split_linear"
+    float32 = sum(
+        args[0].numel() * 4
+        for layer in decoder.layers
+        for (_, args), _ in (layer.qkv, layer.o, layer.gated, layer.down)
+    )
+    assert decoder.weight_bytes(1) == decoder.narrow_bytes()
+    assert float32 / 4 < decoder.weight_bytes(64) < float32 * 0.4  # ~1.3 bytes a weight

@@ -108,6 +108,23 @@ class PackedDecoder:
             return None
         return sum(t.numel() * t.element_size() for n in narrow for t in n if t is not None)
 
+    def weight_bytes(self, rows: int) -> int:
+        """Bytes of weights the projections of a step of `rows` rows read: the narrow
+        panels where the kernel widens them, the split planes (or their codes) where
+        they serve, else the float32 panels."""
+        total = 0
+        for layer in self.layers:
+            for kernels in (layer.qkv, layer.o, layer.gated, layer.down):
+                kernel, args = kernels[rows > WIDEN_ROWS]
+                if kernel.name() == "tandem_cpu::split_linear":
+                    weights = [t for t in args if isinstance(t, torch.Tensor)]
+                elif args[4] is not None and rows <= WIDEN_ROWS:  # panel_linear's codes
+                    weights = [t for t in args[4:] if t is not None]
+                else:
+                    weights = [args[0]]
+                total += sum(t.numel() * t.element_size() for t in weights)
+        return total
+
     def applies(self, x: torch.Tensor) -> bool:
         """Whether this step can take the fast path: float32 on the CPU, no autograd."""
         return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()

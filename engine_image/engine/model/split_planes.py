@@ -14,7 +14,7 @@ of its product). A decode step of more rows than the codes' widening serves
 (panel_linear's WIDEN_ROWS) or a prefill is bound by the float32 FMAs; on the tiles,
 SmolLM2's products chained through its layers ran 1.47x as fast at 64 rows and 1.67x
 at 1,024, a Xeon, 2 threads (docs/benchmarks.md). A coded weight is kept as its codes
-(1.25 bytes a weight), which the kernel expands to the planes as it goes: planes
+(~1.3 bytes a weight with its scales), which the kernel expands to the planes as it goes: planes
 streamed from memory, 4 bytes a weight, bound a batch-64 step by their reading.
 
 Which weights qualify: a GGUF Q4_0/Q4_1/Q5_0/Q5_1 weight's scale * code (a float16

@@ -208,7 +208,7 @@ struct CodedTiles {
 
 // Column tile c's two planes, every k block, into `out`: scale * code as its high and low
 // bfloat16 halves (exact: packing checked that the low half has no more bits), then the
-// tail's. 1.25 bytes a weight streamed instead of the planes' 4: the steps bound by
+// tail's. ~1.3 bytes a weight streamed instead of the planes' 4: the steps bound by
 // reading the weights (a decode batch of 64) are that much less so.
 //
 // `ahead`: the column tile the thread expands next (or none), whose codes are asked for in
