@@ -24,6 +24,10 @@ the offset apart, whose exact sum is the loader's float32 weight, or that weight
 its last rounding (half an ulp from it) where the sum needs more than float32's 24
 bits. Q8_0's 8-bit codes need three planes: not taken (nor are plain float32 weights),
 and those keep the float32 panels.
+
+One difference in kind: an infinity in x meets the weight's lower planes and x's
+lower parts, some of them zero, and inf * 0 is NaN: such an output is NaN where
+F.linear gives an infinity. A hidden state holding an infinity has overflowed already.
 """
 
 from __future__ import annotations
