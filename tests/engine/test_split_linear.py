@@ -35,7 +35,7 @@ needs_amx = pytest.mark.skipif(
     OPS is None or not OPS.amx_ready(),
     reason="needs the kernels built with AMX tiles (Xeons since Sapphire Rapids), the OS's grant",
 )
-PLANE_TYPES = [gguf.GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1")]
+PLANE_TYPES = [gguf.GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")]
 
 
 def coded(n: int, k: int, kind=gguf.GGMLQuantizationType.Q4_1, seed: int = 0):
@@ -91,10 +91,11 @@ def test_codes_and_their_planes_hold_scale_times_code_and_the_offsets(kind) -> N
         assert torch.equal((products + codes.offsets.repeat_interleave(32, dim=1)), weight)
 
 
-def test_codes_needing_three_planes_are_refused() -> None:
-    # Q8_0: 8-bit codes times an 11-bit scale can need 19 bits, past two planes' 16.
-    codes, _ = coded(16, 64, gguf.GGMLQuantizationType.Q8_0)
-    assert coded_planes(codes) is None
+def test_q8_0_takes_three_planes_and_odd_inputs_none() -> None:
+    # Q8_0's 8-bit codes times an 11-bit scale need up to 19 bits: three planes; Q4's two.
+    q8, _ = coded(16, 64, gguf.GGMLQuantizationType.Q8_0)
+    q4, _ = coded(16, 64, gguf.GGMLQuantizationType.Q4_0)
+    assert coded_planes(q8).planes.shape[2] == 3 and coded_planes(q4).planes.shape[2] == 2
     odd = CodedWeight(torch.ones(16, 48, dtype=torch.int8), torch.ones(16, 3), None)
     assert coded_planes(odd) is None  # 48 inputs: not whole tiles of 32
 

@@ -1,6 +1,6 @@
 """SplitPlanes: a weight as one or two bfloat16 planes, for float32 products on AMX tiles.
 
-    planes = coded_planes(coded)      # a GGUF's Q4/Q5 codes, expanded to d * code's two planes
+    planes = coded_planes(coded)      # a GGUF's codes, expanded to d * code's planes
     planes = weight_planes(weight)    # a bfloat16 (one plane) or float16 (two) checkpoint's
     gated = gated_planes(gate, up)    # SwiGLU's pair, for split_linear(..., silu_mul=True)
     y = torch.ops.tandem_cpu.split_linear(x, *planes.args(n, bias=None, silu_mul=False))
@@ -18,12 +18,13 @@ at 1,024, a Xeon, 2 threads (docs/benchmarks.md). A coded weight is kept as its 
 streamed from memory, 4 bytes a weight, bound a batch-64 step by their reading.
 
 Which weights qualify: a GGUF Q4_0/Q4_1/Q5_0/Q5_1 weight's scale * code (a float16
-scale's 11 bits times a 4- or 5-bit code: at most 16 bits, two planes); the _1 forms'
-offsets ride as extra inputs (split_linear.cpp), so the planes hold scale * code and
-the offset apart, whose exact sum is the loader's float32 weight, or that weight before
-its last rounding (half an ulp from it) where the sum needs more than float32's 24
-bits. Q8_0's 8-bit codes need three planes: not taken (nor are plain float32 weights),
-and those keep the float32 panels.
+scale's 11 bits times a 4- or 5-bit code: at most 16 bits, two planes), Q8_0's (8-bit
+codes: 19 bits, three planes, 6 tdpbf16ps a block against 5: SmolLM2's tied LM head,
+whose sampled rows' logits take it); the _1 forms' offsets ride as extra inputs
+(split_linear.cpp), so the planes hold scale * code and the offset apart, whose exact
+sum is the loader's float32 weight, or that weight before its last rounding (half an
+ulp from it) where the sum needs more than float32's 24 bits. Plain float32 weights
+would need three planes stored (6 bytes a weight): they keep the float32 panels.
 
 One difference in kind: an infinity in x meets the weight's lower planes and x's
 lower parts, some of them zero, and inf * 0 is NaN: such an output is NaN where
@@ -40,7 +41,10 @@ from tandem.engine.model.coded_weight import CodedWeight
 
 TILE_COLUMNS = 16  # output columns of an AMX tile of sums
 TILE_K = 32  # inputs a tile's row of bfloat16 pairs covers
-MOST_PLANES = 2  # split_linear's terms are written for one or two
+# Planes a weight may take: two stored (4 bytes a weight, as the float32 panels), three
+# expanded from codes in the kernel (Q8_0's, the LM head's: 6 tdpbf16ps a block).
+MOST_PLANES = 2
+MOST_CODED_PLANES = 3
 # Products of more rows than this run on the planes; fewer widen the codes (the same as
 # panel_linear's WIDEN_ROWS: at 32 rows the widened codes were the faster, at 64 the planes).
 WIDEN_ROWS = 32
@@ -76,14 +80,16 @@ class SplitPlanes:
 
 
 def coded_planes(coded: CodedWeight) -> SplitPlanes | None:
-    """coded's codes and scales, which the kernel expands to two planes of scale * code,
-    and its offsets' columns as planes; None where a product of the codes needs more than
-    two planes (Q8_0) or the inputs do not come in whole tiles."""
+    """coded's codes and scales, which the kernel expands to the two or three planes of
+    scale * code, and its offsets' columns as planes; None where a product of the codes
+    needs more than three (scales with more than float16's bits) or the inputs do not
+    come in whole tiles."""
     n, k = coded.shape
     if k % TILE_K or coded.block % TILE_K:  # a tile's 32 inputs share one scale
         return None
     scales = coded.scales.repeat_interleave(coded.block, dim=1)
-    if _planes_of(coded.codes.float() * scales) is None:
+    planes = _planes_of(coded.codes.float() * scales, MOST_CODED_PLANES)
+    if planes is None:
         return None
     tiles = -(-n // TILE_COLUMNS)
     tile_scales = torch.zeros(tiles * TILE_COLUMNS, k // TILE_K)
@@ -94,11 +100,15 @@ def coded_planes(coded: CodedWeight) -> SplitPlanes | None:
     if coded.offsets is not None:
         tail = torch.zeros(n, _whole_tiles(coded.offsets.shape[1]))
         tail[:, : coded.offsets.shape[1]] = coded.offsets
-    tail_planes = _planes_of(tail)
+    tail_planes = _planes_of(tail, MOST_CODED_PLANES)
     if tail_planes is None:
         return None
+    # The kernel expands codes to two or three planes, the tail's count: planes of
+    # zeros make up the difference.
+    count = max(2, len(planes), len(tail_planes))
+    tail_planes += [torch.zeros_like(tail)] * (count - len(tail_planes))
     return SplitPlanes(
-        planes=_tiles([*tail_planes, torch.zeros_like(tail)][:MOST_PLANES]),
+        planes=_tiles(tail_planes),
         sums_block=0 if coded.offsets is None else coded.block,
         codes=codes,
         scales=tile_scales.repeat_interleave(2, dim=2).contiguous(),
@@ -146,11 +156,11 @@ def _split(weight: torch.Tensor, sums_block: int) -> SplitPlanes | None:
     return SplitPlanes(_tiles(planes), sums_block)
 
 
-def _planes_of(weight: torch.Tensor) -> list[torch.Tensor] | None:
+def _planes_of(weight: torch.Tensor, most: int = MOST_PLANES) -> list[torch.Tensor] | None:
     """weight as the fewest bfloat16 planes that sum to it exactly (each the high half of
-    what the ones before left), or None where that takes more than MOST_PLANES."""
+    what the ones before left), or None where that takes more than `most`."""
     planes, rest = [], weight
-    for _ in range(MOST_PLANES):
+    for _ in range(most):
         high = (rest.view(torch.int32) & -65536).view(torch.float32)
         planes.append(high)
         rest = rest - high  # exact: the low bits

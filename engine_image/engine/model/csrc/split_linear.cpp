@@ -1,7 +1,8 @@
 // split_linear: y = x @ W^T in float32 arithmetic on AMX's bfloat16 tiles, for weights
-// that are exactly the sum of one or two bfloat16 "planes" (split_planes.py): a
+// that are exactly the sum of one to three bfloat16 "planes" (split_planes.py): a
 // quantised checkpoint's scale * code (Q4/Q5 with float16 scales: at most 16
-// significant bits), or a bfloat16 checkpoint's weights (one plane).
+// significant bits, two planes; Q8_0 19, three), or a bfloat16 checkpoint's weights
+// (one plane).
 //
 //   split_linear(x [M, K], planes, N, sums_block, bias?, silu_mul, codes?, scales?) -> [M, N]
 //
@@ -11,8 +12,8 @@
 // dot product of the exact weights, summed in another order than the float32 panels'
 // FMAs. Terms with i + j > 2 are left out: each is below 2^-24 of its product, under
 // float32's rounding of the sum (the tests hold y to float32's error bound for a dot
-// product against float64). Two planes: 5 tdpbf16ps per 16 x 16 x 32 block, one plane
-// 3; AVX-512's FMAs take 256 cycles for the block, a tdpbf16ps 16 at best (~33 here,
+// product against float64). Per 16 x 16 x 32 block: one plane 3 tdpbf16ps, two 5,
+// three 6; AVX-512's FMAs take 256 cycles for the block, a tdpbf16ps 16 at best (~33 here,
 // its tiles loaded from L2).
 //
 // Offsets: a Q4_1/Q5_1 weight is scale * code + offset per block of 32 k; the offsets
@@ -27,8 +28,9 @@
 //   silu_mul the tiles alternate gate, up, gate, up... over the same 16 columns, and
 //   y = silu(x @ gate^T) * (x @ up^T).
 // codes, scales: a coded weight's int8 codes in the planes' layout and each column's
-//   scale, which each thread expands to the two planes of scale * code a column pair at
-//   a time (expand, below); `planes` then holds only the offsets' columns.
+//   scale, which each thread expands to the planes of scale * code (as many as the
+//   tail's) a column pair at a time (expand, below); `planes` then holds only the
+//   offsets' columns.
 //
 // Register blocking: 2 x 2 tiles of C (two 16-row tiles of x by two column tiles), the
 // two A tiles of x's parts and the two B tiles of a plane reloaded each step: the 8
@@ -206,21 +208,23 @@ struct CodedTiles {
   int64_t KBC, KBO;
 };
 
-// Column tile c's two planes, every k block, into `out`: scale * code as its high and low
-// bfloat16 halves (exact: packing checked that the low half has no more bits), then the
-// tail's. ~1.3 bytes a weight streamed instead of the planes' 4: the steps bound by
+// Column tile c's J planes, every k block, into `out`: scale * code as its high, (middle)
+// and low bfloat16 parts (exact: packing checked that the last has no more bits), then
+// the tail's. ~1.3 bytes a weight streamed instead of the planes' 4: the steps bound by
 // reading the weights (a decode batch of 64) are that much less so.
 //
 // `ahead`: the column tile the thread expands next (or none), whose codes are asked for in
 // L2 now, a column pair's products ahead of their use: the first read of codes from
 // memory otherwise stalls here, ~half the expansion's time at 64 rows.
+template <int J>
 void expand(const CodedTiles& w, int64_t c, uint16_t* out, const int64_t* ahead) {
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   const int8_t* codes = w.codes + c * w.KBC * TILE;
   const float* scales = w.scales + c * w.KBC * KT;
   const char* fetch = ahead ? reinterpret_cast<const char*>(w.codes + *ahead * w.KBC * TILE) : nullptr;
   const char* fetch_scales = ahead ? reinterpret_cast<const char*>(w.scales + *ahead * w.KBC * KT) : nullptr;
-  for (int64_t kb = 0; kb < w.KBC; ++kb, codes += TILE, scales += KT, out += 2 * TILE) {
+  auto top = [&](__m512 v) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), high)); };
+  for (int64_t kb = 0; kb < w.KBC; ++kb, codes += TILE, scales += KT, out += J * TILE) {
     if (fetch) {
       for (int64_t i = 0; i < TILE; i += 64) _mm_prefetch(fetch + kb * TILE + i, _MM_HINT_T1);
       for (int64_t i = 0; i < KT * 4; i += 64) _mm_prefetch(fetch_scales + kb * KT * 4 + i, _MM_HINT_T1);
@@ -230,18 +234,19 @@ void expand(const CodedTiles& w, int64_t c, uint16_t* out, const int64_t* ahead)
       const int8_t* row = codes + q * KT;
       const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
       const __m128i c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16));
-      const __m512 v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0)), s0);
-      const __m512 v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1)), s1);
-      const __m512 h0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v0), high));
-      const __m512 h1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v1), high));
-      // Both halves are bfloat16 values: the conversion's rounding leaves them as they are.
-      const __m512bh hi = _mm512_cvtne2ps_pbh(h1, h0);
-      const __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_sub_ps(v1, h1), _mm512_sub_ps(v0, h0));
-      _mm512_store_si512(out + q * KT, reinterpret_cast<const __m512i&>(hi));
-      _mm512_store_si512(out + TILE + q * KT, reinterpret_cast<const __m512i&>(lo));
+      __m512 v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0)), s0);
+      __m512 v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1)), s1);
+      for (int j = 0; j < J; ++j) {  // each plane the high half of what the ones before left
+        const __m512 h0 = j + 1 < J ? top(v0) : v0, h1 = j + 1 < J ? top(v1) : v1;
+        // bfloat16 values (the last plane's too: packing checked): the conversion's
+        // rounding leaves them as they are.
+        const __m512bh plane = _mm512_cvtne2ps_pbh(h1, h0);
+        _mm512_store_si512(out + j * TILE + q * KT, reinterpret_cast<const __m512i&>(plane));
+        v0 = _mm512_sub_ps(v0, h0), v1 = _mm512_sub_ps(v1, h1);
+      }
     }
   }
-  if (w.KBO) std::memcpy(out, w.tail + c * w.KBO * 2 * TILE, w.KBO * 2 * TILE * sizeof(uint16_t));
+  if (w.KBO) std::memcpy(out, w.tail + c * w.KBO * J * TILE, w.KBO * J * TILE * sizeof(uint16_t));
 }
 
 // A buffer per thread (Tag tells the uses apart): allocated once, not per product, and
@@ -270,8 +275,8 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "split_linear: x must be float32 [rows, in_features] with a dense last dim");
   TORCH_CHECK(planes.dim() == 5 && planes.scalar_type() == at::kBFloat16 && planes.is_contiguous() &&
-                  planes.size(3) == amx::ROWS && planes.size(4) == KT && planes.size(2) >= 1 && planes.size(2) <= 2,
-              "split_linear: planes must be bfloat16 [tiles, k blocks, 1 or 2 planes, 16, 32] (split_planes.py)");
+                  planes.size(3) == amx::ROWS && planes.size(4) == KT && planes.size(2) >= 1 && planes.size(2) <= 3,
+              "split_linear: planes must be bfloat16 [tiles, k blocks, 1 to 3 planes, 16, 32] (split_planes.py)");
   const int64_t M = x.size(0), K = x.size(1), T = planes.size(0);
   TORCH_CHECK(codes.has_value() == scales.has_value(), "split_linear: codes come with their scales");
   const int64_t KBC = codes ? codes->size(1) : 0;  // k blocks from codes, then from planes
@@ -282,7 +287,7 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
     TORCH_CHECK(scales->dim() == 3 && scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
                     scales->size(0) == T && scales->size(1) == KBC && scales->size(2) == KT,
                 "split_linear: scales must be float32 [tiles, k blocks, 32]");
-    TORCH_CHECK(planes.size(2) == 2, "split_linear: codes expand to two planes; the tail's must be two");
+    TORCH_CHECK(planes.size(2) >= 2, "split_linear: codes expand to two or three planes, as many as the tail's");
   }
   const int64_t KB = KBC + planes.size(1), J = planes.size(2);
   TORCH_CHECK(K % KT == 0, "split_linear: in_features ", K, " must be a multiple of ", KT);
@@ -342,8 +347,9 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
           // The thread's next pair: these two tiles' codes are ahead of it by two.
           const int64_t next0 = c0 + 2, next1 = c0 + 3;
           const bool more = np + 1 < n_end;
-          expand(coded, c0, expanded, more ? &next0 : nullptr);
-          if (two_n) expand(coded, c0 + 1, expanded + tile_elems, more && next1 < T ? &next1 : nullptr);
+          const auto expand_planes = J == 2 ? &expand<2> : &expand<3>;
+          expand_planes(coded, c0, expanded, more ? &next0 : nullptr);
+          if (two_n) expand_planes(coded, c0 + 1, expanded + tile_elems, more && next1 < T ? &next1 : nullptr);
         }
         const uint16_t* b = codes ? expanded : p.planes + c0 * tile_elems;
         for (int64_t m0 = first_tile; m0 < last_tile; m0 += 2) {
