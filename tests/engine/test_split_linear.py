@@ -91,11 +91,14 @@ def test_codes_and_their_planes_hold_scale_times_code_and_the_offsets(kind) -> N
         assert torch.equal((products + codes.offsets.repeat_interleave(32, dim=1)), weight)
 
 
-def test_q8_0_takes_three_planes_and_odd_inputs_none() -> None:
-    # Q8_0's 8-bit codes times an 11-bit scale need up to 19 bits: three planes; Q4's two.
-    q8, _ = coded(16, 64, gguf.GGMLQuantizationType.Q8_0)
-    q4, _ = coded(16, 64, gguf.GGMLQuantizationType.Q4_0)
-    assert coded_planes(q8).planes.shape[2] == 3 and coded_planes(q4).planes.shape[2] == 2
+def test_codes_of_every_type_are_taken_as_they_are_and_odd_inputs_are_not() -> None:
+    # The tiles multiply by the codes themselves (int8: exact in bfloat16), whatever the
+    # bits of scale * code (Q8_0's reach 19); scales apply to each block's sums.
+    for kind in PLANE_TYPES:
+        codes, _ = coded(16, 64, kind)
+        planes = coded_planes(codes)
+        products = codes.codes.float() * codes.scales.repeat_interleave(codes.block, dim=1)
+        assert torch.equal(unpacked(planes, 16, 64), products)
     odd = CodedWeight(torch.ones(16, 48, dtype=torch.int8), torch.ones(16, 3), None)
     assert coded_planes(odd) is None  # 48 inputs: not whole tiles of 32
 

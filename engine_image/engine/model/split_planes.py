@@ -1,34 +1,34 @@
-"""SplitPlanes: a weight as one or two bfloat16 planes, for float32 products on AMX tiles.
+"""SplitPlanes: a weight as bfloat16 planes or codes, for float32 products on AMX tiles.
 
-    planes = coded_planes(coded)      # a GGUF's codes, expanded to d * code's planes
+    planes = coded_planes(coded)      # a GGUF's codes and scales, as the kernel takes them
     planes = weight_planes(weight)    # a bfloat16 (one plane) or float16 (two) checkpoint's
     gated = gated_planes(gate, up)    # SwiGLU's pair, for split_linear(..., silu_mul=True)
     y = torch.ops.tandem_cpu.split_linear(x, *planes.args(n, bias=None, silu_mul=False))
 
 Where the CPU has AMX (a Xeon since Sapphire Rapids), its tiles multiply bfloat16 at
 ~16x the rate of the float32 FMA units. csrc/split_linear.cpp uses them for float32
-products whose weights are exactly the sum of one or two bfloat16 values: it splits x
-into three bfloat16 parts exactly, each product of parts is exact in float32, and the
-tiles sum them in float32 (the file says which terms it leaves out, each under 2^-24
-of its product). A decode step of more rows than the codes' widening serves
-(panel_linear's WIDEN_ROWS) or a prefill is bound by the float32 FMAs; on the tiles,
-SmolLM2's products chained through its layers ran 1.47x as fast at 64 rows and 1.67x
-at 1,024, a Xeon, 2 threads (docs/benchmarks.md). A coded weight is kept as its codes
-(~1.3 bytes a weight with its scales), which the kernel expands to the planes as it goes: planes
-streamed from memory, 4 bytes a weight, bound a batch-64 step by their reading.
+products: it splits x into three bfloat16 parts exactly, multiplies them by weights
+that are exactly bfloat16 values, each product exact in float32, and the tiles sum
+them in float32 (the file says which terms it leaves out, each under 2^-24 of its
+product). A decode step of more rows than the codes' widening serves (panel_linear's
+WIDEN_ROWS) or a prefill is bound by the float32 FMAs; on the tiles, SmolLM2's
+products chained through its layers ran ~1.45x as fast at 64 rows and ~1.7x at 1,024,
+a Xeon, 2 threads (docs/benchmarks.md).
 
-Which weights qualify: a GGUF Q4_0/Q4_1/Q5_0/Q5_1 weight's scale * code (a float16
-scale's 11 bits times a 4- or 5-bit code: at most 16 bits, two planes), Q8_0's (8-bit
-codes: 19 bits, three planes, 6 tdpbf16ps a block against 5: SmolLM2's tied LM head,
-whose sampled rows' logits take it); the _1 forms' offsets ride as extra inputs
-(split_linear.cpp), so the planes hold scale * code and the offset apart, whose exact
-sum is the loader's float32 weight, or that weight before its last rounding (half an
-ulp from it) where the sum needs more than float32's 24 bits. Plain float32 weights
-would need three planes stored (6 bytes a weight): they keep the float32 panels.
+Which weights qualify: a GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight, kept as its int8 codes
+(exact in bfloat16) and scales, ~1.3 bytes a weight: the tiles multiply x's parts by
+the codes, and each block of 32 inputs' sums take the column's scale in float32 as
+they leave the tiles (planes of scale * code, 4 bytes a weight, bound a batch-64 step
+by their reading). The _1 forms' offsets ride as extra inputs against x's sums over
+each block (split_linear.cpp). The result is the float32 dot product of scale * code
++ offset, the loader's weight or that weight before its last rounding (half an ulp
+from it), summed in another order. A bfloat16 checkpoint's weights are one plane,
+float16's two, stored. Plain float32 weights would need three planes stored (6 bytes
+a weight): they keep the float32 panels.
 
-One difference in kind: an infinity in x meets the weight's lower planes and x's
-lower parts, some of them zero, and inf * 0 is NaN: such an output is NaN where
-F.linear gives an infinity. A hidden state holding an infinity has overflowed already.
+One difference in kind: an infinity in x meets x's lower parts, NaN after the split
+(inf - inf), so such an output is NaN where F.linear gives an infinity. A hidden state
+holding an infinity has overflowed already.
 """
 
 from __future__ import annotations
@@ -41,10 +41,9 @@ from tandem.engine.model.coded_weight import CodedWeight
 
 TILE_COLUMNS = 16  # output columns of an AMX tile of sums
 TILE_K = 32  # inputs a tile's row of bfloat16 pairs covers
-# Planes a weight may take: two stored (4 bytes a weight, as the float32 panels), three
-# expanded from codes in the kernel (Q8_0's, the LM head's: 6 tdpbf16ps a block).
+# Planes a stored weight may take: two (4 bytes a weight, as the float32 panels).
 MOST_PLANES = 2
-MOST_CODED_PLANES = 3
+MOST_CODED_PLANES = 3  # the offsets' columns: any float32 value
 # Products of more rows than this run on the planes; fewer widen the codes (the same as
 # panel_linear's WIDEN_ROWS: at 32 rows the widened codes were the faster, at 64 the planes).
 WIDEN_ROWS = 32
@@ -80,33 +79,25 @@ class SplitPlanes:
 
 
 def coded_planes(coded: CodedWeight) -> SplitPlanes | None:
-    """coded's codes and scales, which the kernel expands to the two or three planes of
-    scale * code, and its offsets' columns as planes; None where a product of the codes
-    needs more than three (scales with more than float16's bits) or the inputs do not
-    come in whole tiles."""
+    """coded's codes and scales, which the kernel multiplies by as they are (the scale
+    applied to each block's sums), and its offsets' columns as planes; None where the
+    inputs do not come in whole tiles, or a block of codes is not one of 32 or more."""
     n, k = coded.shape
     if k % TILE_K or coded.block % TILE_K:  # a tile's 32 inputs share one scale
         return None
-    scales = coded.scales.repeat_interleave(coded.block, dim=1)
-    planes = _planes_of(coded.codes.float() * scales, MOST_CODED_PLANES)
-    if planes is None:
-        return None
     tiles = -(-n // TILE_COLUMNS)
+    scales = coded.scales.repeat_interleave(coded.block // TILE_K, dim=1)  # a tile's block
     tile_scales = torch.zeros(tiles * TILE_COLUMNS, k // TILE_K)
-    tile_scales[:n] = scales[:, ::TILE_K]
+    tile_scales[:n] = scales
     tile_scales = tile_scales.view(tiles, TILE_COLUMNS, -1).transpose(1, 2)
     codes = _tiles([coded.codes.float()]).float().to(torch.int8)[:, :, 0].contiguous()
     tail = torch.zeros(n, 0)
     if coded.offsets is not None:
         tail = torch.zeros(n, _whole_tiles(coded.offsets.shape[1]))
         tail[:, : coded.offsets.shape[1]] = coded.offsets
-    tail_planes = _planes_of(tail, MOST_CODED_PLANES)
+    tail_planes = _planes_of(tail, MOST_CODED_PLANES)  # float32 values: three at most
     if tail_planes is None:
         return None
-    # The kernel expands codes to two or three planes, the tail's count: planes of
-    # zeros make up the difference.
-    count = max(2, len(planes), len(tail_planes))
-    tail_planes += [torch.zeros_like(tail)] * (count - len(tail_planes))
     return SplitPlanes(
         planes=_tiles(tail_planes),
         sums_block=0 if coded.offsets is None else coded.block,

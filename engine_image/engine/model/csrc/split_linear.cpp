@@ -28,9 +28,13 @@
 //   silu_mul the tiles alternate gate, up, gate, up... over the same 16 columns, and
 //   y = silu(x @ gate^T) * (x @ up^T).
 // codes, scales: a coded weight's int8 codes in the planes' layout and each column's
-//   scale, which each thread expands to the planes of scale * code (as many as the
-//   tail's) a column pair at a time (expand, below); `planes` then holds only the
-//   offsets' columns.
+//   scale (twice: the pairs' layout). Each thread converts a column pair's codes to
+//   bfloat16 (exact) and the tiles multiply x's parts by the codes themselves, 3
+//   tdpbf16ps a block whatever the code type; each block's sums take their column's
+//   scale as they leave the tiles, in float32 (tile_block_scaled). `planes` then holds
+//   only the offsets' columns. Against expanding scale * code to two planes (5
+//   tdpbf16ps a block, three for Q8_0: 6): chained SmolLM2 products alike at 64 rows,
+//   3-10 % faster at 33, 128 and 1,024 (docs/benchmarks.md).
 //
 // Register blocking: 2 x 2 tiles of C (two 16-row tiles of x by two column tiles), the
 // two A tiles of x's parts and the two B tiles of a plane reloaded each step: the 8
@@ -108,15 +112,17 @@ struct Product {
 
 // C tiles 0..3 += the terms of k block kb: A tiles 4, 5 (rows m0, m1), B tiles 6, 7 (column
 // tiles c0, c1). TWO_M / TWO_N: whether the second row / column tile exists.
+// a_step, b_step: from row tile m0's parts to m0 + 1's, from column tile c0's planes to
+// c0 + 1's; `blocks` k blocks of J planes each.
 template <bool TWO_M, bool TWO_N>
-inline void block_sums(const Product& p, const uint16_t* a0, const uint16_t* b0) {
-  const int64_t a_step = p.KB * PARTS * TILE, b_step = p.KB * p.J * TILE;
+inline void block_sums(const uint16_t* a0, int64_t a_step, const uint16_t* b0, int64_t b_step, int64_t blocks,
+                       int64_t J) {
   const uint16_t* a1 = a0 + a_step;
   const uint16_t* b1 = b0 + b_step;
   constexpr int64_t LD = amx::ROW_BYTES;
-  for (int64_t kb = 0; kb < p.KB; ++kb, a0 += PARTS * TILE, a1 += PARTS * TILE, b0 += p.J * TILE, b1 += p.J * TILE) {
+  for (int64_t kb = 0; kb < blocks; ++kb, a0 += PARTS * TILE, a1 += PARTS * TILE, b0 += J * TILE, b1 += J * TILE) {
     for (int64_t s = 0; s < PARTS; ++s) {  // terms by size: xi * wj with i + j = s
-      for (int64_t j = 0; j <= std::min<int64_t>(s, p.J - 1); ++j) {
+      for (int64_t j = 0; j <= std::min<int64_t>(s, J - 1); ++j) {
         const int64_t i = s - j;
         _tile_loadd(4, a0 + i * TILE, LD);
         _tile_loadd(6, b0 + j * TILE, LD);
@@ -158,6 +164,22 @@ inline void store_gated(const Product& p, const float (*g)[amx::COLUMNS], const 
   }
 }
 
+// Sums c (C tiles 0..3 as tile_block numbers them) to the output, through silu_mul or bias.
+template <bool TWO_M, bool TWO_N>
+void store_sums(const Product& p, const float (*c)[amx::ROWS][amx::COLUMNS], int64_t m0, int64_t c0) {
+  if (p.silu_mul) {  // the column tiles are gate, up of the same columns
+    const int64_t col0 = c0 / 2 * amx::COLUMNS, cols = std::min<int64_t>(amx::COLUMNS, p.N - col0);
+    store_gated(p, c[0], c[1], m0, col0, cols);
+    if constexpr (TWO_M) store_gated(p, c[2], c[3], m0 + 1, col0, cols);
+    return;
+  }
+  for (int64_t n = 0; n < (TWO_N ? 2 : 1); ++n) {
+    const int64_t col0 = (c0 + n) * amx::COLUMNS, cols = std::min<int64_t>(amx::COLUMNS, p.N - col0);
+    store_tile(p, c[n], m0, col0, cols);
+    if (TWO_M) store_tile(p, c[2 + n], m0 + 1, col0, cols);
+  }
+}
+
 // The C tiles of row tiles m0 (m0 + 1), whose parts start at a, by column tiles c0
 // (c0 + 1), whose planes start at b, summed over every k block and stored.
 template <bool TWO_M, bool TWO_N>
@@ -166,7 +188,7 @@ void tile_block(const Product& p, const uint16_t* a, int64_t m0, int64_t c0, con
   if constexpr (TWO_N) _tile_zero(1);
   if constexpr (TWO_M) _tile_zero(2);
   if constexpr (TWO_M && TWO_N) _tile_zero(3);
-  block_sums<TWO_M, TWO_N>(p, a, b);
+  block_sums<TWO_M, TWO_N>(a, p.KB * PARTS * TILE, b, p.KB * p.J * TILE, p.KB, p.J);
   constexpr int64_t LD = amx::ROW_BYTES;
   const int64_t ld = p.N * static_cast<int64_t>(sizeof(float));
   // Whole tiles of plain sums go straight to the output; the rest through c.
@@ -185,22 +207,74 @@ void tile_block(const Product& p, const uint16_t* a, int64_t m0, int64_t c0, con
   if constexpr (TWO_N) _tile_stored(1, c[1], LD);
   if constexpr (TWO_M) _tile_stored(2, c[2], LD);
   if constexpr (TWO_M && TWO_N) _tile_stored(3, c[3], LD);
-  if (p.silu_mul) {  // the column tiles are gate, up of the same columns
-    const int64_t col0 = c0 / 2 * amx::COLUMNS, cols = std::min<int64_t>(amx::COLUMNS, p.N - col0);
-    store_gated(p, c[0], c[1], m0, col0, cols);
-    if constexpr (TWO_M) store_gated(p, c[2], c[3], m0 + 1, col0, cols);
-    return;
+  store_sums<TWO_M, TWO_N>(p, c, m0, c0);
+}
+
+// The scale of each of 16 columns from the pairs' layout [s0, s0, s1, s1, ...].
+inline __m512 column_scales(const float* pairs) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  return _mm512_permutex2var_ps(_mm512_loadu_ps(pairs), even, _mm512_loadu_ps(pairs + 16));
+}
+
+// tile_block for codes: per k block, the parts of x times the codes themselves (one
+// plane, exact) on the tiles, then each column's scale applied as the sums leave them:
+// 3 tdpbf16ps a block whatever the codes' type. b: the column pair's codes as bfloat16
+// [KBC][16][32] then the tail's planes [KBO][J][16][32], the second tile b_step on.
+template <bool TWO_M, bool TWO_N>
+void tile_block_scaled(const Product& p, const uint16_t* a, int64_t m0, int64_t c0, const uint16_t* b,
+                       int64_t b_step, const float* s0, const float* s1, int64_t KBC) {
+  constexpr int64_t LD = amx::ROW_BYTES;
+  const int64_t a_step = p.KB * PARTS * TILE;
+  alignas(64) float acc[4][amx::ROWS][amx::COLUMNS];
+  alignas(64) float c[4][amx::ROWS][amx::COLUMNS];
+  _tile_zero(0);
+  if constexpr (TWO_N) _tile_zero(1);
+  if constexpr (TWO_M) _tile_zero(2);
+  if constexpr (TWO_M && TWO_N) _tile_zero(3);
+  if (p.KB > KBC) block_sums<TWO_M, TWO_N>(a + KBC * PARTS * TILE, a_step, b + KBC * TILE, b_step, p.KB - KBC, p.J);
+  _tile_stored(0, acc[0], LD);
+  if constexpr (TWO_N) _tile_stored(1, acc[1], LD);
+  if constexpr (TWO_M) _tile_stored(2, acc[2], LD);
+  if constexpr (TWO_M && TWO_N) _tile_stored(3, acc[3], LD);
+  const uint16_t* a1 = a + a_step;
+  const uint16_t* b1 = b + b_step;
+  for (int64_t kb = 0; kb < KBC; ++kb) {
+    _tile_zero(0);
+    if constexpr (TWO_N) _tile_zero(1);
+    if constexpr (TWO_M) _tile_zero(2);
+    if constexpr (TWO_M && TWO_N) _tile_zero(3);
+    _tile_loadd(6, b + kb * TILE, LD);
+    if constexpr (TWO_N) _tile_loadd(7, b1 + kb * TILE, LD);
+    for (int i = 0; i < PARTS; ++i) {
+      _tile_loadd(4, a + (kb * PARTS + i) * TILE, LD);
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (TWO_N) _tile_dpbf16ps(1, 4, 7);
+      if constexpr (TWO_M) {
+        _tile_loadd(5, a1 + (kb * PARTS + i) * TILE, LD);
+        _tile_dpbf16ps(2, 5, 6);
+        if constexpr (TWO_N) _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, c[0], LD);
+    if constexpr (TWO_N) _tile_stored(1, c[1], LD);
+    if constexpr (TWO_M) _tile_stored(2, c[2], LD);
+    if constexpr (TWO_M && TWO_N) _tile_stored(3, c[3], LD);
+    const __m512 d0 = column_scales(s0 + kb * KT);
+    const __m512 d1 = TWO_N ? column_scales(s1 + kb * KT) : d0;
+    for (int t = 0; t < 4; ++t) {
+      if ((t & 1) && !TWO_N) continue;
+      if ((t & 2) && !TWO_M) continue;
+      const __m512 d = t & 1 ? d1 : d0;
+      for (int r = 0; r < amx::ROWS; ++r)
+        _mm512_store_ps(acc[t][r], _mm512_fmadd_ps(_mm512_load_ps(c[t][r]), d, _mm512_load_ps(acc[t][r])));
+    }
   }
-  for (int64_t n = 0; n < (TWO_N ? 2 : 1); ++n) {
-    const int64_t col0 = (c0 + n) * amx::COLUMNS, cols = std::min<int64_t>(amx::COLUMNS, p.N - col0);
-    store_tile(p, c[n], m0, col0, cols);
-    if (TWO_M) store_tile(p, c[2 + n], m0 + 1, col0, cols);
-  }
+  store_sums<TWO_M, TWO_N>(p, acc, m0, c0);
 }
 
 // A weight's codes (coded_planes): int8 [T][KBC][16][32] in the planes' tile layout,
 // float32 scales [T][KBC][32] (each column's, twice: its pair), and the tail's planes
-// [T][KBO][2][16][32] (the offsets' columns), expanded a column tile at a time.
+// [T][KBO][J][16][32] (the offsets' columns), converted a column tile at a time.
 struct CodedTiles {
   const int8_t* codes;
   const float* scales;
@@ -208,45 +282,29 @@ struct CodedTiles {
   int64_t KBC, KBO;
 };
 
-// Column tile c's J planes, every k block, into `out`: scale * code as its high, (middle)
-// and low bfloat16 parts (exact: packing checked that the last has no more bits), then
-// the tail's. ~1.3 bytes a weight streamed instead of the planes' 4: the steps bound by
-// reading the weights (a decode batch of 64) are that much less so.
-//
-// `ahead`: the column tile the thread expands next (or none), whose codes are asked for in
-// L2 now, a column pair's products ahead of their use: the first read of codes from
-// memory otherwise stalls here, ~half the expansion's time at 64 rows.
-template <int J>
-void expand(const CodedTiles& w, int64_t c, uint16_t* out, const int64_t* ahead) {
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+// Column tile c's codes as bfloat16 (small integers: exact), every k block, then the
+// tail's planes. `ahead`: the column tile the thread converts next (or none), whose codes
+// are asked for in L2 now, a column pair's products ahead of their use: their first
+// reads from memory otherwise stalled the conversion (chained 64-row products 7 % slower).
+void convert(const CodedTiles& w, int64_t c, uint16_t* out, int64_t tail_planes, const int64_t* ahead) {
   const int8_t* codes = w.codes + c * w.KBC * TILE;
-  const float* scales = w.scales + c * w.KBC * KT;
   const char* fetch = ahead ? reinterpret_cast<const char*>(w.codes + *ahead * w.KBC * TILE) : nullptr;
   const char* fetch_scales = ahead ? reinterpret_cast<const char*>(w.scales + *ahead * w.KBC * KT) : nullptr;
-  auto top = [&](__m512 v) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), high)); };
-  for (int64_t kb = 0; kb < w.KBC; ++kb, codes += TILE, scales += KT, out += J * TILE) {
+  for (int64_t kb = 0; kb < w.KBC; ++kb, codes += TILE, out += TILE) {
     if (fetch) {
       for (int64_t i = 0; i < TILE; i += 64) _mm_prefetch(fetch + kb * TILE + i, _MM_HINT_T1);
       for (int64_t i = 0; i < KT * 4; i += 64) _mm_prefetch(fetch_scales + kb * KT * 4 + i, _MM_HINT_T1);
     }
-    const __m512 s0 = _mm512_loadu_ps(scales), s1 = _mm512_loadu_ps(scales + 16);
     for (int q = 0; q < amx::ROWS; ++q) {
       const int8_t* row = codes + q * KT;
       const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
       const __m128i c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16));
-      __m512 v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0)), s0);
-      __m512 v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1)), s1);
-      for (int j = 0; j < J; ++j) {  // each plane the high half of what the ones before left
-        const __m512 h0 = j + 1 < J ? top(v0) : v0, h1 = j + 1 < J ? top(v1) : v1;
-        // bfloat16 values (the last plane's too: packing checked): the conversion's
-        // rounding leaves them as they are.
-        const __m512bh plane = _mm512_cvtne2ps_pbh(h1, h0);
-        _mm512_store_si512(out + j * TILE + q * KT, reinterpret_cast<const __m512i&>(plane));
-        v0 = _mm512_sub_ps(v0, h0), v1 = _mm512_sub_ps(v1, h1);
-      }
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1)),
+                                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0)));
+      _mm512_store_si512(out + q * KT, reinterpret_cast<const __m512i&>(v));
     }
   }
-  if (w.KBO) std::memcpy(out, w.tail + c * w.KBO * J * TILE, w.KBO * J * TILE * sizeof(uint16_t));
+  if (w.KBO) std::memcpy(out, w.tail + c * w.KBO * tail_planes * TILE, w.KBO * tail_planes * TILE * sizeof(uint16_t));
 }
 
 // A buffer per thread (Tag tells the uses apart): allocated once, not per product, and
@@ -287,7 +345,6 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
     TORCH_CHECK(scales->dim() == 3 && scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
                     scales->size(0) == T && scales->size(1) == KBC && scales->size(2) == KT,
                 "split_linear: scales must be float32 [tiles, k blocks, 32]");
-    TORCH_CHECK(planes.size(2) >= 2, "split_linear: codes expand to two or three planes, as many as the tail's");
   }
   const int64_t KB = KBC + planes.size(1), J = planes.size(2);
   TORCH_CHECK(K % KT == 0, "split_linear: in_features ", K, " must be a multiple of ", KT);
@@ -344,14 +401,25 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
         const int64_t c0 = 2 * np;
         const bool two_n = c0 + 1 < T;
         if (codes) {
+          const int64_t step = KBC * TILE + (KB - KBC) * J * TILE;
           // The thread's next pair: these two tiles' codes are ahead of it by two.
           const int64_t next0 = c0 + 2, next1 = c0 + 3;
           const bool more = np + 1 < n_end;
-          const auto expand_planes = J == 2 ? &expand<2> : &expand<3>;
-          expand_planes(coded, c0, expanded, more ? &next0 : nullptr);
-          if (two_n) expand_planes(coded, c0 + 1, expanded + tile_elems, more && next1 < T ? &next1 : nullptr);
+          convert(coded, c0, expanded, J, more ? &next0 : nullptr);
+          if (two_n) convert(coded, c0 + 1, expanded + step, J, more && next1 < T ? &next1 : nullptr);
+          const float* s0 = coded.scales + c0 * KBC * KT;
+          const float* s1 = two_n ? s0 + KBC * KT : s0;
+          for (int64_t m0 = first_tile; m0 < last_tile; m0 += 2) {
+            const uint16_t* a = parts + (m0 - first_tile) * row_tile_elems;
+            const bool two_m = m0 + 1 < MT;
+            if (two_m && two_n) tile_block_scaled<true, true>(p, a, m0, c0, expanded, step, s0, s1, KBC);
+            else if (two_m) tile_block_scaled<true, false>(p, a, m0, c0, expanded, step, s0, s1, KBC);
+            else if (two_n) tile_block_scaled<false, true>(p, a, m0, c0, expanded, step, s0, s1, KBC);
+            else tile_block_scaled<false, false>(p, a, m0, c0, expanded, step, s0, s1, KBC);
+          }
+          continue;
         }
-        const uint16_t* b = codes ? expanded : p.planes + c0 * tile_elems;
+        const uint16_t* b = p.planes + c0 * tile_elems;
         for (int64_t m0 = first_tile; m0 < last_tile; m0 += 2) {
           const uint16_t* a = parts + (m0 - first_tile) * row_tile_elems;
           const bool two_m = m0 + 1 < MT;
