@@ -28,6 +28,7 @@ from typing import TypeVar
 import torch
 
 from tandem.engine import LLM, SamplingParams
+from tandem.engine.model.coded_weight import CodedWeight
 from tandem.engine.model.linear import Linear, onednn_packed, pack_linears
 from tandem.engine.model.loader import LoadedModel, load_model
 from tandem.engine.model.model_config import ModelConfig
@@ -48,9 +49,9 @@ class MachineProbe:
     product and the engine's own projection path (linear.py: the panel kernel): on
     some CPUs one library is well short of the hardware, and the engine's kernel must
     not set the bar it is measured against alone. Where the CPU has AMX, also the
-    engine's float32 products on its tiles (split_planes.py), for a weight of two
-    bfloat16 planes as a GGUF's Q4/Q5 codes are: the peak such a model's products
-    can reach here, above the FMA units'."""
+    engine's float32 products on its tiles (split_planes.py), of a weight of two
+    bfloat16 planes and of one of int8 codes with float16 scales (a GGUF's): the peak
+    such a model's products can reach here, above the FMA units'."""
 
     def __init__(self, n: int = 2048) -> None:
         self.n = n
@@ -65,11 +66,21 @@ class MachineProbe:
         if onednn is not None:
             self.gemms.append(torch.inference_mode()(lambda: onednn.product(a, None)))
         self.fma_gemms = len(self.gemms)
-        planed = Linear(n, n, bias=False)
+        # The tiles' products: of stored planes (float16 values: two bfloat16 planes) and
+        # of codes (int8 codes with a float16 scale per 32 inputs, as Q8_0 stores them).
+        planed, coded = Linear(n, n, bias=False), Linear(n, n, bias=False)
+        codes = CodedWeight(
+            torch.randint(-127, 128, (n, n), dtype=torch.int8),
+            (torch.rand(n, n // 32) / 64).half().float(),
+            None,
+        )
         with torch.no_grad():
-            planed.weight.copy_(b.half().float())  # float16 values: two bfloat16 planes
-        if pack_linears(planed) and planed.packed.split is not None:
-            self.gemms.append(torch.inference_mode()(lambda: planed(a)))
+            planed.weight.copy_(b.half().float())
+            coded.weight.copy_(codes.widened())
+        coded.coded = codes
+        for tiles in (planed, coded):
+            if pack_linears(tiles) and tiles.packed.split is not None:
+                self.gemms.append(torch.inference_mode()(lambda tiles=tiles: tiles(a)))
         self.big = torch.ones(256 * 1024 * 1024 // 4)  # 256 MiB, far past the caches
         for warm in (*self.gemms, self.big.sum):
             warm()
