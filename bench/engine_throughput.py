@@ -32,6 +32,7 @@ from tandem.engine.model.coded_weight import CodedWeight
 from tandem.engine.model.linear import Linear, onednn_packed, pack_linears
 from tandem.engine.model.loader import LoadedModel, load_model
 from tandem.engine.model.model_config import ModelConfig
+from tandem.engine.model.split_planes import SPLIT_ROWS
 
 T = TypeVar("T")
 
@@ -401,7 +402,7 @@ def main() -> None:
         f" {'GFLOP/s':>8} {'GB/s':>6}"
     )
     # What a step streams of the weights, where it is not the float32 panels: narrow
-    # panels for up to WIDEN_ROWS rows, split planes' codes past that (AMX), and the LM
+    # panels for up to SPLIT_ROWS rows, split planes' codes past that (AMX), and the LM
     # head in bfloat16 where the greedy head screens it.
     model = llm.engine.runner.model
     decoder = model.packed_decoder
@@ -415,7 +416,10 @@ def main() -> None:
                 streamed[batch] = weights
     split = decoder is not None and decoder.layers[0].qkv[1][0].name().endswith("split_linear")
     if split:
-        print("products of more than 32 rows: float32 on AMX tiles from the codes (split planes)")
+        print(
+            f"products of more than {SPLIT_ROWS} rows: float32 on AMX tiles from the codes"
+            " (split planes)"
+        )
     narrow_shares, fma_shares = [], []
     for batch in (64, 1):
         batch_prompts = prompts(batch, 64)

@@ -6,13 +6,13 @@ against float32 panels.
 Baseline: the same engine and model with the float32 panels alone (the narrow
 panels dropped from the packed decoder and the LM head), in the same process. A
 GGUF model's quantised projections keep their codes beside the float32 panels, and
-products of up to 32 rows widen them in the kernel (coded_weight.py,
-csrc/panel_linear.cpp's WIDEN_ROWS); where the CPU has AMX, products of more rows run
-on its tiles from the same codes (split_planes.py, csrc/split_linear.cpp). This
-measures what both buy, two ways:
+products of few rows widen them in the kernel (coded_weight.py, up to
+csrc/panel_linear.cpp's WIDEN_ROWS, 32); where the CPU has AMX, products of more than
+SPLIT_ROWS (10) run on its tiles from the same codes (split_planes.py,
+csrc/split_linear.cpp). This measures what both buy, two ways:
 - the model's own products, a layer's four chained through all its layers, by rows:
-  the packed decoder's kernels for that many rows (narrow panels widened up to 32
-  rows, split planes past that where there are any) against float32 panels alone;
+  the packed decoder's kernels for that many rows (split planes past SPLIT_ROWS where
+  there are any, else narrow panels widened up to 32 rows) against float32 panels;
 - decode steps, paired: narrow then float32 (or the reverse) each round, at batch 1
   greedy, batch 1 sampled (the LM head's full logits from its codes) and batch 64.
 Figures are recorded in docs/benchmarks.md ("Narrow panels").
@@ -31,7 +31,7 @@ import torch
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.model.loader import load_model
 from tandem.engine.model.packed_decoder import PackedDecoder
-from tandem.engine.model.split_planes import WIDEN_ROWS
+from tandem.engine.model.split_planes import SPLIT_ROWS
 
 
 def float32_only(decoder: PackedDecoder) -> PackedDecoder:
@@ -52,7 +52,7 @@ def float32_only(decoder: PackedDecoder) -> PackedDecoder:
 
 def chained_products_ms(decoder: PackedDecoder, rows: int, rounds: int) -> float:
     """Best time of every layer's four products, each fed a fixed input of `rows` rows."""
-    first, large = decoder.layers[0], rows > WIDEN_ROWS
+    first, large = decoder.layers[0], rows > SPLIT_ROWS
     hidden = torch.randn(rows, first.qkv[0][1][0].shape[1]) / 8  # panels [P, in, columns]
     inner = torch.randn(rows, first.down[0][1][0].shape[1]) / 8
     best = float("inf")
@@ -107,7 +107,7 @@ def main() -> None:
     split = narrow.layers[0].qkv[1][0].name() == "tandem_cpu::split_linear"
     print(
         f"{args.model}: narrow panels {narrow.narrow_bytes() / 1e6:.0f} MB, {args.threads} threads;"
-        f" products of more than {WIDEN_ROWS} rows on "
+        f" products of more than {SPLIT_ROWS} rows on "
         + ("split planes (AMX)" if split else "the float32 panels (no AMX here)")
     )
 

@@ -21,9 +21,9 @@ from tandem.engine.model import cpu_kernels
 from tandem.engine.model.coded_weight import CodedWeight
 from tandem.engine.model.linear import GatedLinears, Linear, pack_linears
 from tandem.engine.model.split_planes import (
+    SPLIT_ROWS,
     TILE_COLUMNS,
     TILE_K,
-    WIDEN_ROWS,
     coded_planes,
     gated_planes,
     weight_planes,
@@ -164,7 +164,7 @@ def test_a_linear_runs_big_products_on_its_planes_and_small_ones_on_its_panels()
     assert linear.packed.split is not None
     (small, _), (large, _) = linear.packed.kernels()
     assert small.name() == "tandem_cpu::panel_linear" and large.name() == "tandem_cpu::split_linear"
-    for rows in (WIDEN_ROWS, WIDEN_ROWS + 1, 200):
+    for rows in (SPLIT_ROWS, SPLIT_ROWS + 1, 200):
         x = torch.randn(rows, 128)
         with torch.no_grad():
             within_float32_bound(linear(x), x, weight, extra=4)

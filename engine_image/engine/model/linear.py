@@ -51,7 +51,7 @@ from tandem.engine.model.coded_weight import (
     pack_gated_coded,
 )
 from tandem.engine.model.split_planes import (
-    WIDEN_ROWS,
+    SPLIT_ROWS,
     SplitPlanes,
     coded_planes,
     gated_planes,
@@ -76,7 +76,7 @@ class PackedWeight:
     # The kernel widens them where few rows make the weights' bytes count.
     narrow: NarrowPanels | None = None
     # The weight as bfloat16 planes for AMX's tiles (split_planes.py), exactly, where
-    # the CPU has them: products of more than WIDEN_ROWS rows run on them.
+    # the CPU has them: products of more than SPLIT_ROWS rows run on them.
     split: SplitPlanes | None = None
 
     @property
@@ -90,7 +90,7 @@ class PackedWeight:
         return (self.data, self.out_features, bias, self.silu_mul, *codes)
 
     def kernels(self, bias: torch.Tensor | None = None) -> tuple[tuple, tuple]:
-        """(kernel, its arguments after x) for products of up to WIDEN_ROWS rows, and for
+        """(kernel, its arguments after x) for products of up to SPLIT_ROWS rows, and for
         more: panel_linear, or split_linear where there are planes."""
         ops = torch.ops.tandem_cpu
         small = (ops.panel_linear.default, self.panel_args(bias))
@@ -104,7 +104,7 @@ class PackedWeight:
         if not self.panels:
             return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
         rows = x.reshape(-1, x.shape[-1])  # a row-strided 2-D view stays a view
-        kernel, args = self.kernels(bias)[rows.shape[0] > WIDEN_ROWS]
+        kernel, args = self.kernels(bias)[rows.shape[0] > SPLIT_ROWS]
         return kernel(rows, *args).view(*x.shape[:-1], self.out_features)
 
 

@@ -25,7 +25,7 @@ import torch
 from tandem.engine.model.attention import paged_attention
 from tandem.engine.model.attention_metadata import AttentionMetadata
 from tandem.engine.model.linear import PackedWeight
-from tandem.engine.model.split_planes import WIDEN_ROWS
+from tandem.engine.model.split_planes import PANEL_WIDEN_ROWS, SPLIT_ROWS
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +33,7 @@ class _Layer:
     """One decoder layer, as its kernels take it."""
 
     # Per product, PackedWeight.kernels(): (kernel, its arguments after x) for steps of
-    # up to WIDEN_ROWS rows, and for more.
+    # up to SPLIT_ROWS rows, and for more.
     qkv: tuple  # q, k and v's fused product
     q_size: int  # heads * head_dim: q's columns, then k's and v's kv_size each
     kv_size: int  # kv_heads * head_dim
@@ -115,10 +115,10 @@ class PackedDecoder:
         total = 0
         for layer in self.layers:
             for kernels in (layer.qkv, layer.o, layer.gated, layer.down):
-                kernel, args = kernels[rows > WIDEN_ROWS]
+                kernel, args = kernels[rows > SPLIT_ROWS]
                 if kernel.name() == "tandem_cpu::split_linear":
                     weights = [t for t in args if isinstance(t, torch.Tensor)]
-                elif args[4] is not None and rows <= WIDEN_ROWS:  # panel_linear's codes
+                elif args[4] is not None and rows <= PANEL_WIDEN_ROWS:  # widened codes
                     weights = [t for t in args[4:] if t is not None]
                 else:
                     weights = [args[0]]
@@ -143,7 +143,7 @@ class PackedDecoder:
         # The overloads themselves: the packets would resolve them on every call.
         rope, add_rms_norm = ops.rope_.default, ops.add_rms_norm_.default
         rows = x.shape[0]
-        large = rows > WIDEN_ROWS  # which of each product's kernels
+        large = rows > SPLIT_ROWS  # which of each product's kernels
         h = ops.rms_norm.default(x, self.first_norm, self.first_eps)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             linear, args = layer.qkv[large]

@@ -10,8 +10,8 @@ Where the CPU has AMX (a Xeon since Sapphire Rapids), its tiles multiply bfloat1
 products: it splits x into three bfloat16 parts exactly, multiplies them by weights
 that are exactly bfloat16 values, each product exact in float32, and the tiles sum
 them in float32 (the file says which terms it leaves out, each under 2^-24 of its
-product). A decode step of more rows than the codes' widening serves (panel_linear's
-WIDEN_ROWS) or a prefill is bound by the float32 FMAs; on the tiles, SmolLM2's
+product). Past a few rows (SPLIT_ROWS), a decode step or a prefill is bound by the
+float32 FMAs, and the codes' widening (coded_weight.py) adds to them; on the tiles, SmolLM2's
 products chained through its layers ran ~1.45x as fast at 64 rows and ~1.7x at 1,024,
 a Xeon, 2 threads (docs/benchmarks.md).
 
@@ -44,9 +44,13 @@ TILE_K = 32  # inputs a tile's row of bfloat16 pairs covers
 # Planes a stored weight may take: two (4 bytes a weight, as the float32 panels).
 MOST_PLANES = 2
 MOST_CODED_PLANES = 3  # the offsets' columns: any float32 value
-# Products of more rows than this run on the planes; fewer widen the codes (the same as
-# panel_linear's WIDEN_ROWS: at 32 rows the widened codes were the faster, at 64 the planes).
-WIDEN_ROWS = 32
+# Products of more rows than this run on the planes; fewer widen the codes in
+# panel_linear (which widens up to its own WIDEN_ROWS, 32, where there are no planes).
+# Chained SmolLM2 products, a Xeon: 8 rows 9.3 ms widened against 12.5 on the tiles, 12
+# rows 13.6 against 12.5, 16 14.7 against 12.8, 32 24.8 against 17.1 (a row tile of the
+# tiles takes 16 rows, so up to 16 cost alike there).
+SPLIT_ROWS = 10
+PANEL_WIDEN_ROWS = 32  # csrc/panel_linear.cpp's WIDEN_ROWS
 
 
 @dataclass(frozen=True)
