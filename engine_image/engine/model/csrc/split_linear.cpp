@@ -1,40 +1,37 @@
-// split_linear: y = x @ W^T in float32 arithmetic on AMX's bfloat16 tiles, for weights
-// that are exactly the sum of one to three bfloat16 "planes" (split_planes.py): a
-// quantised checkpoint's scale * code (Q4/Q5 with float16 scales: at most 16
-// significant bits, two planes; Q8_0 19, three), or a bfloat16 checkpoint's weights
-// (one plane).
+// split_linear: y = x @ W^T in float32 arithmetic on AMX's bfloat16 tiles
+// (split_planes.py), for weights given as their quantised checkpoint's int8 codes and
+// scales (a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0), or as one or two stored bfloat16
+// "planes" summing to them exactly (a bfloat16 or float16 checkpoint's).
 //
 //   split_linear(x [M, K], planes, N, sums_block, bias?, silu_mul, codes?, scales?) -> [M, N]
 //
 // x is split exactly into three bfloat16 parts, x = x0 + x1 + x2 (8 significant bits
-// each, by truncation: float32's 24), and W = w0 (+ w1). Every product xi * wj of two
-// bfloat16 is exact in float32, and tdpbf16ps sums them in float32, so y is a float32
-// dot product of the exact weights, summed in another order than the float32 panels'
-// FMAs. Terms with i + j > 2 are left out: each is below 2^-24 of its product, under
-// float32's rounding of the sum (the tests hold y to float32's error bound for a dot
-// product against float64). Per 16 x 16 x 32 block: one plane 3 tdpbf16ps, two 5,
-// three 6; AVX-512's FMAs take 256 cycles for the block, a tdpbf16ps 16 at best (~33 here,
-// its tiles loaded from L2).
+// each, by truncation: float32's 24). Every product of two bfloat16 is exact in float32,
+// and tdpbf16ps sums them in float32, so y is a float32 dot product of the exact
+// weights, summed in another order than the float32 panels' FMAs (the tests hold y to
+// float32's error bound for a dot product against float64).
 //
-// Offsets: a Q4_1/Q5_1 weight is scale * code + offset per block of 32 k; the offsets
-// carry float16's 11 bits and would not fit two planes beside the products. They ride
-// as extra k instead: W's planes continue past K with the offsets of each block of
+// codes, scales: int8 codes in the planes' layout (below) and each column's scale per
+//   block of 32 k (twice: the pairs' layout). Each thread converts a column pair's codes
+//   to bfloat16 (small integers: exact); the tiles multiply x's three parts by them, 3
+//   tdpbf16ps per 16 x 16 x 32 block whatever the code type, and each block's sums take
+//   their column's scale in float32 as they leave the tiles (tile_block_scaled).
+//   Against expanding scale * code to two planes (Q8_0: three) and 5 (6) tdpbf16ps a
+//   block: chained SmolLM2 products 64 rows 27.7 ms against 31.0-32.2, 1,024 rows 358
+//   against 395 (docs/benchmarks.md). AVX-512's FMAs take 256 cycles for the block, a
+//   tdpbf16ps 16 at best (~30 here, its tiles loaded from L2).
+// planes: stored weights, W = w0 (+ w1): terms xi * wj with i + j > 2 are left out,
+//   each below 2^-24 of its product, under float32's rounding of the sum (one plane: 3
+//   tdpbf16ps a block, two: 5). [T, KX / 32, J, 16, 32] bfloat16: per tile of 16 output
+//   columns and block of 32 k, J planes, each an AMX B tile: row q holds the column
+//   pairs (W[n, 2q], W[n, 2q + 1]) of the 16 columns. With codes, only the offsets'
+//   columns (the tail). For silu_mul the tiles alternate gate, up, gate, up... over the
+//   same 16 columns, and y = silu(x @ gate^T) * (x @ up^T).
+//
+// Offsets: a Q4_1/Q5_1 weight is scale * code + offset per block of 32 k. The offsets
+// ride as extra k: W's planes continue past K with the offsets of each block of
 // sums_block k (zero-padded to whole tiles), and x's with its sums over those blocks,
 // x_block . (offset, ...) = offset * sum(x_block). sums_block 0: no such columns.
-//
-// planes: [T, KX / 32, J, 16, 32] bfloat16: per tile of 16 output columns and block of
-//   32 k (KX = K, plus the sums' columns padded to 32), J planes, each an AMX B tile:
-//   row q holds the column pairs (W[n, 2q], W[n, 2q + 1]) of the 16 columns. For
-//   silu_mul the tiles alternate gate, up, gate, up... over the same 16 columns, and
-//   y = silu(x @ gate^T) * (x @ up^T).
-// codes, scales: a coded weight's int8 codes in the planes' layout and each column's
-//   scale (twice: the pairs' layout). Each thread converts a column pair's codes to
-//   bfloat16 (exact) and the tiles multiply x's parts by the codes themselves, 3
-//   tdpbf16ps a block whatever the code type; each block's sums take their column's
-//   scale as they leave the tiles, in float32 (tile_block_scaled). `planes` then holds
-//   only the offsets' columns. Against expanding scale * code to two planes (5
-//   tdpbf16ps a block, three for Q8_0: 6): chained SmolLM2 products alike at 64 rows,
-//   3-10 % faster at 33, 128 and 1,024 (docs/benchmarks.md).
 //
 // Register blocking: 2 x 2 tiles of C (two 16-row tiles of x by two column tiles), the
 // two A tiles of x's parts and the two B tiles of a plane reloaded each step: the 8
