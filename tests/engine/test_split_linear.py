@@ -186,6 +186,14 @@ def test_gated_linears_take_both_weights_planes() -> None:
 
 
 @needs_amx
+def test_empty_products() -> None:
+    planes = weight_planes(torch.randn(40, 64).bfloat16().float())
+    assert split(torch.randn(0, 64), planes, 40).shape == (0, 40)
+    none = weight_planes(torch.zeros(0, 64))
+    assert split(torch.randn(5, 64), none, 0).shape == (5, 0)
+
+
+@needs_amx
 def test_bad_arguments_are_named() -> None:
     codes, _ = coded(32, 64)
     planes = coded_planes(codes)

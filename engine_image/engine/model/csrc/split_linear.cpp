@@ -360,7 +360,7 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
                 "split_linear: bias must be float32 [out_features]");
   }
   at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0) return out;
+  if (M == 0 || N == 0) return out;
   const int64_t MT = (M + amx::ROWS - 1) / amx::ROWS;
   const int64_t row_tile_elems = KB * PARTS * TILE;
   const Product p{reinterpret_cast<const uint16_t*>(planes.data_ptr()), KB, J, M, N,
