@@ -43,7 +43,7 @@ TILE_COLUMNS = 16  # output columns of an AMX tile of sums
 TILE_K = 32  # inputs a tile's row of bfloat16 pairs covers
 # Planes a stored weight may take: two (4 bytes a weight, as the float32 panels).
 MOST_PLANES = 2
-MOST_CODED_PLANES = 3  # the offsets' columns: any float32 value
+MOST_TAIL_PLANES = 3  # the offsets' columns: any float32 value
 # Products of more rows than this run on the planes; fewer widen the codes in
 # panel_linear (which widens up to its own WIDEN_ROWS, 32, where there are no planes).
 # Chained SmolLM2 products, a Xeon: 8 rows 9.3 ms widened against 12.5 on the tiles, 12
@@ -64,8 +64,8 @@ class SplitPlanes:
     # x's sums over each block of this many inputs meet the offsets' columns; 0: none.
     sums_block: int
     # A coded weight's codes, int8 [column tiles, k blocks, 16, 32] in the planes' layout,
-    # which the kernel expands to the two planes of scale * code as it goes; `planes`
-    # then holds only the offsets' columns (the tail). None: the planes hold it all.
+    # which the tiles multiply by as they are (each block's sums then take its scale);
+    # `planes` then holds only the offsets' columns (the tail). None: the planes hold it all.
     codes: torch.Tensor | None = None
     # The codes' scales, float32 [column tiles, k blocks, 32]: each column's twice (its pair).
     scales: torch.Tensor | None = None
@@ -99,7 +99,7 @@ def coded_planes(coded: CodedWeight) -> SplitPlanes | None:
     if coded.offsets is not None:
         tail = torch.zeros(n, _whole_tiles(coded.offsets.shape[1]))
         tail[:, : coded.offsets.shape[1]] = coded.offsets
-    tail_planes = _planes_of(tail, MOST_CODED_PLANES)  # float32 values: three at most
+    tail_planes = _planes_of(tail, MOST_TAIL_PLANES)  # float32 values: three at most
     if tail_planes is None:
         return None
     return SplitPlanes(
