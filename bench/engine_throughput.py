@@ -414,7 +414,7 @@ def main() -> None:
             weights = decoder.weight_bytes(batch) + head_bytes
             if weights < float32_bytes * 0.9:
                 streamed[batch] = weights
-    split = decoder is not None and decoder.layers[0].qkv[1][0].name().endswith("split_linear")
+    split = decoder is not None and decoder.on_tiles()
     if split:
         print(
             f"products of more than {SPLIT_ROWS} rows: float32 on AMX tiles from the codes"

@@ -34,22 +34,6 @@ from tandem.engine.model.packed_decoder import PackedDecoder
 from tandem.engine.model.split_planes import SPLIT_ROWS
 
 
-def float32_only(decoder: PackedDecoder) -> PackedDecoder:
-    """The decoder's records on the float32 panels alone: the narrow panels dropped
-    (panel_args' last three), and panel_linear for every row count."""
-
-    def wide(kernels: tuple) -> tuple:
-        (linear, args), _ = kernels
-        small = (linear, (*args[:4], None, None, None))
-        return small, small
-
-    layers = [
-        dataclasses.replace(r, qkv=wide(r.qkv), o=wide(r.o), gated=wide(r.gated), down=wide(r.down))
-        for r in decoder.layers
-    ]
-    return PackedDecoder(decoder.first_norm, decoder.first_eps, layers)
-
-
 def chained_products_ms(decoder: PackedDecoder, rows: int, rounds: int) -> float:
     """Best time of every layer's four products, each fed a fixed input of `rows` rows."""
     first, large = decoder.layers[0], rows > SPLIT_ROWS
@@ -101,10 +85,10 @@ def main() -> None:
     narrow = model.packed_decoder
     if narrow is None or narrow.narrow_bytes() is None:
         raise SystemExit(f"{args.model}: its projections have no narrow panels to measure")
-    wide = float32_only(narrow)
+    wide = narrow.float32_only()
     head_narrow = model.lm_head.packed
     head_wide = dataclasses.replace(head_narrow, narrow=None, split=None)
-    split = narrow.layers[0].qkv[1][0].name() == "tandem_cpu::split_linear"
+    split = narrow.on_tiles()
     print(
         f"{args.model}: narrow panels {narrow.narrow_bytes() / 1e6:.0f} MB, {args.threads} threads;"
         f" products of more than {SPLIT_ROWS} rows on "

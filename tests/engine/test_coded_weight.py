@@ -9,7 +9,6 @@ them must give the float32 panels' bits.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import gguf
@@ -295,22 +294,8 @@ def test_a_bfloat16_checkpoint_loaded_in_float32_multiplies_in_16_bits(tmp_path:
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     llm = LLM(loaded, num_kv_blocks=16)
     narrow = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
-    decoder = loaded.model.packed_decoder
-
-    def float32_panels(kernels: tuple) -> tuple:
-        (linear, args), _ = kernels  # panel_linear's: panels, out_features, bias, silu_mul
-        return (linear, args[:4]), (linear, args[:4])
-
-    decoder.layers = [
-        dataclasses.replace(
-            r,
-            qkv=float32_panels(r.qkv),
-            o=float32_panels(r.o),
-            gated=float32_panels(r.gated),
-            down=float32_panels(r.down),
-        )
-        for r in decoder.layers
-    ]  # the float32 panels alone
+    # The float32 panels alone:
+    loaded.model.packed_decoder = loaded.model.packed_decoder.float32_only()
     wide = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
     assert narrow == wide
 

@@ -18,6 +18,7 @@ and module call paid misses.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,27 @@ class PackedDecoder:
             return None
         return sum(t.numel() * t.element_size() for n in narrow for t in n if t is not None)
 
+    def on_tiles(self) -> bool:
+        """Whether products of more than SPLIT_ROWS rows run on AMX tiles (split_linear)."""
+        return _is_split(self.layers[0].qkv[1][0])
+
+    def float32_only(self) -> PackedDecoder:
+        """The same layers on the float32 panels alone, at every row count: the narrow
+        panels (panel_args' last three) and the split planes dropped (benches, tests)."""
+
+        def wide(kernels: tuple) -> tuple:
+            (linear, args), _ = kernels
+            small = (linear, (*args[:4], None, None, None))
+            return small, small
+
+        layers = [
+            dataclasses.replace(
+                r, qkv=wide(r.qkv), o=wide(r.o), gated=wide(r.gated), down=wide(r.down)
+            )
+            for r in self.layers
+        ]
+        return PackedDecoder(self.first_norm, self.first_eps, layers)
+
     def weight_bytes(self, rows: int) -> int:
         """Bytes of weights the projections of a step of `rows` rows read: the narrow
         panels where the kernel widens them, the split planes (or their codes) where
@@ -116,7 +138,7 @@ class PackedDecoder:
         for layer in self.layers:
             for kernels in (layer.qkv, layer.o, layer.gated, layer.down):
                 kernel, args = kernels[rows > SPLIT_ROWS]
-                if kernel.name() == "tandem_cpu::split_linear":
+                if _is_split(kernel):
                     weights = [t for t in args if isinstance(t, torch.Tensor)]
                 elif args[4] is not None and rows <= PANEL_WIDEN_ROWS:  # widened codes
                     weights = [t for t in args[4:] if t is not None]
@@ -164,6 +186,10 @@ class PackedDecoder:
             down = linear(gated, *args)
             h = add_rms_norm(x, down, layer.next_norm, layer.next_eps)
         return h
+
+
+def _is_split(kernel) -> bool:
+    return kernel is torch.ops.tandem_cpu.split_linear.default
 
 
 def _float32_panels(packed: PackedWeight | None) -> bool:
