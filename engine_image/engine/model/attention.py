@@ -25,9 +25,10 @@ Paths, chosen by the step kind:
   rows before it, and its V, zeroed there, is added back only to the rows that
   read it.
 - prefill on CPU with head_dim a multiple of 32, when the C++ kernels built: one
-  causal_attention call per sequence (csrc/prefill_attention.cpp), the chunk's
-  queries against its own K/V, or against the whole context gathered from the
-  cache after cached tokens.
+  kernel call per sequence, the chunk's queries against its own K/V, or against the
+  whole context gathered from the cache after cached tokens: float32 on AMX tiles
+  (csrc/split_attention.cpp) for SPLIT_ATTENTION_QUERIES queries or more where the
+  CPU has them, else causal_attention (csrc/prefill_attention.cpp) on the FMA units.
 - prefill otherwise (any chunk length): torch SDPA per sequence (flash kernels where
   they apply), is_causal when there is no cached prefix, an explicit mask when there is.
 """
@@ -43,6 +44,10 @@ from tandem.engine.model.model_config import ModelConfig
 
 # The C++ prefill kernel's register tiles are 32 floats wide (csrc/prefill_attention.cpp).
 PREFILL_HEAD_DIM_MULTIPLE = 32
+# A sequence's queries from which float32 prefill attention on AMX tiles
+# (csrc/split_attention.cpp) beats the FMA kernel: 1.1x at 32 (1.2-1.3x from 64), 0.76x
+# at 16, where most of its 32-row tiles would be padding (docs/benchmarks.md).
+SPLIT_ATTENTION_QUERIES = 32
 
 
 def allocate_kv_cache(
@@ -199,7 +204,7 @@ def _prefill(
             ks, vs = kv[0], kv[1]
         if ops is not None:
             dense = [_dense_heads(x) for x in (qs, ks, vs)]
-            outputs.append(ops.causal_attention(*dense, scale))
+            outputs.append(_causal_kernel(ops, qs)(*dense, scale))
             continue
         # SDPA wants [batch, heads, len, D]; 3-D inputs measured ~10x slower on CPU.
         o = F.scaled_dot_product_attention(
@@ -228,3 +233,12 @@ def _prefill_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> object
     if ops is not None and q.dtype == torch.bfloat16 and ops.amx_ready():
         return None
     return ops
+
+
+def _causal_kernel(ops, q: torch.Tensor):
+    """Which kernel takes one sequence's queries q [T, H, D]: float32 on AMX tiles
+    (split_causal_attention) from SPLIT_ATTENTION_QUERIES of them where the CPU has the
+    tiles, else the FMA kernel (causal_attention)."""
+    if q.dtype == torch.float32 and q.shape[0] >= SPLIT_ATTENTION_QUERIES and ops.amx_ready():
+        return ops.split_causal_attention
+    return ops.causal_attention

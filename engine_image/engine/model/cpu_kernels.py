@@ -48,6 +48,7 @@ SOURCES = (
     CSRC / "panel_linear.cpp",  # the float32 projections (linear.py)
     CSRC / "greedy_head.cpp",  # greedy rows' LM head (greedy_head.py)
     CSRC / "split_linear.cpp",  # float32 products on AMX tiles (split_planes.py)
+    CSRC / "split_attention.cpp",  # float32 prefill attention on AMX tiles
 )
 
 

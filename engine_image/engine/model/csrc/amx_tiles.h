@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace tandem::amx {
 
@@ -62,6 +63,42 @@ class Tiles {
   Tiles(const Tiles&) = delete;
   Tiles& operator=(const Tiles&) = delete;
 };
+
+// A buffer per thread (Tag tells the uses apart): allocated once, not per call, and on a
+// cache line, as tile rows must be (a row across two lines is two loads).
+template <typename Tag>
+uint16_t* thread_buffer(int64_t elems) {
+  struct Line {
+    alignas(64) uint16_t elems[32];
+  };
+  thread_local std::vector<Line> buffer;
+  const int64_t lines = (elems + 31) / 32;
+  if (static_cast<int64_t>(buffer.size()) < lines) buffer.resize(lines);
+  return buffer.front().elems;
+}
+
+#if defined(__AVX512BF16__)
+constexpr int PARTS = 3;                              // a float32's bfloat16 parts
+constexpr int64_t TILE_ELEMS = ROWS * PAIRS * 2;      // bfloat16 in a tile (512)
+
+// The three bfloat16 parts of 32 floats (a: the first 16, b: the next 16), each stored as
+// a row of 32 bfloat16 at t, t + stride, t + 2 * stride. x = x0 + x1 + x2 exactly: x0 is
+// x truncated to 8 significant bits, x1 the next 8 of what is left, x2 the rest
+// (float32's 24 bits). Every product of two parts is exact in float32, so the tiles
+// multiply float32 values through their parts' products (split_linear.cpp).
+inline void split_parts(__m512 a, __m512 b, uint16_t* t, int64_t stride) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int p = 0; p < PARTS; ++p, t += stride) {
+    const __m512 ha = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), high));
+    const __m512 hb = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(b), high));
+    // Both are bfloat16 values: the conversion's rounding leaves them as they are.
+    const __m512bh part = _mm512_cvtne2ps_pbh(hb, ha);
+    _mm512_storeu_si512(t, reinterpret_cast<const __m512i&>(part));
+    a = _mm512_sub_ps(a, ha);  // exact: the bits below
+    b = _mm512_sub_ps(b, hb);
+  }
+}
+#endif  // __AVX512BF16__
 
 }  // namespace tandem::amx
 

@@ -250,6 +250,7 @@ TORCH_LIBRARY(tandem_cpu, m) {
       "Tensor block_tables, Tensor context_lens, Tensor query_start, float scale, bool? group_heads=None) -> "
       "Tensor");
   m.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def("split_causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");

@@ -1,6 +1,7 @@
 // Helpers shared by Tandem's CPU kernels (cpu_kernels.cpp, the two attention kernels, panel_linear.cpp).
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
@@ -351,6 +352,22 @@ void dispatch_float_types(at::ScalarType t, const char* name, F&& f) {
     default:
       TORCH_CHECK(false, name, ": unsupported dtype ", t);
   }
+}
+
+// The checks the causal attention kernels share (prefill_attention.cpp's contract): q
+// [T, H, D], k and v [L, KVH, D] with L >= T and H a multiple of KVH, each row's heads
+// dense, all on the CPU in one dtype.
+inline void check_causal_inputs(const char* name, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, name, ": q, k, v must be [rows, heads, D]");
+  for (const at::Tensor* x : {&q, &k, &v}) {
+    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2), name, ": each row's heads must be dense");
+    TORCH_CHECK(x->device().is_cpu() && x->scalar_type() == q.scalar_type(), name,
+                ": q, k, v must be CPU tensors of one dtype");
+  }
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), L = k.size(0), KVH = k.size(1);
+  TORCH_CHECK(v.sizes() == k.sizes() && k.size(2) == D, name, ": k and v must be [L, KVH, D] as q's D");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, name, ": query heads must be a multiple of KV heads");
+  TORCH_CHECK(L >= T, name, ": the context (", L, ") is shorter than the queries (", T, ")");
 }
 
 }  // namespace tandem

@@ -286,16 +286,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
 }
 
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "causal_attention: q, k, v must be [rows, heads, D]");
-  for (const at::Tensor* x : {&q, &k, &v}) {
-    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2), "causal_attention: each row's heads must be dense");
-    TORCH_CHECK(x->device().is_cpu() && x->scalar_type() == q.scalar_type(),
-                "causal_attention: q, k, v must be CPU tensors of one dtype");
-  }
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), L = k.size(0), KVH = k.size(1);
-  TORCH_CHECK(v.sizes() == k.sizes() && k.size(2) == D, "causal_attention: k and v must be [L, KVH, D] as q's D");
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "causal_attention: query heads must be a multiple of KV heads");
-  TORCH_CHECK(L >= T, "causal_attention: the context (", L, ") is shorter than the queries (", T, ")");
+  check_causal_inputs("causal_attention", q, k, v);
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   TORCH_CHECK(D % HEAD_DIM_MULTIPLE == 0, "causal_attention: head_dim must be a multiple of ", HEAD_DIM_MULTIPLE);
   at::Tensor out = q.new_empty({T, H, D});
   if (T == 0) return out;

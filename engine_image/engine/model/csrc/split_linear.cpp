@@ -60,25 +60,15 @@ namespace {
 
 namespace amx = tandem::amx;
 
-constexpr int PARTS = 3;                           // x's bfloat16 parts
-constexpr int64_t TILE = amx::ROWS * amx::PAIRS * 2;  // bfloat16 in a tile (512)
+constexpr int PARTS = amx::PARTS;                  // x's bfloat16 parts
+constexpr int64_t TILE = amx::TILE_ELEMS;            // bfloat16 in a tile (512)
 constexpr int64_t KT = amx::PAIRS * 2;               // k a tile covers (32)
 // x's split parts per thread block of rows stay in L2 beside the planes being read.
 constexpr int64_t SPLIT_BYTES = int64_t{1} << 20;
 
 // The three bfloat16 parts of 32 floats, stored as rows of tiles t, t + TILE, t + 2 TILE.
 inline void split32(const float* src, uint16_t* t) {
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
-  for (int p = 0; p < PARTS; ++p, t += TILE) {
-    const __m512 ha = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), high));
-    const __m512 hb = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(b), high));
-    // Both are bfloat16 values: the conversion's rounding leaves them as they are.
-    const __m512bh part = _mm512_cvtne2ps_pbh(hb, ha);
-    _mm512_storeu_si512(t, reinterpret_cast<const __m512i&>(part));
-    a = _mm512_sub_ps(a, ha);  // exact: the bits below
-    b = _mm512_sub_ps(b, hb);
-  }
+  amx::split_parts(_mm512_loadu_ps(src), _mm512_loadu_ps(src + 16), t, TILE);
 }
 
 // Row m of x into the A tiles: parts [row tile][KX / 32][3][16][32].
@@ -304,18 +294,6 @@ void convert(const CodedTiles& w, int64_t c, uint16_t* out, int64_t tail_planes,
   if (w.KBO) std::memcpy(out, w.tail + c * w.KBO * tail_planes * TILE, w.KBO * tail_planes * TILE * sizeof(uint16_t));
 }
 
-// A buffer per thread (Tag tells the uses apart): allocated once, not per product, and
-// on a cache line, as tile rows must be (a row across two lines is two loads).
-template <typename Tag>
-uint16_t* thread_buffer(int64_t elems) {
-  struct Line {
-    alignas(64) uint16_t elems[32];
-  };
-  thread_local std::vector<Line> buffer;
-  const int64_t lines = (elems + 31) / 32;
-  if (static_cast<int64_t>(buffer.size()) < lines) buffer.resize(lines);
-  return buffer.front().elems;
-}
 struct PartsTag;     // x's parts
 struct ExpandedTag;  // a column pair's planes
 
@@ -380,10 +358,10 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t n_begin = pairs_n * t / nt, n_end = pairs_n * (t + 1) / nt;
     const amx::Tiles tiles{8};
-    uint16_t* expanded = codes ? thread_buffer<ExpandedTag>(2 * tile_elems) : nullptr;
+    uint16_t* expanded = codes ? amx::thread_buffer<ExpandedTag>(2 * tile_elems) : nullptr;
     // Each thread splits the rows it multiplies itself, into its own buffer: the parts
     // another core wrote would reach this one line by line from that core's cache.
-    uint16_t* parts = thread_buffer<PartsTag>(std::min(MT, 2 * block_pairs) * row_tile_elems);
+    uint16_t* parts = amx::thread_buffer<PartsTag>(std::min(MT, 2 * block_pairs) * row_tile_elems);
     for (int64_t mb = 0; mb < pairs_m; mb += block_pairs) {
       const int64_t first_tile = 2 * mb, last_tile = std::min(MT, 2 * (mb + block_pairs));
       for (int64_t r = first_tile * amx::ROWS; r < last_tile * amx::ROWS; ++r) {
