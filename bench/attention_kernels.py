@@ -10,10 +10,13 @@ budget) and a baseline: the same paged context gathered into a padded
 Both paged paths also write the step's K/V into the cache, as they do in the model.
 Prefill ("ours": the C++ prefill kernel, over the context gathered from the cache
 when some of it was cached) against SDPA on contiguous tensors with is_causal, i.e.
-attention with no paging at all. Times are the minimum over interleaved rounds (the
-CPU may be shared). --sharpness S multiplies the queries by S: scores spread S times
-as far; at S ~600 they lie hundreds apart, as a very sharp head's do, and the softmax's
-products fall under float32's normal range (2^-126): the case for denormal arithmetic.
+attention with no paging at all; in float32 where the CPU has AMX, also both C++
+prefill kernels on those tensors: on the tiles (split_attention.cpp, which "ours"
+takes there) and on the FMA units (prefill_attention.cpp). Times are the minimum over
+interleaved rounds (the CPU may be shared). --sharpness S multiplies the queries by S:
+scores spread S times as far; at S ~600 they lie hundreds apart, as a very sharp head's
+do, and the softmax's products fall under float32's normal range (2^-126): the case for
+denormal arithmetic.
 """
 
 from __future__ import annotations
@@ -163,7 +166,13 @@ def bench_prefill(
     def ours() -> torch.Tensor:
         return paged_attention(q, k, v, cache, meta, scale)
 
-    return fastest_ms({"ours": ours, "sdpa": sdpa}, rounds)
+    fns = {"ours": ours, "sdpa": sdpa}
+    ops = cpu_kernels.load()
+    if dtype == torch.float32 and ops is not None and ops.amx_ready() and head_dim % 32 == 0:
+        # Both C++ prefill kernels on the same unpaged K/V: AMX tiles against FMA units.
+        fns["tiles"] = lambda: ops.split_causal_attention(q, k_all, v_all, scale)
+        fns["fma"] = lambda: ops.causal_attention(q, k_all, v_all, scale)
+    return fastest_ms(fns, rounds)
 
 
 def main() -> None:
@@ -209,7 +218,13 @@ def main() -> None:
                 t = bench_prefill(shape, dtype, new, cached, args.rounds, args.sharpness)
                 case = f"{tag} prefill {new} after {cached} {dt}"
                 ratio = t["sdpa"] / t["ours"]
-                print(f"{case:54s} ours {t['ours']:8.2f} sdpa {t['sdpa']:8.2f} ratio {ratio:.2f}")
+                line = f"{case:54s} ours {t['ours']:8.2f} sdpa {t['sdpa']:8.2f} ratio {ratio:.2f}"
+                if "tiles" in t:
+                    line += (
+                        f"   tiles {t['tiles']:7.2f} fma {t['fma']:7.2f}"
+                        f" fma/tiles {t['fma'] / t['tiles']:.2f}"
+                    )
+                print(line)
 
 
 if __name__ == "__main__":

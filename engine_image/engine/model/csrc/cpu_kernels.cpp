@@ -1,5 +1,5 @@
 // CPU kernels for Tandem's model runtime, built just in time by cpu_kernels.py into
-// one library with decode_attention.cpp, prefill_attention.cpp and panel_linear.cpp. This file
+// one library with the files cpu_kernels.py's SOURCES names. This file
 // declares every op of the library (TORCH_LIBRARY below) and holds the small ones:
 //
 // rms_norm, add_rms_norm_, rope_, silu_mul: the elementwise chains of a Llama
@@ -7,13 +7,16 @@
 // argmax_rows: greedy sampling's argmax over the vocabulary, vectorised (torch's
 //   CPU argmax is a scalar loop: 3 ms for 64 rows of 49k logits, against 0.6).
 //
-// The attention kernels: paged_decode_attention (decode_attention.cpp) and
-// causal_attention (prefill_attention.cpp); what they share is in kernel_common.h.
-// The float32 projections: pack_panels and panel_linear (panel_linear.cpp).
+// The attention kernels: paged_decode_attention (decode_attention.cpp),
+// causal_attention (prefill_attention.cpp) and, in float32 on AMX tiles,
+// split_causal_attention (split_attention.cpp); what they share is in kernel_common.h.
+// The float32 projections: pack_panels and panel_linear (panel_linear.cpp), and on AMX
+// tiles split_linear (split_linear.cpp).
 // Greedy rows' LM head: pack_bf16_panels, greedy_head and amx_ready (greedy_head.cpp).
 // cpu_kernels.py compiles with -mavx2 -mfma -mf16c where the CPU has them,
 // -mavx512f -mavx512vl where present (32 vector registers for the prefill
-// kernel's tiles), then -mavx512bf16 and -mamx-tile -mamx-bf16 (greedy_head's screens).
+// kernel's tiles), then -mavx512bf16 and -mamx-tile -mamx-bf16 (greedy_head's screens,
+// the split_* kernels).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -1,4 +1,4 @@
-// Helpers shared by Tandem's CPU kernels (cpu_kernels.cpp, the two attention kernels, panel_linear.cpp).
+// Helpers shared by Tandem's CPU kernels (cpu_kernels.cpp, the attention kernels, panel_linear.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -5,10 +5,11 @@
 // tdpbf16ps a 16 x 16 x 32 block; the others lie below 2^-24 of their product), summed in
 // float32. Built with cpu_kernels.cpp, which declares the op.
 //
-// One work item per (KV head, block of QB = 32 query positions), as the FMA kernel's; for
-// each of the KV head's G query heads in turn, the block's two 16-row tiles of queries:
+// One work item per (KV head, block of QB = 32 query positions), as the FMA kernel's,
+// for the KV head's G query heads, each as two 16-row tiles of queries:
 //   1. scores S [32, keys seen] = Q K^T on the tiles (log2 units: the query scale
-//      includes log2(e)), stored to the thread's buffer;
+//      includes log2(e)), stored to the thread's buffer; a key block at a time for all G
+//      heads, so that its K planes serve them from L1;
 //   2. each row's softmax over its visible keys in float32 (max, exp2, sum: exact max,
 //      no online rescaling, as the whole row is at hand), its probabilities split into
 //      the three parts of P's A tiles (masked keys: zeros);
@@ -21,14 +22,15 @@
 // Register blocking: 2 x 2 C tiles (the two row tiles by two column tiles: 32 keys of S,
 // or 32 head dims of O), two A tiles and two B tiles reloaded each term, the 8 tiles a
 // core has; a part of A is loaded once for the planes of B it meets.
+//
+// Measured (SmolLM2's 1,024-token prefill layer, a Xeon, 2 threads): 3.6-4.1 ms against
+// the FMA kernel's 4.5-4.9; ~55 % of it on the tiles (~9 ns a tdpbf16ps, their tiles
+// from L1 and L2), ~28 % the softmax and its split (docs/benchmarks.md).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
-
-#include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
