@@ -1,4 +1,4 @@
-// Intel AMX's tile registers, for the kernels that multiply bfloat16 on them (greedy_head.cpp).
+// Intel AMX's tile registers, for the kernels that multiply bfloat16 on them (greedy_head.cpp, split_*.cpp).
 //
 // A tile is up to 16 rows of 64 bytes. tdpbf16ps C, A, B adds to C [16 x 16 float32] the
 // products of A [16 rows x 32 bfloat16] and B [16 rows of 16 column pairs]: B's row q holds
@@ -85,7 +85,7 @@ constexpr int64_t TILE_ELEMS = ROWS * PAIRS * 2;      // bfloat16 in a tile (512
 // a row of 32 bfloat16 at t, t + stride, t + 2 * stride. x = x0 + x1 + x2 exactly: x0 is
 // x truncated to 8 significant bits, x1 the next 8 of what is left, x2 the rest
 // (float32's 24 bits). Every product of two parts is exact in float32, so the tiles
-// multiply float32 values through their parts' products (split_linear.cpp).
+// multiply float32 values through their parts' products (split_linear.cpp, split_attention.cpp).
 inline void split_parts(__m512 a, __m512 b, uint16_t* t, int64_t stride) {
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int p = 0; p < PARTS; ++p, t += stride) {
