@@ -91,8 +91,9 @@ void split_key_tile(const float* k, int64_t k_stride, int64_t first, int64_t con
 }
 
 // The three bfloat16 parts of 32 floats (a: keys 0..15, b: keys 16..31) as A-tile rows at
-// t, t + TILE, t + 2 TILE, in KEY_ORDER: each part's top halves packed by vpackusdw, which
-// interleaves a's and b's 128-bit lanes (the pairs of V's planes follow the same order).
+// t, t + TILE, t + 2 TILE, in key_at's order: each part's top halves packed by vpackusdw,
+// which interleaves a's and b's 128-bit lanes (one instruction where vcvtne2ps2bf16's
+// in-order packing costs more here); V's planes pair their keys in the same order.
 inline void split_keys(__m512 a, __m512 b, uint16_t* t) {
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int p = 0; p < PARTS; ++p, t += TILE) {
@@ -109,8 +110,8 @@ inline void split_keys(__m512 a, __m512 b, uint16_t* t) {
 constexpr int64_t key_at(int64_t w) { return w / 8 * 4 + w % 4 + (w % 8 >= 4 ? 16 : 0); }
 
 // V's planes of key block b (32 keys) of one head: B tiles whose row q holds, for each of
-// 16 head dims, the pair of keys (32 b + 2q, 32 b + 2q + 1): each part's bits of key 2q in
-// a pair's low half, of key 2q + 1 in its high half.
+// 16 head dims, the pair of keys at positions 2q and 2q + 1 of P's rows (key_at): each
+// part's bits of the first in a pair's low half, of the second in its high half.
 void split_value_block(const float* v, int64_t v_stride, int64_t first, int64_t context, const Shapes& s,
                        uint16_t* planes) {
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
