@@ -131,6 +131,20 @@ def test_coded_products_are_float32_dot_products_of_the_weights(kind, rows, n) -
 
 
 @needs_amx
+@pytest.mark.parametrize("kind", [PLANE_TYPES[1], PLANE_TYPES[4]], ids=lambda kind: kind.name)
+@pytest.mark.parametrize("n", [40, 2000])
+def test_rows_past_the_first_block_multiply_alike(kind, n) -> None:
+    """Many rows of a long input: x's parts come in several blocks of rows, and each thread
+    converts its codes for the first block (keeping them where they fit its L2, n 40; n 2000
+    converts them again for each block); every block's rows hold float32's bound."""
+    codes, weight = coded(n, 1536, kind, seed=n)
+    x = torch.randn(400, 1536)
+    y = split(x, coded_planes(codes), n)
+    within_float32_bound(y, x, weight, extra=48)
+    torch.testing.assert_close(y[300:], split(x[300:], coded_planes(codes), n))
+
+
+@needs_amx
 def test_bias_and_the_gated_product() -> None:
     gate, g = coded(72, 64, seed=1)
     up, u = coded(72, 64, seed=2)

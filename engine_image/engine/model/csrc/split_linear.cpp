@@ -46,6 +46,7 @@
 #include <torch/library.h>
 
 #include <omp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -65,6 +66,23 @@ constexpr int64_t TILE = amx::TILE_ELEMS;            // bfloat16 in a tile (512)
 constexpr int64_t KT = amx::PAIRS * 2;               // k a tile covers (32)
 // x's split parts per thread block of rows stay in L2 beside the planes being read.
 constexpr int64_t SPLIT_BYTES = int64_t{1} << 20;
+
+// The most bytes of converted codes a thread keeps across blocks of rows: this core's L2.
+// A product of more rows than one block takes converts each column pair's codes once, for
+// the first block, and reuses them for the rest: SmolLM2's 1,024-row products 2-3 % faster,
+// its down projection (K 1,536: 11 blocks) 4-6 % (one process, in turn; docs/benchmarks.md).
+// Where a thread's pairs need more than L2, each block converts them again.
+int64_t most_kept_bytes() {
+  static const int64_t most = [] {
+#if defined(_SC_LEVEL2_CACHE_SIZE)  // glibc's; other C libraries may lack it
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);  // bytes, per core; 0 or -1 unknown
+#else
+    const long l2 = 0;
+#endif
+    return l2 > 0 ? static_cast<int64_t>(l2) : int64_t{1} << 20;
+  }();
+  return most;
+}
 
 // The three bfloat16 parts of 32 floats, stored as rows of tiles t, t + TILE, t + 2 TILE.
 inline void split32(const float* src, uint16_t* t) {
@@ -346,6 +364,7 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
   const CodedTiles coded{codes ? codes->data_ptr<int8_t>() : nullptr, scales ? scales->data_ptr<float>() : nullptr,
                          p.planes, KBC, planes.size(1)};
   const int64_t tile_elems = KB * J * TILE;  // a column tile's planes
+  const int64_t coded_tile_elems = KBC * TILE + (KB - KBC) * J * TILE;  // its converted codes, then tail
   const float* xp = x.data_ptr<float>();
   const int64_t lda = x.stride(0);
   // Blocks of row tile pairs whose parts fit SPLIT_BYTES; within one, each thread runs
@@ -358,7 +377,12 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t n_begin = pairs_n * t / nt, n_end = pairs_n * (t + 1) / nt;
     const amx::Tiles tiles{8};
-    uint16_t* expanded = codes ? amx::thread_buffer<ExpandedTag>(2 * tile_elems) : nullptr;
+    // The thread's column pairs' converted codes, kept for every block of rows where there
+    // are several and they fit; else one pair's, converted again for each block.
+    const int64_t my_pairs = n_end - n_begin, pair_elems = 2 * coded_tile_elems;
+    const bool keep = codes && pairs_m > block_pairs &&
+                      my_pairs * pair_elems * static_cast<int64_t>(sizeof(uint16_t)) <= most_kept_bytes();
+    uint16_t* expanded = codes ? amx::thread_buffer<ExpandedTag>((keep ? my_pairs : 1) * pair_elems) : nullptr;
     // Each thread splits the rows it multiplies itself, into its own buffer: the parts
     // another core wrote would reach this one line by line from that core's cache.
     uint16_t* parts = amx::thread_buffer<PartsTag>(std::min(MT, 2 * block_pairs) * row_tile_elems);
@@ -376,21 +400,23 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
         const int64_t c0 = 2 * np;
         const bool two_n = c0 + 1 < T;
         if (codes) {
-          const int64_t step = KBC * TILE + (KB - KBC) * J * TILE;
           // The thread's next pair: these two tiles' codes are ahead of it by two.
           const int64_t next0 = c0 + 2, next1 = c0 + 3;
           const bool more = np + 1 < n_end;
-          convert(coded, c0, expanded, J, more ? &next0 : nullptr);
-          if (two_n) convert(coded, c0 + 1, expanded + step, J, more && next1 < T ? &next1 : nullptr);
+          uint16_t* pair = keep ? expanded + (np - n_begin) * pair_elems : expanded;
+          if (!keep || mb == 0) {
+            convert(coded, c0, pair, J, more ? &next0 : nullptr);
+            if (two_n) convert(coded, c0 + 1, pair + coded_tile_elems, J, more && next1 < T ? &next1 : nullptr);
+          }
           const float* s0 = coded.scales + c0 * KBC * KT;
           const float* s1 = two_n ? s0 + KBC * KT : s0;
           for (int64_t m0 = first_tile; m0 < last_tile; m0 += 2) {
             const uint16_t* a = parts + (m0 - first_tile) * row_tile_elems;
             const bool two_m = m0 + 1 < MT;
-            if (two_m && two_n) tile_block_scaled<true, true>(p, a, m0, c0, expanded, step, s0, s1, KBC);
-            else if (two_m) tile_block_scaled<true, false>(p, a, m0, c0, expanded, step, s0, s1, KBC);
-            else if (two_n) tile_block_scaled<false, true>(p, a, m0, c0, expanded, step, s0, s1, KBC);
-            else tile_block_scaled<false, false>(p, a, m0, c0, expanded, step, s0, s1, KBC);
+            if (two_m && two_n) tile_block_scaled<true, true>(p, a, m0, c0, pair, coded_tile_elems, s0, s1, KBC);
+            else if (two_m) tile_block_scaled<true, false>(p, a, m0, c0, pair, coded_tile_elems, s0, s1, KBC);
+            else if (two_n) tile_block_scaled<false, true>(p, a, m0, c0, pair, coded_tile_elems, s0, s1, KBC);
+            else tile_block_scaled<false, false>(p, a, m0, c0, pair, coded_tile_elems, s0, s1, KBC);
           }
           continue;
         }
