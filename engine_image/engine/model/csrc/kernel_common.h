@@ -20,6 +20,7 @@
 #if defined(__SSE__)
 #include <xmmintrin.h>  // FlushDenormals
 #endif
+#include <unistd.h>  // sysconf: l2_bytes
 
 namespace tandem {
 
@@ -49,6 +50,20 @@ class FlushDenormals {
   unsigned saved_;
 #endif
 };
+
+// This core's L2 in bytes, asked once (1 MiB where the C library cannot say): what the
+// kernels size their per-thread working sets by.
+inline int64_t l2_bytes() {
+  static const int64_t bytes = [] {
+#if defined(_SC_LEVEL2_CACHE_SIZE)  // glibc's; other C libraries may lack it
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);  // bytes, per core; 0 or -1 unknown
+#else
+    const long l2 = 0;
+#endif
+    return l2 > 0 ? static_cast<int64_t>(l2) : int64_t{1} << 20;
+  }();
+  return bytes;
+}
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }

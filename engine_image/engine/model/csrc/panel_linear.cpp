@@ -41,7 +41,6 @@
 #include <torch/library.h>
 
 #include <omp.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -80,15 +79,8 @@ constexpr int64_t WIDEN_ROWS = 32;
 // the down projection's 1,536 k are one block: its 1,024-row product 6 % faster than in
 // two, a prefill 1-2 %; where it is 1 MiB (AMD Zen 4) they stay two blocks of 768.
 int64_t most_k_per_block() {
-  static const int64_t most = [] {
-#if defined(_SC_LEVEL2_CACHE_SIZE)  // glibc's; other C libraries may lack it
-    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);  // bytes, per core; 0 or -1 unknown
-#else
-    const long l2 = 0;
-#endif
-    const int64_t bytes = l2 > 0 ? l2 : int64_t{1} << 20;
-    return std::max<int64_t>(256, bytes / 6 / (NR * static_cast<int64_t>(sizeof(float))));
-  }();
+  static const int64_t most =
+      std::max<int64_t>(256, tandem::l2_bytes() / 6 / (NR * static_cast<int64_t>(sizeof(float))));
   return most;
 }
 

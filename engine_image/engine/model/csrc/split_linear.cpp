@@ -46,7 +46,6 @@
 #include <torch/library.h>
 
 #include <omp.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -66,23 +65,6 @@ constexpr int64_t TILE = amx::TILE_ELEMS;            // bfloat16 in a tile (512)
 constexpr int64_t KT = amx::PAIRS * 2;               // k a tile covers (32)
 // x's split parts per thread block of rows stay in L2 beside the planes being read.
 constexpr int64_t SPLIT_BYTES = int64_t{1} << 20;
-
-// The most bytes of converted codes a thread keeps across blocks of rows: this core's L2.
-// A product of more rows than one block takes converts each column pair's codes once, for
-// the first block, and reuses them for the rest: SmolLM2's 1,024-row products 2-3 % faster,
-// its down projection (K 1,536: 11 blocks) 4-6 % (one process, in turn; docs/benchmarks.md).
-// Where a thread's pairs need more than L2, each block converts them again.
-int64_t most_kept_bytes() {
-  static const int64_t most = [] {
-#if defined(_SC_LEVEL2_CACHE_SIZE)  // glibc's; other C libraries may lack it
-    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);  // bytes, per core; 0 or -1 unknown
-#else
-    const long l2 = 0;
-#endif
-    return l2 > 0 ? static_cast<int64_t>(l2) : int64_t{1} << 20;
-  }();
-  return most;
-}
 
 // The three bfloat16 parts of 32 floats, stored as rows of tiles t, t + TILE, t + 2 TILE.
 inline void split32(const float* src, uint16_t* t) {
@@ -377,11 +359,13 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t n_begin = pairs_n * t / nt, n_end = pairs_n * (t + 1) / nt;
     const amx::Tiles tiles{8};
-    // The thread's column pairs' converted codes, kept for every block of rows where there
-    // are several and they fit; else one pair's, converted again for each block.
+    // The thread's column pairs' converted codes: where there are several blocks of rows and
+    // the pairs fit this core's L2, converted for the first block and kept for the rest
+    // (SmolLM2's 1,024-row products 2-3 % faster, its down projection, K 1,536 in 11
+    // blocks, 4-6 %: docs/benchmarks.md); else one pair's, converted again for each block.
     const int64_t my_pairs = n_end - n_begin, pair_elems = 2 * coded_tile_elems;
     const bool keep = codes && pairs_m > block_pairs &&
-                      my_pairs * pair_elems * static_cast<int64_t>(sizeof(uint16_t)) <= most_kept_bytes();
+                      my_pairs * pair_elems * static_cast<int64_t>(sizeof(uint16_t)) <= tandem::l2_bytes();
     uint16_t* expanded = codes ? amx::thread_buffer<ExpandedTag>((keep ? my_pairs : 1) * pair_elems) : nullptr;
     // Each thread splits the rows it multiplies itself, into its own buffer: the parts
     // another core wrote would reach this one line by line from that core's cache.
