@@ -81,21 +81,39 @@ uint16_t* thread_buffer(int64_t elems) {
 constexpr int PARTS = 3;                              // a float32's bfloat16 parts
 constexpr int64_t TILE_ELEMS = ROWS * PAIRS * 2;      // bfloat16 in a tile (512)
 
+// How split_parts lays two vectors' parts into a row of 32 bfloat16 (each part's bits in
+// the high half of its lanes, the low half zero):
+struct InOrder {  // a's 16, then b's: an A tile's row of k in order
+  __m512i operator()(__m512i ha, __m512i hb) const {
+    // Both are bfloat16 values: the conversion's rounding leaves them as they are.
+    const __m512bh part = _mm512_cvtne2ps_pbh(_mm512_castsi512_ps(hb), _mm512_castsi512_ps(ha));
+    return reinterpret_cast<const __m512i&>(part);
+  }
+};
+struct LaneInterleaved {  // vpackusdw's order: per 128-bit lane, a's 4, then b's 4
+  __m512i operator()(__m512i ha, __m512i hb) const {
+    return _mm512_packus_epi32(_mm512_srli_epi32(ha, 16), _mm512_srli_epi32(hb, 16));
+  }
+};
+struct Pairs {  // (a_i, b_i) pairs: a B tile's row, a and b two consecutive k
+  __m512i operator()(__m512i ha, __m512i hb) const { return _mm512_or_si512(hb, _mm512_srli_epi32(ha, 16)); }
+};
+
 // The three bfloat16 parts of 32 floats (a: the first 16, b: the next 16), each stored as
-// a row of 32 bfloat16 at t, t + stride, t + 2 * stride. x = x0 + x1 + x2 exactly: x0 is
-// x truncated to 8 significant bits, x1 the next 8 of what is left, x2 the rest
-// (float32's 24 bits). Every product of two parts is exact in float32, so the tiles
-// multiply float32 values through their parts' products (split_linear.cpp, split_attention.cpp).
-inline void split_parts(__m512 a, __m512 b, uint16_t* t, int64_t stride) {
+// a row of 32 bfloat16 (laid out by Pack) at t, t + stride, t + 2 * stride. x = x0 + x1 +
+// x2 exactly: x0 is x truncated to 8 significant bits, x1 the next 8 of what is left, x2
+// the rest (float32's 24 bits). Every product of two parts is exact in float32, so the
+// tiles multiply float32 values through their parts' products (split_linear.cpp,
+// split_attention.cpp).
+template <typename Pack = InOrder>
+inline void split_parts(__m512 a, __m512 b, uint16_t* t, int64_t stride, Pack pack = {}) {
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int p = 0; p < PARTS; ++p, t += stride) {
-    const __m512 ha = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), high));
-    const __m512 hb = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(b), high));
-    // Both are bfloat16 values: the conversion's rounding leaves them as they are.
-    const __m512bh part = _mm512_cvtne2ps_pbh(hb, ha);
-    _mm512_storeu_si512(t, reinterpret_cast<const __m512i&>(part));
-    a = _mm512_sub_ps(a, ha);  // exact: the bits below
-    b = _mm512_sub_ps(b, hb);
+    const __m512i ha = _mm512_and_si512(_mm512_castps_si512(a), high);
+    const __m512i hb = _mm512_and_si512(_mm512_castps_si512(b), high);
+    _mm512_storeu_si512(t, pack(ha, hb));
+    a = _mm512_sub_ps(a, _mm512_castsi512_ps(ha));  // exact: the bits below
+    b = _mm512_sub_ps(b, _mm512_castsi512_ps(hb));
   }
 }
 #endif  // __AVX512BF16__

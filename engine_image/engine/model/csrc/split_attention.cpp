@@ -90,23 +90,10 @@ void split_key_tile(const float* k, int64_t k_stride, int64_t first, int64_t con
   }
 }
 
-// The three bfloat16 parts of 32 floats (a: keys 0..15, b: keys 16..31) as A-tile rows at
-// t, t + TILE, t + 2 TILE, in key_at's order: each part's top halves packed by vpackusdw,
-// which interleaves a's and b's 128-bit lanes (against vcvtne2ps2bf16 in key order: no
-// clear difference measured); V's planes pair their keys in the same order.
-inline void split_keys(__m512 a, __m512 b, uint16_t* t) {
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int p = 0; p < PARTS; ++p, t += TILE) {
-    const __m512i ha = _mm512_and_si512(_mm512_castps_si512(a), high);
-    const __m512i hb = _mm512_and_si512(_mm512_castps_si512(b), high);
-    _mm512_storeu_si512(t, _mm512_packus_epi32(_mm512_srli_epi32(ha, 16), _mm512_srli_epi32(hb, 16)));
-    a = _mm512_sub_ps(a, _mm512_castsi512_ps(ha));  // exact: the bits below
-    b = _mm512_sub_ps(b, _mm512_castsi512_ps(hb));
-  }
-}
-
-// The key (of a block's 32) at position w of split_keys' rows: lane i of 128 bits holds
-// keys 4i..4i+3 of a, then 4i..4i+3 of b (16 on).
+// P's rows hold each key block's parts in amx::LaneInterleaved's order (vpackusdw: per
+// 128-bit lane, 4 keys of the first 16, then 4 of the next; against vcvtne2ps2bf16 in key
+// order, no clear difference measured), and V's planes pair their keys in the same order:
+// the key (of a block's 32) at position w of a row.
 constexpr int64_t key_at(int64_t w) { return w / 8 * 4 + w % 4 + (w % 8 >= 4 ? 16 : 0); }
 
 // V's planes of key block b (32 keys) of one head: B tiles whose row q holds, for each of
@@ -114,20 +101,13 @@ constexpr int64_t key_at(int64_t w) { return w / 8 * 4 + w % 4 + (w % 8 >= 4 ? 1
 // part's bits of the first in a pair's low half, of the second in its high half.
 void split_value_block(const float* v, int64_t v_stride, int64_t first, int64_t context, const Shapes& s,
                        uint16_t* planes) {
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t dt = 0; dt < s.DT(); ++dt) {
     uint16_t* tile = planes + dt * PARTS * TILE;
     for (int q = 0; q < amx::PAIRS; ++q) {
       const int64_t k0 = first + key_at(2 * q), k1 = first + key_at(2 * q + 1);
-      __m512 a = k0 < context ? _mm512_loadu_ps(v + k0 * v_stride + dt * COLS) : _mm512_setzero_ps();
-      __m512 b = k1 < context ? _mm512_loadu_ps(v + k1 * v_stride + dt * COLS) : _mm512_setzero_ps();
-      for (int p = 0; p < PARTS; ++p) {
-        const __m512i ha = _mm512_and_si512(_mm512_castps_si512(a), high);
-        const __m512i hb = _mm512_and_si512(_mm512_castps_si512(b), high);
-        _mm512_storeu_si512(tile + p * TILE + q * 2 * COLS, _mm512_or_si512(hb, _mm512_srli_epi32(ha, 16)));
-        a = _mm512_sub_ps(a, _mm512_castsi512_ps(ha));  // exact: the bits below
-        b = _mm512_sub_ps(b, _mm512_castsi512_ps(hb));
-      }
+      const __m512 a = k0 < context ? _mm512_loadu_ps(v + k0 * v_stride + dt * COLS) : _mm512_setzero_ps();
+      const __m512 b = k1 < context ? _mm512_loadu_ps(v + k1 * v_stride + dt * COLS) : _mm512_setzero_ps();
+      amx::split_parts(a, b, tile + q * 2 * COLS, TILE, amx::Pairs{});
     }
   }
 }
@@ -196,7 +176,7 @@ float softmax_row(const float* s, int64_t visible, int64_t blocks, uint16_t* p) 
       if (jh + W > limit) e[h] = lane + jh < limit ? e[h] : V{};
       sum += e[h];
     }
-    split_keys((__m512)e[0], (__m512)e[1], p + b * PARTS * TILE);
+    amx::split_parts((__m512)e[0], (__m512)e[1], p + b * PARTS * TILE, TILE, amx::LaneInterleaved{});
   }
   return hsum(sum);
 }

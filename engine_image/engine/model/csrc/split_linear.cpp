@@ -295,7 +295,7 @@ void convert(const CodedTiles& w, int64_t c, uint16_t* out, int64_t tail_planes,
 }
 
 struct PartsTag;     // x's parts
-struct ExpandedTag;  // a column pair's planes
+struct ExpandedTag;  // converted codes: a column pair's, or all the thread's (kept)
 
 }  // namespace
 #endif  // TANDEM_AMX
