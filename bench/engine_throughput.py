@@ -21,151 +21,22 @@ import argparse
 import random
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TypeVar
 
 import torch
+from roofline import (  # bench/ is on sys.path when run as a script
+    MachineProbe,
+    best_machine,
+    decode_roofline,
+    figures,
+    interleaved,
+    matmul_params,
+    prefill_flops,
+)
 
 from tandem.engine import LLM, SamplingParams
-from tandem.engine.model.coded_weight import CodedWeight
-from tandem.engine.model.linear import Linear, onednn_packed, pack_linears
 from tandem.engine.model.loader import LoadedModel, load_model
-from tandem.engine.model.model_config import ModelConfig
 from tandem.engine.model.split_planes import SPLIT_ROWS
-
-T = TypeVar("T")
-
-
-@dataclass
-class Machine:
-    matmul_flops: float  # fp32 FLOP/s of a large matmul, the best of torch's GEMMs
-    read_bytes: float  # bytes/s of a streaming read
-    fma_flops: float  # the same, on the FMA units alone (without AMX's split planes)
-
-
-class MachineProbe:
-    """Times this machine's fp32 matmul peak and its read bandwidth, one round of each
-    per `measure()`. The peak is the fastest of MKL (torch.mm), oneDNN's packed inner
-    product and the engine's own projection path (linear.py: the panel kernel): on
-    some CPUs one library is well short of the hardware, and the engine's kernel must
-    not set the bar it is measured against alone. Where the CPU has AMX, also the
-    engine's float32 products on its tiles (split_planes.py), of a weight of two
-    bfloat16 planes and of one of int8 codes with float16 scales (a GGUF's): the peak
-    such a model's products can reach here, above the FMA units'."""
-
-    def __init__(self, n: int = 2048) -> None:
-        self.n = n
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        projection = Linear(n, n, bias=False)
-        with torch.no_grad():
-            projection.weight.copy_(b)
-        self.gemms = [lambda: torch.mm(a, b)]  # on the FMA units: the first fma_gemms
-        if pack_linears(projection):
-            self.gemms.append(torch.inference_mode()(lambda: projection(a)))
-        onednn = onednn_packed(b)
-        if onednn is not None:
-            self.gemms.append(torch.inference_mode()(lambda: onednn.product(a, None)))
-        self.fma_gemms = len(self.gemms)
-        # The tiles' products: of stored planes (float16 values: two bfloat16 planes) and
-        # of codes (int8 codes with a float16 scale per 32 inputs, as Q8_0 stores them).
-        planed, coded = Linear(n, n, bias=False), Linear(n, n, bias=False)
-        codes = CodedWeight(
-            torch.randint(-127, 128, (n, n), dtype=torch.int8),
-            (torch.rand(n, n // 32) / 64).half().float(),
-            None,
-        )
-        with torch.no_grad():
-            planed.weight.copy_(b.half().float())
-            coded.weight.copy_(codes.widened())
-        coded.coded = codes
-        for tiles in (planed, coded):
-            if pack_linears(tiles) and tiles.packed.split is not None:
-                self.gemms.append(torch.inference_mode()(lambda tiles=tiles: tiles(a)))
-        self.big = torch.ones(256 * 1024 * 1024 // 4)  # 256 MiB, far past the caches
-        for warm in (*self.gemms, self.big.sum):
-            warm()
-
-    def measure(self) -> Machine:
-        times = [_timed(gemm) for gemm in self.gemms]
-        read = _timed(self.big.sum)
-        flops = 2 * self.n**3
-        return Machine(
-            flops / min(times), self.big.numel() * 4 / read, flops / min(times[: self.fma_gemms])
-        )
-
-
-def best_machine(machines: list[Machine]) -> Machine:
-    return Machine(
-        max(m.matmul_flops for m in machines),
-        max(m.read_bytes for m in machines),
-        max(m.fma_flops for m in machines),
-    )
-
-
-def measure_machine(rounds: int = 5) -> Machine:
-    """The best peak and read bandwidth of `rounds` probes."""
-    probe = MachineProbe()
-    return best_machine([probe.measure() for _ in range(rounds)])
-
-
-def interleaved(rounds: int, *measures: Callable[[], T]) -> list[list[T]]:
-    """Each measure's values over rounds, taken in turn so that the machine's background
-    load hits them alike (callers keep the best of each)."""
-    values: list[list[T]] = [[] for _ in measures]
-    for _ in range(rounds):
-        for measure, out in zip(measures, values, strict=True):
-            out.append(measure())
-    return values
-
-
-def _figures(machine: Machine) -> str:
-    return f"{machine.matmul_flops / 1e9:>8.0f} {machine.read_bytes / 1e9:>6.1f}"
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-# ------------------------------------------------------------------ roofline
-
-
-def matmul_params(config: ModelConfig) -> int:
-    """Weights a token multiplies through: everything but the embedding lookup."""
-    embed = config.vocab_size * config.hidden_size
-    lm_head = embed  # tied or not, the LM head is a vocab x hidden matmul
-    untied_extra = 0 if config.tie_word_embeddings else embed
-    return config.num_parameters - embed - untied_extra + lm_head
-
-
-def decode_roofline(
-    config: ModelConfig,
-    machine: Machine,
-    batch: int,
-    context: int,
-    weight_bytes: float | None = None,
-) -> float:
-    """Upper bound on decode tokens/s: weights read once per step (float32 unless
-    weight_bytes says what a step streams), 2 FLOPs per weight per token."""
-    params = matmul_params(config)
-    kv_bytes = batch * context * config.kv_bytes_per_token * 4
-    attn_flops = 4 * batch * context * config.num_attention_heads * config.head_dim
-    step_flops = 2 * params * batch + attn_flops * config.num_hidden_layers
-    step_bytes = (params * 4 if weight_bytes is None else weight_bytes) + kv_bytes
-    step = max(step_flops / machine.matmul_flops, step_bytes / machine.read_bytes)
-    return batch / step
-
-
-def prefill_flops(config: ModelConfig, tokens: int) -> float:
-    """FLOPs a prefill needs: every layer for every token, the LM head for the last one
-    only (its logits are all the next token needs; HF computes them for every token)."""
-    head = config.vocab_size * config.hidden_size
-    layers = 2 * (matmul_params(config) - head) * tokens
-    attn = 2 * tokens * tokens * config.num_attention_heads * config.head_dim  # causal half
-    return layers + 2 * head + attn * config.num_hidden_layers
-
 
 # ---------------------------------------------------------------- the models
 
@@ -433,7 +304,7 @@ def main() -> None:
         roof = decode_roofline(config, window, batch, 64 + new_tokens // 2)
         print(
             f"{f'decode batch {batch} (tok/s)':<28} {ours:>9.1f} {theirs:>9.1f} "
-            f"{ours / theirs:>6.2f}x {roof:>9.1f} {ours / roof:>7.0%} {_figures(window)}"
+            f"{ours / theirs:>6.2f}x {roof:>9.1f} {ours / roof:>7.0%} {figures(window)}"
         )
         if split:  # the share the FMA units' peak alone would give
             fma = decode_roofline(
@@ -462,7 +333,7 @@ def main() -> None:
     peak_share = prefill_flops(config, 1024) / ours / window.matmul_flops
     print(
         f"{'prefill 1024 (tok/s)':<28} {1024 / ours:>9.1f} {1024 / theirs:>9.1f} "
-        f"{theirs / ours:>6.2f}x {'':>9} {peak_share:>7.0%} {_figures(window)}"
+        f"{theirs / ours:>6.2f}x {'':>9} {peak_share:>7.0%} {figures(window)}"
     )
     hf_share = prefill_flops(config, 1024) / theirs / window.matmul_flops
     print(f"  (HF prefill reaches {hf_share:.0%} of the matmul peak)")

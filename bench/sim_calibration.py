@@ -22,7 +22,7 @@ import statistics
 import time
 
 import torch
-from engine_throughput import measure_machine  # bench/ is on sys.path when run as a script
+from roofline import measure_machine  # bench/ is on sys.path when run as a script
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import Engine

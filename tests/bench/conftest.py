@@ -11,9 +11,10 @@ NUMBER = r"([0-9]+(?:\.[0-9]+)?)"  # a figure the scripts print
 
 
 def run_bench(script: str, *args: str) -> subprocess.CompletedProcess:
-    """bench/<script> as a user runs it (python -P, from the repository root)."""
+    """bench/<script> as a user runs it: `python bench/<script>` from the repository root
+    (the script's directory first on sys.path: the scripts import their siblings)."""
     return subprocess.run(
-        [sys.executable, "-P", str(ROOT / "bench" / script), *args],
+        [sys.executable, str(ROOT / "bench" / script), *args],
         capture_output=True,
         text=True,
         timeout=600,

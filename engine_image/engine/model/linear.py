@@ -312,7 +312,7 @@ def _exact(coded: CodedWeight | None, weight: torch.Tensor) -> bool:
 
 def onednn_packed(weight: torch.Tensor) -> PackedWeight | None:
     """weight packed for oneDNN's inner product, or None where this torch's oneDNN cannot
-    (also what bench/engine_throughput.py measures the machine's matmul peak with)."""
+    (also what bench/roofline.py measures the machine's matmul peak with)."""
     if not torch.backends.mkldnn.is_available():
         return None
     try:
