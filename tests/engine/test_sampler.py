@@ -7,14 +7,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from tandem.engine.draws import filtered_probs, inverse_cdf
 from tandem.engine.plan import ScheduledSeq, StepPlan
 from tandem.engine.request import SamplingParams
 from tandem.engine.sampler import (
     Sampler,
     SampleRows,
     _argmax,
-    _filtered_probs,
-    _inverse_cdf,
     rows_for_plan,
 )
 
@@ -312,7 +311,7 @@ def test_unseeded_draws_follow_the_sampler_seed():
 
 def test_top_k_keeps_the_k_largest_and_ties_at_the_cutoff():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0], [1.0, 2.0, 2.0, 0.0, 2.0]])
-    probs = _filtered_probs(logits.clone(), [2, 2], [1.0, 1.0])
+    probs = filtered_probs(logits.clone(), [2, 2], [1.0, 1.0])
     assert (probs > 0).tolist() == [
         [False, True, False, True, False],
         [False, True, True, False, True],  # three tied at the 2nd largest: all stay
@@ -322,22 +321,20 @@ def test_top_k_keeps_the_k_largest_and_ties_at_the_cutoff():
 def test_top_p_keeps_the_smallest_set_reaching_p():
     # Probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625.
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.0625, 0.0625]] * 3))
-    probs = _filtered_probs(logits.clone(), [5, 5, 5], [0.5, 0.6, 0.8])
+    probs = filtered_probs(logits.clone(), [5, 5, 5], [0.5, 0.6, 0.8])
     assert (probs > 0).sum(-1).tolist() == [1, 2, 3]
 
 
 def test_top_p_applies_to_the_renormalised_top_k():
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
     # top-2 renormalised: 4/7, 3/7; top_p 0.6 needs both.
-    assert (_filtered_probs(logits.clone(), [2], [0.6]) > 0).tolist() == [
-        [True, True, False, False]
-    ]
+    assert (filtered_probs(logits.clone(), [2], [0.6]) > 0).tolist() == [[True, True, False, False]]
 
 
 def test_top_p_cutoff_beyond_the_candidates_sorts_that_row():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 2000, generator=gen) * 0.1  # flat: 0.9 of the mass is ~1800 tokens
-    probs = _filtered_probs(logits.clone(), [2000, 2000, 5], [0.9, 0.999, 0.9])
+    probs = filtered_probs(logits.clone(), [2000, 2000, 5], [0.9, 0.999, 0.9])
     for row, (top_k, top_p) in enumerate([(None, 0.9), (None, 0.999), (5, 0.9)]):
         expected = reference_probs(logits[row].double().numpy(), 1.0, top_k, top_p) > 0
         assert ((probs[row] > 0).numpy() == expected).all()
@@ -353,7 +350,7 @@ def test_inverse_cdf_is_exact_on_an_even_grid():
     probs[500:520] = 0
     n = 200_000
     u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
-    picks = _inverse_cdf(probs.expand(n, -1), u)
+    picks = inverse_cdf(probs.expand(n, -1), u)
     counts = torch.bincount(picks, minlength=768).double()
     expected = probs.double() / probs.double().sum() * n
     assert (counts - expected).abs().max() <= 1.0 + 1e-6
@@ -366,7 +363,7 @@ def test_inverse_cdf_extremes_never_pick_zero_probability():
     probs[:, 650] = 1e-10
     # u = 1 is out of range, but x = u * total rounding up to total must end the same way.
     u = torch.tensor([0.0, 1.0 - 2.0**-53, 1.0], dtype=torch.float64)
-    assert _inverse_cdf(probs, u).tolist() == [300, 650, 650]
+    assert inverse_cdf(probs, u).tolist() == [300, 650, 650]
 
 
 def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
