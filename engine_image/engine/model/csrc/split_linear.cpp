@@ -15,7 +15,7 @@
 //   block of 32 k (twice: the pairs' layout). Each thread converts a column pair's codes
 //   to bfloat16 (small integers: exact); the tiles multiply x's three parts by them, 3
 //   tdpbf16ps per 16 x 16 x 32 block whatever the code type, and each block's sums take
-//   their column's scale in float32 as they leave the tiles (tile_block_scaled).
+//   their column's scale in float32 as they leave the tiles (row_scaled).
 //   Against expanding scale * code to two planes (Q8_0: three) and 5 (6) tdpbf16ps a
 //   block: chained SmolLM2 products 64 rows 27.7 ms against 31.0-32.2, 1,024 rows 358
 //   against 395 (docs/benchmarks.md). AVX-512's FMAs take 256 cycles for the block, a
@@ -33,10 +33,11 @@
 // sums_block k (zero-padded to whole tiles), and x's with its sums over those blocks,
 // x_block . (offset, ...) = offset * sum(x_block). sums_block 0: no such columns.
 //
-// Register blocking: 2 x 2 tiles of C (two 16-row tiles of x by two column tiles), the
-// two A tiles of x's parts and the two B tiles of a plane reloaded each step: the 8
+// Register blocking, planes: 2 x 2 tiles of C (two 16-row tiles of x by two column tiles),
+// the two A tiles of x's parts and the two B tiles of a plane reloaded each step: the 8
 // tiles a core has. The four tdpbf16ps of a step are independent, which the tiles'
-// latency (~3 tdpbf16ps) needs.
+// latency (~3 tdpbf16ps) needs. Codes: one row tile by two column tiles, twice over (two
+// code blocks in flight, row_scaled), one A tile and two B tiles.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -201,60 +202,85 @@ void tile_block(const Product& p, const uint16_t* a, int64_t m0, int64_t c0, con
   store_sums<TWO_M, TWO_N>(p, c, m0, c0);
 }
 
-// tile_block for codes: per k block, the parts of x times the codes themselves (one
-// plane, exact) on the tiles, then each column's scale applied as the sums leave them:
-// 3 tdpbf16ps a block whatever the codes' type. b: the column pair's codes as bfloat16
-// [KBC][16][32] then the tail's planes [KBO][J][16][32], the second tile b_step on.
-template <bool TWO_M, bool TWO_N>
-void tile_block_scaled(const Product& p, const uint16_t* a, int64_t m0, int64_t c0, const uint16_t* b,
-                       int64_t b_step, const float* s0, const float* s1, int64_t KBC) {
+// Block kb's sums out of C tiles BASE (and BASE + 1), through c, into acc, each column's
+// scale applied. (The tile intrinsics name their registers by literal: hence the chains.)
+template <int BASE, bool TWO_N>
+inline void scaled_out(float (*acc)[amx::ROWS][amx::COLUMNS], float (*c)[amx::ROWS][amx::COLUMNS],
+                       const float* s0, const float* s1, int64_t kb) {
   constexpr int64_t LD = amx::ROW_BYTES;
-  const int64_t a_step = p.KB * PARTS * TILE;
-  alignas(64) float acc[4][amx::ROWS][amx::COLUMNS];
-  alignas(64) float c[4][amx::ROWS][amx::COLUMNS];
-  _tile_zero(0);
-  if constexpr (TWO_N) _tile_zero(1);
-  if constexpr (TWO_M) _tile_zero(2);
-  if constexpr (TWO_M && TWO_N) _tile_zero(3);
-  if (p.KB > KBC) block_sums<TWO_M, TWO_N>(a + KBC * PARTS * TILE, a_step, b + KBC * TILE, b_step, p.KB - KBC, p.J);
-  _tile_stored(0, acc[0], LD);
-  if constexpr (TWO_N) _tile_stored(1, acc[1], LD);
-  if constexpr (TWO_M) _tile_stored(2, acc[2], LD);
-  if constexpr (TWO_M && TWO_N) _tile_stored(3, acc[3], LD);
-  const uint16_t* a1 = a + a_step;
-  const uint16_t* b1 = b + b_step;
-  for (int64_t kb = 0; kb < KBC; ++kb) {
-    _tile_zero(0);
-    if constexpr (TWO_N) _tile_zero(1);
-    if constexpr (TWO_M) _tile_zero(2);
-    if constexpr (TWO_M && TWO_N) _tile_zero(3);
-    _tile_loadd(6, b + kb * TILE, LD);
-    if constexpr (TWO_N) _tile_loadd(7, b1 + kb * TILE, LD);
-    for (int i = 0; i < PARTS; ++i) {
-      _tile_loadd(4, a + (kb * PARTS + i) * TILE, LD);
-      _tile_dpbf16ps(0, 4, 6);
-      if constexpr (TWO_N) _tile_dpbf16ps(1, 4, 7);
-      if constexpr (TWO_M) {
-        _tile_loadd(5, a1 + (kb * PARTS + i) * TILE, LD);
-        _tile_dpbf16ps(2, 5, 6);
-        if constexpr (TWO_N) _tile_dpbf16ps(3, 5, 7);
-      }
-    }
+  if constexpr (BASE == 0) {
     _tile_stored(0, c[0], LD);
     if constexpr (TWO_N) _tile_stored(1, c[1], LD);
-    if constexpr (TWO_M) _tile_stored(2, c[2], LD);
-    if constexpr (TWO_M && TWO_N) _tile_stored(3, c[3], LD);
-    const __m512 d0 = column_scales(s0 + kb * KT);
-    const __m512 d1 = TWO_N ? column_scales(s1 + kb * KT) : d0;
-    for (int t = 0; t < 4; ++t) {
-      if ((t & 1) && !TWO_N) continue;
-      if ((t & 2) && !TWO_M) continue;
-      const __m512 d = t & 1 ? d1 : d0;
-      for (int r = 0; r < amx::ROWS; ++r)
-        _mm512_store_ps(acc[t][r], _mm512_fmadd_ps(_mm512_load_ps(c[t][r]), d, _mm512_load_ps(acc[t][r])));
+  } else {
+    _tile_stored(2, c[0], LD);
+    if constexpr (TWO_N) _tile_stored(3, c[1], LD);
+  }
+  for (int n = 0; n < (TWO_N ? 2 : 1); ++n) {
+    const __m512 d = column_scales((n ? s1 : s0) + kb * KT);
+    for (int r = 0; r < amx::ROWS; ++r)
+      _mm512_store_ps(acc[n][r], _mm512_fmadd_ps(_mm512_load_ps(c[n][r]), d, _mm512_load_ps(acc[n][r])));
+  }
+}
+
+// The tiles' terms of code block kb for one row tile: C tiles BASE, BASE + 1 (column tiles
+// c0, c0 + 1) from zero, A tile 4, B tiles 6, 7.
+template <int BASE, bool TWO_N>
+inline void row_block(const uint16_t* a, const uint16_t* b0, const uint16_t* b1, int64_t kb) {
+  constexpr int64_t LD = amx::ROW_BYTES;
+  if constexpr (BASE == 0) {
+    _tile_zero(0);
+    if constexpr (TWO_N) _tile_zero(1);
+  } else {
+    _tile_zero(2);
+    if constexpr (TWO_N) _tile_zero(3);
+  }
+  _tile_loadd(6, b0 + kb * TILE, LD);
+  if constexpr (TWO_N) _tile_loadd(7, b1 + kb * TILE, LD);
+  for (int i = 0; i < PARTS; ++i) {
+    _tile_loadd(4, a + (kb * PARTS + i) * TILE, LD);
+    if constexpr (BASE == 0) {
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (TWO_N) _tile_dpbf16ps(1, 4, 7);
+    } else {
+      _tile_dpbf16ps(2, 4, 6);
+      if constexpr (TWO_N) _tile_dpbf16ps(3, 4, 7);
     }
   }
-  store_sums<TWO_M, TWO_N>(p, acc, m0, c0);
+}
+
+// The product's C tiles for codes, one row tile m0 (x's parts at a) by column tiles c0
+// (c0 + 1), whose converted codes start at b: per code block kb, the parts of x times the
+// codes themselves (one plane, exact) on the tiles, 3 tdpbf16ps whatever the codes' type,
+// then each column's scale applied in float32 as the sums leave them. The blocks' sums
+// alternate between C tiles 0, 1 and 2, 3, so that block kb's leave the tiles (scaled into
+// acc on the vector units) while block kb + 1's are on them: against two row tiles by two
+// column tiles, each block's sums scaled before the next block began, chained SmolLM2
+// products 6-8 % faster at 64 rows, 2-10 % at 1,024 (docs/benchmarks.md). The offsets'
+// tail (planes) is summed first, across its blocks, as block_sums does for planes.
+template <bool TWO_N>
+void row_scaled(const Product& p, const uint16_t* a, int64_t m0, int64_t c0, const uint16_t* b, int64_t b_step,
+                const float* s0, const float* s1, int64_t KBC) {
+  constexpr int64_t LD = amx::ROW_BYTES;
+  alignas(64) float acc[2][amx::ROWS][amx::COLUMNS];
+  alignas(64) float c[2][amx::ROWS][amx::COLUMNS];
+  _tile_zero(0);
+  if constexpr (TWO_N) _tile_zero(1);
+  if (p.KB > KBC) block_sums<false, TWO_N>(a + KBC * PARTS * TILE, 0, b + KBC * TILE, b_step, p.KB - KBC, p.J);
+  _tile_stored(0, acc[0], LD);
+  if constexpr (TWO_N) _tile_stored(1, acc[1], LD);
+  const uint16_t* b1 = b + b_step;
+  for (int64_t kb = 0; kb < KBC; kb += 2) {
+    row_block<0, TWO_N>(a, b, b1, kb);
+    if (kb > 0) scaled_out<2, TWO_N>(acc, c, s0, s1, kb - 1);
+    if (kb + 1 == KBC) {
+      scaled_out<0, TWO_N>(acc, c, s0, s1, kb);
+      break;
+    }
+    row_block<2, TWO_N>(a, b, b1, kb + 1);
+    scaled_out<0, TWO_N>(acc, c, s0, s1, kb);
+  }
+  if (KBC > 0 && KBC % 2 == 0) scaled_out<2, TWO_N>(acc, c, s0, s1, KBC - 1);
+  store_sums<false, TWO_N>(p, acc, m0, c0);
 }
 
 struct PartsTag;     // x's parts
@@ -357,13 +383,10 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
           }
           const float* s0 = coded.scales + c0 * KBC * KT;
           const float* s1 = two_n ? s0 + KBC * KT : s0;
-          for (int64_t m0 = first_tile; m0 < last_tile; m0 += 2) {
+          for (int64_t m0 = first_tile; m0 < last_tile; ++m0) {
             const uint16_t* a = parts + (m0 - first_tile) * row_tile_elems;
-            const bool two_m = m0 + 1 < MT;
-            if (two_m && two_n) tile_block_scaled<true, true>(p, a, m0, c0, pair, coded_tile_elems, s0, s1, KBC);
-            else if (two_m) tile_block_scaled<true, false>(p, a, m0, c0, pair, coded_tile_elems, s0, s1, KBC);
-            else if (two_n) tile_block_scaled<false, true>(p, a, m0, c0, pair, coded_tile_elems, s0, s1, KBC);
-            else tile_block_scaled<false, false>(p, a, m0, c0, pair, coded_tile_elems, s0, s1, KBC);
+            if (two_n) row_scaled<true>(p, a, m0, c0, pair, coded_tile_elems, s0, s1, KBC);
+            else row_scaled<false>(p, a, m0, c0, pair, coded_tile_elems, s0, s1, KBC);
           }
           continue;
         }
