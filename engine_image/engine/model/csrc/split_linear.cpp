@@ -15,7 +15,7 @@
 //   block of 32 k (twice: the pairs' layout). Each thread converts a column pair's codes
 //   to bfloat16 (small integers: exact); the tiles multiply x's three parts by them, 3
 //   tdpbf16ps per 16 x 16 x 32 block whatever the code type, and each block's sums take
-//   their column's scale in float32 as they leave the tiles (row_scaled).
+//   their column's scale in float32 as they leave the tiles (rows_scaled).
 //   Against expanding scale * code to two planes (Q8_0: three) and 5 (6) tdpbf16ps a
 //   block: chained SmolLM2 products 64 rows 27.7 ms against 31.0-32.2, 1,024 rows 358
 //   against 395 (docs/benchmarks.md). AVX-512's FMAs take 256 cycles for the block, a
@@ -37,7 +37,7 @@
 // the two A tiles of x's parts and the two B tiles of a plane reloaded each step: the 8
 // tiles a core has. The four tdpbf16ps of a step are independent, which the tiles'
 // latency (~3 tdpbf16ps) needs. Codes: one row tile by two column tiles, twice over (two
-// code blocks in flight, row_scaled), one A tile and two B tiles.
+// steps in flight, rows_scaled), one A tile and two B tiles.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -222,11 +222,19 @@ inline void scaled_out(float (*acc)[amx::ROWS][amx::COLUMNS], float (*c)[amx::RO
   }
 }
 
-// The tiles' terms of code block kb for one row tile: C tiles BASE, BASE + 1 (column tiles
-// c0, c0 + 1) from zero, A tile 4, B tiles 6, 7.
+// Row tiles that share each code block's B tiles (rows_scaled); their accumulators, 2 KiB
+// each, stay in L1 beside the tiles' operands.
+constexpr int64_t GROUP = 4;
+
+// Step (kb, m) on the tiles: row tile m's parts (at a) times code block kb's B tiles 6, 7
+// (loaded when load_b: at the group's first row tile), into C tiles BASE, BASE + 1 from zero.
 template <int BASE, bool TWO_N>
-inline void row_block(const uint16_t* a, const uint16_t* b0, const uint16_t* b1, int64_t kb) {
+inline void coded_step(const uint16_t* a, const uint16_t* b0, const uint16_t* b1, int64_t kb, bool load_b) {
   constexpr int64_t LD = amx::ROW_BYTES;
+  if (load_b) {
+    _tile_loadd(6, b0 + kb * TILE, LD);
+    if constexpr (TWO_N) _tile_loadd(7, b1 + kb * TILE, LD);
+  }
   if constexpr (BASE == 0) {
     _tile_zero(0);
     if constexpr (TWO_N) _tile_zero(1);
@@ -234,8 +242,6 @@ inline void row_block(const uint16_t* a, const uint16_t* b0, const uint16_t* b1,
     _tile_zero(2);
     if constexpr (TWO_N) _tile_zero(3);
   }
-  _tile_loadd(6, b0 + kb * TILE, LD);
-  if constexpr (TWO_N) _tile_loadd(7, b1 + kb * TILE, LD);
   for (int i = 0; i < PARTS; ++i) {
     _tile_loadd(4, a + (kb * PARTS + i) * TILE, LD);
     if constexpr (BASE == 0) {
@@ -248,39 +254,46 @@ inline void row_block(const uint16_t* a, const uint16_t* b0, const uint16_t* b1,
   }
 }
 
-// The product's C tiles for codes, one row tile m0 (x's parts at a) by column tiles c0
-// (c0 + 1), whose converted codes start at b: per code block kb, the parts of x times the
-// codes themselves (one plane, exact) on the tiles, 3 tdpbf16ps whatever the codes' type,
-// then each column's scale applied in float32 as the sums leave them. The blocks' sums
-// alternate between C tiles 0, 1 and 2, 3, so that block kb's leave the tiles (scaled into
-// acc on the vector units) while block kb + 1's are on them: against two row tiles by two
-// column tiles, each block's sums scaled before the next block began, chained SmolLM2
-// products 6-8 % faster at 64 rows, 2-10 % at 1,024 (docs/benchmarks.md). The offsets'
-// tail (planes) is summed first, across its blocks, as block_sums does for planes.
+// The product's sums for codes, G <= GROUP row tiles from m0 (x's parts at a, a_step
+// apart) by column tiles c0 (c0 + 1), whose converted codes start at b: per code block kb
+// and row tile, the parts of x times the codes themselves (one plane, exact) on the tiles,
+// 3 tdpbf16ps whatever the codes' type, then each column's scale applied in float32 as the
+// sums leave them. The steps (kb, m) alternate between C tiles 0, 1 and 2, 3, so that one
+// step's sums leave the tiles (scaled into acc on the vector units) while the next step's
+// are on them; a code block's B tiles serve the group's row tiles in turn. Chained SmolLM2
+// products (docs/benchmarks.md): the alternation, against two row tiles by two column
+// tiles whose sums were scaled before the next block began, 5-7 % faster at 64 rows and
+// 2-10 % at 1,024; the shared B tiles, against loading them for each row tile, a further
+// 4-6 % and 5-11 %. The offsets' tail (planes) is summed first, across its blocks, as
+// block_sums does for planes.
 template <bool TWO_N>
-void row_scaled(const Product& p, const uint16_t* a, int64_t m0, int64_t c0, const uint16_t* b, int64_t b_step,
-                const float* s0, const float* s1, int64_t KBC) {
+void rows_scaled(const Product& p, const uint16_t* a, int64_t a_step, int64_t m0, int64_t G, int64_t c0,
+                 const uint16_t* b, int64_t b_step, const float* s0, const float* s1, int64_t KBC) {
   constexpr int64_t LD = amx::ROW_BYTES;
-  alignas(64) float acc[2][amx::ROWS][amx::COLUMNS];
+  alignas(64) float acc[GROUP][2][amx::ROWS][amx::COLUMNS];
   alignas(64) float c[2][amx::ROWS][amx::COLUMNS];
-  _tile_zero(0);
-  if constexpr (TWO_N) _tile_zero(1);
-  if (p.KB > KBC) block_sums<false, TWO_N>(a + KBC * PARTS * TILE, 0, b + KBC * TILE, b_step, p.KB - KBC, p.J);
-  _tile_stored(0, acc[0], LD);
-  if constexpr (TWO_N) _tile_stored(1, acc[1], LD);
+  for (int64_t m = 0; m < G; ++m) {
+    _tile_zero(0);
+    if constexpr (TWO_N) _tile_zero(1);
+    if (p.KB > KBC)
+      block_sums<false, TWO_N>(a + m * a_step + KBC * PARTS * TILE, 0, b + KBC * TILE, b_step, p.KB - KBC, p.J);
+    _tile_stored(0, acc[m][0], LD);
+    if constexpr (TWO_N) _tile_stored(1, acc[m][1], LD);
+  }
   const uint16_t* b1 = b + b_step;
-  for (int64_t kb = 0; kb < KBC; kb += 2) {
-    row_block<0, TWO_N>(a, b, b1, kb);
-    if (kb > 0) scaled_out<2, TWO_N>(acc, c, s0, s1, kb - 1);
-    if (kb + 1 == KBC) {
-      scaled_out<0, TWO_N>(acc, c, s0, s1, kb);
+  const int64_t steps = KBC * G;  // step s: code block s / G, row tile s % G
+  for (int64_t s = 0; s < steps; s += 2) {
+    coded_step<0, TWO_N>(a + s % G * a_step, b, b1, s / G, s % G == 0);
+    if (s > 0) scaled_out<2, TWO_N>(acc[(s - 1) % G], c, s0, s1, (s - 1) / G);
+    if (s + 1 == steps) {
+      scaled_out<0, TWO_N>(acc[s % G], c, s0, s1, s / G);
       break;
     }
-    row_block<2, TWO_N>(a, b, b1, kb + 1);
-    scaled_out<0, TWO_N>(acc, c, s0, s1, kb);
+    coded_step<2, TWO_N>(a + (s + 1) % G * a_step, b, b1, (s + 1) / G, (s + 1) % G == 0);
+    scaled_out<0, TWO_N>(acc[s % G], c, s0, s1, s / G);
   }
-  if (KBC > 0 && KBC % 2 == 0) scaled_out<2, TWO_N>(acc, c, s0, s1, KBC - 1);
-  store_sums<false, TWO_N>(p, acc, m0, c0);
+  if (steps > 0 && steps % 2 == 0) scaled_out<2, TWO_N>(acc[(steps - 1) % G], c, s0, s1, (steps - 1) / G);
+  for (int64_t m = 0; m < G; ++m) store_sums<false, TWO_N>(p, acc[m], m0 + m, c0);
 }
 
 struct PartsTag;     // x's parts
@@ -383,10 +396,11 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
           }
           const float* s0 = coded.scales + c0 * KBC * KT;
           const float* s1 = two_n ? s0 + KBC * KT : s0;
-          for (int64_t m0 = first_tile; m0 < last_tile; ++m0) {
+          for (int64_t m0 = first_tile; m0 < last_tile; m0 += GROUP) {
             const uint16_t* a = parts + (m0 - first_tile) * row_tile_elems;
-            if (two_n) row_scaled<true>(p, a, m0, c0, pair, coded_tile_elems, s0, s1, KBC);
-            else row_scaled<false>(p, a, m0, c0, pair, coded_tile_elems, s0, s1, KBC);
+            const int64_t G = std::min(GROUP, last_tile - m0);
+            if (two_n) rows_scaled<true>(p, a, row_tile_elems, m0, G, c0, pair, coded_tile_elems, s0, s1, KBC);
+            else rows_scaled<false>(p, a, row_tile_elems, m0, G, c0, pair, coded_tile_elems, s0, s1, KBC);
           }
           continue;
         }
