@@ -255,17 +255,19 @@ inline void coded_step(const uint16_t* a, const uint16_t* b0, const uint16_t* b1
 }
 
 // The product's sums for codes, G <= GROUP row tiles from m0 (x's parts at a, a_step
-// apart) by column tiles c0 (c0 + 1), whose converted codes start at b: per code block kb
-// and row tile, the parts of x times the codes themselves (one plane, exact) on the tiles,
-// 3 tdpbf16ps whatever the codes' type, then each column's scale applied in float32 as the
-// sums leave them. The steps (kb, m) alternate between C tiles 0, 1 and 2, 3, so that one
-// step's sums leave the tiles (scaled into acc on the vector units) while the next step's
-// are on them; a code block's B tiles serve the group's row tiles in turn. Chained SmolLM2
-// products (docs/benchmarks.md): the alternation, against two row tiles by two column
-// tiles whose sums were scaled before the next block began, 5-7 % faster at 64 rows and
-// 2-10 % at 1,024; the shared B tiles, against loading them for each row tile, a further
-// 4-6 % and 5-11 %. The offsets' tail (planes) is summed first, across its blocks, as
-// block_sums does for planes.
+// apart) by column tiles c0 (c0 + 1): b holds c0's codes as bfloat16 [KBC][16][32], then
+// its tail's planes [KBO][J][16][32], and c0 + 1's the same b_step on; s0 (s1) their
+// scales [KBC][32] in the pairs' layout. Per code block kb and row tile, the parts of x
+// times the codes themselves (one plane, exact) on the tiles, 3 tdpbf16ps whatever the
+// codes' type, then each column's scale applied in float32 as the sums leave them. The
+// steps (kb, m) alternate between C tiles 0, 1 and 2, 3, so that one step's sums leave
+// the tiles (scaled into acc on the vector units) while the next step's are on them; a
+// code block's B tiles serve the group's row tiles in turn. Chained SmolLM2 products
+// (docs/benchmarks.md): the alternation, against two row tiles by two column tiles whose
+// sums were scaled before the next block began, 5-7 % faster at 64 rows and 2-10 % at
+// 1,024; the shared B tiles, against loading them for each row tile, a further 4-6 % and
+// 5-11 %. The offsets' tail (planes) is summed first, across its blocks, as block_sums
+// does for planes.
 template <bool TWO_N>
 void rows_scaled(const Product& p, const uint16_t* a, int64_t a_step, int64_t m0, int64_t G, int64_t c0,
                  const uint16_t* b, int64_t b_step, const float* s0, const float* s1, int64_t KBC) {
