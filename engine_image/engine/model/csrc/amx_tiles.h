@@ -79,7 +79,8 @@ uint16_t* thread_buffer(int64_t elems) {
 
 #if defined(__AVX512BF16__)
 constexpr int PARTS = 3;                              // a float32's bfloat16 parts
-constexpr int64_t TILE_ELEMS = ROWS * PAIRS * 2;      // bfloat16 in a tile (512)
+constexpr int64_t TILE_K = PAIRS * 2;                 // k a tdpbf16ps covers (32)
+constexpr int64_t TILE_ELEMS = ROWS * TILE_K;         // bfloat16 in a tile (512)
 
 // How split_parts lays two vectors' parts into a row of 32 bfloat16 (each part's bits in
 // the high half of its lanes, the low half zero):

@@ -11,9 +11,6 @@
 
 namespace tandem::coded {
 
-constexpr int64_t TILE = amx::TILE_ELEMS;  // bfloat16 in a tile (512)
-constexpr int64_t KT = amx::PAIRS * 2;     // k a tile covers (32)
-
 // The scale of each of 16 columns from the pairs' layout [s0, s0, s1, s1, ...].
 inline __m512 column_scales(const float* pairs) {
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -35,6 +32,7 @@ struct CodedTiles {
 // are asked for in L2 now, a column pair's products ahead of their use: their first
 // reads from memory otherwise stalled the conversion (chained 64-row products 7 % slower).
 inline void convert(const CodedTiles& w, int64_t c, uint16_t* out, int64_t tail_planes, const int64_t* ahead) {
+  constexpr int64_t TILE = amx::TILE_ELEMS, KT = amx::TILE_K;
   const int8_t* codes = w.codes + c * w.KBC * TILE;
   const char* fetch = ahead ? reinterpret_cast<const char*>(w.codes + *ahead * w.KBC * TILE) : nullptr;
   const char* fetch_scales = ahead ? reinterpret_cast<const char*>(w.scales + *ahead * w.KBC * KT) : nullptr;

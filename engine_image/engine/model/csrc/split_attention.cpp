@@ -50,7 +50,7 @@ using namespace tandem;
 
 constexpr int PARTS = amx::PARTS;
 constexpr int64_t TILE = amx::TILE_ELEMS;  // bfloat16 in a tile (512)
-constexpr int64_t KB = amx::PAIRS * 2;     // k a tile covers: keys of P, head dims of Q (32)
+constexpr int64_t KB = amx::TILE_K;        // k a tile covers: keys of P, head dims of Q (32)
 constexpr int64_t COLS = amx::COLUMNS;     // C's columns: keys of S, head dims of O (16)
 constexpr int64_t QB = 2 * amx::ROWS;      // query positions per work item: two row tiles
 constexpr int64_t LD = amx::ROW_BYTES;

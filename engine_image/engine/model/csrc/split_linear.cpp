@@ -67,7 +67,7 @@ using tandem::coded::convert;
 
 constexpr int PARTS = amx::PARTS;                  // x's bfloat16 parts
 constexpr int64_t TILE = amx::TILE_ELEMS;            // bfloat16 in a tile (512)
-constexpr int64_t KT = amx::PAIRS * 2;               // k a tile covers (32)
+constexpr int64_t KT = amx::TILE_K;                  // k a tile covers (32)
 // x's split parts per thread block of rows stay in L2 beside the planes being read.
 constexpr int64_t SPLIT_BYTES = int64_t{1} << 20;
 
