@@ -180,7 +180,8 @@ def _gather(
     index: list[int] = []
     moved: list[SampleRows] = []
     for row in rows:
-        moved.append(dataclasses.replace(row, start=len(index)))
+        # (replace() only where the start moves: a step's ~7 us a row, cold)
+        moved.append(row if row.start == len(index) else dataclasses.replace(row, start=len(index)))
         index.extend(positions[row.start : row.start + row.num_rows])
     # positions only rise: as many as hidden has are every row, in order (no copy).
     if len(index) == hidden.shape[0]:
