@@ -36,14 +36,15 @@ class Machine:
 
 
 class MachineProbe:
-    """Times this machine's fp32 matmul peak and its read bandwidth, one round of each
-    per `measure()`. The peak is the fastest of MKL (torch.mm), oneDNN's packed inner
-    product and the engine's own projection path (linear.py: the panel kernel): on
-    some CPUs one library is well short of the hardware, and the engine's kernel must
-    not set the bar it is measured against alone. Where the CPU has AMX, also the
-    engine's float32 products on its tiles (split_planes.py), of a weight of two
-    bfloat16 planes and of one of int8 codes with float16 scales (a GGUF's): the peak
-    such a model's products can reach here, above the FMA units'."""
+    """Times this machine's fp32 matmul peak and its read bandwidth: per `measure()`, one
+    round of each GEMM and the best of READS reads. The peak is the fastest of MKL
+    (torch.mm), oneDNN's packed inner product and the engine's own projection path
+    (linear.py: the panel kernel): on some CPUs one library is well short of the
+    hardware, and the engine's kernel must not set the bar it is measured against
+    alone. Where the CPU has AMX, also the engine's float32 products on its tiles
+    (split_planes.py), of a weight of two bfloat16 planes and of one of int8 codes with
+    float16 scales (a GGUF's): the peak such a model's products can reach here, above
+    the FMA units'."""
 
     def __init__(self, n: int = 2048) -> None:
         self.n = n
@@ -79,9 +80,9 @@ class MachineProbe:
 
     def measure(self) -> Machine:
         times = [timed(gemm) for gemm in self.gemms]
-        # The best of a few reads (~15 ms each): one alone, on a host whose other tenants
-        # load its memory by the moment, measured as low as half the bandwidth of the
-        # reads around it, and a roofline over 100 % of what the engine then did.
+        # The best of a few reads (~15 ms each): one alone, just after the GEMMs, read as
+        # little as half the bandwidth of the reads around it on this kind of host, and
+        # put the roofline below what the engine then did (docs/benchmarks.md).
         read = min(timed(self.big.sum) for _ in range(READS))
         flops = 2 * self.n**3
         return Machine(
