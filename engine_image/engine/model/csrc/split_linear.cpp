@@ -284,7 +284,11 @@ void rows_scaled(const Product& p, const uint16_t* a, int64_t a_step, int64_t m0
     if constexpr (TWO_N) _tile_stored(1, acc[m][1], LD);
   }
   const uint16_t* b1 = b + b_step;
-  const int64_t steps = KBC * G;  // step s: code block s / G, row tile s % G
+  // Step s: code block s / G, row tile s % G, on C tiles 0, 1 (even s) or 2, 3 (odd);
+  // step s - 1's sums are scaled out once step s is on the tiles, the last one after.
+  // Two steps an iteration: a loop of one step a turn, choosing the tiles by parity,
+  // measured 3-5 % slower on 1,024-row products.
+  const int64_t steps = KBC * G;
   for (int64_t s = 0; s < steps; s += 2) {
     coded_step<0, TWO_N>(a + s % G * a_step, b, b1, s / G, s % G == 0);
     if (s > 0) scaled_out<2, TWO_N>(acc[(s - 1) % G], c, s0, s1, (s - 1) / G);
