@@ -11,6 +11,8 @@ reference: a missing part or plane would miss it by orders of magnitude.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import gguf
 import numpy as np
 import pytest
@@ -130,6 +132,35 @@ def test_coded_products_are_float32_dot_products_of_the_weights(kind, rows, n) -
     assert (y - F.linear(x, weight)).abs().max() < 1e-4
 
 
+def test_codes_within_32_values_name_their_least() -> None:
+    # The kernel converts such codes through a table of 32 (their low 5 bits), Q8_0's
+    # through float32. The tiles' zero padding past the columns counts among the codes.
+    lows = {kind.name: coded_planes(coded(40, 64, kind)[0]).code_low for kind in PLANE_TYPES}
+    assert lows == {"Q4_0": -8, "Q4_1": 0, "Q5_0": -16, "Q5_1": 0, "Q8_0": None}
+    codes = torch.randint(90, 122, (16, 64), dtype=torch.int8)
+    codes[0, 0] = 90
+    assert coded_planes(CodedWeight(codes, torch.rand(16, 2), None)).code_low == 90
+    padded = CodedWeight(codes[:10], torch.rand(10, 2), None)  # zeros past the 10 columns
+    assert coded_planes(padded).code_low is None
+    gate, up = (coded_planes(coded(32, 64, kind)[0]) for kind in PLANE_TYPES[0:3:2])
+    assert gated_planes(gate, up).code_low == -16  # Q4_0's -8..7 and Q5_0's -16..15
+
+
+@needs_amx
+@pytest.mark.parametrize("low", [-128, -20, 0, 90, 100])
+def test_products_of_codes_through_the_table_equal_those_through_float32(low) -> None:
+    n, k = 208, 192  # 13 whole column tiles: several pairs a thread, the last one alone
+    values = torch.arange(low, min(low + 32, 128)).to(torch.int8)
+    codes = values[torch.randint(len(values), (n, k))]
+    weight = CodedWeight(codes, torch.rand(n, k // 32) / 16, torch.randn(n, k // 32) / 16)
+    planes = coded_planes(weight)
+    assert planes.code_low == int(codes.min())
+    x = torch.randn(70, k)
+    y = split(x, planes, n)
+    within_float32_bound(y, x, weight.widened(), extra=k // 32)
+    assert torch.equal(y, split(x, replace(planes, code_low=None), n))
+
+
 @needs_amx
 @pytest.mark.parametrize("kind", [PLANE_TYPES[1], PLANE_TYPES[4]], ids=lambda kind: kind.name)
 @pytest.mark.parametrize("n", [40, 2000])
@@ -145,9 +176,11 @@ def test_rows_past_the_first_block_multiply_alike(kind, n) -> None:
 
 
 @needs_amx
-def test_bias_and_the_gated_product() -> None:
-    gate, g = coded(72, 64, seed=1)
-    up, u = coded(72, 64, seed=2)
+@pytest.mark.parametrize("kind", PLANE_TYPES[:2] + PLANE_TYPES[4:], ids=lambda kind: kind.name)
+def test_bias_and_the_gated_product(kind) -> None:
+    # Q4_0 and Q8_0 have no offsets (no tail to pair), Q4_1 has; Q8_0's codes take float32.
+    gate, g = coded(72, 64, kind, seed=1)
+    up, u = coded(72, 64, kind, seed=2)
     x = torch.randn(50, 64)
     bias = torch.randn(72)
     y = split(x, coded_planes(gate), 72, bias=bias)
@@ -222,6 +255,8 @@ def test_bad_arguments_are_named() -> None:
         split(x.double(), planes, 32)
     with pytest.raises(RuntimeError, match="silu_mul takes no bias"):
         split(x, gated_planes(planes, planes), 32, bias=torch.zeros(32), silu_mul=True)
+    with pytest.raises(RuntimeError, match="code_low comes with codes and is an int8"):
+        split(x, replace(planes, code_low=200), 32)
 
 
 @needs_amx

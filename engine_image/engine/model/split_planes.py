@@ -46,10 +46,12 @@ MOST_PLANES = 2
 MOST_TAIL_PLANES = 3  # the offsets' columns: any float32 value
 # Products of more rows than this run on the planes; fewer widen the codes in
 # panel_linear (which widens up to its own WIDEN_ROWS, 32, where there are no planes).
-# Chained SmolLM2 products, a Xeon: 8 rows 9.3 ms widened against 12.5 on the tiles, 12
-# rows 13.6 against 12.5, 16 14.7 against 12.8, 32 24.8 against 17.1 (a row tile of the
-# tiles takes 16 rows, so up to 16 cost alike there).
-SPLIT_ROWS = 10
+# Chained SmolLM2 products, a Xeon, with the codes converted through their table while
+# the tiles work (split_linear.cpp): 8 rows 8.5-9.0 ms widened against 9.0-9.6 on the
+# tiles, 9 rows 12.5-12.8 against 9.2-9.4, 10 rows 12.9 against 9.0 (a row tile of the
+# tiles takes 16 rows, so up to 16 cost alike there). (Before the table, 12 rows 13.6
+# widened against 12.5 on the tiles: the bar was 10.)
+SPLIT_ROWS = 8
 PANEL_WIDEN_ROWS = 32  # csrc/panel_linear.cpp's WIDEN_ROWS
 
 
@@ -69,6 +71,9 @@ class SplitPlanes:
     codes: torch.Tensor | None = None
     # The codes' scales, float32 [column tiles, k blocks, 32]: each column's twice (its pair).
     scales: torch.Tensor | None = None
+    # Where every code lies in [code_low, code_low + 32) (a 4- or 5-bit type's), the kernel
+    # converts them to bfloat16 through a table of 32; None (Q8_0's): through float32.
+    code_low: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -76,7 +81,16 @@ class SplitPlanes:
 
     def args(self, out_features: int, bias: torch.Tensor | None, silu_mul: bool) -> tuple:
         """split_linear's arguments after x."""
-        return (self.planes, out_features, self.sums_block, bias, silu_mul, self.codes, self.scales)
+        return (
+            self.planes,
+            out_features,
+            self.sums_block,
+            bias,
+            silu_mul,
+            self.codes,
+            self.scales,
+            self.code_low,
+        )
 
     def _tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.planes, self.codes, self.scales) if t is not None]
@@ -107,6 +121,7 @@ def coded_planes(coded: CodedWeight) -> SplitPlanes | None:
         sums_block=0 if coded.offsets is None else coded.block,
         codes=codes,
         scales=tile_scales.repeat_interleave(2, dim=2).contiguous(),
+        code_low=_code_low(codes),
     )
 
 
@@ -137,11 +152,24 @@ def gated_planes(gate: SplitPlanes, up: SplitPlanes) -> SplitPlanes | None:
     def paired(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
         if a is None:
             return None
-        return torch.stack([a, b], dim=1).reshape(-1, *a.shape[1:]).contiguous()
+        return torch.stack([a, b], dim=1).reshape(2 * a.shape[0], *a.shape[1:]).contiguous()
 
+    codes = paired(gate.codes, up.codes)
     return SplitPlanes(
-        paired(g, u), gate.sums_block, paired(gate.codes, up.codes), paired(gate.scales, up.scales)
+        paired(g, u),
+        gate.sums_block,
+        codes,
+        paired(gate.scales, up.scales),
+        None if codes is None else _code_low(codes),
     )
+
+
+def _code_low(codes: torch.Tensor) -> int | None:
+    """The least code, where all lie within 32 of it (the kernel's table); else None."""
+    if not codes.numel():
+        return None
+    low, high = int(codes.min()), int(codes.max())
+    return low if high - low < 32 else None
 
 
 def _split(weight: torch.Tensor, sums_block: int) -> SplitPlanes | None:

@@ -1,5 +1,5 @@
 // A quantised weight's int8 codes on their way to AMX's B tiles (split_linear.cpp): the
-// codes as bfloat16 (small integers: exact), a column tile at a time, and each column's
+// codes as bfloat16 (small integers: exact), a code block at a time, and each column's
 // scale from the pairs' layout the scales are stored in.
 #pragma once
 
@@ -17,40 +17,75 @@ inline __m512 column_scales(const float* pairs) {
   return _mm512_permutex2var_ps(_mm512_loadu_ps(pairs), even, _mm512_loadu_ps(pairs + 16));
 }
 
+// The bfloat16 of each code by its low 5 bits, for codes that lie in [low, low + 32): two
+// codes there never share those bits.
+inline __m512i code_table(int64_t low) {
+  alignas(64) uint16_t table[32];
+  for (int64_t i = 0; i < 32; ++i) {
+    const float value = static_cast<float>(low + ((i - low) % 32 + 32) % 32);
+    uint32_t bits;
+    std::memcpy(&bits, &value, sizeof bits);
+    table[i] = static_cast<uint16_t>(bits >> 16);  // exact: a small integer
+  }
+  return _mm512_load_si512(table);
+}
+
 // A weight's codes (coded_planes): int8 [T][KBC][16][32] in the planes' tile layout,
 // float32 scales [T][KBC][32] (each column's, twice: its pair), and the tail's planes
-// [T][KBO][J][16][32] (the offsets' columns), converted a column tile at a time.
+// [T][KBO][J][16][32] (the offsets' columns), converted a code block at a time.
 struct CodedTiles {
   const int8_t* codes;
   const float* scales;
   const uint16_t* tail;
   int64_t KBC, KBO;
+  // Where every code lies in 32 consecutive integers (Q4_0, Q4_1, Q5_0, Q5_1): code_table's,
+  // and a row of codes converts in two instructions (widen, look up) against five through
+  // float32 (Q8_0's).
+  bool windowed;
+  __m512i table;
 };
 
-// Column tile c's codes as bfloat16 (small integers: exact), every k block, then the
-// tail's planes. `ahead`: the column tile the thread converts next (or none), whose codes
-// are asked for in L2 now, a column pair's products ahead of their use: their first
-// reads from memory otherwise stalled the conversion (chained 64-row products 7 % slower).
-inline void convert(const CodedTiles& w, int64_t c, uint16_t* out, int64_t tail_planes, const int64_t* ahead) {
+// Code block kb of column tile c as bfloat16 (small integers: exact) into out, one B
+// tile. `ahead`: a column tile converted later (or none), whose block kb is asked for in
+// L2 now: first reads from memory otherwise stalled the conversion (chained 64-row
+// products 7 % slower).
+inline void convert_block(const CodedTiles& w, int64_t c, int64_t kb, uint16_t* out, const int64_t* ahead) {
   constexpr int64_t TILE = amx::TILE_ELEMS, KT = amx::TILE_K;
-  const int8_t* codes = w.codes + c * w.KBC * TILE;
-  const char* fetch = ahead ? reinterpret_cast<const char*>(w.codes + *ahead * w.KBC * TILE) : nullptr;
-  const char* fetch_scales = ahead ? reinterpret_cast<const char*>(w.scales + *ahead * w.KBC * KT) : nullptr;
-  for (int64_t kb = 0; kb < w.KBC; ++kb, codes += TILE, out += TILE) {
-    if (fetch) {
-      for (int64_t i = 0; i < TILE; i += 64) _mm_prefetch(fetch + kb * TILE + i, _MM_HINT_T1);
-      for (int64_t i = 0; i < KT * 4; i += 64) _mm_prefetch(fetch_scales + kb * KT * 4 + i, _MM_HINT_T1);
-    }
-    for (int q = 0; q < amx::ROWS; ++q) {
-      const int8_t* row = codes + q * KT;
-      const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
-      const __m128i c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16));
-      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1)),
-                                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0)));
-      _mm512_store_si512(out + q * KT, reinterpret_cast<const __m512i&>(v));
-    }
+  if (ahead) {
+    const char* codes = reinterpret_cast<const char*>(w.codes + (*ahead * w.KBC + kb) * TILE);
+    const char* scales = reinterpret_cast<const char*>(w.scales + (*ahead * w.KBC + kb) * KT);
+    for (int64_t i = 0; i < TILE; i += 64) _mm_prefetch(codes + i, _MM_HINT_T1);
+    for (int64_t i = 0; i < KT * 4; i += 64) _mm_prefetch(scales + i, _MM_HINT_T1);
   }
-  if (w.KBO) std::memcpy(out, w.tail + c * w.KBO * tail_planes * TILE, w.KBO * tail_planes * TILE * sizeof(uint16_t));
+  const int8_t* codes = w.codes + (c * w.KBC + kb) * TILE;
+  if (w.windowed) {
+    for (int q = 0; q < amx::ROWS; ++q) {
+      const __m512i wide = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + q * KT)));
+      _mm512_store_si512(out + q * KT, _mm512_permutexvar_epi16(wide, w.table));
+    }
+    return;
+  }
+  for (int q = 0; q < amx::ROWS; ++q) {
+    const int8_t* row = codes + q * KT;
+    const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+    const __m128i c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16));
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1)),
+                                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0)));
+    _mm512_store_si512(out + q * KT, reinterpret_cast<const __m512i&>(v));
+  }
+}
+
+// Column tile c's tail planes (the offsets' columns), after its converted codes in out.
+inline void copy_tail(const CodedTiles& w, int64_t c, uint16_t* out, int64_t tail_planes) {
+  constexpr int64_t TILE = amx::TILE_ELEMS;
+  const int64_t elems = w.KBO * tail_planes * TILE;
+  if (elems) std::memcpy(out + w.KBC * TILE, w.tail + c * elems, elems * sizeof(uint16_t));
+}
+
+// Column tile c's codes, every k block, then its tail: out [KBC][16][32], the tail after.
+inline void convert(const CodedTiles& w, int64_t c, uint16_t* out, int64_t tail_planes, const int64_t* ahead) {
+  for (int64_t kb = 0; kb < w.KBC; ++kb) convert_block(w, c, kb, out + kb * amx::TILE_ELEMS, ahead);
+  copy_tail(w, c, out, tail_planes);
 }
 
 }  // namespace tandem::coded

@@ -271,7 +271,7 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("amx_ready() -> bool");
   m.def(
       "split_linear(Tensor x, Tensor planes, int out_features, int sums_block, Tensor? bias, "
-      "bool silu_mul=False, Tensor? codes=None, Tensor? scales=None) -> Tensor");
+      "bool silu_mul=False, Tensor? codes=None, Tensor? scales=None, int? code_low=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {

@@ -3,7 +3,7 @@
 // scales (a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0), or as one or two stored bfloat16
 // "planes" summing to them exactly (a bfloat16 or float16 checkpoint's).
 //
-//   split_linear(x [M, K], planes, N, sums_block, bias?, silu_mul, codes?, scales?) -> [M, N]
+//   split_linear(x [M, K], planes, N, sums_block, bias?, silu_mul, codes?, scales?, code_low?) -> [M, N]
 //
 // x is split exactly into three bfloat16 parts, x = x0 + x1 + x2 (8 significant bits
 // each, by truncation: float32's 24). Every product of two bfloat16 is exact in float32,
@@ -13,7 +13,8 @@
 //
 // codes, scales: int8 codes in the planes' layout (below) and each column's scale per
 //   block of 32 k (twice: the pairs' layout). Each thread converts a column pair's codes
-//   to bfloat16 (small integers: exact); the tiles multiply x's three parts by them, 3
+//   to bfloat16 (small integers: exact; through a table where code_low says every code
+//   lies in [code_low, code_low + 32)); the tiles multiply x's three parts by them, 3
 //   tdpbf16ps per 16 x 16 x 32 block whatever the code type, and each block's sums take
 //   their column's scale in float32 as they leave the tiles (rows_scaled).
 //   Against expanding scale * code to two planes (Q8_0: three) and 5 (6) tdpbf16ps a
@@ -64,6 +65,8 @@ namespace amx = tandem::amx;
 using tandem::coded::CodedTiles;
 using tandem::coded::column_scales;
 using tandem::coded::convert;
+using tandem::coded::convert_block;
+using tandem::coded::copy_tail;
 
 constexpr int PARTS = amx::PARTS;                  // x's bfloat16 parts
 constexpr int64_t TILE = amx::TILE_ELEMS;            // bfloat16 in a tile (512)
@@ -255,6 +258,32 @@ inline void coded_step(const uint16_t* a, const uint16_t* b0, const uint16_t* b1
   }
 }
 
+// The thread's next column pair, converted a code block at a time while the tiles work on
+// the pair before (rows_scaled): its tiles' codes to `out` (the second tile_elems on), the
+// pair after it asked for in L2 as they go.
+struct NextPair {
+  const CodedTiles* w;
+  int64_t c0;  // its first column tile
+  bool two;  // whether it has a second
+  uint16_t* out;
+  int64_t tile_elems;  // a column tile's converted codes and tail
+  int64_t tail_planes;
+  const int64_t* ahead0;  // the column tiles of the pair after it (or none)
+  const int64_t* ahead1;
+};
+
+inline void convert_next(const NextPair* next, int64_t kb) {
+  if (!next) return;
+  convert_block(*next->w, next->c0, kb, next->out + kb * TILE, next->ahead0);
+  if (next->two) convert_block(*next->w, next->c0 + 1, kb, next->out + next->tile_elems + kb * TILE, next->ahead1);
+}
+
+inline void next_tails(const NextPair* next) {
+  if (!next) return;
+  copy_tail(*next->w, next->c0, next->out, next->tail_planes);
+  if (next->two) copy_tail(*next->w, next->c0 + 1, next->out + next->tile_elems, next->tail_planes);
+}
+
 // The product's sums for codes, G <= GROUP row tiles from m0 (x's parts at a, a_step
 // apart) by column tiles c0 (c0 + 1): b holds c0's codes as bfloat16 [KBC][16][32], then
 // its tail's planes [KBO][J][16][32], and c0 + 1's the same b_step on; s0 (s1) their
@@ -268,10 +297,14 @@ inline void coded_step(const uint16_t* a, const uint16_t* b0, const uint16_t* b1
 // sums were scaled before the next block began, 5-7 % faster at 64 rows and 2-10 % at
 // 1,024; the shared B tiles, against loading them for each row tile, a further 4-6 % and
 // 5-11 % (groups of 4). The offsets' tail (planes) is summed first, across its blocks, as block_sums
-// does for planes.
+// does for planes. `next`: the pair whose codes to convert meanwhile, a block with each of
+// this pair's (or none): the vector units' conversion between the tiles' steps, against a
+// pair converted before its products, chained 64-row products 5 % faster, with the
+// windowed codes' table 6-8 %, 16 rows 12-18 %, 1,024 rows 0-1 % (their codes are kept).
 template <bool TWO_N>
 void rows_scaled(const Product& p, const uint16_t* a, int64_t a_step, int64_t m0, int64_t G, int64_t c0,
-                 const uint16_t* b, int64_t b_step, const float* s0, const float* s1, int64_t KBC) {
+                 const uint16_t* b, int64_t b_step, const float* s0, const float* s1, int64_t KBC,
+                 const NextPair* next) {
   constexpr int64_t LD = amx::ROW_BYTES;
   alignas(64) float acc[GROUP][2][amx::ROWS][amx::COLUMNS];
   alignas(64) float c[2][amx::ROWS][amx::COLUMNS];
@@ -291,15 +324,18 @@ void rows_scaled(const Product& p, const uint16_t* a, int64_t a_step, int64_t m0
   const int64_t steps = KBC * G;
   for (int64_t s = 0; s < steps; s += 2) {
     coded_step<0, TWO_N>(a + s % G * a_step, b, b1, s / G, s % G == 0);
+    if (s % G == 0) convert_next(next, s / G);
     if (s > 0) scaled_out<2, TWO_N>(acc[(s - 1) % G], c, s0, s1, (s - 1) / G);
     if (s + 1 == steps) {
       scaled_out<0, TWO_N>(acc[s % G], c, s0, s1, s / G);
       break;
     }
     coded_step<2, TWO_N>(a + (s + 1) % G * a_step, b, b1, (s + 1) / G, (s + 1) % G == 0);
+    if ((s + 1) % G == 0) convert_next(next, (s + 1) / G);
     scaled_out<0, TWO_N>(acc[s % G], c, s0, s1, s / G);
   }
   if (steps > 0 && steps % 2 == 0) scaled_out<2, TWO_N>(acc[(steps - 1) % G], c, s0, s1, (steps - 1) / G);
+  next_tails(next);
   for (int64_t m = 0; m < G; ++m) store_sums<false, TWO_N>(p, acc[m], m0 + m, c0);
 }
 
@@ -311,7 +347,7 @@ struct ExpandedTag;  // converted codes: a column pair's, or all the thread's (k
 
 at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N, int64_t sums_block,
                         const c10::optional<at::Tensor>& bias, bool silu_mul, const c10::optional<at::Tensor>& codes,
-                        const c10::optional<at::Tensor>& scales) {
+                        const c10::optional<at::Tensor>& scales, c10::optional<int64_t> code_low) {
 #if defined(TANDEM_AMX) && defined(__AVX512BF16__)
   TORCH_CHECK(amx::permitted(), "split_linear: this process may not use AMX tiles");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
@@ -330,6 +366,8 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
                     scales->size(0) == T && scales->size(1) == KBC && scales->size(2) == KT,
                 "split_linear: scales must be float32 [tiles, k blocks, 32]");
   }
+  TORCH_CHECK(!code_low || (codes && *code_low >= -128 && *code_low <= 127),
+              "split_linear: code_low comes with codes and is an int8 value");
   const int64_t KB = KBC + planes.size(1), J = planes.size(2);
   TORCH_CHECK(K % KT == 0, "split_linear: in_features ", K, " must be a multiple of ", KT);
   TORCH_CHECK(sums_block == 0 || (sums_block % 16 == 0 && K % sums_block == 0),
@@ -352,8 +390,13 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
   const int64_t row_tile_elems = KB * PARTS * TILE;
   const Product p{reinterpret_cast<const uint16_t*>(planes.data_ptr()), KB, J, M, N,
                   out.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr, silu_mul};
-  const CodedTiles coded{codes ? codes->data_ptr<int8_t>() : nullptr, scales ? scales->data_ptr<float>() : nullptr,
-                         p.planes, KBC, planes.size(1)};
+  const CodedTiles coded{codes ? codes->data_ptr<int8_t>() : nullptr,
+                         scales ? scales->data_ptr<float>() : nullptr,
+                         p.planes,
+                         KBC,
+                         planes.size(1),
+                         code_low.has_value(),
+                         tandem::coded::code_table(code_low.value_or(0))};
   const int64_t tile_elems = KB * J * TILE;  // a column tile's planes
   const int64_t coded_tile_elems = KBC * TILE + (KB - KBC) * J * TILE;  // its converted codes, then tail
   const float* xp = x.data_ptr<float>();
@@ -371,11 +414,12 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
     // The thread's column pairs' converted codes: where there are several blocks of rows and
     // the pairs fit this core's L2, converted for the first block and kept for the rest
     // (SmolLM2's 1,024-row products 2-3 % faster, its down projection, K 1,536 in 11
-    // blocks, 4-6 %: docs/benchmarks.md); else one pair's, converted again for each block.
+    // blocks, 4-6 %: docs/benchmarks.md); else two pairs' (the one multiplied, the next),
+    // converted again for each block.
     const int64_t my_pairs = n_end - n_begin, pair_elems = 2 * coded_tile_elems;
     const bool keep = codes && pairs_m > block_pairs &&
                       my_pairs * pair_elems * static_cast<int64_t>(sizeof(uint16_t)) <= tandem::l2_bytes();
-    uint16_t* expanded = codes ? amx::thread_buffer<ExpandedTag>((keep ? my_pairs : 1) * pair_elems) : nullptr;
+    uint16_t* expanded = codes ? amx::thread_buffer<ExpandedTag>((keep ? my_pairs : 2) * pair_elems) : nullptr;
     // Each thread splits the rows it multiplies itself, into its own buffer: the parts
     // another core wrote would reach this one line by line from that core's cache.
     uint16_t* parts = amx::thread_buffer<PartsTag>(std::min(MT, 2 * block_pairs) * row_tile_elems);
@@ -393,21 +437,33 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
         const int64_t c0 = 2 * np;
         const bool two_n = c0 + 1 < T;
         if (codes) {
-          // The thread's next pair: these two tiles' codes are ahead of it by two.
-          const int64_t next0 = c0 + 2, next1 = c0 + 3;
-          const bool more = np + 1 < n_end;
-          uint16_t* pair = keep ? expanded + (np - n_begin) * pair_elems : expanded;
-          if (!keep || mb == 0) {
+          // A pair's codes are converted while the tiles work on the pair before (NextPair),
+          // the thread's first pair before its products. Kept pairs have a place each; else
+          // two places take turns.
+          const bool converting = !keep || mb == 0;
+          const auto place = [&](int64_t pair) {
+            return expanded + (keep ? pair - n_begin : (pair - n_begin) % 2) * pair_elems;
+          };
+          uint16_t* pair = place(np);
+          if (converting && np == n_begin) {
+            const int64_t next0 = c0 + 2, next1 = c0 + 3;
+            const bool more = np + 1 < n_end;
             convert(coded, c0, pair, J, more ? &next0 : nullptr);
             if (two_n) convert(coded, c0 + 1, pair + coded_tile_elems, J, more && next1 < T ? &next1 : nullptr);
           }
+          const int64_t later0 = c0 + 4, later1 = c0 + 5;  // the pair after the next
+          const bool later = np + 2 < n_end;
+          const NextPair next{&coded,         c0 + 2, c0 + 3 < T, place(np + 1), coded_tile_elems, J,
+                              later ? &later0 : nullptr, later && later1 < T ? &later1 : nullptr};
+          const NextPair* converts = converting && np + 1 < n_end ? &next : nullptr;
           const float* s0 = coded.scales + c0 * KBC * KT;
           const float* s1 = two_n ? s0 + KBC * KT : s0;
           for (int64_t m0 = first_tile; m0 < last_tile; m0 += GROUP) {
             const uint16_t* a = parts + (m0 - first_tile) * row_tile_elems;
             const int64_t G = std::min(GROUP, last_tile - m0);
-            if (two_n) rows_scaled<true>(p, a, row_tile_elems, m0, G, c0, pair, coded_tile_elems, s0, s1, KBC);
-            else rows_scaled<false>(p, a, row_tile_elems, m0, G, c0, pair, coded_tile_elems, s0, s1, KBC);
+            const NextPair* n = m0 == first_tile ? converts : nullptr;  // once a pair
+            if (two_n) rows_scaled<true>(p, a, row_tile_elems, m0, G, c0, pair, coded_tile_elems, s0, s1, KBC, n);
+            else rows_scaled<false>(p, a, row_tile_elems, m0, G, c0, pair, coded_tile_elems, s0, s1, KBC, n);
           }
           continue;
         }
@@ -426,7 +482,7 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
   return out;
 #else
   TORCH_CHECK(false, "split_linear: the kernels were built without AMX");
-  (void)x, (void)planes, (void)N, (void)sums_block, (void)bias, (void)silu_mul, (void)codes, (void)scales;
+  (void)x, (void)planes, (void)N, (void)sums_block, (void)bias, (void)silu_mul, (void)codes, (void)scales, (void)code_low;
   return {};
 #endif
 }
