@@ -8,7 +8,7 @@ panels dropped from the packed decoder and the LM head), in the same process. A
 GGUF model's quantised projections keep their codes beside the float32 panels, and
 products of few rows widen them in the kernel (coded_weight.py, up to
 csrc/panel_linear.cpp's WIDEN_ROWS, 32); where the CPU has AMX, products of more than
-SPLIT_ROWS (8) run on its tiles from the same codes (split_planes.py,
+SPLIT_ROWS run on its tiles from the same codes (split_planes.py,
 csrc/split_linear.cpp). This measures what both buy, two ways:
 - the model's own products, a layer's four chained through all its layers, by rows:
   the packed decoder's kernels for that many rows (split planes past SPLIT_ROWS where
