@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tandem.engine.host_memory import advise_huge_pages
 from tandem.engine.model import cpu_kernels
 from tandem.engine.model.attention_metadata import AttentionMetadata, DraftTail
 from tandem.engine.model.model_config import ModelConfig
@@ -62,14 +63,21 @@ def allocate_kv_cache(
     Zero-filled, not empty: no path reads a slot before it is written (the kernels
     stop at each sequence's context, the torch path zeroes what it gathers past it),
     but a pool of defined values keeps any stray read finite, and the memory is
-    committed now rather than at some later step.
+    committed now rather than at some later step. On the CPU, asked onto huge pages
+    before the zeros touch it (host_memory.advise_huge_pages).
     """
     if num_blocks < 1 or block_size < 1:
         raise ValueError(
             f"KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
         )
     shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+    caches = []
+    for _ in range(config.num_hidden_layers):
+        cache = torch.empty(shape, dtype=dtype, device=device)
+        if cache.device.type == "cpu":
+            advise_huge_pages(cache.data_ptr(), cache.numel() * cache.element_size())
+        caches.append(cache.zero_())
+    return caches
 
 
 def paged_attention(
