@@ -14,8 +14,8 @@ first), and only when the model runs on the CPU.
 Huge pages: where Linux gives transparent huge pages only to memory that asks
 (`madvise` mode), a pool read in scattered pieces, the KV cache, sits on 4 KiB
 pages, and a batch-64 SmolLM2 step's attention walks up to ~2,300 of them a layer.
-On 2 MiB pages decode attention read scattered blocks ~4 % faster, and took 1-1.5 %
-less of an engine's batch-64 step (docs/benchmarks.md).
+On 2 MiB pages decode attention read scattered blocks ~4 % faster; in an engine's
+batch-64 step, whose blocks lie mostly in order, ~1 % (docs/benchmarks.md).
 """
 
 from __future__ import annotations
