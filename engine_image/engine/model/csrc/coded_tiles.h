@@ -82,11 +82,5 @@ inline void copy_tail(const CodedTiles& w, int64_t c, uint16_t* out, int64_t tai
   if (elems) std::memcpy(out + w.KBC * TILE, w.tail + c * elems, elems * sizeof(uint16_t));
 }
 
-// Column tile c's codes, every k block, then its tail: out [KBC][16][32], the tail after.
-inline void convert(const CodedTiles& w, int64_t c, uint16_t* out, int64_t tail_planes, const int64_t* ahead) {
-  for (int64_t kb = 0; kb < w.KBC; ++kb) convert_block(w, c, kb, out + kb * amx::TILE_ELEMS, ahead);
-  copy_tail(w, c, out, tail_planes);
-}
-
 }  // namespace tandem::coded
 #endif  // TANDEM_AMX && __AVX512BF16__

@@ -55,6 +55,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "amx_tiles.h"
@@ -68,7 +69,6 @@ namespace {
 namespace amx = tandem::amx;
 using tandem::coded::CodedTiles;
 using tandem::coded::column_scales;
-using tandem::coded::convert;
 using tandem::coded::convert_block;
 using tandem::coded::copy_tail;
 
@@ -137,30 +137,36 @@ inline void coded_step(const uint16_t* a, const uint16_t* b0, const uint16_t* b1
   }
 }
 
-// The thread's next column pair, converted a code block at a time while the tiles work on
-// the pair before (rows_scaled): its tiles' codes to `out` (the second tile_elems on), the
-// pair after it asked for in L2 as they go.
-struct NextPair {
+// A column pair's codes on their way to bfloat16: its tiles' codes to `out` (the second
+// tile_elems on), the thread's following pair (ahead) asked for in L2 as they go. The
+// thread's first pair is converted whole before its products; each pair after it a code
+// block at a time, while the tiles work on the pair before (rows_scaled).
+struct PairConversion {
   const CodedTiles* w;
   int64_t c0;  // its first column tile
   bool two;  // whether it has a second
   uint16_t* out;
   int64_t tile_elems;  // a column tile's converted codes and tail
   int64_t tail_planes;
-  const int64_t* ahead0;  // the column tiles of the pair after it (or none)
-  const int64_t* ahead1;
+  std::optional<int64_t> ahead0, ahead1;  // the column tiles of the following pair
 };
 
-inline void convert_next(const NextPair* next, int64_t kb) {
-  if (!next) return;
-  convert_block(*next->w, next->c0, kb, next->out + kb * TILE, next->ahead0);
-  if (next->two) convert_block(*next->w, next->c0 + 1, kb, next->out + next->tile_elems + kb * TILE, next->ahead1);
+inline void convert_pair_block(const PairConversion* job, int64_t kb) {
+  if (!job) return;
+  const auto ahead = [](const std::optional<int64_t>& tile) { return tile ? &*tile : nullptr; };
+  convert_block(*job->w, job->c0, kb, job->out + kb * TILE, ahead(job->ahead0));
+  if (job->two) convert_block(*job->w, job->c0 + 1, kb, job->out + job->tile_elems + kb * TILE, ahead(job->ahead1));
 }
 
-inline void next_tails(const NextPair* next) {
-  if (!next) return;
-  copy_tail(*next->w, next->c0, next->out, next->tail_planes);
-  if (next->two) copy_tail(*next->w, next->c0 + 1, next->out + next->tile_elems, next->tail_planes);
+inline void copy_tails(const PairConversion* job) {
+  if (!job) return;
+  copy_tail(*job->w, job->c0, job->out, job->tail_planes);
+  if (job->two) copy_tail(*job->w, job->c0 + 1, job->out + job->tile_elems, job->tail_planes);
+}
+
+inline void convert_pair(const PairConversion& job) {
+  for (int64_t kb = 0; kb < job.w->KBC; ++kb) convert_pair_block(&job, kb);
+  copy_tails(&job);
 }
 
 // The product's sums for codes, G <= GROUP row tiles from m0 (x's parts at a, a_step
@@ -183,7 +189,7 @@ inline void next_tails(const NextPair* next) {
 template <bool TWO_N>
 void rows_scaled(const Product& p, const uint16_t* a, int64_t a_step, int64_t m0, int64_t G, int64_t c0,
                  const uint16_t* b, int64_t b_step, const float* s0, const float* s1, int64_t KBC,
-                 const NextPair* next) {
+                 const PairConversion* next) {
   constexpr int64_t LD = amx::ROW_BYTES;
   alignas(64) float acc[GROUP][2][amx::ROWS][amx::COLUMNS];
   alignas(64) float c[2][amx::ROWS][amx::COLUMNS];
@@ -203,18 +209,18 @@ void rows_scaled(const Product& p, const uint16_t* a, int64_t a_step, int64_t m0
   const int64_t steps = KBC * G;
   for (int64_t s = 0; s < steps; s += 2) {
     coded_step<0, TWO_N>(a + s % G * a_step, b, b1, s / G, s % G == 0);
-    if (s % G == 0) convert_next(next, s / G);
+    if (s % G == 0) convert_pair_block(next, s / G);
     if (s > 0) scaled_out<2, TWO_N>(acc[(s - 1) % G], c, s0, s1, (s - 1) / G);
     if (s + 1 == steps) {
       scaled_out<0, TWO_N>(acc[s % G], c, s0, s1, s / G);
       break;
     }
     coded_step<2, TWO_N>(a + (s + 1) % G * a_step, b, b1, (s + 1) / G, (s + 1) % G == 0);
-    if ((s + 1) % G == 0) convert_next(next, (s + 1) / G);
+    if ((s + 1) % G == 0) convert_pair_block(next, (s + 1) / G);
     scaled_out<0, TWO_N>(acc[s % G], c, s0, s1, s / G);
   }
   if (steps > 0 && steps % 2 == 0) scaled_out<2, TWO_N>(acc[(steps - 1) % G], c, s0, s1, (steps - 1) / G);
-  next_tails(next);
+  copy_tails(next);
   for (int64_t m = 0; m < G; ++m) store_sums<false, TWO_N>(p, acc[m], m0 + m, c0);
 }
 
@@ -275,7 +281,7 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
                          KBC,
                          planes.size(1),
                          code_low.has_value(),
-                         tandem::coded::code_table(code_low.value_or(0))};
+                         code_low ? tandem::coded::code_table(*code_low) : _mm512_setzero_si512()};
   const int64_t tile_elems = KB * J * TILE;  // a column tile's planes
   const int64_t coded_tile_elems = KBC * TILE + (KB - KBC) * J * TILE;  // its converted codes, then tail
   const float* xp = x.data_ptr<float>();
@@ -316,31 +322,29 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
         const int64_t c0 = 2 * np;
         const bool two_n = c0 + 1 < T;
         if (codes) {
-          // A pair's codes are converted while the tiles work on the pair before (NextPair),
-          // the thread's first pair before its products. Kept pairs have a place each; else
-          // two places take turns.
+          // A pair's codes are converted while the tiles work on the pair before
+          // (PairConversion), the thread's first pair before its products. Kept pairs have a
+          // place each; else two places take turns.
           const bool converting = !keep || mb == 0;
-          const auto place = [&](int64_t pair) {
-            return expanded + (keep ? pair - n_begin : (pair - n_begin) % 2) * pair_elems;
+          const auto conversion = [&](int64_t pair) {
+            const int64_t c = 2 * pair;
+            PairConversion job{&coded, c, c + 1 < T, expanded, coded_tile_elems, J, {}, {}};
+            job.out += (keep ? pair - n_begin : (pair - n_begin) % 2) * pair_elems;
+            if (pair + 1 < n_end) job.ahead0 = c + 2;
+            if (pair + 1 < n_end && c + 3 < T) job.ahead1 = c + 3;
+            return job;
           };
-          uint16_t* pair = place(np);
-          if (converting && np == n_begin) {
-            const int64_t next0 = c0 + 2, next1 = c0 + 3;
-            const bool more = np + 1 < n_end;
-            convert(coded, c0, pair, J, more ? &next0 : nullptr);
-            if (two_n) convert(coded, c0 + 1, pair + coded_tile_elems, J, more && next1 < T ? &next1 : nullptr);
-          }
-          const int64_t later0 = c0 + 4, later1 = c0 + 5;  // the pair after the next
-          const bool later = np + 2 < n_end;
-          const NextPair next{&coded,         c0 + 2, c0 + 3 < T, place(np + 1), coded_tile_elems, J,
-                              later ? &later0 : nullptr, later && later1 < T ? &later1 : nullptr};
-          const NextPair* converts = converting && np + 1 < n_end ? &next : nullptr;
+          const PairConversion this_pair = conversion(np);
+          if (converting && np == n_begin) convert_pair(this_pair);
+          std::optional<PairConversion> next;
+          if (converting && np + 1 < n_end) next = conversion(np + 1);
+          const uint16_t* pair = this_pair.out;
           const float* s0 = coded.scales + c0 * KBC * KT;
           const float* s1 = two_n ? s0 + KBC * KT : s0;
           for (int64_t m0 = first_tile; m0 < last_tile; m0 += GROUP) {
             const uint16_t* a = parts + (m0 - first_tile) * row_tile_elems;
             const int64_t G = std::min(GROUP, last_tile - m0);
-            const NextPair* n = m0 == first_tile ? converts : nullptr;  // once a pair
+            const PairConversion* n = m0 == first_tile && next ? &*next : nullptr;  // once a pair
             if (two_n) rows_scaled<true>(p, a, row_tile_elems, m0, G, c0, pair, coded_tile_elems, s0, s1, KBC, n);
             else rows_scaled<false>(p, a, row_tile_elems, m0, G, c0, pair, coded_tile_elems, s0, s1, KBC, n);
           }
