@@ -42,6 +42,9 @@ class _Layer:
     kv_heads: int
     head_dim: int
     scale: float  # the attention's softmax scale
+    # Whether the qkv kernel for more than SPLIT_ROWS rows rotates q and k itself
+    # (split_linear's rope_columns: the heads while they are in cache, not rope_ after).
+    fused_rope: bool
     o: tuple  # o_proj's
     gated: tuple  # gate and up's (the product is silu(gate) * up)
     down: tuple  # down_proj's
@@ -83,6 +86,7 @@ class PackedDecoder:
                     kv_heads=attn.kv_heads,
                     head_dim=attn.head_dim,
                     scale=attn.scale,
+                    fused_rope=_is_split(qkv.kernels()[1][0]) and attn.head_dim % 32 == 0,
                     o=o.kernels(),
                     gated=gated.kernels(),
                     down=down.kernels(),
@@ -124,7 +128,12 @@ class PackedDecoder:
 
         layers = [
             dataclasses.replace(
-                r, qkv=wide(r.qkv), o=wide(r.o), gated=wide(r.gated), down=wide(r.down)
+                r,
+                qkv=wide(r.qkv),
+                fused_rope=False,
+                o=wide(r.o),
+                gated=wide(r.gated),
+                down=wide(r.down),
             )
             for r in self.layers
         ]
@@ -169,13 +178,18 @@ class PackedDecoder:
         h = ops.rms_norm.default(x, self.first_norm, self.first_eps)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             linear, args = layer.qkv[large]
-            qkv = linear(h, *args)
             kv_end = layer.q_size + layer.kv_size
+            fused = large and layer.fused_rope
+            if fused:
+                qkv = linear(h, *args, cos=cos, sin=sin, rope_columns=kv_end)
+            else:
+                qkv = linear(h, *args)
             # Column views of the product, which the kernels read in place.
             q = qkv[:, : layer.q_size].view(rows, layer.heads, layer.head_dim)
             k = qkv[:, layer.q_size : kv_end].view(rows, layer.kv_heads, layer.head_dim)
             v = qkv[:, kv_end:].view(rows, layer.kv_heads, layer.head_dim)
-            rope(q, k, cos, sin)
+            if not fused:
+                rope(q, k, cos, sin)
             out = paged_attention(q, k, v, cache, meta, layer.scale)
             linear, args = layer.o[large]
             o = linear(out.reshape(rows, layer.q_size), *args)

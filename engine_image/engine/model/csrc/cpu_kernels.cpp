@@ -31,6 +31,7 @@
 #include <limits>
 
 #include "kernel_common.h"
+#include "rotary.h"
 
 namespace {
 
@@ -42,11 +43,6 @@ using namespace tandem;
 // to the model dtype wherever torch would round an intermediate tensor (a no-op
 // for float32). Results differ from the torch ops only by float rounding order
 // (the RMSNorm sum, FMA contraction, exp_approx in SiLU).
-
-template <typename T>
-inline T round_to(float x) {
-  return static_cast<T>(x);  // float: identity; c10 types: round to nearest even
-}
 
 // Rows per parallel chunk so that a chunk holds >= ~32k elements (small steps run inline).
 inline int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems)); }
@@ -112,26 +108,6 @@ at::Tensor add_rms_norm_(at::Tensor x, const at::Tensor& delta, const at::Tensor
     rms_norm_impl<decltype(tag)>(x, &delta, weight, eps, out);
   });
   return out;
-}
-
-// x * cos + rotate_half(x) * sin for one row's heads, rotate_half(x) = (-x2, x1) (HF's
-// convention). No FMA contraction: bit-equal to torch's mul, mul, add.
-template <typename T>
-__attribute__((optimize("fp-contract=off"))) void rope_row(T* x, const T* c, const T* s, int64_t heads,
-                                                            int64_t D) {
-  const int64_t half = D / 2;
-  for (int64_t h = 0; h < heads; ++h) {
-    T* v = x + h * D;
-#pragma omp simd
-    for (int64_t i = 0; i < half; ++i) {
-      const float x1 = to_float(v[i]), x2 = to_float(v[i + half]);
-      const float lo = to_float(round_to<T>(x1 * to_float(c[i]))) + to_float(round_to<T>(-x2 * to_float(s[i])));
-      const float hi =
-          to_float(round_to<T>(x2 * to_float(c[i + half]))) + to_float(round_to<T>(x1 * to_float(s[i + half])));
-      v[i] = round_to<T>(lo);
-      v[i + half] = round_to<T>(hi);
-    }
-  }
 }
 
 template <typename T>
@@ -271,7 +247,8 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("amx_ready() -> bool");
   m.def(
       "split_linear(Tensor x, Tensor planes, int out_features, int sums_block, Tensor? bias, "
-      "bool silu_mul=False, Tensor? codes=None, Tensor? scales=None, int? code_low=None) -> Tensor");
+      "bool silu_mul=False, Tensor? codes=None, Tensor? scales=None, int? code_low=None, Tensor? cos=None, "
+      "Tensor? sin=None, int rope_columns=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {

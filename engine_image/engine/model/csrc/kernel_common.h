@@ -69,6 +69,12 @@ inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
+// float's value in T, as torch's cast rounds it: float, identity; c10 types, to nearest even.
+template <typename T>
+inline T round_to(float x) {
+  return static_cast<T>(x);
+}
+
 // dst[0..n) = float(src[0..n)).
 inline void load_row(float* dst, const float* src, int64_t n) {
   std::memcpy(dst, src, n * sizeof(float));

@@ -3,7 +3,8 @@
 // scales (a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0), or as one or two stored bfloat16
 // "planes" summing to them exactly (a bfloat16 or float16 checkpoint's).
 //
-//   split_linear(x [M, K], planes, N, sums_block, bias?, silu_mul, codes?, scales?, code_low?) -> [M, N]
+//   split_linear(x [M, K], planes, N, sums_block, bias?, silu_mul, codes?, scales?, code_low?,
+//                cos?, sin?, rope_columns) -> [M, N]
 //
 // x is split exactly into three bfloat16 parts, x = x0 + x1 + x2 (8 significant bits
 // each, by truncation: float32's 24). Every product of two bfloat16 is exact in float32,
@@ -40,6 +41,12 @@
 // latency (~3 tdpbf16ps) needs. Codes: one row tile by two column tiles, twice over (two
 // steps in flight, rows_scaled), one A tile and two B tiles.
 //
+// cos, sin, rope_columns: a fused QKV projection rotates its first rope_columns columns
+//   (q's and k's heads, D = cos's last dim each, D a multiple of 32) as rope_ would, each
+//   head as soon as its thread has stored the head's columns for a block of rows: the
+//   rotation reads them from L1/L2, where rope_ after the product read the whole output
+//   back from memory (a 1,024-token SmolLM2 prefill: 6.6 ms of rope_).
+//
 // Here: the codes' steps and the op. x's parts, the output and the planes' register
 // block: split_tiles.h; the codes' conversion to bfloat16: coded_tiles.h.
 
@@ -61,6 +68,7 @@
 #include "amx_tiles.h"
 #include "coded_tiles.h"
 #include "kernel_common.h"
+#include "rotary.h"
 #include "split_tiles.h"
 
 #if defined(TANDEM_AMX) && defined(__AVX512BF16__)
@@ -224,6 +232,25 @@ void rows_scaled(const Product& p, const uint16_t* a, int64_t a_step, int64_t m0
   for (int64_t m = 0; m < G; ++m) store_sums<false, TWO_N>(p, acc[m], m0 + m, c0);
 }
 
+// The rotation of a fused QKV product's q and k heads (rope_columns).
+struct Rotary {
+  const float* cos;  // [M, D], rows cos_stride apart
+  const float* sin;
+  int64_t cos_stride, sin_stride;
+  int64_t D;  // a head's columns
+  int64_t pairs;  // column pairs rotated: rope_columns / 32
+
+  int64_t pairs_per_head() const { return D / (2 * amx::COLUMNS); }
+  // Whether column pair np is a rotated head's last.
+  bool ends_head(int64_t np) const { return (np + 1) % pairs_per_head() == 0 && np < pairs; }
+  // Rows [row0, row1) of the head whose last pair is np, rotated in place in y [M, N].
+  void rotate(float* y, int64_t N, int64_t np, int64_t row0, int64_t row1) const {
+    const int64_t col0 = (np + 1) * 2 * amx::COLUMNS - D;
+    for (int64_t m = row0; m < row1; ++m)
+      tandem::rope_row<float>(y + m * N + col0, cos + m * cos_stride, sin + m * sin_stride, 1, D);
+  }
+};
+
 struct PartsTag;     // x's parts
 struct ExpandedTag;  // converted codes: a column pair's, or all the thread's (kept)
 
@@ -232,7 +259,9 @@ struct ExpandedTag;  // converted codes: a column pair's, or all the thread's (k
 
 at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N, int64_t sums_block,
                         const c10::optional<at::Tensor>& bias, bool silu_mul, const c10::optional<at::Tensor>& codes,
-                        const c10::optional<at::Tensor>& scales, c10::optional<int64_t> code_low) {
+                        const c10::optional<at::Tensor>& scales, c10::optional<int64_t> code_low,
+                        const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
+                        int64_t rope_columns) {
 #if defined(TANDEM_AMX) && defined(__AVX512BF16__)
   TORCH_CHECK(amx::permitted(), "split_linear: this process may not use AMX tiles");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
@@ -269,6 +298,24 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
                 "split_linear: bias must be float32 [out_features]");
   }
+  std::optional<Rotary> rotary;
+  TORCH_CHECK(cos.has_value() == sin.has_value() && cos.has_value() == (rope_columns > 0),
+              "split_linear: cos and sin come together, with rope_columns > 0");
+  if (cos) {
+    const int64_t D = cos->size(-1);
+    TORCH_CHECK(!silu_mul, "split_linear: a gated product takes no rotation");
+    for (const at::Tensor* t : {&*cos, &*sin}) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() >= 2 && t->size(0) == M && t->numel() == M * D &&
+                      t->stride(-1) == 1 && t->size(-1) == D,
+                  "split_linear: cos and sin must be float32 [rows, (1,) head_dim] with a dense last dim");
+    }
+    TORCH_CHECK(D > 0 && D % (2 * amx::COLUMNS) == 0, "split_linear: the rotated heads' dim ", D,
+                " must be a multiple of ", 2 * amx::COLUMNS);
+    TORCH_CHECK(rope_columns % D == 0 && rope_columns <= N, "split_linear: rope_columns ", rope_columns,
+                " must be whole heads of ", D, " within the ", N, " out_features");
+    rotary = Rotary{cos->data_ptr<float>(), sin->data_ptr<float>(), cos->stride(0), sin->stride(0), D,
+                    rope_columns / (2 * amx::COLUMNS)};
+  }
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const int64_t MT = (M + amx::ROWS - 1) / amx::ROWS;
@@ -294,7 +341,14 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
 #pragma omp parallel num_threads(threads)
   {
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t n_begin = pairs_n * t / nt, n_end = pairs_n * (t + 1) / nt;
+    // Rotated heads never straddle two threads: bounds within them fall on a head's start.
+    const auto bound = [&](int64_t i) {
+      const int64_t b = pairs_n * i / nt;
+      if (!rotary || b >= rotary->pairs) return b;
+      const int64_t per = rotary->pairs_per_head();
+      return (b + per / 2) / per * per;
+    };
+    const int64_t n_begin = bound(t), n_end = bound(t + 1);
     const amx::Tiles tiles{8};
     // The thread's column pairs' converted codes: where there are several blocks of rows and
     // the pairs fit this core's L2, converted for the first block and kept for the rest
@@ -348,24 +402,27 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
             if (two_n) rows_scaled<true>(p, a, row_tile_elems, m0, G, c0, pair, coded_tile_elems, s0, s1, KBC, n);
             else rows_scaled<false>(p, a, row_tile_elems, m0, G, c0, pair, coded_tile_elems, s0, s1, KBC, n);
           }
-          continue;
+        } else {
+          const uint16_t* b = p.planes + c0 * tile_elems;
+          for (int64_t m0 = first_tile; m0 < last_tile; m0 += 2) {
+            const uint16_t* a = parts + (m0 - first_tile) * row_tile_elems;
+            const bool two_m = m0 + 1 < MT;
+            if (two_m && two_n) tile_block<true, true>(p, a, m0, c0, b);
+            else if (two_m) tile_block<true, false>(p, a, m0, c0, b);
+            else if (two_n) tile_block<false, true>(p, a, m0, c0, b);
+            else tile_block<false, false>(p, a, m0, c0, b);
+          }
         }
-        const uint16_t* b = p.planes + c0 * tile_elems;
-        for (int64_t m0 = first_tile; m0 < last_tile; m0 += 2) {
-          const uint16_t* a = parts + (m0 - first_tile) * row_tile_elems;
-          const bool two_m = m0 + 1 < MT;
-          if (two_m && two_n) tile_block<true, true>(p, a, m0, c0, b);
-          else if (two_m) tile_block<true, false>(p, a, m0, c0, b);
-          else if (two_n) tile_block<false, true>(p, a, m0, c0, b);
-          else tile_block<false, false>(p, a, m0, c0, b);
-        }
+        if (rotary && rotary->ends_head(np))
+          rotary->rotate(p.y, N, np, first_tile * amx::ROWS, std::min(M, last_tile * amx::ROWS));
       }
     }
   }
   return out;
 #else
   TORCH_CHECK(false, "split_linear: the kernels were built without AMX");
-  (void)x, (void)planes, (void)N, (void)sums_block, (void)bias, (void)silu_mul, (void)codes, (void)scales, (void)code_low;
+  (void)x, (void)planes, (void)N, (void)sums_block, (void)bias, (void)silu_mul, (void)codes, (void)scales, (void)code_low, (void)cos, (void)sin,
+      (void)rope_columns;
   return {};
 #endif
 }
