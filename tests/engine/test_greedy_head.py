@@ -93,6 +93,23 @@ def test_ties_and_near_ties_go_to_the_float32_head_s_first_maximum(tiles):
     assert want[0].item() in (30, 31)  # the case is a near tie indeed
 
 
+def test_rows_that_share_candidate_panels_each_get_their_first_maximum(tiles, threads):
+    # The exact step reads each candidate panel once for every row that wants it, four
+    # rows a pass: nine rows on which tokens 30, 700 and 1500 tie exactly (panels 0, 14
+    # and 31) must each get the first, 30, and rows pointing elsewhere their own.
+    head = head_of(2000, 96)
+    with torch.no_grad():
+        w = head.weight
+        w[700] = w[30]
+        w[1500] = w[30]
+    pack_linears(head)
+    scales = torch.tensor([10.0, 7.0, 3.0, 12.0, 5.0, 4.0, 9.0, 2.0, 11.0])
+    x = torch.cat([w[30:31] * scales[:, None], w[400:401] * 8, w[1999:2000] * 8])
+    want = float32_tokens(head, x)
+    assert torch.equal(screen(head, tiles)(x), want)
+    assert want.tolist() == [30] * 9 + [400, 1999]
+
+
 def test_a_token_bfloat16_rounding_puts_first_is_not_taken_on_the_screen_s_word(tiles):
     # Token 10's logit is the larger in float32 (2.00732 against 2.00024), but its
     # weights round down to bfloat16 and token 60's up (2.0 against 2.0039): only the
