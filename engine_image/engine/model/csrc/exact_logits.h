@@ -3,9 +3,6 @@
 // left in the running.
 #pragma once
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -13,9 +10,16 @@
 
 namespace tandem::exact {
 
-constexpr int NV = 3;             // vectors across a panel
-constexpr int NR = NV * 16;       // a panel's columns: panel_linear's with AVX-512
-constexpr int ROWS = 4;           // rows a panel's pass serves: 12 accumulators
+constexpr int NV = 3;        // vectors across a panel
+constexpr int NR = NV * 16;  // a panel's columns: panel_linear's with AVX-512
+constexpr int ROWS = 4;      // rows a panel's pass serves: 12 accumulators
+
+}  // namespace tandem::exact
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace tandem::exact {
 
 // The float32 logits of one panel for R rows (x[r], out[r]), as panel_linear's tile sums
 // them: from 0, k in order, one FMA a step, the panel [K, NR] read front to back, once

@@ -73,7 +73,6 @@ namespace {
 
 using tandem::exact::NR;                // a panel's columns: panel_linear's with AVX-512
 using tandem::exact::NV;                // vectors across a panel
-using tandem::exact::panels_argmax;
 constexpr int MR = 8;                  // rows of the register tile: MR x NV accumulators
 constexpr int64_t LINE = 64;           // bytes of a cache line
 constexpr double UNIT = 1.0 / 256;     // bfloat16's unit roundoff, u = 2^-8
@@ -123,6 +122,8 @@ at::Tensor pack_bf16_panels(const at::Tensor& weight) {
 }
 
 #if defined(__AVX512BF16__)
+
+using tandem::exact::panels_argmax;
 
 // What the screen needs of a row besides its bfloat16 pairs: e_j = c |w_j| + slack.
 struct RowBound {

@@ -421,8 +421,8 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
   return out;
 #else
   TORCH_CHECK(false, "split_linear: the kernels were built without AMX");
-  (void)x, (void)planes, (void)N, (void)sums_block, (void)bias, (void)silu_mul, (void)codes, (void)scales, (void)code_low, (void)cos, (void)sin,
-      (void)rope_columns;
+  (void)x, (void)planes, (void)N, (void)sums_block, (void)bias, (void)silu_mul, (void)codes, (void)scales;
+  (void)code_low, (void)cos, (void)sin, (void)rope_columns;
   return {};
 #endif
 }
