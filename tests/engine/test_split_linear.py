@@ -170,7 +170,7 @@ def test_rows_past_the_first_block_multiply_alike(kind, n) -> None:
     converts them again for each block); every block's rows hold float32's bound."""
     codes, weight = coded(n, 1536, kind, seed=n)
     x = torch.randn(400, 1536)
-    y = split(x, coded_planes(codes), n)
+    y = split(x, coded_planes(codes), n)  # n 2000: 3.2 MB of output, stored streaming
     within_float32_bound(y, x, weight, extra=48)
     torch.testing.assert_close(y[300:], split(x[300:], coded_planes(codes), n))
 
@@ -189,6 +189,21 @@ def test_bias_and_the_gated_product(kind) -> None:
     out = split(x, paired, 72, silu_mul=True)
     expected = F.silu(x.double() @ g.double().T) * (x.double() @ u.double().T)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@needs_amx
+@pytest.mark.parametrize("kind", [PLANE_TYPES[1], PLANE_TYPES[4]], ids=lambda kind: kind.name)
+def test_outputs_past_the_l2_are_stored_streaming_with_the_same_values(kind, threads) -> None:
+    """400 rows x 1,024 columns (1.6 MB, past half a core's L2 here) stream their tiles
+    to memory; 100 rows (0.4 MB) store them plainly: the same values, plain and gated."""
+    gate, _ = coded(1024, 128, kind, seed=5)
+    up, _ = coded(1024, 128, kind, seed=6)
+    x = torch.randn(400, 128)
+    plain = coded_planes(gate)
+    assert torch.equal(split(x, plain, 1024)[:100], split(x[:100], plain, 1024))
+    paired = gated_planes(plain, coded_planes(up))
+    big = split(x, paired, 1024, silu_mul=True)
+    assert torch.equal(big[:100], split(x[:100], paired, 1024, silu_mul=True))
 
 
 @needs_amx

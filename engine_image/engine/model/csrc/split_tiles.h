@@ -50,6 +50,7 @@ struct Product {
   float* y;
   const float* bias;
   bool silu_mul;
+  bool stream = false;  // whole tiles of output stored non-temporally (split_linear)
 };
 
 // C tiles 0..3 += the terms of k block kb: A tiles 4, 5 (rows m0, m1), B tiles 6, 7 (column
@@ -88,6 +89,10 @@ inline void store_tile(const Product& p, const float (*c)[amx::COLUMNS], int64_t
   const int64_t rows = std::min<int64_t>(amx::ROWS, p.M - m_tile * amx::ROWS);
   for (int64_t r = 0; r < rows; ++r) {
     float* to = p.y + (m_tile * amx::ROWS + r) * p.N + col0;
+    if (p.stream && !p.bias && cols == amx::COLUMNS && (reinterpret_cast<uintptr_t>(to) & 63) == 0) {
+      _mm512_stream_ps(to, _mm512_load_ps(c[r]));
+      continue;
+    }
     if (p.bias) {
       for (int64_t i = 0; i < cols; ++i) to[i] = c[r][i] + p.bias[col0 + i];
     } else {
@@ -101,6 +106,13 @@ inline void store_gated(const Product& p, const float (*g)[amx::COLUMNS], const 
   const int64_t rows = std::min<int64_t>(amx::ROWS, p.M - m_tile * amx::ROWS);
   for (int64_t r = 0; r < rows; ++r) {
     float* to = p.y + (m_tile * amx::ROWS + r) * p.N + col0;
+    if (p.stream && cols == amx::COLUMNS && (reinterpret_cast<uintptr_t>(to) & 63) == 0) {
+      alignas(64) float t[amx::COLUMNS];
+#pragma omp simd
+      for (int64_t i = 0; i < cols; ++i) t[i] = tandem::silu(g[r][i]) * u[r][i];
+      _mm512_stream_ps(to, _mm512_load_ps(t));
+      continue;
+    }
 #pragma omp simd
     for (int64_t i = 0; i < cols; ++i) to[i] = tandem::silu(g[r][i]) * u[r][i];
   }
@@ -134,7 +146,7 @@ inline void tile_block(const Product& p, const uint16_t* a, int64_t m0, int64_t 
   constexpr int64_t LD = amx::ROW_BYTES;
   const int64_t ld = p.N * static_cast<int64_t>(sizeof(float));
   // Whole tiles of plain sums go straight to the output; the rest through c.
-  const bool whole = !p.silu_mul && !p.bias && (m0 + (TWO_M ? 2 : 1)) * amx::ROWS <= p.M &&
+  const bool whole = !p.stream && !p.silu_mul && !p.bias && (m0 + (TWO_M ? 2 : 1)) * amx::ROWS <= p.M &&
                      (c0 + (TWO_N ? 2 : 1)) * amx::COLUMNS <= p.N;
   if (whole) {
     float* y = p.y + m0 * amx::ROWS * p.N + c0 * amx::COLUMNS;
