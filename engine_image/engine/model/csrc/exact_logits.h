@@ -57,6 +57,17 @@ inline PanelBest panel_best(const float* f, int64_t p, int64_t cols) {
   return best;
 }
 
+// Folds the next panel's part (in index order) into a row's argmax so far: false once a
+// NaN decides it (argmax_rows' rule: the first NaN), else keeps the first maximum.
+inline bool fold(PanelBest& best, const PanelBest& next) {
+  if (next.nan) {
+    best = next;
+    return false;
+  }
+  if (best.index < 0 || next.value > best.value) best = next;
+  return true;
+}
+
 // The first maximum of x's float32 logits over the panels `wanted` says to compute (all
 // of them: NaN first, as argmax_rows has it); -1 where none is wanted.
 template <typename Wanted>
@@ -66,9 +77,7 @@ int64_t panels_argmax(const float* x, const float* panels, int64_t K, int64_t N,
   for (int64_t p = 0; p < P; ++p) {
     if (!wanted(p)) continue;
     panel_logits<1>(&x, panels + p * K * NR, K, f);
-    const PanelBest b = panel_best(f[0], p, std::min<int64_t>(NR, N - p * NR));
-    if (b.nan) return b.index;
-    if (best.index < 0 || b.value > best.value) best = b;
+    if (!fold(best, panel_best(f[0], p, std::min<int64_t>(NR, N - p * NR)))) break;
   }
   return best.index;
 }
@@ -117,13 +126,8 @@ inline void candidates_argmax(const std::vector<const float*>& x, const std::vec
   }
   for (int64_t s = 0; s < S; ++s) {  // in panel order: the first NaN, else the first maximum
     PanelBest best;
-    for (int64_t i = begin[s]; i < begin[s + 1]; ++i) {
-      if (found[i].nan) {
-        best = found[i];
-        break;
-      }
-      if (best.index < 0 || found[i].value > best.value) best = found[i];
-    }
+    for (int64_t i = begin[s]; i < begin[s + 1]; ++i)
+      if (!fold(best, found[i])) break;
     out[s] = best.index;
   }
 }
