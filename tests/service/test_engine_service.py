@@ -286,16 +286,32 @@ def test_the_waiting_tokens_integral_counts_a_prompt_from_pull_to_prefill(engine
 
 
 def test_a_request_past_its_deadline_ends_with_a_clear_error(engines, client):
+    # 2,000 tokens take this engine seconds (~0.7 ms a token on a 2-core CPU);
+    # 250 once fit inside the deadline on a fast machine and finished normally.
+    engine = engines("normal", "--max-model-len", "2048", "--num-kv-blocks", "160")
+    rid = client.submit(
+        prompt_token_ids=PROMPT,
+        sampling={"max_tokens": 2000, **GREEDY},
+        deadline=time.time() + 0.3,
+    )
+    answer = client.answer(rid)
+    assert answer.final.error_code == ErrorCode.DEADLINE_EXCEEDED
+    assert "deadline" in answer.final.error_message
+    assert len(answer.token_ids) < 2000
+    assert eventually(lambda: engine.metric("tandem_engine_kv_cache_usage") == 0)
+
+
+def test_a_request_whose_deadline_passed_in_the_queue_never_runs(engines, client):
     engine = engines("normal")
     rid = client.submit(
         prompt_token_ids=PROMPT,
-        sampling={"max_tokens": 250, **GREEDY},
-        deadline=time.time() + 0.3,
+        sampling={"max_tokens": 8, **GREEDY},
+        deadline=time.time() - 1.0,
     )
     final = client.answer(rid).final
     assert final.error_code == ErrorCode.DEADLINE_EXCEEDED
-    assert "deadline" in final.error_message
-    assert eventually(lambda: engine.metric("tandem_engine_kv_cache_usage") == 0)
+    assert "in queue" in final.error_message
+    assert engine.metric("tandem_engine_steps_total") == 0
 
 
 def test_a_request_delivered_twice_runs_once(engines, client, keys, redis_url):
