@@ -22,7 +22,7 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def reference():
     """The offline engine on the same seeded weights: what every service path must match."""
-    llm = LLM("random:tiny", max_model_len=256, num_kv_blocks=128)
+    llm = LLM("random:tiny", max_model_len=2048, num_kv_blocks=160)
 
     def greedy(prompt_token_ids, max_tokens):
         params = SamplingParams(max_tokens=max_tokens, **GREEDY)
@@ -62,6 +62,9 @@ def eventually(check, timeout=10.0):
 
 
 PROMPT = [5, 9, 17, 33, 2, 101, 77, 4, 8, 15, 16, 23, 42]
+# Room for 2,000 tokens: seconds of decoding on a 2-core CPU, where a test must
+# act on a request still running (a few hundred took a fast machine ~0.1 s).
+LONG = ("--max-model-len", "2048", "--num-kv-blocks", "160")
 
 
 def test_normal_engine_streams_what_the_offline_engine_generates(engines, client, reference):
@@ -119,10 +122,10 @@ def _pending(redis_url, stream, group):
 
 
 def test_kill_9_of_a_decoder_mid_decode_loses_nothing(engines, client, reference, redis_url, keys):
-    engines("prompt")
-    claim = ("--claim-idle-ms", "1500")
+    engines("prompt", *LONG)
+    claim = ("--claim-idle-ms", "1500", *LONG)
     first = engines("completion", *claim)
-    rid = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 200, **GREEDY})
+    rid = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 2000, **GREEDY})
     seen = 0
     for event in client.events(rid, timeout=60):
         if event.engine_id == first.engine_id and event.event == EventKind.TOKENS:
@@ -133,7 +136,7 @@ def test_kill_9_of_a_decoder_mid_decode_loses_nothing(engines, client, reference
     second = engines("completion", *claim)
     answer = client.answer(rid, timeout=60)  # taken over (claim idle 1.5 s), never hung
     assert answer.ok, answer.final
-    assert answer.token_ids == reference(PROMPT, 200).token_ids  # resumed, no token twice
+    assert answer.token_ids == reference(PROMPT, 2000).token_ids  # resumed, no token twice
     assert second.engine_id in answer.engines
     assert _pending(redis_url, keys.handoff_stream("tiny"), HANDOFF_GROUP) == 0
 
@@ -241,8 +244,8 @@ def test_a_rank_that_fails_ends_its_whole_group(redis_url, keys, tmp_path):
 def test_cancelling_a_running_request_frees_its_kv_at_once(engines, client, redis_url, keys):
     from tandem.engine.service.cancellation import cancel
 
-    engine = engines("normal")
-    rid = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 250, **GREEDY})
+    engine = engines("normal", *LONG)
+    rid = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 2000, **GREEDY})
     events = client.events(rid, timeout=60)
     next(e for e in events if e.event == EventKind.TOKENS)  # it is decoding
     assert engine.metric("tandem_engine_kv_cache_usage") > 0
@@ -286,9 +289,7 @@ def test_the_waiting_tokens_integral_counts_a_prompt_from_pull_to_prefill(engine
 
 
 def test_a_request_past_its_deadline_ends_with_a_clear_error(engines, client):
-    # 2,000 tokens take this engine seconds (~0.7 ms a token on a 2-core CPU);
-    # 250 once fit inside the deadline on a fast machine and finished normally.
-    engine = engines("normal", "--max-model-len", "2048", "--num-kv-blocks", "160")
+    engine = engines("normal", *LONG)
     rid = client.submit(
         prompt_token_ids=PROMPT,
         sampling={"max_tokens": 2000, **GREEDY},
