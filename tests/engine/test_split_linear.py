@@ -68,7 +68,7 @@ def unpacked(planes, n: int, k: int) -> torch.Tensor:
     """The weight the planes (or codes) stand for, [n, k] (for codes: scale * code)."""
     t = planes.planes
     if planes.codes is not None:
-        codes = planes.codes.float()  # [tiles, blocks, 16 pairs, 32]
+        codes = planes.int8_codes().float()  # [tiles, blocks, 16 pairs, 32]
         scales = planes.scales.view(*planes.scales.shape[:2], 1, TILE_K)  # each column twice
         t = (codes * scales)[:, :, None]
     summed = t.float().sum(dim=2)  # [tiles, blocks, pairs, columns * 2]
@@ -81,7 +81,10 @@ def unpacked(planes, n: int, k: int) -> torch.Tensor:
 def test_codes_and_their_planes_hold_scale_times_code_and_the_offsets(kind) -> None:
     codes, weight = coded(40, 96, kind)
     planes = coded_planes(codes)
-    assert planes is not None and planes.codes.dtype == torch.int8
+    # 4-bit codes two a byte (16 of them to a tile's row of 32), the others one.
+    two_a_byte = kind.name in ("Q4_0", "Q4_1")
+    assert planes.codes.dtype == (torch.uint8 if two_a_byte else torch.int8)
+    assert planes.codes.shape[-1] == (16 if two_a_byte else 32)
     products = codes.codes.float() * codes.scales.repeat_interleave(32, dim=1)
     assert torch.equal(unpacked(planes, 40, 96), products)
     if codes.offsets is None:
@@ -159,6 +162,33 @@ def test_products_of_codes_through_the_table_equal_those_through_float32(low) ->
     y = split(x, planes, n)
     within_float32_bound(y, x, weight.widened(), extra=k // 32)
     assert torch.equal(y, split(x, replace(planes, code_low=None), n))
+
+
+@needs_amx
+@pytest.mark.parametrize("low", [-128, -8, 0, 100, 112])
+def test_codes_stored_two_a_byte_multiply_as_the_int8_codes_do(low, threads) -> None:
+    """Codes within 16 values (a Q4's) are stored two a byte (half of what a decode step
+    reads); the products equal those of the same codes as int8, through the table of 32
+    and through float32, bit for bit."""
+    n, k = 208, 192
+    values = torch.arange(low, low + 16).to(torch.int8)
+    codes = values[torch.randint(len(values), (n, k))]
+    codes[0, :16] = values  # every value, at both ends of a byte's pair of codes
+    codes[1, 16:32] = values.flip(0)
+    weight = CodedWeight(codes, torch.rand(n, k // 32) / 16, torch.randn(n, k // 32) / 16)
+    planes = coded_planes(weight)
+    assert planes.codes.dtype == torch.uint8 and planes.code_low == low
+    assert planes.codes.numel() * 2 == planes.int8_codes().numel()
+    x = torch.randn(70, k)
+    y = split(x, planes, n)
+    within_float32_bound(y, x, weight.widened(), extra=k // 32)
+    int8 = replace(planes, codes=planes.int8_codes())
+    assert torch.equal(y, split(x, int8, n))
+    assert torch.equal(y, split(x, replace(int8, code_low=None), n))
+    gated = gated_planes(planes, int8)  # paired tile by tile, two a byte again
+    assert gated.codes.dtype == torch.uint8
+    assert torch.equal(gated.int8_codes()[0::2], int8.codes)
+    assert torch.equal(gated.int8_codes()[1::2], int8.codes)
 
 
 @needs_amx
@@ -331,12 +361,17 @@ def test_bad_arguments_are_named() -> None:
         split(x, gated_planes(planes, planes), 32, bias=torch.zeros(32), silu_mul=True)
     with pytest.raises(RuntimeError, match="code_low comes with codes and is an int8"):
         split(x, replace(planes, code_low=200), 32)
+    assert planes.codes.dtype == torch.uint8  # Q4_1's: two a byte, read by code_low
+    with pytest.raises(RuntimeError, match="two a byte come with code_low"):
+        split(x, replace(planes, code_low=None), 32)
+    with pytest.raises(RuntimeError, match=r"uint8 \[tiles, k blocks, 16, 16\] two a byte"):
+        split(x, replace(planes, codes=planes.int8_codes().view(torch.uint8)), 32)
 
 
 @needs_amx
 def test_smollm2_decodes_batches_from_the_planes_of_its_codes(smollm2) -> None:
     """Its Q4_1 projections: a step of more than 32 rows multiplies on the tiles and reads
-    their codes and scales (~1.3 bytes a weight), not the float32 panels (4)."""
+    their codes, two a byte, and scales (~0.85 bytes a weight), not the float32 panels (4)."""
     decoder = smollm2.model.packed_decoder
     _, (large, _) = decoder.layers[0].gated
     assert large.name() == "tandem_cpu::split_linear"
@@ -349,4 +384,4 @@ def test_smollm2_decodes_batches_from_the_planes_of_its_codes(smollm2) -> None:
         for (_, args), _ in (layer.qkv, layer.o, layer.gated, layer.down)
     )
     assert decoder.weight_bytes(1) == decoder.narrow_bytes()
-    assert float32 / 4 < decoder.weight_bytes(64) < float32 * 0.4  # ~1.3 bytes a weight
+    assert float32 / 8 < decoder.weight_bytes(64) < float32 / 4  # ~0.85 bytes a weight

@@ -15,8 +15,9 @@ float32 FMAs, and the codes' widening (coded_weight.py) adds to them; on the til
 products chained through its layers ran ~1.45x as fast at 64 rows and ~1.7x at 1,024,
 a Xeon, 2 threads (docs/benchmarks.md).
 
-Which weights qualify: a GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight, kept as its int8 codes
-(exact in bfloat16) and scales, ~1.3 bytes a weight: the tiles multiply x's parts by
+Which weights qualify: a GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight, kept as its codes
+(exact in bfloat16; Q4_0's and Q4_1's two a byte, the others int8) and scales, ~0.8 or
+~1.3 bytes a weight: the tiles multiply x's parts by
 the codes, and each block of 32 inputs' sums take the column's scale in float32 as
 they leave the tiles (planes of scale * code, 4 bytes a weight, bound a batch-64 step
 by their reading). The _1 forms' offsets ride as extra inputs against x's sums over
@@ -68,16 +69,26 @@ class SplitPlanes:
     # A coded weight's codes, int8 [column tiles, k blocks, 16, 32] in the planes' layout,
     # which the tiles multiply by as they are (each block's sums then take its scale);
     # `planes` then holds only the offsets' columns (the tail). None: the planes hold it all.
+    # Codes within 16 values (Q4_0's, Q4_1's) are stored two a byte, uint8 [..., 16]: byte
+    # i of a row holds codes i and i + 16 less code_low, low nibble first. A decode step
+    # reads every code once, so half their bytes is ~3 ms of a SmolLM2 batch-64 step.
     codes: torch.Tensor | None = None
     # The codes' scales, float32 [column tiles, k blocks, 32]: each column's twice (its pair).
     scales: torch.Tensor | None = None
     # Where every code lies in [code_low, code_low + 32) (a 4- or 5-bit type's), the kernel
-    # converts them to bfloat16 through a table of 32; None (Q8_0's): through float32.
+    # converts them to bfloat16 through a table; None (Q8_0's): through float32.
     code_low: int | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def int8_codes(self) -> torch.Tensor | None:
+        """The codes as int8 [column tiles, k blocks, 16, 32], unpacked where stored two a byte."""
+        if self.codes is None or self.codes.dtype == torch.int8:
+            return self.codes
+        low, high = self.codes & 15, self.codes >> 4
+        return (torch.cat([low, high], dim=-1).to(torch.int16) + self.code_low).to(torch.int8)
 
     def args(self, out_features: int, bias: torch.Tensor | None, silu_mul: bool) -> tuple:
         """split_linear's arguments after x."""
@@ -108,7 +119,7 @@ def coded_planes(coded: CodedWeight) -> SplitPlanes | None:
     tile_scales = torch.zeros(tiles * TILE_COLUMNS, k // TILE_K)
     tile_scales[:n] = scales
     tile_scales = tile_scales.view(tiles, TILE_COLUMNS, -1).transpose(1, 2)
-    codes = _tiles([coded.codes.float()]).float().to(torch.int8)[:, :, 0].contiguous()
+    codes, low = _stored(_tiles([coded.codes.float()]).float().to(torch.int8)[:, :, 0])
     tail = torch.zeros(n, 0)
     if coded.offsets is not None:
         tail = torch.zeros(n, _whole_tiles(coded.offsets.shape[1]))
@@ -121,7 +132,7 @@ def coded_planes(coded: CodedWeight) -> SplitPlanes | None:
         sums_block=0 if coded.offsets is None else coded.block,
         codes=codes,
         scales=tile_scales.repeat_interleave(2, dim=2).contiguous(),
-        code_low=_code_low(codes),
+        code_low=low,
     )
 
 
@@ -154,14 +165,20 @@ def gated_planes(gate: SplitPlanes, up: SplitPlanes) -> SplitPlanes | None:
             return None
         return torch.stack([a, b], dim=1).reshape(2 * a.shape[0], *a.shape[1:]).contiguous()
 
-    codes = paired(gate.codes, up.codes)
-    return SplitPlanes(
-        paired(g, u),
-        gate.sums_block,
-        codes,
-        paired(gate.scales, up.scales),
-        None if codes is None else _code_low(codes),
-    )
+    codes, low = _stored(paired(gate.int8_codes(), up.int8_codes()))
+    return SplitPlanes(paired(g, u), gate.sums_block, codes, paired(gate.scales, up.scales), low)
+
+
+def _stored(codes: torch.Tensor | None) -> tuple[torch.Tensor | None, int | None]:
+    """int8 codes [..., 32] as SplitPlanes stores them, two a byte where they lie within 16
+    values, and their code_low."""
+    if codes is None:
+        return None, None
+    low = _code_low(codes)
+    if low is None or int(codes.max()) - low >= 16:
+        return codes.contiguous(), low
+    offset = (codes.to(torch.int16) - low).to(torch.uint8)
+    return (offset[..., :16] | (offset[..., 16:] << 4)).contiguous(), low
 
 
 def _code_low(codes: torch.Tensor) -> int | None:

@@ -1,6 +1,6 @@
-// A quantised weight's int8 codes on their way to AMX's B tiles (split_linear.cpp): the
-// codes as bfloat16 (small integers: exact), a code block at a time, and each column's
-// scale from the pairs' layout the scales are stored in.
+// A quantised weight's codes on their way to AMX's B tiles (split_linear.cpp): the codes
+// (int8, or two a byte: split_planes.py) as bfloat16 (small integers: exact), a code
+// block at a time, and each column's scale from the pairs' layout the scales are stored in.
 #pragma once
 
 #include "amx_tiles.h"
@@ -30,9 +30,22 @@ inline __m512i code_table(int64_t low) {
   return _mm512_load_si512(table);
 }
 
-// A weight's codes (coded_planes): int8 [T][KBC][16][32] in the planes' tile layout,
-// float32 scales [T][KBC][32] (each column's, twice: its pair), and the tail's planes
-// [T][KBO][J][16][32] (the offsets' columns), converted a code block at a time.
+// The bfloat16 of low + i for each nibble i (codes stored two a byte, less low).
+inline __m512i nibble_table(int64_t low) {
+  alignas(64) uint16_t table[32] = {};
+  for (int64_t i = 0; i < 16; ++i) {
+    const float value = static_cast<float>(low + i);
+    uint32_t bits;
+    std::memcpy(&bits, &value, sizeof bits);
+    table[i] = static_cast<uint16_t>(bits >> 16);  // exact: a small integer
+  }
+  return _mm512_load_si512(table);
+}
+
+// A weight's codes (coded_planes): int8 [T][KBC][16][32] in the planes' tile layout (or
+// two a byte: [T][KBC][16][16], byte i of a row codes i and i + 16 less the least code,
+// low nibble first), float32 scales [T][KBC][32] (each column's, twice: its pair), and the
+// tail's planes [T][KBO][J][16][32] (the offsets' columns), converted a code block at a time.
 struct CodedTiles {
   const int8_t* codes;
   const float* scales;
@@ -42,7 +55,11 @@ struct CodedTiles {
   // and a row of codes converts in two instructions (widen, look up) against five through
   // float32 (Q8_0's).
   bool windowed;
+  // Codes two a byte (Q4_0, Q4_1; windowed too): nibble_table's, five instructions a row.
+  bool nibbles;
   __m512i table;
+
+  int64_t tile_bytes() const { return nibbles ? amx::TILE_ELEMS / 2 : amx::TILE_ELEMS; }
 };
 
 // Code block kb of column tile c as bfloat16 (small integers: exact) into out, one B
@@ -51,13 +68,24 @@ struct CodedTiles {
 // products 7 % slower).
 inline void convert_block(const CodedTiles& w, int64_t c, int64_t kb, uint16_t* out, const int64_t* ahead) {
   constexpr int64_t TILE = amx::TILE_ELEMS, KT = amx::TILE_K;
+  const int64_t bytes = w.tile_bytes();
   if (ahead) {
-    const char* codes = reinterpret_cast<const char*>(w.codes + (*ahead * w.KBC + kb) * TILE);
+    const char* codes = reinterpret_cast<const char*>(w.codes + (*ahead * w.KBC + kb) * bytes);
     const char* scales = reinterpret_cast<const char*>(w.scales + (*ahead * w.KBC + kb) * KT);
-    for (int64_t i = 0; i < TILE; i += 64) _mm_prefetch(codes + i, _MM_HINT_T1);
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(codes + i, _MM_HINT_T1);
     for (int64_t i = 0; i < KT * 4; i += 64) _mm_prefetch(scales + i, _MM_HINT_T1);
   }
-  const int8_t* codes = w.codes + (c * w.KBC + kb) * TILE;
+  const int8_t* codes = w.codes + (c * w.KBC + kb) * bytes;
+  if (w.nibbles) {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (int q = 0; q < amx::ROWS; ++q) {
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + q * KT / 2));
+      const __m128i first = _mm_and_si128(packed, low4), second = _mm_and_si128(_mm_srli_epi16(packed, 4), low4);
+      const __m256i row = _mm256_inserti128_si256(_mm256_castsi128_si256(first), second, 1);
+      _mm512_store_si512(out + q * KT, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(row), w.table));
+    }
+    return;
+  }
   if (w.windowed) {
     for (int q = 0; q < amx::ROWS; ++q) {
       const __m512i wide = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + q * KT)));

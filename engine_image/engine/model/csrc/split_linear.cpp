@@ -12,7 +12,8 @@
 // weights, summed in another order than the float32 panels' FMAs (the tests hold y to
 // float32's error bound for a dot product against float64).
 //
-// codes, scales: int8 codes in the planes' layout (below) and each column's scale per
+// codes, scales: int8 codes in the planes' layout (below), or uint8 two a byte (codes
+//   within 16 of code_low: Q4_0's, Q4_1's; split_planes.py), and each column's scale per
 //   block of 32 k (twice: the pairs' layout). Each thread converts a column pair's codes
 //   to bfloat16 (small integers: exact; through a table where code_low says every code
 //   lies in [code_low, code_low + 32)); the tiles multiply x's three parts by them, 3
@@ -272,10 +273,14 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
   const int64_t M = x.size(0), K = x.size(1), T = planes.size(0);
   TORCH_CHECK(codes.has_value() == scales.has_value(), "split_linear: codes come with their scales");
   const int64_t KBC = codes ? codes->size(1) : 0;  // k blocks from codes, then from planes
+  const bool nibbles = codes && codes->scalar_type() == at::kByte;
   if (codes) {
-    TORCH_CHECK(codes->dim() == 4 && codes->scalar_type() == at::kChar && codes->is_contiguous() &&
-                    codes->size(0) == T && codes->size(2) == amx::ROWS && codes->size(3) == KT,
-                "split_linear: codes must be int8 [tiles, k blocks, 16, 32] (split_planes.py)");
+    TORCH_CHECK(codes->dim() == 4 && codes->is_contiguous() && codes->size(0) == T && codes->size(2) == amx::ROWS &&
+                    ((codes->scalar_type() == at::kChar && codes->size(3) == KT) ||
+                     (nibbles && codes->size(3) == KT / 2)),
+                "split_linear: codes must be int8 [tiles, k blocks, 16, 32], or uint8 [tiles, k blocks, 16, 16] "
+                "two a byte (split_planes.py)");
+    TORCH_CHECK(!nibbles || code_low, "split_linear: codes two a byte come with code_low, the least code");
     TORCH_CHECK(scales->dim() == 3 && scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
                     scales->size(0) == T && scales->size(1) == KBC && scales->size(2) == KT,
                 "split_linear: scales must be float32 [tiles, k blocks, 32]");
@@ -328,13 +333,16 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
   const bool stream = !rotary && M * N * static_cast<int64_t>(sizeof(float)) > tandem::l2_bytes() / 2;
   const Product p{reinterpret_cast<const uint16_t*>(planes.data_ptr()), KB, J, M, N,
                   out.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr, silu_mul, stream};
-  const CodedTiles coded{codes ? codes->data_ptr<int8_t>() : nullptr,
+  const CodedTiles coded{codes ? static_cast<const int8_t*>(codes->data_ptr()) : nullptr,
                          scales ? scales->data_ptr<float>() : nullptr,
                          p.planes,
                          KBC,
                          planes.size(1),
                          code_low.has_value(),
-                         code_low ? tandem::coded::code_table(*code_low) : _mm512_setzero_si512()};
+                         nibbles,
+                         !code_low  ? _mm512_setzero_si512()
+                         : nibbles ? tandem::coded::nibble_table(*code_low)
+                                   : tandem::coded::code_table(*code_low)};
   const int64_t tile_elems = KB * J * TILE;  // a column tile's planes
   const int64_t coded_tile_elems = KBC * TILE + (KB - KBC) * J * TILE;  // its converted codes, then tail
   const float* xp = x.data_ptr<float>();
