@@ -113,11 +113,15 @@ def test_bad_code_forms_are_named() -> None:
 
 
 def random_coded(
-    out_features: int, in_features: int, gen: torch.Generator, offsets: bool
+    out_features: int, in_features: int, gen: torch.Generator, offsets: bool, signed4: bool = False
 ) -> CodedWeight:
-    """Q4_1-like codes (0..15, float16 scales and offsets) or Q8_0-like (-128..127, no offset)."""
+    """Q4_1-like codes (0..15, float16 scales and offsets), Q8_0-like (-128..127, no
+    offset) or, signed4, Q4_0-like (-8..7, no offset)."""
     blocks = in_features // 32
     scales = (torch.rand(out_features, blocks, generator=gen) / 50).half().float()
+    if signed4:
+        codes = torch.randint(-8, 8, (out_features, in_features), generator=gen, dtype=torch.int8)
+        return CodedWeight(codes, scales, None)
     if offsets:
         codes = torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.int8)
         shifts = (-torch.rand(out_features, blocks, generator=gen) / 10).half().float()
@@ -127,7 +131,7 @@ def random_coded(
 
 
 def coded_args(panels) -> tuple:
-    return (panels.codes, panels.scales, panels.offsets)
+    return (panels.codes, panels.scales, panels.offsets, panels.code_low)
 
 
 @needs_kernels
@@ -142,24 +146,31 @@ def coded_args(panels) -> tuple:
         (517, 3008, 50),  # threads split the rows: the float32 panels again
     ],
 )
-@pytest.mark.parametrize("offsets", [True, False], ids=["offsets", "scales-only"])
+@pytest.mark.parametrize(
+    ("offsets", "signed4"),
+    [(True, False), (False, False), (False, True)],
+    ids=["offsets", "scales-only", "signed-4-bit"],
+)
 def test_coded_panels_give_the_float32_panels_bits(
-    rows: int, in_features: int, out_features: int, offsets: bool, threads: int
+    rows: int, in_features: int, out_features: int, offsets: bool, signed4: bool, threads: int
 ) -> None:
+    """4-bit codes (Q4_1-like with offsets, Q4_0-like signed) are stored two a byte, 8-bit
+    ones one; widened, both give the float32 panels' bits."""
     ops = cpu_kernels.load()
     gen = torch.Generator().manual_seed(rows)
-    coded = random_coded(out_features, in_features, gen, offsets)
+    coded = random_coded(out_features, in_features, gen, offsets, signed4)
     weight = coded.widened()
     x = torch.randn(rows, in_features + 3, generator=gen)[:, 1 : 1 + in_features] / 8
     bias = torch.randn(out_features, generator=gen)
     panels = ops.pack_panels(weight)
+    narrow = pack_coded(coded, ops)
+    assert narrow.codes.dtype == (torch.uint8 if offsets or signed4 else torch.int8)
+    assert torch.equal(narrow.int8_codes(), ops.pack_panels(coded.codes))
     for b in (None, bias):
         expected = ops.panel_linear(x, panels, out_features, b)
-        got = ops.panel_linear(
-            x, panels, out_features, b, False, *coded_args(pack_coded(coded, ops))
-        )
+        got = ops.panel_linear(x, panels, out_features, b, False, *coded_args(narrow))
         assert torch.equal(bits(got), bits(expected))
-    up = random_coded(out_features, in_features, gen, offsets)
+    up = random_coded(out_features, in_features, gen, offsets, signed4)
     gated = ops.pack_gated_panels(weight, up.widened())
     expected = ops.panel_linear(x, gated, out_features, None, True)
     coded_gated = pack_gated_coded(coded, up, ops)
@@ -177,11 +188,19 @@ def test_panel_linear_names_bad_codes() -> None:
     with pytest.raises(RuntimeError, match="codes come with scales"):
         ops.panel_linear(x, panels, 5, None, False, c.codes)
     with pytest.raises(RuntimeError, match="codes must be panels shaped as the float32 ones"):
-        ops.panel_linear(x, panels, 5, None, False, c.codes[:, :32], c.scales, c.offsets)
+        ops.panel_linear(x, panels, 5, None, False, c.int8_codes()[:, :32], c.scales, c.offsets)
     with pytest.raises(RuntimeError, match="scales must be float32"):
-        ops.panel_linear(x, panels, 5, None, False, c.codes, c.scales.double(), c.offsets)
+        ops.panel_linear(x, panels, 5, None, False, c.codes, c.scales.double(), c.offsets, 0)
     with pytest.raises(RuntimeError, match="offsets must be shaped as the scales"):
-        ops.panel_linear(x, panels, 5, None, False, c.codes, c.scales, c.offsets[:, :1])
+        ops.panel_linear(x, panels, 5, None, False, c.codes, c.scales, c.offsets[:, :1], 0)
+    # Q4_1-like codes: two a byte, which take their least code and half the rows.
+    assert c.codes.dtype == torch.uint8 and c.code_low == 0
+    with pytest.raises(RuntimeError, match="code_low comes with codes two a byte"):
+        ops.panel_linear(x, panels, 5, None, False, c.codes, c.scales, c.offsets)
+    with pytest.raises(RuntimeError, match="code_low comes with codes two a byte"):
+        ops.panel_linear(x, panels, 5, None, False, c.int8_codes(), c.scales, c.offsets, 0)
+    with pytest.raises(RuntimeError, match="two a byte: half the rows"):
+        ops.panel_linear(x, panels, 5, None, False, c.codes[:, :16], c.scales, c.offsets, 0)
 
 
 @needs_kernels
@@ -215,14 +234,15 @@ def test_a_gguf_model_packs_its_quantised_projections_coded(tmp_path: Path) -> N
     assert loaded.model.lm_head.packed.narrow is not None
     decoder = loaded.model.packed_decoder
     assert decoder is not None
-    # An int8 code a weight and two float32 a block of 32: under a third of the panels.
+    # A 4-bit code half a byte (the Q8_0 layer's a byte) and two float32 a block of 32:
+    # under a quarter of the panels.
     products = [
         kernels[0][1]  # panel_linear's arguments: the float32 panels first
         for layer in decoder.layers
         for kernels in (layer.qkv, layer.o, layer.gated, layer.down)
     ]
     float32_bytes = sum(args[0].numel() * 4 for args in products)
-    assert float32_bytes / 4 < decoder.narrow_bytes() < float32_bytes / 3
+    assert float32_bytes / 8 < decoder.narrow_bytes() < float32_bytes / 4
     # And the text does not depend on them: the same tokens once the codes are dropped.
     prompts = [[1, 5, 9, 2], [7, 3]]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

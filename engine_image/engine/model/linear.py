@@ -86,7 +86,7 @@ class PackedWeight:
     def panel_args(self, bias: torch.Tensor | None = None) -> tuple:
         """panel_linear's arguments after x."""
         c = self.narrow
-        codes = (c.codes, c.scales, c.offsets) if c is not None else (None, None, None)
+        codes = (c.codes, c.scales, c.offsets, c.code_low) if c is not None else (None,) * 4
         return (self.data, self.out_features, bias, self.silu_mul, *codes)
 
     def kernels(self, bias: torch.Tensor | None = None) -> tuple[tuple, tuple]:

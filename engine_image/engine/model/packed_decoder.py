@@ -108,7 +108,9 @@ class PackedDecoder:
         products = [
             p for layer in self.layers for p in (layer.qkv, layer.o, layer.gated, layer.down)
         ]
-        narrow = [p[0][1][4:] for p in products]  # panel_args: ..., codes, scales, offsets
+        narrow = [
+            p[0][1][4:7] for p in products
+        ]  # panel_args: ..., codes, scales, offsets, code_low
         if any(codes is None for codes, _, _ in narrow):
             return None
         return sum(t.numel() * t.element_size() for n in narrow for t in n if t is not None)
@@ -119,11 +121,11 @@ class PackedDecoder:
 
     def float32_only(self) -> PackedDecoder:
         """The same layers on the float32 panels alone, at every row count: the narrow
-        panels (panel_args' last three) and the split planes dropped (benches, tests)."""
+        panels (panel_args' last four) and the split planes dropped (benches, tests)."""
 
         def wide(kernels: tuple) -> tuple:
             (linear, args), _ = kernels
-            small = (linear, (*args[:4], None, None, None))
+            small = (linear, (*args[:4], None, None, None, None))
             return small, small
 
         layers = [
@@ -150,7 +152,7 @@ class PackedDecoder:
                 if _is_split(kernel):
                     weights = [t for t in args if isinstance(t, torch.Tensor)]
                 elif args[4] is not None and rows <= PANEL_WIDEN_ROWS:  # widened codes
-                    weights = [t for t in args[4:] if t is not None]
+                    weights = [t for t in args[4:] if isinstance(t, torch.Tensor)]
                 else:
                     weights = [args[0]]
                 total += sum(t.numel() * t.element_size() for t in weights)

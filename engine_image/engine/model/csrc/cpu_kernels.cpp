@@ -239,7 +239,7 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("pack_gated_panels(Tensor gate, Tensor up) -> Tensor");
   m.def(
       "panel_linear(Tensor x, Tensor panels, int out_features, Tensor? bias, bool silu_mul=False, "
-      "Tensor? codes=None, Tensor? scales=None, Tensor? offsets=None) -> Tensor");
+      "Tensor? codes=None, Tensor? scales=None, Tensor? offsets=None, int? code_low=None) -> Tensor");
   m.def("pack_bf16_panels(Tensor weight) -> Tensor");
   m.def(
       "greedy_head(Tensor x, Tensor panels, Tensor float_panels, Tensor norms, int out_features, "

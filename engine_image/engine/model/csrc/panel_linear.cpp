@@ -9,10 +9,11 @@
 //     SwiGLU's silu(x @ gate^T) * (x @ up^T) in one product, each panel holding half
 //     gate, half up, so that the [M, 2N] product never reaches memory (it was 2 % of
 //     a SmolLM2 prefill, reading it back for silu_mul).
-//   panel_linear(x, panels, N, bias?, silu_mul, codes, scales?, offsets?): the same
-//     product, for up to WIDEN_ROWS rows (small decode steps) from the weight's narrow
-//     panels (coded_weight.py): int8 codes [P, K, NR] with per-block scales (and
-//     offsets) [P, K / block, NR], as a quantised checkpoint stores the weight, or
+//   panel_linear(x, panels, N, bias?, silu_mul, codes, scales?, offsets?, code_low?): the
+//     same product, for up to WIDEN_ROWS rows (small decode steps) from the weight's
+//     narrow panels (coded_weight.py): int8 codes [P, K, NR] with per-block scales (and
+//     offsets) [P, K / block, NR], as a quantised checkpoint stores the weight (uint8
+//     [P, K / 2, NR] with code_low where they lie within 16 values: two a byte), or
 //     bfloat16/float16 panels, widened in the kernel to exactly the float32 panels'
 //     values: the same bits, a quarter or half of the bytes streamed.
 //
@@ -122,27 +123,31 @@ struct FloatPanels {
 // Codes: each weight an int8 code with a scale, and optionally an offset, for each run
 // of `block` k of each column, as a quantised checkpoint stores them; the weight is
 // scale * code (+ offset), exactly the value the loader's dequantisation gives
-// (widening.h): ~1.1 bytes a weight. BFloat16, Half: weights that are exactly such
+// (widening.h): ~1.1 bytes a weight; Nibbles: the same codes two a byte, rows k and
+// k + 1 of a column in one (~0.6 bytes a weight). BFloat16, Half: weights that are exactly such
 // values (a bfloat16 checkpoint loaded in float32): 2 bytes. The first row tile of a
 // slice widens it into the thread's buffer as it multiplies by it; the other tiles
 // read the buffer.
 struct NarrowPanels {
   Narrow from;
-  const char* codes;  // [P, K, NR] of int8, bfloat16 or float16
-  int64_t code_bytes;  // 1 or 2
-  const float* scales;  // Codes: [P, K / block, NR]
+  const char* codes;  // [P, K, NR] of int8, bfloat16 or float16; Nibbles: [P, K / 2, NR]
+  int64_t code_bytes;  // 1 or 2; Nibbles: 1 for two rows
+  const float* scales;  // Codes, Nibbles: [P, K / block, NR]
   const float* offsets;  // same, or null: no offset
   int64_t K, blocks_per_k;  // K / block
   int64_t code_block;
+  float low;  // Nibbles: the least code
   float* buffer;  // the thread's, k_block x NR floats
 
   Widening widening(int64_t p, int64_t k0) const {
     const int64_t b = p * blocks_per_k + k0 / code_block;
     return {source(p, k0), scales ? scales + b * NR : nullptr, offsets ? offsets + b * NR : nullptr, code_block,
-            buffer};
+            low, buffer};
   }
-  const char* source(int64_t p, int64_t k0) const { return codes + (p * K + k0) * NR * code_bytes; }
-  int64_t source_bytes(int64_t kc) const { return kc * NR * code_bytes; }
+  // Rows per byte row: Nibbles' k0 is even (a whole code block's).
+  int64_t per_row() const { return from == Narrow::Nibbles ? 2 : 1; }
+  const char* source(int64_t p, int64_t k0) const { return codes + (p * K + k0) / per_row() * NR * code_bytes; }
+  int64_t source_bytes(int64_t kc) const { return kc / per_row() * NR * code_bytes; }
 };
 
 // One thread's share of the product: its panels (or rows), each k block's slices from
@@ -227,7 +232,7 @@ float* widening_buffer(int64_t floats) {
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& bias,
                         bool silu_mul, const c10::optional<at::Tensor>& codes, const c10::optional<at::Tensor>& scales,
-                        const c10::optional<at::Tensor>& offsets) {
+                        const c10::optional<at::Tensor>& offsets, c10::optional<int64_t> code_low) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "panel_linear: x must be float32 [rows, in_features] with a dense last dim");
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == NR && panels.scalar_type() == at::kFloat &&
@@ -238,24 +243,35 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
   TORCH_CHECK(panels.size(1) == K, "panel_linear: x has ", K, " features, the weight ", panels.size(1));
   TORCH_CHECK(N > (P - 1) * OC && N <= P * OC, "panel_linear: out_features ", N, " does not match the packed weight (",
               P, " panels of ", OC, " output columns)");
-  // int8 codes come with scales (and maybe offsets); bfloat16 or float16 ones alone.
+  // int8 codes (uint8, two a byte) come with scales (and maybe offsets); bfloat16 or
+  // float16 ones alone.
   const at::ScalarType code_type = codes ? codes->scalar_type() : at::kFloat;
   const Narrow from = code_type == at::kChar       ? Narrow::Codes
+                      : code_type == at::kByte     ? Narrow::Nibbles
                       : code_type == at::kBFloat16 ? Narrow::BFloat16
                                                    : Narrow::Half;
-  TORCH_CHECK(!codes || code_type == at::kChar || code_type == at::kBFloat16 || code_type == at::kHalf,
-              "panel_linear: codes must be int8, bfloat16 or float16 panels");
-  TORCH_CHECK((codes && code_type == at::kChar) == scales.has_value() && (scales || !offsets),
+  const bool coded = code_type == at::kChar || code_type == at::kByte;
+  TORCH_CHECK(!codes || coded || code_type == at::kBFloat16 || code_type == at::kHalf,
+              "panel_linear: codes must be int8 (or uint8, two a byte), bfloat16 or float16 panels");
+  TORCH_CHECK((codes && coded) == scales.has_value() && (scales || !offsets),
               "panel_linear: int8 codes come with scales (and offsets only with both), 16-bit ones alone");
+  TORCH_CHECK((from == Narrow::Nibbles) == code_low.has_value(),
+              "panel_linear: code_low comes with codes two a byte (uint8), and they with it");
   int64_t code_block = 1;
   if (codes) {
-    TORCH_CHECK(codes->sizes() == panels.sizes() && codes->is_contiguous(),
-                "panel_linear: codes must be panels shaped as the float32 ones (pack_coded)");
+    const bool shaped = from == Narrow::Nibbles
+                            ? codes->dim() == 3 && codes->size(0) == P && codes->size(1) * 2 == K && codes->size(2) == NR
+                            : codes->sizes() == panels.sizes();
+    TORCH_CHECK(shaped && codes->is_contiguous(),
+                "panel_linear: codes must be panels shaped as the float32 ones (pack_coded), two a byte: half "
+                "the rows");
   }
   if (scales) {
     TORCH_CHECK(scales->dim() == 3 && scales->size(0) == P && scales->size(2) == NR && scales->size(1) > 0 &&
                     K % scales->size(1) == 0 && scales->scalar_type() == at::kFloat && scales->is_contiguous(),
                 "panel_linear: scales must be float32 [panels, in_features / block, ", NR, "]");
+    TORCH_CHECK(from != Narrow::Nibbles || (K / scales->size(1)) % 2 == 0,
+                "panel_linear: codes two a byte need blocks of an even number of inputs");
     TORCH_CHECK(!offsets || (offsets->sizes() == scales->sizes() && offsets->scalar_type() == at::kFloat &&
                              offsets->is_contiguous()),
                 "panel_linear: offsets must be shaped as the scales");
@@ -302,6 +318,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
                             K,
                             scales ? scales->size(1) : K,
                             code_block,
+                            static_cast<float>(code_low.value_or(0)),
                             widening_buffer(k_block * NR)};
       thread_share(w, src, t, nt);
     } else {

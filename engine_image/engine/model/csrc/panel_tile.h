@@ -14,8 +14,11 @@
 
 namespace tandem::panels {
 
+using tandem::as_floats;
 using tandem::bf16_floats;
 using tandem::half_floats;
+using tandem::nibble_floats;
+using tandem::nibble_values;
 using tandem::Narrow;
 using tandem::vload;
 using tandem::vstore;
@@ -92,15 +95,30 @@ void tile(const float* a, int64_t lda, const float* b, int64_t kc, const Sums& s
   const float* scale = WIDEN ? wd->scales : nullptr;
   const float* offset = WIDEN ? wd->offsets : nullptr;
   int64_t in_block = 0;
+  const wvec values = FROM == Narrow::Nibbles ? nibble_values(wd->low) : wvec{};  // a nibble's code
   for (int64_t k = 0; k < kc; ++k) {
     const float* bk = b + k * NR;
     wvec b0, b1, b2;
-    if constexpr (WIDEN && FROM == Narrow::Codes) {
-      const int8_t* c = static_cast<const int8_t*>(wd->codes) + k * NR;
-      __builtin_prefetch(c + L1_AHEAD * NR, 0, 3);
-      b0 = widen(c, scale, offset);
-      b1 = widen(c + W, scale + W, offset ? offset + W : nullptr);
-      b2 = widen(c + 2 * W, scale + 2 * W, offset ? offset + 2 * W : nullptr);
+    if constexpr (WIDEN && (FROM == Narrow::Codes || FROM == Narrow::Nibbles)) {
+      wvec q0, q1, q2;
+      if constexpr (FROM == Narrow::Codes) {
+        const int8_t* c = static_cast<const int8_t*>(wd->codes) + k * NR;
+        __builtin_prefetch(c + L1_AHEAD * NR, 0, 3);
+        q0 = as_floats(c), q1 = as_floats(c + W), q2 = as_floats(c + 2 * W);
+      } else {  // rows k and k + 1 share their bytes (k0 is even)
+        const uint8_t* c = static_cast<const uint8_t*>(wd->codes) + k / 2 * NR;
+        if (k % 2 == 0) {
+          __builtin_prefetch(c + L1_AHEAD * NR / 2, 0, 3);
+          q0 = nibble_floats<false>(c, values), q1 = nibble_floats<false>(c + W, values);
+          q2 = nibble_floats<false>(c + 2 * W, values);
+        } else {
+          q0 = nibble_floats<true>(c, values), q1 = nibble_floats<true>(c + W, values);
+          q2 = nibble_floats<true>(c + 2 * W, values);
+        }
+      }
+      b0 = widen(q0, scale, offset);
+      b1 = widen(q1, scale + W, offset ? offset + W : nullptr);
+      b2 = widen(q2, scale + 2 * W, offset ? offset + 2 * W : nullptr);
       if (++in_block == wd->block) {
         in_block = 0;
         scale += NR;
@@ -178,9 +196,15 @@ using Tiles = std::array<TileFn, MR>;
 constexpr Tiles TILES = make_tiles<false, Narrow::Codes>(std::make_integer_sequence<int, MR>{});
 inline const Tiles& widening_tiles(Narrow from) {
   static constexpr Tiles codes = make_tiles<true, Narrow::Codes>(std::make_integer_sequence<int, MR>{});
+  static constexpr Tiles nibbles = make_tiles<true, Narrow::Nibbles>(std::make_integer_sequence<int, MR>{});
   static constexpr Tiles bf16 = make_tiles<true, Narrow::BFloat16>(std::make_integer_sequence<int, MR>{});
   static constexpr Tiles half = make_tiles<true, Narrow::Half>(std::make_integer_sequence<int, MR>{});
-  return from == Narrow::Codes ? codes : from == Narrow::BFloat16 ? bf16 : half;
+  switch (from) {
+    case Narrow::Codes: return codes;
+    case Narrow::Nibbles: return nibbles;
+    case Narrow::BFloat16: return bf16;
+    default: return half;
+  }
 }
 
 }  // namespace tandem::panels

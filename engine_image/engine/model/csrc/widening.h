@@ -17,8 +17,9 @@
 namespace tandem {
 
 // What a narrow panel holds (NarrowPanels in panel_linear.cpp): int8 codes with scales
-// (and offsets), or the weights themselves in bfloat16 or float16, where each is exact.
-enum class Narrow { Codes, BFloat16, Half };
+// (and offsets), the same codes two a byte where they lie within 16 values (Q4_0's,
+// Q4_1's), or the weights themselves in bfloat16 or float16, where each is exact.
+enum class Narrow { Codes, Nibbles, BFloat16, Half };
 
 // A narrow panel slice that the first row tile widens as it goes.
 struct Widening {
@@ -26,6 +27,7 @@ struct Widening {
   const float* scales = nullptr;  // Codes: [kc / block, NR] from there
   const float* offsets = nullptr;  // same, or null
   int64_t block = 1;  // k a scale holds for
+  float low = 0.0f;  // Nibbles: the least code, which each nibble counts from
   float* out = nullptr;  // [kc, NR]: the widened slice, which the other row tiles read;
                          // null where there are none
 };
@@ -42,6 +44,37 @@ inline wvec as_floats(const int8_t* c) {
 #else
   wvec q;
   for (int i = 0; i < W; ++i) q[i] = static_cast<float>(c[i]);
+  return q;
+#endif
+}
+
+// The codes a nibble stands for, low + n, for nibble_floats (with AVX-512: a lane each).
+inline wvec nibble_values(float low) {
+  wvec v;
+  for (int i = 0; i < W; ++i) v[i] = low + static_cast<float>(i);
+  return v;
+}
+
+// W codes two a byte (Nibbles: byte n of a row pair holds row 2i's column n in its low
+// half, row 2i + 1's in its high half, each less the least code), as floats: the low
+// halves' (HIGH false) or the high halves', small integers, exact. `values`:
+// nibble_values(the least code).
+template <bool HIGH>
+inline wvec nibble_floats(const uint8_t* c, wvec values) {
+#if defined(__AVX512F__)
+  __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+  if constexpr (HIGH) q = _mm_srli_epi16(q, 4);
+  const __m128i n = _mm_and_si128(q, _mm_set1_epi8(0x0F));
+  // Each nibble picks its value's lane: one instruction for the conversion and the low.
+  return static_cast<wvec>(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(n), static_cast<__m512>(values)));
+#elif defined(__AVX2__)
+  __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
+  if constexpr (HIGH) q = _mm_srli_epi16(q, 4);
+  const __m128i n = _mm_and_si128(q, _mm_set1_epi8(0x0F));
+  return static_cast<wvec>(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(n))) + values[0];
+#else
+  wvec q;
+  for (int i = 0; i < W; ++i) q[i] = static_cast<float>(HIGH ? c[i] >> 4 : c[i] & 0x0F) + values[0];
   return q;
 #endif
 }
@@ -76,8 +109,8 @@ inline wvec half_floats(const uint16_t* c) {
 // pack_coded takes only codes whose products with their scales float32 holds exactly
 // (a float16 scale times an 8-bit code needs 19 bits of the 24), so the fused
 // operation rounds once, to the same value.
-inline wvec widen(const int8_t* c, const float* scale, const float* offset) {
-  const wvec w = as_floats(c) * vload<wvec>(scale);
+inline wvec widen(wvec code, const float* scale, const float* offset) {
+  const wvec w = code * vload<wvec>(scale);
   return offset ? w + vload<wvec>(offset) : w;
 }
 
