@@ -222,6 +222,39 @@ def test_bias_and_the_gated_product(kind) -> None:
 
 
 @needs_amx
+@pytest.mark.parametrize(
+    "kind", [PLANE_TYPES[1], PLANE_TYPES[4], None], ids=["Q4_1", "Q8_0", "bfloat16"]
+)
+def test_threads_that_split_many_rows_give_the_bits_of_a_column_split(kind, threads) -> None:
+    """From 128 rows a thread the threads split the rows (each reads and writes only its
+    own), below it the column pairs: 600 rows in one product equal, bit for bit, the
+    same rows in products of 100, plain, gated and rotated."""
+    n, k = 256, 192
+    if kind is None:
+        planes = weight_planes(torch.randn(n, k).bfloat16().float() / 8)
+        up = weight_planes(torch.randn(n, k).bfloat16().float() / 8)
+    else:
+        planes, up = (coded_planes(coded(n, k, kind, seed=s)[0]) for s in (7, 8))
+    gated = gated_planes(planes, up)
+    x = torch.randn(600, k)
+    angles = torch.randn(600, 1, 64)
+    cos, sin = angles.cos(), angles.sin()
+
+    def in_pieces(product) -> torch.Tensor:
+        return torch.cat([product(slice(i, i + 100)) for i in range(0, 600, 100)])
+
+    assert torch.equal(split(x, planes, n), in_pieces(lambda r: split(x[r], planes, n)))
+    assert torch.equal(
+        split(x, gated, n, silu_mul=True),
+        in_pieces(lambda r: split(x[r], gated, n, silu_mul=True)),
+    )
+    assert torch.equal(
+        rotated(planes, x, n, 3, cos, sin),
+        in_pieces(lambda r: rotated(planes, x[r], n, 3, cos[r], sin[r])),
+    )
+
+
+@needs_amx
 @pytest.mark.parametrize("kind", [PLANE_TYPES[1], PLANE_TYPES[4]], ids=lambda kind: kind.name)
 def test_outputs_past_the_l2_are_stored_streaming_with_the_same_values(kind, threads) -> None:
     """400 rows x 1,024 columns (1.6 MB, past half a core's L2 here) stream their tiles

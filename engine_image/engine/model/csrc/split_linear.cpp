@@ -92,6 +92,14 @@ using tandem::split::tile_block;
 
 // x's split parts per thread block of rows stay in L2 beside the planes being read.
 constexpr int64_t SPLIT_BYTES = int64_t{1} << 20;
+// Rows a thread must get before the threads split the rows rather than the column pairs.
+// Split by columns, each thread reads every row of x, half of it from the cache of the
+// core that wrote it (the op before split its work too), and writes half of each output
+// row; split by rows, each reads and writes only its own rows, but converts every column
+// pair's codes. SmolLM2, 2 threads: a 1,024-token prefill 366 ms against 387-390,
+// chained products at 1,024 rows 215 against 232, 512 rows 112 against 117, 256 rows 62
+// against 64, 128 rows 34.7 against 34.0 (docs/benchmarks.md). The same bits either way.
+constexpr int64_t ROW_SPLIT = 128;
 
 // Block kb's sums out of C tiles BASE (and BASE + 1), through c, into acc, each column's
 // scale applied. (The tile intrinsics name their registers by literal: hence the chains.)
@@ -348,10 +356,12 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
   const float* xp = x.data_ptr<float>();
   const int64_t lda = x.stride(0);
   // Blocks of row tile pairs whose parts fit SPLIT_BYTES; within one, each thread runs
-  // over its column tile pairs, and for each over the block's rows.
+  // over its column tile pairs (all of them where it has rows of its own), and for each
+  // over the block's rows.
   const int64_t pairs_m = (MT + 1) / 2, pairs_n = (T + 1) / 2;
   const int64_t block_pairs = std::max<int64_t>(1, SPLIT_BYTES / (2 * row_tile_elems * 2));
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), pairs_n));
+  const bool by_rows = at::get_num_threads() > 1 && M >= ROW_SPLIT * at::get_num_threads();
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), by_rows ? pairs_m : pairs_n));
 #pragma omp parallel num_threads(threads)
   {
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -362,7 +372,8 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
       const int64_t per = rotary->pairs_per_head();
       return (b + per / 2) / per * per;
     };
-    const int64_t n_begin = bound(t), n_end = bound(t + 1);
+    const int64_t n_begin = by_rows ? 0 : bound(t), n_end = by_rows ? pairs_n : bound(t + 1);
+    const int64_t m_begin = by_rows ? pairs_m * t / nt : 0, m_end = by_rows ? pairs_m * (t + 1) / nt : pairs_m;
     const amx::Tiles tiles{8};
     // The thread's column pairs' converted codes: where there are several blocks of rows and
     // the pairs fit this core's L2, converted for the first block and kept for the rest
@@ -370,14 +381,14 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
     // blocks, 4-6 %: docs/benchmarks.md); else two pairs' (the one multiplied, the next),
     // converted again for each block.
     const int64_t my_pairs = n_end - n_begin, pair_elems = 2 * coded_tile_elems;
-    const bool keep = codes && pairs_m > block_pairs &&
+    const bool keep = codes && m_end - m_begin > block_pairs &&
                       my_pairs * pair_elems * static_cast<int64_t>(sizeof(uint16_t)) <= tandem::l2_bytes();
     uint16_t* expanded = codes ? amx::thread_buffer<ExpandedTag>((keep ? my_pairs : 2) * pair_elems) : nullptr;
     // Each thread splits the rows it multiplies itself, into its own buffer: the parts
     // another core wrote would reach this one line by line from that core's cache.
     uint16_t* parts = amx::thread_buffer<PartsTag>(std::min(MT, 2 * block_pairs) * row_tile_elems);
-    for (int64_t mb = 0; mb < pairs_m; mb += block_pairs) {
-      const int64_t first_tile = 2 * mb, last_tile = std::min(MT, 2 * (mb + block_pairs));
+    for (int64_t mb = m_begin; mb < m_end; mb += block_pairs) {
+      const int64_t first_tile = 2 * mb, last_tile = std::min(MT, 2 * std::min(mb + block_pairs, m_end));
       for (int64_t r = first_tile * amx::ROWS; r < last_tile * amx::ROWS; ++r) {
         uint16_t* row = parts + (r / amx::ROWS - first_tile) * row_tile_elems + r % amx::ROWS * KT;
         if (r < M) {
@@ -393,7 +404,7 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
           // A pair's codes are converted while the tiles work on the pair before
           // (PairConversion), the thread's first pair before its products. Kept pairs have a
           // place each; else two places take turns.
-          const bool converting = !keep || mb == 0;
+          const bool converting = !keep || mb == m_begin;
           const auto conversion = [&](int64_t pair) {
             const int64_t c = 2 * pair;
             PairConversion job{&coded, c, c + 1 < T, expanded, coded_tile_elems, J, {}, {}};
