@@ -69,7 +69,10 @@ def unpacked(planes, n: int, k: int) -> torch.Tensor:
     t = planes.planes
     if planes.codes is not None:
         codes = planes.int8_codes().float()  # [tiles, blocks, 16 pairs, 32]
-        scales = planes.scales.view(*planes.scales.shape[:2], 1, TILE_K)  # each column twice
+        # A row of codes holds 16 columns' pairs: each column's scale twice.
+        scales = planes.scales.repeat_interleave(2, dim=-1).view(
+            *planes.scales.shape[:2], 1, TILE_K
+        )
         t = (codes * scales)[:, :, None]
     summed = t.float().sum(dim=2)  # [tiles, blocks, pairs, columns * 2]
     tiles, blocks = summed.shape[:2]

@@ -73,7 +73,7 @@ class SplitPlanes:
     # i of a row holds codes i and i + 16 less code_low, low nibble first. A decode step
     # reads every code once, so half their bytes is ~3 ms of a SmolLM2 batch-64 step.
     codes: torch.Tensor | None = None
-    # The codes' scales, float32 [column tiles, k blocks, 32]: each column's twice (its pair).
+    # The codes' scales, float32 [column tiles, k blocks, 16]: each column's, a block of 32.
     scales: torch.Tensor | None = None
     # Where every code lies in [code_low, code_low + 32) (a 4- or 5-bit type's), the kernel
     # converts them to bfloat16 through a table; None (Q8_0's): through float32.
@@ -131,7 +131,7 @@ def coded_planes(coded: CodedWeight) -> SplitPlanes | None:
         planes=_tiles(tail_planes),
         sums_block=0 if coded.offsets is None else coded.block,
         codes=codes,
-        scales=tile_scales.repeat_interleave(2, dim=2).contiguous(),
+        scales=tile_scales.contiguous(),
         code_low=low,
     )
 

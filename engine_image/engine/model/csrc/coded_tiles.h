@@ -1,6 +1,6 @@
 // A quantised weight's codes on their way to AMX's B tiles (split_linear.cpp): the codes
 // (int8, or two a byte: split_planes.py) as bfloat16 (small integers: exact), a code
-// block at a time, and each column's scale from the pairs' layout the scales are stored in.
+// block at a time.
 #pragma once
 
 #include "amx_tiles.h"
@@ -11,11 +11,6 @@
 
 namespace tandem::coded {
 
-// The scale of each of 16 columns from the pairs' layout [s0, s0, s1, s1, ...].
-inline __m512 column_scales(const float* pairs) {
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  return _mm512_permutex2var_ps(_mm512_loadu_ps(pairs), even, _mm512_loadu_ps(pairs + 16));
-}
 
 // The bfloat16 of each code by its low 5 bits, for codes that lie in [low, low + 32): two
 // codes there never share those bits.
@@ -44,7 +39,7 @@ inline __m512i nibble_table(int64_t low) {
 
 // A weight's codes (coded_planes): int8 [T][KBC][16][32] in the planes' tile layout (or
 // two a byte: [T][KBC][16][16], byte i of a row codes i and i + 16 less the least code,
-// low nibble first), float32 scales [T][KBC][32] (each column's, twice: its pair), and the
+// low nibble first), float32 scales [T][KBC][16] (a column tile's, a code block), and the
 // tail's planes [T][KBO][J][16][32] (the offsets' columns), converted a code block at a time.
 struct CodedTiles {
   const int8_t* codes;
@@ -71,9 +66,9 @@ inline void convert_block(const CodedTiles& w, int64_t c, int64_t kb, uint16_t* 
   const int64_t bytes = w.tile_bytes();
   if (ahead) {
     const char* codes = reinterpret_cast<const char*>(w.codes + (*ahead * w.KBC + kb) * bytes);
-    const char* scales = reinterpret_cast<const char*>(w.scales + (*ahead * w.KBC + kb) * KT);
+    const char* scales = reinterpret_cast<const char*>(w.scales + (*ahead * w.KBC + kb) * amx::COLUMNS);
     for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(codes + i, _MM_HINT_T1);
-    for (int64_t i = 0; i < KT * 4; i += 64) _mm_prefetch(scales + i, _MM_HINT_T1);
+    _mm_prefetch(scales, _MM_HINT_T1);  // 16 floats: a line
   }
   const int8_t* codes = w.codes + (c * w.KBC + kb) * bytes;
   if (w.nibbles) {

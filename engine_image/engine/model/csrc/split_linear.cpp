@@ -14,7 +14,7 @@
 //
 // codes, scales: int8 codes in the planes' layout (below), or uint8 two a byte (codes
 //   within 16 of code_low: Q4_0's, Q4_1's; split_planes.py), and each column's scale per
-//   block of 32 k (twice: the pairs' layout). Each thread converts a column pair's codes
+//   block of 32 k ([tiles, k blocks, 16]). Each thread converts a column pair's codes
 //   to bfloat16 (small integers: exact; through a table where code_low says every code
 //   lies in [code_low, code_low + 32)); the tiles multiply x's three parts by them, 3
 //   tdpbf16ps per 16 x 16 x 32 block whatever the code type, and each block's sums take
@@ -77,7 +77,6 @@ namespace {
 
 namespace amx = tandem::amx;
 using tandem::coded::CodedTiles;
-using tandem::coded::column_scales;
 using tandem::coded::convert_block;
 using tandem::coded::copy_tail;
 
@@ -115,7 +114,7 @@ inline void scaled_out(float (*acc)[amx::ROWS][amx::COLUMNS], float (*c)[amx::RO
     if constexpr (TWO_N) _tile_stored(3, c[1], LD);
   }
   for (int n = 0; n < (TWO_N ? 2 : 1); ++n) {
-    const __m512 d = column_scales((n ? s1 : s0) + kb * KT);
+    const __m512 d = _mm512_loadu_ps((n ? s1 : s0) + kb * amx::COLUMNS);
     for (int r = 0; r < amx::ROWS; ++r)
       _mm512_store_ps(acc[n][r], _mm512_fmadd_ps(_mm512_load_ps(c[n][r]), d, _mm512_load_ps(acc[n][r])));
   }
@@ -189,7 +188,7 @@ inline void convert_pair(const PairConversion& job) {
 // The product's sums for codes, G <= GROUP row tiles from m0 (x's parts at a, a_step
 // apart) by column tiles c0 (c0 + 1): b holds c0's codes as bfloat16 [KBC][16][32], then
 // its tail's planes [KBO][J][16][32], and c0 + 1's the same b_step on; s0 (s1) their
-// scales [KBC][32] in the pairs' layout. Per code block kb and row tile, the parts of x
+// scales [KBC][16]. Per code block kb and row tile, the parts of x
 // times the codes themselves (one plane, exact) on the tiles, 3 tdpbf16ps whatever the
 // codes' type, then each column's scale applied in float32 as the sums leave them. The
 // steps (kb, m) alternate between C tiles 0, 1 and 2, 3, so that one step's sums leave
@@ -290,8 +289,8 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
                 "two a byte (split_planes.py)");
     TORCH_CHECK(!nibbles || code_low, "split_linear: codes two a byte come with code_low, the least code");
     TORCH_CHECK(scales->dim() == 3 && scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
-                    scales->size(0) == T && scales->size(1) == KBC && scales->size(2) == KT,
-                "split_linear: scales must be float32 [tiles, k blocks, 32]");
+                    scales->size(0) == T && scales->size(1) == KBC && scales->size(2) == amx::COLUMNS,
+                "split_linear: scales must be float32 [tiles, k blocks, 16]");
   }
   TORCH_CHECK(!code_low || (codes && *code_low >= -128 && *code_low <= 127),
               "split_linear: code_low comes with codes and is an int8 value");
@@ -418,8 +417,8 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
           std::optional<PairConversion> next;
           if (converting && np + 1 < n_end) next = conversion(np + 1);
           const uint16_t* pair = this_pair.out;
-          const float* s0 = coded.scales + c0 * KBC * KT;
-          const float* s1 = two_n ? s0 + KBC * KT : s0;
+          const float* s0 = coded.scales + c0 * KBC * amx::COLUMNS;
+          const float* s1 = two_n ? s0 + KBC * amx::COLUMNS : s0;
           for (int64_t m0 = first_tile; m0 < last_tile; m0 += GROUP) {
             const uint16_t* a = parts + (m0 - first_tile) * row_tile_elems;
             const int64_t G = std::min(GROUP, last_tile - m0);
