@@ -260,11 +260,11 @@ def test_threads_that_split_many_rows_give_the_bits_of_a_column_split(kind, thre
 @needs_amx
 @pytest.mark.parametrize("kind", [PLANE_TYPES[1], PLANE_TYPES[4]], ids=lambda kind: kind.name)
 def test_outputs_past_the_l2_are_stored_streaming_with_the_same_values(kind, threads) -> None:
-    """400 rows x 1,024 columns (1.6 MB, past half a core's L2 here) stream their tiles
+    """1,200 rows x 1,024 columns (4.9 MB, past two cores' L2 here) stream their tiles
     to memory; 100 rows (0.4 MB) store them plainly: the same values, plain and gated."""
     gate, _ = coded(1024, 128, kind, seed=5)
     up, _ = coded(1024, 128, kind, seed=6)
-    x = torch.randn(400, 128)
+    x = torch.randn(1200, 128)
     plain = coded_planes(gate)
     assert torch.equal(split(x, plain, 1024)[:100], split(x[:100], plain, 1024))
     paired = gated_planes(plain, coded_planes(up))

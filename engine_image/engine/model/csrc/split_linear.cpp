@@ -332,12 +332,15 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& planes, int64_t N
   if (M == 0 || N == 0) return out;
   const int64_t MT = (M + amx::ROWS - 1) / amx::ROWS;
   const int64_t row_tile_elems = KB * PARTS * TILE;
-  // An output past half a core's L2 cannot stay in cache for the op after it: its whole
-  // tiles are stored non-temporally, without reading the lines first. A 1,024-token
-  // SmolLM2 prefill (o, gated, down) 394-406 ms against 423-428; decode's outputs, which
-  // the next op reads from cache, stay plain (streaming them measured ~1 % slower). Not
-  // where the rotation reads q and k back.
-  const bool stream = !rotary && M * N * static_cast<int64_t>(sizeof(float)) > tandem::l2_bytes() / 2;
+  // An output past the threads' L2s cannot stay in cache for the op after it: its whole
+  // tiles are stored non-temporally, without reading the lines first (a 1,024-token
+  // SmolLM2 prefill's gated product, 6.3 MB). Smaller ones stay plain: the op after
+  // reads them from cache (a prefill's o and down, 2.4 MB, each thread's rows its own:
+  // the prefill 351.0 / 359.9 ms best / median, against 365.8 / 370.4 with them
+  // streamed too; decode's outputs streamed measured ~1 % slower). Not where the
+  // rotation reads q and k back.
+  const bool stream =
+      !rotary && M * N * static_cast<int64_t>(sizeof(float)) > at::get_num_threads() * tandem::l2_bytes();
   const Product p{reinterpret_cast<const uint16_t*>(planes.data_ptr()), KB, J, M, N,
                   out.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr, silu_mul, stream};
   const CodedTiles coded{codes ? static_cast<const int8_t*>(codes->data_ptr()) : nullptr,
