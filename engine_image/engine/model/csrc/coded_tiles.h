@@ -11,7 +11,6 @@
 
 namespace tandem::coded {
 
-
 // The bfloat16 of each code by its low 5 bits, for codes that lie in [low, low + 32): two
 // codes there never share those bits.
 inline __m512i code_table(int64_t low) {
@@ -50,7 +49,8 @@ struct CodedTiles {
   // and a row of codes converts in two instructions (widen, look up) against five through
   // float32 (Q8_0's).
   bool windowed;
-  // Codes two a byte (Q4_0, Q4_1; windowed too): nibble_table's, five instructions a row.
+  // Codes two a byte (Q4_0, Q4_1; windowed too): nibble_table's, a row's nibbles split,
+  // widened and looked up (seven instructions a row).
   bool nibbles;
   __m512i table;
 

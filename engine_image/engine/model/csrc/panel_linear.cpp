@@ -124,10 +124,10 @@ struct FloatPanels {
 // of `block` k of each column, as a quantised checkpoint stores them; the weight is
 // scale * code (+ offset), exactly the value the loader's dequantisation gives
 // (widening.h): ~1.1 bytes a weight; Nibbles: the same codes two a byte, rows k and
-// k + 1 of a column in one (~0.6 bytes a weight). BFloat16, Half: weights that are exactly such
-// values (a bfloat16 checkpoint loaded in float32): 2 bytes. The first row tile of a
-// slice widens it into the thread's buffer as it multiplies by it; the other tiles
-// read the buffer.
+// k + 1 of a column in one (~0.6 bytes a weight). BFloat16, Half: weights that are
+// exactly such values (a bfloat16 checkpoint loaded in float32): 2 bytes. The first
+// row tile of a slice widens it into the thread's buffer as it multiplies by it; the
+// other tiles read the buffer.
 struct NarrowPanels {
   Narrow from;
   const char* codes;  // [P, K, NR] of int8, bfloat16 or float16; Nibbles: [P, K / 2, NR]
