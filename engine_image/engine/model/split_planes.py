@@ -17,10 +17,11 @@ a Xeon, 2 threads (docs/benchmarks.md).
 
 Which weights qualify: a GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight, kept as its codes
 (exact in bfloat16; Q4_0's and Q4_1's two a byte, the others int8) and scales, ~0.75
-or ~1.25 bytes a weight: the tiles multiply x's parts by the codes, and each block of 32 inputs' sums take the column's scale in float32 as
-they leave the tiles (planes of scale * code, 4 bytes a weight, bound a batch-64 step
-by their reading). The _1 forms' offsets ride as extra inputs against x's sums over
-each block (split_linear.cpp). The result is the float32 dot product of scale * code
+or ~1.25 bytes a weight: the tiles multiply x's parts by the codes, and each block of
+32 inputs' sums take the column's scale in float32 as they leave the tiles (planes of
+scale * code, 4 bytes a weight, bound a batch-64 step by their reading). The _1
+forms' offsets ride as extra inputs against x's sums over each block
+(split_linear.cpp). The result is the float32 dot product of scale * code
 + offset, the loader's weight or that weight before its last rounding (half an ulp
 from it), summed in another order. A bfloat16 checkpoint's weights are one plane,
 float16's two, stored. Plain float32 weights would need three planes stored (6 bytes
