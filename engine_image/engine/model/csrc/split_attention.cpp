@@ -6,13 +6,14 @@
 // float32. Built with cpu_kernels.cpp, which declares the op.
 //
 // One work item per (KV head, block of QB = 32 query positions), as the FMA kernel's,
-// for the KV head's G query heads, each as two 16-row tiles of queries:
+// for the KV head's G query heads, each as two 16-row tiles of queries, head by head:
 //   1. scores S [32, keys seen] = Q K^T on the tiles (log2 units: the query scale
-//      includes log2(e)), stored to the thread's buffer; a key block at a time for all G
-//      heads, so that its K planes serve them from L1;
+//      includes log2(e)), stored to the thread's buffer;
 //   2. each row's softmax over its visible keys in float32 (max, exp2, sum: exact max,
 //      no online rescaling, as the whole row is at hand), its probabilities split into
-//      the three parts of P's A tiles (masked keys: zeros);
+//      the three parts of P's A tiles (masked keys: zeros): RowSoftmax, run in small
+//      steps between the tile instructions of the next head's QK (the last head's:
+//      the first head's PV), so that the vector units work while the tiles multiply;
 //   3. O [32, D] = P V on the tiles, divided by each row's sum on the way out.
 // K and V are split once per call into B-tile planes that every block reads (K's:
 // [KVH][key tiles of 16][D / 32][3][16 head-dim pairs][16 keys][2]; V's:
@@ -23,9 +24,11 @@
 // or 32 head dims of O), two A tiles and two B tiles reloaded each term, the 8 tiles a
 // core has; a part of A is loaded once for the planes of B it meets.
 //
-// Measured (SmolLM2's 1,024-token prefill layer, a Xeon, 2 threads): 3.6-4.1 ms against
-// the FMA kernel's 4.5-4.9; ~55 % of it on the tiles (~9 ns a tdpbf16ps, their tiles
-// from L1 and L2), ~28 % the softmax and its split (docs/benchmarks.md).
+// Measured (SmolLM2's 1,024-token prefill layer, a Xeon, 2 threads): 2.6-3.4 ms (the
+// machine's speed moves by ~20 %), against the FMA kernel's 3.8-4.9. In one process,
+// in turn: the tiles alone ~2.2 ms a layer (QK ~7.7 ns a tdpbf16ps, PV ~10: their A and
+// B tiles from L2; ~4.9 ns from L1); the softmax adds ~0.7 ms run between the tiles'
+// instructions, ~1.2 run on its own (docs/benchmarks.md).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -115,8 +118,11 @@ void split_value_block(const float* v, int64_t v_stride, int64_t first, int64_t 
 // C tiles 0..3 = sum over `blocks` k blocks of the terms ai * bj (i + j <= 2): A tiles 4, 5
 // (row tiles 0, 1: a0 and a0 + a_step, PARTS tiles a block), B tiles 6, 7 (column tiles 0, 1:
 // b0 and b0 + b_step, PARTS tiles a block, blocks b_block apart).
+// Between each term's four tdpbf16ps, `between()`: vector work that runs while they are on
+// the tiles (the tiles take ~17 ns for four; the vector units are otherwise idle).
+template <class Between>
 inline void products(const uint16_t* a0, int64_t a_step, const uint16_t* b0, int64_t b_step, int64_t b_block,
-                     int64_t blocks) {
+                     int64_t blocks, Between&& between) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -132,10 +138,13 @@ inline void products(const uint16_t* a0, int64_t a_step, const uint16_t* b0, int
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
+        between();
       }
     }
   }
 }
+
+constexpr int64_t TERMS = PARTS * (PARTS + 1) / 2;  // ai * bj with i + j <= 2: 6
 
 // C tiles 0..3 to the 32 x 32 block at c (rows ldc floats apart).
 inline void store_block(float* c, int64_t ldc) {
@@ -146,44 +155,94 @@ inline void store_block(float* c, int64_t ldc) {
   _tile_stored(3, c + amx::ROWS * ldc + COLS, stride);
 }
 
-// Row r's probabilities over its `visible` keys (scores s, blocks key blocks of them) split
-// into P's A tiles at p (a key block's parts PARTS tiles apart); returns their sum.
-float softmax_row(const float* s, int64_t visible, int64_t blocks, uint16_t* p) {
+// One query head's softmax over its QB rows of scores, in small steps (a row's max, or
+// one key block of a row's probabilities) so that it can run between the tile
+// instructions of another head's products: each row's exact softmax over its visible
+// keys (max, exp2, sum in float32, the whole row at hand: no online rescaling), its
+// probabilities split into P's A tiles (masked keys and rows past the queries: zeros),
+// its sum to `sums`.
+class RowSoftmax {
+ public:
+  RowSoftmax() = default;  // nothing to do
+  RowSoftmax(const float* scores, int64_t ld, int64_t blocks, int64_t first_pos, int64_t nq, uint16_t* p,
+             int64_t p_tile, float* sums)
+      : scores_(scores), ld_(ld), blocks_(blocks), first_pos_(first_pos), nq_(nq), p_(p), p_tile_(p_tile),
+        sums_(sums), rows_(QB) {}
+
+  int64_t steps() const { return rows_ * (blocks_ + 1); }  // at most, from the start
+  void run(int64_t n) {
+    for (; n > 0 && r_ < rows_; --n) step();
+  }
+  void finish() { run(steps()); }
+
+ private:
   using V = wvec;  // 16 lanes with AVX-512
-  const wint lane = lanes<wint>();
-  const int32_t limit = static_cast<int32_t>(visible);
-  const int32_t whole = limit / W * W;
-  // Two chains for vmaxps's latency; whole vectors, then the last one's visible lanes.
-  V top0 = broadcast<V>(-std::numeric_limits<float>::infinity()), top1 = top0;
-  int32_t j = 0;
-  for (; j + W < whole; j += 2 * W) {
-    const V x0 = vload<V>(s + j), x1 = vload<V>(s + j + W);
-    top0 = x0 > top0 ? x0 : top0;
-    top1 = x1 > top1 ? x1 : top1;
-  }
-  for (; j < limit; j += W) {
-    const V x = vload<V>(s + j);
-    top0 = lane + j < limit && x > top0 ? x : top0;
-  }
-  const V m = broadcast<V>(hmax(top0 > top1 ? top0 : top1));
-  V sum = {};
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int32_t j = static_cast<int32_t>(b * KB);
-    V e[2];
-    for (int h = 0; h < 2; ++h) {
-      const int32_t jh = j + h * W;
-      e[h] = jh < limit ? vexp2_nonpositive(vload<V>(s + jh) - m) : V{};
-      if (jh + W > limit) e[h] = lane + jh < limit ? e[h] : V{};
-      sum += e[h];
+
+  uint16_t* row_tiles(int64_t r) const { return p_ + r / amx::ROWS * p_tile_ + r % amx::ROWS * KB; }
+
+  void step() {
+    const int32_t limit = static_cast<int32_t>(first_pos_ + r_ + 1);  // keys row r_ sees
+    const float* s = scores_ + r_ * ld_;
+    if (r_ >= nq_) {  // past the queries: zeros, never stored
+      uint16_t* dst = row_tiles(r_);
+      for (int64_t b = 0; b < blocks_ * PARTS; ++b) std::memset(dst + b * TILE, 0, KB * sizeof(uint16_t));
+      ++r_;
+    } else if (b_ < 0) {
+      row_max(s, limit);
+      b_ = 0;
+    } else {
+      const wint lane = lanes<wint>();
+      const int32_t j = static_cast<int32_t>(b_ * KB);
+      V e[2];
+      for (int h = 0; h < 2; ++h) {
+        const int32_t jh = j + h * W;
+        e[h] = jh < limit ? vexp2_nonpositive(vload<V>(s + jh) - max_) : V{};
+        if (jh + W > limit) e[h] = lane + jh < limit ? e[h] : V{};
+        sum_ += e[h];
+      }
+      amx::split_parts((__m512)e[0], (__m512)e[1], row_tiles(r_) + b_ * PARTS * TILE, TILE,
+                       amx::LaneInterleaved{});
+      if (++b_ == blocks_) {
+        sums_[r_++] = hsum(sum_);
+        b_ = -1;
+      }
     }
-    amx::split_parts((__m512)e[0], (__m512)e[1], p + b * PARTS * TILE, TILE, amx::LaneInterleaved{});
   }
-  return hsum(sum);
-}
+
+  // Two chains for vmaxps's latency; whole vectors, then the last one's visible lanes.
+  void row_max(const float* s, int32_t limit) {
+    const wint lane = lanes<wint>();
+    const int32_t whole = limit / W * W;
+    V top0 = broadcast<V>(-std::numeric_limits<float>::infinity()), top1 = top0;
+    int32_t j = 0;
+    for (; j + W < whole; j += 2 * W) {
+      const V x0 = vload<V>(s + j), x1 = vload<V>(s + j + W);
+      top0 = x0 > top0 ? x0 : top0;
+      top1 = x1 > top1 ? x1 : top1;
+    }
+    for (; j < limit; j += W) {
+      const V x = vload<V>(s + j);
+      top0 = lane + j < limit && x > top0 ? x : top0;
+    }
+    max_ = broadcast<V>(hmax(top0 > top1 ? top0 : top1));
+    sum_ = V{};
+  }
+
+  const float* scores_ = nullptr;
+  int64_t ld_ = 0, blocks_ = 0, first_pos_ = 0, nq_ = 0;
+  uint16_t* p_ = nullptr;
+  int64_t p_tile_ = 0;
+  float* sums_ = nullptr;
+  int64_t rows_ = 0;  // QB, or 0: nothing to do
+  int64_t r_ = 0;     // the row in progress
+  int64_t b_ = -1;    // its next key block, or -1: its max first
+  V max_{}, sum_{};
+};
 
 struct QTag;  // thread buffers: the queries' A tiles,
 struct PTag;  // the probabilities',
-struct STag;  // the scores, then the outputs
+struct STag;  // the scores, then the outputs,
+struct SumTag;  // the probabilities' sums
 
 struct Problem {
   const float* q;
@@ -205,7 +264,7 @@ void attend_block(const Problem& pr, int64_t h, int64_t q0) {
   const int64_t q_tile = s.DB() * PARTS * TILE, p_tile = blocks * PARTS * TILE;
   // Each query head's: two row tiles of Q's parts, QB rows of scores (then outputs).
   uint16_t* qa = amx::thread_buffer<QTag>(G * 2 * q_tile);
-  uint16_t* pa = amx::thread_buffer<PTag>(2 * p_tile);
+  uint16_t* pa = amx::thread_buffer<PTag>(G * 2 * p_tile);  // each head's P tiles
   const int64_t sc_head = QB * std::max(ld, D);
   float* sc = reinterpret_cast<float*>(amx::thread_buffer<STag>(2 * G * sc_head));
   alignas(64) float x[KB];  // a query row's KB head dims, scaled
@@ -226,30 +285,40 @@ void attend_block(const Problem& pr, int64_t h, int64_t q0) {
       }
     }
   }
-  // A key block's K planes serve every query head from L1.
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int64_t g = 0; g < G; ++g) {
-      products(qa + 2 * g * q_tile, q_tile, kp + b * k_block, s.DB() * PARTS * TILE, PARTS * TILE, s.DB());
+  // The tiles multiply head by head, QK then PV, and each head's softmax runs on the
+  // vector units between the tile instructions of the phase after its QK:
+  //   QK 0 | QK 1 + softmax 0 | ... | QK G-1 + softmax G-2 | PV 0 + softmax G-1 | PV 1 | ...
+  float* sums = reinterpret_cast<float*>(amx::thread_buffer<SumTag>(2 * G * QB));  // each head's rows'
+  const auto softmax = [&](int64_t g) {
+    return RowSoftmax(sc + g * sc_head, ld, blocks, first_pos, nq, pa + g * 2 * p_tile, p_tile, sums + g * QB);
+  };
+  // Spread a softmax's steps evenly over a phase's `calls` (each between four tdpbf16ps).
+  const auto alongside = [](RowSoftmax& work, int64_t calls) {
+    const int64_t each = (work.steps() + calls - 1) / calls;
+    return [&work, each] { work.run(each); };
+  };
+  RowSoftmax pending;  // the head before's
+  for (int64_t g = 0; g < G; ++g) {
+    const auto between = alongside(pending, blocks * s.DB() * TERMS);
+    for (int64_t b = 0; b < blocks; ++b) {
+      products(qa + 2 * g * q_tile, q_tile, kp + b * k_block, s.DB() * PARTS * TILE, PARTS * TILE, s.DB(), between);
       store_block(sc + g * sc_head + b * KB, ld);
     }
+    pending.finish();
+    pending = softmax(g);
   }
+  if (G == 1) pending.finish();  // its PV is next
   for (int64_t g = 0; g < G; ++g) {
     float* scores = sc + g * sc_head;
-    float sums[QB];
-    for (int64_t r = 0; r < QB; ++r) {
-      uint16_t* dst = pa + r / amx::ROWS * p_tile + r % amx::ROWS * KB;
-      if (r < nq) {
-        sums[r] = softmax_row(scores + r * ld, first_pos + r + 1, blocks, dst);
-      } else {
-        for (int64_t b = 0; b < blocks * PARTS; ++b) std::memset(dst + b * TILE, 0, KB * sizeof(uint16_t));
-      }
-    }
+    const auto between = alongside(pending, s.DT() / 2 * blocks * TERMS);
     for (int64_t d0 = 0; d0 < s.DT(); d0 += 2) {
-      products(pa, p_tile, vp + d0 * PARTS * TILE, PARTS * TILE, s.DT() * PARTS * TILE, blocks);
+      products(pa + g * 2 * p_tile, p_tile, vp + d0 * PARTS * TILE, PARTS * TILE, s.DT() * PARTS * TILE, blocks,
+               between);
       store_block(scores + d0 * COLS, D);
     }
-    for (int64_t r = 0; r < nq; ++r) {  // sums[r] >= 1: every row sees its own key
-      store_row(pr.out + ((q0 + r) * s.H + h * G + g) * D, scores + r * D, 1.0f / sums[r], D);
+    pending.finish();
+    for (int64_t r = 0; r < nq; ++r) {  // sums >= 1: every row sees its own key
+      store_row(pr.out + ((q0 + r) * s.H + h * G + g) * D, scores + r * D, 1.0f / sums[g * QB + r], D);
     }
   }
 }
