@@ -307,16 +307,15 @@ void attend_block(const Problem& pr, int64_t h, int64_t q0) {
     pending.finish();
     pending = softmax(g);
   }
-  if (G == 1) pending.finish();  // its PV is next
   for (int64_t g = 0; g < G; ++g) {
     float* scores = sc + g * sc_head;
+    if (g == G - 1) pending.finish();  // the last head's softmax: its own PV is next
     const auto between = alongside(pending, s.DT() / 2 * blocks * TERMS);
     for (int64_t d0 = 0; d0 < s.DT(); d0 += 2) {
       products(pa + g * 2 * p_tile, p_tile, vp + d0 * PARTS * TILE, PARTS * TILE, s.DT() * PARTS * TILE, blocks,
                between);
       store_block(scores + d0 * COLS, D);
     }
-    pending.finish();
     for (int64_t r = 0; r < nq; ++r) {  // sums >= 1: every row sees its own key
       store_row(pr.out + ((q0 + r) * s.H + h * G + g) * D, scores + r * D, 1.0f / sums[g * QB + r], D);
     }
