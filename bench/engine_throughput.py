@@ -1,6 +1,7 @@
 """Engine throughput: Tandem against Hugging Face generate, same model, same run.
 
     python bench/engine_throughput.py [--model smollm2] [--threads 2] [--rounds 3] [--quick]
+    python bench/engine_throughput.py --device cuda [--model random:smollm2-135m]
 
 Baseline: transformers' LlamaForCausalLM holding the very weights Tandem
 loads, run with `generate` (greedy). Each figure is the best of --rounds runs,
@@ -12,6 +13,8 @@ continuous-batching run (Poisson arrivals, mixed lengths) against HF static
 batching, with TTFT and TPOT percentiles. The decode rounds are greedy: where
 the CPU has AVX512-BF16, Tandem screens the LM head in bfloat16 (greedy_head.py,
 the float32 head's tokens), while the roofline counts the head in float32.
+On CUDA (--device cuda) both run in bfloat16 and the roofline is the GPU's bfloat16
+matmul peak and HBM read bandwidth (roofline.CudaProbe).
 Figures are recorded in docs/benchmarks.md.
 """
 
@@ -25,6 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from roofline import (  # bench/ is on sys.path when run as a script
+    CudaProbe,
     MachineProbe,
     best_machine,
     decode_roofline,
@@ -50,7 +54,7 @@ def hf_model(loaded: LoadedModel):
     model = transformers.LlamaForCausalLM(config).eval()
     model.load_state_dict(dict(loaded.source.iter_weights()), strict=False)
     model.tie_weights()
-    return model
+    return model.to(loaded.device, loaded.dtype)
 
 
 def token_clock():
@@ -76,7 +80,7 @@ def hf_decode_tps(model, prompts, new_tokens: int) -> float:
     swung by seconds, and the best of the rounds kept the luckiest swing.)"""
     import transformers
 
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=model.device)
     clock = token_clock()
     with torch.inference_mode():
         model.generate(
@@ -121,10 +125,10 @@ def tandem_prefill_seconds(llm: LLM, prompt: list[int]) -> float:
 
 def hf_prefill_seconds(model, prompt: list[int]) -> float:
     """HF's forward over the prompt, the last token's logits only (as generate runs it)."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     with torch.inference_mode():
         start = time.perf_counter()
-        model(ids, logits_to_keep=1)
+        model(ids, logits_to_keep=1).logits.tolist()  # .tolist(): the GPU's work done
     return time.perf_counter() - start
 
 
@@ -215,6 +219,7 @@ def hf_static(model, workload: list[Arrival], max_batch: int) -> Served:
         width = max(len(a.prompt) for a in batch)
         ids = torch.tensor([[0] * (width - len(a.prompt)) + a.prompt for a in batch])
         mask = torch.tensor([[0] * (width - len(a.prompt)) + [1] * len(a.prompt) for a in batch])
+        ids, mask = ids.to(model.device), mask.to(model.device)
         clock = token_clock()
         new = max(a.output_len for a in batch)
         with torch.inference_mode():
@@ -241,6 +246,7 @@ def hf_static(model, workload: list[Arrival], max_batch: int) -> Served:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="fewer tokens, for a smoke run")
     parser.add_argument("--rounds", type=int, default=3, help="best of, for each measure")
@@ -249,13 +255,16 @@ def main() -> None:
     new_tokens = 8 if args.quick else 32
     rng = random.Random(0)
 
-    probe = MachineProbe()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    probe = MachineProbe() if device.type == "cpu" else CudaProbe(device, dtype)
     machine = best_machine([probe.measure() for _ in range(5)])
     print(
-        f"machine: fp32 matmul {machine.matmul_flops / 1e9:.0f} GFLOP/s, "
-        f"read {machine.read_bytes / 1e9:.1f} GB/s, {args.threads} threads"
+        f"machine: {str(dtype).removeprefix('torch.')} matmul "
+        f"{machine.matmul_flops / 1e9:.0f} GFLOP/s, read {machine.read_bytes / 1e9:.1f} GB/s, "
+        f"{args.threads} threads"
     )
-    loaded = load_model(args.model, dtype="float32", device="cpu")
+    loaded = load_model(args.model, dtype=dtype, device=device)
     config = loaded.config
     llm = LLM(loaded, max_model_len=2048, enable_prefix_caching=False)
     hf = hf_model(loaded)
@@ -301,7 +310,9 @@ def main() -> None:
             probe.measure,
         )
         ours, theirs, window = max(ours), max(theirs), best_machine(probes)
-        roof = decode_roofline(config, window, batch, 64 + new_tokens // 2)
+        roof = decode_roofline(
+            config, window, batch, 64 + new_tokens // 2, element_bytes=dtype.itemsize
+        )
         print(
             f"{f'decode batch {batch} (tok/s)':<28} {ours:>9.1f} {theirs:>9.1f} "
             f"{ours / theirs:>6.2f}x {roof:>9.1f} {ours / roof:>7.0%} {figures(window)}"

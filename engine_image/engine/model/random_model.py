@@ -66,6 +66,19 @@ _SHAPES: Mapping[str, Mapping[str, int | bool]] = MappingProxyType(
                 "tie_word_embeddings": False,
             }
         ),
+        # SmolLM2-135M's shapes (~135M parameters, 3 query heads per KV head): benches
+        # where its GGUF is not at hand (an accelerator machine), speed alike.
+        "smollm2-135m": MappingProxyType(
+            {
+                "vocab_size": 49152,
+                "hidden_size": 576,
+                "intermediate_size": 1536,
+                "num_hidden_layers": 30,
+                "num_attention_heads": 9,
+                "num_key_value_heads": 3,
+                "tie_word_embeddings": True,
+            }
+        ),
     }
 )
 
