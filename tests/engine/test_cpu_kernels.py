@@ -28,3 +28,37 @@ def test_flags_the_compiler_refuses_are_left_out(monkeypatch) -> None:
     flags = cpu_kernels.isa_flags()
     assert not refused & set(flags)
     assert not cpu_kernels.has_bf16_dot()  # the greedy head's screen is left out with it
+
+
+EVERY_EXTENSION = {
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512vl",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_bf16",
+}
+
+
+@pytest.mark.parametrize(
+    ("cap", "widest"),
+    [("avx2", "-mf16c"), ("avx512", cpu_kernels.BF16_FLAG), (None, cpu_kernels.AMX_FLAGS[-1])],
+)
+def test_tandem_cpu_isa_caps_the_extensions_the_kernels_are_built_with(monkeypatch, cap, widest):
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: set(EVERY_EXTENSION))
+    monkeypatch.setattr(cpu_kernels, "compiler_accepts", lambda flags: True)
+    if cap is None:
+        monkeypatch.delenv(cpu_kernels.ENV_ISA, raising=False)
+    else:
+        monkeypatch.setenv(cpu_kernels.ENV_ISA, cap)
+    flags = cpu_kernels.isa_flags()
+    assert flags[-1] == widest  # the widest extension allowed, nothing past it
+    assert cpu_kernels.has_bf16_dot() == (cap != "avx2")
+
+
+def test_an_unknown_isa_cap_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.ENV_ISA, "sse9")
+    with pytest.raises(ValueError, match="TANDEM_CPU_ISA='sse9': use one of avx2, avx512, amx"):
+        cpu_kernels.isa_flags()

@@ -35,6 +35,11 @@ from pathlib import Path
 import torch
 
 ENV_DISABLE = "TANDEM_CPU_KERNELS"
+# The widest instruction sets the kernels may be built with, narrowest first. By default
+# whatever this CPU has; TANDEM_CPU_ISA caps it (to run, and test, the AVX2 paths that
+# older and AMD CPUs take on a newer one).
+ENV_ISA = "TANDEM_CPU_ISA"
+ISA_LEVELS = ("avx2", "avx512", "amx")
 BF16_FLAG = "-mavx512bf16"
 AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
 # Tensor dtypes the kernels take.
@@ -66,29 +71,46 @@ def enabled_by_env() -> bool:
     return os.environ.get(ENV_DISABLE, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def isa_flags() -> list[str]:
-    """Compiler flags for the vector extensions this CPU has (x86-64 Linux; else none)."""
+def isa_cap() -> str:
+    """The widest instruction set TANDEM_CPU_ISA lets the kernels use (default: amx, all)."""
+    value = os.environ.get(ENV_ISA, ISA_LEVELS[-1]).strip().lower()
+    if value not in ISA_LEVELS:
+        raise ValueError(
+            f"{ENV_ISA}={value!r}: use one of {', '.join(ISA_LEVELS)} (the widest instruction "
+            "set the C++ kernels may use), or leave it unset for all this CPU has"
+        )
+    return value
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as /proc/cpuinfo lists them (none where it cannot be read)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return []
-    flags: set[str] = set()
+        return set()
     for line in text.splitlines():
         if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def isa_flags() -> list[str]:
+    """Compiler flags for the vector extensions this CPU has (x86-64 Linux; else none), up
+    to isa_cap()."""
+    cap = ISA_LEVELS.index(isa_cap())
+    flags = cpu_flags()
     if not {"avx2", "fma", "f16c"} <= flags:
         return []
     # AVX-512VL: 32 vector registers, which the prefill attention's register tiles need
     # (its vectors stay 256-bit wide). Measured on AMD Zen 4: that kernel 1.3x faster,
     # the others no different.
-    wide = ["-mavx512f", "-mavx512vl"] if {"avx512f", "avx512vl"} <= flags else []
+    wide = ["-mavx512f", "-mavx512vl"] if {"avx512f", "avx512vl"} <= flags and cap >= 1 else []
     # AVX512-BF16's dot products: greedy_head's screen (has_bf16_dot); on AMX's tiles
     # where the CPU has them (csrc/amx_tiles.h; the OS must grant them too: amx_ready).
     # Only where the compiler knows them (compiler_accepts): a CPU can be newer than it.
     if wide and "avx512_bf16" in flags and compiler_accepts((BF16_FLAG,)):
         wide.append(BF16_FLAG)
-        if {"amx_tile", "amx_bf16"} <= flags and compiler_accepts(AMX_FLAGS):
+        if {"amx_tile", "amx_bf16"} <= flags and cap >= 2 and compiler_accepts(AMX_FLAGS):
             wide += AMX_FLAGS
     return ["-mavx2", "-mfma", "-mf16c", *wide]
 
