@@ -260,7 +260,7 @@ def main() -> None:
     probe = MachineProbe() if device.type == "cpu" else CudaProbe(device, dtype)
     machine = best_machine([probe.measure() for _ in range(5)])
     print(
-        f"machine: {str(dtype).removeprefix('torch.')} matmul "
+        f"machine: {'fp32' if dtype == torch.float32 else 'bf16'} matmul "
         f"{machine.matmul_flops / 1e9:.0f} GFLOP/s, read {machine.read_bytes / 1e9:.1f} GB/s, "
         f"{args.threads} threads"
     )
