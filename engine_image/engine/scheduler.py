@@ -27,6 +27,7 @@ from tandem.engine.config import EngineConfig, EngineType
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.plan import RequestOutput, ScheduledSeq, StepPlan, StepResult
 from tandem.engine.request import Request, RequestStatus
+from tandem.engine.step_result import accepted_tokens, proposed_drafts
 from tandem.engine.step_vote import Point, StepVote, Vote
 
 
@@ -282,8 +283,6 @@ class Scheduler:
         cfg = self.config
         kv, requests = self.kv, self.requests
         block_size = cfg.block_size
-        sampled = result.sampled_token_ids
-        proposed = result.draft_token_ids or {}
         num_spec = cfg.num_speculative_tokens
         is_prefill = plan.is_prefill
         is_prompt_engine = cfg.engine_type is EngineType.PROMPT
@@ -299,20 +298,8 @@ class Scheduler:
                 request.num_computed_tokens = start + len(seq.token_ids)
                 kv.cache_computed(request)
                 continue
-            tokens = sampled.get(rid)
-            if not tokens:
-                raise ValueError(f"step result has no sampled token for request {rid!r}")
+            tokens = accepted_tokens(seq, result, num_spec)
             num_accepted = len(tokens) - 1
-            if num_accepted:
-                drafts = seq.draft_token_ids
-                if num_accepted > len(drafts):
-                    raise ValueError(
-                        f"request {rid!r} got {len(tokens)} tokens from a step that verified "
-                        f"{len(drafts)} drafts: at most {1 + len(drafts)} rows (nextn + 1 = "
-                        f"{num_spec + 1}) can be accepted"
-                    )
-                if tokens[:num_accepted] != drafts[:num_accepted]:
-                    raise ValueError(f"request {rid!r}: accepted tokens differ from its drafts")
             # Prefill: the whole chunk has KV. Decode: the fed tokens up to the
             # last accepted draft do; a rejected draft's KV is overwritten later.
             computed = start + (len(seq.token_ids) if is_prefill else len(tokens))
@@ -331,15 +318,10 @@ class Scheduler:
                 ended.append(request)
                 self.handoff[rid] = request
             elif num_spec:
-                next_drafts = proposed.get(rid)
+                next_drafts = proposed_drafts(rid, result, num_spec)
                 if next_drafts is None:
                     # Nothing proposed after a prefill: placeholders keep decodes 1 + k wide.
                     next_drafts = [cfg.draft_placeholder_id] * num_spec if is_prefill else []
-                elif len(next_drafts) > num_spec:
-                    raise ValueError(
-                        f"request {rid!r}: {len(next_drafts)} drafts proposed, "
-                        f"num_speculative_tokens is {num_spec}"
-                    )
                 request.draft_token_ids = next_drafts
             # Drafts kept: those before a stop that cut the step's tokens short.
             kept_drafts = min(num_accepted, len(new_tokens))
