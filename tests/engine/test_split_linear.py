@@ -214,14 +214,17 @@ def test_bias_and_the_gated_product(kind) -> None:
     # Q4_0 and Q8_0 have no offsets (no tail to pair), Q4_1 has; Q8_0's codes take float32.
     gate, g = coded(72, 64, kind, seed=1)
     up, u = coded(72, 64, kind, seed=2)
-    x = torch.randn(50, 64)
-    bias = torch.randn(72)
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(50, 64, generator=generator)
+    bias = torch.randn(72, generator=generator)
     y = split(x, coded_planes(gate), 72, bias=bias)
     within_float32_bound(y - bias, x, g, extra=2)
     paired = gated_planes(coded_planes(gate), coded_planes(up))
     out = split(x, paired, 72, silu_mul=True)
     expected = F.silu(x.double() @ g.double().T) * (x.double() @ u.double().T)
-    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
+    # float32 sums of 64 terms ~0.1 (~1e-6 off float64 at worst); a missing part or
+    # plane would be ~1e-3 off.
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 @needs_amx
@@ -308,9 +311,11 @@ def test_gated_linears_take_both_weights_planes() -> None:
         linear.coded = codes
     gated = GatedLinears.pack(gate, up)
     assert gated.packed.split is not None
-    x = torch.randn(80, 64)
+    x = torch.randn(80, 64, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
-        torch.testing.assert_close(gated(x), F.silu(gate(x)) * up(x), rtol=1e-5, atol=1e-6)
+        # Two float32 summation orders of 64 terms ~0.1 each: ~1e-6 apart at worst,
+        # where a missing part or plane (bfloat16's 2^-8) would be ~1e-3 off.
+        torch.testing.assert_close(gated(x), F.silu(gate(x)) * up(x), rtol=1e-5, atol=1e-5)
 
 
 def rotated(planes, x: torch.Tensor, n: int, heads: int, cos, sin) -> torch.Tensor:
@@ -319,57 +324,6 @@ def rotated(planes, x: torch.Tensor, n: int, heads: int, cos, sin) -> torch.Tens
     return OPS.split_linear(
         x, *planes.args(n, None, False), cos=cos, sin=sin, rope_columns=heads * d
     )
-
-
-@needs_amx
-@pytest.mark.parametrize(
-    "kind", [PLANE_TYPES[1], PLANE_TYPES[4], None], ids=["Q4_1", "Q8_0", "bfloat16"]
-)
-@pytest.mark.parametrize("rows", [9, 64, 400])
-def test_a_fused_qkv_product_rotates_its_heads_as_rope_does(kind, rows, threads) -> None:
-    """q's and k's heads rotated inside the product (rope_columns), bit for bit as rope_
-    after it, from codes and from planes, in one block of rows and in several (K 1,536:
-    96 rows a block); v's heads untouched; on one thread and on two. 11 heads of 64 are
-    22 column pairs: two threads' even split would cut head 5, which the kernel keeps
-    whole on one thread."""
-    n, k, d = 704, 1536, 64
-    if kind is None:
-        planes = weight_planes(torch.randn(n, k).bfloat16().float() / 8)
-    else:
-        planes = coded_planes(coded(n, k, kind, seed=rows)[0])
-    x = torch.randn(rows, k)
-    angles = torch.randn(rows, 1, d)
-    cos, sin = angles.cos(), angles.sin()
-    expected = split(x, planes, n)
-    q = expected[:, : 6 * d].view(rows, 6, d)
-    kv = expected[:, 6 * d : 8 * d].view(rows, 2, d)
-    OPS.rope_(q, kv, cos, sin)
-    assert torch.equal(rotated(planes, x, n, 8, cos, sin), expected)
-
-
-@needs_amx
-def test_a_fused_rotation_refuses_what_it_cannot_rotate() -> None:
-    planes = coded_planes(coded(128, 64)[0])
-    x = torch.randn(20, 64)
-    cos = torch.randn(20, 1, 64)
-    with pytest.raises(RuntimeError, match="cos and sin come together"):
-        OPS.split_linear(x, *planes.args(128, None, False), cos=cos, rope_columns=64)
-    with pytest.raises(RuntimeError, match="cos and sin come together"):
-        OPS.split_linear(x, *planes.args(128, None, False), cos=cos, sin=cos)
-    with pytest.raises(RuntimeError, match="must be whole heads of 64"):
-        OPS.split_linear(x, *planes.args(128, None, False), cos=cos, sin=cos, rope_columns=96)
-    with pytest.raises(RuntimeError, match="must be whole heads of 64 within the 128"):
-        OPS.split_linear(x, *planes.args(128, None, False), cos=cos, sin=cos, rope_columns=192)
-    odd = torch.randn(20, 1, 48)
-    with pytest.raises(RuntimeError, match="heads' dim 48 must be a multiple of 32"):
-        OPS.split_linear(x, *planes.args(128, None, False), cos=odd, sin=odd, rope_columns=96)
-    with pytest.raises(RuntimeError, match=r"float32 \[rows, \(1,\) head_dim\]"):
-        OPS.split_linear(
-            x, *planes.args(128, None, False), cos=cos[:10], sin=cos[:10], rope_columns=64
-        )
-    gated = gated_planes(planes, planes)
-    with pytest.raises(RuntimeError, match="gated product takes no rotation"):
-        OPS.split_linear(x, *gated.args(128, None, True), cos=cos, sin=cos, rope_columns=64)
 
 
 @needs_amx
