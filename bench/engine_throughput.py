@@ -128,7 +128,9 @@ def hf_prefill_seconds(model, prompt: list[int]) -> float:
     ids = torch.tensor([prompt], device=model.device)
     with torch.inference_mode():
         start = time.perf_counter()
-        model(ids, logits_to_keep=1).logits.tolist()  # .tolist(): the GPU's work done
+        model(ids, logits_to_keep=1)
+        if ids.is_cuda:  # the launch is asynchronous: time the GPU's work done
+            torch.cuda.synchronize(ids.device)
     return time.perf_counter() - start
 
 

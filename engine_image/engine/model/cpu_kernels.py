@@ -98,19 +98,27 @@ def isa_flags() -> list[str]:
     """Compiler flags for the vector extensions this CPU has (x86-64 Linux; else none), up
     to isa_cap()."""
     cap = ISA_LEVELS.index(isa_cap())
+
+    def allowed(level: str) -> bool:
+        return cap >= ISA_LEVELS.index(level)
+
     flags = cpu_flags()
     if not {"avx2", "fma", "f16c"} <= flags:
         return []
     # AVX-512VL: 32 vector registers, which the prefill attention's register tiles need
     # (its vectors stay 256-bit wide). Measured on AMD Zen 4: that kernel 1.3x faster,
     # the others no different.
-    wide = ["-mavx512f", "-mavx512vl"] if {"avx512f", "avx512vl"} <= flags and cap >= 1 else []
+    wide = (
+        ["-mavx512f", "-mavx512vl"]
+        if {"avx512f", "avx512vl"} <= flags and allowed("avx512")
+        else []
+    )
     # AVX512-BF16's dot products: greedy_head's screen (has_bf16_dot); on AMX's tiles
     # where the CPU has them (csrc/amx_tiles.h; the OS must grant them too: amx_ready).
     # Only where the compiler knows them (compiler_accepts): a CPU can be newer than it.
     if wide and "avx512_bf16" in flags and compiler_accepts((BF16_FLAG,)):
         wide.append(BF16_FLAG)
-        if {"amx_tile", "amx_bf16"} <= flags and cap >= 2 and compiler_accepts(AMX_FLAGS):
+        if {"amx_tile", "amx_bf16"} <= flags and allowed("amx") and compiler_accepts(AMX_FLAGS):
             wide += AMX_FLAGS
     return ["-mavx2", "-mfma", "-mf16c", *wide]
 
