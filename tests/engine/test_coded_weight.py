@@ -27,11 +27,9 @@ from tandem.engine.model.coded_weight import (
 from tandem.engine.model.linear import Linear, pack_linears
 from tandem.engine.model.loader import load_model
 from tandem.engine.model.source import resolve_model
+from tests.engine.kernels import needs_kernels
 from tests.engine.test_model_sources import _save_hf_dir, write_llama_gguf
 
-needs_kernels = pytest.mark.skipif(
-    cpu_kernels.load() is None, reason="the C++ kernels did not build here (warned)"
-)
 Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
 CODE_TYPES = [gguf.GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")]
 

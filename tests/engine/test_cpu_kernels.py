@@ -1,13 +1,18 @@
-"""cpu_kernels' choice of instruction-set flags: a CPU newer than its compiler (AMX on
-GCC 10, AVX512-BF16 on GCC 9) must not fail the whole kernel build over one flag."""
+"""cpu_kernels: its choice of instruction-set flags (a CPU newer than its compiler, AMX
+on GCC 10, AVX512-BF16 on GCC 9, must not fail the whole kernel build over one flag),
+and the pure-torch paths it leaves when the build fails (with a warning) or the kernels
+are turned off (without one)."""
 
 from __future__ import annotations
 
 import shutil
+import warnings
+from pathlib import Path
 
 import pytest
 
 from tandem.engine.model import cpu_kernels
+from tandem.engine.model.attention_metadata import AttentionMetadata
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler on this machine")
@@ -62,3 +67,27 @@ def test_an_unknown_isa_cap_is_refused_by_name(monkeypatch):
     monkeypatch.setenv(cpu_kernels.ENV_ISA, "sse9")
     with pytest.raises(ValueError, match="TANDEM_CPU_ISA='sse9': use one of avx2, avx512, amx"):
         cpu_kernels.isa_flags()
+
+
+def test_kernels_disabled_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_kernels.ENV_DISABLE, "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # disabled on purpose: no warning
+        assert cpu_kernels.load() is None
+    meta = AttentionMetadata.build([4], [1], [[0]], 16, False, "cpu")
+    assert meta.paged is None and meta.decode is not None
+    with pytest.raises(ValueError, match=r"cpu_kernels\.load"):
+        AttentionMetadata.build([4], [1], [[0]], 16, False, "cpu", kernel=True)
+
+
+def test_failed_build_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    broken = tmp_path / "broken.cpp"
+    broken.write_text('#error "no kernels today"\n')
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.warns(RuntimeWarning, match="C\\+\\+ CPU kernels are unavailable") as caught:
+        assert cpu_kernels.build((broken,)) is None
+    assert len(caught) == 1
+    assert "no kernels today" in str(caught[0].message)  # the compiler's reason is passed on
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)  # as a failed build leaves it
+    meta = AttentionMetadata.build([4], [1], [[0]], 16, False, "cpu")
+    assert meta.paged is None and meta.decode is not None

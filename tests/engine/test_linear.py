@@ -18,12 +18,10 @@ from tandem.engine.model.attention_metadata import AttentionMetadata
 from tandem.engine.model.linear import FusedLinears, GatedLinears, Linear, pack_linears
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.model_config import ModelConfig
+from tests.engine.kernels import needs_kernels
 
 needs_onednn = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
-)
-needs_kernels = pytest.mark.skipif(
-    cpu_kernels.load() is None, reason="the C++ kernels did not build here (warned)"
 )
 
 

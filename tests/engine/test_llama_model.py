@@ -22,10 +22,7 @@ from tandem.engine.model.attention import allocate_kv_cache
 from tandem.engine.model.attention_metadata import AttentionMetadata
 from tandem.engine.model.llama import LlamaForCausalLM, RMSNorm, apply_rope, rope_inv_freq
 from tandem.engine.model.model_config import ModelConfig
-
-needs_kernels = pytest.mark.skipif(
-    cpu_kernels.load() is None, reason="the C++ CPU kernels could not be built here"
-)
+from tests.engine.kernels import needs_kernels
 
 BLOCK_SIZE = 4
 LLAMA3 = {
