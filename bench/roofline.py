@@ -25,7 +25,12 @@ from tandem.engine.model.model_config import ModelConfig
 
 T = TypeVar("T")
 
-READS = 4  # streaming reads of the probe's 256 MiB per measure()
+READS = 2  # streaming reads of each of the probe's buffers per measure()
+# Separately allocated 256 MiB buffers, each far past the caches: on a shared host one
+# allocation read ~25 % slower than another, page placement the only difference
+# (docs/benchmarks.md), so the read bandwidth is the best of several.
+READ_BUFFERS = 4
+CUDA_READS = 4  # reads of the GPU probe's one 2 GiB buffer per measure()
 
 
 @dataclass
@@ -37,11 +42,11 @@ class Machine:
 
 class MachineProbe:
     """Times this machine's fp32 matmul peak and its read bandwidth: per `measure()`, one
-    round of each GEMM and the best of READS reads. The peak is the fastest of MKL
-    (torch.mm), oneDNN's packed inner product and the engine's own projection path
-    (linear.py: the panel kernel): on some CPUs one library is well short of the
-    hardware, and the engine's kernel must not set the bar it is measured against
-    alone. Where the CPU has AMX, also the engine's float32 products on its tiles
+    round of each GEMM and the best of READS reads of each of READ_BUFFERS buffers. The
+    peak is the fastest of MKL (torch.mm), oneDNN's packed inner product and the engine's
+    own projection path (linear.py: the panel kernel): on some CPUs one library is well
+    short of the hardware, and the engine's kernel must not set the bar it is measured
+    against alone. Where the CPU has AMX, also the engine's float32 products on its tiles
     (split_planes.py), of a weight of two bfloat16 planes and of one of int8 codes with
     float16 scales (a GGUF's): the peak such a model's products can reach here, above
     the FMA units'."""
@@ -74,8 +79,8 @@ class MachineProbe:
         for tiles in (planed, coded):
             if pack_linears(tiles) and tiles.packed.split is not None:
                 self.gemms.append(torch.inference_mode()(lambda tiles=tiles: tiles(a)))
-        self.big = torch.ones(256 * 1024 * 1024 // 4)  # 256 MiB, far past the caches
-        for warm in (*self.gemms, self.big.sum):
+        self.reads = [torch.ones(256 * 1024 * 1024 // 4) for _ in range(READ_BUFFERS)]
+        for warm in (*self.gemms, *(buffer.sum for buffer in self.reads)):
             warm()
 
     def measure(self) -> Machine:
@@ -83,11 +88,9 @@ class MachineProbe:
         # The best of a few reads (~15 ms each): one alone, just after the GEMMs, read as
         # little as half the bandwidth of the reads around it on this kind of host, and
         # put the roofline below what the engine then did (docs/benchmarks.md).
-        read = min(timed(self.big.sum) for _ in range(READS))
-        flops = 2 * self.n**3
-        return Machine(
-            flops / min(times), self.big.numel() * 4 / read, flops / min(times[: self.fma_gemms])
-        )
+        read = min(timed(buffer.sum) for buffer in self.reads for _ in range(READS))
+        flops, read_bytes = 2 * self.n**3, self.reads[0].numel() * 4
+        return Machine(flops / min(times), read_bytes / read, flops / min(times[: self.fma_gemms]))
 
 
 class CudaProbe:
@@ -110,7 +113,7 @@ class CudaProbe:
 
     def measure(self) -> Machine:
         flops = 2 * self.n**3 / min(timed(self.product, self.device) for _ in range(3))
-        read = min(timed(self.big.sum, self.device) for _ in range(READS))
+        read = min(timed(self.big.sum, self.device) for _ in range(CUDA_READS))
         return Machine(flops, self.big.numel() * self.big.element_size() / read, flops)
 
 
