@@ -10,6 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# The sizes that give a model its shape, each at least 1 (checked in __post_init__;
+# random_model's shapes name them too).
+SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -34,14 +45,7 @@ class ModelConfig:
     name: str = "model"
 
     def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-        ):
+        for name in SIZE_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"model config {self.name!r}: {name} must be >= 1, got {value!r}")

@@ -16,7 +16,7 @@ import tokenizers
 import torch
 from tokenizers import decoders, models, pre_tokenizers
 
-from tandem.engine.model.model_config import SMOLLM2_135M, ModelConfig
+from tandem.engine.model.model_config import SIZE_FIELDS, SMOLLM2_135M, ModelConfig
 from tandem.engine.model.source import (
     ModelSource,
     fingerprint,
@@ -69,18 +69,7 @@ _SHAPES: Mapping[str, Mapping[str, int | bool]] = MappingProxyType(
         # SmolLM2-135M's shapes (~135M parameters, 3 query heads per KV head): benches
         # where its GGUF is not at hand (an accelerator machine), speed alike.
         "smollm2-135m": MappingProxyType(
-            {
-                name: getattr(SMOLLM2_135M, name)
-                for name in (
-                    "vocab_size",
-                    "hidden_size",
-                    "intermediate_size",
-                    "num_hidden_layers",
-                    "num_attention_heads",
-                    "num_key_value_heads",
-                    "tie_word_embeddings",
-                )
-            }
+            {name: getattr(SMOLLM2_135M, name) for name in (*SIZE_FIELDS, "tie_word_embeddings")}
         ),
     }
 )
