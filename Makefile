@@ -29,8 +29,8 @@ lint: install
 
 # The C++ kernels' tests run twice: built for this CPU, then capped at AVX2 (the paths
 # older Intel and pre-Zen 4 AMD CPUs take), so those paths run on a newer CPU too.
-KERNEL_TESTS := $(addprefix tests/engine/test_,attention.py linear.py coded_weight.py \
-	llama_model.py llm_matches_hf.py)
+KERNEL_TESTS := $(addprefix tests/engine/test_,attention.py attention_decode.py \
+	attention_prefill.py linear.py coded_weight.py llama_model.py llm_matches_hf.py)
 
 test: lint tools
 	$(PY) -P -m pytest -q

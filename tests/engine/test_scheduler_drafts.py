@@ -1,0 +1,113 @@
+"""The step scheduler's speculative decoding: drafts proposed, verified, accepted."""
+
+import pytest
+from support.stepping import accept_all, fake_result, step
+
+from tandem.engine.plan import StepResult
+from tandem.engine.request import Request, RequestStatus, SamplingParams
+from tests.engine.scheduling import LONG, make, prompt
+
+# ---------------------------------------------------- speculative decoding
+
+
+def spec_sched(**fields):
+    return make(max_model_len=512, num_speculative_tokens=3, vocab_size=5000, **fields)
+
+
+def test_after_prefill_drafts_are_placeholders_and_decode_feeds_1_plus_drafts():
+    sched = spec_sched()
+    sched.add_request(Request("a", prompt(20), LONG))
+    step(sched)
+    assert sched.requests["a"].draft_token_ids == [4999, 4999, 4999]
+    plan = sched.schedule()
+    assert plan.num_scheduled_tokens == {"a": 4}
+    assert plan.seqs[0].token_ids[1:] == [4999, 4999, 4999]
+
+
+def test_accepted_drafts_advance_the_sequence():
+    sched = spec_sched()
+    sched.add_request(Request("a", prompt(20), LONG))
+    step(sched)
+    plan = sched.schedule()
+    seq = plan.seqs[0]
+    outputs = sched.update(plan, StepResult({"a": [*seq.draft_token_ids, 42]}, {"a": [1, 2, 3]}))
+    assert outputs[0].new_token_ids == [4999, 4999, 4999, 42]
+    assert outputs[0].num_accepted_drafts == 3
+    request = sched.requests["a"]
+    assert request.num_computed_tokens == request.num_tokens - 1
+    assert sched.schedule().seqs[0].token_ids == [42, 1, 2, 3]
+
+
+def test_more_rows_than_nextn_plus_one_are_refused():
+    sched = spec_sched()
+    sched.add_request(Request("a", prompt(20), LONG))
+    step(sched)
+    plan = sched.schedule()
+    with pytest.raises(ValueError, match=r"at most 4 rows \(nextn \+ 1 = 4\)"):
+        sched.update(plan, StepResult({"a": [4999, 4999, 4999, 1, 2]}))
+
+
+def test_accepted_tokens_must_be_the_drafts():
+    sched = spec_sched()
+    sched.add_request(Request("a", prompt(20), LONG))
+    step(sched)
+    plan = sched.schedule()
+    with pytest.raises(ValueError, match="accepted tokens differ from its drafts"):
+        sched.update(plan, StepResult({"a": [1, 2]}))
+
+
+def test_more_drafts_than_configured_are_refused():
+    sched = spec_sched()
+    sched.add_request(Request("a", prompt(20), LONG))
+    plan = sched.schedule()
+    with pytest.raises(ValueError, match="4 drafts proposed, num_speculative_tokens is 3"):
+        sched.update(plan, StepResult({"a": [1]}, {"a": [1, 2, 3, 4]}))
+
+
+def test_drafts_are_trimmed_to_the_tokens_left():
+    sched = spec_sched()
+    sched.add_request(Request("a", prompt(20), SamplingParams(max_tokens=3, ignore_eos=True)))
+    step(sched)  # 1 token out, 2 left: at most 1 draft is worth verifying
+    plan = sched.schedule()
+    assert plan.num_scheduled_tokens == {"a": 2}
+    outputs = sched.update(plan, fake_result(plan, accept_all))
+    assert outputs[0].status is RequestStatus.FINISHED_LENGTH
+    assert sched.requests == {}
+
+
+def test_speculation_needs_the_vocab_size():
+    with pytest.raises(ValueError, match="needs vocab_size"):
+        make(max_model_len=512, num_speculative_tokens=2)
+
+
+# ------------------------------------- drafts, stops and the prefix cache
+
+
+def test_stop_inside_accepted_drafts_truncates_the_output():
+    sched = spec_sched()
+    request = Request("a", prompt(20), SamplingParams(max_tokens=50, stop_token_ids=(4999,)))
+    sched.add_request(request)
+    step(sched)
+    plan = sched.schedule()
+    outputs = sched.update(plan, StepResult({"a": [4999, 4999, 4999, 5]}))
+    assert outputs[0].new_token_ids == [4999]
+    assert outputs[0].status is RequestStatus.FINISHED_STOPPED
+    assert outputs[0].num_accepted_drafts == 1  # the two after the stop are not kept
+
+
+def test_blocks_filled_by_accepted_drafts_are_cached_under_their_tokens():
+    # Accepted drafts that fill a block: the block is hashed over its own 16 tokens
+    # (once they are appended), so a later prompt with the same prefix reuses it.
+    sched = spec_sched()
+    sched.add_request(Request("a", prompt(14), SamplingParams(max_tokens=8, ignore_eos=True)))
+    plan = sched.schedule()  # prefill: samples token 15, proposes three drafts
+    sched.update(plan, StepResult({"a": [50]}, {"a": [51, 52, 53]}))
+    plan = sched.schedule()  # feeds 50, 51, 52, 53 at positions 14..17: all accepted
+    sched.update(plan, StepResult({"a": [51, 52, 53, 54]}, {"a": [55]}))
+    request = sched.requests["a"]
+    assert request.num_computed_tokens == 18
+    known = list(request.token_ids)
+    sched.finish_request("a", RequestStatus.FINISHED_STOPPED)
+    sched.add_request(Request("b", [*known[:16], 42], SamplingParams(max_tokens=1)))
+    plan, _ = step(sched)
+    assert plan.num_prefix_cached_tokens == 16

@@ -1,0 +1,74 @@
+"""The step scheduler's disaggregation: PROMPT engines hand KV off, COMPLETION ones decode."""
+
+import pytest
+from support.stepping import run_until_idle, step
+
+from tandem.engine.request import Request, RequestStatus, SamplingParams
+from tests.engine.scheduling import make, prompt
+
+# -------------------------------------------------------- engine types
+
+
+def test_prompt_engine_only_prefills_and_pins_kv_for_handoff():
+    sched = make(engine_type="prompt", max_model_len=256)
+    assert sched.schedule().is_prefill  # nothing to do: an empty prompt step
+    sched.add_request(Request("a", prompt(40), SamplingParams(max_tokens=10)))
+    plan, outputs = step(sched)
+    assert plan.is_prefill
+    assert outputs[0].status is RequestStatus.HANDOFF and len(outputs[0].new_token_ids) == 1
+    assert sched.kv_usage > 0  # KV pinned for the decoder
+    assert sched.num_running == 0 and "a" in sched.handoff
+    for _ in range(3):
+        assert sched.schedule().is_prefill
+    sched.release_handoff("a")
+    assert sched.kv_usage == 0
+    sched.check_integrity()
+
+
+def test_prompt_engine_does_not_pin_a_request_that_already_finished():
+    sched = make(engine_type="prompt", max_model_len=256)
+    sched.add_request(Request("a", prompt(8), SamplingParams(max_tokens=1)))
+    _, outputs = step(sched)
+    assert outputs[0].status is RequestStatus.FINISHED_LENGTH
+    assert not sched.handoff and sched.kv_usage == 0
+
+
+def _handoff(sched, rid, n, first_token=7, max_tokens=5):
+    request = Request(rid, prompt(n), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return request, sched.admit_handoff(request, [first_token])
+
+
+def test_completion_engine_decodes_handoffs_and_never_prefills_new_work():
+    sched = make(engine_type="completion", max_model_len=256)
+    with pytest.raises(ValueError, match="only decodes requests prefilled elsewhere"):
+        sched.add_request(Request("x", prompt(8)))
+    request, blocks = _handoff(sched, "a", 40)
+    assert len(blocks) == 3  # room for the 40 prompt tokens' KV
+    sched.handoff_received("a")
+    plans = run_until_idle(sched)
+    assert not any(p.is_prefill for p in plans)
+    assert request.num_output_tokens == 5
+    assert plans[0].seqs[0].token_ids == [7]  # decoding starts from the first token
+    assert plans[0].seqs[0].start_pos == 40
+
+
+def test_completion_engine_recomputes_a_handoff_it_could_not_fetch():
+    sched = make(engine_type="completion", max_model_len=256)
+    request, _ = _handoff(sched, "a", 40)
+    sched.handoff_failed("a")
+    plan, _ = step(sched)
+    assert plan.is_prefill  # recompute: prompt and first token, sampling the second
+    assert plan.seqs[0].token_ids == [*prompt(40), 7]
+    run_until_idle(sched)
+    assert request.num_output_tokens == 5
+    sched.check_integrity()
+
+
+def test_completion_engine_refuses_handoffs_it_has_no_room_for():
+    sched = make(num_blocks=16, engine_type="completion", max_model_len=256)
+    _, blocks = _handoff(sched, "a", 250)
+    assert blocks is not None
+    _, refused = _handoff(sched, "b", 250)
+    assert refused is None
+    assert "b" not in sched.requests
+    sched.check_integrity()
