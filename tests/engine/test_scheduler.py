@@ -1,11 +1,10 @@
 """The step scheduler's rules on one rank (docs/scheduler.md)."""
 
 import pytest
-from support.stepping import run_until_idle, step
+from support.stepping import LONG, make, prompt, run_until_idle, step
 
 from tandem.engine.admission import PromptTooLongError
 from tandem.engine.request import Request, RequestStatus, SamplingParams
-from tests.engine.scheduling import LONG, make, prompt
 
 
 def start_long_decode(sched, decode_step):

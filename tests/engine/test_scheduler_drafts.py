@@ -1,11 +1,10 @@
 """The step scheduler's speculative decoding: drafts proposed, verified, accepted."""
 
 import pytest
-from support.stepping import accept_all, fake_result, step
+from support.stepping import LONG, accept_all, fake_result, make, prompt, step
 
 from tandem.engine.plan import StepResult
 from tandem.engine.request import Request, RequestStatus, SamplingParams
-from tests.engine.scheduling import LONG, make, prompt
 
 # ---------------------------------------------------- speculative decoding
 

@@ -1,10 +1,9 @@
 """The step scheduler's disaggregation: PROMPT engines hand KV off, COMPLETION ones decode."""
 
 import pytest
-from support.stepping import run_until_idle, step
+from support.stepping import make, prompt, run_until_idle, step
 
 from tandem.engine.request import Request, RequestStatus, SamplingParams
-from tests.engine.scheduling import make, prompt
 
 # -------------------------------------------------------- engine types
 

@@ -1,10 +1,9 @@
 """A request's life in the step scheduler: preemption, stops, aborts, limits, prefix cache."""
 
 import pytest
-from support.stepping import fake_result, next_token, run_until_idle, step
+from support.stepping import LONG, fake_result, make, next_token, prompt, run_until_idle, step
 
 from tandem.engine.request import Request, RequestStatus, SamplingParams
-from tests.engine.scheduling import LONG, make, prompt
 
 # ------------------------------------------------------------ preemption
 

@@ -4,11 +4,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from tandem.engine.config import EngineConfig
 from tandem.engine.plan import RequestOutput, ScheduledSeq, StepPlan, StepResult
+from tandem.engine.request import SamplingParams
 from tandem.engine.scheduler import Scheduler
+
+LONG = SamplingParams(max_tokens=100_000, ignore_eos=True)  # decodes until stopped
 
 # Chooses the tokens a sequence "samples" this step: accepted drafts then one new token.
 TokenFn = Callable[[ScheduledSeq], list[int]]
+
+
+def make(num_blocks=4096, **fields) -> Scheduler:
+    """A scheduler on one rank, EngineConfig(**fields), with num_blocks KV blocks."""
+    return Scheduler(EngineConfig(**fields), num_blocks=num_blocks)
+
+
+def prompt(n: int, offset: int = 0) -> list[int]:
+    return [offset + i for i in range(n)]
 
 
 def next_token(seq: ScheduledSeq) -> list[int]:
