@@ -252,6 +252,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="fewer tokens, for a smoke run")
     parser.add_argument("--rounds", type=int, default=3, help="best of, for each measure")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="on CUDA: decode steps without CUDA graphs"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     new_tokens = 8 if args.quick else 32
@@ -268,7 +271,8 @@ def main() -> None:
     )
     loaded = load_model(args.model, dtype=dtype, device=device)
     config = loaded.config
-    llm = LLM(loaded, max_model_len=2048, enable_prefix_caching=False)
+    graphs = False if args.enforce_eager else None  # None: on CUDA (decode_graphs.py)
+    llm = LLM(loaded, max_model_len=2048, enable_prefix_caching=False, decode_graphs=graphs)
     hf = hf_model(loaded)
     if llm.engine.runner.model.greedy_head is not None:
         print("greedy LM head: screened in bfloat16 (the roofline counts it in float32)")
@@ -364,6 +368,9 @@ def main() -> None:
     print(f"{'server':<22} " + " ".join(f"{h:>{8 if h == 'tok/s' else 9}}" for h in heads))
     tandem = tandem_continuous(llm, workload)
     static = hf_static(hf, workload, max_batch=16)
+    if llm.engine.runner.decode_graphs is not None:
+        shapes = llm.engine.runner.decode_graphs.shapes
+        print(f"decode graphs recorded over the whole run: {len(shapes)} (rows, width): {shapes}")
     print(tandem.row("tandem (continuous)"))
     print(static.row("hf generate (static)"))
     print(

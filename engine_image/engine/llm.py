@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tandem.engine.config import EngineConfig, derived_max_model_len
+from tandem.engine.decode_graphs import DecodeGraphs
 from tandem.engine.drafter import NgramDrafter
 from tandem.engine.engine import Engine
 from tandem.engine.host_memory import keep_freed_memory
@@ -57,6 +58,10 @@ class LLM:
 
     With num_speculative_tokens > 0 the n-gram drafter proposes the drafts,
     or mtp_head does where one is given (an MtpHead: mtp.py).
+
+    decode_graphs: plain decode steps padded to fixed shapes and replayed from
+    CUDA graphs (decode_graphs.py); None: on CUDA devices. True on the CPU runs
+    the same padded steps without recording (what tests check there).
     """
 
     def __init__(
@@ -69,6 +74,7 @@ class LLM:
         kv_cache_memory: int | None = None,
         seed: int = 0,
         mtp_head: MtpHead | None = None,
+        decode_graphs: bool | None = None,
         **engine_config_fields: Any,
     ) -> None:
         unknown = set(engine_config_fields) - set(EngineConfig.field_names())
@@ -98,7 +104,14 @@ class LLM:
             ),
         )
         config = EngineConfig(vocab_size=loaded.config.vocab_size, **fields)
-        self.engine = build_engine(loaded, config, num_kv_blocks, seed=seed, mtp_head=mtp_head)
+        self.engine = build_engine(
+            loaded,
+            config,
+            num_kv_blocks,
+            seed=seed,
+            mtp_head=mtp_head,
+            decode_graphs=decode_graphs,
+        )
         self._ids = itertools.count()
 
     @property
@@ -197,11 +210,23 @@ def build_engine(
     seed: int = 0,
     vote=None,
     mtp_head: MtpHead | None = None,
+    decode_graphs: bool | None = None,
 ) -> Engine:
-    """An Engine over a loaded model: KV cache, sampler, drafter, runner."""
+    """An Engine over a loaded model: KV cache, sampler, drafter, runner; decode graphs
+    as LLM's decode_graphs says."""
     kv = allocate_kv_cache(
         loaded.config, num_blocks, config.block_size, loaded.dtype, loaded.device
     )
+    graphs = None
+    if loaded.device.type == "cuda" if decode_graphs is None else decode_graphs:
+        graphs = DecodeGraphs(
+            loaded.model,
+            kv,
+            config.block_size,
+            max_rows=config.max_num_seqs,
+            max_width=-(-config.max_model_len // config.block_size),
+            capture=loaded.device.type == "cuda",
+        )
     speculates = config.num_speculative_tokens > 0
     drafter = NgramDrafter() if speculates and mtp_head is None else None
     runner = ModelRunner(
@@ -212,6 +237,7 @@ def build_engine(
         drafter=drafter,
         mtp_head=mtp_head,
         num_speculative_tokens=config.num_speculative_tokens,
+        decode_graphs=graphs,
     )
     tokenizer = loaded.source.tokenizer
     eos = tokenizer.eos_token_ids if tokenizer is not None else ()

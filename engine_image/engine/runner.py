@@ -3,7 +3,8 @@
     result = runner.execute(plan)
 
 One forward pass over every scheduled token of the step (prompt chunks, or
-each sequence's last token plus its drafts), logits only for the rows that
+each sequence's last token plus its drafts; plain decode steps replayed from a
+CUDA graph where decode_graphs is given: decode_graphs.py), logits only for the rows that
 are sampled (greedy rows: only their argmax, where the model has a greedy
 head), then the sampler (which verifies drafts) and the drafter (which
 proposes the next ones): the n-gram drafter from the token ids, or an MTP
@@ -19,6 +20,7 @@ from typing import overload
 
 import torch
 
+from tandem.engine.decode_graphs import DecodeGraphs
 from tandem.engine.drafter import Drafter
 from tandem.engine.logprobs import token_logprobs
 from tandem.engine.model.attention_metadata import AttentionMetadata, decode_group_tokens
@@ -38,6 +40,7 @@ class ModelRunner:
         drafter: Drafter | None = None,
         mtp_head: MtpHead | None = None,
         num_speculative_tokens: int = 0,
+        decode_graphs: DecodeGraphs | None = None,
     ) -> None:
         if drafter is not None and mtp_head is not None:
             raise ValueError("give a drafter or an MTP head, not both: one proposes each step")
@@ -51,6 +54,7 @@ class ModelRunner:
             vocab = model.config.vocab_size
             self.mtp = MtpDrafting(mtp_head, num_speculative_tokens, vocab)
         self.num_speculative_tokens = num_speculative_tokens
+        self.decode_graphs = decode_graphs
         self.device = kv_caches[0].device
         # Decode batches are split into groups sized for this model's KV rows.
         self._group_tokens = decode_group_tokens(model.config, kv_caches[0].dtype, self.device)
@@ -75,17 +79,21 @@ class ModelRunner:
                 end = len(input_ids)
                 sample_rows.extend(range(end - 1 - len(seq.draft_token_ids), end))
 
-        meta = AttentionMetadata.build(
-            starts,
-            lengths,
-            tables,
-            self.block_size,
-            plan.is_prefill,
-            self.device,
-            group_tokens=self._group_tokens,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        hidden = self.model(ids, meta.positions, self.kv_caches, meta)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.takes(plan):
+            hidden = graphs.forward(input_ids, starts, tables)
+        else:
+            meta = AttentionMetadata.build(
+                starts,
+                lengths,
+                tables,
+                self.block_size,
+                plan.is_prefill,
+                self.device,
+                group_tokens=self._group_tokens,
+            )
+            ids = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
+            hidden = self.model(ids, meta.positions, self.kv_caches, meta)
         if not sample_rows:  # only prompt chunks that sample nothing yet
             return StepResult()
         rows = rows_for_plan(plan)

@@ -88,7 +88,6 @@ def test_slot_mapping() -> None:
     meta = AttentionMetadata.build([5, 0], [3, 2], [[7, 2], [4]], 4, True, "cpu")
     assert meta.positions.tolist() == [5, 6, 7, 0, 1]
     assert meta.slot_mapping.tolist() == [2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 16, 17]
-    assert meta.context_lens == [8, 2]
     # Rows across block boundaries: positions 3..8 in blocks 9, 1, 5 of 4 slots.
     meta = AttentionMetadata.build([3], [6], [[9, 1, 5]], 4, True, "cpu")
     assert meta.slot_mapping.tolist() == [39, 4, 5, 6, 7, 20]

@@ -89,11 +89,33 @@ def _tandem(make_llm, prompts, **settings):
     return [o.token_ids for o in outputs], llm
 
 
-def test_batch_of_mixed_prompt_lengths(checkpoint):
+# Decode steps eager, or padded to CUDA graphs' shapes (decode_graphs.py): recorded
+# and replayed with --engine-device cuda, run unrecorded on the CPU.
+GRAPHS = pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+
+
+@GRAPHS
+def test_batch_of_mixed_prompt_lengths(checkpoint, graphs):
     make_llm, hf = checkpoint
     prompts = _prompts(hf.config.vocab_size, [1, 7, 33, 80])
-    ours, _ = _tandem(make_llm, prompts)
+    ours, _ = _tandem(make_llm, prompts, decode_graphs=graphs)
     assert ours == [_hf_greedy(hf, p) for p in prompts]
+
+
+def test_decode_graphs_as_the_batch_shrinks_and_contexts_grow(checkpoint):
+    """Sequences finishing one after another take the batch down through the graphs'
+    row counts, and growing contexts take it up through their widths."""
+    make_llm, hf = checkpoint
+    prompts = _prompts(hf.config.vocab_size, [3, 12, 9, 1, 5, 6], seed=9)
+    lengths = [2, 5, 9, 14, 20, 30]
+    llm = make_llm(max_model_len=256, num_kv_blocks=256, block_size=4, decode_graphs=True)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    want = [_hf_greedy(hf, p, max_new=n) for p, n in zip(prompts, lengths, strict=True)]
+    assert [o.token_ids for o in outputs] == want
+    shapes = llm.engine.runner.decode_graphs.shapes
+    assert {rows for rows, _ in shapes} == {1, 2, 4, 8}
+    assert len({width for _, width in shapes}) > 2
 
 
 def test_chunked_prefill(checkpoint):
@@ -114,10 +136,11 @@ def test_prefix_cache_hits(checkpoint):
     assert second.token_ids == _hf_greedy(hf, [*shared, 9, 9])
 
 
-def test_preemption_forced_by_a_tiny_kv_pool(checkpoint):
+@GRAPHS
+def test_preemption_forced_by_a_tiny_kv_pool(checkpoint, graphs):
     make_llm, hf = checkpoint
     prompts = _prompts(hf.config.vocab_size, [30, 20, 25, 18], seed=3)
-    llm = make_llm(max_model_len=64, num_kv_blocks=8, block_size=8)
+    llm = make_llm(max_model_len=64, num_kv_blocks=8, block_size=8, decode_graphs=graphs)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outputs] == [_hf_greedy(hf, p) for p in prompts]

@@ -24,6 +24,8 @@ Paths, chosen by the step kind:
   zeroed past each sequence's end; a later draft's scores are set to -inf for the
   rows before it, and its V, zeroed there, is added back only to the rows that
   read it.
+- decode at a CUDA graph's fixed shape (padded_attention.py): the batch padded to
+  the graph's rows, block tables to its width, lengths read from a tensor.
 - prefill on CPU with head_dim a multiple of 32, when the C++ kernels built: one
   kernel call per sequence, the chunk's queries against its own K/V, or against the
   whole context gathered from the cache after cached tokens: float32 on AMX tiles
@@ -42,6 +44,7 @@ from tandem.engine.host_memory import advise_huge_pages
 from tandem.engine.model import cpu_kernels
 from tandem.engine.model.attention_metadata import AttentionMetadata, DraftTail
 from tandem.engine.model.model_config import ModelConfig
+from tandem.engine.model.padded_attention import padded_decode_attention
 
 # The C++ prefill kernel's register tiles are 32 floats wide (csrc/prefill_attention.cpp).
 PREFILL_HEAD_DIM_MULTIPLE = 32
@@ -89,6 +92,9 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Write k/v [T, KVH, D] into the cache, then attend q [T, H, D]; returns [T, H, D]."""
+    if meta.padded is not None:
+        slots = meta.slot_mapping
+        return padded_decode_attention(q, k, v, kv_cache_layer, slots, meta.padded, scale)
     if meta.paged is not None:
         p = meta.paged
         # Registered: the metadata takes the kernel path only once cpu_kernels.load()

@@ -19,6 +19,7 @@ import torch
 
 from tandem.engine.model import cpu_kernels
 from tandem.engine.model.model_config import ModelConfig
+from tandem.engine.model.padded_attention import PaddedDecode
 
 # Gathered KV bytes per decode group that decode_group_tokens() aims for on CPU. Measured
 # (2 cores, batch 64 x ~512 context, 1B/8B/0.5B head shapes, fp32 and bf16): ~4 MiB groups
@@ -132,14 +133,14 @@ class AttentionMetadata:
     positions: torch.Tensor
     # [T] cache slot (block * block_size + offset) each row's K/V is written to.
     slot_mapping: torch.Tensor
-    # Context length of each sequence after this step (cached + new).
-    context_lens: list[int]
     # Set for decode steps on the torch path.
     decode: DecodeBatch | None
     # Set for prefill steps.
     prefill_seqs: tuple[PrefillSeq, ...]
     # Set for decode steps on the C++ kernel path (decode is None then).
     paged: PagedDecode | None = None
+    # Set for decode steps at a CUDA graph's fixed shape (decode_graphs.py builds these).
+    padded: PaddedDecode | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -209,7 +210,6 @@ class AttentionMetadata:
             is_prefill=is_prefill,
             positions=torch.tensor(positions, dtype=torch.long).to(device),
             slot_mapping=torch.tensor(slots, dtype=torch.long).to(device),
-            context_lens=context_lens,
             decode=decode,
             prefill_seqs=prefills,
             paged=paged,

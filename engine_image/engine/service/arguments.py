@@ -50,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU threads for the model (default: torch's, every core it sees; give the "
         "cores this engine owns when several share a machine or a pod has a CPU limit)",
     )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run decode steps op by op, not replayed from CUDA graphs (on a GPU)",
+    )
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
     parser.add_argument("--enable-chunked-prefill", action="store_true")

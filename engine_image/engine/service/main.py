@@ -68,7 +68,10 @@ def serve(args: argparse.Namespace, rank: int, vote=None) -> int:
         ),
     )
     config = EngineConfig(vocab_size=loaded.config.vocab_size, **fields)
-    engine = build_engine(loaded, config, num_blocks, seed=args.seed, vote=vote)
+    graphs = False if args.enforce_eager else None
+    engine = build_engine(
+        loaded, config, num_blocks, seed=args.seed, vote=vote, decode_graphs=graphs
+    )
 
     host = args.advertise_host or _default_advertise_host(args.host)
     engine_id = args.engine_id or f"{role.value}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
