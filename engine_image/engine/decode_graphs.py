@@ -1,4 +1,4 @@
-"""DecodeGraphs: plain decode steps replayed from CUDA graphs.
+"""DecodeGraphs: decode steps replayed from CUDA graphs.
 
 On a GPU a small model's decode step is bound by the CPU launching its kernels
 (~1,200 a step for SmolLM2-135M's 30 layers, 10-20 us of CPU each), not by the
@@ -6,21 +6,21 @@ GPU's work (~3.5 ms of it at batch 64): docs/benchmarks.md, "On CUDA". A CUDA
 graph records a step's kernels once and replays them all with one launch.
 
 A graph holds fixed shapes, so a step is padded to one: its batch to the next
-power of two rows (at most max_rows), its block tables to the next power of two
-blocks wide (at most max_width), and the attention reads each sequence's length
-from a tensor (model/padded_attention.py). One graph per (rows, width), recorded
-the first time a step needs it; all share one memory pool, as one runs at a time.
-Every input of a graph is a view of one int64 staging tensor, so a step's inputs
-travel in one host-to-device copy.
-
-Which steps: decode steps feeding one token per sequence (no drafts). Steps that
-verify drafts, prefill steps and steps past the largest shape run eagerly.
+power of two sequences (at most max_rows), each sequence to Q query rows (1, or
+max_queries = 1 + the engine's num_speculative_tokens when the step verifies
+drafts), its block tables to the next power of two blocks wide (at most
+max_width); the attention reads each sequence's first position and length from
+tensors (model/padded_attention.py). One graph per (sequences, Q, width),
+recorded the first time a step needs it; all share one memory pool, as one runs
+at a time. Every input of a graph is a view of one int64 staging tensor, so a
+step's inputs travel in one host-to-device copy. Prefill steps, and steps past
+the largest shape, run op by op.
 
 Recording runs the step once first (CUDA graphs need a warm-up run, on a side
 stream) with the step's own inputs, so the K/V it writes are exactly those the
 replay writes again: recording mid-serving disturbs no sequence's cache.
 
-With capture=False (the CPU: tests) the same padded steps run eagerly. The
+With capture=False (the CPU: tests) the same padded steps run unrecorded. The
 padding and the padded attention are what the CPU suite checks; only the
 recording needs a GPU.
 """
@@ -31,7 +31,7 @@ import torch
 
 from tandem.engine.model.attention_metadata import AttentionMetadata
 from tandem.engine.model.padded_attention import PaddedDecode
-from tandem.engine.plan import StepPlan
+from tandem.engine.plan import ScheduledSeq, StepPlan
 
 
 class DecodeGraphs:
@@ -43,11 +43,13 @@ class DecodeGraphs:
         *,
         max_rows: int,
         max_width: int,
+        max_queries: int = 1,
         capture: bool | None = None,
     ) -> None:
-        if max_rows < 1 or max_width < 1:
+        if min(max_rows, max_width, max_queries) < 1:
             raise ValueError(
-                f"decode graphs need max_rows and max_width >= 1, got {max_rows}, {max_width}"
+                "decode graphs need max_rows, max_width and max_queries >= 1, got "
+                f"{max_rows}, {max_width}, {max_queries}"
             )
         device = kv_caches[0].device
         self.capture = device.type == "cuda" if capture is None else capture
@@ -60,44 +62,51 @@ class DecodeGraphs:
         self.block_size = block_size
         self.max_rows = max_rows
         self.max_width = max_width
+        self.max_queries = max_queries
         self.device = device
-        self._steps: dict[tuple[int, int], _PaddedStep] = {}
+        self._steps: dict[tuple[int, int, int], _PaddedStep] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     @property
-    def shapes(self) -> list[tuple[int, int]]:
-        """The (rows, width) shapes prepared so far (recorded, where capture is on)."""
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """The (sequences, queries, width) shapes prepared so far (recorded, where
+        capture is on)."""
         return sorted(self._steps)
 
     def takes(self, plan: StepPlan) -> bool:
-        """Whether this step runs padded: a decode step of one token per sequence that
-        fits the largest shape."""
+        """Whether this step runs padded: a decode step that fits the largest shape."""
         seqs = plan.seqs
         return (
             not plan.is_prefill
             and 0 < len(seqs) <= self.max_rows
-            and all(len(s.token_ids) == 1 and len(s.block_ids) <= self.max_width for s in seqs)
+            and all(
+                len(s.token_ids) <= self.max_queries and len(s.block_ids) <= self.max_width
+                for s in seqs
+            )
         )
 
-    def forward(
-        self, input_ids: list[int], positions: list[int], tables: list[list[int]]
-    ) -> torch.Tensor:
-        """Final hidden states [n, hidden] for n sequences each feeding input_ids[i] at
-        positions[i] through block table tables[i]: a view into the graph's output, valid
-        until the next step."""
-        n = len(input_ids)
-        rows = _bucket(n, self.max_rows)
-        width = _bucket(max(len(t) for t in tables), self.max_width)
-        step = self._steps.get((rows, width))
+    def forward(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the step's T tokens, in the step's flat
+        order (each sequence's tokens in turn): a view into the graph's output, or
+        gathered from it, valid until the next step."""
+        rows = _bucket(len(seqs), self.max_rows)
+        queries = 1 if all(len(s.token_ids) == 1 for s in seqs) else self.max_queries
+        width = _bucket(max(len(s.block_ids) for s in seqs), self.max_width)
+        step = self._steps.get((rows, queries, width))
         if step is None:
-            step = self._steps[rows, width] = _PaddedStep(rows, width, self.device)
-        step.load(input_ids, positions, tables, self.block_size)
+            step = _PaddedStep(rows, queries, width, self.device)
+            self._steps[rows, queries, width] = step
+        tokens = step.load(seqs, self.block_size)
         if not self.capture:
-            return step.run(self.model, self.kv_caches)[:n]
-        if step.graph is None:
-            self._record(step)
-        step.graph.replay()
-        return step.hidden[:n]
+            hidden = step.run(self.model, self.kv_caches)
+        else:
+            if step.graph is None:
+                self._record(step)
+            step.graph.replay()
+            hidden = step.hidden
+        if queries == 1:
+            return hidden[:tokens]
+        return hidden.index_select(0, step.out_rows[:tokens])
 
     def _record(self, step: _PaddedStep) -> None:
         # Warm-up on a side stream (cuBLAS picks and allocates its workspaces outside
@@ -115,18 +124,20 @@ class DecodeGraphs:
 
 
 class _PaddedStep:
-    """One (rows, width) shape: its staging tensor, the model's inputs as views of it,
-    and its graph once recorded."""
+    """One (sequences, queries, width) shape: its staging tensor, the model's inputs as
+    views of it, and its graph once recorded."""
 
-    def __init__(self, rows: int, width: int, device: torch.device) -> None:
-        self.rows, self.width = rows, width
-        # ids, positions, slots, lengths, write rows: rows each; then the tables.
-        self.staging = torch.zeros(rows * (5 + width), dtype=torch.long, device=device)
-        ids, positions, slots, lengths, write_rows, tables = self.staging.split(
-            [rows] * 5 + [rows * width]
+    def __init__(self, seqs: int, queries: int, width: int, device: torch.device) -> None:
+        self.seqs, self.queries, self.width = seqs, queries, width
+        rows = seqs * queries
+        # Per row: ids, positions, slots, write rows, out rows; per sequence: starts,
+        # lengths; then the tables.
+        self.staging = torch.zeros(5 * rows + seqs * (2 + width), dtype=torch.long, device=device)
+        ids, positions, slots, write_rows, out_rows, starts, lengths, tables = self.staging.split(
+            [rows] * 5 + [seqs, seqs, seqs * width]
         )
-        self.input_ids = ids
-        padded = PaddedDecode(write_rows, tables.view(rows, width), lengths)
+        self.input_ids, self.out_rows = ids, out_rows
+        padded = PaddedDecode(write_rows, tables.view(seqs, width), starts, lengths)
         self.meta = AttentionMetadata(
             is_prefill=False,
             positions=positions,
@@ -138,26 +149,46 @@ class _PaddedStep:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.hidden: torch.Tensor | None = None  # the graph's output
 
-    def load(
-        self, input_ids: list[int], positions: list[int], tables: list[list[int]], block_size: int
-    ) -> None:
-        """The step's inputs into the staging tensor; padding rows repeat row 0's."""
-        pad = self.rows - len(input_ids)
-        slots = [
-            t[p // block_size] * block_size + p % block_size
-            for t, p in zip(tables, positions, strict=True)
-        ]
-        values = [*input_ids, *[input_ids[0]] * pad]
-        values += [*positions, *[positions[0]] * pad]
-        values += [*slots, *[slots[0]] * pad]
-        values += [p + 1 for p in positions] + [positions[0] + 1] * pad
-        values += [*range(len(input_ids)), *[0] * pad]
-        width = self.width
-        for table in tables:
-            values += table
-            values += [0] * (width - len(table))  # block 0: a valid id, masked
-        values += (tables[0] + [0] * (width - len(tables[0]))) * pad
+    def load(self, seqs: list[ScheduledSeq], block_size: int) -> int:
+        """The step's inputs into the staging tensor; returns its token count. A
+        sequence's padding rows repeat its last token; padding sequences repeat
+        sequence 0."""
+        queries, width = self.queries, self.width
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        write_rows: list[int] = []
+        out_rows: list[int] = []
+        starts: list[int] = []
+        lengths: list[int] = []
+        tables: list[int] = []
+        for s, seq in enumerate(seqs):
+            tokens, start, table = seq.token_ids, seq.start_pos, seq.block_ids
+            count = len(tokens)
+            out_rows.extend(range(s * queries, s * queries + count))
+            for r in range(queries):
+                real = min(r, count - 1)
+                p = start + real
+                ids.append(tokens[real])
+                positions.append(p)
+                slots.append(table[p // block_size] * block_size + p % block_size)
+                write_rows.append(s * queries + real)
+            starts.append(start)
+            lengths.append(start + count)
+            tables += table
+            tables += [0] * (width - len(table))  # block 0: a valid id, masked
+        pad = self.seqs - len(seqs)
+        values = [*ids, *ids[:queries] * pad]
+        values += [*positions, *positions[:queries] * pad]
+        values += [*slots, *slots[:queries] * pad]
+        values += [*write_rows, *write_rows[:queries] * pad]
+        tokens = len(out_rows)
+        values += [*out_rows, *[0] * (self.seqs * queries - tokens)]
+        values += [*starts, *starts[:1] * pad]
+        values += [*lengths, *lengths[:1] * pad]
+        values += [*tables, *tables[:width] * pad]
         self.staging.copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
+        return tokens
 
     def run(self, model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         return model(self.input_ids, self.meta.positions, kv_caches, self.meta)

@@ -225,6 +225,7 @@ def build_engine(
             config.block_size,
             max_rows=config.max_num_seqs,
             max_width=-(-config.max_model_len // config.block_size),
+            max_queries=1 + config.num_speculative_tokens,
             capture=loaded.device.type == "cuda",
         )
     speculates = config.num_speculative_tokens > 0

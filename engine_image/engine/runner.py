@@ -81,7 +81,7 @@ class ModelRunner:
 
         graphs = self.decode_graphs
         if graphs is not None and graphs.takes(plan):
-            hidden = graphs.forward(input_ids, starts, tables)
+            hidden = graphs.forward(seqs)
         else:
             meta = AttentionMetadata.build(
                 starts,

@@ -20,8 +20,10 @@ def tiny():
     return LLM("random:tiny", dtype="float32", num_kv_blocks=64, block_size=BLOCK).loaded
 
 
-def _graphs(tiny, caches, max_rows=8, max_width=8) -> DecodeGraphs:
-    return DecodeGraphs(tiny.model, caches, BLOCK, max_rows=max_rows, max_width=max_width)
+def _graphs(tiny, caches, max_rows=8, max_width=8, max_queries=1) -> DecodeGraphs:
+    return DecodeGraphs(
+        tiny.model, caches, BLOCK, max_rows=max_rows, max_width=max_width, max_queries=max_queries
+    )
 
 
 def _seq(tokens: int, start: int, blocks: int, drafts: int = 0) -> ScheduledSeq:
@@ -44,13 +46,14 @@ def _caches(tiny, blocks: int = 64) -> list[torch.Tensor]:
     return [torch.randn(shape) for _ in range(config.num_hidden_layers)]
 
 
-def test_only_plain_decode_steps_that_fit_run_padded(tiny) -> None:
-    graphs = _graphs(tiny, _caches(tiny), max_rows=4, max_width=3)
+def test_decode_steps_that_fit_run_padded(tiny) -> None:
+    graphs = _graphs(tiny, _caches(tiny), max_rows=4, max_width=3, max_queries=3)
     assert graphs.takes(StepPlan(False, seqs=[_seq(1, 5, 2), _seq(1, 9, 3)]))
+    assert graphs.takes(StepPlan(False, seqs=[_seq(1, 5, 2), _seq(3, 9, 3, drafts=2)]))
+    assert not graphs.takes(StepPlan(False, seqs=[_seq(4, 5, 3, drafts=3)]))  # over 3 rows
     assert not graphs.takes(StepPlan(True, seqs=[_seq(1, 5, 2)]))  # prefill
-    assert not graphs.takes(StepPlan(False, seqs=[_seq(1, 5, 2), _seq(3, 9, 3, drafts=2)]))
     assert not graphs.takes(StepPlan(False, seqs=[_seq(1, 13, 4)]))  # wider than 3 blocks
-    assert not graphs.takes(StepPlan(False, seqs=[_seq(1, 1, 1)] * 5))  # over 4 rows
+    assert not graphs.takes(StepPlan(False, seqs=[_seq(1, 1, 1)] * 5))  # over 4 sequences
     assert not graphs.takes(StepPlan(False))
 
 
@@ -61,22 +64,48 @@ def test_recording_needs_a_cuda_cache(tiny) -> None:
         DecodeGraphs(tiny.model, _caches(tiny), BLOCK, max_rows=0, max_width=4)
 
 
+def _step(seqs: list[ScheduledSeq]) -> tuple[list[int], AttentionMetadata]:
+    ids = [t for s in seqs for t in s.token_ids]
+    meta = AttentionMetadata.build(
+        [s.start_pos for s in seqs],
+        [len(s.token_ids) for s in seqs],
+        [s.block_ids for s in seqs],
+        BLOCK,
+        False,
+        "cpu",
+    )
+    return ids, meta
+
+
+@pytest.mark.parametrize("drafts", [0, 2])
 @torch.inference_mode()
-def test_a_padded_step_gives_the_eager_steps_hidden_states_and_cache(tiny) -> None:
-    """Three sequences padded to 4 rows and tables 8 blocks wide: the same hidden
-    states and the same cache as the eager step, one shape prepared."""
-    positions, tables, ids = [6, 0, 17], [[3, 9], [5], [1, 2, 7, 8, 4]], [11, 22, 33]
+def test_a_padded_step_gives_the_eager_steps_hidden_states_and_cache(tiny, drafts) -> None:
+    """Three sequences (two verifying drafts, where drafts) padded to 4 sequences of
+    1 or 3 rows and tables 8 blocks wide: the same hidden states, in the step's own
+    row order, and the same cache as the eager step."""
+    seqs = [
+        _seq(1 + drafts, 6, 3, drafts=drafts),
+        _seq(1, 0, 1),
+        _seq(1 + drafts, 17, 6, drafts=drafts),
+    ]
+    for seq, table in zip(seqs, ([3, 9, 10], [5], [1, 2, 7, 8, 4, 11]), strict=True):
+        seq.block_ids = table
+        seq.token_ids = [11 + 7 * i + len(table) for i in range(len(seq.token_ids))]
     caches = _caches(tiny)
     eager_caches = [c.clone() for c in caches]
-    graphs = _graphs(tiny, caches)
-    hidden = graphs.forward(ids, positions, tables)
-    assert graphs.shapes == [(4, 8)]
-    meta = AttentionMetadata.build(positions, [1, 1, 1], tables, BLOCK, False, "cpu")
+    graphs = _graphs(tiny, caches, max_queries=3)
+    hidden = graphs.forward(seqs)
+    assert graphs.shapes == [(4, 1 if drafts == 0 else 3, 8)]
+    ids, meta = _step(seqs)
     want = tiny.model(torch.tensor(ids), meta.positions, eager_caches, meta)
     torch.testing.assert_close(hidden, want, atol=1e-5, rtol=1e-5)
     for ours, theirs in zip(caches, eager_caches, strict=True):
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
-    # Fewer sequences reuse the shape: the next power of two.
-    graphs.forward(ids[:2], positions[:2], tables[:2])
-    graphs.forward(ids[:1], positions[:1], tables[:1])
-    assert graphs.shapes == [(1, 2), (2, 2), (4, 8)]
+
+
+@torch.inference_mode()
+def test_fewer_sequences_take_smaller_shapes(tiny) -> None:
+    graphs = _graphs(tiny, _caches(tiny))
+    for count in (3, 2, 1, 5):
+        graphs.forward([_seq(1, 4 * i, i + 1) for i in range(count)])
+    assert graphs.shapes == [(1, 1, 1), (2, 1, 2), (4, 1, 4), (8, 1, 8)]

@@ -114,8 +114,8 @@ def test_decode_graphs_as_the_batch_shrinks_and_contexts_grow(checkpoint):
     want = [_hf_greedy(hf, p, max_new=n) for p, n in zip(prompts, lengths, strict=True)]
     assert [o.token_ids for o in outputs] == want
     shapes = llm.engine.runner.decode_graphs.shapes
-    assert {rows for rows, _ in shapes} == {1, 2, 4, 8}
-    assert len({width for _, width in shapes}) > 2
+    assert {rows for rows, _, _ in shapes} == {1, 2, 4, 8}
+    assert len({width for _, _, width in shapes}) > 2
 
 
 def test_chunked_prefill(checkpoint):
@@ -146,27 +146,35 @@ def test_preemption_forced_by_a_tiny_kv_pool(checkpoint, graphs):
     assert [o.token_ids for o in outputs] == [_hf_greedy(hf, p) for p in prompts]
 
 
-def test_ngram_speculative_decoding(checkpoint):
+@GRAPHS
+def test_ngram_speculative_decoding(checkpoint, graphs):
     make_llm, hf = checkpoint
     # Repetitive prompts give the n-gram drafter something to find.
     base = _prompts(hf.config.vocab_size, [6, 5], seed=4)
     prompts = [b * 6 for b in base]
-    ours, llm = _tandem(make_llm, prompts, num_speculative_tokens=3)
+    ours, llm = _tandem(make_llm, prompts, num_speculative_tokens=3, decode_graphs=graphs)
     assert ours == [_hf_greedy(hf, p) for p in prompts]
     totals = llm.engine.totals
     assert totals.drafts_proposed > 0  # speculation really ran
     assert totals.drafts_accepted <= totals.drafts_proposed
+    if graphs:  # steps verifying drafts ran padded to 1 + 3 rows a sequence
+        assert 4 in {queries for _, queries, _ in llm.engine.runner.decode_graphs.shapes}
 
 
-def test_mtp_head_speculative_decoding(checkpoint):
+@GRAPHS
+def test_mtp_head_speculative_decoding(checkpoint, graphs):
     make_llm, hf = checkpoint
     prompts = _prompts(hf.config.vocab_size, [9, 30], seed=5)
     expected = [_hf_greedy(hf, p) for p in prompts]
     head = SuccessorHead(expected)  # drafts what followed each token in HF's output
-    ours, llm = _tandem(make_llm, prompts, num_speculative_tokens=3, mtp_head=head)
+    ours, llm = _tandem(
+        make_llm, prompts, num_speculative_tokens=3, mtp_head=head, decode_graphs=graphs
+    )
     assert ours == expected
     totals = llm.engine.totals
     assert 0 < totals.drafts_accepted < totals.drafts_proposed
+    if graphs:
+        assert 4 in {queries for _, queries, _ in llm.engine.runner.decode_graphs.shapes}
 
 
 class _OpenAIAdjustments(transformers.LogitsProcessor):

@@ -1,5 +1,6 @@
 """Decode attention at a CUDA graph's fixed shape (padded_attention.py), on the CPU:
-padded rows and padded block tables change nothing a real row reads or writes."""
+padding sequences, padding rows and padded block tables change nothing a real row
+reads or writes, with or without drafts."""
 
 from __future__ import annotations
 
@@ -17,44 +18,66 @@ def _padded_step(
     num_blocks: int,
     rows: int,
     width: int,
+    queries: int = 1,
     dtype: torch.dtype = torch.float32,
     stale: float = 0.0,
+    poison: float | None = None,
 ) -> None:
-    """One decode token per sequence, padded to `rows` rows and tables `width` wide as
-    decode_graphs.py pads them; checks the real rows' outputs and every cache write."""
+    """One step of each sequence's tokens (1 + drafts), padded to `rows` sequences of
+    `queries` rows and tables `width` wide as decode_graphs.py pads them; checks the
+    real rows' outputs and every cache write. stale fills the slots no sequence
+    writes; poison replaces each sequence's last K and V row (a later draft the model
+    overflowed on), and that row goes unchecked."""
     gen = torch.Generator().manual_seed(7)
     kv_heads, head_dim = seqs[0].k.shape[1:]
+    if poison is not None:
+        for s in seqs:
+            s.k[-1], s.v[-1] = poison, poison
     cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), stale, dtype=dtype)
     flat = cache.view(2, -1, kv_heads, head_dim)
     for s in seqs:
         for p in range(s.start):
             slot = s.table[p // block_size] * block_size + p % block_size
             flat[0, slot], flat[1, slot] = s.k[p], s.v[p]
-    n, pad = len(seqs), rows - len(seqs)
-    slots = [s.table[s.start // block_size] * block_size + s.start % block_size for s in seqs]
-    tables = [s.table + [0] * (width - len(s.table)) for s in seqs]
+
+    def slot(s: Seq, p: int) -> int:
+        return s.table[p // block_size] * block_size + p % block_size
+
+    # Row r of a sequence is its token t = min(r, count - 1); padding sequences repeat 0.
+    padded_seqs = seqs + [seqs[0]] * (rows - len(seqs))
+    real = [(i, r, min(r, s.count - 1)) for i, s in enumerate(padded_seqs) for r in range(queries)]
+    k = torch.stack([padded_seqs[i].k[padded_seqs[i].start + t] for i, _, t in real])
+    v = torch.stack([padded_seqs[i].v[padded_seqs[i].start + t] for i, _, t in real])
+    # Rows that repeat another carry K/V of their own, which must never reach the cache.
+    repeats = torch.tensor([t < r or i >= len(seqs) for i, r, t in real])
+    k[repeats], v[repeats] = 9.0, 9.0
+    tables = [s.table + [0] * (width - len(s.table)) for s in padded_seqs]
     padded = PaddedDecode(
-        write_rows=torch.tensor([*range(n), *[0] * pad]),
-        block_tables=torch.tensor(tables + [tables[0]] * pad),
-        context_lens=torch.tensor([s.start + 1 for s in seqs] + [seqs[0].start + 1] * pad),
+        write_rows=torch.tensor([(i if i < len(seqs) else 0) * queries + t for i, _, t in real]),
+        block_tables=torch.tensor(tables),
+        starts=torch.tensor([s.start for s in padded_seqs]),
+        context_lens=torch.tensor([s.k.shape[0] for s in padded_seqs]),
     )
-    q = torch.randn(rows, heads, head_dim, generator=gen)
-    # Padding rows carry K/V of their own, which must never reach the cache.
-    junk = torch.full((pad, kv_heads, head_dim), 9.0)
-    k = torch.cat([torch.stack([s.k[s.start] for s in seqs]), junk])
-    v = torch.cat([torch.stack([s.v[s.start] for s in seqs]), junk])
-    slot_mapping = torch.tensor(slots + [slots[0]] * pad)
+    slot_mapping = torch.tensor(
+        [slot(padded_seqs[i], padded_seqs[i].start + t) for i, _, t in real]
+    )
+    q = torch.randn(rows * queries, heads, head_dim, generator=gen)
     scale = head_dim**-0.5
     out = padded_decode_attention(
         q.to(dtype), k.to(dtype), v.to(dtype), cache, slot_mapping, padded, scale
     )
-    assert out.shape == (rows, heads, head_dim) and out.dtype == dtype
+    assert out.shape == (rows * queries, heads, head_dim) and out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for i, s in enumerate(seqs):
-        want = reference(q[i : i + 1].to(dtype), s, scale)
-        torch.testing.assert_close(out[i : i + 1].double(), want, atol=tol, rtol=tol)
-        for half, values in ((0, s.k), (1, s.v)):
-            assert torch.equal(flat[half, slots[i]], values[s.start].to(dtype))
+        checked = s.count - 1 if poison is not None else s.count
+        first = i * queries
+        want = reference(q[first : first + checked].to(dtype), s, scale)
+        torch.testing.assert_close(out[first : first + checked].double(), want, atol=tol, rtol=tol)
+        for p in range(s.start, s.k.shape[0]):
+            for half, values in ((0, s.k), (1, s.v)):
+                torch.testing.assert_close(
+                    flat[half, slot(s, p)], values[p].to(dtype), rtol=0, atol=0, equal_nan=True
+                )
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -70,16 +93,40 @@ def test_padded_rows_and_tables_leave_real_rows_exact(
     _padded_step(seqs, heads, block_size, num_blocks, rows, width)
 
 
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("kv_heads,heads", [(1, 1), (2, 8), (3, 9)])
+def test_drafts_padded_to_the_graphs_rows(block_size: int, kv_heads: int, heads: int) -> None:
+    """Sequences verifying 0 to 4 drafts, each padded to 5 rows, and a padding
+    sequence: each row reads up to its own position."""
+    gen = torch.Generator().manual_seed(1)
+    specs = [(12, 1 + 4), (40, 1 + 2), (5, 1), (70, 1 + 3), (0, 1 + 4)]
+    seqs, num_blocks = make_seqs(specs, kv_heads, 8, block_size, gen)
+    width = max(len(s.table) for s in seqs) + 1
+    _padded_step(seqs, heads, block_size, num_blocks, rows=8, width=width, queries=5)
+
+
 @pytest.mark.parametrize("stale", [float("nan"), float("inf")])
-def test_slots_past_a_context_that_hold_non_finite_values_are_never_read(stale: float) -> None:
+@pytest.mark.parametrize("queries", [1, 4])
+def test_slots_past_a_context_that_hold_non_finite_values_are_never_read(
+    stale: float, queries: int
+) -> None:
     """The padded width reaches blocks of other requests (and block 0 pads every
     table): a zero weight times inf would be NaN, so the gathered copy is zeroed."""
     gen = torch.Generator().manual_seed(13)
-    seqs, num_blocks = make_seqs([(45, 1), (6, 1), (23, 1), (2, 1)], 2, 16, 4, gen)
-    _padded_step(seqs, 4, 4, num_blocks, rows=8, width=16, stale=stale)
+    specs = [(45, queries), (6, 1), (23, queries), (2, 1)]
+    seqs, num_blocks = make_seqs(specs, 2, 16, 4, gen)
+    _padded_step(seqs, 4, 4, num_blocks, rows=8, width=16, queries=queries, stale=stale)
 
 
-def test_bfloat16() -> None:
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_a_later_drafts_non_finite_kv_never_reaches_the_rows_before_it(poison: float) -> None:
+    gen = torch.Generator().manual_seed(21)
+    seqs, num_blocks = make_seqs([(30, 4), (9, 3), (50, 2)], 2, 16, 4, gen)
+    _padded_step(seqs, 8, 4, num_blocks, rows=4, width=16, queries=4, poison=poison)
+
+
+@pytest.mark.parametrize("queries", [1, 3])
+def test_bfloat16(queries: int) -> None:
     gen = torch.Generator().manual_seed(3)
-    seqs, num_blocks = make_seqs([(90, 1), (12, 1), (40, 1)], 3, 64, 16, gen)
-    _padded_step(seqs, 9, 16, num_blocks, rows=4, width=8, dtype=torch.bfloat16)
+    seqs, num_blocks = make_seqs([(90, queries), (12, 1), (40, queries)], 3, 64, 16, gen)
+    _padded_step(seqs, 9, 16, num_blocks, rows=4, width=8, queries=queries, dtype=torch.bfloat16)
