@@ -10,7 +10,8 @@ power of two sequences (at most max_rows), each sequence to Q query rows (1, or
 max_queries = 1 + the engine's num_speculative_tokens when the step verifies
 drafts), its block tables to the next power of two blocks wide (at most
 max_width); the attention reads each sequence's first position and length from
-tensors (model/padded_attention.py). One graph per (sequences, Q, width),
+tensors (model/padded_attention.py), and a shape gathers at most
+MAX_GATHER_BYTES of K/V a layer. One graph per (sequences, Q, width),
 recorded the first time a step needs it; all share one memory pool, as one runs
 at a time. Every input of a graph is a view of one int64 staging tensor, so a
 step's inputs travel in one host-to-device copy. Prefill steps, and steps past
@@ -33,6 +34,13 @@ from tandem.engine.model.attention_metadata import AttentionMetadata
 from tandem.engine.model.padded_attention import PaddedDecode
 from tandem.engine.plan import ScheduledSeq, StepPlan
 
+# The most K/V bytes a padded step gathers a layer (padded_attention.py): its
+# sequences times its width. Bigger shapes run op by op, so that recording one
+# never runs the GPU out of memory mid-serving; at this budget SmolLM2-135M's widest
+# shape (256 sequences of 2,048 tokens, 0.4 GiB) is recorded, an 8B model's (2 GiB
+# at 4 KiB a token) is not, its batch 64 at 2,048 tokens (0.5 GiB) is.
+MAX_GATHER_BYTES = 512 << 20
+
 
 class DecodeGraphs:
     def __init__(
@@ -44,6 +52,7 @@ class DecodeGraphs:
         max_rows: int,
         max_width: int,
         max_queries: int = 1,
+        max_gather_bytes: int = MAX_GATHER_BYTES,
         capture: bool | None = None,
     ) -> None:
         if min(max_rows, max_width, max_queries) < 1:
@@ -63,6 +72,9 @@ class DecodeGraphs:
         self.max_rows = max_rows
         self.max_width = max_width
         self.max_queries = max_queries
+        self.max_gather_bytes = max_gather_bytes
+        cache = kv_caches[0]  # [2, blocks, block_size, kv_heads, head_dim]
+        self._token_bytes = 2 * cache.shape[3] * cache.shape[4] * cache.element_size()
         self.device = device
         self._steps: dict[tuple[int, int, int], _PaddedStep] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
@@ -73,25 +85,27 @@ class DecodeGraphs:
         capture is on)."""
         return sorted(self._steps)
 
-    def takes(self, plan: StepPlan) -> bool:
-        """Whether this step runs padded: a decode step that fits the largest shape."""
+    def shape_for(self, plan: StepPlan) -> tuple[int, int, int] | None:
+        """The (sequences, queries, width) shape this step runs padded at, or None: not a
+        decode step, past the largest shape, or gathering more than max_gather_bytes of
+        K/V a layer."""
         seqs = plan.seqs
-        return (
-            not plan.is_prefill
-            and 0 < len(seqs) <= self.max_rows
-            and all(
-                len(s.token_ids) <= self.max_queries and len(s.block_ids) <= self.max_width
-                for s in seqs
-            )
-        )
+        if plan.is_prefill or not 0 < len(seqs) <= self.max_rows:
+            return None
+        tokens = max(len(s.token_ids) for s in seqs)
+        blocks = max(len(s.block_ids) for s in seqs)
+        if tokens > self.max_queries or blocks > self.max_width:
+            return None
+        rows, width = _bucket(len(seqs), self.max_rows), _bucket(blocks, self.max_width)
+        if rows * width * self.block_size * self._token_bytes > self.max_gather_bytes:
+            return None
+        return rows, 1 if tokens == 1 else self.max_queries, width
 
-    def forward(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
-        """Final hidden states [T, hidden] of the step's T tokens, in the step's flat
-        order (each sequence's tokens in turn): a view into the graph's output, or
-        gathered from it, valid until the next step."""
-        rows = _bucket(len(seqs), self.max_rows)
-        queries = 1 if all(len(s.token_ids) == 1 for s in seqs) else self.max_queries
-        width = _bucket(max(len(s.block_ids) for s in seqs), self.max_width)
+    def forward(self, seqs: list[ScheduledSeq], shape: tuple[int, int, int]) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the step's T tokens at `shape` (shape_for's),
+        in the step's flat order (each sequence's tokens in turn): a view into the
+        graph's output, or gathered from it, valid until the next step."""
+        rows, queries, width = shape
         step = self._steps.get((rows, queries, width))
         if step is None:
             step = _PaddedStep(rows, queries, width, self.device)

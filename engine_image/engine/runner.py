@@ -80,8 +80,9 @@ class ModelRunner:
                 sample_rows.extend(range(end - 1 - len(seq.draft_token_ids), end))
 
         graphs = self.decode_graphs
-        if graphs is not None and graphs.takes(plan):
-            hidden = graphs.forward(seqs)
+        shape = graphs.shape_for(plan) if graphs is not None else None
+        if shape is not None:
+            hidden = graphs.forward(seqs, shape)
         else:
             meta = AttentionMetadata.build(
                 starts,

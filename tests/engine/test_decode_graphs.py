@@ -48,13 +48,34 @@ def _caches(tiny, blocks: int = 64) -> list[torch.Tensor]:
 
 def test_decode_steps_that_fit_run_padded(tiny) -> None:
     graphs = _graphs(tiny, _caches(tiny), max_rows=4, max_width=3, max_queries=3)
-    assert graphs.takes(StepPlan(False, seqs=[_seq(1, 5, 2), _seq(1, 9, 3)]))
-    assert graphs.takes(StepPlan(False, seqs=[_seq(1, 5, 2), _seq(3, 9, 3, drafts=2)]))
-    assert not graphs.takes(StepPlan(False, seqs=[_seq(4, 5, 3, drafts=3)]))  # over 3 rows
-    assert not graphs.takes(StepPlan(True, seqs=[_seq(1, 5, 2)]))  # prefill
-    assert not graphs.takes(StepPlan(False, seqs=[_seq(1, 13, 4)]))  # wider than 3 blocks
-    assert not graphs.takes(StepPlan(False, seqs=[_seq(1, 1, 1)] * 5))  # over 4 sequences
-    assert not graphs.takes(StepPlan(False))
+    assert _takes(graphs, StepPlan(False, seqs=[_seq(1, 5, 2), _seq(1, 9, 3)]))
+    assert _takes(graphs, StepPlan(False, seqs=[_seq(1, 5, 2), _seq(3, 9, 3, drafts=2)]))
+    assert not _takes(graphs, StepPlan(False, seqs=[_seq(4, 5, 3, drafts=3)]))  # over 3 rows
+    assert not _takes(graphs, StepPlan(True, seqs=[_seq(1, 5, 2)]))  # prefill
+    assert not _takes(graphs, StepPlan(False, seqs=[_seq(1, 13, 4)]))  # wider than 3 blocks
+    assert not _takes(graphs, StepPlan(False, seqs=[_seq(1, 1, 1)] * 5))  # over 4 sequences
+    assert not _takes(graphs, StepPlan(False))
+
+
+def _takes(graphs: DecodeGraphs, plan: StepPlan) -> bool:
+    return graphs.shape_for(plan) is not None
+
+
+def test_shapes_that_would_gather_too_much_kv_run_op_by_op(tiny) -> None:
+    config = tiny.config
+    per_token = 2 * config.num_key_value_heads * config.head_dim * 4  # float32
+    # Room for 4 sequences x 4 blocks of 4 tokens, not for 8 x 4 nor 4 x 8.
+    graphs = DecodeGraphs(
+        tiny.model,
+        _caches(tiny),
+        BLOCK,
+        max_rows=8,
+        max_width=8,
+        max_gather_bytes=4 * 4 * BLOCK * per_token,
+    )
+    assert graphs.shape_for(StepPlan(False, seqs=[_seq(1, 9, 3)] * 4)) == (4, 1, 4)
+    assert graphs.shape_for(StepPlan(False, seqs=[_seq(1, 9, 3)] * 5)) is None
+    assert graphs.shape_for(StepPlan(False, seqs=[_seq(1, 17, 5)] * 4)) is None
 
 
 def test_recording_needs_a_cuda_cache(tiny) -> None:
@@ -94,7 +115,7 @@ def test_a_padded_step_gives_the_eager_steps_hidden_states_and_cache(tiny, draft
     caches = _caches(tiny)
     eager_caches = [c.clone() for c in caches]
     graphs = _graphs(tiny, caches, max_queries=3)
-    hidden = graphs.forward(seqs)
+    hidden = graphs.forward(seqs, graphs.shape_for(StepPlan(False, seqs=seqs)))
     assert graphs.shapes == [(4, 1 if drafts == 0 else 3, 8)]
     ids, meta = _step(seqs)
     want = tiny.model(torch.tensor(ids), meta.positions, eager_caches, meta)
@@ -107,5 +128,6 @@ def test_a_padded_step_gives_the_eager_steps_hidden_states_and_cache(tiny, draft
 def test_fewer_sequences_take_smaller_shapes(tiny) -> None:
     graphs = _graphs(tiny, _caches(tiny))
     for count in (3, 2, 1, 5):
-        graphs.forward([_seq(1, 4 * i, i + 1) for i in range(count)])
+        seqs = [_seq(1, 4 * i, i + 1) for i in range(count)]
+        graphs.forward(seqs, graphs.shape_for(StepPlan(False, seqs=seqs)))
     assert graphs.shapes == [(1, 1, 1), (2, 1, 2), (4, 1, 4), (8, 1, 8)]
