@@ -6,7 +6,7 @@ GPU's work (~3.5 ms of it at batch 64): docs/benchmarks.md, "On CUDA". A CUDA
 graph records a step's kernels once and replays them all with one launch.
 
 A graph holds fixed shapes, so a step is padded to one: its batch to the next
-power of two sequences (at most max_rows), each sequence to Q query rows (1, or
+power of two sequences (at most max_seqs), each sequence to Q query rows (1, or
 max_queries = 1 + the engine's num_speculative_tokens when the step verifies
 drafts), its block tables to the next power of two blocks wide (at most
 max_width); the attention reads each sequence's first position and length from
@@ -49,16 +49,16 @@ class DecodeGraphs:
         kv_caches: list[torch.Tensor],
         block_size: int,
         *,
-        max_rows: int,
+        max_seqs: int,
         max_width: int,
         max_queries: int = 1,
         max_gather_bytes: int = MAX_GATHER_BYTES,
         capture: bool | None = None,
     ) -> None:
-        if min(max_rows, max_width, max_queries) < 1:
+        if min(max_seqs, max_width, max_queries) < 1:
             raise ValueError(
-                "decode graphs need max_rows, max_width and max_queries >= 1, got "
-                f"{max_rows}, {max_width}, {max_queries}"
+                "decode graphs need max_seqs, max_width and max_queries >= 1, got "
+                f"{max_seqs}, {max_width}, {max_queries}"
             )
         device = kv_caches[0].device
         self.capture = device.type == "cuda" if capture is None else capture
@@ -69,7 +69,7 @@ class DecodeGraphs:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
-        self.max_rows = max_rows
+        self.max_seqs = max_seqs
         self.max_width = max_width
         self.max_queries = max_queries
         self.max_gather_bytes = max_gather_bytes
@@ -90,26 +90,24 @@ class DecodeGraphs:
         decode step, past the largest shape, or gathering more than max_gather_bytes of
         K/V a layer."""
         seqs = plan.seqs
-        if plan.is_prefill or not 0 < len(seqs) <= self.max_rows:
+        if plan.is_prefill or not 0 < len(seqs) <= self.max_seqs:
             return None
         tokens = max(len(s.token_ids) for s in seqs)
         blocks = max(len(s.block_ids) for s in seqs)
         if tokens > self.max_queries or blocks > self.max_width:
             return None
-        rows, width = _bucket(len(seqs), self.max_rows), _bucket(blocks, self.max_width)
-        if rows * width * self.block_size * self._token_bytes > self.max_gather_bytes:
+        padded, width = _bucket(len(seqs), self.max_seqs), _bucket(blocks, self.max_width)
+        if padded * width * self.block_size * self._token_bytes > self.max_gather_bytes:
             return None
-        return rows, 1 if tokens == 1 else self.max_queries, width
+        return padded, 1 if tokens == 1 else self.max_queries, width
 
     def forward(self, seqs: list[ScheduledSeq], shape: tuple[int, int, int]) -> torch.Tensor:
         """Final hidden states [T, hidden] of the step's T tokens at `shape` (shape_for's),
         in the step's flat order (each sequence's tokens in turn): a view into the
         graph's output, or gathered from it, valid until the next step."""
-        rows, queries, width = shape
-        step = self._steps.get((rows, queries, width))
+        step = self._steps.get(shape)
         if step is None:
-            step = _PaddedStep(rows, queries, width, self.device)
-            self._steps[rows, queries, width] = step
+            step = self._steps[shape] = _PaddedStep(*shape, self.device)
         tokens = step.load(seqs, self.block_size)
         if not self.capture:
             hidden = step.run(self.model, self.kv_caches)
@@ -118,7 +116,7 @@ class DecodeGraphs:
                 self._record(step)
             step.graph.replay()
             hidden = step.hidden
-        if queries == 1:
+        if step.queries == 1:
             return hidden[:tokens]
         return hidden.index_select(0, step.out_rows[:tokens])
 

@@ -223,7 +223,7 @@ def build_engine(
             loaded.model,
             kv,
             config.block_size,
-            max_rows=config.max_num_seqs,
+            max_seqs=config.max_num_seqs,
             max_width=-(-config.max_model_len // config.block_size),
             max_queries=1 + config.num_speculative_tokens,
             capture=loaded.device.type == "cuda",

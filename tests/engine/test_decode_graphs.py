@@ -20,9 +20,9 @@ def tiny():
     return LLM("random:tiny", dtype="float32", num_kv_blocks=64, block_size=BLOCK).loaded
 
 
-def _graphs(tiny, caches, max_rows=8, max_width=8, max_queries=1) -> DecodeGraphs:
+def _graphs(tiny, caches, max_seqs=8, max_width=8, max_queries=1) -> DecodeGraphs:
     return DecodeGraphs(
-        tiny.model, caches, BLOCK, max_rows=max_rows, max_width=max_width, max_queries=max_queries
+        tiny.model, caches, BLOCK, max_seqs=max_seqs, max_width=max_width, max_queries=max_queries
     )
 
 
@@ -47,7 +47,7 @@ def _caches(tiny, blocks: int = 64) -> list[torch.Tensor]:
 
 
 def test_decode_steps_that_fit_run_padded(tiny) -> None:
-    graphs = _graphs(tiny, _caches(tiny), max_rows=4, max_width=3, max_queries=3)
+    graphs = _graphs(tiny, _caches(tiny), max_seqs=4, max_width=3, max_queries=3)
     assert _takes(graphs, StepPlan(False, seqs=[_seq(1, 5, 2), _seq(1, 9, 3)]))
     assert _takes(graphs, StepPlan(False, seqs=[_seq(1, 5, 2), _seq(3, 9, 3, drafts=2)]))
     assert not _takes(graphs, StepPlan(False, seqs=[_seq(4, 5, 3, drafts=3)]))  # over 3 rows
@@ -69,7 +69,7 @@ def test_shapes_that_would_gather_too_much_kv_run_op_by_op(tiny) -> None:
         tiny.model,
         _caches(tiny),
         BLOCK,
-        max_rows=8,
+        max_seqs=8,
         max_width=8,
         max_gather_bytes=4 * 4 * BLOCK * per_token,
     )
@@ -80,9 +80,9 @@ def test_shapes_that_would_gather_too_much_kv_run_op_by_op(tiny) -> None:
 
 def test_recording_needs_a_cuda_cache(tiny) -> None:
     with pytest.raises(ValueError, match="CUDA device"):
-        DecodeGraphs(tiny.model, _caches(tiny), BLOCK, max_rows=4, max_width=4, capture=True)
-    with pytest.raises(ValueError, match="max_rows"):
-        DecodeGraphs(tiny.model, _caches(tiny), BLOCK, max_rows=0, max_width=4)
+        DecodeGraphs(tiny.model, _caches(tiny), BLOCK, max_seqs=4, max_width=4, capture=True)
+    with pytest.raises(ValueError, match="max_seqs"):
+        DecodeGraphs(tiny.model, _caches(tiny), BLOCK, max_seqs=0, max_width=4)
 
 
 def _step(seqs: list[ScheduledSeq]) -> tuple[list[int], AttentionMetadata]:
