@@ -1,15 +1,16 @@
 """Decode on a GPU: steps replayed from CUDA graphs against the same engine op by op.
 
     python bench/decode_graphs.py [--model random:smollm2-135m] [--new-tokens 80]
-        [--batches 1 64] [--drafts 0 3]
+        [--batches 1 64] [--drafts 0 3] [--prompt-tokens 64]
 
 Baseline: the same LLM over the same loaded weights with decode_graphs=False (every
 step launched op by op, as before decode_graphs.py). For each number of n-gram
 drafts and each batch: tokens/s of the batch generating --new-tokens tokens each,
 prefill included, the second of two runs (the first records the graphs' shapes).
-With drafts the prompts are one 8-token phrase repeated 8 times, which a random
-model tends to continue in a loop: most drafts are accepted, an upper bound on
-what speculation gives. bfloat16. Figures are recorded in docs/benchmarks.md.
+Prompts of --prompt-tokens random tokens; with drafts, one 8-token phrase
+repeated to that length, which a random model tends to continue in a loop: most
+drafts are accepted, an upper bound on what speculation gives. bfloat16. Figures
+are recorded in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=80)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--drafts", type=int, nargs="+", default=[0, 3])
+    parser.add_argument("--prompt-tokens", type=int, default=64)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode graphs are recorded on a CUDA device; this machine has none")
@@ -53,10 +55,13 @@ def main() -> None:
     vocab = loaded.config.vocab_size
     rng = random.Random(0)
 
+    length = args.prompt_tokens
+
     def prompts(batch: int, drafts: int) -> list[list[int]]:
         if drafts:
-            return [[rng.randrange(vocab) for _ in range(8)] * 8 for _ in range(batch)]
-        return [[rng.randrange(vocab) for _ in range(64)] for _ in range(batch)]
+            phrases = [[rng.randrange(vocab) for _ in range(8)] for _ in range(batch)]
+            return [(p * -(-length // 8))[:length] for p in phrases]
+        return [[rng.randrange(vocab) for _ in range(length)] for _ in range(batch)]
 
     print(f"{'drafts':>6} {'batch':>5} {'op by op':>9} {'graphs':>9} {'ratio':>6}  (tok/s)")
     for drafts in args.drafts:

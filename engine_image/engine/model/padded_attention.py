@@ -17,10 +17,11 @@ K/V of the row it repeats (write_rows), the same value wherever the write lands.
 Their outputs are computed and thrown away.
 
 What a row must not read it reads as nothing, as the other decode paths do, even
-where it is not finite (a zero weight times inf is NaN): the gathered K/V are zeroed
-past each sequence's end; a draft's score is set (not added) to -inf for the rows
-before it, and its V is zeroed in the gathered copy and added back, from the step's
-own V rows, to the rows that read it.
+where it is not finite (a zero weight times inf is NaN): positions past each
+sequence's end gather one of the sequence's own slots of this step instead (their
+scores are masked, their values finite); a draft's score is set (not added) to -inf
+for the rows before it, its value gets no weight in the gathered copy, and is added
+back, from the step's own V rows, to the rows that read it.
 """
 
 from __future__ import annotations
@@ -66,19 +67,27 @@ def padded_decode_attention(
     seqs, width = padded.block_tables.shape
     queries, length = q.shape[0] // seqs, width * block_size
     offsets = torch.arange(block_size, device=q.device)
-    slots = (padded.block_tables[:, :, None] * block_size + offsets).view(-1)
-    kv = flat.index_select(1, slots).view(2, seqs, length, kv_heads, head_dim)
+    slots = (padded.block_tables[:, :, None] * block_size + offsets).view(seqs, length)
     position = torch.arange(length, device=q.device)
     past_end = position >= padded.context_lens[:, None]  # [B, L]
+    # A slot past a sequence's end may hold another request's or a stale K/V, and a
+    # zero weight meeting a non-finite value is NaN (as is -inf plus inf). Rather than
+    # zeroing the gathered copy, such positions gather a slot of the sequence's own
+    # from this step: scores there are masked anyway, and the values finite unless the
+    # row's own are (its output is then not finite on every path).
+    own = slot_mapping.view(seqs, queries)
     if queries == 1:
-        # Zeroed, not only masked: a slot past the end may hold another request's or a
-        # stale K/V, and a -inf score or a zero weight meeting a non-finite one is NaN.
-        keys = values = kv.masked_fill(past_end[None, :, :, None, None], 0)
-        keys, values = keys[0], values[1]
+        slots = torch.where(past_end, own, slots).view(-1)
+        kv = flat.index_select(1, slots).view(2, seqs, length, kv_heads, head_dim)
+        keys, values = kv[0], kv[1]
     else:
-        keys = kv[0].masked_fill(past_end[:, :, None, None], 0)
-        # Past the first row's position: the step's drafts (added back below) and the end.
-        values = kv[1].masked_fill((position > padded.starts[:, None])[:, :, None, None], 0)
+        # Values past the first row's position (the step's drafts, and the end) are
+        # the first row's, given no weight below; the drafts' are added back after.
+        beyond_first = position > padded.starts[:, None]
+        key_slots = torch.where(past_end, own[:, -1:], slots).view(-1)
+        value_slots = torch.where(beyond_first, own[:, :1], slots).view(-1)
+        keys = flat[0].index_select(0, key_slots).view(seqs, length, kv_heads, head_dim)
+        values = flat[1].index_select(0, value_slots).view(seqs, length, kv_heads, head_dim)
 
     group = q.shape[1] // kv_heads
     # [B, KVH, Q * group, D]: a KV head's query rows and heads side by side, so each
@@ -91,14 +100,16 @@ def padded_decode_attention(
     hidden = position >= row_end[:, :, None]  # [B, Q, L]: each row reads up to itself
     scores.masked_fill_(hidden[:, None, :, None, :], -torch.inf)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    weights = probs.view(seqs * kv_heads, queries * group, length)
     values = values.transpose(1, 2).reshape(seqs * kv_heads, length, head_dim)
     if queries == 1:
-        out = torch.bmm(weights, values)
+        out = torch.bmm(probs.view(seqs * kv_heads, group, length), values)
     else:  # the drafts' part first, so that the sum rounds once in 16-bit dtypes
         drafted = _draft_values(probs, v, padded, row, length)
+        weights = probs.masked_fill(beyond_first[:, None, None, None, :], 0)
         out = torch.baddbmm(
-            drafted.view(seqs * kv_heads, queries * group, head_dim), weights, values
+            drafted.view(seqs * kv_heads, queries * group, head_dim),
+            weights.view(seqs * kv_heads, queries * group, length),
+            values,
         )
     out = out.view(seqs, kv_heads, queries, group, head_dim)
     # Back to [B * Q, H, D], row-major by sequence then query row.
