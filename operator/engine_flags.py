@@ -22,7 +22,7 @@ MODELS_DIR = "/models"
 HUGGING_FACE_DIR = f"{MODELS_DIR}/huggingface"
 
 # Flags that take no value: present when "true", absent when "false".
-_SWITCHES = frozenset({"enable-chunked-prefill", "disable-prefix-caching"})
+_SWITCHES = frozenset({"enable-chunked-prefill", "disable-prefix-caching", "enforce-eager"})
 
 
 def model_argument(spec: ModelDeploymentSpec) -> str:
@@ -69,6 +69,7 @@ def engine_flags(
         "block-size": engine.block_size,
         "enable-chunked-prefill": _switch(engine.enable_chunked_prefill),
         "disable-prefix-caching": _switch(not engine.enable_prefix_caching),
+        "enforce-eager": _switch(not engine.cuda_graphs),
         "threads": cpu_threads(role),
     }
     flags.update({flag: str(value) for flag, value in optional.items() if value is not None})

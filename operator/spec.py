@@ -240,6 +240,11 @@ class EngineSpec(SpecModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weight and KV dtype; auto: bfloat16 on GPUs, float32 on CPUs."
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="On GPUs, replay decode steps from CUDA graphs (false: launch every "
+        "kernel of every step, the engine's --enforce-eager).",
+    )
     kv_cache_memory: KvCacheBytes | None = Field(
         None,
         description="Bytes of KV cache per rank, e.g. 4Gi (at least 1Mi); default: 90 % of "

@@ -209,6 +209,16 @@ def test_a_value_that_looks_like_a_flag_reaches_the_engine_as_a_value():
     assert (args.model, args.served_model_name) == ("-weights", "-my-model")
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_cuda_graphs_off_reaches_the_engine_as_enforce_eager(graphs):
+    raw = {"model": {"path": "/m"}, "normal": {}, "engine": {"cudaGraphs": graphs}}
+    manifests = _build(Owner("m", "ns", "uid"), _spec(raw), normal=1)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(_pod(manifests, "normal")["spec"]["containers"][0]["args"])
+    assert args.enforce_eager is not graphs
+
+
 def test_a_config_change_changes_the_pod_hash_and_nothing_else_does():
     raw = {"model": {"path": "/m"}, "normal": {"maxReplicas": 4}}
     owner = Owner("m", "ns", "uid")

@@ -213,6 +213,7 @@ _engine = st.fixed_dictionaries(
         "cachePrefillWatermark": st.floats(0.01, 1.0),
         "blockSize": st.sampled_from([8, 16, 32]),
         "enablePrefixCaching": st.booleans(),
+        "cudaGraphs": st.booleans(),
         "dtype": st.sampled_from(["auto", "float32", "bfloat16", "float16"]),
         "kvCacheMemory": st.one_of(st.integers(2**20, 2**40), st.just("4Gi")),
     },
