@@ -370,7 +370,7 @@ def main() -> None:
     static = hf_static(hf, workload, max_batch=16)
     if llm.engine.runner.decode_graphs is not None:
         shapes = llm.engine.runner.decode_graphs.shapes
-        print(f"decode graphs recorded over the whole run: {len(shapes)} (rows, width): {shapes}")
+        print(f"decode graphs recorded in the whole run: {len(shapes)} of (seqs, queries, width)")
     print(tandem.row("tandem (continuous)"))
     print(static.row("hf generate (static)"))
     print(

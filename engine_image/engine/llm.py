@@ -59,9 +59,10 @@ class LLM:
     With num_speculative_tokens > 0 the n-gram drafter proposes the drafts,
     or mtp_head does where one is given (an MtpHead: mtp.py).
 
-    decode_graphs: plain decode steps padded to fixed shapes and replayed from
-    CUDA graphs (decode_graphs.py); None: on CUDA devices. True on the CPU runs
-    the same padded steps without recording (what tests check there).
+    decode_graphs: decode steps (with or without drafts) padded to fixed shapes
+    and replayed from CUDA graphs (decode_graphs.py); None: on CUDA devices. True
+    on the CPU runs the same padded steps without recording (what tests check
+    there).
     """
 
     def __init__(

@@ -3,8 +3,8 @@
     result = runner.execute(plan)
 
 One forward pass over every scheduled token of the step (prompt chunks, or
-each sequence's last token plus its drafts; plain decode steps replayed from a
-CUDA graph where decode_graphs is given: decode_graphs.py), logits only for the rows that
+each sequence's last token plus its drafts; decode steps replayed from CUDA
+graphs where decode_graphs is given: decode_graphs.py), logits only for the rows that
 are sampled (greedy rows: only their argmax, where the model has a greedy
 head), then the sampler (which verifies drafts) and the drafter (which
 proposes the next ones): the n-gram drafter from the token ids, or an MTP
