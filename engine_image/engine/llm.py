@@ -218,8 +218,10 @@ def build_engine(
     kv = allocate_kv_cache(
         loaded.config, num_blocks, config.block_size, loaded.dtype, loaded.device
     )
+    if decode_graphs is None:
+        decode_graphs = loaded.device.type == "cuda"
     graphs = None
-    if loaded.device.type == "cuda" if decode_graphs is None else decode_graphs:
+    if decode_graphs:  # recorded on CUDA, run unrecorded elsewhere (DecodeGraphs)
         graphs = DecodeGraphs(
             loaded.model,
             kv,
@@ -227,7 +229,6 @@ def build_engine(
             max_seqs=config.max_num_seqs,
             max_width=-(-config.max_model_len // config.block_size),
             max_queries=1 + config.num_speculative_tokens,
-            capture=loaded.device.type == "cuda",
         )
     speculates = config.num_speculative_tokens > 0
     drafter = NgramDrafter() if speculates and mtp_head is None else None

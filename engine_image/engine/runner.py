@@ -64,37 +64,15 @@ class ModelRunner:
         seqs = plan.seqs
         if not seqs:  # an empty prompt step keeps data-parallel ranks in lockstep
             return StepResult()
-        input_ids: list[int] = []
-        starts: list[int] = []
-        lengths: list[int] = []
-        tables: list[list[int]] = []
         sample_rows: list[int] = []
+        end = 0
         for seq in seqs:
-            tokens = seq.token_ids
-            input_ids.extend(tokens)
-            starts.append(seq.start_pos)
-            lengths.append(len(tokens))
-            tables.append(seq.block_ids)
+            end += len(seq.token_ids)
             if seq.sample:  # the last 1 + len(drafts) rows of the sequence
-                end = len(input_ids)
                 sample_rows.extend(range(end - 1 - len(seq.draft_token_ids), end))
-
         graphs = self.decode_graphs
         shape = graphs.shape_for(plan) if graphs is not None else None
-        if shape is not None:
-            hidden = graphs.forward(seqs, shape)
-        else:
-            meta = AttentionMetadata.build(
-                starts,
-                lengths,
-                tables,
-                self.block_size,
-                plan.is_prefill,
-                self.device,
-                group_tokens=self._group_tokens,
-            )
-            ids = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
-            hidden = self.model(ids, meta.positions, self.kv_caches, meta)
+        hidden = graphs.forward(seqs, shape) if shape is not None else self._forward(plan)
         if not sample_rows:  # only prompt chunks that sample nothing yet
             return StepResult()
         rows = rows_for_plan(plan)
@@ -113,6 +91,22 @@ class ModelRunner:
                 sequence = _Appended(seq.all_token_ids, accepted)
                 drafts[seq.request_id] = self.drafter.propose(seq.request_id, sequence, k)
         return StepResult(sampled, drafts, logprobs)
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor:
+        """The final hidden states of the step's flat tokens, op by op."""
+        seqs = plan.seqs
+        meta = AttentionMetadata.build(
+            [s.start_pos for s in seqs],
+            [len(s.token_ids) for s in seqs],
+            [s.block_ids for s in seqs],
+            self.block_size,
+            plan.is_prefill,
+            self.device,
+            group_tokens=self._group_tokens,
+        )
+        input_ids = [t for s in seqs for t in s.token_ids]
+        ids = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        return self.model(ids, meta.positions, self.kv_caches, meta)
 
     def _mtp_drafts(
         self,

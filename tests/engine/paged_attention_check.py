@@ -67,15 +67,8 @@ def run_step(
     row (a later draft the model overflowed on), and that row goes unchecked.
     """
     kv_heads, head_dim = seqs[0].k.shape[1:]
-    if poison is not None:
-        for s in seqs:
-            s.k[-1], s.v[-1] = poison, poison
-    cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), stale, dtype=dtype)
+    cache = cached_pool(seqs, block_size, num_blocks, dtype, stale, poison)
     flat = cache.view(2, -1, kv_heads, head_dim)
-    for s in seqs:
-        for p in range(s.start):
-            slot = s.table[p // block_size] * block_size + p % block_size
-            flat[0, slot], flat[1, slot] = s.k[p], s.v[p]
     meta = AttentionMetadata.build(
         [s.start for s in seqs],
         [s.count for s in seqs],
@@ -112,12 +105,48 @@ def run_step(
         want = reference(q[row : row + checked].to(dtype), s, scale)
         torch.testing.assert_close(out[row : row + checked].double(), want, atol=tol, rtol=tol)
         row += s.count
-        for p in range(s.start, s.k.shape[0]):
-            slot = s.table[p // block_size] * block_size + p % block_size
-            for half, values in ((0, s.k), (1, s.v)):
-                torch.testing.assert_close(
-                    flat[half, slot], values[p].to(dtype), rtol=0, atol=0, equal_nan=True
-                )
+        check_written(flat, s, block_size, dtype)
+
+
+def slot_of(seq: Seq, position: int, block_size: int) -> int:
+    """The cache slot of a sequence's position, through its block table."""
+    return seq.table[position // block_size] * block_size + position % block_size
+
+
+def cached_pool(
+    seqs: list[Seq],
+    block_size: int,
+    num_blocks: int,
+    dtype: torch.dtype,
+    stale: float = 0.0,
+    poison: float | None = None,
+) -> torch.Tensor:
+    """A KV cache [2, blocks, block_size, KVH, D] holding each sequence's cached prefix,
+    stale in every other slot; poison first replaces each sequence's last K and V row."""
+    kv_heads, head_dim = seqs[0].k.shape[1:]
+    if poison is not None:
+        for s in seqs:
+            s.k[-1], s.v[-1] = poison, poison
+    cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), stale, dtype=dtype)
+    flat = cache.view(2, -1, kv_heads, head_dim)
+    for s in seqs:
+        for p in range(s.start):
+            flat[0, slot_of(s, p, block_size)] = s.k[p]
+            flat[1, slot_of(s, p, block_size)] = s.v[p]
+    return cache
+
+
+def check_written(flat: torch.Tensor, seq: Seq, block_size: int, dtype: torch.dtype) -> None:
+    """The step wrote exactly the sequence's new K and V rows into their slots."""
+    for p in range(seq.start, seq.k.shape[0]):
+        for half, values in ((0, seq.k), (1, seq.v)):
+            torch.testing.assert_close(
+                flat[half, slot_of(seq, p, block_size)],
+                values[p].to(dtype),
+                rtol=0,
+                atol=0,
+                equal_nan=True,
+            )
 
 
 def make_seqs(

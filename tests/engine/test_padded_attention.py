@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from tandem.engine.model.padded_attention import PaddedDecode, padded_decode_attention
-from tests.engine.paged_attention_check import Seq, make_seqs, reference
+from tests.engine.paged_attention_check import (
+    Seq,
+    cached_pool,
+    check_written,
+    make_seqs,
+    reference,
+    slot_of,
+)
 
 
 def _padded_step(
@@ -30,18 +37,8 @@ def _padded_step(
     overflowed on), and that row goes unchecked."""
     gen = torch.Generator().manual_seed(7)
     kv_heads, head_dim = seqs[0].k.shape[1:]
-    if poison is not None:
-        for s in seqs:
-            s.k[-1], s.v[-1] = poison, poison
-    cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), stale, dtype=dtype)
+    cache = cached_pool(seqs, block_size, num_blocks, dtype, stale, poison)
     flat = cache.view(2, -1, kv_heads, head_dim)
-    for s in seqs:
-        for p in range(s.start):
-            slot = s.table[p // block_size] * block_size + p % block_size
-            flat[0, slot], flat[1, slot] = s.k[p], s.v[p]
-
-    def slot(s: Seq, p: int) -> int:
-        return s.table[p // block_size] * block_size + p % block_size
 
     # Row r of a sequence is its token t = min(r, count - 1); padding sequences repeat 0.
     padded_seqs = seqs + [seqs[0]] * (rows - len(seqs))
@@ -59,7 +56,7 @@ def _padded_step(
         context_lens=torch.tensor([s.k.shape[0] for s in padded_seqs]),
     )
     slot_mapping = torch.tensor(
-        [slot(padded_seqs[i], padded_seqs[i].start + t) for i, _, t in real]
+        [slot_of(padded_seqs[i], padded_seqs[i].start + t, block_size) for i, _, t in real]
     )
     q = torch.randn(rows * queries, heads, head_dim, generator=gen)
     scale = head_dim**-0.5
@@ -73,11 +70,7 @@ def _padded_step(
         first = i * queries
         want = reference(q[first : first + checked].to(dtype), s, scale)
         torch.testing.assert_close(out[first : first + checked].double(), want, atol=tol, rtol=tol)
-        for p in range(s.start, s.k.shape[0]):
-            for half, values in ((0, s.k), (1, s.v)):
-                torch.testing.assert_close(
-                    flat[half, slot(s, p)], values[p].to(dtype), rtol=0, atol=0, equal_nan=True
-                )
+        check_written(flat, s, block_size, dtype)
 
 
 @pytest.mark.parametrize("block_size", [4, 16])

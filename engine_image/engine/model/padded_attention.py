@@ -17,11 +17,10 @@ K/V of the row it repeats (write_rows), the same value wherever the write lands.
 Their outputs are computed and thrown away.
 
 What a row must not read it reads as nothing, as the other decode paths do, even
-where it is not finite (a zero weight times inf is NaN): positions past each
-sequence's end gather one of the sequence's own slots of this step instead (their
-scores are masked, their values finite); a draft's score is set (not added) to -inf
-for the rows before it, its value gets no weight in the gathered copy, and is added
-back, from the step's own V rows, to the rows that read it.
+where it is not finite (a zero weight times inf is NaN): a hidden position's score
+is set (not added) to -inf; values past each sequence's first row gather that row's
+own slot of this step instead (given no weight), and a draft's value is added back,
+from the step's own V rows, to the rows that read it.
 """
 
 from __future__ import annotations
@@ -69,25 +68,17 @@ def padded_decode_attention(
     offsets = torch.arange(block_size, device=q.device)
     slots = (padded.block_tables[:, :, None] * block_size + offsets).view(seqs, length)
     position = torch.arange(length, device=q.device)
-    past_end = position >= padded.context_lens[:, None]  # [B, L]
-    # A slot past a sequence's end may hold another request's or a stale K/V, and a
-    # zero weight meeting a non-finite value is NaN (as is -inf plus inf). Rather than
-    # zeroing the gathered copy, such positions gather a slot of the sequence's own
-    # from this step: scores there are masked anyway, and the values finite unless the
-    # row's own are (its output is then not finite on every path).
-    own = slot_mapping.view(seqs, queries)
-    if queries == 1:
-        slots = torch.where(past_end, own, slots).view(-1)
-        kv = flat.index_select(1, slots).view(2, seqs, length, kv_heads, head_dim)
-        keys, values = kv[0], kv[1]
-    else:
-        # Values past the first row's position (the step's drafts, and the end) are
-        # the first row's, given no weight below; the drafts' are added back after.
-        beyond_first = position > padded.starts[:, None]
-        key_slots = torch.where(past_end, own[:, -1:], slots).view(-1)
-        value_slots = torch.where(beyond_first, own[:, :1], slots).view(-1)
-        keys = flat[0].index_select(0, key_slots).view(seqs, length, kv_heads, head_dim)
-        values = flat[1].index_select(0, value_slots).view(seqs, length, kv_heads, head_dim)
+    # A slot past a sequence's end may hold another request's or a stale K/V. A key
+    # there does no harm: its score is set (not added) to -inf below. A value would,
+    # as a zero weight meeting a non-finite one is NaN, so values past the first row's
+    # position (the step's drafts, and the end) gather the first row's own slot of
+    # this step instead (finite unless the row's own value is not, and then its output
+    # is not on any path), given no weight below; the drafts' are added back after.
+    beyond_first = position > padded.starts[:, None]  # [B, L]
+    first_slot = slot_mapping.view(seqs, queries)[:, :1]
+    value_slots = torch.where(beyond_first, first_slot, slots).view(-1)
+    keys = flat[0].index_select(0, slots.view(-1)).view(seqs, length, kv_heads, head_dim)
+    values = flat[1].index_select(0, value_slots).view(seqs, length, kv_heads, head_dim)
 
     group = q.shape[1] // kv_heads
     # [B, KVH, Q * group, D]: a KV head's query rows and heads side by side, so each
@@ -98,10 +89,11 @@ def padded_decode_attention(
     row = torch.arange(queries, device=q.device)
     row_end = torch.minimum(padded.starts[:, None] + row + 1, padded.context_lens[:, None])
     hidden = position >= row_end[:, :, None]  # [B, Q, L]: each row reads up to itself
+    # (and never past its sequence's end: row_end is at most its length)
     scores.masked_fill_(hidden[:, None, :, None, :], -torch.inf)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     values = values.transpose(1, 2).reshape(seqs * kv_heads, length, head_dim)
-    if queries == 1:
+    if queries == 1:  # nothing past the first row is read: beyond_first is past the end
         out = torch.bmm(probs.view(seqs * kv_heads, group, length), values)
     else:  # the drafts' part first, so that the sum rounds once in 16-bit dtypes
         drafted = _draft_values(probs, v, padded, row, length)
