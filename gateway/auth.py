@@ -73,7 +73,14 @@ class KeyStore:
             if digest in keys:
                 raise ValueError(f"API key of {key.name!r} is listed twice")
             if key.name in names:
-                raise ValueError(f"API key name {key.name!r} is used twice: names must be unique")
+                taken = (
+                    f" ({ENV_VAR}'s keys are named env-1, env-2, ...)"
+                    if key.name.startswith("env-")
+                    else ""
+                )
+                raise ValueError(
+                    f"API key name {key.name!r} is used twice: names must be unique{taken}"
+                )
             keys[digest] = key
             names.add(key.name)
         return cls(keys)

@@ -95,6 +95,20 @@ def test_cluster_blocks_name_what_the_chart_makes():
     assert "{.data.api-key}" in code and "api-key" in secret["data"]
 
 
+def test_the_sample_of_kubectl_get_md_has_the_crds_columns():
+    """The guide's `kubectl get md` sample: NAME, the CRD's default columns, and the
+    status values this operator writes."""
+    from tandem.operator.crd import printer_columns
+    from tandem.operator.status import Phase
+
+    [sample] = [b.code for b in blocks("output") if b.code.startswith("NAME ")]
+    header, *rows = [line.split() for line in sample.splitlines()]
+    shown = [c["name"].upper() for c in printer_columns() if not c.get("priority")]
+    assert header == ["NAME", *shown]
+    phases = {p.value for p in Phase}
+    assert rows and all(row[header.index("PHASE")] in phases for row in rows)
+
+
 @pytest.mark.parametrize("block", blocks("helm"), ids=lambda b: b.id)
 def test_helm_blocks_run(block):
     helm = Path(helm_path())

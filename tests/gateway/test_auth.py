@@ -107,3 +107,10 @@ def test_no_keys_at_all_is_refused_unless_open(tmp_path):
         KeyStore.load(str(tmp_path / "missing.json"), None)
     with pytest.raises(ValueError, match="not valid JSON"):
         _store(tmp_path, "[{")
+
+
+def test_a_file_key_named_like_an_environment_key_says_whose_name_it_is(tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps([{"name": "env-1", "key": "from-file"}]))
+    with pytest.raises(ValueError, match=r"'env-1' is used twice.*TANDEM_API_KEYS's keys"):
+        KeyStore.load(str(path), "from-env")

@@ -56,6 +56,20 @@ BAD_VALUES = [
         ],
         "at '/gateway/auth/keys/0/models/0': 'not' failed",
     ),
+    # Key names the gateway refuses at start: twice, or the bootstrap key's env-1.
+    (
+        [
+            "gateway.auth.keys[0].name=a",
+            "gateway.auth.keys[0].key=k1",
+            "gateway.auth.keys[1].name=a",
+            "gateway.auth.keys[1].key=k2",
+        ],
+        'gateway.auth.keys: the name "a" is used twice',
+    ),
+    (
+        ["gateway.auth.keys[0].name=env-1", "gateway.auth.keys[0].key=k"],
+        'the name "env-1" is the bootstrap key\'s',
+    ),
     # A second app.kubernetes.io/name would break every selector.
     (
         ["commonLabels.app\\.kubernetes\\.io/name=x"],
@@ -184,6 +198,58 @@ def test_numbers_values_yaml_documents_are_accepted(helm):
     assert args[args.index("--maxmemory") + 1] == "0"
     claim = redis["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]
     assert claim["storage"] == "10"
+
+
+def test_large_numbers_from_a_values_file_render_as_integers(helm, tmp_path):
+    # A values file's numbers reach the templates as floats, which print as 8e+08:
+    # Redis refuses that maxmemory, and an OpenShift-range UID would not be an integer.
+    values = tmp_path / "numbers.yaml"
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "redis": {"maxmemory": 800_000_000, "runAsUser": 1_000_650_000},
+                "gateway": {"requestTimeout": 1_000_000, "shutdownTimeout": 1_000_000},
+                "operator": {"scrapeInterval": 2_000_000, "scrapeTimeout": 0.5},
+            }
+        )
+    )
+    manifests = render(helm, values=[values])
+    redis = next(m for m in manifests if m["kind"] == "StatefulSet")
+    pod = redis["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--maxmemory") + 1] == "800000000"
+    assert pod["securityContext"]["runAsUser"] == 1_000_650_000
+    gateway, operator = (
+        next(
+            m
+            for m in manifests
+            if m["kind"] == "Deployment" and m["metadata"]["name"].endswith(suffix)
+        )
+        for suffix in ("-gateway", "-operator")
+    )
+    gateway_args = gateway["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--request-timeout=1000000" in gateway_args
+    assert "--shutdown-timeout=1000000" in gateway_args
+    env = {
+        e["name"]: e.get("value")
+        for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["TANDEM_OPERATOR_SCRAPE_INTERVAL"] == "2000000"
+    assert env["TANDEM_OPERATOR_SCRAPE_TIMEOUT"] == "0.5"
+
+
+def test_key_forms_the_gateway_accepts_pass_the_schema(helm, tmp_path):
+    keys = [
+        {"name": "every", "key": "k1", "models": ["*"]},
+        {"name": "one", "key": "k2", "models": "smollm2"},
+        {"name": "hashed", "key_sha256": "AB" * 32},
+    ]
+    values = tmp_path / "keys.yaml"
+    values.write_text(
+        yaml.safe_dump({"gateway": {"auth": {"keys": keys}}, "redis": {"maxmemory": "768MB"}})
+    )
+    result = run_helm(helm, *template_args(CHART, values=[values]))
+    assert result.returncode == 0, result.stderr
 
 
 def test_namespace_scoped_releases_in_two_namespaces_claim_different_cluster_objects(helm):

@@ -75,9 +75,9 @@ runtime's default seccomp profile. "values" is the component's values block.
 */}}
 {{- define "tandem.podSecurityContext" -}}
 runAsNonRoot: true
-runAsUser: {{ .values.runAsUser }}
-runAsGroup: {{ .values.runAsUser }}
-fsGroup: {{ .values.runAsUser }}
+runAsUser: {{ int64 .values.runAsUser }}
+runAsGroup: {{ int64 .values.runAsUser }}
+fsGroup: {{ int64 .values.runAsUser }}
 fsGroupChangePolicy: OnRootMismatch
 seccompProfile:
   type: RuntimeDefault
@@ -317,7 +317,8 @@ message that names no value. `lookup` finds nothing under `helm template`,
 Redis' maxmemory against its container's memory limit: at its cap Redis still needs
 memory beyond it (client buffers, the fork that rewrites the append-only file), so a
 cap at or above the limit gets the pod OOM-killed where Redis would have refused writes.
-maxmemory is in Redis' units: k, m, g are 1000s, kb, mb, gb 1024s; a number is bytes.
+maxmemory is in Redis' units, in any case: k, m, g are 1000s, kb, mb, gb 1024s; a number
+is bytes.
 */}}
 {{- define "tandem.redisMemoryCheck" -}}
 {{- $redis := .Values.redis }}
@@ -326,6 +327,7 @@ maxmemory is in Redis' units: k, m, g are 1000s, kb, mb, gb 1024s; a number is b
 {{- $cap := $redis.maxmemory }}
 {{- $bytes := 0.0 }}
 {{- if kindIs "string" $cap }}
+{{- $cap = lower $cap }}
 {{- $unit := regexFind "[a-z]+$" $cap }}
 {{- $scale := get (dict "b" 1 "k" 1000 "kb" 1024 "m" 1000000 "mb" 1048576 "g" 1000000000 "gb" 1073741824) $unit | default 1 }}
 {{- $bytes = mulf (trimSuffix $unit $cap | float64) $scale }}
@@ -339,6 +341,25 @@ maxmemory is in Redis' units: k, m, g are 1000s, kb, mb, gb 1024s; a number is b
 {{- end }}
 {{- end }}
 
+{{/*
+API key names the gateway refuses at start (a crash loop): a name twice, or a name the
+bootstrap key takes (the gateway names TANDEM_API_KEYS' keys env-1, env-2, ...).
+*/}}
+{{- define "tandem.keyNameCheck" -}}
+{{- if and .enabled (not .existingSecret) }}
+{{- $seen := dict }}
+{{- range .keys }}
+{{- if hasKey $seen .name }}
+{{- fail (printf "gateway.auth.keys: the name %q is used twice; the gateway needs each key's name unique" .name) }}
+{{- end }}
+{{- $_ := set $seen .name true }}
+{{- if and $.bootstrapKey (eq .name "env-1") }}
+{{- fail "gateway.auth.keys: the name \"env-1\" is the bootstrap key's (gateway.auth.bootstrapKey); name the key otherwise" }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* The values that cannot work together, refused before anything is made. */}}
 {{- define "tandem.checks" -}}
 {{- include "tandem.resourceChecks" . }}
@@ -348,6 +369,7 @@ maxmemory is in Redis' units: k, m, g are 1000s, kb, mb, gb 1024s; a number is b
 {{- if and $auth.enabled (not $auth.existingSecret) (not $auth.keys) (not $auth.bootstrapKey) }}
 {{- fail "gateway.auth: no API key source. Set gateway.auth.keys, gateway.auth.existingSecret or gateway.auth.bootstrapKey, or gateway.auth.enabled=false (no authentication)" }}
 {{- end }}
+{{- include "tandem.keyNameCheck" $auth }}
 {{- if and (not .Values.redis.enabled) (not .Values.redis.external.url) (not .Values.redis.external.existingSecret) }}
 {{- fail "redis: with redis.enabled=false set redis.external.url or redis.external.existingSecret" }}
 {{- end }}
