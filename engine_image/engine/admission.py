@@ -25,13 +25,10 @@ def check_fits(
     ContextLengthError (else generation stops at max_model_len)."""
     limit = config.prompt_limit
     if num_prompt_tokens > limit:
-        # Each setting that bounds the limit is named: the fix is one of them.
         raise PromptTooLongError(
             f"The prompt has {num_prompt_tokens} tokens, more than this engine's limit of "
-            f"{limit} (max_model_len {config.max_model_len}, max_num_batched_tokens "
-            f"{config.max_num_batched_tokens}, chunked prefill "
-            f"{'on' if config.enable_chunked_prefill else 'off'}). Please reduce the length "
-            "of the prompt."
+            f"{limit} (max_model_len {config.max_model_len}, less one token for the "
+            "completion). Please reduce the length of the prompt."
         )
     if exact_max_tokens and num_prompt_tokens + max_tokens > config.max_model_len:
         # OpenAI's words for the same refusal: clients and people recognise them.

@@ -109,14 +109,10 @@ class EngineConfig:
 
     @property
     def prompt_limit(self) -> int:
-        """Longest prompt the engine accepts.
-
-        Without chunked prefill a prompt must fit one step, so the limit is
-        min(max_model_len, budget); with chunking it only has to fit the model.
-        """
-        if self.enable_chunked_prefill:
-            return self.max_model_len
-        return min(self.max_model_len, self.max_num_batched_tokens)
+        """Longest prompt the engine accepts: the prompt and its first sampled token
+        fit the context. (Without chunked prefill a prompt must also fit one step,
+        and the budget is at least max_model_len, checked above.)"""
+        return self.max_model_len - 1
 
     @property
     def draft_placeholder_id(self) -> int | None:

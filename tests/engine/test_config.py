@@ -41,17 +41,13 @@ def test_budget_below_max_model_len_is_refused_without_chunking():
         EngineConfig(max_model_len=8192, max_num_batched_tokens=4096)
 
 
-def test_prompt_limit_without_chunking_is_min_of_model_len_and_budget():
-    assert EngineConfig(max_model_len=2048).prompt_limit == 2048
-    cfg = EngineConfig(max_model_len=4096, max_num_batched_tokens=8192)
-    assert cfg.prompt_limit == 4096
-
-
-def test_prompt_limit_with_chunking_is_max_model_len():
+@pytest.mark.parametrize("chunked", [False, True])
+def test_the_prompt_limit_leaves_the_context_room_for_one_token(chunked):
+    budget = 2048 if chunked else 8192
     cfg = EngineConfig(
-        max_model_len=32_768, max_num_batched_tokens=8192, enable_chunked_prefill=True
+        max_model_len=4096, max_num_batched_tokens=budget, enable_chunked_prefill=chunked
     )
-    assert cfg.prompt_limit == 32_768
+    assert cfg.prompt_limit == 4095
 
 
 def test_engine_type_accepts_strings():

@@ -95,10 +95,19 @@ def test_abort_frees_the_kv_cache_at_once(llm):
 
 def test_a_prompt_over_the_limit_is_a_clear_error(llm):
     with pytest.raises(
-        PromptTooLongError, match="has 200 tokens, more than this engine's limit of 128"
+        PromptTooLongError, match="has 200 tokens, more than this engine's limit of 127"
     ):
         llm.generate(prompt_token_ids=[[1] * 200])
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_prompt_must_leave_the_context_room_for_one_token(llm):
+    # A prompt filling the context would answer a token past it: usage over the context.
+    context = llm.engine.config.max_model_len
+    with pytest.raises(PromptTooLongError, match=f"has {context} tokens"):
+        llm.generate(prompt_token_ids=[[1] * context])
+    [out] = llm.generate(prompt_token_ids=[[1] * (context - 1)])
+    assert len(out.token_ids) == 1 and out.finish_reason == "length"
 
 
 def test_an_exact_max_tokens_must_fit_in_the_context_a_default_is_cut(llm):

@@ -161,7 +161,7 @@ CASES = {
                           code="model_not_found"),
     "prompt too long": Case(
         400, {**GOOD, "messages": [{"role": "user", "content": "lorem ipsum " * 150}]},
-        param="messages", code="prompt_too_long", message="more than this engine's limit of 256",
+        param="messages", code="prompt_too_long", message="more than this engine's limit of 255",
     ),
     "max_tokens past the context": Case(
         400, {**GOOD, "max_tokens": 250, "messages": [{"role": "user", "content": "Hi " * 20}]},
@@ -251,7 +251,7 @@ def test_prompt_too_long_names_both_lengths(gateway):
     with live.http() as client:
         body = {**GOOD, "messages": [{"role": "user", "content": "lorem ipsum " * 150}]}
         message = client.post("/v1/chat/completions", json=body).json()["error"]["message"]
-    assert "has " in message and " tokens, more than this engine's limit of 256" in message
+    assert "has " in message and " tokens, more than this engine's limit of 255" in message
 
 
 @pytest.mark.parametrize(
@@ -271,7 +271,7 @@ def test_prompt_too_long_says_what_to_do_without_internal_ids(gateway, path, bod
     assert not re.search(r"[0-9a-f]{32}|request", error["message"]), error["message"]
     if path == "/v1/completions":
         assert "300 tokens" in error["message"]
-    assert "limit of 256" in error["message"] and "Please reduce" in error["message"]
+    assert "limit of 255" in error["message"] and "Please reduce" in error["message"]
 
 
 def test_four_stop_sequences_and_every_openai_message_field_pass(gateway):

@@ -104,7 +104,7 @@ def test_bad_requests_end_with_clear_errors(engines, client):
         client.answer(r).final for r in (too_long, bad_params, unknown_param, out_of_vocab)
     )
     assert a.error_code == ErrorCode.PROMPT_TOO_LONG
-    assert "has 300 tokens, more than this engine's limit of 256" in a.error_message
+    assert "has 300 tokens, more than this engine's limit of 255" in a.error_message
     assert (
         b.error_code == ErrorCode.INVALID_REQUEST
         and "max_tokens must be at least 1" in b.error_message
