@@ -16,6 +16,7 @@ import asyncio
 import time
 
 from tandem.gateway.broker import Broker
+from tandem.gateway.metrics import UNKNOWN_MODEL
 from tandem.protocol import EngineInfo
 
 # A model missing from the cache triggers a refresh, at most this often: an
@@ -53,4 +54,4 @@ class ModelDirectory:
 
     def label(self, model: str) -> str:
         """The model's name for metric labels if it is served, else "unknown"."""
-        return model if model in self._models else "unknown"
+        return model if model in self._models else UNKNOWN_MODEL

@@ -19,6 +19,13 @@ from starlette.types import Receive
 
 T = TypeVar("T")
 
+# What a request whose client left is counted and logged as (nginx's "client
+# closed request"), a stream dropped after its 200 went out included.
+CLIENT_GONE = 499
+# Set in the request's scope["state"] when the client left after the response
+# started: the metrics count it as CLIENT_GONE, not as the status it was sent.
+GONE_MIDWAY = "client_gone_midway"
+
 
 class ClientGone(Exception):
     """The client disconnected before the answer was ready."""

@@ -10,6 +10,7 @@ unknown routes, from engine error events, and from anything unexpected.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -146,22 +147,27 @@ _ENGINE_ANSWERS: dict[str, tuple[int, str]] = {
 }
 
 
-def from_engine(code: str | None, message: str | None, prompt_param: str) -> GatewayError:
+def from_engine(
+    code: str | None, message: str | None, prompt_param: str, param: str | None = None
+) -> GatewayError:
     """The answer to an engine's error event, with the engine's own message.
 
-    prompt_param names the field the prompt came in ("messages", "prompt").
+    prompt_param names the field the prompt came in ("messages", "prompt");
+    param, the parameter the engine named (ResponseEvent.error_param), if any.
     """
     status, kind = _ENGINE_ANSWERS.get(code or "", (500, SERVER))
-    # The gateway checked every other field before queueing (sampling with the
-    # engine's own SamplingParams), so what an engine still refuses is the
-    # prompt: a token id outside the vocabulary, a conversation the chat
+    # The gateway checked the sampling parameters before queueing (with the
+    # engine's own SamplingParams); what only the engine can check of them
+    # (a logit_bias id past its vocabulary) it names. Anything else it refuses
+    # is the prompt: a token id outside the vocabulary, a conversation the chat
     # template refuses, besides its length.
     about_prompt = code in (
         ErrorCode.PROMPT_TOO_LONG,
         ErrorCode.CONTEXT_LENGTH_EXCEEDED,
         ErrorCode.INVALID_REQUEST,
     )
-    param = prompt_param if about_prompt else None
+    if param is None and about_prompt:
+        param = prompt_param
     return GatewayError(
         status,
         message or f"engine error {code}",
@@ -228,6 +234,12 @@ def _unparsable(cause: BaseException) -> str:
         return f"The request body is not valid UTF-8: {cause.reason} at byte {cause.start}"
     if isinstance(cause, RecursionError):
         return "The request body is not valid JSON here: it nests arrays or objects too deeply"
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        # Python's message advises a setting of the server's, sys.set_int_max_str_digits.
+        return (
+            "The request body is not valid JSON here: a number in it is too long "
+            f"(more than {sys.get_int_max_str_digits()} digits)"
+        )
     return f"The request body is not valid JSON: {cause}"
 
 
@@ -254,6 +266,12 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> GatewayError:
         return bad_request(f"The request body is not valid JSON: {detail}".rstrip(": "))
     if param is None:
         return bad_request("The body must be a JSON object (Content-Type: application/json)")
+    for error in errors:  # the wrong route for the body outweighs any other error
+        wrong = _param(error.get("loc", ()))
+        if error.get("type") == "extra_forbidden" and wrong in _OTHER_ROUTE:
+            return bad_request(_OTHER_ROUTE[wrong], wrong)
+    if (expected := _union_expected(errors, first)) is not None:
+        return bad_request(f"{param} must be {expected}", param)
     if kind == "extra_forbidden":
         return bad_request(f"Unrecognized request argument supplied: {param}", param)
     if kind == "missing":
@@ -266,6 +284,46 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> GatewayError:
         )
     message = str(first.get("msg", "invalid value"))
     return bad_request(f"Invalid value for {param}: {message}", param)
+
+
+# The other route's prompt field sent to this one: say which route takes it.
+_OTHER_ROUTE = {
+    "messages": "/v1/completions takes a prompt, not messages: "
+    "send messages to /v1/chat/completions",
+    "prompt": "/v1/chat/completions takes messages, not a prompt: send a prompt to /v1/completions",
+}
+
+
+def _union_expected(errors: Sequence[Mapping[str, Any]], first: Mapping[str, Any]) -> str | None:
+    """What a field of several types takes ("a string or a list of strings") when
+    its value is none of them (pydantic names only the first); else None."""
+    loc = tuple(first.get("loc", ()))
+    if not (loc and _is_union_tag(str(loc[-1])) and str(first.get("type")).endswith("_type")):
+        return None
+    members = [_type_words(str(e["loc"][-1])) for e in errors if tuple(e["loc"])[:-1] == loc[:-1]]
+    if None in members:
+        return None
+    words = list(dict.fromkeys(m[0] for m in members if m is not None))
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+_WORDS = {
+    "str": ("a string", "strings"),
+    "int": ("an integer", "integers"),
+    "float": ("a number", "numbers"),
+    "bool": ("a boolean", "booleans"),
+    "dict": ("an object", "objects"),
+    "ContentPart": ("a content part", "content parts"),
+}
+
+
+def _type_words(tag: str) -> tuple[str, str] | None:
+    """A union member's tag ("list[constrained-str]") in words, singular and plural."""
+    tag = tag.removeprefix("constrained-")
+    if tag.startswith("list[") and tag.endswith("]"):
+        inner = _type_words(tag[5:-1])
+        return None if inner is None else (f"a list of {inner[1]}", f"lists of {inner[1]}")
+    return _WORDS.get(tag.split("[")[0])
 
 
 def _most_specific(errors: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:

@@ -81,7 +81,12 @@ class Generation:
                     self._open.discard(index)
                 if event.event == EventKind.ERROR:
                     await self.abandon("choice_failed")
-                    raise from_engine(event.error_code, event.error_message, self.job.prompt_param)
+                    raise from_engine(
+                        event.error_code,
+                        event.error_message,
+                        self.job.prompt_param,
+                        event.error_param,
+                    )
                 self._absorb(index, event)
                 yield index, event
         except DeadlinePassed:

@@ -20,7 +20,8 @@ from typing import Any, Literal
 
 from tandem.engine.request import SamplingParams
 from tandem.gateway.errors import bad_request, not_supported
-from tandem.gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from tandem.gateway.messages import engine_message, valid_text
+from tandem.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from tandem.gateway.settings import GatewaySettings
 from tandem.protocol import PRIORITY_HIGH, PRIORITY_LOW, PRIORITY_NORMAL, WorkItem
 
@@ -43,6 +44,23 @@ _SAMPLING_FIELDS = (
 )
 # Every parameter the engine's SamplingParams checks, as a refusal names it.
 _CHECKED_FIELDS = (*_SAMPLING_FIELDS, "logit_bias", "logprobs")
+# Chat parameters Tandem does not implement, in the schema's order (the first bad
+# one is named): the values besides null that ask for nothing (OpenAI's defaults,
+# which clients send), and what any other value is refused as.
+_UNSERVED_PARAMS: dict[str, tuple[tuple[object, ...], str | None]] = {
+    "audio": ((), None),
+    "function_call": (("none",), "function_call other than none"),
+    "functions": (([],), None),
+    "modalities": ((["text"],), "modalities other than ['text']"),
+    "prediction": ((), None),
+    "reasoning_effort": (("none",), "reasoning_effort other than none"),
+    "response_format": (({"type": "text"},), "response_format other than text"),
+    "service_tier": (("auto", "default"), "service_tier other than auto or default"),
+    "tool_choice": (("none",), None),
+    "tools": (([],), None),
+    "verbosity": (("medium",), "verbosity other than medium"),
+    "web_search_options": ((), None),
+}
 
 
 @dataclass(frozen=True)
@@ -109,12 +127,9 @@ class JobBuilder:
         _refuse_common(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs is only allowed when logprobs is true", "top_logprobs")
-        if body.tools:
-            raise not_supported("tools")
-        if body.tool_choice not in (None, "none"):
-            raise not_supported("tool_choice")
-        if body.response_format not in (None, {"type": "text"}):
-            raise not_supported("response_format", "response_format other than text")
+        for name, (neutral, what) in _UNSERVED_PARAMS.items():
+            if getattr(body, name) not in (None, *neutral):
+                raise not_supported(name, what)
         if (
             body.max_tokens is not None
             and body.max_completion_tokens is not None
@@ -125,7 +140,7 @@ class JobBuilder:
                 "max_completion_tokens",
             )
         max_tokens = body.max_completion_tokens or body.max_tokens
-        messages = [_message(i, m) for i, m in enumerate(body.messages)]
+        messages = [engine_message(i, m) for i, m in enumerate(body.messages)]
         chars = sum(len(m["content"]) for m in messages)
         prompt = {"messages": messages}
         return self._job("chat", body, headers, prompt, _estimate(chars), max_tokens)
@@ -216,94 +231,6 @@ def _refuse_common(body: ChatCompletionRequest | CompletionRequest) -> None:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
 
-# Fields of OpenAI's message schemas besides role and content, by role.
-_ROLE_FIELDS = {
-    "system": {"name"},
-    "developer": {"name"},
-    "user": {"name"},
-    "assistant": {"name", "refusal", "audio", "tool_calls", "function_call", "annotations"},
-    "tool": {"tool_call_id"},
-}
-# The schema's order, so the first bad field is the one named.
-_MESSAGE_FIELDS = tuple(f for f in ChatMessage.model_fields if f not in ("role", "content"))
-# Assistant fields served only empty (a past answer had none of these), and why.
-_UNSERVED = {
-    "tool_calls": "tool calls are not supported by this server",
-    "function_call": "function calls are not supported by this server",
-    "audio": "audio is not supported by this server",
-    "refusal": "refusals are not supported by this server: send the text as content",
-}
-
-
-def _message(index: int, message: ChatMessage) -> dict[str, str]:
-    if message.role == "tool":
-        # A tool message answers an assistant's tool_calls, which are refused above:
-        # it can only be an orphan, which OpenAI refuses too.
-        param = f"messages[{index}].role"
-        raise bad_request(
-            f"{param}: a 'tool' message answers an assistant's tool_calls, and tool calls "
-            "are not supported by this server",
-            param,
-            "unsupported",
-        )
-    for name in _MESSAGE_FIELDS:
-        value = getattr(message, name)
-        if value is None:  # some clients send every field, null where unused
-            continue
-        param = f"messages[{index}].{name}"
-        if name not in _ROLE_FIELDS[message.role]:
-            roles = [role for role, names in _ROLE_FIELDS.items() if name in names]
-            listed = roles[0] if len(roles) == 1 else f"{', '.join(roles[:-1])} or {roles[-1]}"
-            raise bad_request(f"{param} is only allowed in {listed} messages", param)
-        if name in _UNSERVED and value:
-            raise bad_request(f"{param}: {_UNSERVED[name]}", param, "unsupported")
-    # OpenAI's "developer" messages replace "system" ones; chat templates know only
-    # the latter (SmolLM2's would keep its default system prompt and add a stray turn).
-    role = "system" if message.role == "developer" else message.role
-    content = message.content
-    param = f"messages[{index}].content"
-    if content is None:
-        if role != "assistant":
-            raise bad_request(f"{param} is missing", param)
-        return {"role": role, "content": ""}
-    if isinstance(content, str):
-        return {"role": role, "content": _text(content, param)}
-    if not content:
-        raise bad_request(f"{param} must not be an empty list of parts", param)
-    texts = []
-    for j, part in enumerate(content):
-        if part.type != "text":
-            raise bad_request(
-                f"only text content parts are supported, got type {part.type!r}",
-                f"{param}[{j}]",
-                "unsupported",
-            )
-        if part.text is None:
-            raise bad_request(
-                f"Missing required parameter: {param}[{j}].text", f"{param}[{j}].text"
-            )
-        # Parts of other types have fields of their own; a text part has only these two.
-        if part.model_extra:
-            extra = f"{param}[{j}].{next(iter(part.model_extra))}"
-            raise bad_request(f"Unrecognized request argument supplied: {extra}", extra)
-        texts.append(_text(part.text, f"{param}[{j}].text"))
-    # Parts are joined by newlines, as most chat servers do.
-    return {"role": role, "content": "\n".join(texts)}
-
-
-def _text(value: str, param: str) -> str:
-    """Text a tokenizer can take: JSON's \\ud800 escapes can make a lone surrogate."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise bad_request(
-            f"{param} is not valid Unicode: a lone surrogate "
-            f"(U+{ord(value[exc.start]):04X}) at character {exc.start}",
-            param,
-        ) from None
-    return value
-
-
 def _prompt(prompt: Any) -> dict[str, Any]:
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
@@ -317,7 +244,7 @@ def _prompt(prompt: Any) -> dict[str, Any]:
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")
-        return {"prompt": _text(prompt, "prompt")}
+        return {"prompt": valid_text(prompt, "prompt")}
     if not prompt:
         raise bad_request("prompt must not be empty", "prompt")
     return {"prompt_token_ids": list(prompt)}

@@ -17,6 +17,10 @@ from tandem.protocol import EngineInfo
 # Seconds: sub-millisecond gateway work up to minutes-long CPU generations.
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
+# The model label of a request that names no served model: an unknown name, a
+# request refused before its model was looked up, a route not about a model.
+UNKNOWN_MODEL = "unknown"
+
 # Routes by their template; anything else is "other" (scanners hit random paths).
 ROUTES = (
     "/v1/chat/completions",

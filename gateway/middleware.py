@@ -12,8 +12,9 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tandem.gateway.disconnect import CLIENT_GONE, GONE_MIDWAY
 from tandem.gateway.errors import too_large
-from tandem.gateway.metrics import GatewayMetrics, route_label
+from tandem.gateway.metrics import UNKNOWN_MODEL, GatewayMetrics, route_label
 
 # Where routes leave the model label for the metrics (request.state.model_label).
 MODEL_LABEL = "model_label"
@@ -90,7 +91,10 @@ def _content_length(scope: Scope) -> int | None:
 
 
 class RequestObserver:
-    """Counts every request by route, model and status; times it to its last byte."""
+    """Counts every request by route, model and status; times it to its last byte.
+
+    A client that left is counted as 499, also when its stream had started (200).
+    """
 
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
         self.app = app
@@ -120,5 +124,7 @@ class RequestObserver:
             await self.app(scope, receive, observed)
         finally:
             seconds = (finished_at or time.perf_counter()) - started
-            model = str(state.get(MODEL_LABEL, ""))
+            model = str(state.get(MODEL_LABEL, UNKNOWN_MODEL))
+            if state.get(GONE_MIDWAY):
+                status = CLIENT_GONE
             self.metrics.finished(route, model, status, seconds)

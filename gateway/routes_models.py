@@ -8,6 +8,7 @@ A key sees only the models it may use.
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from starlette.exceptions import HTTPException
 
 from tandem.gateway.auth import check_model
 from tandem.gateway.dependencies import Caller
@@ -26,6 +27,13 @@ async def list_models(request: Request, caller: Caller) -> ModelList:
     models = await service_of(request).directory.models()
     allowed = sorted(name for name in models if caller.allows(name))
     return ModelList(data=[_card(name, models[name]) for name in allowed])
+
+
+@router.get("/v1/models/", include_in_schema=False)
+async def stray_slash() -> None:
+    # Else {model:path} below matches "" and answers "The model '' does not exist":
+    # a stray trailing slash is a plain 404, as on every route (create_app).
+    raise HTTPException(404)
 
 
 @router.get(

@@ -6,7 +6,8 @@ their types are strict, as OpenAI's are: `"max_tokens": "2"`, `true` for a
 number or `1.0` for an integer are refused, not coerced. Fields
 the OpenAI API has but Tandem does not implement are declared, so a request
 that sets them to a neutral value (many clients send `tool_choice: "none"`)
-passes and any other value is refused by name.
+passes and any other value is refused by name (jobs.py); hints that change
+nothing a user can observe (`user`, `prompt_cache_key`) are accepted, unused.
 Extensions (`top_k`, `priority`, `ignore_eos`) are marked as such.
 """
 
@@ -103,7 +104,14 @@ IgnoreEos = Annotated[
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     model: str = Field(min_length=1)
+    audio: dict[str, object] | None = Field(default=None, description="Not supported.")
     frequency_penalty: Penalty = None
+    function_call: str | dict[str, object] | None = Field(
+        default=None, description="Not supported (deprecated: tool_choice)."
+    )
+    functions: list[dict[str, object]] | None = Field(
+        default=None, description="Not supported (deprecated: tools)."
+    )
     logit_bias: LogitBias = None
     logprobs: bool | None = Field(
         default=None, description="Each token's log-probability, the model's own."
@@ -112,13 +120,21 @@ class ChatCompletionRequest(_Request):
     max_tokens: MaxTokens | None = None
     # Accepted and ignored: they change nothing without tools or storage.
     metadata: dict[str, str] | None = None
+    modalities: list[str] | None = Field(default=None, description="Only ['text'].")
     n: Choices = None
     parallel_tool_calls: bool | None = None
+    prediction: dict[str, object] | None = Field(default=None, description="Not supported.")
     presence_penalty: Penalty = None
+    # Accepted and ignored, as `user`: a cache or abuse-tracking hint changes no answer.
+    prompt_cache_key: str | None = None
+    # Strings, not OpenAI's enums: a value OpenAI adds later is refused as unsupported.
+    reasoning_effort: str | None = Field(default=None, description="Only 'none'.")
     response_format: dict[str, object] | None = Field(
         default=None, description="Only {'type': 'text'}."
     )
+    safety_identifier: str | None = None
     seed: Seed = None
+    service_tier: str | None = Field(default=None, description="Only 'auto' or 'default'.")
     stop: Stop = None
     store: bool | None = None
     stream: bool | None = False
@@ -131,6 +147,8 @@ class ChatCompletionRequest(_Request):
     )
     top_p: TopP = None
     user: str | None = None
+    verbosity: str | None = Field(default=None, description="Only 'medium' (the default).")
+    web_search_options: dict[str, object] | None = Field(default=None, description="Not supported.")
     # Extensions.
     top_k: TopK = None
     priority: PriorityField = None

@@ -20,7 +20,7 @@ from tandem.gateway.admission import Admission
 from tandem.gateway.auth import ApiKey, KeyStore
 from tandem.gateway.broker import Broker
 from tandem.gateway.directory import ModelDirectory
-from tandem.gateway.disconnect import ClientGone, until_disconnected
+from tandem.gateway.disconnect import CLIENT_GONE, ClientGone, until_disconnected
 from tandem.gateway.generation import Generation
 from tandem.gateway.idempotency import IdempotencyLedger
 from tandem.gateway.jobs import IDEMPOTENCY_HEADER, Job, JobBuilder
@@ -31,9 +31,6 @@ from tandem.gateway.rendering import ChatRenderer, CompletionRenderer, Renderer
 from tandem.gateway.settings import GatewaySettings
 from tandem.gateway.streaming import EventStreamResponse
 from tandem.protocol import Keys
-
-# What a request whose client left is logged as (nginx's "client closed request").
-CLIENT_GONE = 499
 
 
 class GatewayService:

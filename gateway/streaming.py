@@ -17,7 +17,7 @@ from typing import Any
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from tandem.gateway.disconnect import wait_for_disconnect
+from tandem.gateway.disconnect import GONE_MIDWAY, wait_for_disconnect
 
 DONE = b"data: [DONE]\n\n"
 
@@ -49,6 +49,7 @@ class EventStreamResponse(StreamingResponse):
             # Gone: the server said so, or the socket broke while sending.
             gone = not streamer.done() or isinstance(streamer.exception(), OSError)
             if gone:
+                scope.setdefault("state", {})[GONE_MIDWAY] = True
                 # Before the streamer is stopped: see disconnect.until_disconnected.
                 await self._on_disconnect()
             elif (error := streamer.exception()) is not None:

@@ -267,6 +267,10 @@ class ResponseEvent(_Message):
     usage: dict[str, int] | None = None  # a Usage on FINISH
     error_code: str | None = None  # an ErrorCode on ERROR
     error_message: str | None = None
+    # The request parameter an INVALID_REQUEST refused, as the OpenAI API names it
+    # ("logit_bias"); None: the prompt. Added in a minor revision: an older engine's
+    # events lack it and an older gateway ignores it.
+    error_param: str | None = None
     engine_id: str = ""
     # Where the request asked for logprobs: one per token of token_ids, in OpenAI's
     # chat shape: {"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
@@ -297,12 +301,20 @@ class ResponseEvent(_Message):
         )
 
     @classmethod
-    def error(cls, code: ErrorCode, message: str, engine_id: str, offset: int = 0):
+    def error(
+        cls,
+        code: ErrorCode,
+        message: str,
+        engine_id: str,
+        offset: int = 0,
+        param: str | None = None,
+    ):
         return cls(
             EventKind.ERROR,
             offset,
             error_code=str(code),
             error_message=message,
+            error_param=param,
             engine_id=engine_id,
         )
 

@@ -28,6 +28,15 @@ from tandem.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 log = logging.getLogger("tandem.engine")
 
 
+class ParameterError(ValueError):
+    """A request refused for one of its parameters, which `param` names as the OpenAI
+    API does: the service reports it, so a client learns which one to change."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(slots=True)
 class EngineOutput:
     """What one step produced for one request."""
@@ -161,9 +170,10 @@ class Engine:
         self._check_token_ids(prompt_token_ids)
         vocab = self.config.vocab_size
         if vocab is not None and params.logit_bias and params.logit_bias[-1][0] >= vocab:
-            raise ValueError(  # the pairs are sorted: the last has the largest id
+            raise ParameterError(  # the pairs are sorted: the last has the largest id
                 f"logit_bias token id {params.logit_bias[-1][0]} is outside the vocabulary "
-                f"({vocab})"
+                f"({vocab})",
+                "logit_bias",
             )
         if self._extra_eos and not params.ignore_eos:
             params = _with_stop_ids(params, self._extra_eos)

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from collections.abc import Iterator
 
 import pytest
 from support.engines import EngineProcess
 
-from .live import API_KEY, serving_engine
+from .live import API_KEY, eventually, serving_engine
 
 LONG = {
     "model": "tiny",
@@ -32,17 +31,15 @@ def shared_engine(redis_server, shared_keys, tmp_path_factory) -> Iterator[Engin
         yield proc
 
 
-def eventually(check, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+def _answered(gateway, status: str) -> float:
+    return gateway.metric(
+        "tandem_gateway_requests_total", route="/v1/chat/completions", status=status
+    )
 
 
 def test_closing_a_stream_midway_frees_the_kv_on_the_engine(shared_gateway, shared_engine):
     cancelled = shared_engine.metric("tandem_engine_requests_total", outcome="cancelled")
+    gone, ok = _answered(shared_gateway, "499"), _answered(shared_gateway, "200")
     client = shared_gateway.openai()
     stream = client.chat.completions.create(
         **{k: v for k, v in LONG.items() if k != "ignore_eos"},
@@ -64,11 +61,15 @@ def test_closing_a_stream_midway_frees_the_kv_on_the_engine(shared_gateway, shar
         )
     )
     assert shared_gateway.metric("tandem_gateway_cancellations_total", why="disconnect") >= 1
+    # Counted as a client that left, as without streaming: not as the 200 it began with.
+    assert eventually(lambda: _answered(shared_gateway, "499") == gone + 1)
+    assert _answered(shared_gateway, "200") == ok
     client.close()
 
 
 def test_a_non_streaming_client_that_disconnects_cancels_too(shared_gateway, shared_engine):
     cancelled = shared_engine.metric("tandem_engine_requests_total", outcome="cancelled")
+    gone = _answered(shared_gateway, "499")
     body = json.dumps(LONG).encode()
     request = (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
@@ -88,6 +89,7 @@ def test_a_non_streaming_client_that_disconnects_cancels_too(shared_gateway, sha
             == cancelled + 1
         )
     )
+    assert eventually(lambda: _answered(shared_gateway, "499") == gone + 1)
     # The gateway is unharmed.
     reply = shared_gateway.openai().chat.completions.create(
         model="tiny", messages=LONG["messages"], max_tokens=2

@@ -18,7 +18,7 @@ from tandem.engine.service.registry import Registry
 from tandem.gateway.auth import KeyStore
 from tandem.protocol import EngineInfo, WorkItem
 
-from .live import API_KEY, LiveGateway, settings_for
+from .live import API_KEY, LiveGateway, eventually, settings_for
 
 USER = [{"role": "user", "content": "Hi"}]
 GOOD = {"model": "tiny", "messages": USER, "max_tokens": 2, "temperature": 0}
@@ -79,6 +79,12 @@ def _retry_after(response: httpx.Response) -> None:
 
 def _no_retry(response: httpx.Response) -> None:
     assert response.headers["x-should-retry"] == "false"
+
+
+def _no_empty_model(response: httpx.Response) -> None:
+    # Not "The model '' does not exist": no model was named.
+    error = response.json()["error"]
+    assert "''" not in error["message"] and error["param"] is None and error["code"] is None
 
 
 CASES = {
@@ -205,6 +211,22 @@ CASES = {
                           message="not valid UTF-8"),
     "nested too deeply": Case(400, b"[" * 1500 + b"]" * 1500, message="too deeply"),
     "trailing slash": Case(404, GOOD, path="/v1/chat/completions/"),
+    "trailing slash on models": Case(404, None, path="/v1/models/", method="GET",
+                                     check=_no_empty_model),
+    "logit_bias token id outside the vocabulary": Case(400, {**GOOD, "logit_bias": {"99999": 1}},
+                                                       param="logit_bias", code="invalid_request",
+                                                       message="outside the vocabulary"),
+    "messages sent to completions": Case(400, {"model": "tiny", "messages": USER},
+                                         path="/v1/completions", param="messages",
+                                         message="send messages to /v1/chat/completions"),
+    "prompt sent to chat": Case(400, {"model": "tiny", "prompt": "Hi"}, param="prompt",
+                                message="send a prompt to /v1/completions"),
+    "stop neither a string nor a list": Case(400, {**GOOD, "stop": 5}, param="stop",
+                                             message="stop must be a string or a list of strings"),
+    "service tier other than auto": Case(400, {**GOOD, "service_tier": "flex"},
+                                         param="service_tier", code="unsupported"),
+    "reasoning effort": Case(400, {**GOOD, "reasoning_effort": "high"},
+                             param="reasoning_effort", code="unsupported"),
     "unknown route": Case(404, GOOD, path="/v1/embeddings"),
     "wrong method": Case(405, None, path="/v1/chat/completions", method="GET"),
 }  # fmt: skip
@@ -242,8 +264,9 @@ def test_an_integer_too_long_to_read_is_named(shared_gateway):
             "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
         )
     assert response.status_code == 400
-    assert "not valid JSON" in response.json()["error"]["message"]
-    assert "digits" in response.json()["error"]["message"]
+    message = response.json()["error"]["message"]
+    assert "a number in it is too long (more than 4300 digits)" in message
+    assert "set_int_max_str_digits" not in message  # advice for the server, not the client
 
 
 def test_prompt_too_long_names_both_lengths(gateway):
@@ -313,6 +336,20 @@ def test_rejections_are_counted_by_reason(gateway):
     assert live.metric("tandem_gateway_rejections_total", reason="auth") >= 2
     assert live.metric("tandem_gateway_rejections_total", reason="queue_full") >= 1
     assert live.metric("tandem_gateway_requests_total", status="401") >= 2
+
+
+def test_a_request_refused_before_its_model_is_looked_up_is_labelled_unknown(gateway):
+    live, _ = gateway
+    labels = {"route": "/v1/chat/completions", "status": "400"}
+    before = live.metric("tandem_gateway_requests_total", model="unknown", **labels)
+    with live.http() as client:
+        assert client.post("/v1/chat/completions", json={**GOOD, "n": 1.5}).status_code == 400
+    assert eventually(
+        lambda: (
+            live.metric("tandem_gateway_requests_total", model="unknown", **labels) == before + 1
+        )
+    )
+    assert live.metric("tandem_gateway_requests_total", model="") == 0
 
 
 def _auth(key: str) -> dict[str, str]:

@@ -119,8 +119,6 @@ def test_prompts_text_token_ids_and_lists_of_one():
     ("fields", "param"),
     [
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"tools": [{"type": "function"}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"n": 5}, "n"),
         ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
@@ -150,17 +148,58 @@ def test_logit_bias_keys_become_token_ids_and_bad_ones_are_named():
         assert caught.value.status == 400 and caught.value.param == "logit_bias", bias
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("audio", {"voice": "alloy", "format": "wav"}),
+        ("function_call", "auto"),
+        ("functions", [{"name": "f", "parameters": {}}]),
+        ("modalities", ["text", "audio"]),
+        ("prediction", {"type": "content", "content": "x"}),
+        ("reasoning_effort", "low"),
+        ("response_format", {"type": "json_object"}),
+        ("service_tier", "flex"),
+        ("tool_choice", "auto"),
+        ("tools", [{"type": "function"}]),
+        ("verbosity", "low"),
+        ("web_search_options", {}),
+    ],
+)
+def test_unimplemented_openai_parameters_are_refused_by_name(name, value):
+    with pytest.raises(GatewayError) as caught:
+        _chat(**{name: value})
+    assert (caught.value.status, caught.value.param, caught.value.code) == (
+        400,
+        name,
+        "unsupported",
+    )
+    assert caught.value.message.startswith(name)
+
+
 def test_neutral_values_of_unsupported_parameters_pass():
     job = _chat(
+        audio=None,
         logprobs=False,
         frequency_penalty=0,
+        function_call="none",
+        functions=[],
         presence_penalty=0.0,
         logit_bias={},
+        modalities=["text"],
+        prediction=None,
+        # Hints that change no answer: accepted, unused.
+        prompt_cache_key="team-a",
+        reasoning_effort="none",
         response_format={"type": "text"},
+        safety_identifier="user-123",
+        service_tier="auto",
         tool_choice="none",
+        verbosity="medium",
+        web_search_options=None,
         n=1,
     )
     assert job.n == 1
+    assert _chat(service_tier="default", function_call=None).n == 1
     body = CompletionRequest(model="m", prompt="x", best_of=2, n=2, echo=False, suffix="")
     assert BUILDER.completion(body, {}).n == 2
 

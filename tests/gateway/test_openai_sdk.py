@@ -252,3 +252,26 @@ def test_more_than_four_stop_sequences_raise_naming_stop(sdk):
         sdk.completions.create(model="tiny", prompt="x", max_tokens=2, stop=list("abcde"))
     assert caught.value.param == "stop"
     assert "at most 4" in caught.value.message
+
+
+def test_openai_parameters_at_neutral_values_change_nothing_and_others_are_named(sdk):
+    # As an application passes them through the SDK (None is sent as null).
+    args = dict(model="tiny", messages=MESSAGES, max_tokens=6, **GREEDY)
+    neutral = sdk.chat.completions.create(
+        **args,
+        service_tier="auto",
+        audio=None,
+        prediction=None,
+        functions=[],
+        function_call="none",
+        modalities=["text"],
+        reasoning_effort="none",
+        verbosity="medium",
+        prompt_cache_key="team-a",
+        safety_identifier="user-123",
+    )
+    plain = sdk.chat.completions.create(**args)
+    assert neutral.choices[0].message.content == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk.chat.completions.create(**args, service_tier="flex")
+    assert (caught.value.param, caught.value.code) == ("service_tier", "unsupported")

@@ -100,8 +100,12 @@ def test_bad_requests_end_with_clear_errors(engines, client):
     bad_params = client.submit(prompt_token_ids=[1, 2], sampling={"max_tokens": 0})
     unknown_param = client.submit(prompt_token_ids=[1, 2], sampling={"max_tokns": 5})
     out_of_vocab = client.submit(prompt_token_ids=[1, 99999])
-    a, b, c, d = (
-        client.answer(r).final for r in (too_long, bad_params, unknown_param, out_of_vocab)
+    bias_out_of_vocab = client.submit(
+        prompt_token_ids=[1, 2], sampling={"max_tokens": 4, "logit_bias": [[99999, 5.0]]}
+    )
+    a, b, c, d, e = (
+        client.answer(r).final
+        for r in (too_long, bad_params, unknown_param, out_of_vocab, bias_out_of_vocab)
     )
     assert a.error_code == ErrorCode.PROMPT_TOO_LONG
     assert "has 300 tokens, more than this engine's limit of 255" in a.error_message
@@ -111,6 +115,12 @@ def test_bad_requests_end_with_clear_errors(engines, client):
     )
     assert c.error_code == ErrorCode.INVALID_REQUEST and "max_tokns" in c.error_message
     assert d.error_code == ErrorCode.INVALID_REQUEST and "outside the vocabulary" in d.error_message
+    # The refused parameter is named (the gateway's error param); the prompt is the default.
+    assert d.error_param is None
+    assert (
+        e.error_code == ErrorCode.INVALID_REQUEST and "logit_bias token id 99999" in e.error_message
+    )
+    assert e.error_param == "logit_bias"
 
 
 def _pending(redis_url, stream, group):

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tandem.engine.admission import ContextLengthError, PromptTooLongError
-from tandem.engine.engine import Engine, EngineOutput
+from tandem.engine.engine import Engine, EngineOutput, ParameterError
 from tandem.engine.request import SamplingParams
 from tandem.engine.service.handoff_flow import HandoffFlow
 from tandem.engine.service.heartbeat import Heartbeat
@@ -216,6 +216,9 @@ class EngineWorker:
         except ContextLengthError as exc:
             self._fail(delivery, work, ErrorCode.CONTEXT_LENGTH_EXCEEDED, str(exc))
             return
+        except ParameterError as exc:
+            self._fail(delivery, work, ErrorCode.INVALID_REQUEST, str(exc), param=exc.param)
+            return
         except (ValueError, TypeError) as exc:
             self._fail(delivery, work, ErrorCode.INVALID_REQUEST, str(exc))
             return
@@ -324,9 +327,15 @@ class EngineWorker:
         self.held.pop(rid, None)
 
     def _fail(
-        self, delivery: Delivery, work: WorkItem, code: ErrorCode, message: str, offset: int = 0
+        self,
+        delivery: Delivery,
+        work: WorkItem,
+        code: ErrorCode,
+        message: str,
+        offset: int = 0,
+        param: str | None = None,
     ) -> None:
-        event = ResponseEvent.error(code, message, self.settings.engine_id, offset)
+        event = ResponseEvent.error(code, message, self.settings.engine_id, offset, param)
         self.io.responses.add(work.request_id, event)
         self._to_ack.append(delivery)
         self.metrics.request_ended(str(code))

@@ -1,0 +1,99 @@
+"""A chat request's messages as the engine takes them, each field checked for its role.
+
+A message may have the fields OpenAI's message schemas define, each only in its
+role's messages; those Tandem cannot serve (a past answer's tool calls, audio)
+pass only empty, as clients that send every field or append OpenAI's own reply
+have them. Text must be valid Unicode for the engine's tokenizer.
+"""
+
+from __future__ import annotations
+
+from tandem.gateway.errors import bad_request
+from tandem.gateway.schemas import ChatMessage
+
+# Fields of OpenAI's message schemas besides role and content, by role.
+_ROLE_FIELDS = {
+    "system": {"name"},
+    "developer": {"name"},
+    "user": {"name"},
+    "assistant": {"name", "refusal", "audio", "tool_calls", "function_call", "annotations"},
+    "tool": {"tool_call_id"},
+}
+# The schema's order, so the first bad field is the one named.
+_MESSAGE_FIELDS = tuple(f for f in ChatMessage.model_fields if f not in ("role", "content"))
+# Assistant fields served only empty (a past answer had none of these), and why.
+_UNSERVED = {
+    "tool_calls": "tool calls are not supported by this server",
+    "function_call": "function calls are not supported by this server",
+    "audio": "audio is not supported by this server",
+    "refusal": "refusals are not supported by this server: send the text as content",
+}
+
+
+def engine_message(index: int, message: ChatMessage) -> dict[str, str]:
+    if message.role == "tool":
+        # A tool message answers an assistant's tool_calls, which are refused:
+        # it can only be an orphan, which OpenAI refuses too.
+        param = f"messages[{index}].role"
+        raise bad_request(
+            f"{param}: a 'tool' message answers an assistant's tool_calls, and tool calls "
+            "are not supported by this server",
+            param,
+            "unsupported",
+        )
+    for name in _MESSAGE_FIELDS:
+        value = getattr(message, name)
+        if value is None:  # some clients send every field, null where unused
+            continue
+        param = f"messages[{index}].{name}"
+        if name not in _ROLE_FIELDS[message.role]:
+            roles = [role for role, names in _ROLE_FIELDS.items() if name in names]
+            listed = roles[0] if len(roles) == 1 else f"{', '.join(roles[:-1])} or {roles[-1]}"
+            raise bad_request(f"{param} is only allowed in {listed} messages", param)
+        if name in _UNSERVED and value:
+            raise bad_request(f"{param}: {_UNSERVED[name]}", param, "unsupported")
+    # OpenAI's "developer" messages replace "system" ones; chat templates know only
+    # the latter (SmolLM2's would keep its default system prompt and add a stray turn).
+    role = "system" if message.role == "developer" else message.role
+    content = message.content
+    param = f"messages[{index}].content"
+    if content is None:
+        if role != "assistant":
+            raise bad_request(f"{param} is missing", param)
+        return {"role": role, "content": ""}
+    if isinstance(content, str):
+        return {"role": role, "content": valid_text(content, param)}
+    if not content:
+        raise bad_request(f"{param} must not be an empty list of parts", param)
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text":
+            raise bad_request(
+                f"only text content parts are supported, got type {part.type!r}",
+                f"{param}[{j}]",
+                "unsupported",
+            )
+        if part.text is None:
+            raise bad_request(
+                f"Missing required parameter: {param}[{j}].text", f"{param}[{j}].text"
+            )
+        # Parts of other types have fields of their own; a text part has only these two.
+        if part.model_extra:
+            extra = f"{param}[{j}].{next(iter(part.model_extra))}"
+            raise bad_request(f"Unrecognized request argument supplied: {extra}", extra)
+        texts.append(valid_text(part.text, f"{param}[{j}].text"))
+    # Parts are joined by newlines, as most chat servers do.
+    return {"role": role, "content": "\n".join(texts)}
+
+
+def valid_text(value: str, param: str) -> str:
+    """Text a tokenizer can take: JSON's \\ud800 escapes can make a lone surrogate."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(
+            f"{param} is not valid Unicode: a lone surrogate "
+            f"(U+{ord(value[exc.start]):04X}) at character {exc.start}",
+            param,
+        ) from None
+    return value
