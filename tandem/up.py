@@ -9,9 +9,12 @@ answers every request already admitted, then stops everything.
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
+import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -81,16 +84,25 @@ class UpConfig:
 STOP_TIMEOUT_S = 60.0
 
 
+class StartError(RuntimeError):
+    """The stack could not start (what had started was stopped); str() says why, what to do."""
+
+
 class Stack:
     """Starts, watches and stops the processes of one `tandem up`."""
 
     def __init__(self, config: UpConfig) -> None:
         self.config = config
         self.api_key = config.api_key or f"tk-{secrets.token_urlsafe(18)}"
-        self._tmp = None
-        if config.log_dir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="tandem-up-")
-        self.log_dir = config.log_dir or Path(self._tmp.name)
+        # (name, validated spec) of the manifest: a bad one fails here, before any process.
+        self.deployment = None
+        if config.manifest is not None:
+            from tandem.operator.local_actuator import load_manifest
+
+            self.deployment = load_manifest(config.manifest)
+        # Without a log_dir: a temporary one, which stop() removes unless start() failed.
+        self._tmp = None if config.log_dir else Path(tempfile.mkdtemp(prefix="tandem-up-"))
+        self.log_dir = config.log_dir or self._tmp
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.redis: RedisServer | None = None
         self.redis_url = config.redis_url or ""
@@ -103,16 +115,72 @@ class Stack:
     def url(self) -> str:
         return f"http://{self.config.host}:{self.config.port}"
 
+    @property
+    def mode(self) -> str:
+        """What runs: "normal" or "disaggregated" (with a manifest, its spec.mode)."""
+        if self.deployment is not None:
+            return self.deployment[1].mode.value.lower()
+        return self.config.mode
+
     # --------------------------------------------------------------- start
 
     def start(self, say=print) -> Stack:
+        """Start every process and wait until the gateway serves the model.
+
+        StartError when it cannot: what had started is stopped, the logs are kept.
+        """
+        self._check_port()
+        self._check_redis_url()
+        try:
+            self._launch(say)
+        except BaseException as exc:
+            if isinstance(exc, StartError):
+                self._tmp = None  # the error names a log: keep it
+            self.stop()
+            raise
+        return self
+
+    def _check_port(self) -> None:
+        """Fail before starting anything if the gateway could not listen."""
+        host, port = self.config.host, self.config.port
+        try:  # as the gateway (uvicorn) binds: SO_REUSEADDR, IPv6 for an address with ':'
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            socket.create_server((host, port), family=family).close()
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise StartError(
+                    f"port {port} on {host} is already in use (another `tandem up`?): "
+                    "stop what listens there, or choose another --port"
+                ) from None
+            raise StartError(
+                f"the gateway cannot listen on {host}:{port}: {exc.strerror or exc}; "
+                "choose another --host or --port"
+            ) from None
+
+    def _check_redis_url(self) -> None:
+        url = self.config.redis_url
+        if not url:
+            return
+        try:
+            with redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5) as client:
+                client.ping()
+        except (redis.RedisError, ValueError) as exc:  # ValueError: not a Redis URL
+            raise StartError(
+                f"cannot reach Redis at {url} (--redis-url): {str(exc).rstrip('.')}; start it, "
+                "or leave out --redis-url to run an embedded one"
+            ) from None
+
+    def _launch(self, say) -> None:
         cfg = self.config
         if not self.redis_url:
-            self.redis = RedisServer(data_dir=self.log_dir / "redis").start()
+            try:
+                self.redis = RedisServer(data_dir=self.log_dir / "redis").start()
+            except RuntimeError as exc:
+                raise StartError(f"the embedded Redis did not start: {exc}") from None
             self.redis_url = self.redis.url
             say(f"redis      {self.redis_url} (embedded)")
         starting = []
-        if cfg.manifest is not None:
+        if self.deployment is not None:
             starting += self._start_actuator()
         else:
             roles = ["normal"] if cfg.mode == "normal" else ["prompt", "completion"]
@@ -126,12 +194,11 @@ class Stack:
         for child in starting + self.children:
             say(f"{child.name:<10} starting (log {child.log_path})")
         self._wait_ready(say, starting + self.children)
-        return self
 
     def _start_actuator(self) -> list[Child]:
-        from tandem.operator.local_actuator import LocalActuator, load_manifest
+        from tandem.operator.local_actuator import LocalActuator
 
-        name, spec = load_manifest(self.config.manifest)
+        name, spec = self.deployment
         self.actuator = LocalActuator(
             name,
             spec,
@@ -191,19 +258,22 @@ class Stack:
         pending = list(children)
         while pending:
             if self._stop.is_set():  # Ctrl-C while starting
-                self.stop()
                 raise KeyboardInterrupt
             for child in list(pending):
                 if not child.alive:
-                    self.stop()
-                    raise RuntimeError(f"{child.name} exited while starting:\n{child.tail()}")
+                    raise StartError(
+                        f"{child.name} exited while starting: {child.last_error()} "
+                        f"(details in {child.log_path})"
+                    )
                 if child.ready():
                     say(f"{child.name:<10} ready")
                     pending.remove(child)
             if time.monotonic() > deadline:
-                self.stop()
                 names = ", ".join(c.name for c in pending)
-                raise RuntimeError(f"not ready after {self.config.ready_timeout:.0f}s: {names}")
+                raise StartError(
+                    f"not ready after {self.config.ready_timeout:.0f}s: {names} "
+                    f"(their logs are in {self.log_dir})"
+                )
             time.sleep(0.25)
         self._wait_for_model(deadline)
 
@@ -220,7 +290,10 @@ class Stack:
             except OSError:
                 pass
             time.sleep(0.25)
-        raise RuntimeError(f"the gateway never listed model {self.config.name!r}")
+        raise StartError(
+            f"the gateway never listed model {self.config.name!r}: no engine registered it "
+            f"in {self.config.ready_timeout:.0f}s (the logs are in {self.log_dir})"
+        )
 
     # ----------------------------------------------------------- supervise
 
@@ -304,7 +377,7 @@ class Stack:
             self.redis.stop()
             self.redis = None
         if self._tmp is not None:
-            self._tmp.cleanup()
+            shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
 
     def _engines(self) -> list[Child]:
@@ -332,19 +405,3 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def banner(stack: Stack) -> str:
-    name = stack.config.name
-    return f"""
-Tandem is up: {stack.config.mode} mode, model {name!r}
-  URL      {stack.url}/v1
-  API key  {stack.api_key}
-  logs     {stack.log_dir}
-
-  curl {stack.url}/v1/chat/completions \\
-    -H "Authorization: Bearer {stack.api_key}" -H "Content-Type: application/json" \\
-    -d '{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
-
-Ctrl-C stops everything.
-"""

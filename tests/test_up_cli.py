@@ -1,0 +1,151 @@
+"""`tandem up` as its user meets it: one clear line when it cannot start (and nothing left
+running), the flags -f replaces refused, a banner that says what runs, a help that says it all."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tandem import cli
+from tandem.redis_server import free_port
+from tandem.up import Stack, UpConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[1]
+TANDEM = str(Path(sys.executable).with_name("tandem"))
+
+DISAGGREGATED = {
+    "apiVersion": "serving.tandem.dev/v1alpha1",
+    "kind": "ModelDeployment",
+    "metadata": {"name": "split"},
+    "spec": {
+        "model": {"path": "random:tiny", "servedModelName": "tiny"},
+        "mode": "Disaggregated",
+        "prefill": {"minReplicas": 1, "maxReplicas": 2},
+        "decode": {"minReplicas": 1},
+    },
+}
+
+
+def processes_marked(mark: str) -> list[int]:
+    """The processes whose environment holds `mark`: `tandem up` and all it started."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if mark.encode() in environ.read_bytes():
+                found.append(int(environ.parent.name))
+        except OSError:  # exited meanwhile, or not ours
+            pass
+    return found
+
+
+def up(*argv: str) -> tuple[subprocess.CompletedProcess[str], list[int]]:
+    """Run `tandem up` to its end: what it printed, and its processes still running."""
+    mark = uuid.uuid4().hex  # every child inherits the environment
+    env = {**os.environ, "TANDEM_CPU_KERNELS": "0", "TANDEM_UP_TEST": mark}
+    done = subprocess.run(
+        [TANDEM, "up", *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=100
+    )
+    return done, processes_marked(f"TANDEM_UP_TEST={mark}")
+
+
+def the_error(done: subprocess.CompletedProcess[str]) -> str:
+    """Its one `tandem: error:` line, the last it wrote; no traceback."""
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("tandem: error: ")]
+    assert len(errors) == 1 and done.stderr.rstrip().endswith(errors[0]), done.stderr
+    return errors[0]
+
+
+@pytest.fixture
+def taken_port():
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        yield listener.getsockname()[1]
+
+
+def test_a_port_in_use_is_named_before_anything_starts(taken_port):
+    done, left = up("--port", str(taken_port))
+    error = the_error(done)
+    assert f"port {taken_port} on 127.0.0.1 is already in use" in error and "--port" in error
+    assert "redis" not in done.stdout  # nothing was started only to be stopped
+    assert left == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--redis-url", "redis://127.0.0.1:1/0"], "cannot reach Redis at redis://127.0.0.1:1/0"),
+        (["-f", "/nonexistent.yaml"], "cannot read -f /nonexistent.yaml: No such file"),
+        # A cluster manifest (Hub download): -f needs spec.model.path.
+        (["-f", "examples/smollm2-cpu.yaml"], "the model must be spec.model.path"),
+    ],
+    ids=["redis-url", "missing-file", "cluster-manifest"],
+)
+def test_bad_input_is_one_clear_line(argv, says):
+    done, left = up(*argv, "--port", str(free_port()))
+    assert says in the_error(done)
+    assert left == []
+
+
+def test_an_engine_that_cannot_start_is_named_with_its_log_and_everything_stops(tmp_path):
+    log = tmp_path / "engine-normal.log"
+    done, left = up(
+        "--model", "nonexistent-model", "--port", str(free_port()), "--log-dir", str(tmp_path)
+    )
+    error = the_error(done)
+    assert error.startswith("tandem: error: normal engine exited while starting: ")
+    assert "model 'nonexistent-model' is no such file or directory" in error
+    assert f"(details in {log})" in error and "nonexistent-model" in log.read_text()
+    assert left == []  # the gateway and the embedded Redis were stopped too
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "field"),
+    [
+        ("--model", "smollm2", "spec.model.path"),
+        ("--served-model-name", "tiny", "spec.model.servedModelName"),
+        ("--mode", "normal", "spec.mode"),  # the default, given: still refused
+    ],
+)
+def test_flags_that_the_manifest_sets_are_refused_with_f(tmp_path, capsys, flag, value, field):
+    manifest = tmp_path / "split.yaml"
+    # Were the flag ignored, this model would fail at once rather than start a stack here.
+    bad_path = {**DISAGGREGATED["spec"], "model": {"path": str(tmp_path / "nothing")}}
+    manifest.write_text(yaml.safe_dump({**DISAGGREGATED, "spec": bad_path}))
+    assert cli.main(["up", "-f", str(manifest), flag, value, "--port", str(free_port())]) == 2
+    error = capsys.readouterr().err
+    assert (
+        error == f"tandem: error: {flag} cannot be used with -f: the manifest sets it ({field})\n"
+    )
+
+
+def test_the_banner_reports_the_mode_and_engines_a_manifest_runs(tmp_path):
+    stack = Stack(UpConfig(manifest=DISAGGREGATED, log_dir=tmp_path))
+    text = cli.banner(stack)
+    assert "Tandem is up: disaggregated mode, model 'tiny'" in text
+    assert "engines  prefill 1 (autoscaled 1-2), decode 1\n" in text
+
+
+def test_the_help_of_up_states_its_defaults_and_what_f_needs(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["up", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # wrapped at any terminal width
+    for default in ("smollm2", "127.0.0.1, this machine only", "8000", "normal"):
+        assert f"(default: {default})" in text
+    for said in (
+        "a .gguf file",
+        "random:<size>",
+        "a new temporary folder, kept after exit",
+        "spec.model.path",
+        "examples/smollm2-cpu.yaml runs here once",
+    ):
+        assert said in text
