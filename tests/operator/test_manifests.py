@@ -20,7 +20,8 @@ import yaml
 from support.kube_version import K8S_VERSION
 
 from tandem.engine.config import EngineConfig
-from tandem.engine.service.arguments import add_arguments, engine_fields
+from tandem.engine.service.arguments import add_arguments, check_arguments, engine_fields
+from tandem.engine.service.settings import WorkerSettings
 from tandem.operator.engine_flags import engine_flags
 from tandem.operator.manifests import (
     DELETION_COST_ANNOTATION,
@@ -198,6 +199,33 @@ def test_engine_arguments_parse_into_the_configuration_the_spec_describes():
         # The ConfigMap shows exactly what the pods are given.
         assert configmap["data"]["max-model-len"] == "16384"
         assert configmap["data"]["role"] == args.role
+
+
+@pytest.mark.parametrize(
+    "role",
+    [
+        {"drainTimeoutSeconds": 0, "dataParallelSize": 64},
+        {"drainTimeoutSeconds": 3600, "resources": {"limits": {"cpu": "500m"}}},
+    ],
+)
+def test_the_spec_bounds_give_flags_the_engine_starts_with(role):
+    # Parsing is not enough: a flag the engine's own checks refuse is a crash loop.
+    raw = {"model": {"path": "/m"}, "normal": role}
+    manifests = _build(Owner("m", "ns", "uid"), _spec(raw), normal=1)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(_pod(manifests, "normal")["spec"]["containers"][0]["args"])
+    check_arguments(args)
+    WorkerSettings(
+        role=args.role,
+        model_name="m",
+        engine_id="e",
+        http_address="a:1",
+        drain_timeout=args.drain_timeout,
+        handoff_ttl=args.handoff_ttl,
+        kv_fetch_timeout=args.kv_fetch_timeout,
+        max_waiting=args.max_waiting,
+    )
 
 
 def test_a_value_that_looks_like_a_flag_reaches_the_engine_as_a_value():

@@ -32,6 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--redis-url", default=os.environ.get("TANDEM_REDIS_URL", "redis://127.0.0.1:6379/0")
     )
+    parser.add_argument(
+        "--redis-wait",
+        type=float,
+        default=60.0,
+        help="seconds to wait at start for Redis to answer, before loading the model "
+        "(in a cluster it may start after the engines)",
+    )
     parser.add_argument("--key-prefix", default="tandem", help="prefix of every Redis key")
     parser.add_argument("--host", default="0.0.0.0", help="address the HTTP and KV servers bind")
     parser.add_argument("--advertise-host", default=None, help="address peers reach this engine at")
@@ -73,6 +80,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=16,
         help="take new work only while fewer requests wait in this engine (load balance)",
     )
+
+
+# Flags checked before the model loads (minutes, for a big one), each with its minimum;
+# those an engine setting checks (EngineConfig, WorkerSettings) say so again later.
+_AT_LEAST = {
+    "port": 1,
+    "kv_port": 0,  # 0: any free port
+    "data_parallel_size": 1,
+    "num_kv_blocks": 1,
+    "kv_cache_memory": 1,
+    "threads": 1,
+    "claim_idle_ms": 1,
+    "max_deliveries": 1,
+    "max_waiting": 1,
+}
+_POSITIVE = ("handoff_ttl", "kv_fetch_timeout")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """ValueError naming the flag for a value no engine could start with."""
+    for name, minimum in _AT_LEAST.items():
+        value = getattr(args, name)
+        if value is not None and value < minimum:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least {minimum}, got {value}")
+    for name in ("port", "kv_port"):
+        last = getattr(args, name) + args.data_parallel_size - 1  # one port per rank
+        if last > 65535:
+            flag = f"--{name.replace('_', '-')}"
+            raise ValueError(f"{flag} must leave a port per rank below 65536, got {last}")
+    for name in _POSITIVE:
+        value = getattr(args, name)
+        if not value > 0:  # NaN too
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    for name in ("drain_timeout", "redis_wait"):  # 0: not at all
+        value = getattr(args, name)
+        if not value >= 0:  # NaN too
+            flag = f"--{name.replace('_', '-')}"
+            raise ValueError(f"{flag} must be 0 or more seconds, got {value}")
 
 
 def engine_fields(args: argparse.Namespace) -> dict[str, object]:

@@ -18,7 +18,7 @@ import torch
 from tandem.engine.config import EngineConfig, derived_max_model_len
 from tandem.engine.llm import build_engine
 from tandem.engine.model.loader import kv_blocks_for, load_model
-from tandem.engine.service.arguments import add_arguments, engine_fields
+from tandem.engine.service.arguments import add_arguments, check_arguments, engine_fields
 from tandem.engine.service.cancellation import CancelListener
 from tandem.engine.service.handoff_flow import HandoffFlow
 from tandem.engine.service.http import HealthServer
@@ -35,6 +35,8 @@ log = logging.getLogger("tandem.engine")
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    check_arguments(args)
+    wait_for_redis(args.redis_url, args.redis_wait)
     if args.data_parallel_size > 1:
         from tandem.engine.service.ranks import run_ranks
 
@@ -46,8 +48,6 @@ def serve(args: argparse.Namespace, rank: int, vote=None) -> int:
     """Load the model, wire the service together, run until drained."""
     role = Role(args.role)
     if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be at least 1, got {args.threads}")
         # More threads than cores owned is far worse than too few: torch's OpenMP
         # workers spin at every barrier while the core they wait for runs someone else.
         torch.set_num_threads(args.threads)
@@ -161,6 +161,30 @@ def serve(args: argparse.Namespace, rank: int, vote=None) -> int:
         http.stop()
         io.close()
         log.info("engine %s stopped", engine_id)
+
+
+def wait_for_redis(url: str, wait_s: float) -> None:
+    """Until Redis answers, for up to wait_s: SystemExit naming the URL if it never does.
+
+    Checked before the model loads, so a wrong URL costs seconds, not a model load.
+    """
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+    except ValueError as exc:  # not a Redis URL
+        raise ValueError(f"--redis-url {url}: {exc}") from None
+    deadline = time.monotonic() + wait_s
+    with client:
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.RedisError as exc:
+                if time.monotonic() >= deadline:
+                    raise SystemExit(
+                        f"tandem: error: cannot reach Redis at {url} (--redis-url): {exc}"
+                    ) from None
+                log.info("waiting for Redis at %s: %s", url, exc)
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
 def _fingerprint(weights: str, layout: KVLayout) -> str:

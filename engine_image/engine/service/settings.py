@@ -37,7 +37,7 @@ class WorkerSettings:
     # Pull only while fewer requests (and prompt tokens) wait in the engine.
     max_waiting: int = 16
     max_waiting_tokens: int = 16_384
-    # SIGTERM: running requests get this long to finish.
+    # SIGTERM: running requests get this long to finish (0: none; others take them over).
     drain_timeout: float = 30.0
     # A KV fetch taking longer than this falls back to recomputing.
     kv_fetch_timeout: float = 10.0
@@ -48,9 +48,10 @@ class WorkerSettings:
         for name in ("claim_idle_ms", "max_deliveries", "max_waiting", "max_waiting_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.drain_timeout >= 0:
+            raise ValueError(f"drain_timeout must be 0 or more, got {self.drain_timeout}")
         for name in (
             "handoff_ttl",
-            "drain_timeout",
             "kv_fetch_timeout",
             "keep_alive_every",
             "heartbeat_every",

@@ -1,0 +1,53 @@
+"""`tandem engine`'s flags: a value no engine could start with, or a Redis it cannot
+reach, is one clean error before the model loads (minutes, for a big model)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tandem.redis_server import free_port
+
+TANDEM = str(Path(sys.executable).with_name("tandem"))
+
+
+def _engine(*flags: str) -> subprocess.CompletedProcess[str]:
+    # A model path that does not exist: an error about it would mean it was loaded first.
+    command = [TANDEM, "engine", "--model", "/no/such/model", *flags]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--port", "99999"], "--port must leave a port per rank below 65536, got 99999"),
+        (["--port", "0"], "--port must be at least 1, got 0"),
+        (
+            ["--kv-port", "65535", "--data-parallel-size", "2"],
+            "--kv-port must leave a port per rank below 65536, got 65536",
+        ),
+        (["--num-kv-blocks", "0"], "--num-kv-blocks must be at least 1, got 0"),
+        (["--max-waiting", "0"], "--max-waiting must be at least 1, got 0"),
+        (["--drain-timeout", "nan"], "--drain-timeout must be 0 or more seconds, got nan"),
+        (["--kv-fetch-timeout", "0"], "--kv-fetch-timeout must be positive, got 0.0"),
+        (["--redis-wait", "-1"], "--redis-wait must be 0 or more seconds, got -1.0"),
+        (["--redis-url", "notaurl"], "--redis-url notaurl: Redis URL must specify"),
+    ],
+)
+def test_a_flag_no_engine_could_start_with_is_named(flags, message):
+    done = _engine(*flags)
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.strip().splitlines()  # one line, no traceback
+    assert line.startswith("tandem: error: ") and message in line
+
+
+def test_an_unreachable_redis_is_named_before_the_model_loads():
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    done = _engine("--redis-url", url, "--redis-wait", "1.5")
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert f"tandem: error: cannot reach Redis at {url} (--redis-url)" in done.stderr
+    assert "waiting for Redis" in done.stderr  # it retried for --redis-wait first
