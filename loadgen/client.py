@@ -155,10 +155,13 @@ async def probe_prompt_tokens(
             f"calibration request failed: HTTP {response.status_code}: "
             f"{_error_message(response.text)}"
         )
-    usage = response.json().get("usage") or {}
-    if not isinstance(usage.get("prompt_tokens"), int):
+    try:
+        prompt_tokens = response.json()["usage"]["prompt_tokens"]
+    except (ValueError, KeyError, TypeError):  # not JSON, or not an OpenAI answer
+        prompt_tokens = None
+    if not isinstance(prompt_tokens, int):
         raise ValueError("the server sends no usage.prompt_tokens: cannot calibrate --prompt text")
-    return usage["prompt_tokens"]
+    return prompt_tokens
 
 
 def _error_message(text: str) -> str:

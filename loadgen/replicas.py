@@ -94,8 +94,14 @@ class RegistrySource:
 class GatewayMetricsSource:
     """Counts from the gateway's own /metrics (the URL's /v1 replaced by /metrics)."""
 
-    def __init__(self, metrics_url: str, model: str, headers: dict[str, str]) -> None:
-        self.client = httpx.AsyncClient(headers=headers, timeout=5)
+    def __init__(
+        self,
+        metrics_url: str,
+        model: str,
+        headers: dict[str, str],
+        transport: httpx.AsyncBaseTransport | None = None,  # tests: no network
+    ) -> None:
+        self.client = httpx.AsyncClient(headers=headers, timeout=5, transport=transport)
         self.metrics_url = metrics_url
         self.model = model
 

@@ -83,8 +83,20 @@ async def run(
         background = [asyncio.create_task(_tick(progress, counters, limits, t0, stop))]
         if poller is not None:
             background.append(asyncio.create_task(poller.run(t0, stop)))
-        tasks = await _send_all(client, target, workload, make_prompt, limits, t0, counters)
-        records = list(await asyncio.gather(*tasks))
+        tasks: list[asyncio.Task[RequestRecord]] = []
+        try:
+            await _send_all(client, target, workload, make_prompt, limits, t0, counters, tasks)
+            records = list(await asyncio.gather(*tasks))
+        except BaseException:
+            # Sending stopped on an error (a bad workload value, Ctrl-C): end what it
+            # started, so no task outlives the client or dies with its error unread.
+            for task in [*tasks, *background]:
+                task.cancel()
+            await asyncio.gather(*tasks, *background, return_exceptions=True)
+            progress.close()
+            if poller is not None:
+                await poller.close()
+            raise
         ends = [r.end_s for r in records if r.end_s is not None]
         wall_s = max(ends) - min(r.start_s for r in records) if ends else 0.0
         stop.set()
@@ -107,7 +119,9 @@ async def _send_all(
     limits: RunLimits,
     t0: float,
     counters: _Counters,
-) -> list[asyncio.Task[RequestRecord]]:
+    tasks: list[asyncio.Task[RequestRecord]],
+) -> None:
+    """Start a task per request, appended to `tasks` (the caller's, to end them on an error)."""
     slots = asyncio.Semaphore(limits.concurrency) if limits.concurrency else None
 
     async def one(record: RequestRecord, prompt: str | list[int]) -> RequestRecord:
@@ -120,7 +134,6 @@ async def _send_all(
             if slots is not None:
                 slots.release()
 
-    tasks = []
     for index, request in enumerate(workload):
         if limits.num_requests is not None and index >= limits.num_requests:
             break
@@ -145,7 +158,6 @@ async def _send_all(
         )
         counters.in_flight += 1
         tasks.append(asyncio.create_task(one(record, prompt)))
-    return tasks
 
 
 async def _tick(

@@ -8,6 +8,7 @@ Arguments are checked when the workload is made, not when it is first read.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterator, Sequence
 
@@ -37,8 +38,15 @@ def trace_workload(
     requests: Sequence[TraceRequest], time_scale: float = 1.0
 ) -> Iterator[TraceRequest]:
     """The trace's requests; time_scale < 1 replays it faster (0.5: twice the rate)."""
-    if not time_scale > 0:
-        raise ValueError(f"--trace-time-scale must be > 0, got {time_scale}")
+    if not (time_scale > 0 and math.isfinite(time_scale)):
+        raise ValueError(f"--trace-time-scale must be a finite number > 0, got {time_scale}")
+    # Checked here, not as each request is made: that would be after sending began.
+    last = max((r.arrival_s for r in requests), default=0.0)
+    if not math.isfinite(last * time_scale):
+        raise ValueError(
+            f"--trace-time-scale {time_scale:g} makes the trace's last arrival ({last:g} s) "
+            "infinite"
+        )
     return (
         TraceRequest(r.arrival_s * time_scale, r.input_tokens, r.output_tokens) for r in requests
     )

@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from tandem.backlog import QueueState
-from tandem.engine.admission import PromptTooLongError
+from tandem.engine.admission import PromptTooLongError, check_fits
 from tandem.engine.config import EngineType
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.service.settings import WorkerSettings
@@ -79,7 +79,7 @@ class Cluster:
         # Filled at a role's first evaluation (see _tick).
         self._histories: dict[ScalingRole, ScalingHistory] = {}
         self._costs = {role: config.cost_model(setup.tp) for role, setup in self._roles.items()}
-        self._blocks = {role: self._num_blocks(role) for role in self._roles}
+        self._blocks = {role: config.kv_blocks(setup) for role, setup in self._roles.items()}
         self._settings = {
             role: WorkerSettings(
                 role=_ENGINE_ROLE[setup.engine.engine_type],
@@ -95,17 +95,6 @@ class Cluster:
         self._steps = 0
         self._tokens = 0
         self._names = itertools.count(1)
-
-    def _num_blocks(self, role: ScalingRole) -> int:
-        engine = self._roles[role].engine
-        blocks = self._costs[role].kv_blocks(engine.block_size)
-        if blocks * engine.block_size < engine.max_model_len:
-            raise ValueError(
-                f"{role}: the KV cache left after the weights holds {blocks * engine.block_size} "
-                f"tokens, fewer than max_model_len {engine.max_model_len}: raise tp or lower "
-                "max_model_len"
-            )
-        return blocks
 
     # ------------------------------------------------------------------ run
 
@@ -152,7 +141,7 @@ class Cluster:
         self._record_replicas(end)
         for pods in self._pods.values():
             for pod in pods:
-                self._lives.append(self._life(pod, end))
+                self._lives.append(pod.life(end))
                 pod.close()
         return RunResult(
             records=self.records,
@@ -211,6 +200,9 @@ class Cluster:
             self._wake(ScalingRole.DECODE, self._handoffs, now)
             return
         rec.finish_s = now
+        # The scheduler ends a request whose context reaches max_model_len
+        # (Scheduler._register caps its max_num_tokens there).
+        rec.generated_tokens = min(rec.output_tokens, pod.config.max_model_len - rec.input_tokens)
         self._outstanding -= 1
 
     def _transfer_done(self, job: tuple[Pod, int, Handoff], now: float) -> None:
@@ -263,19 +255,26 @@ class Cluster:
                 if completion:
                     self._admit(pod, rank, queue.popleft(), now)
                 else:
-                    self._add(pod, rank, queue.popleft())
+                    self._add(pod, rank, queue.popleft(), now)
 
-    def _add(self, pod: Pod, rank: int, index: int) -> None:
+    def _add(self, pod: Pod, rank: int, index: int, now: float) -> None:
         rec = self.records[index]
         self._queued_tokens -= rec.input_tokens
+        config = pod.config
+        try:  # the engine's admission, before a prompt of that length is allocated
+            check_fits(config, rec.input_tokens, rec.output_tokens, exact_max_tokens=False)
+        except PromptTooLongError:  # the engine refuses it through the response stream
+            rec.failure = (
+                f"prompt over {config.prompt_limit} tokens, the engines' limit "
+                f"(max_model_len {config.max_model_len} less one)"
+            )
+            rec.failed_s = now
+            self._outstanding -= 1
+            return
         request = Request(
             str(index), [0] * rec.input_tokens, sampling(rec.output_tokens), arrival_time=0.0
         )
-        try:
-            pod.ranks[rank].add_request(request)
-        except PromptTooLongError as exc:  # the engine refuses it through the response stream
-            rec.failure = str(exc)
-            self._outstanding -= 1
+        pod.ranks[rank].add_request(request)
 
     def _admit(self, pod: Pod, rank: int, handoff: Handoff, now: float) -> None:
         if not pod.admit(rank, handoff):
@@ -310,19 +309,9 @@ class Cluster:
         role = pod.setup.role
         self._idle[role].pop(pod, None)
         self._pods[role].remove(pod)
-        self._lives.append(self._life(pod, now))
+        self._lives.append(pod.life(now))
         self._links.forget(pod.name)
         pod.close()
-
-    def _life(self, pod: Pod, end: float) -> PodLife:
-        return PodLife(
-            pod.name,
-            str(pod.setup.role),
-            pod.setup.gpus_per_pod,
-            pod.created_at,
-            pod.ready_at,
-            end,
-        )
 
     # ------------------------------------------------------------ autoscaler
 

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from tandem.sim.cost_model import CostModel
-from tandem.sim.deployment import Deployment
+from tandem.sim.deployment import Deployment, RoleSetup
 from tandem.sim.devices import Device
 from tandem.sim.model_shapes import ModelShape
 from tandem.sim.network import Network
@@ -25,16 +25,44 @@ class ClusterConfig:
     # Simulate (the autoscaler included) at least until this time; None: until
     # the last request ended.
     until_s: float | None = None
-    # Stop here even if requests remain (they are reported unfinished).
+    # Stop here even if requests remain (they are reported unfinished); inf: never.
     max_time_s: float = math.inf
 
     def __post_init__(self) -> None:
-        for name in ("startup_s", "scrape_interval_s"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0 or (name == "scrape_interval_s" and not value):
-                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
-        if self.until_s is not None and not self.until_s >= 0:
-            raise ValueError(f"until_s must be >= 0, got {self.until_s!r}")
+        # Flags named as `tandem sim` spells them: that is where these come from.
+        _seconds("--startup-s", self.startup_s, zero=True)
+        _seconds("scrape_interval_s", self.scrape_interval_s, zero=False)
+        if self.until_s is not None:
+            _seconds("--until", self.until_s, zero=True)
+        if self.max_time_s != math.inf:  # the default: no limit
+            _seconds("--max-time", self.max_time_s, zero=False)
+        if self.until_s is not None and self.until_s > self.max_time_s:
+            raise ValueError(
+                f"--until {self.until_s:g} is past --max-time {self.max_time_s:g}, where the "
+                "run stops"
+            )
+        for setup in self.deployment.roles.values():
+            self.kv_blocks(setup)  # a role that cannot hold one request is refused now
 
     def cost_model(self, tp: int) -> CostModel:
         return CostModel(self.device, self.shape, tp)
+
+    def kv_blocks(self, setup: RoleSetup) -> int:
+        """The KV blocks each rank of the role's pods has after the weights."""
+        engine = setup.engine
+        blocks = self.cost_model(setup.tp).kv_blocks(engine.block_size)
+        if blocks * engine.block_size < engine.max_model_len:
+            raise ValueError(
+                f"{setup.role}: the KV cache left after the weights holds "
+                f"{blocks * engine.block_size} tokens, fewer than max_model_len "
+                f"{engine.max_model_len}: raise tp or lower max_model_len"
+            )
+        return blocks
+
+
+def _seconds(name: str, value: float, *, zero: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        bound = ">= 0" if zero else "> 0"
+        raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}")

@@ -87,6 +87,18 @@ class StepCost:
         return "compute" if self.compute_s >= self.memory_s else "memory"
 
 
+def tensor_parallel_sizes(shape: ModelShape, device: Device) -> list[int]:
+    """The tensor-parallel sizes an engine of `shape` runs with on `device`, as vLLM
+    allows them: attention heads split evenly, KV heads split evenly or each one
+    replicated over tp / kv ranks, all within one node."""
+    heads, kv = shape.config.num_attention_heads, shape.config.num_key_value_heads
+    return [
+        tp
+        for tp in range(1, device.gpus_per_node + 1)
+        if heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
+    ]
+
+
 @dataclass(frozen=True)
 class CostModel:
     device: Device
@@ -99,6 +111,15 @@ class CostModel:
             raise ValueError(f"tp must be an integer >= 1, got {self.tp!r}")
         if self.tp > 1 and self.device.link_bandwidth <= 0:
             raise ValueError(f"tp={self.tp} needs a device with link_bandwidth (an interconnect)")
+        sizes = tensor_parallel_sizes(self.shape, self.device)
+        if self.tp not in sizes:
+            c, dev = self.shape.config, self.device
+            raise ValueError(
+                f"--tp {self.tp}: {self.shape.name} on {dev.name} takes --tp "
+                f"{', '.join(map(str, sizes))} (its {c.num_attention_heads} attention heads and "
+                f"{c.num_key_value_heads} KV heads split evenly, over at most the "
+                f"{dev.gpus_per_node} devices of one node)"
+            )
 
     # ------------------------------------------------------------ capacity
 

@@ -21,6 +21,7 @@ from tandem.operator.role_spec import RoleName
 from tandem.operator.scaling import policy as role_policy
 from tandem.operator.scaling_policy import ScalingPolicy, ScalingRole
 from tandem.operator.validation import engine_config, validate_spec
+from tandem.sim.arguments import REPLICA_FLAGS
 
 ENGINE_TYPE = {
     ScalingRole.NORMAL: EngineType.NORMAL,
@@ -53,7 +54,7 @@ class RoleSetup:
                 f"[{self.policy.min_replicas}, {self.policy.max_replicas}]"
             )
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
-            raise ValueError(f"{self.role}: tp must be an integer >= 1, got {self.tp!r}")
+            raise ValueError(f"--tp must be an integer >= 1, got {self.tp!r}")
         if self.engine.engine_type is not ENGINE_TYPE[self.role]:
             raise ValueError(f"{self.role} pods run {ENGINE_TYPE[self.role]} engines")
 
@@ -102,16 +103,38 @@ def role_setup(
     engine: Mapping[str, object] | None = None,
     policy: Mapping[str, object] | None = None,
 ) -> RoleSetup:
-    """A role from plain values: bounds default to a fixed count of `replicas`."""
+    """A role from plain values: bounds default to a fixed count of `replicas`.
+
+    Bad counts are refused naming `tandem sim`'s flags for the role (REPLICA_FLAGS)."""
     role = ScalingRole(role)
     config = EngineConfig(
         **{**_defaults(), **(engine or {}), **_NO_PREFIX_CACHE, "engine_type": ENGINE_TYPE[role]}
     )
-    bounds = {
-        "min_replicas": replicas if min_replicas is None else min_replicas,
-        "max_replicas": replicas if max_replicas is None else max_replicas,
-    }
+    bounds = _bounds(role, replicas, min_replicas, max_replicas)
     return RoleSetup(role, config, ScalingPolicy(**{**bounds, **(policy or {})}), replicas, tp)
+
+
+def _bounds(role: ScalingRole, replicas: int, low: int | None, high: int | None) -> dict:
+    flags = REPLICA_FLAGS[role]
+    for flag, value in zip(flags, (replicas, low, high), strict=True):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 0
+        ):
+            raise ValueError(f"{flag} must be an integer >= 0, got {value!r}")
+    count, fewest, most = flags
+    low = replicas if low is None else low
+    if high is None:
+        high = replicas
+        if high < 1:
+            raise ValueError(f"{count} 0 needs {most} >= 1: {role} pods the autoscaler may start")
+    elif high < 1:
+        raise ValueError(f"{most} must be >= 1, got {high}")
+    if not low <= replicas <= high:
+        raise ValueError(
+            f"{count} {replicas} must be within {fewest} {low} and {most} {high} (both default "
+            f"to {count})"
+        )
+    return {"min_replicas": low, "max_replicas": high}
 
 
 def _defaults() -> dict[str, object]:

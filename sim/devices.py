@@ -42,6 +42,9 @@ class Device:
     # each weight matrix into its own layout per call (a one-token step takes the
     # GEMV path, which does not). 0 on GPUs.
     repack_passes: float = 0.0
+    # Devices one node joins with its interconnect (an HGX board: 8): the most a
+    # tensor-parallel engine spans, since its all-reduces run over that link.
+    gpus_per_node: int = 1
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "memory_bandwidth", "memory_bytes"):
@@ -63,6 +66,9 @@ class Device:
         ):
             if _finite(name, getattr(self, name)) < 0:
                 raise ValueError(f"device {self.name!r}: {name} must be >= 0")
+        count = self.gpus_per_node
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"device {self.name!r}: gpus_per_node must be an integer >= 1")
 
     @property
     def achieved_flops(self) -> float:
@@ -104,6 +110,7 @@ H200 = Device(
     seq_overhead_s=2e-6,
     link_bandwidth=360e9,
     link_latency_s=8e-6,
+    gpus_per_node=8,
 )
 
 # This development machine (x86-64, fp32, torch on one thread, the engine's C++

@@ -14,7 +14,9 @@ import argparse
 import json
 import math
 
+from tandem.outputs import cannot_write, check_dir, check_file, write_failed
 from tandem.sim import deployment as deploy
+from tandem.sim.arguments import check_args
 from tandem.sim.cluster import ClusterConfig, simulate
 from tandem.sim.devices import device
 from tandem.sim.model_shapes import model_shape
@@ -30,12 +32,21 @@ _DEFAULT_TP = {"llama-70b": 4}
 
 
 def main(args: argparse.Namespace) -> int:
+    check_args(args)
+    # Before anything runs: a long simulation must not end on an unwritable path.
+    if args.save_trace:
+        check_file("--save-trace", args.save_trace)
+    if args.plot:
+        check_dir("--plot", args.plot)
     shape = model_shape(args.model)
     tp = args.tp if args.tp is not None else _DEFAULT_TP.get(shape.name, 1)
     deployment = _deployment(args, tp, shape.config.vocab_size)
     requests = _workload(args, deployment)
     if args.save_trace:
-        write_trace(args.save_trace, requests)
+        try:
+            write_trace(args.save_trace, requests)
+        except OSError as exc:  # nothing was simulated yet: a bad argument, as above
+            raise ValueError(cannot_write("--save-trace", args.save_trace, exc)) from None
     config = ClusterConfig(
         deployment=deployment,
         device=device(args.device),
@@ -72,12 +83,16 @@ def main(args: argparse.Namespace) -> int:
             f"{setup['workload']}"
         )
         print(text(summary, result, title))
-    if args.plot:
+    if args.plot:  # after the report: a failure here loses no result
         from tandem.sim.plots import run_plots
 
-        for path in run_plots(result, summary.slo, args.plot):
-            if not args.json:
-                print(f"wrote {path}")
+        try:
+            for path in run_plots(result, summary.slo, args.plot):
+                if not args.json:
+                    print(f"wrote {path}")
+        except OSError as exc:
+            write_failed("--plot", args.plot, exc)
+            return 1
     return 0
 
 
@@ -128,8 +143,8 @@ def _workload(args: argparse.Namespace, deployment: deploy.Deployment):
     return synthesize(
         rate=_positive("--rate", args.rate),
         duration_s=_positive("--duration", args.duration),
-        input_len=LengthDist.parse(args.input, cap=cap),
-        output_len=LengthDist.parse(args.output, cap=cap),
+        input_len=LengthDist.parse(args.input, cap=cap, what="--input"),
+        output_len=LengthDist.parse(args.output, cap=cap, what="--output"),
         cv=1.0 if args.arrival == "poisson" else _positive("--cv", args.cv),
         seed=args.seed,
     )

@@ -30,6 +30,7 @@ from tandem.engine.service.time_integral import TimeIntegral
 from tandem.operator.engine_metrics import PodSample
 from tandem.sim.deployment import RoleSetup
 from tandem.sim.lockstep import Lockstep
+from tandem.sim.records import PodLife
 
 # The token every simulated step samples: a list shared by every result, never mutated.
 _TOKEN = [0]
@@ -230,6 +231,13 @@ class Pod:
             step_seconds_total=self.counters.step_seconds,
             waiting_token_seconds_total=self.waiting_token_seconds.total(now),
             started_at=self.ready_at,
+        )
+
+    def life(self, end: float) -> PodLife:
+        """The pod's record, gone at `end`."""
+        setup = self.setup
+        return PodLife(
+            self.name, str(setup.role), setup.gpus_per_pod, self.created_at, self.ready_at, end
         )
 
     def close(self) -> None:

@@ -14,13 +14,18 @@ class RequestRecord:
 
     arrival_s: float
     input_tokens: int
+    # What the request asked for (max_tokens).
     output_tokens: int
     # When the first output token was sampled (the client sees it then).
     first_token_s: float | None = None
     # When the last output token was sampled.
     finish_s: float | None = None
-    # Why the request was refused (e.g. its prompt is over the engines' limit).
+    # Output tokens it generated: output_tokens, or fewer when its context reached
+    # max_model_len (set when it finished).
+    generated_tokens: int = 0
+    # Why the request was refused (e.g. its prompt is over the engines' limit), and when.
     failure: str | None = None
+    failed_s: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -32,14 +37,19 @@ class RequestRecord:
 
     @property
     def tpot_s(self) -> float | None:
-        """Mean seconds per output token after the first (None for one-token outputs)."""
-        if self.finish_s is None or self.first_token_s is None or self.output_tokens < 2:
+        """Mean seconds per generated token after the first (None for one-token outputs)."""
+        if self.finish_s is None or self.first_token_s is None or self.generated_tokens < 2:
             return None
-        return (self.finish_s - self.first_token_s) / (self.output_tokens - 1)
+        return (self.finish_s - self.first_token_s) / (self.generated_tokens - 1)
 
     @property
     def e2e_s(self) -> float | None:
         return None if self.finish_s is None else self.finish_s - self.arrival_s
+
+    @property
+    def truncated(self) -> bool:
+        """It finished short of its output_tokens: the context reached max_model_len."""
+        return self.finish_s is not None and self.generated_tokens < self.output_tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,9 +12,17 @@ from tandem.sim.summary import Latency, Summary
 def text(summary: Summary, result: RunResult, title: str = "") -> str:
     s = summary
     lines = [title] if title else []
+    lines.append(
+        f"requests    {s.requests} in {_seconds(s.duration_s)} s: {s.finished} finished, "
+        f"{s.failed} failed, {s.unfinished} unfinished"
+    )
+    lines += [f"  failed    {count}: {reason}" for reason, count in s.failures.items()]
+    if s.truncated:
+        lines.append(
+            f"  cut short {s.truncated}: their context reached max_model_len before their "
+            "output length"
+        )
     lines += [
-        f"requests    {s.requests} over {s.duration_s:,.0f} s: {s.finished} finished, "
-        f"{s.failed} failed, {s.unfinished} unfinished",
         f"SLO         TTFT <= {s.slo.ttft_s * 1e3:g} ms and TPOT <= {s.slo.tpot_s * 1e3:g} ms: "
         f"attainment {s.attainment:.1%}, goodput {s.goodput_rps:.2f} req/s "
         f"({s.goodput_per_gpu_hour:,.0f} good requests per GPU-hour)",
@@ -38,6 +46,11 @@ def text(summary: Summary, result: RunResult, title: str = "") -> str:
         f"steps/s), {result.end_s:,.0f} s simulated"
     )
     return "\n".join(lines)
+
+
+def _seconds(value: float) -> str:
+    """A window in seconds: whole ones, unless it is short."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
 
 def _ms(latency: Latency) -> str:
@@ -76,8 +89,8 @@ def document(summary: Summary, result: RunResult, setup: dict[str, Any]) -> dict
 
 
 def _finite(value: Any) -> Any:
-    """NaN is not JSON: percentiles of nothing become null."""
-    if isinstance(value, float) and math.isnan(value):
+    """NaN and infinities are not JSON: percentiles of nothing become null."""
+    if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
         return {k: _finite(v) for k, v in value.items()}

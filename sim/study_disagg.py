@@ -43,15 +43,15 @@ class Workload:
 WORKLOADS = (
     Workload(
         "rag",
-        "lognormal:4000:0.25",
-        "lognormal:250:0.3",
+        "lognormal:4000:0.25:1:8000",
+        "lognormal:250:0.3:1:2000",
         (2, 4, 6, 8, 10, 12, 14, 16),
         (("tight", SLO(1.5, 0.04)), ("loose", SLO(5.0, 0.1))),
     ),
     Workload(
         "chat",
-        "lognormal:1000:0.4",
-        "lognormal:300:0.4",
+        "lognormal:1000:0.4:1:8000",
+        "lognormal:300:0.4:1:2000",
         (10, 15, 20, 25, 30, 35, 40, 45, 50, 55, 60),
         (("tight", SLO(1.0, 0.03)), ("loose", SLO(3.0, 0.1))),
     ),
@@ -82,8 +82,8 @@ def sweep(
             requests = synthesize(
                 rate=rate,
                 duration_s=duration_s,
-                input_len=LengthDist.parse(workload.input_len, cap=8000),
-                output_len=LengthDist.parse(workload.output_len, cap=2000),
+                input_len=LengthDist.parse(workload.input_len),
+                output_len=LengthDist.parse(workload.output_len),
                 seed=seed,
             )
             result = simulate(ClusterConfig(deployment, H200, shape), requests)

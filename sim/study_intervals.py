@@ -49,8 +49,8 @@ def run(all_every: int, any_every: int, rate: float, duration_s: float, seed: in
     requests = synthesize(
         rate=rate,
         duration_s=duration_s,
-        input_len=LengthDist.parse("lognormal:1000:0.4", cap=8000),
-        output_len=LengthDist.parse("lognormal:300:0.4", cap=2000),
+        input_len=LengthDist.parse("lognormal:1000:0.4:1:8000"),
+        output_len=LengthDist.parse("lognormal:300:0.4:1:2000"),
         seed=seed,
     )
     return simulate(ClusterConfig(deployment, H200, model_shape("llama-8b")), requests)

@@ -2,13 +2,23 @@
 
 Goodput here is DistServe's request-level notion: a request is good when it
 finished and met both its time-to-first-token and its time-per-output-token
-objectives; goodput is good requests per second of the workload, attainment
+objectives; goodput is good requests per second of the run's span, attainment
 is their share of all requests (failed and unfinished ones count as missed).
+
+Every rate divides by the run's span: from its start (t = 0, which arrival
+times count from) to the last answer (a last token or a refusal), or to where
+the run stopped if requests were left unanswered. From 0 rather than from the
+first arrival, because the first gap is part of the offered load: a Poisson
+workload's throughput is then not biased above its rate on short runs
+(`tandem bench` counts from its first send, which reads a little high there).
+Tokens are those generated: a request whose context reached max_model_len
+counts what it made, not what it asked for.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -27,10 +37,9 @@ class SLO:
     tpot_s: float = 0.1
 
     def __post_init__(self) -> None:
-        for name in ("ttft_s", "tpot_s"):
-            value = getattr(self, name)
+        for flag, value in (("--slo-ttft", self.ttft_s), ("--slo-tpot", self.tpot_s)):
             if not math.isfinite(value) or value <= 0:
-                raise ValueError(f"SLO {name} must be a positive number of seconds, got {value!r}")
+                raise ValueError(f"{flag} must be a finite number of seconds > 0, got {value!r}")
 
     def met(self, record: RequestRecord) -> bool:
         if record.finish_s is None:
@@ -62,12 +71,16 @@ class Summary:
     requests: int
     finished: int
     failed: int
+    # Why requests were refused: {reason: requests}.
+    failures: dict[str, int]
     # Neither finished nor refused when the run stopped (max_time_s).
     unfinished: int
-    # Seconds from the first to the last arrival (the rate's denominator).
+    # Finished short of their output length: the context reached max_model_len.
+    truncated: int
+    # The run's span (the module's docstring): every rate's denominator.
     duration_s: float
     slo: SLO
-    # Requests that met the SLO, per second of the workload.
+    # Requests that met the SLO, per second of the run's span.
     goodput_rps: float
     # Share of all requests that met the SLO.
     attainment: float
@@ -97,24 +110,25 @@ class Summary:
 def summarize(result: RunResult, slo: SLO) -> Summary:
     records = result.records
     finished = [r for r in records if r.finish_s is not None]
-    failed = sum(1 for r in records if r.failure is not None)
+    failures = Counter(r.failure for r in records if r.failure is not None)
+    failed = sum(failures.values())
+    unfinished = len(records) - len(finished) - failed
     good = sum(1 for r in finished if slo.met(r))
-    first = min((r.arrival_s for r in records), default=0.0)
-    last = max((r.arrival_s for r in records), default=0.0)
-    # A single instant (one request) still spans something: the time it took.
-    duration = max(last - first, 1e-9) if len(records) > 1 else max(result.end_s, 1e-9)
+    duration = span_s(records, result.end_s if unfinished else None)
     tpots = [t for t in (r.tpot_s for r in finished) if t is not None]
     return Summary(
         requests=len(records),
         finished=len(finished),
         failed=failed,
-        unfinished=len(records) - len(finished) - failed,
+        failures=dict(failures.most_common()),
+        unfinished=unfinished,
+        truncated=sum(1 for r in finished if r.truncated),
         duration_s=duration,
         slo=slo,
-        goodput_rps=good / duration,
+        goodput_rps=_rate(good, duration),
         attainment=good / len(records) if records else 0.0,
-        throughput_rps=len(finished) / duration,
-        output_tokens_per_s=sum(r.output_tokens for r in finished) / duration,
+        throughput_rps=_rate(len(finished), duration),
+        output_tokens_per_s=_rate(sum(r.generated_tokens for r in finished), duration),
         ttft=Latency.of([r.ttft_s for r in finished]),
         tpot=Latency.of(tpots),
         e2e=Latency.of([r.e2e_s for r in finished]),
@@ -124,6 +138,20 @@ def summarize(result: RunResult, slo: SLO) -> Summary:
         steps=result.steps,
         wall_s=result.wall_s,
     )
+
+
+def span_s(records: Sequence[RequestRecord], stopped_s: float | None = None) -> float:
+    """The run's span that rates divide by: from 0 to the last answer (a last token
+    or a refusal), or to `stopped_s` when the run stopped with requests unanswered."""
+    if stopped_s is not None:
+        return stopped_s
+    ends = [r.finish_s if r.failed_s is None else r.failed_s for r in records]
+    return max((e for e in ends if e is not None), default=0.0)
+
+
+def _rate(count: float, seconds: float) -> float:
+    # A span of no time answered nothing (refusals at t = 0 at most).
+    return count / seconds if seconds > 0 else 0.0
 
 
 def peak_gpus(result: RunResult) -> int:

@@ -5,82 +5,70 @@ A trace (tandem/trace.py) has one JSON object per line, shared with `tandem benc
     {"arrival_s": 0.0, "input_tokens": 1024, "output_tokens": 300}
 
 Synthetic workloads draw arrivals (Poisson, or bursty: gamma inter-arrival
-times with a coefficient of variation above 1) and lengths (fixed, uniform,
-lognormal) from a seeded numpy Generator, so the same seed gives the same
-requests. day_trace() builds the autoscaling study's day: a diurnal rate with
-random bursts on top, drawn by thinning a Poisson process.
+times with a coefficient of variation above 1) and lengths (the specs of
+tandem/lengths.py, shared with `tandem bench`) from a seeded numpy Generator,
+so the same seed gives the same requests. day_trace() builds the autoscaling
+study's day: a diurnal rate with random bursts on top, drawn by thinning a
+Poisson process.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
+from tandem.lengths import LengthDist
 from tandem.trace import TraceRequest
 
-# ---------------------------------------------------------- distributions
+__all__ = ["LengthDist", "arrivals", "day_trace", "sample_lengths", "synthesize"]
+
+# At cv 10 (gamma shape 0.01) 90 % of gaps are under a thousandth of the mean:
+# requests come in bursts of about 10 at once. At 30, bursts of about 70; at
+# 1000 a short run is one burst of thousands or nothing: not a workload.
+MAX_CV = 10.0
 
 
-@dataclass(frozen=True)
-class LengthDist:
-    """Token lengths: "1000" (fixed), "uniform:500:1500", "lognormal:1000:0.5" (mean, sigma)."""
-
-    kind: str
-    # fixed: the length; uniform: low; lognormal: the mean.
-    a: float
-    # uniform: high; lognormal: sigma of the underlying normal; fixed: unused.
-    b: float = 0.0
-    # Lengths are clipped to [1, cap].
-    cap: int = 1 << 20
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("fixed", "uniform", "lognormal"):
-            raise ValueError(f"length distribution must be fixed, uniform or lognormal: {self}")
-        if not self.a >= 1 or (self.kind == "uniform" and self.b < self.a) or self.b < 0:
-            raise ValueError(f"bad length distribution parameters: {self}")
-
-    @classmethod
-    def parse(cls, text: str, cap: int = 1 << 20) -> LengthDist:
-        parts = text.split(":")
-        try:
-            if len(parts) == 1:
-                return cls("fixed", float(parts[0]), cap=cap)
-            if len(parts) == 3 and parts[0] in ("uniform", "lognormal"):
-                return cls(parts[0], float(parts[1]), float(parts[2]), cap=cap)
-        except ValueError:
-            pass
-        raise ValueError(
-            f"length {text!r}: use N, uniform:LOW:HIGH or lognormal:MEAN:SIGMA (e.g. "
-            "lognormal:1000:0.5)"
-        )
-
-    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        if self.kind == "fixed":
-            values = np.full(n, self.a)
-        elif self.kind == "uniform":
-            values = rng.uniform(self.a, self.b, n)
-        else:  # mean-preserving: E[exp(N(mu, s^2))] = exp(mu + s^2 / 2)
-            mu = math.log(self.a) - self.b**2 / 2
-            values = rng.lognormal(mu, self.b, n)
-        return np.clip(np.rint(values), 1, self.cap).astype(np.int64)
+def sample_lengths(dist: LengthDist, rng: np.random.Generator, n: int) -> np.ndarray:
+    """n lengths of `dist` drawn with numpy (the bench draws with random: dist.sample)."""
+    if dist.kind == "fixed":
+        values = np.full(n, dist.a)
+    elif dist.kind == "uniform":
+        values = rng.integers(int(dist.a), int(dist.b), n, endpoint=True)
+    elif dist.kind == "normal":
+        values = rng.normal(dist.a, dist.b, n)
+    else:
+        values = rng.lognormal(dist.mu, dist.b, n)
+    # Rounded and clipped as LengthDist.sample does it (np.rint and round: half to even).
+    return np.clip(np.rint(values), dist.low, dist.high).astype(np.int64)
 
 
 def arrivals(
     rng: np.random.Generator, rate: float, duration_s: float, cv: float = 1.0
 ) -> np.ndarray:
-    """Arrival times in [0, duration): Poisson at cv 1, burstier (gamma gaps) above."""
-    if not rate > 0 or not duration_s > 0 or not cv > 0:
-        raise ValueError(f"rate, duration and cv must be positive: {rate}, {duration_s}, {cv}")
+    """Arrival times in [0, duration): Poisson at cv 1, burstier (gamma gaps) above.
+
+    Stationary: the first arrival is drawn as if the process had been running
+    before 0 (a uniform share of a length-biased gap), so the expected count is
+    rate x duration for any cv; starting at an arrival instead adds (cv^2 - 1) / 2
+    requests in a burst at the start."""
+    if not (rate > 0 and math.isfinite(rate)):
+        raise ValueError(f"--rate must be a finite number > 0 requests/s, got {rate!r}")
+    if not (duration_s > 0 and math.isfinite(duration_s)):
+        raise ValueError(f"--duration must be a finite number > 0 s, got {duration_s!r}")
+    if not 0 < cv <= MAX_CV:
+        raise ValueError(f"--cv must be in (0, {MAX_CV:g}], got {cv!r}")
     shape = 1.0 / cv**2  # gamma with mean 1/rate and coefficient of variation cv
-    expected = int(rate * duration_s * 1.2 + 20)
+    scale = 1.0 / (rate * shape)
     times: list[np.ndarray] = []
     last = 0.0
+    if cv != 1.0:  # exponential gaps are memoryless: the plain first gap is stationary
+        last = float(rng.uniform() * rng.gamma(shape + 1.0, scale))
+        times.append(np.array([last]))
+    expected = int(rate * duration_s * 1.2 + 20)
     while last < duration_s:
-        gaps = rng.gamma(shape, 1.0 / (rate * shape), expected)
-        chunk = last + np.cumsum(gaps)
+        chunk = last + np.cumsum(rng.gamma(shape, scale, expected))
         times.append(chunk)
         last = float(chunk[-1])
     out = np.concatenate(times)
@@ -96,9 +84,12 @@ def synthesize(
     cv: float = 1.0,
     seed: int = 0,
 ) -> list[TraceRequest]:
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"--seed must be an integer >= 0, got {seed!r}")
     rng = np.random.default_rng(seed)
     times = arrivals(rng, rate, duration_s, cv)
-    return _requests(times, input_len.sample(rng, len(times)), output_len.sample(rng, len(times)))
+    n = len(times)
+    return _requests(times, sample_lengths(input_len, rng, n), sample_lengths(output_len, rng, n))
 
 
 def day_trace(
@@ -131,7 +122,8 @@ def day_trace(
     candidates = arrivals(rng, peak, duration_s)
     rate = rate_at(candidates, mean_rate, swing, duration_s, starts, lengths, factors)
     kept = candidates[rng.uniform(0, peak, len(candidates)) < rate]
-    return _requests(kept, input_len.sample(rng, len(kept)), output_len.sample(rng, len(kept)))
+    n = len(kept)
+    return _requests(kept, sample_lengths(input_len, rng, n), sample_lengths(output_len, rng, n))
 
 
 def rate_at(

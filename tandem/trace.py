@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,13 +55,15 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>") -> list[TraceRequ
 
 def read_trace(path: str | Path) -> list[TraceRequest]:
     try:
-        with open(path, encoding="utf-8") as handle:
-            return parse_trace(handle, str(path))
+        with open(path, "rb") as handle:
+            return parse_trace(_decoded(handle, str(path)), str(path))
     except OSError as exc:
         raise TraceError(f"cannot read trace {path}: {exc.strerror or exc}") from None
 
 
 def write_trace(path: str | Path, requests: Iterable[TraceRequest]) -> None:
+    """Write `requests` as a trace, creating the missing folders of `path`."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as handle:
         for r in requests:
             fields = {
@@ -70,6 +72,17 @@ def write_trace(path: str | Path, requests: Iterable[TraceRequest]) -> None:
                 "output_tokens": r.output_tokens,
             }
             handle.write(json.dumps(fields) + "\n")
+
+
+def _decoded(lines: Iterable[bytes], source: str) -> Iterator[str]:
+    """The lines as text, decoded one by one so that bad bytes are named by their line."""
+    for number, raw in enumerate(lines, start=1):
+        try:
+            # utf-8-sig on the first line: editors on Windows start files with a BOM.
+            yield raw.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            byte = raw[exc.start : exc.start + 1].hex()
+            raise TraceError(f"{source} line {number}: not UTF-8 text (byte 0x{byte})") from None
 
 
 def _parse_line(text: str, where: str) -> TraceRequest:

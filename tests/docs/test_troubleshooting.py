@@ -88,7 +88,8 @@ def _helm_error(*sets: str) -> str:
     return result.stderr.strip()
 
 
-def _no_credentials(tmp: Path) -> str:
+def _no_credentials(request: pytest.FixtureRequest) -> str:
+    tmp = request.getfixturevalue("tmp_path")
     return _cli("operator", env={"KUBECONFIG": str(tmp / "none"), "HOME": str(tmp)})
 
 
@@ -125,8 +126,11 @@ PRODUCERS: dict[str, Callable[[Path], str]] = {
         },
         name="smollm2",
     ),
-    "engine-missing-model": lambda _: _cli(
-        "engine", "--model", "/models/llama-3.1-8b", "--served-model-name", "llama-8b"
+    # In a pod Redis answers (the engine checks it first), so here a real one does too.
+    "engine-missing-model": lambda request: _cli(
+        "engine",
+        *("--model", "/models/llama-3.1-8b", "--served-model-name", "llama-8b"),
+        *("--redis-url", request.getfixturevalue("redis_url")),
     ),
     "fetch-no-hub": lambda _: _fetch_without_hub(),
     "gateway-no-keys": lambda _: _cli("gateway", "--redis-url", "redis://127.0.0.1:1/0"),
@@ -195,5 +199,6 @@ def test_every_quoted_message_has_a_producer():
 
 
 @pytest.mark.parametrize("key", sorted(PRODUCERS))
-def test_the_page_quotes_what_the_code_says(key, tmp_path):
-    assert _quoted()[key] == PRODUCERS[key](tmp_path)
+def test_the_page_quotes_what_the_code_says(key, request):
+    # A producer asks `request` for the fixtures it needs (a folder, a Redis).
+    assert _quoted()[key] == PRODUCERS[key](request)

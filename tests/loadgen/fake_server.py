@@ -30,6 +30,10 @@ class FakeServer:
         return httpx.MockTransport(self.handle)
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":  # /v1/models lists one model; nothing else is served
+            if request.url.path.endswith("/models"):
+                return httpx.Response(200, json={"object": "list", "data": [{"id": "fake"}]})
+            return httpx.Response(404)
         body = json.loads(request.content)
         self.bodies.append(body)
         return httpx.Response(

@@ -1,8 +1,11 @@
 """`tandem bench` arguments: bad ones are refused with a message naming the problem (exit 2)."""
 
+import socket
+
 import pytest
 
 from tandem import cli
+from tandem.loadgen import main
 
 
 @pytest.mark.parametrize(
@@ -23,16 +26,43 @@ from tandem import cli
         (["--api", "chat", "--prompt", "ids"], "--prompt ids needs --api completions"),
         (["--token-id-range", "9"], "--token-id-range must be LOW:HIGH"),
         (["--token-id-range", "9:2"], "0 <= LOW <= HIGH"),
+        (["--url", "http://127.0.0.1:99999/v1"], "--url 'http://127.0.0.1:99999/v1' is not a"),
+        (["--url", "http://127.0.0.1:abc/v1"], "--url 'http://127.0.0.1:abc/v1' is not a valid"),
+        (["--url", "http://[::1"], "--url 'http://[::1' is not a valid URL"),
+        (["--redis-url", "notaurl"], "--redis-url 'notaurl': Redis URL must"),
+        (["--temperature", "-1"], "--temperature must be between 0 and 2"),
+        (["--temperature", "nan"], "--temperature must be between 0 and 2"),
         (["--trace", "/nonexistent/t.jsonl"], "cannot read trace /nonexistent/t.jsonl"),
-        (["--trace", "x.jsonl", "--trace-time-scale", "0"], "--trace-time-scale must be > 0"),
+        (["--trace", "latin1.jsonl"], "latin1.jsonl line 2: not UTF-8 text (byte 0xe9)"),
+        (["--trace", "x.jsonl", "--trace-time-scale", "0"], "--trace-time-scale must be a finite"),
+        (["--trace", "x.jsonl", "--trace-time-scale", "inf"], "--trace-time-scale must be a fin"),
+        # Finite, but the last arrival (2 s) scaled is not: refused before anything is sent.
+        (["--trace", "x.jsonl", "--trace-time-scale", "1e308"], "last arrival (2 s) infinite"),
+        # Flags that would be silently ignored.
+        (["--trace", "x.jsonl", "--rate", "5"], "--rate cannot be used with --trace"),
+        (["--trace", "x.jsonl", "--input-tokens", "9"], "--input-tokens cannot be used with"),
+        (["--trace-time-scale", "0.5"], "--trace-time-scale needs --trace"),
+        (["--burstiness", "0.5"], "--burstiness needs a finite --rate"),
+        (["--api", "chat", "--token-id-range", "1:9"], "--token-id-range needs --prompt ids"),
+        (["--key-prefix", "x"], "--key-prefix needs --redis-url"),
+        # Outputs are checked before the run, not found unwritable once it is over.
+        (["--json", "/proc/nope/r.json"], "--json /proc/nope/r.json: cannot write"),
+        (["--json", "."], "--json .: is a folder, not a file"),
+        (["--json", "x.jsonl/r.json"], "--json x.jsonl/r.json: x.jsonl is not a folder"),
+        (["--plots", "x.jsonl"], "--plots x.jsonl: is not a folder"),
+        (["--plots", "/proc/nope"], "--plots /proc/nope: cannot write"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_problem(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "x.jsonl").write_text('{"arrival_s": 0, "input_tokens": 1, "output_tokens": 1}\n')
+    request = '{"arrival_s": %d, "input_tokens": 1, "output_tokens": 1}\n'
+    (tmp_path / "x.jsonl").write_text(request % 0 + request % 2)
+    (tmp_path / "latin1.jsonl").write_bytes((request % 0 + "# caf\xe9\n").encode("latin-1"))
     # A closed port: an argument check that let the run start would fail differently.
     assert cli.main(["bench", "--url", "http://127.0.0.1:9/v1", *argv]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.startswith("tandem: error: ") and err.count("\n") == 1  # one line, no traceback
 
 
 def test_a_bad_trace_line_is_named(capsys, tmp_path):
@@ -42,15 +72,21 @@ def test_a_bad_trace_line_is_named(capsys, tmp_path):
     assert f"{trace} line 2: missing input_tokens, output_tokens" in capsys.readouterr().err
 
 
-def test_an_unreachable_server_is_a_clear_error(capsys):
-    # The model is looked up first (/v1/models): nothing listens on port 9.
-    assert cli.main(["bench", "--url", "http://127.0.0.1:9", "-n", "1", "-q"]) == 2
-    assert "cannot reach http://127.0.0.1:9/v1/models" in capsys.readouterr().err
-
-
-def test_text_calibration_against_an_unreachable_server_is_a_clear_error(capsys):
-    argv = ["bench", "--url", "http://127.0.0.1:9/v1", "--model", "m", "--prompt", "text", "-q"]
+@pytest.mark.parametrize("model", [[], ["--model", "m"]])
+def test_an_unreachable_server_stops_the_bench_before_the_run(model, capsys):
+    # /v1/models is asked first, with --model too: nothing listens on port 9. Without
+    # the probe, 20 requests at 2/s would each fail to connect, for 10 s, and exit 1.
+    argv = ["bench", "--url", "http://127.0.0.1:9", *model, "-n", "20", "--rate", "2", "-q"]
     assert cli.main(argv) == 2
-    assert "calibration request to http://127.0.0.1:9/v1/completions failed" in (
-        capsys.readouterr().err
-    )
+    out, err = capsys.readouterr()
+    assert err.startswith("tandem: error: cannot reach http://127.0.0.1:9/v1/models: ")
+    assert out == ""
+
+
+def test_a_server_that_never_answers_is_said_to_time_out(capsys, monkeypatch):
+    monkeypatch.setattr(main, "PROBE_TIMEOUT_S", 0.2)
+    # Connections are accepted (the kernel's backlog) but nothing is ever answered.
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        url = f"http://127.0.0.1:{server.getsockname()[1]}/v1"
+        assert cli.main(["bench", "--url", url, "--model", "m", "-n", "1", "-q"]) == 2
+    assert f"cannot reach {url}/models: no answer within 0.2 s" in capsys.readouterr().err

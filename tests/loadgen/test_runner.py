@@ -3,6 +3,8 @@
 import asyncio
 import io
 
+import pytest
+
 from tandem.loadgen.client import Target
 from tandem.loadgen.progress import Progress
 from tandem.loadgen.runner import RunLimits, run
@@ -100,3 +102,25 @@ def test_the_progress_line_ends_with_the_final_counts():
     )
     last = stream.getvalue().rstrip("\n").split("\r")[-1]
     assert "5/5" in last and "ok 5  err 0  in flight 0" in last
+
+
+def test_a_workload_that_fails_midway_leaves_no_task_behind():
+    # A value the workload refuses only once sending began: what was started must be
+    # ended, not left to fail on the closed client ("Task exception was never retrieved").
+    def failing():
+        yield TraceRequest(0.0, 2, 2)
+        raise ValueError("bad request 2")
+
+    async def go():
+        with pytest.raises(ValueError, match="bad request 2"):
+            await run(
+                TARGET,
+                failing(),
+                lambda i, n: [1] * n,
+                RunLimits(),
+                QUIET,
+                transport=FakeServer(first_delay=5).transport(),
+            )
+        return asyncio.all_tasks() - {asyncio.current_task()}
+
+    assert asyncio.run(go()) == set()

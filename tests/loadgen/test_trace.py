@@ -50,3 +50,20 @@ def test_an_empty_trace_and_a_missing_file_are_errors(tmp_path):
         read_trace(tmp_path / "absent.jsonl")
     # A ValueError, so `tandem bench` reports it as a bad argument (exit 2).
     assert issubclass(TraceError, ValueError)
+
+
+def test_bytes_that_are_not_utf8_are_named_by_line(tmp_path):
+    path = tmp_path / "t.jsonl"
+    good = b'{"arrival_s": 0, "input_tokens": 1, "output_tokens": 1}\n'
+    path.write_bytes(good + b"\xff\xfe\n")
+    with pytest.raises(TraceError, match=f"{path} line 2: not UTF-8 text \\(byte 0xff\\)"):
+        read_trace(path)
+    # A byte-order mark (Windows editors) is not a bad byte.
+    path.write_bytes(b"\xef\xbb\xbf" + good)
+    assert read_trace(path) == [TraceRequest(0.0, 1, 1)]
+
+
+def test_writing_makes_the_missing_folders(tmp_path):
+    path = tmp_path / "new" / "deeper" / "t.jsonl"
+    write_trace(path, [TraceRequest(0.0, 5, 1)])
+    assert read_trace(path) == [TraceRequest(0.0, 5, 1)]

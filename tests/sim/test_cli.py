@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from tandem.cli import main
 
 
@@ -61,3 +63,33 @@ def test_deployment_yaml(tmp_path, capsys):
     path.write_text("kind: ModelDeployment\nmetadata: {name: m}\nspec: {mode: Sideways}\n")
     assert main(["sim", "--deployment", str(path)]) == 2
     assert "spec.mode" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "path", "problem"),
+    [
+        ("--save-trace", "{tmp}", "is a folder, not a file"),
+        ("--save-trace", "/proc/nope/t.jsonl", "cannot write"),
+        ("--plot", "{tmp}/file", "is not a folder"),
+        ("--plot", "/proc/nope", "cannot write"),
+    ],
+)
+def test_an_unwritable_output_is_refused_before_the_simulation(
+    tmp_path, capsys, flag, path, problem
+):
+    (tmp_path / "file").write_text("")
+    path = path.format(tmp=tmp_path)
+    # Refused before the workload is made and simulated (then, --plot failed after it).
+    argv = ["sim", "--model", "llama-8b", "--rate", "2", "--duration", "10", flag, path]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tandem: error: {flag} {path}: ") and err.count("\n") == 1
+    assert problem in err
+
+
+def test_a_trace_is_saved_into_a_new_folder(tmp_path, capsys):
+    path = tmp_path / "new" / "t.jsonl"
+    args = ["sim", "--model", "llama-8b", "--rate", "2", "--duration", "5", "--json"]
+    assert main([*args, "--save-trace", str(path)]) == 0
+    requests = json.loads(capsys.readouterr().out)["summary"]["requests"]
+    assert len(path.read_text().splitlines()) == requests > 0

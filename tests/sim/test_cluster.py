@@ -44,7 +44,8 @@ def test_every_request_finishes_or_is_reported_failed():
         assert summary.finished + summary.failed == len(requests)
         assert summary.failed == 1 and summary.unfinished == 0
         failed = next(r for r in result.records if r.failure)
-        assert "more than this engine's limit" in failed.failure
+        assert failed.failure.startswith("prompt over 8191 tokens")
+        assert summary.failures == {failed.failure: 1}
         for r in result.records:
             if r.finished:
                 assert r.arrival_s <= r.first_token_s <= r.finish_s

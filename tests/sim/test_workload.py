@@ -1,9 +1,11 @@
 """Traces and synthetic workloads."""
 
+import random
+
 import numpy as np
 import pytest
 
-from tandem.sim.workload import LengthDist, arrivals, day_trace, synthesize
+from tandem.sim.workload import LengthDist, arrivals, day_trace, sample_lengths, synthesize
 from tandem.trace import TraceRequest, read_trace, write_trace
 
 
@@ -63,13 +65,61 @@ def test_poisson_rate_and_bursty_variation():
     assert gaps_b.std() / gaps_b.mean() > 2.0
 
 
+def test_bursty_runs_offer_rate_times_duration_and_cv_is_bounded():
+    # Starting at an arrival added (cv^2 - 1) / 2 requests in a burst at t = 0: at
+    # cv 10, 55 requests on average for 5 s at 1 req/s. The stationary start keeps
+    # the mean at rate x duration.
+    rng = np.random.default_rng(1)
+    counts = [len(arrivals(rng, rate=1.0, duration_s=5.0, cv=5.0)) for _ in range(4000)]
+    assert np.mean(counts) == pytest.approx(5.0, rel=0.15)
+    for cv in (30.0, 1e6):  # 1e6 used to run forever
+        with pytest.raises(ValueError, match=r"--cv must be in \(0, 10\]"):
+            arrivals(rng, rate=1.0, duration_s=5.0, cv=cv)
+
+
+def test_poisson_arrivals_keep_their_stream():
+    # The studies' workloads (Poisson) are the ones their documented tables came from.
+    times = arrivals(np.random.default_rng(0), rate=2.0, duration_s=3.0)
+    expected = [0.34, 0.8498, 0.8597, 0.8608, 1.136, 1.9509, 2.2877, 2.6654]
+    assert times.tolist() == pytest.approx(expected, abs=1e-4)
+
+
 def test_length_distributions():
     rng = np.random.default_rng(0)
-    assert set(LengthDist.parse("7").sample(rng, 10).tolist()) == {7}
-    lognormal = LengthDist.parse("lognormal:1000:0.5").sample(rng, 20_000)
+    assert set(sample_lengths(LengthDist.parse("7"), rng, 10).tolist()) == {7}
+    lognormal = sample_lengths(LengthDist.parse("lognormal:1000:0.5"), rng, 20_000)
     assert lognormal.mean() == pytest.approx(1000, rel=0.03)
-    with pytest.raises(ValueError, match="lognormal:MEAN:SIGMA"):
+    with pytest.raises(ValueError, match="normal:MEAN:SPREAD"):
         LengthDist.parse("normal:5")
+    with pytest.raises(ValueError, match="a fixed length is one integer"):
+        LengthDist.parse("1.5")
+
+
+@pytest.mark.parametrize(
+    "spec", ["uniform:3:6", "normal:100:30:80:110", "lognormal:50:0.5", "lognormal:50:1:1:200"]
+)
+def test_sim_and_bench_read_a_spec_alike(spec):
+    """One parser, one meaning: the simulator's numpy draws and the bench's random
+    draws of the same spec keep to its bounds and have the same mean and spread."""
+    dist = LengthDist.parse(spec)
+    sim = sample_lengths(dist, np.random.default_rng(0), 20_000)
+    rng = random.Random(0)
+    bench = np.array([dist.sample(rng) for _ in range(20_000)])
+    for draws in (sim, bench):
+        assert dist.low <= draws.min() and draws.max() <= dist.high
+    assert sim.mean() == pytest.approx(bench.mean(), rel=0.02)
+    assert sim.std() == pytest.approx(bench.std(), rel=0.05)
+
+
+def test_a_negative_seed_is_named():
+    with pytest.raises(ValueError, match="--seed must be an integer >= 0, got -1"):
+        synthesize(
+            rate=1.0,
+            duration_s=1.0,
+            input_len=LengthDist.parse("10"),
+            output_len=LengthDist.parse("10"),
+            seed=-1,
+        )
 
 
 def test_day_trace_peaks_at_noon():
