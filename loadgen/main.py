@@ -51,6 +51,8 @@ def main(args: argparse.Namespace, transport: httpx.AsyncBaseTransport | None = 
     # The text first: whatever fails after it, the result has been shown.
     _print_report(format_report(report))
     written = _write_outputs(args, report, result, target)
+    if result.interrupted is not None:
+        return 130  # a shell's status for Ctrl-C, after the report
     return 0 if report["requests"]["ok"] and written else 1
 
 

@@ -130,6 +130,7 @@ def build_report(result: RunResult, slo: Slo, config: dict[str, Any]) -> dict[st
             "usage_missing": sum(1 for r in ok if not r.usage_reported),
             # Outputs shorter than max_tokens (EOS honoured, or a stop).
             "short_outputs": sum(1 for r in ok if (r.output_tokens or 0) < r.max_tokens),
+            "interrupted": result.interrupted,
         },
         "throughput": {
             "requests_per_s": per_s(len(ok)),
@@ -187,6 +188,11 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"note         {req['usage_missing']} answers had no usage: outputs counted")
     if req["short_outputs"]:
         lines.append(f"note         {req['short_outputs']} outputs ended before max_tokens")
+    if req["interrupted"] is not None:
+        lines.append(
+            f"note         interrupted (Ctrl-C): the {req['interrupted']} requests in flight "
+            "were dropped, the figures cover the rest"
+        )
     if report["replicas"]:
         roles = sorted({role for s in report["replicas"] for role in s["roles"]})
         spans = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -50,6 +51,9 @@ class RunResult:
     replicas: list[ReplicaSample] = field(default_factory=list)
     # Why the registry could not be read, when it could not.
     replicas_error: str | None = None
+    # Requests in flight when Ctrl-C ended the run (dropped: neither ok nor
+    # failed); None when the run was not interrupted.
+    interrupted: int | None = None
 
 
 @dataclass
@@ -84,11 +88,22 @@ async def run(
         if poller is not None:
             background.append(asyncio.create_task(poller.run(t0, stop)))
         tasks: list[asyncio.Task[RequestRecord]] = []
+        sender = asyncio.create_task(
+            _send_all(client, target, workload, make_prompt, limits, t0, counters, tasks)
+        )
+        interrupt = _Interrupt(sender, tasks)
         try:
-            await _send_all(client, target, workload, make_prompt, limits, t0, counters, tasks)
-            records = list(await asyncio.gather(*tasks))
+            with interrupt.on_ctrl_c():
+                try:
+                    await sender
+                    await asyncio.gather(*tasks)
+                except asyncio.CancelledError:
+                    if not interrupt.fired:
+                        raise
+                    await asyncio.gather(*tasks, return_exceptions=True)
+            records = [t.result() for t in tasks if not t.cancelled()]
         except BaseException:
-            # Sending stopped on an error (a bad workload value, Ctrl-C): end what it
+            # Sending stopped on an error (a bad workload value, a second Ctrl-C): end what it
             # started, so no task outlives the client or dies with its error unread.
             for task in [*tasks, *background]:
                 task.cancel()
@@ -104,11 +119,46 @@ async def run(
         progress.update(_line(counters, limits, time.perf_counter() - t0), force=True)
         progress.close()
     result = RunResult(records, wall_s, started_at)
+    if interrupt.fired:
+        result.interrupted = len(tasks) - len(records)
     if poller is not None:
         result.replicas = poller.samples
         result.replicas_error = poller.error
         await poller.close()
     return result
+
+
+class _Interrupt:
+    """The first Ctrl-C ends the run early but keeps its result: no new request is
+    sent, those in flight are cancelled (the server sees the client leave), and
+    the report covers what was answered. A second Ctrl-C aborts (KeyboardInterrupt)."""
+
+    def __init__(self, sender: asyncio.Task[None], tasks: list[asyncio.Task[RequestRecord]]):
+        self.sender, self.tasks = sender, tasks
+        self.fired = False
+
+    @contextlib.contextmanager
+    def on_ctrl_c(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        try:
+            loop.add_signal_handler(signal.SIGINT, self.fire)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            yield
+            return
+        try:
+            yield
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)  # the default again: KeyboardInterrupt
+
+    def fire(self) -> None:
+        if self.fired:
+            raise KeyboardInterrupt
+        self.fired = True
+        self.sender.cancel()
+        for task in self.tasks:
+            task.cancel()
+        # The next Ctrl-C is Python's own again: it aborts at once.
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
 
 
 async def _send_all(

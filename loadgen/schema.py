@@ -86,6 +86,8 @@ REPORT_SCHEMA: dict[str, Any] = {
                 },
                 "usage_missing": {"type": "integer", "minimum": 0},
                 "short_outputs": {"type": "integer", "minimum": 0},
+                # Requests dropped in flight by a Ctrl-C; null: the run ran to its end.
+                "interrupted": {"type": ["integer", "null"], "minimum": 0},
             },
         },
         "throughput": {

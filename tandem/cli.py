@@ -330,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     except StartError as exc:  # `tandem up` or `demo` did not start; it says why
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C where a command keeps nothing to report
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

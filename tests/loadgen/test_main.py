@@ -1,6 +1,9 @@
 """`tandem bench` end to end on the fake server: the report, and no result lost to an output."""
 
 import json
+import os
+import signal
+import threading
 
 import httpx
 import pytest
@@ -50,3 +53,25 @@ def test_a_failed_calibration_request_is_a_clear_error():
         ValueError, match="calibration request to http://fake/v1/completions failed"
     ):
         bench("--prompt", "text", transport=httpx.MockTransport(handle))
+
+
+def test_a_ctrl_c_ends_the_run_with_the_report_of_what_was_answered(tmp_path, capsys):
+    # Ten requests of ~0.4 s, two at a time; Ctrl-C after ~1 s: a few answered,
+    # two in flight dropped, the rest never sent. A long run stopped early still
+    # has its figures.
+    server = FakeServer(token_delay=0.02)
+    path = tmp_path / "r.json"
+    argv = ["-n", "10", "--rate", "inf", "--concurrency", "2", "--output-tokens", "20"]
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        status = bench(*argv, "--json", str(path), transport=server.transport())
+    finally:
+        timer.cancel()
+    assert status == 130
+    report = json.loads(path.read_text())
+    requests = report["requests"]
+    assert requests["interrupted"] in (1, 2)
+    assert requests["ok"] == requests["sent"] >= 1
+    assert requests["sent"] + requests["interrupted"] < 10
+    assert "interrupted (Ctrl-C)" in capsys.readouterr().out
