@@ -27,6 +27,8 @@ def _chat(args: argparse.Namespace) -> int:
     """Answer one question with a local model, streaming the answer."""
     from tandem.engine import LLM, SamplingParams
 
+    # Checked before the model loads: a bad value costs no load.
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     started = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
     loaded = time.perf_counter()
@@ -34,7 +36,6 @@ def _chat(args: argparse.Namespace) -> int:
     print(f"> {args.question}")
     engine = llm.engine
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.question}])
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     engine.add_request("chat", prompt_token_ids=prompt, sampling_params=params)
     num_tokens = 0
     while engine.has_unfinished_requests():
@@ -204,9 +205,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="answer a question with a model in this process")
     chat.add_argument("question")
-    chat.add_argument("--model", default="smollm2", help="HF directory, .gguf, smollm2")
-    chat.add_argument("--max-tokens", type=int, default=64)
-    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument(
+        "--model",
+        default="smollm2",
+        help="a Hugging Face model directory, a .gguf file, smollm2 or random:<size> "
+        "(default: %(default)s)",
+    )
+    chat.add_argument(
+        "--max-tokens", type=int, default=64, help="longest answer (default: %(default)s)"
+    )
+    chat.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)"
+    )
     chat.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16")
     chat.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     chat.set_defaults(func=_chat)
