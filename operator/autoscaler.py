@@ -24,6 +24,8 @@ from tandem.operator.scaling_policy import ScalingPolicy, ScalingRole
 
 # ceil() of a demand computed in floats: 0.7 * 3 / 0.7 must ask for 3 pods, not 4.
 _EPSILON = 1e-9
+# Decision.unreadable.
+UNREADABLE = "no pod's metrics readable"
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,11 +38,17 @@ class RoleObservation:
     # no usable load (starting, unreachable) are `current_replicas` minus the ready
     # pods that have the metric: see `_per_pod`.
     pods: tuple[PodLoad, ...] = ()
+    # Pods that were scraped but could not be read (down, too slow, not an engine,
+    # a value out of range). They count as pods without metrics either way; this
+    # only tells "none could be read" from "none was there to read".
+    unreadable: int = 0
 
     def __post_init__(self) -> None:
         n = self.current_replicas
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"current_replicas must be an integer >= 0, got {n!r}")
+        if self.unreadable < 0:
+            raise ValueError(f"unreadable must be >= 0, got {self.unreadable!r}")
         object.__setattr__(self, "pods", tuple(self.pods))
 
     @property
@@ -58,12 +66,23 @@ class ScalingHistory:
     # and the tuple stays a handful of entries long.
     recommendations: tuple[tuple[float, int], ...] = ()
     # The same for the scale-up window's minimum: each entry strictly lower than
-    # every later one. Empty on a fresh history (nothing argues against a scale-up).
+    # every later one.
     lows: tuple[tuple[float, int], ...] = ()
     # When the replica count last changed (status: lastScaleTime).
     last_scale_at: float | None = None
     # When the role last had any work (queued, pending or running).
     last_active_at: float | None = None
+    # Since when no pod of the role could be read; None while one can.
+    unreadable_since: float | None = None
+
+    @classmethod
+    def starting(cls, now: float, replicas: int) -> ScalingHistory:
+        """The history of a role whose past is unknown (a new model, an operator
+        restart): its current replicas count as recommended now in both windows,
+        so a reading at the first evaluation, a spike or a dip, moves nothing
+        before a whole window of evidence, as in a running operator."""
+        entry = ((now, replicas),)
+        return cls(recommendations=entry, lows=entry)
 
     def peak_since(self, start: float) -> int | None:
         """The highest recommendation made after `start`, if any."""
@@ -104,6 +123,12 @@ class Decision:
     history: ScalingHistory
     # Replicas each signal asks for (pods without metrics counted idle).
     signals: tuple[tuple[str, float], ...] = ()
+    # UNREADABLE ("no pod's metrics readable") while none of the role's pods
+    # could be read, the last time some were scraped: the role then holds, moved
+    # only by what Redis shows (rule 2). None while one can be read.
+    unreadable: str | None = None
+    # Whether this evaluation set or cleared `unreadable`: log, or post an Event, once.
+    unreadable_changed: bool = False
 
     @property
     def changed(self) -> bool:
@@ -163,6 +188,11 @@ def decide(
     )
     recommendation, why = _recommend(current, demand, policy, idle_zero, now - last_active)
     notes = [why]
+    unreadable_since = _unreadable_since(observed, history.unreadable_since, now)
+    if unreadable_since is not None:
+        # Demand then holds at the current count (rule 2) unless Redis moves it:
+        # say why instead of "within tolerance".
+        notes = [f"holding: {UNREADABLE}"] if recommendation == current else [why, UNREADABLE]
 
     replicas = recommendation
     down_window_start = now - policy.scale_down_stabilization_seconds
@@ -217,6 +247,7 @@ def decide(
         ),
         last_scale_at=now if replicas != current else history.last_scale_at,
         last_active_at=last_active,
+        unreadable_since=unreadable_since,
     )
     verb = "scale" if replicas != current else "keep"
     return Decision(
@@ -227,6 +258,8 @@ def decide(
         reason=f"{role} {verb} {current}->{replicas}: " + "; ".join(notes),
         history=new_history,
         signals=tuple((s.name, round(s.up, 6)) for s in demand.signals),
+        unreadable=None if unreadable_since is None else UNREADABLE,
+        unreadable_changed=(unreadable_since is None) != (history.unreadable_since is None),
     )
 
 
@@ -245,6 +278,15 @@ def decide_all(
         role: decide(role, obs, queue, policies[role], histories.get(role, ScalingHistory()), now)
         for role, obs in observed.items()
     }
+
+
+def _unreadable_since(observed: RoleObservation, since: float | None, now: float) -> float | None:
+    """Since when no pod of the role could be read; None while one can."""
+    if observed.pods:
+        return None
+    if observed.unreadable:
+        return now if since is None else since
+    return since  # no pod ready, none scraped: nothing new either way
 
 
 # ------------------------------------------------------------------ signals
@@ -284,24 +326,23 @@ def _demand(
     current, pods, ready = observed.current_replicas, observed.pods, observed.ready_pods
     signals: list[_Signal] = []
     if role in (ScalingRole.NORMAL, ScalingRole.DECODE):
-        measured = [p for p in ready if math.isfinite(p.kv_cache_usage)]
-        usage = sum(max(0.0, p.kv_cache_usage) for p in measured)
+        # Loads are in range (engine_metrics.parse_metrics refuses the rest).
+        usage = sum(p.kv_cache_usage for p in ready)
         if role is ScalingRole.DECODE:
             # KV usage saturates at 1 per pod, so alone it cannot show a 4x load.
             # Handoffs no decoder has room for are the rest of the demand, each
             # costing the KV a running request holds on average.
             backlog = queue.handoff_waiting + sum(p.requests_waiting for p in pods)
-            running = sum(p.requests_running for p in measured)
+            running = sum(p.requests_running for p in ready)
             if backlog and running:
                 usage += backlog * usage / running
         signals.append(
-            _per_pod("kv_cache", usage / policy.target_kv_cache_usage, len(measured), current)
+            _per_pod("kv_cache", usage / policy.target_kv_cache_usage, len(ready), current)
         )
     if role is ScalingRole.PREFILL:
-        values = [p.budget_utilization for p in ready if p.budget_utilization is not None]
-        measured_util = [max(0.0, u) for u in values if math.isfinite(u)]
-        units = sum(measured_util) / policy.target_budget_utilization
-        signals.append(_per_pod("budget", units, len(measured_util), current))
+        used = [p.budget_utilization for p in ready if p.budget_utilization is not None]
+        units = sum(used) / policy.target_budget_utilization
+        signals.append(_per_pod("budget", units, len(used), current))
     if role in (ScalingRole.NORMAL, ScalingRole.PREFILL):
         # Absolute, like an HPA External metric with an AverageValue target: the
         # tokens are waiting whoever will take them, so no per-pod adjustment.

@@ -37,6 +37,16 @@ _REQUIRED_GAUGES = (
     "waiting_prompt_tokens",
     "token_budget",
 )
+# Counters (and the step histogram's sum and _created) a sample keeps, by `kind` label.
+_COUNTERS = frozenset(
+    {
+        "steps_total",
+        "scheduled_tokens_total",
+        "step_seconds_sum",
+        "step_seconds_created",
+        "waiting_prompt_token_seconds_total",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +88,11 @@ class PodSample:
 
 @dataclass(frozen=True, slots=True)
 class PodLoad:
-    """What the autoscaler reads about one pod: gauges now, rates since the last scrape."""
+    """What the autoscaler reads about one pod: gauges now, rates since the last scrape.
+
+    Every value is in range (parse_metrics refuses a page with one that is not,
+    and the rates of in-range counters are), so the autoscaler takes them as they are.
+    """
 
     pod: str
     ready: bool
@@ -101,58 +115,62 @@ class PodLoad:
 
 
 def parse_metrics(text: str, *, pod: str, ready: bool, scraped_at: float) -> PodSample:
-    """A PodSample from Prometheus text exposition. ValueError if it is not an engine's."""
+    """A PodSample from Prometheus text exposition.
+
+    ValueError if it is not an engine's, or holds a value no engine exports
+    (`_in_range`): the pod then counts as unreadable, as if its scrape failed.
+    """
     gauges: dict[str, float] = {}
-    steps: dict[str, float] = {}
-    scheduled: dict[str, float] = {}
-    step_seconds = 0.0
-    waiting_token_seconds: float | None = None
-    started_at: float | None = None
+    counters: dict[tuple[str, str], float] = {}
     labels: dict[str, str] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if not s.name.startswith(_PREFIX):
                 continue
             name = s.name[len(_PREFIX) :]
-            if name == "steps_total":
-                steps[s.labels.get("kind", "")] = s.value
-            elif name == "scheduled_tokens_total":
-                scheduled[s.labels.get("kind", "")] = s.value
-            elif name == "step_seconds_sum":
-                step_seconds = s.value
-            elif name == "step_seconds_created":
-                started_at = s.value
-            elif name == "waiting_prompt_token_seconds_total":
-                waiting_token_seconds = s.value
+            if name in _COUNTERS:
+                counters[name, s.labels.get("kind", "")] = _in_range(pod, name, s.value)
             elif family.type == "gauge":
                 gauges[name] = s.value
                 labels = labels or dict(s.labels)
     missing = [g for g in _REQUIRED_GAUGES if g not in gauges]
     if missing:
         raise ValueError(f"{pod}: /metrics lacks {', '.join(_PREFIX + g for g in missing)}")
+
+    def count(name: str) -> int:
+        return int(_in_range(pod, name, gauges.get(name, 0.0)))
+
+    def by_kind(name: str) -> dict[str, float]:
+        return {kind: v for (n, kind), v in counters.items() if n == name}
+
     return PodSample(
         pod=pod,
         ready=ready,
         scraped_at=scraped_at,
-        kv_cache_usage=gauges["kv_cache_usage"],
-        requests_running=_int(gauges["requests_running"]),
-        requests_waiting=_int(gauges["requests_waiting"]),
-        waiting_prompt_tokens=_int(gauges["waiting_prompt_tokens"]),
-        token_budget=_int(gauges["token_budget"]),
-        kv_pinned_requests=_int(gauges.get("kv_pinned_requests", 0.0)),
-        steps_total=steps,
-        scheduled_tokens_total=scheduled,
-        step_seconds_total=step_seconds,
-        waiting_token_seconds_total=waiting_token_seconds,
-        started_at=started_at,
+        kv_cache_usage=_in_range(pod, "kv_cache_usage", gauges["kv_cache_usage"], high=1.0),
+        requests_running=count("requests_running"),
+        requests_waiting=count("requests_waiting"),
+        waiting_prompt_tokens=count("waiting_prompt_tokens"),
+        token_budget=count("token_budget"),
+        kv_pinned_requests=count("kv_pinned_requests"),
+        steps_total=by_kind("steps_total"),
+        scheduled_tokens_total=by_kind("scheduled_tokens_total"),
+        step_seconds_total=counters.get(("step_seconds_sum", ""), 0.0),
+        waiting_token_seconds_total=counters.get(("waiting_prompt_token_seconds_total", "")),
+        started_at=counters.get(("step_seconds_created", "")),
         model=labels.get("model", ""),
         role=labels.get("role", ""),
     )
 
 
-def _int(value: float) -> int:
-    # Gauges of counts arrive as floats; a NaN or negative one is treated as none.
-    return int(value) if math.isfinite(value) and value > 0 else 0
+def _in_range(pod: str, name: str, value: float, high: float = math.inf) -> float:
+    # Rule 2 of docs/scaling.md, never scale on a guess: an engine exports no
+    # NaN, no infinity, no negative count or total and no KV usage above 1. Such
+    # a value comes from a broken engine or proxy, and taking it (or clamping it
+    # to 0) would scale on it: the pod must count as unreadable instead.
+    if not (math.isfinite(value) and 0.0 <= value <= high):
+        raise ValueError(f"{pod}: {_PREFIX}{name} is {value!r}, outside [0, {high:g}]")
+    return value
 
 
 # ------------------------------------------------------------------ rates
@@ -263,15 +281,16 @@ async def scrape(
 ) -> PodSample | None:
     """Scrape one engine at `url` (its base URL, e.g. http://10.0.0.7:8100).
 
-    GETs /metrics and /readyz together. None when the pod cannot be read (down,
-    slow, not an engine): the autoscaler counts it as a pod without metrics,
+    GETs /metrics and /readyz together, each within `timeout` seconds in all.
+    None when the pod cannot be read (down, slower than that, not an engine, a
+    value out of range): the autoscaler counts it as a pod without metrics,
     which is not an error. A pod whose /readyz fails is sampled as not ready.
     """
     base = url.rstrip("/")
     try:
         metrics, readyz = await asyncio.gather(
-            client.get(f"{base}/metrics", timeout=timeout),
-            client.get(f"{base}/readyz", timeout=timeout),
+            _get(client, f"{base}/metrics", timeout),
+            _get(client, f"{base}/readyz", timeout),
             return_exceptions=True,
         )
         if isinstance(metrics, BaseException):
@@ -279,10 +298,19 @@ async def scrape(
         metrics.raise_for_status()
         ready = isinstance(readyz, httpx.Response) and readyz.status_code == 200
         return parse_metrics(metrics.text, pod=pod, ready=ready, scraped_at=time.monotonic())
-    except (httpx.HTTPError, ValueError) as exc:
-        # ValueError: a page that is not Prometheus text, or not an engine's.
+    except (httpx.HTTPError, TimeoutError, ValueError) as exc:
+        # ValueError: a page that is not Prometheus text, not an engine's, or
+        # holding a value out of range.
+        # DEBUG: a pod failing is routine; scaling.evaluate warns once per role.
         log.debug("scrape of %s at %s failed: %r", pod, base, exc)
         return None
+
+
+async def _get(client: httpx.AsyncClient, url: str, timeout: float) -> httpx.Response:
+    # httpx's timeout bounds each connect and each read, not the request: an
+    # engine (or proxy) sending a byte a second would hold a scrape for minutes.
+    async with asyncio.timeout(timeout):
+        return await client.get(url, timeout=timeout)
 
 
 class SampleSource(Protocol):
@@ -295,7 +323,8 @@ class SampleSource(Protocol):
     `kube_pod_status_ready` (kube-state-metrics) and `scraped_at` from the
     sample timestamps. Counters stay running totals, so pod_load() computes the
     rates exactly as for direct scrapes; only the freshness differs (one
-    Prometheus scrape interval behind).
+    Prometheus scrape interval behind). A value out of range makes the pod
+    unreadable (None), as parse_metrics does.
     """
 
     async def sample(self, pod: str, url: str) -> PodSample | None: ...

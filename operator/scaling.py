@@ -4,12 +4,12 @@ autoscaler.py decides from numbers; this module turns Kubernetes objects into
 those numbers and the decisions back into what the operator writes: the
 scaling policy of a role spec, which pods to scrape, the observation of a
 role, the pod-deletion costs before a scale-down and the status.lastScale
-record. No I/O: the controller scrapes and writes.
+record. No I/O (logging aside): the controller scrapes and writes.
 """
 
 from __future__ import annotations
 
-import math
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,10 +18,13 @@ from tandem.backlog import QueueState
 from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide
 from tandem.operator.engine_flags import HTTP_PORT
 from tandem.operator.engine_metrics import PodSample, pod_load
+from tandem.operator.engine_metrics import log as scrape_log
 from tandem.operator.manifests import DELETION_COST_ANNOTATION, pods_of, selector_labels
 from tandem.operator.role_spec import DecodeRole, NormalRole, PrefillRole, RoleName, RoleSpec
 from tandem.operator.scaling_policy import ScalingPolicy, ScalingRole
 from tandem.operator.spec import ModelDeploymentSpec
+
+log = logging.getLogger(__name__)
 
 Body = Mapping[str, Any]
 _MAX_REASON = 1024  # status.lastScale.reason (status_model.py)
@@ -107,19 +110,24 @@ def evaluate(
     decisions: dict[RoleName, Decision] = {}
     histories = dict(memory.histories)
     for role_name, role in spec.roles().items():
+        role_pods = pods_of(pods, role_name)
+        targets = scrape_targets(role_pods)
         loads = tuple(
             pod_load(samples[name], memory.samples.get(name))
-            for name in (p["metadata"]["name"] for p in pods_of(pods, role_name))
+            for name in (p["metadata"]["name"] for p in role_pods)
             if name in samples
         )
-        observed = RoleObservation(current_replicas=replicas[role_name], pods=loads)
-        # A role seen for the first time (a new model, or an operator that just
-        # started) counts its current replicas as recommended now: no scale-down
-        # before a whole window of evidence, whatever the first scrape shows.
-        history = histories.get(role_name) or ScalingHistory(
-            recommendations=((now, replicas[role_name]),)
+        observed = RoleObservation(
+            current_replicas=replicas[role_name],
+            pods=loads,
+            unreadable=sum(n not in samples for n in targets),
         )
+        # A role seen for the first time (a new model, or an operator that just
+        # started) has no past to weigh a first reading against: see starting().
+        history = histories.get(role_name) or ScalingHistory.starting(now, replicas[role_name])
         decision = decide(ScalingRole(role_name.value), observed, queue, policy(role), history, now)
+        if decision.unreadable_changed:
+            _log_readability(role_pods, observed, history, decision, now)
         decisions[role_name] = decision
         histories[role_name] = decision.history
     # Pods that were not scraped this time keep their last sample: one failed
@@ -127,6 +135,31 @@ def evaluate(
     alive = {p["metadata"]["name"] for p in pods}
     kept = {n: s for n, s in memory.samples.items() if n in alive and n not in samples}
     return Evaluation(decisions, ScalerMemory(histories, {**kept, **samples}))
+
+
+def _log_readability(
+    role_pods: Sequence[Body],
+    observed: RoleObservation,
+    previous: ScalingHistory,
+    decision: Decision,
+    now: float,
+) -> None:
+    # Once per change, not per scrape: each failed scrape is only a DEBUG line
+    # (engine_metrics.scrape), yet a role holding for want of metrics must show.
+    # A change always has pods behind it: those scraped.
+    meta = role_pods[0]["metadata"]
+    model = meta.get("labels", {}).get("app.kubernetes.io/instance", "?")
+    where = f"{meta.get('namespace', '')}/{model} {decision.role}"
+    if decision.unreadable:
+        log.warning(
+            "%s: %s (%d scraped); autoscaling holds until one is (%s logs why at DEBUG)",
+            where,
+            decision.unreadable,
+            observed.unreadable,
+            scrape_log.name,
+        )
+    elif previous.unreadable_since is not None:
+        log.info("%s: metrics readable again after %gs", where, now - previous.unreadable_since)
 
 
 def deletion_costs(pods: Sequence[Body], samples: Mapping[str, PodSample]) -> dict[str, int]:
@@ -170,9 +203,8 @@ def plan_resize(target: int, samples: Sequence[PodSample | None]) -> tuple[int, 
 def drain_key(sample: PodSample) -> tuple[float, ...]:
     """How much a pod's drain costs, the least first: work in flight (what a drain
     waits for), then KV held, then queued prompts."""
-    kv = sample.kv_cache_usage if math.isfinite(sample.kv_cache_usage) else 0.0
     requests = sample.requests_running + sample.requests_waiting + sample.kv_pinned_requests
-    return (float(requests), kv, float(sample.waiting_prompt_tokens))
+    return (float(requests), sample.kv_cache_usage, float(sample.waiting_prompt_tokens))
 
 
 def cost_changes(pods: Sequence[Body], costs: Mapping[str, int]) -> dict[str, int]:

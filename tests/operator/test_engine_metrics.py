@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from types import SimpleNamespace
 
@@ -242,6 +241,37 @@ def test_text_that_is_not_an_engines_metrics_is_refused():
         parse_metrics("# TYPE up gauge\nup 1\n", pod="p0", ready=True, scraped_at=0.0)
 
 
+def with_value(text: str, series: str, value: str) -> str:
+    """`text` with the first sample of `series` (tandem_engine_ left out) set to `value`."""
+    lines = text.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith(f"tandem_engine_{series}{{"))
+    lines[i] = f"{lines[i].rsplit(' ', 1)[0]} {value}"
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("series", "value"),
+    [
+        ("kv_cache_usage", "-1.0"),
+        ("kv_cache_usage", "50.0"),
+        ("kv_cache_usage", "NaN"),
+        ("requests_running", "-1"),
+        ("waiting_prompt_tokens", "+Inf"),
+        ("scheduled_tokens_total", "-800"),
+        ("step_seconds_sum", "NaN"),
+        ("waiting_prompt_token_seconds_total", "-1"),
+    ],
+)
+def test_a_value_no_engine_exports_makes_the_page_unreadable(series, value):
+    # Taken at face value, one pod's KV usage of -1 scaled 4 pods at target to 3
+    # and 50 scaled them to 8; clamped to 0, a negative count read as idle.
+    metrics, engine = EngineMetrics("tiny", "normal"), FakeEngine()
+    engine.step(metrics, prefill=True, tokens=800, seconds=0.5)
+    text = with_value(metrics.render().decode(), series, value)
+    with pytest.raises(ValueError, match=f"tandem_engine_{series} is"):
+        parse_metrics(text, pod="p0", ready=True, scraped_at=0.0)
+
+
 def test_pod_load_refuses_samples_of_two_pods():
     m = EngineMetrics("tiny", "prompt")
     with pytest.raises(ValueError, match="two pods"):
@@ -279,10 +309,10 @@ def endpoint():
     ep.server.stop()
 
 
-def scrape_once(url: str, *, timeout: float = 2.0) -> PodSample | None:
+def scrape_once(url: str) -> PodSample | None:
     async def run() -> PodSample | None:
         async with httpx.AsyncClient() as client:
-            return await scrape(client, url, "p0", timeout=timeout)
+            return await scrape(client, url, "p0")
 
     return asyncio.run(run())
 
@@ -304,29 +334,14 @@ def test_a_pod_whose_readiness_probe_fails_is_sampled_not_ready(endpoint):
     assert s is not None and not s.ready
 
 
-def test_an_unreachable_pod_is_none():
-    with socket.socket() as sock:  # a port nobody listens on once closed
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    assert scrape_once(f"http://127.0.0.1:{port}") is None
-
-
-def test_a_slow_pod_is_none_after_the_timeout():
-    # A listening socket nobody accepts from: the kernel completes the handshake,
-    # the request goes out, no answer ever comes (a pod stuck in a long GC, say).
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(8)
-        started = time.monotonic()
-        assert scrape_once(f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=0.2) is None
-        assert time.monotonic() - started < 1.0
-
-
 def test_an_erroring_or_foreign_metrics_page_is_none(endpoint):
     def broken() -> bytes:
         raise RuntimeError("boom")  # HealthServer answers 500
 
-    for render in (broken, lambda: b"# TYPE up gauge\nup 1\n", lambda: b"\xff{not prometheus"):
+    impossible = EngineMetrics("tiny", "normal")
+    impossible.kv_cache_usage.set(-1.0)
+    foreign = (lambda: b"# TYPE up gauge\nup 1\n", lambda: b"\xff{not prometheus")
+    for render in (broken, *foreign, impossible.render):
         assert scrape_once(endpoint.serve(render)) is None
 
 
