@@ -27,6 +27,8 @@ import redis
 from tandem import catalog
 from tandem.operator import scaling
 from tandem.operator.autoscaler import Decision
+from tandem.operator.drift import repair_patch
+from tandem.operator.engine_metrics import PodSample
 from tandem.operator.kube import ApiError, KubeApi
 from tandem.operator.manifests import OperatorDefaults, pods_of
 from tandem.operator.reconcile import (
@@ -34,8 +36,8 @@ from tandem.operator.reconcile import (
     Plan,
     plan,
     refused,
-    repair_patch,
     role_replicas,
+    served_name_holder,
 )
 from tandem.operator.role_spec import RoleName
 from tandem.operator.settings import OperatorSettings
@@ -58,6 +60,8 @@ class _Scaling:
     changed: Mapping[RoleName, Decision] = field(default_factory=dict)
     # Pod name -> deletion cost, written before the scale-down.
     costs: Mapping[str, int] = field(default_factory=dict)
+    # The pods' metrics, when the evaluation read them.
+    samples: Mapping[str, PodSample] | None = None
 
 
 class Controller:
@@ -116,25 +120,27 @@ class Controller:
     async def _reconcile(
         self, model: Body, autoscale: bool, memory: scaling.ScalerMemory | None
     ) -> scaling.ScalerMemory | None:
-        meta = model["metadata"]
-        children = await self._children(meta["namespace"], meta["name"])
-        pods = await self._kube.list("Pod", meta["namespace"], scaling.pod_selector(meta["name"]))
-        outcome = await self._autoscale(model, children, pods, memory) if autoscale else None
-        now = _now()
-        changed = outcome.changed if outcome else {}
-        recorded = None
-        for role_name, decision in changed.items():
-            recorded = scaling.last_scale(role_name, decision, now)
+        namespace, name = model["metadata"]["namespace"], model["metadata"]["name"]
+        children, pods, models = await asyncio.gather(
+            self._children(namespace, name),
+            self._kube.list("Pod", namespace, scaling.pod_selector(name)),
+            self._kube.list(KIND, namespace, {}),
+        )
+        holder = served_name_holder(model, models)
+        # A model that may not serve its name neither reads nor declares that name's queue.
+        scale = autoscale and holder is None
+        outcome = await self._autoscale(model, children, pods, memory) if scale else None
         actions = plan(
             model,
             children,
             self._defaults,
-            now=now,
-            decisions={role: d.replicas for role, d in changed.items()},
-            last_scale=recorded,
+            now=_now(),
+            scaled=outcome.changed if outcome else {},
             pods=pods,
+            holder=holder,
         )
-        await self._apply(model, actions, outcome)
+        costs = await self._costs(actions, pods, outcome)
+        await self._apply(model, actions, costs)
         return outcome.memory if outcome else memory
 
     async def _children(self, namespace: str, name: str) -> list[Body]:
@@ -184,13 +190,24 @@ class Controller:
             return _Scaling(memory)
         samples = await self._sources.sample_all(scaling.scrape_targets(pods))
         evaluation = scaling.evaluate(spec, replicas, pods, samples, queue, memory, self._clock())
-        costs: dict[str, int] = {}
-        for role_name, decision in evaluation.changed.items():
-            if decision.replicas < decision.current:
-                role_pods = pods_of(pods, role_name)
-                wanted = scaling.deletion_costs(role_pods, samples)
-                costs.update(scaling.cost_changes(role_pods, wanted))
-        return _Scaling(evaluation.memory, evaluation.changed, costs)
+        shrinking = [role for role, d in evaluation.changed.items() if d.replicas < d.current]
+        costs = _deletion_costs(pods, shrinking, samples)
+        return _Scaling(evaluation.memory, evaluation.changed, costs, samples)
+
+    async def _costs(
+        self, actions: Plan, pods: list[Body], outcome: _Scaling | None
+    ) -> dict[str, int]:
+        """The autoscaler's deletion costs, and those of roles a moved bound shrinks: the
+        least-loaded pods go first there too."""
+        costs = dict(outcome.costs) if outcome else {}
+        shrinking = [c.role for c in actions.clamps if c.replicas < c.found]
+        if shrinking:
+            samples = outcome.samples if outcome else None
+            if samples is None:
+                targets = [p for role in shrinking for p in pods_of(pods, role)]
+                samples = await self._sources.sample_all(scaling.scrape_targets(targets))
+            costs.update(_deletion_costs(pods, shrinking, samples))
+        return costs
 
     async def _redis_url(self, namespace: str, spec: ModelDeploymentSpec) -> str:
         """The Redis the model's engines use: spec.redis (a URL or a Secret) or the operator's."""
@@ -207,10 +224,10 @@ class Controller:
 
     # ------------------------------------------------------------------ writes
 
-    async def _apply(self, model: Body, actions: Plan, outcome: _Scaling | None) -> None:
+    async def _apply(self, model: Body, actions: Plan, costs: Mapping[str, int]) -> None:
         meta = model["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        for pod, cost in (outcome.costs if outcome else {}).items():
+        for pod, cost in costs.items():
             await self._kube.set_pod_deletion_cost(namespace, pod, cost)
         try:
             for manifest in actions.creates:
@@ -222,11 +239,14 @@ class Controller:
                 raise  # retried with backoff
             # The spec passed our checks but builds a child the API server refuses
             # (a rule only it knows): say so in the status, not in a retry loop.
-            await self._apply(model, refused(model, str(error), now=_now()), None)
+            await self._apply(model, refused(model, str(error), now=_now()), {})
             return
         for key in actions.deletes:
             await self._kube.delete(key.kind, namespace, key.name)
-        await self._post_events(model, actions, outcome)
+        for event in actions.events:
+            await self._kube.post_event(
+                model, reason=event.reason, message=event.message, warning=event.warning
+            )
         if actions.status is not None:
             await self._kube.patch_status(KIND, namespace, name, actions.status)
         if actions.touches_children:
@@ -264,36 +284,16 @@ class Controller:
                 manifest["kind"], meta["namespace"], meta["name"], repair_patch(manifest, existing)
             )
 
-    async def _post_events(self, model: Body, actions: Plan, outcome: _Scaling | None) -> None:
-        previous = model.get("status") or {}
-        if actions.invalid is not None:
-            if previous.get("phase") != "Invalid" or previous.get("message") != actions.invalid:
-                await self._kube.post_event(
-                    model, reason="InvalidSpec", message=actions.invalid, warning=True
-                )
-            return
-        for decision in (outcome.changed if outcome else {}).values():
-            await self._kube.post_event(
-                model, reason=scaling.event_reason(decision), message=decision.reason
-            )
-        if "observedGeneration" not in previous:
-            return  # the first pass: creating the children is not news
-        spec_changed = previous["observedGeneration"] != model["metadata"].get("generation")
-        # Replica-only patches are scaling or re-clamping, reported above or by the spec change.
-        changes = [
-            f"{p.kind} {p.name}: {', '.join(p.drift)}"
-            for p in actions.patches
-            if set(p.drift) != {"spec.replicas"}
-        ]
-        made = "created" if spec_changed else "recreated"
-        changes += [f"{c['kind']} {c['metadata']['name']}: {made}" for c in actions.creates]
-        changes += [f"{k.kind} {k.name}: deleted" for k in actions.deletes]
-        if changes:
-            await self._kube.post_event(
-                model,
-                reason="SpecApplied" if spec_changed else "DriftRepaired",
-                message="; ".join(changes),
-            )
+
+def _deletion_costs(
+    pods: list[Body], roles: list[RoleName], samples: Mapping[str, PodSample]
+) -> dict[str, int]:
+    """Pod-deletion costs for roles about to shrink (those that differ from the pods')."""
+    costs: dict[str, int] = {}
+    for role_name in roles:
+        role_pods = pods_of(pods, role_name)
+        costs.update(scaling.cost_changes(role_pods, scaling.deletion_costs(role_pods, samples)))
+    return costs
 
 
 def _now() -> str:

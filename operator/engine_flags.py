@@ -2,7 +2,8 @@
 
 One dict, two renderings: the ConfigMap shows people (and `kubectl diff`) what
 the pods run, the arguments are what the engine reads (it has no config-file
-flag), and a hash of the dict in the pod template rolls the pods when it changes.
+flag), and a hash of the dict (with the operator's Redis Secret, which the pods
+also read) in the pod template rolls the pods when it changes.
 """
 
 from __future__ import annotations
@@ -102,10 +103,20 @@ def engine_arguments(flags: Mapping[str, str]) -> list[str]:
     return args
 
 
-def config_hash(flags: Mapping[str, str]) -> str:
-    """A short digest of the flags for the pod template: a changed flag rolls the pods."""
-    canonical = json.dumps(dict(flags), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+def config_hash(flags: Mapping[str, str], redis_secret: Mapping[str, str] | None = None) -> str:
+    """A short digest of what the pods read at start, for the pod template: a changed
+    flag, or a changed URL in the operator's Redis Secret (a rotated password), rolls them.
+
+    The Secret's data enters only through the digest: the template shows no part of the URL.
+    """
+    digest = hashlib.sha256(_canonical(flags))
+    if redis_secret is not None:
+        digest.update(_canonical(redis_secret))
+    return digest.hexdigest()[:16]
+
+
+def _canonical(data: Mapping[str, str]) -> bytes:
+    return json.dumps(dict(data), sort_keys=True, separators=(",", ":")).encode()
 
 
 def _switch(on: bool) -> str:

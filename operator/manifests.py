@@ -119,7 +119,7 @@ def role_manifests(
         {
             "apiVersion": "v1",
             "kind": "ConfigMap",
-            "metadata": _metadata(owner, role_name, f"{child_name(owner.name, role_name)}-engine"),
+            "metadata": _metadata(owner, role_name, engine_config_name(owner.name, role_name)),
             "data": flags,
         },
         _service(owner, role_name, role, selector),
@@ -134,6 +134,7 @@ def role_manifests(
             image_pull_secrets=_image_pull_secrets(spec, defaults),
             redis_env=_redis_env(spec, None if secret is None else secret["metadata"]["name"]),
             flags=flags,
+            redis_secret=None if secret is None else secret["data"],
         ),
         {
             "apiVersion": "policy/v1",
@@ -210,6 +211,10 @@ def _image_pull_secrets(spec: ModelDeploymentSpec, defaults: OperatorDefaults) -
     if spec.image_pull_secrets is None:
         return defaults.image_pull_secrets
     return tuple(secret.name for secret in spec.image_pull_secrets)
+
+
+def engine_config_name(name: str, role_name: RoleName) -> str:
+    return f"{child_name(name, role_name)}-engine"
 
 
 def redis_secret_name(name: str, role_name: RoleName) -> str:

@@ -64,13 +64,17 @@ def deployment(
     image_pull_secrets: Sequence[str],
     redis_env: dict[str, Any],
     flags: Mapping[str, str],
+    redis_secret: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The role's Deployment with `replicas` pods (the autoscaler's number, not the spec's)."""
+    """The role's Deployment with `replicas` pods (the autoscaler's number, not the spec's).
+
+    `redis_secret` is the data of the operator's Redis Secret when the pods read it.
+    """
     if replicas < 0:
         raise ValueError(f"replicas must be at least 0, got {replicas}")
     pod_labels = dict(metadata["labels"])
     annotations = {
-        CONFIG_HASH_ANNOTATION: config_hash(flags),
+        CONFIG_HASH_ANNOTATION: config_hash(flags, redis_secret),
         "prometheus.io/scrape": "true",
         "prometheus.io/port": str(HTTP_PORT),
         "prometheus.io/path": "/metrics",

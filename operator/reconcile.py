@@ -1,16 +1,10 @@
 """Pure reconciliation: a ModelDeployment and what exists -> what to create, patch and delete.
 
 `plan` reads no cluster and keeps no state: given the object (spec and last
-status), the children found by label, the autoscaler's counts and the time,
-it returns the actions and the new status. The controller (controller.py)
-does the reading and the writing around it.
-
-Drift: a child is compared with its manifest on the fields the operator sets
-(manifests.py), ignoring what the API server adds (defaults, uid, status):
-every value the manifest sets must be there, lists must match item by item,
-and a few fields the operator owns must be absent when the manifest leaves
-them out (a removed nodeSelector). Quantities compare by value, because the
-API server rewrites them ("1024Mi" comes back as "1Gi", 1 as "1").
+status), the children found by label, the autoscaler's decisions and the time,
+it returns the actions, the Events that report them and the new status. The
+controller (controller.py) does the reading and the writing around it;
+drift.py compares a child with its manifest, events.py words the Events.
 """
 
 from __future__ import annotations
@@ -19,42 +13,27 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.operator.autoscaler import Decision
+from tandem.operator.drift import ChildPatch, drift, repair_patch
+from tandem.operator.engine_flags import config_hash
+from tandem.operator.events import Clamp, Event, events, refusal_event
 from tandem.operator.manifests import (
     OperatorDefaults,
     Owner,
     build_manifests,
     child_name,
+    engine_config_name,
     pods_of,
+    redis_secret_name,
 )
+from tandem.operator.manifests_pods import CONFIG_HASH_ANNOTATION
 from tandem.operator.pod_trouble import PodTrouble, role_trouble
-from tandem.operator.quantity import quantity_value
 from tandem.operator.role_spec import RoleName
 from tandem.operator.spec import ModelDeploymentSpec
-from tandem.operator.status import RoleCounts, invalid_status, status_patch, valid_status
+from tandem.operator.status import RoleCounts, Scale, invalid_status, status_patch, valid_status
 from tandem.operator.validation import InvalidSpec, validate_spec
 
 Body = Mapping[str, Any]
-
-# Fields a manifest may leave out that must then be absent from the child too
-# (merge patches only add): per kind, as paths from the object's root.
-_OPTIONAL_OWNED: Mapping[str, tuple[tuple[str, ...], ...]] = {
-    "Deployment": tuple(
-        ("spec", "template", "spec", key)
-        for key in (
-            "nodeSelector",
-            "tolerations",
-            "affinity",
-            "initContainers",
-            "imagePullSecrets",
-        )
-    ),
-}
-# Maps the operator owns whole: extra keys in the child are drift.
-_EXACT: Mapping[str, tuple[tuple[str, ...], ...]] = {
-    "ConfigMap": (("data",),),
-    "Secret": (("data",),),
-}
-_MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -64,24 +43,15 @@ class ChildKey:
 
 
 @dataclass(frozen=True)
-class ChildPatch:
-    """A merge patch that puts a child back to its manifest; `drift` names the fields."""
-
-    kind: str
-    name: str
-    patch: dict[str, Any]
-    drift: tuple[str, ...]
-
-
-@dataclass(frozen=True)
 class Plan:
     creates: tuple[dict[str, Any], ...] = ()
     patches: tuple[ChildPatch, ...] = ()
     deletes: tuple[ChildKey, ...] = ()
     # The status merge patch; None when the status is already right.
     status: dict[str, Any] | None = None
-    # Set when the spec was refused: the children are left alone.
-    invalid: str | None = None
+    events: tuple[Event, ...] = ()
+    # Counts put back within their bounds (the autoscaler's changes are the caller's).
+    clamps: tuple[Clamp, ...] = ()
 
     @property
     def touches_children(self) -> bool:
@@ -94,28 +64,30 @@ def plan(
     defaults: OperatorDefaults,
     *,
     now: str,
-    decisions: Mapping[RoleName, int] | None = None,
-    last_scale: Mapping[str, Any] | None = None,
+    scaled: Mapping[RoleName, Decision] | None = None,
     pods: Sequence[Body] = (),
+    holder: str | None = None,
 ) -> Plan:
     """What to do so that the children and the status match the ModelDeployment `model`.
 
-    `decisions` are the autoscaler's new counts (roles it did not change are
-    left out); `last_scale` is the status.lastScale to record with them;
-    `pods` are the model's engine pods, whose troubles the status quotes.
+    `scaled` are the autoscaler's decisions that change a role's count (roles it
+    did not change are left out); `pods` are the model's engine pods, whose
+    troubles the status quotes; `holder` names the older ModelDeployment that
+    serves this one's servedModelName, if any (`served_name_holder`).
     """
     meta = model["metadata"]
     previous = model.get("status") or {}
     try:
         spec = validate_spec(model.get("spec"), name=meta["name"])
     except InvalidSpec as error:
-        return Plan(
-            status=status_patch(previous, invalid_status(meta, str(error), previous, now)),
-            invalid=str(error),
-        )
-    owner = Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+        return _refusal(model, "InvalidSpec", str(error), now)
     found = {ChildKey(c["kind"], c["metadata"]["name"]): c for c in children}
-    replicas = role_replicas(spec, owner.name, found, previous, decisions or {})
+    if holder is not None:
+        return _name_taken(model, spec, found, holder, now)
+    owner = Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+    scaled = scaled or {}
+    decisions = {role: d.replicas for role, d in scaled.items()}
+    replicas, clamps = _replicas(spec, owner.name, found, previous, decisions)
     desired = build_manifests(owner, spec, replicas, defaults)
 
     creates: list[dict[str, Any]] = []
@@ -129,8 +101,8 @@ def plan(
         paths = drift(manifest, actual)
         if paths:
             patches.append(ChildPatch(key.kind, key.name, repair_patch(manifest, actual), paths))
-    wanted = {ChildKey(m["kind"], m["metadata"]["name"]) for m in desired}
-    deletes = tuple(sorted(set(found) - wanted, key=lambda k: (k.kind, k.name)))
+    wanted = {ChildKey(m["kind"], m["metadata"]["name"]): m for m in desired}
+    deletes = tuple(sorted(set(found) - set(wanted), key=lambda k: (k.kind, k.name)))
 
     changed = {ChildKey(m["kind"], m["metadata"]["name"]) for m in creates}
     changed |= {ChildKey(p.kind, p.name) for p in patches}
@@ -144,12 +116,25 @@ def plan(
         )
         for role_name, key in deployments.items()
     }
+    scales = [Scale(role, d.current, d.replicas, d.reason) for role, d in scaled.items()]
+    scales += [c.scale for c in clamps if not c.by_hand]
+    last_scale = scales[-1].record(now) if scales else None
     new_status = valid_status(meta, counts, previous, now, last_scale)
     return Plan(
         creates=tuple(creates),
         patches=tuple(patches),
         deletes=deletes,
         status=status_patch(previous, new_status),
+        events=events(
+            model,
+            creates,
+            patches,
+            [f"{k.kind} {k.name}" for k in deletes],
+            scales,
+            [c for c in clamps if c.by_hand],
+            _redis_url_changed(owner.name, spec, found, wanted),
+        ),
+        clamps=tuple(clamps),
     )
 
 
@@ -167,21 +152,163 @@ def role_replicas(
     reported, and a new role starts at spec.replicas (default minReplicas).
     A changed bound re-clamps the count at once.
     """
+    return _replicas(spec, name, children, status, decisions)[0]
+
+
+def _replicas(
+    spec: ModelDeploymentSpec,
+    name: str,
+    children: Mapping[ChildKey, Body],
+    status: Body,
+    decisions: Mapping[RoleName, int],
+) -> tuple[dict[RoleName, int], list[Clamp]]:
+    """role_replicas, and the Deployment counts it moved into the bounds."""
     reported = status.get("roles") or {}
     counts: dict[RoleName, int] = {}
+    clamps: list[Clamp] = []
     for role_name, role in spec.roles().items():
         deployment = children.get(ChildKey("Deployment", child_name(name, role_name)))
         observed = (deployment or {}).get("spec", {}).get("replicas")
+        last = (reported.get(role_name.value) or {}).get("desired")
         if role_name in decisions:
             count = decisions[role_name]
         elif isinstance(observed, int):
             count = observed
-        elif isinstance((reported.get(role_name.value) or {}).get("desired"), int):
-            count = reported[role_name.value]["desired"]
+        elif isinstance(last, int):
+            count = last
         else:
             count = role.initial_replicas
         counts[role_name] = min(role.max_replicas, max(role.min_replicas, count))
-    return counts
+        if (
+            role_name not in decisions
+            and isinstance(observed, int)
+            and counts[role_name] != observed
+        ):
+            # The count the operator last reported, left outside by a bound that
+            # moved; any other count was set by hand.
+            by_hand = isinstance(last, int) and last != observed
+            clamps.append(Clamp(role_name, observed, counts[role_name], by_hand))
+    return counts, clamps
+
+
+def served_name_holder(model: Body, models: Sequence[Body]) -> str | None:
+    """The older ModelDeployment among `models` (of `model`'s namespace) that serves the same
+    servedModelName, or None when `model` may serve it.
+
+    Two models of one name would both take its queue's work and each scale on
+    all of it. The oldest (by creationTimestamp, then name) holds the name
+    whatever its state. Read from the raw specs: an invalid one may still run
+    pods of its last valid spec. Models being deleted let go.
+    """
+
+    def served(body: Body) -> str:
+        source = (body.get("spec") or {}).get("model")
+        chosen = source.get("servedModelName") if isinstance(source, Mapping) else None
+        return chosen if isinstance(chosen, str) and chosen else body["metadata"]["name"]
+
+    def age(body: Body) -> tuple[str, str]:
+        meta = body["metadata"]
+        return (str(meta.get("creationTimestamp") or ""), meta["name"])
+
+    meta = model["metadata"]
+    rivals = [
+        other
+        for other in models
+        if other["metadata"]["name"] != meta["name"]
+        and not other["metadata"].get("deletionTimestamp")
+        and served(other) == served(model)
+    ]
+    oldest = min([model, *rivals], key=age)
+    return None if oldest is model else oldest["metadata"]["name"]
+
+
+def refused(model: Body, error: str, *, now: str) -> Plan:
+    """The plan once the API server refused a child the spec builds: Invalid, in its words.
+
+    The spec passed the CRD and the operator's checks, so only a rule the API
+    server alone knows (a GPU count that must be whole, a label key's format)
+    stands in the way; retrying cannot help, a changed spec can.
+    """
+    return _refusal(model, "InvalidSpec", f"the API server refused a child object: {error}", now)
+
+
+def _refusal(
+    model: Body,
+    reason: str,
+    why: str,
+    now: str,
+    *,
+    roles: dict[str, Any] | None = None,
+    patches: tuple[ChildPatch, ...] = (),
+) -> Plan:
+    """Phase Invalid: no child created or changed but by `patches`; `roles` or the old counts."""
+    meta, previous = model["metadata"], model.get("status") or {}
+    status = invalid_status(meta, why, previous, now, reason)
+    if roles is not None:
+        status["roles"] = roles
+    return Plan(
+        patches=patches,
+        status=status_patch(previous, status),
+        events=refusal_event(previous, status),
+    )
+
+
+def _name_taken(
+    model: Body, spec: ModelDeploymentSpec, found: Mapping[ChildKey, Body], holder: str, now: str
+) -> Plan:
+    """An older model serves this one's name: this one serves nothing until the name is free.
+
+    Its Deployments go to zero pods rather than away, so the status counts them
+    down and nothing is rebuilt once the name is free; none is created.
+    """
+    name = model["metadata"]["name"]
+    why = (
+        f"servedModelName {spec.served_model_name(name)!r} is served by the older "
+        f"ModelDeployment {holder}: this one serves nothing until the name is free "
+        "(rename or delete one of them)"
+    )
+    patches: list[ChildPatch] = []
+    roles: dict[str, Any] = {}
+    for role_name in spec.roles():
+        key = ChildKey("Deployment", child_name(name, role_name))
+        deployment = found.get(key)
+        counts = _counts(deployment, 0, False, None)
+        roles[role_name.value] = {"desired": 0, "replicas": counts.replicas, "ready": counts.ready}
+        if deployment is not None and deployment.get("spec", {}).get("replicas") != 0:
+            patch = {"spec": {"replicas": 0}}
+            patches.append(ChildPatch(key.kind, key.name, patch, ("spec.replicas",)))
+    return _refusal(model, "ServedNameTaken", why, now, roles=roles, patches=tuple(patches))
+
+
+def _redis_url_changed(
+    name: str,
+    spec: ModelDeploymentSpec,
+    found: Mapping[ChildKey, Body],
+    wanted: Mapping[ChildKey, Body],
+) -> frozenset[RoleName]:
+    """Roles whose Redis Secret gets a new URL because the operator's --redis-url changed.
+
+    The pods' config hash records the Secret they were built with: when the
+    Secret as found still gives the hash its Deployment carries, nobody edited
+    it since, and a new URL in its manifest is the operator's setting (a
+    password rotation, a move), not drift.
+    """
+    changed = set()
+    for role_name in spec.roles():
+        key = ChildKey("Secret", redis_secret_name(name, role_name))
+        secret, manifest = found.get(key), wanted.get(key)
+        config = found.get(ChildKey("ConfigMap", engine_config_name(name, role_name)))
+        deployment = found.get(ChildKey("Deployment", child_name(name, role_name)))
+        if secret is None or manifest is None or config is None or deployment is None:
+            continue
+        data = secret.get("data") or {}
+        if data.get("url") == manifest["data"]["url"]:
+            continue
+        template = deployment.get("spec", {}).get("template", {}).get("metadata", {})
+        built = (template.get("annotations") or {}).get(CONFIG_HASH_ANNOTATION)
+        if built == config_hash(config.get("data") or {}, data):
+            changed.add(role_name)
+    return frozenset(changed)
 
 
 def _counts(
@@ -208,117 +335,3 @@ def _counts(
         stalled=stalled,
         trouble=trouble,
     )
-
-
-# ------------------------------------------------------------------ drift
-
-
-def drift(desired: Body, actual: Body) -> tuple[str, ...]:
-    """The fields where `actual` differs from the manifest `desired` (empty: none)."""
-    found = _differences(
-        {k: v for k, v in desired.items() if k not in ("apiVersion", "kind", "status")},
-        actual,
-        "",
-    )
-    kind = desired.get("kind", "")
-    for path in _OPTIONAL_OWNED.get(kind, ()):
-        if _get(desired, path) is _MISSING and _get(actual, path) is not _MISSING:
-            found.append(".".join(path))
-    for path in _EXACT.get(kind, ()):
-        extra = set(_mapping(_get(actual, path))) - set(_mapping(_get(desired, path)))
-        found.extend(f"{'.'.join(path)}.{key}" for key in sorted(extra))
-    return tuple(found)
-
-
-def refused(model: Body, error: str, *, now: str) -> Plan:
-    """The plan once the API server refused a child the spec builds: Invalid, in its words.
-
-    The spec passed the CRD and the operator's checks, so only a rule the API
-    server alone knows (a GPU count that must be whole, a label key's format)
-    stands in the way; retrying cannot help, a changed spec can.
-    """
-    meta, previous = model["metadata"], model.get("status") or {}
-    why = f"the API server refused a child object: {error}"
-    return Plan(
-        status=status_patch(previous, invalid_status(meta, why, previous, now)), invalid=why
-    )
-
-
-def repair_patch(desired: Body, actual: Body) -> dict[str, Any]:
-    """A merge patch that sets every owned field of `actual` back to `desired`."""
-    patch: dict[str, Any] = {
-        "metadata": {
-            "labels": dict(desired["metadata"].get("labels", {})),
-            "ownerReferences": list(desired["metadata"].get("ownerReferences", [])),
-        }
-    }
-    for key, value in desired.items():
-        if key not in ("apiVersion", "kind", "metadata", "status"):
-            patch[key] = value
-    kind = desired.get("kind", "")
-    for path in _OPTIONAL_OWNED.get(kind, ()):
-        if _get(desired, path) is _MISSING and _get(actual, path) is not _MISSING:
-            _set(patch, path, None)
-    for path in _EXACT.get(kind, ()):
-        for extra in set(_mapping(_get(actual, path))) - set(_mapping(_get(desired, path))):
-            _set(patch, (*path, extra), None)
-    return patch
-
-
-def _differences(desired: Any, actual: Any, path: str) -> list[str]:
-    if actual is _MISSING and _dropped_when_stored(desired):
-        return []  # the API server never keeps it: "repairing" it would never end
-    if isinstance(desired, Mapping):
-        if not isinstance(actual, Mapping):
-            return [path or "."]
-        found: list[str] = []
-        for key, value in desired.items():
-            found += _differences(value, actual.get(key, _MISSING), f"{path}.{key}".lstrip("."))
-        return found
-    if isinstance(desired, list):
-        if not isinstance(actual, list) or len(actual) != len(desired):
-            return [path]
-        found = []
-        for index, (want, have) in enumerate(zip(desired, actual, strict=True)):
-            found += _differences(want, have, f"{path}[{index}]")
-        return found
-    if actual is _MISSING:
-        return [path]
-    if _is_quantity(path):
-        try:
-            return [] if quantity_value(desired) == quantity_value(actual) else [path]
-        except ValueError:
-            return [path]
-    return [] if desired == actual and type(desired) is type(actual) else [path]
-
-
-def _dropped_when_stored(value: Any) -> bool:
-    """Whether the API server stores nothing for this value: Go's omitempty drops
-    empty strings, lists and maps, false and 0 (and a map of nothing but those)."""
-    if isinstance(value, Mapping):
-        return all(_dropped_when_stored(v) for v in value.values())
-    if isinstance(value, list):
-        return not value
-    return value is None or value is False or value == "" or (type(value) is int and value == 0)
-
-
-def _is_quantity(path: str) -> bool:
-    return ".resources.limits." in path or ".resources.requests." in path
-
-
-def _get(obj: Any, path: Sequence[str]) -> Any:
-    for key in path:
-        if not isinstance(obj, Mapping) or key not in obj:
-            return _MISSING
-        obj = obj[key]
-    return obj
-
-
-def _set(obj: dict[str, Any], path: Sequence[str], value: Any) -> None:
-    for key in path[:-1]:
-        obj = obj.setdefault(key, {})
-    obj[path[-1]] = value
-
-
-def _mapping(value: Any) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}

@@ -162,15 +162,15 @@ class RoleSpec(SpecModel):
     scale_up_max_step: int = Field(
         4,
         ge=1,
-        description="One scale-up adds at most the larger of this many pods "
-        "and scaleUpMaxPercent of the current count.",
+        description="A scale-up goes to at most this many pods more than are ready, or "
+        "scaleUpMaxPercent more, whichever is larger: pods still starting use up the step.",
     )
     scale_up_max_percent: int = Field(
         100,
         ge=1,
         le=1000,
-        description="One scale-up adds at most the larger of this percentage of the current "
-        "count and scaleUpMaxStep pods.",
+        description="A scale-up goes to at most this percentage more pods than are ready, or "
+        "scaleUpMaxStep more, whichever is larger: pods still starting use up the step.",
     )
     scale_up_stabilization_seconds: int = Field(
         0,

@@ -35,6 +35,31 @@ _MAX_MESSAGE = 32768
 
 
 @dataclass(frozen=True)
+class Scale:
+    """A change of a role's replicas worth reporting: the autoscaler's, or a bound's."""
+
+    role: RoleName
+    current: int
+    replicas: int
+    # Starts "<role> scale <current>-><replicas>: ", as the autoscaler's reasons do.
+    reason: str
+
+    @property
+    def event_reason(self) -> str:
+        return "ScaledUp" if self.replicas > self.current else "ScaledDown"
+
+    def record(self, now: str) -> dict[str, Any]:
+        """status.lastScale."""
+        return {
+            "role": self.role.value,
+            "from": self.current,
+            "to": self.replicas,
+            "reason": self.reason[:_MAX_REASON],
+            "time": now,
+        }
+
+
+@dataclass(frozen=True)
 class RoleCounts:
     """One role as its Deployment reports it."""
 
@@ -74,16 +99,18 @@ def valid_status(
     return status
 
 
-def invalid_status(meta: Body, why: str, previous: Body, now: str) -> dict[str, Any]:
+def invalid_status(
+    meta: Body, why: str, previous: Body, now: str, reason: str = "InvalidSpec"
+) -> dict[str, Any]:
     """The status of a refused spec: Invalid, with the reason; role counts left as they were."""
     message = why[:_MAX_MESSAGE]
     return {
         "observedGeneration": meta.get("generation"),
         "phase": Phase.INVALID.value,
-        "reason": "InvalidSpec",
+        "reason": reason,
         "message": message,
         "conditions": conditions(
-            Phase.INVALID, "InvalidSpec", message, previous, meta.get("generation"), now
+            Phase.INVALID, reason, message, previous, meta.get("generation"), now
         ),
     }
 

@@ -32,7 +32,9 @@ from tandem.gateway.auth import ApiKey, KeyStore, check_model
 from tandem.gateway.quota import QuotaDecision, refusal
 from tandem.gateway.settings import GatewaySettings
 from tandem.operator import crd
+from tandem.operator.manifests import OperatorDefaults
 from tandem.operator.manifests_pods import FETCH_SCRIPT
+from tandem.operator.reconcile import plan
 from tandem.operator.validation import invalid_reason
 from tandem.protocol import ErrorCode
 
@@ -98,6 +100,18 @@ def _fetch_without_hub() -> str:
     return message
 
 
+def _served_name_taken() -> str:
+    """The status message of a model whose served name an older one holds."""
+    model = {
+        "metadata": {"name": "llama-8b-copy", "namespace": "ns", "uid": "u", "generation": 1},
+        "spec": {"model": {"path": "/m", "servedModelName": "llama-3.1-8b-instruct"}, "normal": {}},
+    }
+    defaults = OperatorDefaults(image="engine", redis_url="redis://r:6379/0")
+    actions = plan(model, [], defaults, now="2026-01-01T00:00:00Z", holder="llama-8b")
+    assert actions.status is not None
+    return actions.status["message"]
+
+
 def _cel_message(fragment: str) -> str:
     messages = re.findall(r"'message': '([^']+)'", str(crd.root_schema()))
     (found,) = [m for m in set(messages) if fragment in m]
@@ -126,6 +140,7 @@ PRODUCERS: dict[str, Callable[[Path], str]] = {
         },
         name="smollm2",
     ),
+    "served-name-taken": lambda _: _served_name_taken(),
     # In a pod Redis answers (the engine checks it first), so here a real one does too.
     "engine-missing-model": lambda request: _cli(
         "engine",

@@ -251,8 +251,10 @@ def test_a_config_change_changes_the_pod_hash_and_nothing_else_does():
     raw = {"model": {"path": "/m"}, "normal": {"maxReplicas": 4}}
     owner = Owner("m", "ns", "uid")
 
-    def pod_hash(spec_raw: dict[str, Any], replicas: int = 1) -> str:
-        manifests = _build(owner, _spec(spec_raw), normal=replicas)
+    def pod_hash(
+        spec_raw: dict[str, Any], replicas: int = 1, defaults: OperatorDefaults = DEFAULTS
+    ) -> str:
+        manifests = _build(owner, _spec(spec_raw), defaults, normal=replicas)
         return _pod(manifests, "normal")["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
 
     base = pod_hash(raw)
@@ -261,6 +263,12 @@ def test_a_config_change_changes_the_pod_hash_and_nothing_else_does():
     assert pod_hash({**raw, "engine": {"maxNumSeqs": 64}}) != base
     assert pod_hash({**raw, "engine": {"enableChunkedPrefill": True}}) != base
     assert pod_hash({**raw, "model": {"path": "/other"}}) != base
+    # The pods read the operator's Redis URL from a Secret: a new one (a rotated
+    # password) rolls them too, unless the spec names its own Redis.
+    rotated = OperatorDefaults(image=DEFAULTS.image, redis_url="redis://:rotated@r:6379/0")
+    assert pod_hash(raw, defaults=rotated) != base
+    own = {**raw, "redis": {"urlSecretRef": {"name": "redis"}}}
+    assert pod_hash(own, defaults=rotated) == pod_hash(own)
 
 
 def test_data_parallel_pods_hold_the_whole_group():

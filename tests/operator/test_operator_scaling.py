@@ -45,6 +45,15 @@ def split(name: str = "m") -> dict[str, Any]:
     }
 
 
+def normal_model(**role: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "serving.tandem.dev/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": "m"},
+        "spec": {"model": {"path": "smollm2"}, "mode": "Normal", "normal": role},
+    }
+
+
 def replicas(cluster: Any, role: str) -> int:
     return cluster.child("Deployment", f"m-{role}")["spec"]["replicas"]
 
@@ -195,3 +204,42 @@ def _first(cluster: Any, path: str, *, replicas: int | None = None) -> int:
         if matches and replicas in (None, patched):
             return index
     raise AssertionError(f"no PATCH of {path}")
+
+
+async def test_a_lowered_max_drains_the_least_loaded_pods_and_says_so(cluster, operator, metrics):
+    bounds = {"replicas": 4, "minReplicas": 1, "maxReplicas": 6}
+    await cluster.apply(normal_model(**bounds))
+    await eventually(lambda: ready(cluster) and len(cluster.pods("m", "normal")) == 4)
+    pods = sorted(p["metadata"]["name"] for p in cluster.pods("m", "normal"))
+    # 2 pods' worth in all (no scale either way before the window), two nearly idle.
+    metrics.kv = dict(zip(pods, (0.05, 0.65, 0.1, 0.6), strict=True))
+    metrics.default_kv = 0.7
+
+    await cluster.patch_model("m", {"spec": {"normal": {"replicas": None, "maxReplicas": 2}}})
+    await eventually(lambda: replicas(cluster, "normal") == 2, what="clamped to maxReplicas")
+    await eventually(
+        lambda: (
+            sorted(p["metadata"]["name"] for p in cluster.pods("m", "normal")) == [pods[1], pods[3]]
+        ),
+        what="the two least-loaded pods removed",
+    )
+    (event,) = await eventually(lambda: cluster.events("ScaledDown"), what="a ScaledDown Event")
+    assert event["message"] == "normal scale 4->2: above maxReplicas 2"
+    await eventually(lambda: _last_scale(cluster) == ("normal", 4, 2), what="lastScale 4->2")
+
+
+async def test_a_hand_scale_beyond_the_bounds_is_set_back_and_reported(cluster, operator):
+    await cluster.apply(normal_model(replicas=2, minReplicas=1, maxReplicas=4))
+    await eventually(lambda: ready(cluster) and len(cluster.pods("m", "normal")) == 2)
+
+    await cluster.api.patch(DEPLOYMENTS, NAMESPACE, "m-normal", {"spec": {"replicas": 10}})
+    (event,) = await eventually(lambda: cluster.events("DriftRepaired"), what="an Event")
+    assert event["message"] == "Deployment m-normal: spec.replicas (10, above maxReplicas 4)"
+    assert replicas(cluster, "normal") == 4
+
+    # Within the bounds a hand scale stays, until the autoscaler decides otherwise.
+    await cluster.api.patch(DEPLOYMENTS, NAMESPACE, "m-normal", {"spec": {"replicas": 3}})
+    await eventually(lambda: cluster.model("m")["status"]["roles"]["normal"]["desired"] == 3)
+    await asyncio.sleep(0.5)  # a few passes, autoscaler ticks among them
+    assert replicas(cluster, "normal") == 3
+    assert len(cluster.events("DriftRepaired")) == 1

@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 
 from tandem.backlog import QueueState
+from tandem.operator.drift import drift, repair_patch
 from tandem.operator.engine_metrics import PodSample
 from tandem.operator.manifests import DELETION_COST_ANNOTATION, OperatorDefaults
-from tandem.operator.reconcile import ChildKey, drift, plan, repair_patch, role_replicas
+from tandem.operator.reconcile import ChildKey, plan, role_replicas
 from tandem.operator.role_spec import RoleName
 from tandem.operator.scaling import (
     ScalerMemory,

@@ -1,0 +1,119 @@
+"""The Events of a reconciliation pass: what it changed and who caused it (`kubectl describe`).
+
+Pure. The reason names the cause: the autoscaler or a bound (ScaledUp,
+ScaledDown), a spec edit (SpecApplied), the operator's own settings
+(SettingsApplied), a hand edit set back (DriftRepaired), a spec that cannot be
+served (InvalidSpec, ServedNameTaken: once, not on every pass).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.operator.drift import ChildPatch
+from tandem.operator.manifests import child_name, redis_secret_name
+from tandem.operator.manifests_pods import CONFIG_HASH_ANNOTATION
+from tandem.operator.role_spec import RoleName
+from tandem.operator.status import Scale
+from tandem.operator.status_model import Phase
+
+Body = Mapping[str, Any]
+_CONFIG_HASH_PATH = f"spec.template.metadata.annotations.{CONFIG_HASH_ANNOTATION}"
+
+
+@dataclass(frozen=True)
+class Event:
+    reason: str
+    message: str
+    warning: bool = False
+
+
+@dataclass(frozen=True)
+class Clamp:
+    """A Deployment's count outside its role's bounds, set to the nearest bound."""
+
+    role: RoleName
+    found: int
+    replicas: int
+    # Not the count the operator last reported: the Deployment was scaled by hand.
+    by_hand: bool
+
+    @property
+    def bound(self) -> str:
+        side = "above maxReplicas" if self.found > self.replicas else "below minReplicas"
+        return f"{side} {self.replicas}"
+
+    @property
+    def scale(self) -> Scale:
+        """The clamp as a scaling of the role, reported like the autoscaler's."""
+        reason = f"{self.role.value} scale {self.found}->{self.replicas}: {self.bound}"
+        return Scale(self.role, self.found, self.replicas, reason)
+
+
+def events(
+    model: Body,
+    creates: Sequence[Body],
+    patches: Sequence[ChildPatch],
+    deletes: Sequence[str],
+    scales: Sequence[Scale],
+    hand_scaled: Sequence[Clamp],
+    redis_url_changed: Collection[RoleName],
+) -> tuple[Event, ...]:
+    """The Events of a pass of a valid spec that makes these changes.
+
+    `deletes` are "Kind name"; `redis_url_changed` the roles whose Redis Secret
+    changes with the operator's --redis-url.
+    """
+    meta, previous = model["metadata"], model.get("status") or {}
+    found = [Event(s.event_reason, s.reason) for s in scales]
+    if "observedGeneration" not in previous:
+        return tuple(found)  # the first pass: creating the children is not news
+    name = meta["name"]
+    by_setting = {(f"Secret {redis_secret_name(name, r)}", "data.url") for r in redis_url_changed}
+    by_setting |= {
+        (f"Deployment {child_name(name, r)}", _CONFIG_HASH_PATH) for r in redis_url_changed
+    }
+    # A scaled role's count is in its Scaled Event; a hand scale set back says what it was.
+    replicas: dict[str, str | None] = {
+        f"Deployment {child_name(name, s.role)}": None for s in scales
+    }
+    for clamp in hand_scaled:
+        note = f"spec.replicas ({clamp.found}, {clamp.bound})"
+        replicas[f"Deployment {child_name(name, clamp.role)}"] = note
+    setting, other = [], []
+    for patch in patches:
+        child = f"{patch.kind} {patch.name}"
+        ours = [path for path in patch.drift if (child, path) in by_setting]
+        rest = [
+            replicas.get(child, path) if path == "spec.replicas" else path
+            for path in patch.drift
+            if (child, path) not in by_setting
+        ]
+        setting += [f"{child}: {', '.join(ours)}"] if ours else []
+        rest = [path for path in rest if path]
+        other += [f"{child}: {', '.join(rest)}"] if rest else []
+    if setting:
+        why = "the operator's --redis-url changed, so the engine pods roll: "
+        found.append(Event("SettingsApplied", why + "; ".join(setting)))
+    # Nothing was applied while Invalid: what changes now is the spec's, edited or
+    # not (a child the API server now accepts, a served name now free).
+    applying = (
+        previous["observedGeneration"] != meta.get("generation")
+        or previous.get("phase") == Phase.INVALID.value
+    )
+    made = "created" if applying else "recreated"
+    other += [f"{c['kind']} {c['metadata']['name']}: {made}" for c in creates]
+    other += [f"{child}: deleted" for child in deletes]
+    if other:
+        found.append(Event("SpecApplied" if applying else "DriftRepaired", "; ".join(other)))
+    return tuple(found)
+
+
+def refusal_event(previous: Body, status: Body) -> tuple[Event, ...]:
+    """A Warning when the model is refused, or refused for another reason; not on every pass."""
+    keys = ("phase", "reason", "message")
+    if all(previous.get(key) == status.get(key) for key in keys):
+        return ()
+    return (Event(status["reason"], status["message"], warning=True),)

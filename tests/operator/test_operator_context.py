@@ -1,0 +1,84 @@
+"""What outside its spec changes a model: the operator's own settings, and the other
+ModelDeployments of its namespace. Against the emulated API, as test_operator.py."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import pytest
+from support.kube_cluster import eventually
+
+from tandem.operator.sources import MetricSources
+
+pytestmark = pytest.mark.asyncio
+
+
+def normal(name: str, served: str | None = None) -> dict[str, Any]:
+    source = {"path": "smollm2", **({"servedModelName": served} if served else {})}
+    return {
+        "apiVersion": "serving.tandem.dev/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": name},
+        "spec": {"model": source, "mode": "Normal", "normal": {"maxReplicas": 4}},
+    }
+
+
+def status(cluster: Any, name: str) -> dict[str, Any]:
+    return (cluster.model(name) or {}).get("status") or {}
+
+
+def pod_names(cluster: Any, name: str) -> set[str]:
+    return {p["metadata"]["name"] for p in cluster.pods(name, "normal")}
+
+
+async def test_a_new_redis_url_of_the_operator_rolls_the_engine_pods(cluster, metrics, clock):
+    def sources() -> MetricSources:
+        return MetricSources(metrics, metrics)
+
+    old = await cluster.start_operator(sources, clock=clock, redis_url="redis://:old@r:6379/0")
+    await cluster.apply(normal("m"))
+    await eventually(lambda: status(cluster, "m").get("phase") == "Ready", what="Ready")
+    before = pod_names(cluster, "m")
+    await old.stop()
+
+    url = "redis://:rotated@r:6379/0"  # a password rotation
+    await cluster.start_operator(sources, clock=clock, redis_url=url)
+
+    def secret_url() -> str:
+        return base64.b64decode(cluster.child("Secret", "m-normal-redis")["data"]["url"]).decode()
+
+    await eventually(lambda: secret_url() == url, what="the Secret rewritten")
+    await eventually(lambda: pod_names(cluster, "m").isdisjoint(before), what="every pod replaced")
+    template = json.dumps(cluster.child("Deployment", "m-normal")["spec"]["template"])
+    assert "rotated" not in template and base64.b64encode(url.encode()).decode() not in template
+    (event,) = await eventually(lambda: cluster.events("SettingsApplied"), what="an Event")
+    assert event["message"].startswith("the operator's --redis-url changed")
+    assert cluster.events("DriftRepaired") == [], "not a hand edit"
+
+
+async def test_a_served_name_is_served_by_the_older_model_alone(cluster, operator, metrics):
+    await cluster.apply(normal("a", served="shared"))
+    await cluster.apply(normal("b", served="shared"))
+
+    await eventually(lambda: status(cluster, "b").get("phase") == "Invalid", what="b Invalid")
+    assert status(cluster, "b")["reason"] == "ServedNameTaken"
+    assert "served by the older ModelDeployment a" in status(cluster, "b")["message"]
+    (warning,) = await eventually(lambda: cluster.events("ServedNameTaken"), what="a Warning")
+    assert warning["type"] == "Warning" and warning["involvedObject"]["name"] == "b"
+    await eventually(lambda: status(cluster, "a").get("phase") == "Ready", what="a serves")
+    assert cluster.children("b") == [], "nothing of b's created"
+    # Only the older one reads the name's queue and declares it in the catalog.
+    await eventually(lambda: len(metrics.declarations) >= 3, what="a few autoscaler ticks")
+    assert _declared(metrics) == {("shared", "default/a")}
+
+    await cluster.patch_model("a", {"spec": {"model": {"servedModelName": "a-only"}}})
+    await eventually(lambda: status(cluster, "b").get("phase") == "Ready", what="b serves now")
+    assert status(cluster, "a")["phase"] == "Ready"
+    await eventually(lambda: ("shared", "default/b") in _declared(metrics), what="b declared")
+
+
+def _declared(metrics: Any) -> set[tuple[str, str]]:
+    """(served name, owner) of every catalog declaration so far."""
+    return {(model, owner) for _, model, owner in metrics.declarations}

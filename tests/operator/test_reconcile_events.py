@@ -1,0 +1,155 @@
+"""What a pass reports and why: counts a bound moves, hand scales, the operator's own
+settings, and a served name another model holds. Pure, as test_reconcile.py."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+from typing import Any
+
+from tandem.operator.events import Event
+from tandem.operator.manifests import OperatorDefaults
+from tandem.operator.reconcile import plan, served_name_holder
+
+NOW = "2026-01-01T00:00:00Z"
+OLD = OperatorDefaults(image="engine:1", redis_url="redis://:old-password@r:6379/0")
+NEW = OperatorDefaults(image="engine:1", redis_url="redis://:new-password@r:6379/0")
+
+
+def running(role: dict[str, Any], *, desired: int, generation: int = 1) -> dict[str, Any]:
+    """A Normal model whose last pass (generation 1) reported `desired` pods."""
+    return {
+        "metadata": {"name": "m", "namespace": "ns", "uid": "u-1", "generation": generation},
+        "spec": {"model": {"path": "smollm2"}, "mode": "Normal", "normal": role},
+        "status": {
+            "observedGeneration": 1,
+            "phase": "Ready",
+            "roles": {"normal": {"desired": desired}},
+        },
+    }
+
+
+def built(body: dict[str, Any], defaults: OperatorDefaults = OLD) -> list[dict[str, Any]]:
+    """The children as the operator made them."""
+    return [copy.deepcopy(c) for c in plan(body, [], defaults, now=NOW).creates]
+
+
+def child(children: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    return next(c for c in children if c["kind"] == kind)
+
+
+def test_a_new_redis_url_rolls_the_pods_and_is_reported_as_the_operators_setting():
+    body = running({}, desired=1)
+    children = built(body, OLD)
+
+    actions = plan(body, children, NEW, now=NOW)
+    patched = {p.kind: p for p in actions.patches}
+    assert set(patched) == {"Secret", "Deployment"}
+    template = patched["Deployment"].patch["spec"]["template"]
+    old_template = child(children, "Deployment")["spec"]["template"]
+    assert template["metadata"]["annotations"] != old_template["metadata"]["annotations"]
+    # A digest only: neither the URL nor its base64 is in the pod template.
+    text = json.dumps(template)
+    assert (
+        "new-password" not in text and base64.b64encode(NEW.redis_url.encode()).decode() not in text
+    )
+    (event,) = actions.events
+    assert event.reason == "SettingsApplied" and not event.warning
+    assert event.message.startswith("the operator's --redis-url changed, so the engine pods roll")
+    assert "Secret m-normal-redis: data.url" in event.message
+
+    # The same Secret edited by hand is drift: set back, the pods left alone.
+    edited = copy.deepcopy(children)
+    child(edited, "Secret")["data"]["url"] = base64.b64encode(b"redis://elsewhere:6379/0").decode()
+    actions = plan(body, edited, OLD, now=NOW)
+    assert [p.kind for p in actions.patches] == ["Secret"]
+    assert actions.events == (Event("DriftRepaired", "Secret m-normal-redis: data.url"),)
+
+
+def test_a_bound_that_moves_the_count_scales_the_role_and_names_the_bound():
+    children = built(running({"replicas": 4, "maxReplicas": 6}, desired=4))
+
+    lowered = running({"maxReplicas": 2}, desired=4, generation=2)
+    actions = plan(lowered, children, OLD, now=NOW)
+    (patch,) = actions.patches
+    assert patch.patch["spec"]["replicas"] == 2
+    assert actions.events == (Event("ScaledDown", "normal scale 4->2: above maxReplicas 2"),)
+    assert actions.status["lastScale"] == {
+        "role": "normal",
+        "from": 4,
+        "to": 2,
+        "reason": "normal scale 4->2: above maxReplicas 2",
+        "time": NOW,
+    }
+    # The controller sets pod-deletion costs before a clamp that shrinks the role.
+    assert [(c.found, c.replicas) for c in actions.clamps] == [(4, 2)]
+
+    raised = running({"minReplicas": 5, "maxReplicas": 6}, desired=4, generation=2)
+    assert plan(raised, children, OLD, now=NOW).events == (
+        Event("ScaledUp", "normal scale 4->5: below minReplicas 5"),
+    )
+
+
+def test_a_hand_scale_outside_the_bounds_is_drift_and_one_inside_is_kept():
+    body = running({"replicas": 2, "maxReplicas": 4}, desired=2)
+    children = built(body)
+    child(children, "Deployment")["spec"]["replicas"] = 10
+
+    actions = plan(body, children, OLD, now=NOW)
+    (patch,) = actions.patches
+    assert patch.patch["spec"]["replicas"] == 4
+    message = "Deployment m-normal: spec.replicas (10, above maxReplicas 4)"
+    assert actions.events == (Event("DriftRepaired", message),)
+    assert "lastScale" not in actions.status  # no scaling decision, a repair
+
+    child(children, "Deployment")["spec"]["replicas"] = 3
+    actions = plan(body, children, OLD, now=NOW)
+    assert actions.patches == () and actions.events == ()
+    assert actions.status["roles"]["normal"]["desired"] == 3
+
+
+def model_named(name: str, created: str, served: str | None = None) -> dict[str, Any]:
+    source = {"path": "smollm2", **({"servedModelName": served} if served else {})}
+    return {
+        "metadata": {"name": name, "creationTimestamp": created},
+        "spec": {"model": source, "normal": {}},
+    }
+
+
+def test_the_oldest_model_holds_a_served_name_then_the_name_decides():
+    a = model_named("a", "2026-01-01T00:00:02Z", "shared")
+    b = model_named("b", "2026-01-01T00:00:01Z", "shared")
+    c = model_named("c", "2026-01-01T00:00:01Z", "shared")  # as old as b: b's name is first
+    models = [a, b, c]
+    assert served_name_holder(a, models) == "b"
+    assert served_name_holder(c, models) == "b"
+    assert served_name_holder(b, models) is None
+    assert served_name_holder(model_named("d", NOW, "own"), models) is None
+    # Without servedModelName the name is metadata.name.
+    plain = model_named("shared", "2026-01-01T00:00:03Z")
+    assert served_name_holder(plain, [*models, plain]) == "b"
+    # A model being deleted lets go at once.
+    going = copy.deepcopy(b)
+    going["metadata"]["deletionTimestamp"] = NOW
+    assert served_name_holder(a, [a, going, c]) == "c"
+
+
+def test_a_model_whose_name_is_taken_serves_nothing_and_says_so_once():
+    body = running({"replicas": 2, "maxReplicas": 2}, desired=2)
+    children = built(body)
+
+    actions = plan(body, children, OLD, now=NOW, holder="older")
+    assert not actions.creates and not actions.deletes
+    assert [(p.name, p.patch) for p in actions.patches] == [("m-normal", {"spec": {"replicas": 0}})]
+    status = actions.status
+    assert (status["phase"], status["reason"]) == ("Invalid", "ServedNameTaken")
+    assert "servedModelName 'm' is served by the older ModelDeployment older" in status["message"]
+    assert status["roles"]["normal"]["desired"] == 0
+    (event,) = actions.events
+    assert event.reason == "ServedNameTaken" and event.warning
+
+    # The next pass finds what it wrote: no second Warning. A new model creates nothing.
+    body["status"].update(status)
+    assert plan(body, children, OLD, now=NOW, holder="older").events == ()
+    assert plan(running({}, desired=1), [], OLD, now=NOW, holder="older").creates == ()
