@@ -29,6 +29,7 @@ from tandem.operator import scaling
 from tandem.operator.autoscaler import Decision
 from tandem.operator.drift import repair_patch
 from tandem.operator.engine_metrics import PodSample
+from tandem.operator.events import Event, readability_events
 from tandem.operator.kube import ApiError, KubeApi
 from tandem.operator.manifests import OperatorDefaults, pods_of
 from tandem.operator.reconcile import (
@@ -62,6 +63,8 @@ class _Scaling:
     costs: Mapping[str, int] = field(default_factory=dict)
     # The pods' metrics, when the evaluation read them.
     samples: Mapping[str, PodSample] | None = None
+    # Roles whose metrics became unreadable, or readable again (events.readability_events).
+    notices: tuple[Event, ...] = ()
 
 
 class Controller:
@@ -141,6 +144,10 @@ class Controller:
         )
         costs = await self._costs(actions, pods, outcome)
         await self._apply(model, actions, costs)
+        for event in outcome.notices if outcome else ():
+            await self._kube.post_event(
+                model, reason=event.reason, message=event.message, warning=event.warning
+            )
         return outcome.memory if outcome else memory
 
     async def _children(self, namespace: str, name: str) -> list[Body]:
@@ -192,7 +199,8 @@ class Controller:
         evaluation = scaling.evaluate(spec, replicas, pods, samples, queue, memory, self._clock())
         shrinking = [role for role, d in evaluation.changed.items() if d.replicas < d.current]
         costs = _deletion_costs(pods, shrinking, samples)
-        return _Scaling(evaluation.memory, evaluation.changed, costs, samples)
+        notices = readability_events(evaluation.decisions)
+        return _Scaling(evaluation.memory, evaluation.changed, costs, samples, notices)
 
     async def _costs(
         self, actions: Plan, pods: list[Body], outcome: _Scaling | None

@@ -3,7 +3,8 @@
 Pure. The reason names the cause: the autoscaler or a bound (ScaledUp,
 ScaledDown), a spec edit (SpecApplied), the operator's own settings
 (SettingsApplied), a hand edit set back (DriftRepaired), a spec that cannot be
-served (InvalidSpec, ServedNameTaken: once, not on every pass).
+served (InvalidSpec, ServedNameTaken: once, not on every pass), a role whose
+metrics nobody can read (MetricsUnreadable, then MetricsReadable: once each).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.operator.autoscaler import Decision
 from tandem.operator.drift import ChildPatch
 from tandem.operator.manifests import child_name, redis_secret_name
 from tandem.operator.manifests_pods import CONFIG_HASH_ANNOTATION
@@ -108,6 +110,25 @@ def events(
     other += [f"{child}: deleted" for child in deletes]
     if other:
         found.append(Event("SpecApplied" if applying else "DriftRepaired", "; ".join(other)))
+    return tuple(found)
+
+
+def readability_events(decisions: Mapping[RoleName, Decision]) -> tuple[Event, ...]:
+    """When a role's pods all became unreadable (the autoscaler holds it blind: a
+    NetworkPolicy on port 8100, engines that hang) or readable again; once, not on
+    every pass."""
+    found = []
+    for role, decision in decisions.items():
+        if not decision.unreadable_changed:
+            continue
+        if decision.unreadable is not None:
+            message = (
+                f"{role.value}: {decision.unreadable}; autoscaling holds this role until "
+                "one is (check that the operator reaches the engines' port 8100)"
+            )
+            found.append(Event("MetricsUnreadable", message, warning=True))
+        else:
+            found.append(Event("MetricsReadable", f"{role.value}: pods' metrics readable again"))
     return tuple(found)
 
 

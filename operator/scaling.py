@@ -3,8 +3,8 @@
 autoscaler.py decides from numbers; this module turns Kubernetes objects into
 those numbers and the decisions back into what the operator writes: the
 scaling policy of a role spec, which pods to scrape, the observation of a
-role, the pod-deletion costs before a scale-down and the status.lastScale
-record. No I/O (logging aside): the controller scrapes and writes.
+role and the pod-deletion costs before a scale-down (status.lastScale is
+status.Scale's). No I/O (logging aside): the controller scrapes and writes.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from tandem.operator.spec import ModelDeploymentSpec
 log = logging.getLogger(__name__)
 
 Body = Mapping[str, Any]
-_MAX_REASON = 1024  # status.lastScale.reason (status_model.py)
 
 
 @dataclass(frozen=True)
@@ -216,18 +215,3 @@ def cost_changes(pods: Sequence[Body], costs: Mapping[str, int]) -> dict[str, in
         if name in costs and current != str(costs[name]):
             changes[name] = costs[name]
     return changes
-
-
-def last_scale(role: RoleName, decision: Decision, now: str) -> dict[str, Any]:
-    """status.lastScale for a decision that changed the role's replicas."""
-    return {
-        "role": role.value,
-        "from": decision.current,
-        "to": decision.replicas,
-        "reason": decision.reason[:_MAX_REASON],
-        "time": now,
-    }
-
-
-def event_reason(decision: Decision) -> str:
-    return "ScaledUp" if decision.replicas > decision.current else "ScaledDown"

@@ -35,8 +35,12 @@ class FakeMetrics:
         self.queue_reads: list[tuple[str, str]] = []
         # Catalog declarations: (redis_url, served model name, owner).
         self.declarations: list[tuple[str, str, str]] = []
+        # Every scrape fails (a NetworkPolicy on the engines' port, engines that hang).
+        self.unreadable = False
 
-    async def sample(self, pod: str, url: str) -> PodSample:
+    async def sample(self, pod: str, url: str) -> PodSample | None:
+        if self.unreadable:
+            return None
         prefixes = sorted((p for p in self.kv if pod.startswith(p)), key=len, reverse=True)
         return PodSample(
             pod=pod,

@@ -243,3 +243,22 @@ async def test_a_hand_scale_beyond_the_bounds_is_set_back_and_reported(cluster, 
     await asyncio.sleep(0.5)  # a few passes, autoscaler ticks among them
     assert replicas(cluster, "normal") == 3
     assert len(cluster.events("DriftRepaired")) == 1
+
+
+async def test_pods_whose_metrics_nobody_reads_are_reported_once_and_held(
+    cluster, operator, metrics
+):
+    await cluster.apply(normal_model(replicas=2, minReplicas=1, maxReplicas=4))
+    await eventually(lambda: ready(cluster) and len(cluster.pods("m", "normal")) == 2)
+
+    metrics.unreadable = True  # as if a NetworkPolicy blocked port 8100
+    (event,) = await eventually(lambda: cluster.events("MetricsUnreadable"), what="a Warning")
+    assert event["type"] == "Warning"
+    assert event["message"].startswith("normal: no pod's metrics readable; autoscaling holds")
+    await asyncio.sleep(0.5)  # more autoscaler ticks: no second Event, no scale on a guess
+    assert len(cluster.events("MetricsUnreadable")) == 1
+    assert replicas(cluster, "normal") == 2
+
+    metrics.unreadable = False
+    (back,) = await eventually(lambda: cluster.events("MetricsReadable"), what="readable again")
+    assert back["message"] == "normal: pods' metrics readable again"
