@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 # Light (no torch, no web stack): `tandem up`'s error and the defaults its help states.
-from tandem.up import Stack, StartError, UpConfig
+from tandem.preflight import StartError
+from tandem.up import Stack, UpConfig
 
 DEMO_QUESTION = "What is the capital of France?"
 

@@ -9,12 +9,10 @@ answers every request already admitted, then stops everything.
 
 from __future__ import annotations
 
-import errno
 import os
 import secrets
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -27,6 +25,7 @@ import redis
 
 from tandem.backlog import queue_depth
 from tandem.child import Child, drain_in_order
+from tandem.preflight import StartError, check_port, check_redis
 from tandem.protocol import Keys
 from tandem.redis_server import RedisServer, free_port
 
@@ -84,10 +83,6 @@ class UpConfig:
 STOP_TIMEOUT_S = 60.0
 
 
-class StartError(RuntimeError):
-    """The stack could not start (what had started was stopped); str() says why, what to do."""
-
-
 class Stack:
     """Starts, watches and stops the processes of one `tandem up`."""
 
@@ -129,8 +124,9 @@ class Stack:
 
         StartError when it cannot: what had started is stopped, the logs are kept.
         """
-        self._check_port()
-        self._check_redis_url()
+        check_port(self.config.host, self.config.port)
+        if self.config.redis_url:
+            check_redis(self.config.redis_url)
         try:
             self._launch(say)
         except BaseException as exc:
@@ -139,36 +135,6 @@ class Stack:
             self.stop()
             raise
         return self
-
-    def _check_port(self) -> None:
-        """Fail before starting anything if the gateway could not listen."""
-        host, port = self.config.host, self.config.port
-        try:  # as the gateway (uvicorn) binds: SO_REUSEADDR, IPv6 for an address with ':'
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            socket.create_server((host, port), family=family).close()
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise StartError(
-                    f"port {port} on {host} is already in use (another `tandem up`?): "
-                    "stop what listens there, or choose another --port"
-                ) from None
-            raise StartError(
-                f"the gateway cannot listen on {host}:{port}: {exc.strerror or exc}; "
-                "choose another --host or --port"
-            ) from None
-
-    def _check_redis_url(self) -> None:
-        url = self.config.redis_url
-        if not url:
-            return
-        try:
-            with redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5) as client:
-                client.ping()
-        except (redis.RedisError, ValueError) as exc:  # ValueError: not a Redis URL
-            raise StartError(
-                f"cannot reach Redis at {url} (--redis-url): {str(exc).rstrip('.')}; start it, "
-                "or leave out --redis-url to run an embedded one"
-            ) from None
 
     def _launch(self, say) -> None:
         cfg = self.config

@@ -15,8 +15,9 @@ import pytest
 from support.stacks import running_stack
 
 from tandem.child import STABLE_AFTER_S, Child
+from tandem.preflight import StartError
 from tandem.redis_server import free_port
-from tandem.up import Stack, StartError, UpConfig
+from tandem.up import Stack, UpConfig
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,0 +1,45 @@
+"""What `tandem up` checks before it starts anything, and the error it raises when it cannot start.
+
+A port in use or a Redis that does not answer would otherwise show as a child
+that dies while starting, after the others were started for nothing.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+import redis
+
+
+class StartError(RuntimeError):
+    """The stack could not start (what had started was stopped); str() says why, what to do."""
+
+
+def check_port(host: str, port: int) -> None:
+    """StartError unless the gateway could listen on host:port."""
+    try:  # as the gateway (uvicorn) binds: SO_REUSEADDR, IPv6 for an address with ':'
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        socket.create_server((host, port), family=family).close()
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise StartError(
+                f"port {port} on {host} is already in use (another `tandem up`?): "
+                "stop what listens there, or choose another --port"
+            ) from None
+        raise StartError(
+            f"the gateway cannot listen on {host}:{port}: {exc.strerror or exc}; "
+            "choose another --host or --port"
+        ) from None
+
+
+def check_redis(url: str) -> None:
+    """StartError unless the Redis at `url` (--redis-url) answers."""
+    try:
+        with redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5) as client:
+            client.ping()
+    except (redis.RedisError, ValueError) as exc:  # ValueError: not a Redis URL
+        raise StartError(
+            f"cannot reach Redis at {url} (--redis-url): {str(exc).rstrip('.')}; start it, "
+            "or leave out --redis-url to run an embedded one"
+        ) from None
