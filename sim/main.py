@@ -139,12 +139,13 @@ def _deployment(args: argparse.Namespace, tp: int, vocab_size: int) -> deploy.De
 def _workload(args: argparse.Namespace, deployment: deploy.Deployment):
     if args.trace:
         return read_trace(args.trace)
-    cap = max(r.engine.max_model_len for r in deployment.roles.values())
+    # A prompt must leave its first token room in the context (the engine's admission).
+    context = max(r.engine.max_model_len for r in deployment.roles.values())
     return synthesize(
         rate=_positive("--rate", args.rate),
         duration_s=_positive("--duration", args.duration),
-        input_len=LengthDist.parse(args.input, cap=cap, what="--input"),
-        output_len=LengthDist.parse(args.output, cap=cap, what="--output"),
+        input_len=LengthDist.parse(args.input, cap=context - 1, what="--input"),
+        output_len=LengthDist.parse(args.output, cap=context, what="--output"),
         cv=1.0 if args.arrival == "poisson" else _positive("--cv", args.cv),
         seed=args.seed,
     )

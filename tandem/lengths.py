@@ -72,7 +72,7 @@ class LengthDist:
 def parse_length(spec: str, what: str = "length", cap: int | None = None) -> LengthDist:
     """A LengthDist from a spec; ValueError naming `what` and the problem.
 
-    cap: the longest length the target takes (a model's max_model_len); a spec
+    cap: the longest length the target takes (a model's prompt limit); a spec
     whose every length is longer is refused (lengths are never clipped to it)."""
     parts = spec.strip().split(":")
     kind = parts[0] if len(parts) > 1 else "fixed"
@@ -87,7 +87,7 @@ def parse_length(spec: str, what: str = "length", cap: int | None = None) -> Len
     dist = _dist(kind, values, f"{what} {spec!r}")
     if cap is not None and dist.low > cap:
         raise ValueError(
-            f"{what} {spec!r}: every length is over {cap} tokens, the model's max_model_len"
+            f"{what} {spec!r}: every length is over {cap} tokens, the longest the model takes"
         )
     return dist
 

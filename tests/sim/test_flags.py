@@ -25,7 +25,9 @@ SIM = ["sim", "--model", "llama-8b", "--duration", "2"]
         (["--input", "1.5"], "a fixed length is one integer"),
         (["--input", "lognormal:1000:50"], "the median is 0"),
         # Every prompt over the context: refused, not clipped to it.
-        (["--input", "10000"], "every length is over 8192 tokens, the model's max_model_len"),
+        (["--input", "10000"], "every length is over 8191 tokens, the longest the model takes"),
+        # A prompt of the whole context leaves its first token no room.
+        (["--input", "8192"], "--input '8192': every length is over 8191 tokens"),
         # Tensor parallelism the model and the node allow.
         (["--tp", "3"], "--tp 3: llama-8b on h200 takes --tp 1, 2, 4, 8"),
         (["--tp", "1000"], "--tp 1000: llama-8b on h200 takes --tp 1, 2, 4, 8"),
