@@ -142,7 +142,8 @@ class _Interrupt:
         loop = asyncio.get_running_loop()
         try:
             loop.add_signal_handler(signal.SIGINT, self.fire)
-        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+        except (NotImplementedError, RuntimeError, ValueError):
+            # Not the main thread (or no Unix signals): Ctrl-C stays KeyboardInterrupt.
             yield
             return
         try:

@@ -18,7 +18,7 @@ import base64
 import datetime
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,10 +144,7 @@ class Controller:
         )
         costs = await self._costs(actions, pods, outcome)
         await self._apply(model, actions, costs)
-        for event in outcome.notices if outcome else ():
-            await self._kube.post_event(
-                model, reason=event.reason, message=event.message, warning=event.warning
-            )
+        await self._post(model, outcome.notices if outcome else ())
         return outcome.memory if outcome else memory
 
     async def _children(self, namespace: str, name: str) -> list[Body]:
@@ -251,10 +248,7 @@ class Controller:
             return
         for key in actions.deletes:
             await self._kube.delete(key.kind, namespace, key.name)
-        for event in actions.events:
-            await self._kube.post_event(
-                model, reason=event.reason, message=event.message, warning=event.warning
-            )
+        await self._post(model, actions.events)
         if actions.status is not None:
             await self._kube.patch_status(KIND, namespace, name, actions.status)
         if actions.touches_children:
@@ -265,6 +259,12 @@ class Controller:
                 [f"{c['kind']}/{c['metadata']['name']}" for c in actions.creates],
                 [f"{p.kind}/{p.name} ({', '.join(p.drift)})" for p in actions.patches],
                 [f"{k.kind}/{k.name}" for k in actions.deletes],
+            )
+
+    async def _post(self, model: Body, events: Sequence[Event]) -> None:
+        for event in events:
+            await self._kube.post_event(
+                model, reason=event.reason, message=event.message, warning=event.warning
             )
 
     async def _create(self, manifest: Body) -> None:
