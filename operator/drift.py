@@ -41,6 +41,14 @@ _MISSING = object()
 
 
 @dataclass(frozen=True)
+class ChildKey:
+    """A child among a model's: its kind and name."""
+
+    kind: str
+    name: str
+
+
+@dataclass(frozen=True)
 class ChildPatch:
     """A merge patch that puts a child back to its manifest; `drift` names the fields."""
 
@@ -69,12 +77,15 @@ def drift(desired: Body, actual: Body) -> tuple[str, ...]:
 
 def repair_patch(desired: Body, actual: Body) -> dict[str, Any]:
     """A merge patch that sets every owned field of `actual` back to `desired`."""
+    meta = desired["metadata"]
     patch: dict[str, Any] = {
         "metadata": {
-            "labels": dict(desired["metadata"].get("labels", {})),
-            "ownerReferences": list(desired["metadata"].get("ownerReferences", [])),
+            "labels": dict(meta.get("labels", {})),
+            "ownerReferences": list(meta.get("ownerReferences", [])),
         }
     }
+    if "annotations" in meta:  # ours only: a merge patch leaves the others be
+        patch["metadata"]["annotations"] = dict(meta["annotations"])
     for key, value in desired.items():
         if key not in ("apiVersion", "kind", "metadata", "status"):
             patch[key] = value

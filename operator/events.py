@@ -9,20 +9,19 @@ metrics nobody can read (MetricsUnreadable, then MetricsReadable: once each).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tandem.operator.autoscaler import Decision
 from tandem.operator.drift import ChildPatch
-from tandem.operator.manifests import child_name, redis_secret_name
-from tandem.operator.manifests_pods import CONFIG_HASH_ANNOTATION
+from tandem.operator.manifests import child_name
 from tandem.operator.role_spec import RoleName
+from tandem.operator.setting_changes import SettingChange
 from tandem.operator.status import Scale
 from tandem.operator.status_model import Phase
 
 Body = Mapping[str, Any]
-_CONFIG_HASH_PATH = f"spec.template.metadata.annotations.{CONFIG_HASH_ANNOTATION}"
 
 
 @dataclass(frozen=True)
@@ -61,22 +60,18 @@ def events(
     deletes: Sequence[str],
     scales: Sequence[Scale],
     hand_scaled: Sequence[Clamp],
-    redis_url_changed: Collection[RoleName],
+    by_setting: Sequence[SettingChange],
 ) -> tuple[Event, ...]:
     """The Events of a pass of a valid spec that makes these changes.
 
-    `deletes` are "Kind name"; `redis_url_changed` the roles whose Redis Secret
-    changes with the operator's --redis-url.
+    `deletes` are "Kind name"; `by_setting` the changes the operator's own settings
+    make (setting_changes.py).
     """
     meta, previous = model["metadata"], model.get("status") or {}
     found = [Event(s.event_reason, s.reason) for s in scales]
     if "observedGeneration" not in previous:
         return tuple(found)  # the first pass: creating the children is not news
     name = meta["name"]
-    by_setting = {(f"Secret {redis_secret_name(name, r)}", "data.url") for r in redis_url_changed}
-    by_setting |= {
-        (f"Deployment {child_name(name, r)}", _CONFIG_HASH_PATH) for r in redis_url_changed
-    }
     # A scaled role's count is in its Scaled Event; a hand scale set back says what it was.
     replicas: dict[str, str | None] = {
         f"Deployment {child_name(name, s.role)}": None for s in scales
@@ -84,20 +79,25 @@ def events(
     for clamp in hand_scaled:
         note = f"spec.replicas ({clamp.found}, {clamp.bound})"
         replicas[f"Deployment {child_name(name, clamp.role)}"] = note
-    setting, other = [], []
+    setting, other, settings = [], [], set()
     for patch in patches:
         child = f"{patch.kind} {patch.name}"
-        ours = [path for path in patch.drift if (child, path) in by_setting]
-        rest = [
-            replicas.get(child, path) if path == "spec.replicas" else path
-            for path in patch.drift
-            if (child, path) not in by_setting
-        ]
+        ours, rest = [], []
+        for path in patch.drift:
+            causes = {c.setting for c in by_setting if c.covers(child, path)}
+            settings |= causes
+            if causes:
+                ours.append(path)
+            elif path == "spec.replicas":
+                rest.append(replicas.get(child, path))
+            else:
+                rest.append(path)
         setting += [f"{child}: {', '.join(ours)}"] if ours else []
         rest = [path for path in rest if path]
         other += [f"{child}: {', '.join(rest)}"] if rest else []
     if setting:
-        why = "the operator's --redis-url changed, so the engine pods roll: "
+        flags = " and ".join(sorted(settings))
+        why = f"the operator's {flags} changed, so the engine pods roll: "
         found.append(Event("SettingsApplied", why + "; ".join(setting)))
     # Nothing was applied while Invalid: what changes now is the spec's, edited or
     # not (a child the API server now accepts, a served name now free).

@@ -12,6 +12,7 @@ objects, which is what lets the controller repair drift by reapplying them.
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,9 @@ from tandem.operator.role_spec import RoleName, RoleSpec
 from tandem.operator.spec import API_VERSION, KIND, ModelDeploymentSpec
 
 DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
+# On a role's Deployment: which of the operator's defaults its pods took
+# (setting_changes.py tells an operator upgrade from a hand edit by it).
+DEFAULTS_ANNOTATION = "serving.tandem.dev/operator-defaults"
 ROLE_LABEL = "serving.tandem.dev/role"
 Body = Mapping[str, Any]
 _INT32 = (-(2**31), 2**31 - 1)
@@ -124,7 +128,10 @@ def role_manifests(
         },
         _service(owner, role_name, role, selector),
         deployment(
-            metadata=_metadata(owner, role_name, child_name(owner.name, role_name)),
+            metadata={
+                **_metadata(owner, role_name, child_name(owner.name, role_name)),
+                "annotations": {DEFAULTS_ANNOTATION: _defaults_record(spec, defaults)},
+            },
             selector=selector,
             spec=spec,
             role_name=role_name,
@@ -199,6 +206,17 @@ def _service(
             "publishNotReadyAddresses": True,
         },
     }
+
+
+def _defaults_record(spec: ModelDeploymentSpec, defaults: OperatorDefaults) -> str:
+    """DEFAULTS_ANNOTATION's value: the defaults the pods take, those the spec sets left
+    out. Always written, so that a record is never stale."""
+    record: dict[str, Any] = {}
+    if spec.image is None:
+        record["image"] = defaults.image
+    if spec.image_pull_secrets is None:
+        record["imagePullSecrets"] = list(defaults.image_pull_secrets)
+    return json.dumps(record, sort_keys=True, separators=(",", ":"))
 
 
 def _image_pull_secrets(spec: ModelDeploymentSpec, defaults: OperatorDefaults) -> tuple[str, ...]:

@@ -14,32 +14,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.operator.autoscaler import Decision
-from tandem.operator.drift import ChildPatch, drift, repair_patch
-from tandem.operator.engine_flags import config_hash
+from tandem.operator.drift import ChildKey, ChildPatch, drift, repair_patch
 from tandem.operator.events import Clamp, Event, events, refusal_event
 from tandem.operator.manifests import (
     OperatorDefaults,
     Owner,
     build_manifests,
     child_name,
-    engine_config_name,
     pods_of,
-    redis_secret_name,
 )
-from tandem.operator.manifests_pods import CONFIG_HASH_ANNOTATION
 from tandem.operator.pod_trouble import PodTrouble, role_trouble
 from tandem.operator.role_spec import RoleName
+from tandem.operator.setting_changes import setting_changes
 from tandem.operator.spec import ModelDeploymentSpec
 from tandem.operator.status import RoleCounts, Scale, invalid_status, status_patch, valid_status
 from tandem.operator.validation import InvalidSpec, validate_spec
 
 Body = Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class ChildKey:
-    kind: str
-    name: str
 
 
 @dataclass(frozen=True)
@@ -132,7 +123,7 @@ def plan(
             [f"{k.kind} {k.name}" for k in deletes],
             scales,
             [c for c in clamps if c.by_hand],
-            _redis_url_changed(owner.name, spec, found, wanted),
+            setting_changes(owner.name, tuple(spec.roles()), found, wanted),
         ),
         clamps=tuple(clamps),
     )
@@ -278,37 +269,6 @@ def _name_taken(
             patch = {"spec": {"replicas": 0}}
             patches.append(ChildPatch(key.kind, key.name, patch, ("spec.replicas",)))
     return _refusal(model, "ServedNameTaken", why, now, roles=roles, patches=tuple(patches))
-
-
-def _redis_url_changed(
-    name: str,
-    spec: ModelDeploymentSpec,
-    found: Mapping[ChildKey, Body],
-    wanted: Mapping[ChildKey, Body],
-) -> frozenset[RoleName]:
-    """Roles whose Redis Secret gets a new URL because the operator's --redis-url changed.
-
-    The pods' config hash records the Secret they were built with: when the
-    Secret as found still gives the hash its Deployment carries, nobody edited
-    it since, and a new URL in its manifest is the operator's setting (a
-    password rotation, a move), not drift.
-    """
-    changed = set()
-    for role_name in spec.roles():
-        key = ChildKey("Secret", redis_secret_name(name, role_name))
-        secret, manifest = found.get(key), wanted.get(key)
-        config = found.get(ChildKey("ConfigMap", engine_config_name(name, role_name)))
-        deployment = found.get(ChildKey("Deployment", child_name(name, role_name)))
-        if secret is None or manifest is None or config is None or deployment is None:
-            continue
-        data = secret.get("data") or {}
-        if data.get("url") == manifest["data"]["url"]:
-            continue
-        template = deployment.get("spec", {}).get("template", {}).get("metadata", {})
-        built = (template.get("annotations") or {}).get(CONFIG_HASH_ANNOTATION)
-        if built == config_hash(config.get("data") or {}, data):
-            changed.add(role_name)
-    return frozenset(changed)
 
 
 def _counts(

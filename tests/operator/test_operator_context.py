@@ -33,28 +33,44 @@ def pod_names(cluster: Any, name: str) -> set[str]:
     return {p["metadata"]["name"] for p in cluster.pods(name, "normal")}
 
 
-async def test_a_new_redis_url_of_the_operator_rolls_the_engine_pods(cluster, metrics, clock):
+async def restarted_with(cluster: Any, metrics: Any, clock: Any, old: dict, new: dict) -> None:
+    """Model m Ready under an operator with settings `old`, then one with `new` instead,
+    until every pod of m is replaced."""
+
     def sources() -> MetricSources:
         return MetricSources(metrics, metrics)
 
-    old = await cluster.start_operator(sources, clock=clock, redis_url="redis://:old@r:6379/0")
+    first = await cluster.start_operator(sources, clock=clock, **old)
     await cluster.apply(normal("m"))
     await eventually(lambda: status(cluster, "m").get("phase") == "Ready", what="Ready")
     before = pod_names(cluster, "m")
-    await old.stop()
-
-    url = "redis://:rotated@r:6379/0"  # a password rotation
-    await cluster.start_operator(sources, clock=clock, redis_url=url)
-
-    def secret_url() -> str:
-        return base64.b64decode(cluster.child("Secret", "m-normal-redis")["data"]["url"]).decode()
-
-    await eventually(lambda: secret_url() == url, what="the Secret rewritten")
+    await first.stop()
+    await cluster.start_operator(sources, clock=clock, **new)
     await eventually(lambda: pod_names(cluster, "m").isdisjoint(before), what="every pod replaced")
+
+
+async def test_a_new_redis_url_of_the_operator_rolls_the_engine_pods(cluster, metrics, clock):
+    url = "redis://:rotated@r:6379/0"  # a password rotation
+    old = {"redis_url": "redis://:old@r:6379/0"}
+    await restarted_with(cluster, metrics, clock, old, {"redis_url": url})
+
+    secret = cluster.child("Secret", "m-normal-redis")
+    assert base64.b64decode(secret["data"]["url"]).decode() == url
     template = json.dumps(cluster.child("Deployment", "m-normal")["spec"]["template"])
     assert "rotated" not in template and base64.b64encode(url.encode()).decode() not in template
     (event,) = await eventually(lambda: cluster.events("SettingsApplied"), what="an Event")
     assert event["message"].startswith("the operator's --redis-url changed")
+    assert cluster.events("DriftRepaired") == [], "not a hand edit"
+
+
+async def test_an_operator_upgrade_with_a_new_engine_image_rolls_the_pods(cluster, metrics, clock):
+    old, new = {"engine_image": "engine:1"}, {"engine_image": "engine:2"}
+    await restarted_with(cluster, metrics, clock, old, new)
+
+    images = {c["image"] for p in cluster.pods("m", "normal") for c in p["spec"]["containers"]}
+    assert images == {"engine:2"}
+    (event,) = await eventually(lambda: cluster.events("SettingsApplied"), what="an Event")
+    assert event["message"].startswith("the operator's --engine-image changed")
     assert cluster.events("DriftRepaired") == [], "not a hand edit"
 
 

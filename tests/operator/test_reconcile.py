@@ -8,10 +8,14 @@ from typing import Any
 import pytest
 
 from tandem.backlog import QueueState
-from tandem.operator.drift import drift, repair_patch
+from tandem.operator.drift import ChildKey, drift, repair_patch
 from tandem.operator.engine_metrics import PodSample
-from tandem.operator.manifests import DELETION_COST_ANNOTATION, OperatorDefaults
-from tandem.operator.reconcile import ChildKey, plan, role_replicas
+from tandem.operator.manifests import (
+    DEFAULTS_ANNOTATION,
+    DELETION_COST_ANNOTATION,
+    OperatorDefaults,
+)
+from tandem.operator.reconcile import plan, role_replicas
 from tandem.operator.role_spec import RoleName
 from tandem.operator.scaling import (
     ScalerMemory,
@@ -124,7 +128,10 @@ def test_pull_secrets_taken_out_of_the_spec_are_taken_out_of_the_pods():
     with_secret["spec"]["imagePullSecrets"] = [{"name": "regcred"}]
     children = children_of(with_secret)
     (patch,) = plan(model(), children, DEFAULTS, now=NOW).patches
-    assert patch.drift == ("spec.template.spec.imagePullSecrets",)
+    assert patch.drift == (
+        f"metadata.annotations.{DEFAULTS_ANNOTATION}",  # the pods now take the default
+        "spec.template.spec.imagePullSecrets",
+    )
     assert patch.patch["spec"]["template"]["spec"]["imagePullSecrets"] is None
     assert plan(with_secret, children, DEFAULTS, now=NOW).patches == ()
 

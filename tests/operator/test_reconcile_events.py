@@ -67,6 +67,60 @@ def test_a_new_redis_url_rolls_the_pods_and_is_reported_as_the_operators_setting
     assert actions.events == (Event("DriftRepaired", "Secret m-normal-redis: data.url"),)
 
 
+def test_a_new_engine_image_of_the_operator_is_its_setting_and_a_hand_edit_is_drift():
+    body = running({}, desired=1)
+    children = built(body, OLD)
+    upgraded = OperatorDefaults(image="engine:2", redis_url=OLD.redis_url)
+
+    actions = plan(body, children, upgraded, now=NOW)
+    (patch,) = actions.patches
+    containers = patch.patch["spec"]["template"]["spec"]["containers"]
+    assert [c["image"] for c in containers] == ["engine:2"]
+    (event,) = actions.events
+    assert event.reason == "SettingsApplied"
+    assert event.message.startswith("the operator's --engine-image changed, so the engine pods")
+    assert "Deployment m-normal: " in event.message and ".image" in event.message
+
+    # The image set by hand: set back, and said to be a hand edit.
+    edited = copy.deepcopy(children)
+    child(edited, "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"] = "mine:1"
+    (event,) = plan(body, edited, OLD, now=NOW).events
+    assert event == Event(
+        "DriftRepaired", "Deployment m-normal: spec.template.spec.containers[0].image"
+    )
+    # Both at once: the pods were not as the operator built them, so not its setting.
+    (event,) = plan(body, edited, upgraded, now=NOW).events
+    assert event.reason == "DriftRepaired" and "containers[0].image" in event.message
+
+
+def test_new_default_pull_secrets_are_the_operators_setting_unless_the_spec_names_its_own():
+    body = running({}, desired=1)
+    children = built(body, OLD)
+    with_secret = OperatorDefaults(
+        image=OLD.image, redis_url=OLD.redis_url, image_pull_secrets=("regcred",)
+    )
+
+    actions = plan(body, children, with_secret, now=NOW)
+    (patch,) = actions.patches
+    assert patch.patch["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    (event,) = actions.events
+    assert event.reason == "SettingsApplied"
+    assert event.message.startswith("the operator's --engine-image-pull-secret changed")
+
+    # A model with its own image and Secrets keeps them: the defaults are not its.
+    own = running({}, desired=1)
+    own["spec"] |= {"image": "mine:1", "imagePullSecrets": [{"name": "mine"}]}
+    children = built(own, OLD)
+    assert plan(own, children, with_secret, now=NOW).patches == ()
+
+    # The spec dropping its own image is the spec's change, not the operator's.
+    edited = copy.deepcopy(own)
+    del edited["spec"]["image"]
+    edited["metadata"]["generation"] = 2
+    (event,) = plan(edited, children, OLD, now=NOW).events
+    assert event.reason == "SpecApplied" and "containers[0].image" in event.message
+
+
 def test_a_bound_that_moves_the_count_scales_the_role_and_names_the_bound():
     children = built(running({"replicas": 4, "maxReplicas": 6}, desired=4))
 
