@@ -1,4 +1,4 @@
-"""The simulator's studies (docs/simulator.md): tables on stdout, plots under docs/img/.
+"""The simulator's studies (docs/simulator.md): tables on stdout, plots under --out.
 
     .venv/bin/python bench/sim_study.py disagg      # Normal vs Disaggregated, 70B, 16 H200s
     .venv/bin/python bench/sim_study.py intervals   # ALL / ANY prefill intervals, 4 DP ranks
@@ -6,7 +6,8 @@
                                                     # windows 0, 30, 60 s) vs fixed peak
 
 Every run is seeded: the same command prints the same tables (the wall times
-in the progress lines aside).
+in the progress lines aside). The plot goes to --out, by default docs/img/, where
+it replaces the figure docs/simulator.md shows: that is how those figures are made.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from tandem.sim import study_autoscale, study_disagg, study_intervals
 
+# The docs' figures: a run without --out redraws them.
 IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 
 
@@ -27,7 +29,7 @@ def disagg(args: argparse.Namespace) -> None:
         runs = study_disagg.sweep(workload, args.duration or 120.0, args.seed, log=_log)
         results.append((workload, runs))
         print(study_disagg.table(workload, runs), "\n", flush=True)
-    study_disagg.plot(results, str(IMG / "sim-disagg.png"))
+    study_disagg.plot(results, str(args.out / "sim-disagg.png"))
 
 
 def intervals(args: argparse.Namespace) -> None:
@@ -36,7 +38,7 @@ def intervals(args: argparse.Namespace) -> None:
         runs = study_intervals.sweep(rate, args.duration or 120.0, args.seed, log=_log)
         print(study_intervals.table(runs, rate), "\n", flush=True)
         by_rate[rate] = runs
-    study_intervals.plot(by_rate, str(IMG / "sim-intervals.png"))
+    study_intervals.plot(by_rate, str(args.out / "sim-intervals.png"))
 
 
 def autoscale(args: argparse.Namespace) -> None:
@@ -47,7 +49,7 @@ def autoscale(args: argparse.Namespace) -> None:
     runs = study_autoscale.run_study(requests, until_s=duration, up_windows=windows, log=_log)
     print(study_autoscale.table(runs))
     print(study_autoscale.summary_line(runs))
-    study_autoscale.plot(requests, runs, str(IMG / "sim-autoscale.png"))
+    study_autoscale.plot(requests, runs, str(args.out / "sim-autoscale.png"))
 
 
 def _log(message: str) -> None:
@@ -65,8 +67,15 @@ def main() -> None:
         default="0,30,60",
         help="autoscale: scaleUpStabilizationSeconds of each autoscaled run, comma-separated",
     )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        default=IMG,
+        help="folder for the plot (default: docs/img, overwriting the docs' figure)",
+    )
     args = parser.parse_args()
-    IMG.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     {"disagg": disagg, "intervals": intervals, "autoscale": autoscale}[args.study](args)
     _log(f"took {time.perf_counter() - started:.0f}s")
