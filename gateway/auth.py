@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from tandem.gateway.errors import forbidden, unauthorized
 
 ENV_VAR = "TANDEM_API_KEYS"
@@ -148,10 +150,6 @@ def _load(path: Path, text: str) -> Any:
             return json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not valid JSON: {exc}") from None
-    try:
-        import yaml  # optional: only YAML key files need it
-    except ImportError:
-        raise ValueError(f"{path}: YAML key files need PyYAML (or write it as JSON)") from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:

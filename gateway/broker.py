@@ -12,24 +12,24 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import redis.asyncio as aioredis
 
 from tandem.backlog import (
     ENQUEUE_SCRIPT,
-    QueueState,
     enqueue_call,
     queue_depth_commands,
     queue_state,
 )
-from tandem.engine.service.registry import read_entry
 from tandem.protocol import (
     CANCEL_TTL_SECONDS,
     EngineInfo,
     Keys,
     WorkItem,
+    as_text,
+    read_engine_entry,
 )
+from tandem.queue_state import QueueState
 
 log = logging.getLogger("tandem.gateway")
 
@@ -55,7 +55,7 @@ class Broker:
             return []
         script_keys, args = enqueue_call(self.keys, items)
         ids = await self._enqueue(keys=script_keys, args=args)
-        return [_str(entry_id) for entry_id in ids]
+        return [as_text(entry_id) for entry_id in ids]
 
     async def queue_depth(self, model: str) -> QueueState:
         """As `backlog.queue_depth`: waiting = XLEN - pending, one MULTI snapshot."""
@@ -78,7 +78,7 @@ class Broker:
 
     async def live_engines(self, model: str | None = None) -> list[EngineInfo]:
         """As `Registry.live`: engines whose entry has not expired, sorted by id."""
-        ids = sorted(_str(x) for x in await self.client.smembers(self.keys.engines_set))
+        ids = sorted(as_text(x) for x in await self.client.smembers(self.keys.engines_set))
         if not ids:
             return []
         raws = await self.client.mget([self.keys.engine_key(i) for i in ids])
@@ -87,14 +87,14 @@ class Broker:
             await self.client.srem(self.keys.engines_set, *expired)
         engines = []
         for engine_id, raw in zip(ids, raws, strict=True):
-            info = None if raw is None else read_entry(engine_id, raw)
+            info = None if raw is None else read_engine_entry(engine_id, raw)
             if info is not None and (model is None or info.model == model):
                 engines.append(info)
         return engines
 
     async def declared_models(self) -> set[str]:
         """Models a controller declared served (tandem/catalog.py), engines or not."""
-        names = sorted(_str(x) for x in await self.client.smembers(self.keys.models_set))
+        names = sorted(as_text(x) for x in await self.client.smembers(self.keys.models_set))
         if not names:
             return set()
         raws = await self.client.mget([self.keys.model_key(n) for n in names])
@@ -102,7 +102,3 @@ class Broker:
         if expired:
             await self.client.srem(self.keys.models_set, *expired)
         return {name for name, raw in zip(names, raws, strict=True) if raw is not None}
-
-
-def _str(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -8,17 +8,23 @@ import logging
 import os
 import signal
 
+# Light (a plain dataclass), unlike the app: its defaults are the flags' defaults.
+from tandem.gateway.settings import GatewaySettings
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="0.0.0.0", help="address to bind")
-    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
+    default = GatewaySettings()
+    parser.add_argument("--host", default=default.host, help="address to bind")
+    parser.add_argument("--port", type=int, default=default.port, help="HTTP port")
     parser.add_argument(
-        "--redis-url", default=os.environ.get("TANDEM_REDIS_URL", "redis://127.0.0.1:6379/0")
+        "--redis-url", default=os.environ.get("TANDEM_REDIS_URL", default.redis_url)
     )
-    parser.add_argument("--key-prefix", default="tandem", help="prefix of every Redis key")
+    parser.add_argument(
+        "--key-prefix", default=default.key_prefix, help="prefix of every Redis key"
+    )
     parser.add_argument(
         "--api-keys-file",
-        default=None,
+        default=default.api_keys_file,
         help="YAML or JSON list of {key | key_sha256, name, models, rpm, tpm}; "
         "$TANDEM_API_KEYS adds comma-separated plain keys (all models)",
     )
@@ -30,28 +36,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-queue",
         type=int,
-        default=1000,
+        default=default.max_queue,
         help="answer 429 while a model has this many requests waiting in its queue",
     )
     parser.add_argument(
         "--request-timeout",
         type=float,
-        default=600.0,
+        default=default.request_timeout,
         help="seconds a request may take, queueing included (X-Tandem-Timeout lowers it)",
     )
     parser.add_argument(
-        "--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413"
+        "--max-body-bytes",
+        type=int,
+        default=default.max_body_bytes,
+        help="larger request bodies get 413",
     )
     parser.add_argument(
         "--default-max-tokens",
         type=int,
-        default=1024,
+        default=default.default_max_tokens,
         help="max_tokens of chat requests that give none",
     )
     parser.add_argument(
         "--shutdown-timeout",
         type=float,
-        default=30.0,
+        default=default.shutdown_timeout,
         help="on SIGTERM, seconds in-flight requests get before their connections are cut "
         "(their queued work is kept: retries with the same Idempotency-Key find it)",
     )
@@ -62,7 +71,6 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tandem.gateway.app import create_app
-    from tandem.gateway.settings import GatewaySettings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings = GatewaySettings.from_args(args)

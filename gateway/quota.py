@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 
 from tandem.gateway.auth import ApiKey
 from tandem.gateway.errors import GatewayError, rate_limited
+from tandem.protocol import as_text
 
 # KEYS: rpm bucket, tpm bucket, the request's marker. ARGV: rpm limit, tpm limit
 # (0: none), token cost. Returns {1} when admitted, else {0, quota, seconds until it
@@ -91,8 +92,8 @@ class Quotas:
         reply = await self._take(keys=script_keys, args=[key.rpm or 0, key.tpm or 0, tokens])
         if int(reply[0]) == 1:
             return QuotaDecision(True)
-        quota = _text(reply[1])
-        return QuotaDecision(False, quota, float(_text(reply[2])))
+        quota = as_text(reply[1])
+        return QuotaDecision(False, quota, float(as_text(reply[2])))
 
     async def admit(self, key: ApiKey, tokens: int, request_id: str) -> None:
         """take(), raising the 429 that names the quota when refused."""
@@ -124,7 +125,3 @@ def refusal(key: ApiKey, tokens: int, decision: QuotaDecision) -> GatewayError:
         "tpm_exceeded",
         decision.retry_after,
     )
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

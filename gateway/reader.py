@@ -1,22 +1,21 @@
 """Reads the response streams of a request's work items, on redis.asyncio.
 
-The asyncio twin of `responses.ResponseReader.events`, for several streams at
-once (the n choices of one request share one XREAD), each through its own
-`ResponseDeduplicator`: the rule that drops tokens an engine wrote twice (after
-a takeover) lives there only.
+The asyncio twin of the engine package's `responses.ResponseReader.events`, for
+several streams at once (the n choices of one request share one XREAD), each
+through its own `tandem.deduplicator.ResponseDeduplicator`: the rule that drops
+tokens an engine wrote twice (after a takeover) lives there only.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 
 import redis.asyncio as aioredis
 
-from tandem.engine.service.responses import ResponseDeduplicator
+from tandem.deduplicator import ResponseDeduplicator
 from tandem.gateway.settings import MAX_READ_BLOCK_MS
-from tandem.protocol import Keys, ResponseEvent
+from tandem.protocol import Keys, ResponseEvent, as_text
 
 
 class DeadlinePassed(TimeoutError):
@@ -55,17 +54,13 @@ class AsyncResponseReader:
                 raise DeadlinePassed(f"deadline passed for {', '.join(request_ids)}")
             reply = await self.client.xread(last, block=min(self.block_ms, left_ms))
             for raw_name, entries in reply or ():
-                name = _str(raw_name)
+                name = as_text(raw_name)
                 i = index[name]
                 for entry_id, fields in entries:
-                    last[name] = _str(entry_id)
+                    last[name] = as_text(entry_id)
                     passed = dedup[i].accept(ResponseEvent.from_fields(fields))
                     if passed is not None:
                         yield i, passed
                     if dedup[i].done:
                         del last[name]
                         break
-
-
-def _str(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 import httpx
 from redis.connection import parse_url
 
+from tandem.lengths import parse_length
 from tandem.loadgen.client import Target
-from tandem.loadgen.lengths import parse_length
 from tandem.loadgen.report import Slo
 from tandem.loadgen.runner import RunLimits
 from tandem.loadgen.workload import synthetic_workload, trace_workload

@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 from redis.exceptions import RedisError
 
-from tandem.protocol import EngineInfo, Keys, ProtocolError
+from tandem.protocol import EngineInfo, Keys, ProtocolError, as_text
 
 ENGINES_METRIC = "tandem_gateway_engines"
 
@@ -84,7 +84,7 @@ class RegistrySource:
         ids = sorted(await self.client.smembers(self.keys.engines_set))
         if not ids:
             return {}
-        names = [self.keys.engine_key(i.decode() if isinstance(i, bytes) else i) for i in ids]
+        names = [self.keys.engine_key(as_text(i)) for i in ids]
         return count_roles(await self.client.mget(names), self.model)
 
     async def close(self) -> None:

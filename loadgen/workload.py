@@ -12,8 +12,8 @@ import math
 import random
 from collections.abc import Iterator, Sequence
 
+from tandem.lengths import LengthDist
 from tandem.loadgen.arrivals import arrival_offsets, check_rate
-from tandem.loadgen.lengths import LengthDist
 from tandem.trace import TraceRequest
 
 

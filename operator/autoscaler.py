@@ -18,9 +18,10 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from tandem.backlog import QueueState
-from tandem.operator.engine_metrics import PodLoad
-from tandem.operator.scaling_policy import ScalingPolicy, ScalingRole
+from tandem.operator.pod_load import PodLoad
+from tandem.operator.role_name import RoleName
+from tandem.operator.scaling_policy import ScalingPolicy
+from tandem.queue_state import QueueState
 
 # ceil() of a demand computed in floats: 0.7 * 3 / 0.7 must ask for 3 pods, not 4.
 _EPSILON = 1e-9
@@ -114,7 +115,7 @@ def _recorded(
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    role: ScalingRole
+    role: RoleName
     replicas: int
     current: int
     # From the signals alone, before the window, the step limit and the bounds.
@@ -163,7 +164,7 @@ class _Demand:
 
 
 def decide(
-    role: ScalingRole | str,
+    role: RoleName | str,
     observed: RoleObservation,
     queue: QueueState,
     policy: ScalingPolicy,
@@ -171,7 +172,7 @@ def decide(
     now: float,
 ) -> Decision:
     """The replicas `role` should have now, why, and the history for next time."""
-    role = ScalingRole(role)
+    role = RoleName(role)
     if isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now):
         raise ValueError(f"now must be a finite number of seconds, got {now!r}")
     current = observed.current_replicas
@@ -264,12 +265,12 @@ def decide(
 
 
 def decide_all(
-    observed: Mapping[ScalingRole, RoleObservation],
+    observed: Mapping[RoleName, RoleObservation],
     queue: QueueState,
-    policies: Mapping[ScalingRole, ScalingPolicy],
-    histories: Mapping[ScalingRole, ScalingHistory],
+    policies: Mapping[RoleName, ScalingPolicy],
+    histories: Mapping[RoleName, ScalingHistory],
     now: float,
-) -> dict[ScalingRole, Decision]:
+) -> dict[RoleName, Decision]:
     """`decide` for every observed role, each on its own signals and history."""
     missing = [str(role) for role in observed if role not in policies]
     if missing:
@@ -321,14 +322,14 @@ def _asks(demand: _Demand) -> str:
 
 
 def _demand(
-    role: ScalingRole, observed: RoleObservation, queue: QueueState, policy: ScalingPolicy
+    role: RoleName, observed: RoleObservation, queue: QueueState, policy: ScalingPolicy
 ) -> _Demand:
     current, pods, ready = observed.current_replicas, observed.pods, observed.ready_pods
     signals: list[_Signal] = []
-    if role in (ScalingRole.NORMAL, ScalingRole.DECODE):
+    if role in (RoleName.NORMAL, RoleName.DECODE):
         # Loads are in range (engine_metrics.parse_metrics refuses the rest).
         usage = sum(p.kv_cache_usage for p in ready)
-        if role is ScalingRole.DECODE:
+        if role is RoleName.DECODE:
             # KV usage saturates at 1 per pod, so alone it cannot show a 4x load.
             # Handoffs no decoder has room for are the rest of the demand, each
             # costing the KV a running request holds on average.
@@ -339,11 +340,11 @@ def _demand(
         signals.append(
             _per_pod("kv_cache", usage / policy.target_kv_cache_usage, len(ready), current)
         )
-    if role is ScalingRole.PREFILL:
+    if role is RoleName.PREFILL:
         used = [p.budget_utilization for p in ready if p.budget_utilization is not None]
         units = sum(used) / policy.target_budget_utilization
         signals.append(_per_pod("budget", units, len(used), current))
-    if role in (ScalingRole.NORMAL, ScalingRole.PREFILL):
+    if role in (RoleName.NORMAL, RoleName.PREFILL):
         # Absolute, like an HPA External metric with an AverageValue target: the
         # tokens are waiting whoever will take them, so no per-pod adjustment.
         # The engines' share is each one's mean since the last scrape.
@@ -358,12 +359,12 @@ def _per_pod(name: str, units: float, measured: int, current: int) -> _Signal:
     return _Signal(name, units, units + max(0, current - measured))
 
 
-def _active(role: ScalingRole, pods: Iterable[PodLoad], queue: QueueState) -> bool:
+def _active(role: RoleName, pods: Iterable[PodLoad], queue: QueueState) -> bool:
     """Whether the role has any work: what scale from zero and to zero look at."""
     # Taken-but-unacked entries (pending) count: an engine is serving them even
     # when its /metrics could not be read.
     work = queue.queued_tokens > 0 or queue.total_waiting > 0 or queue.pending > 0
-    if role is ScalingRole.DECODE:
+    if role is RoleName.DECODE:
         # Every queued request will need a decoder: start decode's cold start
         # alongside prefill's instead of after the first handoff.
         work = work or queue.handoff_waiting > 0 or queue.handoff_pending > 0

@@ -27,30 +27,34 @@ import redis
 from tandem import catalog
 from tandem.operator import scaling
 from tandem.operator.autoscaler import Decision
-from tandem.operator.drift import repair_patch
-from tandem.operator.engine_metrics import PodSample
+from tandem.operator.drift import ChildKey, repair_patch
 from tandem.operator.events import Event, readability_events
 from tandem.operator.kube import ApiError, KubeApi
-from tandem.operator.manifests import OperatorDefaults, pods_of
+from tandem.operator.manifests import (
+    CHILD_KINDS,
+    INSTANCE_LABEL,
+    MANAGED_BY_LABEL,
+    OPERATOR,
+    OperatorDefaults,
+    pods_of,
+)
+from tandem.operator.pod_load import PodSample
 from tandem.operator.reconcile import (
-    ChildKey,
     Plan,
     plan,
     refused,
     role_replicas,
     served_name_holder,
 )
-from tandem.operator.role_spec import RoleName
+from tandem.operator.role_name import RoleName
 from tandem.operator.settings import OperatorSettings
 from tandem.operator.sources import MetricSources
-from tandem.operator.spec import ModelDeploymentSpec
+from tandem.operator.spec import KIND, ModelDeploymentSpec
 from tandem.operator.validation import InvalidSpec, validate_spec
 
 log = logging.getLogger(__name__)
 
 Body = dict[str, Any]
-CHILD_KINDS = ("ConfigMap", "Secret", "Service", "Deployment", "PodDisruptionBudget")
-KIND = "ModelDeployment"
 
 
 @dataclass(frozen=True)
@@ -148,10 +152,7 @@ class Controller:
         return outcome.memory if outcome else memory
 
     async def _children(self, namespace: str, name: str) -> list[Body]:
-        selector = {
-            "app.kubernetes.io/instance": name,
-            "app.kubernetes.io/managed-by": "tandem-operator",
-        }
+        selector = {INSTANCE_LABEL: name, MANAGED_BY_LABEL: OPERATOR}
         pages = await asyncio.gather(
             *(self._kube.list(kind, namespace, selector) for kind in CHILD_KINDS)
         )
@@ -221,7 +222,10 @@ class Controller:
         if spec.redis.url is not None:
             return spec.redis.url
         ref = spec.redis.url_secret_ref
-        assert ref is not None  # the spec's rule: exactly one of url and urlSecretRef
+        if ref is None:
+            # validate_spec holds the spec to exactly one of the two: a spec without
+            # either is reported (and the evaluation skipped) rather than trusted.
+            raise ValueError("spec.redis has neither url nor urlSecretRef")
         secret = await self._kube.get("Secret", namespace, ref.name)
         if secret is None or ref.key not in (secret.get("data") or {}):
             raise LookupError(f"Secret {ref.name} has no key {ref.key!r}")

@@ -13,7 +13,8 @@ import json
 from collections.abc import Mapping
 
 from tandem.operator.quantity import quantity_bytes, quantity_value
-from tandem.operator.role_spec import RoleName, RoleSpec
+from tandem.operator.role_name import RoleName
+from tandem.operator.role_spec import RoleSpec
 from tandem.operator.spec import ModelDeploymentSpec
 
 HTTP_PORT = 8100  # /healthz /readyz /metrics; rank r listens on HTTP_PORT + r

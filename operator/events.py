@@ -16,7 +16,7 @@ from typing import Any
 from tandem.operator.autoscaler import Decision
 from tandem.operator.drift import ChildPatch
 from tandem.operator.manifests import child_name
-from tandem.operator.role_spec import RoleName
+from tandem.operator.role_name import RoleName
 from tandem.operator.setting_changes import SettingChange
 from tandem.operator.status import Scale
 from tandem.operator.status_model import Phase

@@ -24,18 +24,13 @@ from typing import Any
 import kopf
 
 from tandem.operator.controller import Controller
+from tandem.operator.kube import KINDS
+from tandem.operator.manifests import CHILD_KINDS, MANAGED_BY_LABEL, MODEL_LABEL, OPERATOR
 from tandem.operator.settings import OperatorSettings
 from tandem.operator.spec import GROUP, PLURAL, VERSION
 
-MANAGED_BY = {"app.kubernetes.io/managed-by": "tandem-operator"}
-MODEL_LABEL = "serving.tandem.dev/model"
-CHILD_RESOURCES = (
-    ("apps", "v1", "deployments"),
-    ("", "v1", "services"),
-    ("", "v1", "configmaps"),
-    ("", "v1", "secrets"),
-    ("policy", "v1", "poddisruptionbudgets"),
-)
+MANAGED_BY = {MANAGED_BY_LABEL: OPERATOR}
+CHILD_RESOURCES = tuple(KINDS[kind] for kind in CHILD_KINDS)
 # kopf's own bookkeeping (finalizer, progress) under the operator's API group.
 PREFIX = GROUP
 
@@ -59,10 +54,15 @@ def build_registry(
         else:
             await controller.reconcile(namespace, name)
 
-    for group, version, plural in CHILD_RESOURCES:
+    for child in CHILD_RESOURCES:
 
         @kopf.on.event(
-            group, version, plural, labels=MANAGED_BY, registry=registry, id=f"child-{plural}"
+            child.group,
+            child.version,
+            child.plural,
+            labels=MANAGED_BY,
+            registry=registry,
+            id=f"child-{child.plural}",
         )
         async def child_changed(namespace: str, labels: kopf.Labels, **_: Any) -> None:
             owner = labels.get(MODEL_LABEL)
@@ -111,12 +111,12 @@ def configure(kopf_settings: kopf.OperatorSettings, settings: OperatorSettings) 
     # Events about scaling and drift are the Controller's own; kopf posts only its
     # warnings and errors (a timer succeeding every 15 s is not news).
     kopf_settings.posting.level = logging.WARNING
-    kopf_settings.posting.reporting_component = "tandem-operator"
+    kopf_settings.posting.reporting_component = OPERATOR
     # A stopping timer finishes its pass (a few API calls) instead of being orphaned.
     kopf_settings.background.instant_exit_timeout = 1.0
     # Watch only the children we made, not every Deployment of the cluster.
     selector = ",".join(f"{key}={value}" for key, value in MANAGED_BY.items())
-    for group, _version, plural in CHILD_RESOURCES:
-        kopf_settings.watching.label_selectors[group or "v1", plural] = selector
+    for child in CHILD_RESOURCES:
+        kopf_settings.watching.label_selectors[child.group or "v1", child.plural] = selector
     kopf_settings.peering.name = settings.peering_name
     kopf_settings.peering.priority = settings.priority

@@ -29,14 +29,13 @@ from typing import Any
 import httpx
 
 from tandem.operator.kube_connection import Connection
-from tandem.operator.manifests import pod_deletion_cost_patch
-from tandem.operator.spec import GROUP, PLURAL, VERSION
+from tandem.operator.manifests import OPERATOR, pod_deletion_cost_patch
+from tandem.operator.spec import GROUP, KIND, PLURAL, VERSION
 
 log = logging.getLogger(__name__)
 
 Body = dict[str, Any]
 _RETRYABLE = frozenset({409, 429, 500, 502, 503, 504})
-COMPONENT = "tandem-operator"
 # Writes of objects built from a user's spec: an unknown field (a typo in a pod
 # `affinity`, copied verbatim) is a 400 that names it, which makes the model
 # Invalid, where the default (Warn) drops the field and the pod runs without it.
@@ -66,7 +65,7 @@ class ApiResource:
 
 # Every kind the operator reads or writes, by `kind`.
 KINDS: Mapping[str, ApiResource] = {
-    "ModelDeployment": ApiResource(GROUP, VERSION, PLURAL),
+    KIND: ApiResource(GROUP, VERSION, PLURAL),
     "ConfigMap": ApiResource("", "v1", "configmaps"),
     "Service": ApiResource("", "v1", "services"),
     "Deployment": ApiResource("apps", "v1", "deployments"),
@@ -155,7 +154,7 @@ class KubeApi:
                 base_url=self._connection.server,
                 verify=self._connection.ssl_context(),
                 timeout=self._timeout,
-                headers={"User-Agent": f"{COMPONENT}/httpx", "Accept": "application/json"},
+                headers={"User-Agent": f"{OPERATOR}/httpx", "Accept": "application/json"},
                 transport=self._transport,
             )
         return self._client
@@ -264,9 +263,9 @@ class KubeApi:
             "reason": reason,
             "message": message[:1024],
             "type": "Warning" if warning else "Normal",
-            "source": {"component": COMPONENT},
-            "reportingComponent": COMPONENT,
-            "reportingInstance": self._instance or COMPONENT,
+            "source": {"component": OPERATOR},
+            "reportingComponent": OPERATOR,
+            "reportingInstance": self._instance or OPERATOR,
             "firstTimestamp": now,
             "lastTimestamp": now,
             "count": 1,

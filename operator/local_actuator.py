@@ -23,19 +23,18 @@ import redis
 
 from tandem import catalog
 from tandem.backlog import queue_depth
-from tandem.child import Child
+from tandem.child import Child, engine_threads
 from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide_all
 from tandem.operator.engine_flags import engine_arguments, engine_flags
-from tandem.operator.engine_metrics import PodSample, pod_load, scrape
-from tandem.operator.role_spec import RoleName
+from tandem.operator.engine_metrics import scrape
+from tandem.operator.pod_load import PodSample, pod_load
+from tandem.operator.role_name import RoleName
 from tandem.operator.scaling import plan_resize
 from tandem.operator.scaling import policy as scaling_policy
-from tandem.operator.scaling_policy import ScalingRole
-from tandem.operator.spec import ModelDeploymentSpec
+from tandem.operator.spec import KIND, ModelDeploymentSpec
 from tandem.operator.validation import validate_spec
 from tandem.protocol import Keys
 from tandem.redis_server import free_port
-from tandem.up import engine_threads
 
 log = logging.getLogger("tandem.local")
 
@@ -62,8 +61,8 @@ class EngineProcess:
 
 def load_manifest(manifest: dict[str, Any]) -> tuple[str, ModelDeploymentSpec]:
     """(name, validated spec) of a ModelDeployment document; InvalidSpec explains a bad one."""
-    if manifest.get("kind") != "ModelDeployment":
-        raise ValueError(f"expected kind ModelDeployment, got {manifest.get('kind')!r}")
+    if manifest.get("kind") != KIND:
+        raise ValueError(f"expected kind {KIND}, got {manifest.get('kind')!r}")
     name = (manifest.get("metadata") or {}).get("name")
     if not name:
         raise ValueError("the ModelDeployment has no metadata.name")
@@ -95,14 +94,13 @@ class LocalActuator:
         self.extra_engine_args = extra_engine_args
         self.model = spec.served_model_name(name)
         self.roles = spec.roles()
-        self.policies = {ScalingRole(r): scaling_policy(s) for r, s in self.roles.items()}
+        self.policies = {r: scaling_policy(s) for r, s in self.roles.items()}
         self.replicas = {r: s.initial_replicas for r, s in self.roles.items()}
         # As the operator does for a role it sees first: the starting count counts as
         # recommended now, so nothing scales down before a whole window of evidence.
         started = time.monotonic()
         self.histories = {
-            ScalingRole(r): ScalingHistory(recommendations=((started, self.replicas[r]),))
-            for r in self.roles
+            r: ScalingHistory(recommendations=((started, self.replicas[r]),)) for r in self.roles
         }
         self.engines: dict[RoleName, list[EngineProcess]] = {r: [] for r in self.roles}
         self.decisions: list[Decision] = []  # every change, for `tandem up` output and tests
@@ -178,7 +176,7 @@ class LocalActuator:
 
     # ---------------------------------------------------------- autoscaling
 
-    def evaluate(self, now: float | None = None) -> dict[ScalingRole, Decision]:
+    def evaluate(self, now: float | None = None) -> dict[RoleName, Decision]:
         """Scrape, decide, act: one evaluation of every role."""
         now = time.monotonic() if now is None else now
         observed = asyncio.run(self._observe())
@@ -188,7 +186,7 @@ class LocalActuator:
         for role, decision in decisions.items():
             self.histories[role] = decision.history
             if decision.changed:
-                self._resize(RoleName(role), decision)
+                self._resize(role, decision)
         return decisions
 
     def _declare(self) -> None:
@@ -196,7 +194,7 @@ class LocalActuator:
         owner = f"local/{self.name}"
         catalog.declare(self._redis, self.keys, self.model, owner, catalog.MIN_DECLARATION_TTL_S)
 
-    async def _observe(self) -> dict[ScalingRole, RoleObservation]:
+    async def _observe(self) -> dict[RoleName, RoleObservation]:
         async with httpx.AsyncClient() as client:
             observed = {}
             for role in self.roles:
@@ -207,7 +205,7 @@ class LocalActuator:
                     if sample is not None:
                         loads.append(pod_load(sample, engine.last_sample))
                         engine.last_sample = sample
-                observed[ScalingRole(role)] = RoleObservation(self.replicas[role], tuple(loads))
+                observed[role] = RoleObservation(self.replicas[role], tuple(loads))
             return observed
 
     def _resize(self, role: RoleName, decision: Decision) -> None:

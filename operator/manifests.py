@@ -19,14 +19,26 @@ from typing import Any
 
 from tandem.operator.engine_flags import engine_flags
 from tandem.operator.manifests_pods import container_ports, deployment
-from tandem.operator.role_spec import RoleName, RoleSpec
+from tandem.operator.role_name import RoleName
+from tandem.operator.role_spec import RoleSpec
 from tandem.operator.spec import API_VERSION, KIND, ModelDeploymentSpec
 
 DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
 # On a role's Deployment: which of the operator's defaults its pods took
 # (setting_changes.py tells an operator upgrade from a hand edit by it).
 DEFAULTS_ANNOTATION = "serving.tandem.dev/operator-defaults"
+# The labels of every child (`labels`). The instance and component pick a role's
+# pods (`selector_labels`); MODEL_LABEL tells the watch of a child's changes which
+# model to reconcile; kopf watches only the children whose MANAGED_BY_LABEL is OPERATOR.
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MODEL_LABEL = "serving.tandem.dev/model"
 ROLE_LABEL = "serving.tandem.dev/role"
+# The operator's name: the managed-by label of its children, the component of its Events.
+OPERATOR = "tandem-operator"
+# Every kind `role_manifests` builds: what the controller lists and kopf watches.
+CHILD_KINDS = ("ConfigMap", "Secret", "Service", "Deployment", "PodDisruptionBudget")
 Body = Mapping[str, Any]
 _INT32 = (-(2**31), 2**31 - 1)
 
@@ -65,16 +77,16 @@ def selector_labels(name: str, role_name: RoleName) -> dict[str, str]:
     """The labels that pick a role's pods; never change them (Deployment selectors are fixed)."""
     return {
         "app.kubernetes.io/name": "tandem-engine",
-        "app.kubernetes.io/instance": name,
-        "app.kubernetes.io/component": role_name.value,
+        INSTANCE_LABEL: name,
+        COMPONENT_LABEL: role_name.value,
     }
 
 
 def labels(name: str, role_name: RoleName) -> dict[str, str]:
     return {
         **selector_labels(name, role_name),
-        "app.kubernetes.io/managed-by": "tandem-operator",
-        "serving.tandem.dev/model": name,
+        MANAGED_BY_LABEL: OPERATOR,
+        MODEL_LABEL: name,
         ROLE_LABEL: role_name.value,
     }
 

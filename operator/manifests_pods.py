@@ -20,7 +20,8 @@ from tandem.operator.engine_flags import (
     config_hash,
     engine_arguments,
 )
-from tandem.operator.role_spec import RoleName, RoleSpec
+from tandem.operator.role_name import RoleName
+from tandem.operator.role_spec import RoleSpec
 from tandem.operator.spec import ModelDeploymentSpec
 
 CONFIG_HASH_ANNOTATION = "serving.tandem.dev/config-hash"

@@ -24,7 +24,7 @@ from tandem.operator.manifests import (
     pods_of,
 )
 from tandem.operator.pod_trouble import PodTrouble, role_trouble
-from tandem.operator.role_spec import RoleName
+from tandem.operator.role_name import RoleName
 from tandem.operator.setting_changes import setting_changes
 from tandem.operator.spec import ModelDeploymentSpec
 from tandem.operator.status import RoleCounts, Scale, invalid_status, status_patch, valid_status

@@ -8,33 +8,14 @@ follow the HorizontalPodAutoscaler's defaults, which users already know.
 
 from __future__ import annotations
 
-from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, WithJsonSchema, model_validator
 
 from tandem.operator.quantity import Quantity, quantity_value
 from tandem.operator.spec_base import CelRule, SpecModel
-from tandem.protocol import Role
 
 _INT32_MAX = 2**31 - 1
-
-
-class RoleName(StrEnum):
-    """A role's key under spec (and status.roles), and the engine role its pods run."""
-
-    NORMAL = "normal"
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-    @property
-    def engine_role(self) -> Role:
-        """`tandem engine --role`: prefill pods are PROMPT engines, decode pods COMPLETION."""
-        return {
-            RoleName.NORMAL: Role.NORMAL,
-            RoleName.PREFILL: Role.PROMPT,
-            RoleName.DECODE: Role.COMPLETION,
-        }[self]
 
 
 class Resources(SpecModel):

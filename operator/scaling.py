@@ -14,15 +14,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.backlog import QueueState
 from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide
 from tandem.operator.engine_flags import HTTP_PORT
-from tandem.operator.engine_metrics import PodSample, pod_load
-from tandem.operator.engine_metrics import log as scrape_log
-from tandem.operator.manifests import DELETION_COST_ANNOTATION, pods_of, selector_labels
-from tandem.operator.role_spec import DecodeRole, NormalRole, PrefillRole, RoleName, RoleSpec
-from tandem.operator.scaling_policy import ScalingPolicy, ScalingRole
+from tandem.operator.manifests import (
+    COMPONENT_LABEL,
+    DELETION_COST_ANNOTATION,
+    INSTANCE_LABEL,
+    pods_of,
+    selector_labels,
+)
+from tandem.operator.pod_load import SCRAPE_LOG, PodSample, pod_load
+from tandem.operator.role_name import RoleName
+from tandem.operator.role_spec import DecodeRole, NormalRole, PrefillRole, RoleSpec
+from tandem.operator.scaling_policy import ScalingPolicy
 from tandem.operator.spec import ModelDeploymentSpec
+from tandem.queue_state import QueueState
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +98,7 @@ def scrape_targets(pods: Sequence[Body]) -> dict[str, str]:
 def pod_selector(name: str) -> dict[str, str]:
     """The labels of every engine pod of ModelDeployment `name`, all roles."""
     labels = selector_labels(name, RoleName.NORMAL)
-    del labels["app.kubernetes.io/component"]
+    del labels[COMPONENT_LABEL]
     return labels
 
 
@@ -124,7 +130,7 @@ def evaluate(
         # A role seen for the first time (a new model, or an operator that just
         # started) has no past to weigh a first reading against: see starting().
         history = histories.get(role_name) or ScalingHistory.starting(now, replicas[role_name])
-        decision = decide(ScalingRole(role_name.value), observed, queue, policy(role), history, now)
+        decision = decide(role_name, observed, queue, policy(role), history, now)
         if decision.unreadable_changed:
             _log_readability(role_pods, observed, history, decision, now)
         decisions[role_name] = decision
@@ -147,7 +153,7 @@ def _log_readability(
     # (engine_metrics.scrape), yet a role holding for want of metrics must show.
     # A change always has pods behind it: those scraped.
     meta = role_pods[0]["metadata"]
-    model = meta.get("labels", {}).get("app.kubernetes.io/instance", "?")
+    model = meta.get("labels", {}).get(INSTANCE_LABEL, "?")
     where = f"{meta.get('namespace', '')}/{model} {decision.role}"
     if decision.unreadable:
         log.warning(
@@ -155,7 +161,7 @@ def _log_readability(
             where,
             decision.unreadable,
             observed.unreadable,
-            scrape_log.name,
+            SCRAPE_LOG,
         )
     elif previous.unreadable_since is not None:
         log.info("%s: metrics readable again after %gs", where, now - previous.unreadable_since)

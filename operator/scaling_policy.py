@@ -9,29 +9,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import StrEnum
-
-from tandem.protocol import Role
-
-
-class ScalingRole(StrEnum):
-    """A group of pods scaled as one: the CRD's role names, not the engines'."""
-
-    NORMAL = "normal"
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-    @classmethod
-    def of_engine(cls, role: Role | str) -> ScalingRole:
-        """The scaling role of an engine role (the `role` label on its metrics)."""
-        return _OF_ENGINE[Role(role)]
-
-
-_OF_ENGINE = {
-    Role.NORMAL: ScalingRole.NORMAL,
-    Role.PROMPT: ScalingRole.PREFILL,
-    Role.COMPLETION: ScalingRole.DECODE,
-}
 
 
 @dataclass(frozen=True, slots=True)

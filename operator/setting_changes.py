@@ -26,7 +26,7 @@ from tandem.operator.manifests import (
     redis_secret_name,
 )
 from tandem.operator.manifests_pods import CONFIG_HASH_ANNOTATION
-from tandem.operator.role_spec import RoleName
+from tandem.operator.role_name import RoleName
 
 Body = Mapping[str, Any]
 _POD = ("spec", "template", "spec")

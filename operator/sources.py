@@ -1,8 +1,8 @@
 """Where the autoscaler's numbers come from: engine /metrics and the model's Redis queues.
 
 Both are Protocols so that tests drive the operator with fake numbers; in
-production `SampleSource` is engine_metrics.DirectScrape (HTTP GET of each
-engine pod's /metrics on port 8100) and `QueueSource` is RedisQueues
+production `SampleSource` is DirectScrape (engine_metrics.scrape: HTTP GET of
+each engine pod's /metrics on port 8100) and `QueueSource` is RedisQueues
 (tandem.backlog.queue_depth, one MULTI round trip per model).
 """
 
@@ -17,12 +17,42 @@ import httpx
 import redis
 
 from tandem import catalog
-from tandem.backlog import QueueState, queue_depth
-from tandem.operator.engine_metrics import DirectScrape, PodSample, SampleSource
+from tandem.backlog import queue_depth
+from tandem.operator.engine_metrics import DEFAULT_TIMEOUT_S, scrape
+from tandem.operator.pod_load import PodSample
 from tandem.protocol import Keys
+from tandem.queue_state import QueueState
 
 # The Redis client may wait this long for a queue depth; a slow Redis skips one evaluation.
 _REDIS_TIMEOUT_S = 2.0
+
+
+class SampleSource(Protocol):
+    """Where samples come from: scraping each engine, or a Prometheus server.
+
+    A Prometheus implementation answers `sample` with instant queries of the
+    same series, filtered by the pod label that kubernetes_sd relabelling
+    attaches (`tandem_engine_kv_cache_usage{pod="..."}`, and so on, the
+    `_created` and `_sum` series included), readiness from
+    `kube_pod_status_ready` (kube-state-metrics) and `scraped_at` from the
+    sample timestamps. Counters stay running totals, so pod_load() computes the
+    rates exactly as for direct scrapes; only the freshness differs (one
+    Prometheus scrape interval behind). A value out of range makes the pod
+    unreadable (None), as parse_metrics does.
+    """
+
+    async def sample(self, pod: str, url: str) -> PodSample | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DirectScrape:
+    """The default SampleSource: GET each engine's /metrics."""
+
+    client: httpx.AsyncClient
+    timeout: float = DEFAULT_TIMEOUT_S
+
+    async def sample(self, pod: str, url: str) -> PodSample | None:
+        return await scrape(self.client, url, pod, timeout=self.timeout)
 
 
 class QueueSource(Protocol):

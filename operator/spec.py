@@ -19,7 +19,8 @@ from pydantic import AfterValidator, Field, field_validator
 
 from tandem.engine.config import EngineConfig
 from tandem.operator.quantity import KvCacheBytes
-from tandem.operator.role_spec import DecodeRole, NormalRole, PrefillRole, RoleName, RoleSpec
+from tandem.operator.role_name import RoleName
+from tandem.operator.role_spec import DecodeRole, NormalRole, PrefillRole, RoleSpec
 from tandem.operator.settings import SECRET_NAME_PATTERN, SECRET_NAME_RULE, is_secret_name
 from tandem.operator.spec_base import CelRule, SpecModel, count_set
 

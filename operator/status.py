@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.operator.pod_trouble import REASONS, PodTrouble
-from tandem.operator.role_spec import RoleName
+from tandem.operator.role_name import RoleName
 from tandem.operator.status_model import ConditionType, Phase
 
 Body = Mapping[str, Any]

@@ -16,7 +16,8 @@ from pydantic import ValidationError
 
 from tandem.engine.config import EngineConfig
 from tandem.operator.quantity import quantity_bytes
-from tandem.operator.role_spec import RoleName, RoleSpec
+from tandem.operator.role_name import RoleName
+from tandem.operator.role_spec import RoleSpec
 from tandem.operator.spec import NAME_RULES, EngineSpec, ModelDeploymentSpec
 
 # A reason lists at most this many problems: the first ones are the ones to fix first.

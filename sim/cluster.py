@@ -30,29 +30,24 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from tandem.backlog import QueueState
 from tandem.engine.admission import PromptTooLongError, check_fits
 from tandem.engine.config import EngineType
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.service.settings import WorkerSettings
 from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide_all
-from tandem.operator.engine_metrics import pod_load
+from tandem.operator.pod_load import pod_load
+from tandem.operator.role_name import RoleName
 from tandem.operator.scaling import plan_resize
-from tandem.operator.scaling_policy import ScalingRole
-from tandem.protocol import Role
+from tandem.queue_state import QueueState
 from tandem.sim.cluster_config import ClusterConfig
 from tandem.sim.network import Links
 from tandem.sim.pod import Handoff, Pod, PodState, sampling
 from tandem.sim.records import PodLife, ReplicaPoint, RequestRecord, RunResult, ScaleEvent
 from tandem.trace import TraceRequest
 
-_STEP, _TRANSFER, _READY, _TICK = range(4)
+# Event kinds. Arrivals are read from the sorted workload, never pushed on the heap.
+_ARRIVAL, _STEP, _TRANSFER, _READY, _TICK = range(5)
 _RUNNING, _HANDOFF = RequestStatus.RUNNING, RequestStatus.HANDOFF
-_ENGINE_ROLE = {
-    EngineType.NORMAL: Role.NORMAL,
-    EngineType.PROMPT: Role.PROMPT,
-    EngineType.COMPLETION: Role.COMPLETION,
-}
 
 
 class Cluster:
@@ -72,22 +67,22 @@ class Cluster:
         self._handoffs: deque[Handoff] = deque()
         self._links = Links(config.network)
         self._roles = dict(config.deployment.roles)
-        self._pods: dict[ScalingRole, list[Pod]] = {role: [] for role in self._roles}
+        self._pods: dict[RoleName, list[Pod]] = {role: [] for role in self._roles}
         # Ready pods waiting for work or a report, longest-waiting first (dicts keep order).
-        self._idle: dict[ScalingRole, dict[Pod, None]] = {role: {} for role in self._roles}
+        self._idle: dict[RoleName, dict[Pod, None]] = {role: {} for role in self._roles}
         self._replicas = {role: setup.replicas for role, setup in self._roles.items()}
         # Filled at a role's first evaluation (see _tick).
-        self._histories: dict[ScalingRole, ScalingHistory] = {}
+        self._histories: dict[RoleName, ScalingHistory] = {}
         self._costs = {role: config.cost_model(setup.tp) for role, setup in self._roles.items()}
         self._blocks = {role: config.kv_blocks(setup) for role, setup in self._roles.items()}
         self._settings = {
             role: WorkerSettings(
-                role=_ENGINE_ROLE[setup.engine.engine_type],
+                role=role.engine_role,
                 model_name="sim",
                 engine_id="sim",
                 http_address="",
             )
-            for role, setup in self._roles.items()
+            for role in self._roles
         }
         self._lives: list[PodLife] = []
         self._events: list[ScaleEvent] = []
@@ -116,7 +111,7 @@ class Cluster:
             if heap and heap[0][0] <= next_arrival:
                 t, _, kind, obj = heapq.heappop(heap)
             elif i < n:
-                t, kind, obj = next_arrival, -1, i
+                t, kind, obj = next_arrival, _ARRIVAL, i
                 i += 1
             else:
                 break
@@ -126,7 +121,7 @@ class Cluster:
             now = t
             if kind == _STEP:
                 self._step_done(obj, now)  # type: ignore[arg-type]
-            elif kind == -1:
+            elif kind == _ARRIVAL:
                 self._arrive(obj, now)  # type: ignore[arg-type]
             elif kind == _TRANSFER:
                 self._transfer_done(obj, now)  # type: ignore[arg-type]
@@ -162,10 +157,10 @@ class Cluster:
     def _arrive(self, index: int, now: float) -> None:
         self._prefill_queue.append(index)
         self._queued_tokens += self.records[index].input_tokens
-        role = ScalingRole.NORMAL if ScalingRole.NORMAL in self._roles else ScalingRole.PREFILL
+        role = RoleName.NORMAL if RoleName.NORMAL in self._roles else RoleName.PREFILL
         self._wake(role, self._prefill_queue, now)
 
-    def _wake(self, role: ScalingRole, queue: deque, now: float) -> None:
+    def _wake(self, role: RoleName, queue: deque, now: float) -> None:
         for pod in list(self._idle[role]):
             if not queue:
                 return
@@ -197,7 +192,7 @@ class Cluster:
             self._handoffs.append(
                 Handoff(rid, pod, rank, rec.input_tokens, rec.output_tokens, rec.input_tokens)
             )
-            self._wake(ScalingRole.DECODE, self._handoffs, now)
+            self._wake(RoleName.DECODE, self._handoffs, now)
             return
         rec.finish_s = now
         # The scheduler ends a request whose context reaches max_model_len
@@ -285,7 +280,7 @@ class Cluster:
         end = self._links.reserve(source.name, pod.name, size, now)
         self._push(end, _TRANSFER, (pod, rank, handoff))
 
-    def _spawn(self, role: ScalingRole, now: float, ready_at: float) -> Pod:
+    def _spawn(self, role: RoleName, now: float, ready_at: float) -> Pod:
         setup = self._roles[role]
         pod = Pod(
             f"{role}-{next(self._names)}",
@@ -356,7 +351,7 @@ class Cluster:
             handoff_pending=handoff_pending,
         )
 
-    def _resize(self, role: ScalingRole, decision: Decision, now: float) -> None:
+    def _resize(self, role: RoleName, decision: Decision, now: float) -> None:
         """What operator/local_actuator.py does with a decision, with pods for processes."""
         self._events.append(
             ScaleEvent(now, str(role), decision.current, decision.replicas, decision.reason)

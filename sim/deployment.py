@@ -17,27 +17,27 @@ from pathlib import Path
 import yaml
 
 from tandem.engine.config import EngineConfig, EngineType
-from tandem.operator.role_spec import RoleName
+from tandem.operator.role_name import RoleName
 from tandem.operator.scaling import policy as role_policy
-from tandem.operator.scaling_policy import ScalingPolicy, ScalingRole
+from tandem.operator.scaling_policy import ScalingPolicy
 from tandem.operator.validation import engine_config, validate_spec
 from tandem.sim.arguments import REPLICA_FLAGS
 
-ENGINE_TYPE = {
-    ScalingRole.NORMAL: EngineType.NORMAL,
-    ScalingRole.PREFILL: EngineType.PROMPT,
-    ScalingRole.DECODE: EngineType.COMPLETION,
-}
 # Simulated prompts carry no content, so the prefix cache could only miss: it is
 # turned off, which skips hashing every block (the biggest per-prompt cost).
 _NO_PREFIX_CACHE = {"enable_prefix_caching": False}
+
+
+def _engine_type(role: RoleName) -> EngineType:
+    """The EngineType of the role's engines: its engine role, as the engine package names it."""
+    return EngineType(role.engine_role.value)
 
 
 @dataclass(frozen=True)
 class RoleSetup:
     """One role of the cluster."""
 
-    role: ScalingRole
+    role: RoleName
     # The EngineConfig of every rank of every pod of the role.
     engine: EngineConfig
     # Bounds, targets and damping of the real autoscaler for this role.
@@ -55,8 +55,8 @@ class RoleSetup:
             )
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"--tp must be an integer >= 1, got {self.tp!r}")
-        if self.engine.engine_type is not ENGINE_TYPE[self.role]:
-            raise ValueError(f"{self.role} pods run {ENGINE_TYPE[self.role]} engines")
+        if self.engine.engine_type is not _engine_type(self.role):
+            raise ValueError(f"{self.role} pods run {_engine_type(self.role)} engines")
 
     @property
     def dp(self) -> int:
@@ -74,11 +74,11 @@ class RoleSetup:
 
 @dataclass(frozen=True)
 class Deployment:
-    roles: Mapping[ScalingRole, RoleSetup]
+    roles: Mapping[RoleName, RoleSetup]
 
     def __post_init__(self) -> None:
         names = set(self.roles)
-        if names not in ({ScalingRole.NORMAL}, {ScalingRole.PREFILL, ScalingRole.DECODE}):
+        if names not in ({RoleName.NORMAL}, {RoleName.PREFILL, RoleName.DECODE}):
             raise ValueError(
                 "a deployment is either one normal role or a prefill and a decode role, "
                 f"got {sorted(names)}"
@@ -86,7 +86,7 @@ class Deployment:
 
     @property
     def mode(self) -> str:
-        return "normal" if ScalingRole.NORMAL in self.roles else "disaggregated"
+        return "normal" if RoleName.NORMAL in self.roles else "disaggregated"
 
     @property
     def autoscaled(self) -> bool:
@@ -94,7 +94,7 @@ class Deployment:
 
 
 def role_setup(
-    role: ScalingRole | str,
+    role: RoleName | str,
     *,
     replicas: int = 1,
     min_replicas: int | None = None,
@@ -106,15 +106,15 @@ def role_setup(
     """A role from plain values: bounds default to a fixed count of `replicas`.
 
     Bad counts are refused naming `tandem sim`'s flags for the role (REPLICA_FLAGS)."""
-    role = ScalingRole(role)
+    role = RoleName(role)
     config = EngineConfig(
-        **{**_defaults(), **(engine or {}), **_NO_PREFIX_CACHE, "engine_type": ENGINE_TYPE[role]}
+        **{**_defaults(), **(engine or {}), **_NO_PREFIX_CACHE, "engine_type": _engine_type(role)}
     )
     bounds = _bounds(role, replicas, min_replicas, max_replicas)
     return RoleSetup(role, config, ScalingPolicy(**{**bounds, **(policy or {})}), replicas, tp)
 
 
-def _bounds(role: ScalingRole, replicas: int, low: int | None, high: int | None) -> dict:
+def _bounds(role: RoleName, replicas: int, low: int | None, high: int | None) -> dict:
     flags = REPLICA_FLAGS[role]
     for flag, value in zip(flags, (replicas, low, high), strict=True):
         if value is not None and (
@@ -143,9 +143,7 @@ def _defaults() -> dict[str, object]:
 
 
 def normal(replicas: int, tp: int = 1, **kwargs: object) -> Deployment:
-    return Deployment(
-        {ScalingRole.NORMAL: role_setup("normal", replicas=replicas, tp=tp, **kwargs)}
-    )
+    return Deployment({RoleName.NORMAL: role_setup("normal", replicas=replicas, tp=tp, **kwargs)})
 
 
 def disaggregated(
@@ -153,8 +151,8 @@ def disaggregated(
 ) -> Deployment:
     return Deployment(
         {
-            ScalingRole.PREFILL: role_setup("prefill", replicas=prefill, tp=tp, engine=engine),
-            ScalingRole.DECODE: role_setup("decode", replicas=decode, tp=tp, engine=engine),
+            RoleName.PREFILL: role_setup("prefill", replicas=prefill, tp=tp, engine=engine),
+            RoleName.DECODE: role_setup("decode", replicas=decode, tp=tp, engine=engine),
         }
     )
 
@@ -181,8 +179,7 @@ def from_yaml(path: str | Path, tp: int = 1, vocab_size: int | None = None) -> D
             config = dataclasses.replace(config, **_defaults(), max_num_batched_tokens=budget)
         # Speculation needs the vocabulary for its draft placeholders (the model's).
         config = dataclasses.replace(config, **_NO_PREFIX_CACHE, vocab_size=vocab_size)
-        scaling_role = ScalingRole(RoleName(role_name).value)
-        roles[scaling_role] = RoleSetup(
-            scaling_role, config, role_policy(role), role.initial_replicas, tp
+        roles[role_name] = RoleSetup(
+            role_name, config, role_policy(role), role.initial_replicas, tp
         )
     return Deployment(roles)

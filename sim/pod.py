@@ -27,7 +27,7 @@ from tandem.engine.scheduler import Scheduler
 from tandem.engine.service.room import pull_room
 from tandem.engine.service.settings import WorkerSettings
 from tandem.engine.service.time_integral import TimeIntegral
-from tandem.operator.engine_metrics import PodSample
+from tandem.operator.pod_load import PodSample
 from tandem.sim.deployment import RoleSetup
 from tandem.sim.lockstep import Lockstep
 from tandem.sim.records import PodLife

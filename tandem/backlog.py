@@ -12,7 +12,6 @@ pending entries, and on Redis 6.2 (no XINFO lag) `waiting = XLEN - pending`, in 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -24,31 +23,14 @@ from tandem.protocol import (
     WORK_GROUP,
     Keys,
     WorkItem,
+    as_text,
 )
+from tandem.queue_state import QueueState
 
 # The stream field where `enqueue` records the tokens it added to the queued-tokens
 # counter: `pull` subtracts exactly that, without parsing the JSON inside Redis (and
 # an entry that some other producer added without counting it subtracts nothing).
 TOKENS_FIELD = "tokens"
-
-
-@dataclass(frozen=True, slots=True)
-class QueueState:
-    """A model's backlog, for the autoscaler and metrics."""
-
-    # Entries no engine has taken yet, per priority.
-    waiting: dict[int, int]
-    # Entries taken and not yet acked (being served, or left by a dead engine).
-    pending: int
-    # Prompt tokens of the waiting entries, as their producers estimated them.
-    queued_tokens: int
-    # The same two counts for the handoff stream (prefilled, waiting for a decoder).
-    handoff_waiting: int
-    handoff_pending: int
-
-    @property
-    def total_waiting(self) -> int:
-        return sum(self.waiting.values())
 
 
 # Queues work items on one stream, each at most once. KEYS: the work stream, the
@@ -108,7 +90,7 @@ def enqueue(client: redis.Redis, keys: Keys, item: WorkItem) -> str:
     Queuing a request id again returns its entry and adds nothing (ENQUEUE_SCRIPT)."""
     script_keys, args = enqueue_call(keys, [item])
     (entry_id,) = client.register_script(ENQUEUE_SCRIPT)(keys=script_keys, args=args)
-    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    return as_text(entry_id)
 
 
 def queue_depth(client: redis.Redis, keys: Keys, model: str) -> QueueState:

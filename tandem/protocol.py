@@ -1,6 +1,10 @@
 """The contract between gateway and engines: Redis key names and message formats.
 
-Both sides import this module and nothing of each other. Everything crossing
+Both sides import this module (and tandem.deduplicator, the rule for reading a
+response stream) and nothing of each other, with one exception: the gateway
+checks sampling parameters with the engine's own SamplingParams
+(tandem.engine.request, pure Python, no torch), so both agree on what is valid
+(tests/gateway/test_app_and_cli.py holds the gateway to that). Everything crossing
 Redis is a versioned JSON document in one stream field ("data"), so a field
 can be added without breaking readers, and a reader refuses a major version it
 does not know instead of misreading it.
@@ -18,10 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
+
+log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 
@@ -136,7 +143,7 @@ class _Message:
 
     @classmethod
     def from_fields(cls, fields: dict[Any, Any]):
-        fields = {_text(k): _text(v) for k, v in fields.items()}
+        fields = {as_text(k): as_text(v) for k, v in fields.items()}
         try:
             version = int(fields["v"])
             kind = fields["kind"]
@@ -168,7 +175,8 @@ class _Message:
         return cls(**{k: v for k, v in body.items() if k in names})
 
 
-def _text(value: Any) -> str:
+def as_text(value: Any) -> str:
+    """A Redis reply as str: clients without decode_responses return bytes."""
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
@@ -344,3 +352,24 @@ class EngineInfo(_Message):
     running: int = 0
     waiting: int = 0
     waiting_prompt_tokens: int = 0
+
+
+def engine_entry(info: EngineInfo) -> str:
+    """What an engine's heartbeat stores under its registry key."""
+    return json.dumps(info.to_fields())
+
+
+def read_engine_entry(engine_id: str, raw: bytes | str) -> EngineInfo | None:
+    """An engine's registry entry (its EngineInfo's fields as JSON), or None.
+
+    An entry this side cannot read (another protocol version, a stray key) is
+    skipped, not pruned: its engine is alive and may be read by a newer reader.
+    """
+    try:
+        fields = json.loads(raw)
+        if not isinstance(fields, dict):
+            raise ValueError("not a JSON object")
+        return EngineInfo.from_fields(fields)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        log.warning("skipping unreadable registry entry of engine %r: %s", engine_id, exc)
+        return None

@@ -9,7 +9,6 @@ answers every request already admitted, then stops everything.
 
 from __future__ import annotations
 
-import os
 import secrets
 import shutil
 import signal
@@ -24,25 +23,10 @@ from pathlib import Path
 import redis
 
 from tandem.backlog import queue_depth
-from tandem.child import Child, drain_in_order
+from tandem.child import Child, drain_in_order, engine_threads
 from tandem.preflight import StartError, check_port, check_redis
 from tandem.protocol import Keys
 from tandem.redis_server import RedisServer, free_port
-
-
-def engine_threads(num_engines: int) -> int | None:
-    """CPU threads for each of num_engines engines sharing this machine's cores.
-
-    Sharing beats oversubscribing: torch's OpenMP workers spin at every barrier,
-    so an engine whose threads outnumber the cores it really has runs several
-    times slower (measured here: `tandem demo` answered in 11 s with 2 threads
-    beside one busy core, 0.6 s with 1). One core stays for the gateway and
-    Redis. None: the user set OMP_NUM_THREADS, which the engines inherit.
-    """
-    if "OMP_NUM_THREADS" in os.environ:
-        return None
-    cores = len(os.sched_getaffinity(0))
-    return max(1, (cores - 1) // max(1, num_engines))
 
 
 @dataclass(frozen=True)
@@ -92,6 +76,8 @@ class Stack:
         # (name, validated spec) of the manifest: a bad one fails here, before any process.
         self.deployment = None
         if config.manifest is not None:
+            # Imported only with a manifest: this module is light (cli.py imports it for
+            # `tandem --help`) and the operator's modules are not.
             from tandem.operator.local_actuator import load_manifest
 
             self.deployment = load_manifest(config.manifest)

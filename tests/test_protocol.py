@@ -6,6 +6,7 @@ import pytest
 
 from tandem.protocol import (
     PROTOCOL_VERSION,
+    EngineInfo,
     ErrorCode,
     EventKind,
     Handoff,
@@ -14,6 +15,9 @@ from tandem.protocol import (
     ResponseEvent,
     Usage,
     WorkItem,
+    as_text,
+    engine_entry,
+    read_engine_entry,
 )
 
 
@@ -110,3 +114,16 @@ def test_keys_share_a_hash_tag_per_model_and_reject_unknown_priorities():
     assert keys.handoff_stream("llama") == "t:{llama}:handoff"
     with pytest.raises(ValueError, match="priority must be one of"):
         keys.work_stream("llama", 7)
+
+
+def test_as_text_reads_replies_with_or_without_decode_responses():
+    assert as_text(b"1-0") == as_text("1-0") == "1-0"
+    assert as_text(7) == "7"
+
+
+def test_a_registry_entry_round_trips_and_an_unreadable_one_is_skipped():
+    info = EngineInfo("e1", "tiny", "normal", "127.0.0.1:8100", running=2)
+    assert read_engine_entry("e1", engine_entry(info)) == info
+    assert read_engine_entry("e1", engine_entry(info).encode()) == info
+    for raw in ("not json", "[1]", json.dumps({"v": "99", "kind": "engine", "data": "{}"})):
+        assert read_engine_entry("e1", raw) is None

@@ -47,10 +47,6 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free
-
     def block_table(self, request_id: str) -> list[int]:
         """The request's blocks (empty if it holds none). The list is live: do not keep it."""
         return self._tables.get(request_id) or []

@@ -15,12 +15,9 @@ Both apply to the raw logits, before temperature, top-k and top-p.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from tandem.engine.sampler import SampleRows
+from tandem.engine.sample_rows import SampleRows
 
 
 def adjust_logits(logits: torch.Tensor, rows: list[SampleRows]) -> torch.Tensor:

@@ -8,14 +8,10 @@ sequence (sampler.py's layout: accepted drafts, then the new token) takes row j'
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from tandem.engine.plan import TokenLogprobs
-
-if TYPE_CHECKING:
-    from tandem.engine.sampler import SampleRows
+from tandem.engine.sample_rows import SampleRows
 
 
 def token_logprobs(

@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from tandem.engine.sampler import SampleRows
+from tandem.engine.sample_rows import SampleRows
 
 
 @dataclass(frozen=True, slots=True)

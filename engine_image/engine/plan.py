@@ -62,10 +62,6 @@ class StepPlan:
     def total_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.num_scheduled_tokens
-
 
 @dataclass(slots=True)
 class StepResult:

@@ -26,7 +26,8 @@ from tandem.engine.logprobs import token_logprobs
 from tandem.engine.model.attention_metadata import AttentionMetadata, decode_group_tokens
 from tandem.engine.mtp import MtpDrafting, MtpHead
 from tandem.engine.plan import StepPlan, StepResult, TokenLogprobs
-from tandem.engine.sampler import Sampler, SampleRows, rows_for_plan
+from tandem.engine.sample_rows import SampleRows, rows_for_plan
+from tandem.engine.sampler import Sampler
 
 
 class ModelRunner:

@@ -413,22 +413,3 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.receiving)
-
-    def check_integrity(self) -> None:
-        """Raise AssertionError if scheduler and KV bookkeeping disagree."""
-        self.kv.check_integrity()
-        placed = (
-            [r.request_id for r in self.waiting]
-            + [r.request_id for r in self.running]
-            + list(self.handoff)
-            + list(self.receiving)
-        )
-        if sorted(placed) != sorted(self.requests):
-            raise AssertionError("a request is lost or in two queues")
-        for request in self.running:
-            if request.block_ids is not self.kv.block_table(request.request_id):
-                raise AssertionError(f"running request {request.request_id!r} lost its table")
-            if request.num_computed_tokens != request.num_tokens - 1:
-                raise AssertionError(f"running request {request.request_id!r} is not decodable")
-        if len(self.running) > self.config.max_num_seqs:
-            raise AssertionError("more running requests than max_num_seqs")

@@ -25,8 +25,7 @@ from tandem.engine.model.coded_weight import (
     pack_gated_coded,
 )
 from tandem.engine.model.linear import Linear, pack_linears
-from tandem.engine.model.loader import load_model
-from tandem.engine.model.source import resolve_model
+from tandem.engine.model.loader import load_model, resolve_model
 from tests.engine.kernels import needs_kernels
 from tests.engine.test_model_sources import _save_hf_dir, write_llama_gguf
 

@@ -11,7 +11,8 @@ import torch
 from tandem.engine.logit_adjustments import adjust_logits
 from tandem.engine.plan import ScheduledSeq, StepPlan
 from tandem.engine.request import SamplingParams
-from tandem.engine.sampler import Sampler, SampleRows, rows_for_plan
+from tandem.engine.sample_rows import SampleRows, rows_for_plan
+from tandem.engine.sampler import Sampler
 
 VOCAB = 10
 

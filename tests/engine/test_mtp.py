@@ -17,7 +17,7 @@ from support.mtp_heads import SuccessorHead
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.model.loader import load_model
 from tandem.engine.mtp import MtpDrafting, MtpDrafts
-from tandem.engine.sampler import SampleRows
+from tandem.engine.sample_rows import SampleRows
 
 ALPHA = 1e-3
 HOT = SamplingParams(temperature=1.0)

@@ -10,12 +10,8 @@ from scipy.stats import chisquare
 from tandem.engine.draws import filtered_probs, inverse_cdf
 from tandem.engine.plan import ScheduledSeq, StepPlan
 from tandem.engine.request import SamplingParams
-from tandem.engine.sampler import (
-    Sampler,
-    SampleRows,
-    _argmax,
-    rows_for_plan,
-)
+from tandem.engine.sample_rows import SampleRows, rows_for_plan
+from tandem.engine.sampler import Sampler, _argmax
 
 GREEDY = SamplingParams(temperature=0.0)
 # Chi-square p-values below this fail; every draw is seeded, so runs are repeatable.

@@ -1,6 +1,7 @@
 """The step scheduler's rules on one rank (docs/scheduler.md)."""
 
 import pytest
+from support.scheduler_integrity import check_integrity
 from support.stepping import LONG, make, prompt, run_until_idle, step
 
 from tandem.engine.admission import PromptTooLongError
@@ -107,7 +108,7 @@ def test_no_prefill_above_the_kv_watermark_until_usage_drops():
         step(sched)
     assert sched.kv_usage < 0.90
     run_until_idle(sched)
-    sched.check_integrity()
+    check_integrity(sched)
 
 
 def test_watermark_does_not_stall_a_prompt_mid_chunk():

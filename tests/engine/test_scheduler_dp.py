@@ -8,6 +8,7 @@ import random
 import threading
 from dataclasses import dataclass, field
 
+from support.scheduler_integrity import check_integrity
 from support.stepping import fake_result
 
 from tandem.engine.config import EngineConfig
@@ -148,4 +149,4 @@ def test_random_arrivals_keep_ranks_in_lockstep_and_every_request_finishes():
         for b in range(n)
     )
     for sched in scheds:
-        sched.check_integrity()
+        check_integrity(sched)

@@ -1,6 +1,7 @@
 """The step scheduler's disaggregation: PROMPT engines hand KV off, COMPLETION ones decode."""
 
 import pytest
+from support.scheduler_integrity import check_integrity
 from support.stepping import make, prompt, run_until_idle, step
 
 from tandem.engine.request import Request, RequestStatus, SamplingParams
@@ -21,7 +22,7 @@ def test_prompt_engine_only_prefills_and_pins_kv_for_handoff():
         assert sched.schedule().is_prefill
     sched.release_handoff("a")
     assert sched.kv_usage == 0
-    sched.check_integrity()
+    check_integrity(sched)
 
 
 def test_prompt_engine_does_not_pin_a_request_that_already_finished():
@@ -60,7 +61,7 @@ def test_completion_engine_recomputes_a_handoff_it_could_not_fetch():
     assert plan.seqs[0].token_ids == [*prompt(40), 7]
     run_until_idle(sched)
     assert request.num_output_tokens == 5
-    sched.check_integrity()
+    check_integrity(sched)
 
 
 def test_completion_engine_refuses_handoffs_it_has_no_room_for():
@@ -70,4 +71,4 @@ def test_completion_engine_refuses_handoffs_it_has_no_room_for():
     _, refused = _handoff(sched, "b", 250)
     assert refused is None
     assert "b" not in sched.requests
-    sched.check_integrity()
+    check_integrity(sched)

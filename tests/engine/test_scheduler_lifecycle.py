@@ -1,6 +1,7 @@
 """A request's life in the step scheduler: preemption, stops, aborts, limits, prefix cache."""
 
 import pytest
+from support.scheduler_integrity import check_integrity
 from support.stepping import LONG, fake_result, make, next_token, prompt, run_until_idle, step
 
 from tandem.engine.request import Request, RequestStatus, SamplingParams
@@ -19,7 +20,7 @@ def test_decode_without_blocks_preempts_the_newest_and_recomputes_it():
     while sched.has_unfinished_requests():
         plan, _ = step(sched)
         plans.append(plan)
-        sched.check_integrity()
+        check_integrity(sched)
     preempted = [rid for p in plans for rid in p.preempted_request_ids]
     assert preempted and set(preempted) == {"new"}
     assert sched.num_preemptions == len(preempted)
@@ -102,7 +103,7 @@ def test_abort_frees_kv_at_once_wherever_the_request_is(where):
     assert out.status is RequestStatus.FINISHED_ABORTED
     assert sched.kv_usage == 0 and not sched.has_unfinished_requests()
     assert sched.abort_request("a") is None  # already gone
-    sched.check_integrity()
+    check_integrity(sched)
 
 
 def test_a_request_aborted_while_its_step_runs_is_skipped_by_update():
@@ -168,4 +169,4 @@ def test_a_decode_step_plans_each_running_sequence_once():
     assert [s.request_id for s in plan.seqs] == ["r0", "r1", "r2"]
     assert all(s.sample and len(s.token_ids) == 1 for s in plan.seqs)
     sched.update(plan, fake_result(plan, next_token))
-    sched.check_integrity()
+    check_integrity(sched)

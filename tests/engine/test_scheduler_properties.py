@@ -8,6 +8,7 @@ or is aborted.
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from support.scheduler_integrity import check_integrity
 
 from tandem.engine.admission import PromptTooLongError
 from tandem.engine.config import EngineConfig
@@ -111,7 +112,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def bookkeeping_holds(self):
-        self.sched.check_integrity()
+        check_integrity(self.sched)
         assert 0.0 <= self.sched.kv_usage <= 1.0
 
     @invariant()
@@ -131,7 +132,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.sched.release_handoff(rid)
             steps += 1
             assert steps < 10_000, "requests never finish"
-        self.sched.check_integrity()
+        check_integrity(self.sched)
         assert all(r.is_finished for r in self.added.values())
         assert self.sched.kv.pool.num_free == self.sched.kv.num_blocks
 

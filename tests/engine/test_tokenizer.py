@@ -10,8 +10,8 @@ import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tandem.engine.model.loader import resolve_model, smollm2_path
 from tandem.engine.model.random_model import byte_level_tokenizer
-from tandem.engine.model.source import resolve_model, smollm2_path
 from tandem.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 needs_smollm2 = pytest.mark.skipif(

@@ -6,6 +6,7 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
+from support.engine_fixture import engines_fixture
 from support.engines import EngineProcess
 
 from tandem.gateway.auth import KeyStore
@@ -31,19 +32,8 @@ def start_gateway(redis_url, keys) -> Iterator[Callable[..., LiveGateway]]:
         gateway.stop()
 
 
-@pytest.fixture
-def engines(redis_url, keys, tmp_path) -> Iterator[Callable[..., EngineProcess]]:
-    """Start engines (all ready before it returns); all stopped at the end."""
-    started: list[EngineProcess] = []
-
-    def start(*roles: str, extra: tuple[str, ...] = ()) -> list[EngineProcess]:
-        procs = [start_engine(role, redis_url, keys, tmp_path, *extra) for role in roles]
-        started.extend(procs)
-        return [wait_served(proc) for proc in procs]
-
-    yield start
-    for proc in started:
-        proc.stop()
+# Engines without the C++ kernels (no compile), each ready and in the registry.
+engines = engines_fixture(launch=start_engine, ready=wait_served)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -77,17 +77,6 @@ class LiveGateway:
             for sample in family.samples
             if sample.name == name and labels.items() <= sample.labels.items()
         )
-
-
-def eventually(check: Callable[[], bool], timeout: float = 15.0) -> bool:
-    """Whether check() came true within timeout (the gateway counts a request just
-    after its last byte went out, the engine frees KV after the cancel arrives)."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def settings_for(url: str, keys: Keys, **overrides) -> GatewaySettings:

@@ -11,7 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from support.imports import modules_loaded, packages_loaded
 
+from tandem.cli import build_parser
 from tandem.gateway.app import create_app
 from tandem.gateway.settings import GatewaySettings
 from tandem.redis_server import RedisServer, free_port
@@ -60,13 +62,23 @@ def test_the_schema_documents_errors_as_openai_bodies_and_no_422(monkeypatch):
 
 def test_help_imports_no_web_stack():
     code = (
-        "import sys; from tandem.cli import build_parser; "
-        "build_parser().parse_args(['gateway', '--no-auth']); "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('fastapi', 'uvicorn', 'starlette', 'pydantic', 'torch')))"
+        "from tandem.cli import build_parser; build_parser().parse_args(['gateway', '--no-auth'])"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    web = {"fastapi", "uvicorn", "starlette", "pydantic", "torch"}
+    assert packages_loaded(code, web) == []
+
+
+def test_the_flags_default_to_the_settings_defaults(monkeypatch):
+    monkeypatch.delenv("TANDEM_REDIS_URL", raising=False)
+    args = build_parser().parse_args(["gateway"])
+    assert GatewaySettings.from_args(args) == GatewaySettings()
+
+
+def test_the_gateway_imports_of_the_engine_only_sampling_params():
+    # tandem/protocol.py's contract; and the gateway's image has no torch.
+    loaded = modules_loaded("import tandem.gateway.app, tandem.gateway.main")
+    engine = [m for m in loaded if m.startswith("tandem.engine") or m in ("torch", "numpy")]
+    assert engine == ["tandem.engine", "tandem.engine.request"]
 
 
 def test_tandem_gateway_serves_and_stops_on_sigterm(redis_url, keys):

@@ -8,8 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 from support.engines import EngineProcess
+from support.polling import eventually
 
-from .live import API_KEY, eventually, serving_engine
+from .live import API_KEY, serving_engine
 
 LONG = {
     "model": "tiny",

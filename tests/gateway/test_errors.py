@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 import redis
+from support.polling import eventually
 
 from tandem.backlog import enqueue
 from tandem.engine.service.cancellation import is_cancelled
@@ -18,7 +19,7 @@ from tandem.engine.service.registry import Registry
 from tandem.gateway.auth import KeyStore
 from tandem.protocol import EngineInfo, WorkItem
 
-from .live import API_KEY, LiveGateway, eventually, settings_for
+from .live import API_KEY, LiveGateway, settings_for
 
 USER = [{"role": "user", "content": "Hi"}]
 GOOD = {"model": "tiny", "messages": USER, "max_tokens": 2, "temperature": 0}

@@ -70,7 +70,7 @@ def test_work_queued_through_a_stopped_replica_is_served_and_a_retry_gets_it(
     assert not is_cancelled(conn, keys, queued.request_id)  # the work is still wanted
     assert conn.xlen(stream) == 1
 
-    [engine] = engines("normal")
+    engine = engines("normal")
     direct = Client(redis_url, keys)
     answer = direct.answer(queued.request_id, timeout=60)  # served, stream complete in Redis
     assert answer.ok and answer.final.event == EventKind.FINISH

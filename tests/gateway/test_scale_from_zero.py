@@ -12,19 +12,12 @@ import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from support.polling import eventually
 
 from tandem import catalog
 from tandem.protocol import PRIORITY_NORMAL
 
 MODEL = "tiny"  # what the test engines serve
-
-
-def _wait(check, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
 
 
 def _engines_scraped(gateway) -> float:
@@ -61,7 +54,7 @@ def test_a_request_for_a_declared_model_waits_for_its_first_engine(
     asker.start()
     # Queued, not refused: the work the autoscaler scales from zero on.
     stream = keys.work_stream(MODEL, PRIORITY_NORMAL)
-    _wait(lambda: redis_client.xlen(stream) == 1)
+    assert eventually(lambda: redis_client.xlen(stream) == 1)
     assert _engines_scraped(gateway) == 0
     engines("normal")  # what the autoscaler would start
     asker.join(timeout=90)

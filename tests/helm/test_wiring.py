@@ -21,7 +21,7 @@ from tandem.gateway.settings import GatewaySettings
 from tandem.operator import crd
 from tandem.operator.engine_flags import HTTP_PORT, KV_PORT
 from tandem.operator.manifests import labels
-from tandem.operator.role_spec import RoleName
+from tandem.operator.role_name import RoleName
 from tandem.operator.settings import OperatorSettings, env_name, from_args
 
 REDIS_PASSWORD = "s3cret"

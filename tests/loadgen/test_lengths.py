@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from tandem.loadgen.lengths import LengthDist, parse_length
+from tandem.lengths import LengthDist, parse_length
 
 
 def sample(spec, n=2000, seed=0):

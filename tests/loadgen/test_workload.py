@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from tandem.loadgen.lengths import parse_length
+from tandem.lengths import parse_length
 from tandem.loadgen.prompts import fit_calibration, request_rng, token_ids
 from tandem.loadgen.workload import synthetic_workload, trace_workload
 from tandem.trace import TraceRequest

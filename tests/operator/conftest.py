@@ -15,11 +15,11 @@ import pytest_asyncio
 from support.kube_api import ApiServer
 from support.kube_cluster import Cluster, OperatorReplica
 
-from tandem.backlog import QueueState
 from tandem.operator.crd import root_schema
-from tandem.operator.engine_metrics import PodSample
+from tandem.operator.pod_load import PodSample
 from tandem.operator.sources import MetricSources
 from tandem.protocol import PRIORITIES
+from tandem.queue_state import QueueState
 
 
 class FakeMetrics:

@@ -8,8 +8,8 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.imports import packages_loaded
 
-from tandem.backlog import QueueState
 from tandem.operator.autoscaler import (
     Decision,
     RoleObservation,
@@ -17,11 +17,13 @@ from tandem.operator.autoscaler import (
     decide,
     decide_all,
 )
-from tandem.operator.engine_metrics import PodLoad
-from tandem.operator.scaling_policy import ScalingPolicy, ScalingRole
+from tandem.operator.pod_load import PodLoad
+from tandem.operator.role_name import RoleName
+from tandem.operator.scaling_policy import ScalingPolicy
 from tandem.protocol import Role
+from tandem.queue_state import QueueState
 
-NORMAL, PREFILL, DECODE = ScalingRole.NORMAL, ScalingRole.PREFILL, ScalingRole.DECODE
+NORMAL, PREFILL, DECODE = RoleName.NORMAL, RoleName.PREFILL, RoleName.DECODE
 POLICY = ScalingPolicy(min_replicas=1, max_replicas=32)
 TOKENS = POLICY.target_queued_tokens_per_replica
 
@@ -359,8 +361,15 @@ def test_decide_all_needs_a_policy_per_role():
         decide_all({DECODE: observe(1)}, queue(), {PREFILL: POLICY}, {}, 0.0)
 
 
-def test_engine_roles_map_to_scaling_roles():
-    assert [ScalingRole.of_engine(r) for r in Role] == [NORMAL, PREFILL, DECODE]
+def test_engine_roles_map_to_role_names():
+    assert [RoleName.of_engine(r) for r in Role] == [NORMAL, PREFILL, DECODE]
+    assert [role.engine_role for role in RoleName] == list(Role)
+
+
+def test_the_autoscaler_imports_no_io_client():
+    # Pure: the simulator and tests use it without HTTP, Redis, Prometheus or pydantic.
+    io = {"httpx", "redis", "prometheus_client", "kopf", "kubernetes", "pydantic"}
+    assert packages_loaded("import tandem.operator.autoscaler", io) == []
 
 
 # ------------------------------------------------------------------ properties
@@ -407,7 +416,7 @@ def policies(draw):
 
 @settings(max_examples=80, deadline=None)
 @given(
-    role=st.sampled_from(list(ScalingRole)),
+    role=st.sampled_from(list(RoleName)),
     policy=policies(),
     start=st.integers(0, 50),
     rounds=st.lists(st.tuples(st.lists(pod_loads(), max_size=8), queues()), max_size=6),

@@ -12,18 +12,17 @@ import pytest
 from tandem.engine.engine import EngineTotals, StepStats
 from tandem.engine.service.http import HealthServer
 from tandem.engine.service.metrics import EngineMetrics
-from tandem.operator.engine_metrics import (
-    DirectScrape,
+from tandem.operator.engine_metrics import parse_metrics, scrape
+from tandem.operator.pod_load import (
     PodSample,
     budget_utilization,
     busy_fraction,
     mean_waiting_prompt_tokens,
-    parse_metrics,
     pod_load,
     restarted,
-    scrape,
     step_fill,
 )
+from tandem.operator.sources import DirectScrape
 
 BUDGET = 1000
 

@@ -23,7 +23,9 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.service.arguments import add_arguments, check_arguments, engine_fields
 from tandem.engine.service.settings import WorkerSettings
 from tandem.operator.engine_flags import engine_flags
+from tandem.operator.kube import KINDS
 from tandem.operator.manifests import (
+    CHILD_KINDS,
     DELETION_COST_ANNOTATION,
     OperatorDefaults,
     Owner,
@@ -32,7 +34,7 @@ from tandem.operator.manifests import (
     role_manifests,
 )
 from tandem.operator.manifests_pods import CONFIG_HASH_ANNOTATION
-from tandem.operator.role_spec import RoleName
+from tandem.operator.role_name import RoleName
 from tandem.operator.spec import ModelDeploymentSpec
 from tandem.operator.validation import validate_spec
 
@@ -149,6 +151,17 @@ def test_labels_and_owner_references_on_every_object(path):
     if spec.redis is None:
         kinds.add("Secret")
     assert sorted(m["kind"] for m in manifests[:per_role]) == sorted(kinds)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_children_are_of_the_kinds_listed_and_watched_at_the_api_version_kube_uses(path):
+    # The controller lists CHILD_KINDS and kopf watches them (KINDS gives where);
+    # a child of another kind, or at another version, would never be repaired.
+    for manifest in _build(*_load(path)):
+        assert manifest["kind"] in CHILD_KINDS
+        resource = KINDS[manifest["kind"]]
+        group = f"{resource.group}/" if resource.group else ""
+        assert manifest["apiVersion"] == f"{group}{resource.version}"
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from tandem.operator.pod_trouble import pod_trouble, role_trouble
-from tandem.operator.role_spec import RoleName
+from tandem.operator.role_name import RoleName
 from tandem.operator.status import RoleCounts, valid_status
 from tandem.operator.status_model import Phase
 

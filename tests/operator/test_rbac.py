@@ -21,7 +21,7 @@ from support.kube_cluster import NAMESPACE, PEERING, Cluster, OperatorReplica, e
 
 from tandem.operator import rbac
 from tandem.operator.manifests import selector_labels
-from tandem.operator.role_spec import RoleName
+from tandem.operator.role_name import RoleName
 from tandem.operator.sources import MetricSources
 
 _VERBS = {"GET": "get", "POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}

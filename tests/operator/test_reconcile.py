@@ -7,16 +7,15 @@ from typing import Any
 
 import pytest
 
-from tandem.backlog import QueueState
 from tandem.operator.drift import ChildKey, drift, repair_patch
-from tandem.operator.engine_metrics import PodSample
 from tandem.operator.manifests import (
     DEFAULTS_ANNOTATION,
     DELETION_COST_ANNOTATION,
     OperatorDefaults,
 )
+from tandem.operator.pod_load import PodSample
 from tandem.operator.reconcile import plan, role_replicas
-from tandem.operator.role_spec import RoleName
+from tandem.operator.role_name import RoleName
 from tandem.operator.scaling import (
     ScalerMemory,
     cost_changes,
@@ -30,6 +29,7 @@ from tandem.operator.status import RoleCounts, conditions, status_patch, valid_s
 from tandem.operator.status_model import Phase
 from tandem.operator.validation import validate_spec
 from tandem.protocol import PRIORITIES
+from tandem.queue_state import QueueState
 
 DEFAULTS = OperatorDefaults(image="engine:1", redis_url="redis://r:6379/0")
 NOW = "2026-01-01T00:00:00Z"

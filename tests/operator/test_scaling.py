@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import logging
 
-from tandem.backlog import QueueState
 from tandem.operator.autoscaler import Decision
-from tandem.operator.engine_metrics import PodSample
 from tandem.operator.manifests import labels
-from tandem.operator.role_spec import RoleName
+from tandem.operator.pod_load import PodSample
+from tandem.operator.role_name import RoleName
 from tandem.operator.scaling import ScalerMemory, evaluate
 from tandem.operator.validation import validate_spec
 from tandem.protocol import PRIORITIES
+from tandem.queue_state import QueueState
 
 NORMAL = RoleName.NORMAL
 UNREADABLE = "no pod's metrics readable"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.backlog import enqueue
-from tandem.operator.engine_metrics import PodSample
+from tandem.operator.pod_load import PodSample
 from tandem.operator.sources import MetricSources, RedisQueues
 from tandem.protocol import WorkItem
 

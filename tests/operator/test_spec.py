@@ -12,7 +12,8 @@ from pydantic import ValidationError
 
 from tandem.engine.config import EngineConfig
 from tandem.operator.quantity import QUANTITY_PATTERN, quantity_bytes, quantity_value
-from tandem.operator.role_spec import DecodeRole, NormalRole, PrefillRole, RoleName
+from tandem.operator.role_name import RoleName
+from tandem.operator.role_spec import DecodeRole, NormalRole, PrefillRole
 from tandem.operator.spec import EngineSpec, Mode, ModelDeploymentSpec
 from tandem.protocol import Role
 

@@ -4,6 +4,7 @@ import time
 
 import pytest
 import redis
+from support.polling import eventually
 
 from tandem.engine.service.cancellation import (
     CancelListener,
@@ -15,18 +16,9 @@ from tandem.protocol import CANCEL_TTL_SECONDS
 from tandem.redis_server import RedisServer
 
 
-def wait_for(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def drained_until(listener, wanted, timeout=5.0):
     got = set()
-    wait_for(lambda: got.update(listener.drain()) or wanted <= got, timeout)
+    eventually(lambda: got.update(listener.drain()) or wanted <= got, timeout)
     return got
 
 
@@ -65,7 +57,7 @@ def test_listener_reconnects_after_the_connection_is_killed(redis_client, redis_
         (mine,) = [c for c in redis_client.client_list(_type="pubsub") if c["name"] == name]
         redis_client.client_kill_filter(_id=mine["id"])
         # The gap is reported, so the engine re-checks the keys of what it runs.
-        assert wait_for(listener.take_gap)
+        assert eventually(listener.take_gap)
         assert listener.reconnects >= 1
         cancel(redis_client, keys, "after")
         assert "after" in drained_until(listener, {"after"})
@@ -92,7 +84,7 @@ def test_listener_survives_a_redis_restart(keys):
             got.update(listener.drain())
             return "r1" in got
 
-        assert wait_for(heard, timeout=10)
+        assert eventually(heard, timeout=10)
         assert listener.take_gap()
         client.close()
     finally:

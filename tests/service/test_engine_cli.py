@@ -3,12 +3,17 @@ reach, is one clean error before the model loads (minutes, for a big model)."""
 
 from __future__ import annotations
 
+import argparse
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tandem.engine.config import EngineConfig
+from tandem.engine.service.arguments import add_arguments, engine_fields, worker_fields
+from tandem.engine.service.settings import WorkerSettings
 from tandem.redis_server import free_port
 
 TANDEM = str(Path(sys.executable).with_name("tandem"))
@@ -51,3 +56,31 @@ def test_an_unreachable_redis_is_named_before_the_model_loads():
     assert "Traceback" not in done.stderr
     assert f"tandem: error: cannot reach Redis at {url} (--redis-url)" in done.stderr
     assert "waiting for Redis" in done.stderr  # it retried for --redis-wait first
+
+
+def test_help_shows_the_defaults():
+    done = subprocess.run(
+        [TANDEM, "engine", "--help"], capture_output=True, text=True, timeout=60, check=True
+    )
+    text = " ".join(done.stdout.split())  # argparse wraps lines anywhere
+    for flag, default in [
+        ("--port", 8100),
+        ("--role", "normal"),
+        ("--max-num-seqs", EngineConfig.max_num_seqs),
+        ("--block-size", EngineConfig.block_size),
+        ("--claim-idle-ms", WorkerSettings.claim_idle_ms),
+        ("--drain-timeout", WorkerSettings.drain_timeout),
+    ]:
+        # The flag's own help (up to the next flag) ends in its default.
+        assert re.search(rf"{flag} \S+ ((?! --).)*\(default: {default}\)", text), flag
+    assert "(default: None)" not in text  # such a flag's help says what happens instead
+
+
+def test_flags_default_to_the_settings_own_defaults():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([])
+    assert EngineConfig(**engine_fields(args)) == EngineConfig()
+    names = dict(role=args.role, model_name="m", engine_id="e", http_address="a:1")
+    flagged = WorkerSettings(**names, **worker_fields(args))
+    assert flagged == WorkerSettings(**names, started_at=flagged.started_at)

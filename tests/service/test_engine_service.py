@@ -10,7 +10,9 @@ import time
 
 import pytest
 import redis
+from support.engine_fixture import engines_fixture
 from support.engines import Client, EngineProcess
+from support.polling import eventually
 
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.service.registry import Registry
@@ -31,18 +33,7 @@ def reference():
     return greedy
 
 
-@pytest.fixture
-def engines(redis_url, keys, tmp_path):
-    started = []
-
-    def start(role, *extra, wait=True):
-        proc = EngineProcess(role, redis_url, keys, list(extra), log_dir=tmp_path).start()
-        started.append(proc)
-        return proc.wait_ready() if wait else proc
-
-    yield start
-    for proc in started:
-        proc.stop()
+engines = engines_fixture()
 
 
 @pytest.fixture
@@ -50,15 +41,6 @@ def client(redis_url, keys):
     c = Client(redis_url, keys)
     yield c
     c.close()
-
-
-def eventually(check, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 PROMPT = [5, 9, 17, 33, 2, 101, 77, 4, 8, 15, 16, 23, 42]
@@ -157,10 +139,8 @@ def test_kill_9_of_the_prompt_engine_before_the_fetch_recomputes(
     prompt = engines("prompt")
     rid = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 20, **GREEDY})
     conn = redis.Redis.from_url(redis_url)
-    deadline = time.monotonic() + 30
-    while conn.xlen(keys.handoff_stream("tiny")) == 0:  # no decoder yet: the handoff waits
-        assert time.monotonic() < deadline, "no handoff published"
-        time.sleep(0.05)
+    # No decoder yet: the handoff waits in its stream.
+    assert eventually(lambda: conn.xlen(keys.handoff_stream("tiny")) > 0, 30), "no handoff"
     conn.close()
     prompt.kill()
     decode = engines("completion")

@@ -11,7 +11,7 @@ from contextlib import contextmanager, suppress
 import pytest
 import torch
 
-from tandem.engine.service.kv_tcp import KVServer, TCPTransport, fetch_kv
+from tandem.engine.service.kv_tcp import KVServer, fetch_kv
 from tandem.engine.service.kv_transfer import KVLayout, KVTransferError, PinnedKV
 
 pytestmark = pytest.mark.timeout(30)
@@ -265,8 +265,7 @@ def test_two_fetches_at_once_from_one_server():
     dests = {"a": scattered_slots(tokens, 7), "b": scattered_slots(tokens, 8)}
     dst = {h: caches(LAYOUT, seed=9) for h in slots}
     offers = Offers(*(PinnedKV(h, s, f"fp-{h}") for h, s in slots.items()))
-    transport = TCPTransport(host="127.0.0.1")
-    server = transport.serve(src, LAYOUT, offers.lookup, offers.on_fetched)
+    server = KVServer(src, LAYOUT, offers.lookup, offers.on_fetched, "127.0.0.1")
     address = server.start()
     start = threading.Barrier(2)
     errors: list[BaseException] = []
@@ -274,7 +273,7 @@ def test_two_fetches_at_once_from_one_server():
     def fetch(handle: str) -> None:
         start.wait()
         try:
-            transport.fetch(
+            fetch_kv(
                 address, handle, f"fp-{handle}", tokens, dests[handle], dst[handle], LAYOUT, 10.0
             )
         except BaseException as exc:

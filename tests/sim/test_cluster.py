@@ -4,6 +4,7 @@ import dataclasses
 import statistics
 
 import pytest
+from support.imports import packages_loaded
 
 from tandem.engine.scheduler import Scheduler
 from tandem.sim import deployment as deploy
@@ -141,3 +142,9 @@ def test_the_autoscaler_scales_up_under_a_burst_and_down_after():
     assert all(r.finished for r in result.records)
     fixed = _run(deploy.normal(max(desired)), burst, until_s=900.0)
     assert result.gpu_seconds < fixed.gpu_seconds
+
+
+def test_the_simulator_imports_no_io_client():
+    # It runs the operator's autoscaler and scaling glue, never their HTTP or Redis clients.
+    io = {"httpx", "redis", "prometheus_client", "kopf", "kubernetes"}
+    assert packages_loaded("import tandem.sim.main", io) == []

@@ -42,7 +42,8 @@ import torch.nn.functional as F
 
 from tandem.engine.host_memory import advise_huge_pages
 from tandem.engine.model import cpu_kernels
-from tandem.engine.model.attention_metadata import AttentionMetadata, DraftTail
+from tandem.engine.model.attention_metadata import AttentionMetadata
+from tandem.engine.model.decode_batch import DraftTail
 from tandem.engine.model.model_config import ModelConfig
 from tandem.engine.model.padded_attention import padded_decode_attention
 

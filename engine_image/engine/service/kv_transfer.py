@@ -4,8 +4,10 @@ The PROMPT engine runs a KVServer beside its step loop; the Handoff names its ad
 the handle and the fingerprint. The COMPLETION engine reserves blocks, runs fetch_kv()
 off its main thread, and marks the request decodable only once fetch_kv returned: a
 failed fetch raises KVTransferError and leaves nothing usable, so the caller counts
-the reason and recomputes the prompt. KVTransport is the seam for an RDMA transport
-(NIXL, Mooncake); TCP is the one here.
+the reason and recomputes the prompt. This module holds what any transport shares;
+TCP (kv_tcp.py) is the one here. An RDMA transport (NIXL, Mooncake) would be a second
+server and fetch function keeping KVServer's callbacks and fetch_kv's errors, picked
+in main.py and handoff_flow.py.
 
 TCP wire format, version WIRE_VERSION (control messages in JSON, KV as raw bytes):
     message = magic b"TKVM", u32 length, a JSON object of that length
@@ -24,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -124,41 +126,3 @@ class TransferStats:
     bytes: int
     seconds: float
     layers: int
-
-
-class KVEndpoint(Protocol):
-    """A transport's serving half: start() returns the address to advertise."""
-
-    def start(self) -> str: ...
-
-    def stop(self) -> None: ...
-
-
-class KVTransport(Protocol):
-    """The two halves of a KV handoff; another transport (RDMA) implements both.
-
-    serve: expose the PROMPT engine's caches. lookup(handle) runs on transport threads
-    and returns the pinned KV or None (unknown or expired); it must be thread-safe, and
-    the engine must drop a handle from it *before* freeing the handle's blocks.
-    on_fetched(handle) runs on a transport thread once the fetcher confirmed that all
-    the KV arrived; it may come twice for a handle fetched twice.
-
-    fetch: copy the KV of `handle` into dest_slots of the local caches within `timeout`
-    seconds, or raise KVTransferError, after which the rows at dest_slots are garbage.
-    """
-
-    def serve(
-        self, kv_caches: list[torch.Tensor], layout: KVLayout, lookup: Lookup, on_fetched: OnFetched
-    ) -> KVEndpoint: ...
-
-    def fetch(
-        self,
-        address: str,
-        handle: str,
-        fingerprint: str,
-        num_tokens: int,
-        dest_slots: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        layout: KVLayout,
-        timeout: float,
-    ) -> TransferStats: ...

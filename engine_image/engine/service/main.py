@@ -18,16 +18,23 @@ import torch
 from tandem.engine.config import EngineConfig, derived_max_model_len
 from tandem.engine.llm import build_engine
 from tandem.engine.model.loader import kv_blocks_for, load_model
-from tandem.engine.service.arguments import add_arguments, check_arguments, engine_fields
+from tandem.engine.service.arguments import (
+    add_arguments,
+    check_arguments,
+    engine_fields,
+    worker_fields,
+)
 from tandem.engine.service.cancellation import CancelListener
 from tandem.engine.service.handoff_flow import HandoffFlow
 from tandem.engine.service.http import HealthServer
 from tandem.engine.service.kv_tcp import KVServer
 from tandem.engine.service.kv_transfer import KVLayout
 from tandem.engine.service.metrics import EngineMetrics
+from tandem.engine.service.ranks import run_ranks
 from tandem.engine.service.redis_io import RedisIO
 from tandem.engine.service.settings import WorkerSettings
 from tandem.engine.service.worker import EngineWorker
+from tandem.engine.step_vote import Vote
 from tandem.protocol import Keys, Role
 
 log = logging.getLogger("tandem.engine")
@@ -38,13 +45,11 @@ def main(args: argparse.Namespace) -> int:
     check_arguments(args)
     wait_for_redis(args.redis_url, args.redis_wait)
     if args.data_parallel_size > 1:
-        from tandem.engine.service.ranks import run_ranks
-
-        return run_ranks(args)
+        return run_ranks(args, serve)
     return serve(args, rank=0)
 
 
-def serve(args: argparse.Namespace, rank: int, vote=None) -> int:
+def serve(args: argparse.Namespace, rank: int, vote: Vote | None = None) -> int:
     """Load the model, wire the service together, run until drained."""
     role = Role(args.role)
     if args.threads is not None:
@@ -53,7 +58,7 @@ def serve(args: argparse.Namespace, rank: int, vote=None) -> int:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     fields = engine_fields(args)
-    block_size = fields.get("block_size", 16)
+    block_size = fields["block_size"]  # the flag's default is EngineConfig's
     num_blocks = args.num_kv_blocks or kv_blocks_for(
         loaded.config,
         block_size=block_size,
@@ -81,20 +86,15 @@ def serve(args: argparse.Namespace, rank: int, vote=None) -> int:
     layout = KVLayout.of(kv_caches)
     fingerprint = _fingerprint(loaded.source.fingerprint, layout)
     kv_server = None
-    kv_address = ""
+    kv_address = None
     settings_kwargs = dict(
         role=role,
         model_name=args.served_model_name or args.model,
         engine_id=engine_id,
         fingerprint=fingerprint,
-        handoff_ttl=args.handoff_ttl,
-        claim_idle_ms=args.claim_idle_ms,
-        max_deliveries=args.max_deliveries,
         keep_alive_every=min(5.0, args.claim_idle_ms / 4000),
-        drain_timeout=args.drain_timeout,
-        kv_fetch_timeout=args.kv_fetch_timeout,
-        max_waiting=args.max_waiting,
         max_waiting_tokens=2 * config.max_num_batched_tokens,
+        **worker_fields(args),
     )
     metrics = EngineMetrics(settings_kwargs["model_name"], role.value)
     keys = Keys(prefix=args.key_prefix)
@@ -149,7 +149,7 @@ def serve(args: argparse.Namespace, rank: int, vote=None) -> int:
         role.value,
         settings.model_name,
         settings.http_address,
-        f", kv {kv_address}" if kv_address else "",
+        f", kv {kv_address}" if kv_address is not None else "",
     )
     try:
         return worker.run()

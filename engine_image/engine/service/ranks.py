@@ -12,17 +12,23 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+from collections.abc import Callable
 
+from tandem.engine.step_vote import Vote
 from tandem.redis_server import free_port
 
+# What each rank runs (service/main.py's serve): (args, rank, vote) -> exit code.
+Serve = Callable[[argparse.Namespace, int, Vote], int]
 
-def run_ranks(args: argparse.Namespace) -> int:
-    """Start data_parallel_size rank processes; forward SIGTERM/SIGINT; wait for all."""
+
+def run_ranks(args: argparse.Namespace, serve: Serve) -> int:
+    """Start data_parallel_size rank processes, each running `serve` (a module-level
+    function: the spawned processes import it); forward SIGTERM/SIGINT; wait for all."""
     world = args.data_parallel_size
     port = free_port()
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch state
     procs = [
-        ctx.Process(target=_rank_main, args=(args, rank, world, port), name=f"rank-{rank}")
+        ctx.Process(target=_rank_main, args=(serve, args, rank, world, port), name=f"rank-{rank}")
         for rank in range(world)
     ]
     for proc in procs:
@@ -49,12 +55,11 @@ def run_ranks(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rank_main(args: argparse.Namespace, rank: int, world: int, port: int) -> None:
+def _rank_main(serve: Serve, args: argparse.Namespace, rank: int, world: int, port: int) -> None:
     import torch
     import torch.distributed as dist
 
     from tandem.engine.dp_vote import distributed_vote, vote_backend
-    from tandem.engine.service.main import serve
 
     own_gpu = torch.cuda.is_available() and args.device in (None, "cuda")
     if own_gpu:
@@ -68,7 +73,7 @@ def _rank_main(args: argparse.Namespace, rank: int, world: int, port: int) -> No
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     try:
-        code = serve(args, rank=rank, vote=distributed_vote())
+        code = serve(args, rank, distributed_vote())
     finally:
         dist.destroy_process_group()
     raise SystemExit(code)

@@ -8,16 +8,18 @@ readers drop its id from the set when they find the key gone.
 from __future__ import annotations
 
 import dataclasses
-import json
-import logging
 import time
-from typing import Any
 
 import redis
 
-from tandem.protocol import ENGINE_TTL_SECONDS, EngineInfo, Keys
-
-log = logging.getLogger(__name__)
+from tandem.protocol import (
+    ENGINE_TTL_SECONDS,
+    EngineInfo,
+    Keys,
+    as_text,
+    engine_entry,
+    read_engine_entry,
+)
 
 
 class Registry:
@@ -44,7 +46,7 @@ class Registry:
         pipe = self.client.pipeline(transaction=True)
         pipe.set(
             self.keys.engine_key(info.engine_id),
-            json.dumps(info.to_fields()),
+            engine_entry(info),
             px=max(1, round(self.ttl_seconds * 1000)),
         )
         # Every beat, not just the first: a reader that found the key expired may
@@ -62,7 +64,7 @@ class Registry:
 
     def live(self, model: str | None = None) -> list[EngineInfo]:
         """Engines whose entry has not expired, sorted by id; of one model if given."""
-        ids = sorted(_str(x) for x in self.client.smembers(self.keys.engines_set))
+        ids = sorted(as_text(x) for x in self.client.smembers(self.keys.engines_set))
         if not ids:
             return []
         raws = self.client.mget([self.keys.engine_key(i) for i in ids])
@@ -73,7 +75,7 @@ class Registry:
         for engine_id, raw in zip(ids, raws, strict=True):
             if raw is None:
                 continue
-            info = read_entry(engine_id, raw)
+            info = read_engine_entry(engine_id, raw)
             if info is not None and (model is None or info.model == model):
                 engines.append(info)
         return engines
@@ -84,20 +86,3 @@ class Registry:
         for info in self.live():
             by_model.setdefault(info.model, []).append(info)
         return by_model
-
-
-def read_entry(engine_id: str, raw: bytes | str) -> EngineInfo | None:
-    # An entry this side cannot read (another protocol version, a stray key) is
-    # skipped, not pruned: its engine is alive and may be read by a newer gateway.
-    try:
-        fields = json.loads(raw)
-        if not isinstance(fields, dict):
-            raise ValueError("not a JSON object")
-        return EngineInfo.from_fields(fields)
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        log.warning("skipping unreadable registry entry of engine %r: %s", engine_id, exc)
-        return None
-
-
-def _str(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

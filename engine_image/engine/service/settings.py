@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from tandem.protocol import EngineInfo, Role
+
+# The fields check_values() checks, by rule.
+_AT_LEAST_ONE = ("claim_idle_ms", "max_deliveries", "max_waiting", "max_waiting_tokens")
+_POSITIVE = (
+    "handoff_ttl",
+    "kv_fetch_timeout",
+    "keep_alive_every",
+    "heartbeat_every",
+    "stall_limit",
+)
+_SECONDS_OR_ZERO = ("drain_timeout",)
+_CHECKED = (*_AT_LEAST_ONE, *_POSITIVE, *_SECONDS_OR_ZERO)
 
 
 @dataclass(frozen=True)
@@ -17,8 +30,8 @@ class WorkerSettings:
     engine_id: str
     # host:port of the /healthz, /readyz, /metrics server.
     http_address: str
-    # host:port of the KV server (PROMPT engines), else "".
-    kv_address: str = ""
+    # host:port of the KV server (PROMPT engines), else None.
+    kv_address: str | None = None
     # Identifies weights, dtype and KV layout: KV moves only between equal fingerprints.
     fingerprint: str = ""
     # How long a PROMPT engine keeps prefilled KV for a decoder to fetch.
@@ -45,20 +58,7 @@ class WorkerSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
-        for name in ("claim_idle_ms", "max_deliveries", "max_waiting", "max_waiting_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if not self.drain_timeout >= 0:
-            raise ValueError(f"drain_timeout must be 0 or more, got {self.drain_timeout}")
-        for name in (
-            "handoff_ttl",
-            "kv_fetch_timeout",
-            "keep_alive_every",
-            "heartbeat_every",
-            "stall_limit",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        check_values({name: getattr(self, name) for name in _CHECKED})
         if self.keep_alive_every * 1000 >= self.claim_idle_ms:
             raise ValueError(
                 f"keep_alive_every ({self.keep_alive_every}s) must be well below claim_idle_ms "
@@ -71,8 +71,24 @@ class WorkerSettings:
             model=self.model_name,
             role=str(self.role),
             http_address=self.http_address,
-            kv_address=self.kv_address,
+            kv_address=self.kv_address or "",  # the registry entry's "none"
             started_at=self.started_at,
             draining=draining,
             **load,
         )
+
+
+def check_values(values: Mapping[str, float], name: Callable[[str], str] = str) -> None:
+    """ValueError, naming name(field), for the first value its WorkerSettings field refuses.
+
+    `values` maps field names to values; only those are checked. WorkerSettings checks
+    all of its own; `tandem engine` checks those its flags set before the model loads
+    (arguments.py), naming the flags.
+    """
+    for field_name, value in values.items():
+        if field_name in _AT_LEAST_ONE and not value >= 1:
+            raise ValueError(f"{name(field_name)} must be at least 1, got {value}")
+        if field_name in _POSITIVE and not value > 0:  # NaN too
+            raise ValueError(f"{name(field_name)} must be positive, got {value}")
+        if field_name in _SECONDS_OR_ZERO and not value >= 0:  # NaN too
+            raise ValueError(f"{name(field_name)} must be 0 or more seconds, got {value}")

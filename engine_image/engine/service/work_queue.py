@@ -39,6 +39,7 @@ from tandem.protocol import (
     ProtocolError,
     Role,
     WorkItem,
+    as_text,
 )
 
 # KEYS: the streams, highest priority first, then (when ARGV[6] == "1") the
@@ -263,14 +264,14 @@ class WorkQueue:
                 raise
             self.ensure_groups()
             entries, lost, newest = self._pull_script(keys=keys, args=args)
-        return entries, lost, [_str(x) for x in newest]
+        return entries, lost, [as_text(x) for x in newest]
 
     def _sort(self, entries: list[Any], lost: list[Any]) -> Pulled:
         pulled = Pulled()
         unreadable: list[tuple[str, str]] = []
         for index, raw_id, flat, times, reclaimed in entries:
-            stream, entry_id = self.streams[index - 1], _str(raw_id)
-            fields = {_str(flat[i]): flat[i + 1] for i in range(0, len(flat), 2)}
+            stream, entry_id = self.streams[index - 1], as_text(raw_id)
+            fields = {as_text(flat[i]): flat[i + 1] for i in range(0, len(flat), 2)}
             try:
                 message = self._decode(fields)
             except (ValueError, TypeError, KeyError, AttributeError) as exc:
@@ -283,7 +284,7 @@ class WorkQueue:
             delivery = Delivery(stream, entry_id, message, int(times), bool(reclaimed), exhausted)
             (pulled.exhausted if exhausted else pulled.work).append(delivery)
         for index, raw_id in lost:
-            entry_id = _str(raw_id)
+            entry_id = as_text(raw_id)
             stream = self.streams[index - 1]
             pulled.malformed.append((entry_id, f"{stream} {entry_id}: deleted while pending"))
         if unreadable:
@@ -338,13 +339,9 @@ class WorkQueue:
             )
         lost: list[Delivery] = []
         for held, lost_ids in zip(by_stream.values(), pipe.execute(), strict=True):
-            lost.extend(held[_str(x)] for x in lost_ids)
+            lost.extend(held[as_text(x)] for x in lost_ids)
         return lost
 
     def publish_handoff(self, handoff: Handoff) -> str:
         """Offer a prefilled request to the model's COMPLETION engines."""
-        return _str(self.client.xadd(self.keys.handoff_stream(self.model), handoff.to_fields()))
-
-
-def _str(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+        return as_text(self.client.xadd(self.keys.handoff_stream(self.model), handoff.to_fields()))
