@@ -60,12 +60,23 @@ def _bindable(port: int) -> bool:
 
 
 class RedisServer:
-    """redis-server bound to 127.0.0.1, data in a temporary folder (AOF off: it is scratch)."""
+    """redis-server bound to 127.0.0.1, data in `data_dir` (default: a temporary folder).
 
-    def __init__(self, port: int | None = None, *, data_dir: Path | None = None) -> None:
+    appendonly=False (tests: scratch): a restart comes back empty. True (`tandem up`):
+    every write also goes to an append-only file there, which start() after a
+    crash loads back. Redis writes it before it replies and fsyncs it every
+    second, so a crash of redis-server loses at worst its last second or so of
+    writes (usually none) and a crash of the machine about a second. Its cost:
+    one write() per event-loop turn, an fsync a second, a rewrite as it grows.
+    """
+
+    def __init__(
+        self, port: int | None = None, *, data_dir: Path | None = None, appendonly: bool = False
+    ) -> None:
         self.port = port or free_port()
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="tandem-redis-")
         self.data_dir = data_dir or Path(self._tmp.name)
+        self.appendonly = appendonly
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -82,15 +93,17 @@ class RedisServer:
         return None if self._process is None else self._process.poll()
 
     def start(self, timeout: float = 10.0) -> RedisServer:
-        """Start the server (again, after it died: same port, same folder)."""
+        """Start the server (again, after it died: same port, same folder, and with
+        appendonly the data it had)."""
         binary = find_redis_server()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = {
             "port": str(self.port),
             "bind": "127.0.0.1",
             "dir": str(self.data_dir),
-            "save": "",
-            "appendonly": "no",
+            "save": "",  # no snapshots: the append-only file, if any, is the data
+            "appendonly": "yes" if self.appendonly else "no",
+            "appendfsync": "everysec",
         }
         argv = [str(binary)] + [item for k, v in args.items() for item in (f"--{k}", v)]
         self._process = subprocess.Popen(

@@ -3,8 +3,9 @@
 An embedded Redis (or --redis-url), engines for one model (Normal: one
 engine; Disaggregated: a PROMPT and a COMPLETION engine), and the gateway,
 each a child process with its log in the run folder. An engine that dies is
-restarted (with backoff), and so is the embedded Redis; Ctrl-C or SIGTERM
-answers every request already admitted, then stops everything.
+restarted (with backoff), and so is the embedded Redis, from its append-only
+file; Ctrl-C or SIGTERM answers every request already admitted, then stops
+everything.
 """
 
 from __future__ import annotations
@@ -125,11 +126,7 @@ class Stack:
     def _launch(self, say) -> None:
         cfg = self.config
         if not self.redis_url:
-            try:
-                self.redis = RedisServer(data_dir=self.log_dir / "redis").start()
-            except RuntimeError as exc:
-                raise StartError(f"the embedded Redis did not start: {exc}") from None
-            self.redis_url = self.redis.url
+            self._start_redis()
             say(f"redis      {self.redis_url} (embedded)")
         starting = []
         if self.deployment is not None:
@@ -146,6 +143,19 @@ class Stack:
         for child in starting + self.children:
             say(f"{child.name:<10} starting (log {child.log_path})")
         self._wait_ready(say, starting + self.children)
+
+    def _start_redis(self) -> None:
+        """The embedded Redis, with an append-only file: restarted after a crash, it
+        still has the queued requests (and streams, registry) it had."""
+        data = self.log_dir / "redis"
+        # Fresh for each run: a reused --log-dir's file would replay a finished run's
+        # queue, whose clients are long gone.
+        shutil.rmtree(data, ignore_errors=True)
+        try:
+            self.redis = RedisServer(data_dir=data, appendonly=True).start()
+        except RuntimeError as exc:
+            raise StartError(f"the embedded Redis did not start: {exc}") from None
+        self.redis_url = self.redis.url
 
     def _start_actuator(self) -> list[Child]:
         from tandem.operator.local_actuator import LocalActuator
@@ -276,7 +286,8 @@ class Stack:
             return
         say(
             f"redis exited ({self.redis.returncode}); restarting it on port {self.redis.port} "
-            "(it kept no data: queued requests are lost, engines reconnect)"
+            "from its append-only file (queued requests are kept, at worst but those of its "
+            "last second; engines keep their running requests and reconnect)"
         )
         try:
             self.redis.start()

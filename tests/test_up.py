@@ -12,10 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import redis
 from support.stacks import running_stack
 
+from tandem.backlog import enqueue, queue_depth
 from tandem.child import STABLE_AFTER_S, Child
+from tandem.engine.service.work_queue import WorkQueue
 from tandem.preflight import StartError
+from tandem.protocol import Keys, Role, WorkItem
 from tandem.redis_server import free_port
 from tandem.up import Stack, UpConfig
 
@@ -105,6 +109,35 @@ def test_a_redis_that_dies_is_restarted_and_the_stack_serves_again(tmp_path, mon
         else:
             pytest.fail("the stack did not serve again within 90 s of losing Redis")
         assert stack.redis.port == port  # the engines and gateway know that address
+
+
+def test_the_embedded_redis_keeps_queued_requests_across_its_crash(tmp_path):
+    # Restarted empty, it lost every queued request, and `tandem up` said so; with its
+    # append-only file it comes back with them, taken (pending) or waiting alike.
+    stack = Stack(UpConfig(log_dir=tmp_path))
+    stack._start_redis()
+    client = redis.Redis.from_url(stack.redis_url)
+    try:
+        for rid in ("running", "queued"):
+            enqueue(client, Keys(), WorkItem(rid, "m", prompt_token_ids=[1, 2]))
+        assert len(WorkQueue(client, Keys(), "m", Role.NORMAL, "engine").pull(1).work) == 1
+        stack.redis.kill()
+        said: list[str] = []
+        stack._restart_redis_if_dead(said.append)
+        assert "append-only file (queued requests are kept" in said[0]
+        depth = queue_depth(client, Keys(), "m")
+        assert (depth.total_waiting, depth.pending) == (1, 1)
+    finally:
+        client.close()
+        stack.stop()
+    # A new run in the same folder starts empty: the old run's clients are gone.
+    again = Stack(UpConfig(log_dir=tmp_path))
+    again._start_redis()
+    try:
+        with redis.Redis.from_url(again.redis_url) as client:
+            assert queue_depth(client, Keys(), "m").total_waiting == 0
+    finally:
+        again.stop()
 
 
 def test_an_engine_that_stops_answering_is_killed_and_restarted(tmp_path, monkeypatch):

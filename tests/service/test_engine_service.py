@@ -10,8 +10,7 @@ import time
 
 import pytest
 import redis
-from support.engine_fixture import engines_fixture
-from support.engines import Client, EngineProcess
+from support.engines import EngineProcess
 from support.polling import eventually
 
 from tandem.engine import LLM, SamplingParams
@@ -31,16 +30,6 @@ def reference():
         return llm.generate(prompt_token_ids=[prompt_token_ids], sampling_params=params)[0]
 
     return greedy
-
-
-engines = engines_fixture()
-
-
-@pytest.fixture
-def client(redis_url, keys):
-    c = Client(redis_url, keys)
-    yield c
-    c.close()
 
 
 PROMPT = [5, 9, 17, 33, 2, 101, 77, 4, 8, 15, 16, 23, 42]
@@ -69,6 +58,10 @@ def test_prompt_and_completion_engines_match_normal_and_really_move_kv(engines, 
     assert answer.token_ids == reference(PROMPT, 24).token_ids
     assert answer.engines == {prompt.engine_id, decode.engine_id}
     assert decode.metric("tandem_engine_kv_transfer_bytes_total") > 0
+    # What the decoder received is what the prompt engine counts as served.
+    assert prompt.metric("tandem_engine_kv_served_bytes_total") == decode.metric(
+        "tandem_engine_kv_transfer_bytes_total"
+    )
     assert decode.metric("tandem_engine_kv_transfer_failures_total") == 0
     # The decoder never prefilled: every token it computed was a decode token.
     assert decode.metric("tandem_engine_scheduled_tokens_total", kind="prefill") == 0
@@ -191,6 +184,21 @@ def test_sigterm_drains_running_requests_takes_no_new_ones_and_exits_0(engines, 
     # The late request is still queued for another engine.
     other = engines("normal")
     assert client.answer(late).ok and other.engine_id in client.answer(late).engines
+
+
+def test_a_drain_that_times_out_hands_its_requests_back_at_once(engines, client, reference):
+    first = engines("normal", "--drain-timeout", "0.5", *LONG)
+    rid = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 2000, **GREEDY})
+    next(e for e in client.events(rid, timeout=60) if e.event == EventKind.TOKENS)
+    assert first.terminate() == 0  # with the request still running
+    # The default --claim-idle-ms is 30 s: only an entry handed back is taken sooner
+    # than that (so 20 s without a token fails), and only one whose handed-back
+    # delivery is not counted gets past --max-deliveries 1.
+    second = engines("normal", "--max-deliveries", "1", *LONG)
+    answer = client.answer(rid, timeout=20)
+    assert answer.ok, answer.final
+    assert answer.token_ids == reference(PROMPT, 2000).token_ids  # resumed, no token twice
+    assert answer.engines == {first.engine_id, second.engine_id}
 
 
 def test_two_data_parallel_ranks_vote_through_gloo_and_serve(engines, client, reference):

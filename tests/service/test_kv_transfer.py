@@ -74,7 +74,16 @@ def test_round_trip_copies_exactly_the_requests_rows(dtype):
     src_slots, dst_slots = scattered_slots(TOKENS, seed=3), scattered_slots(TOKENS, seed=4)
     offers = Offers(PinnedKV("req-1", src_slots, "fp"))
     # Frames of 3 tokens: every layer takes many frames, the last one partial.
-    server = KVServer(src, layout, offers.lookup, offers.on_fetched, "127.0.0.1", frame_bytes=200)
+    sent: list[int] = []  # the PROMPT engine's tandem_engine_kv_served_bytes_total
+    server = KVServer(
+        src,
+        layout,
+        offers.lookup,
+        offers.on_fetched,
+        "127.0.0.1",
+        frame_bytes=200,
+        on_sent=sent.append,
+    )
     address = server.start()
     try:
         stats = fetch_kv(address, "req-1", "fp", TOKENS, dst_slots, dst, layout, timeout=10)
@@ -83,6 +92,7 @@ def test_round_trip_copies_exactly_the_requests_rows(dtype):
         server.stop()
     assert offers.fetched == ["req-1"]
     assert (stats.bytes, stats.layers) == (TOKENS * layout.bytes_per_token, 3)
+    assert sum(sent) == stats.bytes and len(sent) > 3  # counted frame by frame
     for got, want in zip(rows(dst, dst_slots), rows(src, src_slots), strict=True):
         assert torch.equal(got, want)
     untouched = torch.ones(BLOCKS * BLOCK_SIZE, dtype=torch.bool)
@@ -119,9 +129,11 @@ def test_refusals_raise_their_reason_and_free_nothing(case, reason, words):
         "token count": {"num_tokens": TOKENS - 1, "dest_slots": scattered_slots(TOKENS - 1, 4)},
         "layout": {"layout": other, "kv_caches": caches(other, 2)},
     }[case]
-    with serving(caches(LAYOUT, 1), offers) as server:
+    sent: list[int] = []
+    with serving(caches(LAYOUT, 1), offers, on_sent=sent.append) as server:
         error = fetch_error(server.address, **overrides)
     assert error.reason == reason
+    assert sent == []  # refused: no KV went out
     assert words in str(error)
     assert offers.fetched == []  # stop() waited for the server's threads
 

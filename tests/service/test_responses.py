@@ -5,6 +5,7 @@ import threading
 import time
 
 import pytest
+import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,6 +22,7 @@ from tandem.protocol import (
     ResponseEvent,
     Usage,
 )
+from tandem.redis_server import RedisServer
 
 
 def text_of(tokens):
@@ -59,12 +61,40 @@ def test_flush_sends_the_buffer_in_order_with_a_ttl(redis_client, keys):
         assert RESPONSE_TTL_SECONDS - 5 < ttl <= RESPONSE_TTL_SECONDS
 
 
+def test_events_held_back_by_an_outage_are_written_in_order_one_per_request(keys):
+    # Redis away: the engine keeps stepping and adding events. Kept one per step, a
+    # long outage would hold an object per token; merged, it holds the tokens.
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+        writer = ResponseWriter(client, keys, "a")
+        server.kill()
+        for start in range(6):
+            writer.add("r1", tokens_event(start, start + 1))
+            writer.add("r2", tokens_event(start, start + 1))
+        with pytest.raises(redis.ConnectionError):
+            writer.flush()
+        writer.add("r1", finish(6))
+        writer.add("r1", tokens_event(6, 7))  # after a final event: not merged into it
+        assert len(writer) == 4
+        server.start()
+        assert writer.flush() == 4
+        events = [e for _, e in ResponseReader(client, keys).read("r1")]
+        assert [(e.event, e.offset, e.token_ids) for e in events] == [
+            (EventKind.TOKENS, 0, list(range(6))),
+            (EventKind.FINISH, 6, []),
+            (EventKind.TOKENS, 6, [6]),
+        ]
+        assert events[0].text == text_of(range(6))
+        assert writer.history("r2").token_ids == list(range(6))
+        client.close()
+
+
 def test_history_for_a_takeover(redis_client, keys):
     a = ResponseWriter(redis_client, keys, "a")
     assert a.history("r1").final is None and a.history("r1").next_offset == 0
-    for start in range(0, 5):
+    for start in range(0, 5):  # one event per step, flushed after each, as an engine does
         a.add("r1", tokens_event(start, start + 1))
-    a.flush()
+        a.flush()
     history = ResponseWriter(redis_client, keys, "b").history("r1")
     assert (history.token_ids, history.text, history.final) == (
         list(range(5)),
@@ -81,17 +111,17 @@ def test_history_for_a_takeover(redis_client, keys):
 
 def test_history_reads_long_streams_in_chunks(redis_client, keys):
     writer = ResponseWriter(redis_client, keys, "a")
-    for start in range(2500):
+    for start in range(2500):  # one entry each: flushed one by one, not merged
         writer.add("r1", tokens_event(start, start + 1))
-    writer.flush()
+        writer.flush()
     assert writer.history("r1").token_ids == list(range(2500))
 
 
 def test_reader_drops_what_a_dead_engine_already_sent(redis_client, keys):
     a, b = ResponseWriter(redis_client, keys, "a"), ResponseWriter(redis_client, keys, "b")
-    for start in range(5):  # A sends tokens 0..4 and dies
+    for start in range(5):  # A sends tokens 0..4, a step at a time, and dies
         a.add("r1", tokens_event(start, start + 1))
-    a.flush()
+        a.flush()
     for start in range(3, 10):  # B resumed from an older history, at offset 3
         b.add("r1", tokens_event(start, start + 1, engine="b"))
     b.add("r1", finish(10, engine="b"))

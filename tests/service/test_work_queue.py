@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tandem.backlog import TOKENS_FIELD, enqueue, queue_depth
-from tandem.engine.service.work_queue import WorkQueue
+from tandem.engine.service.work_queue import Lapsed, WorkQueue
 from tandem.protocol import (
     PRIORITY_HIGH,
     PRIORITY_LOW,
@@ -105,13 +105,13 @@ def test_keep_alive_protects_entries_in_work(redis_client, keys, queue):
     held = worker.pull(1).work
     deadline = time.monotonic() + IDLE_MS * 3 / 1000
     while time.monotonic() < deadline:
-        assert worker.keep_alive(held) == []
+        assert worker.keep_alive(held) == Lapsed()
         assert not thief.pull(5)
         time.sleep(IDLE_MS / 4 / 1000)
     time.sleep(IDLE_MS * 1.5 / 1000)  # the worker stalls: now the entry may go
     assert ids(thief.pull(5).work) == ["long"]
     # The stalled worker learns it lost the entry and does not steal it back.
-    assert worker.keep_alive(held) == held
+    assert worker.keep_alive(held) == Lapsed(taken=held)
     assert (
         redis_client.xpending_range(keys.work_stream(MODEL, 1), WORK_GROUP, "-", "+", 10)[0][
             "consumer"
@@ -281,5 +281,36 @@ def test_keep_alive_after_the_streams_vanish_loses_nothing(redis_client, keys, q
     enqueue(redis_client, keys, item("r"))
     held = q.pull(1).work
     redis_client.delete(*keys.work_streams(MODEL))  # Redis lost its data
-    assert q.keep_alive(held) == []  # nobody else can take them: keep serving
+    assert q.keep_alive(held) == Lapsed()  # nobody else can take them: keep serving
     assert q.ack(held) == 0
+
+
+def test_keep_alive_tells_taken_entries_from_ones_pending_nowhere(redis_client, keys, queue):
+    worker, thief = queue("worker"), queue("thief")
+    for rid in ("stolen", "finished", "lost"):
+        enqueue(redis_client, keys, item(rid))
+    held = worker.pull(3).work
+    time.sleep(IDLE_MS * 1.5 / 1000)  # the worker stalls
+    _, finished = thief.pull(2).work
+    thief.ack([finished])  # the thief finished one
+    stream = keys.work_stream(MODEL, 1)
+    # Redis lost the third (restarted without it); its group is back.
+    redis_client.xack(stream, WORK_GROUP, held[2].entry_id)
+    lapsed = worker.keep_alive(held)
+    assert ids(lapsed.taken) == ["stolen"]
+    # Finished elsewhere or lost: the engine tells them apart by the response stream.
+    assert ids(lapsed.gone) == ["finished", "lost"]
+
+
+def test_a_handed_back_entry_is_taken_at_once_and_not_counted(redis_client, keys, queue):
+    # A drain that timed out hands its entries back: the next pull takes them without
+    # waiting out claim_idle_ms, and the handed-back delivery is no failed one.
+    leaving = queue("leaving", claim_idle_ms=30_000)
+    enqueue(redis_client, keys, item("r"))
+    held = leaving.pull(1).work
+    assert leaving.hand_back(held) == 1
+    successor = queue("successor", claim_idle_ms=30_000, max_deliveries=1)
+    (taken,) = successor.pull(5).work  # not exhausted, though max_deliveries is 1
+    assert (taken.request_id, taken.times_delivered, taken.reclaimed) == ("r", 1, True)
+    assert leaving.hand_back(held) == 0  # not its own any more: left alone
+    assert successor.keep_alive([taken]) == Lapsed()

@@ -133,6 +133,7 @@ class CancelListener:
 
     def _run(self) -> None:
         delay = self._backoff_s
+        failing = False  # since the last subscription: one line per outage, not per attempt
         while not self._stop.is_set():
             client: redis.Redis | None = None
             pubsub: Any = None
@@ -149,6 +150,7 @@ class CancelListener:
                         # own: counting confirmations catches every gap.
                         self._on_subscribed()
                         delay = self._backoff_s
+                        failing = False
                     elif message["type"] == "message":
                         with self._lock:
                             self._ids.add(as_text(message["data"]))
@@ -156,7 +158,12 @@ class CancelListener:
                 # Any failure, not just connection errors: a dead listener thread
                 # would leave the engine deaf to cancellations.
                 self._subscribed.clear()
-                log.warning("cancel listener: %s; reconnecting in %.1f s", exc, delay)
+                # An unreachable Redis is the engine loop's to report, as a warning.
+                unreachable = isinstance(exc, (redis.ConnectionError, redis.TimeoutError))
+                level = logging.INFO if unreachable else logging.WARNING
+                level = logging.DEBUG if failing else level
+                log.log(level, "cancel listener: %s; reconnecting", exc)
+                failing = True
                 self._stop.wait(delay)
                 delay = min(delay * 2, self._max_backoff_s)
             finally:

@@ -80,9 +80,11 @@ class HandoffFlow:
         )
 
     def publish_pending(self, io: RedisIO) -> None:
-        for handoff in self._to_publish:
-            io.queue.publish_handoff(handoff)
-        self._to_publish.clear()
+        # Each dropped once written: Redis going away midway keeps the rest, and
+        # publishing one twice would have two decoders serve the request.
+        while self._to_publish:
+            io.queue.publish_handoff(self._to_publish[0])
+            del self._to_publish[0]
 
     def on_fetched(self, handle: str) -> None:
         """Called by the KV server thread after a decoder confirmed the KV."""

@@ -59,11 +59,18 @@ class Heartbeat:
             self._thread.join()
 
     def _run(self) -> None:
+        failing = False
         while not self._stop.wait(self._every):
             info = self._info
             if info is None or not self._loop_alive():
                 continue
             try:
                 self._send(info)
-            except redis.RedisError as exc:  # the loop reports Redis trouble; keep beating
-                log.warning("heartbeat failed: %s", exc)
+                failing = False
+            except redis.RedisError as exc:
+                # Keep beating. An unreachable Redis is the loop's to report (once);
+                # any other failure, once per run of them: not a line every beat.
+                unreachable = isinstance(exc, (redis.ConnectionError, redis.TimeoutError))
+                level = logging.DEBUG if failing or unreachable else logging.WARNING
+                log.log(level, "heartbeat failed: %s", exc)
+                failing = True

@@ -8,6 +8,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -51,7 +52,8 @@ class KVServer:
     or expired); it must be thread-safe, and the engine must drop a handle from it
     *before* freeing the handle's blocks. on_fetched(handle) runs on a transfer thread
     once the fetcher confirmed that all the KV arrived; it may come twice for a handle
-    fetched twice.
+    fetched twice. on_sent(n), if given, runs on a transfer thread after each frame
+    went out, with its KV bytes (headers and messages not counted).
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class KVServer:
         max_connections: int = 4,
         io_timeout: float = 30.0,
         frame_bytes: int = DEFAULT_FRAME_BYTES,
+        on_sent: Callable[[int], None] | None = None,
     ) -> None:
         layout.check_caches(kv_caches)
         if max_connections < 1 or io_timeout <= 0 or frame_bytes < 1:
@@ -76,6 +79,7 @@ class KVServer:
             )
         self._caches, self._layout = kv_caches, layout
         self._lookup, self._on_fetched = lookup, on_fetched
+        self._on_sent = on_sent or (lambda n: None)
         self._bind, self._advertise_host = (host, port), advertise_host
         self._max_connections, self._io_timeout = max_connections, io_timeout
         self._frame_tokens = max(1, frame_bytes // layout.layer_token_bytes)
@@ -157,7 +161,12 @@ class KVServer:
         reply = {"ok": True, "layout": layout.to_dict(), "num_tokens": num_tokens}
         send_msg(conn, {**reply, "frame_tokens": frame_tokens, "byteorder": sys.byteorder}, None)
         frames = Frames(self._caches, pinned.slots, layout, frame_tokens)
-        pipeline(frames, frames.pack, lambda frame, buf: conn.sendall(frames.wire(frame, buf)))
+
+        def send(frame: Frame, buf: Buffer) -> None:
+            conn.sendall(frames.wire(frame, buf))
+            self._on_sent(frame[3])  # sent, whatever becomes of the transfer
+
+        pipeline(frames, frames.pack, send)
         # The rows were read while pinned only if the handle is still there: the engine
         # drops it from lookup before it frees (and reuses) its blocks.
         again = self._lookup(pinned.handle)

@@ -14,6 +14,8 @@ import uuid
 
 import redis
 import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from tandem.engine.config import EngineConfig, derived_max_model_len
 from tandem.engine.llm import build_engine
@@ -38,6 +40,9 @@ from tandem.engine.step_vote import Vote
 from tandem.protocol import Keys, Role
 
 log = logging.getLogger("tandem.engine")
+
+# Seconds a PING may take before /readyz, or a retry while Redis is away, gives up.
+PROBE_TIMEOUT_S = 0.5
 
 
 def main(args: argparse.Namespace) -> int:
@@ -99,6 +104,14 @@ def serve(args: argparse.Namespace, rank: int, vote: Vote | None = None) -> int:
     metrics = EngineMetrics(settings_kwargs["model_name"], role.value)
     keys = Keys(prefix=args.key_prefix)
     client = redis.Redis.from_url(args.redis_url)
+    # PINGs that must answer fast (/readyz; the loop's retries while Redis is away):
+    # a paused Redis holds a command for the whole socket timeout, retries included.
+    probe = redis.Redis.from_url(
+        args.redis_url,
+        socket_timeout=PROBE_TIMEOUT_S,
+        socket_connect_timeout=PROBE_TIMEOUT_S,
+        retry=Retry(NoBackoff(), 0),
+    )
     worker: EngineWorker | None = None
 
     def live() -> tuple[bool, str]:
@@ -112,6 +125,8 @@ def serve(args: argparse.Namespace, rank: int, vote: Vote | None = None) -> int:
             return False, "draining" if worker else "starting"
         if not worker.heartbeat.registered:  # the gateway would answer 404 for it
             return False, "not yet in the registry"
+        if worker.outage.down:  # known without asking: answer at once
+            return False, f"redis unreachable for {worker.outage.seconds():.0f}s"
         reachable = io.ping()
         return reachable, "model loaded, redis reachable" if reachable else "redis unreachable"
 
@@ -126,6 +141,7 @@ def serve(args: argparse.Namespace, rank: int, vote: Vote | None = None) -> int:
             layout,
             lookup=lambda h: handoffs.offers.lookup(h),
             on_fetched=lambda h: handoffs.on_fetched(h),
+            on_sent=metrics.kv_served_bytes.inc,
             host=args.host,
             advertise_host=host,
             port=args.kv_port + rank if args.kv_port else 0,
@@ -134,7 +150,7 @@ def serve(args: argparse.Namespace, rank: int, vote: Vote | None = None) -> int:
     settings = WorkerSettings(kv_address=kv_address, **settings_kwargs)
     if role is not Role.NORMAL:
         handoffs = HandoffFlow(settings, kv_caches, layout, config.block_size)
-    io = RedisIO(client, keys, settings, CancelListener(args.redis_url, keys))
+    io = RedisIO(client, keys, settings, CancelListener(args.redis_url, keys), probe=probe)
     worker = EngineWorker(engine, settings, io, metrics, handoffs, vote=vote)
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -8,6 +8,7 @@ import redis
 
 from tandem.engine.service import cancellation
 from tandem.engine.service.cancellation import CancelListener
+from tandem.engine.service.redis_outage import UNREACHABLE
 from tandem.engine.service.registry import Registry
 from tandem.engine.service.responses import ResponseWriter
 from tandem.engine.service.settings import WorkerSettings
@@ -22,8 +23,13 @@ class RedisIO:
         keys: Keys,
         settings: WorkerSettings,
         listener: CancelListener,
+        *,
+        probe: redis.Redis | None = None,
     ) -> None:
         self.client = client
+        # PINGs that must answer quickly (/readyz, the loop's retries while Redis is
+        # away): a client with a short timeout and no retries of its own.
+        self.probe = probe or client
         self.keys = keys
         self.queue = WorkQueue(
             client,
@@ -37,16 +43,26 @@ class RedisIO:
         self.responses = ResponseWriter(client, keys, settings.engine_id)
         self.registry = Registry(client, keys)
         self._listener = listener
+        self._recheck = False  # a gap in the notices whose keys are not checked yet
 
-    def cancelled(self, held: list[str]) -> set[str]:
+    def cancelled(self, held: list[str], *, redis_up: bool = True) -> set[str]:
         """Request ids cancelled since the last call (from the pub/sub listener).
 
         After a dropped subscription, notices sent meanwhile are lost: then the
-        requests this engine holds are checked against the cancel keys.
+        requests this engine holds are checked against the cancel keys, as soon
+        as Redis answers (never while `redis_up` is False: each try would wait
+        out the socket timeout).
         """
         cancelled = self._listener.drain()
-        if self._listener.take_gap() and held:
-            cancelled |= cancellation.cancelled_among(self.client, self.keys, held)
+        self._recheck = self._listener.take_gap() or self._recheck
+        if not self._recheck or not redis_up:
+            return cancelled
+        if held:
+            try:
+                cancelled |= cancellation.cancelled_among(self.client, self.keys, held)
+            except UNREACHABLE:
+                return cancelled  # the loop notices the outage; checked again after it
+        self._recheck = False
         return cancelled
 
     def is_cancelled(self, request_id: str) -> bool:
@@ -61,10 +77,12 @@ class RedisIO:
 
     def ping(self) -> bool:
         try:
-            return bool(self.client.ping())
+            return bool(self.probe.ping())
         except redis.RedisError:
             return False
 
     def close(self) -> None:
         self._listener.close()
         self.client.close()
+        if self.probe is not self.client:
+            self.probe.close()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import redis
 
 from tandem.deduplicator import ResponseDeduplicator
-from tandem.protocol import RESPONSE_TTL_SECONDS, Keys, ResponseEvent, as_text
+from tandem.protocol import RESPONSE_TTL_SECONDS, EventKind, Keys, ResponseEvent, as_text
 
 # Events per XRANGE when reading a whole history: bounds one reply's size.
 _HISTORY_CHUNK = 1000
@@ -36,8 +36,48 @@ class ResponseHistory:
         return len(self.token_ids)
 
 
+class _Run:
+    """Consecutive tokens events of one request and engine, buffered together (the
+    flushes failed: Redis is away): sent as one event, and held as the tokens they
+    carry rather than an object per step."""
+
+    __slots__ = ("head", "logprobs", "texts", "token_ids")
+
+    def __init__(self, head: ResponseEvent) -> None:
+        self.head = head
+        self.token_ids = list(head.token_ids)
+        self.texts = [head.text]
+        self.logprobs = None if head.logprobs is None else list(head.logprobs)
+
+    def extend(self, event: ResponseEvent) -> bool:
+        """Take `event` in, if it goes on where the run ends."""
+        if (
+            self.head.event != EventKind.TOKENS
+            or event.event != EventKind.TOKENS
+            or event.engine_id != self.head.engine_id
+            or event.offset != self.head.offset + len(self.token_ids)
+            or (event.logprobs is None) != (self.logprobs is None)
+        ):
+            return False
+        self.token_ids += event.token_ids
+        self.texts.append(event.text)
+        if self.logprobs is not None:
+            self.logprobs += event.logprobs
+        return True
+
+    def event(self) -> ResponseEvent:
+        return dataclasses.replace(
+            self.head, token_ids=self.token_ids, text="".join(self.texts), logprobs=self.logprobs
+        )
+
+
 class ResponseWriter:
-    """Buffers an engine step's events and sends them in one pipeline."""
+    """Buffers an engine step's events and sends them in one pipeline.
+
+    Tokens events of a request that follow on from the last one buffered for it are
+    merged into it: while Redis is away the buffer grows with the tokens generated,
+    not with the steps, and is written as one event per request once it is back.
+    """
 
     def __init__(
         self,
@@ -55,7 +95,8 @@ class ResponseWriter:
         self.keys = keys
         self.engine_id = engine_id
         self.ttl_seconds = ttl_seconds
-        self._buffer: list[tuple[str, ResponseEvent]] = []
+        self._buffer: list[tuple[str, ResponseEvent | _Run]] = []
+        self._last: dict[str, int] = {}  # request id -> where its last event is buffered
 
     def __len__(self) -> int:
         """Events buffered and not yet flushed."""
@@ -68,6 +109,14 @@ class ResponseWriter:
             raise ValueError(f"event offset must be >= 0, got {event.offset}")
         if not event.engine_id:
             event = dataclasses.replace(event, engine_id=self.engine_id)
+        at = self._last.get(request_id)
+        if at is not None:
+            last = self._buffer[at][1]
+            run = last if isinstance(last, _Run) else _Run(last)
+            if run.extend(event):
+                self._buffer[at] = (request_id, run)
+                return
+        self._last[request_id] = len(self._buffer)
         self._buffer.append((request_id, event))
 
     def flush(self) -> int:
@@ -80,8 +129,9 @@ class ResponseWriter:
             return 0
         pipe = self.client.pipeline(transaction=False)
         streams: dict[str, None] = {}
-        for request_id, event in self._buffer:
+        for request_id, item in self._buffer:
             stream = self.keys.response_stream(request_id)
+            event = item.event() if isinstance(item, _Run) else item
             pipe.xadd(stream, event.to_fields())
             streams[stream] = None
         for stream in streams:
@@ -90,6 +140,7 @@ class ResponseWriter:
         pipe.execute()
         sent = len(self._buffer)
         self._buffer.clear()
+        self._last.clear()
         return sent
 
     def history(self, request_id: str) -> ResponseHistory:

@@ -23,6 +23,7 @@ producer side, `enqueue`).
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,12 @@ from typing import Any
 import redis
 
 from tandem.backlog import TOKENS_FIELD
+from tandem.engine.service.work_queue_lua import (
+    HAND_BACK_LUA,
+    HANDED_BACK_IDLE_MS,
+    KEEP_ALIVE_LUA,
+    PULL_LUA,
+)
 from tandem.protocol import (
     HANDOFF_GROUP,
     WORK_GROUP,
@@ -42,93 +49,7 @@ from tandem.protocol import (
     as_text,
 )
 
-# KEYS: the streams, highest priority first, then (when ARGV[6] == "1") the
-# queued-tokens counter. ARGV: group, consumer, max_items, claim_idle_ms,
-# max_deliveries, has_counter, tokens field.
-# Returns {entries, lost, newest}: entries as {stream index, id, fields, times
-# delivered, reclaimed}; lost: {stream index, id} of entries deleted while still
-# pending (Redis 6.2 keeps them in the PEL and XCLAIM answers nil: acked here so
-# they do not come back forever); newest: the newest id of each stream, only
-# when nothing was found, for the blocking wake-up read.
-_PULL_LUA = """
-local group, consumer, idle = ARGV[1], ARGV[2], tonumber(ARGV[4])
-local room, max_deliveries = tonumber(ARGV[3]), tonumber(ARGV[5])
-local nstreams = #KEYS
-local counter = nil
-if ARGV[6] == '1' then
-  counter = KEYS[#KEYS]
-  nstreams = nstreams - 1
-end
-local tokens_field = ARGV[7]
-local entries, lost = {}, {}
-
-for i = 1, nstreams do
-  if room <= 0 then break end
-  local idle_entries = redis.call('XPENDING', KEYS[i], group, 'IDLE', idle, '-', '+', room)
-  for _, p in ipairs(idle_entries) do
-    local claimed = redis.call('XCLAIM', KEYS[i], group, consumer, idle, p[1])
-    local entry = claimed[1]
-    if entry then
-      local times = p[4] + 1
-      entries[#entries + 1] = {i, entry[1], entry[2], times, 1}
-      -- Exhausted entries are reported, not worked on: they take no room.
-      if times <= max_deliveries then room = room - 1 end
-    else
-      redis.call('XACK', KEYS[i], group, p[1])
-      lost[#lost + 1] = {i, p[1]}
-    end
-  end
-end
-
-local tokens = 0
-for i = 1, nstreams do
-  if room <= 0 then break end
-  local got = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', room,
-                         'STREAMS', KEYS[i], '>')
-  if got then
-    for _, entry in ipairs(got[1][2]) do
-      entries[#entries + 1] = {i, entry[1], entry[2], 1, 0}
-      room = room - 1
-      local f = entry[2]
-      for j = 1, #f, 2 do
-        local n = f[j] == tokens_field and tonumber(f[j + 1])
-        if n and n > 0 then tokens = tokens + math.floor(n) end
-      end
-    end
-  end
-end
-if counter and tokens > 0 then
-  if redis.call('DECRBY', counter, tokens) < 0 then redis.call('SET', counter, 0) end
-end
-
-local newest = {}
-if #entries == 0 and #lost == 0 then
-  for i = 1, nstreams do
-    local last = redis.call('XREVRANGE', KEYS[i], '+', '-', 'COUNT', 1)
-    newest[i] = last[1] and last[1][1] or '0-0'
-  end
-end
-return {entries, lost, newest}
-"""
-
-# Refresh the idle time of entries this consumer still owns. An entry another
-# consumer reclaimed meanwhile is left alone (XCLAIM with min-idle 0 would steal
-# it back and both engines would serve it) and reported as lost. Without the
-# group (Redis lost its data) nobody else can take the entries: none is lost.
-# KEYS[1]: stream. ARGV: group, consumer, ids...
-_KEEP_ALIVE_LUA = """
-local lost = {}
-if redis.pcall('XPENDING', KEYS[1], ARGV[1]).err then return lost end
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if p[1] and p[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-  else
-    lost[#lost + 1] = ARGV[i]
-  end
-end
-return lost
-"""
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +99,19 @@ class Pulled:
         return bool(self.work or self.exhausted or self.malformed)
 
 
+@dataclass(frozen=True, slots=True)
+class Lapsed:
+    """Held deliveries `keep_alive` found this engine no longer owns.
+
+    taken: another engine reclaimed them (this one stalled): stop serving them.
+    gone: pending nowhere: another engine finished them (their response stream
+    ends), or Redis lost them (restarted without its data; nobody else has them).
+    """
+
+    taken: list[Delivery] = field(default_factory=list)
+    gone: list[Delivery] = field(default_factory=list)
+
+
 class WorkQueue:
     def __init__(
         self,
@@ -213,8 +147,10 @@ class WorkQueue:
             self.group = WORK_GROUP
             self.streams = keys.work_streams(model)
             self._counter = keys.queued_tokens(model)
-        self._pull_script = client.register_script(_PULL_LUA)
-        self._keep_alive_script = client.register_script(_KEEP_ALIVE_LUA)
+        self._pull_script = client.register_script(PULL_LUA)
+        self._keep_alive_script = client.register_script(KEEP_ALIVE_LUA)
+        self._hand_back_script = client.register_script(HAND_BACK_LUA)
+        self._started = False
         self.ensure_groups()
 
     def ensure_groups(self) -> None:
@@ -225,9 +161,17 @@ class WorkQueue:
         pipe = self.client.pipeline(transaction=False)
         for stream in self.streams:
             pipe.xgroup_create(stream, self.group, id="0", mkstream=True)
+        created = 0
         for result in pipe.execute(raise_on_error=False):
             if isinstance(result, Exception) and "BUSYGROUP" not in str(result):
                 raise result
+            created += not isinstance(result, Exception)
+        if created and self._started:  # not the first start: they vanished
+            log.warning(
+                "the consumer groups were gone (Redis restarted without its data?): "
+                "recreated; what was queued before is lost, requests in work go on"
+            )
+        self._started = True
 
     # ------------------------------------------------------------------ take
 
@@ -320,13 +264,30 @@ class WorkQueue:
             pipe.xdel(stream, *entry_ids)
         return sum(pipe.execute()[0::2])
 
-    def keep_alive(self, deliveries: Iterable[Delivery]) -> list[Delivery]:
+    def keep_alive(self, deliveries: Iterable[Delivery]) -> Lapsed:
         """Reset the idle time of entries still in work, so no engine reclaims them.
 
         Call every few seconds (well under claim_idle_ms) for every entry still held.
-        Returns the deliveries this engine no longer owns (another engine reclaimed
-        them after a long stall, or they were acked): stop serving those.
+        Returns the deliveries this engine no longer owns (`Lapsed`).
         """
+        results = self._per_stream(self._keep_alive_script, deliveries)
+        lapsed = Lapsed()
+        for held, (taken, gone) in results:
+            lapsed.taken.extend(held[as_text(x)] for x in taken)
+            lapsed.gone.extend(held[as_text(x)] for x in gone)
+        return lapsed
+
+    def hand_back(self, deliveries: Iterable[Delivery]) -> int:
+        """Give entries this engine will not finish to the next engine that pulls, at
+        once and without counting this delivery; returns how many were still its own."""
+        results = self._per_stream(self._hand_back_script, deliveries, HANDED_BACK_IDLE_MS)
+        return sum(int(n) for _, n in results)
+
+    def _per_stream(
+        self, script: Any, deliveries: Iterable[Delivery], *args: Any
+    ) -> list[tuple[dict[str, Delivery], Any]]:
+        """Run a script on each stream's deliveries (ARGV: group, consumer, *args, ids),
+        in one round trip; returns (those deliveries by entry id, its reply) per stream."""
         by_stream: dict[str, dict[str, Delivery]] = defaultdict(dict)
         for d in deliveries:
             by_stream[d.stream][d.entry_id] = d
@@ -334,13 +295,8 @@ class WorkQueue:
             return []
         pipe = self.client.pipeline(transaction=False)
         for stream, held in by_stream.items():
-            self._keep_alive_script(
-                keys=[stream], args=[self.group, self.consumer, *held], client=pipe
-            )
-        lost: list[Delivery] = []
-        for held, lost_ids in zip(by_stream.values(), pipe.execute(), strict=True):
-            lost.extend(held[as_text(x)] for x in lost_ids)
-        return lost
+            script(keys=[stream], args=[self.group, self.consumer, *args, *held], client=pipe)
+        return list(zip(by_stream.values(), pipe.execute(), strict=True))
 
     def publish_handoff(self, handoff: Handoff) -> str:
         """Offer a prefilled request to the model's COMPLETION engines."""

@@ -9,11 +9,14 @@ Each turn of the loop:
   6. every few seconds: keep held entries alive, heartbeat the registry (a thread
      repeats the last beat while a long step runs: heartbeat.py).
 
+While Redis is away (redis_outage.py) steps 1-4 go on without it: no new work,
+the events wait in order, and 5-6 resume, with backoff, once Redis answers.
+
 Rules it keeps (docs/engine-service.md): an entry is acknowledged only once
 its outcome is written (finished, failed with a clear error, or handed off);
 an entry another engine left behind is resumed after the tokens the client
 already has, so nothing is lost or sent twice; SIGTERM stops the pulling and
-lets running requests finish.
+lets running requests finish, and hands back what is left when its time is up.
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from tandem.engine.service.handoff_flow import HandoffFlow
 from tandem.engine.service.heartbeat import Heartbeat
 from tandem.engine.service.metrics import EngineMetrics
 from tandem.engine.service.redis_io import RedisIO
+from tandem.engine.service.redis_outage import UNREACHABLE
+from tandem.engine.service.redis_writes import RedisWrites
 from tandem.engine.service.room import pull_room
 from tandem.engine.service.settings import WorkerSettings
 from tandem.engine.service.wire_logprobs import wire_logprobs
 from tandem.engine.service.work_queue import Delivery
-from tandem.protocol import ErrorCode, Handoff, ResponseEvent, Usage, WorkItem
+from tandem.protocol import EngineInfo, ErrorCode, Handoff, ResponseEvent, Usage, WorkItem
 
 
 @dataclass
@@ -48,6 +53,9 @@ class Held:
     cached_tokens: int = 0
     # Set when a cancellation or deadline arrives while the KV is still being fetched.
     end_with: tuple[ErrorCode, str] | None = field(default=None)
+    # False once its entry is pending nowhere and no engine finished it (Redis lost
+    # it): served to the end, with nothing to keep alive, unless queued again.
+    pending: bool = True
 
 
 class EngineWorker:
@@ -70,16 +78,27 @@ class EngineWorker:
         # vote each turn on whether anyone is busy and whether everyone is done.
         self._vote = vote
         self.held: dict[str, Held] = {}
-        self._to_ack: list[Delivery] = []
+        # Pulled, not taken yet: Redis went away while they were being taken.
+        self._untaken: list[Delivery] = []
         self._draining = False
         self._drain_deadline = float("inf")
-        self._last_keep_alive = self._last_heartbeat = 0.0
         self.last_loop_at = time.monotonic()
         self.heartbeat = Heartbeat(
             self.io.heartbeat,
             settings.heartbeat_every,
             loop_alive=lambda: time.monotonic() - self.last_loop_at < settings.stall_limit,
         )
+        self.writes = RedisWrites(
+            io,
+            settings,
+            self.heartbeat,
+            handoffs,
+            held=lambda: [h.delivery for h in self.held.values() if h.pending],
+            lost=self._lost,
+            info=self._beat_info,
+        )
+        self.outage = self.writes.outage
+        self._to_ack = self.writes.to_ack  # the same list: appended here, written there
 
     # ------------------------------------------------------------ lifecycle
 
@@ -88,7 +107,7 @@ class EngineWorker:
         if not self._draining:
             self._draining = True
             self._drain_deadline = time.monotonic() + self.settings.drain_timeout
-            self.heartbeat.beat(self._engine_info(draining=True))
+            self.writes.beat_soon()
 
     @property
     def draining(self) -> bool:
@@ -99,6 +118,9 @@ class EngineWorker:
         try:
             while not self._drained():
                 self.run_once()
+            # Left when the drain timed out: another engine takes it over now.
+            left = [h.delivery for h in self.held.values() if h.pending] + self._untaken
+            self.writes.hand_back(left, len(self.held))
         finally:
             self.heartbeat.stop()
             self.io.deregister(self.settings.engine_id)
@@ -112,7 +134,9 @@ class EngineWorker:
 
     def _idle(self) -> bool:
         pinned = self.handoffs is not None and self.handoffs.num_offers > 0
-        return not self.engine.has_unfinished_requests() and not self.held and not pinned
+        work = self.engine.has_unfinished_requests() or self.held or pinned or self._untaken
+        # Written, too: what an outage held back is not to be lost to an exit.
+        return not work and not self.writes.unwritten
 
     def run_once(self) -> None:
         self.last_loop_at = time.monotonic()
@@ -126,18 +150,12 @@ class EngineWorker:
         if busy:
             self._publish(self.engine.step())
             self.metrics.observe_step(self.engine)
-        self.io.responses.flush()
-        if self.handoffs is not None:
-            self.handoffs.publish_pending(self.io)
-        if self._to_ack:
-            self.io.queue.ack(self._to_ack)
-            self._to_ack.clear()
-        self._periodic()
+        self.writes.after_step(len(self.held))
 
     # ---------------------------------------------------------------- input
 
     def _absorb(self) -> None:
-        for rid in self.io.cancelled(list(self.held)):
+        for rid in self.io.cancelled(list(self.held), redis_up=not self.outage.down):
             self._end(rid, ErrorCode.CANCELLED, "the client cancelled the request")
         if self.handoffs is not None:
             for rid in self.handoffs.absorb(self.engine, self.metrics):
@@ -155,17 +173,29 @@ class EngineWorker:
             self.handoffs.expire_offers(self.engine, now)
 
     def _pull(self, *, block: bool) -> None:
-        room = (
-            0 if self._draining else pull_room(self.engine.scheduler, self.settings, len(self.held))
-        )
-        if room == 0:
+        room = 0
+        if not (self.outage.down or self._untaken or self._draining):
+            room = pull_room(self.engine.scheduler, self.settings, len(self.held))
+        if self.outage.down or not (room or self._untaken):
             if block:
                 time.sleep(self.settings.idle_block_ms / 1000)
             return
-        result = self.io.queue.pull(room, self.settings.idle_block_ms if block else 0)
-        for delivery in result:
-            self._take(delivery)
-        if result:  # the waiting tokens' integral counts them from now, not from the step's end
+        try:
+            if room:
+                self._untaken = list(
+                    self.io.queue.pull(room, self.settings.idle_block_ms if block else 0)
+                )
+            took = bool(self._untaken)
+            # One at a time, each dropped from _untaken once taken: Redis going away
+            # midway leaves the rest to take once it is back (pulled again, they would
+            # count one more delivery each).
+            while self._untaken:
+                self._take(self._untaken[0])
+                del self._untaken[0]
+        except UNREACHABLE as exc:
+            self.outage.failed(exc, self.writes.holding(len(self.held)))
+            return
+        if took:  # the waiting tokens' integral counts them from now, not from the step's end
             self.metrics.observe_queues(self.engine)
 
     def _take(self, delivery: Delivery) -> None:
@@ -173,6 +203,9 @@ class EngineWorker:
         work = message.work_item if isinstance(message, Handoff) else message
         rid = work.request_id
         if rid in self.held:  # re-delivered to us while we still work on it
+            held = self.held[rid]
+            if not held.pending:  # Redis lost its entry and it was queued again: this one
+                held.delivery, held.pending = delivery, True
             return
         if delivery.exhausted:
             self._fail(
@@ -340,24 +373,19 @@ class EngineWorker:
         self._to_ack.append(delivery)
         self.metrics.request_ended(str(code))
 
-    # ------------------------------------------------------------ periodic
+    # ---------------------------------------------------------- bookkeeping
 
-    def _periodic(self) -> None:
-        now = time.monotonic()
-        if self.held and now - self._last_keep_alive > self.settings.keep_alive_every:
-            lost = self.io.queue.keep_alive([h.delivery for h in self.held.values()])
-            for delivery in lost:  # we stalled and another engine took it over: let it
-                self._drop(delivery.request_id)
-            self._last_keep_alive = now
-        if now - self._last_heartbeat > self.settings.heartbeat_every:
-            self.heartbeat.beat(self._engine_info(draining=self._draining))
-            self.metrics.observe_queues(self.engine)
-            self._last_heartbeat = now
+    def _lost(self, delivery: Delivery, elsewhere: bool) -> None:
+        if elsewhere:  # another engine took it over or finished it: leave it to that one
+            self._drop(delivery.request_id)
+        elif (held := self.held.get(delivery.request_id)) is not None:
+            held.pending = False  # Redis lost its entry: nobody else will serve it
 
-    def _engine_info(self, *, draining: bool):
+    def _beat_info(self) -> EngineInfo:
+        self.metrics.observe_queues(self.engine)  # the gauges, as often as the registry
         sched = self.engine.scheduler
         return self.settings.engine_info(
-            draining=draining,
+            draining=self._draining,
             kv_usage=sched.kv_usage,
             running=sched.num_running,
             waiting=sched.num_waiting,

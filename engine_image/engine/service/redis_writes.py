@@ -1,0 +1,133 @@
+"""RedisWrites: what the engine loop writes to Redis after each step, and when.
+
+In the one safe order: events flushed, handoffs published, then the entries whose
+outcome is now written acknowledged; every few seconds, the held entries kept
+alive and the registry heartbeat. While Redis is away (RedisOutage) all of it
+waits, in order, and is retried with backoff; when Redis answers again the held
+entries are claimed back before anything else (after a long outage they look
+idle to other engines), then the registry is told, then the backlog is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from tandem.engine.service.handoff_flow import HandoffFlow
+from tandem.engine.service.heartbeat import Heartbeat
+from tandem.engine.service.redis_io import RedisIO
+from tandem.engine.service.redis_outage import UNREACHABLE, RedisOutage
+from tandem.engine.service.settings import WorkerSettings
+from tandem.engine.service.work_queue import Delivery
+from tandem.protocol import EngineInfo
+
+log = logging.getLogger(__name__)
+
+
+class RedisWrites:
+    def __init__(
+        self,
+        io: RedisIO,
+        settings: WorkerSettings,
+        heartbeat: Heartbeat,
+        handoffs: HandoffFlow | None,
+        *,
+        held: Callable[[], list[Delivery]],
+        lost: Callable[[Delivery, bool], None],
+        info: Callable[[], EngineInfo],
+    ) -> None:
+        """held(): the deliveries to keep alive. lost(delivery, elsewhere): one of them
+        is not this engine's any more: another engine took it over or finished it
+        (elsewhere=True: drop it), or Redis lost it (False: nobody else will serve it).
+        info(): the registry entry to send now."""
+        self.io, self.settings, self.heartbeat, self.handoffs = io, settings, heartbeat, handoffs
+        self._held, self._lost, self._info = held, lost, info
+        self.outage = RedisOutage(io.ping)
+        # Entries to acknowledge once the events before them are written.
+        self.to_ack: list[Delivery] = []
+        self._last_keep_alive = self._last_heartbeat = 0.0
+
+    @property
+    def unwritten(self) -> bool:
+        """Events or acks still to write (an unpublished handoff's ack waits for it)."""
+        return bool(len(self.io.responses) or self.to_ack)
+
+    def holding(self, running: int) -> str:
+        return (
+            f"{running} requests running, {len(self.io.responses)} events "
+            f"and {len(self.to_ack)} acks to write"
+        )
+
+    def after_step(self, running: int) -> None:
+        """Write; while Redis is away, only once a PING answered again."""
+        outage = self.outage
+        if not outage.may_try():
+            return
+        try:
+            if outage.down:
+                self._rejoin()
+            backlog = len(self.io.responses)
+            self._write()
+            self._periodic()
+        except UNREACHABLE as exc:
+            outage.failed(exc, self.holding(running))
+            return
+        outage.recovered(f"wrote the {backlog} events held back; {self.holding(running)}")
+
+    def beat_soon(self) -> None:
+        """The registry entry changed (draining): send it now, else at the next turn."""
+        self._last_heartbeat = 0.0
+        if not self.outage.down:
+            # Unreachable: the loop notices, and tells the registry once Redis is back.
+            with contextlib.suppress(*UNREACHABLE):
+                self.heartbeat.beat(self._info())
+
+    def hand_back(self, left: list[Delivery], running: int) -> None:
+        """The engine stops: write what is left, and give the unfinished entries back
+        so that the next engine to pull resumes them now, not after --claim-idle-ms."""
+        if self.outage.down and not self.io.ping():
+            self._stranded("no answer to PING", running)
+            return
+        try:
+            self._write()  # the tokens so far first: the next engine resumes after them
+            if left:
+                log.info("drain timed out: handed %d requests back", self.io.queue.hand_back(left))
+        except UNREACHABLE as exc:
+            self._stranded(exc, running)
+
+    def _stranded(self, why: object, running: int) -> None:
+        log.warning(
+            "stopping with Redis unreachable (%s): %s are lost; if Redis keeps their "
+            "entries, other engines take the unfinished requests over after --claim-idle-ms",
+            why,
+            self.holding(running),
+        )
+
+    def _write(self) -> None:
+        self.io.responses.flush()
+        if self.handoffs is not None:
+            self.handoffs.publish_pending(self.io)
+        if self.to_ack:
+            self.io.queue.ack(self.to_ack)
+            self.to_ack.clear()
+
+    def _rejoin(self) -> None:
+        self.io.queue.ensure_groups()  # Redis may be back without its data
+        self._last_keep_alive = self._last_heartbeat = 0.0
+        self._periodic()
+
+    def _periodic(self) -> None:
+        now = time.monotonic()
+        if now - self._last_keep_alive > self.settings.keep_alive_every:
+            lapsed = self.io.queue.keep_alive(self._held())
+            for delivery in lapsed.taken:  # we stalled and another engine took it over
+                self._lost(delivery, True)
+            for delivery in lapsed.gone:  # finished elsewhere, or lost with Redis's data
+                final = self.io.responses.history(delivery.request_id).final
+                self._lost(delivery, final is not None)
+            self._last_keep_alive = now
+        if now - self._last_heartbeat > self.settings.heartbeat_every:
+            self.heartbeat.beat(self._info())
+            self._last_heartbeat = now

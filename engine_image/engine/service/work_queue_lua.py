@@ -1,0 +1,117 @@
+"""The work queue's Lua scripts: each one round trip, and atomic.
+
+Atomic, so two engines never claim the same idle entry and the delivery counts
+they report are exact (work_queue.py has the Python side).
+"""
+
+# KEYS: the streams, highest priority first, then (when ARGV[6] == "1") the
+# queued-tokens counter. ARGV: group, consumer, max_items, claim_idle_ms,
+# max_deliveries, has_counter, tokens field.
+# Returns {entries, lost, newest}: entries as {stream index, id, fields, times
+# delivered, reclaimed}; lost: {stream index, id} of entries deleted while still
+# pending (Redis 6.2 keeps them in the PEL and XCLAIM answers nil: acked here so
+# they do not come back forever); newest: the newest id of each stream, only
+# when nothing was found, for the blocking wake-up read.
+PULL_LUA = """
+local group, consumer, idle = ARGV[1], ARGV[2], tonumber(ARGV[4])
+local room, max_deliveries = tonumber(ARGV[3]), tonumber(ARGV[5])
+local nstreams = #KEYS
+local counter = nil
+if ARGV[6] == '1' then
+  counter = KEYS[#KEYS]
+  nstreams = nstreams - 1
+end
+local tokens_field = ARGV[7]
+local entries, lost = {}, {}
+
+for i = 1, nstreams do
+  if room <= 0 then break end
+  local idle_entries = redis.call('XPENDING', KEYS[i], group, 'IDLE', idle, '-', '+', room)
+  for _, p in ipairs(idle_entries) do
+    local claimed = redis.call('XCLAIM', KEYS[i], group, consumer, idle, p[1])
+    local entry = claimed[1]
+    if entry then
+      local times = p[4] + 1
+      entries[#entries + 1] = {i, entry[1], entry[2], times, 1}
+      -- Exhausted entries are reported, not worked on: they take no room.
+      if times <= max_deliveries then room = room - 1 end
+    else
+      redis.call('XACK', KEYS[i], group, p[1])
+      lost[#lost + 1] = {i, p[1]}
+    end
+  end
+end
+
+local tokens = 0
+for i = 1, nstreams do
+  if room <= 0 then break end
+  local got = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', room,
+                         'STREAMS', KEYS[i], '>')
+  if got then
+    for _, entry in ipairs(got[1][2]) do
+      entries[#entries + 1] = {i, entry[1], entry[2], 1, 0}
+      room = room - 1
+      local f = entry[2]
+      for j = 1, #f, 2 do
+        local n = f[j] == tokens_field and tonumber(f[j + 1])
+        if n and n > 0 then tokens = tokens + math.floor(n) end
+      end
+    end
+  end
+end
+if counter and tokens > 0 then
+  if redis.call('DECRBY', counter, tokens) < 0 then redis.call('SET', counter, 0) end
+end
+
+local newest = {}
+if #entries == 0 and #lost == 0 then
+  for i = 1, nstreams do
+    local last = redis.call('XREVRANGE', KEYS[i], '+', '-', 'COUNT', 1)
+    newest[i] = last[1] and last[1][1] or '0-0'
+  end
+end
+return {entries, lost, newest}
+"""
+
+# Refresh the idle time of entries this consumer still owns. Returns {taken, gone}:
+# taken by another consumer meanwhile (left alone: XCLAIM with min-idle 0 would steal
+# it back and both engines would serve it), or pending nowhere (another engine
+# finished it, or Redis lost it). Without the group (Redis lost its data) nobody
+# else can take the entries: none is either.
+# KEYS[1]: stream. ARGV: group, consumer, ids...
+KEEP_ALIVE_LUA = """
+local taken, gone = {}, {}
+if redis.pcall('XPENDING', KEYS[1], ARGV[1]).err then return {taken, gone} end
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if not p[1] then
+    gone[#gone + 1] = ARGV[i]
+  elseif p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    taken[#taken + 1] = ARGV[i]
+  end
+end
+return {taken, gone}
+"""
+
+# Hand entries this consumer owns back to the group (a drain that timed out): idle
+# long enough for any engine's next pull to reclaim them, and their delivery counted
+# down by one (JUSTID alone leaves the count as is): a delivery that ended in a
+# shutdown is no failure, so it must not bring a request nearer max_deliveries.
+# KEYS[1]: stream. ARGV: group, consumer, idle ms, ids... Returns how many.
+HAND_BACK_LUA = """
+local n = 0
+if redis.pcall('XPENDING', KEYS[1], ARGV[1]).err then return n end
+for i = 4, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3],
+               'RETRYCOUNT', math.max(p[1][4] - 1, 0), 'JUSTID')
+    n = n + 1
+  end
+end
+return n
+"""
+# Idle time given to a handed-back entry: longer than any engine's --claim-idle-ms.
+HANDED_BACK_IDLE_MS = 24 * 3600 * 1000

@@ -1,0 +1,167 @@
+"""A real engine process through a Redis that pauses, crashes, or comes back empty.
+
+Each test has a redis-server of its own (the session's is shared): paused with
+SIGSTOP, or killed and started again on the same port. The engine must keep its
+running requests and their output through it and finish them once Redis is back.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from support.engines import Client, EngineProcess
+from support.polling import eventually
+
+from tandem.engine import LLM, SamplingParams
+from tandem.engine.service.registry import Registry
+from tandem.protocol import WORK_GROUP, EventKind
+from tandem.redis_server import RedisServer
+
+pytestmark = pytest.mark.timeout(300)
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+# Room for 2,000 tokens: seconds of decoding for four requests on a 2-core CPU, so
+# they are still running when Redis goes away, and go on while it is away.
+LONG = ("--max-model-len", "2048", "--num-kv-blocks", "160")
+PROMPTS = [[5, 9, 17, 33, 2, 101, n] for n in range(4)]
+MAX_TOKENS = 2000
+
+
+@pytest.fixture(scope="module")
+def expected():
+    """What the offline engine generates for PROMPTS on the same seeded weights."""
+    llm = LLM("random:tiny", max_model_len=2048, num_kv_blocks=160)
+    params = SamplingParams(max_tokens=MAX_TOKENS, **GREEDY)
+    return [out.token_ids for out in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
+
+
+@pytest.fixture
+def server(request):
+    """This test's own Redis; @pytest.mark.parametrize("server", [True], indirect=True)
+    gives it an append-only file, as `tandem up` runs it."""
+    with RedisServer(appendonly=getattr(request, "param", False)) as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(server):  # the engines and the client below use this test's Redis
+    return server.url
+
+
+def submit_all(client: Client) -> list[str]:
+    rids = [
+        client.submit(prompt_token_ids=p, sampling={"max_tokens": MAX_TOKENS, **GREEDY})
+        for p in PROMPTS
+    ]
+    for rid in rids:  # each one running before Redis goes
+        next(e for e in client.events(rid) if e.event == EventKind.TOKENS)
+    return rids
+
+
+def readyz(engine: EngineProcess) -> tuple[int, float]:
+    started = time.monotonic()
+    try:
+        with urllib.request.urlopen(engine.url("/readyz"), timeout=10) as resp:
+            status = resp.status
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+    return status, time.monotonic() - started
+
+
+def settled(engine: EngineProcess, client: Client, redis_url: str) -> None:
+    """Back to normal: registered, ready, nothing left pending."""
+    registry = Registry(client.redis, client.keys)
+    assert eventually(lambda: engine.engine_id in {e.engine_id for e in registry.live()})
+    assert eventually(lambda: readyz(engine)[0] == 200)
+    assert engine.process.poll() is None
+    stream = client.keys.work_stream("tiny", 1)
+    assert eventually(lambda: client.redis.xpending(stream, WORK_GROUP)["pending"] == 0)
+
+
+def test_a_paused_redis_holds_the_output_back_and_loses_none(
+    server, engines, client, expected, redis_url
+):
+    engine = engines("normal", *LONG)
+    rids = submit_all(client)
+    steps = engine.metric("tandem_engine_steps_total")
+    os.kill(server._process.pid, signal.SIGSTOP)
+    try:
+        status, took = readyz(engine)  # a quick answer, not the Redis client's 5 s
+        assert status == 503 and took < 2
+        time.sleep(8)
+        # The loop went on stepping: the requests' tokens wait in the engine.
+        stepped = engine.metric("tandem_engine_steps_total") - steps
+        status, took = readyz(engine)
+        assert status == 503 and took < 2
+    finally:
+        os.kill(server._process.pid, signal.SIGCONT)
+    assert stepped > 5, engine.log()
+    for rid, tokens in zip(rids, expected, strict=True):
+        answer = client.answer(rid)  # the whole stream, read again from its start
+        assert answer.ok, answer.final
+        assert answer.token_ids == tokens
+    settled(engine, client, redis_url)
+    log = engine.log()
+    # Said once each way, not at every retry, nor by the heartbeat thread at each beat.
+    assert log.count("Redis unreachable") == 1, log
+    assert log.count("Redis reachable again") == 1, log
+    assert "heartbeat failed" not in log and log.count("cancel listener") <= 1, log
+
+
+@pytest.mark.parametrize("server", [True], indirect=True)
+def test_a_redis_killed_and_restarted_from_its_file_is_ridden_out(
+    server, engines, client, expected, redis_url
+):
+    engine = engines("normal", *LONG)
+    rids = submit_all(client)
+    server.kill()
+    time.sleep(3)
+    server.start()
+    for rid, tokens in zip(rids, expected, strict=True):
+        answer = client.answer(rid)
+        assert answer.ok, answer.final
+        assert answer.token_ids == tokens
+    settled(engine, client, redis_url)
+
+
+def test_a_redis_back_empty_gets_its_groups_again_and_the_running_requests_end(
+    server, engines, client, expected, redis_url
+):
+    engine = engines("normal", *LONG)
+    rids = submit_all(client)
+    server.kill()  # no append-only file: it comes back with nothing
+    time.sleep(2)
+    server.start()
+    # A gateway queues a lost request again (docs/gateway.md, "Redis restarts"): the
+    # engine still running it adopts that entry, so it is acknowledged, not left
+    # pending (and then run a second time by whichever engine reclaims it).
+    client.submit(
+        request_id=rids[0],
+        prompt_token_ids=PROMPTS[0],
+        sampling={"max_tokens": MAX_TOKENS, **GREEDY},
+    )
+    for rid, tokens in zip(rids, expected, strict=True):
+        events = list(client.events(rid))  # only what was written after the restart
+        assert events[-1].event == EventKind.FINISH, events[-1]
+        assert events[-1].usage["completion_tokens"] == MAX_TOKENS
+        first = events[0].offset
+        written = [t for e in events for t in e.token_ids]
+        assert written == tokens[first:]  # the rest of the answer, undamaged
+    # Its consumer group is back: a new request is served.
+    rid = client.submit(prompt_token_ids=PROMPTS[0], sampling={"max_tokens": 8, **GREEDY})
+    assert client.answer(rid).token_ids == expected[0][:8]
+    settled(engine, client, redis_url)
+    assert "consumer groups were gone" in engine.log()
+
+
+def test_a_drain_that_runs_out_with_redis_away_exits_and_says_what_is_lost(server, engines, client):
+    engine = engines("normal", "--drain-timeout", "1", *LONG)
+    submit_all(client)
+    server.kill()
+    assert engine.terminate(timeout=30) == 0
+    assert "stopping with Redis unreachable" in engine.log()
