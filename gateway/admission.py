@@ -1,7 +1,8 @@
 """Admission: whether a request is queued, attached to earlier work, or refused.
 
 In order, cheapest and most telling first: the key may use the model (403),
-an engine serves it (404), an Idempotency-Key already has work (attach),
+an engine serves it (404) with the roles to finish a request, unless a
+controller declares it (503), an Idempotency-Key already has work (attach),
 the model's queue has room (429), the key's quotas allow it (429). Only
 then is the work queued. Quota is taken last so a request refused for any
 other reason costs the caller nothing.
@@ -26,11 +27,14 @@ from dataclasses import dataclass
 from tandem.gateway.auth import ApiKey, check_model
 from tandem.gateway.broker import Broker
 from tandem.gateway.directory import ModelDirectory
-from tandem.gateway.errors import model_not_found, rate_limited
+from tandem.gateway.errors import missing_role, model_not_found, rate_limited
 from tandem.gateway.idempotency import IdempotencyLedger, IdempotencyRecord
 from tandem.gateway.jobs import Job
 from tandem.gateway.quota import Quotas
 from tandem.gateway.settings import GatewaySettings
+
+# Retry-After of a model whose engines lack a role: an engine starts in seconds.
+MISSING_ROLE_RETRY_S = 5
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,8 @@ class Ticket:
     attached: bool = False
     # The Idempotency-Key record to drop if the gateway cancels the work.
     ledger_key: str | None = None
+    # The work entries' ids, per request id (None: attached, not known here).
+    entry_ids: tuple[str | None, ...] = ()
 
 
 @dataclass
@@ -116,6 +122,8 @@ class Admission:
         check_model(caller, job.model)
         if not await self.directory.is_served(job.model):
             raise model_not_found(job.model)
+        if (gap := await self.directory.missing_role(job.model)) is not None:
+            raise missing_role(job.model, *gap, MISSING_ROLE_RETRY_S)
         ledger_key = None
         if idempotency_key is not None:
             ledger_key = self.ledger.key(caller.name, idempotency_key)
@@ -133,7 +141,7 @@ class Admission:
         try:
             await self._check_room(job)
             await self.quotas.admit(caller, job.cost_tokens, job.base_id)
-            await self.broker.enqueue(job.items)
+            entry_ids = await self.broker.enqueue(job.items)
             self.queues.queued(job.model, job.n)
         except BaseException:
             if ledger_key is not None:  # nothing queued: a retry must queue afresh
@@ -141,7 +149,12 @@ class Admission:
                     await self.ledger.release(ledger_key, job.base_id)
             raise
         return Ticket(
-            job.base_id, job.created, job.request_ids, time.monotonic(), ledger_key=ledger_key
+            job.base_id,
+            job.created,
+            job.request_ids,
+            time.monotonic(),
+            ledger_key=ledger_key,
+            entry_ids=tuple(entry_ids),
         )
 
     async def _check_room(self, job: Job) -> None:

@@ -10,6 +10,7 @@ original on a real Redis, so the two cannot drift apart unnoticed.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 
@@ -23,8 +24,10 @@ from tandem.backlog import (
 )
 from tandem.protocol import (
     CANCEL_TTL_SECONDS,
+    RESPONSE_TTL_SECONDS,
     EngineInfo,
     Keys,
+    ResponseEvent,
     WorkItem,
     as_text,
     read_engine_entry,
@@ -40,11 +43,18 @@ class Broker:
         self.keys = keys
         self._enqueue = client.register_script(ENQUEUE_SCRIPT)
 
-    async def ping(self) -> bool:
+    async def ping(self, timeout_s: float | None = None) -> bool:
+        """Whether Redis answers, within timeout_s: a paused or unresponsive Redis
+        would hold the socket read for the client's whole socket timeout, and retries."""
         try:
-            return bool(await self.client.ping())
-        except (aioredis.RedisError, OSError):
+            async with asyncio.timeout(timeout_s):
+                return bool(await self.client.ping())
+        except (aioredis.RedisError, OSError):  # TimeoutError is an OSError
             return False
+
+    async def run_id(self) -> str:
+        """The Redis server's run_id (INFO server): a new one after every restart."""
+        return as_text((await self.client.info("server"))["run_id"])
 
     async def enqueue(self, items: Sequence[WorkItem]) -> list[str]:
         """Queue work items (the n choices of one request) atomically, each at most
@@ -56,6 +66,44 @@ class Broker:
         script_keys, args = enqueue_call(self.keys, items)
         ids = await self._enqueue(keys=script_keys, args=args)
         return [as_text(entry_id) for entry_id in ids]
+
+    async def held(self, items: Sequence[WorkItem], entry_ids: Sequence[str | None]) -> list[bool]:
+        """Whether Redis still holds each work item: its work entry (when its id is
+        known), its `enqueued` marker, or its response stream.
+
+        One pipeline, the stream read last: an engine writes an outcome (the
+        stream) before it deletes the entry, so an entry missing here had its
+        outcome written before the stream is read.
+        """
+        pipe = self.client.pipeline(transaction=False)
+        for item, entry_id in zip(items, entry_ids, strict=True):
+            stream = self.keys.work_stream(item.model, item.priority)
+            at = entry_id or "0-0"  # unknown (an attached request): 0-0, which no entry has
+            pipe.xrange(stream, at, at, count=1)
+            pipe.exists(self.keys.enqueued(item.model, item.request_id))
+            pipe.exists(self.keys.response_stream(item.request_id))
+        found = await pipe.execute()
+        return [any(found[i : i + 3]) for i in range(0, len(found), 3)]
+
+    async def requeue(
+        self, items: Sequence[WorkItem], histories: Sequence[ResponseEvent | None]
+    ) -> list[str]:
+        """Queue again work items Redis lost, each after the response history its
+        client already has (an engine resumes after the tokens a stream holds).
+
+        One transaction: a history written without its work would make the request
+        look held (`held`) and never be queued again. Run twice, the enqueue adds
+        nothing (its markers) and the second history is dropped by offset.
+        """
+        pipe = self.client.pipeline(transaction=True)
+        for item, history in zip(items, histories, strict=True):
+            if history is not None:
+                stream = self.keys.response_stream(item.request_id)
+                pipe.xadd(stream, history.to_fields())
+                pipe.expire(stream, RESPONSE_TTL_SECONDS)
+        script_keys, args = enqueue_call(self.keys, items)
+        await self._enqueue(keys=script_keys, args=args, client=pipe)
+        return [as_text(entry_id) for entry_id in (await pipe.execute())[-1]]
 
     async def queue_depth(self, model: str) -> QueueState:
         """As `backlog.queue_depth`: waiting = XLEN - pending, one MULTI snapshot."""

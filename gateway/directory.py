@@ -4,6 +4,13 @@ A model is served when it has live engines (the registry) or a controller
 declares it (tandem/catalog.py: scaled to zero, its engines start on queued
 work); requests for any other name are answered 404.
 
+A model no controller declares is only as good as its live engines: prompt
+engines without a decode (completion) engine, or the reverse, can never finish
+a request, and nobody will start the missing role, so admission refuses those
+up front (`missing_role`) instead of queueing work that can only time out. A
+declared model is queued whatever its engines: its controller brings them,
+possibly one role after the other.
+
 Asking the registry and the catalog costs a few round trips; a request path that did so every
 time would spend them for an answer that changes every few seconds at most
 (an engine's entry lives 10 s past its last heartbeat). Concurrent requests
@@ -17,7 +24,7 @@ import time
 
 from tandem.gateway.broker import Broker
 from tandem.gateway.metrics import UNKNOWN_MODEL
-from tandem.protocol import EngineInfo
+from tandem.protocol import EngineInfo, Role
 
 # A model missing from the cache triggers a refresh, at most this often: an
 # engine that just started is found at once, unknown names cost little.
@@ -29,6 +36,7 @@ class ModelDirectory:
         self.broker = broker
         self.ttl_s = ttl_s
         self._models: dict[str, list[EngineInfo]] = {}
+        self._declared: set[str] = set()
         self._fetched_at = -float("inf")
         self._lock = asyncio.Lock()
 
@@ -44,6 +52,7 @@ class ModelDirectory:
                 for info in await self.broker.live_engines():
                     by_model.setdefault(info.model, []).append(info)
                 self._models = by_model
+                self._declared = declared
                 self._fetched_at = time.monotonic()
         return self._models
 
@@ -51,6 +60,48 @@ class ModelDirectory:
         if model in await self.models():
             return True
         return model in await self.models(max_age=_MISS_REFRESH_S)
+
+    async def missing_role(self, model: str) -> tuple[str, str] | None:
+        """(missing role, present role) when `model` is not declared and its live
+        engines (draining included, as for being served) are prompt engines without
+        a completion engine or the reverse; None when a request can be finished."""
+        if self._missing_role(model) is None:
+            return None
+        # An engine of the missing role may have just registered: look again.
+        await self.models(max_age=_MISS_REFRESH_S)
+        return self._missing_role(model)
+
+    def _missing_role(self, model: str) -> tuple[str, str] | None:
+        if model in self._declared:
+            return None
+        roles = {info.role for info in self._models.get(model, ())}
+        if not roles or Role.NORMAL in roles or {Role.PROMPT, Role.COMPLETION} <= roles:
+            return None
+        if Role.PROMPT in roles:
+            return Role.COMPLETION.value, Role.PROMPT.value
+        if Role.COMPLETION in roles:
+            return Role.PROMPT.value, Role.COMPLETION.value
+        return None  # roles of a newer engine this gateway does not know: let it try
+
+    async def stall(self, model: str, *, taken: bool) -> str:
+        """Why a request for `model` may have run out of time, as far as the (cached)
+        registry tells; "" when it tells nothing. `taken`: an engine had started it."""
+        roles = {i.role for i in (await self.models()).get(model, ()) if not i.draining}
+        if not taken:
+            if Role.NORMAL not in roles and Role.PROMPT not in roles:
+                return (
+                    f": no engine that takes new requests (normal or prompt) was live for "
+                    f"{model!r} at the deadline, and none took it from the queue"
+                )
+            return ": it was still queued, no engine took it (the model's engines were busy)"
+        if roles & {Role.NORMAL, Role.COMPLETION}:
+            return ""  # still generating, or its engine died and nobody took it over yet
+        if Role.PROMPT in roles:
+            return (
+                f": a prompt engine started it, but no decode (completion) engine was live "
+                f"for {model!r} at the deadline to finish it"
+            )
+        return f": an engine started it, but no engine was live for {model!r} at the deadline"
 
     def label(self, model: str) -> str:
         """The model's name for metric labels if it is served, else "unknown"."""

@@ -129,8 +129,32 @@ def deadline_exceeded(message: str) -> GatewayError:
     return GatewayError(504, message, type="timeout_error", code="deadline_exceeded")
 
 
-def unavailable(message: str, code: str = "unavailable") -> GatewayError:
+# The code of every answer that failed on Redis (the one docs/gateway.md names).
+REDIS_UNREACHABLE = "redis_unreachable"
+
+
+def unavailable(message: str, code: str = REDIS_UNREACHABLE) -> GatewayError:
     return GatewayError(503, message, type=SERVER, code=code)
+
+
+def missing_role(model: str, missing: str, present: str, retry_after: int) -> GatewayError:
+    """A model no controller declares, served only by engines of one disaggregated role:
+    nothing will bring the other role, so a queued request could only time out."""
+    verb = "finish" if missing == "completion" else "start"
+    return GatewayError(
+        503,
+        f"No {_ROLE_WORDS[missing]} engine is serving {model!r}; its {_ROLE_WORDS[present]} "
+        f"engines cannot {verb} a request alone. Start a {missing} engine "
+        f"(tandem engine --role {missing}) or retry later",
+        type=SERVER,
+        param="model",
+        code="missing_engine_role",
+        headers={"Retry-After": str(retry_after)},
+        reason="missing_role",
+    )
+
+
+_ROLE_WORDS = {"prompt": "prompt", "completion": "decode (completion)", "normal": "normal"}
 
 
 # Engine error codes (docs/protocol.md) and the answer each gets.
@@ -188,7 +212,8 @@ _DESCRIPTIONS = {
     413: "Request body too large",
     429: "Queue full or quota exceeded; see Retry-After",
     500: "Engine or gateway failure",
-    503: "Redis unreachable, or engines kept failing on the request",
+    503: "Redis unreachable, engines kept failing on the request, or a model's engines "
+    "lack a role (prompt or decode) to finish it",
     504: "The request's deadline passed",
 }
 
@@ -245,7 +270,7 @@ def _unparsable(cause: BaseException) -> str:
 
 async def _on_redis_error(request: Request, exc: RedisError) -> JSONResponse:
     log.warning("redis error on %s %s: %s", request.method, request.url.path, exc)
-    return unavailable(f"The gateway cannot reach Redis: {exc}", "redis_unreachable").response()
+    return unavailable(f"The gateway cannot reach Redis: {exc}").response()
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:

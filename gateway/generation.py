@@ -4,7 +4,8 @@ Choices (n > 1: one work item each) are read together and merged by index:
 non-streaming answers list them in index order; streams interleave chunks as
 tokens arrive, each chunk naming its choice's index. An error on any choice
 ends the whole request (the other choices are cancelled), as does the
-deadline. `abandon` is the one place work gets cancelled.
+deadline. `abandon` is the one place work gets cancelled. Work a Redis restart
+lost is queued again (recovery.py) and its reading goes on.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from redis.exceptions import RedisError
 
 from tandem.gateway.admission import Ticket
 from tandem.gateway.broker import Broker
+from tandem.gateway.directory import ModelDirectory
 from tandem.gateway.errors import (
     SERVER,
     GatewayError,
@@ -28,6 +30,7 @@ from tandem.gateway.idempotency import IdempotencyLedger
 from tandem.gateway.jobs import Job
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.reader import AsyncResponseReader, DeadlinePassed
+from tandem.gateway.recovery import LossWatch
 from tandem.gateway.rendering import ChoiceResult, Renderer
 from tandem.gateway.streaming import DONE, sse
 from tandem.protocol import EventKind, ProtocolError, ResponseEvent
@@ -49,6 +52,8 @@ class Generation:
         ledger: IdempotencyLedger,
         metrics: GatewayMetrics,
         arrived: float,
+        directory: ModelDirectory,
+        watch: LossWatch | None = None,
     ) -> None:
         self.job = job
         self.ticket = ticket
@@ -64,6 +69,11 @@ class Generation:
         self._open = set(range(len(ticket.request_ids)))
         self._abandoned = False
         self._first_token_sent = False
+        self.directory = directory
+        # Choices an engine took (it wrote an event): for the deadline's message.
+        self._taken: set[int] = set()
+        # Queues the work again if Redis loses it (None: not watched).
+        self.watch = watch
 
     # ---------------------------------------------------------------- reading
 
@@ -72,7 +82,10 @@ class Generation:
         engine error, the deadline, or an unreadable or unreachable Redis."""
         first = True
         try:
-            async for index, event in self.reader.events(self.ticket.request_ids, self.deadline):
+            async for index, event in self.reader.events(
+                self.ticket.request_ids, self.deadline, self.watch
+            ):
+                self._taken.add(index)
                 if first and not self.ticket.attached:
                     waited = time.monotonic() - self.ticket.enqueued_at
                     self.metrics.queue_wait(self.job.model, waited)
@@ -93,6 +106,7 @@ class Generation:
             await self.abandon("deadline")
             raise deadline_exceeded(
                 f"The request did not finish within its deadline of {self.job.timeout:g} s"
+                + await self._stall()
             ) from None
         except ProtocolError as exc:
             await self.abandon("protocol_error")
@@ -101,6 +115,14 @@ class Generation:
             ) from None
         except (RedisError, OSError) as exc:
             raise unavailable(f"Lost the connection to Redis while reading: {exc}") from None
+
+    async def _stall(self) -> str:
+        """The likely cause of a deadline, from the directory's (cached) registry."""
+        try:
+            taken = self._open <= self._taken
+            return await self.directory.stall(self.job.model, taken=taken)
+        except (RedisError, OSError):
+            return ""
 
     def _absorb(self, index: int, event: ResponseEvent) -> None:
         choice = self.choices[index]

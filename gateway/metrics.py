@@ -87,10 +87,19 @@ class GatewayMetrics:
         self._engines = Gauge(
             "tandem_gateway_engines",
             "Live engines taking work (not draining) per served model and role, from the "
-            "registry as of the scrape; a model scaled to zero shows 0 for every role.",
+            "registry as of the scrape; a model scaled to zero, or whose engines are all "
+            "gone, shows 0 for every role.",
             ["model", "role"],
             registry=r,
         )
+        self._requeued = Counter(
+            "tandem_gateway_requeued_total",
+            "Work items queued again after a Redis restart lost them.",
+            registry=r,
+        )
+        # (model, role) of every engine series shown once: kept at 0 when the
+        # engines are gone, so dashboards and alerts see 0 rather than no data.
+        self._engine_series: set[tuple[str, str]] = set()
         self._cancellations = Counter(
             "tandem_gateway_cancellations_total",
             "Work items cancelled by the gateway, by why.",
@@ -119,16 +128,22 @@ class GatewayMetrics:
     def cancelled(self, why: str, count: int) -> None:
         self._cancellations.labels(why).inc(count)
 
+    def requeued(self, count: int) -> None:
+        self._requeued.inc(count)
+
     def engines(self, models: Mapping[str, Sequence[EngineInfo]]) -> None:
-        """Replace the engine counts with the directory's current view."""
-        self._engines.clear()
+        """Set the engine counts to the directory's current view; a model/role seen
+        before and now without engines (not served any more, too) shows 0."""
+        counts = dict.fromkeys(self._engine_series, 0)
         for model, infos in models.items():
-            counts = dict.fromkeys(("normal", "prompt", "completion"), 0)
+            for role in ("normal", "prompt", "completion"):
+                counts.setdefault((model, role), 0)
             for info in infos:
                 if not info.draining:
-                    counts[info.role] = counts.get(info.role, 0) + 1
-            for role, count in counts.items():
-                self._engines.labels(model, role).set(count)
+                    counts[model, info.role] = counts.get((model, info.role), 0) + 1
+        self._engine_series = set(counts)
+        for (model, role), count in counts.items():
+            self._engines.labels(model, role).set(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -4,55 +4,91 @@ The asyncio twin of the engine package's `responses.ResponseReader.events`, for
 several streams at once (the n choices of one request share one XREAD), each
 through its own `tandem.deduplicator.ResponseDeduplicator`: the rule that drops
 tokens an engine wrote twice (after a takeover) lives there only.
+
+Two things a Redis restart does are handled here, on the reads' own wake-ups:
+a read that fails is tried again until Redis is back (`outage_s` at most), and
+a `Watch` (recovery.LossWatch) may queue again the work Redis lost, whose
+streams are then read from the start (the history written back is dropped by
+offset, as the client has it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Protocol
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tandem.deduplicator import ResponseDeduplicator
 from tandem.gateway.settings import MAX_READ_BLOCK_MS
 from tandem.protocol import Keys, ResponseEvent, as_text
+
+# Between reads that failed for want of Redis.
+_OUTAGE_RETRY_S = 0.25
 
 
 class DeadlinePassed(TimeoutError):
     """The request's deadline passed before every choice ended."""
 
 
+class Watch(Protocol):
+    async def requeued(self, open_choices: Mapping[int, ResponseDeduplicator]) -> list[int]: ...
+
+
 class AsyncResponseReader:
     def __init__(
-        self, client: aioredis.Redis, keys: Keys, *, block_ms: int = MAX_READ_BLOCK_MS
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        *,
+        block_ms: int = MAX_READ_BLOCK_MS,
+        outage_s: float = 10.0,
     ) -> None:
         if not 1 <= block_ms <= MAX_READ_BLOCK_MS:
             raise ValueError(f"block_ms must be in 1..{MAX_READ_BLOCK_MS}, got {block_ms}")
         self.client = client
         self.keys = keys
         self.block_ms = block_ms
+        self.outage_s = outage_s
 
     async def events(
-        self, request_ids: Sequence[str], deadline: float
+        self, request_ids: Sequence[str], deadline: float, watch: Watch | None = None
     ) -> AsyncIterator[tuple[int, ResponseEvent]]:
         """Yield (choice index, event) as a client should see them, until every
         choice has had its final event.
 
         `deadline` is in time.monotonic() seconds; DeadlinePassed is raised when it
-        passes first. Raises ProtocolError on an event this gateway cannot read.
-        Reads block at most block_ms (a blocking read longer than the client's
-        socket timeout fails), and never past the deadline.
+        passes first. Raises ProtocolError on an event this gateway cannot read,
+        and Redis's ConnectionError or TimeoutError when Redis stayed out of reach
+        for `outage_s`. Reads block at most block_ms (a blocking read longer than
+        the client's socket timeout fails), and never past the deadline.
         """
         if not request_ids:
             return
-        index = {self.keys.response_stream(rid): i for i, rid in enumerate(request_ids)}
-        last = dict.fromkeys(index, "0-0")
+        names = [self.keys.response_stream(rid) for rid in request_ids]
+        index = {name: i for i, name in enumerate(names)}
+        last = dict.fromkeys(names, "0-0")
         dedup = [ResponseDeduplicator() for _ in request_ids]
+        unreachable_since: float | None = None
         while last:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 raise DeadlinePassed(f"deadline passed for {', '.join(request_ids)}")
-            reply = await self.client.xread(last, block=min(self.block_ms, left_ms))
+            try:
+                reply = await self.client.xread(last, block=min(self.block_ms, left_ms))
+            except (RedisConnectionError, RedisTimeoutError):
+                # The client's own retries (about 0.3 s) did not outlast a restart.
+                now = time.monotonic()
+                unreachable_since = unreachable_since or now
+                if now - unreachable_since >= self.outage_s:
+                    raise
+                await asyncio.sleep(min(_OUTAGE_RETRY_S, max(0.0, deadline - now)))
+                continue
+            unreachable_since = None
             for raw_name, entries in reply or ():
                 name = as_text(raw_name)
                 i = index[name]
@@ -64,3 +100,6 @@ class AsyncResponseReader:
                     if dedup[i].done:
                         del last[name]
                         break
+            if watch is not None and last:
+                for i in await watch.requeued({index[name]: dedup[index[name]] for name in last}):
+                    last[names[i]] = "0-0"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -19,9 +21,16 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz", summary="Readiness: Redis reachable", responses={503: ERROR_RESPONSES[503]})
 async def readyz(request: Request) -> JSONResponse:
-    if not await service_of(request).broker.ping():
+    service = service_of(request)
+    # Time-bounded: a paused Redis accepts the connection and never answers, and
+    # the client's socket timeout (5 s, tried 3 times) outlasts a probe's.
+    timeout = service.settings.readyz_timeout_s
+    started = time.monotonic()
+    if not await service.broker.ping(timeout):
+        slow = time.monotonic() - started >= timeout
+        problem = f"Redis did not answer within {timeout:g} s" if slow else "Redis is unreachable"
         # Not a GatewayError: a failing probe is not a rejected request.
-        return unavailable("Redis is unreachable", "redis_unreachable").response()
+        return unavailable(problem).response()
     return JSONResponse({"status": "ready"})
 
 

@@ -9,6 +9,7 @@ replicas) share nothing but Redis.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import cast
 
@@ -16,7 +17,7 @@ import redis.asyncio as aioredis
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tandem.gateway.admission import Admission
+from tandem.gateway.admission import Admission, Ticket
 from tandem.gateway.auth import ApiKey, KeyStore
 from tandem.gateway.broker import Broker
 from tandem.gateway.directory import ModelDirectory
@@ -27,6 +28,7 @@ from tandem.gateway.jobs import IDEMPOTENCY_HEADER, Job, JobBuilder
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.quota import Quotas
 from tandem.gateway.reader import AsyncResponseReader
+from tandem.gateway.recovery import LossWatch, RedisEpoch
 from tandem.gateway.rendering import ChatRenderer, CompletionRenderer, Renderer
 from tandem.gateway.settings import GatewaySettings
 from tandem.gateway.streaming import EventStreamResponse
@@ -48,7 +50,10 @@ class GatewayService:
         self.keys = Keys(prefix=settings.key_prefix)
         self.jobs = JobBuilder(settings)
         self.broker = Broker(client, self.keys)
-        self.reader = AsyncResponseReader(client, self.keys, block_ms=settings.read_block_ms)
+        self.reader = AsyncResponseReader(
+            client, self.keys, block_ms=settings.read_block_ms, outage_s=settings.redis_outage_s
+        )
+        self.epoch = RedisEpoch(self.broker)
         self.directory = ModelDirectory(self.broker, settings.models_cache_s)
         self.ledger = IdempotencyLedger(client, settings.key_prefix)
         self.admission = Admission(
@@ -64,6 +69,8 @@ class GatewayService:
         # The model label of the metrics (middleware.MODEL_LABEL): callers cannot
         # invent label values, an unknown name is "unknown".
         request.state.model_label = self.directory.label(job.model)
+        # Before queueing: a restart after this reading is one the request may have lost.
+        run_id = await self.epoch.current()
         ticket = await self.admission.admit(caller, job, request.headers.get(IDEMPOTENCY_HEADER))
         request.state.model_label = job.model
         kind: type[Renderer] = ChatRenderer if job.kind == "chat" else CompletionRenderer
@@ -84,10 +91,32 @@ class GatewayService:
             ledger=self.ledger,
             metrics=self.metrics,
             arrived=arrived,
+            directory=self.directory,
+            watch=self._loss_watch(job, ticket, run_id),
         )
         if job.stream:
             return await self._stream(request, generation)
         return await self._complete(request, generation)
+
+    def _loss_watch(self, job: Job, ticket: Ticket, run_id: str | None) -> LossWatch | None:
+        """What queues the request's work again if Redis loses it: the job's work
+        items under the request ids read (an attached request's are the first
+        attempt's; the same content, as its Idempotency-Key record matched)."""
+        if len(job.items) != len(ticket.request_ids):
+            return None
+        items = [
+            item if item.request_id == rid else dataclasses.replace(item, request_id=rid)
+            for item, rid in zip(job.items, ticket.request_ids, strict=True)
+        ]
+        return LossWatch(
+            self.broker,
+            self.epoch,
+            items,
+            ticket.entry_ids or (None,) * len(items),
+            run_id,
+            grace_s=self.settings.redis_loss_grace_s,
+            metrics=self.metrics,
+        )
 
     async def _complete(self, request: Request, generation: Generation) -> Response:
         try:

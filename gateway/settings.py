@@ -46,6 +46,15 @@ class GatewaySettings:
     # Retry-After of a 429 for a full queue.
     queue_retry_after_s: int = 1
     access_log: bool = False
+    # A request's reads ride out a Redis outage this long (a restart: `tandem up`
+    # restarts its Redis within a second or so) before failing with 503.
+    redis_outage_s: float = 10.0
+    # After Redis restarted (its run_id changed), a request whose work and response
+    # stream are both gone is queued again, but only this long after the restart
+    # was noticed: an engine still running it writes again within a step or two.
+    redis_loss_grace_s: float = 2.0
+    # /readyz answers 503 when Redis does not answer its PING within this long.
+    readyz_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -69,11 +78,13 @@ class GatewaySettings:
             raise ValueError(
                 f"read_block_ms must be in 1..{MAX_READ_BLOCK_MS}, got {self.read_block_ms}"
             )
-        for name in ("models_cache_s", "queue_check_interval_s"):
+        for name in ("models_cache_s", "queue_check_interval_s", "redis_loss_grace_s"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {value}")
         _positive_seconds("shutdown_timeout", self.shutdown_timeout)
+        _positive_seconds("redis_outage_s", self.redis_outage_s)
+        _positive_seconds("readyz_timeout_s", self.readyz_timeout_s)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GatewaySettings:

@@ -11,12 +11,13 @@ import redis.asyncio as aioredis
 from tandem.backlog import ENQUEUE_SCRIPT, enqueue, queue_depth
 from tandem.engine.service.cancellation import is_cancelled
 from tandem.engine.service.registry import Registry
+from tandem.engine.service.responses import ResponseWriter
 from tandem.engine.service.work_queue import WorkQueue
 from tandem.gateway.app import _redis_client
 from tandem.gateway.broker import Broker
 from tandem.gateway.idempotency import IdempotencyLedger, IdempotencyRecord
 from tandem.gateway.settings import GatewaySettings
-from tandem.protocol import EngineInfo, Role, WorkItem
+from tandem.protocol import EngineInfo, ResponseEvent, Role, WorkItem
 
 
 def _run(redis_url, keys, work):
@@ -199,3 +200,45 @@ def test_live_engines_match_the_registry_and_prune_alike(redis_url, keys, redis_
 def test_ping_says_whether_redis_answers(redis_url, keys):
     assert _run(redis_url, keys, lambda b: b.ping())
     assert not _run("redis://127.0.0.1:1/0", keys, lambda b: b.ping())
+
+
+def test_held_finds_work_by_its_entry_its_marker_or_its_response_stream(
+    redis_url, keys, redis_client
+):
+    # After a Redis restart, a request counts as lost only if none of the three is
+    # left: an entry queued long ago has no marker (60 s), a taken one no entry.
+    item = WorkItem("r", "m", prompt="x", priority=0)
+    [entry_id] = _run(redis_url, keys, lambda b: b.enqueue([item]))
+
+    def held(entry: str | None = entry_id) -> bool:
+        return _run(redis_url, keys, lambda b: b.held([item], [entry]))[0]
+
+    assert held()
+    redis_client.delete(keys.enqueued("m", "r"))  # its marker expired
+    assert held() and not held(None)  # its entry (an attached request knows no entry id)
+    redis_client.xdel(keys.work_stream("m", 0), entry_id)
+    assert not held()  # lost
+    writer = ResponseWriter(redis_client, keys, "e")
+    writer.add("r", ResponseEvent.tokens(0, [4], "a", "e"))
+    writer.flush()
+    assert held()  # an engine acks an entry only after writing its outcome
+
+
+def test_requeue_queues_lost_work_once_after_what_its_client_was_sent(
+    redis_url, keys, redis_client
+):
+    item = WorkItem("r", "m", prompt="x", priority=2, deadline=99.0, estimated_prompt_tokens=3)
+    sent = ResponseEvent.tokens(0, [7, 8, 9], "abc", "gateway")
+
+    async def twice(broker: Broker) -> list[list[str]]:
+        # Run again (a reply lost on a dead connection): queued once, history harmless.
+        return [await broker.requeue([item], [sent]), await broker.requeue([item], [sent])]
+
+    first, again = _run(redis_url, keys, twice)
+    assert first == again and redis_client.xlen(keys.work_stream("m", 2)) == 1
+    assert int(redis_client.get(keys.queued_tokens("m"))) == 3
+    # What an engine taking it reads: the same request, to resume after 3 tokens.
+    history = ResponseWriter(redis_client, keys, "e").history("r")
+    assert history.token_ids == [7, 8, 9] and history.text == "abc" and history.final is None
+    [delivery] = WorkQueue(redis_client, keys, "m", Role.NORMAL, "engine-1").pull(10).work
+    assert (delivery.request_id, delivery.message.deadline) == ("r", 99.0)

@@ -1,0 +1,130 @@
+"""Which engines can finish a request, as admission, deadlines and metrics see them.
+
+A model no controller declares is served only by its live engines: prompt
+engines without a decode (completion) engine, or the reverse, can never finish
+a request, so it is refused at once (503, Retry-After) rather than queued until
+its deadline. A declared model is queued whatever its engines (its controller
+brings them, possibly one role after the other), and a deadline that passes
+says which engine was missing.
+"""
+
+from __future__ import annotations
+
+import json
+
+import redis
+
+from tandem import catalog
+from tandem.engine.service.registry import Registry
+from tandem.protocol import PRIORITY_NORMAL, EngineInfo
+
+ASK = {"model": "tiny", "prompt": "hello", "max_tokens": 3}
+SHORT = {"X-Tandem-Timeout": "1"}
+
+
+def _register(redis_url, keys, *roles: str) -> redis.Redis:
+    """Registry entries of engines that take no work: only their roles matter here."""
+    conn = redis.Redis.from_url(redis_url)
+    registry = Registry(conn, keys, ttl_seconds=600)
+    for i, role in enumerate(roles):
+        registry.heartbeat(EngineInfo(f"{role}-{i}", "tiny", role, "127.0.0.1:1"))
+    return conn
+
+
+def test_an_undeclared_model_with_prompt_engines_only_is_refused_naming_the_decoder(
+    start_gateway, redis_url, keys
+):
+    conn = _register(redis_url, keys, "prompt")
+    gateway = start_gateway(models_cache_s=0.0)
+    with gateway.http() as http:
+        refused = http.post("/v1/completions", json=ASK, headers=SHORT)
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "5"
+    assert refused.json()["error"] == {
+        "message": "No decode (completion) engine is serving 'tiny'; its prompt engines "
+        "cannot finish a request alone. Start a completion engine "
+        "(tandem engine --role completion) or retry later",
+        "type": "server_error",
+        "param": "model",
+        "code": "missing_engine_role",
+    }
+    assert conn.xlen(keys.work_stream("tiny", PRIORITY_NORMAL)) == 0  # nothing queued
+    assert gateway.metric("tandem_gateway_rejections_total", reason="missing_role") == 1
+
+
+def test_an_undeclared_model_with_completion_engines_only_is_refused_naming_the_prompt_engine(
+    start_gateway, redis_url, keys
+):
+    _register(redis_url, keys, "completion", "completion")
+    gateway = start_gateway(models_cache_s=0.0)
+    with gateway.http() as http:
+        refused = http.post("/v1/completions", json=ASK, headers=SHORT)
+    assert refused.status_code == 503
+    message = refused.json()["error"]["message"]
+    assert message.startswith("No prompt engine is serving 'tiny'; its decode (completion) "), (
+        message
+    )
+
+
+def test_both_roles_or_a_declaration_are_queued_and_the_deadline_says_what_was_missing(
+    start_gateway, redis_url, keys
+):
+    conn = _register(redis_url, keys, "prompt", "completion")
+    gateway = start_gateway(models_cache_s=0.0)
+    with gateway.http() as http:
+        both = http.post("/v1/completions", json=ASK, headers=SHORT)
+        assert both.status_code == 504  # queued: these engines take nothing
+        assert both.json()["error"]["message"] == (
+            "The request did not finish within its deadline of 1 s: it was still queued, "
+            "no engine took it (the model's engines were busy)"
+        )
+        # Declared, with decode engines only: queued for the prompt engine its
+        # controller is starting; nothing took it by the deadline.
+        conn.delete(keys.engine_key("prompt-0"))
+        catalog.declare(conn, keys, "tiny", "test/tiny", ttl_s=60)
+        declared = http.post("/v1/completions", json=ASK, headers=SHORT)
+    assert declared.status_code == 504
+    assert declared.json()["error"]["message"] == (
+        "The request did not finish within its deadline of 1 s: no engine that takes new "
+        "requests (normal or prompt) was live for 'tiny' at the deadline, and none took it "
+        "from the queue"
+    )
+
+
+def test_a_prompt_engine_alone_answers_the_first_token_then_a_deadline_naming_the_decoder(
+    start_gateway, engines, redis_client, keys
+):
+    engines("prompt")  # a real one: it prefills and sends the first token
+    gateway = start_gateway(models_cache_s=0.0)
+    body = {**ASK, "max_tokens": 8, "stream": True}
+    with gateway.http() as http:
+        assert http.post("/v1/completions", json=body).status_code == 503  # undeclared
+        catalog.declare(redis_client, keys, "tiny", "test/tiny", ttl_s=60)
+        with http.stream("POST", "/v1/completions", json=body, headers=SHORT) as reply:
+            assert reply.status_code == 200  # the first token came
+            chunks = [json.loads(x[6:]) for x in reply.iter_lines() if x.startswith("data: {")]
+    assert chunks[0]["choices"][0]["text"]
+    assert chunks[-1]["error"]["code"] == "deadline_exceeded"
+    assert chunks[-1]["error"]["message"] == (
+        "The request did not finish within its deadline of 1 s: a prompt engine started it, "
+        "but no decode (completion) engine was live for 'tiny' at the deadline to finish it"
+    )
+
+
+def test_engine_series_stay_at_zero_once_the_engines_are_gone(start_gateway, redis_url, keys):
+    conn = _register(redis_url, keys, "prompt", "completion")
+    gateway = start_gateway(models_cache_s=0.0)
+
+    def engines_scraped() -> dict[str, float]:
+        with gateway.http() as http:
+            text = http.get("/metrics").text
+        prefix = 'tandem_gateway_engines{model="tiny",role="'
+        return {
+            line[len(prefix) :].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(prefix)
+        }
+
+    assert engines_scraped() == {"normal": 0, "prompt": 1, "completion": 1}
+    conn.delete(keys.engine_key("prompt-0"), keys.engine_key("completion-1"))
+    # Neither live nor declared: no data would read as "no problem" to an alert.
+    assert engines_scraped() == {"normal": 0, "prompt": 0, "completion": 0}

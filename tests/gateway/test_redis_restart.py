@@ -1,0 +1,193 @@
+"""Redis restarts without its data (kill -9, then `tandem up` starts it again on its port).
+
+The gateway still holds every in-flight request's work items: a request Redis
+lost is queued again (same id, priority and deadline) and answered, a stream
+that had started continues after the tokens its client has, a Redis that stays
+gone ends the request with `redis_unreachable`, and /readyz never hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import redis
+from support.polling import eventually
+
+from tandem.engine.service.registry import Registry
+from tandem.engine.service.responses import ResponseWriter
+from tandem.protocol import PRIORITY_LOW, EngineInfo, Keys, ResponseEvent, WorkItem
+from tandem.redis_server import RedisServer
+
+from .live import API_KEY, serving_engine
+
+IDS = [5, 9, 17, 33, 2, 101, 77, 4]
+ASK = {"model": "tiny", "prompt": IDS, "max_tokens": 10, "ignore_eos": True}
+HEADERS = {"Authorization": f"Bearer {API_KEY}", "X-Tandem-Priority": "low"}
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    """A Redis of the test's own: it gets killed."""
+    with RedisServer() as server:
+        yield server
+
+
+def _served(url: str, keys: Keys) -> redis.Redis:
+    """A client, with "tiny" served by a registered engine that takes no work."""
+    conn = redis.Redis.from_url(url)
+    Registry(conn, keys, ttl_seconds=600).heartbeat(EngineInfo("idle", "tiny", "normal", "x:1"))
+    return conn
+
+
+def _queued(conn: redis.Redis, keys: Keys) -> WorkItem:
+    stream = keys.work_stream("tiny", PRIORITY_LOW)
+    assert eventually(lambda: conn.xlen(stream) == 1), "nothing queued"
+    [(_, fields)] = conn.xrange(stream)
+    return WorkItem.from_fields(fields)
+
+
+def _restart(server: RedisServer) -> redis.Redis:
+    server.kill()
+    time.sleep(1.0)  # down longer than the client's own retries (about 0.3 s)
+    server.start()  # same port, no data
+    return redis.Redis.from_url(server.url)
+
+
+def _ask(url: str, body: dict, out: list, **headers: str) -> threading.Thread:
+    def ask() -> None:
+        with httpx.Client(base_url=url, headers=HEADERS | headers, timeout=90) as client:
+            if not body.get("stream"):
+                out.append(client.post("/v1/completions", json=body))
+                return
+            with client.stream("POST", "/v1/completions", json=body) as reply:
+                for line in reply.iter_lines():
+                    if line.startswith("data: {"):
+                        out.append(json.loads(line.removeprefix("data: ")))
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    return thread
+
+
+def test_a_request_queued_when_redis_restarts_empty_is_queued_again_and_answered(
+    server, keys, start_gateway, tmp_path
+):
+    conn = _served(server.url, keys)
+    gateway = start_gateway(redis_url=server.url, redis_loss_grace_s=0.2)
+    answers: list = []
+    asker = _ask(gateway.url, {**ASK, "temperature": 0}, answers)
+    before = _queued(conn, keys)
+
+    conn = _restart(server)
+    after = _queued(conn, keys)  # queued again, as it was
+    assert (after.request_id, after.priority, after.deadline, after.prompt_token_ids) == (
+        before.request_id,
+        before.priority,
+        before.deadline,
+        IDS,
+    )
+    assert gateway.metric("tandem_gateway_requeued_total") == 1
+    with serving_engine("normal", server.url, keys, tmp_path):
+        asker.join(timeout=90)
+        [answer] = answers
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == 10
+        with gateway.http() as http:  # greedy: what the same request gets now
+            again = http.post("/v1/completions", json={**ASK, "temperature": 0}).json()
+    assert answer.json()["choices"][0]["text"] == again["choices"][0]["text"]
+
+
+def test_a_stream_cut_by_a_redis_restart_continues_after_the_tokens_sent(
+    server, keys, start_gateway, tmp_path
+):
+    conn = _served(server.url, keys)
+    gateway = start_gateway(redis_url=server.url, redis_loss_grace_s=0.2)
+    chunks: list = []
+    body = {**ASK, "temperature": 1.0, "stream": True, "stream_options": {"include_usage": True}}
+    streamer = _ask(gateway.url, body, chunks)
+    rid = _queued(conn, keys).request_id
+    # An engine took it and sent 3 tokens (sampled: a rerun would differ), then
+    # Redis lost everything, the engine too.
+    writer = ResponseWriter(conn, keys, "e-gone")
+    writer.add(rid, ResponseEvent.tokens(0, [40, 41, 42], "abc", "e-gone"))
+    writer.flush()
+    assert eventually(lambda: any(c["choices"] and c["choices"][0]["text"] for c in chunks))
+
+    conn = _restart(server)
+    assert _queued(conn, keys).request_id == rid
+    with serving_engine("normal", server.url, keys, tmp_path):
+        streamer.join(timeout=90)
+    events = [ResponseEvent.from_fields(f) for _, f in conn.xrange(keys.response_stream(rid))]
+    # The stream starts with what the client had; the engine resumed after it.
+    assert (events[0].engine_id, events[0].token_ids) == ("gateway", [40, 41, 42])
+    assert events[1].offset == 3 and events[-1].finish_reason == "length"
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == "abc" + "".join(e.text for e in events[1:])
+    assert chunks[-1]["usage"]["completion_tokens"] == 10
+
+
+def test_a_redis_that_restarts_with_its_data_gets_nothing_queued_twice(server, keys, start_gateway):
+    conn = _served(server.url, keys)
+    gateway = start_gateway(redis_url=server.url, redis_loss_grace_s=0.2)
+    answers: list = []
+    asker = _ask(gateway.url, ASK, answers, **{"X-Tandem-Timeout": "5"})
+    rid = _queued(conn, keys).request_id
+    # Queued over a minute ago: only its entry is left to say it is still queued.
+    conn.delete(keys.enqueued("tiny", rid))
+    run_id = conn.info("server")["run_id"]
+    conn.save()  # the restart loads this snapshot: the same data, a new run_id
+
+    conn = _restart(server)
+    assert conn.info("server")["run_id"] != run_id
+    asker.join(timeout=30)  # noticed, checked, not queued again; nothing took it
+    [answer] = answers
+    assert answer.status_code == 504
+    assert gateway.metric("tandem_gateway_requeued_total") == 0
+    assert conn.xlen(keys.work_stream("tiny", PRIORITY_LOW)) == 1
+
+
+def test_a_stream_whose_redis_stays_gone_ends_with_redis_unreachable(server, keys, start_gateway):
+    conn = _served(server.url, keys)
+    gateway = start_gateway(redis_url=server.url, redis_outage_s=1.0)
+    chunks: list = []
+    streamer = _ask(gateway.url, {**ASK, "stream": True}, chunks)
+    rid = _queued(conn, keys).request_id
+    writer = ResponseWriter(conn, keys, "e-1")
+    writer.add(rid, ResponseEvent.tokens(0, [40], "a", "e-1"))
+    writer.flush()
+    assert eventually(lambda: chunks)
+    server.kill()
+    streamer.join(timeout=30)
+    error = chunks[-1]["error"]
+    assert error["code"] == "redis_unreachable", error  # the code docs/gateway.md promises
+    assert "Lost the connection to Redis" in error["message"]
+
+
+def test_readyz_answers_within_its_timeout_while_redis_is_paused(server, keys, start_gateway):
+    conn = redis.Redis.from_url(server.url)
+    pid = conn.info("server")["process_id"]  # SIGSTOP: connections open, nothing answers
+    gateway = start_gateway(redis_url=server.url)
+    with gateway.http() as http:
+        assert http.get("/readyz").status_code == 200
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            paused = http.get("/readyz")
+            took = time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert paused.status_code == 503 and took < 3, (paused.status_code, took)
+        assert paused.json()["error"] == {
+            "message": "Redis did not answer within 1 s",
+            "type": "server_error",
+            "param": None,
+            "code": "redis_unreachable",
+        }
+        assert http.get("/readyz").status_code == 200  # the timed-out connection is not reused
