@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from tandem.engine.config import EngineConfig, EngineType
+from tandem.engine.config import EngineConfig
 from tandem.operator.role_name import RoleName
 from tandem.operator.scaling import policy as role_policy
 from tandem.operator.scaling_policy import ScalingPolicy
@@ -26,11 +26,6 @@ from tandem.sim.arguments import REPLICA_FLAGS
 # Simulated prompts carry no content, so the prefix cache could only miss: it is
 # turned off, which skips hashing every block (the biggest per-prompt cost).
 _NO_PREFIX_CACHE = {"enable_prefix_caching": False}
-
-
-def _engine_type(role: RoleName) -> EngineType:
-    """The EngineType of the role's engines: its engine role, as the engine package names it."""
-    return EngineType(role.engine_role.value)
 
 
 @dataclass(frozen=True)
@@ -55,8 +50,8 @@ class RoleSetup:
             )
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"--tp must be an integer >= 1, got {self.tp!r}")
-        if self.engine.engine_type is not _engine_type(self.role):
-            raise ValueError(f"{self.role} pods run {_engine_type(self.role)} engines")
+        if self.engine.engine_type is not self.role.engine_role:
+            raise ValueError(f"{self.role} pods run {self.role.engine_role} engines")
 
     @property
     def dp(self) -> int:
@@ -108,7 +103,7 @@ def role_setup(
     Bad counts are refused naming `tandem sim`'s flags for the role (REPLICA_FLAGS)."""
     role = RoleName(role)
     config = EngineConfig(
-        **{**_defaults(), **(engine or {}), **_NO_PREFIX_CACHE, "engine_type": _engine_type(role)}
+        **{**_defaults(), **(engine or {}), **_NO_PREFIX_CACHE, "engine_type": role.engine_role}
     )
     bounds = _bounds(role, replicas, min_replicas, max_replicas)
     return RoleSetup(role, config, ScalingPolicy(**{**bounds, **(policy or {})}), replicas, tp)

@@ -46,9 +46,11 @@ class ProtocolError(ValueError):
 
 
 class Role(StrEnum):
-    NORMAL = "normal"
-    PROMPT = "prompt"
-    COMPLETION = "completion"
+    """What kind of steps an engine runs (the engine's config calls it EngineType)."""
+
+    NORMAL = "normal"  # prefill and decode, chosen per step by the ALL/ANY votes
+    PROMPT = "prompt"  # prefill only; KV is pinned and handed to a COMPLETION engine
+    COMPLETION = "completion"  # decode only (prefill only to recompute lost KV)
 
 
 class ErrorCode(StrEnum):
@@ -342,8 +344,8 @@ class EngineInfo(_Message):
     role: str  # a Role
     # host:port of its HTTP server (/healthz, /readyz, /metrics).
     http_address: str
-    # host:port of its KV server (PROMPT engines), else "".
-    kv_address: str = ""
+    # host:port of its KV server (PROMPT engines), else None.
+    kv_address: str | None = None
     started_at: float = field(default_factory=time.time)
     heartbeat_at: float = field(default_factory=time.time)
     draining: bool = False

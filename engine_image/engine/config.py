@@ -11,16 +11,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
+from tandem.protocol import Role
 
-class EngineType(StrEnum):
-    """What kind of steps an engine runs."""
-
-    NORMAL = "normal"  # prefill and decode, chosen per step by the ALL/ANY votes
-    PROMPT = "prompt"  # prefill only; KV is pinned and handed to a COMPLETION engine
-    COMPLETION = "completion"  # decode only (prefill only to recompute lost KV)
+# The deepinfer scheduler's name for an engine's role: the very enum the registry
+# and the operator carry, so no table maps one to the other.
+EngineType = Role
 
 
 # A budget never drops below this many tokens by default (deepinfer/config.py).

@@ -71,7 +71,7 @@ class WorkerSettings:
             model=self.model_name,
             role=str(self.role),
             http_address=self.http_address,
-            kv_address=self.kv_address or "",  # the registry entry's "none"
+            kv_address=self.kv_address,
             started_at=self.started_at,
             draining=draining,
             **load,
