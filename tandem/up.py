@@ -286,8 +286,8 @@ class Stack:
             return
         say(
             f"redis exited ({self.redis.returncode}); restarting it on port {self.redis.port} "
-            "from its append-only file (queued requests are kept, at worst but those of its "
-            "last second; engines keep their running requests and reconnect)"
+            "from its append-only file (queued requests are kept; at worst those of its last "
+            "second are lost, and the gateway queues those again; engines reconnect)"
         )
         try:
             self.redis.start()
