@@ -23,6 +23,7 @@ from pathlib import Path
 
 import redis
 
+from tandem import catalog
 from tandem.backlog import queue_depth
 from tandem.child import Child, drain_in_order, engine_threads
 from tandem.preflight import StartError, check_port, check_redis
@@ -66,6 +67,8 @@ class UpConfig:
 
 # How long stopping may take: the admitted requests answered, every process drained.
 STOP_TIMEOUT_S = 60.0
+# How often `tandem up` renews its model's catalog declaration (tandem/catalog.py).
+DECLARE_EVERY_S = 15.0
 
 
 class Stack:
@@ -262,11 +265,15 @@ class Stack:
     def supervise(self, say=print) -> None:
         """Until stop(): restart children that die (with backoff); run the autoscaler."""
         next_evaluation = time.monotonic() + self.config.scale_every
+        next_declaration = time.monotonic()
         while not self._stop.wait(0.5):
             self._restart_redis_if_dead(say)
             for child in self.children:
                 self._restart_if_dead(child, say)
             if self.actuator is None:
+                if time.monotonic() >= next_declaration:
+                    next_declaration = time.monotonic() + DECLARE_EVERY_S
+                    self._declare()
                 continue
             self.actuator.supervise()
             if time.monotonic() >= next_evaluation:
@@ -280,6 +287,19 @@ class Stack:
                             )
                 except Exception as exc:
                     say(f"autoscaler evaluation failed: {exc}")
+
+    def _declare(self) -> None:
+        """This stack restarts the model's engines: declared in the catalog, the gateway
+        queues its requests while one restarts (a lone prompt engine is no reason to
+        refuse them)."""
+        client = redis.Redis.from_url(self.redis_url, socket_timeout=2)
+        try:
+            ttl_s = catalog.declaration_ttl_s(DECLARE_EVERY_S)
+            catalog.declare(client, Keys(), self.config.name, "local/tandem-up", ttl_s)
+        except redis.RedisError:
+            pass  # Redis restarting: the next round declares it
+        finally:
+            client.close()
 
     def _restart_redis_if_dead(self, say) -> None:
         if self.redis is None or self.redis.alive:

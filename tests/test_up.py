@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import redis
+from support.polling import eventually
 from support.stacks import running_stack
 
 from tandem.backlog import enqueue, queue_depth
@@ -97,6 +98,11 @@ def _wait_in_flight(url: str, count: int, timeout: float = 30) -> None:
 def test_a_redis_that_dies_is_restarted_and_the_stack_serves_again(tmp_path, monkeypatch):
     with running_stack(config(tmp_path, monkeypatch)) as stack:
         assert chat(stack.url, 4).status_code == 200
+        # It restarts the model's engines, so it declares the model (tandem/catalog.py):
+        # a gateway queues requests while an engine restarts, whatever roles are live.
+        client = redis.Redis.from_url(stack.redis_url)
+        assert eventually(lambda: client.exists(Keys().model_key("tiny")))
+        client.close()
         port = stack.redis.port
         stack.redis.kill()
         deadline = time.monotonic() + 90

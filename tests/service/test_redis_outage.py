@@ -19,7 +19,7 @@ from support.polling import eventually
 
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.service.registry import Registry
-from tandem.protocol import WORK_GROUP, EventKind
+from tandem.protocol import WORK_GROUP, EventKind, ResponseEvent
 from tandem.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(300)
@@ -157,6 +157,40 @@ def test_a_redis_back_empty_gets_its_groups_again_and_the_running_requests_end(
     assert client.answer(rid).token_ids == expected[0][:8]
     settled(engine, client, redis_url)
     assert "consumer groups were gone" in engine.log()
+
+
+def queue_again(client: Client, rid: str, max_tokens: int = MAX_TOKENS) -> None:
+    """What a gateway does for a request a Redis restart lost: a new entry, same id
+    (its enqueued marker dropped, as a restart without data drops it)."""
+    client.redis.delete(client.keys.enqueued("tiny", rid))
+    sampling = {"max_tokens": max_tokens, **GREEDY}
+    client.submit(request_id=rid, prompt_token_ids=PROMPTS[0], sampling=sampling)
+
+
+def test_a_request_queued_again_while_its_first_entry_is_held_is_answered_once(
+    engines, client, expected, redis_url
+):
+    engine = engines("normal", *LONG)
+    rids = submit_all(client)
+    queue_again(client, rids[0])  # a second entry while the first is still pending
+    answer = client.answer(rids[0])
+    assert answer.ok and answer.token_ids == expected[0]
+    assert answer.engines == {engine.engine_id}
+    # Both entries acknowledged now, not the second left for the claim timeout (30 s).
+    settled(engine, client, redis_url)
+
+
+def test_a_prefilled_offer_queued_again_is_prefilled_anew(engines, client):
+    prompt = engines("prompt", *LONG)  # no decoder: its offer stays pinned
+    rid = client.submit(prompt_token_ids=PROMPTS[0], sampling={"max_tokens": 8, **GREEDY})
+    handoffs = client.keys.handoff_stream("tiny")
+    assert eventually(lambda: client.redis.xlen(handoffs) == 1)
+    queue_again(client, rid, max_tokens=8)  # its Handoff lost with Redis, say
+    assert eventually(lambda: client.redis.xlen(handoffs) == 2), prompt.log()
+    entries = client.redis.xrange(client.keys.response_stream(rid))
+    events = [ResponseEvent.from_fields(fields) for _, fields in entries]
+    assert all(e.event != EventKind.ERROR for e in events), events
+    assert prompt.process.poll() is None
 
 
 def test_a_drain_that_runs_out_with_redis_away_exits_and_says_what_is_lost(server, engines, client):

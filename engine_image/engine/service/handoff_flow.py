@@ -92,8 +92,16 @@ class HandoffFlow:
 
     def expire_offers(self, engine: Engine, now: float) -> None:
         for handle in self.offers.expired(now):
-            if self.offers.remove(handle):
-                engine.release_handoff(handle)
+            self.withdraw(engine, handle)
+
+    def offered(self, request_id: str) -> bool:
+        """Whether this engine holds the request's prefilled KV for a decoder."""
+        return request_id in self.offers
+
+    def withdraw(self, engine: Engine, request_id: str) -> None:
+        """Unpin an offer and free its KV (a fetch in flight fails and recomputes)."""
+        if self.offers.remove(request_id):
+            engine.release_handoff(request_id)
 
     # ------------------------------------------------------ COMPLETION side
 

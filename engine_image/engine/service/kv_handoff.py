@@ -60,6 +60,10 @@ class PinnedOffers:
         with self._lock:
             return len(self._offers)
 
+    def __contains__(self, handle: object) -> bool:
+        with self._lock:
+            return handle in self._offers
+
 
 @dataclass(frozen=True)
 class FetchOutcome:

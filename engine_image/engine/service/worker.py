@@ -204,9 +204,14 @@ class EngineWorker:
         rid = work.request_id
         if rid in self.held:  # re-delivered to us while we still work on it
             held = self.held[rid]
-            if not held.pending:  # Redis lost its entry and it was queued again: this one
+            old = held.delivery
+            if (old.stream, old.entry_id) != (delivery.stream, delivery.entry_id):  # queued again
+                if held.pending:  # keep the new entry, acknowledge the old
+                    self._to_ack.append(held.delivery)
                 held.delivery, held.pending = delivery, True
             return
+        if self.handoffs is not None and self.handoffs.offered(rid):
+            self.handoffs.withdraw(self.engine, rid)  # its Handoff lost: prefill it anew
         if delivery.exhausted:
             self._fail(
                 delivery,
