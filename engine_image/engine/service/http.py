@@ -41,11 +41,14 @@ class HealthServer:
                         status, ctype, body = route()
                     except Exception as exc:  # a probe must answer, never hang
                         status, ctype, body = 500, "text/plain", f"{exc}\n".encode()
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", ctype)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the prober gave up waiting (a long step): nobody to answer
 
             def log_message(self, *args: object) -> None:  # probes every few seconds: quiet
                 pass
