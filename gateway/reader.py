@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Protocol
 
 import redis.asyncio as aioredis
@@ -36,7 +36,9 @@ class DeadlinePassed(TimeoutError):
 
 
 class Watch(Protocol):
-    async def requeued(self, open_choices: Mapping[int, ResponseDeduplicator]) -> list[int]: ...
+    async def requeued(
+        self, open_choices: Callable[[], Mapping[int, ResponseDeduplicator]]
+    ) -> list[int]: ...
 
 
 class AsyncResponseReader:
@@ -74,6 +76,11 @@ class AsyncResponseReader:
         last = dict.fromkeys(names, "0-0")
         dedup = [ResponseDeduplicator() for _ in request_ids]
         unreachable_since: float | None = None
+
+        def open_choices() -> dict[int, ResponseDeduplicator]:
+            # For the watch, which builds it only after a restart, not on every wake-up.
+            return {index[name]: dedup[index[name]] for name in last}
+
         while last:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
@@ -101,5 +108,5 @@ class AsyncResponseReader:
                         del last[name]
                         break
             if watch is not None and last:
-                for i in await watch.requeued({index[name]: dedup[index[name]] for name in last}):
+                for i in await watch.requeued(open_choices):
                     last[names[i]] = "0-0"

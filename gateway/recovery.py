@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from redis.exceptions import RedisError, ResponseError
 
@@ -104,11 +104,15 @@ class LossWatch:
         self.metrics = metrics
         self._noticed_at: float | None = None
 
-    async def requeued(self, open_choices: Mapping[int, ResponseDeduplicator]) -> list[int]:
-        """Choices (of those still open, with what their client has) that Redis
-        lost and that are now queued again; their streams must be read from the start."""
+    async def requeued(
+        self, open_choices: Callable[[], Mapping[int, ResponseDeduplicator]]
+    ) -> list[int]:
+        """Choices (of open_choices(): those still open, with what their client has)
+        that Redis lost and that are now queued again; their streams must be read
+        from the start. Called on every wake-up of the reader: cheap unless the
+        run_id changed."""
         run_id = await self.epoch.current()
-        if run_id is None or run_id == self.known or not open_choices:
+        if run_id is None or run_id == self.known:
             return []
         if self.known is None:  # none when queued: INFO had failed; nothing to compare
             self.known = run_id
@@ -118,14 +122,17 @@ class LossWatch:
             self._noticed_at = now
         if now - self._noticed_at < self.grace_s:
             return []
-        choices = sorted(open_choices)
+        still_open = open_choices()
+        if not still_open:
+            return []
+        choices = sorted(still_open)
         try:
             held = await self.broker.held(
                 [self.items[i] for i in choices], [self.entry_ids[i] for i in choices]
             )
             lost = [i for i, kept in zip(choices, held, strict=True) if not kept]
             if lost:
-                histories = [_history(open_choices[i]) for i in lost]
+                histories = [_history(still_open[i]) for i in lost]
                 entry_ids = await self.broker.requeue([self.items[i] for i in lost], histories)
                 for i, entry_id in zip(lost, entry_ids, strict=True):
                     self.entry_ids[i] = entry_id
