@@ -343,3 +343,25 @@ def test_a_request_whose_engines_keep_dying_fails_clearly(engines, client, keys,
     assert "not retrying" in final.error_message
     assert eventually(lambda: conn.xpending(keys.work_stream("tiny", 1), "engines")["pending"] == 0)
     conn.close()
+
+
+def test_an_engine_restarted_under_its_id_resumes_what_it_held_at_once(
+    engines, client, keys, redis_url
+):
+    from tandem.engine.service.work_queue import WorkQueue
+    from tandem.protocol import Role
+
+    conn = redis.Redis.from_url(redis_url)
+    rid = client.submit(prompt_token_ids=PROMPT)
+    # The engine "same" takes the request and dies; it comes back under its id (as
+    # `tandem up` restarts engines). Its entry is no longer idle long enough for the
+    # claim timeout, a minute here: the new process must not wait that out.
+    assert len(WorkQueue(conn, keys, "tiny", Role.NORMAL, "same").pull(1).work) == 1
+    started = time.monotonic()
+    engine = engines("normal", "--engine-id", "same", "--claim-idle-ms", "60000")
+    answer = client.answer(rid, timeout=30)
+    assert answer.ok and answer.engines == {"same"}
+    assert time.monotonic() - started < 45
+    assert "left unfinished go back to the queue" in engine.log()
+    assert eventually(lambda: conn.xpending(keys.work_stream("tiny", 1), "engines")["pending"] == 0)
+    conn.close()

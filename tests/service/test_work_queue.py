@@ -314,3 +314,34 @@ def test_a_handed_back_entry_is_taken_at_once_and_not_counted(redis_client, keys
     assert (taken.request_id, taken.times_delivered, taken.reclaimed) == ("r", 1, True)
     assert leaving.hand_back(held) == 0  # not its own any more: left alone
     assert successor.keep_alive([taken]) == Lapsed()
+
+
+def test_a_dead_predecessors_entries_are_released_at_start_and_counted(redis_client, keys, queue):
+    # An engine restarted under its id finds its predecessor's entries pending under
+    # that id: it hands them back before its first pull instead of waiting out
+    # claim_idle_ms, and the delivery that died counts (it may have died of it).
+    dead = queue("engine-a", claim_idle_ms=30_000)
+    other = queue("engine-b", claim_idle_ms=30_000)
+    for rid in ("r1", "r2", "r3"):
+        enqueue(redis_client, keys, item(rid))
+    assert ids(dead.pull(2).work) == ["r1", "r2"]
+    assert ids(other.pull(1).work) == ["r3"]
+    restarted = queue("engine-a", claim_idle_ms=30_000, max_deliveries=2)
+    assert restarted.pull(5).work == []  # without the release: 30 s of nothing
+    assert restarted.release_inherited() == 2
+    taken = restarted.pull(5).work
+    assert [(d.request_id, d.times_delivered, d.reclaimed) for d in taken] == [
+        ("r1", 2, True),
+        ("r2", 2, True),
+    ]
+    # What it holds now is its own work, not an inheritance; engine-b's entry is untouched.
+    assert restarted.keep_alive(taken) == Lapsed()
+    assert queue("engine-c", claim_idle_ms=30_000).pull(5).work == []
+    # Released again (a second crash), r1 is past max_deliveries: reported, not run.
+    assert queue("engine-a", max_deliveries=2).release_inherited() == 2
+    assert ids(queue("engine-c", max_deliveries=2).pull(5).exhausted) == ["r1", "r2"]
+
+
+def test_releasing_with_nothing_inherited_is_a_no_op(redis_client, keys, queue):
+    assert queue("fresh", role=Role.COMPLETION).release_inherited() == 0
+    assert queue("fresh").release_inherited() == 0

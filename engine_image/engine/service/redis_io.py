@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import redis
 
@@ -14,6 +15,8 @@ from tandem.engine.service.responses import ResponseWriter
 from tandem.engine.service.settings import WorkerSettings
 from tandem.engine.service.work_queue import WorkQueue
 from tandem.protocol import EngineInfo, Keys
+
+log = logging.getLogger(__name__)
 
 
 class RedisIO:
@@ -44,6 +47,19 @@ class RedisIO:
         self.registry = Registry(client, keys)
         self._listener = listener
         self._recheck = False  # a gap in the notices whose keys are not checked yet
+
+    def release_inherited(self) -> None:
+        """At the start: what a dead process with this engine id left pending goes
+        back to the queue now, not after --claim-idle-ms (work_queue.py)."""
+        try:
+            released = self.queue.release_inherited()
+        except UNREACHABLE:
+            return  # Redis is away: those entries are reclaimed by the idle time
+        if released:
+            log.info(
+                "%d request(s) an earlier engine with this id left unfinished go back to the queue",
+                released,
+            )
 
     def cancelled(self, held: list[str], *, redis_up: bool = True) -> set[str]:
         """Request ids cancelled since the last call (from the pub/sub listener).

@@ -51,6 +51,10 @@ from tandem.protocol import (
 
 log = logging.getLogger(__name__)
 
+# The most entries of a dead predecessor handed back at a start: far more than one
+# engine holds (its waiting and running requests).
+_INHERITED_MAX = 10_000
+
 
 @dataclass(frozen=True, slots=True)
 class Delivery:
@@ -280,8 +284,26 @@ class WorkQueue:
     def hand_back(self, deliveries: Iterable[Delivery]) -> int:
         """Give entries this engine will not finish to the next engine that pulls, at
         once and without counting this delivery; returns how many were still its own."""
-        results = self._per_stream(self._hand_back_script, deliveries, HANDED_BACK_IDLE_MS)
+        results = self._per_stream(self._hand_back_script, deliveries, HANDED_BACK_IDLE_MS, "1")
         return sum(int(n) for _, n in results)
+
+    def release_inherited(self) -> int:
+        """Hand back, at once, the entries still pending under this engine's id from
+        before it started: a process with the same id died holding them (`tandem up`
+        restarts an engine under its id). Left alone they would wait the whole
+        claim_idle_ms, though nobody runs them. Call once, before the first pull; the
+        delivery that died still counts. Returns how many."""
+        pipe = self.client.pipeline(transaction=False)
+        for stream in self.streams:
+            pipe.xpending_range(stream, self.group, "-", "+", _INHERITED_MAX, self.consumer)
+        pending = pipe.execute(raise_on_error=False)
+        pipe = self.client.pipeline(transaction=False)
+        for stream, rows in zip(self.streams, pending, strict=True):
+            ids = [] if isinstance(rows, Exception) else [as_text(r["message_id"]) for r in rows]
+            if ids:
+                args = [self.group, self.consumer, HANDED_BACK_IDLE_MS, "0", *ids]
+                self._hand_back_script(keys=[stream], args=args, client=pipe)
+        return sum(int(n) for n in pipe.execute())
 
     def _per_stream(
         self, script: Any, deliveries: Iterable[Delivery], *args: Any

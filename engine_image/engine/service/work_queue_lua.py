@@ -95,19 +95,23 @@ end
 return {taken, gone}
 """
 
-# Hand entries this consumer owns back to the group (a drain that timed out): idle
-# long enough for any engine's next pull to reclaim them, and their delivery counted
-# down by one (JUSTID alone leaves the count as is): a delivery that ended in a
-# shutdown is no failure, so it must not bring a request nearer max_deliveries.
-# KEYS[1]: stream. ARGV: group, consumer, idle ms, ids... Returns how many.
+# Hand entries this consumer owns back to the group: idle long enough for any
+# engine's next pull to reclaim them, which counts a delivery. ARGV[4] == '1' counts
+# the delivery that ends here down by one (a drain that timed out: a shutdown is no
+# failure, so it must not bring a request nearer max_deliveries; JUSTID alone leaves
+# the count as is). '0' keeps it (a dead predecessor's entries: it may have died of
+# the request, and max_deliveries must stop one that kills every engine).
+# KEYS[1]: stream. ARGV: group, consumer, idle ms, count down, ids... Returns how many.
 HAND_BACK_LUA = """
 local n = 0
 if redis.pcall('XPENDING', KEYS[1], ARGV[1]).err then return n end
-for i = 4, #ARGV do
+for i = 5, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
   if p[1] and p[1][2] == ARGV[2] then
+    local times = p[1][4]
+    if ARGV[4] == '1' then times = math.max(times - 1, 0) end
     redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3],
-               'RETRYCOUNT', math.max(p[1][4] - 1, 0), 'JUSTID')
+               'RETRYCOUNT', times, 'JUSTID')
     n = n + 1
   end
 end

@@ -114,6 +114,7 @@ class EngineWorker:
         return self._draining
 
     def run(self) -> int:
+        self.io.release_inherited()
         self.heartbeat.start()
         try:
             while not self._drained():
