@@ -15,7 +15,7 @@ from support.polling import eventually
 
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.service.registry import Registry
-from tandem.protocol import HANDOFF_GROUP, ErrorCode, EventKind, Handoff, WorkItem
+from tandem.protocol import HANDOFF_GROUP, ErrorCode, EventKind, Handoff, WorkItem, as_text
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
@@ -36,6 +36,11 @@ PROMPT = [5, 9, 17, 33, 2, 101, 77, 4, 8, 15, 16, 23, 42]
 # Room for 2,000 tokens: seconds of decoding on a 2-core CPU, where a test must
 # act on a request still running (a few hundred took a fast machine ~0.1 s).
 LONG = ("--max-model-len", "2048", "--num-kv-blocks", "160")
+
+
+def group_consumers(client) -> set[str]:
+    stream = client.keys.work_stream("tiny", 1)
+    return {as_text(c["name"]) for c in client.redis.xinfo_consumers(stream, "engines")}
 
 
 def test_normal_engine_streams_what_the_offline_engine_generates(engines, client, reference):
@@ -181,6 +186,8 @@ def test_sigterm_drains_running_requests_takes_no_new_ones_and_exits_0(engines, 
     late = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 5, **GREEDY})
     assert engine.process.wait(timeout=60) == 0
     assert client.answer(rid).token_ids == reference(PROMPT, 150).token_ids
+    # Gone with nothing pending: no longer listed in the group (pods come and go).
+    assert engine.engine_id not in group_consumers(client)
     # The late request is still queued for another engine.
     other = engines("normal")
     assert client.answer(late).ok and other.engine_id in client.answer(late).engines
@@ -191,6 +198,7 @@ def test_a_drain_that_times_out_hands_its_requests_back_at_once(engines, client,
     rid = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 2000, **GREEDY})
     next(e for e in client.events(rid, timeout=60) if e.event == EventKind.TOKENS)
     assert first.terminate() == 0  # with the request still running
+    assert first.engine_id in group_consumers(client)  # its entry is still pending there
     # The default --claim-idle-ms is 30 s: only an entry handed back is taken sooner
     # than that (so 20 s without a token fails), and only one whose handed-back
     # delivery is not counted gets past --max-deliveries 1.
@@ -254,6 +262,29 @@ def test_cancelling_a_running_request_frees_its_kv_at_once(engines, client, redi
     assert final.error_code == ErrorCode.CANCELLED
     assert eventually(lambda: engine.metric("tandem_engine_kv_cache_usage") == 0)
     assert engine.metric("tandem_engine_requests_total", outcome="cancelled") == 1
+
+
+def test_cancelling_a_request_whose_kv_is_offered_unpins_it_at_once(
+    engines, client, redis_url, keys
+):
+    from tandem.engine.service.cancellation import cancel
+
+    # No decoder yet: the prefilled KV waits in an offer (for a minute here).
+    prompt = engines("prompt", "--handoff-ttl", "60")
+    rid = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 8, **GREEDY})
+    assert eventually(lambda: prompt.metric("tandem_engine_kv_pinned_requests") == 1)
+    assert prompt.metric("tandem_engine_kv_cache_usage") > 0
+    conn = redis.Redis.from_url(redis_url)
+    cancel(conn, keys, rid)
+    # The client left, so no decoder will fetch it: freed within a step and a
+    # heartbeat, not at the offer's expiry (it held the prompt engine's KV a minute).
+    assert eventually(lambda: prompt.metric("tandem_engine_kv_pinned_requests") == 0, timeout=10)
+    assert prompt.metric("tandem_engine_kv_cache_usage") == 0
+    # A decoder that comes now acknowledges the handoff without fetching anything.
+    decode = engines("completion")
+    assert eventually(lambda: conn.xlen(keys.handoff_stream("tiny")) == 0)
+    conn.close()
+    assert decode.metric("tandem_engine_kv_transfer_bytes_total") == 0
 
 
 def test_a_request_cancelled_while_queued_is_counted_where_it_ends(

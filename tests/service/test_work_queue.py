@@ -345,3 +345,33 @@ def test_a_dead_predecessors_entries_are_released_at_start_and_counted(redis_cli
 def test_releasing_with_nothing_inherited_is_a_no_op(redis_client, keys, queue):
     assert queue("fresh", role=Role.COMPLETION).release_inherited() == 0
     assert queue("fresh").release_inherited() == 0
+
+
+def consumers(redis_client, keys):
+    stream = keys.work_stream(MODEL, PRIORITY_NORMAL)
+    return sorted(c["name"].decode() for c in redis_client.xinfo_consumers(stream, WORK_GROUP))
+
+
+def test_engines_gone_with_nothing_pending_leave_the_group(redis_client, keys, queue):
+    # Pods come and go under new ids; each one that took work is a consumer of the group.
+    for rid in ("r1", "r2", "r3"):
+        enqueue(redis_client, keys, item(rid))
+    busy, done, leaving = queue("busy"), queue("done"), queue("leaving")
+    assert ids(busy.pull(1).work) == ["r1"]
+    done.ack(done.pull(1).work)
+    leaving.ack(leaving.pull(1).work)
+    assert consumers(redis_client, keys) == ["busy", "done", "leaving"]
+    # Leaving (its drain done): itself at once, not the others, idle or not...
+    assert leaving.forget_consumers(leaving=True) == 1
+    assert consumers(redis_client, keys) == ["busy", "done"]
+    # ...and never one with entries pending: they would no longer be reclaimable.
+    assert busy.forget_consumers(leaving=True) == 0
+    time.sleep(IDLE_MS / 1000 + 0.05)
+    # Past claim_idle_ms idle, any engine's sweep deletes consumers with nothing pending.
+    assert queue("sweeper").forget_consumers() == 1
+    assert consumers(redis_client, keys) == ["busy"]
+    # A swept engine that lives after all reads on: its next pull adds it back (and
+    # the idle busy entry is still reclaimable from the group).
+    enqueue(redis_client, keys, item("r4"))
+    assert ids(done.pull(5).work) == ["r1", "r4"]
+    assert consumers(redis_client, keys) == ["busy", "done"]

@@ -98,6 +98,9 @@ class HandoffFlow:
         """Whether this engine holds the request's prefilled KV for a decoder."""
         return request_id in self.offers
 
+    def offered_ids(self) -> list[str]:
+        return self.offers.handles()
+
     def withdraw(self, engine: Engine, request_id: str) -> None:
         """Unpin an offer and free its KV (a fetch in flight fails and recomputes)."""
         if self.offers.remove(request_id):

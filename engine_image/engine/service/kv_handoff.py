@@ -56,6 +56,10 @@ class PinnedOffers:
         with self._lock:
             return [h for h, (_, expiry) in self._offers.items() if expiry < now]
 
+    def handles(self) -> list[str]:
+        with self._lock:
+            return list(self._offers)
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._offers)

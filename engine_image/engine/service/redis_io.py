@@ -48,11 +48,13 @@ class RedisIO:
         self._listener = listener
         self._recheck = False  # a gap in the notices whose keys are not checked yet
 
-    def release_inherited(self) -> None:
-        """At the start: what a dead process with this engine id left pending goes
-        back to the queue now, not after --claim-idle-ms (work_queue.py)."""
+    def start(self) -> None:
+        """Before the first pull: what a dead process with this engine id left pending
+        goes back to the queue now, not after --claim-idle-ms, and engines long gone
+        leave the consumer group (work_queue.py)."""
         try:
             released = self.queue.release_inherited()
+            self.queue.forget_consumers()
         except UNREACHABLE:
             return  # Redis is away: those entries are reclaimed by the idle time
         if released:
@@ -88,8 +90,11 @@ class RedisIO:
         self.registry.heartbeat(info)
 
     def deregister(self, engine_id: str) -> None:
+        """Leave the registry, and the consumer group unless entries are still pending
+        under this engine (handed back: the next engine's pull takes them)."""
         with contextlib.suppress(redis.RedisError):  # else the entry expires on its own
             self.registry.remove(engine_id)
+            self.queue.forget_consumers(leaving=True)
 
     def ping(self) -> bool:
         try:

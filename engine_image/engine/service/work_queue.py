@@ -33,6 +33,7 @@ import redis
 
 from tandem.backlog import TOKENS_FIELD
 from tandem.engine.service.work_queue_lua import (
+    FORGET_CONSUMERS_LUA,
     HAND_BACK_LUA,
     HANDED_BACK_IDLE_MS,
     KEEP_ALIVE_LUA,
@@ -154,6 +155,7 @@ class WorkQueue:
         self._pull_script = client.register_script(PULL_LUA)
         self._keep_alive_script = client.register_script(KEEP_ALIVE_LUA)
         self._hand_back_script = client.register_script(HAND_BACK_LUA)
+        self._forget_script = client.register_script(FORGET_CONSUMERS_LUA)
         self._started = False
         self.ensure_groups()
 
@@ -304,6 +306,13 @@ class WorkQueue:
                 args = [self.group, self.consumer, HANDED_BACK_IDLE_MS, "0", *ids]
                 self._hand_back_script(keys=[stream], args=args, client=pipe)
         return sum(int(n) for n in pipe.execute())
+
+    def forget_consumers(self, *, leaving: bool = False) -> int:
+        """Delete the group's consumers (engines) idle past claim_idle_ms with nothing
+        pending, and this one too when `leaving` with nothing pending; returns how many.
+        Engines that ran and went would otherwise stay listed in the group forever."""
+        args = [self.group, self.claim_idle_ms, self.consumer if leaving else ""]
+        return int(self._forget_script(keys=self.streams, args=args))
 
     def _per_stream(
         self, script: Any, deliveries: Iterable[Delivery], *args: Any

@@ -119,3 +119,29 @@ return n
 """
 # Idle time given to a handed-back entry: longer than any engine's --claim-idle-ms.
 HANDED_BACK_IDLE_MS = 24 * 3600 * 1000
+
+# Delete the group's consumers that hold nothing pending and have been idle at least
+# ARGV[2] ms, and ARGV[3] (this engine, leaving) whatever its idle time, if it holds
+# nothing. Each engine id adds a consumer, and pods come and go under new ids: without
+# this the groups list every engine that ever ran. Harmless to a live engine: its next
+# read recreates it, and one with entries pending is never deleted (DELCONSUMER would
+# drop them from the pending list, and so from every reclaim).
+# KEYS: the streams. ARGV: group, min idle ms, leaving consumer or ''. Returns how many.
+FORGET_CONSUMERS_LUA = """
+local n = 0
+for i = 1, #KEYS do
+  local consumers = redis.pcall('XINFO', 'CONSUMERS', KEYS[i], ARGV[1])
+  if not consumers.err then
+    for _, flat in ipairs(consumers) do
+      local c = {}
+      for j = 1, #flat, 2 do c[flat[j]] = flat[j + 1] end
+      local quiet = c['name'] == ARGV[3] or c['idle'] >= tonumber(ARGV[2])
+      if c['pending'] == 0 and quiet then
+        redis.call('XGROUP', 'DELCONSUMER', KEYS[i], ARGV[1], c['name'])
+        n = n + 1
+      end
+    end
+  end
+end
+return n
+"""

@@ -114,7 +114,7 @@ class EngineWorker:
         return self._draining
 
     def run(self) -> int:
-        self.io.release_inherited()
+        self.io.start()
         self.heartbeat.start()
         try:
             while not self._drained():
@@ -156,7 +156,10 @@ class EngineWorker:
     # ---------------------------------------------------------------- input
 
     def _absorb(self) -> None:
-        for rid in self.io.cancelled(list(self.held), redis_up=not self.outage.down):
+        offered = self.handoffs.offered_ids() if self.handoffs is not None else []
+        for rid in self.io.cancelled([*self.held, *offered], redis_up=not self.outage.down):
+            if rid in offered:  # no decoder will fetch it: unpin its KV now, not at expiry
+                self.handoffs.withdraw(self.engine, rid)
             self._end(rid, ErrorCode.CANCELLED, "the client cancelled the request")
         if self.handoffs is not None:
             for rid in self.handoffs.absorb(self.engine, self.metrics):
