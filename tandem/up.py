@@ -135,6 +135,7 @@ class Stack:
         if self.deployment is not None:
             starting += self._start_actuator()
         else:
+            self._declare()  # requests sent while the engines load wait, as in a restart
             roles = ["normal"] if cfg.mode == "normal" else ["prompt", "completion"]
             threads = engine_threads(len(roles))
             for role in roles:

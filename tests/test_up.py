@@ -235,3 +235,40 @@ def test_a_failed_start_stops_everything_and_keeps_the_log_that_says_why(monkeyp
 def test_the_reason_a_child_exited_is_the_line_of_its_log_that_says_it(tmp_path, log, reason):
     (tmp_path / "c.log").write_text(log)
     assert Child("c", [], tmp_path / "c.log", "", True).last_error() == reason
+
+
+def test_a_request_sent_while_the_engine_loads_waits_for_it(tmp_path, monkeypatch):
+    # The gateway is up in a second, a model's engine can take minutes: tandem up
+    # declares its model at once, so such a request waits instead of a 404.
+    stack = Stack(config(tmp_path, monkeypatch))
+    engine = stack._engine
+
+    def slow_engine(role, threads):  # an engine that loads for 5 s more
+        child = engine(role, threads)
+        delay = (
+            "import os, sys, time; time.sleep(5); "
+            "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+        )
+        child.argv = [sys.executable, "-c", delay, *child.argv[1:]]
+        return child
+
+    monkeypatch.setattr(stack, "_engine", slow_engine)
+    with ThreadPoolExecutor(1) as pool:
+        started = pool.submit(stack.start, say=lambda line: None)
+        try:
+            url = f"http://127.0.0.1:{stack.config.port}"
+            assert eventually(lambda: _answers(f"{url}/readyz"), timeout=30)
+            assert not started.done()  # the engine is still loading
+            reply = chat(url, 4)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["usage"]["completion_tokens"] == 4
+            started.result(timeout=60)
+        finally:
+            stack.stop()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
