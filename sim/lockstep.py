@@ -1,7 +1,7 @@
 """Lockstep: the data-parallel ranks of one pod plan a step together, voting as they do.
 
 The real scheduler votes from inside schedule() (step_vote.StepVote calls its
-Vote, an all-reduce MIN, up to twice per step), so the ranks' schedule() calls
+Vote, an all-reduce MIN, up to three times a step), so the ranks' schedule() calls
 must run at the same time and meet in each vote. One thread per rank does
 that here, with a barrier as the all-reduce: the scheduler code, the vote
 order and the MIN are the engine's own; only the transport differs.

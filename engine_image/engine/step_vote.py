@@ -6,7 +6,8 @@ steps (an ALL point) it prefills if every data-parallel rank wants to; every
 enough, so an isolated rank's prompt waits at most that long. ANY wins where
 both fall. Ranks agree through all-reduce MIN votes, and because every rank
 keeps the same decode-step counter, they cast the same votes in the same order
-and never hang in a collective.
+and never hang in a collective. Where no rank has anything to decode, every
+step is an ANY point (one vote a step tells the ranks).
 """
 
 from __future__ import annotations
@@ -46,16 +47,23 @@ class StepVote:
     def point(self, decode_step: int, *, idle: bool) -> Point:
         """The kind of attempt point at this counter value.
 
-        A single rank with nothing to decode treats every step as an ANY point:
-        counting empty decode steps would only delay its next prompt.
+        A group with nothing to decode on any rank treats the step as an ANY point:
+        counting empty decode steps would only delay its next prompt (~100 of them,
+        seconds on an idle group). Several ranks learn it from a vote at every step,
+        so that all of them still take the same point.
         """
-        if idle and self.single_rank:
+        if self._group_idle(idle):
             return Point.ANY
         if decode_step != 0 and decode_step % self._any_interval == 0:
             return Point.ANY
         if decode_step % self._all_interval == 0:
             return Point.ALL
         return Point.NONE
+
+    def _group_idle(self, idle: bool) -> bool:
+        if self.single_rank:
+            return idle
+        return self._vote(1 if idle else 0) == 1  # MIN: 1 only if every rank is idle
 
     def agree_to_prefill(self, point: Point, want: bool) -> bool:
         """First vote: do the ranks prefill at this point?"""

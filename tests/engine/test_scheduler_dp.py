@@ -89,6 +89,16 @@ def test_all_point_needs_every_rank_and_any_point_needs_one():
     assert t0.counters[102] == 0
 
 
+def test_a_prompt_on_an_idle_group_is_prefilled_at_once():
+    # Nothing decodes on any rank: waiting for the ANY point would be ~100 empty
+    # steps (10 s on a served group whose idle steps wait for work).
+    t0, t1 = run_ranks(ranks(2), 12, {0: {5: [Request("new", list(range(100, 140)), LONG)]}})
+    assert [k for k, p in enumerate(t0.kinds) if p] == [5]
+    assert t0.scheduled[5] == ["new"] and t1.scheduled[5] == []
+    # Once a rank decodes, the group is back on the attempt points.
+    assert not any(t0.kinds[6:])
+
+
 def test_all_point_prefills_when_every_rank_wants():
     scheds = ranks(3)
     arrivals = long_decodes(3)

@@ -19,12 +19,17 @@ def test_points_follow_the_intervals_and_any_wins_where_both_fall():
     assert votes.point(200, idle=False) is Point.ANY
 
 
-def test_an_idle_single_rank_may_prefill_at_any_step_but_a_voting_rank_may_not():
+def test_an_idle_group_may_prefill_at_any_step_a_busy_one_at_its_points():
     alone = StepVote(EngineConfig())
     assert alone.point(37, idle=True) is Point.ANY
     assert alone.point(37, idle=False) is Point.NONE
-    grouped = StepVote(EngineConfig(), vote=lambda v: v)
-    assert grouped.point(37, idle=True) is Point.NONE
+    # Several ranks: ANY only when no rank decodes (the vote is the MIN of "idle").
+    everyone_idle = StepVote(EngineConfig(), vote=lambda mine: min(mine, 1))
+    assert everyone_idle.point(37, idle=True) is Point.ANY
+    assert everyone_idle.point(37, idle=False) is Point.NONE
+    a_peer_decodes = StepVote(EngineConfig(), vote=lambda mine: min(mine, 0))
+    assert a_peer_decodes.point(37, idle=True) is Point.NONE
+    assert a_peer_decodes.point(100, idle=True) is Point.ANY
 
 
 @pytest.mark.parametrize(

@@ -217,6 +217,11 @@ def test_two_data_parallel_ranks_vote_through_gloo_and_serve(engines, client, re
     registry = Registry(client.redis, client.keys)
     live = lambda: {e.engine_id for e in registry.live()}  # noqa: E731
     assert eventually(lambda: ids <= live(), 120), f"live: {live()}\n{group.log()}"
+    # A lone request on the idle group is prefilled at once: it waited for the ANY
+    # point, ~100 empty steps of up to 50 ms each (~10 s), where one rank takes 0.1 s.
+    started = time.monotonic()
+    lone = client.answer(client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 4}))
+    assert lone.ok and time.monotonic() - started < 4, group.log()
     prompts = [PROMPT[: 5 + i] for i in range(6)]
     rids = [
         client.submit(prompt_token_ids=p, sampling={"max_tokens": 12, **GREEDY}) for p in prompts

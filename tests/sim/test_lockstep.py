@@ -19,22 +19,27 @@ def test_ranks_keep_the_same_step_type_and_counter():
     try:
         ranks = _ranks(lockstep, 2)
         params = SamplingParams(max_tokens=50, ignore_eos=True)
-        ranks[0].add_request(Request("a", [1] * 10, params))
-        first_prefill = None
+        busy = SamplingParams(max_tokens=500, ignore_eos=True)
+        ranks[1].add_request(Request("long", [2] * 10, busy))
+        prefills = []
         for step in range(300):
+            if step == 1:
+                ranks[0].add_request(Request("a", [1] * 10, params))
             plans = lockstep.schedule_all(ranks)
             assert plans[0].is_prefill == plans[1].is_prefill
             assert ranks[0].decode_step == ranks[1].decode_step
-            if plans[0].is_prefill and first_prefill is None:
-                first_prefill = step
+            if plans[0].is_prefill:
+                prefills.append(step)
             for sched, plan in zip(ranks, plans, strict=True):
                 if plan.seqs:
                     sched.update(plan, StepResult({s.request_id: [0] for s in plan.seqs}))
-            if not ranks[0].has_unfinished_requests():
+            if not ranks[0].has_unfinished_requests() and step > 1:
                 break
-        # Rank 1 never wanted to prefill, so the ALL point at 0 failed and
-        # rank 0's prompt waited for the ANY point at 100.
-        assert first_prefill == 100
+        # The idle group prefilled rank 1's prompt at once (an ANY point at every
+        # step while no rank decodes). Then rank 1 decodes and never wants to
+        # prefill, so the ALL point at 0 failed and rank 0's prompt waited for
+        # the ANY point at 100.
+        assert prefills == [0, 101]
         assert not ranks[0].has_unfinished_requests()
     finally:
         lockstep.close()
