@@ -168,7 +168,7 @@ class Request:
     token_ids: list[int] = field(init=False)
     # Leading tokens of token_ids whose KV is in the cache.
     num_computed_tokens: int = field(default=0, init=False)
-    # Of those, how many came from the prefix cache (at the last admission).
+    # Prompt tokens the prefix cache saved at its first admission (usage's cached_tokens).
     num_cached_tokens: int = field(default=0, init=False)
     # The KV manager's block table for this request (the same list), for quick reads.
     block_ids: list[int] = field(default_factory=list, init=False)

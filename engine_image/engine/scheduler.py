@@ -186,7 +186,8 @@ class Scheduler:
                     break
                 request.block_ids = kv.block_table(rid)
                 request.num_computed_tokens = start
-                request.num_cached_tokens = start
+                if not request.num_preemptions:  # a recompute saves none of the client's
+                    request.num_cached_tokens = min(start, request.num_prompt_tokens)
                 plan.num_prefix_cached_tokens += start
                 plan.num_admitted_tokens += request.num_tokens
             end = start + num_new

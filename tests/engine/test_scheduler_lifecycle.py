@@ -47,6 +47,24 @@ def test_preemption_never_changes_the_tokens_a_request_produces():
     assert tight == roomy
 
 
+def test_a_recompute_does_not_count_as_the_clients_cached_prompt():
+    # The recompute after a preemption finds the request's own blocks in the prefix
+    # cache (prompt and generated tokens alike); usage's cached_tokens is what the
+    # cache saved of the client's prompt, at its first admission: here nothing.
+    sched = make(num_blocks=14, max_model_len=40, block_size=4)
+    first = Request("old", prompt(10), SamplingParams(max_tokens=30, ignore_eos=True))
+    second = Request("new", prompt(10, 100), SamplingParams(max_tokens=30, ignore_eos=True))
+    sched.add_request(first)
+    sched.add_request(second)
+    recomputes = []
+    while sched.has_unfinished_requests():
+        plan, _ = step(sched)
+        if plan.is_prefill and second.num_preemptions:
+            recomputes.append(plan.num_prefix_cached_tokens)
+    assert second.num_preemptions and recomputes[0] > 10  # more than its whole prompt
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 0)
+
+
 def test_a_lone_request_too_big_for_the_pool_is_refused_at_construction():
     with pytest.raises(ValueError, match="fewer than one sequence of max_model_len 2048"):
         make(num_blocks=10, max_model_len=2048)
