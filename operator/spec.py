@@ -194,7 +194,8 @@ class EngineSpec(SpecModel):
         ge=1,
         description="Longest sequence (prompt + output) served; default: the model's context "
         "length, capped by what the KV cache holds and, when maxNumBatchedTokens is set "
-        "without chunked prefill, by that budget.",
+        "without chunked prefill, by that budget. More than the model's context length "
+        "is refused when the engine starts.",
     )
     max_num_seqs: int = Field(
         _ENGINE_DEFAULTS["max_num_seqs"], ge=1, description="Most sequences running at once."

@@ -121,14 +121,32 @@ class EngineConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
 
-def derived_max_model_len(fields: Mapping[str, Any], positions: int, cache_tokens: int) -> int:
-    """max_model_len when the EngineConfig `fields` give none.
+def check_fields(fields: Mapping[str, Any]) -> None:
+    """EngineConfig's refusals of these fields alone, before a model loads (that takes
+    minutes; a bad --block-size was a ZeroDivisionError in the KV sizing). Where the
+    model is to derive max_model_len it stands in as 1, which no rule refuses: the
+    derived one is capped by the budget (max_model_len_for)."""
+    EngineConfig(**{"max_model_len": 1, **fields})
 
-    The model's positions and what the KV cache holds bound it; so, without
-    chunked prefill, does a given token budget: a sequence must fit one step to
-    be prefilled (again, after a preemption). Capping this default is what a
-    budget set alone means; refusing it crash-looped every pod that set one.
+
+def max_model_len_for(fields: Mapping[str, Any], positions: int, cache_tokens: int) -> int:
+    """The max_model_len of EngineConfig `fields` on a model with `positions` positions
+    and a KV cache of `cache_tokens` tokens.
+
+    Given, it must stay within the positions: past them a model was never trained,
+    and it answers nonsense. Not given, the positions and what the KV cache holds
+    bound it; so, without chunked prefill, does a given token budget: a sequence must
+    fit one step to be prefilled (again, after a preemption). Capping this default is
+    what a budget set alone means; refusing it crash-looped every pod that set one.
     """
+    given = fields.get("max_model_len")
+    if given is not None:
+        if isinstance(given, int) and given > positions:
+            raise ValueError(
+                f"max_model_len ({given}) is longer than the model's {positions} positions "
+                "(max_position_embeddings): it was never trained past them; lower it"
+            )
+        return given
     length = min(positions, cache_tokens)
     budget = fields.get("max_num_batched_tokens")
     if budget is not None and not fields.get("enable_chunked_prefill", False):

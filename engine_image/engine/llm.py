@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tandem.engine.config import EngineConfig, derived_max_model_len
+from tandem.engine.config import EngineConfig, check_fields, max_model_len_for
 from tandem.engine.decode_graphs import DecodeGraphs
 from tandem.engine.drafter import NgramDrafter
 from tandem.engine.engine import Engine
@@ -83,6 +83,7 @@ class LLM:
             raise ValueError(f"unknown engine settings: {', '.join(sorted(unknown))}")
         if "vocab_size" in engine_config_fields:
             raise ValueError("vocab_size comes from the model; do not set it")
+        check_fields(engine_config_fields)  # before a load of minutes
         if isinstance(model, LoadedModel):  # share one copy of the weights
             loaded = model
         else:
@@ -98,11 +99,8 @@ class LLM:
                 kv_cache_bytes=kv_cache_memory,
             )
         fields = dict(engine_config_fields)
-        fields.setdefault(
-            "max_model_len",
-            derived_max_model_len(
-                fields, loaded.config.max_position_embeddings, num_kv_blocks * block_size
-            ),
+        fields["max_model_len"] = max_model_len_for(
+            fields, loaded.config.max_position_embeddings, num_kv_blocks * block_size
         )
         config = EngineConfig(vocab_size=loaded.config.vocab_size, **fields)
         self.engine = build_engine(

@@ -164,6 +164,22 @@ def test_unknown_models_are_clear_errors(spec, message):
         LLM(spec)
 
 
+def test_engine_settings_are_checked_before_the_model_loads():
+    # A path that does not exist: an error about it would mean it was loaded first.
+    with pytest.raises(ValueError, match="block_size must be at least 1, got 0"):
+        LLM("/no/such/model", block_size=0)  # was a ZeroDivisionError sizing the KV pool
+
+
+def test_a_context_past_the_models_positions_is_refused():
+    # random:tiny has 2,048 positions; past them the model was never trained.
+    with pytest.raises(ValueError, match=r"max_model_len \(4096\) is longer than the model's 2048"):
+        LLM("random:tiny", max_model_len=4096, num_kv_blocks=512)
+    assert (
+        LLM("random:tiny", max_model_len=2048, num_kv_blocks=160).engine.config.max_model_len
+        == 2048
+    )
+
+
 def test_unknown_engine_settings_are_refused():
     with pytest.raises(ValueError, match="unknown engine settings: max_seqs"):
         LLM("random:tiny", max_seqs=4)

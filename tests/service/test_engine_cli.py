@@ -40,6 +40,19 @@ def _engine(*flags: str) -> subprocess.CompletedProcess[str]:
         (["--kv-fetch-timeout", "0"], "--kv-fetch-timeout must be positive, got 0.0"),
         (["--redis-wait", "-1"], "--redis-wait must be 0 or more seconds, got -1.0"),
         (["--redis-url", "notaurl"], "--redis-url notaurl: Redis URL must specify"),
+        # The engine's settings, named by their flags (a ZeroDivisionError after the
+        # model loaded, a traceback from every rank of a data-parallel group).
+        (["--block-size", "0"], "--block-size must be at least 1, got 0"),
+        (
+            ["--num-speculative-tokens", "-1", "--data-parallel-size", "2"],
+            "--num-speculative-tokens must be at least 0, got -1",
+        ),
+        (
+            ["--max-model-len", "300", "--max-num-batched-tokens", "200"],
+            "--max-num-batched-tokens (200) is smaller than --max-model-len (300): without "
+            "chunked prefill a prompt of --max-model-len tokens could never be scheduled. "
+            "Raise the budget, lower --max-model-len, or set --enable-chunked-prefill.",
+        ),
     ],
 )
 def test_a_flag_no_engine_could_start_with_is_named(flags, message):

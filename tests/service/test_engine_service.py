@@ -233,6 +233,8 @@ def test_two_data_parallel_ranks_vote_through_gloo_and_serve(engines, client, re
     assert all(a.ok for a in answers)
     assert [a.token_ids for a in answers] == [reference(p, 12).token_ids for p in prompts]
     assert len(set().union(*(a.engines for a in answers))) == 2  # both ranks served
+    # Each rank is a fresh interpreter that logs as the first does (it said nothing).
+    assert f"engine {group.engine_id}-r1 ready" in group.log()
 
 
 def test_a_rank_that_fails_ends_its_whole_group(redis_url, keys, tmp_path):

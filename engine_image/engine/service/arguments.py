@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 
-from tandem.engine.config import EngineConfig, EngineType
+from tandem.engine.config import EngineConfig, EngineType, check_fields
 from tandem.engine.service.settings import WorkerSettings, check_values
 from tandem.protocol import Role
 
@@ -244,6 +245,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# EngineConfig's field names as its messages write them, for the flags that set them.
+_FIELD_NAMES = [*_ENGINE_FLAGS, "enable_chunked_prefill", "data_parallel_size"]
+_FIELD_NAME = re.compile(rf"\b({'|'.join(_FIELD_NAMES)})\b")
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -261,6 +267,10 @@ def check_arguments(args: argparse.Namespace) -> None:
     if not args.redis_wait >= 0:  # NaN too; 0: not at all
         raise ValueError(f"--redis-wait must be 0 or more seconds, got {args.redis_wait}")
     check_values(worker_fields(args), _flag)
+    try:
+        check_fields(engine_fields(args))
+    except ValueError as exc:  # its message names fields: name the flags that set them
+        raise ValueError(_FIELD_NAME.sub(lambda m: _flag(m.group(0)), str(exc))) from None
 
 
 def engine_fields(args: argparse.Namespace) -> dict[str, object]:

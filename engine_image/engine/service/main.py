@@ -17,7 +17,7 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tandem.engine.config import EngineConfig, derived_max_model_len
+from tandem.engine.config import EngineConfig, max_model_len_for
 from tandem.engine.llm import build_engine
 from tandem.engine.model.loader import kv_blocks_for, load_model
 from tandem.engine.service.arguments import (
@@ -46,7 +46,7 @@ PROBE_TIMEOUT_S = 0.5
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    _log_to_stderr()
     check_arguments(args)
     wait_for_redis(args.redis_url, args.redis_wait)
     if args.data_parallel_size > 1:
@@ -56,6 +56,7 @@ def main(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace, rank: int, vote: Vote | None = None) -> int:
     """Load the model, wire the service together, run until drained."""
+    _log_to_stderr()  # a data-parallel rank is a fresh interpreter
     role = Role(args.role)
     if args.threads is not None:
         # More threads than cores owned is far worse than too few: torch's OpenMP
@@ -71,11 +72,8 @@ def serve(args: argparse.Namespace, rank: int, vote: Vote | None = None) -> int:
         device=loaded.device,
         kv_cache_bytes=args.kv_cache_memory,
     )
-    fields.setdefault(
-        "max_model_len",
-        derived_max_model_len(
-            fields, loaded.config.max_position_embeddings, num_blocks * block_size
-        ),
+    fields["max_model_len"] = max_model_len_for(
+        fields, loaded.config.max_position_embeddings, num_blocks * block_size
     )
     config = EngineConfig(vocab_size=loaded.config.vocab_size, **fields)
     graphs = False if args.enforce_eager else None
@@ -212,6 +210,10 @@ def _default_advertise_host(bind: str) -> str:
     if bind not in ("0.0.0.0", "::", ""):
         return bind
     return os.environ.get("POD_IP") or socket.gethostbyname(socket.gethostname())
+
+
+def _log_to_stderr() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
 
 if __name__ == "__main__":
