@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from tandem.engine.admission import ContextLengthError, PromptTooLongError
 from tandem.engine.engine import Engine, EngineOutput, ParameterError
 from tandem.engine.request import SamplingParams
 from tandem.engine.service.handoff_flow import HandoffFlow
 from tandem.engine.service.heartbeat import Heartbeat
+from tandem.engine.service.held import Held
 from tandem.engine.service.metrics import EngineMetrics
 from tandem.engine.service.redis_io import RedisIO
 from tandem.engine.service.redis_outage import UNREACHABLE
@@ -39,23 +39,6 @@ from tandem.engine.service.settings import WorkerSettings
 from tandem.engine.service.wire_logprobs import wire_logprobs
 from tandem.engine.service.work_queue import Delivery
 from tandem.protocol import EngineInfo, ErrorCode, Handoff, ResponseEvent, Usage, WorkItem
-
-
-@dataclass
-class Held:
-    """A request this engine works on, and the Redis entry that stays pending meanwhile."""
-
-    delivery: Delivery
-    work: WorkItem
-    # Output tokens the client already has (resumed or sent by a PROMPT engine).
-    sent: int = 0
-    first_token_at: float | None = None
-    cached_tokens: int = 0
-    # Set when a cancellation or deadline arrives while the KV is still being fetched.
-    end_with: tuple[ErrorCode, str] | None = field(default=None)
-    # False once its entry is pending nowhere and no engine finished it (Redis lost
-    # it): served to the end, with nothing to keep alive, unless queued again.
-    pending: bool = True
 
 
 class EngineWorker:
