@@ -59,6 +59,9 @@ def _bindable(port: int) -> bool:
     return True
 
 
+APPEND_ONLY_FILE = "appendonly.aof"
+
+
 class RedisServer:
     """redis-server bound to 127.0.0.1, data in `data_dir` (default: a temporary folder).
 
@@ -92,6 +95,10 @@ class RedisServer:
         """How the server exited; None while it runs (or before it started)."""
         return None if self._process is None else self._process.poll()
 
+    def has_saved_data(self) -> bool:
+        """Whether a start now would load data back: its append-only file is there."""
+        return self.appendonly and (self.data_dir / APPEND_ONLY_FILE).is_file()
+
     def start(self, timeout: float = 10.0) -> RedisServer:
         """Start the server (again, after it died: same port, same folder, and with
         appendonly the data it had)."""
@@ -103,6 +110,7 @@ class RedisServer:
             "dir": str(self.data_dir),
             "save": "",  # no snapshots: the append-only file, if any, is the data
             "appendonly": "yes" if self.appendonly else "no",
+            "appendfilename": APPEND_ONLY_FILE,
             "appendfsync": "everysec",
         }
         argv = [str(binary)] + [item for k, v in args.items() for item in (f"--{k}", v)]

@@ -305,11 +305,18 @@ class Stack:
     def _restart_redis_if_dead(self, say) -> None:
         if self.redis is None or self.redis.alive:
             return
-        say(
-            f"redis exited ({self.redis.returncode}); restarting it on port {self.redis.port} "
-            "from its append-only file (queued requests are kept; at worst those of its last "
-            "second are lost, and the gateway queues those again; engines reconnect)"
-        )
+        if self.redis.has_saved_data():
+            kept = (
+                "from its append-only file (queued requests are kept; at worst those of its "
+                "last second are lost, and the gateway queues those again; engines reconnect)"
+            )
+        else:
+            kept = (
+                "empty: its append-only file is gone (the gateway queues the requests it "
+                "holds again; engines reconnect)"
+            )
+        port, code = self.redis.port, self.redis.returncode
+        say(f"redis exited ({code}); restarting it on port {port} {kept}")
         try:
             self.redis.start()
         except RuntimeError as exc:  # the port was taken meanwhile: nothing can recover

@@ -133,6 +133,12 @@ def test_the_embedded_redis_keeps_queued_requests_across_its_crash(tmp_path):
         assert "append-only file (queued requests are kept" in said[0]
         depth = queue_depth(client, Keys(), "m")
         assert (depth.total_waiting, depth.pending) == (1, 1)
+        # Its file deleted meanwhile, it comes back empty, and says so.
+        stack.redis.kill()
+        (stack.redis.data_dir / "appendonly.aof").unlink()
+        stack._restart_redis_if_dead(said.append)
+        assert "empty: its append-only file is gone" in said[1]
+        assert queue_depth(client, Keys(), "m").total_waiting == 0
     finally:
         client.close()
         stack.stop()
