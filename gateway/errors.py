@@ -111,6 +111,10 @@ def too_large(limit: int) -> GatewayError:
     )
 
 
+# The OpenAI SDKs retry every 408, 409, 429 and 5xx unless the answer says not to.
+NO_RETRY = {"x-should-retry": "false"}
+
+
 def rate_limited(
     message: str, code: str, retry_after: float | None, *, retryable: bool = True
 ) -> GatewayError:
@@ -118,8 +122,7 @@ def rate_limited(
     if retry_after is not None:
         headers["Retry-After"] = str(max(1, int(-(-retry_after // 1))))
     if not retryable:
-        # The OpenAI SDKs retry every 429 unless told not to.
-        headers["x-should-retry"] = "false"
+        headers.update(NO_RETRY)
     return GatewayError(
         429, message, type="rate_limit_error", code=code, headers=headers, reason=code
     )

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 import redis.asyncio as aioredis
 
-from tandem.gateway.errors import GatewayError, bad_request
+from tandem.gateway.errors import NO_RETRY, GatewayError, bad_request
 from tandem.protocol import RESPONSE_TTL_SECONDS
 
 _KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
@@ -85,6 +85,7 @@ class IdempotencyLedger:
                     param="Idempotency-Key",
                     code="idempotency_key_reused",
                     reason="idempotency_conflict",
+                    headers=NO_RETRY,  # the same request would be refused again
                 )
             return first
         raise GatewayError(503, "could not record the Idempotency-Key", type="server_error")

@@ -184,9 +184,7 @@ class CompletionRenderer(Renderer):
         return {
             "tokens": [e["token"] for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [
-                {t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries
-            ],
+            "top_logprobs": [_by_text(e["top_logprobs"]) for e in entries],
             "text_offset": offsets,
         }
 
@@ -195,3 +193,13 @@ class CompletionRenderer(Renderer):
         index: int, text: str, reason: str | None, logprobs: dict[str, Any] | None
     ) -> dict[str, Any]:
         return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": reason}
+
+
+def _by_text(top: list[dict[str, Any]]) -> dict[str, float]:
+    """The legacy format's {text: logprob}: tokens that decode alike (parts of
+    multi-byte characters all read U+FFFD) share a key, which keeps the likeliest
+    (the list comes most likely first): a greedy choice shows its own logprob."""
+    by_text: dict[str, float] = {}
+    for t in top:
+        by_text.setdefault(t["token"], t["logprob"])
+    return by_text

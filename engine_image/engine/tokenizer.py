@@ -8,6 +8,7 @@ Face transformers does, so prompts match what the model was trained on.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -82,6 +83,20 @@ class Tokenizer:
         if text is None:
             text = self._token_texts[token_id] = self.decode([token_id], False)
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes, as OpenAI's logprobs give them: a token holding part
+        of a multi-byte character (its text is U+FFFD) has that part's bytes, so a
+        client can join a run of them into the character."""
+        text = self.token_text(token_id)
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self._backend.id_to_token(token_id) or ""
+        if found := _BYTE_FALLBACK.fullmatch(piece):  # SentencePiece's <0xAB>
+            return bytes([int(found.group(1), 16)])
+        if piece and all(c in _BYTE_LEVEL for c in piece):  # GPT-2's byte-level BPE
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        return text.encode()
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
@@ -183,7 +198,19 @@ def _joined_text_parts(parts: list[Any], index: int) -> str:
         if not isinstance(part.get("text"), str):
             raise ValueError(f"message {index}: a text part needs a string 'text'")
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)  # as the gateway joins them (gateway/messages.py)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: printable bytes stand for
+    themselves, the others for the characters from U+0100 on, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class IncrementalDetokenizer:

@@ -122,7 +122,7 @@ def test_template_environment_is_like_transformers(tiny: Tokenizer) -> None:
                 "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
             }
         ]
-    ).startswith("<|im_start|>user\nab<|im_end|>")
+    ).startswith("<|im_start|>user\na\nb<|im_end|>")  # parts joined as the gateway does
 
 
 def test_chat_errors_are_value_errors(tiny: Tokenizer) -> None:
@@ -274,3 +274,44 @@ def test_a_tokens_text_is_its_own_decode_with_special_tokens_kept(smol: Tokenize
     ids = smol.encode("<|im_start|>Héllo, world")
     assert [smol.token_text(i) for i in ids] == [smol.decode([i], False) for i in ids]
     assert smol.token_text(ids[0]) == "<|im_start|>"  # kept, as logprobs name it
+
+
+# --- a token's own bytes (logprobs' "bytes") -------------------------------------------
+
+
+def _joined_bytes(tokenizer: Tokenizer, text: str) -> bytes:
+    return b"".join(tokenizer.token_bytes(i) for i in tokenizer.encode(text, False))
+
+
+def test_token_bytes_rebuild_characters_split_over_tokens(tiny: Tokenizer) -> None:
+    # Parts of a multi-byte character each decode to U+FFFD; their bytes are their own.
+    for text in TEXTS[:5]:
+        assert _joined_bytes(tiny, text) == text.encode()
+    # Each of the 256 byte tokens (ids 3-258) has its own byte, ASCII or not.
+    assert sorted(b for i in range(3, 259) for b in tiny.token_bytes(i)) == list(range(256))
+
+
+@needs_smollm2
+def test_token_bytes_of_smollm2(smol: Tokenizer) -> None:
+    for text in TEXTS[:5]:
+        assert _joined_bytes(smol, text) == text.encode()
+    assert smol.token_bytes(2) == b"<|im_end|>"  # a special token: its text's
+
+
+def test_token_bytes_of_sentencepiece_byte_fallback() -> None:
+    # Llama 2 style: unknown characters are <0xAB> tokens, spaces are "▁".
+    pieces = ["<unk>", "▁a", *(f"<0x{b:02X}>" for b in range(256))]
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [], byte_fallback=True))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    backend.decoder = tokenizers.decoders.Sequence(
+        [
+            tokenizers.decoders.Replace("▁", " "),
+            tokenizers.decoders.ByteFallback(),
+            tokenizers.decoders.Fuse(),
+        ]
+    )
+    tokenizer = Tokenizer(backend)
+    ids = tokenizer.encode("a 🎉")
+    assert len(ids) > 2 and all(tokenizer.token_text(i) == "\ufffd" for i in ids[-4:])
+    assert b"".join(tokenizer.token_bytes(i) for i in ids[-4:]) == "🎉".encode()

@@ -76,10 +76,12 @@ def test_chat_logprobs_cover_every_token_streamed_or_not(sdk):
     assert len(content) == reply.usage.completion_tokens == 10
     for entry in content:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
-        assert entry.bytes == list(entry.token.encode())
         # Greedy: each token is its position's most likely one.
         assert entry.top_logprobs[0].token == entry.token
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+    # Each token's own bytes: a character split over tokens (each reads U+FFFD) joins up.
+    joined = b"".join(bytes(e.bytes) for e in content)
+    assert joined.decode(errors="replace") == choice.message.content
     streamed = [
         item
         for chunk in sdk.chat.completions.create(
@@ -92,6 +94,20 @@ def test_chat_logprobs_cover_every_token_streamed_or_not(sdk):
         (e.token, round(e.logprob, 4)) for e in content
     ]
     assert sdk.chat.completions.create(**args, **GREEDY).choices[0].logprobs is None
+
+
+def test_the_token_that_ends_an_answer_and_writes_nothing_is_not_listed(sdk):
+    # EOS (id 2, <|im_end|>, forced here) ends the answer; OpenAI lists only the
+    # tokens of the text, though completion_tokens counts it.
+    args = dict(model="tiny", max_tokens=10, logit_bias={"2": 100}, logprobs=True, **GREEDY)
+    reply = sdk.chat.completions.create(messages=MESSAGES, top_logprobs=1, **args)
+    [choice] = reply.choices
+    assert (choice.message.content, choice.finish_reason) == ("", "stop")
+    assert choice.logprobs.content == [] and reply.usage.completion_tokens == 1
+    chunks = list(sdk.chat.completions.create(messages=MESSAGES, stream=True, **args))
+    assert not [c for c in chunks if c.choices and c.choices[0].logprobs]
+    lists = sdk.completions.create(prompt="Once", **{**args, "logprobs": 1}).choices[0].logprobs
+    assert lists.tokens == [] and lists.top_logprobs == []
 
 
 def test_completion_logprobs_are_parallel_lists(sdk):

@@ -93,6 +93,20 @@ def test_logprobs_follow_each_endpoints_model():
     assert second["choices"][0]["logprobs"]["text_offset"] == [3]
 
 
+def test_completion_top_logprobs_keep_the_likeliest_of_tokens_that_read_alike():
+    # Parts of multi-byte characters all read U+FFFD: one key in the legacy dict,
+    # which must keep the chosen (likeliest) token's logprob, not the last one's.
+    alike = [
+        {"token": "\ufffd", "logprob": -0.1, "bytes": [0xF0]},
+        {"token": "a", "logprob": -2.0, "bytes": [97]},
+        {"token": "\ufffd", "logprob": -6.5, "bytes": [0xE6]},
+    ]
+    entry = {**alike[0], "top_logprobs": alike}
+    completion = CompletionRenderer("xyz", 1, "tiny", include_usage=False, logprobs=True)
+    body = completion.response([ChoiceResult(["\ufffd"], "length", None, [entry])])
+    assert body["choices"][0]["logprobs"]["top_logprobs"] == [{"\ufffd": -0.1, "a": -2.0}]
+
+
 def test_sse_frames_are_data_lines():
     assert sse({"a": 1}) == b'data: {"a":1}\n\n'
     assert DONE == b"data: [DONE]\n\n"

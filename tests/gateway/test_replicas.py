@@ -82,10 +82,12 @@ def test_work_queued_through_a_stopped_replica_is_served_and_a_retry_gets_it(
     assert retry.usage.completion_tokens == answer.final.usage["completion_tokens"]
     assert engine.metric("tandem_engine_requests_total") == 1  # served once, not twice
 
-    with pytest.raises(openai.ConflictError):  # the same key for another request
+    with pytest.raises(openai.ConflictError) as conflict:  # the same key, another request
         b.openai().chat.completions.create(
             **{**ASK, "max_tokens": 3}, extra_headers={"Idempotency-Key": "order-42"}
         )
+    # The SDKs retry a 409 unless told not to: it would be refused again, each time.
+    assert conflict.value.response.headers["x-should-retry"] == "false"
     fresh = b.openai().chat.completions.create(**ASK)  # B keeps serving new requests
     assert fresh.id != retry.id and fresh.choices[0].message.content == answer.text
     conn.close()

@@ -3,7 +3,8 @@ logprobs, each token with its text and UTF-8 bytes, which the gateway cannot mak
 (it has no tokenizer).
 
 A token's text is its own decode, as vLLM gives it: a token holding part of a
-multi-byte character decodes to U+FFFD, and its bytes are that text's.
+multi-byte character decodes to U+FFFD. Its bytes are its own, as OpenAI gives
+them, so that a client joins a run of such tokens into the character.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ def wire_logprobs(
 
     def token(token_id: int, logprob: float) -> dict[str, Any]:
         # Without a tokenizer (token-id models) the id stands in for the text.
-        text = tokenizer.token_text(token_id) if tokenizer else f"<{token_id}>"
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        if tokenizer is None:
+            text, raw = f"<{token_id}>", f"<{token_id}>".encode()
+        else:
+            text, raw = tokenizer.token_text(token_id), tokenizer.token_bytes(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     return [
         {

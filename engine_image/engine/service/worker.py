@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 from tandem.engine.admission import ContextLengthError, PromptTooLongError
 from tandem.engine.engine import Engine, EngineOutput, ParameterError
+from tandem.engine.plan import TokenLogprobs
 from tandem.engine.request import SamplingParams
 from tandem.engine.service.handoff_flow import HandoffFlow
 from tandem.engine.service.heartbeat import Heartbeat
@@ -38,6 +39,7 @@ from tandem.engine.service.room import pull_room
 from tandem.engine.service.settings import WorkerSettings
 from tandem.engine.service.wire_logprobs import wire_logprobs
 from tandem.engine.service.work_queue import Delivery
+from tandem.engine.tokenizer import Tokenizer
 from tandem.protocol import EngineInfo, ErrorCode, Handoff, ResponseEvent, Usage, WorkItem
 
 
@@ -306,7 +308,8 @@ class EngineWorker:
         offset = out.num_output_tokens - len(out.new_token_ids)
         logprobs = None
         if out.logprobs is not None:
-            logprobs = wire_logprobs(out.logprobs, self.engine.tokenizer)
+            listed = _listed(out, self.engine.tokenizer)
+            logprobs = wire_logprobs(listed, self.engine.tokenizer) if listed else None
         event = ResponseEvent.tokens(
             offset, out.new_token_ids, out.text_delta, self.settings.engine_id, logprobs
         )
@@ -383,3 +386,14 @@ class EngineWorker:
             waiting=sched.num_waiting,
             waiting_prompt_tokens=sched.waiting_prompt_tokens,
         )
+
+
+def _listed(out: EngineOutput, tokenizer: Tokenizer | None) -> list[TokenLogprobs]:
+    """The logprobs a client sees: those of the tokens in its text. The token that
+    ended a request and wrote nothing (EOS, a special stop id) is not listed, as
+    OpenAI lists none (the offline API keeps it, with the token ids)."""
+    entries = out.logprobs or []
+    ended = out.finish_reason == "stop" and entries and tokenizer is not None
+    if ended and tokenizer.decode([entries[-1].token_id]) == "":
+        return entries[:-1]
+    return entries
