@@ -5,6 +5,7 @@ model; requests go in through the protocol module exactly as the gateway
 sends them.
 """
 
+import signal
 import socket
 import time
 
@@ -145,6 +146,41 @@ def test_kill_9_of_the_prompt_engine_before_the_fetch_recomputes(
     answer = client.answer(rid)
     assert answer.ok and answer.token_ids == reference(PROMPT, 20).token_ids
     assert decode.metric("tandem_engine_kv_transfer_failures_total", reason="unreachable") == 1
+
+
+def test_handoffs_a_decoder_has_no_room_for_go_back_for_one_that_has(
+    engines, client, redis_url, keys
+):
+    # A decoder's pool holds one of these sequences at a time. The first decoder pulls
+    # the six handoffs waiting, admits one, parks one, and gives the four others back
+    # at once; they waited behind the first, served one by one, while a decoder
+    # started for the load sat idle.
+    engines("prompt", "--max-model-len", "2048", "--num-kv-blocks", "450")
+    prompts = [[5 + i, *(10 + k % 400 for k in range(1099))] for i in range(6)]
+    rids = [client.submit(prompt_token_ids=p, sampling={"max_tokens": 900}) for p in prompts]
+    conn = redis.Redis.from_url(redis_url)
+    stream = keys.handoff_stream("tiny")
+    assert eventually(lambda: conn.xlen(stream) == 6, 60), "the prompts were not prefilled"
+    # One sequence of 2,048 tokens; the claim timeout past the test's horizon.
+    tight = ("--max-model-len", "2048", "--num-kv-blocks", "128", "--claim-idle-ms", "60000")
+    first = engines("completion", *tight)
+
+    def handed_back() -> int:  # pending, but idle as if for a day: any pull takes them
+        rows = conn.xpending_range(stream, HANDOFF_GROUP, "-", "+", 10)
+        return sum(row["time_since_delivered"] > 3_600_000 for row in rows)
+
+    assert eventually(lambda: handed_back() == 4, 30)
+    first.process.send_signal(signal.SIGSTOP)  # busy with its two for a while yet
+    second = engines("completion", *tight)
+    deadline, served = time.monotonic() + 25, 0
+    for rid in rids:
+        try:
+            answer = client.answer(rid, timeout=max(0.1, deadline - time.monotonic()))
+        except TimeoutError:
+            continue  # one the stopped decoder holds (until the claim timeout)
+        served += answer.ok and second.engine_id in answer.engines
+    conn.close()
+    assert served == 4
 
 
 def test_a_handoff_with_another_model_fingerprint_is_refused_and_recomputed(

@@ -62,3 +62,10 @@ def test_a_completion_engine_takes_handoffs_up_to_its_sequences(held):
     # The waiting limits are for prompts: a decoder only counts what it runs.
     got = pull_room(sched, settings(Role.COMPLETION, max_waiting=1, max_waiting_tokens=1), held)
     assert got == max(0, 8 - held)
+
+
+def test_a_completion_engine_with_a_handoff_waiting_for_room_takes_no_more():
+    # What it took now would wait behind it, where another decoder might start it.
+    sched = scheduler(EngineType.COMPLETION, max_num_seqs=8)
+    assert pull_room(sched, settings(Role.COMPLETION), held=3, parked=1) == 0
+    assert pull_room(sched, settings(Role.COMPLETION), held=3, parked=0) == 5

@@ -52,6 +52,11 @@ class HandoffFlow:
         self._waiting_room: list[tuple[Handoff, SamplingParams, list[int]]] = []
 
     @property
+    def num_parked(self) -> int:
+        """COMPLETION: handoffs taken that wait for room to admit their KV."""
+        return len(self._waiting_room)
+
+    @property
     def num_offers(self) -> int:
         return len(self.offers)
 

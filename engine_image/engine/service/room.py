@@ -12,12 +12,14 @@ from tandem.engine.service.settings import WorkerSettings
 from tandem.protocol import Role
 
 
-def pull_room(scheduler: Scheduler, settings: WorkerSettings, held: int) -> int:
+def pull_room(scheduler: Scheduler, settings: WorkerSettings, held: int, parked: int = 0) -> int:
     """Entries to take now: only what the engine can start soon.
 
     `held` counts the entries taken and not yet acknowledged. Nothing while KV
     usage is over the prefill watermark (what is pulled would only wait). A
-    COMPLETION engine takes handoffs up to `max_num_seqs` in flight; any other
+    COMPLETION engine takes handoffs up to `max_num_seqs` in flight, and none while
+    `parked` ones wait for room it has not got (those it took would wait with them,
+    while another decoder, a replica just started say, might start them); any other
     stops at `max_waiting_tokens` prompt tokens waiting, and else fills its
     waiting queue up to `max_waiting` entries and `max_num_seqs` in flight.
     A draining engine pulls nothing: callers check that first.
@@ -26,7 +28,7 @@ def pull_room(scheduler: Scheduler, settings: WorkerSettings, held: int) -> int:
     if scheduler.kv_usage > config.cache_prefill_watermark:
         return 0
     if settings.role is Role.COMPLETION:
-        return max(0, config.max_num_seqs - held)
+        return 0 if parked else max(0, config.max_num_seqs - held)
     if scheduler.waiting_prompt_tokens >= settings.max_waiting_tokens:
         return 0
     return max(0, min(settings.max_waiting - scheduler.num_waiting, config.max_num_seqs - held))

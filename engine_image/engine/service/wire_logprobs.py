@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem.engine.engine import EngineOutput
 from tandem.engine.plan import TokenLogprobs
 from tandem.engine.tokenizer import Tokenizer
 
@@ -35,3 +36,14 @@ def wire_logprobs(
         }
         for entry in entries
     ]
+
+
+def listed_logprobs(out: EngineOutput, tokenizer: Tokenizer | None) -> list[TokenLogprobs]:
+    """The logprobs a client sees: those of the tokens in its text. The token that
+    ended a request and wrote nothing (EOS, a special stop id) is not listed, as
+    OpenAI lists none (the offline API keeps it, with the token ids)."""
+    entries = out.logprobs or []
+    ended = out.finish_reason == "stop" and entries and tokenizer is not None
+    if ended and tokenizer.decode([entries[-1].token_id]) == "":
+        return entries[:-1]
+    return entries

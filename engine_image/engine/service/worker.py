@@ -26,7 +26,6 @@ from collections.abc import Callable
 
 from tandem.engine.admission import ContextLengthError, PromptTooLongError
 from tandem.engine.engine import Engine, EngineOutput, ParameterError
-from tandem.engine.plan import TokenLogprobs
 from tandem.engine.request import SamplingParams
 from tandem.engine.service.handoff_flow import HandoffFlow
 from tandem.engine.service.heartbeat import Heartbeat
@@ -37,9 +36,8 @@ from tandem.engine.service.redis_outage import UNREACHABLE
 from tandem.engine.service.redis_writes import RedisWrites
 from tandem.engine.service.room import pull_room
 from tandem.engine.service.settings import WorkerSettings
-from tandem.engine.service.wire_logprobs import wire_logprobs
+from tandem.engine.service.wire_logprobs import listed_logprobs, wire_logprobs
 from tandem.engine.service.work_queue import Delivery
-from tandem.engine.tokenizer import Tokenizer
 from tandem.protocol import EngineInfo, ErrorCode, Handoff, ResponseEvent, Usage, WorkItem
 
 
@@ -164,7 +162,8 @@ class EngineWorker:
     def _pull(self, *, block: bool) -> None:
         room = 0
         if not (self.outage.down or self._untaken or self._draining):
-            room = pull_room(self.engine.scheduler, self.settings, len(self.held))
+            parked = self.handoffs.num_parked if self.handoffs is not None else 0
+            room = pull_room(self.engine.scheduler, self.settings, len(self.held), parked)
         if self.outage.down or not (room or self._untaken):
             if block:
                 time.sleep(self.settings.idle_block_ms / 1000)
@@ -181,6 +180,11 @@ class EngineWorker:
             while self._untaken:
                 self._take(self._untaken[0])
                 del self._untaken[0]
+                if self._untaken and self.handoffs is not None and self.handoffs.num_parked:
+                    # No room for that handoff: the rest go back to the queue at once,
+                    # for a decoder that has room (a replica just started, say).
+                    self.io.queue.hand_back(self._untaken)
+                    self._untaken = []
         except UNREACHABLE as exc:
             self.outage.failed(exc, self.writes.holding(len(self.held)))
             return
@@ -308,7 +312,7 @@ class EngineWorker:
         offset = out.num_output_tokens - len(out.new_token_ids)
         logprobs = None
         if out.logprobs is not None:
-            listed = _listed(out, self.engine.tokenizer)
+            listed = listed_logprobs(out, self.engine.tokenizer)
             logprobs = wire_logprobs(listed, self.engine.tokenizer) if listed else None
         event = ResponseEvent.tokens(
             offset, out.new_token_ids, out.text_delta, self.settings.engine_id, logprobs
@@ -386,14 +390,3 @@ class EngineWorker:
             waiting=sched.num_waiting,
             waiting_prompt_tokens=sched.waiting_prompt_tokens,
         )
-
-
-def _listed(out: EngineOutput, tokenizer: Tokenizer | None) -> list[TokenLogprobs]:
-    """The logprobs a client sees: those of the tokens in its text. The token that
-    ended a request and wrote nothing (EOS, a special stop id) is not listed, as
-    OpenAI lists none (the offline API keeps it, with the token ids)."""
-    entries = out.logprobs or []
-    ended = out.finish_reason == "stop" and entries and tokenizer is not None
-    if ended and tokenizer.decode([entries[-1].token_id]) == "":
-        return entries[:-1]
-    return entries
