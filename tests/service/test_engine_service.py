@@ -324,6 +324,8 @@ def test_cancelling_a_request_whose_kv_is_offered_unpins_it_at_once(
     # heartbeat, not at the offer's expiry (it held the prompt engine's KV a minute).
     assert eventually(lambda: prompt.metric("tandem_engine_kv_pinned_requests") == 0, timeout=10)
     assert prompt.metric("tandem_engine_kv_cache_usage") == 0
+    final = client.answer(rid, timeout=10).final  # the stream ends, after the first token
+    assert (final.error_code, final.offset) == (ErrorCode.CANCELLED, 1)
     # A decoder that comes now acknowledges the handoff without fetching anything.
     decode = engines("completion")
     assert eventually(lambda: conn.xlen(keys.handoff_stream("tiny")) == 0)
@@ -344,6 +346,8 @@ def test_a_request_cancelled_while_queued_is_counted_where_it_ends(
     conn.close()
     assert engine.metric("tandem_engine_requests_total", outcome="cancelled") == 1
     assert engine.metric("tandem_engine_steps_total") == 0  # and it never ran
+    # Its stream ends: a gateway whose read missed the cancel stops reading.
+    assert client.answer(rid, timeout=10).final.error_code == ErrorCode.CANCELLED
 
 
 def test_the_waiting_tokens_integral_counts_a_prompt_from_pull_to_prefill(engines, client):

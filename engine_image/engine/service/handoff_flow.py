@@ -26,7 +26,7 @@ from tandem.engine.service.kv_transfer import KVLayout, PinnedKV
 from tandem.engine.service.metrics import EngineMetrics
 from tandem.engine.service.redis_io import RedisIO
 from tandem.engine.service.settings import WorkerSettings
-from tandem.protocol import Handoff, Role, WorkItem
+from tandem.protocol import ErrorCode, Handoff, ResponseEvent, Role, WorkItem
 
 
 class HandoffFlow:
@@ -110,6 +110,15 @@ class HandoffFlow:
         """Unpin an offer and free its KV (a fetch in flight fails and recomputes)."""
         if self.offers.remove(request_id):
             engine.release_handoff(request_id)
+
+    def withdraw_cancelled(self, engine: Engine, request_id: str, io: RedisIO, why: str) -> None:
+        """Its client left: withdraw the offer, and end its stream (a gateway whose
+        read missed the cancel reads on until a final event)."""
+        request = engine.scheduler.handoff.get(request_id)
+        sent = request.num_output_tokens if request is not None else 0
+        self.withdraw(engine, request_id)
+        event = ResponseEvent.error(ErrorCode.CANCELLED, why, self.settings.engine_id, sent)
+        io.responses.add(request_id, event)
 
     # ------------------------------------------------------ COMPLETION side
 

@@ -40,6 +40,8 @@ from tandem.engine.service.wire_logprobs import listed_logprobs, wire_logprobs
 from tandem.engine.service.work_queue import Delivery
 from tandem.protocol import EngineInfo, ErrorCode, Handoff, ResponseEvent, Usage, WorkItem
 
+_CANCELLED = "the client cancelled the request"
+
 
 class EngineWorker:
     def __init__(
@@ -142,8 +144,8 @@ class EngineWorker:
         offered = self.handoffs.offered_ids() if self.handoffs is not None else []
         for rid in self.io.cancelled([*self.held, *offered], redis_up=not self.outage.down):
             if rid in offered:  # no decoder will fetch it: unpin its KV now, not at expiry
-                self.handoffs.withdraw(self.engine, rid)
-            self._end(rid, ErrorCode.CANCELLED, "the client cancelled the request")
+                self.handoffs.withdraw_cancelled(self.engine, rid, self.io, _CANCELLED)
+            self._end(rid, ErrorCode.CANCELLED, _CANCELLED)
         if self.handoffs is not None:
             for rid in self.handoffs.absorb(self.engine, self.metrics):
                 held = self.held.get(rid)
@@ -216,9 +218,10 @@ class EngineWorker:
                 ),
             )
             return
-        if self.io.is_cancelled(rid):  # cancelled while queued: it ends here
-            self._to_ack.append(delivery)
-            self.metrics.request_ended(str(ErrorCode.CANCELLED))
+        if self.io.is_cancelled(rid):  # cancelled while queued: it ends here, said so
+            # (a gateway whose read missed the cancel reads on until a final event)
+            sent = len(message.first_token_ids) if isinstance(message, Handoff) else 0
+            self._fail(delivery, work, ErrorCode.CANCELLED, _CANCELLED, offset=sent)
             return
         # Every delivery, not only reclaimed ones: a gateway may retry a request id.
         history = self.io.responses.history(rid)
