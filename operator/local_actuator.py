@@ -97,11 +97,10 @@ class LocalActuator:
         self.policies = {r: scaling_policy(s) for r, s in self.roles.items()}
         self.replicas = {r: s.initial_replicas for r, s in self.roles.items()}
         # As the operator does for a role it sees first: the starting count counts as
-        # recommended now, so nothing scales down before a whole window of evidence.
+        # recommended now in both windows, so nothing scales, down or up, before a
+        # whole window of evidence.
         started = time.monotonic()
-        self.histories = {
-            r: ScalingHistory(recommendations=((started, self.replicas[r]),)) for r in self.roles
-        }
+        self.histories = {r: ScalingHistory.starting(started, self.replicas[r]) for r in self.roles}
         self.engines: dict[RoleName, list[EngineProcess]] = {r: [] for r in self.roles}
         self.decisions: list[Decision] = []  # every change, for `tandem up` output and tests
         self._serial = 0
