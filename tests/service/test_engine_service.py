@@ -155,14 +155,15 @@ def test_handoffs_a_decoder_has_no_room_for_go_back_for_one_that_has(
     # the six handoffs waiting, admits one, parks one, and gives the others back at
     # once; they waited behind the first, served one by one, while a decoder started
     # for the load sat idle.
-    engines("prompt", "--max-model-len", "2048", "--num-kv-blocks", "450")
-    prompts = [[5 + i, *(10 + k % 400 for k in range(1099))] for i in range(6)]
-    rids = [client.submit(prompt_token_ids=p, sampling={"max_tokens": 900}) for p in prompts]
+    engines("prompt", "--max-model-len", "1024", "--num-kv-blocks", "240")
+    prompts = [[5 + i, *(10 + k % 400 for k in range(549))] for i in range(6)]
+    for prompt in prompts:
+        client.submit(prompt_token_ids=prompt, sampling={"max_tokens": 450})
     conn = redis.Redis.from_url(redis_url)
     stream = keys.handoff_stream("tiny")
     assert eventually(lambda: conn.xlen(stream) == 6, 60), "the prompts were not prefilled"
-    # One sequence of 2,048 tokens; the claim timeout past the test's horizon.
-    tight = ("--max-model-len", "2048", "--num-kv-blocks", "128", "--claim-idle-ms", "60000")
+    # One sequence of 1,024 tokens; the claim timeout past the test's horizon.
+    tight = ("--max-model-len", "1024", "--num-kv-blocks", "64", "--claim-idle-ms", "60000")
     first = engines("completion", *tight)
 
     def handed_back() -> int:  # pending, but idle as if for a day: any pull takes them
@@ -173,15 +174,9 @@ def test_handoffs_a_decoder_has_no_room_for_go_back_for_one_that_has(
     assert eventually(lambda: handed_back() >= 3, 30)
     first.process.send_signal(signal.SIGSTOP)  # busy with its two for a while yet
     second = engines("completion", *tight)
-    deadline, served = time.monotonic() + 25, 0
-    for rid in rids:
-        try:
-            answer = client.answer(rid, timeout=max(0.1, deadline - time.monotonic()))
-        except TimeoutError:
-            continue  # one the stopped decoder holds (until the claim timeout)
-        served += answer.ok and second.engine_id in answer.engines
+    # It serves those it was given back, long before the claim timeout frees the rest.
+    assert eventually(lambda: second.metric("tandem_engine_requests_total") >= 3, 20)
     conn.close()
-    assert served >= 3
 
 
 def test_a_handoff_with_another_model_fingerprint_is_refused_and_recomputed(
