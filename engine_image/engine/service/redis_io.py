@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 
 import redis
 
@@ -63,19 +64,20 @@ class RedisIO:
                 released,
             )
 
-    def cancelled(self, held: list[str], *, redis_up: bool = True) -> set[str]:
+    def cancelled(self, held: Callable[[], list[str]], *, redis_up: bool = True) -> set[str]:
         """Request ids cancelled since the last call (from the pub/sub listener).
 
         After a dropped subscription, notices sent meanwhile are lost: then the
-        requests this engine holds are checked against the cancel keys, as soon
-        as Redis answers (never while `redis_up` is False: each try would wait
-        out the socket timeout).
+        requests this engine holds (`held()`, asked for only then: the loop calls
+        this every turn) are checked against the cancel keys, as soon as Redis
+        answers (never while `redis_up` is False: each try would wait out the
+        socket timeout).
         """
         cancelled = self._listener.drain()
         self._recheck = self._listener.take_gap() or self._recheck
         if not self._recheck or not redis_up:
             return cancelled
-        if held:
+        if held := held():
             try:
                 cancelled |= cancellation.cancelled_among(self.client, self.keys, held)
             except UNREACHABLE:

@@ -141,16 +141,21 @@ class EngineWorker:
     # ---------------------------------------------------------------- input
 
     def _absorb(self) -> None:
-        offered = self.handoffs.offered_ids() if self.handoffs is not None else []
-        for rid in self.io.cancelled([*self.held, *offered], redis_up=not self.outage.down):
-            if rid in offered:  # no decoder will fetch it: unpin its KV now, not at expiry
-                self.handoffs.withdraw_cancelled(self.engine, rid, self.io, _CANCELLED)
+        handoffs = self.handoffs
+        for rid in self.io.cancelled(self._watched, redis_up=not self.outage.down):
+            if handoffs is not None and handoffs.offered(rid):
+                # No decoder will fetch it: unpin its KV now, not at the offer's expiry.
+                handoffs.withdraw_cancelled(self.engine, rid, self.io, _CANCELLED)
             self._end(rid, ErrorCode.CANCELLED, _CANCELLED)
         if self.handoffs is not None:
             for rid in self.handoffs.absorb(self.engine, self.metrics):
                 held = self.held.get(rid)
                 if held is not None and held.end_with is not None:
                     self._end(rid, *held.end_with)
+
+    def _watched(self) -> list[str]:
+        """The requests a cancel concerns here: those held, and those whose KV is offered."""
+        return [*self.held, *(self.handoffs.offered_ids() if self.handoffs is not None else [])]
 
     def _expire(self) -> None:
         now = time.time()
