@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from tandem import strict_yaml
 from tandem.gateway.errors import forbidden, unauthorized
 
 ENV_VAR = "TANDEM_API_KEYS"
@@ -151,7 +152,7 @@ def _load(path: Path, text: str) -> Any:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not valid JSON: {exc}") from None
     try:
-        return yaml.safe_load(text)
+        return strict_yaml.load(text)
     except yaml.YAMLError as exc:
         raise ValueError(f"{path}: not valid YAML: {exc}") from None
 

@@ -14,6 +14,7 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,7 @@ class LocalActuator:
         log_dir: Path,
         keys: Keys | None = None,
         extra_engine_args: tuple[str, ...] = (),
+        say: Callable[[str], None] = log.info,
     ) -> None:
         self.name = name
         self.spec = spec
@@ -92,6 +94,7 @@ class LocalActuator:
         self.log_dir = log_dir
         self.keys = keys or Keys()
         self.extra_engine_args = extra_engine_args
+        self.say = say  # what `tandem up` prints: starts, exits, scales, holds
         self.model = spec.served_model_name(name)
         self.roles = spec.roles()
         self.policies = {r: scaling_policy(s) for r, s in self.roles.items()}
@@ -102,7 +105,9 @@ class LocalActuator:
         started = time.monotonic()
         self.histories = {r: ScalingHistory.starting(started, self.replicas[r]) for r in self.roles}
         self.engines: dict[RoleName, list[EngineProcess]] = {r: [] for r in self.roles}
-        self.decisions: list[Decision] = []  # every change, for `tandem up` output and tests
+        self.decisions: list[Decision] = []  # every change, for tests
+        # Each role's last hold said (its reason): a hold is said once, not every evaluation.
+        self._holds: dict[RoleName, str] = {}
         self._serial = 0
         self._redis = redis.Redis.from_url(redis_url)
 
@@ -148,26 +153,27 @@ class LocalActuator:
         child.start()
         engine = EngineProcess(role, child, port)
         self.engines[role].append(engine)
-        log.info("%s: started %s", self.name, engine.name)
+        self.say(f"{engine.name:<10} starting (log {child.log_path})")
         return engine
 
     def active(self, role: RoleName) -> list[EngineProcess]:
         return [e for e in self.engines[role] if not e.draining]
 
     def supervise(self) -> None:
-        """Restart engines that died (not those draining); forget drained ones that exited."""
+        """Restart engines that hung or died, with backoff and under their own engine id
+        (a pod's container restarts so); forget drained ones that exited."""
         now = time.monotonic()
-        for role, engines in self.engines.items():
+        for engines in self.engines.values():
             for engine in list(engines):
-                if engine.child.hung(now):
-                    log.warning("%s: %s stopped answering; killing it", self.name, engine.name)
-                    engine.child.kill()
-                if engine.child.alive:
-                    continue
-                engines.remove(engine)
                 if not engine.draining:
-                    log.warning("%s: %s exited; starting another", self.name, engine.name)
-                    self._spawn(role)
+                    for line in engine.child.supervise(now):
+                        self.say(line)
+                    continue
+                if engine.child.hung(now):
+                    self.say(f"{engine.name} stopped answering while draining; killing it")
+                    engine.child.kill()
+                if not engine.child.alive:
+                    engines.remove(engine)
 
     def close(self) -> None:
         """Let go of Redis. The stack stops the engines (`children()`), in order."""
@@ -186,7 +192,17 @@ class LocalActuator:
             self.histories[role] = decision.history
             if decision.changed:
                 self._resize(role, decision)
+            self._say_hold(role, decision)
         return decisions
+
+    def _say_hold(self, role: RoleName, decision: Decision) -> None:
+        """Say once why a role keeps its count while its signals ask for another."""
+        if decision.changed or decision.recommendation == decision.current:
+            self._holds.pop(role, None)
+            return
+        if self._holds.get(role) != decision.reason:
+            self._holds[role] = decision.reason
+            self.say(f"hold {decision.reason} (the signals ask for {decision.recommendation})")
 
     def _declare(self) -> None:
         """In the catalog, so that the gateway queues requests even while no engine runs."""
@@ -208,14 +224,7 @@ class LocalActuator:
             return observed
 
     def _resize(self, role: RoleName, decision: Decision) -> None:
-        log.info(
-            "%s: %s %d -> %d (%s)",
-            self.name,
-            role,
-            decision.current,
-            decision.replicas,
-            decision.reason,
-        )
+        self.say(decision.reason)
         self.decisions.append(decision)
         self.replicas[role] = decision.replicas
         active = self.active(role)
@@ -226,4 +235,4 @@ class LocalActuator:
             engine = active[i]
             engine.draining = True
             engine.child.signal(signal.SIGTERM)
-            log.info("%s: draining %s", self.name, engine.name)
+            self.say(f"{engine.name:<10} draining (it finishes what it runs, then exits)")

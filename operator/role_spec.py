@@ -201,7 +201,7 @@ def _kv_cache_target() -> Any:
         gt=0,
         le=1,
         alias="targetKVCacheUsage",
-        description="Mean KV cache usage (0-1) the autoscaler keeps the role at. Keep it below "
+        description="Mean KV cache usage (0-1) the autoscaler keeps the role at. It must be below "
         "engine.cachePrefillWatermark, where engines stop taking new prompts.",
     )
 

@@ -317,6 +317,23 @@ class ModelDeploymentSpec(SpecModel):
             "uses spec.normal",
             holds=lambda s: s.mode is not Mode.NORMAL or (s.prefill is None and s.decode is None),
         ),
+        # Engines take no new prompts (handoffs) above the watermark, so their KV usage
+        # seldom passes it: a target there would never ask for another pod.
+        *(
+            CelRule(
+                rule=f"!has(self.{role}) || "
+                f"self.{role}.targetKVCacheUsage < self.engine.cachePrefillWatermark",
+                message=f"spec.{role}.targetKVCacheUsage must be below "
+                "spec.engine.cachePrefillWatermark (0.9 by default): engines take no new "
+                "work above the watermark, so usage would never reach the target",
+                holds=lambda s, role=role: (
+                    getattr(s, role) is None
+                    or getattr(s, role).target_kv_cache_usage < s.engine.cache_prefill_watermark
+                ),
+                field_path=f".{role}.targetKVCacheUsage",
+            )
+            for role in ("normal", "decode")
+        ),
     )
 
     model: ModelSpec = Field(description="The weights and the name clients ask for.")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from tandem import strict_yaml
 from tandem.engine.config import EngineConfig
 from tandem.operator.role_name import RoleName
 from tandem.operator.scaling import policy as role_policy
@@ -156,7 +157,7 @@ def from_yaml(path: str | Path, tp: int = 1, vocab_size: int | None = None) -> D
     """The roles of a ModelDeployment manifest, validated as the operator validates it."""
     path = Path(path)
     try:
-        manifest = yaml.safe_load(path.read_text())
+        manifest = strict_yaml.load(path.read_text())
     except OSError as exc:
         raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:

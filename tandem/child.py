@@ -86,6 +86,31 @@ class Child:
         self._failures = 0 if _answers(self.live_url) else self._failures + 1
         return self._failures >= self.liveness_failures
 
+    def supervise(self, now: float) -> list[str]:
+        """Restart it if it hung or died, after its backoff; what to tell the user.
+
+        As the kubelet restarts a pod's container: the same child (its name, its
+        engine id) again, 1, 2, 4 ... 30 s after each failure in a row, so a
+        process that cannot start is not started again and again at once.
+        """
+        said = []
+        if self.restartable and self.hung(now):
+            said.append(f"{self.name} stopped answering {self.live_url}; killing it")
+            self.kill()
+        if self.alive or not self.restartable:
+            return said
+        if self.next_start == 0.0:
+            code = self.process.returncode if self.process else None
+            delay = self.backoff(now)
+            why = f": {self.last_error()}" if code else ""
+            said.append(f"{self.name} exited ({code}{why}); restarting in {delay:.0f}s")
+            self.next_start = now + delay
+        elif now >= self.next_start:
+            self.restarts += 1
+            self.next_start = 0.0
+            self.start()
+        return said
+
     def backoff(self, now: float) -> float:
         """Seconds to wait before starting it again, now that it died."""
         if now - self.started_at >= STABLE_AFTER_S:

@@ -104,10 +104,11 @@ def _read_manifest(path: Path) -> dict:
     """The ModelDeployment in `path`, checked as `tandem up` will run it (ValueError if not)."""
     import yaml
 
+    from tandem import strict_yaml
     from tandem.operator.local_actuator import load_manifest
 
     try:
-        document = yaml.safe_load(path.read_text())
+        document = strict_yaml.load(path.read_text())
     except OSError as exc:
         raise ValueError(f"cannot read -f {path}: {exc.strerror}") from None
     except yaml.MarkedYAMLError as exc:  # one line, not yaml's excerpt with a caret
@@ -250,7 +251,7 @@ UP_EPILOG = """\
 -f MANIFEST runs a ModelDeployment (what the operator serves in a cluster)
 here: its model, served name and mode replace --model, --served-model-name and
 --mode, and each role's engines are autoscaled between its minReplicas and
-maxReplicas. It needs kind: ModelDeployment, metadata.name, and the model as
+maxReplicas, evaluated every 5 s (docs/autoscaling.md). It needs kind: ModelDeployment, metadata.name, and the model as
 spec.model.path (a local directory, a .gguf file, smollm2 or random:<size>):
 spec.model.huggingFace and spec.model.pvc are for clusters only, so
 examples/smollm2-cpu.yaml runs here once its huggingFace source is replaced by

@@ -133,7 +133,7 @@ class Stack:
             say(f"redis      {self.redis_url} (embedded)")
         starting = []
         if self.deployment is not None:
-            starting += self._start_actuator()
+            starting += self._start_actuator(say)  # it says what it starts
         else:
             self._declare()  # requests sent while the engines load wait, as in a restart
             roles = ["normal"] if cfg.mode == "normal" else ["prompt", "completion"]
@@ -144,7 +144,7 @@ class Stack:
         self.children.append(self.gateway)
         for child in self.children:
             child.start()
-        for child in starting + self.children:
+        for child in self.children:
             say(f"{child.name:<10} starting (log {child.log_path})")
         self._wait_ready(say, starting + self.children)
 
@@ -161,7 +161,7 @@ class Stack:
             raise StartError(f"the embedded Redis did not start: {exc}") from None
         self.redis_url = self.redis.url
 
-    def _start_actuator(self) -> list[Child]:
+    def _start_actuator(self, say) -> list[Child]:
         from tandem.operator.local_actuator import LocalActuator
 
         name, spec = self.deployment
@@ -171,6 +171,7 @@ class Stack:
             redis_url=self.redis_url,
             log_dir=self.log_dir,
             extra_engine_args=self.config.engine_args,
+            say=say,
         )
         return self.actuator.start()
 
@@ -270,7 +271,8 @@ class Stack:
         while not self._stop.wait(0.5):
             self._restart_redis_if_dead(say)
             for child in self.children:
-                self._restart_if_dead(child, say)
+                for line in child.supervise(time.monotonic()):
+                    say(line)
             if self.actuator is None:
                 if time.monotonic() >= next_declaration:
                     next_declaration = time.monotonic() + DECLARE_EVERY_S
@@ -280,12 +282,7 @@ class Stack:
             if time.monotonic() >= next_evaluation:
                 next_evaluation = time.monotonic() + self.config.scale_every
                 try:
-                    for decision in self.actuator.evaluate().values():
-                        if decision.changed:
-                            say(
-                                f"scale {decision.role}: {decision.current} -> "
-                                f"{decision.replicas} ({decision.reason})"
-                            )
+                    self.actuator.evaluate()  # it says what it scales and holds
                 except Exception as exc:
                     say(f"autoscaler evaluation failed: {exc}")
 
@@ -322,23 +319,6 @@ class Stack:
         except RuntimeError as exc:  # the port was taken meanwhile: nothing can recover
             say(f"redis could not restart: {exc}; stopping")
             self._stop.set()
-
-    def _restart_if_dead(self, child: Child, say) -> None:
-        now = time.monotonic()
-        if child.restartable and child.hung(now):
-            say(f"{child.name} stopped answering {child.live_url}; killing it")
-            child.kill()
-        if child.alive or not child.restartable:
-            return
-        if child.next_start == 0.0:
-            code = child.process.returncode if child.process else None
-            delay = child.backoff(now)
-            say(f"{child.name} exited ({code}); restarting in {delay:.0f}s")
-            child.next_start = now + delay
-        elif now >= child.next_start:
-            child.restarts += 1
-            child.next_start = 0.0
-            child.start()
 
     def request_stop(self) -> None:
         self._stop.set()

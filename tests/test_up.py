@@ -183,17 +183,19 @@ def test_the_restart_backoff_grows_in_a_crash_loop_and_resets_after_a_long_run(t
     assert child.restarts == 0
 
 
-def test_a_dead_child_is_restarted_after_its_backoff(tmp_path):
-    stack = Stack(UpConfig(log_dir=tmp_path))
-    child = Child("worker", [sys.executable, "-c", "pass"], tmp_path / "w.log", "", True)
+def test_a_dead_child_is_restarted_after_its_backoff_and_says_why_it_failed(tmp_path):
+    exits = "import sys; print('starting'); sys.exit('tandem: error: no such model')"
+    child = Child("worker", [sys.executable, "-c", exits], tmp_path / "w.log", "", True)
     child.start()
     child.process.wait()
-    said: list[str] = []
-    stack._restart_if_dead(child, said.append)
-    assert said == ["worker exited (0); restarting in 1s"]
+    assert child.supervise(time.monotonic()) == [
+        "worker exited (1: no such model); restarting in 1s"
+    ]
     first = child.process
+    assert child.supervise(time.monotonic()) == []  # within the backoff
+    assert child.process is first
     child.next_start = time.monotonic()  # the backoff is over
-    stack._restart_if_dead(child, said.append)
+    assert child.supervise(time.monotonic()) == []
     assert child.process is not first and child.restarts == 1
     child.process.wait()
 

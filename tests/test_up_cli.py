@@ -128,6 +128,22 @@ def test_flags_that_the_manifest_sets_are_refused_with_f(tmp_path, capsys, flag,
     )
 
 
+def test_a_key_given_twice_in_the_manifest_is_refused_as_kubectl_refuses_it(tmp_path, capsys):
+    manifest = tmp_path / "twice.yaml"
+    text = yaml.safe_dump(DISAGGREGATED, sort_keys=False)
+    # The second maxReplicas would win silently, where kubectl refuses the document.
+    manifest.write_text(
+        text.replace("  decode:\n", "  decode:\n    maxReplicas: 3\n    maxReplicas: 1\n")
+    )
+    assert cli.main(["up", "-f", str(manifest), "--port", str(free_port())]) == 2
+    error = capsys.readouterr().err
+    line = manifest.read_text().split("\n").index("    maxReplicas: 1") + 1
+    assert error == (
+        f"tandem: error: -f {manifest} is not valid YAML: key 'maxReplicas' is given twice "
+        f"(first at line {line - 1}) at line {line}, column 5\n"
+    )
+
+
 def test_the_banner_reports_the_mode_and_engines_a_manifest_runs(tmp_path):
     stack = Stack(UpConfig(manifest=DISAGGREGATED, log_dir=tmp_path))
     text = cli.banner(stack)

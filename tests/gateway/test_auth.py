@@ -107,6 +107,9 @@ def test_no_keys_at_all_is_refused_unless_open(tmp_path):
         KeyStore.load(str(tmp_path / "missing.json"), None)
     with pytest.raises(ValueError, match="not valid JSON"):
         _store(tmp_path, "[{")
+    # A YAML key written twice: PyYAML kept the second (here: a limit silently dropped).
+    with pytest.raises(ValueError, match="key 'rpm' is given twice"):
+        _store(tmp_path, "- key: sk-a\n  name: a\n  rpm: 10\n  rpm: \n", "k.yaml")
 
 
 def test_a_file_key_named_like_an_environment_key_says_whose_name_it_is(tmp_path):

@@ -211,7 +211,7 @@ _engine = st.fixed_dictionaries(
         "maxNumSeqs": st.integers(1, 512),
         "enableChunkedPrefill": st.booleans(),
         "numSpeculativeTokens": st.integers(0, 4),
-        "cachePrefillWatermark": st.floats(0.01, 1.0),
+        "cachePrefillWatermark": st.floats(0.75, 1.0),  # above every targetKVCacheUsage
         "blockSize": st.sampled_from([8, 16, 32]),
         "enablePrefixCaching": st.booleans(),
         "cudaGraphs": st.booleans(),
@@ -224,7 +224,7 @@ _model = st.one_of(
     st.fixed_dictionaries({"pvc": st.fixed_dictionaries({"claimName": st.just("c")})}),
     st.fixed_dictionaries({"huggingFace": st.fixed_dictionaries({"id": st.just("o/m")})}),
 )
-_kv = {"targetKVCacheUsage": st.floats(0.01, 1.0)}
+_kv = {"targetKVCacheUsage": st.floats(0.01, 0.7)}
 _queued = {"targetQueuedTokensPerReplica": st.integers(1, 10**6)}
 _specs = st.one_of(
     st.fixed_dictionaries(

@@ -1,0 +1,87 @@
+"""`tandem up -f`'s actuator on its own: engines that die come back with backoff under
+their own id, and what it does (or holds back from doing) is said once. Real Redis
+and engine processes."""
+
+import time
+
+import pytest
+
+from tandem.operator.local_actuator import LocalActuator, load_manifest
+from tandem.operator.role_name import RoleName
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _manifest(**normal):
+    return {
+        "kind": "ModelDeployment",
+        "metadata": {"name": "tiny"},
+        "spec": {
+            "model": {"path": "random:tiny"},
+            "engine": {"maxModelLen": 256, "kvCacheMemory": "1Mi", "dtype": "float32"},
+            "normal": {"minReplicas": 1, "maxReplicas": 3, **normal},
+        },
+    }
+
+
+@pytest.fixture
+def actuator(redis_url, keys, tmp_path):
+    made = []
+
+    def make(manifest, extra_engine_args=()):
+        name, spec = load_manifest(manifest)
+        said = []
+        actuator = LocalActuator(
+            name,
+            spec,
+            redis_url=redis_url,
+            log_dir=tmp_path,
+            keys=keys,
+            extra_engine_args=extra_engine_args,
+            say=said.append,
+        )
+        made.append(actuator)
+        return actuator, said
+
+    yield make
+    for actuator in made:
+        for child in actuator.children():
+            child.kill()
+        actuator.close()
+
+
+def test_an_engine_that_cannot_start_is_restarted_with_backoff_under_its_own_id(actuator):
+    local, said = actuator(_manifest(), extra_engine_args=("--no-such-flag",))
+    (child,) = local.start()
+    assert said == [f"normal-1   starting (log {child.log_path})"]
+    child.process.wait(timeout=30)  # `tandem engine` refuses the flag at once
+    local.supervise()
+    assert said[1].startswith("normal-1 exited (2: ") and "--no-such-flag" in said[1]
+    assert said[1].endswith("; restarting in 1s")
+    first = child.process
+    for _ in range(3):  # within its backoff: not started again, nothing more said
+        local.supervise()
+    assert child.process is first and len(said) == 2
+    child.next_start = time.monotonic()  # the backoff is over
+    local.supervise()
+    # The same engine (its id: its predecessor's pending requests are its own), not another.
+    assert local.children() == [child] and child.process is not first
+    assert "--engine-id=tiny-normal-1" in child.argv
+    child.process.wait(timeout=30)
+    local.supervise()
+    assert said[-1].endswith("; restarting in 2s")  # a crash loop backs off further
+
+
+def test_a_scale_up_held_by_its_window_is_said_once(actuator, redis_client, keys):
+    local, said = actuator(
+        _manifest(targetQueuedTokensPerReplica=100, scaleUpStabilizationSeconds=60)
+    )
+    # 1,000 prompt tokens queued ask for 10 engines; no engine runs (none started).
+    redis_client.set(keys.queued_tokens("tiny"), 1000)
+    redis_client.xadd(keys.work_streams("tiny")[0], {"r": "1"})
+    for _ in range(3):
+        (decision,) = local.evaluate().values()
+        assert decision.replicas == 1 and decision.recommendation == 10
+    assert said == [f"hold {decision.reason} (the signals ask for 10)"]
+    assert "scale-up held at 1 by the 60s window" in said[0]
+    assert local.replicas == {RoleName.NORMAL: 1}
