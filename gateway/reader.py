@@ -56,6 +56,8 @@ class AsyncResponseReader:
         self.keys = keys
         self.block_ms = block_ms
         self.outage_s = outage_s
+        # Reads whose request was cancelled (the client went away), left to end.
+        self._abandoned: set[asyncio.Task] = set()
 
     async def events(
         self, request_ids: Sequence[str], deadline: float, watch: Watch | None = None
@@ -86,7 +88,7 @@ class AsyncResponseReader:
             if left_ms <= 0:
                 raise DeadlinePassed(f"deadline passed for {', '.join(request_ids)}")
             try:
-                reply = await self.client.xread(last, block=min(self.block_ms, left_ms))
+                reply = await self._read(last, min(self.block_ms, left_ms))
             except (RedisConnectionError, RedisTimeoutError):
                 # The client's own retries (about 0.3 s) did not outlast a restart.
                 now = time.monotonic()
@@ -110,3 +112,25 @@ class AsyncResponseReader:
             if watch is not None and last:
                 for i in await watch.requeued(open_choices):
                     last[names[i]] = "0-0"
+
+    async def _read(self, last: Mapping[str, str], block_ms: int) -> list:
+        """XREAD, left to end on its own if the caller is cancelled.
+
+        A blocking read cancelled midway leaves its connection with a reply on the
+        way, so redis-py closes it: every cancelled stream (a client gone) cost a
+        new connection, hundreds a second of them under cancels, each left in
+        TIME_WAIT. Shielded, the read ends within block_ms (1 s at most) and its
+        connection goes back to the pool.
+        """
+        read = asyncio.ensure_future(self.client.xread(last, block=block_ms))
+        try:
+            return await asyncio.shield(read)
+        except asyncio.CancelledError:
+            self._abandoned.add(read)  # a strong reference: asyncio keeps weak ones
+            read.add_done_callback(self._forget)
+            raise
+
+    def _forget(self, read: asyncio.Task) -> None:
+        self._abandoned.discard(read)
+        if not read.cancelled():
+            read.exception()  # retrieved: a failed abandoned read is nobody's error

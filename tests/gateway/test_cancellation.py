@@ -7,6 +7,7 @@ import socket
 from collections.abc import Iterator
 
 import pytest
+import redis
 from support.engines import EngineProcess
 from support.polling import eventually
 
@@ -96,3 +97,29 @@ def test_a_non_streaming_client_that_disconnects_cancels_too(shared_gateway, sha
         model="tiny", messages=LONG["messages"], max_tokens=2
     )
     assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_cancelled_streams_leave_their_redis_connections_to_the_next_requests(
+    shared_gateway, shared_engine, redis_server
+):
+    # A blocking read cancelled midway made redis-py close its connection: each
+    # cancelled stream cost a new one (and a socket in TIME_WAIT).
+    info = redis.Redis.from_url(redis_server.url)
+    opened = info.info("stats")["total_connections_received"]
+    client = shared_gateway.openai()
+    for _ in range(10):
+        stream = client.chat.completions.create(
+            **{k: v for k, v in LONG.items() if k != "ignore_eos"},
+            extra_body={"ignore_eos": True},
+            stream=True,
+        )
+        for received, _chunk in enumerate(stream):
+            if received >= 3:
+                break
+        stream.close()
+    assert eventually(lambda: shared_engine.metric("tandem_engine_kv_cache_usage") == 0)
+    client.close()
+    # A few new ones: an abandoned read holds its connection up to a second (its
+    # block), while the next request reads on another. Not one per cancel.
+    assert info.info("stats")["total_connections_received"] - opened <= 6
+    info.close()
