@@ -24,6 +24,7 @@ from tandem.backlog import (
 )
 from tandem.protocol import (
     CANCEL_TTL_SECONDS,
+    DELIVERED_RESPONSE_TTL_SECONDS,
     RESPONSE_TTL_SECONDS,
     EngineInfo,
     Keys,
@@ -122,6 +123,17 @@ class Broker:
             # MULTI: a listener told of the cancellation always finds the key too.
             pipe.set(self.keys.cancel_key(request_id), "1", ex=CANCEL_TTL_SECONDS)
             pipe.publish(self.keys.cancel_channel, request_id)
+        await pipe.execute()
+
+    async def delivered(self, request_ids: Sequence[str]) -> None:
+        """Shorten the response streams' lives: their readers have them whole.
+
+        Each holds ~280 bytes a token; at the full TTL (10 min) a busy gateway's
+        answers would take gigabytes of Redis long after anyone needs them.
+        """
+        pipe = self.client.pipeline(transaction=False)
+        for request_id in request_ids:
+            pipe.expire(self.keys.response_stream(request_id), DELIVERED_RESPONSE_TTL_SECONDS)
         await pipe.execute()
 
     async def live_engines(self, model: str | None = None) -> list[EngineInfo]:

@@ -102,6 +102,8 @@ class Generation:
                     )
                 self._absorb(index, event)
                 yield index, event
+            if self.ticket.ledger_key is None:  # no retry will read them again
+                await self._delivered()
         except DeadlinePassed:
             await self.abandon("deadline")
             raise deadline_exceeded(
@@ -115,6 +117,12 @@ class Generation:
             ) from None
         except (RedisError, OSError) as exc:
             raise unavailable(f"Lost the connection to Redis while reading: {exc}") from None
+
+    async def _delivered(self) -> None:
+        try:
+            await self.broker.delivered(self.ticket.request_ids)
+        except (RedisError, OSError) as exc:  # the streams expire at their full TTL
+            log.debug("could not shorten the TTL of %s: %s", self.ticket.base_id, exc)
 
     async def _stall(self) -> str:
         """The likely cause of a deadline, from the directory's (cached) registry."""

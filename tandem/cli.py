@@ -251,7 +251,8 @@ UP_EPILOG = """\
 -f MANIFEST runs a ModelDeployment (what the operator serves in a cluster)
 here: its model, served name and mode replace --model, --served-model-name and
 --mode, and each role's engines are autoscaled between its minReplicas and
-maxReplicas, evaluated every 5 s (docs/autoscaling.md). It needs kind: ModelDeployment, metadata.name, and the model as
+maxReplicas, evaluated every 5 s (docs/autoscaling.md). It needs kind:
+ModelDeployment, metadata.name, and the model as
 spec.model.path (a local directory, a .gguf file, smollm2 or random:<size>):
 spec.model.huggingFace and spec.model.pvc are for clusters only, so
 examples/smollm2-cpu.yaml runs here once its huggingFace source is replaced by

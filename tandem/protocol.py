@@ -125,6 +125,10 @@ class Keys:
 # How long a response stream lives after its last event: long enough for a
 # slow client and for an engine that re-delivers the request to see it ended.
 RESPONSE_TTL_SECONDS = 600
+# ...and once a gateway delivered all of it to a client that sent no
+# Idempotency-Key (no retry will attach to it): past an engine's takeover of a
+# request whose final event was written but not acknowledged (claim_idle, 30 s).
+DELIVERED_RESPONSE_TTL_SECONDS = 60
 # A cancellation is remembered this long (a request queued longer is rare).
 CANCEL_TTL_SECONDS = 3600
 # A request id stays marked queued this long: far longer than a producer's
