@@ -127,6 +127,11 @@ async def _model(client: httpx.AsyncClient, target: Target) -> str:
         response = await client.get(url)
     except httpx.HTTPError as exc:
         raise ValueError(f"cannot reach {url}: {_reason(exc)}") from None
+    if response.status_code in (401, 403):  # every request would be refused alike
+        raise ValueError(
+            f"{url} answered {response.status_code}: the server refuses the API key; "
+            "check --api-key (or $TANDEM_API_KEY / $OPENAI_API_KEY)"
+        )
     if target.model:
         return target.model  # any answer will do: not every server lists its models
     if response.status_code != 200:

@@ -102,7 +102,11 @@ class Child:
         if self.next_start == 0.0:
             code = self.process.returncode if self.process else None
             delay = self.backoff(now)
-            why = f": {self.last_error()}" if code else ""
+            why = ""
+            if code is not None and code < 0:  # a signal: its log says nothing of it
+                why = f": killed by {signal.Signals(-code).name}"
+            elif code:
+                why = f": {self.last_error()}"
             said.append(f"{self.name} exited ({code}{why}); restarting in {delay:.0f}s")
             self.next_start = now + delay
         elif now >= self.next_start:

@@ -198,6 +198,14 @@ def test_a_dead_child_is_restarted_after_its_backoff_and_says_why_it_failed(tmp_
     assert child.supervise(time.monotonic()) == []
     assert child.process is not first and child.restarts == 1
     child.process.wait()
+    # Killed: its log's last line is about something else.
+    child.argv = [sys.executable, "-c", "import os; print('serving'); os.kill(os.getpid(), 9)"]
+    child.next_start = 0.0
+    child.start()
+    child.process.wait()
+    assert child.supervise(time.monotonic()) == [
+        "worker exited (-9: killed by SIGKILL); restarting in 2s"
+    ]
 
 
 def test_a_failed_start_stops_everything_and_keeps_the_log_that_says_why(monkeypatch):

@@ -141,6 +141,13 @@ def test_crd_chart_can_let_the_crds_go(helm):
         assert "helm.sh/resource-policy" not in crd["metadata"].get("annotations", {})
 
 
+def test_crd_chart_can_leave_kopf_peering_to_another_release(helm):
+    names = {crd["metadata"]["name"] for crd in render(helm, CRD_CHART)}
+    assert "kopfpeerings.kopf.dev" in names and "clusterkopfpeerings.kopf.dev" in names
+    alone = [crd["metadata"]["name"] for crd in render(helm, CRD_CHART, sets=["kopfPeering=false"])]
+    assert alone == ["modeldeployments.serving.tandem.dev"]
+
+
 def test_chart_versions_follow_the_project(helm):
     version = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M)
     assert version is not None

@@ -1,6 +1,8 @@
 """`tandem bench` arguments: bad ones are refused with a message naming the problem (exit 2)."""
 
+import http.server
 import socket
+import threading
 
 import pytest
 
@@ -90,3 +92,26 @@ def test_a_server_that_never_answers_is_said_to_time_out(capsys, monkeypatch):
         url = f"http://127.0.0.1:{server.getsockname()[1]}/v1"
         assert cli.main(["bench", "--url", url, "--model", "m", "-n", "1", "-q"]) == 2
     assert f"cannot reach {url}/models: no answer within 0.2 s" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", [[], ["--model", "m"]])
+def test_a_refused_api_key_stops_the_bench_naming_the_flag(model, capsys):
+    class Refuses(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(401)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuses) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        argv = ["bench", "--url", url, "--api-key", "bad", *model, "-n", "3", "-q"]
+        assert cli.main(argv) == 2
+        server.shutdown()
+    err = capsys.readouterr().err
+    assert err == (
+        f"tandem: error: {url}/models answered 401: the server refuses the API key; "
+        "check --api-key (or $TANDEM_API_KEY / $OPENAI_API_KEY)\n"
+    )
