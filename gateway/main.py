@@ -17,7 +17,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=default.host, help="address to bind")
     parser.add_argument("--port", type=int, default=default.port, help="HTTP port")
     parser.add_argument(
-        "--redis-url", default=os.environ.get("TANDEM_REDIS_URL", default.redis_url)
+        "--redis-url",
+        default=os.environ.get("TANDEM_REDIS_URL", default.redis_url),
+        # Not the value: the variable's may hold a password.
+        help=f"default: $TANDEM_REDIS_URL, else {default.redis_url}",
     )
     parser.add_argument(
         "--key-prefix", default=default.key_prefix, help="prefix of every Redis key"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import importlib
 import sys
@@ -190,6 +191,23 @@ SERVICES = {
 }
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Each option's default in its help, where it has one worth showing and the
+    help does not say it already (the gateway's, the bench's and the simulator's
+    flags were silent about theirs)."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        default = action.default
+        hidden = (None, False, argparse.SUPPRESS)  # by identity: 0 is a default to show
+        shown = not any(default is h for h in hidden) and default not in (float("inf"), ())
+        text = action.help or ""
+        silent = text is not argparse.SUPPRESS and "default" not in text
+        if action.option_strings and shown and silent:
+            action = copy.copy(action)
+            action.help = f"{text} (default: %(default)s)" if text else "default: %(default)s"
+        return super()._format_action(action)
+
+
 def _run_service(args: argparse.Namespace) -> int:
     return importlib.import_module(SERVICES[args.command][2]).main(args)
 
@@ -198,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for command, (help_text, arguments, _) in SERVICES.items():
-        service = sub.add_parser(command, help=help_text)
+        service = sub.add_parser(command, help=help_text, formatter_class=_DefaultsFormatter)
         importlib.import_module(arguments).add_arguments(service)
         service.set_defaults(func=_run_service)
 
