@@ -128,7 +128,7 @@ class Broker:
     async def delivered(self, request_ids: Sequence[str]) -> None:
         """Shorten the response streams' lives: their readers have them whole.
 
-        Each holds ~280 bytes a token; at the full TTL (10 min) a busy gateway's
+        Each holds ~120 bytes a token; at the full TTL (10 min) a busy gateway's
         answers would take gigabytes of Redis long after anyone needs them.
         """
         pipe = self.client.pipeline(transaction=False)
