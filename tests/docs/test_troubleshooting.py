@@ -9,9 +9,11 @@ A reworded message in the code fails this test until the page is updated.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -51,6 +53,7 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> str:
         capture_output=True,
         text=True,
         timeout=120,
+        cwd=ROOT,  # the page's relative paths (examples/...)
         env={k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")} | (env or {}),
         check=False,
     )
@@ -93,6 +96,15 @@ def _helm_error(*sets: str) -> str:
 def _no_credentials(request: pytest.FixtureRequest) -> str:
     tmp = request.getfixturevalue("tmp_path")
     return _cli("operator", env={"KUBECONFIG": str(tmp / "none"), "HOME": str(tmp)})
+
+
+def _port_in_use() -> str:
+    """`tandem up` on the page's port 8000, taken (here, or by whatever holds it)."""
+    with socket.socket() as taken:
+        with contextlib.suppress(OSError):  # already taken: the same refusal
+            taken.bind(("127.0.0.1", 8000))
+            taken.listen()
+        return _cli("up", "--port", "8000")
 
 
 def _fetch_without_hub() -> str:
@@ -148,6 +160,8 @@ PRODUCERS: dict[str, Callable[[Path], str]] = {
         *("--redis-url", request.getfixturevalue("redis_url")),
     ),
     "fetch-no-hub": lambda _: _fetch_without_hub(),
+    "up-port-in-use": lambda _: _port_in_use(),
+    "up-cluster-manifest": lambda _: _cli("up", "-f", "examples/smollm2-cpu.yaml"),
     "gateway-no-keys": lambda _: _cli("gateway", "--redis-url", "redis://127.0.0.1:1/0"),
     "operator-no-credentials": _no_credentials,
     "401-missing": lambda _: _http("/v1/models"),
