@@ -18,6 +18,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from tandem.engine.admission import check_fits
 from tandem.engine.config import EngineConfig
 from tandem.engine.plan import StepPlan, TokenLogprobs
 from tandem.engine.request import Request, RequestStatus, SamplingParams
@@ -132,14 +133,15 @@ class Engine:
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         generated_token_ids: list[int] | None = None,
+        generated_text: str | None = None,
         exact_max_tokens: bool = False,
     ) -> Request:
         """Queue a request; raises ValueError (e.g. PromptTooLongError) if it cannot run.
 
         generated_token_ids resumes a request another engine started: those
-        tokens were already sent, so they are recomputed (not sampled again) and
-        generation continues after them. exact_max_tokens: see Scheduler.add_request
-        (ContextLengthError).
+        tokens were already sent (with generated_text, when known), so they are
+        recomputed (not sampled again) and generation continues after them.
+        exact_max_tokens: see Scheduler.add_request (ContextLengthError).
         """
         request = self._make_request(request_id, prompt, prompt_token_ids, sampling_params)
         request.priority = priority
@@ -150,7 +152,7 @@ class Engine:
                 self._finished_early.append((request, "stop"))
                 return request
         self.scheduler.add_request(request, exact_max_tokens=exact_max_tokens)
-        self._track(request)
+        self._track(request, generated_text)
         return request
 
     def _make_request(
@@ -187,18 +189,30 @@ class Engine:
         prompt_token_ids: list[int],
         first_token_ids: list[int],
         sampling_params: SamplingParams,
+        sent_text: str | None = None,
     ) -> list[int] | None:
         """COMPLETION engine: reserve KV for a request prefilled elsewhere.
 
         Returns the block table the KV transfer writes into, or None when there
         is no room yet. Then call handoff_received (KV arrived) or
-        handoff_failed (recompute it here).
+        handoff_failed (recompute it here). sent_text: what the events of
+        first_token_ids carried, when known.
         """
         request = self._make_request(request_id, None, prompt_token_ids, sampling_params)
         table = self.scheduler.admit_handoff(request, first_token_ids)
         if table is not None:
-            self._track(request)
+            self._track(request, sent_text)
         return table
+
+    def check_handoff_fits(
+        self, prompt_token_ids: list[int], params: SamplingParams, exact_max_tokens: bool
+    ) -> None:
+        """COMPLETION engine: raise admission's errors for a request its context can
+        never hold (a prompt engine with a longer max_model_len prefilled it): such a
+        handoff would wait for room for ever, or stop short at this max_model_len."""
+        check_fits(
+            self.config, len(prompt_token_ids), params.max_tokens, exact_max_tokens=exact_max_tokens
+        )
 
     def handoff_received(self, request_id: str) -> None:
         self.scheduler.handoff_received(request_id)
@@ -220,7 +234,7 @@ class Engine:
             if vocab is not None and token >= vocab:
                 raise ValueError(f"prompt token id {token} is outside the vocabulary ({vocab})")
 
-    def _track(self, request: Request) -> None:
+    def _track(self, request: Request, sent_text: str | None = None) -> None:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(
@@ -229,8 +243,8 @@ class Engine:
             if request.num_output_tokens:
                 # Tokens generated elsewhere (a PROMPT engine, or an engine that died):
                 # replay them so this detokenizer is where the other one was, with any
-                # half-decoded character still pending; the text itself was sent.
-                detok.add(request.output_token_ids)
+                # half-decoded character still pending and what was sent counted so.
+                detok.resume(request.output_token_ids, sent_text)
         self._tracked[request.request_id] = _Tracked(request, detok)
 
     def abort(self, request_id: str) -> EngineOutput | None:

@@ -271,6 +271,20 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self._ids)
         return self._consume(after[len(before) :], final=False)
 
+    def resume(self, token_ids: Sequence[int], sent_text: str | None = None) -> None:
+        """Continue after tokens generated elsewhere (a PROMPT engine, an engine that
+        died), whose events carried `sent_text`: the client has exactly that.
+
+        Fed one at a time, so every complete character is decoded (a chunk that ends
+        inside one decodes nothing, and the text before it would go out again);
+        then what was not sent (a held-back stop-string prefix, a chunk that was
+        pending) goes out with the next text. None: all of it was sent.
+        """
+        for token in token_ids:
+            self.add([token])
+        if sent_text is not None and not self._stopped:
+            self._emitted = min(len(sent_text), len(self._text))
+
     def add_until_stop(self, new_token_ids: Sequence[int]) -> tuple[str, bool, int]:
         """As `add`, and how many of the ids it took: with stop strings, several ids (a
         step's accepted drafts) go in one at a time, and the ids after the one that

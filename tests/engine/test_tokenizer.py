@@ -259,6 +259,54 @@ def test_streamed_text_equals_decoded_text(text: str, stop: list[str], chunk: in
     assert all("\ufffd" not in d for d in deltas)
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    text=st.text(alphabet="ab é日🎉\n", min_size=1, max_size=24),
+    stop=st.lists(st.text(alphabet="ab é日🎉", min_size=1, max_size=3), max_size=2),
+    chunk=st.integers(1, 4),
+    cut=st.floats(0, 1),
+)
+def test_a_resumed_stream_sends_each_character_once(text, stop, chunk, cut) -> None:
+    # One engine streams the first tokens and dies (its cut may fall inside a
+    # character, or a stop string's held-back start); another resumes from them and
+    # what they sent. The client's text is as if one engine had done it all.
+    tiny = byte_level_tokenizer(512)
+    ids = tiny.encode(text)
+    k = int(cut * len(ids))
+    first = IncrementalDetokenizer(tiny, [], tuple(stop))
+    sent = []
+    for i in range(0, k, chunk):
+        delta, stopped = first.add(ids[i : min(k, i + chunk)])
+        sent.append(delta)
+        if stopped:
+            return  # it ended there: nothing to resume
+    resumed = IncrementalDetokenizer(tiny, [], tuple(stop))
+    resumed.resume(ids[:k], "".join(sent))
+    rest, _, _ = _stream_into(resumed, ids[k:], chunk)
+    assert "".join(sent + rest) == _expected_with_stops(text, tuple(stop))
+
+
+def _stream_into(detok, ids, chunk):
+    deltas = []
+    for i in range(0, len(ids), chunk):
+        delta, stopped = detok.add(ids[i : i + chunk])
+        deltas.append(delta)
+        if stopped:
+            return deltas, True, detok
+    deltas.append(detok.flush())
+    return deltas, False, detok
+
+
+def test_a_resume_inside_a_character_does_not_send_the_text_again(tiny: Tokenizer) -> None:
+    ids = tiny.encode("Paris 🎉")
+    first = IncrementalDetokenizer(tiny, [])
+    sent = "".join(first.add([i])[0] for i in ids[:-1])
+    assert sent == "Paris "  # the emoji's last byte is still to come
+    resumed = IncrementalDetokenizer(tiny, [])
+    resumed.resume(ids[:-1], sent)
+    assert resumed.add(ids[-1:]) == ("🎉", False)  # was "Paris 🎉": the text twice
+
+
 def test_metaspace_decoder_keeps_spaces_between_chunks() -> None:
     # SentencePiece-style decoders drop a leading space; the prompt context keeps it.
     vocab = {"<unk>": 0, "▁hello": 1, "▁world": 2, "▁again": 3}

@@ -179,6 +179,63 @@ def test_handoffs_a_decoder_has_no_room_for_go_back_for_one_that_has(
     conn.close()
 
 
+def test_a_prompt_engine_stopped_mid_prefill_publishes_nothing_once_taken_over(
+    engines, client, redis_url, keys
+):
+    # Stopped inside a prefill step past the claim timeout, the first prompt engine
+    # came back, finished the step and published its handoff before its keep-alive
+    # found the request taken: a second decoder pass over the same request (with
+    # sampling, two continuations mixed in one stream).
+    medium = ("--model", "random:medium", "--max-model-len", "2048", "--num-kv-blocks", "200")
+    takeover = (*medium, "--claim-idle-ms", "2000", "--threads", "1")
+    first = engines("prompt", *takeover)
+    decode = engines("completion", *medium)
+    rid = client.submit(
+        prompt_token_ids=[5 + i % 300 for i in range(1500)],  # ~0.7 s to prefill
+        sampling={"max_tokens": 200, **GREEDY},
+    )
+    conn = redis.Redis.from_url(redis_url)
+    stream = keys.work_stream("tiny", 1)
+
+    def pulled() -> bool:
+        rows = conn.xpending_range(stream, "engines", "-", "+", 1)
+        return bool(rows) and as_text(rows[0]["consumer"]) == first.engine_id
+
+    assert eventually(pulled, 30, interval=0.002)
+    first.process.send_signal(signal.SIGSTOP)  # inside the prefill step
+    assert conn.xlen(keys.handoff_stream("tiny")) == 0, "stopped too late: it published"
+    try:
+        engines("prompt", *takeover)  # takes the request over after 2 s
+        assert eventually(lambda: decode.metric("tandem_engine_requests_running") == 1, 30)
+    finally:
+        first.process.send_signal(signal.SIGCONT)  # while the decoder decodes it
+    assert client.answer(rid, timeout=60).ok
+    time.sleep(1.0)  # the first engine's next turns: what it would publish, it has
+    assert decode.metric("tandem_engine_kv_transfer_failures_total") == 0
+    assert decode.metric("tandem_engine_requests_total") == 1  # served once
+    assert eventually(lambda: first.metric("tandem_engine_kv_pinned_requests") == 0, 10)
+    conn.close()
+
+
+def test_a_handoff_longer_than_the_decoders_context_ends_with_a_clear_error(engines, client):
+    # The prompt engine serves 1,024 tokens, the decoder 256: the decoder could never
+    # find room for it, and waited for it (holding every later handoff) until the
+    # deadline; one that fit the prompt but not max_tokens stopped short, "length".
+    engines("prompt", "--max-model-len", "1024", "--num-kv-blocks", "80")
+    engines("completion", "--max-model-len", "256")
+    long = client.submit(prompt_token_ids=[5] * 300, sampling={"max_tokens": 4, **GREEDY})
+    answer = client.answer(long, timeout=30)
+    assert answer.final.error_code == "prompt_too_long"
+    assert "this engine's limit of 255 (max_model_len 256" in answer.final.error_message
+    wide = client.submit(
+        prompt_token_ids=PROMPT, sampling={"max_tokens": 400, **GREEDY}, max_tokens_given=True
+    )
+    answer = client.answer(wide, timeout=30)
+    assert answer.final.error_code == "context_length_exceeded"
+    fits = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 8, **GREEDY})
+    assert client.answer(fits, timeout=30).ok  # the decoder serves on
+
+
 def test_a_handoff_with_another_model_fingerprint_is_refused_and_recomputed(
     engines, client, reference, redis_url, keys
 ):

@@ -25,8 +25,23 @@ from tandem.engine.service.kv_tcp import fetch_kv
 from tandem.engine.service.kv_transfer import KVLayout, PinnedKV
 from tandem.engine.service.metrics import EngineMetrics
 from tandem.engine.service.redis_io import RedisIO
+from tandem.engine.service.responses import ResponseHistory
 from tandem.engine.service.settings import WorkerSettings
 from tandem.protocol import ErrorCode, Handoff, ResponseEvent, Role, WorkItem
+
+
+@dataclasses.dataclass(frozen=True)
+class _Taken:
+    """A handoff this COMPLETION engine took, as it is admitted (or waits for room)."""
+
+    handoff: Handoff
+    params: SamplingParams
+    # Tokens generated before this engine (the prompt engine's, or a dead decoder's).
+    generated: list[int]
+    # What their events carried: the client has exactly this text.
+    sent_text: str
+    # The client gave max_tokens: refused if the context cannot hold it here.
+    exact_max_tokens: bool
 
 
 class HandoffFlow:
@@ -49,7 +64,7 @@ class HandoffFlow:
         self._to_publish: list[Handoff] = []
         # COMPLETION side.
         self.fetches = KVFetches(fetch_kv)
-        self._waiting_room: list[tuple[Handoff, SamplingParams, list[int]]] = []
+        self._waiting_room: list[_Taken] = []
 
     @property
     def num_parked(self) -> int:
@@ -126,27 +141,31 @@ class HandoffFlow:
         self,
         engine: Engine,
         handoff: Handoff,
+        work: WorkItem,
         params: SamplingParams,
-        sent: list[int],
+        history: ResponseHistory,
         metrics: EngineMetrics,
     ) -> int:
-        """Admit a handoff and start fetching its KV; returns the prompt's cached tokens."""
+        """Admit a handoff and start fetching its KV; returns the prompt's cached tokens.
+
+        Raises admission's errors for a request this engine can never hold (a
+        smaller context than the prompt engine's): it would wait for room forever.
+        """
+        sent = history.token_ids
         generated = sent if len(sent) > len(handoff.first_token_ids) else handoff.first_token_ids
-        self._admit(engine, handoff, params, list(generated), metrics)
+        taken = _Taken(handoff, params, list(generated), history.text, work.max_tokens_given)
+        engine.check_handoff_fits(handoff.prompt_token_ids, params, taken.exact_max_tokens)
+        self._admit(engine, taken, metrics)
         return handoff.num_cached_tokens
 
-    def _admit(
-        self,
-        engine: Engine,
-        handoff: Handoff,
-        params: SamplingParams,
-        generated: list[int],
-        metrics: EngineMetrics,
-    ) -> bool:
+    def _admit(self, engine: Engine, taken: _Taken, metrics: EngineMetrics) -> bool:
+        handoff, generated = taken.handoff, taken.generated
         rid = handoff.work["request_id"]
-        table = engine.admit_handoff(rid, handoff.prompt_token_ids, generated, params)
+        table = engine.admit_handoff(
+            rid, handoff.prompt_token_ids, generated, taken.params, taken.sent_text
+        )
         if table is None:  # no room yet: retry every turn, the entry stays ours
-            self._waiting_room.append((handoff, params, generated))
+            self._waiting_room.append(taken)
             return False
         reason = self._recompute_reason(handoff, generated)
         if reason is not None:
@@ -178,10 +197,13 @@ class HandoffFlow:
     def fetching(self, request_id: str) -> bool:
         return request_id in self.fetches.in_flight
 
-    def drop(self, request_id: str) -> None:
-        """Forget a handoff still waiting for room (its request was cancelled)."""
+    def drop(self, engine: Engine, request_id: str) -> None:
+        """Forget a request's handoff (cancelled, or another engine owns it now): one
+        not yet published, its offer, or one waiting for room."""
+        self._to_publish = [h for h in self._to_publish if h.kv_handle != request_id]
+        self.withdraw(engine, request_id)
         self._waiting_room = [
-            w for w in self._waiting_room if w[0].work["request_id"] != request_id
+            w for w in self._waiting_room if w.handoff.work["request_id"] != request_id
         ]
 
     # ---------------------------------------------------------------- both
@@ -206,8 +228,8 @@ class HandoffFlow:
                 engine.handoff_failed(outcome.request_id)
             results.append(outcome.request_id)
         waiting, self._waiting_room = self._waiting_room, []
-        for handoff, params, generated in waiting:
-            self._admit(engine, handoff, params, generated, metrics)
+        for taken in waiting:
+            self._admit(engine, taken, metrics)
         return results
 
     def close(self) -> None:

@@ -69,8 +69,11 @@ class RedisWrites:
             if outage.down:
                 self._rejoin()
             backlog = len(self.io.responses)
-            self._write()
+            # The keep-alive first: after a stall (a stopped process, a long step)
+            # another engine may own some of ours; publishing their handoffs first had
+            # a second decoder serve them again.
             self._periodic()
+            self._write()
         except UNREACHABLE as exc:
             outage.failed(exc, self.holding(running))
             return
@@ -121,12 +124,21 @@ class RedisWrites:
     def _periodic(self) -> None:
         now = time.monotonic()
         if now - self._last_keep_alive > self.settings.keep_alive_every:
-            lapsed = self.io.queue.keep_alive(self._held())
+            # The entries about to be acknowledged too: a request that ended (or was
+            # offered) in a step that stalled past the claim timeout may be another's.
+            lapsed = self.io.queue.keep_alive([*self._held(), *self.to_ack])
             for delivery in lapsed.taken:  # we stalled and another engine took it over
+                if delivery in self.to_ack:  # its entry is the new owner's to acknowledge
+                    self.to_ack.remove(delivery)
                 self._lost(delivery, True)
             for delivery in lapsed.gone:  # finished elsewhere, or lost with Redis's data
-                final = self.io.responses.history(delivery.request_id).final
-                self._lost(delivery, final is not None)
+                history = self.io.responses.history(delivery.request_id)
+                # One about to be acknowledged (its events not yet written) whose
+                # stream has tokens: another engine took it over and did its part.
+                done = delivery in self.to_ack and history.next_offset > 0
+                if done:
+                    self.to_ack.remove(delivery)
+                self._lost(delivery, done or history.final is not None)
             self._last_keep_alive = now
         if now - self._last_heartbeat > self.settings.heartbeat_every:
             self.heartbeat.beat(self._info())

@@ -240,15 +240,12 @@ class EngineWorker:
         try:
             params = SamplingParams(**work.sampling)
             if isinstance(message, Handoff):
-                cached = self.handoffs.take(self.engine, message, params, sent, self.metrics)
-                self.held[rid] = Held(
-                    delivery,
-                    work,
-                    sent=max(len(sent), len(message.first_token_ids)),
-                    cached_tokens=cached,
-                )
+                flow, engine = self.handoffs, self.engine
+                cached = flow.take(engine, message, work, params, history, self.metrics)
+                sent_tokens = max(len(sent), len(message.first_token_ids))
+                self.held[rid] = Held(delivery, work, sent=sent_tokens, cached_tokens=cached)
                 return
-            self._add(work, params, sent)
+            self._add(work, params, sent, history.text)
         except PromptTooLongError as exc:
             self._fail(delivery, work, ErrorCode.PROMPT_TOO_LONG, str(exc))
             return
@@ -263,7 +260,7 @@ class EngineWorker:
             return
         self.held[rid] = Held(delivery, work, sent=len(sent))
 
-    def _add(self, work: WorkItem, params: SamplingParams, sent: list[int]) -> None:
+    def _add(self, work: WorkItem, params: SamplingParams, sent: list[int], text: str) -> None:
         engine = self.engine
         ids = work.prompt_token_ids
         if work.messages is not None:
@@ -277,6 +274,7 @@ class EngineWorker:
             prompt_token_ids=ids,
             priority=work.priority,
             generated_token_ids=sent,
+            generated_text=text,
             exact_max_tokens=work.max_tokens_given,
         )
 
@@ -351,20 +349,20 @@ class EngineWorker:
             held.end_with = (code, message)  # its blocks are being written: wait
             return
         if self.handoffs is not None:
-            self.handoffs.drop(rid)
+            self.handoffs.drop(self.engine, rid)
         self.engine.abort(rid)
         self._fail(held.delivery, held.work, code, message, offset=held.sent)
         self.held.pop(rid, None)
 
     def _drop(self, rid: str) -> None:
-        """Forget a request another engine now owns: free its KV, write and ack nothing."""
-        held = self.held.get(rid)
-        if held is None or (self.handoffs is not None and self.handoffs.fetching(rid)):
-            return  # a fetch in flight finishes first; the next keep-alive retries
+        """Forget a request another engine now owns: free its KV (an offer's too),
+        publish, write and ack nothing."""
         if self.handoffs is not None:
-            self.handoffs.drop(rid)
-        self.engine.abort(rid)
-        self.held.pop(rid, None)
+            if self.handoffs.fetching(rid):
+                return  # a fetch in flight finishes first; the next keep-alive retries
+            self.handoffs.drop(self.engine, rid)
+        if self.held.pop(rid, None) is not None:
+            self.engine.abort(rid)
 
     def _fail(
         self,
