@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.gateway.schemas import ErrorResponse
 from tandem.protocol import ErrorCode
+from tandem.redis_refusal import plain, refusal
 
 log = logging.getLogger("tandem.gateway")
 
@@ -134,6 +135,8 @@ def deadline_exceeded(message: str) -> GatewayError:
 
 # The code of every answer that failed on Redis (the one docs/gateway.md names).
 REDIS_UNREACHABLE = "redis_unreachable"
+# A Redis that refuses writes (full, a failed save) is fixed by someone: not soon.
+REFUSED_RETRY_AFTER_S = 5
 
 
 def unavailable(message: str, code: str = REDIS_UNREACHABLE) -> GatewayError:
@@ -273,6 +276,10 @@ def _unparsable(cause: BaseException) -> str:
 
 async def _on_redis_error(request: Request, exc: RedisError) -> JSONResponse:
     log.warning("redis error on %s %s: %s", request.method, request.url.path, exc)
+    if (why := refusal(exc)) is not None:  # it answers, but takes no work for now
+        error = unavailable(f"{why}: {plain(exc)}")
+        error.headers["Retry-After"] = str(REFUSED_RETRY_AFTER_S)
+        return error.response()
     return unavailable(f"The gateway cannot reach Redis: {exc}").response()
 
 

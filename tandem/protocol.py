@@ -110,6 +110,10 @@ class Keys:
     def engine_key(self, engine_id: str) -> str:
         return f"{self.prefix}:engine:{engine_id}"
 
+    def probe_key(self, engine_id: str) -> str:
+        """Written by an engine waiting for Redis to take writes again."""
+        return f"{self.prefix}:probe:{engine_id}"
+
     @property
     def engines_set(self) -> str:
         return f"{self.prefix}:engines"

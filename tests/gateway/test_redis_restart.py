@@ -191,3 +191,24 @@ def test_readyz_answers_within_its_timeout_while_redis_is_paused(server, keys, s
             "code": "redis_unreachable",
         }
         assert http.get("/readyz").status_code == 200  # the timed-out connection is not reused
+
+
+
+def test_a_full_redis_is_a_503_that_says_so(server, keys, start_gateway):
+    # maxmemory with noeviction, the chart's Redis: it answers, but queues nothing.
+    conn = _served(server.url, keys)
+    gateway = start_gateway(redis_url=server.url)
+    conn.config_set("maxmemory-policy", "noeviction")
+    conn.config_set("maxmemory", 1)
+    try:
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
+        with httpx.Client(base_url=gateway.url, headers=HEADERS, timeout=30) as client:
+            reply = client.post("/v1/completions", json=body)
+    finally:
+        conn.config_set("maxmemory", 0)
+        conn.close()
+    assert reply.status_code == 503 and reply.headers["retry-after"] == "5"
+    error = reply.json()["error"]
+    assert error["message"].startswith("Redis is full (maxmemory) and takes no new writes: ")
+    assert "user_script" not in error["message"]  # not a Lua script's internals
+    assert error["code"] == "redis_unreachable"

@@ -14,10 +14,12 @@ import urllib.error
 import urllib.request
 
 import pytest
+import redis
 from support.engines import Client, EngineProcess
 from support.polling import eventually
 
 from tandem.engine import LLM, SamplingParams
+from tandem.engine.service.redis_outage import unavailable
 from tandem.engine.service.registry import Registry
 from tandem.protocol import WORK_GROUP, EventKind, ResponseEvent
 from tandem.redis_server import RedisServer
@@ -108,7 +110,7 @@ def test_a_paused_redis_holds_the_output_back_and_loses_none(
     settled(engine, client, redis_url)
     log = engine.log()
     # Said once each way, not at every retry, nor by the heartbeat thread at each beat.
-    assert log.count("Redis unreachable") == 1, log
+    assert log.count("Redis unavailable") == 1, log
     assert log.count("Redis reachable again") == 1, log
     assert "heartbeat failed" not in log and log.count("cancel listener") <= 1, log
 
@@ -199,3 +201,67 @@ def test_a_drain_that_runs_out_with_redis_away_exits_and_says_what_is_lost(serve
     server.kill()
     assert engine.terminate(timeout=30) == 0
     assert "stopping with Redis unreachable" in engine.log()
+
+
+def test_a_full_redis_is_waited_out_like_an_absent_one(server, engines, client, expected):
+    # maxmemory with noeviction (the chart's Redis): writes are refused with OOM while
+    # PING still answers. Engines ended on the first refused XADD or heartbeat, every
+    # one of them at once, and restarted into the same refusal.
+    engine = engines("normal", *LONG)
+    rids = submit_all(client)
+    admin = redis.Redis.from_url(server.url)
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            admin.set("anything", "1")
+        time.sleep(6)  # past a heartbeat and a keep-alive
+        assert engine.process.poll() is None, engine.log()
+        assert readyz(engine)[0] == 503  # it takes no work while Redis refuses it
+    finally:
+        admin.config_set("maxmemory", 0)
+        admin.close()
+    for rid, tokens in zip(rids, expected, strict=True):
+        answer = client.answer(rid)
+        assert answer.ok, answer.final
+        assert answer.token_ids == tokens
+    log = engine.log()
+    assert "Redis unavailable (OutOfMemoryError" in log and "Redis reachable again" in log, log
+
+
+@pytest.mark.parametrize(
+    ("error", "waits"),
+    [
+        (
+            redis.exceptions.OutOfMemoryError(
+                "command not allowed when used memory > 'maxmemory'."
+            ),
+            True,
+        ),
+        (redis.exceptions.ReadOnlyError("You can't write against a read only replica."), True),
+        (redis.ResponseError("MISCONF Redis is configured to save RDB snapshots, but ..."), True),
+        # As redis.call() errors come out of a Lua script.
+        (
+            redis.ResponseError(
+                "Error running script (call to f_4d01): @user_script:8: -OOM command not allowed"
+            ),
+            True,
+        ),
+        (
+            redis.ResponseError(
+                "Error running script (call to f_4d01): @user_script:8: MISCONF Redis is"
+            ),
+            True,
+        ),
+        (redis.ConnectionError("Error 111 connecting"), True),
+        (
+            redis.ResponseError(
+                "WRONGTYPE Operation against a key holding the wrong kind of value"
+            ),
+            False,
+        ),
+        (redis.ResponseError("ERR wrong number of arguments for 'xadd' command"), False),
+    ],
+)
+def test_refusals_are_waited_out_and_bugs_are_not(error, waits):
+    assert unavailable(error) is waits

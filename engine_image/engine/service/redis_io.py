@@ -10,7 +10,7 @@ import redis
 
 from tandem.engine.service import cancellation
 from tandem.engine.service.cancellation import CancelListener
-from tandem.engine.service.redis_outage import UNREACHABLE
+from tandem.engine.service.redis_outage import unavailable
 from tandem.engine.service.registry import Registry
 from tandem.engine.service.responses import ResponseWriter
 from tandem.engine.service.settings import WorkerSettings
@@ -18,6 +18,9 @@ from tandem.engine.service.work_queue import WorkQueue
 from tandem.protocol import EngineInfo, Keys
 
 log = logging.getLogger(__name__)
+
+# The write probe's key outlives a probe by far, and an engine by little.
+_PROBE_TTL_MS = 10_000
 
 
 class RedisIO:
@@ -35,6 +38,7 @@ class RedisIO:
         # away): a client with a short timeout and no retries of its own.
         self.probe = probe or client
         self.keys = keys
+        self.engine_id = settings.engine_id
         self.queue = WorkQueue(
             client,
             keys,
@@ -56,7 +60,9 @@ class RedisIO:
         try:
             released = self.queue.release_inherited()
             self.queue.forget_consumers()
-        except UNREACHABLE:
+        except redis.RedisError as exc:
+            if not unavailable(exc):
+                raise
             return  # Redis is away: those entries are reclaimed by the idle time
         if released:
             log.info(
@@ -80,7 +86,9 @@ class RedisIO:
         if held := held():
             try:
                 cancelled |= cancellation.cancelled_among(self.client, self.keys, held)
-            except UNREACHABLE:
+            except redis.RedisError as exc:
+                if not unavailable(exc):
+                    raise
                 return cancelled  # the loop notices the outage; checked again after it
         self._recheck = False
         return cancelled
@@ -101,6 +109,15 @@ class RedisIO:
     def ping(self) -> bool:
         try:
             return bool(self.probe.ping())
+        except redis.RedisError:
+            return False
+
+    def writable(self) -> bool:
+        """Whether Redis takes a write now: a PING goes through where a full Redis (or
+        a failed save, a replica) still refuses every write."""
+        try:
+            key = self.keys.probe_key(self.engine_id)
+            return bool(self.probe.set(key, "1", px=_PROBE_TTL_MS))
         except redis.RedisError:
             return False
 

@@ -22,12 +22,21 @@ from collections.abc import Callable
 
 import redis
 
+from tandem.redis_refusal import refusal
+
 log = logging.getLogger(__name__)
 
 # What "Redis is away" looks like: connection refused or cut, no answer in time.
 # BusyLoadingError (a restarted Redis still loading its append-only file) is a
-# ConnectionError. Any other error is a bug or a refusal and still ends the engine.
+# ConnectionError.
 UNREACHABLE = (redis.ConnectionError, redis.TimeoutError)
+
+
+def unavailable(exc: BaseException) -> bool:
+    """Whether a Redis error means "not now" (wait and retry, keeping everything):
+    unreachable, or refusing writes for a while (tandem.redis_refusal). Any other is
+    a bug or a bad command, and still ends the engine."""
+    return isinstance(exc, UNREACHABLE) or refusal(exc) is not None
 
 
 class RedisOutage:
@@ -39,7 +48,7 @@ class RedisOutage:
         max_retry_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """probe(): whether Redis answers a PING now (quickly, either way)."""
+        """probe(): whether Redis takes a write now (quickly, either way)."""
         if not 0 < first_retry_s <= max_retry_s:
             raise ValueError(
                 f"need 0 < first_retry_s <= max_retry_s, got {first_retry_s}, {max_retry_s}"
@@ -60,11 +69,11 @@ class RedisOutage:
         return 0.0 if self.since is None else self._clock() - self.since
 
     def failed(self, exc: Exception, holding: str) -> None:
-        """A command failed with one of UNREACHABLE: wait for Redis (and say so, once)."""
+        """A command failed, `unavailable(exc)`: wait for Redis (and say so, once)."""
         if self.since is None:
             self.since = self._clock()
             log.warning(
-                "Redis unreachable (%s: %s): %s; taking no new work, retrying",
+                "Redis unavailable (%s: %s): %s; taking no new work, retrying",
                 type(exc).__name__,
                 exc,
                 holding,

@@ -10,15 +10,16 @@ idle to other engines), then the registry is told, then the backlog is written.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
 
+import redis
+
 from tandem.engine.service.handoff_flow import HandoffFlow
 from tandem.engine.service.heartbeat import Heartbeat
 from tandem.engine.service.redis_io import RedisIO
-from tandem.engine.service.redis_outage import UNREACHABLE, RedisOutage
+from tandem.engine.service.redis_outage import RedisOutage, unavailable
 from tandem.engine.service.settings import WorkerSettings
 from tandem.engine.service.work_queue import Delivery
 from tandem.protocol import EngineInfo
@@ -44,7 +45,7 @@ class RedisWrites:
         info(): the registry entry to send now."""
         self.io, self.settings, self.heartbeat, self.handoffs = io, settings, heartbeat, handoffs
         self._held, self._lost, self._info = held, lost, info
-        self.outage = RedisOutage(io.ping)
+        self.outage = RedisOutage(io.writable)
         # Entries to acknowledge once the events before them are written.
         self.to_ack: list[Delivery] = []
         self._last_keep_alive = self._last_heartbeat = 0.0
@@ -74,7 +75,9 @@ class RedisWrites:
             # a second decoder serve them again.
             self._periodic()
             self._write()
-        except UNREACHABLE as exc:
+        except redis.RedisError as exc:
+            if not unavailable(exc):
+                raise
             outage.failed(exc, self.holding(running))
             return
         outage.recovered(f"wrote the {backlog} events held back; {self.holding(running)}")
@@ -84,8 +87,11 @@ class RedisWrites:
         self._last_heartbeat = 0.0
         if not self.outage.down:
             # Unreachable: the loop notices, and tells the registry once Redis is back.
-            with contextlib.suppress(*UNREACHABLE):
+            try:
                 self.heartbeat.beat(self._info())
+            except redis.RedisError as exc:
+                if not unavailable(exc):
+                    raise
 
     def hand_back(self, left: list[Delivery], running: int) -> None:
         """The engine stops: write what is left, and give the unfinished entries back
@@ -97,7 +103,9 @@ class RedisWrites:
             self._write()  # the tokens so far first: the next engine resumes after them
             if left:
                 log.info("drain timed out: handed %d requests back", self.io.queue.hand_back(left))
-        except UNREACHABLE as exc:
+        except redis.RedisError as exc:
+            if not unavailable(exc):
+                raise
             self._stranded(exc, running)
 
     def _stranded(self, why: object, running: int) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 import redis
 
 from tandem.backlog import TOKENS_FIELD
+from tandem.engine.service.redis_outage import unavailable
 from tandem.engine.service.work_queue_lua import (
     FORGET_CONSUMERS_LUA,
     HAND_BACK_LUA,
@@ -157,7 +158,11 @@ class WorkQueue:
         self._hand_back_script = client.register_script(HAND_BACK_LUA)
         self._forget_script = client.register_script(FORGET_CONSUMERS_LUA)
         self._started = False
-        self.ensure_groups()
+        try:
+            self.ensure_groups()
+        except redis.RedisError as exc:  # a full Redis, say: the first pull makes them
+            if not unavailable(exc):
+                raise
 
     def ensure_groups(self) -> None:
         """Create the consumer groups (and streams) if missing.

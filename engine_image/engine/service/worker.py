@@ -24,6 +24,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import redis
+
 from tandem.engine.admission import ContextLengthError, PromptTooLongError
 from tandem.engine.engine import Engine, EngineOutput, ParameterError
 from tandem.engine.request import SamplingParams
@@ -32,7 +34,7 @@ from tandem.engine.service.heartbeat import Heartbeat
 from tandem.engine.service.held import Held
 from tandem.engine.service.metrics import EngineMetrics
 from tandem.engine.service.redis_io import RedisIO
-from tandem.engine.service.redis_outage import UNREACHABLE
+from tandem.engine.service.redis_outage import unavailable
 from tandem.engine.service.redis_writes import RedisWrites
 from tandem.engine.service.room import pull_room
 from tandem.engine.service.settings import WorkerSettings
@@ -192,7 +194,9 @@ class EngineWorker:
                     # for a decoder that has room (a replica just started, say).
                     self.io.queue.hand_back(self._untaken)
                     self._untaken = []
-        except UNREACHABLE as exc:
+        except redis.RedisError as exc:
+            if not unavailable(exc):
+                raise
             self.outage.failed(exc, self.writes.holding(len(self.held)))
             return
         if took:  # the waiting tokens' integral counts them from now, not from the step's end
