@@ -193,7 +193,6 @@ def test_readyz_answers_within_its_timeout_while_redis_is_paused(server, keys, s
         assert http.get("/readyz").status_code == 200  # the timed-out connection is not reused
 
 
-
 def test_a_full_redis_is_a_503_that_says_so(server, keys, start_gateway):
     # maxmemory with noeviction, the chart's Redis: it answers, but queues nothing.
     conn = _served(server.url, keys)
