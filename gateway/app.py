@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from tandem import __version__
 from tandem.gateway import routes_chat, routes_completions, routes_models, routes_ops
@@ -88,12 +89,16 @@ def _redis_client(settings: GatewaySettings) -> aioredis.Redis:
     # instead of failing with "Too many connections" (redis-py's default pool).
     # A command that meets a dead connection (Redis restarted, a proxy closed it)
     # reconnects and runs again, twice at most: without, every pooled connection
-    # failed one request with a 503 after Redis came back.
+    # failed one request with a 503 after Redis came back. Not one that timed out:
+    # a paused Redis held each command three socket timeouts (15 s), and reads
+    # ended 30 s into an outage where the docs say 10.
     pool = aioredis.BlockingConnectionPool.from_url(
         settings.redis_url,
         max_connections=settings.redis_max_connections,
         timeout=5,
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
+        retry=Retry(
+            ExponentialBackoff(cap=0.5, base=0.05), 2, supported_errors=(RedisConnectionError,)
+        ),
     )
     return aioredis.Redis(connection_pool=pool)
 

@@ -10,6 +10,7 @@ lost is queued again (recovery.py) and its reading goes on.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -36,6 +37,9 @@ from tandem.gateway.streaming import DONE, sse
 from tandem.protocol import EventKind, ProtocolError, ResponseEvent
 
 log = logging.getLogger("tandem.gateway")
+# The most a Redis call made on the way to another answer (an error, a deadline) may
+# add to it.
+_REDIS_ASIDE_S = 1.0
 
 Event = tuple[int, ResponseEvent]
 
@@ -128,8 +132,9 @@ class Generation:
         """The likely cause of a deadline, from the directory's (cached) registry."""
         try:
             taken = self._open <= self._taken
-            return await self.directory.stall(self.job.model, taken=taken)
-        except (RedisError, OSError):
+            async with asyncio.timeout(_REDIS_ASIDE_S):
+                return await self.directory.stall(self.job.model, taken=taken)
+        except (RedisError, OSError):  # TimeoutError is an OSError
             return ""
 
     def _absorb(self, index: int, event: ResponseEvent) -> None:
@@ -198,9 +203,12 @@ class Generation:
         self._abandoned = True
         ids = [self.ticket.request_ids[i] for i in sorted(self._open)]
         try:
-            await self.broker.cancel(ids)
-            self.metrics.cancelled(why, len(ids))
-            if self.ticket.ledger_key is not None:
-                await self.ledger.release(self.ticket.ledger_key, self.ticket.base_id)
-        except (RedisError, OSError) as exc:
+            # Bounded: a paused Redis would hold the answer (a deadline's 504, say) for
+            # a socket timeout or more; the work then ends at its own deadline.
+            async with asyncio.timeout(_REDIS_ASIDE_S):
+                await self.broker.cancel(ids)
+                self.metrics.cancelled(why, len(ids))
+                if self.ticket.ledger_key is not None:
+                    await self.ledger.release(self.ticket.ledger_key, self.ticket.base_id)
+        except (RedisError, OSError) as exc:  # TimeoutError is an OSError
             log.warning("could not cancel %s (%s): %s", ", ".join(ids), why, exc)

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tandem.deduplicator import ResponseDeduplicator
@@ -29,6 +30,8 @@ from tandem.protocol import Keys, ResponseEvent, as_text
 
 # Between reads that failed for want of Redis.
 _OUTAGE_RETRY_S = 0.25
+# How long past its block a read may go unanswered before Redis counts as stalled.
+_STALLED_READ_S = 2.0
 
 
 class DeadlinePassed(TimeoutError):
@@ -87,14 +90,25 @@ class AsyncResponseReader:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 raise DeadlinePassed(f"deadline passed for {', '.join(request_ids)}")
+            asked = time.monotonic()
+            block_ms = min(self.block_ms, left_ms)
             try:
-                reply = await self._read(last, min(self.block_ms, left_ms))
-            except (RedisConnectionError, RedisTimeoutError):
-                # The client's own retries (about 0.3 s) did not outlast a restart.
+                # A read Redis leaves unanswered past its block is a stalled Redis: a
+                # paused one otherwise held it the whole socket timeout (5 s), past
+                # the deadline too. Shielded (_read), it still ends on its own.
+                async with asyncio.timeout(block_ms / 1000 + _STALLED_READ_S):
+                    reply = await self._read(last, block_ms)
+            except (RedisConnectionError, RedisTimeoutError, TimeoutError) as exc:
+                # The client's own retries (about 0.3 s) did not outlast a restart, or
+                # Redis left the read unanswered: the outage began when it was sent.
                 now = time.monotonic()
-                unreachable_since = unreachable_since or now
+                unreachable_since = unreachable_since or asked
                 if now - unreachable_since >= self.outage_s:
-                    raise
+                    if isinstance(exc, RedisError):
+                        raise
+                    raise RedisTimeoutError(
+                        f"no answer from Redis for {now - unreachable_since:.1f} s"
+                    ) from None
                 await asyncio.sleep(min(_OUTAGE_RETRY_S, max(0.0, deadline - now)))
                 continue
             unreachable_since = None

@@ -170,6 +170,56 @@ def test_a_stream_whose_redis_stays_gone_ends_with_redis_unreachable(server, key
     assert "Lost the connection to Redis" in error["message"]
 
 
+def test_a_stream_whose_redis_is_paused_ends_when_the_outage_time_is_up(
+    server, keys, start_gateway
+):
+    # A paused Redis answers nothing: each command waits out the 5 s socket timeout.
+    # It was tried three times (15 s) and the outage clock started after that: 30 s
+    # for the 10 s the docs promise.
+    conn = _served(server.url, keys)
+    gateway = start_gateway(redis_url=server.url, redis_outage_s=1.0)
+    chunks: list = []
+    streamer = _ask(gateway.url, {**ASK, "stream": True}, chunks)
+    rid = _queued(conn, keys).request_id
+    writer = ResponseWriter(conn, keys, "e-1")
+    writer.add(rid, ResponseEvent.tokens(0, [40], "a", "e-1"))
+    writer.flush()
+    assert eventually(lambda: chunks)
+    pid = conn.info("server")["process_id"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        streamer.join(timeout=40)
+        took = time.monotonic() - started
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    error = chunks[-1]["error"]
+    assert error["code"] == "redis_unreachable", error
+    assert "no answer from Redis for" in error["message"], error
+    assert took < 6, took  # a read's block (1 s) and grace (2 s), the outage (1 s)
+
+
+def test_a_deadline_passes_on_time_while_redis_is_paused(server, keys, start_gateway):
+    # Its 504 waited for a read's socket timeout (5 s, three times), the cancel and
+    # the stall's registry read (until Redis answered): 47 s for a 4 s deadline.
+    conn = _served(server.url, keys)
+    gateway = start_gateway(redis_url=server.url)
+    answers: list = []
+    asker = _ask(gateway.url, ASK, answers, **{"X-Tandem-Timeout": "3"})
+    _queued(conn, keys)
+    pid = conn.info("server")["process_id"]
+    started = time.monotonic()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        asker.join(timeout=40)
+        took = time.monotonic() - started
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    [answer] = answers
+    assert answer.status_code == 504 and answer.json()["error"]["code"] == "deadline_exceeded"
+    assert took < 8, took
+
+
 def test_readyz_answers_within_its_timeout_while_redis_is_paused(server, keys, start_gateway):
     conn = redis.Redis.from_url(server.url)
     pid = conn.info("server")["process_id"]  # SIGSTOP: connections open, nothing answers
