@@ -11,6 +11,7 @@ from contextlib import contextmanager, suppress
 import pytest
 import torch
 
+from tandem.engine.service.kv_handoff import KVFetches
 from tandem.engine.service.kv_tcp import KVServer, fetch_kv
 from tandem.engine.service.kv_transfer import KVLayout, KVTransferError, PinnedKV
 
@@ -336,3 +337,46 @@ def test_address_without_port_raises_value_error():
             LAYOUT,
             5.0,
         )
+
+
+def test_a_silent_prompt_engine_does_not_hold_up_the_healthy_ones():
+    # Four handoffs from a prompt engine that accepts connections and never answers,
+    # then one from a healthy engine. On the two fetch threads each silent fetch took
+    # its whole timeout, so the healthy one waited for two more of them.
+    src = caches(LAYOUT, seed=1)
+    offers = Offers(PinnedKV("good", scattered_slots(TOKENS, 3), "fp"))
+    silent = socket.create_server(("127.0.0.1", 0))  # the kernel accepts; nobody answers
+    fetches = KVFetches(fetch_kv)  # two threads
+    dst = caches(LAYOUT, seed=2)
+    outcomes: dict = {}
+
+    def start(rid: str, address: str) -> None:
+        args = dict(handle=rid, fingerprint="fp", num_tokens=TOKENS, layout=LAYOUT)
+        args.update(dest_slots=scattered_slots(TOKENS, 4), kv_caches=dst, timeout=1.0)
+        fetches.start(rid, address=address, **args)
+
+    def until(count: int) -> float:
+        deadline = time.monotonic() + 10
+        while len(outcomes) < count and time.monotonic() < deadline:
+            outcomes.update({o.request_id: o for o in fetches.done()})
+            time.sleep(0.01)
+        return time.monotonic()
+
+    try:
+        with serving(src, offers) as server:
+            for i in range(4):
+                start(f"silent-{i}", f"127.0.0.1:{silent.getsockname()[1]}")
+            timed_out = until(2)  # the first two, after their 1 s
+            start("good", server.address)
+            fetched = until(5)
+    finally:
+        silent.close()
+        fetches.close()
+    assert sorted(o.error.reason for o in outcomes.values() if o.error) == [
+        "skipped",
+        "skipped",
+        "timeout",
+        "timeout",
+    ]
+    assert outcomes["good"].stats is not None
+    assert fetched - timed_out < 0.5  # not behind two more timeouts

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.engine.service.kv_transfer import KVTransferError, PinnedKV, TransferStats
+from tandem.engine.service.kv_transfer import KVTransferError, PinnedKV, Reason, TransferStats
 
 
 def token_slots(block_table: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
@@ -76,6 +76,12 @@ class FetchOutcome:
     error: KVTransferError | None  # set on failure
 
 
+# A prompt engine whose fetch timed out is skipped (its prompts recomputed) this
+# long: a stalled one held a fetch thread for the whole timeout with each of its
+# handoffs, and the handoffs of healthy ones waited in line behind them.
+SUSPECT_FOR_S = 30.0
+
+
 class KVFetches:
     """Runs fetches off the main thread; outcomes are collected with `done()`."""
 
@@ -86,20 +92,36 @@ class KVFetches:
         # Requests whose fetch is in flight: their blocks must not be freed yet,
         # or a fetch would write into blocks another request now owns.
         self.in_flight: set[str] = set()
+        # Addresses whose fetch timed out -> time.monotonic() until they are skipped.
+        self._suspects: dict[str, float] = {}
+        self._suspects_lock = threading.Lock()
 
     def start(self, request_id: str, **fetch_args: object) -> None:
         self.in_flight.add(request_id)
         self._pool.submit(self._run, request_id, fetch_args)
 
     def _run(self, request_id: str, fetch_args: dict[str, object]) -> None:
+        address = str(fetch_args.get("address"))
         try:
+            self._check(address)
             stats = self._fetch(**fetch_args)
             self._outcomes.put(FetchOutcome(request_id, stats, None))
         except KVTransferError as exc:
+            if exc.reason is Reason.TIMEOUT:
+                with self._suspects_lock:
+                    self._suspects[address] = time.monotonic() + SUSPECT_FOR_S
             self._outcomes.put(FetchOutcome(request_id, None, exc))
         except Exception as exc:  # a bug must not strand the request: recompute it
             error = KVTransferError("protocol", f"{type(exc).__name__}: {exc}")
             self._outcomes.put(FetchOutcome(request_id, None, error))
+
+    def _check(self, address: str) -> None:
+        """KVTransferError (skipped) for a peer that timed out moments ago."""
+        with self._suspects_lock:
+            left = self._suspects.get(address, 0.0) - time.monotonic()
+        if left > 0:
+            ago = SUSPECT_FOR_S - left
+            raise KVTransferError(Reason.SKIPPED, f"{address} timed out {ago:.0f} s ago")
 
     def done(self) -> list[FetchOutcome]:
         outcomes = []

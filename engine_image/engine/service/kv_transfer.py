@@ -43,6 +43,7 @@ class Reason(StrEnum):
     CHECKSUM = "checksum"  # a frame arrived corrupted
     TIMEOUT = "timeout"  # the deadline passed
     PROTOCOL = "protocol"  # the peer spoke something else (version, framing)
+    SKIPPED = "skipped"  # not tried: a fetch from that peer timed out moments ago
 
 
 class KVTransferError(Exception):
