@@ -1,8 +1,9 @@
 """ModelDirectory: which models are served, from the registry and the catalog, briefly cached.
 
-A model is served when it has live engines (the registry) or a controller
-declares it (tandem/catalog.py: scaled to zero, its engines start on queued
-work); requests for any other name are answered 404.
+A model is served when it has live engines (the registry), had some moments
+ago (RECENTLY_SERVED_S), or a controller declares it (tandem/catalog.py: scaled
+to zero, its engines start on queued work); requests for any other name are
+answered 404.
 
 A model no controller declares is only as good as its live engines: prompt
 engines without a decode (completion) engine, or the reverse, can never finish
@@ -24,11 +25,19 @@ import time
 
 from tandem.gateway.broker import Broker
 from tandem.gateway.metrics import UNKNOWN_MODEL
-from tandem.protocol import EngineInfo, Role
+from tandem.protocol import ENGINE_TTL_SECONDS, EngineInfo, Role
 
 # A model missing from the cache triggers a refresh, at most this often: an
 # engine that just started is found at once, unknown names cost little.
 _MISS_REFRESH_S = 0.1
+# A model whose engines were live this recently still counts as served: its
+# requests are queued, not 404. Twice an engine entry's TTL, from the last time the
+# registry showed them, or the last time it could not be read: after a Redis
+# outage the entries have expired (or were lost) until each engine beats again.
+RECENTLY_SERVED_S = 2 * ENGINE_TTL_SECONDS
+# After a refresh that failed, requests fail with its error this long rather than
+# each try again in turn (a burst queued on the lock held them seconds each).
+_FAILED_REFRESH_S = 0.5
 
 
 class ModelDirectory:
@@ -39,6 +48,9 @@ class ModelDirectory:
         self._declared: set[str] = set()
         self._fetched_at = -float("inf")
         self._lock = asyncio.Lock()
+        # Model -> time.monotonic() when its engines were last known live.
+        self._last_served: dict[str, float] = {}
+        self._failed: tuple[float, Exception] | None = None
 
     async def models(self, *, max_age: float | None = None) -> dict[str, list[EngineInfo]]:
         """Live engines by served model name; a declared model without any maps to []."""
@@ -47,19 +59,43 @@ class ModelDirectory:
             return self._models
         async with self._lock:
             if time.monotonic() - self._fetched_at > max_age:  # nobody refreshed meanwhile
-                declared = await self.broker.declared_models()
-                by_model: dict[str, list[EngineInfo]] = {name: [] for name in declared}
-                for info in await self.broker.live_engines():
-                    by_model.setdefault(info.model, []).append(info)
-                self._models = by_model
-                self._declared = declared
-                self._fetched_at = time.monotonic()
+                await self._refresh()
         return self._models
+
+    async def _refresh(self) -> None:
+        if self._failed is not None and time.monotonic() - self._failed[0] < _FAILED_REFRESH_S:
+            raise self._failed[1]
+        try:
+            declared = await self.broker.declared_models()
+            engines = await self.broker.live_engines()
+        except Exception as exc:
+            now = time.monotonic()
+            self._failed = (now, exc)
+            # Unknown now, not gone: what was served counts as served until it can tell.
+            self._last_served = dict.fromkeys(self._last_served, now)
+            raise
+        self._failed = None
+        by_model: dict[str, list[EngineInfo]] = {name: [] for name in declared}
+        for info in engines:
+            by_model.setdefault(info.model, []).append(info)
+        now = time.monotonic()
+        self._last_served.update((model, now) for model, infos in by_model.items() if infos)
+        self._last_served = {
+            model: at for model, at in self._last_served.items() if now - at < RECENTLY_SERVED_S
+        }
+        self._models = by_model
+        self._declared = declared
+        self._fetched_at = now
 
     async def is_served(self, model: str) -> bool:
         if model in await self.models():
             return True
-        return model in await self.models(max_age=_MISS_REFRESH_S)
+        if model in await self.models(max_age=_MISS_REFRESH_S):
+            return True
+        # Its engines were live moments ago (restarting, or not yet beaten again after a
+        # Redis outage): queue, as for a declared model, rather than refuse.
+        since = self._last_served.get(model)
+        return since is not None and time.monotonic() - since < RECENTLY_SERVED_S
 
     async def missing_role(self, model: str) -> tuple[str, str] | None:
         """(missing role, present role) when `model` is not declared and its live

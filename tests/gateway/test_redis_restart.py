@@ -261,3 +261,36 @@ def test_a_full_redis_is_a_503_that_says_so(server, keys, start_gateway):
     assert error["message"].startswith("Redis is full (maxmemory) and takes no new writes: ")
     assert "user_script" not in error["message"]  # not a Lua script's internals
     assert error["code"] == "redis_unreachable"
+
+
+def test_a_model_served_moments_ago_is_queued_not_unknown(server, keys, start_gateway):
+    # After a Redis outage the engines' entries have expired (or were lost) until each
+    # beats again: the model looked unknown, and its requests got a 404, which the
+    # OpenAI SDKs do not retry.
+    conn = _served(server.url, keys)
+    gateway = start_gateway(redis_url=server.url, models_cache_s=0.0)
+    with httpx.Client(base_url=gateway.url, headers=HEADERS, timeout=30) as client:
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny"]
+        Registry(conn, keys).remove("idle")  # its entry expired during the outage
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
+        reply = client.post("/v1/completions", json=body, headers={"X-Tandem-Timeout": "1"})
+    assert reply.status_code == 504, reply.text  # queued, waited for an engine
+    assert conn.xlen(keys.work_stream("tiny", PRIORITY_LOW)) == 1
+    conn.close()
+
+
+def test_a_burst_while_redis_is_down_is_refused_at_once(server, keys, start_gateway):
+    # Each request waiting on the model directory's lock tried a refresh of its own,
+    # one after the other (0.3-0.6 s each): a burst's last waited seconds.
+    _served(server.url, keys).close()
+    gateway = start_gateway(redis_url=server.url, models_cache_s=0.0)
+    server.kill()
+    answers: list = []
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
+    started = time.monotonic()
+    threads = [_ask(gateway.url, body, answers) for _ in range(20)]
+    for thread in threads:
+        thread.join(timeout=30)
+    took = time.monotonic() - started
+    assert [a.status_code for a in answers] == [503] * 20
+    assert took < 3, took
