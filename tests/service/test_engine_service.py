@@ -262,6 +262,8 @@ def test_a_handoff_with_another_model_fingerprint_is_refused_and_recomputed(
     assert answer.ok
     assert first + answer.token_ids == reference(PROMPT, 12).token_ids
     assert decode.metric("tandem_engine_kv_transfer_failures_total", reason="mismatch") == 1
+    # Said in its log, naming the prompt engine (it was only a metric).
+    assert "prompt engine nobody serves another model" in decode.log()
 
 
 def test_sigterm_drains_running_requests_takes_no_new_ones_and_exits_0(engines, client, reference):

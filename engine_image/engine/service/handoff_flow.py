@@ -13,6 +13,7 @@ recomputed here instead: slower, never lost, never hung.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import time
 
@@ -28,6 +29,8 @@ from tandem.engine.service.redis_io import RedisIO
 from tandem.engine.service.responses import ResponseHistory
 from tandem.engine.service.settings import WorkerSettings
 from tandem.protocol import ErrorCode, Handoff, ResponseEvent, Role, WorkItem
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +68,7 @@ class HandoffFlow:
         # COMPLETION side.
         self.fetches = KVFetches(fetch_kv)
         self._waiting_room: list[_Taken] = []
+        self._mismatched: set[str] = set()  # prompt engines of another model, warned of
 
     @property
     def num_parked(self) -> int:
@@ -169,6 +173,13 @@ class HandoffFlow:
             return False
         reason = self._recompute_reason(handoff, generated)
         if reason is not None:
+            if reason == "mismatch" and handoff.prompt_engine not in self._mismatched:
+                self._mismatched.add(handoff.prompt_engine)  # said once per prompt engine
+                log.warning(
+                    "prompt engine %s serves another model (weights, dtype or KV layout) "
+                    "under this served name: its prompts are recomputed here",
+                    handoff.prompt_engine,
+                )
             metrics.kv_transfer_failed(reason)
             engine.handoff_failed(rid)
             return True
@@ -224,6 +235,7 @@ class HandoffFlow:
                 metrics.kv_transfer_bytes.inc(outcome.stats.bytes)
                 metrics.kv_transfer_seconds.observe(outcome.stats.seconds)
             else:
+                log.info("KV of %s not fetched, recomputing: %s", outcome.request_id, outcome.error)
                 metrics.kv_transfer_failed(outcome.error.reason)
                 engine.handoff_failed(outcome.request_id)
             results.append(outcome.request_id)

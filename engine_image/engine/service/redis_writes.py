@@ -135,6 +135,9 @@ class RedisWrites:
             # The entries about to be acknowledged too: a request that ended (or was
             # offered) in a step that stalled past the claim timeout may be another's.
             lapsed = self.io.queue.keep_alive([*self._held(), *self.to_ack])
+            if lapsed.taken:
+                ids = ", ".join(d.request_id for d in lapsed.taken)
+                log.info("another engine took over %s while this one stalled: dropped", ids)
             for delivery in lapsed.taken:  # we stalled and another engine took it over
                 if delivery in self.to_ack:  # its entry is the new owner's to acknowledge
                     self.to_ack.remove(delivery)

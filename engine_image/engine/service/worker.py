@@ -5,18 +5,16 @@ Each turn of the loop:
   2. end requests past their deadline, free KV offers nobody fetched;
   3. pull work from Redis, only as much as there is room for;
   4. run one engine step and turn its outputs into response events;
-  5. flush the events, then acknowledge what is now durable (never before);
-  6. every few seconds: keep held entries alive, heartbeat the registry (a thread
-     repeats the last beat while a long step runs: heartbeat.py).
+  5. every few seconds: keep held entries alive (dropping those another engine
+     took while this one stalled), heartbeat the registry (heartbeat.py);
+  6. flush the events, publish handoffs, then acknowledge what is now durable.
 
-While Redis is away (redis_outage.py) steps 1-4 go on without it: no new work,
-the events wait in order, and 5-6 resume, with backoff, once Redis answers.
-
-Rules it keeps (docs/engine-service.md): an entry is acknowledged only once
-its outcome is written (finished, failed with a clear error, or handed off);
-an entry another engine left behind is resumed after the tokens the client
-already has, so nothing is lost or sent twice; SIGTERM stops the pulling and
-lets running requests finish, and hands back what is left when its time is up.
+While Redis is away or refuses writes (redis_outage.py) steps 1, 2 and 4 go on
+without it: no new work, the events wait in order; the rest resume once it takes writes.
+Rules it keeps (docs/engine-service.md): an entry is acknowledged only once its
+outcome is written (finished, failed with a clear error, or handed off); an entry
+another engine left behind is resumed after the tokens and text the client has;
+SIGTERM stops the pulling, lets running requests finish, hands back what is left.
 """
 
 from __future__ import annotations
