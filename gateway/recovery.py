@@ -9,6 +9,8 @@ in-flight request's WorkItems, so it queues them again:
 - The signal is Redis's `run_id` (INFO server), which every restart changes:
   read at most once a second for all requests (`RedisEpoch`), compared on the
   reader's own wake-ups, so a quiet Redis costs one INFO a second per replica.
+  Data lost without a restart (FLUSHALL, a replica's full resync) changes no
+  run_id: each request also checks every RECHECK_S that its work is held.
 - A restart is not a loss (Redis may have persisted its data, an engine may be
   running the request and writing its stream again), so a request counts as
   lost only when, `redis_loss_grace_s` after the restart was noticed, Redis
@@ -39,6 +41,8 @@ log = logging.getLogger("tandem.gateway")
 
 # The engine_id of the history the gateway writes back (readers show it nowhere).
 HISTORY_WRITER = "gateway"
+# How often a waiting request checks that Redis still holds its work, restart or not.
+RECHECK_S = 10.0
 
 
 class RedisEpoch:
@@ -103,6 +107,7 @@ class LossWatch:
         self.grace_s = grace_s
         self.metrics = metrics
         self._noticed_at: float | None = None
+        self._checked_at = time.monotonic()  # the last check that Redis holds the work
 
     async def requeued(
         self, open_choices: Callable[[], Mapping[int, ResponseDeduplicator]]
@@ -112,12 +117,12 @@ class LossWatch:
         from the start. Called on every wake-up of the reader: cheap unless the
         run_id changed."""
         run_id = await self.epoch.current()
-        if run_id is None or run_id == self.known:
-            return []
-        if self.known is None:  # none when queued: INFO had failed; nothing to compare
-            self.known = run_id
-            return []
         now = time.monotonic()
+        if run_id is None or run_id == self.known or self.known is None:
+            if self.known is None:  # none when queued: INFO had failed; nothing to compare
+                self.known = run_id
+            # No restart; but a FLUSHALL, or a replica's full resync, loses data too.
+            return await self._recheck(open_choices, now)
         if self._noticed_at is None:
             self._noticed_at = now
         if now - self._noticed_at < self.grace_s:
@@ -125,7 +130,29 @@ class LossWatch:
         still_open = open_choices()
         if not still_open:
             return []
-        choices = sorted(still_open)
+        return await self._requeue_lost(run_id, still_open, sorted(still_open))
+
+    async def _recheck(
+        self, open_choices: Callable[[], Mapping[int, ResponseDeduplicator]], now: float
+    ) -> list[int]:
+        """Every RECHECK_S, whether Redis still holds the work of the choices whose
+        entry id is known (an attached request's is not: its marker expires after a
+        minute in the queue, and it would look lost)."""
+        if now - self._checked_at < RECHECK_S:
+            return []
+        self._checked_at = now
+        still_open = open_choices()
+        choices = [i for i in sorted(still_open) if self.entry_ids[i] is not None]
+        if not choices:
+            return []
+        return await self._requeue_lost(self.known, still_open, choices)
+
+    async def _requeue_lost(
+        self,
+        run_id: str | None,
+        still_open: Mapping[int, ResponseDeduplicator],
+        choices: list[int],
+    ) -> list[int]:
         try:
             held = await self.broker.held(
                 [self.items[i] for i in choices], [self.entry_ids[i] for i in choices]
@@ -137,11 +164,13 @@ class LossWatch:
                 for i, entry_id in zip(lost, entry_ids, strict=True):
                     self.entry_ids[i] = entry_id
         except (RedisError, OSError) as exc:  # Redis went again: next wake-up
-            log.warning("could not check %s after a Redis restart: %s", self._ids(choices), exc)
+            log.warning("could not check that Redis holds %s: %s", self._ids(choices), exc)
             return []
         self.known, self._noticed_at = run_id, None
         if lost:
-            log.warning("Redis restarted and lost %s: queued again", self._ids(lost))
+            log.warning(
+                "Redis lost %s (restarted, flushed or resynced): queued again", self._ids(lost)
+            )
             self.metrics.requeued(len(lost))
         return lost
 

@@ -22,6 +22,7 @@ from support.polling import eventually
 
 from tandem.engine.service.registry import Registry
 from tandem.engine.service.responses import ResponseWriter
+from tandem.gateway import recovery
 from tandem.protocol import PRIORITY_LOW, EngineInfo, Keys, ResponseEvent, WorkItem
 from tandem.redis_server import RedisServer
 
@@ -102,6 +103,24 @@ def test_a_request_queued_when_redis_restarts_empty_is_queued_again_and_answered
         with gateway.http() as http:  # greedy: what the same request gets now
             again = http.post("/v1/completions", json={**ASK, "temperature": 0}).json()
     assert answer.json()["choices"][0]["text"] == again["choices"][0]["text"]
+
+
+def test_a_request_a_flushall_lost_is_queued_again(server, keys, start_gateway, monkeypatch):
+    # No restart, so no new run_id: a FLUSHALL (or a replica's full resync) lost the
+    # work, and the request waited for its deadline, "still queued".
+    monkeypatch.setattr(recovery, "RECHECK_S", 0.5)
+    conn = _served(server.url, keys)
+    gateway = start_gateway(redis_url=server.url)
+    answers: list = []
+    asker = _ask(gateway.url, ASK, answers, **{"X-Tandem-Timeout": "5"})
+    before = _queued(conn, keys)
+    conn.flushall()
+    _served(server.url, keys).close()  # the idle engine registers again
+    after = _queued(conn, keys)  # queued again, as it was
+    assert (after.request_id, after.deadline) == (before.request_id, before.deadline)
+    assert gateway.metric("tandem_gateway_requeued_total") == 1
+    asker.join(timeout=30)
+    conn.close()
 
 
 def test_a_stream_cut_by_a_redis_restart_continues_after_the_tokens_sent(
