@@ -120,6 +120,8 @@ class Generation:
                 500, f"Unreadable response from an engine: {exc}", type=SERVER, code="protocol"
             ) from None
         except (RedisError, OSError) as exc:
+            ids = ", ".join(self.ticket.request_ids)
+            log.warning("ending %s with 503: Redis stayed unreachable while reading: %s", ids, exc)
             raise unavailable(f"Lost the connection to Redis while reading: {exc}") from None
 
     async def _delivered(self) -> None:

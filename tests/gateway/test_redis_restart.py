@@ -190,7 +190,7 @@ def test_a_stream_whose_redis_stays_gone_ends_with_redis_unreachable(server, key
 
 
 def test_a_stream_whose_redis_is_paused_ends_when_the_outage_time_is_up(
-    server, keys, start_gateway
+    server, keys, start_gateway, caplog
 ):
     # A paused Redis answers nothing: each command waits out the 5 s socket timeout.
     # It was tried three times (15 s) and the outage clock started after that: 30 s
@@ -215,6 +215,7 @@ def test_a_stream_whose_redis_is_paused_ends_when_the_outage_time_is_up(
     error = chunks[-1]["error"]
     assert error["code"] == "redis_unreachable", error
     assert "no answer from Redis for" in error["message"], error
+    assert f"ending {rid} with 503: Redis stayed unreachable" in caplog.text  # said, too
     assert took < 6, took  # a read's block (1 s) and grace (2 s), the outage (1 s)
 
 
