@@ -260,9 +260,10 @@ class IncrementalDetokenizer:
         return self._stopped
 
     def add(self, new_token_ids: Sequence[int]) -> tuple[str, bool]:
-        """(text to send now, whether a stop string matched). After a stop, always ("", True)."""
+        """(text to send now, whether a stop string matched). After a stop, ("", True),
+        but for text before it not yet sent (a resume that found the stop)."""
         if self._stopped:
-            return "", True
+            return self._release(len(self._text)), True
         self._ids.extend(new_token_ids)
         before = self._decode(self._prefix, self._read)
         after = self._decode(self._prefix, len(self._ids))
@@ -282,7 +283,9 @@ class IncrementalDetokenizer:
         """
         for token in token_ids:
             self.add([token])
-        if sent_text is not None and not self._stopped:
+        if sent_text is not None:
+            # A stop found here was not seen there (its chunk ended inside a character):
+            # the text before it goes out with the next add.
             self._emitted = min(len(sent_text), len(self._text))
 
     def add_until_stop(self, new_token_ids: Sequence[int]) -> tuple[str, bool, int]:
@@ -290,6 +293,8 @@ class IncrementalDetokenizer:
         step's accepted drafts) go in one at a time, and the ids after the one that
         completed a stop string are left out, as a run that sampled them one by one
         would never have produced them."""
+        if self._stopped:  # found while resuming: none of these ids count
+            return self._release(len(self._text)), True, 0
         if not self._stop or len(new_token_ids) <= 1:
             return (*self.add(new_token_ids), len(new_token_ids))
         pieces = []
@@ -307,7 +312,7 @@ class IncrementalDetokenizer:
         more bytes will complete it.
         """
         if self._stopped:
-            return ""
+            return self._release(len(self._text))
         before = self._decode(self._prefix, self._read)
         after = self._decode(self._prefix, len(self._ids))
         self._prefix = self._read = len(self._ids)
