@@ -172,7 +172,8 @@ def test_a_redis_that_restarts_with_its_data_gets_nothing_queued_twice(server, k
     assert conn.xlen(keys.work_stream("tiny", PRIORITY_LOW)) == 1
 
 
-def test_a_stream_whose_redis_stays_gone_ends_with_redis_unreachable(server, keys, start_gateway):
+def _streaming(server, keys, start_gateway):
+    """A stream (outage time 1 s) whose client has its first token."""
     conn = _served(server.url, keys)
     gateway = start_gateway(redis_url=server.url, redis_outage_s=1.0)
     chunks: list = []
@@ -182,6 +183,11 @@ def test_a_stream_whose_redis_stays_gone_ends_with_redis_unreachable(server, key
     writer.add(rid, ResponseEvent.tokens(0, [40], "a", "e-1"))
     writer.flush()
     assert eventually(lambda: chunks)
+    return conn, rid, chunks, streamer
+
+
+def test_a_stream_whose_redis_stays_gone_ends_with_redis_unreachable(server, keys, start_gateway):
+    _, _, chunks, streamer = _streaming(server, keys, start_gateway)
     server.kill()
     streamer.join(timeout=30)
     error = chunks[-1]["error"]
@@ -195,15 +201,7 @@ def test_a_stream_whose_redis_is_paused_ends_when_the_outage_time_is_up(
     # A paused Redis answers nothing: each command waits out the 5 s socket timeout.
     # It was tried three times (15 s) and the outage clock started after that: 30 s
     # for the 10 s the docs promise.
-    conn = _served(server.url, keys)
-    gateway = start_gateway(redis_url=server.url, redis_outage_s=1.0)
-    chunks: list = []
-    streamer = _ask(gateway.url, {**ASK, "stream": True}, chunks)
-    rid = _queued(conn, keys).request_id
-    writer = ResponseWriter(conn, keys, "e-1")
-    writer.add(rid, ResponseEvent.tokens(0, [40], "a", "e-1"))
-    writer.flush()
-    assert eventually(lambda: chunks)
+    conn, rid, chunks, streamer = _streaming(server, keys, start_gateway)
     pid = conn.info("server")["process_id"]
     os.kill(pid, signal.SIGSTOP)
     try:
