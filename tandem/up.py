@@ -67,6 +67,9 @@ class UpConfig:
 
 # How long stopping may take: the admitted requests answered, every process drained.
 STOP_TIMEOUT_S = 60.0
+# How long the queue must stay empty at stop: a request the gateway admitted just
+# before may not be queued yet (on a loaded machine its engines were stopped first).
+QUEUE_SETTLE_S = 1.0
 # How often `tandem up` renews its model's catalog declaration (tandem/catalog.py).
 DECLARE_EVERY_S = 15.0
 
@@ -360,10 +363,15 @@ class Stack:
     def _wait_for_empty_queue(self, deadline: float) -> None:
         """Until every admitted request of the model was answered (or the deadline)."""
         client = redis.Redis.from_url(self.redis_url, socket_timeout=2)
+        empty_since = None
         try:
             while time.monotonic() < deadline and any(c.alive for c in self._engines()):
                 q = queue_depth(client, Keys(), self.config.name)
-                if not (q.total_waiting or q.pending or q.handoff_waiting or q.handoff_pending):
+                if q.total_waiting or q.pending or q.handoff_waiting or q.handoff_pending:
+                    empty_since = None
+                elif empty_since is None:
+                    empty_since = time.monotonic()
+                elif time.monotonic() - empty_since >= QUEUE_SETTLE_S:
                     return
                 time.sleep(0.2)
         except redis.RedisError:

@@ -127,6 +127,9 @@ def test_the_embedded_redis_keeps_queued_requests_across_its_crash(tmp_path):
         for rid in ("running", "queued"):
             enqueue(client, Keys(), WorkItem(rid, "m", prompt_token_ids=[1, 2]))
         assert len(WorkQueue(client, Keys(), "m", Role.NORMAL, "engine").pull(1).work) == 1
+        # Written to the file: with appendfsync everysec, a busy disk lets Redis hold
+        # its last writes back up to 2 s (what `tandem up` says it may lose).
+        assert eventually(lambda: client.info("persistence")["aof_buffer_length"] == 0, 5)
         stack.redis.kill()
         said: list[str] = []
         stack._restart_redis_if_dead(said.append)
