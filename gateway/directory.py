@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+from redis.exceptions import RedisError
+
 from tandem.gateway.broker import Broker
 from tandem.gateway.metrics import UNKNOWN_MODEL
 from tandem.protocol import ENGINE_TTL_SECONDS, EngineInfo, Role
@@ -68,7 +70,7 @@ class ModelDirectory:
         try:
             declared = await self.broker.declared_models()
             engines = await self.broker.live_engines()
-        except Exception as exc:
+        except (RedisError, OSError) as exc:
             now = time.monotonic()
             self._failed = (now, exc)
             # Unknown now, not gone: what was served counts as served until it can tell.

@@ -102,7 +102,7 @@ def test_a_refused_api_key_stops_the_bench_naming_the_flag(model, capsys):
             self.end_headers()
 
         def log_message(self, *args):
-            pass
+            pass  # http.server logs every request to stderr, which the test reads
 
     with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuses) as server:
         threading.Thread(target=server.serve_forever, daemon=True).start()
