@@ -91,8 +91,10 @@ async def test_a_served_name_is_served_by_the_older_model_alone(cluster, operato
 
     await cluster.patch_model("a", {"spec": {"model": {"servedModelName": "a-only"}}})
     await eventually(lambda: status(cluster, "b").get("phase") == "Ready", what="b serves now")
-    assert status(cluster, "a")["phase"] == "Ready"
+    # a's pods roll to take the new name (it names its queue), then a serves again.
+    await eventually(lambda: status(cluster, "a").get("phase") == "Ready", what="a serves a-only")
     await eventually(lambda: ("shared", "default/b") in _declared(metrics), what="b declared")
+    await eventually(lambda: ("a-only", "default/a") in _declared(metrics), what="a declared anew")
 
 
 def _declared(metrics: Any) -> set[tuple[str, str]]:
