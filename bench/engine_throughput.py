@@ -361,7 +361,7 @@ def main() -> None:
             f"without the split planes: {', '.join(fma_shares)})"
         )
 
-    n, rate = (16, 2.0) if args.quick else (48, 3.0)
+    n, rate = (16, 16.0) if args.quick else (48, 3.0)
     workload = poisson_workload(n, rate, config.vocab_size)
     print(f"\ncontinuous batching: {n} requests, Poisson {rate}/s, prompts 32-256, outputs 16-96")
     heads = ("tok/s", "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90")

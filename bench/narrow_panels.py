@@ -55,13 +55,15 @@ def chained_products_ms(decoder: PackedDecoder, rows: int, rounds: int) -> float
     return best * 1e3
 
 
-def decode_tps(llm: LLM, batch: int, new_tokens: int, temperature: float, rng) -> float:
+def decode_tps(
+    llm: LLM, batch: int, new_tokens: int, temperature: float, rng, prompt_tokens: int = 64
+) -> float:
     engine, vocab = llm.engine, llm.engine.config.vocab_size
     params = SamplingParams(
         max_tokens=new_tokens + 1, temperature=temperature, seed=1, ignore_eos=True
     )
     for i in range(batch):
-        prompt = [rng.randrange(vocab) for _ in range(64)]
+        prompt = [rng.randrange(vocab) for _ in range(prompt_tokens)]
         engine.add_request(
             f"n{i}-{time.monotonic_ns()}", prompt_token_ids=prompt, sampling_params=params
         )
@@ -104,21 +106,24 @@ def main() -> None:
 
     llm = LLM(loaded, max_model_len=2048, enable_prefix_caching=False)
     rng = random.Random(0)
-    new_tokens = 4 if args.quick else 32
+    # Quick: short prompts too, as the batch-64 prefills took most of a quick run.
+    new_tokens, prompt_tokens = (4, 16) if args.quick else (32, 64)
     print(f"\n{'decode (tok/s, medians)':<28} {'narrow':>8} {'float32':>8}  paired ratios")
     for name, batch, temperature in (
         ("batch 1 greedy", 1, 0.0),
         ("batch 1 sampled", 1, 0.8),
         ("batch 64 greedy", 64, 0.0),
     ):
-        decode_tps(llm, batch, 2, temperature, rng)  # warm
+        decode_tps(llm, batch, 2, temperature, rng, prompt_tokens)  # warm
         tps = {"narrow": [], "float32": []}
         for r in range(args.rounds):
             order = ("narrow", "float32") if r % 2 == 0 else ("float32", "narrow")
             for which in order:
                 model.packed_decoder = narrow if which == "narrow" else wide
                 model.lm_head.packed = head_narrow if which == "narrow" else head_wide
-                tps[which].append(decode_tps(llm, batch, new_tokens, temperature, rng))
+                tps[which].append(
+                    decode_tps(llm, batch, new_tokens, temperature, rng, prompt_tokens)
+                )
         ratios = [a / b for a, b in zip(tps["narrow"], tps["float32"], strict=True)]
         print(
             f"{name:<28} {statistics.median(tps['narrow']):>8.1f} "
