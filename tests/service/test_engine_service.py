@@ -8,6 +8,7 @@ sends them.
 import signal
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -325,6 +326,27 @@ def test_two_data_parallel_ranks_vote_through_gloo_and_serve(engines, client, re
     assert len(set().union(*(a.engines for a in answers))) == 2  # both ranks served
     # Each rank is a fresh interpreter that logs as the first does (it said nothing).
     assert f"engine {group.engine_id}-r1 ready" in group.log()
+    # The group's process killed (a supervisor's SIGKILL forwards nothing): its ranks
+    # go with it, as a pod's container takes every process in it, not left serving.
+    # (Its children: the two ranks and multiprocessing's resource tracker.)
+    children = _children(group.process.pid)
+    assert len(children) >= 2, children
+    group.kill()
+    assert eventually(lambda: not any(_alive(pid) for pid in children), 10), "orphans left"
+
+
+def _children(pid: int) -> list[int]:
+    """The processes `pid` started (Linux's /proc)."""
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(child) for child in path.read_text().split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited, its parent (now init) not yet told
 
 
 def test_a_rank_that_fails_ends_its_whole_group(redis_url, keys, tmp_path):

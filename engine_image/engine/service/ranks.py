@@ -8,10 +8,13 @@ CUDA), so the ranks run prefill and decode steps in lockstep.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import sys
+import threading
 from collections.abc import Callable
 
 from tandem.engine.step_vote import Vote
@@ -28,7 +31,11 @@ def run_ranks(args: argparse.Namespace, serve: Serve) -> int:
     port = free_port()
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch state
     procs = [
-        ctx.Process(target=_rank_main, args=(serve, args, rank, world, port), name=f"rank-{rank}")
+        ctx.Process(
+            target=_rank_main,
+            args=(serve, args, rank, world, port, os.getpid()),
+            name=f"rank-{rank}",
+        )
         for rank in range(world)
     ]
     for proc in procs:
@@ -55,7 +62,10 @@ def run_ranks(args: argparse.Namespace, serve: Serve) -> int:
     return 0
 
 
-def _rank_main(serve: Serve, args: argparse.Namespace, rank: int, world: int, port: int) -> None:
+def _rank_main(
+    serve: Serve, args: argparse.Namespace, rank: int, world: int, port: int, parent: int
+) -> None:
+    _die_with(parent)
     import torch
     import torch.distributed as dist
 
@@ -77,3 +87,28 @@ def _rank_main(serve: Serve, args: argparse.Namespace, rank: int, world: int, po
     finally:
         dist.destroy_process_group()
     raise SystemExit(code)
+
+
+# prctl's option: the signal this process gets when the thread that started it exits.
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with(parent: int) -> None:
+    """Kill this rank when `parent`, the group's process, dies, as a pod's container takes
+    every process in it down. A supervisor that SIGKILLs a hung group (tandem up's
+    liveness check) cannot forward anything: the ranks, orphaned, went on serving
+    and holding their KV for ever. Linux asks the kernel for it; elsewhere a thread
+    watches for the rank being handed to another parent."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+            if os.getppid() != parent:  # it died before the request took effect
+                os.kill(os.getpid(), signal.SIGKILL)
+            return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            threading.Event().wait(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
