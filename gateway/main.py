@@ -88,9 +88,11 @@ def main(args: argparse.Namespace) -> int:
     else:
         log.info("%d API keys loaded", len(app.state.gateway.key_store))
     # uvicorn handles SIGTERM (a graceful shutdown), then raises it again for the
-    # handler found at start: a no-op one makes a drained gateway exit 0, as the
-    # engines do, instead of dying by the signal.
-    signal.signal(signal.SIGTERM, lambda *_: None)
+    # handler found at start: one that exits 0 makes a drained gateway exit 0, as the
+    # engines do, instead of dying by the signal. A SIGTERM before uvicorn took over
+    # (nothing admitted yet) ends the process at once: a no-op handler here swallowed
+    # it, and the gateway served on until the supervisor's kill (tandem up waited 60 s).
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     uvicorn.run(
         app,
         host=settings.host,
@@ -100,3 +102,7 @@ def main(args: argparse.Namespace) -> int:
         log_level="info",
     )
     return 0
+
+
+def _exit_cleanly(signum: int, _frame: object) -> None:
+    raise SystemExit(0)

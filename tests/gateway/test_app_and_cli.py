@@ -110,6 +110,31 @@ def test_tandem_gateway_serves_and_stops_on_sigterm(redis_url, keys):
             process.wait()
 
 
+def test_a_sigterm_before_the_server_took_over_ends_the_gateway(monkeypatch, redis_url):
+    # tandem up stops a stack whose engine failed to start while the gateway may still
+    # be starting: a SIGTERM between main's own handler and uvicorn's must not be lost.
+    import uvicorn
+
+    from tandem.gateway import main as gateway_main
+
+    served = []
+
+    def run(app, **_kwargs) -> None:
+        signal.raise_signal(signal.SIGTERM)  # before uvicorn installs its handlers
+        served.append(app)  # the server would start and serve on
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    monkeypatch.setattr(gateway_main.gc, "freeze", lambda: None)  # not in the test process
+    args = build_parser().parse_args(["gateway", "--no-auth", "--redis-url", redis_url])
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as exited:
+            gateway_main.main(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert exited.value.code == 0 and served == []
+
+
 def test_a_bad_flag_value_is_an_error_message_not_a_traceback(tmp_path):
     cmd = [sys.executable, "-m", "tandem.cli", "gateway", "--max-queue", "-3", "--no-auth"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
