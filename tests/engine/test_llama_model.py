@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from support.imports import modules_loaded
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
@@ -343,3 +344,12 @@ def test_kernels_need_inference_mode() -> None:
     with torch.inference_mode():
         fast = model(torch.arange(5), meta.positions, caches, meta)
     torch.testing.assert_close(fast, hidden.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_loading_a_model_imports_neither_dynamo_nor_sympy() -> None:
+    # Every engine process loads one at start: module.to / to_empty / a meta normal_
+    # ran Python decompositions that imported both, ~1.5 s of each start.
+    loaded = modules_loaded(
+        "from tandem.engine.model.loader import load_model; load_model('random:tiny')"
+    )
+    assert not {"torch._dynamo", "sympy"} & set(loaded)

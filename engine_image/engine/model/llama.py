@@ -202,11 +202,26 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its (meta) weight, the embedding skips its random init: normal_ on the
+        # meta device runs a Python decomposition that imports torch._dynamo, ~1 s of
+        # every engine's start.
+        shape = (config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+def _materialise(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Every parameter of a module built on the meta device, as uninitialised memory of
+    `dtype` on `device`. (Module.to and to_empty run Python meta decompositions that
+    import sympy and torch._dynamo, ~1.5 s of every engine's start; torch.empty does
+    not.)"""
+    for sub in module.modules():
+        for name, param in sub.named_parameters(recurse=False):
+            empty = torch.empty(param.shape, dtype=dtype, device=device)
+            setattr(sub, name, nn.Parameter(empty, requires_grad=param.requires_grad))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -225,9 +240,8 @@ class LlamaForCausalLM(nn.Module):
         with torch.device("meta"):
             self.model = LlamaModel(config)
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        # dtype first, while still on meta, so nothing is allocated twice.
-        self.to(dtype).to_empty(device=device)
-        # Tied after to_empty (which would untie), before the fill (which would touch the
+        _materialise(self, dtype, torch.device(device))
+        # Tied after materialising (which unties), before the fill (which would touch the
         # discarded head's pages).
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
