@@ -134,7 +134,10 @@ class Controller:
             self._kube.list(KIND, namespace, {}),
         )
         holder = served_name_holder(model, models)
-        # A model that may not serve its name neither reads nor declares that name's queue.
+        # A model that may not serve its name neither reads nor declares that name's queue,
+        # and what its pods do meanwhile goes unwatched: its past is unknown after.
+        if autoscale and holder is not None:
+            memory = scaling.ScalerMemory()
         scale = autoscale and holder is None
         outcome = await self._autoscale(model, children, pods, memory) if scale else None
         actions = plan(
@@ -172,7 +175,8 @@ class Controller:
         try:
             spec = validate_spec(model.get("spec"), name=meta["name"])
         except InvalidSpec:
-            return None  # the plan reports it; nothing to scale
+            # The plan reports it; nothing to scale, and the stretch goes unwatched.
+            return _Scaling(scaling.ScalerMemory())
         found = {ChildKey(c["kind"], c["metadata"]["name"]): c for c in children}
         replicas = role_replicas(spec, meta["name"], found, model.get("status") or {}, {})
         deployments = [k for k in found if k.kind == "Deployment"]
@@ -188,11 +192,12 @@ class Controller:
             )
         except (redis.RedisError, OSError, LookupError, ValueError) as error:
             # Without the queue, an idle-looking model may be drowning in requests:
-            # skip this evaluation rather than scale down on half the picture.
+            # skip this evaluation rather than scale down on half the picture, and
+            # forget the past, so that the outage never counts as idle time after.
             log.warning(
                 "%s/%s: no queue depth (%s); autoscaling skipped", namespace, meta["name"], error
             )
-            return _Scaling(memory)
+            return _Scaling(scaling.ScalerMemory())
         samples = await self._sources.sample_all(scaling.scrape_targets(pods))
         evaluation = scaling.evaluate(spec, replicas, pods, samples, queue, memory, self._clock())
         shrinking = [role for role, d in evaluation.changed.items() if d.replicas < d.current]

@@ -113,7 +113,9 @@ def evaluate(
 ) -> Evaluation:
     """The autoscaler's decision for every role, each on its own signals and history."""
     decisions: dict[RoleName, Decision] = {}
-    histories = dict(memory.histories)
+    # Only the spec's roles: a role that comes back after a mode change is a new role,
+    # not one idle since it went.
+    histories: dict[RoleName, ScalingHistory] = {}
     for role_name, role in spec.roles().items():
         role_pods = pods_of(pods, role_name)
         targets = scrape_targets(role_pods)
@@ -129,7 +131,9 @@ def evaluate(
         )
         # A role seen for the first time (a new model, or an operator that just
         # started) has no past to weigh a first reading against: see starting().
-        history = histories.get(role_name) or ScalingHistory.starting(now, replicas[role_name])
+        history = memory.histories.get(role_name) or ScalingHistory.starting(
+            now, replicas[role_name]
+        )
         decision = decide(role_name, observed, queue, policy(role), history, now)
         if decision.unreadable_changed:
             _log_readability(role_pods, observed, history, decision, now)

@@ -37,6 +37,8 @@ class FakeMetrics:
         self.declarations: list[tuple[str, str, str]] = []
         # Every scrape fails (a NetworkPolicy on the engines' port, engines that hang).
         self.unreadable = False
+        # Every queue read fails (Redis down).
+        self.redis_down = False
 
     async def sample(self, pod: str, url: str) -> PodSample | None:
         if self.unreadable:
@@ -57,6 +59,8 @@ class FakeMetrics:
         self.declarations.append((redis_url, model, owner))
 
     async def depth(self, redis_url: str, model: str) -> QueueState:
+        if self.redis_down:
+            raise ConnectionError(f"{redis_url}: connection refused")
         self.queue_reads.append((redis_url, model))
         return QueueState(
             waiting=dict.fromkeys(PRIORITIES, 0),
