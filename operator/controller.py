@@ -41,6 +41,7 @@ from tandem.operator.manifests import (
 from tandem.operator.pod_load import PodSample
 from tandem.operator.reconcile import (
     Plan,
+    child_taken,
     plan,
     refused,
     role_replicas,
@@ -248,6 +249,9 @@ class Controller:
                 await self._create(manifest)
             for patch in actions.patches:
                 await self._kube.patch(patch.kind, namespace, patch.name, patch.patch)
+        except _ChildTaken as taken:
+            await self._apply(model, child_taken(model, str(taken), now=_now()), {})
+            return
         except ApiError as error:
             if not error.refused:
                 raise  # retried with backoff
@@ -288,18 +292,24 @@ class Controller:
             existing = await self._kube.get(manifest["kind"], meta["namespace"], meta["name"])
             if existing is None:
                 raise
-            ours = meta["ownerReferences"][0]["uid"]
+            ours = meta["ownerReferences"][0]
             owners = existing["metadata"].get("ownerReferences") or []
-            other = [o for o in owners if o.get("controller") and o.get("uid") != ours]
-            other = [o for o in other if o.get("kind") != KIND or o.get("name") != meta["name"]]
+            other = [o for o in owners if o.get("controller") and o.get("uid") != ours["uid"]]
+            # An earlier ModelDeployment of the same name (deleted and made again before
+            # the garbage collector came) owned it: ours now.
+            other = [o for o in other if o.get("kind") != KIND or o.get("name") != ours["name"]]
             if other:
-                raise RuntimeError(
+                raise _ChildTaken(
                     f"{manifest['kind']} {meta['name']} exists and belongs to "
                     f"{other[0].get('kind')} {other[0].get('name')}: rename or delete it"
                 ) from error
             await self._kube.patch(
                 manifest["kind"], meta["namespace"], meta["name"], repair_patch(manifest, existing)
             )
+
+
+class _ChildTaken(Exception):
+    """A child's name is held by an object another controller owns."""
 
 
 def _deletion_costs(

@@ -3,7 +3,7 @@
 Pure. The reason names the cause: the autoscaler or a bound (ScaledUp,
 ScaledDown), a spec edit (SpecApplied), the operator's own settings
 (SettingsApplied), a hand edit set back (DriftRepaired), a spec that cannot be
-served (InvalidSpec, ServedNameTaken: once, not on every pass), a role whose
+served (InvalidSpec, ServedNameTaken, ChildTaken: once, not on every pass), a role whose
 metrics nobody can read (MetricsUnreadable, then MetricsReadable: once each).
 """
 

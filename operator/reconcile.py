@@ -223,6 +223,12 @@ def refused(model: Body, error: str, *, now: str) -> Plan:
     return _refusal(model, "InvalidSpec", f"the API server refused a child object: {error}", now)
 
 
+def child_taken(model: Body, why: str, *, now: str) -> Plan:
+    """The plan when a child's name is held by an object another controller owns: Invalid
+    until it is renamed or deleted (a later pass then creates the child)."""
+    return _refusal(model, "ChildTaken", why, now)
+
+
 def _refusal(
     model: Body,
     reason: str,

@@ -1,0 +1,72 @@
+"""A child's name already taken when the operator creates it: adopted when an earlier
+ModelDeployment of the same name left it behind, else reported, never a silent loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from support.kube_api import DEPLOYMENTS
+from support.kube_cluster import NAMESPACE, eventually
+
+pytestmark = pytest.mark.asyncio
+
+MODEL = {
+    "apiVersion": "serving.tandem.dev/v1alpha1",
+    "kind": "ModelDeployment",
+    "metadata": {"name": "m"},
+    "spec": {"model": {"path": "smollm2"}, "mode": "Normal", "normal": {"replicas": 1}},
+}
+
+
+def squatter(owner: dict[str, Any]) -> dict[str, Any]:
+    """A Deployment named as m's normal role, owned by `owner`."""
+    labels = {"app": "x"}
+    return {
+        "metadata": {"name": "m-normal", "labels": labels, "ownerReferences": [owner]},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {"containers": [{"name": "c", "image": "busybox"}]},
+            },
+        },
+    }
+
+
+def status(cluster: Any) -> dict[str, Any]:
+    return (cluster.model("m") or {}).get("status") or {}
+
+
+async def test_a_name_another_controller_holds_is_reported_until_freed(cluster, operator):
+    other = {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "foo", "uid": "u-1"}
+    await cluster.api.create(DEPLOYMENTS, NAMESPACE, squatter({**other, "controller": True}))
+    await cluster.apply(MODEL)
+
+    await eventually(lambda: status(cluster).get("reason") == "ChildTaken", what="ChildTaken")
+    assert status(cluster)["phase"] == "Invalid"
+    assert "Deployment m-normal exists and belongs to ReplicaSet foo" in status(cluster)["message"]
+    (event,) = await eventually(lambda: cluster.events("ChildTaken"), what="a Warning")
+    assert event["type"] == "Warning"
+    assert cluster.pods("m", "normal") == []
+
+    await cluster.api.delete(DEPLOYMENTS, NAMESPACE, "m-normal")
+    await eventually(lambda: status(cluster).get("phase") == "Ready", what="Ready once freed")
+
+
+async def test_what_an_earlier_model_of_the_same_name_left_is_adopted(cluster, operator):
+    earlier = {
+        "apiVersion": "serving.tandem.dev/v1alpha1",
+        "kind": "ModelDeployment",
+        "name": "m",
+        "uid": "an-earlier-uid",
+        "controller": True,
+    }
+    await cluster.api.create(DEPLOYMENTS, NAMESPACE, squatter(earlier))
+    await cluster.apply(MODEL)
+
+    await eventually(lambda: status(cluster).get("phase") == "Ready", what="Ready")
+    (owner,) = cluster.child("Deployment", "m-normal")["metadata"]["ownerReferences"]
+    assert owner["uid"] == cluster.model("m")["metadata"]["uid"]
+    assert cluster.events("ChildTaken") == []
