@@ -330,10 +330,15 @@ class Engine:
                 new_tokens = new_tokens[:kept]
                 if status.is_finished:  # (a stop id or the length limit further on)
                     request.status = status = RequestStatus.FINISHED_STOPPED
-            if stopped and not status.is_finished:
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            if stopped:
+                if not status.is_finished:
+                    self.scheduler.finish_request(
+                        request.request_id, RequestStatus.FINISHED_STOPPED
+                    )
+                else:  # the last token max_tokens allowed completed it: a stop all the same
+                    request.status = RequestStatus.FINISHED_STOPPED
                 status = RequestStatus.FINISHED_STOPPED
-            elif status.is_finished and not stopped:
+            elif status.is_finished:
                 delta += tracked.detokenizer.flush()
         if status.is_finished:
             reason = status.value

@@ -52,6 +52,20 @@ def test_stop_string_ends_the_request_and_is_cut_from_the_text(llm):
     assert llm.engine.scheduler.kv_usage == 0
 
 
+def test_a_stop_string_the_last_allowed_token_completes_ends_as_a_stop(llm):
+    # OpenAI's "stop": a stop sequence was met; "length" would tell a client the
+    # answer was cut short and invite it to go on.
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    free = llm.generate(["stop here"], params)[0]
+    # The shortest ending of the text found nowhere before: met at the last token.
+    text = free.text
+    stop = next(text[-k:] for k in range(1, len(text)) if text.find(text[-k:]) == len(text) - k)
+    out = llm.generate(["stop here"], SamplingParams(**{**vars_of(params), "stop": (stop,)}))[0]
+    assert out.token_ids == free.token_ids
+    assert out.text == text[: -len(stop)]
+    assert out.finish_reason == "stop"
+
+
 def test_speculation_stops_where_a_stop_string_completes(llm):
     """Drafts accepted after the token that completes a stop string are dropped: token
     ids, text, reason and accepted-draft counts match a run without speculation."""
