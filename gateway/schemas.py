@@ -73,6 +73,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool | None = None
+    # Accepted and ignored: the gateway pads no chunk, whichever a client asks for.
+    include_obfuscation: bool | None = None
 
 
 # Field types the two request bodies share.
@@ -127,6 +129,7 @@ class ChatCompletionRequest(_Request):
     presence_penalty: Penalty = None
     # Accepted and ignored, as `user`: a cache or abuse-tracking hint changes no answer.
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None  # the engines' prefix cache keeps its own
     # Strings, not OpenAI's enums: a value OpenAI adds later is refused as unsupported.
     reasoning_effort: str | None = Field(default=None, description="Only 'none'.")
     response_format: dict[str, object] | None = Field(
