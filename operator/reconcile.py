@@ -256,7 +256,8 @@ def _name_taken(
     """An older model serves this one's name: this one serves nothing until the name is free.
 
     Its Deployments go to zero pods rather than away, so the status counts them
-    down and nothing is rebuilt once the name is free; none is created.
+    down and nothing is rebuilt once the name is free; none is created. Those of a
+    mode the spec just left too: they served the name as well.
     """
     name = model["metadata"]["name"]
     why = (
@@ -266,8 +267,9 @@ def _name_taken(
     )
     patches: list[ChildPatch] = []
     roles: dict[str, Any] = {}
-    for role_name in spec.roles():
-        key = ChildKey("Deployment", child_name(name, role_name))
+    keys = {role: ChildKey("Deployment", child_name(name, role)) for role in RoleName}
+    for role_name in (r for r in RoleName if r in spec.roles() or keys[r] in found):
+        key = keys[role_name]
         deployment = found.get(key)
         counts = _counts(deployment, 0, False, None)
         roles[role_name.value] = {"desired": 0, "replicas": counts.replicas, "ready": counts.ready}

@@ -97,6 +97,22 @@ async def test_a_served_name_is_served_by_the_older_model_alone(cluster, operato
     await eventually(lambda: ("a-only", "default/a") in _declared(metrics), what="a declared anew")
 
 
+async def test_a_mode_change_onto_a_taken_name_stops_the_old_roles_pods(cluster, operator):
+    await cluster.apply(normal("a", served="shared"))
+    await cluster.apply(normal("b", served="own"))
+    await eventually(lambda: status(cluster, "b").get("phase") == "Ready", what="b serves")
+    assert cluster.pods("b", "normal")
+
+    split = {"mode": "Disaggregated", "normal": None, "prefill": {}, "decode": {}}
+    await cluster.patch_model("b", {"spec": {"model": {"servedModelName": "shared"}, **split}})
+    await eventually(lambda: status(cluster, "b").get("reason") == "ServedNameTaken", what="taken")
+    # Its normal pods served the name too: gone to zero with the rest, and counted.
+    await eventually(lambda: cluster.pods("b", "normal") == [], what="b's normal pods stopped")
+    assert cluster.child("Deployment", "b-normal")["spec"]["replicas"] == 0
+    await eventually(lambda: status(cluster, "b")["roles"]["normal"]["replicas"] == 0)
+    assert {"normal", "prefill", "decode"} <= status(cluster, "b")["roles"].keys()
+
+
 def _declared(metrics: Any) -> set[tuple[str, str]]:
     """(served name, owner) of every catalog declaration so far."""
     return {(model, owner) for _, model, owner in metrics.declarations}
