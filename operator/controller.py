@@ -36,6 +36,7 @@ from tandem.operator.manifests import (
     MANAGED_BY_LABEL,
     OPERATOR,
     OperatorDefaults,
+    child_name,
     pods_of,
 )
 from tandem.operator.pod_load import PodSample
@@ -180,7 +181,12 @@ class Controller:
             return _Scaling(scaling.ScalerMemory())
         found = {ChildKey(c["kind"], c["metadata"]["name"]): c for c in children}
         replicas = role_replicas(spec, meta["name"], found, model.get("status") or {}, {})
-        deployments = [k for k in found if k.kind == "Deployment"]
+        deployments = {
+            role: found[key]["metadata"].get("uid", "")
+            for role in spec.roles()
+            if (key := ChildKey("Deployment", child_name(meta["name"], role))) in found
+        }
+        memory = memory.watching(deployments)
         if len(deployments) < len(spec.roles()):
             return _Scaling(memory)  # roles still being created: nothing to measure yet
         namespace = meta["namespace"]

@@ -42,6 +42,19 @@ class ScalerMemory:
     histories: Mapping[RoleName, ScalingHistory] = field(default_factory=dict)
     # The last sample of each pod: rates (budget utilisation) need two.
     samples: Mapping[str, PodSample] = field(default_factory=dict)
+    # The uid of the Deployment each role's history watched.
+    deployments: Mapping[RoleName, str] = field(default_factory=dict)
+
+    def watching(self, deployments: Mapping[RoleName, str]) -> ScalerMemory:
+        """This memory for the roles' Deployments now: a role whose Deployment is new (a
+        mode changed away and back, a Deployment deleted and made again) has no past,
+        however quickly that happened."""
+        kept = {
+            role: history
+            for role, history in self.histories.items()
+            if role in deployments and self.deployments.get(role) == deployments[role]
+        }
+        return ScalerMemory(kept, self.samples, dict(deployments))
 
 
 @dataclass(frozen=True)
@@ -143,7 +156,7 @@ def evaluate(
     # scrape must not cost the next evaluation its rate. Gone pods are dropped.
     alive = {p["metadata"]["name"] for p in pods}
     kept = {n: s for n, s in memory.samples.items() if n in alive and n not in samples}
-    return Evaluation(decisions, ScalerMemory(histories, {**kept, **samples}))
+    return Evaluation(decisions, ScalerMemory(histories, {**kept, **samples}, memory.deployments))
 
 
 def _log_readability(
