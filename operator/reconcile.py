@@ -27,7 +27,14 @@ from tandem.operator.pod_trouble import PodTrouble, role_trouble
 from tandem.operator.role_name import RoleName
 from tandem.operator.setting_changes import setting_changes
 from tandem.operator.spec import ModelDeploymentSpec
-from tandem.operator.status import RoleCounts, Scale, invalid_status, status_patch, valid_status
+from tandem.operator.status import (
+    RoleCounts,
+    Scale,
+    Stall,
+    invalid_status,
+    status_patch,
+    valid_status,
+)
 from tandem.operator.validation import InvalidSpec, validate_spec
 
 Body = Mapping[str, Any]
@@ -279,6 +286,19 @@ def _name_taken(
     return _refusal(model, "ServedNameTaken", why, now, roles=roles, patches=tuple(patches))
 
 
+def _stall(conditions: list[Body]) -> Stall | None:
+    """What keeps a Deployment from progressing, if anything: a replica failure (a quota,
+    an admission webhook: no pod can even be made) before a passed deadline."""
+    by_type = {c.get("type"): c for c in conditions}
+    failure = by_type.get("ReplicaFailure") or {}
+    if failure.get("status") == "True":
+        return Stall("ReplicaFailure", str(failure.get("message") or failure.get("reason") or ""))
+    progressing = by_type.get("Progressing") or {}
+    if progressing.get("status") == "False":
+        return Stall("ProgressDeadlineExceeded", str(progressing.get("message") or ""))
+    return None
+
+
 def _counts(
     deployment: Body | None, desired: int, changing: bool, trouble: PodTrouble | None
 ) -> RoleCounts:
@@ -290,16 +310,12 @@ def _counts(
     stale = int(status.get("observedGeneration") or 0) < int(
         deployment["metadata"].get("generation") or 0
     )
-    stalled = any(
-        (c.get("type") == "Progressing" and c.get("status") == "False")
-        or (c.get("type") == "ReplicaFailure" and c.get("status") == "True")
-        for c in status.get("conditions") or []
-    )
+    stall = _stall(status.get("conditions") or [])
     return RoleCounts(
         desired=desired,
         replicas=replicas,
         ready=int(status.get("readyReplicas") or 0),
         rolling=changing or stale or updated < replicas,
-        stalled=stalled,
+        stall=stall,
         trouble=trouble,
     )

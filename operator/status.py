@@ -60,6 +60,14 @@ class Scale:
 
 
 @dataclass(frozen=True)
+class Stall:
+    """A Deployment condition that says it cannot progress, in its own words."""
+
+    reason: str  # ProgressDeadlineExceeded (pods never came up) or ReplicaFailure
+    message: str  # the condition's message, e.g. a quota the pods would exceed
+
+
+@dataclass(frozen=True)
 class RoleCounts:
     """One role as its Deployment reports it."""
 
@@ -69,7 +77,7 @@ class RoleCounts:
     # Pods being replaced or added: a new template or count not yet rolled out.
     rolling: bool = False
     # The Deployment says it cannot progress (deadline exceeded, replica failure).
-    stalled: bool = False
+    stall: Stall | None = None
     # What its pods say keeps one of them from serving, if anything.
     trouble: PodTrouble | None = None
 
@@ -178,13 +186,12 @@ def _phase(counts: Mapping[RoleName, RoleCounts], previous: Body) -> tuple[Phase
     for role, trouble in troubled:  # the pods' own words before the Deployment's
         if trouble.degrades:
             return Phase.DEGRADED, trouble.reason, f"{role.value}: {trouble.message}; {summary}"
-    stalled = [role.value for role, c in counts.items() if c.stalled]
-    if stalled:
-        return (
-            Phase.DEGRADED,
-            "ProgressDeadlineExceeded",
-            f"{', '.join(stalled)} cannot progress: {summary}",
-        )
+    stalls = [(role, c.stall) for role, c in counts.items() if c.stall is not None]
+    if stalls:
+        role, stall = stalls[0]
+        roles = ", ".join(r.value for r, _ in stalls)
+        why = f"{role.value}: {stall.message}; " if stall.message else ""
+        return Phase.DEGRADED, stall.reason, f"{roles} cannot progress: {why}{summary}"
     reported = previous.get("roles") or {}
     # Degraded by a pod's trouble says nothing of serving: a new model whose engines
     # crashed is not one that lost pods once the crash is over.

@@ -25,7 +25,7 @@ from tandem.operator.scaling import (
     policy,
     scrape_targets,
 )
-from tandem.operator.status import RoleCounts, conditions, status_patch, valid_status
+from tandem.operator.status import RoleCounts, Stall, conditions, status_patch, valid_status
 from tandem.operator.status_model import Phase
 from tandem.operator.validation import validate_spec
 from tandem.protocol import PRIORITIES
@@ -153,6 +153,25 @@ def test_a_role_of_another_mode_is_deleted():
     assert len(actions.creates) == 10
 
 
+def test_a_deployment_that_cannot_make_pods_says_why_in_the_status():
+    # A quota or an admission webhook refuses every pod: its words, not a deadline's.
+    children = children_of(model())
+    (deployment,) = [c for c in children if c["kind"] == "Deployment"]
+    deployment["metadata"].update(generation=1)
+    quota = 'pods "m-normal-1" is forbidden: exceeded quota: gpu'
+    deployment["status"] = {
+        "observedGeneration": 1,
+        "replicas": 0,
+        "conditions": [
+            {"type": "Progressing", "status": "False", "message": "deadline exceeded"},
+            {"type": "ReplicaFailure", "status": "True", "message": quota},
+        ],
+    }
+    status = plan(model(), children, DEFAULTS, now=NOW).status
+    assert (status["phase"], status["reason"]) == ("Degraded", "ReplicaFailure")
+    assert f"normal cannot progress: normal: {quota}" in status["message"]
+
+
 def test_replicas_come_from_the_autoscaler_then_the_deployment_then_status_then_spec():
     spec = validate_spec(model({"replicas": 2, "maxReplicas": 5})["spec"], name="m")
     key = ChildKey("Deployment", "m-normal")
@@ -207,7 +226,11 @@ def test_an_invalid_spec_plans_no_child_change_and_says_why():
             {"phase": "Ready", "desired": 2},
             Phase.PROGRESSING,
         ),
-        ({"desired": 2, "ready": 1, "replicas": 2, "stalled": True}, {}, Phase.DEGRADED),
+        (
+            {"desired": 2, "ready": 1, "replicas": 2, "stall": Stall("ReplicaFailure", "quota")},
+            {},
+            Phase.DEGRADED,
+        ),
     ],
 )
 def test_phases(counts, previous, expected):
