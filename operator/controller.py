@@ -251,10 +251,12 @@ class Controller:
         for pod, cost in costs.items():
             await self._kube.set_pod_deletion_cost(namespace, pod, cost)
         try:
-            for manifest in actions.creates:
-                await self._create(manifest)
-            for patch in actions.patches:
-                await self._kube.patch(patch.kind, namespace, patch.name, patch.patch)
+            # Every write checked before any is made: a child the API server refuses
+            # must not leave the others changed (one role rolled to the new spec and
+            # the other not, a ConfigMap ahead of its Deployment).
+            if len(actions.creates) + len(actions.patches) > 1:
+                await self._write(namespace, actions, dry_run=True)
+            await self._write(namespace, actions, dry_run=False)
         except _ChildTaken as taken:
             await self._apply(model, child_taken(model, str(taken), now=_now()), {})
             return
@@ -280,18 +282,26 @@ class Controller:
                 [f"{k.kind}/{k.name}" for k in actions.deletes],
             )
 
+    async def _write(self, namespace: str, actions: Plan, *, dry_run: bool) -> None:
+        for manifest in actions.creates:
+            await self._create(manifest, dry_run=dry_run)
+        for patch in actions.patches:
+            await self._kube.patch(patch.kind, namespace, patch.name, patch.patch, dry_run=dry_run)
+
     async def _post(self, model: Body, events: Sequence[Event]) -> None:
         for event in events:
             await self._kube.post_event(
                 model, reason=event.reason, message=event.message, warning=event.warning
             )
 
-    async def _create(self, manifest: Body) -> None:
+    async def _create(self, manifest: Body, *, dry_run: bool = False) -> None:
         try:
-            await self._kube.create(manifest)
+            await self._kube.create(manifest, dry_run=dry_run)
         except ApiError as error:
             if not error.already_exists:
                 raise
+            if dry_run:
+                return  # adopted or reported by the real write
             # Made meanwhile (a user, or an older incarnation of this object): adopt it
             # unless another controller owns it.
             meta = manifest["metadata"]

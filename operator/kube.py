@@ -42,6 +42,10 @@ _RETRYABLE = frozenset({409, 429, 500, 502, 503, 504})
 STRICT = {"fieldValidation": "Strict"}
 
 
+def _write_params(dry_run: bool) -> dict[str, str]:
+    return {**STRICT, "dryRun": "All"} if dry_run else STRICT
+
+
 @dataclass(frozen=True)
 class ApiResource:
     """Where a kind lives in the API."""
@@ -185,11 +189,12 @@ class KubeApi:
                 return items
             params = {**params, "continue": token}
 
-    async def create(self, obj: Mapping[str, Any]) -> Body:
-        """Create `obj` in its namespace; ApiError (already_exists) if the name is taken."""
+    async def create(self, obj: Mapping[str, Any], *, dry_run: bool = False) -> Body:
+        """Create `obj` in its namespace; ApiError (already_exists) if the name is taken.
+        With `dry_run`, the API server checks it and stores nothing."""
         resource = KINDS[obj["kind"]]
         path = resource.path(obj["metadata"]["namespace"])
-        return await self._request("POST", path, params=STRICT, json=obj)
+        return await self._request("POST", path, params=_write_params(dry_run), json=obj)
 
     async def patch(
         self,
@@ -199,15 +204,17 @@ class KubeApi:
         patch: Mapping[str, Any],
         *,
         subresource: str | None = None,
+        dry_run: bool = False,
     ) -> Body | None:
-        """JSON merge patch (RFC 7386); None when the object is gone."""
+        """JSON merge patch (RFC 7386); None when the object is gone. With `dry_run`, the
+        API server checks it and changes nothing."""
         path = KINDS[kind].path(namespace, name, subresource)
         try:
             return await self._request(
                 "PATCH",
                 path,
                 # Not the status: an older CRD prunes fields it lacks, as it should.
-                params=STRICT if subresource is None else None,
+                params=_write_params(dry_run) if subresource is None else None,
                 json=patch,
                 content_type="application/merge-patch+json",
             )

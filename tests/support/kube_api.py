@@ -178,16 +178,17 @@ class ApiServer(ApiStore):
                 raise not_found(resource, name)
             return _json(found)
         strict = request.params.get("fieldValidation") == "Strict"
+        dry = request.params.get("dryRun") == "All"
         async with self._lock:
             if action == kmock.action.CREATE:
                 created = await self._create(
-                    resource, namespace, request.data or {}, self.admission, strict
+                    resource, namespace, request.data or {}, self.admission, strict, dry
                 )
                 return _json(created, status=201)
             if action == kmock.action.UPDATE and name is not None:
-                patch = request.data
+                patch, admit = request.data, self.admission
                 return _json(
-                    await self._patch(resource, namespace, name, patch, sub, self.admission, strict)
+                    await self._patch(resource, namespace, name, patch, sub, admit, strict, dry)
                 )
             if action == kmock.action.DELETE and name is not None:
                 return _json(await self._delete(resource, namespace, name))

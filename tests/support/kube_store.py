@@ -20,6 +20,7 @@ the HTTP side and lists every gap filled):
 - fieldValidation=Strict on writes of built-in kinds: an unknown field is a
   400 naming it (kubernetes-validate's schemas; the default, Warn, is not
   emulated: the field is kept, where a real server drops it);
+- dryRun=All on creates and patches: every check made, nothing stored;
 - garbage collection: removing an owner removes its dependents (background
   propagation), as kube-controller-manager does.
 
@@ -157,6 +158,7 @@ class ApiStore(kmock.KubernetesEmulator):
         body: Mapping[str, Any],
         admit: bool,
         strict: bool = False,
+        dry_run: bool = False,
     ) -> Body:
         obj = copy.deepcopy(dict(body))
         # The server names the type of what it stores, as the URL says, when a body did not.
@@ -184,6 +186,8 @@ class ApiStore(kmock.KubernetesEmulator):
             obj = self._admit(obj, name)
         if strict:
             _strict_decode(obj)
+        if dry_run:  # dryRun=All: every check made, nothing stored
+            return obj
         return await self._commit(resource, "ADDED", obj)
 
     async def _patch(
@@ -195,6 +199,7 @@ class ApiStore(kmock.KubernetesEmulator):
         subresource: str | None,
         admit: bool,
         strict: bool = False,
+        dry_run: bool = False,
     ) -> Body:
         current = self.read(resource, namespace, name)
         if current is None or subresource not in (None, "status"):
@@ -238,8 +243,8 @@ class ApiStore(kmock.KubernetesEmulator):
             meta["generation"] = int(old_meta.get("generation", 1)) + 1
         if strict and subresource is None:
             _strict_decode(patched)
-        if patched == current:
-            return current  # no change: no new resourceVersion, no event
+        if patched == current or dry_run:
+            return patched  # no change: no new resourceVersion, no event
         if meta.get("deletionTimestamp") and not meta.get("finalizers"):
             return await self._remove(resource, patched)
         return await self._commit(resource, "MODIFIED", patched)
