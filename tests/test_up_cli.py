@@ -4,9 +4,11 @@ running), the flags -f replaces refused, a banner that says what runs, a help th
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -87,13 +89,44 @@ def test_a_port_in_use_is_named_before_anything_starts(taken_port):
         (["-f", "/nonexistent.yaml"], "cannot read -f /nonexistent.yaml: No such file"),
         # A cluster manifest (Hub download): -f needs spec.model.path.
         (["-f", "examples/smollm2-cpu.yaml"], "the model must be spec.model.path"),
+        (["--log-dir", "/proc/no-such-dir"], "cannot create --log-dir /proc/no-such-dir: "),
     ],
-    ids=["redis-url", "missing-file", "cluster-manifest"],
+    ids=["redis-url", "missing-file", "cluster-manifest", "log-dir"],
 )
 def test_bad_input_is_one_clear_line(argv, says):
     done, left = up(*argv, "--port", str(free_port()))
     assert says in the_error(done)
     assert left == []
+
+
+def test_killed_outright_it_takes_everything_it_started_with_it():
+    # SIGKILL (an OOM kill, kill -9) forwards nothing: the gateway, the engine and the
+    # embedded Redis went on running, orphaned, and held the port.
+    mark = f"TANDEM_UP_TEST={uuid.uuid4().hex}"
+    env = {**os.environ, "TANDEM_CPU_KERNELS": "0", "TANDEM_UP_TEST": mark.split("=")[1]}
+    argv = [TANDEM, "up", "--model", "random:tiny", "--port", str(free_port())]
+    with subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            lines = []
+            for line in proc.stdout:
+                lines.append(line)
+                if line.startswith("Tandem is up"):
+                    break
+            # Redis rewrites its environment (its process title): found by its port.
+            redis_port = int(re.search(r"redis://127.0.0.1:(\d+)/", "".join(lines)).group(1))
+            started = processes_marked(mark)
+            assert len(started) == 3, started  # itself, the gateway, an engine
+        finally:
+            proc.kill()
+    deadline = time.monotonic() + 10
+    while (processes_marked(mark) or _listening(redis_port)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_marked(mark) == [] and not _listening(redis_port)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_an_engine_that_cannot_start_is_named_with_its_log_and_everything_stops(tmp_path):

@@ -8,16 +8,14 @@ CUDA), so the ranks run prefill and decode steps in lockstep.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import sys
-import threading
 from collections.abc import Callable
 
 from tandem.engine.step_vote import Vote
+from tandem.parent_death import die_with
 from tandem.redis_server import free_port
 
 # What each rank runs (service/main.py's serve): (args, rank, vote) -> exit code.
@@ -65,7 +63,8 @@ def run_ranks(args: argparse.Namespace, serve: Serve) -> int:
 def _rank_main(
     serve: Serve, args: argparse.Namespace, rank: int, world: int, port: int, parent: int
 ) -> None:
-    _die_with(parent)
+    # Killed with the group's process (a supervisor's SIGKILL forwards nothing).
+    die_with(parent)
     import torch
     import torch.distributed as dist
 
@@ -87,28 +86,3 @@ def _rank_main(
     finally:
         dist.destroy_process_group()
     raise SystemExit(code)
-
-
-# prctl's option: the signal this process gets when the thread that started it exits.
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with(parent: int) -> None:
-    """Kill this rank when `parent`, the group's process, dies, as a pod's container takes
-    every process in it down. A supervisor that SIGKILLs a hung group (tandem up's
-    liveness check) cannot forward anything: the ranks, orphaned, went on serving
-    and holding their KV for ever. Linux asks the kernel for it; elsewhere a thread
-    watches for the rank being handed to another parent."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
-            if os.getppid() != parent:  # it died before the request took effect
-                os.kill(os.getpid(), signal.SIGKILL)
-            return
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            threading.Event().wait(1.0)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
