@@ -17,7 +17,16 @@ from support.polling import eventually
 
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.service.registry import Registry
-from tandem.protocol import HANDOFF_GROUP, ErrorCode, EventKind, Handoff, WorkItem, as_text
+from tandem.protocol import (
+    HANDOFF_GROUP,
+    PRIORITY_NORMAL,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    EventKind,
+    Handoff,
+    WorkItem,
+    as_text,
+)
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
@@ -438,6 +447,18 @@ def test_the_waiting_tokens_integral_counts_a_prompt_from_pull_to_prefill(engine
     assert served > 0
     time.sleep(0.5)  # idle: nothing waits, so the counter stands still
     assert engine.metric(name) == served
+
+
+def test_an_entry_the_engine_cannot_read_is_answered_not_dropped(engines, client, keys):
+    # A gateway of another protocol version, a hand-made entry: acked and dropped in
+    # silence, its client waited out its whole deadline.
+    engines("normal")
+    stream = keys.work_stream("tiny", PRIORITY_NORMAL)
+    data = '{"request_id": "no-prompt", "model": "tiny"}'
+    client.redis.xadd(stream, {"v": str(PROTOCOL_VERSION), "kind": "work", "data": data})
+    answer = client.answer("no-prompt", timeout=30)
+    assert answer.final.error_code == ErrorCode.INVALID_REQUEST
+    assert "the engine cannot read this request" in answer.final.error_message
 
 
 def test_a_request_past_its_deadline_ends_with_a_clear_error(engines, client):

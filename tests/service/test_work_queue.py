@@ -140,13 +140,17 @@ def test_malformed_entries_are_acked_and_reported(redis_client, keys, queue):
     bad = [
         redis_client.xadd(stream, {"junk": "1"}).decode(),
         redis_client.xadd(stream, {"v": "1", "kind": "work", "data": "[1, 2]"}).decode(),
-        redis_client.xadd(stream, {"v": "99", "kind": "work", "data": "{}"}).decode(),
+        redis_client.xadd(stream, {"v": "99", "kind": "work", "data": '{"request_id": "r9"}'}),
+        redis_client.xadd(stream, {"v": "1", "kind": "work", "data": '{"request_id": "r0"}'}),
     ]
+    bad = [entry_id if isinstance(entry_id, str) else entry_id.decode() for entry_id in bad]
     enqueue(redis_client, keys, item("good"))
     pulled = q.pull(10)
     assert ids(pulled.work) == ["good"]
-    assert [entry_id for entry_id, _ in pulled.malformed] == bad
+    assert [entry_id for entry_id, _, _ in pulled.malformed] == bad
     assert "protocol version 99" in pulled.malformed[2][1]
+    # Where the request id can be read, it comes along: the engine answers it.
+    assert [rid for _, _, rid in pulled.malformed] == [None, None, "r9", "r0"]
     assert redis_client.xpending(stream, WORK_GROUP)["pending"] == 1  # only the good one
     time.sleep(IDLE_MS * 1.5 / 1000)
     assert ids(queue("e2").pull(10).work) == ["good"]  # the bad ones never come back
@@ -158,7 +162,7 @@ def test_entry_deleted_while_pending_is_dropped(redis_client, keys, queue):
     redis_client.xdel(d.stream, d.entry_id)
     time.sleep(IDLE_MS * 1.5 / 1000)
     pulled = queue("e2").pull(5)
-    assert [entry_id for entry_id, _ in pulled.malformed] == [d.entry_id]
+    assert [entry_id for entry_id, _, _ in pulled.malformed] == [d.entry_id]
     assert redis_client.xpending(d.stream, WORK_GROUP)["pending"] == 0
 
 
@@ -235,7 +239,7 @@ def test_handoff_with_a_bad_work_item_is_malformed(keys, queue):
     bad.work = {"model": MODEL}  # no request_id, no prompt
     entry_id = queue("p1", role=Role.PROMPT).publish_handoff(bad)
     pulled = completion.pull(4)
-    assert pulled.work == [] and [e for e, _ in pulled.malformed] == [entry_id]
+    assert pulled.work == [] and [e for e, _, _ in pulled.malformed] == [entry_id]
 
 
 def test_pull_blocks_until_work_arrives(redis_client, keys, queue):

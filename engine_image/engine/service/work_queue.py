@@ -23,6 +23,7 @@ producer side, `enqueue`).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
@@ -84,14 +85,16 @@ class Pulled:
 
     exhausted: delivered more than max_deliveries times (engines kept dying on
     them): write an ErrorCode.REDELIVERY_LIMIT event, then `ack` them.
-    malformed: (entry_id, why) of entries that cannot be read; already acked.
+    malformed: (entry_id, why, request_id or None) of entries that cannot be read;
+    already acked. Their request id, where it could still be read, is for an answer:
+    without one the client waits out its whole deadline.
     Iterating yields work, then exhausted deliveries (`Delivery.exhausted` tells
     them apart), for a loop that handles both in one place.
     """
 
     work: list[Delivery] = field(default_factory=list)
     exhausted: list[Delivery] = field(default_factory=list)
-    malformed: list[tuple[str, str]] = field(default_factory=list)
+    malformed: list[tuple[str, str, str | None]] = field(default_factory=list)
 
     def __iter__(self) -> Iterator[Delivery]:
         yield from self.work
@@ -232,7 +235,8 @@ class WorkQueue:
             except (ValueError, TypeError, KeyError, AttributeError) as exc:
                 # ProtocolError is a ValueError; the others come from JSON that is
                 # valid but not an object of the expected shape.
-                pulled.malformed.append((entry_id, f"{stream} {entry_id}: {exc}"))
+                why, rid = f"{stream} {entry_id}: {exc}", _request_id(fields)
+                pulled.malformed.append((entry_id, why, rid))
                 unreadable.append((stream, entry_id))
                 continue
             exhausted = int(times) > self.max_deliveries
@@ -241,7 +245,7 @@ class WorkQueue:
         for index, raw_id in lost:
             entry_id = as_text(raw_id)
             stream = self.streams[index - 1]
-            pulled.malformed.append((entry_id, f"{stream} {entry_id}: deleted while pending"))
+            pulled.malformed.append((entry_id, f"{stream} {entry_id}: deleted while pending", None))
         if unreadable:
             self._ack_ids(unreadable)
         return pulled
@@ -337,3 +341,14 @@ class WorkQueue:
     def publish_handoff(self, handoff: Handoff) -> str:
         """Offer a prefilled request to the model's COMPLETION engines."""
         return as_text(self.client.xadd(self.keys.handoff_stream(self.model), handoff.to_fields()))
+
+
+def _request_id(fields: dict[str, Any]) -> str | None:
+    """The request id of an entry that cannot be read, if that much of it can be: a work
+    item's, or a handoff's work item's."""
+    try:
+        data = json.loads(as_text(fields.get("data") or ""))
+        rid = data.get("request_id") or (data.get("work") or {}).get("request_id")
+    except (ValueError, TypeError, AttributeError):
+        return None
+    return rid if isinstance(rid, str) and rid else None

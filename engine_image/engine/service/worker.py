@@ -19,6 +19,7 @@ SIGTERM stops the pulling, lets running requests finish, hands back what is left
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -41,6 +42,8 @@ from tandem.engine.service.work_queue import Delivery
 from tandem.protocol import EngineInfo, ErrorCode, Handoff, ResponseEvent, Usage, WorkItem
 
 _CANCELLED = "the client cancelled the request"
+
+log = logging.getLogger(__name__)
 
 
 class EngineWorker:
@@ -177,9 +180,9 @@ class EngineWorker:
             return
         try:
             if room:
-                self._untaken = list(
-                    self.io.queue.pull(room, self.settings.idle_block_ms if block else 0)
-                )
+                pulled = self.io.queue.pull(room, self.settings.idle_block_ms if block else 0)
+                self._answer_unreadable(pulled.malformed)
+                self._untaken = list(pulled)
             took = bool(self._untaken)
             # One at a time, each dropped from _untaken once taken: Redis going away
             # midway leaves the rest to take once it is back (pulled again, they would
@@ -365,6 +368,20 @@ class EngineWorker:
             self.handoffs.drop(self.engine, rid)
         if self.held.pop(rid, None) is not None:
             self.engine.abort(rid)
+
+    def _answer_unreadable(self, malformed: list[tuple[str, str, str | None]]) -> None:
+        """Entries no engine can read (a gateway of another protocol version, a hand-made
+        entry), already acked: said in the log, and answered where the request id could
+        be read, else its client waited out its whole deadline in silence."""
+        for _, why, rid in malformed:
+            log.warning("unreadable entry dropped: %s", why)
+            if rid is not None:
+                message = f"the engine cannot read this request: {why}"
+                event = ResponseEvent.error(
+                    ErrorCode.INVALID_REQUEST, message, self.settings.engine_id
+                )
+                self.io.responses.add(rid, event)
+                self.metrics.request_ended(str(ErrorCode.INVALID_REQUEST))
 
     def _fail(
         self,
