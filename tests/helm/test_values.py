@@ -75,6 +75,10 @@ BAD_VALUES = [
         ["commonLabels.app\\.kubernetes\\.io/name=x"],
         "invalid propertyName 'app.kubernetes.io/name'",
     ),
+    # Labels the API server would refuse on every object the chart makes.
+    (["commonLabels.team=a b!"], "at '/commonLabels/team'"),
+    (["commonLabels.bad key=x"], "invalid propertyName 'bad key'"),
+    (["gateway.podDisruptionBudget.maxUnavailable=150%"], "podDisruptionBudget/maxUnavailable"),
 ]
 
 
