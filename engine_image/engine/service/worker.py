@@ -377,11 +377,7 @@ class EngineWorker:
             log.warning("unreadable entry dropped: %s", why)
             if rid is not None:
                 message = f"the engine cannot read this request: {why}"
-                event = ResponseEvent.error(
-                    ErrorCode.INVALID_REQUEST, message, self.settings.engine_id
-                )
-                self.io.responses.add(rid, event)
-                self.metrics.request_ended(str(ErrorCode.INVALID_REQUEST))
+                self._answer_error(rid, ErrorCode.INVALID_REQUEST, message)
 
     def _fail(
         self,
@@ -392,9 +388,14 @@ class EngineWorker:
         offset: int = 0,
         param: str | None = None,
     ) -> None:
-        event = ResponseEvent.error(code, message, self.settings.engine_id, offset, param)
-        self.io.responses.add(work.request_id, event)
+        self._answer_error(work.request_id, code, message, offset, param)
         self._to_ack.append(delivery)
+
+    def _answer_error(
+        self, rid: str, code: ErrorCode, message: str, offset: int = 0, param: str | None = None
+    ) -> None:
+        event = ResponseEvent.error(code, message, self.settings.engine_id, offset, param)
+        self.io.responses.add(rid, event)
         self.metrics.request_ended(str(code))
 
     # ---------------------------------------------------------- bookkeeping
