@@ -28,7 +28,7 @@ from tandem import catalog
 from tandem.operator import scaling
 from tandem.operator.autoscaler import Decision
 from tandem.operator.drift import ChildKey, repair_patch
-from tandem.operator.events import Event, readability_events
+from tandem.operator.events import Event, readability_events, with_adoptions
 from tandem.operator.kube import ApiError, KubeApi
 from tandem.operator.manifests import (
     CHILD_KINDS,
@@ -256,7 +256,7 @@ class Controller:
             # the other not, a ConfigMap ahead of its Deployment).
             if len(actions.creates) + len(actions.patches) > 1:
                 await self._write(namespace, actions, dry_run=True)
-            await self._write(namespace, actions, dry_run=False)
+            adopted = await self._write(namespace, actions, dry_run=False)
         except _ChildTaken as taken:
             await self._apply(model, child_taken(model, str(taken), now=_now()), {})
             return
@@ -269,7 +269,7 @@ class Controller:
             return
         for key in actions.deletes:
             await self._kube.delete(key.kind, namespace, key.name)
-        await self._post(model, actions.events)
+        await self._post(model, with_adoptions(actions.events, adopted))
         if actions.status is not None:
             await self._kube.patch_status(KIND, namespace, name, actions.status)
         if actions.touches_children:
@@ -282,11 +282,16 @@ class Controller:
                 [f"{k.kind}/{k.name}" for k in actions.deletes],
             )
 
-    async def _write(self, namespace: str, actions: Plan, *, dry_run: bool) -> None:
+    async def _write(self, namespace: str, actions: Plan, *, dry_run: bool) -> set[str]:
+        """The plan's creates and patches; returns the children found already there and
+        adopted instead of created ("Deployment m-decode")."""
+        adopted = set()
         for manifest in actions.creates:
-            await self._create(manifest, dry_run=dry_run)
+            if await self._create(manifest, dry_run=dry_run):
+                adopted.add(f"{manifest['kind']} {manifest['metadata']['name']}")
         for patch in actions.patches:
             await self._kube.patch(patch.kind, namespace, patch.name, patch.patch, dry_run=dry_run)
+        return adopted
 
     async def _post(self, model: Body, events: Sequence[Event]) -> None:
         for event in events:
@@ -294,14 +299,16 @@ class Controller:
                 model, reason=event.reason, message=event.message, warning=event.warning
             )
 
-    async def _create(self, manifest: Body, *, dry_run: bool = False) -> None:
+    async def _create(self, manifest: Body, *, dry_run: bool = False) -> bool:
+        """Creates the child, or adopts one of its name already there: whether it adopted."""
         try:
             await self._kube.create(manifest, dry_run=dry_run)
+            return False
         except ApiError as error:
             if not error.already_exists:
                 raise
             if dry_run:
-                return  # adopted or reported by the real write
+                return False  # adopted or reported by the real write
             # Made meanwhile (a user, or an older incarnation of this object): adopt it
             # unless another controller owns it.
             meta = manifest["metadata"]
@@ -322,6 +329,7 @@ class Controller:
             await self._kube.patch(
                 manifest["kind"], meta["namespace"], meta["name"], repair_patch(manifest, existing)
             )
+            return True
 
 
 class _ChildTaken(Exception):

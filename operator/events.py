@@ -9,7 +9,7 @@ metrics nobody can read (MetricsUnreadable, then MetricsReadable: once each).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +111,26 @@ def events(
     if other:
         found.append(Event("SpecApplied" if applying else "DriftRepaired", "; ".join(other)))
     return tuple(found)
+
+
+def with_adoptions(events: Sequence[Event], adopted: Collection[str]) -> tuple[Event, ...]:
+    """The pass's events once its writes are made: a child planned as created but found
+    already there and taken over ("Deployment m-decode", its labels removed by hand or
+    left by an earlier ModelDeployment of the same name) is said to be adopted, not
+    (re)created, which is all the plan could know."""
+    if not adopted:
+        return tuple(events)
+    made = {
+        f"{child}: {verb}": f"{child}: adopted"
+        for child in adopted
+        for verb in ("created", "recreated")
+    }
+    return tuple(
+        Event(
+            e.reason, "; ".join(made.get(part, part) for part in e.message.split("; ")), e.warning
+        )
+        for e in events
+    )
 
 
 def readability_events(decisions: Mapping[RoleName, Decision]) -> tuple[Event, ...]:

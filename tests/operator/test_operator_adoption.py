@@ -70,3 +70,20 @@ async def test_what_an_earlier_model_of_the_same_name_left_is_adopted(cluster, o
     (owner,) = cluster.child("Deployment", "m-normal")["metadata"]["ownerReferences"]
     assert owner["uid"] == cluster.model("m")["metadata"]["uid"]
     assert cluster.events("ChildTaken") == []
+
+
+async def test_a_child_that_lost_its_labels_is_said_to_be_adopted(cluster, operator):
+    await cluster.apply(MODEL)
+    await eventually(lambda: status(cluster).get("phase") == "Ready", what="Ready")
+    uid = cluster.child("Deployment", "m-normal")["metadata"]["uid"]
+
+    # Out of the operator's label selector, the Deployment looks gone; creating it
+    # again finds it there.
+    patch = {"metadata": {"labels": {"app.kubernetes.io/managed-by": None}}}
+    await cluster.api.patch(DEPLOYMENTS, NAMESPACE, "m-normal", patch)
+
+    (event,) = await eventually(lambda: cluster.events("DriftRepaired"), what="DriftRepaired")
+    assert event["message"] == "Deployment m-normal: adopted"
+    child = cluster.child("Deployment", "m-normal")
+    assert child["metadata"]["uid"] == uid, "the same object, not a new one"
+    assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "tandem-operator"
