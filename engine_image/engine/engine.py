@@ -177,6 +177,11 @@ class Engine:
                 f"({vocab})",
                 "logit_bias",
             )
+        beyond = [t for t in params.stop_token_ids if vocab is not None and t >= vocab]
+        if beyond:  # it could never be sampled: a token id of another tokenizer
+            raise ParameterError(
+                f"stop_token_ids {beyond} are outside the vocabulary ({vocab})", "stop_token_ids"
+            )
         if self._extra_eos and not params.ignore_eos:
             params = _with_stop_ids(params, self._extra_eos)
         return Request(request_id, prompt_token_ids, params, eos_token_id=self._eos)

@@ -283,12 +283,16 @@ def test_logprobs_are_none_unless_asked_and_a_bad_count_is_refused(checkpoint):
             SamplingParams(logprobs=bad)
 
 
-def test_a_logit_bias_token_outside_the_vocabulary_is_refused(checkpoint):
+def test_logit_bias_and_stop_token_ids_outside_the_vocabulary_are_refused(checkpoint):
     make_llm, hf = checkpoint
     llm = make_llm(max_model_len=64, num_kv_blocks=16)
     vocab = hf.config.vocab_size
     bad = SamplingParams(max_tokens=2, logit_bias={vocab: 1.0})
     with pytest.raises(ValueError, match=f"logit_bias token id {vocab} is outside the vocabulary"):
+        llm.generate(prompt_token_ids=[[1, 2]], sampling_params=bad)
+    # A stop id no step can sample: another tokenizer's id, a mistake to name.
+    bad = SamplingParams(max_tokens=2, stop_token_ids=[3, vocab + 5])
+    with pytest.raises(ValueError, match=f"stop_token_ids \\[{vocab + 5}\\] are outside the vocab"):
         llm.generate(prompt_token_ids=[[1, 2]], sampling_params=bad)
 
 
