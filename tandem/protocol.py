@@ -67,6 +67,19 @@ class ErrorCode(StrEnum):
     ENGINE_ERROR = "engine_error"  # 500: a bug; the message says what
 
 
+def check_served_name(name: str) -> str:
+    """`name`, or a ValueError saying what a served model name may not be. Its keys
+    share the Redis Cluster hash tag {name}: an empty tag, or a brace inside it, would
+    scatter one model's streams over slots (CROSSSLOT). (The operator's CRD is
+    stricter: no whitespace, 253 characters at most, as Kubernetes names go.)"""
+    if not isinstance(name, str) or not name or "{" in name or "}" in name:
+        raise ValueError(
+            "a served model name must be non-empty and hold no braces (it keys the "
+            f"model's Redis streams), got {name!r}"
+        )
+    return name
+
+
 @dataclass(frozen=True)
 class Keys:
     """Every Redis key and channel name, under one prefix (tests use their own).

@@ -43,6 +43,12 @@ def _engine(*flags: str) -> subprocess.CompletedProcess[str]:
         # The engine's settings, named by their flags (a ZeroDivisionError after the
         # model loaded, a traceback from every rank of a data-parallel group).
         (["--block-size", "0"], "--block-size must be at least 1, got 0"),
+        # An empty name was served as --model's; braces break the streams' hash tag.
+        (
+            ["--served-model-name", ""],
+            "--served-model-name: a served model name must be non-empty and hold no braces",
+        ),
+        (["--served-model-name", "a{b}"], "hold no braces (it keys the model's Redis streams)"),
         (
             ["--num-speculative-tokens", "-1", "--data-parallel-size", "2"],
             "--num-speculative-tokens must be at least 0, got -1",

@@ -17,7 +17,7 @@ import re
 
 from tandem.engine.config import EngineConfig, EngineType, check_fields
 from tandem.engine.service.settings import WorkerSettings, check_values
-from tandem.protocol import Role
+from tandem.protocol import Role, check_served_name
 
 _ENGINE = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 _WORKER = {f.name: f.default for f in dataclasses.fields(WorkerSettings)}
@@ -267,6 +267,19 @@ def check_arguments(args: argparse.Namespace) -> None:
     if not args.redis_wait >= 0:  # NaN too; 0: not at all
         raise ValueError(f"--redis-wait must be 0 or more seconds, got {args.redis_wait}")
     check_values(worker_fields(args), _flag)
+    if args.served_model_name is not None:
+        try:
+            check_served_name(args.served_model_name)
+        except ValueError as exc:
+            raise ValueError(f"--served-model-name: {exc}") from None
+    else:
+        try:
+            check_served_name(args.model)
+        except ValueError:
+            raise ValueError(
+                f"--model {args.model!r} cannot be the served model name (it holds "
+                "braces): give --served-model-name"
+            ) from None
     try:
         check_fields(engine_fields(args))
     except ValueError as exc:  # its message names fields: name the flags that set them
