@@ -79,6 +79,19 @@ BAD_VALUES = [
     (["commonLabels.team=a b!"], "at '/commonLabels/team'"),
     (["commonLabels.bad key=x"], "invalid propertyName 'bad key'"),
     (["gateway.podDisruptionBudget.maxUnavailable=150%"], "podDisruptionBudget/maxUnavailable"),
+    # Names the API server refuses on the pods or the Ingress, for every object at once.
+    (["operator.priorityClassName=High_Priority"], "at '/operator/priorityClassName'"),
+    (
+        ["gateway.ingress.enabled=true", "gateway.ingress.hosts[0].host=https://llm.example.com"],
+        "at '/gateway/ingress/hosts/0/host'",
+    ),
+    (
+        [
+            "gateway.ingress.tls[0].secretName=t",
+            "gateway.ingress.tls[0].hosts[0]=llm.example.com:443",
+        ],
+        "at '/gateway/ingress/tls/0/hosts/0'",
+    ),
 ]
 
 
