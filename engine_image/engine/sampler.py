@@ -165,9 +165,13 @@ class Sampler:
         index = _index(rand, device)
         temps_t = torch.tensor(temps, device=device, dtype=torch.float32).unsqueeze(1)
         if len(rand) == len(logits) and rand == list(range(len(logits))):
-            scaled = logits.float().div(temps_t)  # every row: no gather
+            scaled = logits.float()  # every row: no gather
         else:
-            scaled = logits.index_select(0, index).float().div_(temps_t)
+            scaled = logits.index_select(0, index).float()
+        # Shifted by each row's max before the division, which leaves the softmax as it
+        # is: a tiny temperature (1e-38) divided float32 logits into infinities, NaN
+        # probabilities, and the vocabulary's last token every step.
+        scaled = (scaled - scaled.amax(dim=1, keepdim=True)).div_(temps_t)
         probs = filtered_probs(scaled, top_ks, top_ps)
 
         seed_t = torch.tensor(seeds, device=device)

@@ -382,3 +382,14 @@ def test_a_row_of_zeros_in_draft_probs_is_a_point_mass_draft():
         rows = [SampleRows("a", 0, [3], params, 0), SampleRows("b", 2, [1], params, 0)]
         batched = Sampler().sample(torch.tensor([first, second, first, second]), rows, q)
         assert batched[0] == alone[0]
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-30, 1e-8])
+def test_a_tiny_temperature_samples_the_most_likely_token(temperature):
+    # The logits over a tiny temperature overflowed float32 into NaN probabilities,
+    # which picked the vocabulary's last token every step.
+    row = [3.0, 9.5, -2.0, 9.0, 0.5, 7.0]
+    for seed in (None, 0, 7):
+        params = SamplingParams(temperature=temperature, seed=seed)
+        for step in range(3):
+            assert seeded_tokens([(row, params)], num_generated=step) == [1]
