@@ -90,6 +90,12 @@ class LLM:
             loaded = load_model(model, dtype=dtype, device=device)
         self.loaded = loaded
         block_size = engine_config_fields.get("block_size", 16)
+        if num_kv_blocks is not None and (
+            isinstance(num_kv_blocks, bool)
+            or not isinstance(num_kv_blocks, int)
+            or num_kv_blocks < 1
+        ):
+            raise ValueError(f"num_kv_blocks must be a positive integer, got {num_kv_blocks!r}")
         if num_kv_blocks is None:
             num_kv_blocks = kv_blocks_for(
                 loaded.config,
@@ -145,8 +151,19 @@ class LLM:
         """Answer one conversation (a list of messages) or several, with the model's template."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
+        if isinstance(messages, dict):
+            raise ValueError(
+                "messages must be a list of messages (or of conversations), not one dict"
+            )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        ids = [self.tokenizer.encode_chat(list(c)) for c in conversations]
+        ids = []
+        for i, conversation in enumerate(conversations):
+            try:
+                ids.append(self.tokenizer.encode_chat(list(conversation)))
+            except ValueError as exc:  # which one, where there are several
+                raise ValueError(
+                    f"conversation {i}: {exc}" if len(conversations) > 1 else str(exc)
+                ) from None
         params = _per_prompt(sampling_params, len(ids))
         return self._run([None] * len(ids), ids, params)
 
@@ -255,7 +272,17 @@ def _per_prompt(
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
-    params = list(params)
+    wrong = ValueError(
+        f"sampling_params must be a SamplingParams or a list of them, got {params!r:.80}"
+    )
+    if isinstance(params, str | bytes | dict):
+        raise wrong
+    try:
+        params = list(params)
+    except TypeError:
+        raise wrong from None
+    if not all(isinstance(p, SamplingParams) for p in params):
+        raise wrong
     if len(params) != n:
         raise ValueError(f"{len(params)} sampling params for {n} prompts")
     return params

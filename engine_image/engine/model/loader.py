@@ -74,6 +74,11 @@ def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.d
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():  # float64, int8: no kernel runs them
+            names = ", ".join(_DTYPES)
+            raise ValueError(
+                f"unsupported dtype {dtype}: use one of {names} (or their torch dtypes)"
+            )
         return dtype
     try:
         return _DTYPES[dtype]

@@ -1,0 +1,49 @@
+"""The offline API's refusals of arguments of the wrong kind: a ValueError that names
+the argument, not an AttributeError or a torch error from inside the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.engine import LLM, SamplingParams
+from tandem.engine.model.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("random:tiny", dtype="float32", num_kv_blocks=16)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"max_tokens": 3}, [{"max_tokens": 3}], "greedy", 3],
+    ids=["dict", "list of dicts", "str", "int"],
+)
+def test_sampling_params_of_another_type_are_named(llm, params):
+    with pytest.raises(ValueError, match="sampling_params must be a SamplingParams or a list"):
+        llm.generate(prompt_token_ids=[[1, 2]], sampling_params=params)
+
+
+@pytest.mark.parametrize("blocks", [0, -1, 1.5, "8", True])
+def test_num_kv_blocks_must_be_a_positive_integer(blocks):
+    loaded = load_model("random:tiny", dtype="float32")
+    with pytest.raises(
+        ValueError, match=f"num_kv_blocks must be a positive integer, got {blocks!r}"
+    ):
+        LLM(loaded, num_kv_blocks=blocks)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int8])
+def test_a_torch_dtype_no_kernel_runs_is_refused_at_load(dtype):
+    with pytest.raises(ValueError, match=f"unsupported dtype {dtype}: use one of float32"):
+        LLM("random:tiny", dtype=dtype, num_kv_blocks=8)
+
+
+def test_chat_names_the_conversation_and_refuses_a_lone_message():
+    llm = LLM("smollm2", num_kv_blocks=16)
+    good = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(ValueError, match="conversation 1: message 0 \\(user\\) has no 'content'"):
+        llm.chat([good, [{"role": "user"}]], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="messages must be a list of messages"):
+        llm.chat(good[0], SamplingParams(max_tokens=1))
