@@ -7,6 +7,7 @@ import contextlib
 import copy
 import dataclasses
 import importlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -37,13 +38,19 @@ def _chat(args: argparse.Namespace) -> int:
     print(f"[{args.model} loaded in {loaded - started:.1f}s]", file=sys.stderr)
     print(f"> {args.question}")
     engine = llm.engine
+    if llm.tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer (tokenizer.json), so no chat template")
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.question}])
     engine.add_request("chat", prompt_token_ids=prompt, sampling_params=params)
     num_tokens = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            print(out.text_delta, end="", flush=True)
-            num_tokens = out.num_output_tokens
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                print(out.text_delta, end="", flush=True)
+                num_tokens = out.num_output_tokens
+    except BrokenPipeError:  # `| head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 0
     elapsed = time.perf_counter() - loaded
     print(f"\n[{num_tokens} tokens in {elapsed:.2f}s]", file=sys.stderr)
     return 0

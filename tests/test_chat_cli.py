@@ -26,3 +26,32 @@ def test_a_bad_sampling_value_is_refused_before_the_model_loads():
     done = _chat("--model", "/no/such/model", "--max-tokens", "0", "hi")
     assert done.returncode == 2
     assert done.stderr.strip() == "tandem: error: max_tokens must be at least 1, got 0"
+
+
+def test_a_model_without_a_tokenizer_is_one_error_line(tmp_path):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)  # no tokenizer.json
+    done = _chat("--model", str(tmp_path), "--max-tokens", "2", "hi")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"tandem: error: {tmp_path} has no tokenizer (tokenizer.json), so no chat template"
+    )
+
+
+def test_a_reader_that_stops_early_ends_it_quietly():
+    # `tandem chat ... | head -c 3`: a BrokenPipeError traceback before.
+    command = f"'{TANDEM}' chat --model random:tiny --max-tokens 300 hi | head -c 3"
+    done = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
