@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -369,6 +370,41 @@ def test_hf_dir_refusals(tmp_path: Path) -> None:
         resolve_model(pickled)
     with pytest.raises(ValueError, match=r"config\.json"):
         resolve_model((tmp_path / "empty").mkdir() or tmp_path / "empty")
+
+
+def test_hf_dir_weights_not_whole_are_named(tmp_path: Path) -> None:
+    config = resolve_model("random:tiny").config
+    good = tmp_path / "good"
+    _save_hf_dir(good, config, torch.float32)
+    weights = (good / "model.safetensors").read_bytes()
+    lfs = "version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 269060552\n"
+    cases = {
+        "lfs": (lfs.encode(), "a Git LFS pointer, not the weights"),
+        "noise": (bytes(range(256)) * 20, "not a safetensors file, or truncated"),
+        "half": (weights[: len(weights) // 2], "truncated: tensor"),
+        "short": (weights[:-1], "truncated: tensor"),
+    }
+    for name, (data, message) in cases.items():
+        shutil.copytree(good, tmp_path / name)
+        (tmp_path / name / "model.safetensors").write_bytes(data)
+        with pytest.raises(ValueError, match=message) as refused:
+            resolve_model(tmp_path / name)
+        assert str(tmp_path / name / "model.safetensors") in str(refused.value)
+    headless = _write_config(tmp_path / "headless")
+    config_json = json.loads((headless / "config.json").read_text())
+    del config_json["num_attention_heads"]
+    (headless / "config.json").write_text(json.dumps(config_json))
+    with pytest.raises(ValueError, match=r"config\.json has no 'num_attention_heads' field"):
+        resolve_model(headless)
+
+
+def test_a_cut_gguf_is_named(tmp_path: Path) -> None:
+    with smollm2_path().open("rb") as f:
+        head = f.read(300)  # inside the metadata: the parser ran off its end
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(head)
+    with pytest.raises(ValueError, match=f"{cut}: not a readable GGUF file"):
+        resolve_model(cut)
 
 
 def test_bad_specs_name_the_spec_and_the_accepted_forms(tmp_path: Path, monkeypatch) -> None:

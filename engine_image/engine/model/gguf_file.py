@@ -72,8 +72,8 @@ def load_gguf(path: Path) -> ModelSource:
     path = Path(path)
     try:
         reader = gguf.GGUFReader(path)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{path}: not a readable GGUF file: {err}") from err
+    except Exception as err:  # the parser of untrusted bytes: a cut file is an IndexError
+        raise ValueError(f"{path}: not a readable GGUF file: {err!r}") from err
     arch = _field(reader, "general.architecture", None)
     if arch != "llama":
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; only 'llama'")

@@ -138,18 +138,38 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def _safetensors_header(file: Path) -> dict[str, dict[str, Any]]:
-    """name -> {"dtype", "shape", "data_offsets"}, read from the file's JSON header only."""
+    """name -> {"dtype", "shape", "data_offsets"}, read from the file's JSON header only;
+    a ValueError naming the file where it is not whole (a truncated copy, a Git LFS
+    pointer left by a clone without git-lfs)."""
     try:
+        size = file.stat().st_size
         with file.open("rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
+            head = f.read(8)
+            if head.startswith(b"version "):  # "version https://git-lfs.github.com/spec/v1"
+                raise ValueError(
+                    f"{file}: a Git LFS pointer, not the weights: fetch them (git lfs pull)"
+                )
+            (length,) = struct.unpack("<Q", head)
+            if length > size - 8:
+                raise ValueError(
+                    f"{file}: not a safetensors file, or truncated: its header would be "
+                    f"{length} bytes, the file is {size}"
+                )
             header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        for name, info in header.items():
+            # Offsets in the header count from the end of the header.
+            info["start"] = 8 + length + info["data_offsets"][0]
+            info["end"] = 8 + length + info["data_offsets"][1]
+            if info["end"] > size:
+                raise ValueError(
+                    f"{file}: truncated: tensor {name} ends at byte {info['end']}, "
+                    f"the file has {size}"
+                )
     except (OSError, struct.error, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{file}: not a readable safetensors file: {err}") from err
-    header.pop("__metadata__", None)
-    for info in header.values():
-        # Offsets in the header count from the end of the header.
-        info["start"] = 8 + length + info["data_offsets"][0]
-        info["end"] = 8 + length + info["data_offsets"][1]
+    except (AttributeError, KeyError, IndexError, TypeError) as err:  # a header of another shape
+        raise ValueError(f"{file}: not a safetensors header: {err!r}") from err
     return header
 
 

@@ -112,8 +112,8 @@ class ModelConfig:
                 cfg.setdefault("rope_scaling", rope)
         eos = cfg.get("eos_token_id")
         eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (eos,))
-        heads = cfg["num_attention_heads"]
         try:
+            heads = cfg["num_attention_heads"]
             return cls(
                 vocab_size=cfg["vocab_size"],
                 hidden_size=cfg["hidden_size"],
