@@ -84,6 +84,10 @@ class LLM:
         if "vocab_size" in engine_config_fields:
             raise ValueError("vocab_size comes from the model; do not set it")
         check_fields(engine_config_fields)  # before a load of minutes
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        if mtp_head is not None and not callable(getattr(mtp_head, "propose", None)):
+            raise ValueError(f"mtp_head must have a propose method (MtpHead), got {mtp_head!r}")
         if isinstance(model, LoadedModel):  # share one copy of the weights
             loaded = model
         else:

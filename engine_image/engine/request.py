@@ -82,13 +82,16 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        ids = _as_tuple(self.stop_token_ids)
+        if ids is None or not all(_is_int(t) and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        if not all(isinstance(s, str) and s for s in stop):
+        object.__setattr__(self, "stop_token_ids", ids)
+        stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop)
+        if stop is None or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not -2.0 <= value <= 2.0:
@@ -146,6 +149,20 @@ def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
             raise ValueError(f"logit_bias gives token {token} twice")
         seen.add(token)
     return tuple(sorted((token, float(value)) for token, value in pairs))
+
+
+def _as_tuple(values: object) -> tuple | None:
+    """A collection as a tuple; None for a value that is not one (a number, None)."""
+    if isinstance(values, str | bytes | dict):
+        return None
+    try:
+        return tuple(values)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_real(value: object) -> bool:

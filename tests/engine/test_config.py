@@ -103,6 +103,13 @@ def test_draft_placeholder_is_the_last_vocab_id():
         ({"seed": 1.5}, "seed must be an integer"),
         ({"stop_token_ids": [-1]}, "stop_token_ids must be token ids"),
         ({"stop": [""]}, "stop must be non-empty strings"),
+        # Of the wrong kind: TypeErrors from tuple(), or taken as something else.
+        ({"stop_token_ids": [True]}, "stop_token_ids must be token ids"),
+        ({"stop_token_ids": 5}, "stop_token_ids must be token ids"),
+        ({"stop_token_ids": None}, "stop_token_ids must be token ids"),
+        ({"stop": None}, "stop must be non-empty strings"),
+        ({"stop": 5}, "stop must be non-empty strings"),
+        ({"ignore_eos": "no"}, "ignore_eos must be True or False"),
     ],
 )
 def test_sampling_params_refuse_bad_values(kwargs, message):

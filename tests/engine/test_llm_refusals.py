@@ -47,3 +47,10 @@ def test_chat_names_the_conversation_and_refuses_a_lone_message():
         llm.chat([good, [{"role": "user"}]], SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="messages must be a list of messages"):
         llm.chat(good[0], SamplingParams(max_tokens=1))
+
+
+def test_a_seed_or_mtp_head_of_the_wrong_kind_is_named():
+    with pytest.raises(ValueError, match="seed must be an integer, got 'x'"):
+        LLM("random:tiny", num_kv_blocks=8, seed="x")
+    with pytest.raises(ValueError, match="mtp_head must have a propose method"):
+        LLM("random:tiny", num_kv_blocks=8, mtp_head=object())
