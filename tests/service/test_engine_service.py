@@ -182,6 +182,7 @@ def test_handoffs_a_decoder_has_no_room_for_go_back_for_one_that_has(
 
     # Four at first; three once it finished its first and took its parked one.
     assert eventually(lambda: handed_back() >= 3, 30)
+    assert eventually(lambda: first.metric("tandem_engine_handoffs_parked") == 1, 10)
     first.process.send_signal(signal.SIGSTOP)  # busy with its two for a while yet
     second = engines("completion", *tight)
     # It serves those it was given back, long before the claim timeout frees the rest.

@@ -64,6 +64,10 @@ class EngineMetrics:
         self.kv_pinned_requests = gauge(
             "tandem_engine_kv_pinned_requests", "PROMPT engine: prefilled KV awaiting a decoder."
         )
+        self.handoffs_parked = gauge(
+            "tandem_engine_handoffs_parked",
+            "COMPLETION engine: handoffs taken that wait for KV room to admit them.",
+        )
         self.token_budget = gauge(
             "tandem_engine_token_budget", "max_num_batched_tokens: the token budget of a step."
         )

@@ -62,6 +62,8 @@ class EngineWorker:
         self.io = io
         self.metrics = metrics
         self.handoffs = handoffs
+        if handoffs is not None:  # read at each scrape
+            metrics.handoffs_parked.set_function(lambda: handoffs.num_parked)
         # Data-parallel ranks step together (all-reduce MIN across ranks): they
         # vote each turn on whether anyone is busy and whether everyone is done.
         self._vote = vote
