@@ -56,6 +56,7 @@ def create_app(
         try:
             yield
         finally:
+            await service.cancels.close()
             if redis_client is None:
                 await client.aclose()
                 await client.connection_pool.disconnect()

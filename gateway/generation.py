@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 
 from tandem.gateway.admission import Ticket
 from tandem.gateway.broker import Broker
+from tandem.gateway.cancels import Cancel, Cancels
 from tandem.gateway.directory import ModelDirectory
 from tandem.gateway.errors import (
     SERVER,
@@ -27,7 +28,6 @@ from tandem.gateway.errors import (
     from_engine,
     unavailable,
 )
-from tandem.gateway.idempotency import IdempotencyLedger
 from tandem.gateway.jobs import Job
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.reader import AsyncResponseReader, DeadlinePassed
@@ -40,6 +40,8 @@ log = logging.getLogger("tandem.gateway")
 # The most a Redis call made on the way to another answer (an error, a deadline) may
 # add to it.
 _REDIS_ASIDE_S = 1.0
+# The ends of one attempt's reading, not of the work: other attempts may still read it.
+_READERS_LEAVE = ("disconnect", "deadline")
 
 Event = tuple[int, ResponseEvent]
 
@@ -53,7 +55,7 @@ class Generation:
         *,
         reader: AsyncResponseReader,
         broker: Broker,
-        ledger: IdempotencyLedger,
+        cancels: Cancels,
         metrics: GatewayMetrics,
         arrived: float,
         directory: ModelDirectory,
@@ -64,7 +66,7 @@ class Generation:
         self.renderer = renderer
         self.reader = reader
         self.broker = broker
-        self.ledger = ledger
+        self.cancels = cancels
         self.metrics = metrics
         # time.perf_counter() at the request's arrival (TTFT is measured from it).
         self.arrived = arrived
@@ -195,22 +197,26 @@ class Generation:
         await self.abandon("disconnect")
 
     async def abandon(self, why: str) -> None:
-        """Cancel the choices still running (the engine frees their KV), once.
+        """Cancel the choices still running (the engine frees their KV), once; work
+        other attempts read too (an Idempotency-Key's) only if none is left.
 
-        Never raises: it runs while answering something else (an error, a
-        disconnect), and a Redis outage must not hide that answer.
+        Never raises, and waits on Redis _REDIS_ASIDE_S at most: it runs while
+        answering something else (an error, a disconnect), and a Redis outage must
+        not hide or delay that answer. A cancel Redis does not take then is kept and
+        written once it answers (cancels.py).
         """
         if self._abandoned or not self._open:
             return
         self._abandoned = True
-        ids = [self.ticket.request_ids[i] for i in sorted(self._open)]
-        try:
-            # Bounded: a paused Redis would hold the answer (a deadline's 504, say) for
-            # a socket timeout or more; the work then ends at its own deadline.
-            async with asyncio.timeout(_REDIS_ASIDE_S):
-                await self.broker.cancel(ids)
-                self.metrics.cancelled(why, len(ids))
-                if self.ticket.ledger_key is not None:
-                    await self.ledger.release(self.ticket.ledger_key, self.ticket.base_id)
-        except (RedisError, OSError) as exc:  # TimeoutError is an OSError
-            log.warning("could not cancel %s (%s): %s", ", ".join(ids), why, exc)
+        ids = tuple(self.ticket.request_ids[i] for i in sorted(self._open))
+        key = self.ticket.ledger_key
+        started = time.monotonic()
+        if key is not None and why in _READERS_LEAVE:
+            others = await self.cancels.leave(key, self.ticket.base_id, _REDIS_ASIDE_S)
+            if others:
+                log.info(
+                    "%s (%s): %d other attempts still read it", self.ticket.base_id, why, others
+                )
+                return
+        left = max(0.0, _REDIS_ASIDE_S - (time.monotonic() - started))
+        await self.cancels.cancel(Cancel(self.ticket.base_id, ids, why, key), left)

@@ -8,9 +8,10 @@ instead of queueing the work twice: the first attempt's queued work is never
 lost, and never served twice. The record lives in Redis under the caller's
 name, so two API keys never share one.
 
-The record is dropped when the gateway cancels the work (the client left or
-the deadline passed), so a later retry queues afresh rather than attaching to
-a cancelled request.
+Beside the record, a count of the attempts reading the work: a client that
+leaves (or whose deadline passes) cancels the work only if it was the last
+reader (cancels.py). The record is dropped when the gateway cancels the work,
+so a later retry queues afresh rather than attaching to a cancelled request.
 """
 
 from __future__ import annotations
@@ -35,6 +36,19 @@ return 0
 """
 
 
+# One attempt stops reading: with none left, the record goes in the same step, so
+# that no retry attaches to work about to be cancelled (it queues afresh instead).
+_LEAVE_LUA = """
+local left = redis.call('DECR', KEYS[2])
+if left <= 0 then
+  redis.call('DEL', KEYS[2])
+  local raw = redis.call('GET', KEYS[1])
+  if raw and cjson.decode(raw)['base_id'] == ARGV[1] then redis.call('DEL', KEYS[1]) end
+end
+return left
+"""
+
+
 @dataclass(frozen=True)
 class IdempotencyRecord:
     base_id: str
@@ -48,6 +62,7 @@ class IdempotencyLedger:
         self.client = client
         self.prefix = prefix
         self._release = client.register_script(_RELEASE_LUA)
+        self._leave = client.register_script(_LEAVE_LUA)
 
     def key(self, caller: str, idempotency_key: str) -> str:
         if not _KEY.match(idempotency_key):
@@ -56,7 +71,8 @@ class IdempotencyLedger:
                 "Idempotency-Key",
             )
         digest = hashlib.sha256(f"{caller}\0{idempotency_key}".encode()).hexdigest()
-        return f"{self.prefix}:idem:{digest}"
+        # A hash tag: the record and its readers' count share a Redis Cluster slot.
+        return f"{self.prefix}:idem:{{{digest}}}"
 
     async def claim(
         self, key: str, record: IdempotencyRecord, timeout: float
@@ -69,6 +85,7 @@ class IdempotencyLedger:
         payload = json.dumps(asdict(record))
         for _ in range(3):  # a record that expires between SET and GET: try again
             if await self.client.set(key, payload, nx=True, ex=ttl):
+                await self.client.set(self._readers(key, record.base_id), 1, nx=True, ex=ttl)
                 return None
             raw = await self.client.get(key)
             if raw is None:
@@ -77,6 +94,7 @@ class IdempotencyLedger:
             if first.base_id == record.base_id:
                 # Our own record: the SET ran and its reply was lost, and the client ran it
                 # again (a dead connection). Attaching to it would queue nothing.
+                await self.client.set(self._readers(key, record.base_id), 1, nx=True, ex=ttl)
                 return None
             if first.digest != record.digest:
                 raise GatewayError(
@@ -87,8 +105,24 @@ class IdempotencyLedger:
                     reason="idempotency_conflict",
                     headers=NO_RETRY,  # the same request would be refused again
                 )
+            readers = self._readers(key, first.base_id)
+            pipe = self.client.pipeline(transaction=True)
+            pipe.incr(readers)
+            pipe.expire(readers, ttl)
+            await pipe.execute()
             return first
         raise GatewayError(503, "could not record the Idempotency-Key", type="server_error")
+
+    async def leave(self, key: str, base_id: str) -> int:
+        """An attempt stops reading the work: how many attempts still read it; with
+        none left, the record is released. A count Redis lost (a restart) reads as
+        none left."""
+        left = await self._leave(keys=[key, self._readers(key, base_id)], args=[base_id])
+        return max(0, int(left))
+
+    @staticmethod
+    def _readers(key: str, base_id: str) -> str:
+        return f"{key}:readers:{base_id}"
 
     async def release(self, key: str, base_id: str) -> None:
         await self._release(keys=[key], args=[base_id])

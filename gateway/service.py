@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from tandem.gateway.admission import Admission, Ticket
 from tandem.gateway.auth import ApiKey, KeyStore
 from tandem.gateway.broker import Broker
+from tandem.gateway.cancels import Cancels
 from tandem.gateway.directory import ModelDirectory
 from tandem.gateway.disconnect import CLIENT_GONE, ClientGone, until_disconnected
 from tandem.gateway.generation import Generation
@@ -56,6 +57,7 @@ class GatewayService:
         self.epoch = RedisEpoch(self.broker)
         self.directory = ModelDirectory(self.broker, settings.models_cache_s)
         self.ledger = IdempotencyLedger(client, settings.key_prefix)
+        self.cancels = Cancels(self.broker, self.ledger, metrics)
         self.admission = Admission(
             settings,
             self.broker,
@@ -88,7 +90,7 @@ class GatewayService:
             renderer,
             reader=self.reader,
             broker=self.broker,
-            ledger=self.ledger,
+            cancels=self.cancels,
             metrics=self.metrics,
             arrived=arrived,
             directory=self.directory,

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
+import uuid
 from collections.abc import Iterator
 
+import openai
 import pytest
 import redis
 from support.engines import EngineProcess
@@ -123,3 +126,41 @@ def test_cancelled_streams_leave_their_redis_connections_to_the_next_requests(
     # block), while the next request reads on another. Not one per cancel.
     assert info.info("stats")["total_connections_received"] - opened <= 6
     info.close()
+
+
+@pytest.mark.parametrize("leaves", ["retry", "first"])
+def test_an_attempt_that_leaves_does_not_cancel_work_another_still_reads(
+    shared_gateway, shared_engine, leaves
+):
+    # Two attempts with one Idempotency-Key read the same work: the one that gave up
+    # cancelled it for both, and the other, still connected, got a 503 "cancelled".
+    cancelled = shared_engine.metric("tandem_engine_requests_total", outcome="cancelled")
+    headers = {"Idempotency-Key": f"story-{leaves}-{uuid.uuid4().hex}"}
+    ask = {k: v for k, v in LONG.items() if k != "ignore_eos"}
+    ask |= {"extra_body": {"ignore_eos": True}, "extra_headers": headers}
+    patient, impatient = shared_gateway.openai(), shared_gateway.openai(timeout=1.5)
+    answers: list = []
+    gave_up: list = []
+
+    def wait() -> None:
+        answers.append(patient.chat.completions.create(**ask))
+
+    def give_up() -> None:
+        with pytest.raises(openai.APITimeoutError):
+            impatient.chat.completions.create(**ask)
+        gave_up.append(True)
+
+    first, retry = (wait, give_up) if leaves == "retry" else (give_up, wait)
+    threads = [threading.Thread(target=first), threading.Thread(target=retry)]
+    threads[0].start()
+    assert eventually(lambda: shared_engine.metric("tandem_engine_kv_cache_usage") > 0)
+    threads[1].start()  # attaches to the first attempt's work
+    for thread in threads:
+        thread.join(timeout=60)
+    assert gave_up == [True]
+    [answer] = answers
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage.completion_tokens == LONG["max_tokens"]
+    assert shared_engine.metric("tandem_engine_requests_total", outcome="cancelled") == cancelled
+    patient.close()
+    impatient.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -312,3 +313,30 @@ def test_a_burst_while_redis_is_down_is_refused_at_once(server, keys, start_gate
     took = time.monotonic() - started
     assert [a.status_code for a in answers] == [503] * 20
     assert took < 3, took
+
+
+def test_a_client_that_leaves_while_redis_is_paused_is_cancelled_once_it_answers(
+    server, keys, start_gateway
+):
+    # The cancel was tried once (1 s at most) and dropped: the engine generated the
+    # whole max_tokens for a client long gone, its KV held all along.
+    conn = _served(server.url, keys)
+    gateway = start_gateway(redis_url=server.url)
+    body = json.dumps(ASK).encode()
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nX-Tandem-Priority: low\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    pid = conn.info("server")["process_id"]
+    with socket.create_connection(("127.0.0.1", gateway.settings.port), timeout=10) as client:
+        client.sendall(head.encode() + body)
+        rid = _queued(conn, keys).request_id
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(2.5)  # the gateway's own try at the cancel (1 s) has given up
+        assert gateway.metric("tandem_gateway_cancellations_total", why="disconnect") == 0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert eventually(lambda: conn.exists(keys.cancel_key(rid)) == 1, timeout=10)
+    assert gateway.metric("tandem_gateway_cancellations_total", why="disconnect") == 1

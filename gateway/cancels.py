@@ -1,0 +1,123 @@
+"""Cancels: the gateway's cancellation of work, kept until Redis takes it.
+
+A client that leaves during a Redis outage (a restart, a failover, a pause) must
+still free the engine's KV: a cancel Redis does not take within the moment it may
+delay another answer is kept and written when Redis answers again. The engines
+re-check the cancel keys of what they run after their own reconnect
+(engine cancellation.py), so a late cancel still stops the work at its next step.
+Kept for RESPONSE_TTL_SECONDS at most: past that the work has long ended.
+
+Work several clients read (attached by an Idempotency-Key) is cancelled only when
+the last of them leaves (`leave`): one client's disconnect or deadline must not
+end the answer another still waits for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+
+from tandem.gateway.broker import Broker
+from tandem.gateway.idempotency import IdempotencyLedger
+from tandem.gateway.metrics import GatewayMetrics
+from tandem.protocol import RESPONSE_TTL_SECONDS
+
+log = logging.getLogger("tandem.gateway")
+_ATTEMPT_S = 1.0  # the most one retry waits on a Redis that does not answer
+_FIRST_RETRY_S = 0.25
+_MOST_BETWEEN_S = 4.0
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """One request's work to cancel."""
+
+    base_id: str  # the request's id (its work items' ids begin with it)
+    request_ids: tuple[str, ...]  # the work items still running
+    why: str  # the metrics' label: disconnect, deadline, choice_failed, ...
+    ledger_key: str | None  # its Idempotency-Key record, released with it
+
+
+class Cancels:
+    """The gateway's cancels, written at once or, while Redis is away, retried."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        ledger: IdempotencyLedger,
+        metrics: GatewayMetrics,
+        *,
+        keep_s: float = RESPONSE_TTL_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.broker = broker
+        self.ledger = ledger
+        self.metrics = metrics
+        self.keep_s = keep_s
+        self.clock = clock
+        self._pending: dict[str, tuple[Cancel, float]] = {}  # base id -> (cancel, kept until)
+        self._retries: asyncio.Task[None] | None = None
+
+    @property
+    def pending(self) -> int:
+        """Cancels Redis has not taken yet."""
+        return len(self._pending)
+
+    async def leave(self, ledger_key: str, base_id: str, within: float) -> int:
+        """One reader of shared work left: how many still read it (0: cancel it).
+        Redis unreadable: 0, as if alone (at worst, another reader's answer ends)."""
+        try:
+            async with asyncio.timeout(within):
+                return await self.ledger.leave(ledger_key, base_id)
+        except (RedisError, OSError):  # TimeoutError is an OSError
+            return 0
+
+    async def cancel(self, cancel: Cancel, within: float) -> None:
+        """Cancel now if Redis takes it within `within` s, else as soon as it does.
+        Never raises: it runs on the way to another answer (an error, a disconnect)."""
+        try:
+            async with asyncio.timeout(within):
+                await self._write(cancel)
+        except (RedisError, OSError) as exc:
+            ids = ", ".join(cancel.request_ids)
+            log.warning("could not cancel %s (%s) yet, retrying: %r", ids, cancel.why, exc)
+            self._pending[cancel.base_id] = (cancel, self.clock() + self.keep_s)
+            if self._retries is None or self._retries.done():
+                self._retries = asyncio.get_running_loop().create_task(self._retry())
+
+    async def close(self) -> None:
+        if self._retries is not None:
+            self._retries.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._retries
+
+    async def _write(self, cancel: Cancel) -> None:
+        await self.broker.cancel(list(cancel.request_ids))
+        self.metrics.cancelled(cancel.why, len(cancel.request_ids))
+        if cancel.ledger_key is not None:  # a retry must queue afresh, not attach
+            await self.ledger.release(cancel.ledger_key, cancel.base_id)
+
+    async def _retry(self) -> None:
+        pause = _FIRST_RETRY_S
+        while self._pending:
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, _MOST_BETWEEN_S)
+            for base_id, (cancel, until) in list(self._pending.items()):
+                if self.clock() > until:
+                    del self._pending[base_id]
+                    log.warning("gave up cancelling %s: Redis away for too long", base_id)
+                    continue
+                try:
+                    async with asyncio.timeout(_ATTEMPT_S):
+                        await self._write(cancel)
+                except (RedisError, OSError):
+                    break  # still away: all of them later
+                del self._pending[base_id]
+                log.info("cancelled %s (%s) once Redis answered", base_id, cancel.why)
+                pause = _FIRST_RETRY_S
