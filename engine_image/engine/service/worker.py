@@ -146,17 +146,21 @@ class EngineWorker:
     # ---------------------------------------------------------------- input
 
     def _absorb(self) -> None:
-        handoffs = self.handoffs
+        handoffs, ended = self.handoffs, False
         for rid in self.io.cancelled(self._watched, redis_up=not self.outage.down):
             if handoffs is not None and handoffs.offered(rid):
                 # No decoder will fetch it: unpin its KV now, not at the offer's expiry.
                 handoffs.withdraw_cancelled(self.engine, rid, self.io, _CANCELLED)
             self._end(rid, ErrorCode.CANCELLED, _CANCELLED)
+            ended = True
         if self.handoffs is not None:
             for rid in self.handoffs.absorb(self.engine, self.metrics):
                 held = self.held.get(rid)
                 if held is not None and held.end_with is not None:
                     self._end(rid, *held.end_with)
+                    ended = True
+        if ended:  # an engine left idle steps no more: its gauges would wait for a beat
+            self.metrics.observe_queues(self.engine)
 
     def _watched(self) -> list[str]:
         """The requests a cancel concerns here: those held, and those whose KV is offered."""
