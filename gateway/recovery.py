@@ -43,6 +43,9 @@ log = logging.getLogger("tandem.gateway")
 HISTORY_WRITER = "gateway"
 # How often a waiting request checks that Redis still holds its work, restart or not.
 RECHECK_S = 10.0
+# The most a wake-up waits for Redis's run_id: a paused Redis held it a whole socket
+# timeout (5 s), and the deadline or the outage's end with it.
+EPOCH_WAIT_S = 1.0
 
 
 class RedisEpoch:
@@ -116,7 +119,11 @@ class LossWatch:
         that Redis lost and that are now queued again; their streams must be read
         from the start. Called on every wake-up of the reader: cheap unless the
         run_id changed."""
-        run_id = await self.epoch.current()
+        try:
+            async with asyncio.timeout(EPOCH_WAIT_S):  # the shared read goes on (shielded)
+                run_id = await self.epoch.current()
+        except TimeoutError:
+            return []  # Redis stalls: the reads find out, and the next wake-up looks again
         now = time.monotonic()
         if run_id is None or run_id == self.known or self.known is None:
             if self.known is None:  # none when queued: INFO had failed; nothing to compare

@@ -8,6 +8,7 @@ gone ends the request with `redis_unreachable`, and /readyz never hangs.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -19,11 +20,14 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import redis
+import redis.asyncio as aioredis
 from support.polling import eventually
 
 from tandem.engine.service.registry import Registry
 from tandem.engine.service.responses import ResponseWriter
 from tandem.gateway import recovery
+from tandem.gateway.broker import Broker
+from tandem.gateway.metrics import GatewayMetrics
 from tandem.protocol import PRIORITY_LOW, EngineInfo, Keys, ResponseEvent, WorkItem
 from tandem.redis_server import RedisServer
 
@@ -340,3 +344,28 @@ def test_a_client_that_leaves_while_redis_is_paused_is_cancelled_once_it_answers
         os.kill(pid, signal.SIGCONT)
     assert eventually(lambda: conn.exists(keys.cancel_key(rid)) == 1, timeout=10)
     assert gateway.metric("tandem_gateway_cancellations_total", why="disconnect") == 1
+
+
+def test_the_loss_check_waits_for_a_paused_redis_a_second_at_most(server, keys):
+    # Each read's wake-up asks for Redis's run_id: paused, that waited out the client's
+    # socket timeout (5 s), and a deadline or the outage's end waited with it.
+    pid = redis.Redis.from_url(server.url).info("server")["process_id"]
+
+    async def check() -> float:
+        client = aioredis.Redis.from_url(server.url)
+        broker = Broker(client, keys)
+        epoch = recovery.RedisEpoch(broker, max_age_s=0.0)
+        watch = recovery.LossWatch(
+            broker, epoch, [], [], "run", grace_s=0.2, metrics=GatewayMetrics()
+        )
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert await watch.requeued(dict) == []
+            return time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            await client.aclose()
+
+    took = asyncio.run(check())
+    assert took < recovery.EPOCH_WAIT_S + 0.5, took
