@@ -25,8 +25,7 @@ from collections.abc import Callable
 
 import redis
 
-from tandem.engine.admission import ContextLengthError, PromptTooLongError
-from tandem.engine.engine import Engine, EngineOutput, ParameterError
+from tandem.engine.engine import Engine, EngineOutput
 from tandem.engine.request import SamplingParams
 from tandem.engine.service.handoff_flow import HandoffFlow
 from tandem.engine.service.heartbeat import Heartbeat
@@ -35,13 +34,12 @@ from tandem.engine.service.metrics import EngineMetrics
 from tandem.engine.service.redis_io import RedisIO
 from tandem.engine.service.redis_outage import unavailable
 from tandem.engine.service.redis_writes import RedisWrites
+from tandem.engine.service.refusals import CANCELLED, Refusal, redelivered, refusal_of
 from tandem.engine.service.room import pull_room
 from tandem.engine.service.settings import WorkerSettings
 from tandem.engine.service.wire_logprobs import listed_logprobs, wire_logprobs
 from tandem.engine.service.work_queue import Delivery
 from tandem.protocol import EngineInfo, ErrorCode, Handoff, ResponseEvent, Usage, WorkItem
-
-_CANCELLED = "the client cancelled the request"
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +148,8 @@ class EngineWorker:
         for rid in self.io.cancelled(self._watched, redis_up=not self.outage.down):
             if handoffs is not None and handoffs.offered(rid):
                 # No decoder will fetch it: unpin its KV now, not at the offer's expiry.
-                handoffs.withdraw_cancelled(self.engine, rid, self.io, _CANCELLED)
-            self._end(rid, ErrorCode.CANCELLED, _CANCELLED)
+                handoffs.withdraw_cancelled(self.engine, rid, self.io, CANCELLED)
+            self._end(rid, ErrorCode.CANCELLED, CANCELLED)
             ended = True
         if self.handoffs is not None:
             for rid in self.handoffs.absorb(self.engine, self.metrics):
@@ -224,20 +222,12 @@ class EngineWorker:
         if self.handoffs is not None and self.handoffs.offered(rid):
             self.handoffs.withdraw(self.engine, rid)  # its Handoff lost: prefill it anew
         if delivery.exhausted:
-            self._fail(
-                delivery,
-                work,
-                ErrorCode.REDELIVERY_LIMIT,
-                (
-                    f"request {rid} was given to engines {delivery.times_delivered} times and "
-                    "none finished it (they kept failing); not retrying"
-                ),
-            )
+            self._refuse(delivery, work, redelivered(rid, delivery.times_delivered))
             return
         if self.io.is_cancelled(rid):  # cancelled while queued: it ends here, said so
             # (a gateway whose read missed the cancel reads on until a final event)
             sent = len(message.first_token_ids) if isinstance(message, Handoff) else 0
-            self._fail(delivery, work, ErrorCode.CANCELLED, _CANCELLED, offset=sent)
+            self._fail(delivery, work, ErrorCode.CANCELLED, CANCELLED, offset=sent)
             return
         # Every delivery, not only reclaimed ones: a gateway may retry a request id.
         history = self.io.responses.history(rid)
@@ -257,17 +247,8 @@ class EngineWorker:
                 self.held[rid] = Held(delivery, work, sent=sent_tokens, cached_tokens=cached)
                 return
             self._add(work, params, sent, history.text)
-        except PromptTooLongError as exc:
-            self._fail(delivery, work, ErrorCode.PROMPT_TOO_LONG, str(exc))
-            return
-        except ContextLengthError as exc:
-            self._fail(delivery, work, ErrorCode.CONTEXT_LENGTH_EXCEEDED, str(exc))
-            return
-        except ParameterError as exc:
-            self._fail(delivery, work, ErrorCode.INVALID_REQUEST, str(exc), param=exc.param)
-            return
-        except (ValueError, TypeError) as exc:
-            self._fail(delivery, work, ErrorCode.INVALID_REQUEST, str(exc))
+        except (ValueError, TypeError) as exc:  # the engine's refusals
+            self._refuse(delivery, work, refusal_of(exc))
             return
         self.held[rid] = Held(delivery, work, sent=len(sent))
 
@@ -384,6 +365,9 @@ class EngineWorker:
             if rid is not None:
                 message = f"the engine cannot read this request: {why}"
                 self._answer_error(rid, ErrorCode.INVALID_REQUEST, message)
+
+    def _refuse(self, delivery: Delivery, work: WorkItem, refusal: Refusal) -> None:
+        self._fail(delivery, work, refusal.code, refusal.message, param=refusal.param)
 
     def _fail(
         self,
