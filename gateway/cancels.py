@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from redis.exceptions import RedisError
@@ -54,20 +53,13 @@ class Cancels:
         metrics: GatewayMetrics,
         *,
         keep_s: float = RESPONSE_TTL_SECONDS,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.broker = broker
         self.ledger = ledger
         self.metrics = metrics
         self.keep_s = keep_s
-        self.clock = clock
         self._pending: dict[str, tuple[Cancel, float]] = {}  # base id -> (cancel, kept until)
         self._retries: asyncio.Task[None] | None = None
-
-    @property
-    def pending(self) -> int:
-        """Cancels Redis has not taken yet."""
-        return len(self._pending)
 
     async def leave(self, ledger_key: str, base_id: str, within: float) -> int:
         """One reader of shared work left: how many still read it (0: cancel it).
@@ -87,7 +79,7 @@ class Cancels:
         except (RedisError, OSError) as exc:
             ids = ", ".join(cancel.request_ids)
             log.warning("could not cancel %s (%s) yet, retrying: %r", ids, cancel.why, exc)
-            self._pending[cancel.base_id] = (cancel, self.clock() + self.keep_s)
+            self._pending[cancel.base_id] = (cancel, time.monotonic() + self.keep_s)
             if self._retries is None or self._retries.done():
                 self._retries = asyncio.get_running_loop().create_task(self._retry())
 
@@ -98,10 +90,12 @@ class Cancels:
                 await self._retries
 
     async def _write(self, cancel: Cancel) -> None:
+        # Both steps may run again (a reply lost): setting a cancel key twice, or
+        # releasing a record gone, changes nothing. Counted once, when both ran.
         await self.broker.cancel(list(cancel.request_ids))
-        self.metrics.cancelled(cancel.why, len(cancel.request_ids))
         if cancel.ledger_key is not None:  # a retry must queue afresh, not attach
             await self.ledger.release(cancel.ledger_key, cancel.base_id)
+        self.metrics.cancelled(cancel.why, len(cancel.request_ids))
 
     async def _retry(self) -> None:
         pause = _FIRST_RETRY_S
@@ -109,7 +103,7 @@ class Cancels:
             await asyncio.sleep(pause)
             pause = min(pause * 2, _MOST_BETWEEN_S)
             for base_id, (cancel, until) in list(self._pending.items()):
-                if self.clock() > until:
+                if time.monotonic() > until:
                     del self._pending[base_id]
                     log.warning("gave up cancelling %s: Redis away for too long", base_id)
                     continue
