@@ -267,7 +267,10 @@ class Scheduler:
         return plan
 
     def _preempt(self, request: Request) -> None:
-        """Free a running request's KV and queue it, first, to be recomputed."""
+        """Free a running request's KV and queue it to be recomputed: first, but behind
+        a prompt mid-chunk, which holds its blocks (ahead of it, the victim waited for
+        them, and prefill stalled for good; a decode between the chunks, as a
+        data-parallel group's votes make, preempts)."""
         self.kv.free(request.request_id)
         request.block_ids = []
         request.status = RequestStatus.WAITING
@@ -275,7 +278,10 @@ class Scheduler:
         request.draft_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        at = 0
+        while at < len(self.waiting) and self.kv.holds_blocks(self.waiting[at].request_id):
+            at += 1
+        self.waiting.insert(at, request)
 
     # ------------------------------------------------------------ results in
 

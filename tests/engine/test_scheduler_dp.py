@@ -160,3 +160,28 @@ def test_random_arrivals_keep_ranks_in_lockstep_and_every_request_finishes():
     )
     for sched in scheds:
         check_integrity(sched)
+
+
+def test_a_request_preempted_between_a_prompts_chunks_does_not_stall_it():
+    # Rank 0 decodes B while the 40-token prompt A is prefilled a chunk at a time, at
+    # the ANY points only (rank 1, busy decoding, never wants prefill). B ran out of
+    # blocks, was preempted to the queue's front, ahead of A, and waited there for the
+    # blocks A holds: rank 0 scheduled nothing from then on.
+    config = EngineConfig(
+        max_model_len=64,
+        block_size=4,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=8,
+        data_parallel_size=2,
+        prefill_attempt_interval=4,
+        prefill_any_attempt_interval=6,
+    )
+    votes = ThreadVote(2)
+    scheds = [Scheduler(config, num_blocks=16, vote=votes.vote(rank)) for rank in range(2)]
+    b = Request("B", [1, 2, 3, 4], SamplingParams(max_tokens=40, ignore_eos=True))
+    a = Request("A", list(range(100, 140)), SamplingParams(max_tokens=8, ignore_eos=True))
+    busy = {k: [Request(f"C{k}", [1, 2, 3, 4], LONG)] for k in range(0, 400, 60)}
+    run_ranks(scheds, 400, {0: {0: [b], 10: [a]}, 1: busy})
+    assert b.num_preemptions >= 1  # the case itself
+    assert a.is_finished and b.is_finished
+    check_integrity(scheds[0])
