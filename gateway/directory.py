@@ -131,7 +131,8 @@ class ModelDirectory:
                     f": no engine that takes new requests (normal or prompt) was live for "
                     f"{model!r} at the deadline, and none took it from the queue"
                 )
-            return ": it was still queued, no engine took it (the model's engines were busy)"
+            # (An engine may hold it unstarted, behind others: it writes nothing until then.)
+            return ": no engine had started it: it waited in the queue or in a busy engine"
         if roles & {Role.NORMAL, Role.COMPLETION}:
             return ""  # still generating, or its engine died and nobody took it over yet
         if Role.PROMPT in roles:

@@ -74,8 +74,8 @@ def test_both_roles_or_a_declaration_are_queued_and_the_deadline_says_what_was_m
         both = http.post("/v1/completions", json=ASK, headers=SHORT)
         assert both.status_code == 504  # queued: these engines take nothing
         assert both.json()["error"]["message"] == (
-            "The request did not finish within its deadline of 1 s: it was still queued, "
-            "no engine took it (the model's engines were busy)"
+            "The request did not finish within its deadline of 1 s: no engine had started "
+            "it: it waited in the queue or in a busy engine"
         )
         # Declared, with decode engines only: queued for the prompt engine its
         # controller is starting; nothing took it by the deadline.
