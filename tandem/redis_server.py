@@ -128,6 +128,10 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             preexec_fn=parent_death.preexec() if self.die_with_us else None,
+            # A child of tandem up: the terminal's Ctrl-C (SIGINT to its foreground
+            # group) is for tandem up, which stops the stack in order; Redis took it
+            # too and went at once, taking every request in flight with it.
+            start_new_session=self.die_with_us,
         )
         client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + timeout

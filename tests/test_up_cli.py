@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -198,3 +202,35 @@ def test_the_help_of_up_states_its_defaults_and_what_f_needs(capsys):
         "examples/smollm2-cpu.yaml runs here once",
     ):
         assert said in text
+
+
+def test_ctrl_c_in_a_terminal_answers_the_requests_in_flight():
+    # The terminal sends SIGINT to its whole foreground group: the embedded Redis took
+    # it too and went at once, every request in flight with it ("Lost the connection
+    # to Redis"), and tandem up then waited out its stop timeout.
+    port = free_port()
+    argv = [TANDEM, "up", "--model", "random:tiny", "--port", str(port), "--api-key", "sk-t"]
+    env = {**os.environ, "TANDEM_CPU_KERNELS": "0"}
+    body = {"model": "random:tiny", "prompt": "hi", "max_tokens": 1500, "ignore_eos": True}
+    with subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True
+    ) as proc:
+        try:
+            for line in proc.stdout:
+                if line.startswith("Tandem is up"):
+                    break
+            url = f"http://127.0.0.1:{port}"
+            with ThreadPoolExecutor(3) as pool, httpx.Client(timeout=90) as client:
+                post = partial(client.post, f"{url}/v1/completions", json=body)
+                auth = {"Authorization": "Bearer sk-t"}
+                replies = [pool.submit(post, headers=auth) for _ in range(2)]
+                time.sleep(1.0)  # admitted, generating
+                os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+                answers = [reply.result() for reply in replies]
+            assert proc.wait(timeout=60) == 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    for answer in answers:
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == 1500
