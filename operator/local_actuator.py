@@ -32,7 +32,7 @@ from tandem.operator.pod_load import PodSample, pod_load
 from tandem.operator.role_name import RoleName
 from tandem.operator.scaling import plan_resize
 from tandem.operator.scaling import policy as scaling_policy
-from tandem.operator.spec import KIND, ModelDeploymentSpec
+from tandem.operator.spec import GROUP, KIND, VERSION, ModelDeploymentSpec
 from tandem.operator.validation import validate_spec
 from tandem.protocol import Keys
 from tandem.redis_server import free_port
@@ -60,13 +60,36 @@ class EngineProcess:
         return f"http://127.0.0.1:{self.http_port}"
 
 
+API_VERSION = f"{GROUP}/{VERSION}"
+# What a ModelDeployment document may hold besides its spec: the fields the API server
+# takes (a manifest exported with `kubectl get -o yaml` has metadata's server fields,
+# and a status). Anything else kubectl would refuse, so -f refuses it too.
+_TOP_LEVEL = {"apiVersion", "kind", "metadata", "spec", "status"}
+_METADATA = {
+    "name", "namespace", "labels", "annotations", "generateName", "uid", "resourceVersion",
+    "generation", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds",
+    "finalizers", "ownerReferences", "managedFields", "selfLink",
+}  # fmt: skip
+
+
 def load_manifest(manifest: dict[str, Any]) -> tuple[str, ModelDeploymentSpec]:
     """(name, validated spec) of a ModelDeployment document; InvalidSpec explains a bad one."""
     if manifest.get("kind") != KIND:
         raise ValueError(f"expected kind {KIND}, got {manifest.get('kind')!r}")
-    name = (manifest.get("metadata") or {}).get("name")
-    if not name:
-        raise ValueError("the ModelDeployment has no metadata.name")
+    if manifest.get("apiVersion") != API_VERSION:
+        raise ValueError(f"apiVersion must be {API_VERSION}, got {manifest.get('apiVersion')!r}")
+    if unknown := sorted(set(manifest) - _TOP_LEVEL):
+        raise ValueError(
+            f"{unknown[0]}: unknown field (a ModelDeployment has {_listed(_TOP_LEVEL)})"
+        )
+    metadata = manifest.get("metadata")
+    if not isinstance(metadata, dict):
+        raise ValueError(f"metadata must be a mapping with a name, got {metadata!r}")
+    if unknown := sorted(set(metadata) - _METADATA):
+        raise ValueError(f"metadata.{unknown[0]}: unknown field")
+    name = metadata.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"metadata.name must be a non-empty string, got {name!r}")
     spec = validate_spec(manifest.get("spec"), name=name)
     if spec.model.pvc is not None or spec.model.hugging_face is not None:
         raise ValueError(
@@ -74,6 +97,10 @@ def load_manifest(manifest: dict[str, Any]) -> tuple[str, ModelDeploymentSpec]:
             "file, or an alias such as smollm2): PVCs and Hub downloads are cluster features"
         )
     return name, spec
+
+
+def _listed(names: set[str]) -> str:
+    return ", ".join(sorted(names))
 
 
 class LocalActuator:

@@ -116,7 +116,7 @@ def _read_manifest(path: Path) -> dict:
     from tandem.operator.local_actuator import load_manifest
 
     try:
-        document = strict_yaml.load(path.read_text())
+        documents = strict_yaml.load_all(path.read_text())
     except OSError as exc:
         raise ValueError(f"cannot read -f {path}: {exc.strerror}") from None
     except yaml.MarkedYAMLError as exc:  # one line, not yaml's excerpt with a caret
@@ -125,6 +125,13 @@ def _read_manifest(path: Path) -> dict:
         raise ValueError(f"-f {path} is not valid YAML: {exc.problem}{where}") from None
     except yaml.YAMLError as exc:
         raise ValueError(f"-f {path} is not valid YAML: {exc}") from None
+    if len(documents) > 1:  # kubectl's files often hold several; -f runs one
+        kinds = ", ".join(str(d.get("kind")) if isinstance(d, dict) else "?" for d in documents)
+        raise ValueError(
+            f"-f {path} holds {len(documents)} documents ({kinds}): tandem up runs one "
+            "ModelDeployment; put it in a file of its own"
+        )
+    document = documents[0] if documents else None
     if not isinstance(document, dict):
         raise ValueError(
             f"-f {path} holds no ModelDeployment (a mapping with its kind, metadata, spec)"
@@ -276,8 +283,10 @@ UP_EPILOG = """\
 -f MANIFEST runs a ModelDeployment (what the operator serves in a cluster)
 here: its model, served name and mode replace --model, --served-model-name and
 --mode, and each role's engines are autoscaled between its minReplicas and
-maxReplicas, evaluated every 5 s (docs/autoscaling.md). It needs kind:
-ModelDeployment, metadata.name, and the model as
+maxReplicas, evaluated every 5 s (docs/autoscaling.md). It needs apiVersion:
+serving.tandem.dev/v1alpha1, kind: ModelDeployment, metadata.name, its mode's
+roles (spec.normal, the default mode's; or spec.prefill and spec.decode with
+mode: Disaggregated), and the model as
 spec.model.path (a local directory, a .gguf file, smollm2 or random:<size>):
 spec.model.huggingFace and spec.model.pvc are for clusters only, so
 examples/smollm2-cpu.yaml runs here once its huggingFace source is replaced by

@@ -42,3 +42,9 @@ def load(text: str) -> Any:
     """The one document in `text`; yaml.YAMLError (a MarkedYAMLError naming the line
     for a repeated key) if it is not valid."""
     return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: builds no objects
+
+
+def load_all(text: str) -> list[Any]:
+    """Every document in `text` (empty ones left out: a leading or trailing ---), each
+    read as `load` reads one."""
+    return [d for d in yaml.load_all(text, Loader=_StrictLoader) if d is not None]

@@ -234,3 +234,41 @@ def test_ctrl_c_in_a_terminal_answers_the_requests_in_flight():
     for answer in answers:
         assert answer.status_code == 200, answer.text
         assert answer.json()["usage"]["completion_tokens"] == 1500
+
+
+def _manifest(**changes) -> dict:
+    return {**DISAGGREGATED, **changes}
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        # Tracebacks (a TypeError, an AttributeError) for a metadata of the wrong shape.
+        (yaml.safe_dump(_manifest(metadata={"name": 123})), "metadata.name must be a non-empty"),
+        (yaml.safe_dump(_manifest(metadata=["name"])), "metadata must be a mapping with a name"),
+        # What kubectl refuses, -f served.
+        (
+            yaml.safe_dump(_manifest(apiVersion="serving.tandem.dev/v2")),
+            "apiVersion must be serving.tandem.dev/v1alpha1, got 'serving.tandem.dev/v2'",
+        ),
+        (yaml.safe_dump(_manifest(extra=1)), "extra: unknown field (a ModelDeployment has"),
+        (
+            yaml.safe_dump(_manifest(metadata={"name": "split", "nme": "typo"})),
+            "metadata.nme: unknown field",
+        ),
+        # Valid YAML, but two documents ("not valid YAML: but found another document").
+        (
+            "apiVersion: v1\nkind: Namespace\nmetadata: {name: ml}\n---\n"
+            + yaml.safe_dump(DISAGGREGATED),
+            "holds 2 documents (Namespace, ModelDeployment): tandem up runs one",
+        ),
+    ],
+    ids=["name-type", "metadata-list", "api-version", "top-level", "metadata-field", "two-docs"],
+)
+def test_a_manifest_kubectl_would_refuse_is_one_clear_line(tmp_path, capsys, text, says):
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(text)
+    assert cli.main(["up", "-f", str(manifest), "--port", str(free_port())]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"tandem: error: -f {manifest}") and says in error, error
+    assert error.count("\n") == 1

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def _manifest(**normal):
     return {
+        "apiVersion": "serving.tandem.dev/v1alpha1",
         "kind": "ModelDeployment",
         "metadata": {"name": "tiny"},
         "spec": {
