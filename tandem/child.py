@@ -27,6 +27,10 @@ MAX_BACKOFF_S = 30.0
 # How a log line says why its process exited: its own `tandem: error:` line, uvicorn's
 # ERROR line, or a traceback's last line (`redis.exceptions.ConnectionError: ...`).
 _REASON = re.compile(r"(?:tandem: error:|ERROR:)\s*(.+)|([\w.]*(?:Error|Exception)\b.*)")
+# Until a child is first found ready, its readiness is asked this often: asked every
+# liveness period (10 s), an engine that hung within that of its readiness was never
+# seen ready, so never probed for liveness, and hung for good with its requests.
+STARTUP_PROBE_S = 1.0
 
 
 @dataclass
@@ -72,6 +76,12 @@ class Child:
         log.close()
 
     @property
+    def seen_ready(self) -> bool:
+        """Whether a probe found it ready since it started: from then on, it is probed
+        for liveness."""
+        return self._was_ready
+
+    @property
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
@@ -89,6 +99,8 @@ class Child:
         self._next_probe = now + self.liveness_period_s
         if not self._was_ready:
             self._was_ready = self.ready()
+            if not self._was_ready:  # asked often, as a startupProbe is
+                self._next_probe = now + min(STARTUP_PROBE_S, self.liveness_period_s)
             return False
         self._failures = 0 if _answers(self.live_url) else self._failures + 1
         return self._failures >= self.liveness_failures

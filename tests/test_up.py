@@ -291,3 +291,27 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_a_child_is_asked_often_whether_it_is_ready_until_it_first_is(tmp_path):
+    # Asked every liveness period (10 s), an engine that hung within that of being
+    # ready was never seen ready, so never probed for liveness: hung for good.
+    port = free_port()
+    serve = (
+        "import time, http.server as h; time.sleep(0.5); "
+        f"h.HTTPServer(('127.0.0.1', {port}), type('H', (h.BaseHTTPRequestHandler,), "
+        "{'do_GET': lambda s: (s.send_response(200), s.end_headers()), "
+        "'log_message': lambda *a: None})).serve_forever()"
+    )
+    url = f"http://127.0.0.1:{port}"
+    child = Child("engine", [sys.executable, "-c", serve], tmp_path / "e.log", f"{url}/readyz",
+                  True, live_url=f"{url}/healthz")  # fmt: skip
+    child.start()
+    try:
+        deadline = time.monotonic() + 4  # well within one liveness period
+        while not child.seen_ready and time.monotonic() < deadline:
+            child.hung(time.monotonic())
+            time.sleep(0.1)
+        assert child.seen_ready
+    finally:
+        child.kill()
