@@ -364,13 +364,23 @@ class Stack:
         return engines
 
     def _wait_for_empty_queue(self, deadline: float) -> None:
-        """Until every admitted request of the model was answered (or the deadline)."""
+        """Until every admitted request of the model was answered (or the deadline).
+        A role autoscaled to zero with work admitted is started for it, as the
+        autoscaler would have: stopped without it, the work waited for the deadline
+        and its client was cut off."""
         client = redis.Redis.from_url(self.redis_url, socket_timeout=2)
-        empty_since = None
+        empty_since, next_evaluation = None, 0.0
         try:
-            while time.monotonic() < deadline and any(c.alive for c in self._engines()):
+            while time.monotonic() < deadline:
                 q = queue_depth(client, Keys(), self.config.name)
-                if q.total_waiting or q.pending or q.handoff_waiting or q.handoff_pending:
+                waiting = q.total_waiting or q.pending or q.handoff_waiting or q.handoff_pending
+                if not any(c.alive for c in self._engines()):
+                    if not waiting or self.actuator is None:
+                        return  # nothing to answer, or no engine to answer it
+                    if time.monotonic() >= next_evaluation:
+                        next_evaluation = time.monotonic() + self.config.scale_every
+                        self.actuator.evaluate()
+                if waiting:
                     empty_since = None
                 elif empty_since is None:
                     empty_since = time.monotonic()

@@ -315,3 +315,34 @@ def test_a_child_is_asked_often_whether_it_is_ready_until_it_first_is(tmp_path):
         assert child.seen_ready
     finally:
         child.kill()
+
+
+def test_stopping_with_a_role_at_zero_answers_the_work_it_admitted(tmp_path, monkeypatch):
+    # minReplicas 0 and no engine yet: stopped just after a request was admitted, the
+    # stack started none for it, and the client waited the whole stop timeout for nothing.
+    monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
+    manifest = {
+        "apiVersion": "serving.tandem.dev/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": "tiny"},
+        "spec": {
+            "model": {"path": "random:tiny"},
+            "engine": {"maxModelLen": 256},
+            "normal": {"minReplicas": 0, "maxReplicas": 1},
+        },
+    }
+    up = UpConfig(manifest=manifest, port=free_port(), api_key=API_KEY, log_dir=tmp_path / "up")
+    stack = Stack(up).start(say=lambda line: None)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(chat, stack.url, 8)
+            _wait_in_flight(stack.url, 1)
+            started = time.monotonic()
+            stack.stop()
+            took = time.monotonic() - started
+            answer = reply.result()
+    finally:
+        stack.stop()
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 8
+    assert took < 45, f"stop took {took:.0f} s"
