@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import signal
 import sys
 import time
@@ -61,6 +62,7 @@ class EngineProcess:
 
 
 API_VERSION = f"{GROUP}/{VERSION}"
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
 # What a ModelDeployment document may hold besides its spec: the fields the API server
 # takes (a manifest exported with `kubectl get -o yaml` has metadata's server fields,
 # and a status). Anything else kubectl would refuse, so -f refuses it too.
@@ -227,8 +229,11 @@ class LocalActuator:
         if decision.changed or decision.recommendation == decision.current:
             self._holds.pop(role, None)
             return
-        if self._holds.get(role) != decision.reason:
-            self._holds[role] = decision.reason
+        # Its numbers (time left in a window, a signal's value) change every evaluation:
+        # the same hold is the same words.
+        kind = _NUMBER.sub("#", decision.reason)
+        if self._holds.get(role) != kind:
+            self._holds[role] = kind
             self.say(f"hold {decision.reason} (the signals ask for {decision.recommendation})")
 
     def _declare(self) -> None:

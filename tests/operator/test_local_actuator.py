@@ -80,9 +80,13 @@ def test_a_scale_up_held_by_its_window_is_said_once(actuator, redis_client, keys
     # 1,000 prompt tokens queued ask for 10 engines; no engine runs (none started).
     redis_client.set(keys.queued_tokens("tiny"), 1000)
     redis_client.xadd(keys.work_streams("tiny")[0], {"r": "1"})
-    for _ in range(3):
+    reasons = []
+    for tokens in (1000, 990, 980):  # the same ask, 10 engines, in other numbers
+        redis_client.set(keys.queued_tokens("tiny"), tokens)
         (decision,) = local.evaluate().values()
         assert decision.replicas == 1 and decision.recommendation == 10
-    assert said == [f"hold {decision.reason} (the signals ask for 10)"]
+        reasons.append(decision.reason)
+    assert len(set(reasons)) > 1, reasons
+    assert said == [f"hold {reasons[0]} (the signals ask for 10)"]
     assert "scale-up held at 1 by the 60s window" in said[0]
     assert local.replicas == {RoleName.NORMAL: 1}
