@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import socket
+from pathlib import Path
 
 import redis
 
@@ -43,3 +44,20 @@ def check_redis(url: str) -> None:
             f"cannot reach Redis at {url} (--redis-url): {str(exc).rstrip('.')}; start it, "
             "or leave out --redis-url to run an embedded one"
         ) from None
+
+
+def check_model(spec: str) -> None:
+    """StartError unless `spec` names a model an engine could load: a folder, a .gguf
+    file, or an alias (what they hold is the engine's to check). A role autoscaled
+    from zero started its first engine only at the first request, which then
+    crash-looped on a path that is not there while the request waited."""
+    if spec == "smollm2" or spec.startswith("random:"):
+        return
+    path = Path(spec).expanduser()
+    if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):
+        return
+    why = "is a file but not a .gguf file" if path.is_file() else "is no such file or directory"
+    raise StartError(
+        f"model {spec!r} {why}; expected a local Hugging Face model directory, a .gguf "
+        "file, smollm2 or random:<size>"
+    )

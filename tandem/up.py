@@ -26,7 +26,7 @@ import redis
 from tandem import catalog
 from tandem.backlog import queue_depth
 from tandem.child import Child, drain_in_order, engine_threads
-from tandem.preflight import StartError, check_port, check_redis
+from tandem.preflight import StartError, check_model, check_port, check_redis
 from tandem.protocol import Keys
 from tandem.redis_server import RedisServer, free_port
 
@@ -121,6 +121,10 @@ class Stack:
         StartError when it cannot: what had started is stopped, the logs are kept.
         """
         check_port(self.config.host, self.config.port)
+        model = self.config.model
+        if self.deployment is not None:
+            model = self.deployment[1].model.path or model
+        check_model(model)
         if self.config.redis_url:
             check_redis(self.config.redis_url)
         try:

@@ -94,8 +94,11 @@ def test_a_port_in_use_is_named_before_anything_starts(taken_port):
         # A cluster manifest (Hub download): -f needs spec.model.path.
         (["-f", "examples/smollm2-cpu.yaml"], "the model must be spec.model.path"),
         (["--log-dir", "/proc/no-such-dir"], "cannot create --log-dir /proc/no-such-dir: "),
+        # Before anything starts: with a role autoscaled from zero, the first engine
+        # started only at the first request, and crash-looped while it waited.
+        (["--model", "/no/such/model"], "model '/no/such/model' is no such file or directory"),
     ],
-    ids=["redis-url", "missing-file", "cluster-manifest", "log-dir"],
+    ids=["redis-url", "missing-file", "cluster-manifest", "log-dir", "model"],
 )
 def test_bad_input_is_one_clear_line(argv, says):
     done, left = up(*argv, "--port", str(free_port()))
@@ -135,13 +138,13 @@ def _listening(port: int) -> bool:
 
 def test_an_engine_that_cannot_start_is_named_with_its_log_and_everything_stops(tmp_path):
     log = tmp_path / "engine-normal.log"
-    done, left = up(
-        "--model", "nonexistent-model", "--port", str(free_port()), "--log-dir", str(tmp_path)
-    )
+    model = tmp_path / "no-config"  # a folder, as a model is, but without its config.json
+    model.mkdir()
+    done, left = up("--model", str(model), "--port", str(free_port()), "--log-dir", str(tmp_path))
     error = the_error(done)
     assert error.startswith("tandem: error: normal engine exited while starting: ")
-    assert "model 'nonexistent-model' is no such file or directory" in error
-    assert f"(details in {log})" in error and "nonexistent-model" in log.read_text()
+    assert "config.json" in error
+    assert f"(details in {log})" in error and "config.json" in log.read_text()
     assert left == []  # the gateway and the embedded Redis were stopped too
 
 
@@ -272,3 +275,13 @@ def test_a_manifest_kubectl_would_refuse_is_one_clear_line(tmp_path, capsys, tex
     error = capsys.readouterr().err
     assert error.startswith(f"tandem: error: -f {manifest}") and says in error, error
     assert error.count("\n") == 1
+
+
+def test_a_manifest_autoscaled_from_zero_names_a_model_that_is_not_there(tmp_path, capsys):
+    spec = {**DISAGGREGATED["spec"], "model": {"path": str(tmp_path / "gone")}}
+    spec["prefill"] = {"minReplicas": 0, "maxReplicas": 2}
+    manifest = tmp_path / "zero.yaml"
+    manifest.write_text(yaml.safe_dump({**DISAGGREGATED, "spec": spec}))
+    assert cli.main(["up", "-f", str(manifest), "--port", str(free_port())]) == 1  # StartError
+    error = capsys.readouterr().err
+    assert f"model '{tmp_path / 'gone'}' is no such file or directory" in error, error
