@@ -138,6 +138,9 @@ class Stack:
 
     def _launch(self, say) -> None:
         cfg = self.config
+        if self.deployment is not None and self.deployment[1].redis is not None:
+            # A cluster's address (a Service name) means nothing here: said, not used.
+            say("redis      spec.redis is a cluster's: here --redis-url is, else an embedded one")
         if not self.redis_url:
             self._start_redis()
             say(f"redis      {self.redis_url} (embedded)")

@@ -346,3 +346,24 @@ def test_stopping_with_a_role_at_zero_answers_the_work_it_admitted(tmp_path, mon
     assert answer.status_code == 200, answer.text
     assert answer.json()["usage"]["completion_tokens"] == 8
     assert took < 45, f"stop took {took:.0f} s"
+
+
+def test_a_manifests_cluster_redis_is_said_to_be_unused(tmp_path, monkeypatch):
+    # A manifest copied from a cluster names the cluster's Redis: it was ignored in
+    # silence, and the stack served on its own.
+    monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
+    manifest = {
+        "apiVersion": "serving.tandem.dev/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": "tiny"},
+        "spec": {
+            "model": {"path": "random:tiny"},
+            "redis": {"url": "redis://tandem-redis.tandem-system:6379/0"},
+            "normal": {"minReplicas": 0, "maxReplicas": 1},  # nothing to load
+        },
+    }
+    said: list[str] = []
+    up = UpConfig(manifest=manifest, port=free_port(), api_key=API_KEY, log_dir=tmp_path / "up")
+    with Stack(up).start(say=said.append):
+        pass
+    assert "redis      spec.redis is a cluster's: here --redis-url is, else an embedded one" in said
