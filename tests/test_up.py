@@ -364,6 +364,5 @@ def test_a_manifests_cluster_redis_is_said_to_be_unused(tmp_path, monkeypatch):
     }
     said: list[str] = []
     up = UpConfig(manifest=manifest, port=free_port(), api_key=API_KEY, log_dir=tmp_path / "up")
-    with Stack(up).start(say=said.append):
-        pass
+    Stack(up).start(say=said.append).stop()
     assert "redis      spec.redis is a cluster's: here --redis-url is, else an embedded one" in said
