@@ -317,9 +317,8 @@ def test_a_child_is_asked_often_whether_it_is_ready_until_it_first_is(tmp_path):
         child.kill()
 
 
-def test_stopping_with_a_role_at_zero_answers_the_work_it_admitted(tmp_path, monkeypatch):
-    # minReplicas 0 and no engine yet: stopped just after a request was admitted, the
-    # stack started none for it, and the client waited the whole stop timeout for nothing.
+def from_zero(tmp_path, monkeypatch, **spec) -> UpConfig:
+    """A ModelDeployment of random:tiny autoscaled from zero: nothing loads at start."""
     monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
     manifest = {
         "apiVersion": "serving.tandem.dev/v1alpha1",
@@ -327,11 +326,17 @@ def test_stopping_with_a_role_at_zero_answers_the_work_it_admitted(tmp_path, mon
         "metadata": {"name": "tiny"},
         "spec": {
             "model": {"path": "random:tiny"},
-            "engine": {"maxModelLen": 256},
             "normal": {"minReplicas": 0, "maxReplicas": 1},
+            **spec,
         },
     }
-    up = UpConfig(manifest=manifest, port=free_port(), api_key=API_KEY, log_dir=tmp_path / "up")
+    return UpConfig(manifest=manifest, port=free_port(), api_key=API_KEY, log_dir=tmp_path / "up")
+
+
+def test_stopping_with_a_role_at_zero_answers_the_work_it_admitted(tmp_path, monkeypatch):
+    # minReplicas 0 and no engine yet: stopped just after a request was admitted, the
+    # stack started none for it, and the client waited the whole stop timeout for nothing.
+    up = from_zero(tmp_path, monkeypatch, engine={"maxModelLen": 256})
     stack = Stack(up).start(say=lambda line: None)
     try:
         with ThreadPoolExecutor(1) as pool:
@@ -351,18 +356,9 @@ def test_stopping_with_a_role_at_zero_answers_the_work_it_admitted(tmp_path, mon
 def test_a_manifests_cluster_redis_is_said_to_be_unused(tmp_path, monkeypatch):
     # A manifest copied from a cluster names the cluster's Redis: it was ignored in
     # silence, and the stack served on its own.
-    monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
-    manifest = {
-        "apiVersion": "serving.tandem.dev/v1alpha1",
-        "kind": "ModelDeployment",
-        "metadata": {"name": "tiny"},
-        "spec": {
-            "model": {"path": "random:tiny"},
-            "redis": {"url": "redis://tandem-redis.tandem-system:6379/0"},
-            "normal": {"minReplicas": 0, "maxReplicas": 1},  # nothing to load
-        },
-    }
     said: list[str] = []
-    up = UpConfig(manifest=manifest, port=free_port(), api_key=API_KEY, log_dir=tmp_path / "up")
+    up = from_zero(
+        tmp_path, monkeypatch, redis={"url": "redis://tandem-redis.tandem-system:6379/0"}
+    )
     Stack(up).start(say=said.append).stop()
     assert "redis      spec.redis is a cluster's: here --redis-url is, else an embedded one" in said
