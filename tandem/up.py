@@ -380,15 +380,14 @@ class Stack:
         try:
             while time.monotonic() < deadline:
                 q = queue_depth(client, Keys(), self.config.name)
-                waiting = q.total_waiting or q.pending or q.handoff_waiting or q.handoff_pending
-                if not any(c.alive for c in self._engines()):
-                    if not waiting or self.actuator is None:
-                        return  # nothing to answer, or no engine to answer it
-                    if time.monotonic() >= next_evaluation:
-                        next_evaluation = time.monotonic() + self.config.scale_every
-                        self.actuator.evaluate()
-                if waiting:
+                if q.total_waiting or q.pending or q.handoff_waiting or q.handoff_pending:
                     empty_since = None
+                    if not any(c.alive for c in self._engines()):
+                        if self.actuator is None:
+                            return  # no engine to answer it
+                        if time.monotonic() >= next_evaluation:
+                            next_evaluation = time.monotonic() + self.config.scale_every
+                            self.actuator.evaluate()
                 elif empty_since is None:
                     empty_since = time.monotonic()
                 elif time.monotonic() - empty_since >= QUEUE_SETTLE_S:
