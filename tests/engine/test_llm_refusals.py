@@ -40,8 +40,7 @@ def test_a_torch_dtype_no_kernel_runs_is_refused_at_load(dtype):
         LLM("random:tiny", dtype=dtype, num_kv_blocks=8)
 
 
-def test_chat_names_the_conversation_and_refuses_a_lone_message():
-    llm = LLM("smollm2", num_kv_blocks=16)
+def test_chat_names_the_conversation_and_refuses_a_lone_message(llm):
     good = [{"role": "user", "content": "Hi"}]
     with pytest.raises(ValueError, match="conversation 1: message 0 \\(user\\) has no 'content'"):
         llm.chat([good, [{"role": "user"}]], SamplingParams(max_tokens=1))
