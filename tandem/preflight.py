@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import errno
 import socket
-from pathlib import Path
 
 import redis
+
+from tandem.engine.model.model_spec import spec_problem
 
 
 class StartError(RuntimeError):
@@ -47,17 +48,9 @@ def check_redis(url: str) -> None:
 
 
 def check_model(spec: str) -> None:
-    """StartError unless `spec` names a model an engine could load: a folder, a .gguf
-    file, or an alias (what they hold is the engine's to check). A role autoscaled
-    from zero started its first engine only at the first request, which then
-    crash-looped on a path that is not there while the request waited."""
-    if spec == "smollm2" or spec.startswith("random:"):
-        return
-    path = Path(spec).expanduser()
-    if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):
-        return
-    why = "is a file but not a .gguf file" if path.is_file() else "is no such file or directory"
-    raise StartError(
-        f"model {spec!r} {why}; expected a local Hugging Face model directory, a .gguf "
-        "file, smollm2 or random:<size>"
-    )
+    """StartError unless `spec` names a model of a form an engine loads (what it holds
+    is the engine's to check). A role autoscaled from zero started its first engine
+    only at the first request, which then crash-looped on a path that is not there
+    while the request waited."""
+    if (problem := spec_problem(spec)) is not None:
+        raise StartError(problem)

