@@ -66,7 +66,7 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+        if not _is_int(self.max_tokens):
             raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
@@ -74,13 +74,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k is not None and (
-            isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1
-        ):
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
             raise ValueError(f"top_k must be a positive integer or None, got {self.top_k!r}")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
-        ):
+        if self.seed is not None and (not _is_int(self.seed)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         ids = _as_tuple(self.stop_token_ids)
         if ids is None or not all(_is_int(t) and t >= 0 for t in ids):
@@ -98,9 +94,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.logprobs is not None and (
-            isinstance(self.logprobs, bool)
-            or not isinstance(self.logprobs, int)
-            or not 0 <= self.logprobs <= MAX_LOGPROBS
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise ValueError(
                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"
@@ -141,7 +135,7 @@ def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
         if len(pair) != 2:
             raise ValueError(f"logit_bias must map token ids to biases, got {pair!r}")
         token, value = pair
-        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+        if not _is_int(token) or token < 0:
             raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
         if not _is_real(value) or not -100.0 <= value <= 100.0:
             raise ValueError(f"logit_bias of token {token} must be in [-100, 100], got {value!r}")
