@@ -43,14 +43,10 @@ def _chat(args: argparse.Namespace) -> int:
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.question}])
     engine.add_request("chat", prompt_token_ids=prompt, sampling_params=params)
     num_tokens = 0
-    try:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                print(out.text_delta, end="", flush=True)
-                num_tokens = out.num_output_tokens
-    except BrokenPipeError:  # `| head`: the reader has all it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
-        return 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            print(out.text_delta, end="", flush=True)
+            num_tokens = out.num_output_tokens
     elapsed = time.perf_counter() - loaded
     print(f"\n[{num_tokens} tokens in {elapsed:.2f}s]", file=sys.stderr)
     return 0
@@ -380,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C where a command keeps nothing to report
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `| head`: the reader has all it wanted, at any write
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 0
 
 
 if __name__ == "__main__":
