@@ -31,6 +31,10 @@ _REASON = re.compile(r"(?:tandem: error:|ERROR:)\s*(.+)|([\w.]*(?:Error|Exceptio
 # liveness period (10 s), an engine that hung within that of its readiness was never
 # seen ready, so never probed for liveness, and hung for good with its requests.
 STARTUP_PROBE_S = 1.0
+# A child not ready this long after its start is killed and started again, as a pod's
+# startupProbe does (180 failures 10 s apart): a load stuck for good, or an engine
+# that hung between two of the readiness asks, would otherwise never be probed.
+STARTUP_DEADLINE_S = 1800.0
 
 
 @dataclass
@@ -56,6 +60,7 @@ class Child:
     live_url: str = ""
     liveness_period_s: float = 10.0
     liveness_failures: int = 6
+    startup_deadline_s: float = STARTUP_DEADLINE_S
     _was_ready: bool = field(default=False, init=False)
     _failures: int = field(default=0, init=False)
     _next_probe: float = field(default=0.0, init=False)
@@ -89,10 +94,11 @@ class Child:
         return _answers(self.ready_url)
 
     def hung(self, now: float) -> bool:
-        """Whether the child stopped answering its liveness probe (then restart it).
+        """Whether the child stopped answering its liveness probe, or was never ready
+        within its startup deadline (then restart it).
 
-        Probed only once it was ready: loading a model can take minutes, and its
-        HTTP server starts after that.
+        Probed for liveness only once it was ready: loading a model can take minutes,
+        and its HTTP server starts after that.
         """
         if not self.live_url or not self.alive or now < self._next_probe:
             return False
@@ -101,6 +107,7 @@ class Child:
             self._was_ready = self.ready()
             if not self._was_ready:  # asked often, as a startupProbe is
                 self._next_probe = now + min(STARTUP_PROBE_S, self.liveness_period_s)
+                return now - self.started_at > self.startup_deadline_s
             return False
         self._failures = 0 if _answers(self.live_url) else self._failures + 1
         return self._failures >= self.liveness_failures
@@ -114,7 +121,12 @@ class Child:
         """
         said = []
         if self.restartable and self.hung(now):
-            said.append(f"{self.name} stopped answering {self.live_url}; killing it")
+            if self.seen_ready:
+                said.append(f"{self.name} stopped answering {self.live_url}; killing it")
+            else:
+                wait = self.startup_deadline_s
+                waited = f"{wait / 60:g} min" if wait >= 60 else f"{wait:g} s"
+                said.append(f"{self.name} not ready {waited} after its start; killing it")
             self.kill()
         if self.alive or not self.restartable:
             return said

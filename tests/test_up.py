@@ -317,6 +317,28 @@ def test_a_child_is_asked_often_whether_it_is_ready_until_it_first_is(tmp_path):
         child.kill()
 
 
+def test_a_child_never_ready_within_its_startup_deadline_is_killed_and_restarted(tmp_path):
+    # Hung before its first readiness answer (or between two asks), a child was never
+    # probed for liveness: it hung for good. A pod's startupProbe bounds that wait.
+    url = f"http://127.0.0.1:{free_port()}"  # nothing answers there
+    child = Child("engine", [sys.executable, "-c", "import time; time.sleep(60)"],
+                  tmp_path / "e.log", f"{url}/readyz", True, live_url=f"{url}/healthz",
+                  startup_deadline_s=0.5)  # fmt: skip
+    child.start()
+    stuck = child.process
+    try:
+        said = child.supervise(time.monotonic())
+        assert said == [] and stuck.poll() is None  # within its deadline
+        time.sleep(0.6)
+        child._next_probe = 0.0  # the next startup ask is due
+        said = child.supervise(time.monotonic())
+        assert said[0] == "engine not ready 0.5 s after its start; killing it"
+        assert stuck.poll() is not None
+        assert said[1].startswith("engine exited (-9: killed by SIGKILL); restarting in")
+    finally:
+        child.kill()
+
+
 def from_zero(tmp_path, monkeypatch, **spec) -> UpConfig:
     """A ModelDeployment of random:tiny autoscaled from zero: nothing loads at start."""
     monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
