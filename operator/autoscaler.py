@@ -39,9 +39,10 @@ class RoleObservation:
     # no usable load (starting, unreachable) are `current_replicas` minus the ready
     # pods that have the metric: see `_per_pod`.
     pods: tuple[PodLoad, ...] = ()
-    # Pods that were scraped but could not be read (down, too slow, not an engine,
-    # a value out of range). They count as pods without metrics either way; this
-    # only tells "none could be read" from "none was there to read".
+    # Pods Kubernetes reports ready (the only ones scraped) whose scrape failed
+    # (down, too slow, not an engine, a value out of range). They count as pods
+    # without metrics for demand; they tell "none could be read" from "none was
+    # there to read", and they are up: the step limit counts them as ready.
     unreadable: int = 0
 
     def __post_init__(self) -> None:
@@ -220,8 +221,11 @@ def decide(
         replicas = min(current, peak)
     if replicas > current:
         # Measured from ready pods (Knative): pods still starting use up the step,
-        # so a scale-up is never stacked on one that has not come up yet.
-        ready = min(current, len(observed.ready_pods))
+        # so a scale-up is never stacked on one that has not come up yet. A ready
+        # pod whose scrape failed is up all the same: counted as starting, a role
+        # whose scrapes time out under load (or a NetworkPolicy) froze at its size
+        # with Redis's queue asking for more.
+        ready = min(current, len(observed.ready_pods) + observed.unreadable)
         limit = max(
             ready + policy.scale_up_max_step,
             math.ceil(ready * (1 + policy.scale_up_max_percent / 100) - _EPSILON),

@@ -106,7 +106,21 @@ def test_a_role_whose_pods_cannot_be_read_holds_and_says_so_once(caplog):
 
 def test_a_role_that_cannot_be_read_still_follows_its_queue():
     # Redis is read apart from the engines: 5 replicas' worth of queued tokens still
-    # adds pods (unread pods count 0 going up), as far as the step from 0 ready pods.
+    # adds pods (unread pods count 0 going up).
     d = Operator(2).evaluate(pods(2), {}, 0.0, queue(tokens=5 * 8192))
-    assert d.replicas == 4
+    assert d.replicas == 5
     assert d.unreadable == UNREADABLE and UNREADABLE in d.reason
+
+
+def test_pods_ready_but_unread_count_as_ready_for_the_scale_up_step():
+    # Counted as starting, they shrank the step to 0 ready + 4: a role of 6 whose
+    # scrapes all time out (busy engines, a NetworkPolicy) held at 6 for good with 20
+    # replicas' worth queued in Redis.
+    op = Operator(6, maxReplicas=16)
+    d = op.evaluate(pods(6), {}, 0.0, queue(tokens=20 * 8192))
+    assert d.replicas == 12  # 6 ready, doubled at most (scaleUpMaxPercent 100)
+    # Two of eight read (both full), six too slow: the step is from all eight.
+    op = Operator(8, maxReplicas=32)
+    d = op.evaluate(pods(8), samples(2, kv=1.0), 0.0, queue(tokens=40 * 8192))
+    assert d.replicas == 16
+    assert d.unreadable is None  # some pods read: not the role-wide hold
