@@ -77,7 +77,12 @@ def create_app(
     install_error_handlers(app)
     for module in (routes_chat, routes_completions, routes_models, routes_ops):
         app.include_router(module.router)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, on_reject=metrics.rejected)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=settings.max_body_bytes,
+        on_reject=metrics.rejected,
+        timeout_s=settings.body_timeout_s,
+    )
     # Added last, so outermost: it also sees the body limit's 413s.
     app.add_middleware(RequestObserver, metrics=metrics)
     open_access = key_store.open_access

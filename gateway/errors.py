@@ -112,6 +112,15 @@ def too_large(limit: int) -> GatewayError:
     )
 
 
+def body_too_slow(seconds: float) -> GatewayError:
+    return GatewayError(
+        408,
+        f"The request body did not arrive within {seconds:g} s",
+        code="request_timeout",
+        reason="body_timeout",
+    )
+
+
 # The OpenAI SDKs retry every 408, 409, 429 and 5xx unless the answer says not to.
 NO_RETRY = {"x-should-retry": "false"}
 

@@ -10,6 +10,7 @@ tokens (characters / 4) for the queued-tokens counter and the tpm quota.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import time
 import uuid
@@ -17,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
+
+from pydantic_core import PydanticSerializationError
 
 from tandem.engine.request import SamplingParams
 from tandem.gateway.errors import bad_request, not_supported
@@ -113,10 +116,20 @@ class Job:
         an upgrade from it, a retry through a replica of the other version is a
         409 until the first attempt's record expires.)
         """
-        content = self.body.model_dump_json(
-            exclude={"stream", "stream_options"}, exclude_unset=True, exclude_none=True
-        )
-        return hashlib.sha256(content.encode()).hexdigest()
+        sent: dict[str, Any] = {
+            "exclude": {"stream", "stream_options"},
+            "exclude_unset": True,
+            "exclude_none": True,
+        }
+        try:
+            content = self.body.model_dump_json(**sent).encode()
+        except PydanticSerializationError:
+            # A lone surrogate (JSON's \ud800, a JavaScript client's cut emoji) in a
+            # field the engine never reads: not valid UTF-8, but a request all the
+            # same, and none of the form above can have it.
+            data = self.body.model_dump(mode="json", **sent)
+            content = json.dumps(data, ensure_ascii=True, sort_keys=True).encode()
+        return hashlib.sha256(content).hexdigest()
 
 
 class JobBuilder:

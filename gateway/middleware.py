@@ -7,13 +7,14 @@ client's disconnect from the app, which the gateway needs to cancel work.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tandem.gateway.disconnect import CLIENT_GONE, GONE_MIDWAY
-from tandem.gateway.errors import too_large
+from tandem.gateway.disconnect import CLIENT_GONE, GONE_MIDWAY, ClientGone
+from tandem.gateway.errors import GatewayError, body_too_slow, too_large
 from tandem.gateway.metrics import UNKNOWN_MODEL, GatewayMetrics, route_label
 
 # Where routes leave the model label for the metrics (request.state.model_label).
@@ -21,17 +22,25 @@ MODEL_LABEL = "model_label"
 
 
 class BodyLimit:
-    """Answers 413 for a body over `max_bytes`, declared or actually sent.
+    """Answers 413 for a body over `max_bytes`, declared or actually sent, and 408
+    for one not whole within `timeout_s`.
 
     The body is read here in full (it is small: JSON up to max_bytes) and
     replayed to the app; later receive() calls go to the server, so the app
     still hears of the client's disconnect.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        on_reject: Callable[[str], None],
+        timeout_s: float,
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.on_reject = on_reject
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -39,23 +48,22 @@ class BodyLimit:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await self._refuse(send)
+            await self._refuse(too_large(self.max_bytes), send)
             return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the client left mid-body: nobody to answer
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                await self._refuse(send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                body = await self._read(receive)
+        except TimeoutError:
+            await self._refuse(body_too_slow(self.timeout_s), send)
+            return
+        except GatewayError as error:
+            await self._refuse(error, send)
+            return
+        except ClientGone:
+            # Nobody to answer: counted as gone (499), not as the server error an
+            # unanswered request reads as.
+            scope.setdefault("state", {})[GONE_MIDWAY] = True
+            return
         replayed = False
 
         async def replay() -> Message:
@@ -67,9 +75,24 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send: Send) -> None:
-        error = too_large(self.max_bytes)
-        self.on_reject(error.reason or "too_large")
+    async def _read(self, receive: Receive) -> bytes:
+        """The whole body: ClientGone if the client leaves first, 413 past max_bytes."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                raise too_large(self.max_bytes)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _refuse(self, error: GatewayError, send: Send) -> None:
+        self.on_reject(error.reason or "rejected")
         response = error.response()
         # The rest of the body is not read: the connection cannot be reused.
         response.headers["Connection"] = "close"

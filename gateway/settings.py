@@ -26,6 +26,11 @@ class GatewaySettings:
     # Seconds a request may take in all (queueing included); X-Tandem-Timeout lowers it.
     request_timeout: float = 600.0
     max_body_bytes: int = 1 << 20
+    # The longest a request's body may take to arrive (408 after it). It is read
+    # before the route checks the API key: unbounded, anyone could hold a connection
+    # and up to max_body_bytes of memory for as long as they kept it open. (nginx's
+    # client_body_timeout is 60 s between two reads; this bounds the whole body.)
+    body_timeout_s: float = 60.0
     # Chat requests without max_tokens generate at most this many tokens (the
     # engine stops earlier at its context length); completions default to 16 as
     # in the OpenAI API.
@@ -85,6 +90,7 @@ class GatewaySettings:
         _positive_seconds("shutdown_timeout", self.shutdown_timeout)
         _positive_seconds("redis_outage_s", self.redis_outage_s)
         _positive_seconds("readyz_timeout_s", self.readyz_timeout_s)
+        _positive_seconds("body_timeout_s", self.body_timeout_s)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GatewaySettings:

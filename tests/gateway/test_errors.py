@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -42,7 +43,9 @@ def gateway(redis_server, shared_keys, shared_engine, tmp_path_factory):
     enqueue(conn, shared_keys, WorkItem("queued-first", FULL, prompt="x"))
     path = tmp_path_factory.mktemp("keys") / "keys.json"
     path.write_text(json.dumps(KEYS))
-    settings = settings_for(redis_server.url, shared_keys, max_queue=1, max_body_bytes=4096)
+    settings = settings_for(
+        redis_server.url, shared_keys, max_queue=1, max_body_bytes=4096, body_timeout_s=1.0
+    )
     live = LiveGateway(settings, KeyStore.load(str(path), None)).start()
     yield live, conn
     live.stop()
@@ -351,6 +354,53 @@ def test_a_request_refused_before_its_model_is_looked_up_is_labelled_unknown(gat
         )
     )
     assert live.metric("tandem_gateway_requests_total", model="") == 0
+
+
+def _partial_body(live: LiveGateway) -> socket.socket:
+    """A connection that sent a request's headers and 8 of the 100 bytes it declared."""
+    conn = socket.create_connection(("127.0.0.1", live.settings.port), timeout=10)
+    conn.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n" + b'{"model"'
+    )
+    return conn
+
+
+def test_a_body_that_does_not_arrive_in_time_gets_408(gateway):
+    # Read before the API key is checked, a body sent slowly or never held its
+    # connection, and the bytes already sent, for as long as the client wished.
+    live, _ = gateway
+    before = live.metric("tandem_gateway_rejections_total", reason="body_timeout")
+    reply = b""
+    with _partial_body(live) as conn:  # answered after 1 s, within the socket's 10 s
+        while chunk := conn.recv(65536):  # to the close: the rest of the body is unread
+            reply += chunk
+    head, _, body = reply.decode().partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 408")
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_timeout"
+    assert error["message"] == "The request body did not arrive within 1 s"
+    assert live.metric("tandem_gateway_rejections_total", reason="body_timeout") == before + 1
+
+
+def test_a_client_gone_before_its_body_was_whole_is_counted_as_gone_not_500(gateway):
+    live, _ = gateway
+    before = {s: live.metric("tandem_gateway_requests_total", status=s) for s in ("499", "500")}
+    _partial_body(live).close()
+    assert eventually(lambda: live.metric("tandem_gateway_requests_total", status="499") > 0)
+    assert live.metric("tandem_gateway_requests_total", status="499") == before["499"] + 1
+    assert live.metric("tandem_gateway_requests_total", status="500") == before["500"]
+
+
+def test_an_idempotency_key_takes_a_lone_surrogate_in_a_field_never_read(gateway):
+    # JavaScript's JSON.stringify sends a cut emoji as "\ud83d": the request digest
+    # could not encode it, a 500 the SDKs retried twice. Without the key it served.
+    live, _ = gateway
+    body = json.dumps({**GOOD, "model": "tiny", "user": "\ud83d", "max_tokens": 1})
+    headers = {**_auth(API_KEY), "Content-Type": "application/json", "Idempotency-Key": "js-1"}
+    with live.http() as client:
+        reply = client.post("/v1/chat/completions", content=body, headers=headers)
+    assert reply.status_code == 200, reply.text
 
 
 def _auth(key: str) -> dict[str, str]:
