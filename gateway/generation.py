@@ -196,6 +196,10 @@ class Generation:
         """The HTTP client left: cancel what still runs (see disconnect.py)."""
         await self.abandon("disconnect")
 
+    async def deadline_passed(self) -> None:
+        """The deadline passed while the answer could not go out (see streaming.py)."""
+        await self.abandon("deadline")
+
     async def abandon(self, why: str) -> None:
         """Cancel the choices still running (the engine frees their KV), once; work
         other attempts read too (an Idempotency-Key's) only if none is left.

@@ -144,7 +144,12 @@ class GatewayService:
             with contextlib.suppress(RuntimeError):
                 await events.aclose()
             raise
-        return EventStreamResponse(generation.stream(first, events), generation.client_gone)
+        return EventStreamResponse(
+            generation.stream(first, events),
+            generation.client_gone,
+            generation.deadline,
+            generation.deadline_passed,
+        )
 
 
 def service_of(request: Request) -> GatewayService:

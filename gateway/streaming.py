@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
@@ -20,6 +22,10 @@ from starlette.types import Receive, Scope, Send
 from tandem.gateway.disconnect import GONE_MIDWAY, wait_for_disconnect
 
 DONE = b"data: [DONE]\n\n"
+# Past its deadline, how long a stream may still take to go out: the answer's own
+# deadline error is sent at the deadline, and a client reading it needs a moment.
+_DEADLINE_GRACE_S = 1.0
+log = logging.getLogger("tandem.gateway")
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -31,6 +37,8 @@ class EventStreamResponse(StreamingResponse):
         self,
         chunks: AsyncGenerator[bytes, None],
         on_disconnect: Callable[[], Awaitable[None]],
+        deadline: float,
+        on_deadline: Callable[[], Awaitable[None]],
     ) -> None:
         super().__init__(
             chunks,
@@ -40,12 +48,24 @@ class EventStreamResponse(StreamingResponse):
         )
         self._chunks = chunks
         self._on_disconnect = on_disconnect
+        self._deadline = deadline  # time.monotonic()'s
+        self._on_deadline = on_deadline
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streamer = asyncio.ensure_future(self.stream_response(send))
         watch = asyncio.ensure_future(wait_for_disconnect(receive))
         try:
-            await asyncio.wait({streamer, watch}, return_when=asyncio.FIRST_COMPLETED)
+            left = self._deadline + _DEADLINE_GRACE_S - time.monotonic()
+            done, _ = await asyncio.wait(
+                {streamer, watch}, timeout=max(0.0, left), return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                # A client that stopped reading: the stream waits on a full socket,
+                # where the answer's own deadline is never reached. Cut it, and free
+                # the engine's KV, as the deadline would have.
+                log.warning("a stream's client stopped reading; cut at its deadline")
+                await self._on_deadline()
+                return
             # Gone: the server said so, or the socket broke while sending.
             gone = not streamer.done() or isinstance(streamer.exception(), OSError)
             if gone:

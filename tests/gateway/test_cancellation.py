@@ -167,3 +167,34 @@ def test_an_attempt_that_leaves_does_not_cancel_work_another_still_reads(
     assert shared_engine.metric("tandem_engine_requests_total", outcome="cancelled") == cancelled
     patient.close()
     impatient.close()
+
+
+def test_a_stream_whose_client_stops_reading_ends_at_its_deadline(shared_gateway, shared_engine):
+    # The deadline was checked only between reads from Redis: a stream blocked on a
+    # full socket never got there, and the engine went on generating for nobody.
+    cancelled = shared_gateway.metric("tandem_gateway_cancellations_total", why="deadline")
+    ask = {**LONG, "stream": True, "n": 4, "logprobs": True, "top_logprobs": 20}
+    body = json.dumps(ask).encode()
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
+        b"Content-Type: application/json\r\nX-Tandem-Timeout: 3\r\n"
+        + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    conn = socket.socket()
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills after a few tokens
+    conn.settimeout(10)
+    with conn:
+        conn.connect(("127.0.0.1", shared_gateway.settings.port))
+        conn.sendall(request)  # and then reads nothing
+        assert eventually(lambda: shared_engine.metric("tandem_engine_kv_cache_usage") > 0)
+        # Cut 3 s after its start (and a second's grace), the client still connected.
+        assert eventually(
+            lambda: (
+                shared_gateway.metric("tandem_gateway_cancellations_total", why="deadline")
+                == cancelled + 4
+            ),
+            timeout=8,
+        )
+        assert eventually(lambda: shared_engine.metric("tandem_engine_kv_cache_usage") == 0)
+        assert shared_gateway.metric("tandem_gateway_requests_in_flight") == 0

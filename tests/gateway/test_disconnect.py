@@ -9,6 +9,7 @@ the callback run after the work unwound, the call would not end in time.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -102,7 +103,7 @@ def test_a_stream_whose_client_left_calls_on_disconnect_before_it_unwinds() -> N
             if not gone.is_set():  # as the server: nothing goes out once the client left
                 sent.append(message)
 
-        response = EventStreamResponse(chunks(), work.release)
+        response = EventStreamResponse(chunks(), work.release, time.monotonic() + 60, _never)
         call = response({"type": "http"}, receive_disconnect_when(gone), send)
         (await ends_in_time(call, work)).result()
         return work.log, sent
@@ -111,3 +112,35 @@ def test_a_stream_whose_client_left_calls_on_disconnect_before_it_unwinds() -> N
     assert log[0] == "released"
     bodies = [m.get("body") for m in sent if m["type"] == "http.response.body"]
     assert bodies == [b"data: first\n\n"]
+
+
+async def _never() -> None:
+    raise AssertionError("called")
+
+
+def test_a_stream_whose_client_stopped_reading_is_cut_at_its_deadline() -> None:
+    # The answer's deadline is checked between reads from Redis: a stream waiting on
+    # a full socket never got there, and the engine generated on for nobody.
+    async def main() -> tuple[list[str], float]:
+        cut: list[str] = []
+        stuck = asyncio.Event()  # never set: the client's socket stays full
+
+        async def chunks():
+            while True:
+                yield b"data: token\n\n"
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.body":
+                await stuck.wait()
+
+        async def on_deadline() -> None:
+            cut.append("deadline")
+
+        started = time.monotonic()
+        response = EventStreamResponse(chunks(), _never, started + 0.2, on_deadline)
+        await asyncio.wait_for(response({"type": "http"}, asyncio.Event().wait, send), TIMEOUT_S)
+        return cut, time.monotonic() - started
+
+    cut, took = asyncio.run(main())
+    assert cut == ["deadline"]
+    assert 0.2 < took < 2.0  # the deadline and its grace (1 s)
