@@ -8,6 +8,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from tandem.gateway.auth import ApiKey
+from tandem.gateway.errors import unauthorized
 from tandem.gateway.service import service_of
 
 # Declares the bearer scheme in the OpenAPI schema; the check itself is the
@@ -19,7 +20,15 @@ async def caller_of(
     request: Request,
     _credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> ApiKey:
-    return service_of(request).key_store.authenticate(request.headers.get("authorization"))
+    headers = request.headers.getlist("authorization")
+    if len(headers) > 1:
+        # Which one counts would be this server's guess (a proxy's added one, or the
+        # client's?): the first let a good key pass beside a bad one, the order decided.
+        raise unauthorized(
+            f"{len(headers)} Authorization headers: send one, 'Authorization: Bearer <key>'",
+            "invalid_api_key",
+        )
+    return service_of(request).key_store.authenticate(headers[0] if headers else None)
 
 
 # A route parameter typed Caller is the authenticated ApiKey (401 otherwise).

@@ -307,6 +307,11 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> GatewayError:
     param = _param(first.get("loc", ()))
     if kind == "json_invalid":
         detail = ctx.get("error", "")
+        # json's messages end where their position was ("Expecting value"):
+        # FastAPI puts it in the location, after "body".
+        loc = first.get("loc", ())
+        if detail and len(loc) > 1 and isinstance(loc[1], int):
+            detail = f"{detail} (character {loc[1]})"
         return bad_request(f"The request body is not valid JSON: {detail}".rstrip(": "))
     if param is None:
         return bad_request("The body must be a JSON object (Content-Type: application/json)")

@@ -92,7 +92,16 @@ def _no_empty_model(response: httpx.Response) -> None:
 
 
 CASES = {
-    "malformed json": Case(400, b'{"model": "tiny", "messages": [', message="not valid JSON"),
+    "malformed json": Case(
+        400,
+        b'{"model": "tiny", "messages": [',
+        message="not valid JSON: Expecting value (character 31)",
+    ),
+    "unterminated string": Case(
+        400,
+        b'{"model": "ti',
+        message="not valid JSON: Unterminated string starting at (character 10)",
+    ),
     "not an object": Case(400, b"[1, 2]", message="JSON object"),
     "wrong type": Case(400, {**GOOD, "temperature": "hot"}, param="temperature"),
     "wrong nested type": Case(400, {**GOOD, "messages": [{"role": "robot"}]},
@@ -401,6 +410,16 @@ def test_an_idempotency_key_takes_a_lone_surrogate_in_a_field_never_read(gateway
     with live.http() as client:
         reply = client.post("/v1/chat/completions", content=body, headers=headers)
     assert reply.status_code == 200, reply.text
+
+
+def test_two_authorization_headers_are_refused_whichever_comes_first(gateway):
+    live, _ = gateway
+    for keys in ((API_KEY, "sk-wrong"), ("sk-wrong", API_KEY)):
+        headers = [("Authorization", f"Bearer {key}") for key in keys]
+        with live.http(api_key=None) as client:
+            reply = client.post("/v1/chat/completions", json=GOOD, headers=httpx.Headers(headers))
+        assert reply.status_code == 401, reply.text
+        assert reply.json()["error"]["message"].startswith("2 Authorization headers: send one")
 
 
 def _auth(key: str) -> dict[str, str]:
