@@ -312,7 +312,7 @@ def _recommend(
     if up > 1 + policy.tolerance:
         recommendation, why = _ceil(demand.up), f"{_asks(demand)}, {up:.2f}x current"
     elif down < 1 - policy.tolerance:
-        recommendation, why = _ceil(demand.down), f"{_asks(demand)}, {down:.2f}x current"
+        recommendation, why = _ceil(demand.down), f"{_asks(demand, down=True)}, {down:.2f}x current"
     else:
         return current, f"{_asks(demand)}, within tolerance {policy.tolerance:g}"
     if recommendation == 0:
@@ -321,8 +321,15 @@ def _recommend(
     return recommendation, why
 
 
-def _asks(demand: _Demand) -> str:
-    return f"{demand.driver} asks {demand.up:.2f}" if demand.signals else "no signal"
+def _asks(demand: _Demand, *, down: bool = False) -> str:
+    """The signal that asks most, in the view that decides (rule 2): going down, the
+    pods without metrics count at target, and the reason must say that figure."""
+    if not demand.signals:
+        return "no signal"
+    if down:
+        signal = max(demand.signals, key=lambda s: s.down)
+        return f"{signal.name} asks {signal.down:.2f}"
+    return f"{demand.driver} asks {demand.up:.2f}"
 
 
 def _demand(

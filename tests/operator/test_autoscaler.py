@@ -255,6 +255,9 @@ def test_pods_without_metrics_count_at_target_when_scaling_down():
     # the role down (HPA: missing metrics are 100 % of target on scale-down).
     d = once(DECODE, observe(4, pods(2, kv=0.3)))
     assert d.recommendation == 3  # ceil(0.6 / 0.7 + 2 unmeasured)
+    # The reason says the figure that decided: it read "asks 0.86, 0.71x current"
+    # (the scale-up view's demand beside the scale-down view's ratio).
+    assert d.reason == "decode scale 4->3: kv_cache asks 2.86, 0.71x current"
     assert once(DECODE, observe(4, pods(2, kv=0.6))).replicas == 4
 
 
