@@ -25,6 +25,7 @@ from tandem.operator.manifests import (
 )
 from tandem.operator.pod_trouble import PodTrouble, role_trouble
 from tandem.operator.role_name import RoleName
+from tandem.operator.role_spec import RoleSpec
 from tandem.operator.setting_changes import setting_changes
 from tandem.operator.spec import ModelDeploymentSpec
 from tandem.operator.status import (
@@ -114,8 +115,8 @@ def plan(
         )
         for role_name, key in deployments.items()
     }
-    scales = [Scale(role, d.current, d.replicas, d.reason) for role, d in scaled.items()]
-    scales += [c.scale for c in clamps if not c.by_hand]
+    scales = [_scale(d, _clamp_of(clamps, role)) for role, d in scaled.items()]
+    scales += [c.scale for c in clamps if not c.by_hand and c.role not in scaled]
     last_scale = scales[-1].record(now) if scales else None
     new_status = valid_status(meta, counts, previous, now, last_scale)
     return Plan(
@@ -176,17 +177,31 @@ def _replicas(
             count = last
         else:
             count = role.initial_replicas
-        counts[role_name] = min(role.max_replicas, max(role.min_replicas, count))
-        if (
-            role_name not in decisions
-            and isinstance(observed, int)
-            and counts[role_name] != observed
-        ):
+        counts[role_name] = _bounded(role, count)
+        if isinstance(observed, int) and (within := _bounded(role, observed)) != observed:
             # The count the operator last reported, left outside by a bound that
-            # moved; any other count was set by hand.
+            # moved; any other count was set by hand. A role the autoscaler also
+            # decided for was decided from `within` (its Scale says both).
             by_hand = isinstance(last, int) and last != observed
-            clamps.append(Clamp(role_name, observed, counts[role_name], by_hand))
+            clamps.append(Clamp(role_name, observed, within, by_hand))
     return counts, clamps
+
+
+def _bounded(role: RoleSpec, count: int) -> int:
+    return min(role.max_replicas, max(role.min_replicas, count))
+
+
+def _clamp_of(clamps: Sequence[Clamp], role: RoleName) -> Clamp | None:
+    return next((c for c in clamps if c.role == role), None)
+
+
+def _scale(decision: Decision, clamp: Clamp | None) -> Scale:
+    """The autoscaler's change of a role, from the Deployment's count: where a bound
+    moved in the same pass, the autoscaler decided from the clamped count."""
+    if clamp is None or clamp.by_hand or clamp.replicas != decision.current:
+        return Scale(decision.role, decision.current, decision.replicas, decision.reason)
+    reason = f"{clamp.bound}, then {decision.reason}"
+    return Scale(decision.role, clamp.found, decision.replicas, reason)
 
 
 def served_name_holder(model: Body, models: Sequence[Body]) -> str | None:

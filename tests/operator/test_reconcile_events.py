@@ -8,9 +8,11 @@ import copy
 import json
 from typing import Any
 
+from tandem.operator.autoscaler import Decision, ScalingHistory
 from tandem.operator.events import Event
 from tandem.operator.manifests import OperatorDefaults
 from tandem.operator.reconcile import plan, served_name_holder
+from tandem.operator.role_name import RoleName
 
 NOW = "2026-01-01T00:00:00Z"
 OLD = OperatorDefaults(image="engine:1", redis_url="redis://:old-password@r:6379/0")
@@ -143,6 +145,27 @@ def test_a_bound_that_moves_the_count_scales_the_role_and_names_the_bound():
     assert plan(raised, children, OLD, now=NOW).events == (
         Event("ScaledUp", "normal scale 4->5: below minReplicas 5"),
     )
+
+
+def test_a_bound_that_moves_in_the_pass_the_autoscaler_decides_is_named_in_its_scale():
+    # The autoscaler decided from the clamped count (2), and the scale read 2->1 with
+    # no word of the bound, though the Deployment went from 4 to 1.
+    children = built(running({"replicas": 4, "maxReplicas": 6}, desired=4))
+    lowered = running({"maxReplicas": 2}, desired=4, generation=2)
+    reason = "normal scale 2->1: kv_cache asks 0.86, 0.43x current"
+    decision = Decision(RoleName.NORMAL, 1, 2, 1, reason, ScalingHistory())
+    actions = plan(lowered, children, OLD, now=NOW, scaled={RoleName.NORMAL: decision})
+    (patch,) = actions.patches
+    assert patch.patch["spec"]["replicas"] == 1
+    said = f"above maxReplicas 2, then {reason}"
+    assert actions.events == (Event("ScaledDown", said),)
+    assert actions.status["lastScale"] == {
+        "role": "normal",
+        "from": 4,
+        "to": 1,
+        "reason": said,
+        "time": NOW,
+    }
 
 
 def test_a_hand_scale_outside_the_bounds_is_drift_and_one_inside_is_kept():
