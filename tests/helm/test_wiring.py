@@ -8,6 +8,7 @@ engine selectors and ports are checked against operator/manifests*.py.
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 from pathlib import Path
@@ -21,7 +22,9 @@ from tandem.gateway.settings import GatewaySettings
 from tandem.operator import crd
 from tandem.operator.engine_flags import HTTP_PORT, KV_PORT
 from tandem.operator.manifests import labels
+from tandem.operator.manifests_pods import container_ports
 from tandem.operator.role_name import RoleName
+from tandem.operator.role_spec import RoleSpec
 from tandem.operator.settings import OperatorSettings, env_name, from_args
 
 REDIS_PASSWORD = "s3cret"
@@ -146,6 +149,21 @@ def test_engine_selectors_match_what_the_operator_puts_on_engine_pods(renders):
     for selector in selectors:
         for role in RoleName:
             assert selector.items() <= labels("any-model", role).items(), (selector, role)
+
+
+def test_the_pod_monitor_scrapes_every_ranks_http_port_and_no_kv_port(renders):
+    # It named rank 0's port: a pod of 4 ranks showed a quarter of its tokens, its
+    # requests and its KV on every engine panel.
+    (monitor,) = of_kind(renders["monitoring-values"], "PodMonitor")
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert "port" not in endpoint  # else Prometheus keeps that one port alone
+    (keep,) = [r for r in endpoint["relabelings"] if r["action"] == "keep"]
+    assert keep["sourceLabels"] == ["__meta_kubernetes_pod_container_port_name"]
+    role = RoleSpec(data_parallel_size=4)
+    names = [p["name"] for p in container_ports(RoleName.PREFILL, role)]
+    kept = [n for n in names if re.fullmatch(keep["regex"], n)]  # Prometheus anchors it
+    assert kept == ["http", "http-1", "http-2", "http-3"]
+    assert len(names) == 8  # and the four KV ports left out
 
 
 def test_engine_policy_ports_cover_every_rank(renders):
