@@ -81,8 +81,10 @@ def test_prompt_and_completion_engines_match_normal_and_really_move_kv(engines, 
     assert decode.metric("tandem_engine_kv_transfer_failures_total") == 0
     # The decoder never prefilled: every token it computed was a decode token.
     assert decode.metric("tandem_engine_scheduled_tokens_total", kind="prefill") == 0
-    # Freed after the fetch (the gauge follows within a heartbeat).
-    assert eventually(lambda: prompt.metric("tandem_engine_kv_pinned_requests") == 0)
+    # Freed after the fetch, and the gauges say so within a loop, not at the next
+    # heartbeat (2 s): an idle prompt engine steps no more.
+    assert eventually(lambda: prompt.metric("tandem_engine_kv_pinned_requests") == 0, 1.0)
+    assert prompt.metric("tandem_engine_kv_cache_usage") == 0
 
 
 def test_bad_requests_end_with_clear_errors(engines, client):

@@ -129,8 +129,13 @@ class EngineWorker:
 
     def run_once(self) -> None:
         self.last_loop_at = time.monotonic()
-        self._absorb()
-        self._expire()
+        offers = self._num_offers()
+        ended = self._absorb()
+        ended |= self._expire()
+        if ended or self._num_offers() < offers:
+            # KV freed (a request ended, an offer fetched or expired): an engine left
+            # idle steps no more, and its gauges would wait for a heartbeat.
+            self.metrics.observe_queues(self.engine)
         busy = self.engine.has_unfinished_requests()
         self._pull(block=not busy)
         busy = self.engine.has_unfinished_requests()
@@ -143,7 +148,11 @@ class EngineWorker:
 
     # ---------------------------------------------------------------- input
 
-    def _absorb(self) -> None:
+    def _num_offers(self) -> int:
+        return 0 if self.handoffs is None else self.handoffs.num_offers
+
+    def _absorb(self) -> bool:
+        """Cancels heard of and handoffs done; whether a request ended."""
         handoffs, ended = self.handoffs, False
         for rid in self.io.cancelled(self._watched, redis_up=not self.outage.down):
             if handoffs is not None and handoffs.offered(rid):
@@ -157,21 +166,23 @@ class EngineWorker:
                 if held is not None and held.end_with is not None:
                     self._end(rid, *held.end_with)
                     ended = True
-        if ended:  # an engine left idle steps no more: its gauges would wait for a beat
-            self.metrics.observe_queues(self.engine)
+        return ended
 
     def _watched(self) -> list[str]:
         """The requests a cancel concerns here: those held, and those whose KV is offered."""
         return [*self.held, *(self.handoffs.offered_ids() if self.handoffs is not None else [])]
 
-    def _expire(self) -> None:
-        now = time.time()
+    def _expire(self) -> bool:
+        """Ends what passed its deadline, and expired offers; whether a request ended."""
+        now, ended = time.time(), False
         for rid, held in list(self.held.items()):
             deadline = held.work.deadline
             if deadline is not None and now > deadline:
                 self._end(rid, ErrorCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+                ended = True
         if self.handoffs is not None:
             self.handoffs.expire_offers(self.engine, now)
+        return ended
 
     def _pull(self, *, block: bool) -> None:
         room = 0
