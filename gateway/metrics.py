@@ -14,8 +14,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from tandem.protocol import EngineInfo
 
-# Seconds: sub-millisecond gateway work up to minutes-long CPU generations.
-_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# Seconds: sub-millisecond gateway work up to minutes-long CPU generations, as long as
+# --request-timeout's default (600 s) allows.
+_LATENCY = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600,
+)  # fmt: skip
 
 # The model label of a request that names no served model: an unknown name, a
 # request refused before its model was looked up, a route not about a model.

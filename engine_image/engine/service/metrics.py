@@ -16,10 +16,15 @@ from prometheus_client.core import CounterMetricFamily
 from tandem.engine.engine import Engine, EngineTotals
 from tandem.engine.service.time_integral import TimeIntegral
 
-# Latency buckets in seconds: sub-10 ms decode steps on GPUs to minutes-long CPU prefills.
-_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# Latency buckets in seconds: millisecond decode steps of small models on GPUs (a first
+# bucket of 5 ms held most of them) to minutes-long CPU prefills and requests.
+_LATENCY = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600,
+)  # fmt: skip
 _TRANSFER = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-_DRAFTS = (0, 1, 2, 3, 4, 5, 6, 8)
+# Drafts accepted per sequence in a step, a mean over the step's sequences (so
+# fractional), up to numSpeculativeTokens' most, 16.
+_DRAFTS = (0, 0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16)
 
 
 class EngineMetrics:
