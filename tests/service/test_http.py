@@ -36,3 +36,40 @@ def test_a_prober_that_gives_up_leaves_no_traceback(capfd):
         server.stop()
     err = capfd.readouterr().err
     assert "Traceback" not in err, err
+
+
+def _server(**bounds: float) -> HealthServer:
+    ok = lambda: (True, "")  # noqa: E731
+    return HealthServer("127.0.0.1", 0, live=ok, ready=ok, metrics=lambda: b"", **bounds).start()
+
+
+def _half_sent(server: HealthServer) -> socket.socket:
+    conn = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    conn.sendall(b"GET /healthz HTTP/1.1\r\n")  # and never the blank line
+    return conn
+
+
+def test_a_client_that_never_finishes_its_request_is_dropped():
+    # Each held a thread for as long as it stayed connected.
+    server = _server(idle_s=0.3)
+    try:
+        with _half_sent(server) as conn:
+            assert conn.recv(64) == b""  # closed after the idle time, within recv's 5 s
+    finally:
+        server.stop()
+
+
+def test_past_its_connections_at_once_a_new_one_is_closed_and_later_ones_served():
+    server = _server(most_at_once=2)
+    try:
+        held = [_half_sent(server) for _ in range(2)]
+        with _half_sent(server) as extra:
+            assert extra.recv(64) == b""  # closed at once: no thread for it
+        for conn in held:
+            conn.close()
+        time.sleep(0.2)  # their threads end
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as probe:
+            probe.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert probe.recv(64).startswith(b"HTTP/1.0 200")
+    finally:
+        server.stop()

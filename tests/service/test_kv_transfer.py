@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import resource
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -380,3 +384,101 @@ def test_a_silent_prompt_engine_does_not_hold_up_the_healthy_ones():
     ]
     assert outcomes["good"].stats is not None
     assert fetched - timed_out < 0.5  # not behind two more timeouts
+
+
+# ------------------------------------------------------------------ hostile peers
+
+
+def _port(server: KVServer) -> int:
+    return int(server.address.rsplit(":", 1)[1])
+
+
+def _fetch_ok(server: KVServer, src: list[torch.Tensor], slots: torch.Tensor) -> None:
+    dst = caches(LAYOUT, 2)
+    dst_slots = scattered_slots(TOKENS, 4)
+    fetch_kv(server.address, "req-1", "fp", TOKENS, dst_slots, dst, LAYOUT, timeout=10)
+    for got, want in zip(rows(dst, dst_slots), rows(src, slots), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_silent_peers_hold_the_transfer_threads_two_seconds_not_thirty():
+    # Four connections that never ask took the four threads for a 30 s read each: every
+    # real fetch behind them timed out and recomputed, for as long as they stayed.
+    src, slots = caches(LAYOUT, 1), scattered_slots(TOKENS, 3)
+    failures: list[str] = []
+    with serving(src, Offers(PinnedKV("req-1", slots, "fp")), on_failure=failures.append) as s:
+        silent = [socket.create_connection(("127.0.0.1", _port(s))) for _ in range(4)]
+        try:
+            started = time.monotonic()
+            _fetch_ok(s, src, slots)
+            assert time.monotonic() - started < 5  # REQUEST_WITHIN_S (2 s) and the fetch
+        finally:
+            for conn in silent:
+                conn.close()
+    assert failures.count("ended_early") == 4
+
+
+def test_connections_past_the_queue_are_closed_at_once_and_counted():
+    src, slots = caches(LAYOUT, 1), scattered_slots(TOKENS, 3)
+    failures: list[str] = []
+    offers = Offers(PinnedKV("req-1", slots, "fp"))
+    with serving(src, offers, max_connections=1, max_queued=1, on_failure=failures.append) as s:
+        held = [socket.create_connection(("127.0.0.1", _port(s))) for _ in range(2)]
+        extra = socket.create_connection(("127.0.0.1", _port(s)), timeout=5)
+        try:
+            assert extra.recv(1) == b""  # closed by the server, not left waiting
+            assert failures == ["busy"]
+        finally:
+            for conn in (*held, extra):
+                conn.close()
+
+
+def test_a_fetch_that_waited_past_its_fetchers_patience_is_not_served():
+    # Served after its fetcher gave up (it recomputes), it pinned nothing but cost a turn.
+    src, slots = caches(LAYOUT, 1), scattered_slots(TOKENS, 3)
+    failures: list[str] = []
+    offers = Offers(PinnedKV("req-1", slots, "fp"))
+    with serving(src, offers, max_connections=1, stale_after=0.5, on_failure=failures.append) as s:
+        silent = socket.create_connection(("127.0.0.1", _port(s)))  # holds the one thread 2 s
+        try:
+            time.sleep(0.1)
+            late = socket.create_connection(("127.0.0.1", _port(s)), timeout=5)
+            assert late.recv(1) == b""  # its turn came after 2 s: closed unserved
+            late.close()
+        finally:
+            silent.close()
+    assert sorted(failures) == ["ended_early", "stale"]
+    assert offers.fetched == []
+
+
+def test_a_failed_accept_is_retried_not_the_end_of_the_server():
+    # Out of descriptors, accept() raised and the acceptor returned as if stopped: no
+    # handoff was ever served again, and nothing said so.
+    src, slots = caches(LAYOUT, 1), scattered_slots(TOKENS, 3)
+    failures: list[str] = []
+    with serving(src, Offers(PinnedKV("req-1", slots, "fp")), on_failure=failures.append) as s:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        in_use = len(os.listdir("/proc/self/fd"))
+        clients = subprocess.Popen(  # its own descriptors: only the server's run out
+            [sys.executable, "-c", _HOLD_CONNECTIONS, str(_port(s))], stdout=subprocess.PIPE
+        )
+        resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 1, hard))
+        try:
+            assert clients.stdout.readline() == b"connected\n"
+            deadline = time.monotonic() + 5
+            while "accept" not in failures and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            clients.kill()
+            clients.wait()
+        assert "accept" in failures
+        _fetch_ok(s, src, slots)  # served again once descriptors are back
+
+
+_HOLD_CONNECTIONS = """
+import socket, sys, time
+conns = [socket.create_connection(("127.0.0.1", int(sys.argv[1]))) for _ in range(8)]
+print("connected", flush=True)
+time.sleep(60)
+"""

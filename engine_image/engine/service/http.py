@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -24,6 +25,8 @@ class HealthServer:
         live: Callable[[], tuple[bool, str]],
         ready: Callable[[], tuple[bool, str]],
         metrics: Callable[[], bytes],
+        idle_s: float = 10.0,
+        most_at_once: int = 128,
     ) -> None:
         routes = {
             "/healthz": lambda: _probe(live()),
@@ -32,6 +35,8 @@ class HealthServer:
         }
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = idle_s  # a client silent this long between reads is dropped
+
             def do_GET(self) -> None:
                 route = routes.get(self.path.split("?", 1)[0])
                 if route is None:
@@ -53,8 +58,7 @@ class HealthServer:
             def log_message(self, *args: object) -> None:  # probes every few seconds: quiet
                 pass
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
+        self._server = _BoundedServer((host, port), Handler, most_at_once)
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="engine-http", daemon=True
         )
@@ -70,6 +74,38 @@ class HealthServer:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """Probes and scrapes are a few small requests at a time: past `most` connections
+    new ones are closed at once. Half-sent requests held a thread each, 500 of them 509
+    threads, for as long as their clients stayed (the handler's timeout drops them now);
+    the KV transfers need threads too."""
+
+    daemon_threads = True
+    request_queue_size = 64  # the standard library's 5 dropped probes in a burst
+
+    def __init__(
+        self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], most: int
+    ) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(most)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # a prober retries; a scrape is late once
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 def _probe(result: tuple[bool, str]) -> tuple[int, str, bytes]:

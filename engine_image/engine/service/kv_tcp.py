@@ -42,6 +42,17 @@ from tandem.engine.service.kv_wire import (
 
 log = logging.getLogger(__name__)
 
+# A fetcher sends its request as soon as it connects: a peer silent longer held one of
+# the few transfer threads for the 30 s of a read, and four of them every fetch.
+REQUEST_WITHIN_S = 2.0
+# on_failure's reasons: the request refused (unknown handle, another layout...), the
+# connection ended early (closed, garbage, too slow), the queue full, a turn come too
+# late, an accept() failed.
+FAILURES = ("refused", "ended_early", "busy", "stale", "accept")
+
+
+_FIRST_PAUSE_S, _MOST_PAUSE_S = 0.05, 1.0  # between accept() retries
+
 
 class KVServer:
     """Serves the pinned KV in this engine's caches to fetchers, a bounded pool at a time.
@@ -53,7 +64,14 @@ class KVServer:
     *before* freeing the handle's blocks. on_fetched(handle) runs on a transfer thread
     once the fetcher confirmed that all the KV arrived; it may come twice for a handle
     fetched twice. on_sent(n), if given, runs on a transfer thread after each frame
-    went out, with its KV bytes (headers and messages not counted).
+    went out, with its KV bytes (headers and messages not counted). on_failure(why),
+    if given, runs for each connection not served to its end (FAILURES).
+
+    A peer cannot hold it: a fetch request must arrive whole within REQUEST_WITHIN_S
+    of its turn, the ack within io_timeout of the last frame; a connection that waited
+    longer than `stale_after` for a turn is closed unserved (its fetcher has given up),
+    and past `max_queued` waiting connections new ones are closed at once (their
+    fetchers recompute). A failed accept() (out of descriptors) is retried.
     """
 
     def __init__(
@@ -67,21 +85,33 @@ class KVServer:
         port: int = 0,
         *,
         max_connections: int = 4,
+        max_queued: int = 64,
         io_timeout: float = 30.0,
+        stale_after: float = 10.0,
         frame_bytes: int = DEFAULT_FRAME_BYTES,
         on_sent: Callable[[int], None] | None = None,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         layout.check_caches(kv_caches)
-        if max_connections < 1 or io_timeout <= 0 or frame_bytes < 1:
+        if (
+            max_connections < 1
+            or max_queued < 0
+            or io_timeout <= 0
+            or stale_after <= 0
+            or frame_bytes < 1
+        ):
             raise ValueError(
-                f"KVServer needs max_connections >= 1, io_timeout > 0 and frame_bytes >= 1, "
-                f"got {max_connections}, {io_timeout}, {frame_bytes}"
+                "KVServer needs max_connections >= 1, max_queued >= 0, io_timeout > 0, "
+                f"stale_after > 0 and frame_bytes >= 1, got {max_connections}, {max_queued}, "
+                f"{io_timeout}, {stale_after}, {frame_bytes}"
             )
         self._caches, self._layout = kv_caches, layout
         self._lookup, self._on_fetched = lookup, on_fetched
         self._on_sent = on_sent or (lambda n: None)
+        self._on_failure = on_failure or (lambda why: None)
         self._bind, self._advertise_host = (host, port), advertise_host
         self._max_connections, self._io_timeout = max_connections, io_timeout
+        self._most_open, self._stale_after = max_connections + max_queued, stale_after
         self._frame_tokens = max(1, frame_bytes // layout.layer_token_bytes)
         self._listener: socket.socket | None = None
         self._threads: tuple[threading.Thread, ThreadPoolExecutor] | None = None
@@ -128,23 +158,47 @@ class KVServer:
             self._open.clear()
 
     def _accept(self, listener: socket.socket, workers: ThreadPoolExecutor) -> None:
+        pause, failing = _FIRST_PAUSE_S, False
         while True:
             try:
                 conn, peer = listener.accept()
-            except OSError:
-                return  # stop() closed the listener
+            except OSError as exc:
+                if self._listener is not listener:
+                    return  # stop() closed the listener
+                # Out of descriptors (EMFILE), say: returning here ended the KV server for
+                # good, every later handoff recomputed, and nothing said so.
+                self._on_failure("accept")
+                if not failing:
+                    log.warning("KV server: accept failed (%s); retrying", exc)
+                failing = True
+                time.sleep(pause)
+                pause = min(pause * 2, _MOST_PAUSE_S)
+                continue
+            pause, failing = _FIRST_PAUSE_S, False
+            with self._lock:
+                busy = len(self._open) >= self._most_open
+                if not busy:
+                    self._open.add(conn)
+            if busy:  # its fetcher sees the connection closed and recomputes at once
+                self._on_failure("busy")
+                conn.close()
+                continue
+            workers.submit(self._serve, conn, peer, time.monotonic())
+
+    def _serve(self, conn: socket.socket, peer: Any, accepted_at: float) -> None:
+        try:
+            if time.monotonic() - accepted_at > self._stale_after:
+                self._on_failure("stale")
+                log.info("KV fetch from %s waited past %gs for a turn", peer, self._stale_after)
+                return
             tune(conn)
             conn.settimeout(self._io_timeout)
-            with self._lock:
-                self._open.add(conn)
-            workers.submit(self._serve, conn, peer)
-
-    def _serve(self, conn: socket.socket, peer: Any) -> None:
-        try:
             self._serve_fetch(conn, peer)
         except (OSError, WireError) as exc:
+            self._on_failure("ended_early")
             log.info("KV fetch from %s ended early: %s", peer, exc)
         except Exception:  # a bug: log it; the fetcher sees a dropped connection
+            self._on_failure("ended_early")
             log.exception("KV fetch from %s failed", peer)
         finally:
             with self._lock:
@@ -152,8 +206,9 @@ class KVServer:
             conn.close()
 
     def _serve_fetch(self, conn: socket.socket, peer: Any) -> None:
-        pinned, refusal = self._admit(recv_msg(conn, None))
+        pinned, refusal = self._admit(recv_msg(conn, time.monotonic() + REQUEST_WITHIN_S))
         if pinned is None:
+            self._on_failure("refused")
             log.info("KV fetch from %s refused: %s", peer, refusal["error"])
             send_msg(conn, {"ok": False, **refusal}, None)
             return
@@ -171,11 +226,12 @@ class KVServer:
         # drops it from lookup before it frees (and reuses) its blocks.
         again = self._lookup(pinned.handle)
         if again is None or not torch.equal(again.slots, pinned.slots):
+            self._on_failure("refused")
             error = f"the KV of handle {pinned.handle!r} was released during the transfer"
             send_msg(conn, {"ok": False, "reason": Reason.REFUSED, "error": error}, None)
             return
         send_msg(conn, {"ok": True}, None)
-        ack = recv_msg(conn, None)
+        ack = recv_msg(conn, time.monotonic() + self._io_timeout)  # a trickle too
         if ack.get("op") != "ack" or ack.get("handle") != pinned.handle:
             raise WireError(f"expected an ack for {pinned.handle!r}, got {ack!r:.200}")
         try:

@@ -203,7 +203,7 @@ def recv_msg(sock: socket.socket, deadline: float | None) -> dict[str, Any]:
     recv_exact(sock, memoryview(body), deadline)
     try:
         message = json.loads(body)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested past the stack
         raise WireError(f"unreadable message: {exc}") from None
     if not isinstance(message, dict):
         raise WireError(f"expected a JSON object, got {message!r:.100}")

@@ -140,6 +140,10 @@ def serve(args: argparse.Namespace, rank: int, vote: Vote | None = None) -> int:
             lookup=lambda h: handoffs.offers.lookup(h),
             on_fetched=lambda h: handoffs.on_fetched(h),
             on_sent=metrics.kv_served_bytes.inc,
+            on_failure=metrics.kv_serve_failed,
+            # A fetch still waiting for a turn after this long was given up on (if its
+            # completion engine has the prompt engine's timeout, as a deployment's do).
+            stale_after=args.kv_fetch_timeout,
             host=args.host,
             advertise_host=host,
             port=args.kv_port + rank if args.kv_port else 0,

@@ -133,6 +133,11 @@ class EngineMetrics:
         self.kv_served_bytes = counter(
             "tandem_engine_kv_served_bytes_total", "KV bytes sent to COMPLETION engines."
         ).labels(**labels)
+        self._kv_serve_failures = counter(
+            "tandem_engine_kv_serve_failures_total",
+            "KV fetches a PROMPT engine did not serve to their end, by reason.",
+            ("reason",),
+        )
         # The engine totals at the last observe_step, to turn them into increments.
         self._seen = EngineTotals()
 
@@ -141,6 +146,9 @@ class EngineMetrics:
 
     def kv_transfer_failed(self, reason: str) -> None:
         self._kv_failures.labels(**self._labels, reason=reason).inc()
+
+    def kv_serve_failed(self, reason: str) -> None:  # from the KV server's threads
+        self._kv_serve_failures.labels(**self._labels, reason=reason).inc()
 
     def observe_step(self, engine: Engine) -> None:
         """After each step: counters from the engine's totals, gauges from the scheduler."""
