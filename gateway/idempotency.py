@@ -36,6 +36,35 @@ return 0
 """
 
 
+# Write the record and its readers' count (1: this attempt) if the key is new, in one
+# step: written apart, a retry attaching between them had its count overwritten, and
+# the first attempt's leaving then cancelled the work the retry still read. Run again
+# after a lost reply, it finds its own record (ARGV[2]) and queues nothing twice.
+# Returns nil to go ahead and queue, else the record found.
+_CLAIM_LUA = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[3]) then
+  redis.call('SET', KEYS[2], 1, 'EX', ARGV[3])
+  return false
+end
+local raw = redis.call('GET', KEYS[1])
+if raw and cjson.decode(raw)['base_id'] == ARGV[2] then
+  redis.call('SET', KEYS[2], 1, 'NX', 'EX', ARGV[3])
+  return false
+end
+return raw
+"""
+
+# Count one more reader of the first attempt's work, only while its record is there:
+# read apart, the record could be released (its last reader gone, the work cancelled)
+# between the look and the count, and the retry attached to cancelled work. 0: gone.
+_ATTACH_LUA = """
+local raw = redis.call('GET', KEYS[1])
+if not raw or cjson.decode(raw)['base_id'] ~= ARGV[1] then return 0 end
+local readers = redis.call('INCR', KEYS[2])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return readers
+"""
+
 # One attempt stops reading: with none left, the record goes in the same step, so
 # that no retry attaches to work about to be cancelled (it queues afresh instead).
 _LEAVE_LUA = """
@@ -63,6 +92,8 @@ class IdempotencyLedger:
         self.prefix = prefix
         self._release = client.register_script(_RELEASE_LUA)
         self._leave = client.register_script(_LEAVE_LUA)
+        self._claim = client.register_script(_CLAIM_LUA)
+        self._attach = client.register_script(_ATTACH_LUA)
 
     def key(self, caller: str, idempotency_key: str) -> str:
         if not _KEY.match(idempotency_key):
@@ -83,19 +114,12 @@ class IdempotencyLedger:
         # It must outlive the work: the deadline, then the response stream's TTL.
         ttl = int(timeout) + RESPONSE_TTL_SECONDS
         payload = json.dumps(asdict(record))
-        for _ in range(3):  # a record that expires between SET and GET: try again
-            if await self.client.set(key, payload, nx=True, ex=ttl):
-                await self.client.set(self._readers(key, record.base_id), 1, nx=True, ex=ttl)
-                return None
-            raw = await self.client.get(key)
+        own = [key, self._readers(key, record.base_id)]
+        for _ in range(3):  # a record gone between the claim and the attach: again
+            raw = await self._claim(keys=own, args=[payload, record.base_id, ttl])
             if raw is None:
-                continue
-            first = IdempotencyRecord(**json.loads(raw))
-            if first.base_id == record.base_id:
-                # Our own record: the SET ran and its reply was lost, and the client ran it
-                # again (a dead connection). Attaching to it would queue nothing.
-                await self.client.set(self._readers(key, record.base_id), 1, nx=True, ex=ttl)
                 return None
+            first = IdempotencyRecord(**json.loads(raw))
             if first.digest != record.digest:
                 raise GatewayError(
                     409,
@@ -106,11 +130,8 @@ class IdempotencyLedger:
                     headers=NO_RETRY,  # the same request would be refused again
                 )
             readers = self._readers(key, first.base_id)
-            pipe = self.client.pipeline(transaction=True)
-            pipe.incr(readers)
-            pipe.expire(readers, ttl)
-            await pipe.execute()
-            return first
+            if await self._attach(keys=[key, readers], args=[first.base_id, ttl]):
+                return first
         raise GatewayError(503, "could not record the Idempotency-Key", type="server_error")
 
     async def leave(self, key: str, base_id: str) -> int:

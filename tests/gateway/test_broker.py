@@ -158,6 +158,40 @@ def test_an_idempotency_claim_whose_reply_was_lost_still_queues(redis_url, keys)
     assert dropped and claimed is None  # go ahead and queue
 
 
+def test_a_retry_whose_first_attempt_leaves_as_it_attaches_queues_afresh(redis_url, keys):
+    # The look at the record and the count of readers were two round trips: the first
+    # attempt's last reader left between them (the record released, the work
+    # cancelled), and the retry attached to cancelled work, its answer "cancelled".
+    first = IdempotencyRecord("chatcmpl-a", ["chatcmpl-a"], 1, "digest")
+    retry = IdempotencyRecord("chatcmpl-b", ["chatcmpl-b"], 2, "digest")
+
+    async def main():
+        client = aioredis.Redis.from_url(redis_url)
+        ledger = IdempotencyLedger(client, keys.prefix)
+        key = ledger.key("caller", "order-9")
+        try:
+            assert await ledger.claim(key, first, timeout=30) is None
+            attach = ledger._attach
+
+            async def first_leaves_then_attach(**kwargs):
+                assert await ledger.leave(key, first.base_id) == 0  # the last reader
+                return await attach(**kwargs)
+
+            ledger._attach = first_leaves_then_attach
+            claimed = await ledger.claim(key, retry, timeout=30)
+            ledger._attach = attach
+            # The retry's record now: a third attempt attaches to it, two readers.
+            third = await ledger.claim(key, IdempotencyRecord("c", ["c"], 3, "digest"), 30)
+            return claimed, third, await ledger.leave(key, retry.base_id)
+        finally:
+            await client.aclose()
+
+    claimed, third, left = asyncio.run(main())
+    assert claimed is None  # queue afresh
+    assert third is not None and third.base_id == retry.base_id
+    assert left == 1  # the third attempt still reads it
+
+
 def test_queue_depth_matches_the_original(redis_url, keys, redis_client):
     assert _run(redis_url, keys, lambda b: b.queue_depth("m")) == queue_depth(
         redis_client, keys, "m"
