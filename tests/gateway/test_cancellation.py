@@ -36,6 +36,17 @@ def shared_engine(redis_server, shared_keys, tmp_path_factory) -> Iterator[Engin
         yield proc
 
 
+def _raw_post(ask: dict, headers: str = "") -> bytes:
+    """A chat request as bytes, for a socket that then reads nothing (or leaves)."""
+    body = json.dumps(ask).encode()
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
+        f"Content-Type: application/json\r\n{headers}"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
 def _answered(gateway, status: str) -> float:
     return gateway.metric(
         "tandem_gateway_requests_total", route="/v1/chat/completions", status=status
@@ -78,13 +89,7 @@ def test_closing_a_stream_midway_frees_the_kv_on_the_engine(shared_gateway, shar
 def test_a_non_streaming_client_that_disconnects_cancels_too(shared_gateway, shared_engine):
     cancelled = shared_engine.metric("tandem_engine_requests_total", outcome="cancelled")
     gone = _answered(shared_gateway, "499")
-    body = json.dumps(LONG).encode()
-    request = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
-        b"Content-Type: application/json\r\n"
-        + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
+    request = _raw_post(LONG)
     port = shared_gateway.settings.port
     with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
         conn.sendall(request)
@@ -174,13 +179,7 @@ def test_a_stream_whose_client_stops_reading_ends_at_its_deadline(shared_gateway
     # full socket never got there, and the engine went on generating for nobody.
     cancelled = shared_gateway.metric("tandem_gateway_cancellations_total", why="deadline")
     ask = {**LONG, "stream": True, "n": 4, "logprobs": True, "top_logprobs": 20}
-    body = json.dumps(ask).encode()
-    request = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
-        b"Content-Type: application/json\r\nX-Tandem-Timeout: 3\r\n"
-        + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
+    request = _raw_post(ask, "X-Tandem-Timeout: 3\r\n")
     conn = socket.socket()
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills after a few tokens
     conn.settimeout(10)
