@@ -27,13 +27,16 @@ MAX_BACKOFF_S = 30.0
 # How a log line says why its process exited: its own `tandem: error:` line, uvicorn's
 # ERROR line, or a traceback's last line (`redis.exceptions.ConnectionError: ...`).
 _REASON = re.compile(r"(?:tandem: error:|ERROR:)\s*(.+)|([\w.]*(?:Error|Exception)\b.*)")
-# Until a child is first found ready, its readiness is asked this often: asked every
-# liveness period (10 s), an engine that hung within that of its readiness was never
-# seen ready, so never probed for liveness, and hung for good with its requests.
+# As the pods' probes: until a child first answers its liveness URL (its startupProbe)
+# it is asked this often, then every liveness period. (Asked every 10 s from the start,
+# an engine that hung within that of its start was never seen up, so never probed
+# for liveness, and hung for good with its requests.)
 STARTUP_PROBE_S = 1.0
-# A child not ready this long after its start is killed and started again, as a pod's
-# startupProbe does (180 failures 10 s apart): a load stuck for good, or an engine
-# that hung between two of the readiness asks, would otherwise never be probed.
+# A child that has not answered this long after its start is killed and started again,
+# as a pod's startupProbe does (180 failures 10 s apart): a load stuck for good, or an
+# engine that hung before its first answer, would otherwise never be probed. Liveness,
+# not readiness: an engine that cannot reach Redis is up, only not ready, and a
+# restart (a model load) would not bring Redis back.
 STARTUP_DEADLINE_S = 1800.0
 
 
@@ -55,13 +58,13 @@ class Child:
     # Stopped after the children of the stage before have drained: decode engines
     # go last, for the prompt engines wait until decoders fetched their KV.
     stop_stage: int = 0
-    # Liveness: GET this every liveness_period_s once the child was ready; after
+    # Liveness: GET this every liveness_period_s once it first answered; after
     # liveness_failures failures in a row it is hung. Empty: not probed.
     live_url: str = ""
     liveness_period_s: float = 10.0
     liveness_failures: int = 6
     startup_deadline_s: float = STARTUP_DEADLINE_S
-    _was_ready: bool = field(default=False, init=False)
+    _was_live: bool = field(default=False, init=False)
     _failures: int = field(default=0, init=False)
     _next_probe: float = field(default=0.0, init=False)
 
@@ -77,14 +80,14 @@ class Child:
             preexec_fn=parent_death.preexec(),  # killed with tandem up, not left serving
         )
         self.started_at = time.monotonic()
-        self._was_ready, self._failures, self._next_probe = False, 0, 0.0
+        self._was_live, self._failures, self._next_probe = False, 0, 0.0
         log.close()
 
     @property
-    def seen_ready(self) -> bool:
-        """Whether a probe found it ready since it started: from then on, it is probed
-        for liveness."""
-        return self._was_ready
+    def started_up(self) -> bool:
+        """Whether it answered its liveness URL since it started: from then on, it is
+        probed every liveness period."""
+        return self._was_live
 
     @property
     def alive(self) -> bool:
@@ -94,18 +97,18 @@ class Child:
         return _answers(self.ready_url)
 
     def hung(self, now: float) -> bool:
-        """Whether the child stopped answering its liveness probe, or was never ready
+        """Whether the child stopped answering its liveness probe, or never answered
         within its startup deadline (then restart it).
 
-        Probed for liveness only once it was ready: loading a model can take minutes,
-        and its HTTP server starts after that.
+        Loading a model can take minutes, and an engine's HTTP server starts after
+        that: until its first answer, only the startup deadline counts.
         """
         if not self.live_url or not self.alive or now < self._next_probe:
             return False
         self._next_probe = now + self.liveness_period_s
-        if not self._was_ready:
-            self._was_ready = self.ready()
-            if not self._was_ready:  # asked often, as a startupProbe is
+        if not self._was_live:
+            self._was_live = _answers(self.live_url)
+            if not self._was_live:  # asked often, as a startupProbe is
                 self._next_probe = now + min(STARTUP_PROBE_S, self.liveness_period_s)
                 return now - self.started_at > self.startup_deadline_s
             return False
@@ -121,12 +124,15 @@ class Child:
         """
         said = []
         if self.restartable and self.hung(now):
-            if self.seen_ready:
+            if self.started_up:
                 said.append(f"{self.name} stopped answering {self.live_url}; killing it")
             else:
                 wait = self.startup_deadline_s
                 waited = f"{wait / 60:g} min" if wait >= 60 else f"{wait:g} s"
-                said.append(f"{self.name} not ready {waited} after its start; killing it")
+                said.append(
+                    f"{self.name} did not answer {self.live_url} {waited} after its start; "
+                    "killing it"
+                )
             self.kill()
         if self.alive or not self.restartable:
             return said

@@ -293,9 +293,9 @@ def _answers(url: str) -> bool:
         return False
 
 
-def test_a_child_is_asked_often_whether_it_is_ready_until_it_first_is(tmp_path):
-    # Asked every liveness period (10 s), an engine that hung within that of being
-    # ready was never seen ready, so never probed for liveness: hung for good.
+def test_a_child_is_asked_often_whether_it_is_up_until_it_first_answers(tmp_path):
+    # Asked every liveness period (10 s), an engine that hung within that of its
+    # start was never seen up, so never probed for liveness: hung for good.
     port = free_port()
     serve = (
         "import time, http.server as h; time.sleep(0.5); "
@@ -309,15 +309,15 @@ def test_a_child_is_asked_often_whether_it_is_ready_until_it_first_is(tmp_path):
     child.start()
     try:
         deadline = time.monotonic() + 4  # well within one liveness period
-        while not child.seen_ready and time.monotonic() < deadline:
+        while not child.started_up and time.monotonic() < deadline:
             child.hung(time.monotonic())
             time.sleep(0.1)
-        assert child.seen_ready
+        assert child.started_up
     finally:
         child.kill()
 
 
-def test_a_child_never_ready_within_its_startup_deadline_is_killed_and_restarted(tmp_path):
+def test_a_child_that_never_answers_within_its_startup_deadline_is_restarted(tmp_path):
     # Hung before its first readiness answer (or between two asks), a child was never
     # probed for liveness: it hung for good. A pod's startupProbe bounds that wait.
     url = f"http://127.0.0.1:{free_port()}"  # nothing answers there
@@ -332,9 +332,33 @@ def test_a_child_never_ready_within_its_startup_deadline_is_killed_and_restarted
         time.sleep(0.6)
         child._next_probe = 0.0  # the next startup ask is due
         said = child.supervise(time.monotonic())
-        assert said[0] == "engine not ready 0.5 s after its start; killing it"
+        assert said[0] == f"engine did not answer {url}/healthz 0.5 s after its start; killing it"
         assert stuck.poll() is not None
         assert said[1].startswith("engine exited (-9: killed by SIGKILL); restarting in")
+    finally:
+        child.kill()
+
+
+def test_a_child_up_but_not_ready_is_not_restarted_at_its_startup_deadline(tmp_path):
+    # As a pod: an engine that cannot reach Redis answers /healthz, not /readyz; a
+    # restart (a model load) every 30 minutes would not bring Redis back.
+    port = free_port()
+    serve = (
+        "import http.server as h; "
+        f"h.HTTPServer(('127.0.0.1', {port}), type('H', (h.BaseHTTPRequestHandler,), "
+        "{'do_GET': lambda s: (s.send_response(200 if s.path == '/healthz' else 503), "
+        "s.end_headers()), 'log_message': lambda *a: None})).serve_forever()"
+    )
+    url = f"http://127.0.0.1:{port}"
+    child = Child("engine", [sys.executable, "-c", serve], tmp_path / "e.log", f"{url}/readyz",
+                  True, live_url=f"{url}/healthz", startup_deadline_s=0.5)  # fmt: skip
+    child.start()
+    try:
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            assert child.supervise(time.monotonic()) == []
+            time.sleep(0.1)
+        assert child.started_up and not child.ready()
     finally:
         child.kill()
 

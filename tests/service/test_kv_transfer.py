@@ -213,12 +213,15 @@ def test_silent_server_times_out():
 
 
 class Proxy:
-    """Relays one connection to `target`; cuts or corrupts the server's bytes at an offset."""
+    """Relays one connection to `target`; cuts or corrupts the server's bytes at an
+    offset, or stops reading them for `pause_s` after the first chunk (a busy fetcher)."""
 
-    def __init__(self, target: str, at: int, corrupt: bool) -> None:
+    def __init__(
+        self, target: str, at: int | None = None, corrupt: bool = False, pause_s: float = 0.0
+    ) -> None:
         host, port = target.rsplit(":", 1)
         self.target = (host, int(port))
-        self.at, self.corrupt = at, corrupt
+        self.at, self.corrupt, self.pause_s = at, corrupt, pause_s
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self.thread = threading.Thread(target=self._relay, daemon=True)
@@ -226,12 +229,17 @@ class Proxy:
 
     def _relay(self) -> None:
         client, _ = self.listener.accept()
-        server = socket.create_connection(self.target)
+        server = socket.socket()
+        if self.pause_s:  # a small window: the server's sends block while paused
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        server.connect(self.target)
         threading.Thread(target=_pipe, args=(client, server), daemon=True).start()
         sent = 0
         try:
             while chunk := bytearray(server.recv(1 << 16)):
-                if sent <= self.at < sent + len(chunk):
+                if self.pause_s and sent == 0:
+                    time.sleep(self.pause_s)
+                if self.at is not None and sent <= self.at < sent + len(chunk):
                     if not self.corrupt:
                         client.sendall(chunk[: self.at - sent])
                         return  # the server "dies" mid-frame
@@ -482,3 +490,26 @@ conns = [socket.create_connection(("127.0.0.1", int(sys.argv[1]))) for _ in rang
 print("connected", flush=True)
 time.sleep(60)
 """
+
+
+def test_a_fetcher_slow_to_read_has_the_io_timeout_not_the_requests_two_seconds():
+    # The request's 2 s deadline left its timeout on the socket: every later send had
+    # 2 s, and a busy decoder that read its frames 3 s late lost the handoff.
+    # 19 MB of KV: more than the server's socket buffer (up to 8 MB) holds.
+    layout = KVLayout(num_layers=64, num_kv_heads=8, head_dim=128, dtype=torch.float32)
+    src, slots = caches(layout, 1), scattered_slots(TOKENS, 3)
+    failures: list[str] = []
+    offers = Offers(PinnedKV("req-1", slots, "fp"))
+    server = KVServer(
+        src, layout, offers.lookup, offers.on_fetched, "127.0.0.1", on_failure=failures.append
+    )
+    proxy = Proxy(server.start(), pause_s=3.0)
+    try:
+        dst, dst_slots = caches(layout, 2), scattered_slots(TOKENS, 4)
+        stats = fetch_kv(proxy.address, "req-1", "fp", TOKENS, dst_slots, dst, layout, 10)
+        assert offers.any_fetched.wait(5)
+    finally:
+        proxy.close()
+        server.stop()
+    assert stats.bytes == TOKENS * layout.bytes_per_token
+    assert failures == []

@@ -167,8 +167,8 @@ class KVServer:
                     return  # stop() closed the listener
                 # Out of descriptors (EMFILE), say: returning here ended the KV server for
                 # good, every later handoff recomputed, and nothing said so.
-                self._on_failure("accept")
-                if not failing:
+                if not failing:  # once a streak: a retry is not another connection lost
+                    self._on_failure("accept")
                     log.warning("KV server: accept failed (%s); retrying", exc)
                 failing = True
                 time.sleep(pause)
@@ -207,10 +207,11 @@ class KVServer:
 
     def _serve_fetch(self, conn: socket.socket, peer: Any) -> None:
         pinned, refusal = self._admit(recv_msg(conn, time.monotonic() + REQUEST_WITHIN_S))
+        conn.settimeout(self._io_timeout)  # the deadline's read left its own timeout set
         if pinned is None:
-            self._on_failure("refused")
             log.info("KV fetch from %s refused: %s", peer, refusal["error"])
             send_msg(conn, {"ok": False, **refusal}, None)
+            self._on_failure("refused")  # after the reply: a send that fails is ended_early
             return
         layout, num_tokens, frame_tokens = self._layout, pinned.slots.numel(), self._frame_tokens
         reply = {"ok": True, "layout": layout.to_dict(), "num_tokens": num_tokens}
@@ -226,9 +227,9 @@ class KVServer:
         # drops it from lookup before it frees (and reuses) its blocks.
         again = self._lookup(pinned.handle)
         if again is None or not torch.equal(again.slots, pinned.slots):
-            self._on_failure("refused")
             error = f"the KV of handle {pinned.handle!r} was released during the transfer"
             send_msg(conn, {"ok": False, "reason": Reason.REFUSED, "error": error}, None)
+            self._on_failure("refused")
             return
         send_msg(conn, {"ok": True}, None)
         ack = recv_msg(conn, time.monotonic() + self._io_timeout)  # a trickle too
