@@ -79,9 +79,17 @@ class Cancels:
         except (RedisError, OSError) as exc:
             ids = ", ".join(cancel.request_ids)
             log.warning("could not cancel %s (%s) yet, retrying: %r", ids, cancel.why, exc)
-            self._pending[cancel.base_id] = (cancel, time.monotonic() + self.keep_s)
-            if self._retries is None or self._retries.done():
-                self._retries = asyncio.get_running_loop().create_task(self._retry())
+            self._keep(cancel)
+        except asyncio.CancelledError:
+            # Its task was cut mid-write (a stream cut at its deadline): the cancel was
+            # decided all the same, and is written by the retries.
+            self._keep(cancel)
+            raise
+
+    def _keep(self, cancel: Cancel) -> None:
+        self._pending[cancel.base_id] = (cancel, time.monotonic() + self.keep_s)
+        if self._retries is None or self._retries.done():
+            self._retries = asyncio.get_running_loop().create_task(self._retry())
 
     async def close(self) -> None:
         if self._retries is not None:

@@ -61,7 +61,8 @@ _ATTACH_LUA = """
 local raw = redis.call('GET', KEYS[1])
 if not raw or cjson.decode(raw)['base_id'] ~= ARGV[1] then return 0 end
 local readers = redis.call('INCR', KEYS[2])
-redis.call('EXPIRE', KEYS[2], ARGV[2])
+-- Never shorter than it was: a first attempt with a longer deadline still reads.
+if redis.call('TTL', KEYS[2]) < tonumber(ARGV[2]) then redis.call('EXPIRE', KEYS[2], ARGV[2]) end
 return readers
 """
 

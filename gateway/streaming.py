@@ -22,9 +22,10 @@ from starlette.types import Receive, Scope, Send
 from tandem.gateway.disconnect import GONE_MIDWAY, wait_for_disconnect
 
 DONE = b"data: [DONE]\n\n"
-# Past its deadline, how long a stream may still take to go out: the answer's own
-# deadline error is sent at the deadline, and a client reading it needs a moment.
-_DEADLINE_GRACE_S = 1.0
+# Past its deadline (or its start, if that came later), how long a stream may still
+# take to go out: the answer's own deadline path may wait on Redis a second to cancel
+# and a second to say why before its error goes out, and a client reads it.
+_DEADLINE_GRACE_S = 3.0
 log = logging.getLogger("tandem.gateway")
 
 
@@ -55,15 +56,20 @@ class EventStreamResponse(StreamingResponse):
         streamer = asyncio.ensure_future(self.stream_response(send))
         watch = asyncio.ensure_future(wait_for_disconnect(receive))
         try:
-            left = self._deadline + _DEADLINE_GRACE_S - time.monotonic()
+            left = max(self._deadline - time.monotonic(), 0.0) + _DEADLINE_GRACE_S
             done, _ = await asyncio.wait(
-                {streamer, watch}, timeout=max(0.0, left), return_when=asyncio.FIRST_COMPLETED
+                {streamer, watch}, timeout=left, return_when=asyncio.FIRST_COMPLETED
             )
             if not done:
                 # A client that stopped reading: the stream waits on a full socket,
                 # where the answer's own deadline is never reached. Cut it, and free
                 # the engine's KV, as the deadline would have.
-                log.warning("a stream's client stopped reading; cut at its deadline")
+                # The server then closes the connection once its buffer drains, or the
+                # client leaves: the work and its KV are freed now, either way.
+                log.warning(
+                    "a stream's client stopped reading; cut at its deadline "
+                    "(the server's 'returned without completing response' is this)"
+                )
                 await self._on_deadline()
                 return
             # Gone: the server said so, or the socket broke while sending.

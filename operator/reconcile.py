@@ -200,7 +200,10 @@ def _scale(decision: Decision, clamp: Clamp | None) -> Scale:
     moved in the same pass, the autoscaler decided from the clamped count."""
     if clamp is None or clamp.by_hand or clamp.replicas != decision.current:
         return Scale(decision.role, decision.current, decision.replicas, decision.reason)
-    reason = f"{clamp.bound}, then {decision.reason}"
+    why = decision.reason.split(": ", 1)[-1]  # after its own "<role> scale 2->1: "
+    reason = (
+        f"{decision.role.value} scale {clamp.found}->{decision.replicas}: {clamp.bound}, then {why}"
+    )
     return Scale(decision.role, clamp.found, decision.replicas, reason)
 
 

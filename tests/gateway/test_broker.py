@@ -192,6 +192,29 @@ def test_a_retry_whose_first_attempt_leaves_as_it_attaches_queues_afresh(redis_u
     assert left == 1  # the third attempt still reads it
 
 
+def test_a_retry_with_a_shorter_deadline_leaves_the_readers_count_its_time(
+    redis_url, keys, redis_client
+):
+    # The attach set the count's TTL to the retry's own: past it the count was gone,
+    # and the first attempt, still reading, was taken for the last reader.
+    first = IdempotencyRecord("chatcmpl-a", ["chatcmpl-a"], 1, "digest")
+
+    async def main():
+        client = aioredis.Redis.from_url(redis_url)
+        ledger = IdempotencyLedger(client, keys.prefix)
+        key = ledger.key("caller", "order-10")
+        try:
+            await ledger.claim(key, first, timeout=3000)
+            retry = IdempotencyRecord("chatcmpl-b", ["chatcmpl-b"], 2, "digest")
+            await ledger.claim(key, retry, timeout=10)
+            return key
+        finally:
+            await client.aclose()
+
+    key = asyncio.run(main())
+    assert redis_client.ttl(f"{key}:readers:chatcmpl-a") > 3000
+
+
 def test_queue_depth_matches_the_original(redis_url, keys, redis_client):
     assert _run(redis_url, keys, lambda b: b.queue_depth("m")) == queue_depth(
         redis_client, keys, "m"

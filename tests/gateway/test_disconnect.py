@@ -143,4 +143,4 @@ def test_a_stream_whose_client_stopped_reading_is_cut_at_its_deadline() -> None:
 
     cut, took = asyncio.run(main())
     assert cut == ["deadline"]
-    assert 0.2 < took < 2.0  # the deadline and its grace (1 s)
+    assert 3.2 < took < 4.5  # the deadline and its grace (3 s)

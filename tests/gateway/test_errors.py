@@ -422,5 +422,13 @@ def test_two_authorization_headers_are_refused_whichever_comes_first(gateway):
         assert reply.json()["error"]["message"].startswith("2 Authorization headers: send one")
 
 
+def test_an_open_gateway_takes_requests_with_several_authorization_headers(start_gateway):
+    # --no-auth takes every request: behind a proxy that adds its own header too.
+    live = start_gateway(no_auth=True)
+    headers = httpx.Headers([("Authorization", "Bearer a"), ("Authorization", "Bearer b")])
+    with live.http(api_key=None) as client:
+        assert client.get("/v1/models", headers=headers).status_code == 200
+
+
 def _auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}

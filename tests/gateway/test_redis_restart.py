@@ -27,6 +27,8 @@ from tandem.engine.service.registry import Registry
 from tandem.engine.service.responses import ResponseWriter
 from tandem.gateway import recovery
 from tandem.gateway.broker import Broker
+from tandem.gateway.cancels import Cancel, Cancels
+from tandem.gateway.idempotency import IdempotencyLedger
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.protocol import PRIORITY_LOW, EngineInfo, Keys, ResponseEvent, WorkItem
 from tandem.redis_server import RedisServer
@@ -373,3 +375,32 @@ def test_the_loss_check_waits_for_a_paused_redis_a_second_at_most(server, keys):
 
     took = asyncio.run(check())
     assert took < recovery.EPOCH_WAIT_S + 0.5, took
+
+
+def test_a_cancel_whose_task_is_cut_mid_write_is_still_written(server, keys):
+    # A stream cut at its deadline cancels the task that was writing its cancel (here
+    # waiting for a connection of a busy pool): the cancel was decided, and was lost
+    # with the task.
+    async def main() -> bool:
+        pool = aioredis.BlockingConnectionPool.from_url(server.url, max_connections=1)
+        client = aioredis.Redis(connection_pool=pool)
+        cancels = Cancels(
+            Broker(client, keys), IdempotencyLedger(client, keys.prefix), GatewayMetrics()
+        )
+        busy = asyncio.create_task(client.blpop(["nothing"], timeout=1))  # the one connection
+        await asyncio.sleep(0.1)
+        writing = asyncio.create_task(cancels.cancel(Cancel("r1", ("r1",), "deadline", None), 5))
+        await asyncio.sleep(0.3)
+        writing.cancel()  # the stream's cut
+        with pytest.raises(asyncio.CancelledError):
+            await writing
+        await busy
+        deadline = time.monotonic() + 5
+        while not await client.exists(keys.cancel_key("r1")) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await cancels.close()
+        written = bool(await client.exists(keys.cancel_key("r1")))
+        await client.aclose()
+        return written
+
+    assert asyncio.run(main())

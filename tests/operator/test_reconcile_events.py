@@ -149,7 +149,8 @@ def test_a_bound_that_moves_the_count_scales_the_role_and_names_the_bound():
 
 def test_a_bound_that_moves_in_the_pass_the_autoscaler_decides_is_named_in_its_scale():
     # The autoscaler decided from the clamped count (2), and the scale read 2->1 with
-    # no word of the bound, though the Deployment went from 4 to 1.
+    # no word of the bound, though the Deployment went from 4 to 1. It reads as every
+    # scale does: "<role> scale <from>-><to>: why".
     children = built(running({"replicas": 4, "maxReplicas": 6}, desired=4))
     lowered = running({"maxReplicas": 2}, desired=4, generation=2)
     reason = "normal scale 2->1: kv_cache asks 0.86, 0.43x current"
@@ -157,7 +158,7 @@ def test_a_bound_that_moves_in_the_pass_the_autoscaler_decides_is_named_in_its_s
     actions = plan(lowered, children, OLD, now=NOW, scaled={RoleName.NORMAL: decision})
     (patch,) = actions.patches
     assert patch.patch["spec"]["replicas"] == 1
-    said = f"above maxReplicas 2, then {reason}"
+    said = "normal scale 4->1: above maxReplicas 2, then kv_cache asks 0.86, 0.43x current"
     assert actions.events == (Event("ScaledDown", said),)
     assert actions.status["lastScale"] == {
         "role": "normal",
