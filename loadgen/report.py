@@ -41,9 +41,12 @@ class Slo:
                 raise ValueError(f"{name} must be > 0, got {value}")
 
     def met_by(self, record: RequestRecord) -> bool:
-        if not record.ok or record.ttft_s is None:
+        if not record.ok:
             return False
-        if self.ttft_ms is not None and record.ttft_s * 1000 > self.ttft_ms:
+        # An answer with no token (an end of sequence first) has no TTFT: it meets no
+        # TTFT objective, and without one it is a success like any other.
+        ttft = record.ttft_s
+        if self.ttft_ms is not None and (ttft is None or ttft * 1000 > self.ttft_ms):
             return False
         tpot = record.tpot_s
         return self.tpot_ms is None or tpot is None or tpot * 1000 <= self.tpot_ms

@@ -11,6 +11,9 @@ from tandem.sim.devices import Device
 from tandem.sim.model_shapes import ModelShape
 from tandem.sim.network import Network
 
+# A pod that takes longer than a day to start is not a deployment to simulate.
+MAX_STARTUP_S = 86_400.0
+
 
 @dataclass(frozen=True)
 class ClusterConfig:
@@ -31,6 +34,10 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         # Flags named as `tandem sim` spells them: that is where these come from.
         _seconds("--startup-s", self.startup_s, zero=True)
+        if self.startup_s > MAX_STARTUP_S:  # else the run ticks its autoscaler to then
+            raise ValueError(
+                f"--startup-s must be at most {MAX_STARTUP_S:g} s (a day), got {self.startup_s:g}"
+            )
         _seconds("scrape_interval_s", self.scrape_interval_s, zero=False)
         if self.until_s is not None:
             _seconds("--until", self.until_s, zero=True)

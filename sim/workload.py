@@ -28,6 +28,9 @@ __all__ = ["LengthDist", "arrivals", "day_trace", "sample_lengths", "synthesize"
 # requests come in bursts of about 10 at once. At 30, bursts of about 70; at
 # 1000 a short run is one burst of thousands or nothing: not a workload.
 MAX_CV = 10.0
+# The most requests a synthesized workload holds (--rate x --duration): ten million
+# simulate for hours, and the arrival draws alone of 1e5 x 1e5 asked for 89 GiB.
+MAX_REQUESTS = 10_000_000
 
 
 def sample_lengths(dist: LengthDist, rng: np.random.Generator, n: int) -> np.ndarray:
@@ -59,6 +62,11 @@ def arrivals(
         raise ValueError(f"--duration must be a finite number > 0 s, got {duration_s!r}")
     if not 0 < cv <= MAX_CV:
         raise ValueError(f"--cv must be in (0, {MAX_CV:g}], got {cv!r}")
+    if rate * duration_s > MAX_REQUESTS:
+        raise ValueError(
+            f"--rate {rate:g} x --duration {duration_s:g} is {rate * duration_s:,.0f} "
+            f"requests; a workload holds at most {MAX_REQUESTS:,}"
+        )
     shape = 1.0 / cv**2  # gamma with mean 1/rate and coefficient of variation cv
     scale = 1.0 / (rate * shape)
     times: list[np.ndarray] = []

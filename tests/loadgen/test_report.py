@@ -139,6 +139,19 @@ def test_goodput_counts_successes_that_met_every_given_slo(slo, good):
     assert report["goodput"]["requests_per_s"] == pytest.approx(good / 6.7)
 
 
+def test_an_answer_with_no_token_is_good_without_a_ttft_objective():
+    # A 200 whose first token was its end (no TTFT): counted ok, it was left out of
+    # goodput with no SLO given, where goodput is the success rate.
+    empty = RequestRecord(
+        index=7, scheduled_s=2.0, start_s=2.0, input_tokens=10, max_tokens=5, status=200,
+        prompt_tokens=10, output_tokens=0, usage_reported=True, e2e_s=0.1,
+        chunk_times_s=[], finish_reason="stop",
+    )  # fmt: skip
+    assert empty.ok and empty.ttft_s is None
+    assert Slo().met_by(empty) and Slo(tpot_ms=10).met_by(empty)
+    assert not Slo(ttft_ms=1000).met_by(empty)
+
+
 def test_slos_must_be_positive():
     with pytest.raises(ValueError, match="--slo-tpot-ms"):
         Slo(tpot_ms=0)

@@ -15,6 +15,8 @@ SIM = ["sim", "--model", "llama-8b", "--duration", "2"]
         # gave bare Infinity in --json).
         (["--until", "inf"], "--until must be a finite number of seconds >= 0, got inf"),
         (["--max-time", "-1"], "--max-time must be a finite number of seconds > 0, got -1.0"),
+        (["--rate", "1e5", "--duration", "1e5"], "is 10,000,000,000 requests; a workload holds"),
+        (["--startup-s", "1e300"], "--startup-s must be at most 86400 s (a day), got 1e+300"),
         (["--max-time", "nan"], "--max-time must be a finite number of seconds > 0, got nan"),
         (["--until", "60", "--max-time", "30"], "--until 60 is past --max-time 30"),
         (["--startup-s", "-1"], "--startup-s must be a finite number of seconds >= 0"),

@@ -46,6 +46,14 @@ def test_an_unfinished_run_counts_to_where_it_stopped():
     assert summary.throughput_rps == 0.0
 
 
+def test_requests_after_the_run_stopped_are_not_counted_as_unfinished():
+    # Stopped at 3 s, a run never saw the request arriving at 10 s: counted as
+    # unfinished (and as an SLO miss), it halved a run stopped halfway.
+    requests = [TraceRequest(0.0, 100, 5000), TraceRequest(10.0, 100, 5)]
+    _, summary = _summary(requests, max_time_s=3.0)
+    assert (summary.requests, summary.unfinished) == (1, 1)
+
+
 def test_an_output_cut_at_max_model_len_counts_what_it_generated():
     # 100 + 1000 tokens do not fit a 512-token context: the scheduler stops the
     # request at 412 output tokens, and TPOT and tokens/s count those.
