@@ -20,6 +20,15 @@ def check_rate(rate: float, burstiness: float) -> None:
         raise ValueError(f"--rate must be > 0 requests/s (or inf), got {rate}")
     if not (burstiness > 0 and math.isfinite(burstiness)):
         raise ValueError(f"--burstiness must be a finite number > 0, got {burstiness}")
+    if math.isfinite(rate):
+        # A mean gap that overflows (a rate of 1e-320) or a gamma scale that underflows
+        # to 0 (1e308 x 1e300) is no workload, and failed later in words of gamma's.
+        scale = 1.0 / (rate * burstiness) if math.isfinite(rate * burstiness) else 0.0
+        if not (math.isfinite(1.0 / rate) and scale > 0):
+            raise ValueError(
+                f"--rate {rate:g} with --burstiness {burstiness:g} is out of range: "
+                "the gaps between requests would be infinite or zero"
+            )
 
 
 def arrival_offsets(rate: float, burstiness: float, rng: random.Random) -> Iterator[float]:

@@ -88,13 +88,13 @@ async def send(
         record.error_message = f"no complete answer within {target.timeout_s:g} s"
     except httpx.TimeoutException as exc:
         record.error_kind = "timeout"
-        record.error_message = _short(f"{type(exc).__name__}: {exc}")
+        record.error_message = _short(described(exc))
     except (httpx.TransportError, OSError) as exc:
         record.error_kind = "connection"
-        record.error_message = _short(f"{type(exc).__name__}: {exc}")
+        record.error_message = _short(described(exc))
     except httpx.HTTPError as exc:  # an undecodable body
         record.error_kind = "protocol"
-        record.error_message = _short(f"{type(exc).__name__}: {exc}")
+        record.error_message = _short(described(exc))
     record.e2e_s = time.perf_counter() - started
     return record
 
@@ -174,6 +174,13 @@ def _error_message(text: str) -> str:
     except (ValueError, KeyError, TypeError):
         pass
     return _short(text)
+
+
+def described(exc: BaseException) -> str:
+    """The error's type and its words, on one line. httpx's ReadError from a server that
+    closed the connection (a 413 answered before a huge body was sent) has no words."""
+    words = " ".join(str(exc).split()) or "the server closed the connection, or it was cut"
+    return f"{type(exc).__name__}: {words}"
 
 
 def _short(text: str) -> str:

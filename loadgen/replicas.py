@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 from redis.exceptions import RedisError
 
+from tandem.loadgen.client import described
 from tandem.protocol import EngineInfo, Keys, ProtocolError, as_text
 
 ENGINES_METRIC = "tandem_gateway_engines"
@@ -138,7 +139,7 @@ class ReplicaPoller:
                 roles = await self.source()
                 self.samples.append(ReplicaSample(time.perf_counter() - run_start, roles))
             except (RedisError, OSError, httpx.HTTPError, LookupError) as exc:
-                self.error = f"{type(exc).__name__}: {exc}"
+                self.error = described(exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.interval_s)
             if stop.is_set():

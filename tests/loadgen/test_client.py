@@ -6,7 +6,7 @@ import time
 import httpx
 import pytest
 
-from tandem.loadgen.client import Target, send
+from tandem.loadgen.client import Target, described, send
 from tandem.loadgen.record import RequestRecord
 
 from .fake_server import FakeServer, sse
@@ -109,3 +109,12 @@ def test_a_request_over_its_timeout():
     record = run(FakeServer(first_delay=1.0).transport(), target=slow)
     assert record.error_kind == "timeout" and record.status == 200
     assert 0.1 <= record.e2e_s < 0.9
+
+
+def test_an_error_without_words_is_still_described_on_one_line():
+    # httpx's ReadError from a server that closed the connection (a 413 answered
+    # before a huge body went out) has an empty message: the report read "ReadError:".
+    assert described(httpx.ReadError("")) == (
+        "ReadError: the server closed the connection, or it was cut"
+    )
+    assert described(httpx.ConnectTimeout("timed\nout")) == "ConnectTimeout: timed out"
