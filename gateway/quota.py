@@ -18,14 +18,8 @@ from tandem.gateway.auth import ApiKey
 from tandem.gateway.errors import GatewayError, rate_limited
 from tandem.protocol import as_text
 
-# KEYS: rpm bucket, tpm bucket, the request's marker. ARGV: rpm limit, tpm limit
-# (0: none), token cost. Returns {1} when admitted, else {0, quota, seconds until it
-# would pass}: "rpm", "tpm", or "tpm_size" (the cost exceeds the whole bucket: never
-# passes). Numbers cross as strings: Redis truncates Lua numbers to integers.
-# The marker (60 s) makes a take that runs again (its reply lost with a dead
-# connection, the client's retry) admit without taking twice.
-_TAKE_LUA = """
-if redis.call('EXISTS', KEYS[3]) == 1 then return {1} end
+# What both scripts share: Redis's clock, and a bucket's level refilled to now.
+_LEVEL_LUA = """
 if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -35,7 +29,25 @@ local function level(key, limit)
   if not lvl or not at then return limit end
   return math.min(limit, lvl + math.max(0, now - at) * limit / 60)
 end
+local function store(key, lvl)
+  redis.call('HSET', key, 'level', tostring(lvl), 'at', tostring(now))
+  redis.call('PEXPIRE', key, 60000)
+end
 local rpm, tpm, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+"""
+
+# KEYS: rpm bucket, tpm bucket, the request's marker. ARGV: rpm limit, tpm limit
+# (0: none), token cost. Returns {1} when admitted, else {0, quota, seconds until it
+# would pass}: "rpm", "tpm", or "tpm_size" (the cost exceeds the whole bucket: never
+# passes). Numbers cross as strings: Redis truncates Lua numbers to integers.
+# The marker (60 s) makes a take that runs again (its reply lost with a dead
+# connection, the client's retry) admit without taking twice.
+_TAKE_LUA = (
+    """
+if redis.call('EXISTS', KEYS[3]) == 1 then return {1} end
+"""
+    + _LEVEL_LUA
+    + """
 local r, k
 if rpm > 0 then
   r = level(KEYS[1], rpm)
@@ -46,17 +58,27 @@ if tpm > 0 then
   k = level(KEYS[2], tpm)
   if k < cost then return {0, 'tpm', tostring((cost - k) * 60 / tpm)} end
 end
-if r then
-  redis.call('HSET', KEYS[1], 'level', tostring(r - 1), 'at', tostring(now))
-  redis.call('PEXPIRE', KEYS[1], 60000)
-end
-if k then
-  redis.call('HSET', KEYS[2], 'level', tostring(k - cost), 'at', tostring(now))
-  redis.call('PEXPIRE', KEYS[2], 60000)
-end
+if r then store(KEYS[1], r - 1) end
+if k then store(KEYS[2], k - cost) end
 redis.call('SET', KEYS[3], '1', 'PX', 60000)
 return {1}
 """
+)
+
+# Give back what a take took (same KEYS and ARGV), once: the marker says it was taken
+# and not yet given back. Returns 1 when it gave back.
+_GIVE_BACK_LUA = (
+    """
+if redis.call('GET', KEYS[3]) ~= '1' then return 0 end
+"""
+    + _LEVEL_LUA
+    + """
+if rpm > 0 then store(KEYS[1], math.min(rpm, level(KEYS[1], rpm) + 1)) end
+if tpm > 0 then store(KEYS[2], math.min(tpm, level(KEYS[2], tpm) + cost)) end
+redis.call('SET', KEYS[3], 'given back', 'KEEPTTL')
+return 1
+"""
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +94,7 @@ class Quotas:
         self.client = client
         self.prefix = prefix
         self._take = client.register_script(_TAKE_LUA)
+        self._give_back = client.register_script(_GIVE_BACK_LUA)
 
     def bucket_keys(self, name: str) -> list[str]:
         # One hash tag per key name: both buckets (and the markers) on one Cluster slot.
@@ -94,6 +117,14 @@ class Quotas:
             return QuotaDecision(True)
         quota = as_text(reply[1])
         return QuotaDecision(False, quota, float(as_text(reply[2])))
+
+    async def give_back(self, key: ApiKey, tokens: int, request_id: str) -> None:
+        """Return what take() took for `request_id` (an engine refused the request
+        before generating anything), once however often it is called."""
+        if key.rpm is None and key.tpm is None:
+            return
+        script_keys = [*self.bucket_keys(key.name), self.marker_key(key.name, request_id)]
+        await self._give_back(keys=script_keys, args=[key.rpm or 0, key.tpm or 0, tokens])
 
     async def admit(self, key: ApiKey, tokens: int, request_id: str) -> None:
         """take(), raising the 429 that names the quota when refused."""

@@ -8,14 +8,17 @@ replicas) share nothing but Redis.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from typing import cast
 
 import redis.asyncio as aioredis
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from redis.exceptions import RedisError
 
 from tandem.gateway.admission import Admission, Ticket
 from tandem.gateway.auth import ApiKey, KeyStore
@@ -23,6 +26,7 @@ from tandem.gateway.broker import Broker
 from tandem.gateway.cancels import Cancels
 from tandem.gateway.directory import ModelDirectory
 from tandem.gateway.disconnect import CLIENT_GONE, ClientGone, until_disconnected
+from tandem.gateway.errors import GatewayError
 from tandem.gateway.generation import Generation
 from tandem.gateway.idempotency import IdempotencyLedger
 from tandem.gateway.jobs import IDEMPOTENCY_HEADER, Job, JobBuilder
@@ -33,7 +37,17 @@ from tandem.gateway.recovery import LossWatch, RedisEpoch
 from tandem.gateway.rendering import ChatRenderer, CompletionRenderer, Renderer
 from tandem.gateway.settings import GatewaySettings
 from tandem.gateway.streaming import EventStreamResponse
-from tandem.protocol import Keys
+from tandem.protocol import ErrorCode, Keys
+
+log = logging.getLogger("tandem.gateway")
+# An engine's refusals of a request it never started: the quota taken for it is given
+# back (docs/gateway.md, Admission: a refused request uses no quota).
+_REFUSED_UNSERVED = {
+    ErrorCode.PROMPT_TOO_LONG,
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+    ErrorCode.INVALID_REQUEST,
+}
+_GIVE_BACK_WITHIN_S = 1.0  # on the way to the error's answer: Redis may not delay it
 
 
 class GatewayService:
@@ -96,9 +110,25 @@ class GatewayService:
             directory=self.directory,
             watch=self._loss_watch(job, ticket, run_id),
         )
-        if job.stream:
-            return await self._stream(request, generation)
-        return await self._complete(request, generation)
+        try:
+            if job.stream:
+                return await self._stream(request, generation)
+            return await self._complete(request, generation)
+        except GatewayError as error:
+            if error.code in _REFUSED_UNSERVED and not ticket.attached:
+                await self._give_back(caller, job)
+            raise
+
+    async def _give_back(self, caller: ApiKey, job: Job) -> None:
+        """The quota an engine's refusal did not use: it refuses a prompt before any
+        token (too long for the context, a token id outside the vocabulary), so a
+        typo in max_tokens took most of a minute's tokens for a 400. An attached
+        retry took nothing: the first attempt gives back its own."""
+        try:
+            async with asyncio.timeout(_GIVE_BACK_WITHIN_S):
+                await self.admission.quotas.give_back(caller, job.cost_tokens, job.base_id)
+        except (RedisError, OSError) as exc:  # the error is the answer; the quota refills
+            log.info("could not give back the quota of %s: %r", job.base_id, exc)
 
     def _loss_watch(self, job: Job, ticket: Ticket, run_id: str | None) -> LossWatch | None:
         """What queues the request's work again if Redis loses it: the job's work

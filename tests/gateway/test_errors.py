@@ -31,6 +31,7 @@ KEYS = [
     {"key": "sk-other-model", "name": "other", "models": ["other"]},
     {"key": "sk-rpm", "name": "rpm-1", "rpm": 1},
     {"key": "sk-tpm", "name": "tpm-100", "tpm": 100},
+    *({"key": f"sk-give-back-{i}", "name": f"give-back-{i}", "rpm": 1, "tpm": 100} for i in (0, 1)),
 ]
 
 
@@ -428,6 +429,22 @@ def test_an_open_gateway_takes_requests_with_several_authorization_headers(start
     headers = httpx.Headers([("Authorization", "Bearer a"), ("Authorization", "Bearer b")])
     with live.http(api_key=None) as client:
         assert client.get("/v1/models", headers=headers).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_the_engine_refuses_uses_no_quota(gateway, stream):
+    # Charged at admission, an engine's 400 (a token id outside the vocabulary, a
+    # context too long) kept its request and tokens: a typo in max_tokens took most
+    # of a minute's tokens, and the next good request got a 429.
+    live, _ = gateway
+    refused = {"model": "tiny", "prompt": [1, 99999], "max_tokens": 60, "stream": stream}
+    with live.http(api_key=f"sk-give-back-{int(stream)}") as client:
+        first = client.post("/v1/completions", json=refused)
+        assert first.status_code == 400 and "outside the vocabulary" in first.text
+        good = client.post("/v1/completions", json={**refused, "prompt": [1, 2]})
+        assert good.status_code == 200, good.text  # rpm 1 and 60 of 100 tokens: room
+        again = client.post("/v1/completions", json={**refused, "prompt": [1, 2]})
+        assert again.status_code == 429  # the good one did use the quota
 
 
 def _auth(key: str) -> dict[str, str]:

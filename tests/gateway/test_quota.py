@@ -128,3 +128,20 @@ def test_a_take_run_again_for_the_same_request_takes_nothing_twice(redis_url, ke
 
     first, again, other = _run(redis_url, work)
     assert first.admitted and again.admitted and other.admitted
+
+
+def test_a_give_back_returns_what_its_take_took_once(redis_url, keys):
+    key = ApiKey("k", rpm=2, tpm=100)
+
+    async def work(a, b):
+        quotas, other = Quotas(a, keys.prefix), Quotas(b, keys.prefix)
+        assert (await quotas.take(key, 80, "r1")).admitted
+        await quotas.give_back(key, 80, "r1")
+        await other.give_back(key, 80, "r1")  # again, from another replica: nothing
+        await quotas.give_back(key, 80, "never-taken")  # nothing to give back
+        taken = [await quotas.take(key, 80, f"s{i}") for i in range(2)]
+        return taken
+
+    first, second = _run(redis_url, work)
+    assert first.admitted  # the 80 tokens and the request came back, once
+    assert (second.admitted, second.quota) == (False, "tpm")
