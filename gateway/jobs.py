@@ -20,6 +20,7 @@ from functools import cached_property
 from typing import Any, Literal
 
 from pydantic_core import PydanticSerializationError
+from starlette.datastructures import Headers
 
 from tandem.engine.request import SamplingParams
 from tandem.gateway.errors import bad_request, not_supported
@@ -130,6 +131,27 @@ class Job:
             data = self.body.model_dump(mode="json", **sent)
             content = json.dumps(data, ensure_ascii=True, sort_keys=True).encode()
         return hashlib.sha256(content).hexdigest()
+
+
+# The headers a job reads, as the errors name them.
+_JOB_HEADERS = {
+    PRIORITY_HEADER: "X-Tandem-Priority",
+    TIMEOUT_HEADER: "X-Tandem-Timeout",
+    IDEMPOTENCY_HEADER: "Idempotency-Key",
+}
+
+
+def job_headers(headers: Headers) -> dict[str, str]:
+    """The headers a job reads, each sent at most once: read by its first, a second
+    one went unchecked (a bad priority passed behind a good one) and unheeded."""
+    found = {}
+    for name, shown in _JOB_HEADERS.items():
+        values = headers.getlist(name)
+        if len(values) > 1:
+            raise bad_request(f"{shown} was sent {len(values)} times: send it once", shown)
+        if values:
+            found[name] = values[0]
+    return found
 
 
 class JobBuilder:

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request, Response
 
 from tandem.gateway.dependencies import Caller
 from tandem.gateway.errors import ERROR_RESPONSES
+from tandem.gateway.jobs import job_headers
 from tandem.gateway.schemas import ChatCompletion, ChatCompletionRequest
 from tandem.gateway.service import service_of
 
@@ -50,5 +51,5 @@ async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, caller: Caller
 ) -> Response:
     service = service_of(request)
-    job = service.jobs.chat(body, request.headers)
+    job = service.jobs.chat(body, job_headers(request.headers))
     return await service.serve(request, caller, job)

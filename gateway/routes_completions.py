@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request, Response
 
 from tandem.gateway.dependencies import Caller
 from tandem.gateway.errors import ERROR_RESPONSES
+from tandem.gateway.jobs import job_headers
 from tandem.gateway.routes_chat import SSE_CONTENT
 from tandem.gateway.schemas import Completion, CompletionRequest
 from tandem.gateway.service import service_of
@@ -29,5 +30,5 @@ router = APIRouter()
 )
 async def create_completion(body: CompletionRequest, request: Request, caller: Caller) -> Response:
     service = service_of(request)
-    job = service.jobs.completion(body, request.headers)
+    job = service.jobs.completion(body, job_headers(request.headers))
     return await service.serve(request, caller, job)

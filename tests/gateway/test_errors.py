@@ -447,5 +447,19 @@ def test_a_request_the_engine_refuses_uses_no_quota(gateway, stream):
         assert again.status_code == 429  # the good one did use the quota
 
 
+@pytest.mark.parametrize("header", ["X-Tandem-Priority", "X-Tandem-Timeout", "Idempotency-Key"])
+def test_a_job_header_sent_twice_is_refused(gateway, header):
+    # Read by its first, a second one went unchecked: "high" then "bogus" passed.
+    live, _ = gateway
+    good = {"X-Tandem-Priority": "high", "X-Tandem-Timeout": "30", "Idempotency-Key": "k-1"}
+    headers = httpx.Headers([(header, good[header]), (header, good[header])])
+    with live.http() as client:
+        reply = client.post("/v1/chat/completions", json=GOOD, headers=headers)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["message"] == f"{header} was sent 2 times: send it once"
+    assert error["param"] == header
+
+
 def _auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
