@@ -293,19 +293,25 @@ def _answers(url: str) -> bool:
         return False
 
 
-def test_a_child_is_asked_often_whether_it_is_up_until_it_first_answers(tmp_path):
-    # Asked every liveness period (10 s), an engine that hung within that of its
-    # start was never seen up, so never probed for liveness: hung for good.
+def _serving_child(tmp_path, status: str, after_s: float = 0.0) -> Child:
+    """An engine-like child: an HTTP server from `after_s` on, answering `status` (a
+    Python expression of the request `s`) at every path."""
     port = free_port()
     serve = (
-        "import time, http.server as h; time.sleep(0.5); "
+        f"import time, http.server as h; time.sleep({after_s}); "
         f"h.HTTPServer(('127.0.0.1', {port}), type('H', (h.BaseHTTPRequestHandler,), "
-        "{'do_GET': lambda s: (s.send_response(200), s.end_headers()), "
+        f"{{'do_GET': lambda s: (s.send_response({status}), s.end_headers()), "
         "'log_message': lambda *a: None})).serve_forever()"
     )
     url = f"http://127.0.0.1:{port}"
-    child = Child("engine", [sys.executable, "-c", serve], tmp_path / "e.log", f"{url}/readyz",
-                  True, live_url=f"{url}/healthz")  # fmt: skip
+    return Child("engine", [sys.executable, "-c", serve], tmp_path / "e.log", f"{url}/readyz",
+                 True, live_url=f"{url}/healthz")  # fmt: skip
+
+
+def test_a_child_is_asked_often_whether_it_is_up_until_it_first_answers(tmp_path):
+    # Asked every liveness period (10 s), an engine that hung within that of its
+    # start was never seen up, so never probed for liveness: hung for good.
+    child = _serving_child(tmp_path, "200", after_s=0.5)
     child.start()
     try:
         deadline = time.monotonic() + 4  # well within one liveness period
@@ -342,16 +348,8 @@ def test_a_child_that_never_answers_within_its_startup_deadline_is_restarted(tmp
 def test_a_child_up_but_not_ready_is_not_restarted_at_its_startup_deadline(tmp_path):
     # As a pod: an engine that cannot reach Redis answers /healthz, not /readyz; a
     # restart (a model load) every 30 minutes would not bring Redis back.
-    port = free_port()
-    serve = (
-        "import http.server as h; "
-        f"h.HTTPServer(('127.0.0.1', {port}), type('H', (h.BaseHTTPRequestHandler,), "
-        "{'do_GET': lambda s: (s.send_response(200 if s.path == '/healthz' else 503), "
-        "s.end_headers()), 'log_message': lambda *a: None})).serve_forever()"
-    )
-    url = f"http://127.0.0.1:{port}"
-    child = Child("engine", [sys.executable, "-c", serve], tmp_path / "e.log", f"{url}/readyz",
-                  True, live_url=f"{url}/healthz", startup_deadline_s=0.5)  # fmt: skip
+    child = _serving_child(tmp_path, "200 if s.path == '/healthz' else 503")
+    child.startup_deadline_s = 0.5
     child.start()
     try:
         deadline = time.monotonic() + 3

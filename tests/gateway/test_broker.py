@@ -158,6 +158,20 @@ def test_an_idempotency_claim_whose_reply_was_lost_still_queues(redis_url, keys)
     assert dropped and claimed is None  # go ahead and queue
 
 
+def _with_ledger(redis_url, keys, idempotency_key, work):
+    """work(ledger, record key) on a ledger of its own client."""
+
+    async def main():
+        client = aioredis.Redis.from_url(redis_url)
+        ledger = IdempotencyLedger(client, keys.prefix)
+        try:
+            return await work(ledger, ledger.key("caller", idempotency_key))
+        finally:
+            await client.aclose()
+
+    return asyncio.run(main())
+
+
 def test_a_retry_whose_first_attempt_leaves_as_it_attaches_queues_afresh(redis_url, keys):
     # The look at the record and the count of readers were two round trips: the first
     # attempt's last reader left between them (the record released, the work
@@ -165,28 +179,22 @@ def test_a_retry_whose_first_attempt_leaves_as_it_attaches_queues_afresh(redis_u
     first = IdempotencyRecord("chatcmpl-a", ["chatcmpl-a"], 1, "digest")
     retry = IdempotencyRecord("chatcmpl-b", ["chatcmpl-b"], 2, "digest")
 
-    async def main():
-        client = aioredis.Redis.from_url(redis_url)
-        ledger = IdempotencyLedger(client, keys.prefix)
-        key = ledger.key("caller", "order-9")
-        try:
-            assert await ledger.claim(key, first, timeout=30) is None
-            attach = ledger._attach
+    async def work(ledger, key):
+        assert await ledger.claim(key, first, timeout=30) is None
+        attach = ledger._attach
 
-            async def first_leaves_then_attach(**kwargs):
-                assert await ledger.leave(key, first.base_id) == 0  # the last reader
-                return await attach(**kwargs)
+        async def first_leaves_then_attach(**kwargs):
+            assert await ledger.leave(key, first.base_id) == 0  # the last reader
+            return await attach(**kwargs)
 
-            ledger._attach = first_leaves_then_attach
-            claimed = await ledger.claim(key, retry, timeout=30)
-            ledger._attach = attach
-            # The retry's record now: a third attempt attaches to it, two readers.
-            third = await ledger.claim(key, IdempotencyRecord("c", ["c"], 3, "digest"), 30)
-            return claimed, third, await ledger.leave(key, retry.base_id)
-        finally:
-            await client.aclose()
+        ledger._attach = first_leaves_then_attach
+        claimed = await ledger.claim(key, retry, timeout=30)
+        ledger._attach = attach
+        # The retry's record now: a third attempt attaches to it, two readers.
+        third = await ledger.claim(key, IdempotencyRecord("c", ["c"], 3, "digest"), 30)
+        return claimed, third, await ledger.leave(key, retry.base_id)
 
-    claimed, third, left = asyncio.run(main())
+    claimed, third, left = _with_ledger(redis_url, keys, "order-9", work)
     assert claimed is None  # queue afresh
     assert third is not None and third.base_id == retry.base_id
     assert left == 1  # the third attempt still reads it
@@ -199,19 +207,13 @@ def test_a_retry_with_a_shorter_deadline_leaves_the_readers_count_its_time(
     # and the first attempt, still reading, was taken for the last reader.
     first = IdempotencyRecord("chatcmpl-a", ["chatcmpl-a"], 1, "digest")
 
-    async def main():
-        client = aioredis.Redis.from_url(redis_url)
-        ledger = IdempotencyLedger(client, keys.prefix)
-        key = ledger.key("caller", "order-10")
-        try:
-            await ledger.claim(key, first, timeout=3000)
-            retry = IdempotencyRecord("chatcmpl-b", ["chatcmpl-b"], 2, "digest")
-            await ledger.claim(key, retry, timeout=10)
-            return key
-        finally:
-            await client.aclose()
+    async def work(ledger, key):
+        await ledger.claim(key, first, timeout=3000)
+        retry = IdempotencyRecord("chatcmpl-b", ["chatcmpl-b"], 2, "digest")
+        await ledger.claim(key, retry, timeout=10)
+        return key
 
-    key = asyncio.run(main())
+    key = _with_ledger(redis_url, keys, "order-10", work)
     assert redis_client.ttl(f"{key}:readers:chatcmpl-a") > 3000
 
 
