@@ -18,20 +18,20 @@ class StartError(RuntimeError):
     """The stack could not start (what had started was stopped); str() says why, what to do."""
 
 
-def check_port(host: str, port: int) -> None:
-    """StartError unless the gateway could listen on host:port."""
-    try:  # as the gateway (uvicorn) binds: SO_REUSEADDR, IPv6 for an address with ':'
+def check_port(host: str, port: int, *, flag: str = "--port", who: str = "the gateway") -> None:
+    """StartError unless `who` could listen on host:port (set by `flag`)."""
+    try:  # as the servers bind: SO_REUSEADDR, IPv6 for an address with ':'
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         socket.create_server((host, port), family=family).close()
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise StartError(
                 f"port {port} on {host} is already in use (another `tandem up`?): "
-                "stop what listens there, or choose another --port"
+                f"stop what listens there, or choose another {flag}"
             ) from None
         raise StartError(
-            f"the gateway cannot listen on {host}:{port}: {exc.strerror or exc}; "
-            "choose another --host or --port"
+            f"{who} cannot listen on {host}:{port}: {exc.strerror or exc}; "
+            f"choose another --host or {flag}"
         ) from None
 
 

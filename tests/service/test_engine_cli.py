@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,11 @@ def _engine(*flags: str) -> subprocess.CompletedProcess[str]:
             ["--num-speculative-tokens", "-1", "--data-parallel-size", "2"],
             "--num-speculative-tokens must be at least 0, got -1",
         ),
+        # torch's own overflow check named no flag.
+        (["--threads", str(2**63)], f"--threads must be at most 4096, got {2**63}"),
+        (["--seed", str(2**64)], f"--seed must be in 0..2**63-1, got {2**64}"),
+        # Tracebacks once the model had loaded (an engine binds after the load).
+        (["--host", "999.1.1.1"], "the engine cannot listen on 999.1.1.1:8100"),
         (
             ["--max-model-len", "300", "--max-num-batched-tokens", "200"],
             "--max-num-batched-tokens (200) is smaller than --max-model-len (300): without "
@@ -66,6 +72,22 @@ def test_a_flag_no_engine_could_start_with_is_named(flags, message):
     assert done.returncode == 2, done.stderr
     [line] = done.stderr.strip().splitlines()  # one line, no traceback
     assert line.startswith("tandem: error: ") and message in line
+
+
+def test_a_port_in_use_is_named_before_the_model_loads():
+    with socket.create_server(("0.0.0.0", 0)) as taken:
+        port = taken.getsockname()[1]
+        for flags, flag in (
+            (["--port", str(port)], "--port"),
+            (["--role", "prompt", "--port", str(free_port()), "--kv-port", str(port)], "--kv-port"),
+        ):
+            done = _engine(*flags)
+            assert done.returncode == 2, done.stderr
+            [line] = done.stderr.strip().splitlines()
+            assert line == (
+                f"tandem: error: port {port} on 0.0.0.0 is already in use (another `tandem "
+                f"up`?): stop what listens there, or choose another {flag}"
+            )
 
 
 def test_an_unreachable_redis_is_named_before_the_model_loads():

@@ -17,6 +17,7 @@ import re
 
 from tandem.engine.config import EngineConfig, EngineType, check_fields
 from tandem.engine.service.settings import WorkerSettings, check_values
+from tandem.preflight import StartError, check_port
 from tandem.protocol import Role, check_served_name
 
 _ENGINE = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
@@ -250,6 +251,22 @@ _FIELD_NAMES = [*_ENGINE_FLAGS, "enable_chunked_prefill", "data_parallel_size"]
 _FIELD_NAME = re.compile(rf"\b({'|'.join(_FIELD_NAMES)})\b")
 
 
+_MOST_THREADS = 4096
+
+
+def check_ports(args: argparse.Namespace) -> None:
+    """ValueError naming the flag for a port no rank could listen on (in use, a host
+    this machine does not have), before minutes of model loading end in a traceback."""
+    ports = [("--port", args.port + rank) for rank in range(args.data_parallel_size)]
+    if args.role == "prompt" and args.kv_port:  # 0: any free port
+        ports += [("--kv-port", args.kv_port + r) for r in range(args.data_parallel_size)]
+    for flag, port in ports:
+        try:
+            check_port(args.host, port, flag=flag, who="the engine")
+        except StartError as exc:  # the command's error line, as every flag's
+            raise ValueError(str(exc)) from None
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -264,6 +281,11 @@ def check_arguments(args: argparse.Namespace) -> None:
         last = getattr(args, name) + args.data_parallel_size - 1  # one port per rank
         if last > 65535:
             raise ValueError(f"{_flag(name)} must leave a port per rank below 65536, got {last}")
+    # Past these torch's own check says "Overflow when unpacking long long", no flag.
+    if args.threads is not None and args.threads > _MOST_THREADS:
+        raise ValueError(f"--threads must be at most {_MOST_THREADS}, got {args.threads}")
+    if not 0 <= args.seed < 2**63:
+        raise ValueError(f"--seed must be in 0..2**63-1, got {args.seed}")
     if not args.redis_wait >= 0:  # NaN too; 0: not at all
         raise ValueError(f"--redis-wait must be 0 or more seconds, got {args.redis_wait}")
     check_values(worker_fields(args), _flag)

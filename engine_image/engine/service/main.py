@@ -23,6 +23,7 @@ from tandem.engine.model.loader import kv_blocks_for, load_model
 from tandem.engine.service.arguments import (
     add_arguments,
     check_arguments,
+    check_ports,
     engine_fields,
     worker_fields,
 )
@@ -48,6 +49,7 @@ PROBE_TIMEOUT_S = 0.5
 def main(args: argparse.Namespace) -> int:
     _log_to_stderr()
     check_arguments(args)
+    check_ports(args)
     wait_for_redis(args.redis_url, args.redis_wait)
     if args.data_parallel_size > 1:
         return run_ranks(args, serve)
