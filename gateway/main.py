@@ -10,6 +10,7 @@ import signal
 
 # Light (a plain dataclass), unlike the app: its defaults are the flags' defaults.
 from tandem.gateway.settings import GatewaySettings
+from tandem.preflight import StartError, check_port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +78,10 @@ def main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings = GatewaySettings.from_args(args)
+    try:  # uvicorn's own refusal is a log line and exit 3, once the app was built
+        check_port(settings.host, settings.port)
+    except StartError as exc:  # the command's error line
+        raise ValueError(str(exc)) from None
     app = create_app(settings)
     # Everything imported and built so far lives as long as the process: out of
     # the collector's sight, a full collection under load takes milliseconds

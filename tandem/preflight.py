@@ -11,8 +11,6 @@ import socket
 
 import redis
 
-from tandem.engine.model.model_spec import spec_problem
-
 
 class StartError(RuntimeError):
     """The stack could not start (what had started was stopped); str() says why, what to do."""
@@ -52,5 +50,9 @@ def check_model(spec: str) -> None:
     is the engine's to check). A role autoscaled from zero started its first engine
     only at the first request, which then crash-looped on a path that is not there
     while the request waited."""
+    # Here, not at the top: the gateway imports this module, and of the engine only
+    # its SamplingParams (tandem/protocol.py's contract).
+    from tandem.engine.model.model_spec import spec_problem
+
     if (problem := spec_problem(spec)) is not None:
         raise StartError(problem)

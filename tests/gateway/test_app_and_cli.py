@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -140,6 +141,19 @@ def test_a_bad_flag_value_is_an_error_message_not_a_traceback(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
     assert out.returncode == 2
     assert "max_queue must be an integer >= 0" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_port_in_use_is_one_error_line_before_the_app_is_built():
+    # uvicorn's refusal was its own log line and exit 3, once the app was built.
+    with socket.create_server(("0.0.0.0", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        cmd = [sys.executable, "-P", "-m", "tandem.cli", "gateway", "--no-auth", "--port", port]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"tandem: error: port {port} on 0.0.0.0 is already in use (another `tandem up`?): "
+        "stop what listens there, or choose another --port"
+    ]
 
 
 def test_without_redis_the_gateway_answers_503_and_is_not_ready(start_gateway):

@@ -38,7 +38,9 @@ def _engine(*flags: str) -> subprocess.CompletedProcess[str]:
         (["--num-kv-blocks", "0"], "--num-kv-blocks must be at least 1, got 0"),
         (["--max-waiting", "0"], "--max-waiting must be at least 1, got 0"),
         (["--drain-timeout", "nan"], "--drain-timeout must be 0 or more seconds, got nan"),
-        (["--kv-fetch-timeout", "0"], "--kv-fetch-timeout must be positive, got 0.0"),
+        (["--kv-fetch-timeout", "0"], "--kv-fetch-timeout must be a finite number > 0, got 0.0"),
+        (["--handoff-ttl", "inf"], "--handoff-ttl must be a finite number > 0, got inf"),
+        (["--key-prefix", ""], "--key-prefix must be non-empty without braces or spaces, got ''"),
         (["--redis-wait", "-1"], "--redis-wait must be 0 or more seconds, got -1.0"),
         (["--redis-url", "notaurl"], "--redis-url notaurl: Redis URL must specify"),
         # The engine's settings, named by their flags (a ZeroDivisionError after the

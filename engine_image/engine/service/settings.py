@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -88,7 +89,7 @@ def check_values(values: Mapping[str, float], name: Callable[[str], str] = str) 
     for field_name, value in values.items():
         if field_name in _AT_LEAST_ONE and not value >= 1:
             raise ValueError(f"{name(field_name)} must be at least 1, got {value}")
-        if field_name in _POSITIVE and not value > 0:  # NaN too
-            raise ValueError(f"{name(field_name)} must be positive, got {value}")
+        if field_name in _POSITIVE and not 0 < value < math.inf:  # NaN too
+            raise ValueError(f"{name(field_name)} must be a finite number > 0, got {value}")
         if field_name in _SECONDS_OR_ZERO and not value >= 0:  # NaN too
             raise ValueError(f"{name(field_name)} must be 0 or more seconds, got {value}")
