@@ -364,18 +364,36 @@ def _alive(pid: int) -> bool:
 def test_a_rank_that_fails_ends_its_whole_group(redis_url, keys, tmp_path):
     # Rank 1 serves HTTP on port + 1: taken, it fails at start. Its peer would wait in
     # the first vote for ever; the group must exit instead, so a supervisor restarts it.
+    # Taken once the ranks were spawned: the engine's own check names a port taken
+    # before the start (test_engine_cli.py), so the rank meets it only in a race.
     proc = EngineProcess("normal", redis_url, keys, ["--data-parallel-size", "2"], log_dir=tmp_path)
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        proc.port = taken.getsockname()[1] - 1
-        proc.start()
-        try:
+    proc.port = free_port_pair()
+    proc.start()
+    try:
+        children = Path(f"/proc/{proc.process.pid}/task/{proc.process.pid}/children")
+        assert eventually(lambda: children.read_text().split() != [], timeout=60)
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", proc.port + 1))  # before the rank's load ends
+            taken.listen()
             code = proc.process.wait(timeout=120)
-        finally:
-            proc.stop()
+    finally:
+        proc.stop()
     assert code != 0, proc.log()
     assert "Address already in use" in proc.log()
+
+
+def free_port_pair() -> int:
+    """A port whose next one is free too."""
+    while True:
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
 
 
 def test_cancelling_a_running_request_frees_its_kv_at_once(engines, client, redis_url, keys):
