@@ -186,6 +186,13 @@ _ENGINE_ANSWERS: dict[str, tuple[int, str]] = {
 }
 
 
+# What an engine refuses of a request it never starts (the prompt, as it sees it; a
+# sampling parameter only it can check): answered 400, and its quota given back.
+PROMPT_REFUSALS = frozenset(
+    {ErrorCode.PROMPT_TOO_LONG, ErrorCode.CONTEXT_LENGTH_EXCEEDED, ErrorCode.INVALID_REQUEST}
+)
+
+
 def from_engine(
     code: str | None, message: str | None, prompt_param: str, param: str | None = None
 ) -> GatewayError:
@@ -200,12 +207,7 @@ def from_engine(
     # (a logit_bias id past its vocabulary) it names. Anything else it refuses
     # is the prompt: a token id outside the vocabulary, a conversation the chat
     # template refuses, besides its length.
-    about_prompt = code in (
-        ErrorCode.PROMPT_TOO_LONG,
-        ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-        ErrorCode.INVALID_REQUEST,
-    )
-    if param is None and about_prompt:
+    if param is None and code in PROMPT_REFUSALS:
         param = prompt_param
     return GatewayError(
         status,

@@ -26,7 +26,7 @@ from tandem.gateway.broker import Broker
 from tandem.gateway.cancels import Cancels
 from tandem.gateway.directory import ModelDirectory
 from tandem.gateway.disconnect import CLIENT_GONE, ClientGone, until_disconnected
-from tandem.gateway.errors import GatewayError
+from tandem.gateway.errors import PROMPT_REFUSALS, GatewayError
 from tandem.gateway.generation import Generation
 from tandem.gateway.idempotency import IdempotencyLedger
 from tandem.gateway.jobs import IDEMPOTENCY_HEADER, Job, JobBuilder
@@ -37,16 +37,9 @@ from tandem.gateway.recovery import LossWatch, RedisEpoch
 from tandem.gateway.rendering import ChatRenderer, CompletionRenderer, Renderer
 from tandem.gateway.settings import GatewaySettings
 from tandem.gateway.streaming import EventStreamResponse
-from tandem.protocol import ErrorCode, Keys
+from tandem.protocol import Keys
 
 log = logging.getLogger("tandem.gateway")
-# An engine's refusals of a request it never started: the quota taken for it is given
-# back (docs/gateway.md, Admission: a refused request uses no quota).
-_REFUSED_UNSERVED = {
-    ErrorCode.PROMPT_TOO_LONG,
-    ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-    ErrorCode.INVALID_REQUEST,
-}
 _GIVE_BACK_WITHIN_S = 1.0  # on the way to the error's answer: Redis may not delay it
 
 
@@ -115,7 +108,7 @@ class GatewayService:
                 return await self._stream(request, generation)
             return await self._complete(request, generation)
         except GatewayError as error:
-            if error.code in _REFUSED_UNSERVED and not ticket.attached:
+            if error.code in PROMPT_REFUSALS and not ticket.attached:
                 await self._give_back(caller, job)
             raise
 

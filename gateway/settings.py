@@ -6,6 +6,8 @@ import argparse
 import math
 from dataclasses import dataclass
 
+from tandem.protocol import check_key_prefix
+
 # Reads of a response stream block at most this long: redis-py's socket timeout
 # is 5 s by default, and a short read lets a replica notice deadlines promptly.
 MAX_READ_BLOCK_MS = 1000
@@ -66,10 +68,7 @@ class GatewaySettings:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if not self.redis_url:
             raise ValueError("redis_url must be set (e.g. redis://127.0.0.1:6379/0)")
-        if not self.key_prefix or any(c in self.key_prefix for c in "{} \t\n"):
-            raise ValueError(
-                f"key_prefix must be non-empty without braces or spaces, got {self.key_prefix!r}"
-            )
+        check_key_prefix(self.key_prefix, "key_prefix")
         if self.no_auth and self.api_keys_file:
             raise ValueError("--no-auth and --api-keys-file contradict each other: choose one")
         _at_least("max_queue", self.max_queue, 0)

@@ -80,6 +80,14 @@ def check_served_name(name: str) -> str:
     return name
 
 
+def check_key_prefix(prefix: str, name: str) -> str:
+    """`prefix`, or a ValueError (naming the setting `name`) for one that cannot begin
+    every key: empty, or holding a brace (the hash tags) or whitespace."""
+    if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "{} \t\n"):
+        raise ValueError(f"{name} must be non-empty without braces or spaces, got {prefix!r}")
+    return prefix
+
+
 @dataclass(frozen=True)
 class Keys:
     """Every Redis key and channel name, under one prefix (tests use their own).

@@ -18,7 +18,7 @@ import re
 from tandem.engine.config import EngineConfig, EngineType, check_fields
 from tandem.engine.service.settings import WorkerSettings, check_values
 from tandem.preflight import StartError, check_port
-from tandem.protocol import Role, check_served_name
+from tandem.protocol import Role, check_key_prefix, check_served_name
 
 _ENGINE = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 _WORKER = {f.name: f.default for f in dataclasses.fields(WorkerSettings)}
@@ -286,10 +286,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--threads must be at most {_MOST_THREADS}, got {args.threads}")
     if not 0 <= args.seed < 2**63:
         raise ValueError(f"--seed must be in 0..2**63-1, got {args.seed}")
-    if not args.key_prefix or any(c in args.key_prefix for c in "{} \t\n"):  # as the gateway's
-        raise ValueError(
-            f"--key-prefix must be non-empty without braces or spaces, got {args.key_prefix!r}"
-        )
+    check_key_prefix(args.key_prefix, "--key-prefix")
     if not args.redis_wait >= 0:  # NaN too; 0: not at all
         raise ValueError(f"--redis-wait must be 0 or more seconds, got {args.redis_wait}")
     check_values(worker_fields(args), _flag)

@@ -45,12 +45,6 @@ log = logging.getLogger(__name__)
 # A fetcher sends its request as soon as it connects: a peer silent longer held one of
 # the few transfer threads for the 30 s of a read, and four of them every fetch.
 REQUEST_WITHIN_S = 2.0
-# on_failure's reasons: the request refused (unknown handle, another layout...), the
-# connection ended early (closed, garbage, too slow), the queue full, a turn come too
-# late, an accept() failed.
-FAILURES = ("refused", "ended_early", "busy", "stale", "accept")
-
-
 _FIRST_PAUSE_S, _MOST_PAUSE_S = 0.05, 1.0  # between accept() retries
 
 
@@ -65,7 +59,9 @@ class KVServer:
     once the fetcher confirmed that all the KV arrived; it may come twice for a handle
     fetched twice. on_sent(n), if given, runs on a transfer thread after each frame
     went out, with its KV bytes (headers and messages not counted). on_failure(why),
-    if given, runs for each connection not served to its end (FAILURES).
+    if given, runs for each connection not served to its end: "refused" (an unknown
+    handle, another layout...), "ended_early" (closed, garbage, too slow), "busy" (the
+    queue full), "stale" (its turn came too late) or "accept" (accept() failed).
 
     A peer cannot hold it: a fetch request must arrive whole within REQUEST_WITHIN_S
     of its turn, the ack within io_timeout of the last frame; a connection that waited
