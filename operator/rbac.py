@@ -16,6 +16,10 @@ Two sources of API calls:
   (for an operator confined to namespaces) of namespaces. kopf's resource scan
   uses the discovery endpoints (/api, /apis), which every authenticated user
   may read (system:discovery), so they need no rule here.
+
+One grant no request uses: `update` of modeldeployments/finalizers, which the
+OwnerReferencesPermissionEnforcement admission plugin (on in OpenShift) wants of
+whoever sets blockOwnerDeletion in an ownerReference, as every child's does.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class Grant:
     verbs: tuple[str, ...]
     # Whether the resource itself is cluster-scoped (a ClusterRole even for a namespaced install).
     cluster_scoped: bool = False
+    # Checked by an admission plugin, never requested: no API call of the operator uses it.
+    admission: bool = False
 
 
 # Objects in the namespaces served (a Role there, or the ClusterRole when cluster-wide).
@@ -46,6 +52,10 @@ SERVED: tuple[Grant, ...] = (
     # finalizer and progress annotations.
     Grant(GROUP, PLURAL, ("get", "list", "watch", "patch")),
     Grant(GROUP, f"{PLURAL}/status", ("patch",)),
+    # The children's ownerReferences set blockOwnerDeletion (manifests.Owner): with the
+    # OwnerReferencesPermissionEnforcement admission plugin, creating one takes update
+    # of the owner's finalizers, or every child's create is refused (403).
+    Grant(GROUP, f"{PLURAL}/finalizers", ("update",), admission=True),
     # The children (Controller: list, create, patch, delete, and get when a create finds
     # the name taken; kopf: watch, labelled managed-by=tandem-operator).
     Grant("apps", "deployments", OWN),

@@ -13,6 +13,7 @@ import difflib
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,43 @@ def test_generated_secrets_are_random_and_marked(renders):
     for secret in secrets:
         (value,) = secret["data"].values()
         assert len(value) >= 40, "a 32-character random value, base64-encoded"
+
+
+# A label value: 63 characters at most, alphanumerics, '-', '_', '.', alphanumeric at both ends.
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+def _label_values(manifests: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """(object, key, value) of every label of every object and pod template."""
+    found = []
+    for manifest in manifests:
+        where = f"{manifest['kind']}/{manifest['metadata']['name']}"
+        blocks = [manifest["metadata"].get("labels") or {}]
+        template = manifest.get("spec", {}).get("template", {})
+        blocks.append(template.get("metadata", {}).get("labels") or {})
+        found += [(where, k, str(v)) for block in blocks for k, v in block.items()]
+    return found
+
+
+def test_every_label_value_is_one_kubernetes_takes(renders):
+    for manifests in renders.values():
+        for where, key, value in _label_values(manifests):
+            assert len(value) <= 63 and LABEL_VALUE.match(value), (where, key, value)
+
+
+@pytest.mark.parametrize("chart", [CHART, CRD_CHART], ids=lambda c: c.name)
+def test_a_chart_version_with_build_metadata_makes_valid_labels(helm, tmp_path, chart):
+    # SemVer's "+build" is no label character: helm.sh/chart takes "_" for it.
+    copy = tmp_path / chart.name
+    shutil.copytree(chart, copy)
+    meta = yaml.safe_load((copy / "Chart.yaml").read_text())
+    meta["version"] = meta["appVersion"] = "0.1.1+build.5"
+    (copy / "Chart.yaml").write_text(yaml.safe_dump(meta))
+    labels = _label_values(render(helm, copy))
+    assert labels
+    for where, key, value in labels:
+        assert LABEL_VALUE.match(value), (where, key, value)
+    assert {v for _, k, v in labels if k == "helm.sh/chart"} == {f"{chart.name}-0.1.1_build.5"}
 
 
 # ------------------------------------------------------------------ the CRD chart

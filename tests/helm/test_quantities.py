@@ -88,6 +88,29 @@ def test_helm_lint_refuses_a_bad_quantity(helm):
     assert "at '/redis/resources/limits/memory'" in result.stdout + result.stderr
 
 
+@pytest.mark.parametrize(
+    "name", ["memroy", "cpus", "gpu", "nvidia.com/", "/gpu", "Nvidia.com/gpu", "hugepages-"]
+)
+def test_a_resource_name_the_api_server_refuses_is_refused_by_name(helm, name):
+    # A misspelt key was taken and its value ignored: a pod without the memory limit meant.
+    escaped = name.replace(".", "\\.")
+    for component in ("operator", "gateway", "redis", "tests"):
+        for kind in ("requests", "limits"):
+            sets = [f"{component}.resources.{kind}.{escaped}=1"]
+            result = run_helm(helm, *template_args(CHART, sets=sets))
+            where = f"at '/{component}/resources/{kind}': additional properties '{name}'"
+            assert where in result.stderr, (sets, result.stderr)
+
+
+@pytest.mark.parametrize(
+    "name", ["ephemeral-storage", "hugepages-2Mi", "hugepages-1Gi", "nvidia.com/gpu", "amd.com/gpu"]
+)
+def test_resource_names_the_api_server_takes_pass(helm, name):
+    escaped = name.replace(".", "\\.")
+    sets = [f"gateway.resources.{kind}.{escaped}=1" for kind in ("requests", "limits")]
+    assert _gateway_resources(helm, sets)["limits"][name] == 1
+
+
 # ------------------------------------------------------------- requests within limits
 
 # (--set assignments, the request and the limit the message names).

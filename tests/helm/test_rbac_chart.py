@@ -61,6 +61,18 @@ def test_namespace_scope_grants_exactly_the_table_in_each_namespace(renders):
     _bound_to_the_operator(manifests, "ClusterRoleBinding")
 
 
+def test_the_operator_may_block_its_childrens_owner_deletion(renders):
+    # The children's ownerReferences set blockOwnerDeletion; with the
+    # OwnerReferencesPermissionEnforcement admission plugin (on in OpenShift) that takes
+    # update of the owner's finalizers, or every create of a child is refused (403).
+    grant = ("serving.tandem.dev", "modeldeployments/finalizers", "update")
+    for name, kind in (("defaults-values", "ClusterRole"), ("namespace-scoped-values", "Role")):
+        roles = of_kind(renders[name], kind)  # the roles of the served namespaces
+        assert roles, name
+        for role in roles:
+            assert grant in _triples(role), (name, role["metadata"])
+
+
 def test_namespace_scope_without_cluster_reads_has_no_cluster_role(helm):
     sets = ["operator.scope=namespace", "operator.clusterDiscovery=false"]
     manifests = render(helm, sets=sets)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import kmock
 import pytest
-from support.helm import CHART, NAMESPACE, RELEASE, run_helm, template_args
+from support.helm import CHART, NAMESPACE, RELEASE, ROOT, run_helm, template_args
 from support.kube_api import ApiServer
 
 from tandem.operator.crd import root_schema
@@ -192,3 +193,16 @@ def test_without_a_cluster_nothing_is_looked_up(helm):
     # helm template and helm lint: lookup answers nothing, and the values are all there is.
     result = run_helm(helm, *template_args(CHART, sets=["redis.persistence.size=16Gi"]))
     assert result.returncode == 0, result.stderr
+
+
+def test_the_guide_upgrades_on_the_new_charts_defaults(helm):
+    # --reuse-values keeps the old chart's defaults: a key a newer chart adds is missing,
+    # and the schema, which requires every key, refuses the upgrade.
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    upgrades = re.findall(r"^helm upgrade .*$", guide, re.M)
+    assert upgrades
+    for command in upgrades:
+        assert "--reuse-values" not in command.split(), command
+        assert "--reset-then-reuse-values" in command.split(), command
+    assert "Helm 3.14" in guide  # where the flag came in
+    assert "--reset-then-reuse-values" in run_helm(helm, "upgrade", "--help").stdout

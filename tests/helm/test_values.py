@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from typing import Any
@@ -20,6 +21,8 @@ BAD_VALUES = [
     (["operator.replicas=-2"], "at '/operator/replicas': minimum: got -2, want 0"),
     (["operator.replicas=two"], "at '/operator/replicas': got string, want integer"),
     (["gateway.maxQueue=lots"], "at '/gateway/maxQueue': got string, want integer"),
+    # 0 answers 429 to every request (a model sheds when waiting >= --max-queue).
+    (["gateway.maxQueue=0"], "at '/gateway/maxQueue': minimum: got 0, want 1"),
     (["gateway.auth.enabled=maybe"], "at '/gateway/auth/enabled': got string, want boolean"),
     (["gateway.replicaCount=3"], "at '/gateway': additional properties 'replicaCount' not allowed"),
     (["replicas=3"], "at '': additional properties 'replicas' not allowed"),
@@ -70,6 +73,37 @@ BAD_VALUES = [
         ["gateway.auth.keys[0].name=env-1", "gateway.auth.keys[0].key=k"],
         'the name "env-1" is the bootstrap key\'s',
     ),
+    # One key twice, which the gateway refuses too: as it compares them, by SHA-256 of the
+    # trimmed key, or key_sha256 in any case.
+    (
+        [
+            "gateway.auth.keys[0].name=a",
+            "gateway.auth.keys[0].key=sk-1",
+            "gateway.auth.keys[1].name=b",
+            "gateway.auth.keys[1].key=sk-1 ",
+        ],
+        'gateway.auth.keys: "a" and "b" hold the same key',
+    ),
+    (
+        [
+            "gateway.auth.keys[0].name=a",
+            "gateway.auth.keys[0].key_sha256=" + hashlib.sha256(b"sk-1").hexdigest(),
+            "gateway.auth.keys[1].name=b",
+            "gateway.auth.keys[1].key=sk-2",
+            "gateway.auth.keys[2].name=c",
+            "gateway.auth.keys[2].key=sk-1",
+        ],
+        'gateway.auth.keys: "a" and "c" hold the same key',
+    ),
+    (
+        [
+            "gateway.auth.keys[0].name=a",
+            "gateway.auth.keys[0].key_sha256=" + hashlib.sha256(b"k").hexdigest(),
+            "gateway.auth.keys[1].name=b",
+            "gateway.auth.keys[1].key_sha256=" + hashlib.sha256(b"k").hexdigest().upper(),
+        ],
+        'gateway.auth.keys: "a" and "b" hold the same key',
+    ),
     # A second app.kubernetes.io/name would break every selector.
     (
         ["commonLabels.app\\.kubernetes\\.io/name=x"],
@@ -78,6 +112,14 @@ BAD_VALUES = [
     # Labels the API server would refuse on every object the chart makes.
     (["commonLabels.team=a b!"], "at '/commonLabels/team'"),
     (["commonLabels.bad key=x"], "invalid propertyName 'bad key'"),
+    # The same for the monitors' and the dashboard's own labels.
+    (
+        ["monitoring.labels.app\\.kubernetes\\.io/instance=x"],
+        "invalid propertyName 'app.kubernetes.io/instance'",
+    ),
+    (["monitoring.labels.release=kube prometheus"], "at '/monitoring/labels/release'"),
+    (["monitoring.dashboard.labels.grafana_dashboard=-1-"], "/monitoring/dashboard/labels/"),
+    (["redis.nodeSelector.pool=a b"], "at '/redis/nodeSelector/pool'"),
     (["gateway.podDisruptionBudget.maxUnavailable=150%"], "podDisruptionBudget/maxUnavailable"),
     # Names the API server refuses on the pods or the Ingress, for every object at once.
     (["operator.priorityClassName=High_Priority"], "at '/operator/priorityClassName'"),
@@ -281,3 +323,68 @@ def test_namespace_scoped_releases_in_two_namespaces_claim_different_cluster_obj
 
     first, second = cluster_scoped("ops-a"), cluster_scoped("ops-b")
     assert first and not first & second
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """A YAML loader that refuses a key twice in one mapping (PyYAML keeps the last)."""
+
+
+def _unique_mapping(loader: _UniqueKeys, node: yaml.MappingNode, deep: bool = False) -> Any:
+    keys = [loader.construct_object(key, deep=True) for key, _ in node.value]
+    twice = sorted({str(k) for k in keys if keys.count(k) > 1})
+    assert not twice, f"keys twice in one mapping: {twice}"
+    return loader.construct_mapping(node, deep)
+
+
+_UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def test_monitoring_labels_merge_with_the_chart_labels_each_key_once(helm):
+    # Appended after the chart's labels, a key in both came out twice (the last won).
+    sets = [
+        "monitoring.enabled=true",
+        "commonLabels.release=common",
+        "commonLabels.team=a",
+        "monitoring.labels.release=kube-prometheus-stack",
+        "monitoring.labels.app\\.kubernetes\\.io/part-of=other",
+        "monitoring.labels.helm\\.sh/chart=other",
+        "monitoring.dashboard.labels.team=b",
+    ]
+    result = run_helm(helm, *template_args(CHART, sets=sets))
+    assert result.returncode == 0, result.stderr
+    manifests = [d for d in yaml.load_all(result.stdout, Loader=_UniqueKeys) if d]
+    by_kind = {m["kind"]: m["metadata"]["labels"] for m in manifests}
+    for kind in ("ServiceMonitor", "PodMonitor"):
+        labels = by_kind[kind]
+        assert labels["release"] == "kube-prometheus-stack", kind  # over commonLabels
+        assert labels["team"] == "a", kind
+        # The chart's own labels win.
+        assert labels["app.kubernetes.io/part-of"] == "tandem", kind
+        assert labels["helm.sh/chart"] == "tandem-0.1.0", kind
+    dashboard = by_kind["ConfigMap"]
+    assert dashboard["team"] == "b" and dashboard["grafana_dashboard"] == "1"
+    assert dashboard["release"] == "common"
+
+
+def test_ingress_paths_and_class_stay_as_written(helm, tmp_path):
+    # Unquoted, "/a: b" broke the YAML, "/v1 #x" lost its " #x", and class "on" was true.
+    paths = ["/a: b", "/v1 #x", "/{x}"]
+    ingress = {
+        "enabled": True,
+        "className": "on",
+        "hosts": [{"host": "a.b", "paths": [{"path": p, "pathType": "Prefix"} for p in paths]}],
+    }
+    values = tmp_path / "ingress.yaml"
+    values.write_text(yaml.safe_dump({"gateway": {"ingress": ingress}}))
+    (rendered,) = [m for m in render(helm, values=[values]) if m["kind"] == "Ingress"]
+    assert rendered["spec"]["ingressClassName"] == "on"
+    (rule,) = rendered["spec"]["rules"]
+    assert [p["path"] for p in rule["http"]["paths"]] == paths
+
+
+def test_the_notes_keep_a_blank_line_under_their_first_line(helm):
+    args = ["install", "t", str(CHART), "--dry-run=client", "-n", "tandem-system"]
+    result = run_helm(helm, *args)
+    assert result.returncode == 0, result.stderr
+    notes = result.stdout.split("NOTES:\n", 1)[1]
+    assert notes.startswith("Tandem 0.1.0 is installed in namespace tandem-system.\n\n1. Serve")

@@ -40,19 +40,34 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
+{{/*
+Every object's labels. Optional: "pod" true leaves out the chart's version and
+appVersion (a pod template's labels: a chart bump alone must not restart a pod,
+least of all Redis' only one), and "extra", a map of labels of this object that
+win over commonLabels. The chart's own labels win over both: each key once.
+*/}}
 {{- define "tandem.labels" -}}
 {{ include "tandem.selectorLabels" . }}
 app.kubernetes.io/part-of: tandem
-app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+{{- if not .pod }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | replace "+" "_" | trunc 63 | quote }}
+{{- end }}
 app.kubernetes.io/managed-by: {{ .root.Release.Service }}
-helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
-{{- /* The chart's own labels win: a second copy of a key would break the selectors. */}}
-{{- $own := fromYaml (include "tandem.selectorLabels" .) }}
-{{- range $key, $value := .root.Values.commonLabels }}
-{{- if and (not (hasKey $own $key)) (not (has $key (list "app.kubernetes.io/part-of" "app.kubernetes.io/version" "app.kubernetes.io/managed-by" "helm.sh/chart"))) }}
+{{- if not .pod }}
+{{- /* A label value takes no "+" (SemVer build metadata): "_", as `helm create` does. */}}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- $own := keys (fromYaml (include "tandem.selectorLabels" .)) | concat (list "app.kubernetes.io/part-of" "app.kubernetes.io/version" "app.kubernetes.io/managed-by" "helm.sh/chart") }}
+{{- range $key, $value := merge (dict) (.extra | default dict) .root.Values.commonLabels }}
+{{- if not (has $key $own) }}
 {{ $key }}: {{ $value | quote }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/* A pod template's labels: tandem.labels without the version labels. */}}
+{{- define "tandem.podLabels" -}}
+{{- include "tandem.labels" (dict "root" .root "component" .component "pod" true) }}
 {{- end }}
 
 {{/*
@@ -182,6 +197,23 @@ expands $(REDIS_PASSWORD) into the URL when the container starts.
     secretKeyRef:
       name: {{ include "tandem.redisUrlSecret" .root }}
       key: {{ ternary .root.Values.redis.external.existingSecretKey "url" (ne .root.Values.redis.external.existingSecret "") }}
+{{- end }}
+{{- end }}
+
+{{/*
+A checksum of what decides Redis' password (or an external Redis' URL), for the pod
+annotation checksum/redis-auth: Redis and its clients read it at start only, so a
+change must restart them all together. The values are hashed, not the Secret: a
+generated password is looked up on upgrade but random under `helm template` (Argo
+CD), and its hash would then restart every pod on every render. A change inside an
+existingSecret is not seen: restart the pods (kubectl rollout restart).
+*/}}
+{{- define "tandem.redisAuthChecksum" -}}
+{{- $redis := .Values.redis }}
+{{- if $redis.enabled }}
+{{- toJson (dict "enabled" true "auth" $redis.auth) | sha256sum }}
+{{- else }}
+{{- toJson (dict "enabled" false "external" $redis.external) | sha256sum }}
 {{- end }}
 {{- end }}
 
@@ -342,12 +374,15 @@ is bytes.
 {{- end }}
 
 {{/*
-API key names the gateway refuses at start (a crash loop): a name twice, or a name the
-bootstrap key takes (the gateway names TANDEM_API_KEYS' keys env-1, env-2, ...).
+API keys the gateway refuses at start (gateway/auth.py, KeyStore.load; a crash loop): a
+name twice, a name the bootstrap key takes (the gateway names TANDEM_API_KEYS' keys
+env-1, env-2, ...), or one key twice, in either form: the gateway compares SHA-256
+digests of `key` (trimmed) and of `key_sha256` (hex in any case).
 */}}
 {{- define "tandem.keyNameCheck" -}}
 {{- if and .enabled (not .existingSecret) }}
 {{- $seen := dict }}
+{{- $digests := dict }}
 {{- range .keys }}
 {{- if hasKey $seen .name }}
 {{- fail (printf "gateway.auth.keys: the name %q is used twice; the gateway needs each key's name unique" .name) }}
@@ -356,6 +391,14 @@ bootstrap key takes (the gateway names TANDEM_API_KEYS' keys env-1, env-2, ...).
 {{- if and $.bootstrapKey (eq .name "env-1") }}
 {{- fail "gateway.auth.keys: the name \"env-1\" is the bootstrap key's (gateway.auth.bootstrapKey); name the key otherwise" }}
 {{- end }}
+{{- $digest := lower (toString .key_sha256) }}
+{{- if hasKey . "key" }}
+{{- $digest = sha256sum (trim (toString .key)) }}
+{{- end }}
+{{- if hasKey $digests $digest }}
+{{- fail (printf "gateway.auth.keys: %q and %q hold the same key (as key or key_sha256); the gateway refuses a key listed twice" (get $digests $digest) .name) }}
+{{- end }}
+{{- $_ := set $digests $digest .name }}
 {{- end }}
 {{- end }}
 {{- end }}
