@@ -148,8 +148,9 @@ class Engine:
         if generated_token_ids:
             self._check_token_ids(generated_token_ids)
             request.token_ids.extend(generated_token_ids)
-            if _already_done(request):  # the last engine died before saying so
-                self._finished_early.append((request, "stop"))
+            # The last engine died before saying so.
+            if (reason := _already_done(request, self.config.max_model_len)) is not None:
+                self._finished_early.append((request, reason))
                 return request
         self.scheduler.add_request(request, exact_max_tokens=exact_max_tokens)
         self._track(request, generated_text)
@@ -396,8 +397,11 @@ def _with_stop_ids(params: SamplingParams, extra: tuple[int, ...]) -> SamplingPa
     return dataclasses.replace(params, stop_token_ids=stop_ids)
 
 
-def _already_done(request: Request) -> bool:
-    """A resumed request whose generated tokens already end it."""
-    if request.num_tokens >= request.max_num_tokens:
-        return True
-    return request.num_output_tokens > 0 and request.token_ids[-1] in request.stop_token_set
+def _already_done(request: Request, max_model_len: int) -> str | None:
+    """The finish reason of a resumed request whose generated tokens already end it (its
+    last token a stop, or the tokens at max_tokens or the context's end), else None."""
+    if request.num_output_tokens > 0 and request.token_ids[-1] in request.stop_token_set:
+        return "stop"
+    if request.num_tokens >= min(request.max_num_tokens, max_model_len):
+        return "length"
+    return None

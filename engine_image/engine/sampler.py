@@ -164,6 +164,9 @@ class Sampler:
 
         index = _index(rand, device)
         temps_t = torch.tensor(temps, device=device, dtype=torch.float32).unsqueeze(1)
+        # A temperature under float32's smallest (1e-46, valid to the API) rounds to 0:
+        # 0/0 is NaN. The smallest normal one already makes every other token -inf.
+        temps_t.clamp_(min=torch.finfo(torch.float32).tiny)
         if len(rand) == len(logits) and rand == list(range(len(logits))):
             scaled = logits.float()  # every row: no gather
         else:

@@ -223,6 +223,32 @@ def test_engine_outputs_stream_deltas_that_add_up_to_the_text(llm):
     assert "".join(deltas) == llm.tokenizer.decode(tokens)
 
 
+def _resume(llm, prompt_ids, generated, max_tokens):
+    engine = llm.engine
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    engine.add_request(
+        "r", None, params, prompt_token_ids=prompt_ids, generated_token_ids=generated
+    )
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    return outputs
+
+
+def test_a_resumed_request_already_at_the_contexts_end_samples_nothing(llm):
+    # Its last engine died after sending the token that filled the context (128).
+    outputs = _resume(llm, [5] * 100, [7] * 28, max_tokens=500)
+    [final] = outputs
+    assert final.finished and final.finish_reason == "length" and final.new_token_ids == []
+
+
+def test_a_resumed_request_ending_on_a_stop_token_ends_as_a_stop(llm):
+    params = SamplingParams(max_tokens=50, temperature=0.0, stop_token_ids=(9,))
+    llm.engine.add_request("s", None, params, prompt_token_ids=[5] * 10, generated_token_ids=[9])
+    [final] = llm.engine.step()
+    assert final.finished and final.finish_reason == "stop" and final.new_token_ids == []
+
+
 def test_a_step_that_raises_ends_its_requests_not_the_engine(llm, monkeypatch):
     engine = llm.engine
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

@@ -384,10 +384,11 @@ def test_a_row_of_zeros_in_draft_probs_is_a_point_mass_draft():
         assert batched[0] == alone[0]
 
 
-@pytest.mark.parametrize("temperature", [1e-38, 1e-30, 1e-8])
+@pytest.mark.parametrize("temperature", [1e-300, 1e-46, 1e-38, 1e-30, 1e-8])
 def test_a_tiny_temperature_samples_the_most_likely_token(temperature):
     # The logits over a tiny temperature overflowed float32 into NaN probabilities,
-    # which picked the vocabulary's last token every step.
+    # which picked the vocabulary's last token every step; below float32's smallest
+    # number (1e-46) the temperature itself rounded to 0 and divided into NaN.
     row = [3.0, 9.5, -2.0, 9.0, 0.5, 7.0]
     for seed in (None, 0, 7):
         params = SamplingParams(temperature=temperature, seed=seed)
