@@ -139,7 +139,11 @@ def rate_limited(
 
 
 def deadline_exceeded(message: str) -> GatewayError:
-    return GatewayError(504, message, type="timeout_error", code="deadline_exceeded")
+    # The SDKs retry a 504: the same request under the same deadline mostly fails alike.
+    headers = {"x-should-retry": "false"}
+    return GatewayError(
+        504, message, type="timeout_error", code="deadline_exceeded", headers=headers
+    )
 
 
 # The code of every answer that failed on Redis (the one docs/gateway.md names).

@@ -295,6 +295,11 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) 
         value = getattr(body, name)
         if value is not None:
             fields[name] = [value] if name == "stop" and isinstance(value, str) else value
+    if fields.get("top_p") == 0:
+        # OpenAI takes 0 (temperature=0, top_p=0 is a common "deterministic" recipe): the
+        # nucleus shrunk to the likeliest token, which is top_k=1 to the engines.
+        del fields["top_p"]
+        fields["top_k"] = 1
     if body.logit_bias:
         fields["logit_bias"] = _logit_bias(body.logit_bias)
     # Chat: logprobs is a switch, top_logprobs the alternatives; completions: a count.

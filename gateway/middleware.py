@@ -1,4 +1,4 @@
-"""Two pure-ASGI middlewares: the body size limit and the per-request metrics.
+"""Two pure-ASGI middlewares: the body size limit, and the per-request metrics and id.
 
 Pure ASGI rather than Starlette's BaseHTTPMiddleware: that one runs the app in
 another task and costs a few hundred microseconds a request, and it hides the
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -19,6 +20,10 @@ from tandem.gateway.metrics import UNKNOWN_MODEL, GatewayMetrics, route_label
 
 # Where routes leave the model label for the metrics (request.state.model_label).
 MODEL_LABEL = "model_label"
+# Where the service leaves the id of the work admitted (request.state.request_id): the
+# response's id without its prefix, which the engines' logs and traces carry too.
+REQUEST_ID = "request_id"
+REQUEST_ID_HEADER = b"x-request-id"
 
 
 class BodyLimit:
@@ -114,7 +119,9 @@ def _content_length(scope: Scope) -> int | None:
 
 
 class RequestObserver:
-    """Counts every request by route, model and status; times it to its last byte.
+    """Counts every request by route, model and status; times it to its last byte; names
+    it in an x-request-id header, as OpenAI's API does (its SDKs show it as
+    `_request_id`): the admitted work's id, else one of its own.
 
     A client that left is counted as 499, also when its stream had started (200).
     """
@@ -138,6 +145,9 @@ class RequestObserver:
             nonlocal status, finished_at
             if message["type"] == "http.response.start":
                 status = message["status"]
+                rid = state.get(REQUEST_ID) or f"req_{uuid.uuid4().hex}"
+                headers = [*message.get("headers", ()), (REQUEST_ID_HEADER, rid.encode())]
+                message = {**message, "headers": headers}
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 finished_at = time.perf_counter()
             await send(message)

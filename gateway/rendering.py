@@ -152,15 +152,18 @@ class CompletionRenderer(Renderer):
     object = "text_completion"
     chunk_object = "text_completion"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, prompt_chars: int = 0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # text_offset counts from the prompt's start, as OpenAI's does: a text prompt's
+        # length (a prompt of token ids has no text here: its offsets start at 0).
+        self._prompt_chars = prompt_chars
         # Per choice, the characters of token text streamed so far (text_offset).
         self._streamed: dict[int, int] = {}
 
     def text(
         self, index: int, text: str, logprobs: list[dict[str, Any]] | None = None
     ) -> dict[str, Any]:
-        start = self._streamed.get(index, 0)
+        start = self._streamed.get(index, self._prompt_chars)
         lists = self._lists(logprobs or [], start)
         self._streamed[index] = start + sum(len(e["token"]) for e in logprobs or [])
         return self._chunk([self._text(index, text, None, lists)])
@@ -169,7 +172,7 @@ class CompletionRenderer(Renderer):
         return self._chunk([self._text(index, "", reason, None)])
 
     def _choice(self, index: int, choice: ChoiceResult) -> dict[str, Any]:
-        lists = self._lists(choice.logprobs, 0)
+        lists = self._lists(choice.logprobs, self._prompt_chars)
         return self._text(index, choice.text, choice.finish_reason, lists)
 
     def _lists(self, entries: list[dict[str, Any]], start: int) -> dict[str, Any] | None:
@@ -184,7 +187,7 @@ class CompletionRenderer(Renderer):
         return {
             "tokens": [e["token"] for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [_by_text(e["top_logprobs"]) for e in entries],
+            "top_logprobs": [_by_text(e) for e in entries],
             "text_offset": offsets,
         }
 
@@ -195,11 +198,13 @@ class CompletionRenderer(Renderer):
         return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": reason}
 
 
-def _by_text(top: list[dict[str, Any]]) -> dict[str, float]:
-    """The legacy format's {text: logprob}: tokens that decode alike (parts of
-    multi-byte characters all read U+FFFD) share a key, which keeps the likeliest
+def _by_text(entry: dict[str, Any]) -> dict[str, float]:
+    """The legacy format's {text: logprob}: the top alternatives and, as OpenAI's always
+    has it, the token chosen (up to logprobs + 1 keys). Tokens that decode alike (parts
+    of multi-byte characters all read U+FFFD) share a key, which keeps the likeliest
     (the list comes most likely first): a greedy choice shows its own logprob."""
     by_text: dict[str, float] = {}
-    for t in top:
+    for t in entry["top_logprobs"]:
         by_text.setdefault(t["token"], t["logprob"])
+    by_text.setdefault(entry["token"], entry["logprob"])
     return by_text

@@ -92,7 +92,10 @@ StopText = Annotated[str, Field(min_length=1)]
 MAX_STOP_SEQUENCES = 4
 Stop = StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_SEQUENCES)] | None
 Temperature = Annotated[float | None, Field(ge=0, le=2, allow_inf_nan=False)]
-TopP = Annotated[float | None, Field(gt=0, le=1, allow_inf_nan=False)]
+TopP = Annotated[
+    float | None,
+    Field(ge=0, le=1, allow_inf_nan=False, description="0 keeps only the likeliest token."),
+]
 TopK = Annotated[int | None, Field(ge=1, description="Extension: top-k sampling.")]
 PriorityField = Annotated[
     Priority | None,

@@ -82,14 +82,8 @@ class GatewayService:
         run_id = await self.epoch.current()
         ticket = await self.admission.admit(caller, job, request.headers.get(IDEMPOTENCY_HEADER))
         request.state.model_label = job.model
-        kind: type[Renderer] = ChatRenderer if job.kind == "chat" else CompletionRenderer
-        renderer = kind(
-            ticket.base_id,
-            ticket.created,
-            job.model,
-            include_usage=job.include_usage,
-            logprobs=job.logprobs,
-        )
+        request.state.request_id = ticket.base_id  # the x-request-id header
+        renderer = _renderer(job, ticket)
         arrived = cast(float, request.scope.get("state", {}).get("arrived", time.perf_counter()))
         generation = Generation(
             job,
@@ -177,3 +171,13 @@ class GatewayService:
 
 def service_of(request: Request) -> GatewayService:
     return cast(GatewayService, request.app.state.gateway)
+
+
+def _renderer(job: Job, ticket: Ticket) -> Renderer:
+    shared = {"include_usage": job.include_usage, "logprobs": job.logprobs}
+    if job.kind == "chat":
+        return ChatRenderer(ticket.base_id, ticket.created, job.model, **shared)
+    prompt = job.items[0].prompt
+    return CompletionRenderer(
+        ticket.base_id, ticket.created, job.model, prompt_chars=len(prompt or ""), **shared
+    )

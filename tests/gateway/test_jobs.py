@@ -37,6 +37,11 @@ def test_a_chat_request_becomes_one_work_item_with_its_sampling():
     assert job.cost_tokens == 2 + 5
 
 
+def test_top_p_0_is_the_likeliest_token_alone():
+    [item] = _chat(temperature=1.0, top_p=0, top_k=5).items
+    assert item.sampling["top_k"] == 1 and "top_p" not in item.sampling
+
+
 def test_developer_messages_are_system_messages():
     # OpenAI's newer name for the system role; chat templates know only "system".
     messages = [

@@ -55,6 +55,27 @@ def test_chat_answers_what_the_engine_generates_with_its_usage(sdk, direct):
     assert reply.usage.prompt_tokens_details.cached_tokens >= 0
 
 
+def test_every_answer_names_its_request_for_support(sdk):
+    raw = sdk.chat.completions.with_raw_response.create(
+        model="tiny", messages=MESSAGES, max_tokens=2, **GREEDY
+    )
+    reply = raw.parse()
+    # The SDK's _request_id is the x-request-id header: the work's id, as in the engines.
+    assert reply._request_id and reply.id == f"chatcmpl-{reply._request_id}"
+    with pytest.raises(openai.NotFoundError) as refused:
+        sdk.chat.completions.create(model="nope", messages=MESSAGES, max_tokens=2)
+    assert refused.value.request_id and refused.value.request_id.startswith("req_")
+
+
+def test_top_p_0_keeps_only_the_likeliest_token(sdk):
+    # OpenAI takes 0 ("temperature=0, top_p=0" for determinism): any temperature then
+    # gives the greedy answer.
+    args = dict(model="tiny", messages=MESSAGES, max_tokens=8, extra_body={"ignore_eos": True})
+    greedy = sdk.chat.completions.create(**args, **GREEDY).choices[0].message.content
+    hot = sdk.chat.completions.create(**args, temperature=2.0, top_p=0, seed=1)
+    assert hot.choices[0].message.content == greedy
+
+
 def test_penalties_reach_the_engine(sdk, direct):
     penalties = {"presence_penalty": 0.5, "frequency_penalty": 1.5}
     args = dict(model="tiny", messages=MESSAGES, max_tokens=24, extra_body={"ignore_eos": True})
@@ -116,12 +137,12 @@ def test_completion_logprobs_are_parallel_lists(sdk):
     )
     lists = reply.choices[0].logprobs
     assert len(lists.tokens) == len(lists.token_logprobs) == len(lists.top_logprobs) == 6
-    assert all(
-        len(top) <= 2 and lp <= 0
-        for top, lp in zip(lists.top_logprobs, lists.token_logprobs, strict=True)
-    )
-    # Each token's offset is where its text starts among the tokens' texts.
-    assert lists.text_offset == [sum(len(t) for t in lists.tokens[:i]) for i in range(6)]
+    # The two likeliest and, where it is neither, the token chosen (as OpenAI's).
+    for token, top, lp in zip(lists.tokens, lists.top_logprobs, lists.token_logprobs, strict=True):
+        assert len(top) <= 3 and lp <= 0 and top[token] == pytest.approx(lp)
+    # Each token's offset is where its text starts in the prompt and completion.
+    start = len("Once upon a time")
+    assert lists.text_offset == [start + sum(len(t) for t in lists.tokens[:i]) for i in range(6)]
     with pytest.raises(openai.BadRequestError, match="logprobs"):
         sdk.completions.create(model="tiny", prompt="x", max_tokens=2, logprobs=6)
 

@@ -93,6 +93,31 @@ def test_logprobs_follow_each_endpoints_model():
     assert second["choices"][0]["logprobs"]["text_offset"] == [3]
 
 
+def test_completion_offsets_count_from_the_prompts_start():
+    # OpenAI's text_offset: where each token starts in prompt + completion, echo or not.
+    entries = [_entry("Hel", -0.5), _entry("lo", -0.25)]
+    choices = [ChoiceResult(["Hel", "lo"], "stop", None, entries)]
+    args = ("xyz", 1, "tiny")
+    completion = CompletionRenderer(*args, include_usage=False, logprobs=True, prompt_chars=5)
+    assert completion.response(choices)["choices"][0]["logprobs"]["text_offset"] == [5, 8]
+    first, second = completion.text(0, "Hel", entries[:1]), completion.text(0, "lo", entries[1:])
+    assert first["choices"][0]["logprobs"]["text_offset"] == [5]
+    assert second["choices"][0]["logprobs"]["text_offset"] == [8]
+
+
+def test_completion_top_logprobs_always_hold_the_chosen_token():
+    # Sampled below the top 1: OpenAI lists it too (up to logprobs + 1 keys).
+    entry = {
+        "token": "b",
+        "logprob": -3.0,
+        "bytes": [98],
+        "top_logprobs": [{"token": "a", "logprob": -0.1, "bytes": [97]}],
+    }
+    completion = CompletionRenderer("xyz", 1, "tiny", include_usage=False, logprobs=True)
+    body = completion.response([ChoiceResult(["b"], "length", None, [entry])])
+    assert body["choices"][0]["logprobs"]["top_logprobs"] == [{"a": -0.1, "b": -3.0}]
+
+
 def test_completion_top_logprobs_keep_the_likeliest_of_tokens_that_read_alike():
     # Parts of multi-byte characters all read U+FFFD: one key in the legacy dict,
     # which must keep the chosen (likeliest) token's logprob, not the last one's.
