@@ -28,7 +28,7 @@ from tandem import catalog
 from tandem.operator import scaling
 from tandem.operator.autoscaler import Decision
 from tandem.operator.drift import ChildKey, repair_patch
-from tandem.operator.events import Event, readability_events, with_adoptions
+from tandem.operator.events import Event, queue_events, readability_events, with_adoptions
 from tandem.operator.kube import ApiError, KubeApi
 from tandem.operator.manifests import (
     CHILD_KINDS,
@@ -43,6 +43,7 @@ from tandem.operator.pod_load import PodSample
 from tandem.operator.reconcile import (
     Plan,
     child_taken,
+    forbidden,
     plan,
     refused,
     role_replicas,
@@ -204,12 +205,17 @@ class Controller:
             log.warning(
                 "%s/%s: no queue depth (%s); autoscaling skipped", namespace, meta["name"], error
             )
-            return _Scaling(scaling.ScalerMemory())
+            why = str(error) or type(error).__name__
+            return _Scaling(
+                scaling.ScalerMemory(queue_unreadable=why),
+                notices=queue_events(memory.queue_unreadable, why),
+            )
         samples = await self._sources.sample_all(scaling.scrape_targets(pods))
         evaluation = scaling.evaluate(spec, replicas, pods, samples, queue, memory, self._clock())
         shrinking = [role for role, d in evaluation.changed.items() if d.replicas < d.current]
         costs = _deletion_costs(pods, shrinking, samples)
-        notices = readability_events(evaluation.decisions)
+        notices = queue_events(memory.queue_unreadable, None)
+        notices += readability_events(evaluation.decisions)
         return _Scaling(evaluation.memory, evaluation.changed, costs, samples, notices)
 
     async def _costs(
@@ -261,6 +267,11 @@ class Controller:
             await self._apply(model, child_taken(model, str(taken), now=_now()), {})
             return
         except ApiError as error:
+            if error.forbidden:
+                # Said in the status and an Event, not only the log; the next pass
+                # (a child's event, the timer) tries again.
+                await self._apply(model, forbidden(model, str(error), now=_now()), {})
+                return
             if not error.refused:
                 raise  # retried with backoff
             # The spec passed our checks but builds a child the API server refuses

@@ -4,12 +4,16 @@ A child is compared with its manifest on the fields the operator sets
 (manifests.py), ignoring what the API server adds (defaults, uid, status):
 every value the manifest sets must be there, lists must match item by item,
 and a few fields the operator owns must be absent when the manifest leaves
-them out (a removed nodeSelector). Quantities compare by value, because the
-API server rewrites them ("1024Mi" comes back as "1Gi", 1 as "1").
+them out (a removed nodeSelector). Some maps it owns whole, to any depth: a
+key the spec no longer has (one nodeSelector label, an affinity branch, a
+memory limit) must go from the child too, which a merge patch does only when
+told (a null). Quantities compare by value, because the API server rewrites
+them ("1024Mi" comes back as "1Gi", 1 as "1").
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,10 +36,18 @@ _OPTIONAL_OWNED: Mapping[str, tuple[tuple[str, ...], ...]] = {
         )
     ),
 }
-# Maps the operator owns whole: extra keys in the child are drift.
+_POD = ("spec", "template", "spec")
+# Maps the operator owns whole, to any depth: extra keys in the child are drift.
+# "*" stands for every item of a list (the containers): a patch replaces a list
+# whole, so only the maps outside lists need their extra keys nulled.
 _EXACT: Mapping[str, tuple[tuple[str, ...], ...]] = {
     "ConfigMap": (("data",),),
     "Secret": (("data",),),
+    "Deployment": (
+        (*_POD, "nodeSelector"),
+        (*_POD, "affinity"),
+        (*_POD, "containers", "*", "resources"),
+    ),
 }
 _MISSING = object()
 
@@ -69,9 +81,7 @@ def drift(desired: Body, actual: Body) -> tuple[str, ...]:
     for path in _OPTIONAL_OWNED.get(kind, ()):
         if _get(desired, path) is _MISSING and _get(actual, path) is not _MISSING:
             found.append(".".join(path))
-    for path in _EXACT.get(kind, ()):
-        extra = set(_mapping(_get(actual, path))) - set(_mapping(_get(desired, path)))
-        found.extend(f"{'.'.join(path)}.{key}" for key in sorted(extra))
+    found.extend(_dotted(extra) for extra in _owned_extras(desired, actual))
     return tuple(found)
 
 
@@ -88,14 +98,15 @@ def repair_patch(desired: Body, actual: Body) -> dict[str, Any]:
         patch["metadata"]["annotations"] = dict(meta["annotations"])
     for key, value in desired.items():
         if key not in ("apiVersion", "kind", "metadata", "status"):
-            patch[key] = value
+            patch[key] = copy.deepcopy(value)  # the nulls below must not reach `desired`
     kind = desired.get("kind", "")
     for path in _OPTIONAL_OWNED.get(kind, ()):
         if _get(desired, path) is _MISSING and _get(actual, path) is not _MISSING:
             _set(patch, path, None)
-    for path in _EXACT.get(kind, ()):
-        for extra in set(_mapping(_get(actual, path))) - set(_mapping(_get(desired, path))):
-            _set(patch, (*path, extra), None)
+    for extra in _owned_extras(desired, actual):
+        # Under a list the patch's list replaces the child's whole; a map needs nulls.
+        if all(isinstance(key, str) for key in extra):
+            _set(patch, [str(key) for key in extra], None)
     return patch
 
 
@@ -126,6 +137,70 @@ def _differences(desired: Any, actual: Any, path: str) -> list[str]:
     return [] if desired == actual and type(desired) is type(actual) else [path]
 
 
+def _owned_extras(desired: Body, actual: Body) -> list[tuple[str | int, ...]]:
+    """Keys of the maps the operator owns whole that the child has and the manifest lacks
+    (a map the manifest leaves out entirely is _OPTIONAL_OWNED's)."""
+    return [
+        extra
+        for path in _EXACT.get(desired.get("kind", ""), ())
+        if "*" in path or _get(desired, path) is not _MISSING
+        for extra in _extra_keys(desired, actual, path)
+    ]
+
+
+def _extra_keys(desired: Body, actual: Body, path: Sequence[str]) -> list[tuple[str | int, ...]]:
+    """The paths of keys `actual` has under `path` (to any depth) that `desired` lacks;
+    list indices are ints."""
+    if "*" not in path:
+        return [(*path, *extra) for extra in _extra_below(_get(desired, path), _get(actual, path))]
+    star = path.index("*")
+    wanted, have = _get(desired, path[:star]), _get(actual, path[:star])
+    if not isinstance(wanted, list) or not isinstance(have, list) or len(wanted) != len(have):
+        return []  # a list of another length is drift already, and replaced whole
+    return [
+        (*path[:star], index, *extra)
+        for index, (want, got) in enumerate(zip(wanted, have, strict=True))
+        for extra in _extra_keys(want, got, path[star + 1 :])
+        if not _server_default(want, got, extra)
+    ]
+
+
+def _extra_below(desired: Any, actual: Any) -> list[tuple[str | int, ...]]:
+    if isinstance(actual, Mapping) and (desired is _MISSING or isinstance(desired, Mapping)):
+        wanted: Mapping[str, Any] = desired if isinstance(desired, Mapping) else {}
+        return [
+            (key, *extra)
+            for key in actual
+            for extra in ([()] if key not in wanted else _extra_below(wanted[key], actual[key]))
+        ]
+    if isinstance(desired, list) and isinstance(actual, list) and len(desired) == len(actual):
+        return [
+            (index, *extra)
+            for index, (want, have) in enumerate(zip(desired, actual, strict=True))
+            for extra in _extra_below(want, have)
+        ]
+    return []
+
+
+def _server_default(desired: Any, actual: Any, extra: tuple[str | int, ...]) -> bool:
+    """Requests the API server filled in from their limits (a request left out defaults
+    to its limit): not drift."""
+    if extra[:2] != ("resources", "requests") or len(extra) > 3:
+        return False
+    have = _get(actual, extra)
+    requests = have if len(extra) == 2 else {extra[2]: have}
+    if not isinstance(requests, Mapping) or not requests:
+        return False
+    limits = _get(desired, ("resources", "limits"))
+    try:
+        return isinstance(limits, Mapping) and all(
+            key in limits and quantity_value(limits[key]) == quantity_value(value)
+            for key, value in requests.items()
+        )
+    except ValueError:
+        return False
+
+
 def _dropped_when_stored(value: Any) -> bool:
     """Whether the API server stores nothing for this value: Go's omitempty drops
     empty strings, lists and maps, false and 0 (and a map of nothing but those)."""
@@ -140,9 +215,16 @@ def _is_quantity(path: str) -> bool:
     return ".resources.limits." in path or ".resources.requests." in path
 
 
-def _get(obj: Any, path: Sequence[str]) -> Any:
+def _dotted(path: Sequence[str | int]) -> str:
+    return "".join(f"[{key}]" if isinstance(key, int) else f".{key}" for key in path).lstrip(".")
+
+
+def _get(obj: Any, path: Sequence[str | int]) -> Any:
     for key in path:
-        if not isinstance(obj, Mapping) or key not in obj:
+        if isinstance(key, int):
+            if not isinstance(obj, list) or key >= len(obj):
+                return _MISSING
+        elif not isinstance(obj, Mapping) or key not in obj:
             return _MISSING
         obj = obj[key]
     return obj
@@ -152,7 +234,3 @@ def _set(obj: dict[str, Any], path: Sequence[str], value: Any) -> None:
     for key in path[:-1]:
         obj = obj.setdefault(key, {})
     obj[path[-1]] = value
-
-
-def _mapping(value: Any) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}

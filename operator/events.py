@@ -3,12 +3,15 @@
 Pure. The reason names the cause: the autoscaler or a bound (ScaledUp,
 ScaledDown), a spec edit (SpecApplied), the operator's own settings
 (SettingsApplied), a hand edit set back (DriftRepaired), a spec that cannot be
-served (InvalidSpec, ServedNameTaken, ChildTaken: once, not on every pass), a role whose
-metrics nobody can read (MetricsUnreadable, then MetricsReadable: once each).
+served (InvalidSpec, ServedNameTaken, ChildTaken: once, not on every pass), writes the
+API server forbids (Forbidden), a role whose metrics nobody can read (MetricsUnreadable,
+then MetricsReadable: once each), a request queue nobody can read (QueueUnreadable,
+then QueueReadable).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -150,6 +153,22 @@ def readability_events(decisions: Mapping[RoleName, Decision]) -> tuple[Event, .
         else:
             found.append(Event("MetricsReadable", f"{role.value}: pods' metrics readable again"))
     return tuple(found)
+
+
+def queue_events(before: str | None, now: str | None) -> tuple[Event, ...]:
+    """When the request queue became unreadable (a Redis URL that resolves differently in
+    the operator's namespace, a Redis down) or readable again; once, not on every pass."""
+    if (before is None) == (now is None):
+        return ()
+    if now is not None:
+        why = re.sub(r"//[^/@\s]*@", "//", now)  # a URL's password never goes in an Event
+        message = (
+            f"autoscaling paused: the request queue is unreadable ({why}); check spec.redis "
+            "(or the operator's own Redis where the spec names none) from the operator's "
+            "namespace"
+        )
+        return (Event("QueueUnreadable", message, warning=True),)
+    return (Event("QueueReadable", "the request queue is readable again: autoscaling resumed"),)
 
 
 def refusal_event(previous: Body, status: Body) -> tuple[Event, ...]:

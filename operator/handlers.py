@@ -74,6 +74,10 @@ def build_registry(
         VERSION,
         PLURAL,
         interval=settings.scrape_interval_s,
+        # A failed pass (the API server away longer than kube.py's retries) is tried
+        # again at the next tick, not after kopf's default 60 s: a restart of the API
+        # server must not pause every model's autoscaling for a minute.
+        backoff=settings.scrape_interval_s,
         registry=registry,
         id="autoscale",
     )
@@ -109,7 +113,9 @@ def configure(kopf_settings: kopf.OperatorSettings, settings: OperatorSettings) 
     )
     kopf_settings.persistence.finalizer = f"{PREFIX}/operator"
     # Events about scaling and drift are the Controller's own; kopf posts only its
-    # warnings and errors (a timer succeeding every 15 s is not news).
+    # warnings and errors (a handler that failed; a timer succeeding every 15 s is
+    # not news). kopf posts no log line unless told to.
+    kopf_settings.posting.loggers = True
     kopf_settings.posting.level = logging.WARNING
     kopf_settings.posting.reporting_component = OPERATOR
     # A stopping timer finishes its pass (a few API calls) instead of being orphaned.

@@ -103,6 +103,11 @@ class ApiError(Exception):
         return self.status == 409 and self.reason == "AlreadyExists"
 
     @property
+    def forbidden(self) -> bool:
+        """403: a quota, an admission policy or RBAC, which may lift without a spec change."""
+        return self.status == 403
+
+    @property
     def refused(self) -> bool:
         """The object itself is invalid (400, 422): only a changed spec can pass."""
         return self.status in (400, 422)

@@ -179,10 +179,22 @@ def _engine_container(
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),
         "volumeMounts": mounts,
+        "imagePullPolicy": pull_policy(spec.image_pull_policy, image),
     }
-    if spec.image_pull_policy is not None:
-        container["imagePullPolicy"] = spec.image_pull_policy
     return container
+
+
+def pull_policy(policy: str | None, image: str) -> str:
+    """The spec's policy, else the one Kubernetes would default to, written out: a policy
+    removed from the spec must reach the pods, and a default the API server fills in
+    is not the operator's to repair."""
+    if policy is not None:
+        return policy
+    if "@" in image:
+        return "IfNotPresent"  # pinned by digest
+    name = image.rsplit("/", 1)[-1]
+    tag = name.partition(":")[2]
+    return "Always" if tag in ("", "latest") else "IfNotPresent"
 
 
 def container_ports(role_name: RoleName, role: RoleSpec) -> list[dict[str, Any]]:
@@ -233,9 +245,8 @@ def _fetch_container(spec: ModelDeploymentSpec, image: str) -> dict[str, Any]:
             {"name": "tmp", "mountPath": "/tmp"},
             {"name": "cache", "mountPath": CACHE_DIR},
         ],
+        "imagePullPolicy": pull_policy(spec.image_pull_policy, image),
     }
-    if spec.image_pull_policy is not None:
-        container["imagePullPolicy"] = spec.image_pull_policy
     return container
 
 

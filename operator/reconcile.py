@@ -36,6 +36,7 @@ from tandem.operator.status import (
     status_patch,
     valid_status,
 )
+from tandem.operator.status_model import Phase
 from tandem.operator.validation import InvalidSpec, validate_spec
 
 Body = Mapping[str, Any]
@@ -248,6 +249,14 @@ def refused(model: Body, error: str, *, now: str) -> Plan:
     return _refusal(model, "InvalidSpec", f"the API server refused a child object: {error}", now)
 
 
+def forbidden(model: Body, error: str, *, now: str) -> Plan:
+    """The plan once the API server forbade a child's write (403: a ResourceQuota's
+    object count, a terminating namespace, an admission policy, RBAC): Degraded, in its
+    words. Nothing in the spec is wrong, so every pass tries again."""
+    why = f"the API server forbade writing a child object: {error}"
+    return _refusal(model, "Forbidden", why, now, phase=Phase.DEGRADED)
+
+
 def child_taken(model: Body, why: str, *, now: str) -> Plan:
     """The plan when a child's name is held by an object another controller owns: Invalid
     until it is renamed or deleted (a later pass then creates the child)."""
@@ -262,10 +271,12 @@ def _refusal(
     *,
     roles: dict[str, Any] | None = None,
     patches: tuple[ChildPatch, ...] = (),
+    phase: Phase = Phase.INVALID,
 ) -> Plan:
-    """Phase Invalid: no child created or changed but by `patches`; `roles` or the old counts."""
+    """Phase Invalid (or `phase`): no child created or changed but by `patches`; `roles`
+    or the old counts."""
     meta, previous = model["metadata"], model.get("status") or {}
-    status = invalid_status(meta, why, previous, now, reason)
+    status = invalid_status(meta, why, previous, now, reason, phase)
     if roles is not None:
         status["roles"] = roles
     return Plan(

@@ -44,6 +44,9 @@ class ScalerMemory:
     samples: Mapping[str, PodSample] = field(default_factory=dict)
     # The uid of the Deployment each role's history watched.
     deployments: Mapping[RoleName, str] = field(default_factory=dict)
+    # Why the last evaluation could not read the request queue; None once it could
+    # (an Event says each change once, events.queue_events).
+    queue_unreadable: str | None = None
 
     def watching(self, deployments: Mapping[RoleName, str]) -> ScalerMemory:
         """This memory for the roles' Deployments now: a role whose Deployment is new (a
@@ -54,7 +57,7 @@ class ScalerMemory:
             for role, history in self.histories.items()
             if role in deployments and self.deployments.get(role) == deployments[role]
         }
-        return ScalerMemory(kept, self.samples, dict(deployments))
+        return ScalerMemory(kept, self.samples, dict(deployments), self.queue_unreadable)
 
 
 @dataclass(frozen=True)

@@ -108,18 +108,22 @@ def valid_status(
 
 
 def invalid_status(
-    meta: Body, why: str, previous: Body, now: str, reason: str = "InvalidSpec"
+    meta: Body,
+    why: str,
+    previous: Body,
+    now: str,
+    reason: str = "InvalidSpec",
+    phase: Phase = Phase.INVALID,
 ) -> dict[str, Any]:
-    """The status of a refused spec: Invalid, with the reason; role counts left as they were."""
+    """The status of a refused spec (Invalid), or of writes the API server forbids
+    (Degraded), with the reason; role counts left as they were."""
     message = why[:_MAX_MESSAGE]
     return {
         "observedGeneration": meta.get("generation"),
-        "phase": Phase.INVALID.value,
+        "phase": phase.value,
         "reason": reason,
         "message": message,
-        "conditions": conditions(
-            Phase.INVALID, reason, message, previous, meta.get("generation"), now
-        ),
+        "conditions": conditions(phase, reason, message, previous, meta.get("generation"), now),
     }
 
 

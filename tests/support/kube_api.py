@@ -82,6 +82,7 @@ class _Fault:
     status: int
     reason: str
     times: int
+    message: str | None
 
 
 @attrs.define(kw_only=True)
@@ -100,9 +101,11 @@ class ApiServer(ApiStore):
         status: int = 409,
         reason: str = "Conflict",
         times: int = 1,
+        message: str | None = None,
     ) -> None:
-        """Answer the next `times` matching requests with `status` instead of serving them."""
-        fault = _Fault(method.upper(), resource, name, subresource, status, reason, times)
+        """Answer the next `times` matching requests with `status` (and `message`, else
+        one naming the fault) instead of serving them."""
+        fault = _Fault(method.upper(), resource, name, subresource, status, reason, times, message)
         self._faults.append(fault)
 
     def clear_faults(self) -> None:
@@ -206,7 +209,9 @@ class ApiServer(ApiStore):
                 if fault.times <= 0:
                     self._faults.remove(fault)
                 raise ApiError(
-                    fault.status, fault.reason, f"injected {fault.status} {fault.reason}"
+                    fault.status,
+                    fault.reason,
+                    fault.message or f"injected {fault.status} {fault.reason}",
                 )
 
     def _list_body(

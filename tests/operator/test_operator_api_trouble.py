@@ -1,0 +1,97 @@
+"""What the operator does when the cluster gets in its way: a write the API server forbids,
+an API server away for longer than one request's retries, a request queue it cannot read.
+Each is said where `kubectl describe` shows it, and each heals at the next pass."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+from support.kube_api import CHILDREN, MODELS
+from support.kube_cluster import eventually
+
+pytestmark = pytest.mark.asyncio
+
+
+def normal(**role: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "serving.tandem.dev/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": "m"},
+        "spec": {"model": {"path": "smollm2"}, "mode": "Normal", "normal": role},
+    }
+
+
+def status(cluster: Any) -> dict[str, Any]:
+    return (cluster.model("m") or {}).get("status") or {}
+
+
+def replicas(cluster: Any) -> int:
+    return cluster.child("Deployment", "m-normal")["spec"]["replicas"]
+
+
+async def test_a_forbidden_write_is_degraded_in_the_api_servers_words_until_it_passes(
+    cluster, operator
+):
+    # A ResourceQuota on object counts answers 403 to the Service's create.
+    quota = "services is forbidden: exceeded quota: objects, requested: services=1"
+    cluster.api.fail_next(
+        "POST", CHILDREN["Service"], status=403, reason="Forbidden", message=quota, times=10**6
+    )
+    await cluster.apply(normal())
+
+    await eventually(lambda: status(cluster).get("phase") == "Degraded", what="Degraded")
+    assert status(cluster)["reason"] == "Forbidden"
+    assert "exceeded quota" in status(cluster)["message"]
+    (event,) = await eventually(lambda: cluster.events("Forbidden"), what="an Event")
+    assert event["type"] == "Warning"
+    await asyncio.sleep(0.6)  # three more passes, each forbidden: said once
+    assert len(cluster.events("Forbidden")) == 1
+
+    cluster.api.clear_faults()  # the quota raised
+    await eventually(lambda: status(cluster).get("phase") == "Ready", what="Ready")
+    assert cluster.child("Service", "m-normal") is not None
+
+
+async def test_the_autoscaler_resumes_at_its_next_tick_after_an_api_outage(
+    cluster, operator, metrics, caplog
+):
+    caplog.set_level(logging.ERROR, logger="kopf.objects")
+    metrics.default_kv = 0.3
+    await cluster.apply(normal(minReplicas=1, maxReplicas=4))
+    await eventually(lambda: status(cluster).get("phase") == "Ready", what="Ready")
+
+    # Longer than one request's retries: the autoscaler's pass fails.
+    cluster.api.fail_next("GET", MODELS, "m", status=500, reason="InternalError", times=10**6)
+    await eventually(
+        lambda: any("Timer 'autoscale' failed" in r.getMessage() for r in caplog.records),
+        timeout=20,
+        what="a failed autoscaler pass",
+    )
+    cluster.api.clear_faults()
+    metrics.default_kv = 1.0  # a scale-up at the next evaluation
+
+    # kopf's default backoff would hold the timer for 60 s.
+    await eventually(lambda: replicas(cluster) == 2, timeout=10, what="the scale-up")
+    # kopf's own Event for the failed pass (type Error), for `kubectl describe`.
+    assert any("500 InternalError" in (e.get("message") or "") for e in cluster.events())
+
+
+async def test_an_unreadable_queue_is_said_once_and_so_is_its_return(cluster, operator, metrics):
+    model = normal(minReplicas=1, maxReplicas=4)
+    model["spec"]["redis"] = {"url": "redis://:hunter2@redis.elsewhere:6379/0"}
+    await cluster.apply(model)
+    await eventually(lambda: status(cluster).get("phase") == "Ready", what="Ready")
+
+    metrics.redis_down = True
+    (event,) = await eventually(lambda: cluster.events("QueueUnreadable"), what="an Event")
+    assert event["type"] == "Warning"
+    assert "spec.redis" in event["message"] and "redis.elsewhere" in event["message"]
+    assert "hunter2" not in event["message"]
+    await asyncio.sleep(0.6)  # more failed reads: said once
+    assert len(cluster.events("QueueUnreadable")) == 1
+
+    metrics.redis_down = False
+    await eventually(lambda: cluster.events("QueueReadable"), what="its return said")

@@ -1,0 +1,120 @@
+"""A setting removed from the spec leaves the pods too: a merge patch only adds keys, so
+the operator nulls the keys of the maps it owns whole (nodeSelector, affinity, the
+engine's resources) and writes the image pull policy out."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from support.kube_api import DEPLOYMENTS
+from support.kube_cluster import NAMESPACE, eventually
+
+pytestmark = pytest.mark.asyncio
+
+ANTI_AFFINITY = {
+    "preferredDuringSchedulingIgnoredDuringExecution": [
+        {
+            "weight": 1,
+            "podAffinityTerm": {
+                "topologyKey": "kubernetes.io/hostname",
+                "labelSelector": {"matchLabels": {"app": "m"}},
+            },
+        }
+    ]
+}
+NODE_AFFINITY = {
+    "requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["a100"]}]}
+        ]
+    }
+}
+
+
+def normal(**role: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "serving.tandem.dev/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": "m"},
+        "spec": {"model": {"path": "smollm2"}, "mode": "Normal", "normal": role},
+    }
+
+
+def observed(cluster: Any) -> int | None:
+    return ((cluster.model("m") or {}).get("status") or {}).get("observedGeneration")
+
+
+def pod_spec(cluster: Any) -> dict[str, Any]:
+    return cluster.child("Deployment", "m-normal")["spec"]["template"]["spec"]
+
+
+async def test_keys_removed_from_owned_maps_leave_the_deployment(cluster, operator):
+    await cluster.apply(
+        normal(
+            resources={"limits": {"cpu": "2", "memory": "4Gi"}},
+            nodeSelector={"pool": "gpu", "zone": "a"},
+            affinity={"nodeAffinity": NODE_AFFINITY, "podAntiAffinity": ANTI_AFFINITY},
+        )
+    )
+    await eventually(lambda: observed(cluster) == 1, what="the first pass")
+    removal = {
+        "resources": {"limits": {"memory": None}},
+        "nodeSelector": {"zone": None},
+        "affinity": {"podAntiAffinity": None},
+    }
+    await cluster.patch_model("m", {"spec": {"normal": removal}})
+
+    def removed() -> bool:
+        pod = pod_spec(cluster)
+        return (
+            pod["containers"][0]["resources"]["limits"] == {"cpu": "2"}
+            and pod["nodeSelector"] == {"pool": "gpu"}
+            and pod["affinity"] == {"nodeAffinity": NODE_AFFINITY}
+        )
+
+    await eventually(removed, what="the memory limit, zone label and anti-affinity gone")
+
+
+async def test_a_removed_pull_policy_falls_back_to_the_images_default(cluster, operator):
+    model = normal()
+    model["spec"]["image"] = "example.com/tandem-engine:1.0"
+    model["spec"]["imagePullPolicy"] = "Never"
+    await cluster.apply(model)
+    await eventually(lambda: observed(cluster) == 1, what="the first pass")
+    assert pod_spec(cluster)["containers"][0]["imagePullPolicy"] == "Never"
+
+    await cluster.patch_model("m", {"spec": {"imagePullPolicy": None}})
+    await eventually(
+        lambda: pod_spec(cluster)["containers"][0]["imagePullPolicy"] == "IfNotPresent",
+        what="the image's default pull policy",
+    )
+
+
+async def test_a_request_filled_in_from_its_limit_is_not_drift(cluster, operator):
+    """Kubernetes defaults a missing request to its limit; repairing that would never end."""
+    await cluster.apply(normal(resources={"limits": {"memory": "4Gi"}}))
+    await eventually(lambda: observed(cluster) == 1, what="the first pass")
+    containers = pod_spec(cluster)["containers"]
+    containers[0]["resources"]["requests"] = {"memory": "4096Mi"}
+    patch = {"spec": {"template": {"spec": {"containers": containers}}}}
+    await cluster.api.patch(DEPLOYMENTS, NAMESPACE, "m-normal", patch)
+    await asyncio.sleep(0.6)  # a few timer passes
+
+    assert pod_spec(cluster)["containers"][0]["resources"]["requests"] == {"memory": "4096Mi"}
+    assert not cluster.events("DriftRepaired")
+
+
+async def test_a_request_of_its_own_is_drift(cluster, operator):
+    await cluster.apply(normal(resources={"limits": {"memory": "4Gi"}}))
+    await eventually(lambda: observed(cluster) == 1, what="the first pass")
+    containers = pod_spec(cluster)["containers"]
+    containers[0]["resources"]["requests"] = {"memory": "1Gi"}
+    patch = {"spec": {"template": {"spec": {"containers": containers}}}}
+    await cluster.api.patch(DEPLOYMENTS, NAMESPACE, "m-normal", patch)
+
+    await eventually(
+        lambda: "requests" not in pod_spec(cluster)["containers"][0]["resources"],
+        what="the hand-set request removed",
+    )
