@@ -17,6 +17,7 @@ from tandem.operator.autoscaler import Decision
 from tandem.operator.drift import ChildKey, ChildPatch, drift, repair_patch
 from tandem.operator.events import Clamp, Event, events, refusal_event
 from tandem.operator.manifests import (
+    ROLE_LABEL,
     OperatorDefaults,
     Owner,
     build_manifests,
@@ -102,7 +103,6 @@ def plan(
         if paths:
             patches.append(ChildPatch(key.kind, key.name, repair_patch(manifest, actual), paths))
     wanted = {ChildKey(m["kind"], m["metadata"]["name"]): m for m in desired}
-    deletes = tuple(sorted(set(found) - set(wanted), key=lambda k: (k.kind, k.name)))
 
     changed = {ChildKey(m["kind"], m["metadata"]["name"]) for m in creates}
     changed |= {ChildKey(p.kind, p.name) for p in patches}
@@ -116,6 +116,12 @@ def plan(
         )
         for role_name, key in deployments.items()
     }
+    gone = set(found) - set(wanted)
+    if not all(c.ready >= c.desired and not c.rolling for c in counts.values()):
+        # After a mode change the old mode's roles serve until the new ones are ready
+        # (loading a model takes minutes): the model never serves nothing meanwhile.
+        gone = {key for key in gone if _role(found[key]) in (None, *spec.roles())}
+    deletes = tuple(sorted(gone, key=lambda k: (k.kind, k.name)))
     scales = [_scale(d, _clamp_of(clamps, role)) for role, d in scaled.items()]
     scales += [c.scale for c in clamps if not c.by_hand and c.role not in scaled]
     last_scale = scales[-1].record(now) if scales else None
@@ -326,6 +332,12 @@ def _stall(conditions: list[Body]) -> Stall | None:
     if progressing.get("status") == "False":
         return Stall("ProgressDeadlineExceeded", str(progressing.get("message") or ""))
     return None
+
+
+def _role(child: Body) -> RoleName | None:
+    """The role a child belongs to (its role label), if any."""
+    value = (child["metadata"].get("labels") or {}).get(ROLE_LABEL)
+    return RoleName(value) if value in {r.value for r in RoleName} else None
 
 
 def _counts(

@@ -142,6 +142,37 @@ async def test_a_deleted_child_comes_back(cluster, operator):
     await eventually(lambda: phase(cluster, "llama-8b-split") == "Ready")
 
 
+async def test_a_mode_change_keeps_the_old_role_serving_until_the_new_ones_are_ready(
+    cluster, operator
+):
+    await cluster.apply(normal())
+    await eventually(lambda: phase(cluster, "m") == "Ready", what="Ready")
+    for role in ("prefill", "decode"):  # loading the model: minutes
+        cluster.workloads.set_ready(NAMESPACE, f"m-{role}", 0)
+    split = {"mode": "Disaggregated", "normal": None, "prefill": {}, "decode": {}}
+    await cluster.patch_model("m", {"spec": split})
+
+    await eventually(lambda: cluster.child("Deployment", "m-decode"), what="the new roles")
+    await asyncio.sleep(0.6)  # a few passes
+    assert cluster.child("Deployment", "m-normal") and cluster.pods("m", "normal")
+    assert phase(cluster, "m") == "Pending"
+
+    cluster.workloads.set_ready(NAMESPACE, "m-prefill", None)
+    await asyncio.sleep(0.6)  # one new role ready is not enough
+    assert cluster.child("Deployment", "m-normal")
+    cluster.workloads.set_ready(NAMESPACE, "m-decode", None)
+
+    def normal_children() -> list[str]:
+        return [
+            c["metadata"]["name"]
+            for c in cluster.children("m")
+            if "-normal" in c["metadata"]["name"]
+        ]
+
+    await eventually(lambda: not normal_children(), what="the normal role's children gone")
+    await eventually(lambda: phase(cluster, "m") == "Ready", what="Ready, split")
+
+
 async def test_hand_edits_of_owned_fields_are_set_back(cluster, operator):
     await cluster.apply(example("llama-8b-disaggregated"))
     name = "llama-8b-split-decode"

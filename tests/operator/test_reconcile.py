@@ -144,13 +144,23 @@ def test_extra_configmap_keys_are_drift():
     assert repair_patch(desired, config)["data"]["extra"] is None
 
 
-def test_a_role_of_another_mode_is_deleted():
+def test_a_role_of_another_mode_is_deleted_once_the_new_roles_are_ready():
     children = children_of(model())
     split = model()
     split["spec"] = {"model": {"path": "x"}, "mode": "Disaggregated", "prefill": {}, "decode": {}}
     actions = plan(split, children, DEFAULTS, now=NOW)
+    assert len(actions.creates) == 10 and not actions.deletes  # normal serves meanwhile
+
+    new = [copy.deepcopy(m) for m in actions.creates]
+    for child in new:
+        if child["kind"] == "Deployment":
+            child["status"] = {"replicas": 1, "updatedReplicas": 1, "readyReplicas": 0}
+    assert not plan(split, children + new, DEFAULTS, now=NOW).deletes  # not ready yet
+    for child in new:
+        if child["kind"] == "Deployment":
+            child["status"]["readyReplicas"] = 1
+    actions = plan(split, children + new, DEFAULTS, now=NOW)
     assert {k.name for k in actions.deletes} == {"m-normal", "m-normal-engine", "m-normal-redis"}
-    assert len(actions.creates) == 10
 
 
 def test_a_deployment_that_cannot_make_pods_says_why_in_the_status():
