@@ -104,6 +104,11 @@ BAD_VALUES = [
         ],
         'gateway.auth.keys: "a" and "b" hold the same key',
     ),
+    # The gateway strips a key and refuses one with nothing left.
+    (
+        ["gateway.auth.keys[0].name=a", "gateway.auth.keys[0].key=   "],
+        "at '/gateway/auth/keys/0/key'",
+    ),
     # A second app.kubernetes.io/name would break every selector.
     (
         ["commonLabels.app\\.kubernetes\\.io/name=x"],
