@@ -27,7 +27,7 @@ from tandem import catalog
 from tandem.backlog import queue_depth
 from tandem.child import Child, drain_in_order, engine_threads
 from tandem.preflight import StartError, check_model, check_port, check_redis
-from tandem.protocol import Keys
+from tandem.protocol import Keys, check_served_name
 from tandem.redis_server import RedisServer, free_port
 
 
@@ -55,6 +55,8 @@ class UpConfig:
             raise ValueError(f"mode must be normal or disaggregated, got {self.mode!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.served_model_name is not None:
+            check_served_name(self.served_model_name)  # '' would serve under the model's
 
     @property
     def name(self) -> str:

@@ -97,8 +97,10 @@ def test_a_port_in_use_is_named_before_anything_starts(taken_port):
         # Before anything starts: with a role autoscaled from zero, the first engine
         # started only at the first request, and crash-looped while it waited.
         (["--model", "/no/such/model"], "model '/no/such/model' is no such file or directory"),
+        # It served under --model's name instead.
+        (["--served-model-name", ""], "a served model name must be non-empty"),
     ],
-    ids=["redis-url", "missing-file", "cluster-manifest", "log-dir", "model"],
+    ids=["redis-url", "missing-file", "cluster-manifest", "log-dir", "model", "served-name"],
 )
 def test_bad_input_is_one_clear_line(argv, says):
     done, left = up(*argv, "--port", str(free_port()))

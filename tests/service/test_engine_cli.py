@@ -41,6 +41,8 @@ def _engine(*flags: str) -> subprocess.CompletedProcess[str]:
         (["--kv-fetch-timeout", "0"], "--kv-fetch-timeout must be a finite number > 0, got 0.0"),
         (["--handoff-ttl", "inf"], "--handoff-ttl must be a finite number > 0, got inf"),
         (["--key-prefix", ""], "--key-prefix must be non-empty without braces or spaces, got ''"),
+        # An empty id was replaced by a generated one: a restart under it resumed nothing.
+        (["--engine-id", ""], "--engine-id must be non-empty without spaces, got ''"),
         (["--redis-wait", "-1"], "--redis-wait must be 0 or more seconds, got -1.0"),
         (["--redis-url", "notaurl"], "--redis-url notaurl: Redis URL must specify"),
         # The engine's settings, named by their flags (a ZeroDivisionError after the

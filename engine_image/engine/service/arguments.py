@@ -287,6 +287,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     if not 0 <= args.seed < 2**63:
         raise ValueError(f"--seed must be in 0..2**63-1, got {args.seed}")
     check_key_prefix(args.key_prefix, "--key-prefix")
+    # Its registry entry and its consumer name in the Redis groups: an empty one would
+    # be replaced by a generated id, silently, losing a restart's resume.
+    if args.engine_id is not None and (
+        not args.engine_id or any(c.isspace() for c in args.engine_id)
+    ):
+        raise ValueError(f"--engine-id must be non-empty without spaces, got {args.engine_id!r}")
     if not args.redis_wait >= 0:  # NaN too; 0: not at all
         raise ValueError(f"--redis-wait must be 0 or more seconds, got {args.redis_wait}")
     check_values(worker_fields(args), _flag)
