@@ -56,3 +56,22 @@ def advise_huge_pages(address: int, nbytes: int) -> bool:
     start = -(-address // page) * page
     end = (address + nbytes) // page * page
     return end > start and madvise(start, end - start, MADV_HUGEPAGE) == 0
+
+
+def memory_limit() -> int | None:
+    """The bytes this process could ever hold: the machine's memory, or its cgroup's
+    limit where lower (a container's); None where neither can be read."""
+    try:
+        limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        limit = None
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as file:
+                text = file.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max": no limit
+            limit = int(text) if limit is None else min(limit, int(text))
+        break
+    return limit

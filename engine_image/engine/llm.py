@@ -21,7 +21,13 @@ from tandem.engine.drafter import NgramDrafter
 from tandem.engine.engine import Engine
 from tandem.engine.host_memory import keep_freed_memory
 from tandem.engine.model.attention import allocate_kv_cache
-from tandem.engine.model.loader import LoadedModel, kv_blocks_for, load_model
+from tandem.engine.model.loader import (
+    LoadedModel,
+    check_kv_fits,
+    kv_blocks_for,
+    kv_bytes_per_block,
+    load_model,
+)
 from tandem.engine.mtp import MtpHead
 from tandem.engine.plan import TokenLogprobs
 from tandem.engine.request import SamplingParams
@@ -108,6 +114,8 @@ class LLM:
                 device=loaded.device,
                 kv_cache_bytes=kv_cache_memory,
             )
+        per_block = kv_bytes_per_block(loaded.config, block_size, loaded.dtype)
+        check_kv_fits(num_kv_blocks, per_block, loaded.device, "kv_cache_memory or num_kv_blocks")
         fields = dict(engine_config_fields)
         fields["max_model_len"] = max_model_len_for(
             fields, loaded.config.max_position_embeddings, num_kv_blocks * block_size

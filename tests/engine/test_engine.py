@@ -178,6 +178,12 @@ def test_unknown_models_are_clear_errors(spec, message):
         LLM(spec)
 
 
+@pytest.mark.parametrize("pool", [{"num_kv_blocks": 10**11}, {"kv_cache_memory": 10**16}])
+def test_a_kv_cache_larger_than_the_machine_is_named_not_a_failed_allocation(pool):
+    with pytest.raises(ValueError, match=r"KV cache \(.* GiB\) cannot fit this cpu device's"):
+        LLM("random:tiny", **pool)
+
+
 def test_engine_settings_are_checked_before_the_model_loads():
     # A path that does not exist: an error about it would mean it was loaded first.
     with pytest.raises(ValueError, match="block_size must be at least 1, got 0"):

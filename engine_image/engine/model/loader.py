@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.engine.host_memory import memory_limit
 from tandem.engine.model import gguf_file, hf_dir, random_model
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.model_config import ModelConfig
@@ -137,6 +138,27 @@ def load_model(
     return LoadedModel(source, model, chosen_device, chosen_dtype)
 
 
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return config.kv_bytes_per_token * block_size * dtype.itemsize
+
+
+def check_kv_fits(blocks: int, bytes_per_block: int, device: torch.device, names: str) -> None:
+    """A ValueError naming both sizes, and the settings (`names`) that chose them, when a
+    pool of `blocks` cannot fit the device's memory (else torch's allocation traceback,
+    after the model's load)."""
+    if device.type == "cuda":
+        _, limit = torch.cuda.mem_get_info(device)
+    else:
+        limit = memory_limit()
+    need = blocks * bytes_per_block
+    if limit is not None and need > limit:
+        raise ValueError(
+            f"the KV cache ({blocks} blocks of {bytes_per_block} bytes: {need / 2**30:.1f} "
+            f"GiB) cannot fit this {device.type} device's {limit / 2**30:.1f} GiB of memory: "
+            f"lower {names}"
+        )
+
+
 def kv_blocks_for(
     config: ModelConfig,
     *,
@@ -146,7 +168,7 @@ def kv_blocks_for(
     kv_cache_bytes: int | None = None,
 ) -> int:
     """KV blocks that fit a memory budget (default: 1 GiB on CPU, 90 % of free GPU memory)."""
-    bytes_per_block = config.kv_bytes_per_token * block_size * dtype.itemsize
+    bytes_per_block = kv_bytes_per_block(config, block_size, dtype)
     if kv_cache_bytes is None:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)

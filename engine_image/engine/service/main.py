@@ -19,7 +19,12 @@ from redis.retry import Retry
 
 from tandem.engine.config import EngineConfig, max_model_len_for
 from tandem.engine.llm import build_engine
-from tandem.engine.model.loader import kv_blocks_for, load_model
+from tandem.engine.model.loader import (
+    check_kv_fits,
+    kv_blocks_for,
+    kv_bytes_per_block,
+    load_model,
+)
 from tandem.engine.service.arguments import (
     add_arguments,
     check_arguments,
@@ -74,6 +79,8 @@ def serve(args: argparse.Namespace, rank: int, vote: Vote | None = None) -> int:
         device=loaded.device,
         kv_cache_bytes=args.kv_cache_memory,
     )
+    per_block = kv_bytes_per_block(loaded.config, block_size, loaded.dtype)
+    check_kv_fits(num_blocks, per_block, loaded.device, "--kv-cache-memory or --num-kv-blocks")
     fields["max_model_len"] = max_model_len_for(
         fields, loaded.config.max_position_embeddings, num_blocks * block_size
     )
