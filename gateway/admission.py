@@ -119,9 +119,9 @@ class Admission:
         self.queues = QueueGauge(broker, settings.queue_check_interval_s)
 
     async def admit(self, caller: ApiKey, job: Job, idempotency_key: str | None) -> Ticket:
+        check_model(caller, job.model)  # first, as retrieve_model: nothing of other models
         if not await self.directory.is_served(job.model):
-            raise model_not_found(job.model)  # for every key, as retrieve_model
-        check_model(caller, job.model)
+            raise model_not_found(job.model)
         if (gap := await self.directory.missing_role(job.model)) is not None:
             raise missing_role(job.model, *gap, MISSING_ROLE_RETRY_S)
         ledger_key = None

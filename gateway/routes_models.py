@@ -43,12 +43,11 @@ async def stray_slash() -> None:
     summary="Retrieve a model (names may contain slashes)",
 )
 async def retrieve_model(model: str, request: Request, caller: Caller) -> ModelCard:
+    # First: a key limited to some models learns nothing of the others, served or not.
+    check_model(caller, model)
     directory = service_of(request).directory
-    # A name nobody serves is 404 for every key, as OpenAI answers; 403 is for a
-    # model that is there and not this key's.
     if not await directory.is_served(model):
         raise model_not_found(model)
-    check_model(caller, model)
     return _card(model, (await directory.models()).get(model, []))
 
 

@@ -192,9 +192,10 @@ CASES = {
     "wrong key": Case(401, GOOD, key="sk-wrong", code="invalid_api_key"),
     "key not allowed the model": Case(403, GOOD, key="sk-other-model", param="model",
                                       code="model_not_allowed"),
-    "model nobody serves, key for another": Case(404, {**GOOD, "model": "nope"},
+    # Not 404: a key limited to some models learns nothing of which others exist.
+    "model nobody serves, key for another": Case(403, {**GOOD, "model": "nope"},
                                                  key="sk-other-model", param="model",
-                                                 code="model_not_found"),
+                                                 code="model_not_allowed"),
     "oversized body": Case(413, {**GOOD, "user": "x" * 5000}, code="request_too_large"),
     "queue full": Case(429, {**GOOD, "model": FULL}, code="queue_full", check=_retry_after),
     "requests per minute": Case(429, GOOD, key="sk-rpm", before=GOOD, code="rpm_exceeded",
