@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -283,6 +284,7 @@ class Stack:
         """Until stop(): restart children that die (with backoff); run the autoscaler."""
         next_evaluation = time.monotonic() + self.config.scale_every
         next_declaration = time.monotonic()
+        failing = False  # the autoscaler's last evaluation raised
         while not self._stop.wait(0.5):
             self._restart_redis_if_dead(say)
             for child in self.children:
@@ -298,8 +300,12 @@ class Stack:
                 next_evaluation = time.monotonic() + self.config.scale_every
                 try:
                     self.actuator.evaluate()  # it says what it scales and holds
+                    failing = False
                 except Exception as exc:
-                    say(f"autoscaler evaluation failed: {exc}")
+                    say(f"autoscaler evaluation failed: {exc!r}")
+                    if not failing:  # a bug's traceback, once a streak: not every tick
+                        traceback.print_exc(file=sys.stderr)
+                    failing = True
 
     def _declare(self) -> None:
         """This stack restarts the model's engines: declared in the catalog, the gateway

@@ -34,7 +34,8 @@ async def test_a_slow_pod_is_none_after_the_timeout():
         started = time.monotonic()
         async with httpx.AsyncClient() as client:
             assert await scrape(client, url, "p0", timeout=0.2) is None
-        assert time.monotonic() - started < 1.0
+        # Without the timeout: never. The slack is for a loaded machine (tests run in parallel).
+        assert time.monotonic() - started < 2.0
 
 
 class Trickle:
@@ -70,7 +71,7 @@ async def test_a_trickling_pod_is_cut_off_at_the_timeout(slow_path):
             s = await scrape(client, url, "p0", timeout=0.3)
             elapsed = time.monotonic() - started
         await asyncio.gather(*trickle.handlers)
-    assert elapsed < 1.0
+    assert elapsed < 2.0  # the trickle would go on for much longer
     if slow_path == "/metrics":
         assert s is None  # unreadable, as a pod that is down
     else:

@@ -41,7 +41,7 @@ def test_listener_hears_cancellations(redis_client, redis_url, keys):
         assert cancel(redis_client, keys, "r1") == 1
         cancel(redis_client, keys, "r2")
         assert drained_until(listener, {"r1", "r2"}) == {"r1", "r2"}
-        assert time.monotonic() - started < 1
+        assert time.monotonic() - started < 3  # pushed: milliseconds, but a loaded machine
         assert listener.drain() == set()  # drain clears
         assert not listener.take_gap()
 
