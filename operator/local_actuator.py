@@ -248,11 +248,17 @@ class LocalActuator:
                 engines = self.active(role)
                 samples = await asyncio.gather(*(scrape(client, e.url, e.name) for e in engines))
                 loads = []
+                unreadable = 0
                 for engine, sample in zip(engines, samples, strict=True):
                     if sample is not None:
                         loads.append(pod_load(sample, engine.last_sample))
                         engine.last_sample = sample
-                observed[role] = RoleObservation(self.replicas[role], tuple(loads))
+                    elif engine.child.alive and engine.child.started_up:
+                        # Up (it answers /healthz), as a ready pod is, but its metrics
+                        # unread: counted as the operator counts it (scaling.evaluate), or
+                        # a role whose scrapes all time out under load froze at its size.
+                        unreadable += 1
+                observed[role] = RoleObservation(self.replicas[role], tuple(loads), unreadable)
             return observed
 
     def _resize(self, role: RoleName, decision: Decision) -> None:

@@ -322,11 +322,10 @@ class Cluster:
             observed[role] = RoleObservation(self._replicas[role], tuple(loads))
         policies = {role: setup.policy for role, setup in self._roles.items()}
         for role, replicas in self._replicas.items():
-            # As the operator does (operator/scaling.py: evaluate): a role seen for
-            # the first time counts its replicas as recommended now, so nothing
-            # scales down before a whole window of evidence. (`tandem up`'s
-            # LocalActuator starts from an empty history and may scale down at once.)
-            self._histories.setdefault(role, ScalingHistory(recommendations=((now, replicas),)))
+            # As the operator and `tandem up -f` do: a role seen for the first time
+            # counts its replicas as recommended now in both windows, so nothing
+            # scales before a whole window of evidence.
+            self._histories.setdefault(role, ScalingHistory.starting(now, replicas))
         decisions = decide_all(observed, self._queue_state(), policies, self._histories, now)
         for role, decision in decisions.items():
             self._histories[role] = decision.history

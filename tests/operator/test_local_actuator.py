@@ -2,6 +2,7 @@
 their own id, and what it does (or holds back from doing) is said once. Real Redis
 and engine processes."""
 
+import sys
 import time
 
 import pytest
@@ -90,3 +91,34 @@ def test_a_scale_up_held_by_its_window_is_said_once(actuator, redis_client, keys
     assert said == [f"hold {reasons[0]} (the signals ask for 10)"]
     assert "scale-up held at 1 by the 60s window" in said[0]
     assert local.replicas == {RoleName.NORMAL: 1}
+
+
+# Answers /healthz and /readyz, but its metrics fail: an engine up and unreadable.
+_UNREADABLE_ENGINE = """
+import http.server, sys
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(500 if self.path == "/metrics" else 200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+def test_an_engine_up_whose_metrics_fail_is_unreadable_not_starting(actuator):
+    # Counted as starting, a role whose scrapes all time out under load froze at its
+    # size; the operator counts such a pod unreadable, and so must `tandem up -f`.
+    local, _ = actuator(_manifest())
+    (child,) = local.start()
+    child.kill()
+    (engine,) = local.engines[RoleName.NORMAL]
+    child.argv = [sys.executable, "-c", _UNREADABLE_ENGINE, str(engine.http_port)]
+    child.start()
+    deadline = time.monotonic() + 20
+    while not child.started_up and time.monotonic() < deadline:
+        child.hung(time.monotonic())  # the liveness probe, as supervise() asks it
+        time.sleep(0.2)
+    assert child.started_up
+    (decision,) = local.evaluate().values()
+    assert decision.unreadable is not None and "holding" in decision.reason
