@@ -20,8 +20,6 @@ drive it the same way: schedule() -> runner -> update().
 
 from __future__ import annotations
 
-from collections import deque
-
 from tandem.engine.admission import check_fits
 from tandem.engine.config import EngineConfig, EngineType
 from tandem.engine.kv_manager import KVCacheManager
@@ -29,6 +27,7 @@ from tandem.engine.plan import RequestOutput, ScheduledSeq, StepPlan, StepResult
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.step_result import accepted_tokens, proposed_drafts
 from tandem.engine.step_vote import Point, StepVote, Vote
+from tandem.engine.waiting_queue import WaitingQueue
 
 
 class Scheduler:
@@ -50,7 +49,7 @@ class Scheduler:
         self._votes = StepVote(config, vote)
         self.requests: dict[str, Request] = {}
         # Prefill queue, highest priority first; a request mid-chunk is at the front.
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(self.kv.holds_blocks)
         # Prefilled requests in admission order; the newest is preempted first.
         self.running: list[Request] = []
         # PROMPT engine: prefilled requests whose KV is pinned for a decoder to fetch.
@@ -78,7 +77,7 @@ class Scheduler:
             exact_max_tokens=exact_max_tokens,
         )
         self._register(request)
-        self._enqueue(request)
+        self.waiting.add(request)
 
     def _register(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -87,18 +86,6 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} was already scheduled elsewhere")
         request.max_num_tokens = min(request.max_num_tokens, self.config.max_model_len)
         self.requests[request.request_id] = request
-
-    def _enqueue(self, request: Request) -> None:
-        waiting = self.waiting
-        if not waiting or waiting[-1].priority >= request.priority:
-            waiting.append(request)
-            return
-        for i, queued in enumerate(waiting):
-            # Never ahead of a request mid-chunk: its KV is half written.
-            if queued.priority < request.priority and queued.num_computed_tokens == 0:
-                waiting.insert(i, request)
-                return
-        waiting.append(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Cancel a request wherever it is and free its KV at once."""
@@ -154,12 +141,13 @@ class Scheduler:
         return plan or StepPlan(is_prefill=True)
 
     def _wants_prefill(self) -> bool:
-        if not self.waiting:
+        first = self.waiting.first()
+        if first is None:
             return False
         if self.kv.usage <= self.config.cache_prefill_watermark:
             return True
         # A prompt mid-chunk already holds all its blocks: finishing it costs no KV.
-        return self.kv.holds_blocks(self.waiting[0].request_id)
+        return self.waiting.mid_chunk(first)
 
     def _schedule_prefill(self) -> StepPlan | None:
         """Admit waiting prompts in order until the budget, slots or blocks run out."""
@@ -168,8 +156,7 @@ class Scheduler:
         slots = cfg.max_num_seqs - len(self.running)
         waiting, kv = self.waiting, self.kv
         plan = StepPlan(is_prefill=True)
-        while waiting and budget > 0 and slots > 0:
-            request = waiting[0]
+        while (request := waiting.first()) is not None and budget > 0 and slots > 0:
             rid = request.request_id
             admitted = kv.holds_blocks(rid)
             cached = [] if admitted else kv.match_prefix(request)
@@ -209,7 +196,7 @@ class Scheduler:
             budget -= num_new
             slots -= 1
             if last_chunk:
-                waiting.popleft()
+                waiting.pop_first()
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
         return plan if plan.seqs else None
@@ -278,10 +265,7 @@ class Scheduler:
         request.draft_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
-        at = 0
-        while at < len(self.waiting) and self.kv.holds_blocks(self.waiting[at].request_id):
-            at += 1
-        self.waiting.insert(at, request)
+        self.waiting.add_first(request)
 
     # ------------------------------------------------------------ results in
 
@@ -392,12 +376,13 @@ class Scheduler:
         self.running.append(request)
 
     def handoff_failed(self, request_id: str) -> None:
-        """The KV could not be fetched: recompute the prompt here, first in line."""
+        """The KV could not be fetched: recompute the prompt here, first in line (behind
+        a prompt mid-chunk)."""
         request = self.receiving.pop(request_id)
         self.kv.free(request_id)
         request.block_ids = []
         request.num_computed_tokens = 0
-        self.waiting.appendleft(request)
+        self.waiting.add_first(request)
 
     # -------------------------------------------------------------- metrics
 

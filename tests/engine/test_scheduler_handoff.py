@@ -64,6 +64,25 @@ def test_completion_engine_recomputes_a_handoff_it_could_not_fetch():
     check_integrity(sched)
 
 
+def test_a_failed_handoff_waits_behind_a_recompute_mid_chunk():
+    # Ahead of it, it would wait for blocks the prompt mid-chunk holds.
+    sched = make(
+        engine_type="completion",
+        max_model_len=256,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=32,
+    )
+    _handoff(sched, "a", 100)
+    sched.handoff_failed("a")
+    plan, _ = step(sched)
+    assert plan.num_scheduled_tokens == {"a": 32}  # "a" is mid-chunk
+    _handoff(sched, "b", 40)
+    sched.handoff_failed("b")
+    assert [r.request_id for r in sched.waiting] == ["a", "b"]
+    run_until_idle(sched)
+    check_integrity(sched)
+
+
 def test_completion_engine_refuses_handoffs_it_has_no_room_for():
     sched = make(num_blocks=16, engine_type="completion", max_model_len=256)
     _, blocks = _handoff(sched, "a", 250)
