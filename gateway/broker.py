@@ -22,8 +22,8 @@ from tandem.backlog import (
     queue_depth_commands,
     queue_state,
 )
+from tandem.cancel_notice import cancel_commands
 from tandem.protocol import (
-    CANCEL_TTL_SECONDS,
     DELIVERED_RESPONSE_TTL_SECONDS,
     RESPONSE_TTL_SECONDS,
     EngineInfo,
@@ -117,12 +117,7 @@ class Broker:
         if not request_ids:
             return
         pipe = self.client.pipeline(transaction=True)
-        for request_id in request_ids:
-            if not request_id:
-                raise ValueError("request_id must be non-empty")
-            # MULTI: a listener told of the cancellation always finds the key too.
-            pipe.set(self.keys.cancel_key(request_id), "1", ex=CANCEL_TTL_SECONDS)
-            pipe.publish(self.keys.cancel_channel, request_id)
+        cancel_commands(pipe, self.keys, request_ids)
         await pipe.execute()
 
     async def delivered(self, request_ids: Sequence[str]) -> None:

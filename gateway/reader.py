@@ -1,6 +1,6 @@
 """Reads the response streams of a request's work items, on redis.asyncio.
 
-The asyncio twin of the engine package's `responses.ResponseReader.events`, for
+The asyncio twin of the tests' `support.response_reader.ResponseReader.events`, for
 several streams at once (the n choices of one request share one XREAD), each
 through its own `tandem.deduplicator.ResponseDeduplicator`: the rule that drops
 tokens an engine wrote twice (after a takeover) lives there only.

@@ -8,12 +8,10 @@ import pytest
 import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.response_reader import ResponseReader
 
-from tandem.engine.service.responses import (
-    ResponseDeduplicator,
-    ResponseReader,
-    ResponseWriter,
-)
+from tandem.deduplicator import ResponseDeduplicator
+from tandem.engine.service.responses import ResponseWriter
 from tandem.protocol import (
     RESPONSE_TTL_SECONDS,
     ErrorCode,

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import redis
 
+from support.response_reader import ResponseReader
 from tandem.backlog import enqueue
-from tandem.engine.service.responses import ResponseReader
 from tandem.protocol import EventKind, Keys, ResponseEvent, WorkItem
 from tandem.redis_server import free_port
 

@@ -18,19 +18,16 @@ from typing import Any
 
 import redis
 
-from tandem.protocol import CANCEL_TTL_SECONDS, Keys, as_text
+from tandem.cancel_notice import cancel_commands
+from tandem.protocol import Keys, as_text
 
 log = logging.getLogger(__name__)
 
 
 def cancel(client: redis.Redis, keys: Keys, request_id: str) -> int:
     """Cancel a request; returns how many listeners the notice reached right away."""
-    if not request_id:
-        raise ValueError("request_id must be non-empty")
-    # MULTI: a listener told of the cancellation always finds the key too.
     pipe = client.pipeline(transaction=True)
-    pipe.set(keys.cancel_key(request_id), "1", ex=CANCEL_TTL_SECONDS)
-    pipe.publish(keys.cancel_channel, request_id)
+    cancel_commands(pipe, keys, [request_id])
     return int(pipe.execute()[1])
 
 
