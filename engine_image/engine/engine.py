@@ -20,75 +20,14 @@ from dataclasses import dataclass, field
 
 from tandem.engine.admission import check_fits
 from tandem.engine.config import EngineConfig
-from tandem.engine.plan import StepPlan, TokenLogprobs
+from tandem.engine.engine_output import EngineOutput, EngineTotals, ParameterError, StepStats
+from tandem.engine.plan import StepPlan
 from tandem.engine.request import Request, RequestStatus, SamplingParams
 from tandem.engine.runner import ModelRunner
 from tandem.engine.scheduler import Scheduler, Vote
 from tandem.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("tandem.engine")
-
-
-class ParameterError(ValueError):
-    """A request refused for one of its parameters, which `param` names as the OpenAI
-    API does: the service reports it, so a client learns which one to change."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass(slots=True)
-class EngineOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    # Tokens generated this step.
-    new_token_ids: list[int]
-    # Text they decode to (held back while it may still become a stop string).
-    text_delta: str
-    # "stop", "length" or "abort" once finished; "handoff" when a PROMPT engine pinned it.
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    # Prompt tokens served from the prefix cache.
-    num_cached_tokens: int
-    # Drafts accepted this step (speculative decoding).
-    num_accepted_drafts: int = 0
-    # Set with finish_reason "error": what went wrong.
-    error: str | None = None
-    # One entry per new token, where the request asked for logprobs.
-    logprobs: list[TokenLogprobs] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None and self.finish_reason != "handoff"
-
-
-@dataclass(slots=True)
-class StepStats:
-    """The last step, for metrics."""
-
-    is_prefill: bool = False
-    num_scheduled_tokens: int = 0
-    num_seqs: int = 0
-    seconds: float = 0.0
-
-
-@dataclass(slots=True)
-class EngineTotals:
-    """Counters since the engine started, for metrics."""
-
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    prefix_cached_tokens: int = 0
-    # Tokens of admitted requests: the denominator of the prefix-cache hit rate.
-    admitted_tokens: int = 0
-    preemptions: int = 0
-    drafts_proposed: int = 0
-    drafts_accepted: int = 0
 
 
 @dataclass(slots=True)

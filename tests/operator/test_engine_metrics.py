@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from tandem.engine.engine import EngineTotals, StepStats
+from tandem.engine.engine_output import EngineTotals, StepStats
 from tandem.engine.service.http import HealthServer
 from tandem.engine.service.metrics import EngineMetrics
 from tandem.operator.engine_metrics import parse_metrics, scrape

@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from tandem.engine.engine import Engine, EngineOutput
+from tandem.engine.engine import Engine
+from tandem.engine.engine_output import EngineOutput
 from tandem.engine.request import SamplingParams
 from tandem.engine.service.kv_handoff import KVFetches, PinnedOffers, token_slots
 from tandem.engine.service.kv_tcp import fetch_kv

@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from tandem.engine.engine import Engine, EngineTotals
+from tandem.engine.engine import Engine
+from tandem.engine.engine_output import EngineTotals
 from tandem.engine.service.time_integral import TimeIntegral
 
 # Latency buckets in seconds: millisecond decode steps of small models on GPUs (a first

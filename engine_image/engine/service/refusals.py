@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.engine.admission import ContextLengthError, PromptTooLongError
-from tandem.engine.engine import ParameterError
+from tandem.engine.engine_output import ParameterError
 from tandem.protocol import ErrorCode
 
 CANCELLED = "the client cancelled the request"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.engine.engine import EngineOutput
+from tandem.engine.engine_output import EngineOutput
 from tandem.engine.plan import TokenLogprobs
 from tandem.engine.tokenizer import Tokenizer
 

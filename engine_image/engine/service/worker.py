@@ -25,7 +25,8 @@ from collections.abc import Callable
 
 import redis
 
-from tandem.engine.engine import Engine, EngineOutput
+from tandem.engine.engine import Engine
+from tandem.engine.engine_output import EngineOutput
 from tandem.engine.request import SamplingParams
 from tandem.engine.service.handoff_flow import HandoffFlow
 from tandem.engine.service.heartbeat import Heartbeat
