@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 
 from tandem.engine.admission import check_fits
 from tandem.engine.config import EngineConfig
-from tandem.engine.engine_output import EngineOutput, EngineTotals, ParameterError, StepStats
+from tandem.engine.engine_output import (
+    EngineOutput,
+    EngineTotals,
+    FinishReason,
+    ParameterError,
+    StepStats,
+)
 from tandem.engine.plan import StepPlan
 from tandem.engine.request import Request, RequestStatus, SamplingParams
 from tandem.engine.runner import ModelRunner
@@ -57,7 +63,7 @@ class Engine:
         self._extra_eos = tuple(eos_token_ids[1:])
         self._tracked: dict[str, _Tracked] = {}
         # Resumed requests found complete on arrival: reported by the next step().
-        self._finished_early: list[tuple[Request, str]] = []
+        self._finished_early: list[tuple[Request, FinishReason]] = []
         self.last_step = StepStats()
         self.totals = EngineTotals()
 
@@ -199,7 +205,7 @@ class Engine:
         self.runner.free(request_id)
         if out is None or tracked is None:
             return None
-        return self._output(tracked, [], "", "abort")
+        return self._output(tracked, [], "", FinishReason.ABORT)
 
     # ----------------------------------------------------------------- step
 
@@ -211,7 +217,7 @@ class Engine:
         self._finished_early.clear()
         return early + self._step()
 
-    def _early_output(self, request: Request, reason: str) -> EngineOutput:
+    def _early_output(self, request: Request, reason: FinishReason) -> EngineOutput:
         return EngineOutput(
             request.request_id,
             [],
@@ -256,7 +262,7 @@ class Engine:
             self.scheduler.abort_request(seq.request_id)
             self.runner.free(seq.request_id)
             if tracked is not None:
-                out = self._output(tracked, [], "", "error")
+                out = self._output(tracked, [], "", FinishReason.ERROR)
                 out.error = f"the engine failed on this request: {type(exc).__name__}: {exc}"
                 outputs.append(out)
         return outputs
@@ -286,10 +292,10 @@ class Engine:
             elif status.is_finished:
                 delta += tracked.detokenizer.flush()
         if status.is_finished:
-            reason = status.value
+            reason = FinishReason(status.value)
         elif status is RequestStatus.HANDOFF:
-            reason = "handoff"
-        if reason is not None and reason != "handoff":
+            reason = FinishReason.HANDOFF
+        if reason is not None and reason is not FinishReason.HANDOFF:
             self._tracked.pop(request.request_id, None)
             self.runner.free(request.request_id)
         return self._output(tracked, new_tokens, delta, reason)
@@ -299,7 +305,7 @@ class Engine:
         tracked: _Tracked,
         new_tokens: list[int],
         delta: str,
-        reason: str | None,
+        reason: FinishReason | None,
     ) -> EngineOutput:
         request = tracked.request
         return EngineOutput(
@@ -336,11 +342,11 @@ def _with_stop_ids(params: SamplingParams, extra: tuple[int, ...]) -> SamplingPa
     return dataclasses.replace(params, stop_token_ids=stop_ids)
 
 
-def _already_done(request: Request, max_model_len: int) -> str | None:
+def _already_done(request: Request, max_model_len: int) -> FinishReason | None:
     """The finish reason of a resumed request whose generated tokens already end it (its
     last token a stop, or the tokens at max_tokens or the context's end), else None."""
     if request.num_output_tokens > 0 and request.token_ids[-1] in request.stop_token_set:
-        return "stop"
+        return FinishReason.STOP
     if request.num_tokens >= min(request.max_num_tokens, max_model_len):
-        return "length"
+        return FinishReason.LENGTH
     return None

@@ -4,8 +4,19 @@ since its start (StepStats, EngineTotals), and the refusal of a request's parame
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from tandem.engine.plan import TokenLogprobs
+
+
+class FinishReason(StrEnum):
+    """Why a request's output ended (OpenAI's words where it has one), or paused."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens, or the context's end
+    ABORT = "abort"  # cancelled, its deadline passed, or its client gone
+    ERROR = "error"  # the step that ran it failed (EngineOutput.error says how)
+    HANDOFF = "handoff"  # a PROMPT engine pinned its KV for a decoder: not finished
 
 
 class ParameterError(ValueError):
@@ -26,23 +37,22 @@ class EngineOutput:
     new_token_ids: list[int]
     # Text they decode to (held back while it may still become a stop string).
     text_delta: str
-    # "stop", "length", "abort" or "error" once finished; "handoff" when a PROMPT engine
-    # pinned its KV for a decoder.
-    finish_reason: str | None
+    # Set once it finished, or was handed off (FinishReason.HANDOFF).
+    finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int
     # Prompt tokens served from the prefix cache.
     num_cached_tokens: int
     # Drafts accepted this step (speculative decoding).
     num_accepted_drafts: int = 0
-    # Set with finish_reason "error": what went wrong.
+    # Set with FinishReason.ERROR: what went wrong.
     error: str | None = None
     # One entry per new token, where the request asked for logprobs.
     logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None and self.finish_reason != "handoff"
+        return self.finish_reason is not None and self.finish_reason is not FinishReason.HANDOFF
 
 
 @dataclass(slots=True)

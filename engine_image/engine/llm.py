@@ -19,6 +19,7 @@ from tandem.engine.config import EngineConfig, check_fields, max_model_len_for
 from tandem.engine.decode_graphs import DecodeGraphs
 from tandem.engine.drafter import NgramDrafter
 from tandem.engine.engine import Engine
+from tandem.engine.engine_output import FinishReason
 from tandem.engine.host_memory import keep_freed_memory
 from tandem.engine.model.attention import allocate_kv_cache
 from tandem.engine.model.loader import (
@@ -204,7 +205,7 @@ class LLM:
                     pieces[out.request_id].append(out.text_delta)
                     if out.logprobs is not None:
                         logprobs.setdefault(out.request_id, []).extend(out.logprobs)
-                    if out.finish_reason == "error":
+                    if out.finish_reason is FinishReason.ERROR:
                         raise RuntimeError(out.error)
                     if out.finished:
                         outputs[out.request_id] = out

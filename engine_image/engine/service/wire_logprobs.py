@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.engine.engine_output import EngineOutput
+from tandem.engine.engine_output import EngineOutput, FinishReason
 from tandem.engine.plan import TokenLogprobs
 from tandem.engine.tokenizer import Tokenizer
 
@@ -43,7 +43,7 @@ def listed_logprobs(out: EngineOutput, tokenizer: Tokenizer | None) -> list[Toke
     ended a request and wrote nothing (EOS, a special stop id) is not listed, as
     OpenAI lists none (the offline API keeps it, with the token ids)."""
     entries = out.logprobs or []
-    ended = out.finish_reason == "stop" and entries and tokenizer is not None
+    ended = out.finish_reason is FinishReason.STOP and entries and tokenizer is not None
     if ended and tokenizer.decode([entries[-1].token_id]) == "":
         return entries[:-1]
     return entries

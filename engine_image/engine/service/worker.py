@@ -26,7 +26,7 @@ from collections.abc import Callable
 import redis
 
 from tandem.engine.engine import Engine
-from tandem.engine.engine_output import EngineOutput
+from tandem.engine.engine_output import EngineOutput, FinishReason
 from tandem.engine.request import SamplingParams
 from tandem.engine.service.handoff_flow import HandoffFlow
 from tandem.engine.service.heartbeat import Heartbeat
@@ -291,7 +291,7 @@ class EngineWorker:
                 continue
             if out.new_token_ids:
                 self._send_tokens(held, out)
-            if out.finish_reason == "error":
+            if out.finish_reason is FinishReason.ERROR:
                 self._fail(
                     held.delivery,
                     held.work,
@@ -300,11 +300,11 @@ class EngineWorker:
                     offset=out.num_output_tokens,
                 )
                 self.held.pop(out.request_id, None)
-            elif out.finish_reason == "handoff":
+            elif out.finish_reason is FinishReason.HANDOFF:
                 self.handoffs.offer(self.engine, held.work, out, self.io)
                 self._release(held)
                 self.metrics.request_ended("handoff")
-            elif out.finished and out.finish_reason != "abort":
+            elif out.finished and out.finish_reason is not FinishReason.ABORT:
                 usage = Usage(
                     out.num_prompt_tokens,
                     out.num_output_tokens,
