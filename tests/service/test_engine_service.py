@@ -380,6 +380,7 @@ def test_a_rank_that_fails_ends_its_whole_group(redis_url, keys, tmp_path):
         proc.stop()
     assert code != 0, proc.log()
     assert "Address already in use" in proc.log()
+    assert "rank-1 exited (code " in proc.log()  # which rank ended the group
 
 
 def free_port_pair() -> int:

@@ -56,6 +56,10 @@ def main(args: argparse.Namespace) -> int:
     check_arguments(args)
     check_ports(args)
     wait_for_redis(args.redis_url, args.redis_wait)
+    if args.engine_id is None:
+        # Chosen once, before the ranks start: rank r is "<id>-r<r>" of the same id.
+        host, suffix = socket.gethostname(), uuid.uuid4().hex[:6]
+        args.engine_id = f"{args.role}-{host}-{suffix}"
     if args.data_parallel_size > 1:
         return run_ranks(args, serve)
     return serve(args, rank=0)
@@ -91,7 +95,7 @@ def serve(args: argparse.Namespace, rank: int, vote: Vote | None = None) -> int:
     )
 
     host = args.advertise_host or _default_advertise_host(args.host)
-    engine_id = args.engine_id or f"{role.value}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+    engine_id = args.engine_id
     if rank:
         engine_id = f"{engine_id}-r{rank}"
     kv_caches = engine.runner.kv_caches

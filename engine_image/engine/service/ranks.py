@@ -8,6 +8,7 @@ CUDA), so the ranks run prefill and decode steps in lockstep.
 from __future__ import annotations
 
 import argparse
+import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -17,6 +18,8 @@ from collections.abc import Callable
 from tandem.engine.step_vote import Vote
 from tandem.parent_death import die_with
 from tandem.redis_server import free_port
+
+log = logging.getLogger("tandem.engine")
 
 # What each rank runs (service/main.py's serve): (args, rank, vote) -> exit code.
 Serve = Callable[[argparse.Namespace, int, Vote], int]
@@ -50,13 +53,19 @@ def run_ranks(args: argparse.Namespace, serve: Serve) -> int:
     # collective for good: end the whole group, so the process exits and is restarted.
     while any(proc.is_alive() for proc in procs):
         multiprocessing.connection.wait([proc.sentinel for proc in procs], timeout=1.0)
-        failed = [proc.exitcode for proc in procs if proc.exitcode not in (None, 0)]
+        failed = [proc for proc in procs if proc.exitcode not in (None, 0)]
         if failed:
+            first = failed[0]
+            code = first.exitcode or 1
+            how = f"signal {-code}" if code < 0 else f"code {code}"
+            # Its last words may be none (SIGKILL, the OOM killer): the group's log
+            # must say which rank ended it, or the pod's message says nothing.
+            log.error("%s exited (%s): ending the group", first.name, how)
             for proc in procs:
                 if proc.is_alive():
                     proc.kill()
                 proc.join()
-            return failed[0] if failed[0] > 0 else 1
+            return code if code > 0 else 1
     return 0
 
 
