@@ -11,7 +11,6 @@ then QueueReadable).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ from tandem.operator.role_name import RoleName
 from tandem.operator.setting_changes import SettingChange
 from tandem.operator.status import Scale
 from tandem.operator.status_model import Phase
+from tandem.redaction import redacted
 
 Body = Mapping[str, Any]
 
@@ -161,7 +161,7 @@ def queue_events(before: str | None, now: str | None) -> tuple[Event, ...]:
     if (before is None) == (now is None):
         return ()
     if now is not None:
-        why = re.sub(r"//[^/@\s]*@", "//", now)  # a URL's password never goes in an Event
+        why = redacted(now)  # a URL's password never goes in an Event
         message = (
             f"autoscaling paused: the request queue is unreadable ({why}); check spec.redis "
             "(or the operator's own Redis where the spec names none) from the operator's "

@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.redaction import redacted
+
 Body = Mapping[str, Any]
 
 ENGINE_CONTAINER = "engine"
@@ -177,6 +179,7 @@ def _container_trouble(pod: str, container: Body, kind: _Container) -> PodTroubl
 
 def _tail(text: str) -> str:
     """The last lines of a log tail, where a fatal error is."""
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    # Quoted in the model's status, which more people read than the pod's log.
+    lines = [redacted(line.strip()) for line in text.strip().splitlines() if line.strip()]
     quoted = " | ".join(lines[-_QUOTED_LINES:])
     return quoted if len(quoted) <= _QUOTED_CHARS else "..." + quoted[-_QUOTED_CHARS:]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem import __version__
+from tandem.redaction import redacted
 
 ENV_PREFIX = "TANDEM_OPERATOR_"
 DEFAULT_ENGINE_IMAGE = f"ghcr.io/tandem-serving/engine:{__version__}"
@@ -74,7 +75,8 @@ class OperatorSettings:
                 raise ValueError(f"engine image pull secret {name!r} is given twice")
         if not re.match(r"^(redis|rediss|unix)://", self.redis_url):
             raise ValueError(
-                f"redis URL must start with redis://, rediss:// or unix://: {self.redis_url!r}"
+                "redis URL must start with redis://, rediss:// or unix://: "
+                f"{redacted(self.redis_url)!r}"
             )
         for namespace in self.namespaces:
             if not _NAMESPACE.fullmatch(namespace) or len(namespace) > 63:

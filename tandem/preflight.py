@@ -11,6 +11,8 @@ import socket
 
 import redis
 
+from tandem.redaction import redacted
+
 
 class StartError(RuntimeError):
     """The stack could not start (what had started was stopped); str() says why, what to do."""
@@ -40,7 +42,8 @@ def check_redis(url: str) -> None:
             client.ping()
     except (redis.RedisError, ValueError) as exc:  # ValueError: not a Redis URL
         raise StartError(
-            f"cannot reach Redis at {url} (--redis-url): {str(exc).rstrip('.')}; start it, "
+            f"cannot reach Redis at {redacted(url)} (--redis-url): {str(exc).rstrip('.')}; "
+            "start it, "
             "or leave out --redis-url to run an embedded one"
         ) from None
 

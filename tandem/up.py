@@ -198,7 +198,6 @@ class Stack:
             "--role", role,
             "--model", self.config.model,
             "--served-model-name", self.config.name,
-            "--redis-url", self.redis_url,
             "--host", "127.0.0.1",
             "--port", str(port),
             "--kv-port", str(free_port()),
@@ -214,6 +213,7 @@ class Stack:
             restartable=True,
             stop_stage=1 if role == "completion" else 0,
             live_url=f"http://127.0.0.1:{port}/healthz",
+            env=self._redis_env(),
         )
 
     def _gateway(self) -> Child:
@@ -222,7 +222,6 @@ class Stack:
             sys.executable, "-m", "tandem.cli", "gateway",
             "--host", cfg.host,
             "--port", str(cfg.port),
-            "--redis-url", self.redis_url,
             # Its streams end after the engines answered them, at stop()'s pace.
             "--shutdown-timeout", str(STOP_TIMEOUT_S),
         ]  # fmt: skip
@@ -232,9 +231,14 @@ class Stack:
             self.log_dir / "gateway.log",
             f"http://{cfg.host}:{cfg.port}/readyz",
             restartable=True,
-            env={"TANDEM_API_KEYS": self.api_key},
+            env={"TANDEM_API_KEYS": self.api_key, **self._redis_env()},
             live_url=f"http://{cfg.host}:{cfg.port}/healthz",
         )
+
+    def _redis_env(self) -> dict[str, str]:
+        """The Redis URL for a child, in its environment: on its command line (ps) a
+        password would show to every user of the machine."""
+        return {"TANDEM_REDIS_URL": self.redis_url}
 
     def _wait_ready(self, say, children: list[Child]) -> None:
         deadline = time.monotonic() + self.config.ready_timeout

@@ -63,6 +63,14 @@ def test_a_crash_without_a_message_points_at_the_logs():
     assert trouble is not None and "kubectl logs --previous" in trouble.message
 
 
+def test_a_redis_password_in_the_log_is_not_quoted():
+    # Everyone who may `get` the model reads its status; fewer may read the pod's log.
+    said = "tandem: error: cannot reach Redis at redis://:S3cret@redis:6379/0 (--redis-url)"
+    trouble = pod_trouble(pod(engine=crash_loop(message=said)))
+    assert trouble is not None and "S3cret" not in trouble.message
+    assert "redis://:***@redis:6379/0" in trouble.message
+
+
 def test_a_long_log_tail_is_cut_to_its_last_lines():
     tail = "\n".join(f"line {i}" for i in range(80)) + "\n" + "x" * 2000
     trouble = pod_trouble(pod(engine=crash_loop(message=tail)))

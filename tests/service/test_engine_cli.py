@@ -44,7 +44,8 @@ def _engine(*flags: str) -> subprocess.CompletedProcess[str]:
         # An empty id was replaced by a generated one: a restart under it resumed nothing.
         (["--engine-id", ""], "--engine-id must be non-empty without spaces, got ''"),
         (["--redis-wait", "-1"], "--redis-wait must be 0 or more seconds, got -1.0"),
-        (["--redis-url", "notaurl"], "--redis-url notaurl: Redis URL must specify"),
+        # Not echoed: a spec.redis.urlSecretRef may point at any Secret's value.
+        (["--redis-url", "hunter2"], "--redis-url is not a Redis URL: Redis URL must specify"),
         # The engine's settings, named by their flags (a ZeroDivisionError after the
         # model loaded, a traceback from every rank of a data-parallel group).
         (["--block-size", "0"], "--block-size must be at least 1, got 0"),
@@ -95,12 +96,15 @@ def test_a_port_in_use_is_named_before_the_model_loads():
 
 
 def test_an_unreachable_redis_is_named_before_the_model_loads():
-    url = f"redis://127.0.0.1:{free_port()}/0"
-    done = _engine("--redis-url", url, "--redis-wait", "1.5")
+    port = free_port()
+    done = _engine("--redis-url", f"redis://:S3cret@127.0.0.1:{port}/0", "--redis-wait", "1.5")
     assert done.returncode == 1
     assert "Traceback" not in done.stderr
-    assert f"tandem: error: cannot reach Redis at {url} (--redis-url)" in done.stderr
+    shown = f"redis://:***@127.0.0.1:{port}/0"
+    assert f"tandem: error: cannot reach Redis at {shown} (--redis-url)" in done.stderr
     assert "waiting for Redis" in done.stderr  # it retried for --redis-wait first
+    # A pod's last log lines are its termination message, quoted in the model's status.
+    assert "S3cret" not in done.stderr
 
 
 def test_help_shows_the_defaults():

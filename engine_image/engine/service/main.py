@@ -44,6 +44,7 @@ from tandem.engine.service.settings import WorkerSettings
 from tandem.engine.service.worker import EngineWorker
 from tandem.engine.step_vote import Vote
 from tandem.protocol import Keys, Role
+from tandem.redaction import redacted
 
 log = logging.getLogger("tandem.engine")
 
@@ -201,8 +202,8 @@ def wait_for_redis(url: str, wait_s: float) -> None:
     """
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
-    except ValueError as exc:  # not a Redis URL
-        raise ValueError(f"--redis-url {url}: {exc}") from None
+    except ValueError as exc:  # not a Redis URL: not echoed, it may be any Secret's value
+        raise ValueError(f"--redis-url is not a Redis URL: {exc}") from None
     deadline = time.monotonic() + wait_s
     with client:
         while True:
@@ -212,9 +213,11 @@ def wait_for_redis(url: str, wait_s: float) -> None:
             except redis.RedisError as exc:
                 if time.monotonic() >= deadline:
                     raise SystemExit(
-                        f"tandem: error: cannot reach Redis at {url} (--redis-url): {exc}"
+                        f"tandem: error: cannot reach Redis at {redacted(url)} (--redis-url): {exc}"
                     ) from None
-                log.info("waiting for Redis at %s: %s", url, exc)
+                # Its last lines become the pod's termination message, then the model's
+                # status: never the password.
+                log.info("waiting for Redis at %s: %s", redacted(url), exc)
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
