@@ -134,7 +134,7 @@ class Controller:
         children, pods, models = await asyncio.gather(
             self._children(namespace, name),
             self._kube.list("Pod", namespace, scaling.pod_selector(name)),
-            self._kube.list(KIND, namespace, {}),
+            self._models(),
         )
         holder = served_name_holder(model, models)
         # A model that may not serve its name neither reads nor declares that name's queue,
@@ -156,6 +156,17 @@ class Controller:
         await self._apply(model, actions, costs)
         await self._post(model, outcome.notices if outcome else ())
         return outcome.memory if outcome else memory
+
+    async def _models(self) -> list[Body]:
+        """Every ModelDeployment this operator serves, all namespaces: a served name is
+        one queue in the shared Redis, whichever namespace claims it (another team's
+        model of the same name would take this one's prompts)."""
+        if not self._settings.namespaces:
+            return await self._kube.list(KIND, None, {})
+        pages = await asyncio.gather(
+            *(self._kube.list(KIND, ns, {}) for ns in self._settings.namespaces)
+        )
+        return [model for page in pages for model in page]
 
     async def _children(self, namespace: str, name: str) -> list[Body]:
         selector = {INSTANCE_LABEL: name, MANAGED_BY_LABEL: OPERATOR}

@@ -179,8 +179,8 @@ class KubeApi:
                 return None
             raise
 
-    async def list(self, kind: str, namespace: str, labels: Mapping[str, str]) -> list[Body]:
-        """Every object of `kind` in `namespace` carrying all of `labels`."""
+    async def list(self, kind: str, namespace: str | None, labels: Mapping[str, str]) -> list[Body]:
+        """Every object of `kind` in `namespace` (None: all) carrying all of `labels`."""
         selector = ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
         items: list[Body] = []
         params = {"labelSelector": selector, "limit": "500"}

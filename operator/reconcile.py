@@ -215,13 +215,15 @@ def _scale(decision: Decision, clamp: Clamp | None) -> Scale:
 
 
 def served_name_holder(model: Body, models: Sequence[Body]) -> str | None:
-    """The older ModelDeployment among `models` (of `model`'s namespace) that serves the same
-    servedModelName, or None when `model` may serve it.
+    """The older ModelDeployment among `models` (of every namespace served) that serves
+    the same servedModelName, or None when `model` may serve it; named `name`, or
+    `namespace/name` from another namespace.
 
     Two models of one name would both take its queue's work and each scale on
-    all of it. The oldest (by creationTimestamp, then name) holds the name
-    whatever its state. Read from the raw specs: an invalid one may still run
-    pods of its last valid spec. Models being deleted let go.
+    all of it; from two namespaces, one team's pods would read the other's
+    prompts. The oldest (by creationTimestamp, then namespace and name) holds the
+    name whatever its state. Read from the raw specs: an invalid one may still
+    run pods of its last valid spec. Models being deleted let go.
     """
 
     def served(body: Body) -> str:
@@ -229,20 +231,25 @@ def served_name_holder(model: Body, models: Sequence[Body]) -> str | None:
         chosen = source.get("servedModelName") if isinstance(source, Mapping) else None
         return chosen if isinstance(chosen, str) and chosen else body["metadata"]["name"]
 
-    def age(body: Body) -> tuple[str, str]:
+    def where(body: Body) -> tuple[str, str]:
         meta = body["metadata"]
-        return (str(meta.get("creationTimestamp") or ""), meta["name"])
+        return (str(meta.get("namespace") or ""), meta["name"])
 
-    meta = model["metadata"]
+    def age(body: Body) -> tuple[str, str, str]:
+        return (str(body["metadata"].get("creationTimestamp") or ""), *where(body))
+
     rivals = [
         other
         for other in models
-        if other["metadata"]["name"] != meta["name"]
+        if where(other) != where(model)
         and not other["metadata"].get("deletionTimestamp")
         and served(other) == served(model)
     ]
     oldest = min([model, *rivals], key=age)
-    return None if oldest is model else oldest["metadata"]["name"]
+    if oldest is model:
+        return None
+    namespace, name = where(oldest)
+    return name if namespace == where(model)[0] else f"{namespace}/{name}"
 
 
 def refused(model: Body, error: str, *, now: str) -> Plan:

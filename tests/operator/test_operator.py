@@ -374,6 +374,28 @@ async def test_a_cluster_wide_operator_serves_every_namespace(cluster, metrics, 
     assert cluster.api.read(CHILDREN["Deployment"], "team-b", "m-normal") is not None
 
 
+async def test_a_served_name_another_namespace_holds_is_taken(cluster, metrics, clock):
+    # Both namespaces' engines would read one queue: team-b's pods, team-a's prompts.
+    await cluster.api.create(CLUSTER_PEERINGS, None, {"metadata": {"name": PEERING}})
+    await cluster.start_operator(
+        lambda: MetricSources(metrics, metrics), clock=clock, namespaces=()
+    )
+    await cluster.apply(normal())  # "m" in the default namespace
+    await eventually(lambda: phase(cluster, "m") == "Ready", what="the first holder")
+    await cluster.api.create(NAMESPACES, None, {"metadata": {"name": "team-b"}})
+    manifest = normal("other")
+    manifest["metadata"]["namespace"] = "team-b"
+    manifest["spec"]["model"]["servedModelName"] = "m"
+    await cluster.api.create(MODELS, "team-b", manifest)
+
+    def taken() -> dict[str, Any]:
+        return cluster.api.read(MODELS, "team-b", "other").get("status") or {}
+
+    await eventually(lambda: taken().get("reason") == "ServedNameTaken", what="taken")
+    assert f"{NAMESPACE}/m" in taken()["message"]
+    assert cluster.api.read(CHILDREN["Deployment"], "team-b", "other-normal") is None
+
+
 async def test_engine_pods_pull_with_the_specs_secrets_else_the_operators(cluster, metrics, clock):
     await cluster.start_operator(
         lambda: MetricSources(metrics, metrics),

@@ -187,10 +187,12 @@ def test_a_hand_scale_outside_the_bounds_is_drift_and_one_inside_is_kept():
     assert actions.status["roles"]["normal"]["desired"] == 3
 
 
-def model_named(name: str, created: str, served: str | None = None) -> dict[str, Any]:
+def model_named(
+    name: str, created: str, served: str | None = None, namespace: str = "default"
+) -> dict[str, Any]:
     source = {"path": "smollm2", **({"servedModelName": served} if served else {})}
     return {
-        "metadata": {"name": name, "creationTimestamp": created},
+        "metadata": {"name": name, "namespace": namespace, "creationTimestamp": created},
         "spec": {"model": source, "normal": {}},
     }
 
@@ -211,6 +213,18 @@ def test_the_oldest_model_holds_a_served_name_then_the_name_decides():
     going = copy.deepcopy(b)
     going["metadata"]["deletionTimestamp"] = NOW
     assert served_name_holder(a, [a, going, c]) == "c"
+
+
+def test_a_served_name_is_held_across_namespaces():
+    # One queue per served name in the shared Redis: another team's model of the same
+    # name would take this one's prompts.
+    theirs = model_named("llama", "2026-01-01T00:00:01Z", "llama-8b", namespace="team-a")
+    mine = model_named("evil", "2026-01-01T00:00:02Z", "llama-8b", namespace="team-b")
+    assert served_name_holder(mine, [theirs, mine]) == "team-a/llama"
+    assert served_name_holder(theirs, [theirs, mine]) is None
+    # The same name in two namespaces is two models, not one.
+    twin = model_named("llama", "2026-01-01T00:00:03Z", "other", namespace="team-b")
+    assert served_name_holder(twin, [theirs, twin]) is None
 
 
 def test_a_model_whose_name_is_taken_serves_nothing_and_says_so_once():
