@@ -107,6 +107,11 @@ def _in_range(pod: str, name: str, value: float, high: float = math.inf) -> floa
 # ------------------------------------------------------------------ scraping
 
 
+# An engine's page is a few kilobytes (a few hundred series); a data-parallel pod's
+# rank-0 page the same.
+MAX_BODY_BYTES = 4 << 20
+
+
 async def scrape(
     client: httpx.AsyncClient, url: str, pod: str, *, timeout: float = DEFAULT_TIMEOUT_S
 ) -> PodSample | None:
@@ -126,9 +131,11 @@ async def scrape(
         )
         if isinstance(metrics, BaseException):
             raise metrics
-        metrics.raise_for_status()
-        ready = isinstance(readyz, httpx.Response) and readyz.status_code == 200
-        return parse_metrics(metrics.text, pod=pod, ready=ready, scraped_at=time.monotonic())
+        status, text = metrics
+        if status != 200:
+            raise ValueError(f"/metrics answered {status}")
+        ready = isinstance(readyz, tuple) and readyz[0] == 200
+        return parse_metrics(text, pod=pod, ready=ready, scraped_at=time.monotonic())
     except (httpx.HTTPError, TimeoutError, ValueError) as exc:
         # ValueError: a page that is not Prometheus text, not an engine's, or
         # holding a value out of range.
@@ -137,8 +144,16 @@ async def scrape(
         return None
 
 
-async def _get(client: httpx.AsyncClient, url: str, timeout: float) -> httpx.Response:
+async def _get(client: httpx.AsyncClient, url: str, timeout: float) -> tuple[int, str]:
+    """The status and body of a GET, the body at most MAX_BODY_BYTES (ValueError past it)."""
     # httpx's timeout bounds each connect and each read, not the request: an
     # engine (or proxy) sending a byte a second would hold a scrape for minutes.
-    async with asyncio.timeout(timeout):
-        return await client.get(url, timeout=timeout)
+    async with asyncio.timeout(timeout), client.stream("GET", url, timeout=timeout) as response:
+        body = bytearray()
+        # A pod runs its spec's image: a page of gigabytes must not take the
+        # operator's memory, and every model's autoscaling with it.
+        async for chunk in response.aiter_bytes():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise ValueError(f"{url} sent more than {MAX_BODY_BYTES} bytes")
+        return response.status_code, body.decode("utf-8", errors="replace")

@@ -76,3 +76,28 @@ async def test_a_trickling_pod_is_cut_off_at_the_timeout(slow_path):
         assert s is None  # unreadable, as a pod that is down
     else:
         assert s is not None and not s.ready  # a readiness probe that does not answer
+
+
+async def test_a_page_past_the_size_limit_is_unreadable_not_read_whole():
+    # A pod runs its spec's image: gigabytes of /metrics must not take the operator's
+    # memory (and every model's autoscaling with it).
+    sent = []
+
+    async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (1 << 30))
+        chunk = b"# " + b"x" * 65533 + b"\n"
+        try:
+            for _ in range(1 << 14):  # 1 GiB, if the scraper kept reading
+                writer.write(chunk)
+                await writer.drain()
+                sent.append(len(chunk))
+        except ConnectionError:
+            pass  # the scraper hung up
+        writer.close()
+
+    async with await asyncio.start_server(flood, "127.0.0.1", 0) as server:
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with httpx.AsyncClient() as client:
+            assert await scrape(client, url, "p0", timeout=5.0) is None
+    assert sum(sent) < 64 << 20
