@@ -82,6 +82,7 @@ def create_app(
         max_bytes=settings.max_body_bytes,
         on_reject=metrics.rejected,
         timeout_s=settings.body_timeout_s,
+        authenticate=key_store.caller,
     )
     # Added last, so outermost: it also sees the body limit's 413s.
     app.add_middleware(RequestObserver, metrics=metrics)

@@ -12,7 +12,7 @@ import hashlib
 import hmac
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,6 +90,18 @@ class KeyStore:
 
     def __len__(self) -> int:
         return len(self._keys)
+
+    def caller(self, authorizations: Sequence[str]) -> ApiKey:
+        """The caller of a request's Authorization headers (all of them), or a 401."""
+        if len(authorizations) > 1 and not self.open_access:  # --no-auth takes everyone
+            # Which one counts would be this server's guess (a proxy's added one, or the
+            # client's?): the first let a good key pass beside a bad one, the order decided.
+            raise unauthorized(
+                f"{len(authorizations)} Authorization headers: send one, "
+                "'Authorization: Bearer <key>'",
+                "invalid_api_key",
+            )
+        return self.authenticate(authorizations[0] if authorizations else None)
 
     def authenticate(self, authorization: str | None) -> ApiKey:
         """The caller of an `Authorization: Bearer <key>` header, or a 401."""

@@ -27,8 +27,10 @@ REQUEST_ID_HEADER = b"x-request-id"
 
 
 class BodyLimit:
-    """Answers 413 for a body over `max_bytes`, declared or actually sent, and 408
-    for one not whole within `timeout_s`.
+    """Answers 401 before reading the body of a request without a valid key (a stranger
+    may not hold the server's memory for `timeout_s` with a megabyte each), 413 for a
+    body over `max_bytes`, declared or actually sent, and 408 for one not whole
+    within `timeout_s`.
 
     The body is read here in full (it is small: JSON up to max_bytes) and
     replayed to the app; later receive() calls go to the server, so the app
@@ -41,8 +43,10 @@ class BodyLimit:
         max_bytes: int,
         on_reject: Callable[[str], None],
         timeout_s: float,
+        authenticate: Callable[[list[str]], object],
     ) -> None:
         self.app = app
+        self.authenticate = authenticate  # KeyStore.caller: a GatewayError (401) or not
         self.max_bytes = max_bytes
         self.on_reject = on_reject
         self.timeout_s = timeout_s
@@ -50,6 +54,11 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
+            return
+        try:
+            self.authenticate(_header_values(scope, b"authorization"))
+        except GatewayError as error:
+            await self._refuse(error, send)
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
@@ -106,6 +115,10 @@ class BodyLimit:
 
 async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
+
+
+def _header_values(scope: Scope, name: bytes) -> list[str]:
+    return [value.decode("latin-1") for key, value in scope.get("headers", ()) if key == name]
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -370,19 +370,31 @@ def test_a_request_refused_before_its_model_is_looked_up_is_labelled_unknown(gat
     assert live.metric("tandem_gateway_requests_total", model="") == 0
 
 
-def _partial_body(live: LiveGateway) -> socket.socket:
+def _partial_body(live: LiveGateway, key: str | None = API_KEY) -> socket.socket:
     """A connection that sent a request's headers and 8 of the 100 bytes it declared."""
     conn = socket.create_connection(("127.0.0.1", live.settings.port), timeout=10)
+    auth = f"Authorization: Bearer {key}\r\n".encode() if key else b""
     conn.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
-        b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n" + b'{"model"'
-    )
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n" + auth
+        + b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n" + b'{"model"'
+    )  # fmt: skip
     return conn
 
 
+def test_a_stranger_is_refused_before_the_body_is_read(gateway):
+    # A megabyte each, held for the body timeout, before the key was checked: a
+    # stranger's few hundred connections took the gateway's memory.
+    live, _ = gateway
+    reply = b""
+    with _partial_body(live, key=None) as conn:  # the body never whole: 408 if it waited
+        while chunk := conn.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 401")
+
+
 def test_a_body_that_does_not_arrive_in_time_gets_408(gateway):
-    # Read before the API key is checked, a body sent slowly or never held its
-    # connection, and the bytes already sent, for as long as the client wished.
+    # A body sent slowly or never held its connection, and the bytes already sent,
+    # for as long as the client wished.
     live, _ = gateway
     before = live.metric("tandem_gateway_rejections_total", reason="body_timeout")
     reply = b""
