@@ -23,6 +23,7 @@ from support.kube_api import (
     ApiError,
 )
 from support.kube_cluster import NAMESPACE, PEERING, eventually
+from support.kube_cluster import normal_model as normal
 
 from tandem.operator.manifests_pods import CONFIG_HASH_ANNOTATION
 from tandem.operator.sources import MetricSources
@@ -38,16 +39,6 @@ SERVER_SET = ("uid", "resourceVersion", "creationTimestamp", "generation", "mana
 
 def example(name: str) -> dict[str, Any]:
     return yaml.safe_load((ROOT / "examples" / f"{name}.yaml").read_text())
-
-
-def normal(name: str = "m", **role: Any) -> dict[str, Any]:
-    """A small Normal-mode ModelDeployment."""
-    return {
-        "apiVersion": "serving.tandem.dev/v1alpha1",
-        "kind": "ModelDeployment",
-        "metadata": {"name": name},
-        "spec": {"model": {"path": "smollm2"}, "mode": "Normal", "normal": role},
-    }
 
 
 def phase(cluster: Any, name: str) -> str | None:

@@ -10,18 +10,9 @@ from typing import Any
 
 import pytest
 from support.kube_api import CHILDREN, MODELS
-from support.kube_cluster import eventually
+from support.kube_cluster import eventually, normal_model
 
 pytestmark = pytest.mark.asyncio
-
-
-def normal(**role: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "serving.tandem.dev/v1alpha1",
-        "kind": "ModelDeployment",
-        "metadata": {"name": "m"},
-        "spec": {"model": {"path": "smollm2"}, "mode": "Normal", "normal": role},
-    }
 
 
 def status(cluster: Any) -> dict[str, Any]:
@@ -40,7 +31,7 @@ async def test_a_forbidden_write_is_degraded_in_the_api_servers_words_until_it_p
     cluster.api.fail_next(
         "POST", CHILDREN["Service"], status=403, reason="Forbidden", message=quota, times=10**6
     )
-    await cluster.apply(normal())
+    await cluster.apply(normal_model())
 
     await eventually(lambda: status(cluster).get("phase") == "Degraded", what="Degraded")
     assert status(cluster)["reason"] == "Forbidden"
@@ -60,7 +51,7 @@ async def test_the_autoscaler_resumes_at_its_next_tick_after_an_api_outage(
 ):
     caplog.set_level(logging.ERROR, logger="kopf.objects")
     metrics.default_kv = 0.3
-    await cluster.apply(normal(minReplicas=1, maxReplicas=4))
+    await cluster.apply(normal_model(minReplicas=1, maxReplicas=4))
     await eventually(lambda: status(cluster).get("phase") == "Ready", what="Ready")
 
     # Longer than one request's retries: the autoscaler's pass fails.
@@ -80,7 +71,7 @@ async def test_the_autoscaler_resumes_at_its_next_tick_after_an_api_outage(
 
 
 async def test_an_unreadable_queue_is_said_once_and_so_is_its_return(cluster, operator, metrics):
-    model = normal(minReplicas=1, maxReplicas=4)
+    model = normal_model(minReplicas=1, maxReplicas=4)
     model["spec"]["redis"] = {"url": "redis://:hunter2@redis.elsewhere:6379/0"}
     await cluster.apply(model)
     await eventually(lambda: status(cluster).get("phase") == "Ready", what="Ready")

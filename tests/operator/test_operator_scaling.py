@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from support.kube_api import DEPLOYMENTS, MODELS, PEERINGS, PODS, SECRETS
-from support.kube_cluster import NAMESPACE, PEERING, eventually
+from support.kube_cluster import NAMESPACE, PEERING, eventually, normal_model
 
 from tandem.operator.manifests import DELETION_COST_ANNOTATION
 from tandem.operator.sources import MetricSources
@@ -42,15 +42,6 @@ def split(name: str = "m") -> dict[str, Any]:
             "prefill": {**bounds, "targetQueuedTokensPerReplica": 1000},
             "decode": {**bounds, "targetKVCacheUsage": 0.7},
         },
-    }
-
-
-def normal_model(**role: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "serving.tandem.dev/v1alpha1",
-        "kind": "ModelDeployment",
-        "metadata": {"name": "m"},
-        "spec": {"model": {"path": "smollm2"}, "mode": "Normal", "normal": role},
     }
 
 

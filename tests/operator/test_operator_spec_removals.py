@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from support.kube_api import DEPLOYMENTS
-from support.kube_cluster import NAMESPACE, eventually
+from support.kube_cluster import NAMESPACE, eventually, normal_model
 
 pytestmark = pytest.mark.asyncio
 
@@ -33,15 +33,6 @@ NODE_AFFINITY = {
 }
 
 
-def normal(**role: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "serving.tandem.dev/v1alpha1",
-        "kind": "ModelDeployment",
-        "metadata": {"name": "m"},
-        "spec": {"model": {"path": "smollm2"}, "mode": "Normal", "normal": role},
-    }
-
-
 def observed(cluster: Any) -> int | None:
     return ((cluster.model("m") or {}).get("status") or {}).get("observedGeneration")
 
@@ -52,7 +43,7 @@ def pod_spec(cluster: Any) -> dict[str, Any]:
 
 async def test_keys_removed_from_owned_maps_leave_the_deployment(cluster, operator):
     await cluster.apply(
-        normal(
+        normal_model(
             resources={"limits": {"cpu": "2", "memory": "4Gi"}},
             nodeSelector={"pool": "gpu", "zone": "a"},
             affinity={"nodeAffinity": NODE_AFFINITY, "podAntiAffinity": ANTI_AFFINITY},
@@ -78,7 +69,7 @@ async def test_keys_removed_from_owned_maps_leave_the_deployment(cluster, operat
 
 
 async def test_a_removed_pull_policy_falls_back_to_the_images_default(cluster, operator):
-    model = normal()
+    model = normal_model()
     model["spec"]["image"] = "example.com/tandem-engine:1.0"
     model["spec"]["imagePullPolicy"] = "Never"
     await cluster.apply(model)
@@ -94,7 +85,7 @@ async def test_a_removed_pull_policy_falls_back_to_the_images_default(cluster, o
 
 async def test_a_request_filled_in_from_its_limit_is_not_drift(cluster, operator):
     """Kubernetes defaults a missing request to its limit; repairing that would never end."""
-    await cluster.apply(normal(resources={"limits": {"memory": "4Gi"}}))
+    await cluster.apply(normal_model(resources={"limits": {"memory": "4Gi"}}))
     await eventually(lambda: observed(cluster) == 1, what="the first pass")
     containers = pod_spec(cluster)["containers"]
     containers[0]["resources"]["requests"] = {"memory": "4096Mi"}
@@ -107,7 +98,7 @@ async def test_a_request_filled_in_from_its_limit_is_not_drift(cluster, operator
 
 
 async def test_a_request_of_its_own_is_drift(cluster, operator):
-    await cluster.apply(normal(resources={"limits": {"memory": "4Gi"}}))
+    await cluster.apply(normal_model(resources={"limits": {"memory": "4Gi"}}))
     await eventually(lambda: observed(cluster) == 1, what="the first pass")
     containers = pod_spec(cluster)["containers"]
     containers[0]["resources"]["requests"] = {"memory": "1Gi"}

@@ -210,3 +210,13 @@ async def eventually(check: Callable[[], Any], *, timeout: float = 5.0, what: st
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout:g}s: {what or check}")
         await asyncio.sleep(0.02)
+
+
+def normal_model(name: str = "m", **role: Any) -> dict[str, Any]:
+    """A small Normal-mode ModelDeployment, `role` its normal role's fields."""
+    return {
+        "apiVersion": "serving.tandem.dev/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": name},
+        "spec": {"model": {"path": "smollm2"}, "mode": "Normal", "normal": role},
+    }
