@@ -7,13 +7,15 @@ and a few fields the operator owns must be absent when the manifest leaves
 them out (a removed nodeSelector). Some maps it owns whole, to any depth: a
 key the spec no longer has (one nodeSelector label, an affinity branch, a
 memory limit) must go from the child too, which a merge patch does only when
-told (a null). Quantities compare by value, because the API server rewrites
-them ("1024Mi" comes back as "1Gi", 1 as "1").
+told (a null); on a Deployment only the keys a manifest set, which it records
+(`with_owned_keys`), as kubectl apply does. Quantities compare by value,
+because the API server rewrites them ("1024Mi" comes back as "1Gi", 1 as "1").
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +42,10 @@ _POD = ("spec", "template", "spec")
 # Maps the operator owns whole, to any depth: extra keys in the child are drift.
 # "*" stands for every item of a list (the containers): a patch replaces a list
 # whole, so only the maps outside lists need their extra keys nulled.
+# A Deployment's are owned as kubectl apply owns fields: only the keys its
+# manifest once set (recorded in OWNED_KEYS_ANNOTATION) go when the spec drops
+# them; a key someone else added (a mutating webhook's default) stays, or every
+# pass would remove it and the webhook put it back.
 _EXACT: Mapping[str, tuple[tuple[str, ...], ...]] = {
     "ConfigMap": (("data",),),
     "Secret": (("data",),),
@@ -50,6 +56,12 @@ _EXACT: Mapping[str, tuple[tuple[str, ...], ...]] = {
     ),
 }
 _MISSING = object()
+# On a Deployment: the key paths of its owned maps that its manifest set (JSON, below
+# spec.template.spec).
+OWNED_KEYS_ANNOTATION = "serving.tandem.dev/owned-keys"
+_RECORDED = frozenset({"Deployment"})
+
+Path = tuple[str | int, ...]
 
 
 @dataclass(frozen=True)
@@ -137,18 +149,73 @@ def _differences(desired: Any, actual: Any, path: str) -> list[str]:
     return [] if desired == actual and type(desired) is type(actual) else [path]
 
 
-def _owned_extras(desired: Body, actual: Body) -> list[tuple[str | int, ...]]:
+def with_owned_keys(manifest: Body) -> Body:
+    """`manifest`, recording in an annotation the keys of its owned maps (for the kinds
+    that record them): what a later manifest may remove."""
+    kind = manifest.get("kind", "")
+    if kind not in _RECORDED:
+        return manifest
+    # Below the pod template's spec, where every owned map of a Deployment is.
+    paths = sorted(
+        (list(p[len(_POD) :]) for path in _EXACT[kind] for p in _key_paths(manifest, path)),
+        key=lambda p: [str(k) for k in p],
+    )
+    recorded = json.dumps(paths, separators=(",", ":"))
+    meta = manifest["metadata"]
+    annotations = {**meta.get("annotations", {}), OWNED_KEYS_ANNOTATION: recorded}
+    return {**manifest, "metadata": {**meta, "annotations": annotations}}
+
+
+def _key_paths(body: Any, path: Sequence[str]) -> list[Path]:
+    """Every key path under `path` in `body` (into maps, not into lists but at "*")."""
+    if "*" in path:
+        star = path.index("*")
+        items = _get(body, path[:star])
+        if not isinstance(items, list):
+            return []
+        return [
+            (*path[:star], index, *below)
+            for index, item in enumerate(items)
+            for below in _key_paths(item, path[star + 1 :])
+        ]
+    found: list[Path] = []
+
+    def walk(value: Any, at: Path) -> None:
+        if isinstance(value, Mapping):
+            for key, inner in value.items():
+                found.append((*at, key))
+                walk(inner, (*at, key))
+
+    walk(_get(body, path), tuple(path))
+    return found
+
+
+def _recorded(actual: Body) -> set[Path] | None:
+    """The owned keys a child's last manifest set, if it says (None: made before the
+    record was kept, or the record is unreadable: every extra key counts)."""
+    text = (actual.get("metadata", {}).get("annotations") or {}).get(OWNED_KEYS_ANNOTATION)
+    try:
+        return {(*_POD, *path) for path in json.loads(text)} if text else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _owned_extras(desired: Body, actual: Body) -> list[Path]:
     """Keys of the maps the operator owns whole that the child has and the manifest lacks
-    (a map the manifest leaves out entirely is _OPTIONAL_OWNED's)."""
+    (a map the manifest leaves out entirely is _OPTIONAL_OWNED's); of a kind that
+    records its keys, only those a manifest set."""
+    kind = desired.get("kind", "")
+    recorded = _recorded(actual) if kind in _RECORDED else None
     return [
         extra
-        for path in _EXACT.get(desired.get("kind", ""), ())
+        for path in _EXACT.get(kind, ())
         if "*" in path or _get(desired, path) is not _MISSING
         for extra in _extra_keys(desired, actual, path)
+        if recorded is None or extra in recorded
     ]
 
 
-def _extra_keys(desired: Body, actual: Body, path: Sequence[str]) -> list[tuple[str | int, ...]]:
+def _extra_keys(desired: Body, actual: Body, path: Sequence[str]) -> list[Path]:
     """The paths of keys `actual` has under `path` (to any depth) that `desired` lacks;
     list indices are ints."""
     if "*" not in path:
@@ -161,11 +228,10 @@ def _extra_keys(desired: Body, actual: Body, path: Sequence[str]) -> list[tuple[
         (*path[:star], index, *extra)
         for index, (want, got) in enumerate(zip(wanted, have, strict=True))
         for extra in _extra_keys(want, got, path[star + 1 :])
-        if not _server_default(want, got, extra)
     ]
 
 
-def _extra_below(desired: Any, actual: Any) -> list[tuple[str | int, ...]]:
+def _extra_below(desired: Any, actual: Any) -> list[Path]:
     if isinstance(actual, Mapping) and (desired is _MISSING or isinstance(desired, Mapping)):
         wanted: Mapping[str, Any] = desired if isinstance(desired, Mapping) else {}
         return [
@@ -180,25 +246,6 @@ def _extra_below(desired: Any, actual: Any) -> list[tuple[str | int, ...]]:
             for extra in _extra_below(want, have)
         ]
     return []
-
-
-def _server_default(desired: Any, actual: Any, extra: tuple[str | int, ...]) -> bool:
-    """Requests the API server filled in from their limits (a request left out defaults
-    to its limit): not drift."""
-    if extra[:2] != ("resources", "requests") or len(extra) > 3:
-        return False
-    have = _get(actual, extra)
-    requests = have if len(extra) == 2 else {extra[2]: have}
-    if not isinstance(requests, Mapping) or not requests:
-        return False
-    limits = _get(desired, ("resources", "limits"))
-    try:
-        return isinstance(limits, Mapping) and all(
-            key in limits and quantity_value(limits[key]) == quantity_value(value)
-            for key, value in requests.items()
-        )
-    except ValueError:
-        return False
 
 
 def _dropped_when_stored(value: Any) -> bool:

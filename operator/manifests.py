@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.operator.drift import with_owned_keys
 from tandem.operator.engine_flags import engine_flags
 from tandem.operator.manifests_pods import container_ports, deployment
 from tandem.operator.role_name import RoleName
@@ -112,7 +113,8 @@ def build_manifests(
     for role_name in spec.roles():
         if role_name not in replicas:
             raise ValueError(f"no replica count given for role {role_name.value}")
-        manifests.extend(role_manifests(owner, spec, role_name, replicas[role_name], defaults))
+        built = role_manifests(owner, spec, role_name, replicas[role_name], defaults)
+        manifests.extend(with_owned_keys(manifest) for manifest in built)
     return manifests
 
 

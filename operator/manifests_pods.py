@@ -190,11 +190,11 @@ def pull_policy(policy: str | None, image: str) -> str:
     is not the operator's to repair."""
     if policy is not None:
         return policy
-    if "@" in image:
-        return "IfNotPresent"  # pinned by digest
-    name = image.rsplit("/", 1)[-1]
-    tag = name.partition(":")[2]
-    return "Always" if tag in ("", "latest") else "IfNotPresent"
+    # As the API server reads it: the tag of the last path part; none and no digest
+    # is "latest" (repo@sha256:... has no tag; repo:latest@sha256:... does).
+    named, _, digest = image.partition("@")
+    tag = named.rsplit("/", 1)[-1].partition(":")[2] or ("" if digest else "latest")
+    return "Always" if tag == "latest" else "IfNotPresent"
 
 
 def container_ports(role_name: RoleName, role: RoleSpec) -> list[dict[str, Any]]:

@@ -33,7 +33,7 @@ from tandem.operator.manifests import (
     pod_deletion_cost_patch,
     role_manifests,
 )
-from tandem.operator.manifests_pods import CONFIG_HASH_ANNOTATION
+from tandem.operator.manifests_pods import CONFIG_HASH_ANNOTATION, pull_policy
 from tandem.operator.role_name import RoleName
 from tandem.operator.spec import ModelDeploymentSpec
 from tandem.operator.validation import validate_spec
@@ -435,3 +435,21 @@ def test_cpu_pods_get_one_thread_per_limited_core():
     assert threads({"limits": {"cpu": "8", "nvidia.com/gpu": 1}}) is None  # GPU: torch decides
     assert threads({"requests": {"cpu": "2"}}) is None  # no limit: the pod may burst
     assert threads(None) is None
+
+
+@pytest.mark.parametrize(
+    ("image", "policy"),
+    [
+        ("engine", "Always"),
+        ("engine:latest", "Always"),
+        ("registry:5000/team/engine", "Always"),  # the port is not a tag
+        ("engine:1.2", "IfNotPresent"),
+        ("engine@sha256:" + "a" * 64, "IfNotPresent"),
+        ("engine:latest@sha256:" + "a" * 64, "Always"),
+    ],
+)
+def test_the_pull_policy_written_out_is_the_one_kubernetes_would_default_to(image, policy):
+    # Written out, so a policy removed from the spec reaches the pods; the API server's
+    # own default, or every Deployment made before would roll once for nothing.
+    assert pull_policy(None, image) == policy
+    assert pull_policy("Never", image) == "Never"

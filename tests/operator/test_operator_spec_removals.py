@@ -1,6 +1,6 @@
 """A setting removed from the spec leaves the pods too: a merge patch only adds keys, so
 the operator nulls the keys of the maps it owns whole (nodeSelector, affinity, the
-engine's resources) and writes the image pull policy out."""
+engine's resources) that its manifest once set, and writes the image pull policy out."""
 
 from __future__ import annotations
 
@@ -83,29 +83,22 @@ async def test_a_removed_pull_policy_falls_back_to_the_images_default(cluster, o
     )
 
 
-async def test_a_request_filled_in_from_its_limit_is_not_drift(cluster, operator):
-    """Kubernetes defaults a missing request to its limit; repairing that would never end."""
-    await cluster.apply(normal_model(resources={"limits": {"memory": "4Gi"}}))
+async def test_a_key_someone_else_added_stays(cluster, operator):
+    # A mutating webhook's default (a label, a request): removed on every pass, it
+    # would be put back on every pass. Only keys the spec once set are the operator's.
+    await cluster.apply(
+        normal_model(nodeSelector={"pool": "gpu"}, resources={"limits": {"memory": "4Gi"}})
+    )
     await eventually(lambda: observed(cluster) == 1, what="the first pass")
-    containers = pod_spec(cluster)["containers"]
-    containers[0]["resources"]["requests"] = {"memory": "4096Mi"}
-    patch = {"spec": {"template": {"spec": {"containers": containers}}}}
+    pod = pod_spec(cluster)
+    containers = pod["containers"]
+    containers[0]["resources"]["requests"] = {"memory": "1Gi"}
+    selector = {**pod["nodeSelector"], "zone": "webhook"}
+    patch = {"spec": {"template": {"spec": {"containers": containers, "nodeSelector": selector}}}}
     await cluster.api.patch(DEPLOYMENTS, NAMESPACE, "m-normal", patch)
     await asyncio.sleep(0.6)  # a few timer passes
 
-    assert pod_spec(cluster)["containers"][0]["resources"]["requests"] == {"memory": "4096Mi"}
+    pod = pod_spec(cluster)
+    assert pod["nodeSelector"] == {"pool": "gpu", "zone": "webhook"}
+    assert pod["containers"][0]["resources"]["requests"] == {"memory": "1Gi"}
     assert not cluster.events("DriftRepaired")
-
-
-async def test_a_request_of_its_own_is_drift(cluster, operator):
-    await cluster.apply(normal_model(resources={"limits": {"memory": "4Gi"}}))
-    await eventually(lambda: observed(cluster) == 1, what="the first pass")
-    containers = pod_spec(cluster)["containers"]
-    containers[0]["resources"]["requests"] = {"memory": "1Gi"}
-    patch = {"spec": {"template": {"spec": {"containers": containers}}}}
-    await cluster.api.patch(DEPLOYMENTS, NAMESPACE, "m-normal", patch)
-
-    await eventually(
-        lambda: "requests" not in pod_spec(cluster)["containers"][0]["resources"],
-        what="the hand-set request removed",
-    )

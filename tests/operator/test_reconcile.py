@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tandem.operator.drift import ChildKey, drift, repair_patch
+from tandem.operator.drift import OWNED_KEYS_ANNOTATION, ChildKey, drift, repair_patch
 from tandem.operator.manifests import (
     DEFAULTS_ANNOTATION,
     DELETION_COST_ANNOTATION,
@@ -142,6 +142,20 @@ def test_extra_configmap_keys_are_drift():
     config["data"]["extra"] = "1"
     assert drift(desired, config) == ("data.extra",)
     assert repair_patch(desired, config)["data"]["extra"] is None
+
+
+def test_only_keys_a_manifest_set_are_removed_and_an_unrecorded_child_loses_every_extra():
+    body = model({"nodeSelector": {"pool": "gpu"}})
+    (wanted,) = [c for c in children_of(body) if c["kind"] == "Deployment"]
+    deployment = copy.deepcopy(wanted)
+    deployment["spec"]["template"]["spec"]["nodeSelector"]["zone"] = "a"  # someone else's
+    assert drift(wanted, deployment) == ()
+    # Made before the record was kept: every extra key is the operator's, once.
+    del deployment["metadata"]["annotations"][OWNED_KEYS_ANNOTATION]
+    assert "spec.template.spec.nodeSelector.zone" in drift(wanted, deployment)
+    patch = repair_patch(wanted, deployment)
+    assert patch["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "gpu", "zone": None}
+    assert OWNED_KEYS_ANNOTATION in patch["metadata"]["annotations"]
 
 
 def test_a_role_of_another_mode_is_deleted_once_the_new_roles_are_ready():
