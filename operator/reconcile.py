@@ -216,20 +216,28 @@ def _scale(decision: Decision, clamp: Clamp | None) -> Scale:
 
 def served_name_holder(model: Body, models: Sequence[Body]) -> str | None:
     """The older ModelDeployment among `models` (of every namespace served) that serves
-    the same servedModelName, or None when `model` may serve it; named `name`, or
-    `namespace/name` from another namespace.
+    the same servedModelName on the same queues, or None when `model` may serve it:
+    `ModelDeployment <name>`, or of another namespace without naming it (whose models
+    those are is that namespace's business).
 
-    Two models of one name would both take its queue's work and each scale on
-    all of it; from two namespaces, one team's pods would read the other's
-    prompts. The oldest (by creationTimestamp, then namespace and name) holds the
-    name whatever its state. Read from the raw specs: an invalid one may still
-    run pods of its last valid spec. Models being deleted let go.
+    Two models of one name on one Redis would both take its queue's work and each
+    scale on all of it; from two namespaces, one team's pods would read the other's
+    prompts. So the rivals are the models of `model`'s namespace, and those of
+    every namespace on the operator's own Redis when `model` is too (models with a
+    `spec.redis` of their own in other namespaces never share its queues: their
+    URLs name Redis servers as each namespace resolves them). The oldest (by
+    creationTimestamp, then namespace and name) holds the name whatever its state.
+    Read from the raw specs: an invalid one may still run pods of its last valid
+    spec. Models being deleted let go.
     """
 
     def served(body: Body) -> str:
         source = (body.get("spec") or {}).get("model")
         chosen = source.get("servedModelName") if isinstance(source, Mapping) else None
         return chosen if isinstance(chosen, str) and chosen else body["metadata"]["name"]
+
+    def on_operators_redis(body: Body) -> bool:
+        return not (body.get("spec") or {}).get("redis")
 
     def where(body: Body) -> tuple[str, str]:
         meta = body["metadata"]
@@ -238,18 +246,22 @@ def served_name_holder(model: Body, models: Sequence[Body]) -> str | None:
     def age(body: Body) -> tuple[str, str, str]:
         return (str(body["metadata"].get("creationTimestamp") or ""), *where(body))
 
+    namespace = where(model)[0]
+    shared = on_operators_redis(model)
     rivals = [
         other
         for other in models
         if where(other) != where(model)
+        and (where(other)[0] == namespace or (shared and on_operators_redis(other)))
         and not other["metadata"].get("deletionTimestamp")
         and served(other) == served(model)
     ]
     oldest = min([model, *rivals], key=age)
     if oldest is model:
         return None
-    namespace, name = where(oldest)
-    return name if namespace == where(model)[0] else f"{namespace}/{name}"
+    if where(oldest)[0] == namespace:
+        return f"ModelDeployment {where(oldest)[1]}"
+    return "ModelDeployment of another namespace"
 
 
 def refused(model: Body, error: str, *, now: str) -> Plan:
@@ -311,7 +323,7 @@ def _name_taken(
     name = model["metadata"]["name"]
     why = (
         f"servedModelName {spec.served_model_name(name)!r} is served by the older "
-        f"ModelDeployment {holder}: this one serves nothing until the name is free "
+        f"{holder}: this one serves nothing until the name is free "
         "(rename or delete one of them)"
     )
     patches: list[ChildPatch] = []

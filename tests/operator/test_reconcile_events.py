@@ -202,36 +202,41 @@ def test_the_oldest_model_holds_a_served_name_then_the_name_decides():
     b = model_named("b", "2026-01-01T00:00:01Z", "shared")
     c = model_named("c", "2026-01-01T00:00:01Z", "shared")  # as old as b: b's name is first
     models = [a, b, c]
-    assert served_name_holder(a, models) == "b"
-    assert served_name_holder(c, models) == "b"
+    assert served_name_holder(a, models) == "ModelDeployment b"
+    assert served_name_holder(c, models) == "ModelDeployment b"
     assert served_name_holder(b, models) is None
     assert served_name_holder(model_named("d", NOW, "own"), models) is None
     # Without servedModelName the name is metadata.name.
     plain = model_named("shared", "2026-01-01T00:00:03Z")
-    assert served_name_holder(plain, [*models, plain]) == "b"
+    assert served_name_holder(plain, [*models, plain]) == "ModelDeployment b"
     # A model being deleted lets go at once.
     going = copy.deepcopy(b)
     going["metadata"]["deletionTimestamp"] = NOW
-    assert served_name_holder(a, [a, going, c]) == "c"
+    assert served_name_holder(a, [a, going, c]) == "ModelDeployment c"
 
 
-def test_a_served_name_is_held_across_namespaces():
+def test_a_served_name_is_held_across_namespaces_on_the_operators_redis():
     # One queue per served name in the shared Redis: another team's model of the same
-    # name would take this one's prompts.
+    # name would take this one's prompts. Whose model holds it is not said.
     theirs = model_named("llama", "2026-01-01T00:00:01Z", "llama-8b", namespace="team-a")
     mine = model_named("evil", "2026-01-01T00:00:02Z", "llama-8b", namespace="team-b")
-    assert served_name_holder(mine, [theirs, mine]) == "team-a/llama"
+    assert served_name_holder(mine, [theirs, mine]) == "ModelDeployment of another namespace"
     assert served_name_holder(theirs, [theirs, mine]) is None
     # The same name in two namespaces is two models, not one.
     twin = model_named("llama", "2026-01-01T00:00:03Z", "other", namespace="team-b")
     assert served_name_holder(twin, [theirs, twin]) is None
+    # A namespace on its own Redis shares no queue with the others'.
+    own = copy.deepcopy(mine)
+    own["spec"]["redis"] = {"url": "redis://redis:6379/0"}
+    assert served_name_holder(own, [theirs, own]) is None
+    assert served_name_holder(theirs, [theirs, own]) is None
 
 
 def test_a_model_whose_name_is_taken_serves_nothing_and_says_so_once():
     body = running({"replicas": 2, "maxReplicas": 2}, desired=2)
     children = built(body)
 
-    actions = plan(body, children, OLD, now=NOW, holder="older")
+    actions = plan(body, children, OLD, now=NOW, holder="ModelDeployment older")
     assert not actions.creates and not actions.deletes
     assert [(p.name, p.patch) for p in actions.patches] == [("m-normal", {"spec": {"replicas": 0}})]
     status = actions.status
@@ -243,5 +248,6 @@ def test_a_model_whose_name_is_taken_serves_nothing_and_says_so_once():
 
     # The next pass finds what it wrote: no second Warning. A new model creates nothing.
     body["status"].update(status)
-    assert plan(body, children, OLD, now=NOW, holder="older").events == ()
-    assert plan(running({}, desired=1), [], OLD, now=NOW, holder="older").creates == ()
+    assert plan(body, children, OLD, now=NOW, holder="ModelDeployment older").events == ()
+    fresh = plan(running({}, desired=1), [], OLD, now=NOW, holder="ModelDeployment older")
+    assert fresh.creates == ()
