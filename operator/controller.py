@@ -54,6 +54,7 @@ from tandem.operator.settings import OperatorSettings
 from tandem.operator.sources import MetricSources
 from tandem.operator.spec import KIND, ModelDeploymentSpec
 from tandem.operator.validation import InvalidSpec, validate_spec
+from tandem.redaction import redacted
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,8 @@ class Controller:
         # Each evaluation renews the model's catalog entry; a deleted model's lapses.
         self._declaration_ttl_s = catalog.declaration_ttl_s(settings.scrape_interval_s)
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        # Models whose last pass failed (an Event said so once).
+        self._failing: set[tuple[str, str]] = set()
 
     async def reconcile(
         self,
@@ -121,11 +124,28 @@ class Controller:
                 return memory
             if model["metadata"].get("deletionTimestamp"):
                 return memory  # garbage collection removes the children
-            return await self._reconcile(model, autoscale, memory)
+            try:
+                memory = await self._reconcile(model, autoscale, memory)
+            except Exception as error:
+                await self._failed(model, error)
+                raise  # kopf retries the timer at its next tick; the log has the trace
+            self._failing.discard((namespace, name))
+            return memory
+
+    async def _failed(self, model: Body, error: Exception) -> None:
+        """One Warning Event per streak of failed passes (kopf posts none: every 15 s
+        would bury the model's Events), for `kubectl describe`."""
+        key = (model["metadata"]["namespace"], model["metadata"]["name"])
+        if key in self._failing:
+            return
+        self._failing.add(key)
+        message = redacted(f"{error}"[:1000] or type(error).__name__)
+        await self._post(model, (Event("ReconcileFailed", f"{message}; retried", warning=True),))
 
     def forget(self, namespace: str, name: str) -> None:
         """The ModelDeployment is gone: drop its lock."""
         self._locks.pop((namespace, name), None)
+        self._failing.discard((namespace, name))
 
     async def _reconcile(
         self, model: Body, autoscale: bool, memory: scaling.ScalerMemory | None

@@ -6,7 +6,7 @@ ScaledDown), a spec edit (SpecApplied), the operator's own settings
 served (InvalidSpec, ServedNameTaken, ChildTaken: once, not on every pass), writes the
 API server forbids (Forbidden), a role whose metrics nobody can read (MetricsUnreadable,
 then MetricsReadable: once each), a request queue nobody can read (QueueUnreadable,
-then QueueReadable).
+then QueueReadable); a pass that failed (ReconcileFailed) is the Controller's.
 """
 
 from __future__ import annotations

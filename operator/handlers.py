@@ -112,10 +112,10 @@ def configure(kopf_settings: kopf.OperatorSettings, settings: OperatorSettings) 
         prefix=PREFIX, key="last-handled-configuration"
     )
     kopf_settings.persistence.finalizer = f"{PREFIX}/operator"
-    # Events about scaling and drift are the Controller's own; kopf posts only its
-    # warnings and errors (a handler that failed; a timer succeeding every 15 s is
-    # not news). kopf posts no log line unless told to.
-    kopf_settings.posting.loggers = True
+    # Events are the Controller's own (a failed pass: one ReconcileFailed per streak);
+    # kopf posts none of its log lines (a timer failing every 15 s would be an Event
+    # every 15 s), which is its default.
+    kopf_settings.posting.loggers = False
     kopf_settings.posting.level = logging.WARNING
     kopf_settings.posting.reporting_component = OPERATOR
     # A stopping timer finishes its pass (a few API calls) instead of being orphaned.

@@ -9,7 +9,7 @@ import logging
 from typing import Any
 
 import pytest
-from support.kube_api import CHILDREN, MODELS
+from support.kube_api import CHILDREN, MODELS, PODS
 from support.kube_cluster import eventually, normal_model
 
 pytestmark = pytest.mark.asyncio
@@ -66,8 +66,17 @@ async def test_the_autoscaler_resumes_at_its_next_tick_after_an_api_outage(
 
     # kopf's default backoff would hold the timer for 60 s.
     await eventually(lambda: replicas(cluster) == 2, timeout=10, what="the scale-up")
-    # kopf's own Event for the failed pass (type Error), for `kubectl describe`.
-    assert any("500 InternalError" in (e.get("message") or "") for e in cluster.events())
+
+
+async def test_a_pass_that_keeps_failing_is_one_warning_not_one_a_tick(cluster, operator):
+    await cluster.apply(normal_model())
+    await eventually(lambda: status(cluster).get("phase") == "Ready", what="Ready")
+    # The model is read, its pods are not: each pass fails after its retries.
+    cluster.api.fail_next("GET", PODS, status=500, reason="InternalError", times=10**6)
+    (event,) = await eventually(lambda: cluster.events("ReconcileFailed"), timeout=20)
+    assert event["type"] == "Warning" and "500 InternalError" in event["message"]
+    await asyncio.sleep(1.0)  # more failed passes: said once
+    assert len(cluster.events("ReconcileFailed")) == 1
 
 
 async def test_an_unreadable_queue_is_said_once_and_so_is_its_return(cluster, operator, metrics):
