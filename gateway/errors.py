@@ -299,8 +299,13 @@ async def _on_redis_error(request: Request, exc: RedisError) -> JSONResponse:
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unexpected error on %s %s", request.method, request.url.path)
-    error = GatewayError(500, f"internal error: {type(exc).__name__}", type=SERVER)
+    # Answered outside the middleware that names every answer: named here, and logged
+    # under the same id, the one a user quotes to whoever reads this log.
+    rid = str(getattr(request.state, "request_id", "") or "unnamed")
+    log.exception("unexpected error on %s %s (%s)", request.method, request.url.path, rid)
+    error = GatewayError(
+        500, f"internal error: {type(exc).__name__}", type=SERVER, headers={"x-request-id": rid}
+    )
     return error.response()
 
 

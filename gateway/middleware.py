@@ -151,6 +151,9 @@ class RequestObserver:
         started = time.perf_counter()
         state = scope.setdefault("state", {})
         state["arrived"] = started
+        # Its own until the service names the work admitted (errors._on_unexpected reads
+        # it too: Starlette answers an unexpected error outside this middleware).
+        state[REQUEST_ID] = f"req_{uuid.uuid4().hex}"
         status = 500  # an exception that escapes every handler
         finished_at: float | None = None
 
@@ -158,7 +161,7 @@ class RequestObserver:
             nonlocal status, finished_at
             if message["type"] == "http.response.start":
                 status = message["status"]
-                rid = state.get(REQUEST_ID) or f"req_{uuid.uuid4().hex}"
+                rid = str(state[REQUEST_ID])
                 headers = [*message.get("headers", ()), (REQUEST_ID_HEADER, rid.encode())]
                 message = {**message, "headers": headers}
             elif message["type"] == "http.response.body" and not message.get("more_body"):

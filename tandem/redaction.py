@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import re
 
-# scheme://user:password@ -> scheme://user:***@ (the user may be empty).
-_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^/\s:@]*):[^@\s/]*@")
+# scheme://user:password@ -> scheme://user:***@ (the user may be empty). The password
+# runs to the last @ before the host's path: a raw @ in it (p@ss) is all hidden.
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^/\s:@]*):[^\s/]*@")
 
 
 def redacted(text: str) -> str:

@@ -14,6 +14,7 @@ from tandem.redaction import redacted
             "at rediss://default:***@h:1 (--redis-url)",
         ),
         ("redis://redis:6379/0", "redis://redis:6379/0"),  # no password: as it is
+        ("redis://:p@ss@host:6379/0", "redis://:***@host:6379/0"),  # an @ in it, unquoted
         ("unix://:pw@/run/redis.sock", "unix://:***@/run/redis.sock"),
         ("two: redis://:a@x and redis://u:b@y", "two: redis://:***@x and redis://u:***@y"),
     ],
