@@ -32,9 +32,10 @@ lint: install
 KERNEL_TESTS := $(addprefix tests/engine/test_,attention.py attention_decode.py \
 	attention_prefill.py linear.py coded_weight.py llama_model.py llm_matches_hf.py)
 
-# One worker per core, each taking whole files (a file's module fixtures, a started
-# stack, are then made once): most tests wait on engines, Redis and sockets.
-PARALLEL := -n auto --dist loadfile
+# One worker per core (4 at most: each loads models and runs its own Redis), each
+# taking whole files (a file's module fixtures, a started stack, are then made once):
+# most tests wait on engines, Redis and sockets.
+PARALLEL := -n auto --maxprocesses 4 --dist loadfile
 
 test: lint tools
 	$(PY) -P -m pytest -q $(PARALLEL)
