@@ -17,7 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from tandem import __version__
 from tandem.gateway import routes_chat, routes_completions, routes_models, routes_ops
 from tandem.gateway.auth import ENV_VAR, KeyStore
-from tandem.gateway.errors import install_error_handlers
+from tandem.gateway.error_handlers import install_error_handlers
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.middleware import BodyLimit, RequestObserver
 from tandem.gateway.service import GatewayService

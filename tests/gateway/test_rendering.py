@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tandem.gateway.errors import error_body, validation_error
+from tandem.gateway.errors import error_body
 from tandem.gateway.rendering import ChatRenderer, ChoiceResult, CompletionRenderer
 from tandem.gateway.schemas import (
     ChatCompletion,
@@ -13,6 +13,7 @@ from tandem.gateway.schemas import (
     ErrorResponse,
 )
 from tandem.gateway.streaming import DONE, sse
+from tandem.gateway.validation_errors import validation_error
 
 
 def _choices() -> list[ChoiceResult]:

@@ -8,7 +8,7 @@ import logging
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from tandem.gateway.errors import install_error_handlers
+from tandem.gateway.error_handlers import install_error_handlers
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.middleware import RequestObserver
 
