@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import os
 import re
@@ -36,7 +37,7 @@ from tandem.gateway.settings import GatewaySettings
 from tandem.operator import crd
 from tandem.operator.manifests import OperatorDefaults
 from tandem.operator.manifests_pods import FETCH_SCRIPT
-from tandem.operator.reconcile import plan
+from tandem.operator.reconcile import plan, served_name_holder
 from tandem.operator.validation import invalid_reason
 from tandem.protocol import ErrorCode
 
@@ -119,7 +120,11 @@ def _served_name_taken() -> str:
         "spec": {"model": {"path": "/m", "servedModelName": "llama-3.1-8b-instruct"}, "normal": {}},
     }
     defaults = OperatorDefaults(image="engine", redis_url="redis://r:6379/0")
-    actions = plan(model, [], defaults, now="2026-01-01T00:00:00Z", holder="llama-8b")
+    older = copy.deepcopy(model)
+    older["metadata"].update(name="llama-8b", creationTimestamp="2025-01-01T00:00:00Z")
+    model["metadata"]["creationTimestamp"] = "2026-01-01T00:00:00Z"
+    holder = served_name_holder(model, [older, model])
+    actions = plan(model, [], defaults, now="2026-01-01T00:00:00Z", holder=holder)
     assert actions.status is not None
     return actions.status["message"]
 
