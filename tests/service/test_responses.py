@@ -59,6 +59,20 @@ def test_flush_sends_the_buffer_in_order_with_a_ttl(redis_client, keys):
         assert RESPONSE_TTL_SECONDS - 5 < ttl <= RESPONSE_TTL_SECONDS
 
 
+def test_a_request_taken_over_loses_its_unsent_events(redis_client, keys):
+    # Written after the new owner's final event, they were stale (and renewed the TTL).
+    writer = ResponseWriter(redis_client, keys, "e1")
+    writer.add("r1", tokens_event(0, 2))
+    writer.add("r2", tokens_event(0, 1))
+    writer.add("r1", finish(2))
+    writer.discard("r1")
+    writer.add("r2", tokens_event(1, 2))  # still merged into r2's run
+    assert writer.flush() == 1
+    assert redis_client.exists(keys.response_stream("r1")) == 0
+    events = [e for _, e in ResponseReader(redis_client, keys).read("r2")]
+    assert [(e.offset, e.token_ids) for e in events] == [(0, [0, 1])]
+
+
 def test_events_held_back_by_an_outage_are_written_in_order_one_per_request(keys):
     # Redis away: the engine keeps stepping and adding events. Kept one per step, a
     # long outage would hold an object per token; merged, it holds the tokens.

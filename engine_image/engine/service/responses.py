@@ -117,6 +117,16 @@ class ResponseWriter:
         self._last[request_id] = len(self._buffer)
         self._buffer.append((request_id, event))
 
+    def discard(self, request_id: str) -> None:
+        """Forget the unsent events of a request another engine now owns: written after
+        the new owner's, they would be stale (readers drop them by offset, but they
+        would renew the stream's life)."""
+        if request_id not in self._last:
+            return
+        kept = [entry for entry in self._buffer if entry[0] != request_id]
+        self._buffer = kept
+        self._last = {rid: at for at, (rid, _) in enumerate(kept)}
+
     def flush(self) -> int:
         """Send every buffered event, in order; returns how many were sent.
 

@@ -373,6 +373,7 @@ class EngineWorker:
             self.handoffs.drop(self.engine, rid)
         if self.held.pop(rid, None) is not None:
             self.engine.abort(rid)
+        self.io.responses.discard(rid)  # what this step made for it is stale now
 
     def _answer_unreadable(self, malformed: list[tuple[str, str, str | None]]) -> None:
         """Entries no engine can read (a gateway of another protocol version, a hand-made
