@@ -174,7 +174,15 @@ class Sampler:
         # Shifted by each row's max before the division, which leaves the softmax as it
         # is: a tiny temperature (1e-38) divided float32 logits into infinities, NaN
         # probabilities, and the vocabulary's last token every step.
-        scaled = (scaled - scaled.amax(dim=1, keepdim=True)).div_(temps_t)
+        top = scaled.amax(dim=1, keepdim=True)
+        if not bool(torch.isfinite(top).all()):
+            # A model that overflowed (half precision): +inf is the likeliest token, as
+            # greedy's argmax has it, and a NaN logit none (inf - inf and NaN rows drew
+            # the vocabulary's last token).
+            finite = torch.finfo(torch.float32)
+            scaled = torch.nan_to_num(scaled, nan=-torch.inf, posinf=finite.max)
+            top = scaled.amax(dim=1, keepdim=True)
+        scaled = (scaled - top).div_(temps_t)
         probs = filtered_probs(scaled, top_ks, top_ps)
 
         seed_t = torch.tensor(seeds, device=device)

@@ -394,3 +394,16 @@ def test_a_tiny_temperature_samples_the_most_likely_token(temperature):
         params = SamplingParams(temperature=temperature, seed=seed)
         for step in range(3):
             assert seeded_tokens([(row, params)], num_generated=step) == [1]
+
+
+def test_an_overflowed_logit_is_the_likeliest_and_a_nan_none():
+    # inf - inf was NaN: the row drew the vocabulary's last token, greedy the inf one.
+    inf, nan = float("inf"), float("nan")
+    params = SamplingParams(temperature=1.0, seed=3)
+    assert seeded_tokens([([1.0, inf, 2.0, 0.5], params)]) == [1]
+    with_nan = [5.0, nan, 4.0, -1.0]
+    draws = {
+        seeded_tokens([(with_nan, SamplingParams(temperature=1.0, seed=seed))])[0]
+        for seed in range(40)
+    }
+    assert 1 not in draws and draws & {0, 2}  # it drew the last token, 3, every time
