@@ -22,13 +22,7 @@ from tandem.engine.engine import Engine
 from tandem.engine.engine_output import FinishReason
 from tandem.engine.host_memory import keep_freed_memory
 from tandem.engine.model.attention import allocate_kv_cache
-from tandem.engine.model.loader import (
-    LoadedModel,
-    check_kv_fits,
-    kv_blocks_for,
-    kv_bytes_per_block,
-    load_model,
-)
+from tandem.engine.model.loader import LoadedModel, kv_blocks_for, kv_pool_check, load_model
 from tandem.engine.mtp import MtpHead
 from tandem.engine.plan import TokenLogprobs
 from tandem.engine.request import SamplingParams
@@ -95,11 +89,6 @@ class LLM:
             raise ValueError(f"seed must be an integer, got {seed!r}")
         if mtp_head is not None and not callable(getattr(mtp_head, "propose", None)):
             raise ValueError(f"mtp_head must have a propose method (MtpHead), got {mtp_head!r}")
-        if isinstance(model, LoadedModel):  # share one copy of the weights
-            loaded = model
-        else:
-            loaded = load_model(model, dtype=dtype, device=device)
-        self.loaded = loaded
         block_size = engine_config_fields.get("block_size", 16)
         if num_kv_blocks is not None and (
             isinstance(num_kv_blocks, bool)
@@ -107,6 +96,15 @@ class LLM:
             or num_kv_blocks < 1
         ):
             raise ValueError(f"num_kv_blocks must be a positive integer, got {num_kv_blocks!r}")
+        pool = kv_pool_check(
+            block_size, num_kv_blocks, kv_cache_memory, "kv_cache_memory or num_kv_blocks"
+        )
+        if isinstance(model, LoadedModel):  # share one copy of the weights
+            loaded = model
+            pool(loaded.config, loaded.dtype, loaded.device)
+        else:
+            loaded = load_model(model, dtype=dtype, device=device, before_weights=pool)
+        self.loaded = loaded
         if num_kv_blocks is None:
             num_kv_blocks = kv_blocks_for(
                 loaded.config,
@@ -115,8 +113,6 @@ class LLM:
                 device=loaded.device,
                 kv_cache_bytes=kv_cache_memory,
             )
-        per_block = kv_bytes_per_block(loaded.config, block_size, loaded.dtype)
-        check_kv_fits(num_kv_blocks, per_block, loaded.device, "kv_cache_memory or num_kv_blocks")
         fields = dict(engine_config_fields)
         fields["max_model_len"] = max_model_len_for(
             fields, loaded.config.max_position_embeddings, num_kv_blocks * block_size

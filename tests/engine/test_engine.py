@@ -179,7 +179,11 @@ def test_unknown_models_are_clear_errors(spec, message):
 
 
 @pytest.mark.parametrize("pool", [{"num_kv_blocks": 10**11}, {"kv_cache_memory": 10**16}])
-def test_a_kv_cache_larger_than_the_machine_is_named_not_a_failed_allocation(pool):
+def test_a_kv_cache_larger_than_the_machine_is_named_before_the_weights_load(pool, monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("the weights were loaded first (minutes, for a big model)")
+
+    monkeypatch.setattr("tandem.engine.model.loader.LlamaForCausalLM", never)
     with pytest.raises(ValueError, match=r"KV cache \(.* GiB\) cannot fit this cpu device's"):
         LLM("random:tiny", **pool)
 

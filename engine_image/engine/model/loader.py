@@ -8,6 +8,7 @@ num_blocks = kv_blocks_for(loaded.config, ...) # from a memory budget
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,11 +126,16 @@ def load_model(
     *,
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
+    before_weights: Callable[[ModelConfig, torch.dtype, torch.device], None] | None = None,
 ) -> LoadedModel:
-    """Resolve a model spec (see resolve_model) and load its weights onto the device."""
+    """Resolve a model spec (see resolve_model) and load its weights onto the device;
+    `before_weights` checks what the config alone decides (the KV pool's size) first,
+    so a setting that cannot work is named before minutes of loading."""
     source = resolve_model(spec)
     chosen_device = pick_device(device)
     chosen_dtype = pick_dtype(dtype, chosen_device)
+    if before_weights is not None:
+        before_weights(source.config, chosen_dtype, chosen_device)
     model = LlamaForCausalLM(source.config, dtype=chosen_dtype, device=chosen_device)
     model.load_weights(source.iter_weights())
     model.load_codes(source.iter_codes())
@@ -157,6 +163,21 @@ def check_kv_fits(blocks: int, bytes_per_block: int, device: torch.device, names
             f"GiB) cannot fit this {device.type} device's {limit / 2**30:.1f} GiB of memory: "
             f"lower {names}"
         )
+
+
+def kv_pool_check(
+    block_size: int, num_kv_blocks: int | None, kv_cache_bytes: int | None, names: str
+) -> Callable[[ModelConfig, torch.dtype, torch.device], None]:
+    """load_model's `before_weights`: the KV pool these settings ask for fits the device
+    (`names`: the settings, as the caller's user knows them)."""
+
+    def check(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        blocks = num_kv_blocks or kv_blocks_for(
+            config, block_size=block_size, dtype=dtype, device=device, kv_cache_bytes=kv_cache_bytes
+        )
+        check_kv_fits(blocks, kv_bytes_per_block(config, block_size, dtype), device, names)
+
+    return check
 
 
 def kv_blocks_for(

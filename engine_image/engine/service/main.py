@@ -19,12 +19,7 @@ from redis.retry import Retry
 
 from tandem.engine.config import EngineConfig, max_model_len_for
 from tandem.engine.llm import build_engine
-from tandem.engine.model.loader import (
-    check_kv_fits,
-    kv_blocks_for,
-    kv_bytes_per_block,
-    load_model,
-)
+from tandem.engine.model.loader import kv_blocks_for, kv_pool_check, load_model
 from tandem.engine.service.arguments import (
     add_arguments,
     check_arguments,
@@ -74,9 +69,11 @@ def serve(args: argparse.Namespace, rank: int, vote: Vote | None = None) -> int:
         # More threads than cores owned is far worse than too few: torch's OpenMP
         # workers spin at every barrier while the core they wait for runs someone else.
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     fields = engine_fields(args)
     block_size = fields["block_size"]  # the flag's default is EngineConfig's
+    names = "--kv-cache-memory or --num-kv-blocks"
+    pool = kv_pool_check(block_size, args.num_kv_blocks, args.kv_cache_memory, names)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device, before_weights=pool)
     num_blocks = args.num_kv_blocks or kv_blocks_for(
         loaded.config,
         block_size=block_size,
@@ -84,8 +81,6 @@ def serve(args: argparse.Namespace, rank: int, vote: Vote | None = None) -> int:
         device=loaded.device,
         kv_cache_bytes=args.kv_cache_memory,
     )
-    per_block = kv_bytes_per_block(loaded.config, block_size, loaded.dtype)
-    check_kv_fits(num_blocks, per_block, loaded.device, "--kv-cache-memory or --num-kv-blocks")
     fields["max_model_len"] = max_model_len_for(
         fields, loaded.config.max_position_embeddings, num_blocks * block_size
     )
