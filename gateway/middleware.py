@@ -151,7 +151,7 @@ class RequestObserver:
         started = time.perf_counter()
         state = scope.setdefault("state", {})
         state["arrived"] = started
-        # Its own until the service names the work admitted (errors._on_unexpected reads
+        # Its own until the service names the work admitted (error_handlers reads
         # it too: Starlette answers an unexpected error outside this middleware).
         state[REQUEST_ID] = f"req_{uuid.uuid4().hex}"
         status = 500  # an exception that escapes every handler
