@@ -3,6 +3,8 @@ group is idle (its blocking read holds every other rank's step, through the vote
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tandem.engine import LLM
@@ -10,7 +12,7 @@ from tandem.engine.service.cancellation import CancelListener
 from tandem.engine.service.metrics import EngineMetrics
 from tandem.engine.service.redis_io import RedisIO
 from tandem.engine.service.settings import WorkerSettings
-from tandem.engine.service.worker import EngineWorker
+from tandem.engine.service.worker import GROUP_POLL_S, EngineWorker
 from tandem.protocol import Role
 
 
@@ -48,8 +50,18 @@ def test_an_idle_rank_of_a_busy_group_never_waits_for_work(rank):
     worker, waits = rank(group_busy=True)
     for _ in range(4):
         worker.run_once()
+        time.sleep(GROUP_POLL_S)  # each turn may ask
     # The first turn knows no vote yet; from then on the group is busy.
     assert waits[1:] == [0, 0, 0]
+
+
+def test_an_idle_rank_of_a_busy_group_asks_redis_only_every_poll_interval(rank):
+    worker, waits = rank(group_busy=True)
+    started = time.monotonic()
+    for _ in range(20):
+        worker.run_once()
+    turns_of_a_poll = (time.monotonic() - started) / GROUP_POLL_S
+    assert len(waits) <= 2 + turns_of_a_poll  # not one round trip a step
 
 
 def test_an_idle_rank_of_an_idle_group_waits_for_work(rank):
