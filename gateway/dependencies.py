@@ -8,6 +8,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from tandem.gateway.auth import ApiKey
+from tandem.gateway.middleware import CALLER
 from tandem.gateway.service import service_of
 
 # Declares the bearer scheme in the OpenAPI schema; the check itself is the
@@ -19,6 +20,9 @@ async def caller_of(
     request: Request,
     _credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> ApiKey:
+    known = request.scope.get("state", {}).get(CALLER)  # BodyLimit's, for a POST
+    if isinstance(known, ApiKey):
+        return known
     return service_of(request).key_store.caller(request.headers.getlist("authorization"))
 
 

@@ -24,6 +24,9 @@ MODEL_LABEL = "model_label"
 # response's id without its prefix, which the engines' logs and traces carry too.
 REQUEST_ID = "request_id"
 REQUEST_ID_HEADER = b"x-request-id"
+# Where BodyLimit leaves the caller it authenticated (request.state.caller): the
+# route's dependency takes it from there rather than hashing the key again.
+CALLER = "caller"
 
 
 class BodyLimit:
@@ -46,7 +49,7 @@ class BodyLimit:
         authenticate: Callable[[list[str]], object],
     ) -> None:
         self.app = app
-        self.authenticate = authenticate  # KeyStore.caller: a GatewayError (401) or not
+        self.authenticate = authenticate  # KeyStore.caller: the caller, or a 401
         self.max_bytes = max_bytes
         self.on_reject = on_reject
         self.timeout_s = timeout_s
@@ -56,7 +59,8 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         try:
-            self.authenticate(_header_values(scope, b"authorization"))
+            caller = self.authenticate(_header_values(scope, b"authorization"))
+            scope.setdefault("state", {})[CALLER] = caller
         except GatewayError as error:
             await self._refuse(error, send)
             return

@@ -101,7 +101,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_response(500 if self.path == "/metrics" else 200)
         self.end_headers()
     def log_message(self, *args):
-        pass
+        pass  # no access log: the test reads nothing of it
 http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 """
 
