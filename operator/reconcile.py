@@ -33,7 +33,7 @@ from tandem.operator.status import (
     RoleCounts,
     Scale,
     Stall,
-    invalid_status,
+    refusal_status,
     status_patch,
     valid_status,
 )
@@ -301,7 +301,7 @@ def _refusal(
     """Phase Invalid (or `phase`): no child created or changed but by `patches`; `roles`
     or the old counts."""
     meta, previous = model["metadata"], model.get("status") or {}
-    status = invalid_status(meta, why, previous, now, reason, phase)
+    status = refusal_status(meta, why, previous, now, reason, phase)
     if roles is not None:
         status["roles"] = roles
     return Plan(

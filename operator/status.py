@@ -107,7 +107,7 @@ def valid_status(
     return status
 
 
-def invalid_status(
+def refusal_status(
     meta: Body,
     why: str,
     previous: Body,
