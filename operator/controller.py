@@ -252,10 +252,10 @@ class Controller:
     async def _costs(
         self, actions: Plan, pods: list[Body], outcome: _Scaling | None
     ) -> dict[str, int]:
-        """The autoscaler's deletion costs, and those of roles a moved bound shrinks: the
-        least-loaded pods go first there too."""
+        """The autoscaler's deletion costs, and those of roles a moved bound or an edit of
+        spec.<role>.replicas shrinks: the least-loaded pods go first there too."""
         costs = dict(outcome.costs) if outcome else {}
-        shrinking = [c.role for c in actions.clamps if c.replicas < c.found]
+        shrinking = actions.shrinking
         if shrinking:
             samples = outcome.samples if outcome else None
             if samples is None:

@@ -20,7 +20,8 @@ ModelDeployment (deleted with it) and labelled
 
 - a **Deployment** `<name>-<role>` whose pods run
   `tandem engine --role normal|prompt|completion`. The replica count is the
-  autoscaler's; the spec only gives the start (`replicas`) and the bounds.
+  autoscaler's; the spec gives the bounds and the start (`replicas`: an edit
+  of it is a new start).
   A data-parallel group (`dataParallelSize` N) is N rank processes inside one
   pod that vote on every step over localhost, so one pod holds the whole group
   (and N times the GPUs of one rank): a Deployment of such pods is exact, and

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.operator.autoscaler import Decision
-from tandem.operator.drift import ChildPatch
-from tandem.operator.manifests import child_name
+from tandem.operator.drift import OWNED_KEYS_ANNOTATION, ChildPatch
+from tandem.operator.manifests import SPEC_REPLICAS_ANNOTATION, child_name
 from tandem.operator.role_name import RoleName
 from tandem.operator.setting_changes import SettingChange
 from tandem.operator.status import Scale
@@ -25,6 +25,12 @@ from tandem.operator.status_model import Phase
 from tandem.redaction import redacted
 
 Body = Mapping[str, Any]
+
+# The operator's records of what it wrote: a change of one is bookkeeping, not news
+# (the change it records is reported).
+_RECORDS = frozenset(
+    f"metadata.annotations.{key}" for key in (OWNED_KEYS_ANNOTATION, SPEC_REPLICAS_ANNOTATION)
+)
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,8 @@ def events(
         child = f"{patch.kind} {patch.name}"
         ours, rest = [], []
         for path in patch.drift:
+            if path in _RECORDS:
+                continue
             causes = {c.setting for c in by_setting if c.covers(child, path)}
             settings |= causes
             if causes:

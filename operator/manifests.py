@@ -28,6 +28,9 @@ DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
 # On a role's Deployment: which of the operator's defaults its pods took
 # (setting_changes.py tells an operator upgrade from a hand edit by it).
 DEFAULTS_ANNOTATION = "serving.tandem.dev/operator-defaults"
+# The spec.<role>.replicas a Deployment's count last took ("unset" when the spec gave
+# none): an edit of it is told from the autoscaler's own moves, and applied once.
+SPEC_REPLICAS_ANNOTATION = "serving.tandem.dev/spec-replicas"
 # The labels of every child (`labels`). The instance and component pick a role's
 # pods (`selector_labels`); MODEL_LABEL tells the watch of a child's changes which
 # model to reconcile; kopf watches only the children whose MANAGED_BY_LABEL is OPERATOR.
@@ -144,7 +147,10 @@ def role_manifests(
         deployment(
             metadata={
                 **_metadata(owner, role_name, child_name(owner.name, role_name)),
-                "annotations": {DEFAULTS_ANNOTATION: _defaults_record(spec, defaults)},
+                "annotations": {
+                    DEFAULTS_ANNOTATION: _defaults_record(spec, defaults),
+                    SPEC_REPLICAS_ANNOTATION: spec_replicas_record(role),
+                },
             },
             selector=selector,
             spec=spec,
@@ -220,6 +226,11 @@ def _service(
             "publishNotReadyAddresses": True,
         },
     }
+
+
+def spec_replicas_record(role: RoleSpec) -> str:
+    """SPEC_REPLICAS_ANNOTATION's value for a role."""
+    return "unset" if role.replicas is None else str(role.replicas)
 
 
 def _defaults_record(spec: ModelDeploymentSpec, defaults: OperatorDefaults) -> str:

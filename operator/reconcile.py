@@ -18,11 +18,13 @@ from tandem.operator.drift import ChildKey, ChildPatch, drift, repair_patch
 from tandem.operator.events import Clamp, Event, events, refusal_event
 from tandem.operator.manifests import (
     ROLE_LABEL,
+    SPEC_REPLICAS_ANNOTATION,
     OperatorDefaults,
     Owner,
     build_manifests,
     child_name,
     pods_of,
+    spec_replicas_record,
 )
 from tandem.operator.pod_trouble import PodTrouble, role_trouble
 from tandem.operator.role_name import RoleName
@@ -53,6 +55,14 @@ class Plan:
     events: tuple[Event, ...] = ()
     # Counts put back within their bounds (the autoscaler's changes are the caller's).
     clamps: tuple[Clamp, ...] = ()
+    # Counts an edit of spec.<role>.replicas set.
+    edits: tuple[Scale, ...] = ()
+
+    @property
+    def shrinking(self) -> tuple[RoleName, ...]:
+        """Roles this plan (not the autoscaler) scales down: their pods need deletion costs."""
+        clamped = [c.role for c in self.clamps if c.replicas < c.found]
+        return (*clamped, *(e.role for e in self.edits if e.replicas < e.current))
 
     @property
     def touches_children(self) -> bool:
@@ -88,7 +98,7 @@ def plan(
     owner = Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
     scaled = scaled or {}
     decisions = {role: d.replicas for role, d in scaled.items()}
-    replicas, clamps = _replicas(spec, owner.name, found, previous, decisions)
+    replicas, clamps, edits = _replicas(spec, owner.name, found, previous, decisions)
     desired = build_manifests(owner, spec, replicas, defaults)
 
     creates: list[dict[str, Any]] = []
@@ -124,6 +134,7 @@ def plan(
     deletes = tuple(sorted(gone, key=lambda k: (k.kind, k.name)))
     scales = [_scale(d, _clamp_of(clamps, role)) for role, d in scaled.items()]
     scales += [c.scale for c in clamps if not c.by_hand and c.role not in scaled]
+    scales += [e for e in edits if e.role not in scaled]
     last_scale = scales[-1].record(now) if scales else None
     new_status = valid_status(meta, counts, previous, now, last_scale)
     return Plan(
@@ -141,6 +152,7 @@ def plan(
             setting_changes(owner.name, tuple(spec.roles()), found, wanted),
         ),
         clamps=tuple(clamps),
+        edits=tuple(e for e in edits if e.role not in scaled),
     )
 
 
@@ -155,8 +167,9 @@ def role_replicas(
 
     The Deployment's spec.replicas holds the autoscaler's last decision; a
     Deployment that was deleted comes back with the count the status last
-    reported, and a new role starts at spec.replicas (default minReplicas).
-    A changed bound re-clamps the count at once.
+    reported, and a new role starts at spec.<role>.replicas (default
+    minReplicas). An edit of spec.<role>.replicas sets the count once, as a
+    start the autoscaler moves on from. A changed bound re-clamps the count at once.
     """
     return _replicas(spec, name, children, status, decisions)[0]
 
@@ -167,17 +180,34 @@ def _replicas(
     children: Mapping[ChildKey, Body],
     status: Body,
     decisions: Mapping[RoleName, int],
-) -> tuple[dict[RoleName, int], list[Clamp]]:
-    """role_replicas, and the Deployment counts it moved into the bounds."""
+) -> tuple[dict[RoleName, int], list[Clamp], list[Scale]]:
+    """role_replicas, the Deployment counts it moved into the bounds, and those that
+    an edit of spec.<role>.replicas moved."""
     reported = status.get("roles") or {}
     counts: dict[RoleName, int] = {}
     clamps: list[Clamp] = []
+    edits: list[Scale] = []
     for role_name, role in spec.roles().items():
         deployment = children.get(ChildKey("Deployment", child_name(name, role_name)))
         observed = (deployment or {}).get("spec", {}).get("replicas")
         last = (reported.get(role_name.value) or {}).get("desired")
+        edited = _edited_replicas(deployment, role)
         if role_name in decisions:
             count = decisions[role_name]
+        elif edited is not None:
+            # Within the bounds (validate_spec): no clamp to report beside it.
+            counts[role_name] = edited
+            if isinstance(observed, int) and observed != edited:
+                why = f"spec.{role_name.value}.replicas set to {edited}"
+                edits.append(
+                    Scale(
+                        role_name,
+                        observed,
+                        edited,
+                        f"{role_name.value} scale {observed}->{edited}: {why}",
+                    )
+                )
+            continue
         elif isinstance(observed, int):
             count = observed
         elif isinstance(last, int):
@@ -191,7 +221,20 @@ def _replicas(
             # decided for was decided from `within` (its Scale says both).
             by_hand = isinstance(last, int) and last != observed
             clamps.append(Clamp(role_name, observed, within, by_hand))
-    return counts, clamps
+    return counts, clamps, edits
+
+
+def _edited_replicas(deployment: Body | None, role: RoleSpec) -> int | None:
+    """spec.<role>.replicas where it changed since the Deployment's count last took it.
+
+    A Deployment without the record (made by an operator before it was kept) has
+    its count kept: an upgrade must not reset every model to its starting count.
+    """
+    annotations = ((deployment or {}).get("metadata") or {}).get("annotations") or {}
+    recorded = annotations.get(SPEC_REPLICAS_ANNOTATION)
+    if role.replicas is None or recorded is None or recorded == spec_replicas_record(role):
+        return None
+    return role.replicas
 
 
 def _bounded(role: RoleSpec, count: int) -> int:

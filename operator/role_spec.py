@@ -105,7 +105,8 @@ class RoleSpec(SpecModel):
         ge=0,
         le=_INT32_MAX,
         description="Pods to start with, before the autoscaler has metrics "
-        "(default: minReplicas). The autoscaler owns the count afterwards.",
+        "(default: minReplicas). An edit sets the count once; the autoscaler moves it "
+        "from there.",
     )
     min_replicas: int = Field(
         1, ge=0, le=_INT32_MAX, description="Fewest pods; 0 lets the role scale to zero."

@@ -225,6 +225,34 @@ async def test_a_lowered_max_drains_the_least_loaded_pods_and_says_so(cluster, o
     await eventually(lambda: _last_scale(cluster) == ("normal", 4, 2), what="lastScale 4->2")
 
 
+async def test_an_edited_spec_replicas_drains_the_least_loaded_pods_once(
+    cluster, operator, metrics
+):
+    await cluster.apply(normal_model(replicas=4, minReplicas=1, maxReplicas=6))
+    await eventually(lambda: ready(cluster) and len(cluster.pods("m", "normal")) == 4)
+    pods = sorted(p["metadata"]["name"] for p in cluster.pods("m", "normal"))
+    metrics.kv = dict(zip(pods, (0.05, 0.65, 0.1, 0.6), strict=True))
+    metrics.default_kv = 0.7
+
+    await cluster.patch_model("m", {"spec": {"normal": {"replicas": 2}}})
+    await eventually(lambda: replicas(cluster, "normal") == 2, what="the edited count")
+    await eventually(
+        lambda: (
+            sorted(p["metadata"]["name"] for p in cluster.pods("m", "normal")) == [pods[1], pods[3]]
+        ),
+        what="the two least-loaded pods removed",
+    )
+    (event,) = await eventually(lambda: cluster.events("ScaledDown"), what="a ScaledDown Event")
+    assert event["message"] == "normal scale 4->2: spec.normal.replicas set to 2"
+
+    # Applied once: a later count (here by hand) is not set back to the spec's.
+    await cluster.api.patch(DEPLOYMENTS, NAMESPACE, "m-normal", {"spec": {"replicas": 3}})
+    await eventually(lambda: cluster.model("m")["status"]["roles"]["normal"]["desired"] == 3)
+    await asyncio.sleep(0.5)  # a few passes, autoscaler ticks among them
+    assert replicas(cluster, "normal") == 3
+    assert len(cluster.events("ScaledDown")) == 1
+
+
 async def test_a_hand_scale_beyond_the_bounds_is_set_back_and_reported(cluster, operator):
     await cluster.apply(normal_model(replicas=2, minReplicas=1, maxReplicas=4))
     await eventually(lambda: ready(cluster) and len(cluster.pods("m", "normal")) == 2)

@@ -251,3 +251,44 @@ def test_a_model_whose_name_is_taken_serves_nothing_and_says_so_once():
     assert plan(body, children, OLD, now=NOW, holder="ModelDeployment older").events == ()
     fresh = plan(running({}, desired=1), [], OLD, now=NOW, holder="ModelDeployment older")
     assert fresh.creates == ()
+
+
+def _autoscaled(children: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+    """`children` after the autoscaler set the Deployment to `count` pods."""
+    children = copy.deepcopy(children)
+    child(children, "Deployment")["spec"]["replicas"] = count
+    return children
+
+
+def test_an_edit_of_the_spec_replicas_sets_the_count_once():
+    children = _autoscaled(built(running({"replicas": 2, "maxReplicas": 6}, desired=2)), 4)
+    unchanged = running({"replicas": 2, "maxReplicas": 6}, desired=4)
+    assert not plan(unchanged, children, OLD, now=NOW).touches_children, "the autoscaler's 4"
+
+    edited = running({"replicas": 1, "maxReplicas": 6}, desired=4, generation=2)
+    actions = plan(edited, children, OLD, now=NOW)
+    (patch,) = actions.patches
+    assert patch.patch["spec"]["replicas"] == 1
+    # The record is bookkeeping: the Event says what changed, in the autoscaler's words.
+    said = "normal scale 4->1: spec.normal.replicas set to 1"
+    assert actions.events == (Event("ScaledDown", said),)
+    assert actions.status["lastScale"]["reason"] == said
+    assert actions.shrinking == (RoleName.NORMAL,), "the least-loaded pods go first"
+
+    # Applied once: the autoscaler (or a hand scale) moves on from there.
+    applied = _autoscaled(children, 1)
+    applied_deployment = child(applied, "Deployment")
+    applied_deployment["metadata"]["annotations"].update(patch.patch["metadata"]["annotations"])
+    assert not plan(edited, _autoscaled(applied, 3), OLD, now=NOW).touches_children
+
+
+def test_a_deployment_made_before_the_replicas_record_keeps_its_count():
+    children = _autoscaled(built(running({"replicas": 2, "maxReplicas": 6}, desired=2)), 4)
+    del child(children, "Deployment")["metadata"]["annotations"]["serving.tandem.dev/spec-replicas"]
+    upgraded = running({"replicas": 2, "maxReplicas": 6}, desired=4)
+    actions = plan(upgraded, children, OLD, now=NOW)
+    (patch,) = actions.patches
+    assert patch.drift == ("metadata.annotations.serving.tandem.dev/spec-replicas",)
+    assert patch.patch["spec"]["replicas"] == 4, "an operator upgrade resets no count"
+    assert patch.patch["metadata"]["annotations"]["serving.tandem.dev/spec-replicas"] == "2"
+    assert actions.events == () and "lastScale" not in (actions.status or {})
