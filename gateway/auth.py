@@ -1,7 +1,7 @@
 """API keys: who is calling, which models they may use, and their quotas.
 
 Keys come from a file (`--api-keys-file`, YAML or JSON: a list of
-{key | key_sha256, name, models, rpm, tpm}) and from TANDEM_API_KEYS (plain
+{key | key_sha256, name, models, rpm, tpm, prefix_cache}) and from TANDEM_API_KEYS (plain
 keys separated by commas: every model, no quota). Only SHA-256 digests are
 kept, so a memory dump or a log of the store never shows a key.
 """
@@ -25,7 +25,8 @@ from tandem.gateway.errors import forbidden, unauthorized
 ENV_VAR = "TANDEM_API_KEYS"
 _NAME = re.compile(r"^[A-Za-z0-9_.@:-]{1,64}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_FIELDS = {"key", "key_sha256", "name", "models", "rpm", "tpm"}
+_FIELDS = {"key", "key_sha256", "name", "models", "rpm", "tpm", "prefix_cache"}
+_PREFIX_CACHES = ("shared", "own")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,9 @@ class ApiKey:
     # Requests and tokens per minute; None: unlimited.
     rpm: int | None = None
     tpm: int | None = None
+    # Its prompts share the engines' prefix cache only among themselves (prefix_cache:
+    # own): no other caller can tell from cached_tokens or speed what it sent.
+    own_prefix_cache: bool = False
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -196,6 +200,7 @@ def _entry(path: Path, index: int, item: Any) -> tuple[bytes, ApiKey]:
         _models(where, item.get("models", "*")),
         _limit(where, "rpm", item.get("rpm")),
         _limit(where, "tpm", item.get("tpm")),
+        _prefix_cache(where, item.get("prefix_cache", "shared")),
     )
 
 
@@ -209,6 +214,13 @@ def _models(where: str, value: Any) -> frozenset[str] | None:
     if "*" in value:
         raise ValueError(f'{where}: models lists "*" among names; use "*" alone')
     return frozenset(value)
+
+
+def _prefix_cache(where: str, value: Any) -> bool:
+    """Whether prefix_cache is "own"."""
+    if value not in _PREFIX_CACHES:
+        raise ValueError(f'{where}: prefix_cache must be "shared" or "own", got {value!r}')
+    return value == "own"
 
 
 def _limit(where: str, name: str, value: Any) -> int | None:

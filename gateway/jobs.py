@@ -23,6 +23,7 @@ from pydantic_core import PydanticSerializationError
 from starlette.datastructures import Headers
 
 from tandem.engine.request import SamplingParams
+from tandem.gateway.auth import ApiKey
 from tandem.gateway.errors import bad_request, not_supported
 from tandem.gateway.messages import engine_message, valid_text
 from tandem.gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -158,7 +159,7 @@ class JobBuilder:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
 
-    def chat(self, body: ChatCompletionRequest, headers: Mapping[str, str]) -> Job:
+    def chat(self, body: ChatCompletionRequest, headers: Mapping[str, str], caller: ApiKey) -> Job:
         _refuse_common(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs is only allowed when logprobs is true", "top_logprobs")
@@ -178,9 +179,11 @@ class JobBuilder:
         messages = [engine_message(i, m) for i, m in enumerate(body.messages)]
         chars = sum(len(m["content"]) for m in messages)
         prompt = {"messages": messages}
-        return self._job("chat", body, headers, prompt, _estimate(chars), max_tokens)
+        return self._job("chat", body, headers, caller, prompt, _estimate(chars), max_tokens)
 
-    def completion(self, body: CompletionRequest, headers: Mapping[str, str]) -> Job:
+    def completion(
+        self, body: CompletionRequest, headers: Mapping[str, str], caller: ApiKey
+    ) -> Job:
         _refuse_common(body)
         if body.echo:
             raise not_supported("echo")
@@ -197,6 +200,7 @@ class JobBuilder:
             "completion",
             body,
             headers,
+            caller,
             prompt,
             estimate,
             body.max_tokens,
@@ -208,6 +212,7 @@ class JobBuilder:
         kind: Literal["chat", "completion"],
         body: ChatCompletionRequest | CompletionRequest,
         headers: Mapping[str, str],
+        caller: ApiKey,
         prompt: dict[str, Any],
         estimate: int,
         max_tokens: int | None,
@@ -221,6 +226,7 @@ class JobBuilder:
         sampling = _sampling(body, max_tokens)
         priority = _priority(body.priority, headers.get(PRIORITY_HEADER))
         timeout = _timeout(self.settings.request_timeout, headers.get(TIMEOUT_HEADER))
+        salt = cache_salt(caller, body.cache_salt)
         base_id = uuid.uuid4().hex
         now = time.time()
         items = tuple(
@@ -233,6 +239,7 @@ class JobBuilder:
                 deadline=now + timeout,
                 estimated_prompt_tokens=estimate,
                 max_tokens_given=given,
+                cache_salt=salt,
                 **prompt,
             )
             for i in range(n)
@@ -336,6 +343,15 @@ def _with_seed(sampling: dict[str, Any], index: int) -> dict[str, Any]:
     if index == 0 or sampling.get("seed") is None:
         return sampling
     return {**sampling, "seed": derive_seed(sampling["seed"], index)}
+
+
+def cache_salt(caller: ApiKey, salt: str | None) -> str | None:
+    """The engines' prefix-cache salt: the caller's own (a key with prefix_cache: own),
+    then the request's cache_salt. Each part is tagged, so a request's salt cannot
+    spell another key's."""
+    parts = [f"key={caller.name}"] if caller.own_prefix_cache else []
+    parts += [f"salt={salt}"] if salt is not None else []
+    return "\n".join(parts) or None
 
 
 def _priority(field: str | None, header: str | None) -> int:

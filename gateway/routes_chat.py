@@ -51,5 +51,5 @@ async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, caller: Caller
 ) -> Response:
     service = service_of(request)
-    job = service.jobs.chat(body, job_headers(request.headers))
+    job = service.jobs.chat(body, job_headers(request.headers), caller)
     return await service.serve(request, caller, job)

@@ -30,5 +30,5 @@ router = APIRouter()
 )
 async def create_completion(body: CompletionRequest, request: Request, caller: Caller) -> Response:
     service = service_of(request)
-    job = service.jobs.completion(body, job_headers(request.headers))
+    job = service.jobs.completion(body, job_headers(request.headers), caller)
     return await service.serve(request, caller, job)

@@ -8,7 +8,7 @@ the OpenAI API has but Tandem does not implement are declared, so a request
 that sets them to a neutral value (many clients send `tool_choice: "none"`)
 passes and any other value is refused by name (jobs.py); hints that change
 nothing a user can observe (`user`, `prompt_cache_key`) are accepted, unused.
-Extensions (`top_k`, `priority`, `ignore_eos`) are marked as such.
+Extensions (`top_k`, `priority`, `ignore_eos`, vLLM's `cache_salt`) are marked as such.
 """
 
 from __future__ import annotations
@@ -26,6 +26,15 @@ MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 # every int64 has its own value.
 Seed = Annotated[int | None, Field(ge=-(2**63), le=2**63 - 1)]
 Priority = Literal["high", "normal", "low"]
+CacheSalt = Annotated[
+    str | None,
+    Field(
+        min_length=1,
+        max_length=1024,
+        description="Extension (as vLLM's): prompts share cached prefixes only with "
+        "prompts of the same salt.",
+    ),
+]
 
 
 class _Request(BaseModel):
@@ -159,6 +168,7 @@ class ChatCompletionRequest(_Request):
     top_k: TopK = None
     priority: PriorityField = None
     ignore_eos: IgnoreEos = None
+    cache_salt: CacheSalt = None
 
 
 class CompletionRequest(_Request):
@@ -190,6 +200,7 @@ class CompletionRequest(_Request):
     top_k: TopK = None
     priority: PriorityField = None
     ignore_eos: IgnoreEos = None
+    cache_salt: CacheSalt = None
 
 
 # ----------------------------------------------------------------- responses

@@ -259,6 +259,8 @@ class WorkItem(_Message):
     # the context is refused (context_length_exceeded), as OpenAI does. False: it
     # is the gateway's default, and generation stops where the context ends.
     max_tokens_given: bool = False
+    # The prefix cache's salt (the engine's Request.cache_salt); None: shared.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))

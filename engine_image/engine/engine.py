@@ -80,6 +80,7 @@ class Engine:
         generated_token_ids: list[int] | None = None,
         generated_text: str | None = None,
         exact_max_tokens: bool = False,
+        cache_salt: str | None = None,
     ) -> Request:
         """Queue a request; raises ValueError (e.g. PromptTooLongError) if it cannot run.
 
@@ -87,9 +88,11 @@ class Engine:
         tokens were already sent (with generated_text, when known), so they are
         recomputed (not sampled again) and generation continues after them.
         exact_max_tokens: see Scheduler.add_request (ContextLengthError).
+        cache_salt: see Request.cache_salt.
         """
         request = self._make_request(request_id, prompt, prompt_token_ids, sampling_params)
         request.priority = priority
+        request.cache_salt = cache_salt
         if generated_token_ids:
             self._check_token_ids(generated_token_ids)
             request.token_ids.extend(generated_token_ids)
@@ -141,15 +144,18 @@ class Engine:
         first_token_ids: list[int],
         sampling_params: SamplingParams,
         sent_text: str | None = None,
+        cache_salt: str | None = None,
     ) -> list[int] | None:
         """COMPLETION engine: reserve KV for a request prefilled elsewhere.
 
         Returns the block table the KV transfer writes into, or None when there
         is no room yet. Then call handoff_received (KV arrived) or
         handoff_failed (recompute it here). sent_text: what the events of
-        first_token_ids carried, when known.
+        first_token_ids carried, when known. cache_salt: the prompt engine's (its blocks,
+        once here, are cached under it).
         """
         request = self._make_request(request_id, None, prompt_token_ids, sampling_params)
+        request.cache_salt = cache_salt
         table = self.scheduler.admit_handoff(request, first_token_ids)
         if table is not None:
             self._track(request, sent_text)

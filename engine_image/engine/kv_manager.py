@@ -28,6 +28,13 @@ def hash_block(parent: BlockHash, token_ids: list[int]) -> BlockHash:
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
+def root_hash(cache_salt: str | None) -> BlockHash:
+    """The parent of a prompt's first block: a salt starts a chain of its own."""
+    if cache_salt is None:
+        return _ROOT_HASH
+    return hashlib.blake2b(_ROOT_HASH + b"\0" + cache_salt.encode(), digest_size=16).digest()
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.pool = BlockPool(num_blocks)
@@ -69,7 +76,7 @@ class KVCacheManager:
         size = self.block_size
         tokens = request.token_ids
         hashes = self._hashes.setdefault(request.request_id, [])
-        parent = hashes[-1] if hashes else _ROOT_HASH
+        parent = hashes[-1] if hashes else root_hash(request.cache_salt)
         blocks: list[int] = []
         for i in range((len(tokens) - 1) // size):
             if i < len(hashes):
@@ -130,8 +137,9 @@ class KVCacheManager:
         table = self._tables[rid]
         hashes = self._hashes.setdefault(rid, [])
         size, tokens = self.block_size, request.token_ids
+        root = root_hash(request.cache_salt)
         for i in range(len(hashes), num_full):
-            parent = hashes[i - 1] if i else _ROOT_HASH
+            parent = hashes[i - 1] if i else root
             hashes.append(hash_block(parent, tokens[i * size : (i + 1) * size]))
         for i in range(offered, num_full):
             self.pool.cache(table[i], hashes[i])

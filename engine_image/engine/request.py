@@ -173,6 +173,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # Higher is served first.
     priority: int = 0
+    # Prompts share prefix-cache blocks only with prompts of the same salt (None: the
+    # model's shared cache), as vLLM's cache_salt: one tenant cannot time another's.
+    cache_salt: str | None = None
 
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
     # Prompt then output: one list, so a step never concatenates the prompt.

@@ -168,6 +168,24 @@ def test_a_repeated_prompt_skips_the_prefill_of_its_cached_blocks():
     assert plan.seqs[0].start_pos == 96
 
 
+def test_a_salted_prompt_shares_cached_blocks_only_with_its_own_salt():
+    sched = make(max_model_len=1024)
+    shared = prompt(100)
+
+    def cached(rid: str, salt: str | None) -> int:
+        request = Request(rid, [*shared, 7], SamplingParams(max_tokens=2), cache_salt=salt)
+        sched.add_request(request)
+        plan, _ = step(sched)
+        run_until_idle(sched)
+        return plan.num_prefix_cached_tokens
+
+    assert cached("tenant-a", "a") == 0
+    assert cached("tenant-b", "b") == 0, "another salt's blocks are not its own"
+    assert cached("unsalted", None) == 0, "nor the shared cache's"
+    assert cached("tenant-a-again", "a") == 96
+    assert cached("unsalted-again", None) == 96
+
+
 def test_metrics_report_queue_and_cache_state():
     sched = make(max_model_len=1024)
     sched.add_request(Request("a", prompt(100), LONG))

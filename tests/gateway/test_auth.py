@@ -21,17 +21,18 @@ def test_json_and_yaml_files_give_the_same_keys(tmp_path):
     digest = hashlib.sha256(b"sk-hashed").hexdigest()
     entries = [
         {"key": "sk-plain", "name": "alice", "models": ["tiny"], "rpm": 10, "tpm": 1000},
-        {"key_sha256": digest, "name": "bob", "models": "*"},
+        {"key_sha256": digest, "name": "bob", "models": "*", "prefix_cache": "own"},
     ]
     yaml_text = (
         "- key: sk-plain\n  name: alice\n  models: [tiny]\n  rpm: 10\n  tpm: 1000\n"
-        f"- key_sha256: {digest}\n  name: bob\n  models: '*'\n"
+        f"- key_sha256: {digest}\n  name: bob\n  models: '*'\n  prefix_cache: own\n"
     )
     for store in (_store(tmp_path, json.dumps(entries)), _store(tmp_path, yaml_text, "k.yaml")):
         alice = store.authenticate("Bearer sk-plain")
         assert (alice.name, alice.models, alice.rpm, alice.tpm) == ("alice", {"tiny"}, 10, 1000)
         bob = store.authenticate("bearer   sk-hashed ")
         assert bob.name == "bob" and bob.models is None and bob.rpm is None
+        assert bob.own_prefix_cache and not alice.own_prefix_cache  # shared by default
         assert alice.allows("tiny") and not alice.allows("big") and bob.allows("big")
 
 
@@ -90,6 +91,7 @@ def test_open_access_lets_everyone_in_as_anonymous():
         ([{"name": "a", "key": "x", "models": []}], "models must be"),
         ([{"name": "a", "key": "x", "models": ["a", "*"]}], '"*" alone'),
         ([{"name": "a", "key": "x", "rmp": 3}], "unknown fields ['rmp']"),
+        ([{"name": "a", "key": "x", "prefix_cache": "private"}], 'must be "shared" or "own"'),
         ([{"name": "a", "key": "x"}, {"name": "a", "key": "y"}], "used twice"),
         ([{"name": "a", "key": "x"}, {"name": "b", "key": "x"}], "listed twice"),
     ],

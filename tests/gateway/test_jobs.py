@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from tandem.gateway.auth import ANONYMOUS, ApiKey
 from tandem.gateway.errors import GatewayError
 from tandem.gateway.jobs import JobBuilder, derive_seed
 from tandem.gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -17,7 +18,7 @@ BUILDER = JobBuilder(GatewaySettings(request_timeout=60, default_max_tokens=100,
 
 def _chat(headers=None, **fields):
     body = {"model": "m", "messages": [{"role": "user", "content": "abcdefgh"}], **fields}
-    return BUILDER.chat(ChatCompletionRequest.model_validate(body), headers or {})
+    return BUILDER.chat(ChatCompletionRequest.model_validate(body), headers or {}, ANONYMOUS)
 
 
 def test_a_chat_request_becomes_one_work_item_with_its_sampling():
@@ -69,7 +70,7 @@ def test_n_choices_get_distinct_reproducible_seeds_the_first_keeps_its_own():
 def test_defaults_of_max_tokens():
     assert _chat().max_tokens == 100  # the server's default for chat
     body = CompletionRequest(model="m", prompt="abc")
-    assert BUILDER.completion(body, {}).max_tokens == 16  # OpenAI's for completions
+    assert BUILDER.completion(body, {}, ANONYMOUS).max_tokens == 16  # OpenAI's for completions
     assert _chat(max_completion_tokens=9).max_tokens == 9
 
 
@@ -80,9 +81,9 @@ def test_only_a_max_tokens_the_client_gave_must_fit_in_the_context():
     assert _chat(max_completion_tokens=5).items[0].max_tokens_given
     assert not _chat().items[0].max_tokens_given
     given = CompletionRequest(model="m", prompt="abc", max_tokens=16)
-    assert BUILDER.completion(given, {}).items[0].max_tokens_given
+    assert BUILDER.completion(given, {}, ANONYMOUS).items[0].max_tokens_given
     default = CompletionRequest(model="m", prompt="abc")
-    assert not BUILDER.completion(default, {}).items[0].max_tokens_given
+    assert not BUILDER.completion(default, {}, ANONYMOUS).items[0].max_tokens_given
 
 
 def test_priority_from_the_field_or_the_header():
@@ -111,7 +112,9 @@ def test_the_timeout_header_only_lowers_the_deadline():
 
 def test_prompts_text_token_ids_and_lists_of_one():
     def prompt(value):
-        return BUILDER.completion(CompletionRequest(model="m", prompt=value), {}).items[0]
+        return BUILDER.completion(CompletionRequest(model="m", prompt=value), {}, ANONYMOUS).items[
+            0
+        ]
 
     assert prompt("hello").prompt == "hello"
     assert prompt(["hello"]).prompt == "hello"
@@ -141,7 +144,7 @@ def test_logprobs_become_the_engines_count_of_alternatives():
     assert _chat(logprobs=True).logprobs and not _chat(logprobs=False).logprobs
     assert "logprobs" not in _chat(logprobs=False).items[0].sampling
     body = CompletionRequest(model="m", prompt="x", logprobs=2)
-    assert BUILDER.completion(body, {}).items[0].sampling["logprobs"] == 2
+    assert BUILDER.completion(body, {}, ANONYMOUS).items[0].sampling["logprobs"] == 2
 
 
 def test_logit_bias_keys_become_token_ids_and_bad_ones_are_named():
@@ -206,7 +209,7 @@ def test_neutral_values_of_unsupported_parameters_pass():
     assert job.n == 1
     assert _chat(service_tier="default", function_call=None).n == 1
     body = CompletionRequest(model="m", prompt="x", best_of=2, n=2, echo=False, suffix="")
-    assert BUILDER.completion(body, {}).n == 2
+    assert BUILDER.completion(body, {}, ANONYMOUS).n == 2
 
 
 def test_the_digest_ignores_how_the_answer_is_delivered():
@@ -221,6 +224,24 @@ def test_the_digest_counts_only_the_fields_sent():
         reasoning: bool = False
 
     body = {"model": "m", "messages": [{"role": "user", "content": "abcdefgh"}], "top_k": None}
-    now = BUILDER.chat(ChatCompletionRequest.model_validate(body), {}).digest
-    assert BUILDER.chat(Later.model_validate(body), {}).digest == now == _chat().digest
+    now = BUILDER.chat(ChatCompletionRequest.model_validate(body), {}, ANONYMOUS).digest
+    assert BUILDER.chat(Later.model_validate(body), {}, ANONYMOUS).digest == now == _chat().digest
     assert _chat(temperature=0.5).digest != now
+
+
+def test_the_prefix_cache_salt_is_the_keys_own_then_the_requests():
+    def salt(caller: ApiKey, **extra) -> str | None:
+        body = ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+        )
+        return BUILDER.chat(body, {}, caller).items[0].cache_salt
+
+    own = ApiKey("team-a", own_prefix_cache=True)
+    assert salt(ANONYMOUS) is None, "the model's shared cache by default"
+    assert salt(ANONYMOUS, cache_salt="u1") == "salt=u1"
+    assert salt(own) == "key=team-a"
+    assert salt(own, cache_salt="u1") == "key=team-a\nsalt=u1"
+    # A request's salt cannot spell a key's own: tagged apart.
+    assert salt(ANONYMOUS, cache_salt="key=team-a") != salt(own)
+    with pytest.raises(ValueError, match="cache_salt"):
+        salt(ANONYMOUS, cache_salt="")

@@ -185,6 +185,24 @@ def test_chat_stream_with_include_usage_matches_the_plain_answer(sdk):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_a_cache_salt_keeps_a_prompts_cached_blocks_to_its_own_salt(sdk):
+    words = " ".join(f"salted{i}" for i in range(40))  # several KV blocks, this test's own
+    messages = [{"role": "user", "content": words}]
+
+    def cached(salt: str | None) -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        reply = sdk.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=1, extra_body=extra, **GREEDY
+        )
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0 and cached(None) == 0, "another salt's blocks stay its own"
+    assert cached("tenant-a") > 0 and cached(None) > 0
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        cached("")
+
+
 def test_text_content_parts_equal_the_joined_string(sdk):
     parts = [{"type": "text", "text": "Name three"}, {"type": "text", "text": "colours."}]
     as_parts = sdk.chat.completions.create(

@@ -46,6 +46,8 @@ class _Taken:
     sent_text: str
     # The client gave max_tokens: refused if the context cannot hold it here.
     exact_max_tokens: bool
+    # The prefix cache's salt (WorkItem.cache_salt).
+    cache_salt: str | None
 
 
 class HandoffFlow:
@@ -158,7 +160,9 @@ class HandoffFlow:
         """
         sent = history.token_ids
         generated = sent if len(sent) > len(handoff.first_token_ids) else handoff.first_token_ids
-        taken = _Taken(handoff, params, list(generated), history.text, work.max_tokens_given)
+        taken = _Taken(
+            handoff, params, list(generated), history.text, work.max_tokens_given, work.cache_salt
+        )
         engine.check_handoff_fits(handoff.prompt_token_ids, params, taken.exact_max_tokens)
         self._admit(engine, taken, metrics)
         return handoff.num_cached_tokens
@@ -167,7 +171,12 @@ class HandoffFlow:
         handoff, generated = taken.handoff, taken.generated
         rid = handoff.work["request_id"]
         table = engine.admit_handoff(
-            rid, handoff.prompt_token_ids, generated, taken.params, taken.sent_text
+            rid,
+            handoff.prompt_token_ids,
+            generated,
+            taken.params,
+            taken.sent_text,
+            cache_salt=taken.cache_salt,
         )
         if table is None:  # no room yet: retry every turn, the entry stays ours
             self._waiting_room.append(taken)

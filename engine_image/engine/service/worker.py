@@ -294,6 +294,7 @@ class EngineWorker:
             generated_token_ids=sent,
             generated_text=text,
             exact_max_tokens=work.max_tokens_given,
+            cache_salt=work.cache_salt,
         )
 
     # --------------------------------------------------------------- output
