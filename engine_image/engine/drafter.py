@@ -81,14 +81,14 @@ class NgramDrafter:
         self._indexes.pop(request_id, None)
 
     def propose(self, request_id: str, token_ids: Sequence[int], num_drafts: int) -> list[int]:
-        if num_drafts <= 0:
-            if num_drafts < 0:
-                raise ValueError(f"num_drafts must be >= 0, got {num_drafts}")
-            return []
+        if num_drafts < 0:
+            raise ValueError(f"num_drafts must be >= 0, got {num_drafts}")
         length = len(token_ids)
         index = self._indexes.get(request_id)
-        if index is None or index.num_indexed > length:
+        if index is None or index.num_indexed > length:  # shorter: another sequence now
             index = self._indexes[request_id] = _Index()
+        if num_drafts == 0:
+            return []
         if index.num_indexed < length:
             index.match = self._advance(index, token_ids)
         if index.match is None:

@@ -161,6 +161,19 @@ class Engine:
             self._track(request, sent_text)
         return table
 
+    def already_ended(
+        self,
+        prompt_token_ids: list[int],
+        generated_token_ids: list[int],
+        sampling_params: SamplingParams,
+    ) -> bool:
+        """Whether tokens generated elsewhere already end the request: a stop token, its
+        max_tokens, or this engine's context reached. add_request resumes such a request
+        without running it: it finishes at the next step."""
+        request = self._make_request("resumed", None, prompt_token_ids, sampling_params)
+        request.token_ids.extend(generated_token_ids)
+        return _already_done(request, self.config.max_model_len) is not None
+
     def check_handoff_fits(
         self, prompt_token_ids: list[int], params: SamplingParams, exact_max_tokens: bool
     ) -> None:

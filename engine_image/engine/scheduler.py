@@ -153,12 +153,18 @@ class Scheduler:
         """Admit waiting prompts in order until the budget, slots or blocks run out."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens
-        slots = cfg.max_num_seqs - len(self.running)
+        # Sequences whose KV is arriving run next: their slots are taken.
+        slots = cfg.max_num_seqs - len(self.running) - len(self.receiving)
         waiting, kv = self.waiting, self.kv
+        # Past the watermark only a prompt mid-chunk goes on (it holds its blocks); a
+        # PROMPT engine decodes nothing, so it keeps no room for decodes to grow into.
+        admits = cfg.engine_type is EngineType.PROMPT or kv.usage <= cfg.cache_prefill_watermark
         plan = StepPlan(is_prefill=True)
         while (request := waiting.first()) is not None and budget > 0 and slots > 0:
             rid = request.request_id
             admitted = kv.holds_blocks(rid)
+            if not admitted and not admits:
+                break
             cached = [] if admitted else kv.match_prefix(request)
             start = request.num_computed_tokens if admitted else len(cached) * cfg.block_size
             num_new = request.num_tokens - start
@@ -219,13 +225,18 @@ class Scheduler:
                 # yields at most 1 + len(drafts) tokens, the room left.
                 room = request.max_num_tokens - len(tokens)
                 if len(drafts) >= room:
-                    drafts = drafts[: room - 1]
-            num_new = 1 + len(drafts)
-            if num_new > budget:
-                break
+                    drafts = drafts[: max(room - 1, 0)]
             rid = request.request_id
             start = request.num_computed_tokens
             table = request.block_ids
+            if drafts and start + 1 + len(drafts) > len(table) * block_size:
+                # Drafts only as far as blocks are free: no request is preempted for
+                # guesses (placeholders after a prefill are nearly always rejected).
+                while drafts and kv.allocate(rid, start + 1 + len(drafts)) is None:
+                    drafts = drafts[:-1]
+            num_new = 1 + len(drafts)
+            if num_new > budget:
+                break
             if start + num_new > len(table) * block_size:  # needs another block
                 while kv.allocate(rid, start + num_new) is None:
                     victim = running.pop()  # the newest running request
@@ -348,7 +359,9 @@ class Scheduler:
         if self.config.engine_type is not EngineType.COMPLETION:
             raise ValueError("only a COMPLETION engine takes handoffs")
         self._register(request)
-        if len(self.running) + len(self.receiving) >= self.config.max_num_seqs or (
+        # Recomputes waiting here (failed transfers) need slots too.
+        held = len(self.running) + len(self.receiving) + len(self.waiting)
+        if held >= self.config.max_num_seqs or (
             self.kv.usage > self.config.cache_prefill_watermark
         ):
             del self.requests[request.request_id]

@@ -97,6 +97,11 @@ def test_requests_are_independent_and_free_forgets():
     # A shorter sequence under the same id rebuilds its index.
     assert drafter.propose("b", [5, 6, 5], 1) == [6]
 
+    # Even when seen by a call that wants no drafts.
+    assert drafter.propose("c", [1, 2, 3, 9, 8, 1, 2, 3], 2) == [9, 8]
+    assert drafter.propose("c", [1], 0) == []
+    assert drafter.propose("c", [7, 7, 7, 7, 7, 7, 7, 6], 2) == []
+
 
 @settings(max_examples=300, deadline=None)
 @given(

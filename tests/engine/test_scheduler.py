@@ -128,6 +128,26 @@ def test_watermark_does_not_stall_a_prompt_mid_chunk():
     run_until_idle(sched)
 
 
+def test_a_prompt_mid_chunk_past_the_watermark_lets_no_new_prompt_in_beside_it():
+    sched = make(
+        num_blocks=20,
+        block_size=4,
+        max_model_len=64,
+        max_num_batched_tokens=40,
+        enable_chunked_prefill=True,
+        cache_prefill_watermark=0.5,
+        enable_prefix_caching=False,
+    )
+    long_run = SamplingParams(max_tokens=30, ignore_eos=True)
+    sched.add_request(Request("a", prompt(50), long_run))
+    step(sched)  # its first chunk: the whole prompt's blocks, 65 % of the pool
+    assert sched.kv_usage > 0.5
+    sched.add_request(Request("b", prompt(20, 100), long_run))
+    plan, _ = step(sched)
+    assert list(plan.num_scheduled_tokens) == ["a"], "b waits for usage to drop"
+    check_integrity(sched)
+
+
 # ------------------------------------------------- the budget and chunking
 
 

@@ -74,6 +74,19 @@ def test_drafts_are_trimmed_to_the_tokens_left():
     assert sched.requests == {}
 
 
+def test_drafts_shrink_to_the_free_blocks_rather_than_preempt_a_request():
+    sched = make(max_model_len=16, block_size=4, num_speculative_tokens=4, vocab_size=100)
+    sched = type(sched)(sched.config, num_blocks=4)
+    short = SamplingParams(max_tokens=8, ignore_eos=True)
+    sched.add_request(Request("a", prompt(6), short))
+    sched.add_request(Request("b", prompt(6, 50), short))
+    step(sched)  # both prefilled: two blocks each, the pool full
+    plan = sched.schedule()
+    # a's next token fits its second block; its placeholder drafts do not.
+    assert not plan.preempted_request_ids
+    assert plan.num_scheduled_tokens == {"a": 2, "b": 2}
+
+
 def test_speculation_needs_the_vocab_size():
     with pytest.raises(ValueError, match="needs vocab_size"):
         make(max_model_len=512, num_speculative_tokens=2)

@@ -38,6 +38,19 @@ def _handoff(sched, rid, n, first_token=7, max_tokens=5):
     return request, sched.admit_handoff(request, [first_token])
 
 
+def test_handoffs_arriving_and_recomputes_waiting_hold_their_slots():
+    sched = make(engine_type="completion", max_model_len=64, max_num_seqs=2)
+    _handoff(sched, "a", 10, max_tokens=20)
+    _handoff(sched, "b", 10, max_tokens=20)
+    sched.handoff_failed("a")  # recomputed here, waiting for its prefill
+    assert _handoff(sched, "c", 10)[1] is None, "two sequences held: no room for a third"
+    plan, _ = step(sched)
+    assert plan.num_scheduled_tokens == {"a": 11}
+    sched.handoff_received("b")
+    assert len(sched.schedule().seqs) == 2
+    check_integrity(sched)
+
+
 def test_completion_engine_decodes_handoffs_and_never_prefills_new_work():
     sched = make(engine_type="completion", max_model_len=256)
     with pytest.raises(ValueError, match="only decodes requests prefilled elsewhere"):

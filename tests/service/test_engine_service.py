@@ -246,6 +246,11 @@ def test_a_handoff_longer_than_the_decoders_context_ends_with_a_clear_error(engi
     assert answer.final.error_code == "context_length_exceeded"
     fits = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 8, **GREEDY})
     assert client.answer(fits, timeout=30).ok  # the decoder serves on
+    # The prompt engine's first token fills the decoder's context: it ends there.
+    full = client.submit(prompt_token_ids=[5] * 255, sampling={"max_tokens": 4, **GREEDY})
+    answer = client.answer(full, timeout=30)
+    assert answer.ok and answer.final.finish_reason == "length"
+    assert len(answer.token_ids) == 1
 
 
 def test_a_handoff_with_another_model_fingerprint_is_refused_and_recomputed(

@@ -164,6 +164,20 @@ class HandoffFlow:
             handoff, params, list(generated), history.text, work.max_tokens_given, work.cache_salt
         )
         engine.check_handoff_fits(handoff.prompt_token_ids, params, taken.exact_max_tokens)
+        if engine.already_ended(handoff.prompt_token_ids, taken.generated, params):
+            # A decoder died after its last token, before its final event; or this
+            # engine's context ends where the prompt engine's first token did: the
+            # request finishes here without its KV (the offer expires unfetched).
+            engine.add_request(
+                work.request_id,
+                None,
+                params,
+                prompt_token_ids=handoff.prompt_token_ids,
+                generated_token_ids=taken.generated,
+                generated_text=history.text,
+                cache_salt=work.cache_salt,
+            )
+            return handoff.num_cached_tokens
         self._admit(engine, taken, metrics)
         return handoff.num_cached_tokens
 
