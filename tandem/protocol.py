@@ -110,6 +110,10 @@ class Keys:
     def handoff_stream(self, model: str) -> str:
         return f"{self.prefix}:{{{model}}}:handoff"
 
+    def handoff_published(self, model: str, request_id: str) -> str:
+        """The work entry id whose Handoff was published (work_queue's publish_handoff)."""
+        return f"{self.prefix}:{{{model}}}:handed:{request_id}"
+
     def queued_tokens(self, model: str) -> str:
         """Counter of (estimated) prompt tokens queued and not yet taken by an engine."""
         return f"{self.prefix}:{{{model}}}:queued_tokens"
@@ -292,6 +296,32 @@ class Handoff(_Message):
     expires_at: float
     # Prompt tokens the PROMPT engine served from its prefix cache (for usage).
     num_cached_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        # A decoder reserves and writes KV by these numbers: one that disagrees with the
+        # tokens would index past its blocks, or decode on positions never written.
+        def token_ids(name: str, value: Any) -> None:
+            if not isinstance(value, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+            ):
+                raise ProtocolError(f"handoff {name} must be a list of token ids")
+
+        token_ids("prompt_token_ids", self.prompt_token_ids)
+        token_ids("first_token_ids", self.first_token_ids)
+        if not self.prompt_token_ids or not self.first_token_ids:
+            raise ProtocolError("a handoff needs its prompt and its first token")
+        expected = len(self.prompt_token_ids) + len(self.first_token_ids) - 1
+        if self.num_kv_tokens != expected or isinstance(self.num_kv_tokens, bool):
+            raise ProtocolError(
+                f"handoff num_kv_tokens is {self.num_kv_tokens!r}: its tokens give {expected}"
+            )
+        if not isinstance(self.expires_at, int | float) or isinstance(self.expires_at, bool):
+            raise ProtocolError(f"handoff expires_at must be a number, got {self.expires_at!r}")
+        texts = ("kv_address", "kv_handle", "fingerprint", "prompt_engine")
+        if not isinstance(self.work, dict) or not all(
+            isinstance(getattr(self, n), str) for n in texts
+        ):
+            raise ProtocolError(f"a handoff's work is a mapping and its {', '.join(texts)} strings")
 
     @property
     def work_item(self) -> WorkItem:

@@ -5,6 +5,7 @@ model; requests go in through the protocol module exactly as the gateway
 sends them.
 """
 
+import json
 import signal
 import socket
 import time
@@ -281,6 +282,34 @@ def test_a_handoff_with_another_model_fingerprint_is_refused_and_recomputed(
     assert decode.metric("tandem_engine_kv_transfer_failures_total", reason="mismatch") == 1
     # Said in its log, naming the prompt engine (it was only a metric).
     assert "prompt engine nobody serves another model" in decode.log()
+
+
+def test_a_handoff_whose_numbers_disagree_is_refused_and_the_decoder_serves_on(
+    engines, client, reference, redis_url, keys
+):
+    decode = engines("completion")
+    conn = redis.Redis.from_url(redis_url)
+    for rid, change in (("too-many", {"num_kv_tokens": 300}), ("undated", {"expires_at": "soon"})):
+        work = WorkItem(rid, "tiny", prompt_token_ids=PROMPT, sampling={"max_tokens": 4, **GREEDY})
+        fields = Handoff(
+            work=work.__dict__,
+            prompt_token_ids=PROMPT,
+            first_token_ids=[5],
+            kv_address="127.0.0.1:1",
+            kv_handle=rid,
+            num_kv_tokens=len(PROMPT),
+            fingerprint="f",
+            prompt_engine="nobody",
+            expires_at=time.time() + 60,
+        ).to_fields()
+        fields["data"] = json.dumps({**json.loads(fields["data"]), **change})
+        conn.xadd(keys.handoff_stream("tiny"), fields)
+        answer = client.answer(rid)
+        assert answer.final.error_code == "invalid_request"
+        assert next(iter(change)) in answer.final.error_message
+    conn.close()
+    assert decode.process.poll() is None, "alive"
+    assert decode.metric("tandem_engine_kv_cache_usage") == 0, "nothing reserved for them"
 
 
 def test_sigterm_drains_running_requests_takes_no_new_ones_and_exits_0(engines, client, reference):

@@ -219,11 +219,21 @@ def handoff(request_id):
     )
 
 
+def prefilled(redis_client, keys, prompt, request_id):
+    """The work entry of `request_id`, pulled by the PROMPT engine queue `prompt`."""
+    enqueue(redis_client, keys, item(request_id))
+    (delivery,) = prompt.pull(1).work
+    return delivery
+
+
 def test_handoffs_go_to_completion_engines(redis_client, keys, queue):
     prompt = queue("p1", role=Role.PROMPT)
     completion = queue("c1", role=Role.COMPLETION)
-    prompt.publish_handoff(handoff("r1"))
-    assert queue_depth(redis_client, keys, MODEL).handoff_waiting == 1
+    source = prefilled(redis_client, keys, prompt, "r1")
+    assert prompt.publish_handoff(handoff("r1"), source)
+    depth = queue_depth(redis_client, keys, MODEL)
+    assert depth.handoff_waiting == 1
+    assert (depth.total_waiting, depth.pending) == (0, 0), "its work entry acknowledged"
     (d,) = completion.pull(4).work
     assert isinstance(d.message, Handoff)
     assert (d.request_id, d.stream) == ("r1", keys.handoff_stream(MODEL))
@@ -233,13 +243,35 @@ def test_handoffs_go_to_completion_engines(redis_client, keys, queue):
     assert queue_depth(redis_client, keys, MODEL).handoff_pending == 0
 
 
-def test_handoff_with_a_bad_work_item_is_malformed(keys, queue):
+def test_a_handoff_is_published_once_and_only_by_the_entrys_holder(redis_client, keys, queue):
+    stalled, thief = queue("p1", role=Role.PROMPT), queue("p2", role=Role.PROMPT)
+    source = prefilled(redis_client, keys, stalled, "r1")
+    assert stalled.publish_handoff(handoff("r1"), source)
+    # A retry after a lost reply (the publish was written): nothing twice.
+    assert not stalled.publish_handoff(handoff("r1"), source)
+    assert redis_client.xlen(keys.handoff_stream(MODEL)) == 1
+
+    late = prefilled(redis_client, keys, stalled, "r2")
+    time.sleep(IDLE_MS * 1.5 / 1000)  # it stalls; another engine takes the entry over
+    assert ids(thief.pull(1).work) == ["r2"]
+    assert not stalled.publish_handoff(handoff("r2"), late)
+    assert redis_client.xlen(keys.handoff_stream(MODEL)) == 1
+
+    lost = prefilled(redis_client, keys, stalled, "r3")
+    redis_client.delete(*keys.work_streams(MODEL))  # Redis lost its data: nobody else has it
+    assert stalled.publish_handoff(handoff("r3"), lost)
+    assert redis_client.xlen(keys.handoff_stream(MODEL)) == 2
+
+
+def test_handoff_with_a_bad_work_item_is_malformed(redis_client, keys, queue):
+    prompt = queue("p1", role=Role.PROMPT)
     completion = queue("c1", role=Role.COMPLETION)
     bad = handoff("r1")
     bad.work = {"model": MODEL}  # no request_id, no prompt
-    entry_id = queue("p1", role=Role.PROMPT).publish_handoff(bad)
+    assert prompt.publish_handoff(bad, prefilled(redis_client, keys, prompt, "r1"))
+    ((entry_id, _),) = redis_client.xrange(keys.handoff_stream(MODEL))
     pulled = completion.pull(4)
-    assert pulled.work == [] and [e for e, _, _ in pulled.malformed] == [entry_id]
+    assert pulled.work == [] and [e for e, _, _ in pulled.malformed] == [entry_id.decode()]
 
 
 def test_pull_blocks_until_work_arrives(redis_client, keys, queue):

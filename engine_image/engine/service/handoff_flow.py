@@ -29,6 +29,7 @@ from tandem.engine.service.metrics import EngineMetrics
 from tandem.engine.service.redis_io import RedisIO
 from tandem.engine.service.responses import ResponseHistory
 from tandem.engine.service.settings import WorkerSettings
+from tandem.engine.service.work_queue import Delivery
 from tandem.protocol import ErrorCode, Handoff, ResponseEvent, Role, WorkItem
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,10 @@ class HandoffFlow:
         # PROMPT side.
         self.offers = PinnedOffers()
         self.fetched: queue.SimpleQueue[str] = queue.SimpleQueue()  # from the KV server
-        self._to_publish: list[Handoff] = []
+        # Each with the work entry it came from, acknowledged as it is published.
+        self._to_publish: list[tuple[Handoff, Delivery]] = []
+        # Offers whose handoff was not published (another engine holds the request now).
+        self._unpublished: list[str] = []
         # COMPLETION side.
         self.fetches = KVFetches(fetch_kv)
         self._waiting_room: list[_Taken] = []
@@ -84,33 +88,44 @@ class HandoffFlow:
 
     # ---------------------------------------------------------- PROMPT side
 
-    def offer(self, engine: Engine, work: WorkItem, out: EngineOutput, io: RedisIO) -> None:
-        """Pin the prefilled KV and queue its Handoff (published after the flush)."""
+    def offer(self, engine: Engine, work: WorkItem, out: EngineOutput, source: Delivery) -> None:
+        """Pin the prefilled KV and queue its Handoff (published after the flush, when its
+        work entry `source` is acknowledged)."""
         request = engine.scheduler.handoff[out.request_id]
         num_kv = request.num_computed_tokens  # every token but the newest sampled one
         slots = token_slots(request.block_ids, num_kv, self.block_size)
         expires_at = time.time() + self.settings.handoff_ttl
         self.offers.add(PinnedKV(out.request_id, slots, self.settings.fingerprint), expires_at)
         self._to_publish.append(
-            Handoff(
-                work=dataclasses.asdict(work),
-                prompt_token_ids=request.prompt_token_ids,
-                first_token_ids=request.output_token_ids,
-                kv_address=self.settings.kv_address,
-                kv_handle=out.request_id,
-                num_kv_tokens=num_kv,
-                fingerprint=self.settings.fingerprint,
-                prompt_engine=self.settings.engine_id,
-                expires_at=expires_at,
-                num_cached_tokens=out.num_cached_tokens,
+            (
+                Handoff(
+                    work=dataclasses.asdict(work),
+                    prompt_token_ids=request.prompt_token_ids,
+                    first_token_ids=request.output_token_ids,
+                    kv_address=self.settings.kv_address,
+                    kv_handle=out.request_id,
+                    num_kv_tokens=num_kv,
+                    fingerprint=self.settings.fingerprint,
+                    prompt_engine=self.settings.engine_id,
+                    expires_at=expires_at,
+                    num_cached_tokens=out.num_cached_tokens,
+                ),
+                source,
             )
         )
 
+    def publishing(self) -> list[Delivery]:
+        """The work entries of handoffs not yet published: kept alive as held ones are."""
+        return [source for _, source in self._to_publish]
+
     def publish_pending(self, io: RedisIO) -> None:
-        # Each dropped once written: Redis going away midway keeps the rest, and
-        # publishing one twice would have two decoders serve the request.
+        # Each dropped once written: Redis going away midway keeps the rest (a retry
+        # whose first try was written publishes nothing twice: publish_handoff).
         while self._to_publish:
-            io.queue.publish_handoff(self._to_publish[0])
+            handoff, source = self._to_publish[0]
+            if not io.queue.publish_handoff(handoff, source):
+                log.info("handoff of %s not published: another engine has it", handoff.kv_handle)
+                self._unpublished.append(handoff.kv_handle)
             del self._to_publish[0]
 
     def on_fetched(self, handle: str) -> None:
@@ -235,7 +250,7 @@ class HandoffFlow:
     def drop(self, engine: Engine, request_id: str) -> None:
         """Forget a request's handoff (cancelled, or another engine owns it now): one
         not yet published, its offer, or one waiting for room."""
-        self._to_publish = [h for h in self._to_publish if h.kv_handle != request_id]
+        self._to_publish = [p for p in self._to_publish if p[0].kv_handle != request_id]
         self.withdraw(engine, request_id)
         self._waiting_room = [
             w for w in self._waiting_room if w.handoff.work["request_id"] != request_id
@@ -252,6 +267,9 @@ class HandoffFlow:
                 break
             if self.offers.remove(handle):
                 engine.release_handoff(handle)
+        unpublished, self._unpublished = self._unpublished, []
+        for handle in unpublished:  # nobody will fetch it
+            self.withdraw(engine, handle)
         results = []
         for outcome in self.fetches.done():
             if outcome.stats is not None:

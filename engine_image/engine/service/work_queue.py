@@ -39,10 +39,12 @@ from tandem.engine.service.work_queue_lua import (
     HAND_BACK_LUA,
     HANDED_BACK_IDLE_MS,
     KEEP_ALIVE_LUA,
+    PUBLISH_HANDOFF_LUA,
     PULL_LUA,
 )
 from tandem.protocol import (
     HANDOFF_GROUP,
+    RESPONSE_TTL_SECONDS,
     WORK_GROUP,
     Handoff,
     Keys,
@@ -57,6 +59,9 @@ log = logging.getLogger(__name__)
 # The most entries of a dead predecessor handed back at a start: far more than one
 # engine holds (its waiting and running requests).
 _INHERITED_MAX = 10_000
+# How long the marker that a request's handoff was published lives: far past any retry
+# of the publish (an outage of minutes), as long as a response stream.
+PUBLISHED_MARKER_TTL_S = RESPONSE_TTL_SECONDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +165,7 @@ class WorkQueue:
         self._keep_alive_script = client.register_script(KEEP_ALIVE_LUA)
         self._hand_back_script = client.register_script(HAND_BACK_LUA)
         self._forget_script = client.register_script(FORGET_CONSUMERS_LUA)
+        self._publish_script = client.register_script(PUBLISH_HANDOFF_LUA)
         self._started = False
         try:
             self.ensure_groups()
@@ -338,9 +344,18 @@ class WorkQueue:
             script(keys=[stream], args=[self.group, self.consumer, *args, *held], client=pipe)
         return list(zip(by_stream.values(), pipe.execute(), strict=True))
 
-    def publish_handoff(self, handoff: Handoff) -> str:
-        """Offer a prefilled request to the model's COMPLETION engines."""
-        return as_text(self.client.xadd(self.keys.handoff_stream(self.model), handoff.to_fields()))
+    def publish_handoff(self, handoff: Handoff, source: Delivery) -> bool:
+        """Offer a prefilled request to the model's COMPLETION engines, and acknowledge the
+        work entry `source` it came from, in one step (PUBLISH_HANDOFF_LUA). False: not
+        published, as it was already, or another engine holds the entry now."""
+        keys = [
+            source.stream,
+            self.keys.handoff_stream(self.model),
+            self.keys.handoff_published(self.model, source.request_id),
+        ]
+        fields = [x for pair in handoff.to_fields().items() for x in pair]
+        args = [self.group, self.consumer, source.entry_id, PUBLISHED_MARKER_TTL_S, *fields]
+        return int(self._publish_script(keys=keys, args=args)) == 1
 
 
 def _request_id(fields: dict[str, Any]) -> str | None:

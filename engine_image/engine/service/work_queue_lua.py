@@ -117,6 +117,27 @@ for i = 5, #ARGV do
 end
 return n
 """
+# Publish a Handoff and acknowledge (delete) the work entry it was prefilled from, at once:
+# a crash can no longer fall between the two (the entry reclaimed and handed off again),
+# nor can a retry after a lost reply publish it twice (the marker says it was), nor an
+# engine that stalled publish an entry another engine took over meanwhile. An entry
+# Redis lost (restarted without its data) is published: nobody else holds it.
+# KEYS: the work stream, the handoff stream, the request's published marker.
+# ARGV: group, consumer, work entry id, marker TTL in seconds, the handoff's fields.
+# Returns 1 when published, 0 when not.
+PUBLISH_HANDOFF_LUA = """
+if redis.call('GET', KEYS[3]) == ARGV[3] then return 0 end
+local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if not p.err and p[1] and p[1][2] ~= ARGV[2] then return 0 end
+local fields = {}
+for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('XADD', KEYS[2], '*', unpack(fields))
+redis.call('SET', KEYS[3], ARGV[3], 'EX', ARGV[4])
+redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[3])
+redis.pcall('XDEL', KEYS[1], ARGV[3])
+return 1
+"""
+
 # Idle time given to a handed-back entry: longer than any engine's --claim-idle-ms.
 HANDED_BACK_IDLE_MS = 24 * 3600 * 1000
 

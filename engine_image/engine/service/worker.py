@@ -89,7 +89,7 @@ class EngineWorker:
             settings,
             self.heartbeat,
             handoffs,
-            held=lambda: [h.delivery for h in self.held.values() if h.pending],
+            held=self._pending_deliveries,
             lost=self._lost,
             info=self._beat_info,
         )
@@ -274,9 +274,19 @@ class EngineWorker:
                 return
             self._add(work, params, sent, history.text)
         except (ValueError, TypeError) as exc:  # the engine's refusals
+            self._forget_refused(rid)
             self._refuse(delivery, work, refusal_of(exc))
             return
         self.held[rid] = Held(delivery, work, sent=len(sent))
+
+    def _forget_refused(self, rid: str) -> None:
+        """Free what a request refused while being taken had reserved (a handoff's
+        blocks), lest they stay taken for good."""
+        if self.handoffs is not None:
+            if self.handoffs.fetching(rid):
+                return  # not refused after its fetch started: nothing to write into
+            self.handoffs.drop(self.engine, rid)
+        self.engine.abort(rid)
 
     def _add(self, work: WorkItem, params: SamplingParams, sent: list[int], text: str) -> None:
         engine = self.engine
@@ -316,8 +326,9 @@ class EngineWorker:
                 )
                 self.held.pop(out.request_id, None)
             elif out.finish_reason is FinishReason.HANDOFF:
-                self.handoffs.offer(self.engine, held.work, out, self.io)
-                self._release(held)
+                # Its work entry is acknowledged as the handoff is published, at once.
+                self.handoffs.offer(self.engine, held.work, out, held.delivery)
+                self.held.pop(out.request_id, None)
                 self.metrics.request_ended("handoff")
             elif out.finished and out.finish_reason is not FinishReason.ABORT:
                 usage = Usage(
@@ -423,6 +434,11 @@ class EngineWorker:
             self._drop(delivery.request_id)
         elif (held := self.held.get(delivery.request_id)) is not None:
             held.pending = False  # Redis lost its entry: nobody else will serve it
+
+    def _pending_deliveries(self) -> list[Delivery]:
+        """The entries this engine still owes an outcome, kept alive while it works."""
+        held = [h.delivery for h in self.held.values() if h.pending]
+        return held + (self.handoffs.publishing() if self.handoffs is not None else [])
 
     def _beat_info(self) -> EngineInfo:
         self.metrics.observe_queues(self.engine)  # the gauges, as often as the registry
