@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import datetime
 import logging
 import time
@@ -85,6 +86,7 @@ class Controller:
         settings: OperatorSettings,
         *,
         clock: Callable[[], float] = time.monotonic,
+        watch_clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._kube = kube
         self._sources = sources
@@ -97,6 +99,10 @@ class Controller:
         )
         # The autoscaler's clock (seconds, monotonic); tests pass a fake one.
         self._clock = clock
+        # Real time, for how long ago a memory was left: a replica that stood by while
+        # another led, or whose passes failed, watched nothing in between.
+        self._watch_clock = watch_clock
+        self._memory_lapse_s = max(4 * settings.scrape_interval_s, 2.0)
         # Each evaluation renews the model's catalog entry; a deleted model's lapses.
         self._declaration_ttl_s = catalog.declaration_ttl_s(settings.scrape_interval_s)
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
@@ -124,13 +130,36 @@ class Controller:
                 return memory
             if model["metadata"].get("deletionTimestamp"):
                 return memory  # garbage collection removes the children
+            memory = self._kept_up(namespace, name, memory)
             try:
                 memory = await self._reconcile(model, autoscale, memory)
             except Exception as error:
                 await self._failed(model, error)
                 raise  # kopf retries the timer at its next tick; the log has the trace
             self._failing.discard((namespace, name))
+            if memory is None:
+                return None
+            return dataclasses.replace(memory, watched_at=self._watch_clock())
+
+    def _kept_up(
+        self, namespace: str, name: str, memory: scaling.ScalerMemory | None
+    ) -> scaling.ScalerMemory | None:
+        """`memory`, unless passes stopped long enough to leave a gap in what it saw:
+        windows and idle times counted across the gap would scale on a past this
+        replica never watched (docs/autoscaling.md: a new leader waits a window)."""
+        if memory is None or memory.watched_at is None:
             return memory
+        lapse = self._watch_clock() - memory.watched_at
+        if lapse <= self._memory_lapse_s:
+            return memory
+        log.info(
+            "%s/%s: autoscaler memory %.0f s old (this replica stood by, or its passes "
+            "failed): it starts afresh",
+            namespace,
+            name,
+            lapse,
+        )
+        return None
 
     async def _failed(self, model: Body, error: Exception) -> None:
         """One Warning Event per streak of failed passes (kopf posts none: every 15 s

@@ -47,6 +47,9 @@ class ScalerMemory:
     # Why the last evaluation could not read the request queue; None once it could
     # (an Event says each change once, events.queue_events).
     queue_unreadable: str | None = None
+    # When the pass that left it ended (the controller's real clock, not the
+    # autoscaler's): a memory much older was not kept up (Controller.reconcile).
+    watched_at: float | None = None
 
     def watching(self, deployments: Mapping[RoleName, str]) -> ScalerMemory:
         """This memory for the roles' Deployments now: a role whose Deployment is new (a

@@ -152,6 +152,33 @@ async def test_only_the_leader_acts_and_the_standby_takes_over(cluster, metrics,
     assert cluster.writes_by(standby)
 
 
+async def test_a_replica_that_leads_again_forgets_what_it_saw_before_it_stood_by(
+    cluster, metrics, clock
+):
+    def sources() -> MetricSources:
+        return MetricSources(metrics, metrics)
+
+    metrics.default_kv = 0.7  # four pods at their target
+    await cluster.start_operator(sources, clock=clock, priority=0)
+    await eventually(lambda: len(_peers(cluster)) == 1, what="the first replica in the peering")
+    window = {"scaleDownStabilizationSeconds": 300}
+    await cluster.apply(normal_model(replicas=4, minReplicas=1, maxReplicas=4, **window))
+    await eventually(lambda: ready(cluster) and replicas(cluster, "normal") == 4)
+    await asyncio.sleep(0.6)  # it evaluates a few times
+    second = await cluster.start_operator(sources, clock=clock, priority=100)
+    await eventually(lambda: len(_peers(cluster)) == 2, what="both replicas in the peering")
+    for _ in range(6):  # the second leads for 600 s of the autoscaler's time, 3 s of real
+        clock.advance(100)
+        await asyncio.sleep(0.5)
+    metrics.default_kv = 0.1  # a dip, as the second replica leaves
+    await second.stop()
+    # The first leads again. Its last memory, a window and more old, must not let one dip
+    # scale the role down: it watched nothing of the last 600 s.
+    await asyncio.sleep(1.5)
+    assert replicas(cluster, "normal") == 4
+    assert not cluster.events("ScaledDown")
+
+
 async def test_api_errors_and_conflicts_are_retried(cluster, metrics, clock, caplog):
     caplog.set_level(logging.WARNING, logger="tandem.operator.kube")
     cluster.api.fail_next("POST", DEPLOYMENTS, status=500, reason="InternalError")
