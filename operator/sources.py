@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import httpx
@@ -44,15 +44,26 @@ class SampleSource(Protocol):
     async def sample(self, pod: str, url: str) -> PodSample | None: ...
 
 
+# Pods scraped at once, every model's together (kopf starts their timers in step): each
+# takes two connections of the client's pool.
+MAX_CONCURRENT_SCRAPES = 32
+
+
 @dataclass(frozen=True, slots=True)
 class DirectScrape:
     """The default SampleSource: GET each engine's /metrics."""
 
     client: httpx.AsyncClient
     timeout: float = DEFAULT_TIMEOUT_S
+    # A pod's timeout starts once it has its slot: hundreds of pods started at once
+    # spent their whole budget queued for the pool, and every one read as unreadable.
+    slots: asyncio.Semaphore = field(
+        default_factory=lambda: asyncio.Semaphore(MAX_CONCURRENT_SCRAPES)
+    )
 
     async def sample(self, pod: str, url: str) -> PodSample | None:
-        return await scrape(self.client, url, pod, timeout=self.timeout)
+        async with self.slots:
+            return await scrape(self.client, url, pod, timeout=self.timeout)
 
 
 class QueueSource(Protocol):
@@ -122,7 +133,8 @@ class _HttpScrape(DirectScrape):
 def production_sources(key_prefix: str, scrape_timeout_s: float) -> MetricSources:
     """HTTP scraping of engine pods and Redis queue depths. Call inside the running loop."""
     # Engines are reached by pod IP over plain HTTP; no proxy from the environment applies.
-    client = httpx.AsyncClient(trust_env=False)
+    limits = httpx.Limits(max_connections=2 * MAX_CONCURRENT_SCRAPES)
+    client = httpx.AsyncClient(trust_env=False, limits=limits)
     return MetricSources(
         samples=_HttpScrape(client, timeout=scrape_timeout_s),
         queues=RedisQueues(key_prefix),

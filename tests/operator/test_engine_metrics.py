@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from types import SimpleNamespace
 
@@ -353,3 +354,28 @@ def test_direct_scrape_is_a_sample_source(endpoint):
 
     s = asyncio.run(run())
     assert s is not None and s.pod == "p7"
+
+
+def test_many_pods_are_scraped_a_few_at_a_time_each_within_its_own_timeout(endpoint):
+    metrics, lock = EngineMetrics("tiny", "normal"), threading.Lock()
+    in_flight, most = [0], [0]
+
+    def slow() -> bytes:
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        time.sleep(0.15)
+        with lock:
+            in_flight[0] -= 1
+        return metrics.render()
+
+    url = endpoint.serve(slow)
+
+    async def run() -> list[PodSample | None]:
+        async with httpx.AsyncClient() as client:
+            source = DirectScrape(client, timeout=0.5, slots=asyncio.Semaphore(2))
+            return await asyncio.gather(*(source.sample(f"p{i}", url) for i in range(8)))
+
+    # Four rounds of 0.15 s: past each pod's 0.5 s, which starts once it has a slot.
+    assert all(s is not None for s in asyncio.run(run()))
+    assert most[0] <= 2
