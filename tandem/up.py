@@ -394,12 +394,14 @@ class Stack:
                 q = queue_depth(client, Keys(), self.config.name)
                 if q.total_waiting or q.pending or q.handoff_waiting or q.handoff_pending:
                     empty_since = None
-                    if not any(c.alive for c in self._engines()):
-                        if self.actuator is None:
+                    if self.actuator is None:
+                        if not any(c.alive for c in self._engines()):
                             return  # no engine to answer it
-                        if time.monotonic() >= next_evaluation:
-                            next_evaluation = time.monotonic() + self.config.scale_every
-                            self.actuator.evaluate()
+                    elif time.monotonic() >= next_evaluation:
+                        # Whatever else runs: a prefill role at zero leaves its
+                        # requests waiting however many decoders are up.
+                        next_evaluation = time.monotonic() + self.config.scale_every
+                        self.actuator.evaluate()
                 elif empty_since is None:
                     empty_since = time.monotonic()
                 elif time.monotonic() - empty_since >= QUEUE_SETTLE_S:

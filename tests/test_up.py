@@ -374,13 +374,24 @@ def from_zero(tmp_path, monkeypatch, **spec) -> UpConfig:
             **spec,
         },
     }
+    manifest["spec"] = {k: v for k, v in manifest["spec"].items() if v is not None}
     return UpConfig(manifest=manifest, port=free_port(), api_key=API_KEY, log_dir=tmp_path / "up")
 
 
-def test_stopping_with_a_role_at_zero_answers_the_work_it_admitted(tmp_path, monkeypatch):
+SPLIT_FROM_ZERO = {
+    "mode": "Disaggregated",
+    "normal": None,
+    "prefill": {"minReplicas": 0, "maxReplicas": 1},
+    "decode": {"minReplicas": 1, "maxReplicas": 1},
+}
+
+
+@pytest.mark.parametrize("roles", [{}, SPLIT_FROM_ZERO], ids=["normal", "prefill-only-at-zero"])
+def test_stopping_with_a_role_at_zero_answers_the_work_it_admitted(tmp_path, monkeypatch, roles):
     # minReplicas 0 and no engine yet: stopped just after a request was admitted, the
-    # stack started none for it, and the client waited the whole stop timeout for nothing.
-    up = from_zero(tmp_path, monkeypatch, engine={"maxModelLen": 256})
+    # stack started none for it, and the client waited the whole stop timeout for nothing;
+    # with a decoder up, the prefill role at zero was never started either.
+    up = from_zero(tmp_path, monkeypatch, engine={"maxModelLen": 256}, **roles)
     stack = Stack(up).start(say=lambda line: None)
     try:
         with ThreadPoolExecutor(1) as pool:
