@@ -242,7 +242,8 @@ class LocalActuator:
         catalog.declare(self._redis, self.keys, self.model, owner, catalog.MIN_DECLARATION_TTL_S)
 
     async def _observe(self) -> dict[RoleName, RoleObservation]:
-        async with httpx.AsyncClient() as client:
+        # This machine's engines: no proxy from the environment applies.
+        async with httpx.AsyncClient(trust_env=False) as client:
             observed = {}
             for role in self.roles:
                 engines = self.active(role)

@@ -8,6 +8,7 @@ deadlocked engine) is restarted here as the kubelet would restart it there.
 
 from __future__ import annotations
 
+import http.client
 import os
 import re
 import signal
@@ -218,9 +219,19 @@ def engine_threads(num_engines: int) -> int | None:
     return max(1, (cores - 1) // max(1, num_engines))
 
 
-def _answers(url: str) -> bool:
+# This machine's own servers are asked directly: a proxy from the environment
+# (HTTP_PROXY, which NO_PROXY rarely exempts 127.0.0.1 from) answered for them, or not.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def local_get(request: str | urllib.request.Request, timeout: float) -> bytes | None:
+    """The body of a 200 answer to a GET on this machine, else None."""
     try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
+        with _DIRECT.open(request, timeout=timeout) as resp:
+            return resp.read() if resp.status == 200 else None
+    except (OSError, http.client.HTTPException):  # a port a child has not opened yet, too
+        return None
+
+
+def _answers(url: str) -> bool:
+    return local_get(url, timeout=1) is not None

@@ -26,7 +26,7 @@ import redis
 
 from tandem import catalog
 from tandem.backlog import queue_depth
-from tandem.child import Child, drain_in_order, engine_threads
+from tandem.child import Child, drain_in_order, engine_threads, local_get
 from tandem.preflight import StartError, check_model, check_port, check_redis
 from tandem.protocol import Keys, check_served_name
 from tandem.redis_server import RedisServer, free_port
@@ -270,12 +270,9 @@ class Stack:
             f"{self.url}/v1/models", headers={"Authorization": f"Bearer {self.api_key}"}
         )
         while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(request, timeout=2) as resp:
-                    if self.config.name in resp.read().decode():
-                        return
-            except OSError:
-                pass
+            body = local_get(request, timeout=2)
+            if body is not None and self.config.name in body.decode():
+                return
             time.sleep(0.25)
         raise StartError(
             f"the gateway never listed model {self.config.name!r}: no engine registered it "

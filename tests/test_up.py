@@ -308,6 +308,24 @@ def _serving_child(tmp_path, status: str, after_s: float = 0.0) -> Child:
                  True, live_url=f"{url}/healthz")  # fmt: skip
 
 
+def test_children_are_asked_directly_whatever_proxy_the_environment_names(
+    tmp_path, monkeypatch
+):
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(name, f"http://127.0.0.1:{free_port()}")  # nothing listens
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    child = _serving_child(tmp_path, "200")
+    child.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not child.ready() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert child.ready(), "asked through the proxy, it never answered"
+    finally:
+        child.kill()
+
+
 def test_a_child_is_asked_often_whether_it_is_up_until_it_first_answers(tmp_path):
     # Asked every liveness period (10 s), an engine that hung within that of its
     # start was never seen up, so never probed for liveness: hung for good.
