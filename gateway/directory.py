@@ -25,6 +25,7 @@ import time
 
 from redis.exceptions import RedisError
 
+from tandem.gateway.auth import ApiKey
 from tandem.gateway.broker import Broker
 from tandem.gateway.metrics import UNKNOWN_MODEL
 from tandem.protocol import ENGINE_TTL_SECONDS, EngineInfo, Role
@@ -88,6 +89,10 @@ class ModelDirectory:
         self._models = by_model
         self._declared = declared
         self._fetched_at = now
+
+    async def served_for(self, caller: ApiKey) -> list[str]:
+        """The models served that `caller` may use, sorted (what GET /v1/models lists)."""
+        return sorted(name for name in await self.models() if caller.allows(name))
 
     async def is_served(self, model: str) -> bool:
         if model in await self.models():

@@ -9,7 +9,7 @@ validation_errors.py words pydantic's errors.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -87,10 +87,20 @@ def forbidden(message: str) -> GatewayError:
     )
 
 
-def model_not_found(model: str) -> GatewayError:
+# A 404 names at most this many of the models served.
+_MODELS_NAMED = 8
+
+
+def model_not_found(model: str, served: Sequence[str] = ()) -> GatewayError:
+    """`served`: the models served that the caller may use (a misspelt name is the
+    usual cause, and the right one is then in the message)."""
+    shown = ", ".join(sorted(served)[:_MODELS_NAMED])
+    if len(served) > _MODELS_NAMED:
+        shown += f" and {len(served) - _MODELS_NAMED} more"
+    listed = f"; served: {shown} (GET /v1/models)" if served else "; no model is served now"
     return GatewayError(
         404,
-        f"The model {model!r} does not exist or no engine is serving it right now",
+        f"The model {model!r} does not exist or no engine is serving it right now{listed}",
         param="model",
         code="model_not_found",
         reason="unknown_model",

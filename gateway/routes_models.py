@@ -24,9 +24,11 @@ _ERRORS = {status: ERROR_RESPONSES[status] for status in (401, 403, 404, 500, 50
 
 @router.get("/v1/models", response_model=ModelList, responses=_ERRORS, summary="List models")
 async def list_models(request: Request, caller: Caller) -> ModelList:
-    models = await service_of(request).directory.models()
-    allowed = sorted(name for name in models if caller.allows(name))
-    return ModelList(data=[_card(name, models[name]) for name in allowed])
+    directory = service_of(request).directory
+    models = await directory.models()
+    return ModelList(
+        data=[_card(name, models[name]) for name in await directory.served_for(caller)]
+    )
 
 
 @router.get("/v1/models/", include_in_schema=False)
@@ -47,7 +49,7 @@ async def retrieve_model(model: str, request: Request, caller: Caller) -> ModelC
     check_model(caller, model)
     directory = service_of(request).directory
     if not await directory.is_served(model):
-        raise model_not_found(model)
+        raise model_not_found(model, await directory.served_for(caller))
     return _card(model, (await directory.models()).get(model, []))
 
 

@@ -132,17 +132,30 @@ async def _model(client: httpx.AsyncClient, target: Target) -> str:
             f"{url} answered {response.status_code}: the server refuses the API key; "
             "check --api-key (or $TANDEM_API_KEY / $OPENAI_API_KEY)"
         )
+    names = _listed(response)
     if target.model:
-        return target.model  # any answer will do: not every server lists its models
+        # Not every server lists its models (then any answer will do); one that does
+        # and lacks this one would answer every request 404.
+        if names and target.model not in names:
+            raise ValueError(f"--model {target.model}: {url} lists only {names}")
+        return target.model
     if response.status_code != 200:
         raise ValueError(f"{url} answered {response.status_code}: give --model")
-    try:
-        names = [m.get("id") for m in response.json().get("data", [])]
-    except (ValueError, AttributeError, TypeError):
-        raise ValueError(f"{url} answered no OpenAI model list: give --model") from None
+    if names is None:
+        raise ValueError(f"{url} answered no OpenAI model list: give --model")
     if len(names) != 1:
         raise ValueError(f"give --model: the server lists {names or 'no models'}")
     return names[0]
+
+
+def _listed(response: httpx.Response) -> list[str] | None:
+    """The model names of an OpenAI model list, or None for any other answer."""
+    if response.status_code != 200:
+        return None
+    try:
+        return [m["id"] for m in response.json()["data"] if isinstance(m.get("id"), str)]
+    except (ValueError, KeyError, AttributeError, TypeError):
+        return None
 
 
 async def _calibrate(client: httpx.AsyncClient, target: Target, seed: int) -> Calibration:

@@ -96,7 +96,8 @@ def load_manifest(manifest: dict[str, Any]) -> tuple[str, ModelDeploymentSpec]:
     if spec.model.pvc is not None or spec.model.hugging_face is not None:
         raise ValueError(
             "on one machine the model must be spec.model.path (a local directory, a .gguf "
-            "file, or an alias such as smollm2): PVCs and Hub downloads are cluster features"
+            "file, or an alias such as smollm2): PVCs and Hub downloads are cluster features "
+            "(examples/local/smollm2.yaml is one that runs here)"
         )
     return name, spec
 

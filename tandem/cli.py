@@ -36,7 +36,8 @@ def _chat(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
     loaded = time.perf_counter()
     print(f"[{args.model} loaded in {loaded - started:.1f}s]", file=sys.stderr)
-    print(f"> {args.question}")
+    # stdout holds the answer alone (`tandem chat ... > answer.txt`), the rest is stderr.
+    print(f"> {args.question}", file=sys.stderr, flush=True)
     engine = llm.engine
     if llm.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer (tokenizer.json), so no chat template")
@@ -48,7 +49,8 @@ def _chat(args: argparse.Namespace) -> int:
             print(out.text_delta, end="", flush=True)
             num_tokens = out.num_output_tokens
     elapsed = time.perf_counter() - loaded
-    print(f"\n[{num_tokens} tokens in {elapsed:.2f}s]", file=sys.stderr)
+    print(flush=True)
+    print(f"[{num_tokens} tokens in {elapsed:.2f}s]", file=sys.stderr)
     return 0
 
 
@@ -78,6 +80,7 @@ def _up(args: argparse.Namespace) -> int:
         port=args.port,
         api_key=args.api_key,
         redis_url=args.redis_url,
+        ready_timeout=args.ready_timeout,
         **given,  # the rest: UpConfig's defaults
     )
     # Made here, once the flags were checked, not by Stack: Stack removes its own at stop.
@@ -256,9 +259,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo", help="the main job: `tandem up`, one streamed chat answer over HTTP, shut down"
     )
-    demo.add_argument("--model", default="smollm2")
-    demo.add_argument("--mode", choices=["normal", "disaggregated"], default="normal")
-    demo.add_argument("--question", default=DEMO_QUESTION)
+    demo.add_argument(
+        "--model",
+        default="smollm2",
+        help="the model, in any form `tandem up --model` takes (default: %(default)s)",
+    )
+    demo.add_argument(
+        "--mode",
+        choices=["normal", "disaggregated"],
+        default="normal",
+        help="one engine, or a prefill and a decode engine moving KV (default: %(default)s)",
+    )
+    demo.add_argument(
+        "--question", default=DEMO_QUESTION, help="what to ask (default: %(default)r)"
+    )
     demo.set_defaults(func=_demo)
 
     return parser
@@ -353,6 +367,14 @@ def _add_up(sub) -> None:
         metavar="URL",
         help="a running Redis to use, such as redis://127.0.0.1:6379/0 (default: a "
         "redis-server of its own, started and stopped with the rest)",
+    )
+    where.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=UpConfig.ready_timeout,
+        metavar="SECONDS",
+        help="how long the engines may take to load the model and serve before tandem up "
+        "gives up (default: %(default)s; a large model on CPUs takes longer)",
     )
     where.add_argument(
         "--log-dir",

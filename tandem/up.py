@@ -45,6 +45,7 @@ class UpConfig:
     # Extra `tandem engine` flags for every engine (e.g. ["--max-model-len", "2048"]).
     engine_args: tuple[str, ...] = ()
     log_dir: Path | None = None
+    # Seconds the engines may take to load and serve (--ready-timeout).
     ready_timeout: float = 300.0
     # A ModelDeployment document (`tandem up -f`): its roles, replicas and
     # autoscaling replace model/mode, and the autoscaler runs every `scale_every`.
@@ -58,6 +59,8 @@ class UpConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.served_model_name is not None:
             check_served_name(self.served_model_name)  # '' would serve under the model's
+        if not self.ready_timeout > 0:
+            raise ValueError(f"--ready-timeout must be > 0 seconds, got {self.ready_timeout}")
 
     @property
     def name(self) -> str:
@@ -258,7 +261,7 @@ class Stack:
             if time.monotonic() > deadline:
                 names = ", ".join(c.name for c in pending)
                 raise StartError(
-                    f"not ready after {self.config.ready_timeout:.0f}s: {names} "
+                    f"not ready after {self.config.ready_timeout:g} s (--ready-timeout): {names} "
                     f"(their logs are in {self.log_dir})"
                 )
             time.sleep(0.25)
@@ -276,7 +279,7 @@ class Stack:
             time.sleep(0.25)
         raise StartError(
             f"the gateway never listed model {self.config.name!r}: no engine registered it "
-            f"in {self.config.ready_timeout:.0f}s (the logs are in {self.log_dir})"
+            f"in {self.config.ready_timeout:g} s (--ready-timeout; the logs are in {self.log_dir})"
         )
 
     # ----------------------------------------------------------- supervise

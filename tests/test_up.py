@@ -308,9 +308,7 @@ def _serving_child(tmp_path, status: str, after_s: float = 0.0) -> Child:
                  True, live_url=f"{url}/healthz")  # fmt: skip
 
 
-def test_children_are_asked_directly_whatever_proxy_the_environment_names(
-    tmp_path, monkeypatch
-):
+def test_children_are_asked_directly_whatever_proxy_the_environment_names(tmp_path, monkeypatch):
     for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
         monkeypatch.setenv(name, f"http://127.0.0.1:{free_port()}")  # nothing listens
     monkeypatch.delenv("no_proxy", raising=False)

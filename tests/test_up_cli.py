@@ -20,8 +20,9 @@ import pytest
 import yaml
 
 from tandem import cli
+from tandem.operator.local_actuator import load_manifest
 from tandem.redis_server import free_port
-from tandem.up import Stack, UpConfig
+from tandem.up import Stack, StartError, UpConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -287,3 +288,19 @@ def test_a_manifest_autoscaled_from_zero_names_a_model_that_is_not_there(tmp_pat
     assert cli.main(["up", "-f", str(manifest), "--port", str(free_port())]) == 1  # StartError
     error = capsys.readouterr().err
     assert f"model '{tmp_path / 'gone'}' is no such file or directory" in error, error
+
+
+def test_the_readmes_local_manifest_is_one_that_runs_here():
+    manifest = yaml.safe_load((ROOT / "examples" / "local" / "smollm2.yaml").read_text())
+    name, spec = load_manifest(manifest)
+    assert name == "smollm2" and spec.model.path == "smollm2"
+    assert "examples/local/smollm2.yaml" in (ROOT / "README.md").read_text()
+
+
+def test_engines_slower_than_the_ready_timeout_name_the_flag(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
+    config = UpConfig(model="random:tiny", port=free_port(), ready_timeout=0.2, log_dir=tmp_path)
+    with pytest.raises(StartError, match=r"not ready after 0\.2 s \(--ready-timeout\)"):
+        Stack(config).start(say=lambda line: None)
+    with pytest.raises(ValueError, match="--ready-timeout must be > 0"):
+        UpConfig(ready_timeout=0)

@@ -178,7 +178,7 @@ PRODUCERS: dict[str, Callable[[Path], str]] = {
             )
         )
     ),
-    "404": lambda _: _body(errors.model_not_found("smollm2-135m-instruct")),
+    "404": lambda _: _body(errors.model_not_found("smollm2-135m-instruct", ["smollm2"])),
     "400-prompt-too-long": lambda _: _prompt_too_long(),
     "429-queue-full": lambda _: _queue_full(),
     "429-rpm": lambda _: _body(

@@ -178,7 +178,7 @@ CASES = {
     "bad priority header": Case(400, GOOD, headers={"X-Tandem-Priority": "urgent"},
                                 param="X-Tandem-Priority"),
     "unknown model": Case(404, {**GOOD, "model": "nope"}, param="model",
-                          code="model_not_found"),
+                          code="model_not_found", message=", tiny (GET /v1/models)"),
     "prompt too long": Case(
         400, {**GOOD, "messages": [{"role": "user", "content": "lorem ipsum " * 150}]},
         param="messages", code="prompt_too_long", message="more than this engine's limit of 255",

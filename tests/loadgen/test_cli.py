@@ -1,6 +1,7 @@
 """`tandem bench` arguments: bad ones are refused with a message naming the problem (exit 2)."""
 
 import http.server
+import json
 import socket
 import threading
 
@@ -114,4 +115,26 @@ def test_a_refused_api_key_stops_the_bench_naming_the_flag(model, capsys):
     assert err == (
         f"tandem: error: {url}/models answered 401: the server refuses the API key; "
         "check --api-key (or $TANDEM_API_KEY / $OPENAI_API_KEY)\n"
+    )
+
+
+def test_a_model_the_server_does_not_list_stops_the_bench(capsys):
+    class Lists(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"object": "list", "data": [{"id": "smollm2-135m-instruct"}]})
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args):
+            pass  # http.server logs every request to stderr, which the test reads
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Lists) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        assert cli.main(["bench", "--url", url, "--model", "smollm2", "-n", "3", "-q"]) == 2
+        server.shutdown()
+    assert capsys.readouterr().err == (
+        f"tandem: error: --model smollm2: {url}/models lists only ['smollm2-135m-instruct']\n"
     )
