@@ -52,7 +52,8 @@ import redis.asyncio as aioredis
 
 from tandem.gateway.broker import Broker
 from tandem.gateway.reader import AsyncResponseReader
-from tandem.protocol import EventKind, Keys, WorkItem
+from tandem.keys import Keys
+from tandem.protocol import EventKind, WorkItem
 from tandem.redis_server import RedisServer, free_port
 
 PROMPT = "The gateway adds how much?"

@@ -23,11 +23,11 @@ from tandem.backlog import (
     queue_state,
 )
 from tandem.cancel_notice import cancel_commands
+from tandem.keys import Keys
 from tandem.protocol import (
     DELIVERED_RESPONSE_TTL_SECONDS,
     RESPONSE_TTL_SECONDS,
     EngineInfo,
-    Keys,
     ResponseEvent,
     WorkItem,
     as_text,

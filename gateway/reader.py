@@ -26,7 +26,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tandem.deduplicator import ResponseDeduplicator
 from tandem.gateway.settings import MAX_READ_BLOCK_MS
-from tandem.protocol import Keys, ResponseEvent, as_text
+from tandem.keys import Keys
+from tandem.protocol import ResponseEvent, as_text
 
 # Between reads that failed for want of Redis.
 _OUTAGE_RETRY_S = 0.25

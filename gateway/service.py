@@ -37,7 +37,7 @@ from tandem.gateway.recovery import LossWatch, RedisEpoch
 from tandem.gateway.rendering import ChatRenderer, CompletionRenderer, Renderer
 from tandem.gateway.settings import GatewaySettings
 from tandem.gateway.streaming import EventStreamResponse
-from tandem.protocol import Keys
+from tandem.keys import Keys
 
 log = logging.getLogger("tandem.gateway")
 _GIVE_BACK_WITHIN_S = 1.0  # on the way to the error's answer: Redis may not delay it

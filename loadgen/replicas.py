@@ -23,8 +23,9 @@ import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 from redis.exceptions import RedisError
 
+from tandem.keys import Keys
 from tandem.loadgen.client import described
-from tandem.protocol import EngineInfo, Keys, ProtocolError, as_text
+from tandem.protocol import EngineInfo, ProtocolError, as_text
 
 ENGINES_METRIC = "tandem_gateway_engines"
 

@@ -26,6 +26,7 @@ import redis
 from tandem import catalog
 from tandem.backlog import queue_depth
 from tandem.child import Child, engine_threads
+from tandem.keys import Keys
 from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide_all
 from tandem.operator.engine_flags import engine_arguments, engine_flags
 from tandem.operator.engine_metrics import scrape
@@ -35,7 +36,6 @@ from tandem.operator.scaling import plan_resize
 from tandem.operator.scaling import policy as scaling_policy
 from tandem.operator.spec import GROUP, KIND, VERSION, ModelDeploymentSpec
 from tandem.operator.validation import validate_spec
-from tandem.protocol import Keys
 from tandem.redis_server import free_port
 
 log = logging.getLogger("tandem.local")

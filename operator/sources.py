@@ -18,9 +18,9 @@ import redis
 
 from tandem import catalog
 from tandem.backlog import queue_depth
+from tandem.keys import Keys
 from tandem.operator.engine_metrics import DEFAULT_TIMEOUT_S, scrape
 from tandem.operator.pod_load import PodSample
-from tandem.protocol import Keys
 from tandem.queue_state import QueueState
 
 # The Redis client may wait this long for a queue depth; a slow Redis skips one evaluation.

@@ -16,12 +16,12 @@ from typing import Any
 
 import redis
 
+from tandem.keys import Keys
 from tandem.protocol import (
     ENQUEUED_TTL_SECONDS,
     HANDOFF_GROUP,
     PRIORITIES,
     WORK_GROUP,
-    Keys,
     WorkItem,
     as_text,
 )

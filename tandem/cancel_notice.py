@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from tandem.protocol import CANCEL_TTL_SECONDS, Keys
+from tandem.keys import Keys
+from tandem.protocol import CANCEL_TTL_SECONDS
 
 
 def cancel_commands(pipe: Any, keys: Keys, request_ids: Iterable[str]) -> None:

@@ -18,7 +18,7 @@ import time
 
 import redis
 
-from tandem.protocol import Keys
+from tandem.keys import Keys
 
 
 def declare(client: redis.Redis, keys: Keys, model: str, owner: str, ttl_s: float) -> None:

@@ -1,4 +1,4 @@
-"""The contract between gateway and engines: Redis key names and message formats.
+"""The contract between gateway and engines: message formats (key names: tandem/keys.py).
 
 Both sides import this module (and tandem.deduplicator, the rule for reading a
 response stream) and nothing of each other, with one exception: the gateway
@@ -86,70 +86,6 @@ def check_key_prefix(prefix: str, name: str) -> str:
     if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "{} \t\n"):
         raise ValueError(f"{name} must be non-empty without braces or spaces, got {prefix!r}")
     return prefix
-
-
-@dataclass(frozen=True)
-class Keys:
-    """Every Redis key and channel name, under one prefix (tests use their own).
-
-    Work and handoff streams of a model share the hash tag {model}, so one
-    XREADGROUP over all priorities stays on one Redis Cluster slot.
-    """
-
-    prefix: str = "tandem"
-
-    def work_stream(self, model: str, priority: int) -> str:
-        if priority not in PRIORITIES:
-            raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")
-        return f"{self.prefix}:{{{model}}}:work:p{priority}"
-
-    def work_streams(self, model: str) -> list[str]:
-        """All work streams of a model, highest priority first."""
-        return [self.work_stream(model, p) for p in PRIORITIES]
-
-    def handoff_stream(self, model: str) -> str:
-        return f"{self.prefix}:{{{model}}}:handoff"
-
-    def handoff_published(self, model: str, request_id: str) -> str:
-        """The work entry id whose Handoff was published (work_queue's publish_handoff)."""
-        return f"{self.prefix}:{{{model}}}:handed:{request_id}"
-
-    def queued_tokens(self, model: str) -> str:
-        """Counter of (estimated) prompt tokens queued and not yet taken by an engine."""
-        return f"{self.prefix}:{{{model}}}:queued_tokens"
-
-    def enqueued(self, model: str, request_id: str) -> str:
-        """Marks a request id queued (tandem.backlog's enqueue), for the entry id it got."""
-        return f"{self.prefix}:{{{model}}}:enqueued:{request_id}"
-
-    def response_stream(self, request_id: str) -> str:
-        return f"{self.prefix}:resp:{request_id}"
-
-    def cancel_key(self, request_id: str) -> str:
-        return f"{self.prefix}:cancel:{request_id}"
-
-    @property
-    def cancel_channel(self) -> str:
-        return f"{self.prefix}:cancel"
-
-    def engine_key(self, engine_id: str) -> str:
-        return f"{self.prefix}:engine:{engine_id}"
-
-    def probe_key(self, engine_id: str) -> str:
-        """Written by an engine waiting for Redis to take writes again."""
-        return f"{self.prefix}:probe:{engine_id}"
-
-    @property
-    def engines_set(self) -> str:
-        return f"{self.prefix}:engines"
-
-    def model_key(self, model: str) -> str:
-        """A model a controller serves, live engines or not (catalog.py)."""
-        return f"{self.prefix}:model:{model}"
-
-    @property
-    def models_set(self) -> str:
-        return f"{self.prefix}:models"
 
 
 # How long a response stream lives after its last event: long enough for a

@@ -27,8 +27,9 @@ import redis
 from tandem import catalog
 from tandem.backlog import queue_depth
 from tandem.child import Child, drain_in_order, engine_threads, local_get
+from tandem.keys import Keys
 from tandem.preflight import StartError, check_model, check_port, check_redis
-from tandem.protocol import Keys, check_served_name
+from tandem.protocol import check_served_name
 from tandem.redis_server import RedisServer, free_port
 
 

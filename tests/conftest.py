@@ -12,7 +12,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 import redis
 
-from tandem.protocol import Keys
+from tandem.keys import Keys
 from tandem.redis_server import RedisServer
 
 

@@ -4,13 +4,13 @@ import json
 
 import pytest
 
+from tandem.keys import Keys
 from tandem.protocol import (
     PROTOCOL_VERSION,
     EngineInfo,
     ErrorCode,
     EventKind,
     Handoff,
-    Keys,
     ProtocolError,
     ResponseEvent,
     Usage,

@@ -19,8 +19,9 @@ from support.stacks import running_stack
 from tandem.backlog import enqueue, queue_depth
 from tandem.child import STABLE_AFTER_S, Child
 from tandem.engine.service.work_queue import WorkQueue
+from tandem.keys import Keys
 from tandem.preflight import StartError
-from tandem.protocol import Keys, Role, WorkItem
+from tandem.protocol import Role, WorkItem
 from tandem.redis_server import free_port
 from tandem.up import Stack, UpConfig
 

@@ -10,7 +10,7 @@ from support.engine_fixture import engines_fixture
 from support.engines import EngineProcess
 
 from tandem.gateway.auth import KeyStore
-from tandem.protocol import Keys
+from tandem.keys import Keys
 
 from .live import API_KEY, LiveGateway, serving_engine, settings_for, start_engine, wait_served
 

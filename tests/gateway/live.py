@@ -20,7 +20,7 @@ from tandem.engine.service.registry import Registry
 from tandem.gateway.app import create_app
 from tandem.gateway.auth import KeyStore
 from tandem.gateway.settings import GatewaySettings
-from tandem.protocol import Keys
+from tandem.keys import Keys
 from tandem.redis_server import free_port
 
 API_KEY = "sk-tandem-test"

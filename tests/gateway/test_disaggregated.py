@@ -7,7 +7,7 @@ import uuid
 import pytest
 
 from tandem.gateway.auth import KeyStore
-from tandem.protocol import Keys
+from tandem.keys import Keys
 
 from .live import API_KEY, LiveGateway, settings_for, start_engine, wait_served
 

@@ -30,7 +30,8 @@ from tandem.gateway.broker import Broker
 from tandem.gateway.cancels import Cancel, Cancels
 from tandem.gateway.idempotency import IdempotencyLedger
 from tandem.gateway.metrics import GatewayMetrics
-from tandem.protocol import PRIORITY_LOW, EngineInfo, Keys, ResponseEvent, WorkItem
+from tandem.keys import Keys
+from tandem.protocol import PRIORITY_LOW, EngineInfo, ResponseEvent, WorkItem
 from tandem.redis_server import RedisServer
 
 from .live import API_KEY, serving_engine

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from support.engines import EngineProcess
-from tandem.protocol import Keys
+from tandem.keys import Keys
 
 Launch = Callable[..., EngineProcess]  # (role, redis_url, keys, log_dir, *flags)
 StartEngine = Callable[..., EngineProcess]  # (role, *flags)

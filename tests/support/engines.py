@@ -17,7 +17,8 @@ import redis
 
 from support.response_reader import ResponseReader
 from tandem.backlog import enqueue
-from tandem.protocol import EventKind, Keys, ResponseEvent, WorkItem
+from tandem.keys import Keys
+from tandem.protocol import EventKind, ResponseEvent, WorkItem
 from tandem.redis_server import free_port
 
 MODEL = "random:tiny"

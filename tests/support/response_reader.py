@@ -13,7 +13,8 @@ from collections.abc import Iterator
 import redis
 
 from tandem.deduplicator import ResponseDeduplicator
-from tandem.protocol import Keys, ResponseEvent, as_text
+from tandem.keys import Keys
+from tandem.protocol import ResponseEvent, as_text
 
 # Longest single blocking read of a response stream.
 MAX_BLOCK_MS = 1000

@@ -19,7 +19,8 @@ from typing import Any
 import redis
 
 from tandem.cancel_notice import cancel_commands
-from tandem.protocol import Keys, as_text
+from tandem.keys import Keys
+from tandem.protocol import as_text
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,8 @@ from tandem.engine.service.redis_io import RedisIO
 from tandem.engine.service.settings import WorkerSettings
 from tandem.engine.service.worker import EngineWorker
 from tandem.engine.step_vote import Vote
-from tandem.protocol import Keys, Role
+from tandem.keys import Keys
+from tandem.protocol import Role
 from tandem.redaction import redacted
 
 log = logging.getLogger("tandem.engine")

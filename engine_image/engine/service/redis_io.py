@@ -15,7 +15,8 @@ from tandem.engine.service.registry import Registry
 from tandem.engine.service.responses import ResponseWriter
 from tandem.engine.service.settings import WorkerSettings
 from tandem.engine.service.work_queue import WorkQueue
-from tandem.protocol import EngineInfo, Keys
+from tandem.keys import Keys
+from tandem.protocol import EngineInfo
 
 log = logging.getLogger(__name__)
 

@@ -12,14 +12,8 @@ import time
 
 import redis
 
-from tandem.protocol import (
-    ENGINE_TTL_SECONDS,
-    EngineInfo,
-    Keys,
-    as_text,
-    engine_entry,
-    read_engine_entry,
-)
+from tandem.keys import Keys
+from tandem.protocol import ENGINE_TTL_SECONDS, EngineInfo, as_text, engine_entry, read_engine_entry
 
 
 class Registry:

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import redis
 
 from tandem.deduplicator import ResponseDeduplicator
-from tandem.protocol import RESPONSE_TTL_SECONDS, EventKind, Keys, ResponseEvent, as_text
+from tandem.keys import Keys
+from tandem.protocol import RESPONSE_TTL_SECONDS, EventKind, ResponseEvent, as_text
 
 # Events per XRANGE when reading a whole history: bounds one reply's size.
 _HISTORY_CHUNK = 1000

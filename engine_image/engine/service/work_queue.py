@@ -42,12 +42,12 @@ from tandem.engine.service.work_queue_lua import (
     PUBLISH_HANDOFF_LUA,
     PULL_LUA,
 )
+from tandem.keys import Keys
 from tandem.protocol import (
     HANDOFF_GROUP,
     RESPONSE_TTL_SECONDS,
     WORK_GROUP,
     Handoff,
-    Keys,
     ProtocolError,
     Role,
     WorkItem,

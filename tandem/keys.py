@@ -1,0 +1,72 @@
+"""Every Redis key and channel name of the protocol (tandem/protocol.py), under one prefix.
+
+Work and handoff streams of a model share the hash tag {model}, so that what one
+engine writes atomically about a model (a pull over every priority, a handoff
+published with its work entry acknowledged) stays on one Redis Cluster slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.protocol import PRIORITIES
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The key names under one prefix (tests use their own)."""
+
+    prefix: str = "tandem"
+
+    def work_stream(self, model: str, priority: int) -> str:
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")
+        return f"{self.prefix}:{{{model}}}:work:p{priority}"
+
+    def work_streams(self, model: str) -> list[str]:
+        """All work streams of a model, highest priority first."""
+        return [self.work_stream(model, p) for p in PRIORITIES]
+
+    def handoff_stream(self, model: str) -> str:
+        return f"{self.prefix}:{{{model}}}:handoff"
+
+    def handoff_published(self, model: str, request_id: str) -> str:
+        """The work entry id whose Handoff was published (work_queue's publish_handoff)."""
+        return f"{self.prefix}:{{{model}}}:handed:{request_id}"
+
+    def queued_tokens(self, model: str) -> str:
+        """Counter of (estimated) prompt tokens queued and not yet taken by an engine."""
+        return f"{self.prefix}:{{{model}}}:queued_tokens"
+
+    def enqueued(self, model: str, request_id: str) -> str:
+        """Marks a request id queued (tandem.backlog's enqueue), for the entry id it got."""
+        return f"{self.prefix}:{{{model}}}:enqueued:{request_id}"
+
+    def response_stream(self, request_id: str) -> str:
+        return f"{self.prefix}:resp:{request_id}"
+
+    def cancel_key(self, request_id: str) -> str:
+        return f"{self.prefix}:cancel:{request_id}"
+
+    @property
+    def cancel_channel(self) -> str:
+        return f"{self.prefix}:cancel"
+
+    def engine_key(self, engine_id: str) -> str:
+        return f"{self.prefix}:engine:{engine_id}"
+
+    def probe_key(self, engine_id: str) -> str:
+        """Written by an engine waiting for Redis to take writes again."""
+        return f"{self.prefix}:probe:{engine_id}"
+
+    @property
+    def engines_set(self) -> str:
+        return f"{self.prefix}:engines"
+
+    def model_key(self, model: str) -> str:
+        """A model a controller serves, live engines or not (catalog.py)."""
+        return f"{self.prefix}:model:{model}"
+
+    @property
+    def models_set(self) -> str:
+        return f"{self.prefix}:models"
