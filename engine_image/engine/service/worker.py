@@ -4,7 +4,7 @@ Each turn of the loop:
   1. apply what other threads reported (cancellations, KV fetches, KV fetched);
   2. end requests past their deadline, free KV offers nobody fetched;
   3. pull work from Redis, only as much as there is room for;
-  4. run one engine step and turn its outputs into response events;
+  4. run one engine step and turn its outputs into response events (replies.py);
   5. every few seconds: keep held entries alive (dropping those another engine
      took while this one stalled), heartbeat the registry (heartbeat.py);
   6. flush the events, publish handoffs, then acknowledge what is now durable.
@@ -35,12 +35,12 @@ from tandem.engine.service.metrics import EngineMetrics
 from tandem.engine.service.redis_io import RedisIO
 from tandem.engine.service.redis_outage import unavailable
 from tandem.engine.service.redis_writes import RedisWrites
-from tandem.engine.service.refusals import CANCELLED, Refusal, redelivered, refusal_of
+from tandem.engine.service.refusals import CANCELLED, redelivered, refusal_of
+from tandem.engine.service.replies import Replies
 from tandem.engine.service.room import pull_room
 from tandem.engine.service.settings import WorkerSettings
-from tandem.engine.service.wire_logprobs import listed_logprobs, wire_logprobs
 from tandem.engine.service.work_queue import Delivery
-from tandem.protocol import EngineInfo, ErrorCode, Handoff, ResponseEvent, Usage, WorkItem
+from tandem.protocol import EngineInfo, ErrorCode, Handoff, WorkItem
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ class EngineWorker:
         )
         self.outage = self.writes.outage
         self._to_ack = self.writes.to_ack  # the same list: appended here, written there
+        self.replies = Replies(io, metrics, settings.engine_id, self._to_ack, engine.tokenizer)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -211,7 +212,7 @@ class EngineWorker:
         try:
             if room:
                 pulled = self.io.queue.pull(room, self.settings.idle_block_ms if block else 0)
-                self._answer_unreadable(pulled.malformed)
+                self.replies.unreadable(pulled.malformed)
                 self._untaken = list(pulled)
             took = bool(self._untaken)
             # One at a time, each dropped from _untaken once taken: Redis going away
@@ -248,12 +249,12 @@ class EngineWorker:
         if self.handoffs is not None and self.handoffs.offered(rid):
             self.handoffs.withdraw(self.engine, rid)  # its Handoff lost: prefill it anew
         if delivery.exhausted:
-            self._refuse(delivery, work, redelivered(rid, delivery.times_delivered))
+            self.replies.refuse(delivery, work, redelivered(rid, delivery.times_delivered))
             return
         if self.io.is_cancelled(rid):  # cancelled while queued: it ends here, said so
             # (a gateway whose read missed the cancel reads on until a final event)
             sent = len(message.first_token_ids) if isinstance(message, Handoff) else 0
-            self._fail(delivery, work, ErrorCode.CANCELLED, CANCELLED, offset=sent)
+            self.replies.fail(delivery, work, ErrorCode.CANCELLED, CANCELLED, offset=sent)
             return
         # Every delivery, not only reclaimed ones: a gateway may retry a request id.
         history = self.io.responses.history(rid)
@@ -261,7 +262,9 @@ class EngineWorker:
             self._to_ack.append(delivery)
             return
         if work.deadline is not None and time.time() > work.deadline:
-            self._fail(delivery, work, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed in queue")
+            self.replies.fail(
+                delivery, work, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed in queue"
+            )
             return
         sent = list(history.token_ids)
         try:
@@ -275,7 +278,7 @@ class EngineWorker:
             self._add(work, params, sent, history.text)
         except (ValueError, TypeError) as exc:  # the engine's refusals
             self._forget_refused(rid)
-            self._refuse(delivery, work, refusal_of(exc))
+            self.replies.refuse(delivery, work, refusal_of(exc))
             return
         self.held[rid] = Held(delivery, work, sent=len(sent))
 
@@ -315,9 +318,9 @@ class EngineWorker:
             if held is None:
                 continue
             if out.new_token_ids:
-                self._send_tokens(held, out)
+                self.replies.tokens(held, out)
             if out.finish_reason is FinishReason.ERROR:
-                self._fail(
+                self.replies.fail(
                     held.delivery,
                     held.work,
                     ErrorCode.ENGINE_ERROR,
@@ -331,44 +334,8 @@ class EngineWorker:
                 self.held.pop(out.request_id, None)
                 self.metrics.request_ended("handoff")
             elif out.finished and out.finish_reason is not FinishReason.ABORT:
-                usage = Usage(
-                    out.num_prompt_tokens,
-                    out.num_output_tokens,
-                    max(out.num_cached_tokens, held.cached_tokens),
-                )
-                event = ResponseEvent.finish(
-                    out.num_output_tokens, out.finish_reason, usage, self.settings.engine_id
-                )
-                self.io.responses.add(out.request_id, event)
-                self._observe_finish(held, out)
-                self._release(held)
-                self.metrics.request_ended(out.finish_reason)
-
-    def _send_tokens(self, held: Held, out: EngineOutput) -> None:
-        offset = out.num_output_tokens - len(out.new_token_ids)
-        logprobs = None
-        if out.logprobs is not None:
-            listed = listed_logprobs(out, self.engine.tokenizer)
-            logprobs = wire_logprobs(listed, self.engine.tokenizer) if listed else None
-        event = ResponseEvent.tokens(
-            offset, out.new_token_ids, out.text_delta, self.settings.engine_id, logprobs
-        )
-        self.io.responses.add(out.request_id, event)
-        if held.first_token_at is None:
-            held.first_token_at = time.time()
-            if offset == 0:  # this engine produced the request's first token
-                self.metrics.ttft.observe(held.first_token_at - held.work.created_at)
-
-    def _observe_finish(self, held: Held, out: EngineOutput) -> None:
-        generated = out.num_output_tokens - held.sent
-        if held.first_token_at is not None and generated > 1:
-            span = time.time() - held.first_token_at
-            self.metrics.tpot.observe(span / (generated - 1))
-
-    def _release(self, held: Held) -> None:
-        """The outcome is written: acknowledge once the events are flushed."""
-        self.held.pop(held.work.request_id, None)
-        self._to_ack.append(held.delivery)
+                self.replies.finish(held, out)
+                self.held.pop(out.request_id, None)
 
     def _end(self, rid: str, code: ErrorCode, message: str) -> None:
         """Cancel or time out a request: free its KV now, tell the client why."""
@@ -381,7 +348,7 @@ class EngineWorker:
         if self.handoffs is not None:
             self.handoffs.drop(self.engine, rid)
         self.engine.abort(rid)
-        self._fail(held.delivery, held.work, code, message, offset=held.sent)
+        self.replies.fail(held.delivery, held.work, code, message, offset=held.sent)
         self.held.pop(rid, None)
 
     def _drop(self, rid: str) -> None:
@@ -394,38 +361,6 @@ class EngineWorker:
         if self.held.pop(rid, None) is not None:
             self.engine.abort(rid)
         self.io.responses.discard(rid)  # what this step made for it is stale now
-
-    def _answer_unreadable(self, malformed: list[tuple[str, str, str | None]]) -> None:
-        """Entries no engine can read (a gateway of another protocol version, a hand-made
-        entry), already acked: said in the log, and answered where the request id could
-        be read, else its client waited out its whole deadline in silence."""
-        for _, why, rid in malformed:
-            log.warning("unreadable entry dropped: %s", why)
-            if rid is not None:
-                message = f"the engine cannot read this request: {why}"
-                self._answer_error(rid, ErrorCode.INVALID_REQUEST, message)
-
-    def _refuse(self, delivery: Delivery, work: WorkItem, refusal: Refusal) -> None:
-        self._fail(delivery, work, refusal.code, refusal.message, param=refusal.param)
-
-    def _fail(
-        self,
-        delivery: Delivery,
-        work: WorkItem,
-        code: ErrorCode,
-        message: str,
-        offset: int = 0,
-        param: str | None = None,
-    ) -> None:
-        self._answer_error(work.request_id, code, message, offset, param)
-        self._to_ack.append(delivery)
-
-    def _answer_error(
-        self, rid: str, code: ErrorCode, message: str, offset: int = 0, param: str | None = None
-    ) -> None:
-        event = ResponseEvent.error(code, message, self.settings.engine_id, offset, param)
-        self.io.responses.add(rid, event)
-        self.metrics.request_ended(str(code))
 
     # ---------------------------------------------------------- bookkeeping
 
