@@ -47,9 +47,9 @@ from tandem.operator.reconcile import (
     forbidden,
     plan,
     refused,
-    role_replicas,
     served_name_holder,
 )
+from tandem.operator.replica_counts import role_replicas
 from tandem.operator.role_name import RoleName
 from tandem.operator.settings import OperatorSettings
 from tandem.operator.sources import MetricSources

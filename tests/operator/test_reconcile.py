@@ -14,7 +14,8 @@ from tandem.operator.manifests import (
     OperatorDefaults,
 )
 from tandem.operator.pod_load import PodSample
-from tandem.operator.reconcile import plan, role_replicas
+from tandem.operator.reconcile import plan
+from tandem.operator.replica_counts import role_replicas
 from tandem.operator.role_name import RoleName
 from tandem.operator.scaling import (
     ScalerMemory,
