@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,21 +97,26 @@ async def send(
     except httpx.HTTPError as exc:  # an undecodable body
         record.error_kind = "protocol"
         record.error_message = _short(described(exc))
-    record.e2e_s = time.perf_counter() - started
+    if record.e2e_s is None:  # else it ended at [DONE]
+        record.e2e_s = time.perf_counter() - started
     return record
 
 
 async def _read_stream(
     response: httpx.Response, target: Target, record: RequestRecord, run_start: float
 ) -> None:
-    chunks = 0
-    async for line in response.aiter_lines():
+    chunks, done = 0, False
+    async for line in sse_lines(response):
         now = time.perf_counter()
-        if not line.startswith("data:"):
-            continue  # blank separators, comments, `event:` lines
+        if done or not line.startswith("data:"):
+            continue  # blank separators, comments, `event:` lines; the body's rest
         payload = line[5:].strip()
         if payload == "[DONE]":
-            break
+            # The answer is complete; the body is read to its end all the same, so the
+            # connection goes back to the pool (a new one per request timed its setup).
+            record.e2e_s = now - run_start - record.start_s
+            done = True
+            continue
         try:
             chunk = json.loads(payload)
         except json.JSONDecodeError:
@@ -122,27 +129,90 @@ async def _read_stream(
             record.error_kind = "stream_error"
             record.error_message = _error_message(payload)
             return
-        for choice in chunk.get("choices") or []:
-            text = choice.get("text") if target.api == "completions" else None
-            if target.api == "chat":
-                text = (choice.get("delta") or {}).get("content")
-            if text:
-                if record.ttft_s is None:
-                    record.ttft_s = now - run_start - record.start_s
-                record.chunk_times_s.append(now - run_start)
-                chunks += 1
-            if choice.get("finish_reason"):
-                record.finish_reason = choice["finish_reason"]
-        usage = chunk.get("usage")
-        if usage:
-            record.prompt_tokens = usage.get("prompt_tokens")
-            record.output_tokens = usage.get("completion_tokens")
-            record.usage_reported = record.output_tokens is not None
+        try:
+            texts, finish, usage = _parts(chunk, target.api)
+        except (TypeError, ValueError) as exc:  # a chunk of the wrong shape
+            record.error_kind = "protocol"
+            record.error_message = _short(f"{exc}: {payload}")
+            return
+        for _ in texts:
+            if record.ttft_s is None:
+                record.ttft_s = now - run_start - record.start_s
+            record.chunk_times_s.append(now - run_start)
+            chunks += 1
+        if finish is not None:
+            record.finish_reason = finish
+        if usage is not None:
+            record.prompt_tokens, record.output_tokens = usage
+            record.usage_reported = True
     if record.finish_reason is None:
         record.error_kind = "protocol"
         record.error_message = "the stream ended without a finish_reason"
     if not record.usage_reported:
         record.output_tokens = chunks
+
+
+# What a chat chunk's delta may carry as generated text: the answer, and a reasoning
+# model's thoughts (its usage counts them too, so they time its tokens as well).
+_DELTA_TEXTS = ("content", "reasoning_content", "reasoning")
+
+
+def _parts(
+    chunk: dict[str, Any], api: str
+) -> tuple[list[str], str | None, tuple[int | None, int] | None]:
+    """A chunk's texts (one per choice that carries some), finish reason and usage
+    (prompt, completion tokens); TypeError for a chunk of another shape."""
+    choices = chunk.get("choices") or []
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise TypeError("choices is not a list of objects")
+    texts, finish = [], None
+    for choice in choices:
+        if api == "chat":
+            delta = choice.get("delta") or {}
+            if not isinstance(delta, dict):
+                raise TypeError("delta is not an object")
+            text = "".join(t for k in _DELTA_TEXTS if isinstance(t := delta.get(k), str))
+        else:
+            text = choice.get("text")
+        if text:
+            if not isinstance(text, str):
+                raise TypeError("text is not a string")
+            texts.append(text)
+        if choice.get("finish_reason"):
+            finish = str(choice["finish_reason"])
+    usage = chunk.get("usage")
+    if not usage:
+        return texts, finish, None
+    if not isinstance(usage, dict):
+        raise TypeError("usage is not an object")
+    completion, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
+    if completion is None:
+        return texts, finish, None
+    if not _count(completion) or (prompt is not None and not _count(prompt)):
+        raise TypeError("usage's token counts are not counts")
+    return texts, finish, (prompt, completion)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The body's lines as SSE splits them: at CR, LF or CRLF only (text may hold U+2028
+    or U+0085, which str.splitlines, and so httpx's aiter_lines, splits at)."""
+    pending, after_cr = b"", False
+    async for data in response.aiter_bytes():
+        if after_cr and data.startswith(b"\n"):
+            data = data[1:]  # the LF of a CRLF split across two reads: no second line
+        after_cr = data.endswith(b"\r")
+        *lines, pending = _LINE_END.split(pending + data)
+        for line in lines:
+            yield line.decode("utf-8", errors="replace")
+    if pending:
+        yield pending.decode("utf-8", errors="replace")
+
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
 async def probe_prompt_tokens(

@@ -131,8 +131,9 @@ def build_report(result: RunResult, slo: Slo, config: dict[str, Any]) -> dict[st
             "errors": error_counts(records),
             # Outputs counted from chunks (the server sent no usage): approximate.
             "usage_missing": sum(1 for r in ok if not r.usage_reported),
-            # Outputs shorter than max_tokens (EOS honoured, or a stop).
-            "short_outputs": sum(1 for r in ok if (r.output_tokens or 0) < r.max_tokens),
+            # Outputs that ended before max_tokens (EOS honoured, or a stop): by the
+            # finish reason, as a server without usage leaves only chunks to count.
+            "short_outputs": sum(1 for r in ok if r.finish_reason != "length"),
             "interrupted": result.interrupted,
         },
         "throughput": {

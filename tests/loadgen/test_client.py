@@ -1,12 +1,14 @@
 """One request: what is sent, and how the stream and every kind of failure are recorded."""
 
 import asyncio
+import json
 import time
 
 import httpx
 import pytest
+import uvicorn
 
-from tandem.loadgen.client import Target, described, send
+from tandem.loadgen.client import Target, sse_lines, described, send
 from tandem.loadgen.record import RequestRecord
 
 from .fake_server import FakeServer, sse
@@ -118,3 +120,90 @@ def test_an_error_without_words_is_still_described_on_one_line():
         "ReadError: the server closed the connection, or it was cut"
     )
     assert described(httpx.ConnectTimeout("timed\nout")) == "ConnectTimeout: timed out"
+
+
+def _sse_raw(obj) -> bytes:
+    """As a server that writes JSON's text as is (pydantic: U+2028 and U+0085 raw)."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def test_text_with_unicode_line_separators_is_one_sse_line():
+    text = {"choices": [{"text": "a\u2028b\u0085c", "finish_reason": "length"}]}
+    record = run(canned(_sse_raw(text), b"data: [DONE]\n\n"))
+    assert record.ok, record.error_message
+    assert len(record.chunk_times_s) == 1
+
+
+def test_a_crlf_split_between_two_reads_ends_one_line():
+    async def lines():
+        class Split(httpx.AsyncByteStream):
+            async def __aiter__(self):
+                yield b'data: {"x": 1}\r'
+                yield b"\n\r\ndata: [DONE]\r\n\r\n"
+
+        response = httpx.Response(200, stream=Split())
+        return [line async for line in sse_lines(response)]
+
+    assert asyncio.run(lines()) == ['data: {"x": 1}', "", "data: [DONE]", ""]
+
+
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        {"choices": [None]},
+        {"choices": [{"text": 3}]},
+        {
+            "choices": [{"text": "a", "finish_reason": "length"}],
+            "usage": {"completion_tokens": "3"},
+        },
+    ],
+    ids=["null-choice", "number-text", "text-count"],
+)
+def test_a_chunk_of_the_wrong_shape_fails_its_request_not_the_run(chunk):
+    record = run(canned(sse(chunk), b"data: [DONE]\n\n"))
+    assert record.error_kind == "protocol" and not record.ok
+
+
+def test_a_reasoning_models_thoughts_are_its_first_tokens():
+    chat = Target(base_url="http://fake/v1", model="m", api="chat")
+    thought = sse({"choices": [{"delta": {"reasoning_content": "hmm"}}]})
+    said = sse({"choices": [{"delta": {"content": "4"}, "finish_reason": "stop"}]})
+    record = run(canned(thought, said, b"data: [DONE]\n\n"), target=chat, prompt="2+2?")
+    assert record.ok and len(record.chunk_times_s) == 2
+    assert record.ttft_s <= record.chunk_times_s[0]
+
+
+def test_requests_reuse_one_connection(unused_tcp_port):
+    # The stream was left at [DONE], before the body's end: httpx closed the connection,
+    # and every request's TTFT timed a new connection's setup (a TLS handshake too).
+    ports: list[int] = []
+
+    async def app(scope, receive, send_):
+        if scope["type"] != "http":
+            return
+        ports.append(scope["client"][1])
+        await send_({"type": "http.response.start", "status": 200,
+                     "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+        done = {"choices": [{"text": "a", "finish_reason": "length"}]}
+        await send_({"type": "http.response.body", "body": sse(done), "more_body": True})
+        await send_({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=unused_tcp_port, log_level="error")
+    server = uvicorn.Server(config)
+
+    async def go():
+        serving = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        target = Target(base_url=f"http://127.0.0.1:{unused_tcp_port}/v1", model="m")
+        async with httpx.AsyncClient() as client:
+            records = [
+                await send(client, target, new_record(1), [1], time.perf_counter())
+                for _ in range(3)
+            ]
+        server.should_exit = True
+        await serving
+        return records
+
+    assert all(r.ok for r in asyncio.run(go()))
+    assert len(ports) == 3 and len(set(ports)) == 1, f"client ports {ports}"
