@@ -8,7 +8,7 @@ import httpx
 import pytest
 import uvicorn
 
-from tandem.loadgen.client import Target, sse_lines, described, send
+from tandem.loadgen.client import Target, described, send, sse_lines
 from tandem.loadgen.record import RequestRecord
 
 from .fake_server import FakeServer, sse
