@@ -66,9 +66,14 @@ def test_bad_arguments_are_refused():
         NgramDrafter().propose("r", [1, 2], -1)
 
 
-def test_is_a_drafter():
+def test_free_forgets_a_request_and_an_unknown_one_is_fine():
     drafter: Drafter = NgramDrafter()
-    drafter.free("unknown")  # freeing an unknown request is fine
+    drafter.free("unknown")
+    tokens = [10, 11, 12, 13, 14, 10, 11]
+    assert drafter.propose("r", tokens, 3) == [12, 13, 14]
+    drafter.free("r")  # finished: the id may come back (a retry), with other tokens
+    other = [20, 21, 22, 23, 24, 25, 26, 20, 21]  # longer: no shrink to notice
+    assert drafter.propose("r", other, 2) == [22, 23]
 
 
 def test_proposals_follow_incremental_appends():

@@ -96,13 +96,15 @@ def test_a_freed_prompt_stays_cached_until_its_blocks_are_needed():
 
 
 def test_uncached_blocks_are_reused_before_cached_ones():
-    kv = KVCacheManager(num_blocks=4, block_size=4)
-    a = _request("a", list(range(6)))  # one full block, one partial
-    kv.allocate("a", 6)
-    _computed(kv, a, 6)
-    kv.free("a")
-    kv.allocate("b", 4)  # takes the partial block, leaves the cached prefix alone
-    assert len(kv.match_prefix(_request("c", list(range(6))))) == 1
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    a = _request("a", list(range(5)))
+    kv.allocate("a", 4)
+    _computed(kv, a, 4)  # a full block, offered to the prefix cache
+    kv.free("a")  # freed first: the older of the two free blocks
+    kv.allocate("b", 3)  # a partial block, never cached
+    kv.free("b")
+    kv.allocate("c", 3)  # one block: b's, though a's was freed earlier
+    assert len(kv.match_prefix(_request("d", list(range(5))))) == 1
 
 
 def test_the_last_prompt_token_is_never_served_from_cache():

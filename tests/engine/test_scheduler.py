@@ -183,6 +183,17 @@ def test_leftover_budget_starts_the_next_prompt_as_a_chunk():
     assert [s.sample for s in plan.seqs] == [True, False]
 
 
+def test_a_prompt_one_token_over_the_budget_left_is_chunked_or_waits():
+    chunked = make(num_blocks=64, max_model_len=256, max_num_batched_tokens=64,
+                   enable_chunked_prefill=True)  # fmt: skip
+    chunked.add_request(Request("a", prompt(65, 1), SamplingParams(max_tokens=2)))
+    assert chunked.schedule().num_scheduled_tokens == {"a": 64}
+    whole = make(num_blocks=64, max_model_len=64, max_num_batched_tokens=64)
+    whole.add_request(Request("a", prompt(40, 1), SamplingParams(max_tokens=2)))
+    whole.add_request(Request("b", prompt(25, 100), SamplingParams(max_tokens=2)))
+    assert whole.schedule().num_scheduled_tokens == {"a": 40}  # b's 25 > the 24 left
+
+
 def test_without_chunking_a_prompt_that_does_not_fit_the_rest_waits():
     sched = make(max_model_len=4096)  # budget 4096
     sched.add_request(Request("a", prompt(3000), LONG))

@@ -96,6 +96,12 @@ def test_a_failed_handoff_waits_behind_a_recompute_mid_chunk():
     check_integrity(sched)
 
 
+def test_a_completion_engine_past_the_watermark_refuses_a_handoff_it_could_fit():
+    sched = make(num_blocks=100, engine_type="completion", max_model_len=256)
+    assert sched.kv.allocate("filler", 91 * 16) is not None  # usage 0.91 > 0.90
+    assert _handoff(sched, "h", 20)[1] is None
+
+
 def test_completion_engine_refuses_handoffs_it_has_no_room_for():
     sched = make(num_blocks=16, engine_type="completion", max_model_len=256)
     _, blocks = _handoff(sched, "a", 250)

@@ -189,6 +189,10 @@ CASES = {
         message="maximum context length is 256 tokens",
     ),
     "no key": Case(401, GOOD, key=None, code="missing_api_key"),
+    "no key to list models": Case(401, None, key=None, path="/v1/models", method="GET",
+                                  code="missing_api_key"),
+    "wrong key to read a model": Case(401, None, key="sk-wrong", path="/v1/models/tiny",
+                                      method="GET", code="invalid_api_key"),
     "wrong key": Case(401, GOOD, key="sk-wrong", code="invalid_api_key"),
     "key not allowed the model": Case(403, GOOD, key="sk-other-model", param="model",
                                       code="model_not_allowed"),
@@ -351,9 +355,20 @@ def test_a_deadline_cancels_the_queued_work(gateway, shared_keys):
 
 def test_rejections_are_counted_by_reason(gateway):
     live, _ = gateway
-    assert live.metric("tandem_gateway_rejections_total", reason="auth") >= 2
-    assert live.metric("tandem_gateway_rejections_total", reason="queue_full") >= 1
-    assert live.metric("tandem_gateway_requests_total", status="401") >= 2
+
+    def counts() -> tuple[float, float, float]:
+        return (
+            live.metric("tandem_gateway_rejections_total", reason="auth"),
+            live.metric("tandem_gateway_rejections_total", reason="queue_full"),
+            live.metric("tandem_gateway_requests_total", status="401"),
+        )
+
+    before = counts()
+    with live.http(api_key=None) as anonymous:
+        assert anonymous.post("/v1/chat/completions", json=GOOD).status_code == 401
+    with live.http() as client:
+        assert client.post("/v1/chat/completions", json={**GOOD, "model": FULL}).status_code == 429
+    assert eventually(lambda: counts() == (before[0] + 1, before[1] + 1, before[2] + 1))
 
 
 def test_a_request_refused_before_its_model_is_looked_up_is_labelled_unknown(gateway):

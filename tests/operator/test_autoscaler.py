@@ -124,6 +124,18 @@ def test_the_step_limit_is_the_larger_of_pods_and_percent(ready, step, percent, 
     assert d.replicas == expected
 
 
+def test_one_pod_past_the_step_limit_is_held_at_the_limit():
+    d = once(PREFILL, observe(4, pods(4)), queue(tokens=9 * TOKENS))
+    assert d.recommendation == 9
+    assert d.replicas == 8 and "step limit 8" in d.reason
+
+
+def test_min_replicas_holds_a_quiet_role_up():
+    policy = ScalingPolicy(min_replicas=3, max_replicas=8)
+    d = once(PREFILL, observe(4, pods(4, util=0.0)), queue(), policy)
+    assert d.recommendation < 3 and d.replicas == 3 and "minReplicas 3" in d.reason
+
+
 def test_load_flapping_inside_the_tolerance_never_scales():
     # A seeded random walk of the total within ±8 % of the target, each pod jittered.
     rng, level = random.Random(20240611), 1.0

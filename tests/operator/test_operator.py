@@ -98,6 +98,9 @@ async def test_a_spec_change_rolls_the_pods(cluster, operator):
         ),
         what="Ready at generation 2",
     )
+    # kubectl wait --for=condition=Ready reads the condition's own generation.
+    conditions = cluster.model("smollm2")["status"]["conditions"]
+    assert {c["observedGeneration"] for c in conditions} == {2}
     new_pods = {p["metadata"]["name"] for p in cluster.pods("smollm2", "normal")}
     assert new_pods and not new_pods & old_pods, "every pod was replaced"
     await eventually(lambda: cluster.events("SpecApplied"), what="a SpecApplied Event")

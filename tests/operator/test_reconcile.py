@@ -269,6 +269,8 @@ def test_phases(counts, previous, expected):
     assert held == {Phase.READY: {"Ready"}, Phase.DEGRADED: {"Degraded"}}.get(
         expected, {"Progressing"}
     )
+    (invalid,) = [c for c in status["conditions"] if c["type"] == "Invalid"]
+    assert (invalid["status"], invalid["reason"]) == ("False", "SpecValid")
 
 
 def test_an_unchanged_status_is_not_written_and_transition_times_stay():

@@ -9,6 +9,8 @@ import json
 import signal
 import socket
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -115,6 +117,16 @@ def test_bad_requests_end_with_clear_errors(engines, client):
         e.error_code == ErrorCode.INVALID_REQUEST and "logit_bias token id 99999" in e.error_message
     )
     assert e.error_param == "logit_bias"
+
+
+def _readyz(engine) -> str:
+    try:
+        with urllib.request.urlopen(engine.url("/readyz"), timeout=1) as answer:
+            return answer.read().decode()
+    except urllib.error.HTTPError as refused:  # 503 while starting or draining
+        return refused.read().decode()
+    except OSError:
+        return ""
 
 
 def _pending(redis_url, stream, group):
@@ -319,7 +331,8 @@ def test_sigterm_drains_running_requests_takes_no_new_ones_and_exits_0(engines, 
         if event.event == EventKind.TOKENS:
             break  # it is running
     engine.process.send_signal(15)
-    time.sleep(0.3)
+    # Draining once /readyz says so: a fixed pause assumed the signal handled by then.
+    assert eventually(lambda: "draining" in _readyz(engine), 30), "never draining"
     late = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 5, **GREEDY})
     assert engine.process.wait(timeout=60) == 0
     assert client.answer(rid).token_ids == reference(PROMPT, 150).token_ids

@@ -18,6 +18,7 @@ import torch
 from tandem.engine.service.kv_handoff import KVFetches
 from tandem.engine.service.kv_tcp import KVServer, fetch_kv
 from tandem.engine.service.kv_transfer import KVLayout, KVTransferError, PinnedKV
+from tandem.engine.service.main import kv_fingerprint
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -513,3 +514,11 @@ def test_a_fetcher_slow_to_read_has_the_io_timeout_not_the_requests_two_seconds(
         server.stop()
     assert stats.bytes == TOKENS * layout.bytes_per_token
     assert failures == []
+
+
+def test_the_kv_fingerprint_tells_weights_and_dtypes_apart():
+    layout = KVLayout(2, 2, 16, torch.float32)
+    assert kv_fingerprint("weights-a", layout) == kv_fingerprint("weights-a", layout)
+    assert kv_fingerprint("weights-a", layout) != kv_fingerprint("weights-b", layout)
+    other_dtype = KVLayout(2, 2, 16, torch.bfloat16)
+    assert kv_fingerprint("weights-a", layout) != kv_fingerprint("weights-a", other_dtype)

@@ -67,7 +67,9 @@ class EngineProcess:
     def log(self) -> str:
         return self._log_path().read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = 60.0) -> EngineProcess:
+    def wait_ready(self, timeout: float = 300.0) -> EngineProcess:
+        # A wait, not a measurement: generous for a loaded machine (an engine that
+        # exits fails at once).
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

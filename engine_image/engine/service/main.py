@@ -97,7 +97,7 @@ def serve(args: argparse.Namespace, rank: int, vote: Vote | None = None) -> int:
         engine_id = f"{engine_id}-r{rank}"
     kv_caches = engine.runner.kv_caches
     layout = KVLayout.of(kv_caches)
-    fingerprint = _fingerprint(loaded.source.fingerprint, layout)
+    fingerprint = kv_fingerprint(loaded.source.fingerprint, layout)
     kv_server = None
     kv_address = None
     settings_kwargs = dict(
@@ -217,7 +217,9 @@ def wait_for_redis(url: str, wait_s: float) -> None:
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
-def _fingerprint(weights: str, layout: KVLayout) -> str:
+def kv_fingerprint(weights: str, layout: KVLayout) -> str:
+    """What a decoder checks a prompt engine's KV against: the same weights, in the same
+    layout and dtype (another model under the same served name is recomputed)."""
     text = f"{weights}|{layout.num_layers}|{layout.num_kv_heads}|{layout.head_dim}|{layout.dtype}"
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
