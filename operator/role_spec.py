@@ -207,18 +207,6 @@ def _kv_cache_target() -> Any:
     )
 
 
-def _reachable(field: str, attribute: str) -> CelRule:
-    """The autoscaler adds pods when a pod's mean `field` (at most 1) passes its target
-    by the tolerance: a target that cannot be passed would never add one."""
-    return CelRule(
-        rule=f"self.{field} * (1.0 + self.tolerance) < 1.0",
-        message=f"{field} x (1 + tolerance) must be below 1, or the autoscaler never adds "
-        "pods for it (the metric cannot pass 1)",
-        holds=lambda r: getattr(r, attribute) * (1 + r.tolerance) < 1,
-        field_path=f".{field}",
-    )
-
-
 def _queued_tokens_target() -> Any:
     return Field(
         8192,
@@ -232,8 +220,6 @@ def _queued_tokens_target() -> Any:
 class NormalRole(RoleSpec):
     """Normal mode: engines that prefill and decode (`--role normal`)."""
 
-    cel_rules = (*RoleSpec.cel_rules, _reachable("targetKVCacheUsage", "target_kv_cache_usage"))
-
     target_kv_cache_usage: float = _kv_cache_target()
     target_queued_tokens_per_replica: int = _queued_tokens_target()
 
@@ -241,18 +227,11 @@ class NormalRole(RoleSpec):
 class DecodeRole(RoleSpec):
     """Disaggregated mode: decode engines (`--role completion`) that fetch KV from prefill."""
 
-    cel_rules = (*RoleSpec.cel_rules, _reachable("targetKVCacheUsage", "target_kv_cache_usage"))
-
     target_kv_cache_usage: float = _kv_cache_target()
 
 
 class PrefillRole(RoleSpec):
     """Disaggregated mode: prefill engines (`--role prompt`) that hand KV to decode."""
-
-    cel_rules = (
-        *RoleSpec.cel_rules,
-        _reachable("targetBudgetUtilization", "target_budget_utilization"),
-    )
 
     target_budget_utilization: float = Field(
         0.7,
