@@ -13,6 +13,7 @@ chunks, which undercounts when a chunk carries several tokens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -105,18 +106,17 @@ async def send(
 async def _read_stream(
     response: httpx.Response, target: Target, record: RequestRecord, run_start: float
 ) -> None:
-    chunks, done = 0, False
-    async for line in sse_lines(response):
+    chunks = 0
+    lines = sse_lines(response)
+    async for line in lines:
         now = time.perf_counter()
-        if done or not line.startswith("data:"):
-            continue  # blank separators, comments, `event:` lines; the body's rest
+        if not line.startswith("data:"):
+            continue  # blank separators, comments, `event:` lines
         payload = line[5:].strip()
         if payload == "[DONE]":
-            # The answer is complete; the body is read to its end all the same, so the
-            # connection goes back to the pool (a new one per request timed its setup).
             record.e2e_s = now - run_start - record.start_s
-            done = True
-            continue
+            await _drain(lines)
+            break
         try:
             chunk = json.loads(payload)
         except json.JSONDecodeError:
@@ -150,6 +150,20 @@ async def _read_stream(
         record.error_message = "the stream ended without a finish_reason"
     if not record.usage_reported:
         record.output_tokens = chunks
+
+
+# How long the rest of a body may take after its [DONE] (its end, usually at once).
+DRAIN_S = 1.0
+
+
+async def _drain(lines: AsyncIterator[str]) -> None:
+    """Read a complete answer's body to its end, so that its connection goes back to the
+    pool (left at [DONE], each request timed a new connection's setup). A server that
+    keeps the body open, or breaks it off, costs the connection, not the answer."""
+    with contextlib.suppress(TimeoutError, httpx.HTTPError, OSError):
+        async with asyncio.timeout(DRAIN_S):
+            async for _ in lines:
+                pass
 
 
 # What a chat chunk's delta may carry as generated text: the answer, and a reasoning

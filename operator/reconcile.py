@@ -29,6 +29,7 @@ from tandem.operator.pod_trouble import PodTrouble, role_trouble
 from tandem.operator.replica_counts import (
     autoscaler_scale,
     clamp_of,
+    pending_edits,
     replica_counts,
 )
 from tandem.operator.role_name import RoleName
@@ -99,7 +100,9 @@ def plan(
     if holder is not None:
         return _name_taken(model, spec, found, holder, now)
     owner = Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
-    scaled = scaled or {}
+    # A decision made from a count the spec's edit replaces waits for the next pass.
+    edited = pending_edits(spec, owner.name, found)
+    scaled = {role: d for role, d in (scaled or {}).items() if role not in edited}
     decisions = {role: d.replicas for role, d in scaled.items()}
     replicas, clamps, edits = replica_counts(spec, owner.name, found, previous, decisions)
     desired = build_manifests(owner, spec, replicas, defaults)
@@ -137,7 +140,7 @@ def plan(
     deletes = tuple(sorted(gone, key=lambda k: (k.kind, k.name)))
     scales = [autoscaler_scale(d, clamp_of(clamps, role)) for role, d in scaled.items()]
     scales += [c.scale for c in clamps if not c.by_hand and c.role not in scaled]
-    scales += [e for e in edits if e.role not in scaled]
+    scales += edits
     last_scale = scales[-1].record(now) if scales else None
     new_status = valid_status(meta, counts, previous, now, last_scale)
     return Plan(
@@ -155,7 +158,7 @@ def plan(
             setting_changes(owner.name, tuple(spec.roles()), found, wanted),
         ),
         clamps=tuple(clamps),
-        edits=tuple(e for e in edits if e.role not in scaled),
+        edits=tuple(edits),
     )
 
 

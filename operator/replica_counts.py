@@ -90,6 +90,19 @@ def replica_counts(
     return counts, clamps, edits
 
 
+def pending_edits(
+    spec: ModelDeploymentSpec, name: str, children: Mapping[ChildKey, Body]
+) -> set[RoleName]:
+    """Roles whose spec.<role>.replicas changed since their Deployment took it: the
+    edit is applied in this pass, and an autoscaler decision made meanwhile waits."""
+    return {
+        role_name
+        for role_name, role in spec.roles().items()
+        if _edited_replicas(children.get(ChildKey("Deployment", child_name(name, role_name))), role)
+        is not None
+    }
+
+
 def _edited_replicas(deployment: Body | None, role: RoleSpec) -> int | None:
     """spec.<role>.replicas where it changed since the Deployment's count last took it.
 

@@ -27,8 +27,15 @@ def stream_chat(url: str, api_key: str, model: str, question: str, max_tokens: i
         "stream": True,
     }
     headers = {"Authorization": f"Bearer {api_key}"}
+    # This machine's own gateway: no proxy from the environment applies (tandem up's own
+    # probes ask it directly too).
     with httpx.stream(
-        "POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=300
+        "POST",
+        f"{url}/v1/chat/completions",
+        json=body,
+        headers=headers,
+        timeout=300,
+        trust_env=False,
     ) as resp:
         if resp.status_code != 200:
             resp.read()

@@ -3,10 +3,13 @@ a start that fails."""
 
 from __future__ import annotations
 
+import http.server
+import json
 import re
 import shutil
 import signal
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +21,7 @@ from support.stacks import running_stack
 
 from tandem.backlog import enqueue, queue_depth
 from tandem.child import STABLE_AFTER_S, Child
+from tandem.demo import stream_chat
 from tandem.engine.service.work_queue import WorkQueue
 from tandem.keys import Keys
 from tandem.preflight import StartError
@@ -323,6 +327,33 @@ def test_children_are_asked_directly_whatever_proxy_the_environment_names(tmp_pa
         assert child.ready(), "asked through the proxy, it never answered"
     finally:
         child.kill()
+
+
+def test_the_demo_asks_its_gateway_directly_whatever_proxy_the_environment_names(monkeypatch):
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(name, f"http://127.0.0.1:{free_port()}")  # nothing listens
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    chunk = {"choices": [{"delta": {"content": "Paris"}}]}
+    body = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()
+
+    class Gateway(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gateway) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert "".join(stream_chat(url, "k", "m", "Capital of France?", 4)) == "Paris"
+        server.shutdown()
 
 
 def test_a_child_is_asked_often_whether_it_is_up_until_it_first_answers(tmp_path):

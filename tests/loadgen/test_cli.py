@@ -118,7 +118,7 @@ def test_a_refused_api_key_stops_the_bench_naming_the_flag(model, capsys):
     )
 
 
-def test_a_model_the_server_does_not_list_stops_the_bench(capsys):
+def test_a_model_the_server_does_not_list_is_warned_of_first(capsys):
     class Lists(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             body = json.dumps({"object": "list", "data": [{"id": "smollm2-135m-instruct"}]})
@@ -133,8 +133,9 @@ def test_a_model_the_server_does_not_list_stops_the_bench(capsys):
     with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Lists) as server:
         threading.Thread(target=server.serve_forever, daemon=True).start()
         url = f"http://127.0.0.1:{server.server_address[1]}/v1"
-        assert cli.main(["bench", "--url", url, "--model", "smollm2", "-n", "3", "-q"]) == 2
+        cli.main(["bench", "--url", url, "--model", "smollm2", "-n", "1", "-q"])
         server.shutdown()
-    assert capsys.readouterr().err == (
-        f"tandem: error: --model smollm2: {url}/models lists only ['smollm2-135m-instruct']\n"
+    assert capsys.readouterr().err.startswith(
+        f"tandem: warning: --model smollm2: {url}/models lists only ['smollm2-135m-instruct']"
+        "; requests may fail with 404\n"
     )

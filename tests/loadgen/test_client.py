@@ -207,3 +207,27 @@ def test_requests_reuse_one_connection(unused_tcp_port):
 
     assert all(r.ok for r in asyncio.run(go()))
     assert len(ports) == 3 and len(set(ports)) == 1, f"client ports {ports}"
+
+
+def test_an_answer_complete_at_done_stays_complete_whatever_the_body_does_after():
+    chunk = sse({"choices": [{"text": "a", "finish_reason": "length"}]})
+
+    class BrokenOff(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield chunk + b"data: [DONE]\n\n"
+            raise httpx.RemoteProtocolError("incomplete chunked read")
+
+    class KeptOpen(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield chunk + b"data: [DONE]\n\n"
+            await asyncio.sleep(30)
+
+    for body in (BrokenOff(), KeptOpen()):
+
+        async def handle(request, body=body):
+            return httpx.Response(200, stream=body)
+
+        started = time.monotonic()
+        record = run(httpx.MockTransport(handle))
+        assert record.ok, record.error_message
+        assert time.monotonic() - started < 5

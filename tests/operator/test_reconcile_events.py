@@ -292,3 +292,16 @@ def test_a_deployment_made_before_the_replicas_record_keeps_its_count():
     assert patch.patch["spec"]["replicas"] == 4, "an operator upgrade resets no count"
     assert patch.patch["metadata"]["annotations"]["serving.tandem.dev/spec-replicas"] == "2"
     assert actions.events == () and "lastScale" not in (actions.status or {})
+
+
+def test_an_edit_of_the_spec_replicas_wins_over_a_decision_made_in_the_same_pass():
+    children = _autoscaled(built(running({"replicas": 2, "maxReplicas": 6}, desired=2)), 4)
+    edited = running({"replicas": 1, "maxReplicas": 6}, desired=4, generation=2)
+    # The autoscaler read the edited count (1) before this pass applied it, and asks 2.
+    decision = Decision(RoleName.NORMAL, 2, 1, 2, "normal scale 1->2: kv_cache", ScalingHistory())
+    actions = plan(edited, children, OLD, now=NOW, scaled={RoleName.NORMAL: decision})
+    (patch,) = actions.patches
+    assert patch.patch["spec"]["replicas"] == 1
+    said = "normal scale 4->1: spec.normal.replicas set to 1"
+    assert actions.events == (Event("ScaledDown", said),)
+    assert actions.shrinking == (RoleName.NORMAL,)

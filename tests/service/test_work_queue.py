@@ -247,9 +247,10 @@ def test_a_handoff_is_published_once_and_only_by_the_entrys_holder(redis_client,
     stalled, thief = queue("p1", role=Role.PROMPT), queue("p2", role=Role.PROMPT)
     source = prefilled(redis_client, keys, stalled, "r1")
     assert stalled.publish_handoff(handoff("r1"), source)
-    # A retry after a lost reply (the publish was written): nothing twice.
-    assert not stalled.publish_handoff(handoff("r1"), source)
+    # A retry after a lost reply (the publish was written): published, once.
+    assert stalled.publish_handoff(handoff("r1"), source)
     assert redis_client.xlen(keys.handoff_stream(MODEL)) == 1
+    assert not thief.publish_handoff(handoff("r1"), source), "another engine's, not its own"
 
     late = prefilled(redis_client, keys, stalled, "r2")
     time.sleep(IDLE_MS * 1.5 / 1000)  # it stalls; another engine takes the entry over

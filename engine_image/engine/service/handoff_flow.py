@@ -120,7 +120,7 @@ class HandoffFlow:
 
     def publish_pending(self, io: RedisIO) -> None:
         # Each dropped once written: Redis going away midway keeps the rest (a retry
-        # whose first try was written publishes nothing twice: publish_handoff).
+        # whose first try was written publishes nothing twice, and keeps its offer).
         while self._to_publish:
             handoff, source = self._to_publish[0]
             if not io.queue.publish_handoff(handoff, source):

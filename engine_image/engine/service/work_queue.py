@@ -346,8 +346,9 @@ class WorkQueue:
 
     def publish_handoff(self, handoff: Handoff, source: Delivery) -> bool:
         """Offer a prefilled request to the model's COMPLETION engines, and acknowledge the
-        work entry `source` it came from, in one step (PUBLISH_HANDOFF_LUA). False: not
-        published, as it was already, or another engine holds the entry now."""
+        work entry `source` it came from, in one step (PUBLISH_HANDOFF_LUA). True once
+        published by this engine (now, or by a try whose reply was lost); False when
+        another engine has the request (it took the entry over, or handed it off)."""
         keys = [
             source.stream,
             self.keys.handoff_stream(self.model),
@@ -355,7 +356,7 @@ class WorkQueue:
         ]
         fields = [x for pair in handoff.to_fields().items() for x in pair]
         args = [self.group, self.consumer, source.entry_id, PUBLISHED_MARKER_TTL_S, *fields]
-        return int(self._publish_script(keys=keys, args=args)) == 1
+        return int(self._publish_script(keys=keys, args=args)) in (1, 2)
 
 
 def _request_id(fields: dict[str, Any]) -> str | None:

@@ -124,15 +124,19 @@ return n
 # Redis lost (restarted without its data) is published: nobody else holds it.
 # KEYS: the work stream, the handoff stream, the request's published marker.
 # ARGV: group, consumer, work entry id, marker TTL in seconds, the handoff's fields.
-# Returns 1 when published, 0 when not.
+# Returns 1 when published, 2 when this consumer had published it already (a retry:
+# its KV stays offered), 0 when another engine has the request.
 PUBLISH_HANDOFF_LUA = """
-if redis.call('GET', KEYS[3]) == ARGV[3] then return 0 end
+local marker = ARGV[3] .. ' ' .. ARGV[2]
+local published = redis.call('GET', KEYS[3])
+if published == marker then return 2 end
+if published and string.sub(published, 1, #ARGV[3] + 1) == ARGV[3] .. ' ' then return 0 end
 local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if not p.err and p[1] and p[1][2] ~= ARGV[2] then return 0 end
 local fields = {}
 for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('XADD', KEYS[2], '*', unpack(fields))
-redis.call('SET', KEYS[3], ARGV[3], 'EX', ARGV[4])
+redis.call('SET', KEYS[3], marker, 'EX', ARGV[4])
 redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[3])
 redis.pcall('XDEL', KEYS[1], ARGV[3])
 return 1
