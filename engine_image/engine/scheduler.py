@@ -208,37 +208,22 @@ class Scheduler:
         return plan if plan.seqs else None
 
     def _schedule_decode(self) -> StepPlan:
-        """Decode every running sequence that fits the budget; preempt for blocks."""
-        cfg = self.config
-        budget = cfg.max_num_batched_tokens
-        block_size = cfg.block_size
+        """Decode every running sequence that fits the budget; preempt for blocks.
+
+        Each sequence's own next token first, oldest first, preempting the newest for
+        blocks; then its drafts, as far as the budget and free blocks go: a guess
+        (placeholders after a prefill are nearly always rejected) never preempts.
+        """
+        budget = self.config.max_num_batched_tokens
+        block_size = self.config.block_size
         kv, running = self.kv, self.running
         plan = StepPlan(is_prefill=False)
-        scheduled, seqs = plan.num_scheduled_tokens, plan.seqs
-        i = 0
-        while i < len(running):
-            request = running[i]
-            tokens = request.token_ids
-            drafts = request.draft_token_ids
-            if drafts:
-                # Never verify drafts past max_tokens or max_model_len: a step
-                # yields at most 1 + len(drafts) tokens, the room left.
-                room = request.max_num_tokens - len(tokens)
-                if len(drafts) >= room:
-                    drafts = drafts[: max(room - 1, 0)]
-            rid = request.request_id
+        batch = 0
+        while batch < len(running) and budget > 0:
+            request = running[batch]
             start = request.num_computed_tokens
-            table = request.block_ids
-            if drafts and start + 1 + len(drafts) > len(table) * block_size:
-                # Drafts only as far as blocks are free: no request is preempted for
-                # guesses (placeholders after a prefill are nearly always rejected).
-                while drafts and kv.allocate(rid, start + 1 + len(drafts)) is None:
-                    drafts = drafts[:-1]
-            num_new = 1 + len(drafts)
-            if num_new > budget:
-                break
-            if start + num_new > len(table) * block_size:  # needs another block
-                while kv.allocate(rid, start + num_new) is None:
+            if start + 1 > len(request.block_ids) * block_size:  # needs another block
+                while kv.allocate(request.request_id, start + 1) is None:
                     victim = running.pop()  # the newest running request
                     self._preempt(victim)
                     plan.preempted_request_ids.append(victim.request_id)
@@ -246,13 +231,19 @@ class Scheduler:
                         break
                 if request.status is not RequestStatus.RUNNING:
                     break  # preempted itself: everything after it is gone too
-            scheduled[rid] = num_new
-            seqs.append(
+            budget -= 1
+            batch += 1
+        for request in running[:batch]:
+            drafts = self._drafts_that_fit(request, budget)
+            budget -= len(drafts)
+            tokens = request.token_ids
+            plan.num_scheduled_tokens[request.request_id] = 1 + len(drafts)
+            plan.seqs.append(
                 ScheduledSeq(
-                    rid,
-                    [tokens[-1], *drafts] if drafts else [tokens[-1]],
-                    start,
-                    table,
+                    request.request_id,
+                    [tokens[-1], *drafts],
+                    request.num_computed_tokens,
+                    request.block_ids,
                     True,
                     drafts,
                     request.sampling_params,
@@ -260,9 +251,21 @@ class Scheduler:
                     tokens,
                 )
             )
-            budget -= num_new
-            i += 1
         return plan
+
+    def _drafts_that_fit(self, request: Request, budget: int) -> list[int]:
+        """The request's drafts to verify: never past max_tokens or max_model_len (a step
+        yields at most 1 + len(drafts) tokens, the room left), within the budget left, and
+        as far as free blocks go."""
+        drafts = request.draft_token_ids
+        if not drafts:
+            return drafts
+        room = request.max_num_tokens - len(request.token_ids)
+        drafts = drafts[: max(0, min(room - 1, budget))]
+        start = request.num_computed_tokens
+        while drafts and self.kv.allocate(request.request_id, start + 1 + len(drafts)) is None:
+            drafts = drafts[:-1]
+        return drafts
 
     def _preempt(self, request: Request) -> None:
         """Free a running request's KV and queue it to be recomputed: first, but behind

@@ -87,6 +87,29 @@ def test_drafts_shrink_to_the_free_blocks_rather_than_preempt_a_request():
     assert plan.num_scheduled_tokens == {"a": 2, "b": 2}
 
 
+def test_one_requests_drafts_never_take_the_block_anothers_next_token_needs():
+    sched = make(max_model_len=16, block_size=4, num_speculative_tokens=4, vocab_size=100)
+    sched = type(sched)(sched.config, num_blocks=5)
+    short = SamplingParams(max_tokens=8, ignore_eos=True)
+    sched.add_request(Request("a", prompt(6), short))
+    sched.add_request(Request("b", prompt(8, 50), short))
+    step(sched)  # a holds 2 blocks, b 2 (full): one block free
+    plan = sched.schedule()
+    # b's next token (position 8) needs the free block; a's drafts must not take it.
+    assert not plan.preempted_request_ids
+    assert plan.num_scheduled_tokens["b"] >= 1 and set(plan.num_scheduled_tokens) == {"a", "b"}
+
+
+def test_drafts_share_the_budget_left_once_every_sequence_has_its_token():
+    sched = make(max_model_len=64, num_speculative_tokens=3, vocab_size=5000,
+                 max_num_batched_tokens=8, enable_chunked_prefill=True)  # fmt: skip
+    for i, rid in enumerate(("a", "b", "c")):
+        sched.add_request(Request(rid, prompt(2, 100 * i), LONG))
+    assert step(sched)[0].is_prefill  # all three: placeholders of 3 drafts each
+    plan = sched.schedule()  # 3 next tokens, then 5 of the 9 drafts, oldest first
+    assert plan.num_scheduled_tokens == {"a": 4, "b": 3, "c": 1}
+
+
 def test_speculation_needs_the_vocab_size():
     with pytest.raises(ValueError, match="needs vocab_size"):
         make(max_model_len=512, num_speculative_tokens=2)
