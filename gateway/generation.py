@@ -124,6 +124,11 @@ class Generation:
         except (RedisError, OSError) as exc:
             ids = ", ".join(self.ticket.request_ids)
             log.warning("ending %s with 503: Redis stayed unreachable while reading: %s", ids, exc)
+            if self.ticket.ledger_key is None:
+                # Told it failed, its client retries as a new request: the engines must
+                # not run this one too once Redis is back (the cancel is written then).
+                # A retry with the same Idempotency-Key attaches to it instead.
+                await self.abandon("redis_unreachable")
             raise unavailable(f"Lost the connection to Redis while reading: {exc}") from None
 
     async def _delivered(self) -> None:

@@ -2,8 +2,9 @@
 
 A full Redis (maxmemory with noeviction, the chart's setting: it refuses new
 work rather than lose accepted work), a failed save (MISCONF), a replica
-(READONLY), a replica cut off from its master, a Redis loading its file: each
-refuses writes until an operator or time fixes it. Engines wait these out as
+(READONLY), a replica cut off from its master, a Redis loading its file, a
+script running long (BUSY): each refuses commands until an operator or time
+fixes it. Engines wait these out as
 they wait out an absent Redis; the gateway says which it is.
 """
 
@@ -20,6 +21,8 @@ _CODES = {
     "LOADING": "Redis is loading its data",
     "MASTERDOWN": "Redis is a replica whose master is down",
     "NOREPLICAS": "Redis has too few replicas to take writes",
+    # A script running past lua-time-limit: Redis answers nothing else until it ends.
+    "BUSY": "Redis is busy running a script",
 }
 _CODE = re.compile(rf"\b({'|'.join(_CODES)})\b")
 # How redis.call() errors come out of a Lua script: the script's name and line first.

@@ -223,6 +223,9 @@ def test_a_stream_whose_redis_is_paused_ends_when_the_outage_time_is_up(
     assert "no answer from Redis for" in error["message"], error
     assert f"ending {rid} with 503: Redis stayed unreachable" in caplog.text  # said, too
     assert took < 6, took  # a read's block (1 s) and grace (2 s), the outage (1 s)
+    # Its client was told it failed (and may retry as a new request): the work is
+    # cancelled once Redis answers, not run for nobody.
+    assert eventually(lambda: conn.exists(keys.cancel_key(rid)) == 1, timeout=10)
 
 
 def test_a_deadline_passes_on_time_while_redis_is_paused(server, keys, start_gateway):

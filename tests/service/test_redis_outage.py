@@ -161,6 +161,34 @@ def test_a_redis_back_empty_gets_its_groups_again_and_the_running_requests_end(
     assert "consumer groups were gone" in engine.log()
 
 
+def test_requests_that_end_while_a_redis_back_empty_is_away_again_are_answered(
+    server, engines, client, redis_url
+):
+    # Their entries lost with the first restart, the requests went on; they ended during
+    # a second outage, and at its end the engine took its own tokens in their new streams
+    # for another engine's: it dropped their final events, and the clients waited on.
+    engine = engines("normal", *LONG)
+    sampling = {"max_tokens": MAX_TOKENS, **GREEDY}
+    rids = [client.submit(prompt_token_ids=p, sampling=sampling) for p in PROMPTS]
+    for rid in rids:
+        next(e for e in client.events(rid) if e.event == EventKind.TOKENS)
+    server.kill()  # no append-only file: it comes back with nothing
+    time.sleep(1)
+    server.start()
+    streams = [client.keys.response_stream(rid) for rid in rids]
+    assert eventually(lambda: all(client.redis.exists(s) for s in streams), 60), engine.log()
+    os.kill(server._process.pid, signal.SIGSTOP)
+    try:
+        running = "tandem_engine_requests_running"
+        assert eventually(lambda: engine.metric(running) == 0, 120), "never finished"
+    finally:
+        os.kill(server._process.pid, signal.SIGCONT)
+    for rid in rids:
+        events = list(client.events(rid, timeout=30))
+        assert events[-1].event == EventKind.FINISH, events[-1]
+        assert events[-1].usage["completion_tokens"] == MAX_TOKENS
+
+
 def queue_again(client: Client, rid: str, max_tokens: int = MAX_TOKENS) -> None:
     """What a gateway does for a request a Redis restart lost: a new entry, same id
     (its enqueued marker dropped, as a restart without data drops it)."""
@@ -250,6 +278,13 @@ def test_a_full_redis_is_waited_out_like_an_absent_one(server, engines, client, 
         (
             redis.ResponseError(
                 "Error running script (call to f_4d01): @user_script:8: MISCONF Redis is"
+            ),
+            True,
+        ),
+        (
+            redis.ResponseError(
+                "BUSY Redis is busy running a script. You can only call SCRIPT KILL or "
+                "SHUTDOWN NOSAVE."
             ),
             True,
         ),

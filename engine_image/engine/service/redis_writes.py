@@ -144,12 +144,15 @@ class RedisWrites:
                 self._lost(delivery, True)
             for delivery in lapsed.gone:  # finished elsewhere, or lost with Redis's data
                 history = self.io.responses.history(delivery.request_id)
-                # One about to be acknowledged (its events not yet written) whose
-                # stream has tokens: another engine took it over and did its part.
-                done = delivery in self.to_ack and history.next_offset > 0
-                if done:
+                # Another writer in its stream (an engine that took it over, a gateway
+                # that queued it again after Redis lost it): that one serves it now,
+                # and this engine's unwritten events are stale. Only its own: Redis
+                # lost the entry, and this engine goes on (its final event included).
+                others = history.writers - {self.settings.engine_id}
+                elsewhere = history.final is not None or bool(others)
+                if elsewhere and delivery in self.to_ack:
                     self.to_ack.remove(delivery)
-                self._lost(delivery, done or history.final is not None)
+                self._lost(delivery, elsewhere)
             self._last_keep_alive = now
         if now - self._last_heartbeat > self.settings.heartbeat_every:
             self.heartbeat.beat(self._info())

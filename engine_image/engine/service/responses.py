@@ -29,6 +29,9 @@ class ResponseHistory:
     text: str = ""
     # Set when the request already finished (or failed): do not run it again.
     final: ResponseEvent | None = None
+    # Who wrote its events: engine ids, and "gateway" for a history a gateway wrote
+    # when it queued the request again after Redis lost it.
+    writers: frozenset[str] = frozenset()
 
     @property
     def next_offset(self) -> int:
@@ -161,12 +164,14 @@ class ResponseWriter:
         """
         dedup = ResponseDeduplicator()
         stream = self.keys.response_stream(request_id)
-        low = "-"
+        low, writers = "-", set()
         while not dedup.done:
             chunk = self.client.xrange(stream, min=low, max="+", count=_HISTORY_CHUNK)
             for entry_id, fields in chunk:
-                dedup.accept(ResponseEvent.from_fields(fields))
+                event = ResponseEvent.from_fields(fields)
+                writers.add(event.engine_id)
+                dedup.accept(event)
                 low = f"({as_text(entry_id)}"
             if len(chunk) < _HISTORY_CHUNK:
                 break
-        return ResponseHistory(list(dedup.token_ids), dedup.text, dedup.final)
+        return ResponseHistory(list(dedup.token_ids), dedup.text, dedup.final, frozenset(writers))
