@@ -121,6 +121,9 @@ class Admission:
     async def admit(self, caller: ApiKey, job: Job, idempotency_key: str | None) -> Ticket:
         check_model(caller, job.model)  # first, as retrieve_model: nothing of other models
         if not await self.directory.is_served(job.model):
+            # A Redis that refuses writes (full, say) lets the engines' registry entries
+            # lapse: that is a 503 to retry, not a model that does not exist.
+            await self.broker.check_writable()
             raise model_not_found(job.model, await self.directory.served_for(caller))
         if (gap := await self.directory.missing_role(job.model)) is not None:
             raise missing_role(job.model, *gap, MISSING_ROLE_RETRY_S)

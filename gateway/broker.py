@@ -53,6 +53,10 @@ class Broker:
         except (aioredis.RedisError, OSError):  # TimeoutError is an OSError
             return False
 
+    async def check_writable(self) -> None:
+        """Raise Redis's refusal (OOM, READONLY, ...) when it takes no writes now."""
+        await self.client.set(self.keys.probe_key("gateway"), 1, ex=10)
+
     async def run_id(self) -> str:
         """The Redis server's run_id (INFO server): a new one after every restart."""
         return as_text((await self.client.info("server"))["run_id"])

@@ -292,6 +292,29 @@ def test_a_full_redis_is_a_503_that_says_so(server, keys, start_gateway):
     assert error["code"] == "redis_unreachable"
 
 
+def test_a_model_whose_engines_lapsed_while_redis_is_full_is_a_503_not_unknown(
+    server, keys, start_gateway
+):
+    # A full Redis refuses the engines' heartbeats: their registry entries expire, and
+    # 20 s on every request was a 404 "does not exist", which no SDK retries.
+    conn = _served(server.url, keys)
+    gateway = start_gateway(redis_url=server.url)
+    conn.config_set("maxmemory-policy", "noeviction")
+    conn.config_set("maxmemory", 1)
+    try:
+        conn.delete(keys.engine_key("idle"))  # as its TTL would (a delete is let through)
+        conn.srem(keys.engines_set, "idle")
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
+        with httpx.Client(base_url=gateway.url, headers=HEADERS, timeout=30) as client:
+            time.sleep(1.2)  # past the gateway's cached list of models
+            reply = client.post("/v1/completions", json=body)
+    finally:
+        conn.config_set("maxmemory", 0)
+        conn.close()
+    assert reply.status_code == 503, reply.text
+    assert reply.json()["error"]["message"].startswith("Redis is full (maxmemory)")
+
+
 def test_a_model_served_moments_ago_is_queued_not_unknown(server, keys, start_gateway):
     # After a Redis outage the engines' entries have expired (or were lost) until each
     # beats again: the model looked unknown, and its requests got a 404, which the
