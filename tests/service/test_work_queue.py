@@ -412,3 +412,18 @@ def test_engines_gone_with_nothing_pending_leave_the_group(redis_client, keys, q
     enqueue(redis_client, keys, item("r4"))
     assert ids(done.pull(5).work) == ["r1", "r4"]
     assert consumers(redis_client, keys) == ["busy", "done"]
+
+
+def test_entries_a_lost_pull_took_are_released_uncounted_and_known_ones_kept(
+    redis_client, keys, queue
+):
+    # Redis ran the pull, then the connection broke: the entry was pending here, under
+    # no request the engine knew, for the whole claim_idle_ms.
+    engine = queue("engine-a", claim_idle_ms=30_000, max_deliveries=1)
+    for rid in ("held", "lost"):
+        enqueue(redis_client, keys, item(rid))
+    held, _lost_reply = engine.pull(2).work
+    assert engine.release_strays([held]) == 1
+    (taken,) = queue("engine-b", claim_idle_ms=30_000, max_deliveries=1).pull(5).work
+    assert (taken.request_id, taken.times_delivered, taken.exhausted) == ("lost", 1, False)
+    assert engine.keep_alive([held]) == Lapsed(), "the one it knows stays its own"

@@ -36,15 +36,17 @@ class RedisWrites:
         handoffs: HandoffFlow | None,
         *,
         held: Callable[[], list[Delivery]],
+        untaken: Callable[[], list[Delivery]],
         lost: Callable[[Delivery, bool], None],
         info: Callable[[], EngineInfo],
     ) -> None:
-        """held(): the deliveries to keep alive. lost(delivery, elsewhere): one of them
-        is not this engine's any more: another engine took it over or finished it
+        """held(): the deliveries to keep alive. untaken(): those pulled and not taken
+        yet (Redis went away as they were). lost(delivery, elsewhere): one held is not
+        this engine's any more: another engine took it over or finished it
         (elsewhere=True: drop it), or Redis lost it (False: nobody else will serve it).
         info(): the registry entry to send now."""
         self.io, self.settings, self.heartbeat, self.handoffs = io, settings, heartbeat, handoffs
-        self._held, self._lost, self._info = held, lost, info
+        self._held, self._untaken, self._lost, self._info = held, untaken, lost, info
         self.outage = RedisOutage(io.writable)
         # Entries to acknowledge once the events before them are written.
         self.to_ack: list[Delivery] = []
@@ -126,6 +128,11 @@ class RedisWrites:
 
     def _rejoin(self) -> None:
         self.io.queue.ensure_groups()  # Redis may be back without its data
+        # A pull whose reply the outage lost left entries pending here that nobody runs.
+        known = [*self._held(), *self._untaken(), *self.to_ack]
+        strays = self.io.queue.release_strays(known)
+        if strays:
+            log.info("handed back %d entries a pull took as Redis went away", strays)
         self._last_keep_alive = self._last_heartbeat = 0.0
         self._periodic()
 

@@ -310,6 +310,16 @@ class WorkQueue:
         restarts an engine under its id). Left alone they would wait the whole
         claim_idle_ms, though nobody runs them. Call once, before the first pull; the
         delivery that died still counts. Returns how many."""
+        return self._release_pending(set(), counted=True)
+
+    def release_strays(self, known: Iterable[Delivery]) -> int:
+        """Hand back, at once and uncounted, entries pending under this engine's id that
+        it does not know of: taken by a pull whose reply was lost (Redis ran it, then the
+        connection broke, or a paused Redis ran it late). Left alone they would wait the
+        whole claim_idle_ms. Returns how many."""
+        return self._release_pending({(d.stream, d.entry_id) for d in known}, counted=False)
+
+    def _release_pending(self, known: set[tuple[str, str]], *, counted: bool) -> int:
         pipe = self.client.pipeline(transaction=False)
         for stream in self.streams:
             pipe.xpending_range(stream, self.group, "-", "+", _INHERITED_MAX, self.consumer)
@@ -317,8 +327,10 @@ class WorkQueue:
         pipe = self.client.pipeline(transaction=False)
         for stream, rows in zip(self.streams, pending, strict=True):
             ids = [] if isinstance(rows, Exception) else [as_text(r["message_id"]) for r in rows]
+            ids = [i for i in ids if (stream, i) not in known]
             if ids:
-                args = [self.group, self.consumer, HANDED_BACK_IDLE_MS, "0", *ids]
+                uncount = "0" if counted else "1"
+                args = [self.group, self.consumer, HANDED_BACK_IDLE_MS, uncount, *ids]
                 self._hand_back_script(keys=[stream], args=args, client=pipe)
         return sum(int(n) for n in pipe.execute())
 

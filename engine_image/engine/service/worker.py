@@ -90,6 +90,7 @@ class EngineWorker:
             self.heartbeat,
             handoffs,
             held=self._pending_deliveries,
+            untaken=lambda: self._untaken,
             lost=self._lost,
             info=self._beat_info,
         )
