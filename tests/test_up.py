@@ -347,7 +347,7 @@ def test_the_demo_asks_its_gateway_directly_whatever_proxy_the_environment_names
             self.wfile.write(body)
 
         def log_message(self, *args):
-            pass
+            pass  # http.server logs every request to stderr
 
     with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gateway) as server:
         threading.Thread(target=server.serve_forever, daemon=True).start()

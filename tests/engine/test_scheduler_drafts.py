@@ -74,27 +74,27 @@ def test_drafts_are_trimmed_to_the_tokens_left():
     assert sched.requests == {}
 
 
-def test_drafts_shrink_to_the_free_blocks_rather_than_preempt_a_request():
-    sched = make(max_model_len=16, block_size=4, num_speculative_tokens=4, vocab_size=100)
-    sched = type(sched)(sched.config, num_blocks=4)
+def _two_prefilled(num_blocks: int, b_prompt: int):
+    """The decode plan after a (6 prompt tokens) and b prefilled, blocks of 4 tokens,
+    each with 4 placeholder drafts."""
+    sched = make(num_blocks, max_model_len=16, block_size=4, num_speculative_tokens=4,
+                 vocab_size=100)  # fmt: skip
     short = SamplingParams(max_tokens=8, ignore_eos=True)
     sched.add_request(Request("a", prompt(6), short))
-    sched.add_request(Request("b", prompt(6, 50), short))
-    step(sched)  # both prefilled: two blocks each, the pool full
-    plan = sched.schedule()
+    sched.add_request(Request("b", prompt(b_prompt, 50), short))
+    step(sched)
+    return sched.schedule()
+
+
+def test_drafts_shrink_to_the_free_blocks_rather_than_preempt_a_request():
+    plan = _two_prefilled(4, 6)  # two blocks each: the pool full
     # a's next token fits its second block; its placeholder drafts do not.
     assert not plan.preempted_request_ids
     assert plan.num_scheduled_tokens == {"a": 2, "b": 2}
 
 
 def test_one_requests_drafts_never_take_the_block_anothers_next_token_needs():
-    sched = make(max_model_len=16, block_size=4, num_speculative_tokens=4, vocab_size=100)
-    sched = type(sched)(sched.config, num_blocks=5)
-    short = SamplingParams(max_tokens=8, ignore_eos=True)
-    sched.add_request(Request("a", prompt(6), short))
-    sched.add_request(Request("b", prompt(8, 50), short))
-    step(sched)  # a holds 2 blocks, b 2 (full): one block free
-    plan = sched.schedule()
+    plan = _two_prefilled(5, 8)  # a holds 2 blocks, b 2 (full): one block free
     # b's next token (position 8) needs the free block; a's drafts must not take it.
     assert not plan.preempted_request_ids
     assert plan.num_scheduled_tokens["b"] >= 1 and set(plan.num_scheduled_tokens) == {"a", "b"}
