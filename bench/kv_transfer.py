@@ -95,7 +95,7 @@ def timed(fn: Callable[[], object]) -> tuple[float, float]:
 def run_size(num_tokens: int, repeats: int) -> dict[str, list[float]]:
     src, src_slots = random_caches(num_tokens)
     dst, dst_slots = random_caches(num_tokens)
-    pinned = {str(i): PinnedKV(str(i), src_slots, "fp") for i in range(repeats + 1)}
+    pinned = {str(i): PinnedKV(str(i), src_slots, "fp", "token") for i in range(repeats + 1)}
     server = KVServer(src, LAYOUT, pinned.get, lambda handle: None, "127.0.0.1")
     address = server.start()
     size = num_tokens * LAYOUT.bytes_per_token
@@ -104,7 +104,7 @@ def run_size(num_tokens: int, repeats: int) -> dict[str, list[float]]:
     runs: dict[str, list[float]] = {"handoff": [], "handoff_cpu": [], "raw": [], "raw_cpu": []}
     try:
         for i in range(repeats + 1):  # the first round warms both paths up
-            args = (address, str(i), "fp", num_tokens, dst_slots, dst, LAYOUT, 30.0)
+            args = (address, str(i), "token", "fp", num_tokens, dst_slots, dst, LAYOUT, 30.0)
             handoff = timed(lambda args=args: fetch_kv(*args))
             baseline = timed(lambda: raw_copy(raw.address, out))
             if i:

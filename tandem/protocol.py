@@ -221,7 +221,8 @@ class Handoff(_Message):
     prompt_token_ids: list[int]
     # Tokens the prefill sampled (already sent to the client).
     first_token_ids: list[int]
-    # Where the KV is: the PROMPT engine's KV server, and the handle to ask for.
+    # Where the KV is: the PROMPT engine's KV server, the handle to ask for, and the
+    # offer's secret a fetch must present (a secret: never log a Handoff whole).
     kv_address: str
     kv_handle: str
     # Tokens of KV on offer (the prompt), and what they must match.
@@ -232,6 +233,8 @@ class Handoff(_Message):
     expires_at: float
     # Prompt tokens the PROMPT engine served from its prefix cache (for usage).
     num_cached_tokens: int = 0
+    # Empty from an engine older than the tokens: its KV server asks for none.
+    kv_token: str = ""
 
     def __post_init__(self) -> None:
         # A decoder reserves and writes KV by these numbers: one that disagrees with the
@@ -253,7 +256,7 @@ class Handoff(_Message):
             )
         if not isinstance(self.expires_at, int | float) or isinstance(self.expires_at, bool):
             raise ProtocolError(f"handoff expires_at must be a number, got {self.expires_at!r}")
-        texts = ("kv_address", "kv_handle", "fingerprint", "prompt_engine")
+        texts = ("kv_address", "kv_handle", "kv_token", "fingerprint", "prompt_engine")
         if not isinstance(self.work, dict) or not all(
             isinstance(getattr(self, n), str) for n in texts
         ):

@@ -486,6 +486,45 @@ def test_cancelling_a_request_whose_kv_is_offered_unpins_it_at_once(
     assert decode.metric("tandem_engine_kv_transfer_bytes_total") == 0
 
 
+def test_offered_kv_is_served_only_to_a_fetch_with_the_handoffs_token(
+    engines, client, redis_url, keys
+):
+    import torch
+
+    from tandem.engine.model.random_model import random_config
+    from tandem.engine.service.kv_tcp import fetch_kv
+    from tandem.engine.service.kv_transfer import KVLayout, KVTransferError
+
+    # No decoder: the KV waits in an offer whose handle is the request id, which the
+    # client and the logs know. Its token travels only in the Handoff, through Redis.
+    prompt = engines("prompt", "--handoff-ttl", "60")
+    rid = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 8, **GREEDY})
+    assert eventually(lambda: prompt.metric("tandem_engine_kv_pinned_requests") == 1)
+    conn = redis.Redis.from_url(redis_url)
+    [(_, fields)] = conn.xrange(keys.handoff_stream("tiny"))
+    conn.close()
+    handoff = Handoff.from_fields(fields)
+    assert handoff.kv_handle == rid and len(handoff.kv_token) >= 16
+    config = random_config("tiny")
+    layout = KVLayout(
+        config.num_hidden_layers, config.num_key_value_heads, config.head_dim, torch.float32
+    )
+    shape = (2, 4, 16, layout.num_kv_heads, layout.head_dim)
+    caches = [torch.zeros(shape) for _ in range(layout.num_layers)]
+    n = handoff.num_kv_tokens
+    args = (handoff.fingerprint, n, torch.arange(n), caches, layout, 10.0)
+    for guess in ("", rid, handoff.kv_token[:-1]):
+        with pytest.raises(KVTransferError, match="unknown or expired") as refused:
+            fetch_kv(handoff.kv_address, handoff.kv_handle, guess, *args)
+        assert refused.value.reason == "refused"
+    assert all(not c.any() for c in caches)  # no KV came
+    assert prompt.metric("tandem_engine_kv_pinned_requests") == 1  # still on offer
+    fetch_kv(handoff.kv_address, handoff.kv_handle, handoff.kv_token, *args)
+    assert caches[0].any()
+    # The fetch acknowledged it: freed, as after a decoder's fetch.
+    assert eventually(lambda: prompt.metric("tandem_engine_kv_pinned_requests") == 0)
+
+
 def test_a_request_cancelled_while_queued_is_counted_where_it_ends(
     engines, client, redis_url, keys
 ):

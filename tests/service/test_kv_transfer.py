@@ -26,6 +26,7 @@ BLOCKS, BLOCK_SIZE = 16, 4
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 TOKENS = 37  # ends in a partial block
 LAYER_BYTES = TOKENS * LAYOUT.layer_token_bytes
+TOKEN = "offer-secret"  # the token of every offer below but where a test says
 
 
 def caches(layout: KVLayout, seed: int) -> list[torch.Tensor]:
@@ -78,7 +79,7 @@ def test_round_trip_copies_exactly_the_requests_rows(dtype):
     src, dst = caches(layout, seed=1), caches(layout, seed=2)
     before = [c.clone() for c in dst]
     src_slots, dst_slots = scattered_slots(TOKENS, seed=3), scattered_slots(TOKENS, seed=4)
-    offers = Offers(PinnedKV("req-1", src_slots, "fp"))
+    offers = Offers(PinnedKV("req-1", src_slots, "fp", TOKEN))
     # Frames of 3 tokens: every layer takes many frames, the last one partial.
     sent: list[int] = []  # the PROMPT engine's tandem_engine_kv_served_bytes_total
     server = KVServer(
@@ -92,7 +93,7 @@ def test_round_trip_copies_exactly_the_requests_rows(dtype):
     )
     address = server.start()
     try:
-        stats = fetch_kv(address, "req-1", "fp", TOKENS, dst_slots, dst, layout, timeout=10)
+        stats = fetch_kv(address, "req-1", TOKEN, "fp", TOKENS, dst_slots, dst, layout, timeout=10)
         assert offers.any_fetched.wait(5)
     finally:
         server.stop()
@@ -109,7 +110,8 @@ def test_round_trip_copies_exactly_the_requests_rows(dtype):
 
 
 def fetch_error(address: str, handle: str = "req-1", **overrides: object) -> KVTransferError:
-    args = dict(fingerprint="fp", num_tokens=TOKENS, dest_slots=scattered_slots(TOKENS, 4))
+    args = dict(token=TOKEN, fingerprint="fp", num_tokens=TOKENS)
+    args.update(dest_slots=scattered_slots(TOKENS, 4))
     args.update(kv_caches=caches(LAYOUT, 2), layout=LAYOUT, timeout=5.0)
     args.update(overrides)
     with pytest.raises(KVTransferError) as info:
@@ -121,16 +123,24 @@ def fetch_error(address: str, handle: str = "req-1", **overrides: object) -> KVT
     ("case", "reason", "words"),
     [
         ("unknown handle", "refused", "unknown or expired"),
+        # A wrong or missing token reads as an unknown handle, whatever else the fetch
+        # gets wrong after it: a guess learns nothing of which handles exist.
+        ("wrong token", "refused", "unknown or expired"),
+        ("no token", "refused", "unknown or expired"),
+        ("wrong token and fingerprint", "refused", "unknown or expired"),
         ("fingerprint", "mismatch", "fingerprint"),
         ("token count", "mismatch", "tokens"),
         ("layout", "mismatch", "layout"),
     ],
 )
 def test_refusals_raise_their_reason_and_free_nothing(case, reason, words):
-    offers = Offers(PinnedKV("req-1", scattered_slots(TOKENS, 3), "fp"))
+    offers = Offers(PinnedKV("req-1", scattered_slots(TOKENS, 3), "fp", TOKEN))
     other = KVLayout(3, 2, 16, torch.float32)
     overrides = {
         "unknown handle": {"handle": "nope"},
+        "wrong token": {"token": TOKEN[:-1] + "?"},
+        "no token": {"token": ""},
+        "wrong token and fingerprint": {"token": "guess", "fingerprint": "other-weights"},
         "fingerprint": {"fingerprint": "other-weights"},
         "token count": {"num_tokens": TOKENS - 1, "dest_slots": scattered_slots(TOKENS - 1, 4)},
         "layout": {"layout": other, "kv_caches": caches(other, 2)},
@@ -145,7 +155,7 @@ def test_refusals_raise_their_reason_and_free_nothing(case, reason, words):
 
 
 def test_kv_released_during_the_transfer_is_refused():
-    pinned = PinnedKV("req-1", scattered_slots(TOKENS, 3), "fp")
+    pinned = PinnedKV("req-1", scattered_slots(TOKENS, 3), "fp", TOKEN)
     offers = Offers(pinned)
     looked_up = []
 
@@ -172,7 +182,7 @@ def test_nothing_listening_is_unreachable():
 
 
 def test_stopped_server_is_unreachable():
-    offers = Offers(PinnedKV("req-1", scattered_slots(TOKENS, 3), "fp"))
+    offers = Offers(PinnedKV("req-1", scattered_slots(TOKENS, 3), "fp", TOKEN))
     with serving(caches(LAYOUT, 1), offers) as server:
         address = server.address
     assert fetch_error(address).reason == "unreachable"
@@ -180,7 +190,7 @@ def test_stopped_server_is_unreachable():
 
 
 def test_stop_cuts_a_connection_that_never_asks():
-    offers = Offers(PinnedKV("req-1", scattered_slots(TOKENS, 3), "fp"))
+    offers = Offers(PinnedKV("req-1", scattered_slots(TOKENS, 3), "fp", TOKEN))
     with serving(caches(LAYOUT, 1), offers) as server:
         idle = socket.create_connection(("127.0.0.1", int(server.address.rsplit(":", 1)[1])))
         time.sleep(0.05)  # let a worker take it and wait for its request
@@ -271,7 +281,7 @@ def _pipe(source: socket.socket, sink: socket.socket) -> None:
 
 @pytest.mark.parametrize(("corrupt", "reason"), [(False, "unreachable"), (True, "checksum")])
 def test_server_dying_or_corrupting_mid_stream(corrupt, reason):
-    offers = Offers(PinnedKV("req-1", scattered_slots(TOKENS, 3), "fp"))
+    offers = Offers(PinnedKV("req-1", scattered_slots(TOKENS, 3), "fp", TOKEN))
     # One frame per layer; the offset lands mid-payload of layer 1's frame whatever the
     # few hundred bytes of JSON header before the frames.
     with serving(caches(LAYOUT, 1), offers, frame_bytes=1 << 20) as server:
@@ -290,7 +300,7 @@ def test_two_fetches_at_once_from_one_server():
     slots = {"a": scattered_slots(tokens, 5), "b": scattered_slots(tokens, 6)}
     dests = {"a": scattered_slots(tokens, 7), "b": scattered_slots(tokens, 8)}
     dst = {h: caches(LAYOUT, seed=9) for h in slots}
-    offers = Offers(*(PinnedKV(h, s, f"fp-{h}") for h, s in slots.items()))
+    offers = Offers(*(PinnedKV(h, s, f"fp-{h}", TOKEN) for h, s in slots.items()))
     server = KVServer(src, LAYOUT, offers.lookup, offers.on_fetched, "127.0.0.1")
     address = server.start()
     start = threading.Barrier(2)
@@ -300,7 +310,15 @@ def test_two_fetches_at_once_from_one_server():
         start.wait()
         try:
             fetch_kv(
-                address, handle, f"fp-{handle}", tokens, dests[handle], dst[handle], LAYOUT, 10.0
+                address,
+                handle,
+                TOKEN,
+                f"fp-{handle}",
+                tokens,
+                dests[handle],
+                dst[handle],
+                LAYOUT,
+                10.0,
             )
         except BaseException as exc:
             errors.append(exc)
@@ -331,7 +349,8 @@ def test_two_fetches_at_once_from_one_server():
     ],
 )
 def test_bad_arguments_raise_value_error(overrides, words):
-    args = dict(fingerprint="fp", num_tokens=TOKENS, dest_slots=scattered_slots(TOKENS, 4))
+    args = dict(token=TOKEN, fingerprint="fp", num_tokens=TOKENS)
+    args.update(dest_slots=scattered_slots(TOKENS, 4))
     args.update(kv_caches=caches(LAYOUT, 2), layout=LAYOUT, timeout=5.0)
     args.update(overrides)
     with pytest.raises(ValueError, match=words):
@@ -343,6 +362,7 @@ def test_address_without_port_raises_value_error():
         fetch_kv(
             "kv-server",
             "req-1",
+            TOKEN,
             "fp",
             TOKENS,
             scattered_slots(TOKENS, 4),
@@ -357,14 +377,14 @@ def test_a_silent_prompt_engine_does_not_hold_up_the_healthy_ones():
     # then one from a healthy engine. On the two fetch threads each silent fetch took
     # its whole timeout, so the healthy one waited for two more of them.
     src = caches(LAYOUT, seed=1)
-    offers = Offers(PinnedKV("good", scattered_slots(TOKENS, 3), "fp"))
+    offers = Offers(PinnedKV("good", scattered_slots(TOKENS, 3), "fp", TOKEN))
     silent = socket.create_server(("127.0.0.1", 0))  # the kernel accepts; nobody answers
     fetches = KVFetches(fetch_kv)  # two threads
     dst = caches(LAYOUT, seed=2)
     outcomes: dict = {}
 
     def start(rid: str, address: str) -> None:
-        args = dict(handle=rid, fingerprint="fp", num_tokens=TOKENS, layout=LAYOUT)
+        args = dict(handle=rid, token=TOKEN, fingerprint="fp", num_tokens=TOKENS, layout=LAYOUT)
         args.update(dest_slots=scattered_slots(TOKENS, 4), kv_caches=dst, timeout=1.0)
         fetches.start(rid, address=address, **args)
 
@@ -405,7 +425,7 @@ def _port(server: KVServer) -> int:
 def _fetch_ok(server: KVServer, src: list[torch.Tensor], slots: torch.Tensor) -> None:
     dst = caches(LAYOUT, 2)
     dst_slots = scattered_slots(TOKENS, 4)
-    fetch_kv(server.address, "req-1", "fp", TOKENS, dst_slots, dst, LAYOUT, timeout=10)
+    fetch_kv(server.address, "req-1", TOKEN, "fp", TOKENS, dst_slots, dst, LAYOUT, timeout=10)
     for got, want in zip(rows(dst, dst_slots), rows(src, slots), strict=True):
         assert torch.equal(got, want)
 
@@ -415,7 +435,9 @@ def test_silent_peers_hold_the_transfer_threads_two_seconds_not_thirty():
     # real fetch behind them timed out and recomputed, for as long as they stayed.
     src, slots = caches(LAYOUT, 1), scattered_slots(TOKENS, 3)
     failures: list[str] = []
-    with serving(src, Offers(PinnedKV("req-1", slots, "fp")), on_failure=failures.append) as s:
+    with serving(
+        src, Offers(PinnedKV("req-1", slots, "fp", TOKEN)), on_failure=failures.append
+    ) as s:
         silent = [socket.create_connection(("127.0.0.1", _port(s))) for _ in range(4)]
         try:
             started = time.monotonic()
@@ -430,7 +452,7 @@ def test_silent_peers_hold_the_transfer_threads_two_seconds_not_thirty():
 def test_connections_past_the_queue_are_closed_at_once_and_counted():
     src, slots = caches(LAYOUT, 1), scattered_slots(TOKENS, 3)
     failures: list[str] = []
-    offers = Offers(PinnedKV("req-1", slots, "fp"))
+    offers = Offers(PinnedKV("req-1", slots, "fp", TOKEN))
     with serving(src, offers, max_connections=1, max_queued=1, on_failure=failures.append) as s:
         held = [socket.create_connection(("127.0.0.1", _port(s))) for _ in range(2)]
         extra = socket.create_connection(("127.0.0.1", _port(s)), timeout=5)
@@ -446,7 +468,7 @@ def test_a_fetch_that_waited_past_its_fetchers_patience_is_not_served():
     # Served after its fetcher gave up (it recomputes), it pinned nothing but cost a turn.
     src, slots = caches(LAYOUT, 1), scattered_slots(TOKENS, 3)
     failures: list[str] = []
-    offers = Offers(PinnedKV("req-1", slots, "fp"))
+    offers = Offers(PinnedKV("req-1", slots, "fp", TOKEN))
     with serving(src, offers, max_connections=1, stale_after=0.5, on_failure=failures.append) as s:
         silent = socket.create_connection(("127.0.0.1", _port(s)))  # holds the one thread 2 s
         try:
@@ -465,7 +487,9 @@ def test_a_failed_accept_is_retried_not_the_end_of_the_server():
     # handoff was ever served again, and nothing said so.
     src, slots = caches(LAYOUT, 1), scattered_slots(TOKENS, 3)
     failures: list[str] = []
-    with serving(src, Offers(PinnedKV("req-1", slots, "fp")), on_failure=failures.append) as s:
+    with serving(
+        src, Offers(PinnedKV("req-1", slots, "fp", TOKEN)), on_failure=failures.append
+    ) as s:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         in_use = len(os.listdir("/proc/self/fd"))
         clients = subprocess.Popen(  # its own descriptors: only the server's run out
@@ -500,14 +524,14 @@ def test_a_fetcher_slow_to_read_has_the_io_timeout_not_the_requests_two_seconds(
     layout = KVLayout(num_layers=64, num_kv_heads=8, head_dim=128, dtype=torch.float32)
     src, slots = caches(layout, 1), scattered_slots(TOKENS, 3)
     failures: list[str] = []
-    offers = Offers(PinnedKV("req-1", slots, "fp"))
+    offers = Offers(PinnedKV("req-1", slots, "fp", TOKEN))
     server = KVServer(
         src, layout, offers.lookup, offers.on_fetched, "127.0.0.1", on_failure=failures.append
     )
     proxy = Proxy(server.start(), pause_s=3.0)
     try:
         dst, dst_slots = caches(layout, 2), scattered_slots(TOKENS, 4)
-        stats = fetch_kv(proxy.address, "req-1", "fp", TOKENS, dst_slots, dst, layout, 10)
+        stats = fetch_kv(proxy.address, "req-1", TOKEN, "fp", TOKENS, dst_slots, dst, layout, 10)
         assert offers.any_fetched.wait(5)
     finally:
         proxy.close()

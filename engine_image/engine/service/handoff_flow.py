@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
+import secrets
 import time
 
 import torch
@@ -95,7 +96,9 @@ class HandoffFlow:
         num_kv = request.num_computed_tokens  # every token but the newest sampled one
         slots = token_slots(request.block_ids, num_kv, self.block_size)
         expires_at = time.time() + self.settings.handoff_ttl
-        self.offers.add(PinnedKV(out.request_id, slots, self.settings.fingerprint), expires_at)
+        token = secrets.token_urlsafe(16)  # travels only in the Handoff, through Redis
+        fingerprint = self.settings.fingerprint
+        self.offers.add(PinnedKV(out.request_id, slots, fingerprint, token), expires_at)
         self._to_publish.append(
             (
                 Handoff(
@@ -104,8 +107,9 @@ class HandoffFlow:
                     first_token_ids=request.output_token_ids,
                     kv_address=self.settings.kv_address,
                     kv_handle=out.request_id,
+                    kv_token=token,
                     num_kv_tokens=num_kv,
-                    fingerprint=self.settings.fingerprint,
+                    fingerprint=fingerprint,
                     prompt_engine=self.settings.engine_id,
                     expires_at=expires_at,
                     num_cached_tokens=out.num_cached_tokens,
@@ -226,6 +230,7 @@ class HandoffFlow:
             rid,
             address=handoff.kv_address,
             handle=handoff.kv_handle,
+            token=handoff.kv_token,
             fingerprint=handoff.fingerprint,
             num_tokens=handoff.num_kv_tokens,
             dest_slots=token_slots(table, handoff.num_kv_tokens, self.block_size),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import socket
 import sys
@@ -241,10 +242,11 @@ class KVServer:
         handle, want = request.get("handle"), self._layout.to_dict()
         pinned = self._lookup(handle) if isinstance(handle, str) else None
         if request.get("v") != WIRE_VERSION or request.get("op") != "fetch":
-            why = Reason.PROTOCOL, f"expected a wire version {WIRE_VERSION} fetch: {request!r:.200}"
+            shown = {k: v for k, v in request.items() if k != "token"}  # logged: keep it out
+            why = Reason.PROTOCOL, f"expected a wire version {WIRE_VERSION} fetch: {shown!r:.200}"
         elif request.get("layout") != want:
             why = Reason.MISMATCH, f"KV layout {request.get('layout')!r:.200}, server's {want}"
-        elif pinned is None:
+        elif pinned is None or not _token_matches(request.get("token"), pinned.token):
             why = Reason.REFUSED, f"handle {handle!r:.100} is unknown or expired"
         elif request.get("fingerprint") != pinned.fingerprint:
             why = Reason.MISMATCH, f"the fingerprint does not match handle {handle!r}'s"
@@ -259,9 +261,15 @@ class KVServer:
         return None, {"reason": why[0], "error": why[1]}
 
 
+def _token_matches(given: object, token: str) -> bool:
+    # In constant time: a reply's delay must not tell how much of a guess was right.
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), token.encode())
+
+
 def fetch_kv(
     address: str,
     handle: str,
+    token: str,
     fingerprint: str,
     num_tokens: int,
     dest_slots: torch.Tensor,
@@ -269,7 +277,8 @@ def fetch_kv(
     layout: KVLayout,
     timeout: float,
 ) -> TransferStats:
-    """Copy the KV of `handle` from the KV server at `address` into dest_slots.
+    """Copy the KV of `handle` (whose offer's secret is `token`) from the KV server at
+    `address` into dest_slots.
 
     dest_slots: long [num_tokens], the flat cache slots (position order) of the blocks
     reserved for the request. `timeout` bounds the whole fetch. Raises KVTransferError
@@ -289,7 +298,7 @@ def fetch_kv(
     if not host or not port.isdigit():
         raise ValueError(f"KV address must be host:port, got {address!r}")
     start, deadline = time.perf_counter(), time.monotonic() + timeout
-    request = {"op": "fetch", "handle": handle, "fingerprint": fingerprint}
+    request = {"op": "fetch", "handle": handle, "token": token, "fingerprint": fingerprint}
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout) as sock:
             tune(sock)

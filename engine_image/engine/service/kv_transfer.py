@@ -1,17 +1,17 @@
 """KV handoff: a PROMPT engine serves a prefilled request's KV, a COMPLETION engine fetches it.
 
 The PROMPT engine runs a KVServer beside its step loop; the Handoff names its address,
-the handle and the fingerprint. The COMPLETION engine reserves blocks, runs fetch_kv()
-off its main thread, and marks the request decodable only once fetch_kv returned: a
-failed fetch raises KVTransferError and leaves nothing usable, so the caller counts
-the reason and recomputes the prompt. This module holds what any transport shares;
-TCP (kv_tcp.py) is the one here. An RDMA transport (NIXL, Mooncake) would be a second
-server and fetch function keeping KVServer's callbacks and fetch_kv's errors, picked
-in main.py and handoff_flow.py.
+the handle, the handle's token and the fingerprint. The COMPLETION engine reserves
+blocks, runs fetch_kv() off its main thread, and marks the request decodable only once
+fetch_kv returned: a failed fetch raises KVTransferError and leaves nothing usable,
+so the caller counts the reason and recomputes the prompt. This module holds what any
+transport shares; TCP (kv_tcp.py) is the one here. An RDMA transport (NIXL, Mooncake)
+would be a second server and fetch function keeping KVServer's callbacks and
+fetch_kv's errors, picked in main.py and handoff_flow.py.
 
 TCP wire format, version WIRE_VERSION (control messages in JSON, KV as raw bytes):
     message = magic b"TKVM", u32 length, a JSON object of that length
-    client -> {"v", "op": "fetch", "handle", "fingerprint", "num_tokens", "layout"}
+    client -> {"v", "op": "fetch", "handle", "token", "fingerprint", "num_tokens", "layout"}
     server -> {"v", "ok": true, "layout", "num_tokens", "frame_tokens", "byteorder"}
               or {"v", "ok": false, "reason", "error"}, and it closes
     server -> frames, layer by layer, frame_tokens tokens each (the last fewer):
@@ -19,6 +19,11 @@ TCP wire format, version WIRE_VERSION (control messages in JSON, KV as raw bytes
               payload: K then V rows of those tokens, [2, tokens, kv_heads, head_dim]
     server -> {"v", "ok": true}: the rows were still pinned when read
     client -> {"v", "op": "ack", "handle"}: only now may the server free the KV
+
+The token is a random secret made for each offer and sent only in its Handoff, through
+Redis: a peer that reaches the KV port without reading Redis cannot fetch a request's
+KV (its prompt, in effect) by guessing or learning the request id. A wrong token is
+refused as an unknown handle is, so that a guess does not learn which handles exist.
 """
 
 from __future__ import annotations
@@ -120,6 +125,7 @@ class PinnedKV:
     handle: str
     slots: torch.Tensor  # long [num_tokens]: flat cache slot of each position, in order
     fingerprint: str
+    token: str  # the secret a fetch must present (sent only in the Handoff)
 
 
 @dataclass(frozen=True)
