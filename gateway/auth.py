@@ -4,6 +4,10 @@ Keys come from a file (`--api-keys-file`, YAML or JSON: a list of
 {key | key_sha256, name, models, rpm, tpm, prefix_cache}) and from TANDEM_API_KEYS (plain
 keys separated by commas: every model, no quota). Only SHA-256 digests are
 kept, so a memory dump or a log of the store never shows a key.
+
+The file is read again when it changes (looked at every RELOAD_EVERY_S at most, as
+requests come), so a key revoked from a mounted Secret stops working without a
+restart; a file that no longer reads keeps the keys in use, and says why in the log.
 """
 
 from __future__ import annotations
@@ -11,8 +15,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
+import os
 import re
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +29,12 @@ import yaml
 from tandem import strict_yaml
 from tandem.gateway.errors import forbidden, unauthorized
 
+log = logging.getLogger(__name__)
+
 ENV_VAR = "TANDEM_API_KEYS"
+# How stale the keys may be: a Secret's update reaches its pods within a minute or
+# two (the kubelet's sync), then within this many seconds the gateway's answers.
+RELOAD_EVERY_S = 5.0
 _NAME = re.compile(r"^[A-Za-z0-9_.@:-]{1,64}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _FIELDS = {"key", "key_sha256", "name", "models", "rpm", "tpm", "prefix_cache"}
@@ -53,7 +65,13 @@ ANONYMOUS = ApiKey("anonymous")
 class KeyStore:
     """Digest -> ApiKey; `open_access()` lets everyone in as ANONYMOUS (--no-auth)."""
 
-    def __init__(self, keys: Mapping[bytes, ApiKey], *, open_access: bool = False) -> None:
+    def __init__(
+        self,
+        keys: Mapping[bytes, ApiKey],
+        *,
+        open_access: bool = False,
+        source: _KeyFile | None = None,
+    ) -> None:
         if not keys and not open_access:
             raise ValueError(
                 "no API keys configured: pass --api-keys-file, set TANDEM_API_KEYS, "
@@ -61,36 +79,38 @@ class KeyStore:
             )
         self._keys = dict(keys)
         self.open_access = open_access
+        self._source = source  # None: the keys never change
 
     @classmethod
     def open(cls) -> KeyStore:
         return cls({}, open_access=True)
 
     @classmethod
-    def load(cls, path: str | None, env_value: str | None) -> KeyStore:
-        """Keys from a file and/or the TANDEM_API_KEYS value; ValueError if none or bad."""
-        entries: list[tuple[bytes, ApiKey]] = []
-        if path:
-            entries += parse_key_file(Path(path))
-        if env_value and env_value.strip():
-            entries += parse_env_keys(env_value)
-        keys: dict[bytes, ApiKey] = {}
-        names: set[str] = set()
-        for digest, key in entries:
-            if digest in keys:
-                raise ValueError(f"API key of {key.name!r} is listed twice")
-            if key.name in names:
-                taken = (
-                    f" ({ENV_VAR}'s keys are named env-1, env-2, ...)"
-                    if key.name.startswith("env-")
-                    else ""
-                )
-                raise ValueError(
-                    f"API key name {key.name!r} is used twice: names must be unique{taken}"
-                )
-            keys[digest] = key
-            names.add(key.name)
-        return cls(keys)
+    def load(
+        cls,
+        path: str | None,
+        env_value: str | None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> KeyStore:
+        """Keys from a file and/or the TANDEM_API_KEYS value; ValueError if none or bad.
+        A file is read again once it changes; `clock` times the looks at it."""
+        if not path:
+            return cls(_read_keys(None, env_value))
+        source = _KeyFile(Path(path), env_value, clock)
+        return cls(source.read(), source=source)
+
+    def _refresh(self) -> None:
+        if self._source is None:
+            return
+        try:
+            keys = self._source.read_if_changed()
+        except ValueError as exc:  # mid-edit, or a mistake: refusing everyone helps no one
+            log.error("API keys not reloaded, the %d in use stay: %s", len(self._keys), exc)
+            return
+        if keys is not None:
+            log.info("API keys reloaded from %s: %d keys", self._source.path, len(keys))
+            self._keys = keys
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -111,6 +131,7 @@ class KeyStore:
         """The caller of an `Authorization: Bearer <key>` header, or a 401."""
         if self.open_access:
             return ANONYMOUS
+        self._refresh()
         scheme, _, token = (authorization or "").strip().partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
@@ -128,6 +149,66 @@ class KeyStore:
         if found is None:
             raise unauthorized("Incorrect API key provided", "invalid_api_key")
         return found
+
+
+class _KeyFile:
+    """An API keys file (and the TANDEM_API_KEYS value beside it), read again once it
+    changes: its inode (a Secret's volume swaps a symlink), size or mtime."""
+
+    def __init__(self, path: Path, env_value: str | None, clock: Callable[[], float]) -> None:
+        self.path, self._env_value, self._clock = path, env_value, clock
+        self._stamp: tuple[int, int, int] | None = None
+        self._looked_at = clock()
+
+    def read(self) -> dict[bytes, ApiKey]:
+        """The keys now; ValueError if they do not read."""
+        self._stamp = self._stat()
+        return _read_keys(self.path, self._env_value)
+
+    def read_if_changed(self) -> dict[bytes, ApiKey] | None:
+        """The keys, if the file changed since it was read (looked at every
+        RELOAD_EVERY_S at most); None if not. ValueError if they do not read (once
+        per change: the next look waits for another)."""
+        now = self._clock()
+        if now - self._looked_at < RELOAD_EVERY_S:
+            return None
+        self._looked_at = now
+        stamp = self._stat()
+        if stamp == self._stamp:
+            return None
+        return self.read()
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None  # gone: read() says so
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _read_keys(path: Path | None, env_value: str | None) -> dict[bytes, ApiKey]:
+    entries: list[tuple[bytes, ApiKey]] = []
+    if path is not None:
+        entries += parse_key_file(path)
+    if env_value and env_value.strip():
+        entries += parse_env_keys(env_value)
+    keys: dict[bytes, ApiKey] = {}
+    names: set[str] = set()
+    for digest, key in entries:
+        if digest in keys:
+            raise ValueError(f"API key of {key.name!r} is listed twice")
+        if key.name in names:
+            taken = (
+                f" ({ENV_VAR}'s keys are named env-1, env-2, ...)"
+                if key.name.startswith("env-")
+                else ""
+            )
+            raise ValueError(
+                f"API key name {key.name!r} is used twice: names must be unique{taken}"
+            )
+        keys[digest] = key
+        names.add(key.name)
+    return keys  # empty only without a file (a file lists one key at least)
 
 
 def check_model(key: ApiKey, model: str) -> None:

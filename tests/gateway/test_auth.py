@@ -119,3 +119,47 @@ def test_a_file_key_named_like_an_environment_key_says_whose_name_it_is(tmp_path
     path.write_text(json.dumps([{"name": "env-1", "key": "from-file"}]))
     with pytest.raises(ValueError, match=r"'env-1' is used twice.*TANDEM_API_KEYS's keys"):
         KeyStore.load(str(path), "from-env")
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _allowed(store: KeyStore, key: str) -> bool:
+    try:
+        store.authenticate(f"Bearer {key}")
+    except GatewayError:
+        return False
+    return True
+
+
+def test_a_changed_keys_file_is_read_again_without_a_restart(tmp_path, caplog):
+    # A key revoked from a mounted Secret must stop working without rolling the gateway.
+    path, clock = tmp_path / "keys.yaml", _Clock()
+    path.write_text("- {key: sk-old, name: old}\n- {key: sk-kept, name: kept}\n")
+    store = KeyStore.load(str(path), "sk-env", clock=clock)
+    path.write_text("- {key: sk-kept, name: kept, rpm: 5}\n- {key: sk-new, name: new}\n")
+    assert _allowed(store, "sk-old") and not _allowed(store, "sk-new")  # looked at 5 s apart
+    clock.now += 5
+    assert not _allowed(store, "sk-old") and _allowed(store, "sk-new")
+    assert store.authenticate("Bearer sk-kept").rpm == 5  # its limits changed with it
+    assert _allowed(store, "sk-env")  # the environment's keys stay beside the file's
+    # Mid-edit or mistaken: the keys in use stay, and the log says why.
+    path.write_text("- {key: sk-new, name: new, rpm: many}\n")
+    clock.now += 5
+    assert _allowed(store, "sk-new") and _allowed(store, "sk-kept")
+    assert "rpm must be a positive integer" in caplog.text
+    assert "API keys not reloaded" in caplog.text
+    path.unlink()
+    clock.now += 5
+    assert _allowed(store, "sk-new")
+    assert "cannot read API keys file" in caplog.text
+    # A Secret's volume swaps a symlink to a new file: a new inode, read again.
+    (tmp_path / "v2.yaml").write_text("- {key: sk-v2, name: v2}\n")
+    path.symlink_to(tmp_path / "v2.yaml")
+    clock.now += 5
+    assert _allowed(store, "sk-v2") and not _allowed(store, "sk-new")

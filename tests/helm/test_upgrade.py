@@ -206,3 +206,49 @@ def test_the_guide_upgrades_on_the_new_charts_defaults(helm):
         assert "--reset-then-reuse-values" in command.split(), command
     assert "Helm 3.14" in guide  # where the flag came in
     assert "--reset-then-reuse-values" in run_helm(helm, "upgrade", "--help").stdout
+
+
+PEERINGS = kmock.resource("kopf.dev", "v1", "clusterkopfpeerings")
+
+
+def _peering_names(rendered: str) -> tuple[str, str]:
+    """The ClusterKopfPeering's name and the one the operator pods are told to use."""
+    (made,) = re.findall(r"kind: ClusterKopfPeering\nmetadata:\n  name: (\S+)", rendered)
+    (told,) = re.findall(r"TANDEM_OPERATOR_PEERING_NAME\n\s+value: \"(\S+)\"", rendered)
+    return made, told
+
+
+@pytest.mark.parametrize(
+    ("owner", "name"),
+    [
+        (None, f"{RELEASE}-operator-{NAMESPACE}"),  # a first install
+        (NAMESPACE, f"{RELEASE}-operator"),  # this release made it before: kept
+        ("team-b", f"{RELEASE}-operator-{NAMESPACE}"),  # another namespace's release's
+    ],
+)
+def test_a_cluster_scoped_operator_keeps_the_peering_it_made(helm, cluster, owner, name):
+    # Cluster-scoped objects now carry the release's namespace (releases of one name in
+    # two namespaces collided); an upgrade that renamed the peering mid-rollout would
+    # have the old and the new operator pods each leading their own, both acting.
+    cluster.redis(None)
+    old = f"{RELEASE}-operator"
+    if cluster.api.read(PEERINGS, None, old) is not None:
+        cluster.run(cluster.api.delete(PEERINGS, None, old))
+    if owner is not None:
+        annotations = {
+            "meta.helm.sh/release-name": RELEASE,
+            "meta.helm.sh/release-namespace": owner,
+        }
+        peering = {
+            "apiVersion": "kopf.dev/v1",
+            "kind": "ClusterKopfPeering",
+            "metadata": {
+                "name": old,
+                "labels": {"app.kubernetes.io/managed-by": "Helm"},
+                "annotations": annotations,
+            },
+        }
+        cluster.run(cluster.api.create(PEERINGS, None, peering))
+    result = _upgrade(helm, ["operator.scope=cluster"])
+    assert result.returncode == 0, result.stderr
+    assert _peering_names(result.stdout) == (name, name)

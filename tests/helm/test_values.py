@@ -49,6 +49,11 @@ BAD_VALUES = [
     (["gateway.resources.limits=null"], "at '/gateway/resources': missing property 'limits'"),
     (["operator.namespaces={Team_A}"], "at '/operator/namespaces/0'"),
     (["monitoring.interval=30"], "at '/monitoring/interval'"),
+    # A digest where a tag goes, or in the repository, made an image reference no
+    # runtime pulls (repo:sha256:..., repo@sha256:...:0.1.0): it has its own key.
+    ([f"gateway.image.tag=sha256:{'a' * 64}"], "at '/gateway/image/tag'"),
+    ([f"redis.image.repository=redis@sha256:{'a' * 64}"], "at '/redis/image/repository'"),
+    (["operator.engineImage.digest=sha256:abc"], "at '/operator/engineImage/digest'"),
     (["gateway.auth.keys[0].key=sk-1"], "at '/gateway/auth/keys/0': missing property 'name'"),
     (
         ["gateway.auth.bootstrapKey=false"],
@@ -83,7 +88,11 @@ BAD_VALUES = [
         'gateway.auth.keys: the name "a" is used twice',
     ),
     (
-        ["gateway.auth.keys[0].name=env-1", "gateway.auth.keys[0].key=k"],
+        [
+            "gateway.auth.bootstrapKey=true",  # auto makes none beside keys of one's own
+            "gateway.auth.keys[0].name=env-1",
+            "gateway.auth.keys[0].key=k",
+        ],
         'the name "env-1" is the bootstrap key\'s',
     ),
     # One key twice, which the gateway refuses too: as it compares them, by SHA-256 of the
@@ -329,11 +338,12 @@ def test_key_forms_the_gateway_accepts_pass_the_schema(helm, tmp_path):
     assert result.returncode == 0, result.stderr
 
 
-def test_namespace_scoped_releases_in_two_namespaces_claim_different_cluster_objects(helm):
-    values = CHART / "ci" / "namespace-scoped-values.yaml"
-
+@pytest.mark.parametrize("values", ["namespace-scoped-values.yaml", "defaults-values.yaml"])
+def test_releases_of_one_name_in_two_namespaces_claim_different_cluster_objects(helm, values):
+    # Helm refuses to install an object another release owns: the second release failed.
     def cluster_scoped(namespace: str) -> set[str]:
-        args = ["template", "tandem", str(CHART), "-n", namespace, "--values", str(values)]
+        args = ["template", "tandem", str(CHART), "-n", namespace]
+        args += ["--values", str(CHART / "ci" / values)]
         result = run_helm(helm, *args)
         assert result.returncode == 0, result.stderr
         docs = [d for d in yaml.safe_load_all(result.stdout) if d]

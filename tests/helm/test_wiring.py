@@ -117,6 +117,51 @@ def test_the_gateway_accepts_its_command_line(renders, name):
         assert keys_file is None and "TANDEM_API_KEYS" in env, "the bootstrap key"
 
 
+@pytest.mark.parametrize(
+    ("sets", "bootstrap"),
+    [
+        ([], True),
+        (["gateway.auth.keys[0].name=a", "gateway.auth.keys[0].key=sk-a"], False),
+        (["gateway.auth.existingSecret=tenant-keys"], False),
+        (["gateway.auth.existingSecret=tenant-keys", "gateway.auth.bootstrapKey=true"], True),
+    ],
+)
+def test_keys_of_ones_own_retire_the_bootstrap_key(helm, sets, bootstrap):
+    # The bootstrap key may use every model without quotas: beside keys with limits it
+    # would be a way around them that nobody asked for.
+    manifests = render(helm, sets=sets)
+    env = _env(_container(named(manifests, "Deployment", "tandem-gateway")))
+    secrets = [s["metadata"]["name"] for s in of_kind(manifests, "Secret")]
+    assert ("TANDEM_API_KEYS" in env) is bootstrap
+    assert ("tandem-gateway-bootstrap-key" in secrets) is bootstrap
+
+
+@pytest.mark.parametrize("seconds", [0, 5, 20])
+def test_a_stopping_gateway_takes_connections_until_its_service_forgets_it(helm, seconds):
+    sets = [f"gateway.preStopSeconds={seconds}", "gateway.shutdownTimeout=30"]
+    deployment = named(render(helm, sets=sets), "Deployment", "tandem-gateway")
+    pod, container = deployment["spec"]["template"], _container(deployment)
+    if seconds:
+        assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(seconds)]
+    else:
+        assert "lifecycle" not in container
+    # The sleep and the drain both fit the grace period, with 10 s to spare.
+    assert pod["spec"]["terminationGracePeriodSeconds"] == seconds + 30 + 10
+
+
+def test_images_are_pulled_by_digest_where_one_is_given(helm):
+    digest = f"sha256:{'0123456789abcdef' * 4}"
+    sets = [f"{image}.digest={digest}" for image in ("gateway.image", "operator.engineImage")]
+    manifests = render(helm, sets=[*sets, "gateway.image.tag=9.9.9"])
+    gateway = _container(named(manifests, "Deployment", "tandem-gateway"))
+    operator = _container(named(manifests, "Deployment", "tandem-operator"))
+    assert gateway["image"] == f"ghcr.io/tandem-serving/gateway@{digest}"  # the tag ignored
+    assert (
+        _env(operator)["TANDEM_OPERATOR_ENGINE_IMAGE"] == f"ghcr.io/tandem-serving/engine@{digest}"
+    )
+    assert "@" not in operator["image"]  # the others by tag, as before
+
+
 def test_the_gateway_without_auth_runs_open(helm):
     manifests = render(helm, sets=["gateway.auth.enabled=false"])
     container = _container(named(manifests, "Deployment", "tandem-gateway"))

@@ -79,9 +79,16 @@ app.kubernetes.io/name: tandem-engine
 app.kubernetes.io/managed-by: tandem-operator
 {{- end }}
 
-{{/* A component's image: "image" is its values block; the tag defaults to appVersion. */}}
+{{/*
+A component's image: "image" is its values block. By digest where one is given (the
+tag is then ignored), else by tag, which defaults to appVersion.
+*/}}
 {{- define "tandem.image" -}}
+{{- if .image.digest }}
+{{- printf "%s@%s" .image.repository .image.digest }}
+{{- else }}
 {{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag) }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -388,7 +395,7 @@ digests of `key` (trimmed) and of `key_sha256` (hex in any case).
 {{- fail (printf "gateway.auth.keys: the name %q is used twice; the gateway needs each key's name unique" .name) }}
 {{- end }}
 {{- $_ := set $seen .name true }}
-{{- if and $.bootstrapKey (eq .name "env-1") }}
+{{- if and (eq (toString $.bootstrapKey) "true") (eq .name "env-1") }}
 {{- fail "gateway.auth.keys: the name \"env-1\" is the bootstrap key's (gateway.auth.bootstrapKey); name the key otherwise" }}
 {{- end }}
 {{- $digest := lower (toString .key_sha256) }}
@@ -403,13 +410,53 @@ digests of `key` (trimmed) and of `key_sha256` (hex in any case).
 {{- end }}
 {{- end }}
 
+{{/*
+"true" where the chart makes the bootstrap key: gateway.auth.bootstrapKey true, or
+auto while no key of the user's is set (their keys retire it: it has no limits).
+*/}}
+{{- define "tandem.makesBootstrapKey" -}}
+{{- $auth := .Values.gateway.auth }}
+{{- $mode := toString $auth.bootstrapKey }}
+{{- if and $auth.enabled (or (eq $mode "true") (and (eq $mode "auto") (not $auth.keys) (not $auth.existingSecret))) }}true{{- end }}
+{{- end }}
+
+{{/*
+Name of the operator's cluster-scoped objects (operator.scope cluster): the release's
+namespace in it, so that releases of one name in two namespaces claim different ones.
+*/}}
+{{- define "tandem.operatorClusterName" -}}
+{{- printf "%s-%s" (include "tandem.componentName" (dict "root" . "component" "operator")) .Release.Namespace }}
+{{- end }}
+
+{{/*
+The kopf peering's name: operator.peeringName, else <fullname>-operator, with the
+namespace in it when cluster-scoped. A ClusterKopfPeering this release made under the
+old name (before the namespace was in it) keeps it: replicas of the old and the new
+operator pods in one rollout must share one peering, or both act at once.
+*/}}
+{{- define "tandem.peeringName" -}}
+{{- $plain := include "tandem.componentName" (dict "root" . "component" "operator") }}
+{{- if .Values.operator.peeringName }}
+{{- .Values.operator.peeringName }}
+{{- else if eq .Values.operator.scope "cluster" }}
+{{- $live := lookup "kopf.dev/v1" "ClusterKopfPeering" "" $plain }}
+{{- if and $live (eq (dig "metadata" "annotations" "meta.helm.sh/release-namespace" "" $live) .Release.Namespace) }}
+{{- $plain }}
+{{- else }}
+{{- include "tandem.operatorClusterName" . }}
+{{- end }}
+{{- else }}
+{{- $plain }}
+{{- end }}
+{{- end }}
+
 {{/* The values that cannot work together, refused before anything is made. */}}
 {{- define "tandem.checks" -}}
 {{- include "tandem.resourceChecks" . }}
 {{- include "tandem.redisMemoryCheck" . }}
 {{- include "tandem.redisClaimCheck" . }}
 {{- $auth := .Values.gateway.auth }}
-{{- if and $auth.enabled (not $auth.existingSecret) (not $auth.keys) (not $auth.bootstrapKey) }}
+{{- if and $auth.enabled (not $auth.existingSecret) (not $auth.keys) (not (include "tandem.makesBootstrapKey" .)) }}
 {{- fail "gateway.auth: no API key source. Set gateway.auth.keys, gateway.auth.existingSecret or gateway.auth.bootstrapKey, or gateway.auth.enabled=false (no authentication)" }}
 {{- end }}
 {{- include "tandem.keyNameCheck" $auth }}
