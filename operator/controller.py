@@ -371,36 +371,45 @@ class Controller:
             )
 
     async def _create(self, manifest: Body, *, dry_run: bool = False) -> bool:
-        """Creates the child, or adopts one of its name already there: whether it adopted."""
+        """Creates the child, or adopts one of its name already there: whether it adopted.
+        _ChildTaken if another controller owns that one, in the dry run too: the real
+        writes must not begin (the children before it made, the model then frozen)."""
         try:
             await self._kube.create(manifest, dry_run=dry_run)
             return False
         except ApiError as error:
             if not error.already_exists:
                 raise
-            if dry_run:
-                return False  # adopted or reported by the real write
-            # Made meanwhile (a user, or an older incarnation of this object): adopt it
-            # unless another controller owns it.
             meta = manifest["metadata"]
             existing = await self._kube.get(manifest["kind"], meta["namespace"], meta["name"])
             if existing is None:
+                if dry_run:
+                    return False  # gone meanwhile: the real write creates it
                 raise
-            ours = meta["ownerReferences"][0]
-            owners = existing["metadata"].get("ownerReferences") or []
-            other = [o for o in owners if o.get("controller") and o.get("uid") != ours["uid"]]
-            # An earlier ModelDeployment of the same name (deleted and made again before
-            # the garbage collector came) owned it: ours now.
-            other = [o for o in other if o.get("kind") != KIND or o.get("name") != ours["name"]]
-            if other:
-                raise _ChildTaken(
-                    f"{manifest['kind']} {meta['name']} exists and belongs to "
-                    f"{other[0].get('kind')} {other[0].get('name')}: rename or delete it"
-                ) from error
+            _check_not_taken(manifest, existing)
+            if dry_run:
+                return False
+            # Made meanwhile (a user, or an older incarnation of this object): adopt it.
             await self._kube.patch(
                 manifest["kind"], meta["namespace"], meta["name"], repair_patch(manifest, existing)
             )
             return True
+
+
+def _check_not_taken(manifest: Body, existing: Body) -> None:
+    """_ChildTaken if another controller owns the object of the child's name."""
+    meta = manifest["metadata"]
+    ours = meta["ownerReferences"][0]
+    owners = existing["metadata"].get("ownerReferences") or []
+    other = [o for o in owners if o.get("controller") and o.get("uid") != ours["uid"]]
+    # An earlier ModelDeployment of the same name (deleted and made again before the
+    # garbage collector came) owned it: ours now.
+    other = [o for o in other if o.get("kind") != KIND or o.get("name") != ours["name"]]
+    if other:
+        raise _ChildTaken(
+            f"{manifest['kind']} {meta['name']} exists and belongs to "
+            f"{other[0].get('kind')} {other[0].get('name')}: rename or delete it"
+        )
 
 
 class _ChildTaken(Exception):

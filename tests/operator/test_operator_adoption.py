@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from support.kube_api import DEPLOYMENTS
+from support.kube_api import CHILDREN, DEPLOYMENTS
 from support.kube_cluster import NAMESPACE, eventually
 
 pytestmark = pytest.mark.asyncio
@@ -52,6 +52,28 @@ async def test_a_name_another_controller_holds_is_reported_until_freed(cluster, 
     assert cluster.pods("m", "normal") == []
 
     await cluster.api.delete(DEPLOYMENTS, NAMESPACE, "m-normal")
+    await eventually(lambda: status(cluster).get("phase") == "Ready", what="Ready once freed")
+
+
+async def test_a_name_taken_last_leaves_the_other_children_unmade(cluster, operator):
+    # The PodDisruptionBudget comes after the Deployment: the dry run passed the taken
+    # name, the real writes made the Secret, ConfigMap, Service and Deployment, and the
+    # model, Invalid from then on, ran pods that nothing scaled or repaired.
+    other = {"apiVersion": "apps/v1", "kind": "Deployment", "name": "x", "uid": "u-2"}
+    budget = {
+        "metadata": {"name": "m-normal", "ownerReferences": [{**other, "controller": True}]},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"app": "x"}}},
+    }
+    await cluster.api.create(CHILDREN["PodDisruptionBudget"], NAMESPACE, budget)
+    await cluster.apply(MODEL)
+
+    await eventually(lambda: status(cluster).get("reason") == "ChildTaken", what="ChildTaken")
+    assert "PodDisruptionBudget m-normal exists and belongs to Deployment x" in (
+        status(cluster)["message"]
+    )
+    assert cluster.children("m") == [] and cluster.pods("m", "normal") == []
+
+    await cluster.api.delete(CHILDREN["PodDisruptionBudget"], NAMESPACE, "m-normal")
     await eventually(lambda: status(cluster).get("phase") == "Ready", what="Ready once freed")
 
 
