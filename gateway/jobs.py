@@ -189,7 +189,10 @@ class JobBuilder:
             raise not_supported("echo")
         if body.suffix:
             raise not_supported("suffix")
-        if body.best_of not in (None, 1, body.n or 1):
+        n = body.n or 1
+        if body.best_of is not None and body.best_of < n:  # OpenAI's rule
+            raise bad_request(f"best_of ({body.best_of}) must be at least n ({n})", "best_of")
+        if body.best_of not in (None, n):
             raise not_supported("best_of", "best_of other than n")
         prompt = _prompt(body.prompt)
         if "prompt" in prompt:

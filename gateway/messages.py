@@ -58,9 +58,9 @@ def engine_message(index: int, message: ChatMessage) -> dict[str, str]:
     content = message.content
     param = f"messages[{index}].content"
     if content is None:
-        if role != "assistant":
-            raise bad_request(f"{param} is missing", param)
-        return {"role": role, "content": ""}
+        # An assistant's may be null beside tool_calls or a function_call (OpenAI's
+        # rule), which are refused above unless empty: with neither it is missing too.
+        raise bad_request(f"{param} is missing", param)
     if isinstance(content, str):
         return {"role": role, "content": valid_text(content, param)}
     if not content:

@@ -18,6 +18,8 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from tandem.engine.literal_chat import LiteralChat
+
 # Decoding "\ufffd" at the end means the last token(s) stopped mid UTF-8 character.
 _REPLACEMENT = "\ufffd"
 
@@ -51,6 +53,7 @@ class Tokenizer:
             names["eos_token"] = backend.id_to_token(self.eos_token_ids[0]) or ""
         self._special_tokens = names
         self._token_texts: dict[int, str] = {}  # token_text's, at most the vocabulary
+        self._literal_chat: LiteralChat | None = None  # made at the first chat prompt
 
     @property
     def backend(self) -> tokenizers.Tokenizer:
@@ -120,7 +123,17 @@ class Tokenizer:
     def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> list[int]:
-        text = self.apply_chat_template(messages, add_generation_prompt, **extra)
+        """The prompt's token ids. A message's text is text: one that holds a control
+        token's ("<|im_end|>") gets no control token from it (literal_chat.py)."""
+        checked = _checked_messages(messages)
+        if self._literal_chat is None:
+            self._literal_chat = LiteralChat(self._backend)
+        if self._literal_chat.holds_control_text(checked):
+            return self._literal_chat.encode(
+                checked,
+                lambda marked: self.apply_chat_template(marked, add_generation_prompt, **extra),
+            )
+        text = self.apply_chat_template(checked, add_generation_prompt, **extra)
         # The template writes BOS itself when the model wants one (as transformers assumes).
         return self.encode(text, add_special_tokens=False)
 

@@ -164,6 +164,12 @@ CASES = {
     "refusal in a message": Case(400, {**GOOD, "messages": [*USER, {
         "role": "assistant", "content": None, "refusal": "I can't."}, *USER]},
         param="messages[1].refusal", code="unsupported", message="refusals are not supported"),
+    "an assistant message with nothing in it": Case(400, {**GOOD, "messages": [*USER, {
+        "role": "assistant", "content": None}, *USER]},
+        param="messages[1].content", message="messages[1].content is missing"),
+    "best_of below n": Case(400, {"model": "tiny", "prompt": "x", "n": 2, "best_of": 1},
+                            path="/v1/completions", param="best_of",
+                            message="best_of (1) must be at least n (2)"),
     "a tool message": Case(400, {**GOOD, "messages": [*USER, {
         "role": "tool", "content": "42", "tool_call_id": "call_1"}]},
         param="messages[1].role", code="unsupported", message="tool calls are not supported"),

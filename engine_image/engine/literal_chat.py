@@ -1,0 +1,90 @@
+"""Chat prompts whose messages hold control-token text, encoded with that text as text.
+
+A tokenizer matches its special tokens anywhere in the text it encodes, so a message
+reading "<|im_end|><|im_start|>system ..." closed its own turn and opened a system
+turn of its author's making (transformers and vLLM encode so by default). OpenAI
+reads such text as text; so does this module, for message content.
+
+The template is rendered with a marker in place of each message's content. The
+special tokens the template itself wrote split the rendered text into pieces, as a
+tokenizer's own special-token matching would; the markers are then replaced by the
+contents, and each piece is encoded with special tokens read as text. A prompt
+without control-token text in its messages never comes here (Tokenizer.encode_chat),
+and a piece encodes as it would have in the whole text: a tokenizer encodes the text
+between two special tokens on its own.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import tokenizers
+
+Render = Callable[[list[dict[str, Any]]], str]
+
+
+class LiteralChat:
+    """Encodes rendered chat prompts of one tokenizer with message content as text."""
+
+    def __init__(self, backend: tokenizers.Tokenizer) -> None:
+        specials = {
+            token.content: token_id
+            for token_id, token in backend.get_added_tokens_decoder().items()
+            if token.special
+        }
+        self.special_ids = specials  # special token text -> id
+        # Longest first: "<|im_start|>" before a shorter token it begins with.
+        names = sorted(specials, key=len, reverse=True)
+        self._specials = re.compile("|".join(map(re.escape, names))) if names else None
+        self._literal: tokenizers.Tokenizer | None = None
+        self._backend = backend
+
+    def holds_control_text(self, messages: Sequence[dict[str, Any]]) -> bool:
+        """Whether any message's content holds the text of a special token."""
+        return self._specials is not None and any(
+            isinstance(m.get("content"), str) and self._specials.search(m["content"])
+            for m in messages
+        )
+
+    def encode(self, messages: list[dict[str, Any]], render: Render) -> list[int]:
+        """The prompt `render` makes of `messages` (checked: string contents), each
+        content's control-token text encoded as text. ValueError where the template
+        does something with a content other than write it once, whole."""
+        if self._specials is None:
+            raise ValueError("this tokenizer has no special tokens to read as text")
+        tag = secrets.token_hex(8)  # no message can guess it
+        markers = {}
+        marked = []
+        for i, message in enumerate(messages):
+            if isinstance(message.get("content"), str):
+                marker = f"TANDEM{tag}M{i}X"
+                markers[marker] = message["content"]
+                message = {**message, "content": marker}
+            marked.append(message)
+        text = render(marked)
+        if any(text.count(marker) != 1 for marker in markers):
+            raise ValueError(
+                "a message holds the text of one of the model's control tokens, and this "
+                "model's chat template cannot take it as text: remove it from the message"
+            )
+        ids: list[int] = []
+        start = 0
+        for found in self._specials.finditer(text):
+            ids += self._piece(text[start : found.start()], markers)
+            ids.append(self.special_ids[found.group()])
+            start = found.end()
+        ids += self._piece(text[start:], markers)
+        return ids
+
+    def _piece(self, text: str, markers: dict[str, str]) -> list[int]:
+        for marker, content in markers.items():
+            text = text.replace(marker, content)
+        if not text:
+            return []
+        if self._literal is None:  # a copy: the shared backend's flag is not ours to flip
+            self._literal = tokenizers.Tokenizer.from_str(self._backend.to_str())
+            self._literal.encode_special_tokens = True
+        return self._literal.encode(text, add_special_tokens=False).ids
