@@ -120,14 +120,19 @@ def plan(
             patches.append(ChildPatch(key.kind, key.name, repair_patch(manifest, actual), paths))
     wanted = {ChildKey(m["kind"], m["metadata"]["name"]): m for m in desired}
 
-    changed = {ChildKey(m["kind"], m["metadata"]["name"]) for m in creates}
-    changed |= {ChildKey(p.kind, p.name) for p in patches}
+    # Deployments whose pods this pass replaces: a count alone adds or removes pods,
+    # which the ready counts say; calling it a rollout flapped Ready at every scale.
+    rolled = {ChildKey(p.kind, p.name) for p in patches if set(p.drift) != {"spec.replicas"}}
+    # A status the Deployment controller has not caught up with says nothing new: it
+    # is rolling if the last pass said so (a new template then, or its rollout).
+    was_rolling = previous.get("reason") == "RollingOut"
     deployments = {r: ChildKey("Deployment", child_name(owner.name, r)) for r in spec.roles()}
     counts = {
         role_name: _counts(
             found.get(key),
             replicas[role_name],
-            key in changed,
+            key in rolled,
+            was_rolling,
             role_trouble(pods_of(pods, role_name)),
         )
         for role_name, key in deployments.items()
@@ -280,7 +285,7 @@ def _name_taken(
     for role_name in (r for r in RoleName if r in spec.roles() or keys[r] in found):
         key = keys[role_name]
         deployment = found.get(key)
-        counts = _counts(deployment, 0, False, None)
+        counts = _counts(deployment, 0, False, False, None)
         roles[role_name.value] = {"desired": 0, "replicas": counts.replicas, "ready": counts.ready}
         if deployment is not None and deployment.get("spec", {}).get("replicas") != 0:
             patch = {"spec": {"replicas": 0}}
@@ -308,14 +313,18 @@ def _role(child: Body) -> RoleName | None:
 
 
 def _counts(
-    deployment: Body | None, desired: int, changing: bool, trouble: PodTrouble | None
+    deployment: Body | None,
+    desired: int,
+    changing: bool,
+    was_rolling: bool,
+    trouble: PodTrouble | None,
 ) -> RoleCounts:
     if deployment is None:
         return RoleCounts(desired=desired, rolling=True)
     status = deployment.get("status") or {}
     replicas = int(status.get("replicas") or 0)
     updated = int(status.get("updatedReplicas") or 0)
-    stale = int(status.get("observedGeneration") or 0) < int(
+    stale = was_rolling and int(status.get("observedGeneration") or 0) < int(
         deployment["metadata"].get("generation") or 0
     )
     stall = _stall(status.get("conditions") or [])

@@ -68,8 +68,9 @@ async def test_a_name_taken_last_leaves_the_other_children_unmade(cluster, opera
     await cluster.apply(MODEL)
 
     await eventually(lambda: status(cluster).get("reason") == "ChildTaken", what="ChildTaken")
-    assert "PodDisruptionBudget m-normal exists and belongs to Deployment x" in (
-        status(cluster)["message"]
+    assert (
+        "PodDisruptionBudget m-normal exists and belongs to Deployment x"
+        in (status(cluster)["message"])
     )
     assert cluster.children("m") == [] and cluster.pods("m", "normal") == []
 

@@ -314,3 +314,36 @@ async def test_pods_whose_metrics_nobody_reads_are_reported_once_and_held(
     metrics.unreadable = False
     (back,) = await eventually(lambda: cluster.events("MetricsReadable"), what="readable again")
     assert back["message"] == "normal: pods' metrics readable again"
+
+
+async def test_a_scale_down_with_every_pod_ready_keeps_the_model_ready(
+    cluster, operator, metrics, clock
+):
+    # Only a new pod template is a rollout: a count alone called one flapped Ready (and
+    # its condition's lastTransitionTime) at every scale, for kubectl wait and alerts.
+    metrics.default_kv = 0.7
+    bounds = {"minReplicas": 1, "maxReplicas": 4, "scaleDownStabilizationSeconds": WINDOW_S}
+    await cluster.apply(normal_model(replicas=3, **bounds))
+    await eventually(lambda: ready(cluster) and len(cluster.pods("m", "normal")) == 3)
+    since = _ready_condition(cluster)["lastTransitionTime"]
+    written: list[tuple[str, str]] = []
+
+    def note(resource: Any, kind: Any, obj: dict[str, Any]) -> None:
+        status = obj.get("status") or {}
+        if resource == MODELS and status.get("phase"):
+            written.append((status["phase"], status.get("reason", "")))
+
+    cluster.api.listen(note)
+    metrics.default_kv = 0.1
+    await asyncio.sleep(1.0)  # evaluations inside the (fake) window
+    clock.advance(WINDOW_S + 1)
+    await eventually(lambda: replicas(cluster, "normal") < 3, what="scaled down")
+    await eventually(lambda: len(cluster.pods("m", "normal")) == replicas(cluster, "normal"))
+    await asyncio.sleep(0.5)  # the passes after it
+    assert written and {phase for phase, _ in written} == {"Ready"}, written
+    assert _ready_condition(cluster)["lastTransitionTime"] == since
+
+
+def _ready_condition(cluster: Any) -> dict[str, Any]:
+    conditions = cluster.model("m")["status"]["conditions"]
+    return next(c for c in conditions if c["type"] == "Ready")
