@@ -40,6 +40,7 @@ from tandem.operator.manifests import (
     child_name,
     pods_of,
 )
+from tandem.operator.object_locks import ObjectLocks
 from tandem.operator.pod_load import PodSample
 from tandem.operator.reconcile import (
     Plan,
@@ -105,7 +106,7 @@ class Controller:
         self._memory_lapse_s = max(4 * settings.scrape_interval_s, 2.0)
         # Each evaluation renews the model's catalog entry; a deleted model's lapses.
         self._declaration_ttl_s = catalog.declaration_ttl_s(settings.scrape_interval_s)
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._locks = ObjectLocks()
         # Models whose last pass failed (an Event said so once).
         self._failing: set[tuple[str, str]] = set()
 
@@ -121,8 +122,7 @@ class Controller:
 
         Returns the autoscaler's memory for the next evaluation (the caller keeps it).
         """
-        lock = self._locks.setdefault((namespace, name), asyncio.Lock())
-        async with lock:
+        async with self._locks.hold((namespace, name)):
             model = await self._kube.get(KIND, namespace, name)
             if model is None:
                 # Gone (a child's event can come after its owner's): nothing to converge.
@@ -172,8 +172,7 @@ class Controller:
         await self._post(model, (Event("ReconcileFailed", f"{message}; retried", warning=True),))
 
     def forget(self, namespace: str, name: str) -> None:
-        """The ModelDeployment is gone: drop its lock."""
-        self._locks.pop((namespace, name), None)
+        """The ModelDeployment is gone: a new one of its name starts no failure streak."""
         self._failing.discard((namespace, name))
 
     async def _reconcile(
