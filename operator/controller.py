@@ -28,6 +28,7 @@ import redis
 from tandem import catalog
 from tandem.operator import scaling
 from tandem.operator.autoscaler import Decision
+from tandem.operator.child_owners import ChildTaken, check_not_taken
 from tandem.operator.drift import ChildKey, repair_patch
 from tandem.operator.events import Event, queue_events, readability_events, with_adoptions
 from tandem.operator.kube import ApiError, KubeApi
@@ -322,7 +323,7 @@ class Controller:
             if len(actions.creates) + len(actions.patches) > 1:
                 await self._write(namespace, actions, dry_run=True)
             adopted = await self._write(namespace, actions, dry_run=False)
-        except _ChildTaken as taken:
+        except ChildTaken as taken:
             await self._apply(model, child_taken(model, str(taken), now=_now()), {})
             return
         except ApiError as error:
@@ -371,7 +372,7 @@ class Controller:
 
     async def _create(self, manifest: Body, *, dry_run: bool = False) -> bool:
         """Creates the child, or adopts one of its name already there: whether it adopted.
-        _ChildTaken if another controller owns that one, in the dry run too: the real
+        ChildTaken if another controller owns that one, in the dry run too: the real
         writes must not begin (the children before it made, the model then frozen)."""
         try:
             await self._kube.create(manifest, dry_run=dry_run)
@@ -385,7 +386,7 @@ class Controller:
                 if dry_run:
                     return False  # gone meanwhile: the real write creates it
                 raise
-            _check_not_taken(manifest, existing)
+            check_not_taken(manifest, existing)
             if dry_run:
                 return False
             # Made meanwhile (a user, or an older incarnation of this object): adopt it.
@@ -393,26 +394,6 @@ class Controller:
                 manifest["kind"], meta["namespace"], meta["name"], repair_patch(manifest, existing)
             )
             return True
-
-
-def _check_not_taken(manifest: Body, existing: Body) -> None:
-    """_ChildTaken if another controller owns the object of the child's name."""
-    meta = manifest["metadata"]
-    ours = meta["ownerReferences"][0]
-    owners = existing["metadata"].get("ownerReferences") or []
-    other = [o for o in owners if o.get("controller") and o.get("uid") != ours["uid"]]
-    # An earlier ModelDeployment of the same name (deleted and made again before the
-    # garbage collector came) owned it: ours now.
-    other = [o for o in other if o.get("kind") != KIND or o.get("name") != ours["name"]]
-    if other:
-        raise _ChildTaken(
-            f"{manifest['kind']} {meta['name']} exists and belongs to "
-            f"{other[0].get('kind')} {other[0].get('name')}: rename or delete it"
-        )
-
-
-class _ChildTaken(Exception):
-    """A child's name is held by an object another controller owns."""
 
 
 def _deletion_costs(
