@@ -50,6 +50,9 @@ def replica_counts(
     """role_replicas, the Deployment counts it moved into the bounds, and those that
     an edit of spec.<role>.replicas moved."""
     reported = status.get("roles") or {}
+    # Zeroed while another model held its served name: it starts anew once free, at
+    # spec.<role>.replicas, not at the zero it was held at (clamped to minReplicas).
+    restarting = status.get("reason") == "ServedNameTaken"
     counts: dict[RoleName, int] = {}
     clamps: list[Clamp] = []
     edits: list[Scale] = []
@@ -74,9 +77,9 @@ def replica_counts(
                     )
                 )
             continue
-        elif isinstance(observed, int):
+        elif isinstance(observed, int) and not (restarting and observed == 0):
             count = observed
-        elif isinstance(last, int):
+        elif isinstance(last, int) and not restarting:
             count = last
         else:
             count = role.initial_replicas

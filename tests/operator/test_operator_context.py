@@ -97,6 +97,26 @@ async def test_a_served_name_is_served_by_the_older_model_alone(cluster, operato
     await eventually(lambda: ("a-only", "default/a") in _declared(metrics), what="a declared anew")
 
 
+@pytest.mark.parametrize("ran_before", [False, True])
+async def test_a_model_the_name_is_freed_for_starts_at_its_replicas(cluster, operator, ran_before):
+    # Its own spec.normal.replicas: "pods to start with", not the zero it was held at
+    # (which clamped to minReplicas, 1).
+    b = normal("b", served="b-own" if ran_before else "shared")
+    b["spec"]["normal"]["replicas"] = 2
+    await cluster.apply(normal("a", served="shared"))
+    await cluster.apply(b)
+    if ran_before:  # then renamed onto a's name: its Deployment went to zero
+        await eventually(lambda: len(cluster.pods("b", "normal")) == 2, what="b serves")
+        await cluster.patch_model("b", {"spec": {"model": {"servedModelName": "shared"}}})
+    await eventually(lambda: status(cluster, "b").get("reason") == "ServedNameTaken")
+    await eventually(lambda: cluster.pods("b", "normal") == [], what="b serves nothing")
+
+    await cluster.patch_model("a", {"spec": {"model": {"servedModelName": "a-only"}}})
+    await eventually(lambda: status(cluster, "b").get("phase") == "Ready", what="b serves now")
+    assert cluster.child("Deployment", "b-normal")["spec"]["replicas"] == 2
+    assert len(cluster.pods("b", "normal")) == 2
+
+
 async def test_a_mode_change_onto_a_taken_name_stops_the_old_roles_pods(cluster, operator):
     await cluster.apply(normal("a", served="shared"))
     await cluster.apply(normal("b", served="own"))
