@@ -92,9 +92,9 @@ class Generation:
                 self.ticket.request_ids, self.deadline, self.watch
             ):
                 self._taken.add(index)
-                if first and not self.ticket.attached:
+                if first and not self.ticket.attached and event.event == EventKind.TOKENS:
                     waited = time.monotonic() - self.ticket.enqueued_at
-                    self.metrics.queue_wait(self.job.model, waited)
+                    self.metrics.enqueue_to_first_token(self.job.model, waited)
                 first = False
                 if event.is_final:
                     self._open.discard(index)

@@ -68,9 +68,10 @@ class GatewayMetrics:
             buckets=_LATENCY,
             registry=r,
         )
-        self._queue_wait = Histogram(
-            "tandem_gateway_queue_wait_seconds",
-            "Enqueue to the first response event from an engine.",
+        self._queued_to_first_token = Histogram(
+            "tandem_gateway_enqueue_to_first_token_seconds",
+            "Enqueue to the first token from an engine (queueing, then the prefill), "
+            "streamed or not; requests whose first event is an error are not counted.",
             ["model"],
             buckets=_LATENCY,
             registry=r,
@@ -95,6 +96,12 @@ class GatewayMetrics:
             ["model", "role"],
             registry=r,
         )
+        self._redis_up = Gauge(
+            "tandem_gateway_redis_up",
+            "1 if Redis answered this scrape's read of the engine registry, else 0 (the "
+            "engine counts are then the last read).",
+            registry=r,
+        )
         self._requeued = Counter(
             "tandem_gateway_requeued_total",
             "Work items queued again after a Redis restart lost them.",
@@ -116,14 +123,19 @@ class GatewayMetrics:
     def finished(self, route: str, model: str, status: int, seconds: float) -> None:
         self._in_flight.labels(route).dec()
         self._requests.labels(route, model, str(status)).inc()
-        if route not in ("/healthz", "/readyz", "/metrics"):
+        # Answered requests only: refusals (400s, 429s at overload) in it made the
+        # latency percentiles fall as things got worse.
+        if route not in ("/healthz", "/readyz", "/metrics") and status < 400:
             self._latency.labels(route, model).observe(seconds)
 
     def first_token(self, model: str, seconds: float) -> None:
         self._ttft.labels(model).observe(seconds)
 
-    def queue_wait(self, model: str, seconds: float) -> None:
-        self._queue_wait.labels(model).observe(seconds)
+    def enqueue_to_first_token(self, model: str, seconds: float) -> None:
+        self._queued_to_first_token.labels(model).observe(seconds)
+
+    def redis_up(self, up: bool) -> None:
+        self._redis_up.set(1 if up else 0)
 
     def rejected(self, reason: str) -> None:
         self._rejections.labels(reason).inc()

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from redis.exceptions import RedisError
 
 from tandem.gateway.errors import ERROR_RESPONSES, unavailable
 from tandem.gateway.service import service_of
 
 router = APIRouter()
+
+# How long a scrape waits for the engine registry before it answers without it.
+METRICS_REDIS_TIMEOUT_S = 1.0
 
 
 @router.get("/healthz", summary="Liveness")
@@ -42,5 +47,14 @@ async def readyz(request: Request) -> JSONResponse:
 )
 async def metrics(request: Request) -> Response:
     service = service_of(request)
-    service.metrics.engines(await service.directory.models())
+    # Never held up by Redis: while it is away the counters of the 503s are what an
+    # operator needs, and a scrape that failed read as the gateway being down.
+    try:
+        async with asyncio.timeout(METRICS_REDIS_TIMEOUT_S):
+            models = await service.directory.models()
+    except (RedisError, OSError, TimeoutError):
+        service.metrics.redis_up(False)
+    else:
+        service.metrics.redis_up(True)
+        service.metrics.engines(models)
     return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -299,10 +299,13 @@ def test_an_integer_too_long_to_read_is_named(shared_gateway):
 
 def test_prompt_too_long_names_both_lengths(gateway):
     live, _ = gateway
+    first_tokens = live.metric("tandem_gateway_enqueue_to_first_token_seconds_count")
     with live.http() as client:
         body = {**GOOD, "messages": [{"role": "user", "content": "lorem ipsum " * 150}]}
         message = client.post("/v1/chat/completions", json=body).json()["error"]["message"]
     assert "has " in message and " tokens, more than this engine's limit of 255" in message
+    # The engine's refusal is no first token: not timed as one.
+    assert live.metric("tandem_gateway_enqueue_to_first_token_seconds_count") == first_tokens
 
 
 @pytest.mark.parametrize(
@@ -370,11 +373,15 @@ def test_rejections_are_counted_by_reason(gateway):
         )
 
     before = counts()
+    latencies = live.metric("tandem_gateway_request_seconds_count")
     with live.http(api_key=None) as anonymous:
         assert anonymous.post("/v1/chat/completions", json=GOOD).status_code == 401
     with live.http() as client:
         assert client.post("/v1/chat/completions", json={**GOOD, "model": FULL}).status_code == 429
     assert eventually(lambda: counts() == (before[0] + 1, before[1] + 1, before[2] + 1))
+    # Refusals are not latencies: quick 401s and 429s pulled the percentiles down as
+    # an overload got worse.
+    assert live.metric("tandem_gateway_request_seconds_count") == latencies
 
 
 def test_a_request_refused_before_its_model_is_looked_up_is_labelled_unknown(gateway):

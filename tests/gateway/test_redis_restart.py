@@ -249,19 +249,25 @@ def test_a_deadline_passes_on_time_while_redis_is_paused(server, keys, start_gat
     assert took < 8, took
 
 
+def _get_while_paused(http: httpx.Client, pid: int, path: str) -> tuple[httpx.Response, float]:
+    """GET `path` while the Redis of process `pid` is paused (SIGSTOP: connections
+    open, nothing answers), and the seconds it took."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        answer = http.get(path)
+        return answer, time.monotonic() - started
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def test_readyz_answers_within_its_timeout_while_redis_is_paused(server, keys, start_gateway):
     conn = redis.Redis.from_url(server.url)
     pid = conn.info("server")["process_id"]  # SIGSTOP: connections open, nothing answers
     gateway = start_gateway(redis_url=server.url)
     with gateway.http() as http:
         assert http.get("/readyz").status_code == 200
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            started = time.monotonic()
-            paused = http.get("/readyz")
-            took = time.monotonic() - started
-        finally:
-            os.kill(pid, signal.SIGCONT)
+        paused, took = _get_while_paused(http, pid, "/readyz")
         assert paused.status_code == 503 and took < 3, (paused.status_code, took)
         assert paused.json()["error"] == {
             "message": "Redis did not answer within 1 s",
@@ -270,6 +276,22 @@ def test_readyz_answers_within_its_timeout_while_redis_is_paused(server, keys, s
             "code": "redis_unreachable",
         }
         assert http.get("/readyz").status_code == 200  # the timed-out connection is not reused
+
+
+def test_metrics_answer_while_redis_is_paused(server, keys, start_gateway):
+    # An outage is when the gateway's counters matter most: a scrape that waited on
+    # Redis failed (503 after 5 s), and the gateway read as down to Prometheus.
+    conn = _served(server.url, keys)
+    pid = conn.info("server")["process_id"]
+    gateway = start_gateway(redis_url=server.url, models_cache_s=0)
+    engines = 'tandem_gateway_engines{model="tiny",role="normal"} 1.0'
+    with gateway.http() as http:
+        assert engines in http.get("/metrics").text
+        paused, took = _get_while_paused(http, pid, "/metrics")
+        assert paused.status_code == 200 and took < 3, (paused.status_code, took)
+        assert "tandem_gateway_redis_up 0.0" in paused.text
+        assert engines in paused.text  # as last read
+        assert "tandem_gateway_redis_up 1.0" in http.get("/metrics").text
 
 
 def test_a_full_redis_is_a_503_that_says_so(server, keys, start_gateway):
