@@ -58,7 +58,7 @@ def group_consumers(client) -> set[str]:
 
 
 def test_normal_engine_streams_what_the_offline_engine_generates(engines, client, reference):
-    engines("normal")
+    engine = engines("normal")
     rid = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 24, **GREEDY})
     answer = client.answer(rid)
     expected = reference(PROMPT, 24)
@@ -66,6 +66,9 @@ def test_normal_engine_streams_what_the_offline_engine_generates(engines, client
     assert answer.token_ids == expected.token_ids
     assert answer.text == expected.text
     assert answer.final.usage == {"prompt_tokens": 13, "completion_tokens": 24, "cached_tokens": 0}
+    # Tokens per second and billing from /metrics: the usage, counted once.
+    assert engine.metric("tandem_engine_generation_tokens_total") == 24
+    assert engine.metric("tandem_engine_prompt_tokens_total") == 13
 
 
 def test_prompt_and_completion_engines_match_normal_and_really_move_kv(engines, client, reference):
@@ -82,6 +85,9 @@ def test_prompt_and_completion_engines_match_normal_and_really_move_kv(engines, 
         "tandem_engine_kv_transfer_bytes_total"
     )
     assert decode.metric("tandem_engine_kv_transfer_failures_total") == 0
+    # Its usage is counted where the request finished, once.
+    assert decode.metric("tandem_engine_generation_tokens_total") == 24
+    assert prompt.metric("tandem_engine_generation_tokens_total") == 0
     # The decoder never prefilled: every token it computed was a decode token.
     assert decode.metric("tandem_engine_scheduled_tokens_total", kind="prefill") == 0
     # Freed after the fetch, and the gauges say so within a loop, not at the next

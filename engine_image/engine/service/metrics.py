@@ -120,6 +120,15 @@ class EngineMetrics:
         self._requests = counter(
             "tandem_engine_requests_total", "Requests ended, by outcome.", ("outcome",)
         )
+        # As the finished requests' usage says: what a client is billed, once per choice.
+        self.prompt_tokens = counter(
+            "tandem_engine_prompt_tokens_total",
+            "Prompt tokens of the requests this engine finished (their usage; cached ones too).",
+        ).labels(**labels)
+        self.generation_tokens = counter(
+            "tandem_engine_generation_tokens_total",
+            "Output tokens of the requests this engine finished (their usage).",
+        ).labels(**labels)
         self.kv_transfer_bytes = counter(
             "tandem_engine_kv_transfer_bytes_total", "KV bytes received from PROMPT engines."
         ).labels(**labels)

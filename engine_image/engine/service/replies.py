@@ -69,6 +69,8 @@ class Replies:
             self.metrics.tpot.observe(span / (generated - 1))
         self.to_ack.append(held.delivery)
         self.metrics.request_ended(out.finish_reason)
+        self.metrics.prompt_tokens.inc(usage.prompt_tokens)
+        self.metrics.generation_tokens.inc(usage.completion_tokens)
 
     def fail(
         self,
