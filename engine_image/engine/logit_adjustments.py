@@ -34,14 +34,15 @@ def adjust_logits(logits: torch.Tensor, rows: list[SampleRows]) -> torch.Tensor:
     for s in todo:
         params = s.sampling_params
         if params.logit_bias:
-            ids = [token for token, _ in params.logit_bias]
-            if max(ids) >= vocab:
+            ids, biases = params.logit_bias_arrays
+            if ids[-1] >= vocab:  # in id order: the last is the largest
                 raise ValueError(
                     f"request {s.request_id!r}: a logit_bias token id is outside the "
                     f"vocabulary of {vocab}"
                 )
-            bias = torch.tensor([b for _, b in params.logit_bias], device=out.device)
-            out[s.start : s.start + s.num_rows, torch.tensor(ids, device=out.device)] += bias
+            columns = torch.frombuffer(ids, dtype=torch.long).to(out.device)
+            bias = torch.frombuffer(biases, dtype=torch.float32).to(out.device)
+            out[s.start : s.start + s.num_rows, columns] += bias
     return out
 
 

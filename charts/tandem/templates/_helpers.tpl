@@ -450,11 +450,33 @@ operator pods in one rollout must share one peering, or both act at once.
 {{- end }}
 {{- end }}
 
+{{/*
+An upgrade that renames the release's objects (nameOverride, fullnameOverride): the
+selectors it would give the Deployments are refused by Kubernetes, and Redis would
+start on a new, empty volume. Found by the gateway Deployment this release made.
+*/}}
+{{- define "tandem.renameCheck" -}}
+{{- $ctx := dict "root" . "component" "gateway" }}
+{{- $name := include "tandem.componentName" $ctx }}
+{{- $selector := include "tandem.selectorLabels" $ctx | fromYaml }}
+{{- range (lookup "apps/v1" "Deployment" .Release.Namespace "").items | default list }}
+{{- $labels := .metadata.labels | default dict }}
+{{- $annotations := .metadata.annotations | default dict }}
+{{- if and (eq (get $annotations "meta.helm.sh/release-name") $.Release.Name) (eq (get $labels "app.kubernetes.io/component") "gateway") (eq (get $labels "app.kubernetes.io/part-of") "tandem") }}
+{{- $was := dig "spec" "selector" "matchLabels" dict . }}
+{{- if or (ne .metadata.name $name) (ne (get $was "app.kubernetes.io/name") (get $selector "app.kubernetes.io/name")) }}
+{{- fail (printf "this release's objects are named %s (app.kubernetes.io/name %s) and these values would name them %s (%s): Kubernetes refuses a Deployment's new selector, and Redis would start on a new, empty volume. Keep nameOverride and fullnameOverride as they were" .metadata.name (get $was "app.kubernetes.io/name") $name (get $selector "app.kubernetes.io/name")) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* The values that cannot work together, refused before anything is made. */}}
 {{- define "tandem.checks" -}}
 {{- include "tandem.resourceChecks" . }}
 {{- include "tandem.redisMemoryCheck" . }}
 {{- include "tandem.redisClaimCheck" . }}
+{{- include "tandem.renameCheck" . }}
 {{- $auth := .Values.gateway.auth }}
 {{- if and $auth.enabled (not $auth.existingSecret) (not $auth.keys) (not (include "tandem.makesBootstrapKey" .)) }}
 {{- fail "gateway.auth: no API key source. Set gateway.auth.keys, gateway.auth.existingSecret or gateway.auth.bootstrapKey, or gateway.auth.enabled=false (no authentication)" }}
