@@ -129,7 +129,15 @@ class Job:
             # A lone surrogate (JSON's \ud800, a JavaScript client's cut emoji) in a
             # field the engine never reads: not valid UTF-8, but a request all the
             # same, and none of the form above can have it.
-            data = self.body.model_dump(mode="json", **sent)
+            try:
+                data = self.body.model_dump(mode="json", **sent)
+            except (PydanticSerializationError, ValueError):
+                # Nested past pydantic's serialisation depth (255) in a field the engine
+                # never reads: nothing to compare a retry by.
+                raise bad_request(
+                    "the request is nested too deeply (past 255 levels) to be compared "
+                    "with a retry: send it without Idempotency-Key, or less deeply nested"
+                ) from None
             content = json.dumps(data, ensure_ascii=True, sort_keys=True).encode()
         return hashlib.sha256(content).hexdigest()
 
@@ -338,8 +346,17 @@ def _logit_bias(bias: dict[str, float]) -> list[list[int | float]]:
             raise bad_request(
                 f"logit_bias keys must be token ids (decimal integers), got {key!r}", "logit_bias"
             )
+        if len(key) > _MOST_TOKEN_ID_DIGITS:  # int() of 4,300 digits on is a ValueError
+            raise bad_request(
+                f"logit_bias key {key[:20]}... has {len(key)} digits: no token id is that large",
+                "logit_bias",
+            )
         pairs.append([int(key), value])
     return pairs
+
+
+# No vocabulary comes near 10^18 tokens; longer keys are refused before int() reads them.
+_MOST_TOKEN_ID_DIGITS = 18
 
 
 def _with_seed(sampling: dict[str, Any], index: int) -> dict[str, Any]:

@@ -457,6 +457,22 @@ def test_an_idempotency_key_takes_a_lone_surrogate_in_a_field_never_read(gateway
     assert reply.status_code == 200, reply.text
 
 
+def test_an_idempotency_key_on_a_request_nested_too_deep_to_compare_is_a_400(gateway):
+    # Pydantic serialises 255 levels; the digest of a deeper field the engine never
+    # reads (an assistant message's annotations) was a 500.
+    live, _ = gateway
+    deep: list = []
+    for _ in range(300):
+        deep = [deep]
+    message = {"role": "assistant", "content": "Hi", "annotations": [{"a": deep}]}
+    body = json.dumps({**GOOD, "messages": [*USER, message, *USER], "max_tokens": 1})
+    headers = {**_auth(API_KEY), "Content-Type": "application/json", "Idempotency-Key": "deep"}
+    with live.http() as client:
+        reply = client.post("/v1/chat/completions", content=body, headers=headers)
+    assert reply.status_code == 400, reply.text
+    assert "nested too deeply" in reply.json()["error"]["message"]
+
+
 def test_two_authorization_headers_are_refused_whichever_comes_first(gateway):
     live, _ = gateway
     for keys in ((API_KEY, "sk-wrong"), ("sk-wrong", API_KEY)):
