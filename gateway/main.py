@@ -75,6 +75,7 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tandem.gateway.app import create_app
+    from tandem.gateway.server import quiet_accept_errors, server_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings = GatewaySettings.from_args(args)
@@ -98,15 +99,17 @@ def main(args: argparse.Namespace) -> int:
     # (nothing admitted yet) ends the process at once: a no-op handler here swallowed
     # it, and the gateway served on until the supervisor's kill (tandem up waited 60 s).
     signal.signal(signal.SIGTERM, _exit_cleanly)
-    uvicorn.run(
+    quiet_accept_errors()
+    config = server_config(
         app,
-        host=settings.host,
-        port=settings.port,
+        settings,
         timeout_graceful_shutdown=int(settings.shutdown_timeout) or 1,
         access_log=settings.access_log,
         log_level="info",
     )
-    return 0
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 3  # 3: uvicorn.run's exit for a failed start
 
 
 def _exit_cleanly(signum: int, _frame: object) -> None:

@@ -33,6 +33,9 @@ class GatewaySettings:
     # and up to max_body_bytes of memory for as long as they kept it open. (nginx's
     # client_body_timeout is 60 s between two reads; this bounds the whole body.)
     body_timeout_s: float = 60.0
+    # The longest a connection may wait to send a request's headers, from its opening
+    # or its last response (server.py): idle ones held descriptors for ever.
+    header_timeout_s: float = 10.0
     # Chat requests without max_tokens generate at most this many tokens (the
     # engine stops earlier at its context length); completions default to 16 as
     # in the OpenAI API.
@@ -90,6 +93,7 @@ class GatewaySettings:
         _positive_seconds("redis_outage_s", self.redis_outage_s)
         _positive_seconds("readyz_timeout_s", self.readyz_timeout_s)
         _positive_seconds("body_timeout_s", self.body_timeout_s)
+        _positive_seconds("header_timeout_s", self.header_timeout_s)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GatewaySettings:

@@ -19,6 +19,7 @@ from support.engines import EngineProcess
 from tandem.engine.service.registry import Registry
 from tandem.gateway.app import create_app
 from tandem.gateway.auth import KeyStore
+from tandem.gateway.server import server_config
 from tandem.gateway.settings import GatewaySettings
 from tandem.keys import Keys
 from tandem.redis_server import free_port
@@ -32,13 +33,7 @@ class LiveGateway:
     def __init__(self, settings: GatewaySettings, key_store: KeyStore | None = None) -> None:
         self.settings = settings
         self.app = create_app(settings, key_store=key_store)
-        config = uvicorn.Config(
-            self.app,
-            host="127.0.0.1",
-            port=settings.port,
-            log_level="warning",
-            timeout_graceful_shutdown=1,
-        )
+        config = server_config(self.app, settings, log_level="warning", timeout_graceful_shutdown=1)
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, name="gateway", daemon=True)
 

@@ -120,11 +120,11 @@ def test_a_sigterm_before_the_server_took_over_ends_the_gateway(monkeypatch, red
 
     served = []
 
-    def run(app, **_kwargs) -> None:
+    def run(server: uvicorn.Server, *_args) -> None:
         signal.raise_signal(signal.SIGTERM)  # before uvicorn installs its handlers
-        served.append(app)  # the server would start and serve on
+        served.append(server.config.app)  # the server would start and serve on
 
-    monkeypatch.setattr(uvicorn, "run", run)
+    monkeypatch.setattr(uvicorn.Server, "run", run)
     monkeypatch.setattr(gateway_main.gc, "freeze", lambda: None)  # not in the test process
     args = build_parser().parse_args(["gateway", "--no-auth", "--redis-url", redis_url])
     previous = signal.getsignal(signal.SIGTERM)

@@ -1,0 +1,101 @@
+"""The HTTP server around the app: uvicorn, with a deadline for each request's headers.
+
+uvicorn times a connection out only between requests (its keep-alive, armed after a
+response): a connection that opened and sent nothing, or its headers a byte now and
+then, was held for ever. About 20,000 of them, the process's file descriptors, took
+the gateway down for everyone, no API key needed, and asyncio logged each refused
+accept (hundreds of megabytes a minute). Now a connection that has not sent a whole
+request's headers within `header_timeout_s` of waiting for them is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from typing import Any
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from tandem.gateway.settings import GatewaySettings
+
+
+class HeaderDeadlineH11(H11Protocol):
+    """uvicorn's h11 protocol; a connection waiting for a request's headers longer than
+    `headers_within_s` (from its opening, or its last response) is closed."""
+
+    def __init__(self, *args: Any, headers_within_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._headers_within_s = headers_within_s
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._watch_headers()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        self._watch_headers()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._watch_headers()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_timer()
+        super().connection_lost(exc)
+
+    def _watch_headers(self) -> None:
+        # IDLE: no request's headers yet (h11 leaves it once they are all in).
+        waiting = self.conn.their_state is h11.IDLE and not self.transport.is_closing()
+        if waiting and self._header_timer is None:
+            self._header_timer = self.loop.call_later(self._headers_within_s, self._too_slow)
+        elif not waiting:
+            self._stop_timer()
+
+    def _stop_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _too_slow(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+def server_config(app: Any, settings: GatewaySettings, **options: Any) -> uvicorn.Config:
+    """uvicorn's configuration for `app` on the settings' host and port; `options` are
+    uvicorn's own (log_level, access_log, timeouts)."""
+    protocol = functools.partial(HeaderDeadlineH11, headers_within_s=settings.header_timeout_s)
+    return uvicorn.Config(app, host=settings.host, port=settings.port, http=protocol, **options)
+
+
+class OncePer(logging.Filter):
+    """Lets messages that start with one of `messages` through once per `seconds`
+    each: asyncio logs a refused accept() once per waiting connection, thousands a
+    second at the descriptor limit."""
+
+    def __init__(self, messages: tuple[str, ...], seconds: float) -> None:
+        super().__init__()
+        self._messages, self._seconds = messages, seconds
+        self._last: dict[str, float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        start = next((m for m in self._messages if text.startswith(m)), None)
+        if start is None:
+            return True
+        now = time.monotonic()
+        if now - self._last.get(start, -self._seconds) < self._seconds:
+            return False
+        self._last[start] = now
+        return True
+
+
+def quiet_accept_errors() -> None:
+    """asyncio's "socket.accept() out of system resource" at most once every 10 s."""
+    logging.getLogger("asyncio").addFilter(OncePer(("socket.accept() out of system",), 10.0))

@@ -1,0 +1,74 @@
+"""The HTTP server: a connection that does not send a request's headers in time is
+closed (idle ones held descriptors for ever), and asyncio's accept errors are thinned."""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import socket
+import time
+
+from tandem.gateway.server import OncePer
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> float | None:
+    """Seconds until the server closed `sock` (reads b""), or None if it did not."""
+    sock.settimeout(seconds)
+    started = time.monotonic()
+    try:
+        while sock.recv(4096):
+            pass  # a response, then the close
+    except TimeoutError:
+        return None
+    return time.monotonic() - started
+
+
+def test_connections_slow_to_send_their_headers_are_closed(start_gateway):
+    gateway = start_gateway(header_timeout_s=0.5)
+    port = int(gateway.url.rsplit(":", 1)[1])
+    silent = socket.create_connection(("127.0.0.1", port))
+    trickle = socket.create_connection(("127.0.0.1", port))
+    trickle.sendall(b"GET /healthz HTTP/1.1\r\n")  # and nothing more: a slowloris
+    for sock in (silent, trickle):
+        took = _closed_within(sock, 5)
+        assert took is not None and took < 2, took
+        sock.close()
+    # A request whose headers came in time is answered, and its connection kept for
+    # the next one (then the same deadline for that one's headers).
+    kept = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    for _ in range(2):
+        kept.request("GET", "/healthz")
+        assert kept.getresponse().read() == b'{"status":"ok"}'
+        time.sleep(0.3)
+    assert kept.sock is not None and _closed_within(kept.sock, 5) is not None
+    kept.close()
+    with gateway.http() as client:  # and the gateway serves on
+        assert client.get("/healthz").status_code == 200
+
+
+def test_a_slow_body_is_the_body_timeouts_not_the_headers(start_gateway):
+    # The header deadline ends with the headers: a body on its way is timed by
+    # body_timeout_s (408), not cut at the header deadline.
+    gateway = start_gateway(header_timeout_s=0.3, body_timeout_s=5)
+    port = int(gateway.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        head = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Authorization: Bearer sk-tandem-test\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 2\r\n\r\n"
+        )
+        sock.sendall(head + b"{")
+        time.sleep(1.0)  # past the header deadline, within the body's
+        sock.sendall(b"}")
+        sock.settimeout(5)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 400")  # read whole: {} lacks a model
+
+
+def test_accept_errors_are_logged_once_per_interval():
+    records = []
+    once = OncePer(("socket.accept() out of system",), seconds=60)
+    for message in ["socket.accept() out of system resource\nsocket: ...", "other"] * 3:
+        record = logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, None, None)
+        if once.filter(record):
+            records.append(message.split("\n")[0])
+    assert records == ["socket.accept() out of system resource", "other", "other", "other"]
