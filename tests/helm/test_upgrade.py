@@ -252,3 +252,63 @@ def test_a_cluster_scoped_operator_keeps_the_peering_it_made(helm, cluster, owne
     result = _upgrade(helm, ["operator.scope=cluster"])
     assert result.returncode == 0, result.stderr
     assert _peering_names(result.stdout) == (name, name)
+
+
+DEPLOYMENTS = kmock.resource("apps", "v1", "deployments")
+
+
+def _gateway(name: str, app_name: str) -> dict[str, Any]:
+    """The gateway Deployment this release made, as the API server returns it."""
+    labels = {
+        "app.kubernetes.io/name": app_name,
+        "app.kubernetes.io/instance": RELEASE,
+        "app.kubernetes.io/component": "gateway",
+        "app.kubernetes.io/part-of": "tandem",
+        "app.kubernetes.io/managed-by": "Helm",
+    }
+    selector = {k: v for k, v in labels.items() if k != "app.kubernetes.io/part-of"}
+    selector.pop("app.kubernetes.io/managed-by")
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": name,
+            "namespace": NAMESPACE,
+            "labels": labels,
+            "annotations": {
+                "meta.helm.sh/release-name": RELEASE,
+                "meta.helm.sh/release-namespace": NAMESPACE,
+            },
+        },
+        "spec": {
+            "selector": {"matchLabels": selector},
+            "template": {"metadata": {"labels": selector}},
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    ("sets", "refused"),
+    [
+        ([], False),
+        (["nameOverride=llm"], True),  # every object renamed: new, empty Redis volume
+        (["fullnameOverride=tandem", "nameOverride=llm"], True),  # same names, new selectors
+    ],
+)
+def test_an_upgrade_that_renames_the_releases_objects_is_refused(helm, cluster, sets, refused):
+    cluster.redis(None)
+    cluster.run(
+        cluster.api.create(DEPLOYMENTS, NAMESPACE, _gateway(f"{RELEASE}-gateway", "tandem"))
+    )
+    try:
+        result = _upgrade(helm, sets)
+    finally:
+        cluster.run(cluster.api.delete(DEPLOYMENTS, NAMESPACE, f"{RELEASE}-gateway"))
+    if not refused:
+        assert result.returncode == 0, result.stderr
+        return
+    assert result.returncode != 0
+    assert "this release's objects are named tandem-gateway (app.kubernetes.io/name tandem)" in (
+        result.stderr
+    )
+    assert "Keep nameOverride and fullnameOverride as they were" in result.stderr
