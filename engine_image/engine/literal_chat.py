@@ -56,32 +56,37 @@ class LiteralChat:
         if self._specials is None:
             raise ValueError("this tokenizer has no special tokens to read as text")
         tag = secrets.token_hex(8)  # no message can guess it
-        markers = {}
+        contents: dict[str, str] = {}  # a marker's number -> the content it stands for
         marked = []
         for i, message in enumerate(messages):
             if isinstance(message.get("content"), str):
-                marker = f"TANDEM{tag}M{i}X"
-                markers[marker] = message["content"]
-                message = {**message, "content": marker}
+                contents[str(i)] = message["content"]
+                message = {**message, "content": f"TANDEM{tag}M{i}X"}
             marked.append(message)
         text = render(marked)
-        if any(text.count(marker) != 1 for marker in markers):
+        # One pass over the text, however many messages (a count per marker would be
+        # quadratic in a long conversation).
+        marker = re.compile(f"TANDEM{tag}M([0-9]+)X")
+
+        def restore(piece: str) -> str:
+            return marker.sub(lambda m: contents[m.group(1)], piece)
+
+        found = [m.group(1) for m in marker.finditer(text)]
+        if len(found) != len(contents) or set(found) != contents.keys():
             raise ValueError(
                 "a message holds the text of one of the model's control tokens, and this "
                 "model's chat template cannot take it as text: remove it from the message"
             )
         ids: list[int] = []
         start = 0
-        for found in self._specials.finditer(text):
-            ids += self._piece(text[start : found.start()], markers)
-            ids.append(self.special_ids[found.group()])
-            start = found.end()
-        ids += self._piece(text[start:], markers)
+        for special in self._specials.finditer(text):
+            ids += self._piece(restore(text[start : special.start()]))
+            ids.append(self.special_ids[special.group()])
+            start = special.end()
+        ids += self._piece(restore(text[start:]))
         return ids
 
-    def _piece(self, text: str, markers: dict[str, str]) -> list[int]:
-        for marker, content in markers.items():
-            text = text.replace(marker, content)
+    def _piece(self, text: str) -> list[int]:
         if not text:
             return []
         if self._literal is None:  # a copy: the shared backend's flag is not ours to flip

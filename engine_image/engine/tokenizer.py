@@ -108,11 +108,17 @@ class Tokenizer:
 
         `extra` reaches the template as variables, as in transformers (e.g. tools).
         """
+        return self._render(_checked_messages(messages), add_generation_prompt, extra)
+
+    def _render(
+        self, checked: list[dict[str, Any]], add_generation_prompt: bool, extra: dict[str, Any]
+    ) -> str:
+        """apply_chat_template of messages _checked_messages already copied and checked."""
         template = self._compiled_template()
         context = {
             **self._special_tokens,
             **extra,
-            "messages": _checked_messages(messages),
+            "messages": checked,
             "add_generation_prompt": add_generation_prompt,
         }
         try:
@@ -130,10 +136,9 @@ class Tokenizer:
             self._literal_chat = LiteralChat(self._backend)
         if self._literal_chat.holds_control_text(checked):
             return self._literal_chat.encode(
-                checked,
-                lambda marked: self.apply_chat_template(marked, add_generation_prompt, **extra),
+                checked, lambda marked: self._render(marked, add_generation_prompt, extra)
             )
-        text = self.apply_chat_template(checked, add_generation_prompt, **extra)
+        text = self._render(checked, add_generation_prompt, extra)
         # The template writes BOS itself when the model wants one (as transformers assumes).
         return self.encode(text, add_special_tokens=False)
 
