@@ -505,8 +505,10 @@ def test_offered_kv_is_served_only_to_a_fetch_with_the_handoffs_token(
     # client and the logs know. Its token travels only in the Handoff, through Redis.
     prompt = engines("prompt", "--handoff-ttl", "60")
     rid = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 8, **GREEDY})
-    assert eventually(lambda: prompt.metric("tandem_engine_kv_pinned_requests") == 1)
     conn = redis.Redis.from_url(redis_url)
+    # Offered (pinned) first, published once the step's events are flushed.
+    assert eventually(lambda: conn.xlen(keys.handoff_stream("tiny")) == 1)
+    assert prompt.metric("tandem_engine_kv_pinned_requests") == 1
     [(_, fields)] = conn.xrange(keys.handoff_stream("tiny"))
     conn.close()
     handoff = Handoff.from_fields(fields)
