@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from redis.exceptions import RedisError
 
@@ -32,7 +32,7 @@ from tandem.gateway.jobs import Job
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.reader import AsyncResponseReader, DeadlinePassed
 from tandem.gateway.recovery import LossWatch
-from tandem.gateway.rendering import ChoiceResult, Renderer
+from tandem.gateway.rendering import ChoiceResult, Renderer, total_usage
 from tandem.gateway.streaming import DONE, sse
 from tandem.protocol import EventKind, ProtocolError, ResponseEvent
 
@@ -60,6 +60,7 @@ class Generation:
         arrived: float,
         directory: ModelDirectory,
         watch: LossWatch | None = None,
+        settle: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         self.job = job
         self.ticket = ticket
@@ -80,6 +81,9 @@ class Generation:
         self._taken: set[int] = set()
         # Queues the work again if Redis loses it (None: not watched).
         self.watch = watch
+        # Told the tokens the whole answer used (its usage's total), once every choice
+        # finished: the tpm quota's settlement (None: nothing to settle).
+        self.settle = settle
 
     # ---------------------------------------------------------------- reading
 
@@ -110,6 +114,8 @@ class Generation:
                 yield index, event
             if self.ticket.ledger_key is None:  # no retry will read them again
                 await self._delivered()
+            if self.settle is not None and all(c.usage is not None for c in self.choices):
+                await self.settle(total_usage(self.choices)["total_tokens"])
         except DeadlinePassed:
             await self.abandon("deadline")
             raise deadline_exceeded(

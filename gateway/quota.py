@@ -5,7 +5,15 @@ at limit/60 per second up to `limit`. One Lua script checks both buckets of a
 key and takes from both or from neither, so concurrent requests on several
 replicas never overdraw, and a request refused for tokens uses up no request.
 Time is Redis's own clock (TIME): replicas with skewed clocks still agree.
-A bucket untouched for a minute is full, so its key expires then.
+A bucket's key expires when it would have refilled: a missing bucket is full.
+
+The tpm bucket is charged before the work runs, from an estimate (prompt
+characters / 4 + max_tokens, per choice), and settled once the answer is
+whole against the usage the client is told (prompt once, every choice's
+completion): unused max_tokens come back, and a prompt the estimate undercounted
+(CJK text is ~1 token a character, not 1/4) is charged in full, the bucket
+going below zero until it refills. A request that ends early (an error, a
+disconnect, its deadline) keeps the estimate.
 """
 
 from __future__ import annotations
@@ -29,9 +37,10 @@ local function level(key, limit)
   if not lvl or not at then return limit end
   return math.min(limit, lvl + math.max(0, now - at) * limit / 60)
 end
-local function store(key, lvl)
+-- Kept until it would be full again: longer than a minute below zero (settle).
+local function store(key, lvl, limit)
   redis.call('HSET', key, 'level', tostring(lvl), 'at', tostring(now))
-  redis.call('PEXPIRE', key, 60000)
+  redis.call('PEXPIRE', key, math.max(1, math.ceil((limit - lvl) * 60000 / limit)))
 end
 local rpm, tpm, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 """
@@ -58,8 +67,8 @@ if tpm > 0 then
   k = level(KEYS[2], tpm)
   if k < cost then return {0, 'tpm', tostring((cost - k) * 60 / tpm)} end
 end
-if r then store(KEYS[1], r - 1) end
-if k then store(KEYS[2], k - cost) end
+if r then store(KEYS[1], r - 1, rpm) end
+if k then store(KEYS[2], k - cost, tpm) end
 redis.call('SET', KEYS[3], '1', 'PX', 60000)
 return {1}
 """
@@ -73,9 +82,27 @@ if redis.call('GET', KEYS[3]) ~= '1' then return 0 end
 """
     + _LEVEL_LUA
     + """
-if rpm > 0 then store(KEYS[1], math.min(rpm, level(KEYS[1], rpm) + 1)) end
-if tpm > 0 then store(KEYS[2], math.min(tpm, level(KEYS[2], tpm) + cost)) end
+if rpm > 0 then store(KEYS[1], math.min(rpm, level(KEYS[1], rpm) + 1), rpm) end
+if tpm > 0 then store(KEYS[2], math.min(tpm, level(KEYS[2], tpm) + cost), tpm) end
 redis.call('SET', KEYS[3], 'given back', 'KEEPTTL')
+return 1
+"""
+)
+
+# Correct the tpm bucket from what a take charged (ARGV[3]) to what the request used
+# (ARGV[4]), once (same KEYS and ARGV[1..3] as a take). Settles after the marker
+# expired too (a request longer than a minute); never after a give-back. Returns 1
+# when it settled.
+_SETTLE_LUA = (
+    """
+local marker = redis.call('GET', KEYS[3])
+if marker == 'given back' or marker == 'settled' then return 0 end
+"""
+    + _LEVEL_LUA
+    + """
+local used = tonumber(ARGV[4])
+store(KEYS[2], math.min(tpm, level(KEYS[2], tpm) + cost - used), tpm)
+redis.call('SET', KEYS[3], 'settled', 'PX', 60000)
 return 1
 """
 )
@@ -95,6 +122,7 @@ class Quotas:
         self.prefix = prefix
         self._take = client.register_script(_TAKE_LUA)
         self._give_back = client.register_script(_GIVE_BACK_LUA)
+        self._settle = client.register_script(_SETTLE_LUA)
 
     def bucket_keys(self, name: str) -> list[str]:
         # One hash tag per key name: both buckets (and the markers) on one Cluster slot.
@@ -125,6 +153,16 @@ class Quotas:
             return
         script_keys = [*self.bucket_keys(key.name), self.marker_key(key.name, request_id)]
         await self._give_back(keys=script_keys, args=[key.rpm or 0, key.tpm or 0, tokens])
+
+    async def settle(self, key: ApiKey, charged: int, used: int, request_id: str) -> None:
+        """Charge `used` tokens for `request_id` instead of the `charged` its take took,
+        once however often it is called, and never after a give_back."""
+        if key.tpm is None or charged == used:
+            return
+        if used < 0:
+            raise ValueError(f"used must be >= 0, got {used}")
+        script_keys = [*self.bucket_keys(key.name), self.marker_key(key.name, request_id)]
+        await self._settle(keys=script_keys, args=[0, key.tpm, charged, used])
 
     async def admit(self, key: ApiKey, tokens: int, request_id: str) -> None:
         """take(), raising the 429 that names the quota when refused."""

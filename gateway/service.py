@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from typing import cast
@@ -40,7 +41,9 @@ from tandem.gateway.streaming import EventStreamResponse
 from tandem.keys import Keys
 
 log = logging.getLogger("tandem.gateway")
-_GIVE_BACK_WITHIN_S = 1.0  # on the way to the error's answer: Redis may not delay it
+# The most a quota's give-back or settlement may add to the answer it runs on the way
+# to (an error, the last of a stream): a Redis outage may not delay it longer.
+_QUOTA_ASIDE_S = 1.0
 
 
 class GatewayService:
@@ -96,6 +99,8 @@ class GatewayService:
             arrived=arrived,
             directory=self.directory,
             watch=self._loss_watch(job, ticket, run_id),
+            # An attached retry took nothing: the first attempt settles its own.
+            settle=None if ticket.attached else functools.partial(self._settle, caller, job),
         )
         try:
             if job.stream:
@@ -112,10 +117,18 @@ class GatewayService:
         typo in max_tokens took most of a minute's tokens for a 400. An attached
         retry took nothing: the first attempt gives back its own."""
         try:
-            async with asyncio.timeout(_GIVE_BACK_WITHIN_S):
+            async with asyncio.timeout(_QUOTA_ASIDE_S):
                 await self.admission.quotas.give_back(caller, job.cost_tokens, job.base_id)
         except (RedisError, OSError) as exc:  # the error is the answer; the quota refills
             log.info("could not give back the quota of %s: %r", job.base_id, exc)
+
+    async def _settle(self, caller: ApiKey, job: Job, used: int) -> None:
+        """Charge the tpm quota what the answer used instead of the estimate taken."""
+        try:
+            async with asyncio.timeout(_QUOTA_ASIDE_S):
+                await self.admission.quotas.settle(caller, job.cost_tokens, used, job.base_id)
+        except (RedisError, OSError) as exc:  # the answer goes out; the estimate stays
+            log.info("could not settle the quota of %s: %r", job.base_id, exc)
 
     def _loss_watch(self, job: Job, ticket: Ticket, run_id: str | None) -> LossWatch | None:
         """What queues the request's work again if Redis loses it: the job's work

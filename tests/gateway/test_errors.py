@@ -32,6 +32,7 @@ KEYS = [
     {"key": "sk-rpm", "name": "rpm-1", "rpm": 1},
     {"key": "sk-tpm", "name": "tpm-100", "tpm": 100},
     *({"key": f"sk-give-back-{i}", "name": f"give-back-{i}", "rpm": 1, "tpm": 100} for i in (0, 1)),
+    *({"key": f"sk-settle-{i}", "name": f"settle-{i}", "tpm": 200} for i in range(4)),
 ]
 
 
@@ -505,6 +506,48 @@ def test_a_request_the_engine_refuses_uses_no_quota(gateway, stream):
         assert good.status_code == 200, good.text  # rpm 1 and 60 of 100 tokens: room
         again = client.post("/v1/completions", json={**refused, "prompt": [1, 2]})
         assert again.status_code == 429  # the good one did use the quota
+
+
+def _usage(client: httpx.Client, ask: dict) -> dict:
+    """The usage of one answered completion, streamed or not."""
+    if not ask.get("stream"):
+        reply = client.post("/v1/completions", json=ask)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]
+    ask = {**ask, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/completions", json=ask) as reply:
+        assert reply.status_code == 200, reply.read()
+        events = [line[6:] for line in reply.iter_lines() if line.startswith("data: {")]
+    return json.loads(events[-1])["usage"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_token_quota_charges_what_the_answer_used(gateway, stream):
+    # Charged characters / 4 at admission and never settled, CJK text (a token or more
+    # a character) ran at many times a key's tpm.
+    live, _ = gateway
+    cjk = {"model": "tiny", "prompt": "漢字" * 20, "max_tokens": 4, "stream": stream}
+    with live.http(api_key=f"sk-settle-{int(stream)}") as client:
+        usage = _usage(client, cjk)  # charged 40 / 4 + 4 = 14
+        assert usage["prompt_tokens"] > 60
+        # Room for 152 after the estimate, 200 - total_tokens (< 136) after the usage.
+        later = client.post("/v1/completions", json={**cjk, "prompt": [1, 2], "max_tokens": 150})
+    assert later.status_code == 429, later.text
+    assert later.json()["error"]["code"] == "tpm_exceeded"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_token_quota_gives_back_what_the_answer_did_not_use(gateway, stream):
+    # n=2 is charged the prompt twice and max_tokens twice; usage counts the prompt once.
+    live, _ = gateway
+    ask = {"model": "tiny", "prompt": list(range(1, 51)), "max_tokens": 2, "n": 2}
+    with live.http(api_key=f"sk-settle-{2 + int(stream)}") as client:
+        usage = _usage(client, {**ask, "stream": stream})  # charged 2 x 52 = 104
+        assert usage["total_tokens"] <= 54
+        # 96 left after the estimate, at least 146 after the usage.
+        later = {"model": "tiny", "prompt": [1, 2], "max_tokens": 130}
+        reply = client.post("/v1/completions", json=later)
+    assert reply.status_code == 200, later.text
 
 
 @pytest.mark.parametrize("header", ["X-Tandem-Priority", "X-Tandem-Timeout", "Idempotency-Key"])

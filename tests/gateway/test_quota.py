@@ -145,3 +145,49 @@ def test_a_give_back_returns_what_its_take_took_once(redis_url, keys):
     first, second = _run(redis_url, work)
     assert first.admitted  # the 80 tokens and the request came back, once
     assert (second.admitted, second.quota) == (False, "tpm")
+
+
+def test_a_settlement_gives_back_unused_tokens_and_charges_undercounted_ones(redis_url, keys):
+    key = ApiKey("k", tpm=100)
+
+    async def work(a, b):
+        quotas, other = Quotas(a, keys.prefix), Quotas(b, keys.prefix)
+        assert (await quotas.take(key, 80, "short")).admitted
+        await quotas.settle(key, 80, 20, "short")  # 60 of max_tokens unused
+        await other.settle(key, 80, 20, "short")  # again, from another replica: nothing
+        fits = await quotas.take(key, 70, "next")  # 80 left: it fits only after the settling
+        await quotas.settle(key, 70, 250, "next")  # a CJK prompt counted at a quarter
+        return fits, await quotas.take(key, 1, "after")
+
+    fits, after = _run(redis_url, work)
+    assert fits.admitted
+    # 100 - 20 - 250 = -170: one token needs 171 at 100/60 a second.
+    assert (after.admitted, after.quota) == (False, "tpm")
+    assert after.retry_after == pytest.approx(171 * 60 / 100, abs=1)
+
+
+def test_a_bucket_below_zero_outlives_a_minute(redis_url, keys):
+    # Its key expired after 60 s like a full one's would: the debt was forgotten.
+    key = ApiKey("k", tpm=100)
+
+    async def work(a, _):
+        quotas = Quotas(a, keys.prefix)
+        await quotas.take(key, 10, "r")
+        await quotas.settle(key, 10, 300, "r")
+        return await a.pttl(quotas.bucket_keys(key.name)[1])
+
+    # -200 refills to 100 in 3 minutes.
+    assert _run(redis_url, work) == pytest.approx(180_000, abs=1_000)
+
+
+def test_nothing_is_settled_after_a_give_back(redis_url, keys):
+    key = ApiKey("k", tpm=100)
+
+    async def work(a, _):
+        quotas = Quotas(a, keys.prefix)
+        await quotas.take(key, 50, "r")
+        await quotas.give_back(key, 50, "r")
+        await quotas.settle(key, 50, 90, "r")  # a late settlement must not charge again
+        return await quotas.take(key, 100, "whole")
+
+    assert _run(redis_url, work).admitted  # all 100 were back: 60 had the 40 been charged
