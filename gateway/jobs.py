@@ -4,7 +4,7 @@ Building a Job is where a request is checked beyond its JSON types: refused
 parameters, conflicting ones, the sampling parameters (with the engine's own
 SamplingParams, so gateway and engine agree on what is valid), priority and
 timeout headers. The engine tokenizes; the gateway only estimates the prompt's
-tokens (characters / 4) for the queued-tokens counter and the tpm quota.
+tokens (UTF-8 bytes / 4) for the queued-tokens counter and the tpm quota.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ IDEMPOTENCY_HEADER = "idempotency-key"
 _PRIORITIES = {"high": PRIORITY_HIGH, "normal": PRIORITY_NORMAL, "low": PRIORITY_LOW}
 # OpenAI's default max_tokens for (legacy) completions.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-_CHARS_PER_TOKEN = 4
+# English runs ~4 characters a token. Bytes, not characters: CJK text runs about a
+# token a character (3 bytes) and emoji more, where characters / 4 counted a quarter.
+_BYTES_PER_TOKEN = 4
 _SAMPLING_FIELDS = (
     "max_tokens",
     "temperature",
@@ -185,9 +187,9 @@ class JobBuilder:
             )
         max_tokens = body.max_completion_tokens or body.max_tokens
         messages = [engine_message(i, m) for i, m in enumerate(body.messages)]
-        chars = sum(len(m["content"]) for m in messages)
+        size = sum(_utf8_size(m["content"]) for m in messages)
         prompt = {"messages": messages}
-        return self._job("chat", body, headers, caller, prompt, _estimate(chars), max_tokens)
+        return self._job("chat", body, headers, caller, prompt, _estimate(size), max_tokens)
 
     def completion(
         self, body: CompletionRequest, headers: Mapping[str, str], caller: ApiKey
@@ -204,7 +206,7 @@ class JobBuilder:
             raise not_supported("best_of", "best_of other than n")
         prompt = _prompt(body.prompt)
         if "prompt" in prompt:
-            estimate = _estimate(len(prompt["prompt"]))
+            estimate = _estimate(_utf8_size(prompt["prompt"]))
         else:
             estimate = len(prompt["prompt_token_ids"])
         return self._job(
@@ -303,8 +305,12 @@ def _prompt(prompt: Any) -> dict[str, Any]:
     return {"prompt_token_ids": list(prompt)}
 
 
-def _estimate(chars: int) -> int:
-    return max(1, math.ceil(chars / _CHARS_PER_TOKEN))
+def _estimate(utf8_bytes: int) -> int:
+    return max(1, math.ceil(utf8_bytes / _BYTES_PER_TOKEN))
+
+
+def _utf8_size(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
 
 
 def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> dict[str, Any]:

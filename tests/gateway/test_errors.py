@@ -523,14 +523,14 @@ def _usage(client: httpx.Client, ask: dict) -> dict:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_token_quota_charges_what_the_answer_used(gateway, stream):
-    # Charged characters / 4 at admission and never settled, CJK text (a token or more
-    # a character) ran at many times a key's tpm.
+    # Charged an estimate at admission and never settled, text the tokenizer cuts finer
+    # than the estimate (CJK on this byte-level one) ran at many times a key's tpm.
     live, _ = gateway
     cjk = {"model": "tiny", "prompt": "漢字" * 20, "max_tokens": 4, "stream": stream}
     with live.http(api_key=f"sk-settle-{int(stream)}") as client:
-        usage = _usage(client, cjk)  # charged 40 / 4 + 4 = 14
+        usage = _usage(client, cjk)  # charged 120 UTF-8 bytes / 4 + 4 = 34
         assert usage["prompt_tokens"] > 60
-        # Room for 152 after the estimate, 200 - total_tokens (< 136) after the usage.
+        # Room for 166 after the estimate, 200 - total_tokens (< 136) after the usage.
         later = client.post("/v1/completions", json={**cjk, "prompt": [1, 2], "max_tokens": 150})
     assert later.status_code == 429, later.text
     assert later.json()["error"]["code"] == "tpm_exceeded"

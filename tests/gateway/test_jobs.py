@@ -121,6 +121,9 @@ def test_prompts_text_token_ids_and_lists_of_one():
     assert prompt([1, 2, 3]).prompt_token_ids == [1, 2, 3]
     assert prompt([[4, 5]]).prompt_token_ids == [4, 5]
     assert prompt([1, 2, 3]).estimated_prompt_tokens == 3
+    # UTF-8 bytes / 4: CJK text runs about a token a character, not a quarter.
+    assert prompt("漢字" * 20).estimated_prompt_tokens == 30
+    assert prompt("héllo").estimated_prompt_tokens == 2
 
 
 @pytest.mark.parametrize(
