@@ -75,9 +75,7 @@ def _unparsable(cause: BaseException) -> str:
 async def _on_redis_error(request: Request, exc: RedisError) -> JSONResponse:
     log.warning("redis error on %s %s: %s", request.method, request.url.path, exc)
     if (why := refusal(exc)) is not None:  # it answers, but takes no work for now
-        error = unavailable(f"{why}: {plain(exc)}")
-        error.headers["Retry-After"] = str(REFUSED_RETRY_AFTER_S)
-        return error.response()
+        return unavailable(f"{why}: {plain(exc)}", retry_after=REFUSED_RETRY_AFTER_S).response()
     return unavailable(f"The gateway cannot reach Redis: {exc}").response()
 
 

@@ -151,10 +151,18 @@ def deadline_exceeded(message: str) -> GatewayError:
 REDIS_UNREACHABLE = "redis_unreachable"
 # A Redis that refuses writes (full, a failed save) is fixed by someone: not soon.
 REFUSED_RETRY_AFTER_S = 5
+# An unreachable Redis is mostly one restarting (a pod rescheduled): seconds. Without
+# the header the SDKs retry after 0.5-1 s, and their retries (2 by default) run out
+# before a restarted Redis is back.
+UNREACHABLE_RETRY_AFTER_S = 2
 
 
-def unavailable(message: str, code: str = REDIS_UNREACHABLE) -> GatewayError:
-    return GatewayError(503, message, type=SERVER, code=code)
+def unavailable(
+    message: str, code: str = REDIS_UNREACHABLE, retry_after: int = UNREACHABLE_RETRY_AFTER_S
+) -> GatewayError:
+    return GatewayError(
+        503, message, type=SERVER, code=code, headers={"Retry-After": str(retry_after)}
+    )
 
 
 def missing_role(model: str, missing: str, present: str, retry_after: int) -> GatewayError:

@@ -168,6 +168,8 @@ def test_without_redis_the_gateway_answers_503_and_is_not_ready(start_gateway):
         )
     assert reply.status_code == 503
     assert reply.json()["error"]["code"] == "redis_unreachable"
+    # The SDKs wait that long before their retries, not 0.5-1 s: a restarting Redis.
+    assert reply.headers["Retry-After"] == "2"
 
 
 def test_after_redis_restarts_no_request_fails_on_a_dead_pooled_connection(start_gateway):
