@@ -112,9 +112,18 @@ class Broker:
 
     async def queue_depth(self, model: str) -> QueueState:
         """As `backlog.queue_depth`: waiting = XLEN - pending, one MULTI snapshot."""
+        return (await self.queue_depths([model]))[model]
+
+    async def queue_depths(self, models: Sequence[str]) -> dict[str, QueueState]:
+        """queue_depth of several models in one round trip (one MULTI snapshot)."""
         pipe = self.client.pipeline(transaction=True)
-        queue_depth_commands(pipe, self.keys, model)
-        return queue_state(await pipe.execute(raise_on_error=False))
+        for model in models:
+            queue_depth_commands(pipe, self.keys, model)
+        results = await pipe.execute(raise_on_error=False)
+        size = len(results) // max(1, len(models))
+        return {
+            model: queue_state(results[i * size : (i + 1) * size]) for i, model in enumerate(models)
+        }
 
     async def cancel(self, request_ids: Sequence[str]) -> None:
         """As `cancellation.cancel`, for several requests in one round trip."""

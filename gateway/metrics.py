@@ -12,13 +12,16 @@ from collections.abc import Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tandem.protocol import EngineInfo
+from tandem.protocol import PRIORITY_HIGH, PRIORITY_LOW, PRIORITY_NORMAL, EngineInfo
+from tandem.queue_state import QueueState
 
 # Seconds: sub-millisecond gateway work up to minutes-long CPU generations, as long as
 # --request-timeout's default (600 s) allows.
 _LATENCY = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600,
 )  # fmt: skip
+
+_PRIORITY_LABELS = {PRIORITY_HIGH: "high", PRIORITY_NORMAL: "normal", PRIORITY_LOW: "low"}
 
 # The model label of a request that names no served model: an unknown name, a
 # request refused before its model was looked up, a route not about a model.
@@ -110,6 +113,33 @@ class GatewayMetrics:
         # (model, role) of every engine series shown once: kept at 0 when the
         # engines are gone, so dashboards and alerts see 0 rather than no data.
         self._engine_series: set[tuple[str, str]] = set()
+        backlog = "as of the scrape (every gateway replica reports the same: aggregate with max)"
+        self._queue_waiting = Gauge(
+            "tandem_gateway_queue_waiting",
+            f"Requests' work items in Redis no engine has taken yet, by priority, {backlog}.",
+            ["model", "priority"],
+            registry=r,
+        )
+        self._queue_tokens = Gauge(
+            "tandem_gateway_queue_prompt_tokens",
+            f"Estimated prompt tokens of the waiting work items, {backlog}.",
+            ["model"],
+            registry=r,
+        )
+        self._queue_pending = Gauge(
+            "tandem_gateway_queue_pending",
+            "Work items an engine took and has not finished (or a dead engine left for "
+            f"another to claim), {backlog}.",
+            ["model"],
+            registry=r,
+        )
+        self._handoffs_waiting = Gauge(
+            "tandem_gateway_handoffs_waiting",
+            f"Prefilled requests no decode engine has taken yet, {backlog}.",
+            ["model"],
+            registry=r,
+        )
+        self._backlog_models: set[str] = set()
         self._cancellations = Counter(
             "tandem_gateway_cancellations_total",
             "Work items cancelled by the gateway, by why.",
@@ -159,6 +189,23 @@ class GatewayMetrics:
         self._engine_series = set(counts)
         for (model, role), count in counts.items():
             self._engines.labels(model, role).set(count)
+
+    def backlog(self, states: Mapping[str, QueueState]) -> None:
+        """Set the queue gauges to these models' backlogs; a model shown before and not
+        served any more shows 0 (its series stay, as the engine counts' do)."""
+        empty = QueueState(dict.fromkeys(_PRIORITY_LABELS, 0), 0, 0, 0, 0)
+        for model in self._backlog_models - set(states):
+            self._set_backlog(model, empty)
+        for model, state in states.items():
+            self._set_backlog(model, state)
+        self._backlog_models |= set(states)
+
+    def _set_backlog(self, model: str, state: QueueState) -> None:
+        for priority, label in _PRIORITY_LABELS.items():
+            self._queue_waiting.labels(model, label).set(state.waiting.get(priority, 0))
+        self._queue_tokens.labels(model).set(state.queued_tokens)
+        self._queue_pending.labels(model).set(state.pending)
+        self._handoffs_waiting.labels(model).set(state.handoff_waiting)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -52,9 +52,11 @@ async def metrics(request: Request) -> Response:
     try:
         async with asyncio.timeout(METRICS_REDIS_TIMEOUT_S):
             models = await service.directory.models()
+            backlogs = await service.broker.queue_depths(sorted(models))
     except (RedisError, OSError, TimeoutError):
         service.metrics.redis_up(False)
     else:
         service.metrics.redis_up(True)
         service.metrics.engines(models)
+        service.metrics.backlog(backlogs)
     return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)

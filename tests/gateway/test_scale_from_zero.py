@@ -20,18 +20,27 @@ from tandem.protocol import PRIORITY_NORMAL
 MODEL = "tiny"  # what the test engines serve
 
 
-def _engines_scraped(gateway) -> float:
-    """tandem_gateway_engines{model=tiny, role=normal} as a scrape of /metrics reads it."""
+def _scraped(gateway, name: str, **labels: str) -> float:
+    """One sample of model MODEL as a scrape of /metrics reads it."""
     with gateway.http() as http:
         text = http.get("/metrics").text
     [value] = [
         sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
-        if sample.name == "tandem_gateway_engines"
-        and sample.labels == {"model": MODEL, "role": "normal"}
+        if sample.name == name and sample.labels == {"model": MODEL, **labels}
     ]
     return value
+
+
+def _engines_scraped(gateway) -> float:
+    return _scraped(gateway, "tandem_gateway_engines", role="normal")
+
+
+def _backlog_scraped(gateway) -> tuple[float, float]:
+    """The waiting work items (normal priority) and their estimated prompt tokens."""
+    waiting = _scraped(gateway, "tandem_gateway_queue_waiting", priority="normal")
+    return waiting, _scraped(gateway, "tandem_gateway_queue_prompt_tokens")
 
 
 def test_a_request_for_a_declared_model_waits_for_its_first_engine(
@@ -56,12 +65,15 @@ def test_a_request_for_a_declared_model_waits_for_its_first_engine(
     stream = keys.work_stream(MODEL, PRIORITY_NORMAL)
     assert eventually(lambda: redis_client.xlen(stream) == 1)
     assert _engines_scraped(gateway) == 0
+    # What an alert on a stuck queue reads (the request, "hello": 2 estimated tokens).
+    assert _backlog_scraped(gateway) == (1, 2)
     engines("normal")  # what the autoscaler would start
     asker.join(timeout=90)
     [answer] = answers
     assert answer.status_code == 200, answer.text
     assert answer.json()["usage"]["completion_tokens"] == 3
     assert _engines_scraped(gateway) == 1
+    assert _backlog_scraped(gateway) == (0, 0)
 
 
 def test_an_undeclared_or_lapsed_model_is_unknown(start_gateway, redis_client, keys):
