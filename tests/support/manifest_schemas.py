@@ -3,7 +3,7 @@
 kubernetes-validate knows the built-in kinds of a Kubernetes release only. The
 chart also makes custom resources: kopf's peering objects (validated against
 the CRD in crds/kopf-peering.yaml, the one the tandem-crds chart installs) and
-the Prometheus Operator's ServiceMonitor/PodMonitor (against a vendored minimal
+the Prometheus Operator's ServiceMonitor, PodMonitor and PrometheusRule (against a vendored minimal
 schema, tests/helm/schemas/, since their CRDs are not ours to ship).
 """
 
