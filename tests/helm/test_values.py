@@ -146,6 +146,10 @@ BAD_VALUES = [
     ),
     (["monitoring.labels.release=kube prometheus"], "at '/monitoring/labels/release'"),
     (["monitoring.dashboard.labels.grafana_dashboard=-1-"], "/monitoring/dashboard/labels/"),
+    # Alert labels are Prometheus label names; severity is the rules' own (a second
+    # key would make the rendered YAML invalid).
+    (["monitoring.alerts.ruleLabels.severity=page"], "invalid propertyName 'severity'"),
+    (["monitoring.alerts.ruleLabels.team\\.name=ml"], "invalid propertyName 'team.name'"),
     (["redis.nodeSelector.pool=a b"], "at '/redis/nodeSelector/pool'"),
     (["gateway.podDisruptionBudget.maxUnavailable=150%"], "podDisruptionBudget/maxUnavailable"),
     # Names the API server refuses on the pods or the Ingress, for every object at once.
