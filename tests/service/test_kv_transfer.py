@@ -224,15 +224,23 @@ def test_silent_server_times_out():
 
 
 class Proxy:
-    """Relays one connection to `target`; cuts or corrupts the server's bytes at an
-    offset, or stops reading them for `pause_s` after the first chunk (a busy fetcher)."""
+    """Relays one connection to `target`; cuts, corrupts or (`stall_s`) holds the
+    server's bytes at an offset, stops reading them for `pause_s` after the first chunk
+    (a busy fetcher), or relays them 1 KiB every `trickle_s` (a slow link)."""
 
     def __init__(
-        self, target: str, at: int | None = None, corrupt: bool = False, pause_s: float = 0.0
+        self,
+        target: str,
+        at: int | None = None,
+        corrupt: bool = False,
+        pause_s: float = 0.0,
+        trickle_s: float = 0.0,
+        stall_s: float = 0.0,
     ) -> None:
         host, port = target.rsplit(":", 1)
         self.target = (host, int(port))
-        self.at, self.corrupt, self.pause_s = at, corrupt, pause_s
+        self.at, self.corrupt, self.pause_s, self.trickle_s = at, corrupt, pause_s, trickle_s
+        self.stall_s = stall_s
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self.thread = threading.Thread(target=self._relay, daemon=True)
@@ -247,10 +255,17 @@ class Proxy:
         threading.Thread(target=_pipe, args=(client, server), daemon=True).start()
         sent = 0
         try:
-            while chunk := bytearray(server.recv(1 << 16)):
+            while chunk := bytearray(server.recv(1 << 10 if self.trickle_s else 1 << 16)):
                 if self.pause_s and sent == 0:
                     time.sleep(self.pause_s)
+                time.sleep(self.trickle_s)
                 if self.at is not None and sent <= self.at < sent + len(chunk):
+                    if self.stall_s:
+                        client.sendall(chunk[: self.at - sent])
+                        time.sleep(self.stall_s)
+                        client.sendall(chunk[self.at - sent :])
+                        sent += len(chunk)
+                        continue
                     if not self.corrupt:
                         client.sendall(chunk[: self.at - sent])
                         return  # the server "dies" mid-frame
@@ -292,6 +307,65 @@ def test_server_dying_or_corrupting_mid_stream(corrupt, reason):
             proxy.close()
     assert error.reason == reason
     assert offers.fetched == []
+
+
+def test_a_slow_transfer_that_keeps_flowing_is_not_cut_by_the_timeout():
+    # The timeout bounded the whole fetch: a long prompt's KV over a slower link (tens
+    # of GB for a large model's long context) could never arrive, and its prompt engine
+    # was then skipped for 30 s as if it had stalled.
+    src, slots = caches(LAYOUT, 1), scattered_slots(TOKENS, 3)
+    with serving(src, Offers(PinnedKV("req-1", slots, "fp", TOKEN))) as server:
+        proxy = Proxy(server.address, trickle_s=0.05)  # 14 KiB: ~0.7 s
+        dst, dst_slots = caches(LAYOUT, 2), scattered_slots(TOKENS, 4)
+        try:
+            start = time.monotonic()
+            fetch_kv(proxy.address, "req-1", TOKEN, "fp", TOKENS, dst_slots, dst, LAYOUT, 0.3)
+            elapsed = time.monotonic() - start
+        finally:
+            proxy.close()
+    assert elapsed > 0.3  # longer than the timeout, each read well within it
+    for got, want in zip(rows(dst, dst_slots), rows(src, slots), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_transfer_stalled_midway_times_out_as_answered():
+    offers = Offers(PinnedKV("req-1", scattered_slots(TOKENS, 3), "fp", TOKEN))
+    with serving(caches(LAYOUT, 1), offers) as server:
+        # Held mid-payload of layer 1's frame, past the reply (a few hundred bytes).
+        proxy = Proxy(server.address, at=LAYER_BYTES * 3 // 2 + 200, stall_s=1.0)
+        try:
+            error = fetch_error(proxy.address, timeout=0.3)
+        finally:
+            proxy.close()
+    assert (error.reason, error.unanswered) == ("timeout", False)
+    assert "mid-transfer" in error.detail
+
+
+def test_only_a_peer_that_did_not_answer_is_skipped_after_a_timeout():
+    # A stall midway is a slow link or a busy peer, not a dead one: its next handoffs
+    # are still fetched. One that never answered is skipped for a while.
+    errors = iter(
+        [
+            KVTransferError("timeout", "sent nothing mid-transfer"),
+            KVTransferError("timeout", "did not answer", unanswered=True),
+        ]
+    )
+
+    def fetch(**_: object) -> None:
+        raise next(errors)
+
+    fetches = KVFetches(fetch, max_parallel=1)  # in turn, in order
+    try:
+        for i in range(3):
+            fetches.start(f"r{i}", address="peer:1")
+        outcomes: list = []
+        deadline = time.monotonic() + 5
+        while len(outcomes) < 3 and time.monotonic() < deadline:
+            outcomes += fetches.done()
+            time.sleep(0.01)
+    finally:
+        fetches.close()
+    assert [o.error.reason for o in outcomes] == ["timeout", "timeout", "skipped"]
 
 
 def test_two_fetches_at_once_from_one_server():

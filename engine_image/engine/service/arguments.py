@@ -227,8 +227,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-fetch-timeout",
         type=float,
         default=_WORKER["kv_fetch_timeout"],
-        help="seconds a KV fetch may take before the prompt is recomputed here instead "
-        "(default: %(default)s)",
+        help="seconds a KV fetch may wait for the prompt engine's answer, then for each "
+        "read of its frames, before the prompt is recomputed here instead (a transfer that "
+        "keeps flowing is never cut; default: %(default)s)",
     )
     service.add_argument(
         "--drain-timeout",

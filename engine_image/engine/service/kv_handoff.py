@@ -76,9 +76,10 @@ class FetchOutcome:
     error: KVTransferError | None  # set on failure
 
 
-# A prompt engine whose fetch timed out is skipped (its prompts recomputed) this
-# long: a stalled one held a fetch thread for the whole timeout with each of its
-# handoffs, and the handoffs of healthy ones waited in line behind them.
+# A prompt engine that did not answer a fetch in time is skipped (its prompts
+# recomputed) this long: a stalled one held a fetch thread for the whole timeout with
+# each of its handoffs, and the handoffs of healthy ones waited in line behind them.
+# One whose frames stopped midway answered: a slow link, not a stalled peer.
 SUSPECT_FOR_S = 30.0
 
 
@@ -92,7 +93,7 @@ class KVFetches:
         # Requests whose fetch is in flight: their blocks must not be freed yet,
         # or a fetch would write into blocks another request now owns.
         self.in_flight: set[str] = set()
-        # Addresses whose fetch timed out -> time.monotonic() until they are skipped.
+        # Addresses that did not answer a fetch -> time.monotonic() until they are skipped.
         self._suspects: dict[str, float] = {}
         self._suspects_lock = threading.Lock()
 
@@ -107,7 +108,7 @@ class KVFetches:
             stats = self._fetch(**fetch_args)
             self._outcomes.put(FetchOutcome(request_id, stats, None))
         except KVTransferError as exc:
-            if exc.reason is Reason.TIMEOUT:
+            if exc.reason is Reason.TIMEOUT and exc.unanswered:
                 with self._suspects_lock:
                     self._suspects[address] = time.monotonic() + SUSPECT_FOR_S
             self._outcomes.put(FetchOutcome(request_id, None, exc))

@@ -281,8 +281,11 @@ def fetch_kv(
     `address` into dest_slots.
 
     dest_slots: long [num_tokens], the flat cache slots (position order) of the blocks
-    reserved for the request. `timeout` bounds the whole fetch. Raises KVTransferError
-    on any failure, after which those rows are garbage; ValueError for bad arguments.
+    reserved for the request. `timeout` bounds each wait: for the connection and the
+    reply, then for each read of the frames (a transfer that keeps flowing is not cut:
+    a long prompt's KV takes what the link needs, the offer's expiry the only bound).
+    Raises KVTransferError on any failure, after which those rows are garbage;
+    ValueError for bad arguments.
     """
     layout.check_caches(kv_caches)
     num_slots = kv_caches[0].shape[1] * kv_caches[0].shape[2]
@@ -299,6 +302,7 @@ def fetch_kv(
         raise ValueError(f"KV address must be host:port, got {address!r}")
     start, deadline = time.perf_counter(), time.monotonic() + timeout
     request = {"op": "fetch", "handle": handle, "token": token, "fingerprint": fingerprint}
+    answered = False
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout) as sock:
             tune(sock)
@@ -306,22 +310,28 @@ def fetch_kv(
                 sock, {**request, "num_tokens": num_tokens, "layout": layout.to_dict()}, deadline
             )
             frame_tokens = check_reply(recv_msg(sock, deadline), num_tokens, layout)
+            answered = True
             frames = Frames(kv_caches, dest_slots, layout, frame_tokens)
+            sock.settimeout(timeout)  # each read from here on, not the whole transfer
 
             def receive(frame: Frame, buf: Buffer) -> None:
-                recv_exact(sock, frames.wire(frame, buf), deadline)
+                recv_exact(sock, frames.wire(frame, buf), None)
 
             pipeline(frames, receive, frames.unpack)
-            if not (trailer := recv_msg(sock, deadline)).get("ok"):
+            if not (trailer := recv_msg(sock, None)).get("ok"):
                 raise_refusal(trailer)
             # The KV is complete and was pinned while read: a lost ack only leaves the
             # server to free it at expiry, no reason to recompute.
             with contextlib.suppress(OSError):
-                send_msg(sock, {"op": "ack", "handle": handle}, deadline)
+                send_msg(sock, {"op": "ack", "handle": handle}, None)
     except KVTransferError as exc:
         raise KVTransferError(exc.reason, f"{address}, handle {handle!r}: {exc.detail}") from None
     except TimeoutError as exc:
-        raise KVTransferError(Reason.TIMEOUT, f"{address} did not finish in {timeout} s") from exc
+        if answered:
+            stalled = f"{address} sent nothing for {timeout} s mid-transfer"
+            raise KVTransferError(Reason.TIMEOUT, stalled) from exc
+        unanswered = f"{address} did not answer within {timeout} s"
+        raise KVTransferError(Reason.TIMEOUT, unanswered, unanswered=True) from exc
     except WireError as exc:
         raise KVTransferError(Reason.PROTOCOL, f"{address}: {exc}") from exc
     except OSError as exc:

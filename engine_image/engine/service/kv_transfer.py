@@ -54,10 +54,13 @@ class Reason(StrEnum):
 class KVTransferError(Exception):
     """A fetch failed; `reason` (a Reason) is for counting failures by cause."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, *, unanswered: bool = False) -> None:
         super().__init__(f"KV transfer failed ({reason}): {message}")
         self.reason = Reason(reason)
         self.detail = message
+        # The peer never answered the fetch (no connection, or no reply to it): stalled
+        # or gone, unlike one whose frames stopped midway.
+        self.unanswered = unanswered
 
 
 @dataclass(frozen=True)

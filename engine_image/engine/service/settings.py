@@ -53,7 +53,8 @@ class WorkerSettings:
     max_waiting_tokens: int = 16_384
     # SIGTERM: running requests get this long to finish (0: none; others take them over).
     drain_timeout: float = 30.0
-    # A KV fetch taking longer than this falls back to recomputing.
+    # A KV fetch waiting longer than this (for an answer, then for each read) falls back
+    # to recomputing.
     kv_fetch_timeout: float = 10.0
     started_at: float = field(default_factory=time.time)
 
