@@ -52,6 +52,12 @@ class _Taken:
     cache_salt: str | None
 
 
+# How far apart the engines' wall clocks may be (NTP keeps them within milliseconds).
+# A decoder's clock S seconds ahead shortened every offer by S, and from the handoff
+# TTL on (30 s), recomputed every handoff as "expired" without a word.
+CLOCK_SKEW_S = 5.0
+
+
 class HandoffFlow:
     def __init__(
         self,
@@ -245,7 +251,10 @@ class HandoffFlow:
             return "mismatch"
         if len(generated) != len(handoff.first_token_ids):
             return "stale"  # an earlier decoder got further; its KV is gone
-        if time.time() > handoff.expires_at:
+        # The prompt engine's clock set expires_at; the decoder's reads it. Past it by
+        # more than clocks drift apart, the offer is surely gone: no fetch is tried.
+        # Within that, the prompt engine's refusal of an expired handle decides.
+        if time.time() > handoff.expires_at + CLOCK_SKEW_S:
             return "expired"
         return None
 
