@@ -20,6 +20,9 @@ class Held:
     cached_tokens: int = 0
     # Set when a cancellation or deadline arrives while the KV is still being fetched.
     end_with: tuple[ErrorCode, str] | None = field(default=None)
+    # Set when another engine took the request over while its KV was being fetched:
+    # forgotten as the fetch ends, before it can run (and write into the other's stream).
+    dropped: bool = False
     # False once its entry is pending nowhere and no engine finished it (Redis lost
     # it): served to the end, with nothing to keep alive, unless queued again.
     pending: bool = True

@@ -180,7 +180,9 @@ class EngineWorker:
         if self.handoffs is not None:
             for rid in self.handoffs.absorb(self.engine, self.metrics):
                 held = self.held.get(rid)
-                if held is not None and held.end_with is not None:
+                if held is not None and held.dropped:
+                    self._drop(rid)
+                elif held is not None and held.end_with is not None:
                     self._end(rid, *held.end_with)
                     ended = True
         return ended
@@ -357,7 +359,11 @@ class EngineWorker:
         publish, write and ack nothing."""
         if self.handoffs is not None:
             if self.handoffs.fetching(rid):
-                return  # a fetch in flight finishes first; the next keep-alive retries
+                # Its blocks are being written: dropped as the fetch ends (_absorb). Left
+                # to the next keep-alive, it ran and wrote for up to keep_alive_every.
+                if (held := self.held.get(rid)) is not None:
+                    held.dropped = True
+                return
             self.handoffs.drop(self.engine, rid)
         if self.held.pop(rid, None) is not None:
             self.engine.abort(rid)
