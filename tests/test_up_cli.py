@@ -205,7 +205,7 @@ def test_the_help_of_up_states_its_defaults_and_what_f_needs(capsys):
         "random:<size>",
         "a new temporary folder, kept after exit",
         "spec.model.path",
-        "examples/smollm2-cpu.yaml runs here once",
+        "examples/local/smollm2.yaml is examples/smollm2-cpu.yaml with `path: smollm2`",
     ):
         assert said in text
 
