@@ -4,6 +4,7 @@ The narrow interface the scheduler uses:
     match_prefix(request)            -> cached blocks the prompt can reuse
     allocate(request_id, n, cached)  -> new blocks so the table holds n tokens, or None
     cache_computed(request)          -> offer newly full blocks to the prefix cache
+    trim(request_id, n)              -> give back blocks past the first n tokens
     free(request_id)
 """
 
@@ -144,6 +145,20 @@ class KVCacheManager:
         for i in range(offered, num_full):
             self.pool.cache(table[i], hashes[i])
         self._offered[rid] = num_full
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Give back the request's blocks past those holding num_tokens tokens: blocks a
+        step took for drafts it rejected. They hold no computed KV, so none was offered
+        to the prefix cache."""
+        table = self._tables.get(request_id)
+        keep = self.blocks_for(num_tokens)
+        if table is None or len(table) <= keep:
+            return
+        if keep < self._offered.get(request_id, 0):
+            raise ValueError(f"request {request_id!r}: trimming would drop a cached block")
+        tail = table[keep:]
+        del table[keep:]  # in place: the request's block_ids is this same list
+        self.pool.free(tail[::-1])
 
     def free(self, request_id: str) -> None:
         """Give back every block the request holds (the prefix cache may keep them)."""

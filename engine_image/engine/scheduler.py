@@ -156,16 +156,13 @@ class Scheduler:
         # Sequences whose KV is arriving run next: their slots are taken.
         slots = cfg.max_num_seqs - len(self.running) - len(self.receiving)
         waiting, kv = self.waiting, self.kv
-        # Past the watermark only a prompt mid-chunk goes on (it holds its blocks); a
-        # PROMPT engine decodes nothing, so it keeps no room for decodes to grow into.
-        admits = cfg.engine_type is EngineType.PROMPT or kv.usage <= cfg.cache_prefill_watermark
         plan = StepPlan(is_prefill=True)
         while (request := waiting.first()) is not None and budget > 0 and slots > 0:
             rid = request.request_id
             admitted = kv.holds_blocks(rid)
-            if not admitted and not admits:
-                break
             cached = [] if admitted else kv.match_prefix(request)
+            if not admitted and not self._admits(request, cached, plan):
+                break
             start = request.num_computed_tokens if admitted else len(cached) * cfg.block_size
             num_new = request.num_tokens - start
             if num_new > budget:
@@ -206,6 +203,17 @@ class Scheduler:
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
         return plan if plan.seqs else None
+
+    def _admits(self, request: Request, cached: list[int], plan: StepPlan) -> bool:
+        """Whether a new prompt's blocks keep KV usage within the watermark, the room
+        decodes grow into (read once a step, one step filled the pool with prompts the
+        next decode step preempted). A PROMPT engine decodes nothing: no room kept. A
+        prompt past the watermark alone is taken where nothing else runs or is taken."""
+        cfg, kv = self.config, self.kv
+        if cfg.engine_type is EngineType.PROMPT or not (self.running or plan.seqs):
+            return True
+        new_blocks = kv.blocks_for(request.num_tokens) - len(cached)
+        return kv.usage + new_blocks / kv.num_blocks <= cfg.cache_prefill_watermark
 
     def _schedule_decode(self) -> StepPlan:
         """Decode every running sequence that fits the budget; preempt for blocks.
@@ -296,8 +304,8 @@ class Scheduler:
         for seq in plan.seqs:
             rid = seq.request_id
             request = requests.get(rid)
-            if request is None:
-                continue  # aborted while the step ran
+            if request is None or request.token_ids is not seq.all_token_ids:
+                continue  # aborted while the step ran (and maybe added again, anew)
             start = seq.start_pos
             if not seq.sample:  # a prompt chunk: KV written, nothing sampled
                 request.num_computed_tokens = start + len(seq.token_ids)
@@ -328,6 +336,10 @@ class Scheduler:
                     # Nothing proposed after a prefill: placeholders keep decodes 1 + k wide.
                     next_drafts = [cfg.draft_placeholder_id] * num_spec if is_prefill else []
                 request.draft_token_ids = next_drafts
+                if not is_prefill:
+                    # Blocks taken for drafts it rejected go back now: kept, they starved
+                    # the next step's own tokens, and a guess preempted a request.
+                    kv.trim(rid, computed + 1)
             # Drafts kept: those before a stop that cut the step's tokens short.
             kept_drafts = min(num_accepted, len(new_tokens))
             outputs.append(RequestOutput(rid, new_tokens, status or request.status, kept_drafts))
@@ -361,6 +373,8 @@ class Scheduler:
         """
         if self.config.engine_type is not EngineType.COMPLETION:
             raise ValueError("only a COMPLETION engine takes handoffs")
+        if not first_token_ids:  # the KV of the prompt's last token comes with the first
+            raise ValueError("a handoff carries the first token its prompt engine sampled")
         self._register(request)
         # Recomputes waiting here (failed transfers) need slots too.
         held = len(self.running) + len(self.receiving) + len(self.waiting)

@@ -160,3 +160,25 @@ def test_prefix_caching_can_be_turned_off():
     _computed(kv, a, 9)
     assert kv.match_prefix(_request("b", list(range(9)))) == []
     assert kv.pool.num_cached == 0
+
+
+def test_trim_gives_back_the_blocks_past_the_tokens_kept_in_the_same_table():
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    manager.allocate("a", 13)  # 4 blocks: 3 tokens of drafts in the last
+    table = manager.block_table("a")
+    manager.trim("a", 9)  # 9 tokens: 3 blocks
+    assert len(table) == 3 and manager.block_table("a") is table  # the live list
+    assert manager.pool.num_free == 5
+    manager.trim("a", 12)  # holds them already: nothing
+    manager.trim("never-seen", 4)
+    assert manager.pool.num_free == 5
+    manager.check_integrity()
+
+
+def test_trim_never_drops_a_block_offered_to_the_prefix_cache():
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    request = _request("a", list(range(9)))
+    manager.allocate("a", 9)
+    _computed(manager, request, 8)  # two full blocks offered
+    with pytest.raises(ValueError, match="would drop a cached block"):
+        manager.trim("a", 4)

@@ -111,6 +111,24 @@ def test_no_prefill_above_the_kv_watermark_until_usage_drops():
     check_integrity(sched)
 
 
+def test_a_prompt_step_admits_prompts_only_while_they_keep_usage_within_the_watermark():
+    # Read once before the step, the watermark let one prompt step fill the pool, and the
+    # next decode step preempted prompts it had just prefilled (their prefill wasted).
+    sched = make(num_blocks=10, max_model_len=40, block_size=4, enable_prefix_caching=False)
+    for i, n in enumerate([12, 12, 12, 4]):  # 3 + 3 + 3 + 1 blocks: the whole pool
+        sched.add_request(Request(f"p{i}", prompt(n, 100 * i), SamplingParams(max_tokens=20)))
+    plan, _ = step(sched)
+    assert list(plan.num_scheduled_tokens) == ["p0", "p1", "p2"]  # 90 %: p3 would pass it
+    assert sched.kv_usage == 0.9
+
+
+def test_a_prompt_larger_than_the_watermark_runs_when_nothing_else_does():
+    sched = make(num_blocks=10, max_model_len=40, block_size=4)
+    sched.add_request(Request("big", prompt(39), SamplingParams(max_tokens=1)))
+    plan, _ = step(sched)  # all 10 blocks: the pool is idle otherwise
+    assert plan.is_prefill and list(plan.num_scheduled_tokens) == ["big"]
+
+
 def test_watermark_does_not_stall_a_prompt_mid_chunk():
     # The chunked prompt alone pushes usage over 90 %: its later chunks must still run.
     sched = make(

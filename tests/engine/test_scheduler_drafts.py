@@ -76,9 +76,9 @@ def test_drafts_are_trimmed_to_the_tokens_left():
 
 def _two_prefilled(num_blocks: int, b_prompt: int):
     """The decode plan after a (6 prompt tokens) and b prefilled, blocks of 4 tokens,
-    each with 4 placeholder drafts."""
+    each with 4 placeholder drafts (no watermark: the pool may fill)."""
     sched = make(num_blocks, max_model_len=16, block_size=4, num_speculative_tokens=4,
-                 vocab_size=100)  # fmt: skip
+                 vocab_size=100, cache_prefill_watermark=1.0)  # fmt: skip
     short = SamplingParams(max_tokens=8, ignore_eos=True)
     sched.add_request(Request("a", prompt(6), short))
     sched.add_request(Request("b", prompt(b_prompt, 50), short))
@@ -98,6 +98,22 @@ def test_one_requests_drafts_never_take_the_block_anothers_next_token_needs():
     # b's next token (position 8) needs the free block; a's drafts must not take it.
     assert not plan.preempted_request_ids
     assert plan.num_scheduled_tokens["b"] >= 1 and set(plan.num_scheduled_tokens) == {"a", "b"}
+
+
+def test_blocks_of_rejected_drafts_go_back_and_no_guess_preempts_later():
+    # A's placeholder drafts took the last free block and kept it once rejected: the
+    # next step preempted B for the block its own next token needed.
+    def run(k: int) -> tuple[int, int]:
+        sched = make(3, max_model_len=12, block_size=4, num_speculative_tokens=k,
+                     vocab_size=64)  # fmt: skip
+        sched.add_request(Request("a", [10], LONG))  # 1 block
+        sched.add_request(Request("b", [20, 21, 22], LONG))  # 1 block, full after a token
+        for _ in range(3):
+            step(sched)  # every draft rejected: one new token each
+        return sched.num_preemptions, len(sched.kv.block_table("a"))
+
+    assert run(0) == (0, 1)
+    assert run(3) == (0, 1)  # a keeps the block its tokens need, no more
 
 
 def test_drafts_share_the_budget_left_once_every_sequence_has_its_token():

@@ -110,3 +110,12 @@ def test_completion_engine_refuses_handoffs_it_has_no_room_for():
     assert refused is None
     assert "b" not in sched.requests
     check_integrity(sched)
+
+
+def test_a_handoff_without_its_first_token_is_refused():
+    # A one-token prompt's KV table came out empty, detached from the request's plans.
+    sched = make(num_blocks=16, engine_type="completion", max_model_len=256)
+    with pytest.raises(ValueError, match="the first token its prompt engine sampled"):
+        sched.admit_handoff(Request("a", [5]), [])
+    assert "a" not in sched.requests
+    check_integrity(sched)

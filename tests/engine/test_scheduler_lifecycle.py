@@ -132,6 +132,20 @@ def test_a_request_aborted_while_its_step_runs_is_skipped_by_update():
     assert sched.update(plan, fake_result(plan)) == []
 
 
+def test_a_request_added_again_while_its_aborted_step_ran_is_not_given_that_steps_token():
+    # Matched by id alone, the old plan's sampled token went into the new request,
+    # still waiting and holding no blocks: a token its client never asked for.
+    sched = make(max_model_len=256)
+    sched.add_request(Request("a", prompt(8), LONG))
+    plan = sched.schedule()
+    sched.abort_request("a")
+    sched.add_request(Request("a", prompt(7, 9), LONG))  # a client's retry, same id
+    assert sched.update(plan, fake_result(plan)) == []
+    again = sched.requests["a"]
+    assert again.token_ids == prompt(7, 9) and again.num_computed_tokens == 0
+    check_integrity(sched)
+
+
 def test_higher_priority_is_prefilled_first_but_never_splits_a_chunked_prompt():
     sched = make(max_model_len=4096, max_num_batched_tokens=1024, enable_chunked_prefill=True)
     sched.add_request(Request("chunked", prompt(2000), LONG))
