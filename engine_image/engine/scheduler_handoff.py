@@ -1,0 +1,87 @@
+"""HandoffSide: the scheduler's half of disaggregation, a mixin of Scheduler.
+
+A PROMPT engine's prefilled requests stay pinned (scheduler.handoff) until a
+decoder fetched their KV; a COMPLETION engine reserves blocks for a request
+prefilled elsewhere (admit_handoff), then decodes it once the KV arrived, or
+recomputes its prompt when it could not (handoff_received / handoff_failed).
+Pure Python, no torch, like the scheduler it belongs to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tandem.engine.config import EngineConfig, EngineType
+from tandem.engine.kv_manager import KVCacheManager
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.waiting_queue import WaitingQueue
+
+
+class HandoffSide:
+    # Scheduler's state (scheduler.py says what each holds).
+    config: EngineConfig
+    kv: KVCacheManager
+    requests: dict[str, Request]
+    waiting: WaitingQueue
+    running: list[Request]
+    handoff: dict[str, Request]
+    receiving: dict[str, Request]
+    _register: Callable[[Request], None]
+    _retire: Callable[[Request, RequestStatus], None]
+
+    def release_handoff(self, request_id: str) -> None:
+        """PROMPT engine: a decoder fetched the KV (or nobody did in time): free it."""
+        request = self.handoff.pop(request_id, None)
+        if request is not None:
+            self._retire(request, RequestStatus.FINISHED_STOPPED)
+
+    def admit_handoff(self, request: Request, first_token_ids: list[int]) -> list[int] | None:
+        """COMPLETION engine: take a request prefilled elsewhere.
+
+        first_token_ids are the tokens generated there (usually just the first).
+        Reserves blocks for the KV of all but the last of them and returns the block table the
+        transfer writes into, or None if there is no room (leave the handoff
+        for another engine). Then call handoff_received or handoff_failed.
+        """
+        if self.config.engine_type is not EngineType.COMPLETION:
+            raise ValueError("only a COMPLETION engine takes handoffs")
+        if not first_token_ids:  # the KV of the prompt's last token comes with the first
+            raise ValueError("a handoff carries the first token its prompt engine sampled")
+        self._register(request)
+        # Recomputes waiting here (failed transfers) need slots too.
+        held = len(self.running) + len(self.receiving) + len(self.waiting)
+        if held >= self.config.max_num_seqs or (
+            self.kv.usage > self.config.cache_prefill_watermark
+        ):
+            del self.requests[request.request_id]
+            return None
+        # KV arrives for every token but the newest sampled one, whose KV the
+        # first decode step computes.
+        num_kv_tokens = request.num_prompt_tokens + len(first_token_ids) - 1
+        if self.kv.allocate(request.request_id, num_kv_tokens) is None:
+            del self.requests[request.request_id]
+            return None
+        request.token_ids.extend(first_token_ids)
+        request.block_ids = self.kv.block_table(request.request_id)
+        self.receiving[request.request_id] = request
+        return request.block_ids
+
+    def handoff_received(self, request_id: str) -> None:
+        """The prompt's KV arrived: the request decodes from its first token on."""
+        request = self.receiving.pop(request_id)
+        request.num_computed_tokens = request.num_tokens - 1
+        request.status = RequestStatus.RUNNING
+        if self.config.num_speculative_tokens:
+            placeholder = self.config.draft_placeholder_id
+            request.draft_token_ids = [placeholder] * self.config.num_speculative_tokens
+        self.kv.cache_computed(request)
+        self.running.append(request)
+
+    def handoff_failed(self, request_id: str) -> None:
+        """The KV could not be fetched: recompute the prompt here, first in line (behind
+        a prompt mid-chunk)."""
+        request = self.receiving.pop(request_id)
+        self.kv.free(request_id)
+        request.block_ids = []
+        request.num_computed_tokens = 0
+        self.waiting.add_first(request)
