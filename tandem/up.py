@@ -19,7 +19,6 @@ import threading
 import time
 import traceback
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -29,48 +28,8 @@ from tandem.backlog import queue_depth
 from tandem.child import Child, drain_in_order, engine_threads, local_get
 from tandem.keys import Keys
 from tandem.preflight import StartError, check_model, check_port, check_redis
-from tandem.protocol import check_served_name
 from tandem.redis_server import RedisServer, free_port
-
-
-@dataclass(frozen=True)
-class UpConfig:
-    model: str = "smollm2"
-    # Name clients ask for; default: the model spec.
-    served_model_name: str | None = None
-    mode: str = "normal"  # or "disaggregated"
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None  # None: generate one
-    redis_url: str | None = None  # None: start an embedded Redis
-    # Extra `tandem engine` flags for every engine (e.g. ["--max-model-len", "2048"]).
-    engine_args: tuple[str, ...] = ()
-    log_dir: Path | None = None
-    # Seconds the engines may take to load and serve (--ready-timeout).
-    ready_timeout: float = 300.0
-    # A ModelDeployment document (`tandem up -f`): its roles, replicas and
-    # autoscaling replace model/mode, and the autoscaler runs every `scale_every`.
-    manifest: dict | None = None
-    scale_every: float = 5.0
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("normal", "disaggregated"):
-            raise ValueError(f"mode must be normal or disaggregated, got {self.mode!r}")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")
-        if self.served_model_name is not None:
-            check_served_name(self.served_model_name)  # '' would serve under the model's
-        if not self.ready_timeout > 0:
-            raise ValueError(f"--ready-timeout must be > 0 seconds, got {self.ready_timeout}")
-
-    @property
-    def name(self) -> str:
-        if self.manifest is not None:
-            spec = self.manifest.get("spec") or {}
-            metadata = self.manifest.get("metadata") or {}
-            return (spec.get("model") or {}).get("servedModelName") or metadata.get("name", "")
-        return self.served_model_name or self.model
-
+from tandem.up_config import UpConfig
 
 # How long stopping may take: the admitted requests answered, every process drained.
 STOP_TIMEOUT_S = 60.0
