@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tandem.engine.service.kv_handoff import KVFetches
-from tandem.engine.service.kv_tcp import KVServer, fetch_kv
+from tandem.engine.service.kv_tcp import KVServer, fetch_kv, release_kv
 from tandem.engine.service.kv_transfer import KVLayout, KVTransferError, PinnedKV
 from tandem.engine.service.main import kv_fingerprint
 
@@ -366,6 +366,23 @@ def test_only_a_peer_that_did_not_answer_is_skipped_after_a_timeout():
     finally:
         fetches.close()
     assert [o.error.reason for o in outcomes] == ["timeout", "timeout", "skipped"]
+
+
+def test_a_decoder_that_will_not_fetch_releases_the_offer_with_its_token():
+    # A decoder recomputing a prompt (another model's KV) left the KV pinned on the
+    # prompt engine until the offer expired: a rollout's mismatched pairs filled its pool.
+    offers = Offers(PinnedKV("req-1", scattered_slots(TOKENS, 3), "fp", TOKEN))
+    with serving(caches(LAYOUT, 1), offers) as server:
+        assert not release_kv(server.address, "req-1", "a guess", timeout=5)
+        assert not release_kv(server.address, "unknown", TOKEN, timeout=5)
+        assert offers.fetched == []
+        assert release_kv(server.address, "req-1", TOKEN, timeout=5)
+        assert offers.fetched == ["req-1"]  # freed as a fetch's ack frees it
+    silent = socket.create_server(("127.0.0.1", 0))
+    try:  # nobody answers: best effort, never an error
+        assert not release_kv(f"127.0.0.1:{silent.getsockname()[1]}", "req-1", TOKEN, 0.3)
+    finally:
+        silent.close()
 
 
 def test_two_fetches_at_once_from_one_server():

@@ -24,7 +24,7 @@ from tandem.engine.engine import Engine
 from tandem.engine.engine_output import EngineOutput
 from tandem.engine.request import SamplingParams
 from tandem.engine.service.kv_handoff import KVFetches, PinnedOffers, token_slots
-from tandem.engine.service.kv_tcp import fetch_kv
+from tandem.engine.service.kv_tcp import fetch_kv, release_kv
 from tandem.engine.service.kv_transfer import KVLayout, PinnedKV
 from tandem.engine.service.metrics import EngineMetrics
 from tandem.engine.service.redis_io import RedisIO
@@ -80,7 +80,7 @@ class HandoffFlow:
         # Offers whose handoff was not published (another engine holds the request now).
         self._unpublished: list[str] = []
         # COMPLETION side.
-        self.fetches = KVFetches(fetch_kv)
+        self.fetches = KVFetches(fetch_kv, release=release_kv)
         self._waiting_room: list[_Taken] = []
         self._mismatched: set[str] = set()  # prompt engines of another model, warned of
 
@@ -192,7 +192,8 @@ class HandoffFlow:
         if engine.already_ended(handoff.prompt_token_ids, taken.generated, params):
             # A decoder died after its last token, before its final event; or this
             # engine's context ends where the prompt engine's first token did: the
-            # request finishes here without its KV (the offer expires unfetched).
+            # request finishes here without its KV.
+            self._release(handoff)
             engine.add_request(
                 work.request_id,
                 None,
@@ -231,6 +232,8 @@ class HandoffFlow:
                 )
             metrics.kv_transfer_failed(reason)
             engine.handoff_failed(rid)
+            if reason == "mismatch":  # pinned there for nobody until its expiry otherwise
+                self._release(handoff)
             return True
         self.fetches.start(
             rid,
@@ -245,6 +248,16 @@ class HandoffFlow:
             timeout=self.settings.kv_fetch_timeout,
         )
         return True
+
+    def _release(self, handoff: Handoff) -> None:
+        """Tell the prompt engine its offer will not be fetched (this engine ends or
+        recomputes the request): it frees the KV now, not at the offer's expiry."""
+        self.fetches.release(
+            handoff.kv_address,
+            handle=handoff.kv_handle,
+            token=handoff.kv_token,
+            timeout=self.settings.kv_fetch_timeout,
+        )
 
     def _recompute_reason(self, handoff: Handoff, generated: list[int]) -> str | None:
         if handoff.fingerprint != self.settings.fingerprint:

@@ -86,8 +86,14 @@ SUSPECT_FOR_S = 30.0
 class KVFetches:
     """Runs fetches off the main thread; outcomes are collected with `done()`."""
 
-    def __init__(self, fetch: Callable[..., TransferStats], max_parallel: int = 2) -> None:
+    def __init__(
+        self,
+        fetch: Callable[..., TransferStats],
+        max_parallel: int = 2,
+        release: Callable[..., bool] | None = None,
+    ) -> None:
         self._fetch = fetch
+        self._release = release
         self._pool = ThreadPoolExecutor(max_parallel, thread_name_prefix="kv-fetch")
         self._outcomes: queue.SimpleQueue[FetchOutcome] = queue.SimpleQueue()
         # Requests whose fetch is in flight: their blocks must not be freed yet,
@@ -100,6 +106,15 @@ class KVFetches:
     def start(self, request_id: str, **fetch_args: object) -> None:
         self.in_flight.add(request_id)
         self._pool.submit(self._run, request_id, fetch_args)
+
+    def release(self, address: str, **release_args: object) -> None:
+        """Free an offer this engine will not fetch, on a fetch thread; best effort."""
+        if self._release is None:
+            return
+        with self._suspects_lock:
+            if self._suspects.get(address, 0.0) > time.monotonic():
+                return  # it answers nothing now: its offers expire on their own
+        self._pool.submit(self._release, address=address, **release_args)
 
     def _run(self, request_id: str, fetch_args: dict[str, object]) -> None:
         address = str(fetch_args.get("address"))

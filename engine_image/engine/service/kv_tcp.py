@@ -57,12 +57,13 @@ class KVServer:
     lookup(handle) runs on transfer threads and returns the pinned KV or None (unknown
     or expired); it must be thread-safe, and the engine must drop a handle from it
     *before* freeing the handle's blocks. on_fetched(handle) runs on a transfer thread
-    once the fetcher confirmed that all the KV arrived; it may come twice for a handle
-    fetched twice. on_sent(n), if given, runs on a transfer thread after each frame
-    went out, with its KV bytes (headers and messages not counted). on_failure(why),
-    if given, runs for each connection not served to its end: "refused" (an unknown
-    handle, another layout...), "ended_early" (closed, garbage, too slow), "busy" (the
-    queue full), "stale" (its turn came too late) or "accept" (accept() failed).
+    once the fetcher confirmed that all the KV arrived, or a decoder released the offer
+    unfetched (release_kv); it may come twice for a handle fetched twice. on_sent(n), if
+    given, runs on a transfer thread after each frame went out, with its KV bytes
+    (headers and messages not counted). on_failure(why), if given, runs for each
+    connection not served to its end: "refused" (an unknown handle, another layout...),
+    "ended_early" (closed, garbage, too slow), "busy" (the queue full), "stale" (its
+    turn came too late) or "accept" (accept() failed).
 
     A peer cannot hold it: a fetch request must arrive whole within REQUEST_WITHIN_S
     of its turn, the ack within io_timeout of the last frame; a connection that waited
@@ -190,7 +191,12 @@ class KVServer:
                 return
             tune(conn)
             conn.settimeout(self._io_timeout)
-            self._serve_fetch(conn, peer)
+            request = recv_msg(conn, time.monotonic() + REQUEST_WITHIN_S)
+            conn.settimeout(self._io_timeout)  # the deadline's read left its own timeout set
+            if request.get("op") == "release":
+                self._serve_release(conn, request)
+            else:
+                self._serve_fetch(conn, peer, request)
         except (OSError, WireError) as exc:
             self._on_failure("ended_early")
             log.info("KV fetch from %s ended early: %s", peer, exc)
@@ -202,9 +208,19 @@ class KVServer:
                 self._open.discard(conn)
             conn.close()
 
-    def _serve_fetch(self, conn: socket.socket, peer: Any) -> None:
-        pinned, refusal = self._admit(recv_msg(conn, time.monotonic() + REQUEST_WITHIN_S))
-        conn.settimeout(self._io_timeout)  # the deadline's read left its own timeout set
+    def _serve_release(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        """A decoder that will not fetch the KV (it recomputes the prompt): free it now,
+        as an ack does, not at the offer's expiry. The offer's token, as for a fetch."""
+        handle = request.get("handle")
+        pinned = self._lookup(handle) if isinstance(handle, str) else None
+        if pinned is None or not _token_matches(request.get("token"), pinned.token):
+            send_msg(conn, {"ok": False, "reason": Reason.REFUSED}, None)  # gone already
+            return
+        self._on_fetched(pinned.handle)
+        send_msg(conn, {"ok": True}, None)
+
+    def _serve_fetch(self, conn: socket.socket, peer: Any, request: dict[str, Any]) -> None:
+        pinned, refusal = self._admit(request)
         if pinned is None:
             log.info("KV fetch from %s refused: %s", peer, refusal["error"])
             send_msg(conn, {"ok": False, **refusal}, None)
@@ -338,3 +354,17 @@ def fetch_kv(
         raise KVTransferError(Reason.UNREACHABLE, f"{address}: {exc}") from exc
     seconds = time.perf_counter() - start
     return TransferStats(num_tokens * layout.bytes_per_token, seconds, layout.num_layers)
+
+
+def release_kv(address: str, handle: str, token: str, timeout: float) -> bool:
+    """Tell the prompt engine at `address` that nobody will fetch its KV of `handle`
+    (this decoder recomputes the prompt): it frees the KV now, not at the offer's
+    expiry. Best effort: False where it did not answer or held no such offer."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout) as sock:
+            send_msg(sock, {"op": "release", "handle": handle, "token": token}, deadline)
+            return recv_msg(sock, deadline).get("ok") is True
+    except (OSError, WireError, ValueError):
+        return False
