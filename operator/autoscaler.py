@@ -286,8 +286,9 @@ def decide_all(
 
 
 def _unreadable_since(observed: RoleObservation, since: float | None, now: float) -> float | None:
-    """Since when no pod of the role could be read; None while one can."""
-    if observed.pods:
+    """Since when no pod of the role could be read; None while one can, or while the
+    role has no pod at all (at zero there is nothing to read)."""
+    if observed.pods or observed.current_replicas == 0:
         return None
     if observed.unreadable:
         return now if since is None else since
@@ -309,9 +310,10 @@ def _recommend(
         # No pod to measure: the queue alone sizes the first step (at least one pod).
         return max(1, _ceil(demand.up)), f"work queued, scale from zero ({_asks(demand)})"
     up, down = demand.up / current, demand.down / current
-    if up > 1 + policy.tolerance:
+    # With _EPSILON: exactly at the band's edge (0.63 / 0.7 = 0.9 in floats) is within.
+    if up > 1 + policy.tolerance + _EPSILON:
         recommendation, why = _ceil(demand.up), f"{_asks(demand)}, {up:.2f}x current"
-    elif down < 1 - policy.tolerance:
+    elif down < 1 - policy.tolerance - _EPSILON:
         recommendation, why = _ceil(demand.down), f"{_asks(demand, down=True)}, {down:.2f}x current"
     else:
         return current, f"{_asks(demand)}, within tolerance {policy.tolerance:g}"
@@ -362,7 +364,7 @@ def _demand(
         tokens = queue.queued_tokens + sum(p.buffered_tokens for p in pods)
         units = tokens / policy.target_queued_tokens_per_replica
         signals.append(_Signal("queued_tokens", units, units))
-    return _Demand(tuple(signals), _active(role, pods, queue))
+    return _Demand(tuple(signals), _active(pods, queue))
 
 
 def _per_pod(name: str, units: float, measured: int, current: int) -> _Signal:
@@ -370,17 +372,24 @@ def _per_pod(name: str, units: float, measured: int, current: int) -> _Signal:
     return _Signal(name, units, units + max(0, current - measured))
 
 
-def _active(role: RoleName, pods: Iterable[PodLoad], queue: QueueState) -> bool:
+def _active(pods: Iterable[PodLoad], queue: QueueState) -> bool:
     """Whether the role has any work: what scale from zero and to zero look at."""
     # Taken-but-unacked entries (pending) count: an engine is serving them even
     # when its /metrics could not be read.
     work = queue.queued_tokens > 0 or queue.total_waiting > 0 or queue.pending > 0
-    if role is RoleName.DECODE:
-        # Every queued request will need a decoder: start decode's cold start
-        # alongside prefill's instead of after the first handoff.
-        work = work or queue.handoff_waiting > 0 or queue.handoff_pending > 0
+    # Handoffs waiting or being fetched: decode must take them, and prefill's pods hold
+    # their KV (read from Redis, so unreadable prefill pods are not taken for idle). A
+    # normal role has none. Every queued request will need a decoder too: decode's cold
+    # start runs alongside prefill's instead of after the first handoff.
+    work = work or queue.handoff_waiting > 0 or queue.handoff_pending > 0
+    # A pod that stepped since the last scrape had work, though its gauges read 0 now:
+    # a trickle of short requests between scrapes was idle to them, scaled to zero.
     return work or any(
-        p.requests_running or p.requests_waiting or p.waiting_prompt_tokens or p.kv_pinned_requests
+        p.requests_running
+        or p.requests_waiting
+        or p.waiting_prompt_tokens
+        or p.kv_pinned_requests
+        or p.stepped
         for p in pods
     )
 

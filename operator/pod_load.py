@@ -75,6 +75,9 @@ class PodLoad:
     # mean_waiting_prompt_tokens() over the last interval; None on a pod's first
     # scrape, across a restart, or from an engine without the counter.
     mean_waiting_prompt_tokens: float | None = None
+    # Whether the engine computed a step since the previous scrape: work that came and
+    # went between two scrapes, which no gauge shows (False on a pod's first scrape).
+    stepped: bool = False
 
     @property
     def buffered_tokens(self) -> float:
@@ -166,6 +169,13 @@ def mean_waiting_prompt_tokens(prev: PodSample, curr: PodSample) -> float | None
     return max(0.0, (after - before) / interval)
 
 
+def stepped(prev: PodSample, curr: PodSample) -> bool:
+    """Whether the engine ran a step between the two samples (after a restart: at all)."""
+    reset = restarted(prev, curr)
+    kinds = {*prev.steps_total, *curr.steps_total}
+    return any(_increase(prev.steps(k), curr.steps(k), reset=reset) > 0 for k in kinds)
+
+
 def pod_load(curr: PodSample, prev: PodSample | None = None) -> PodLoad:
     """The autoscaler's view of a pod: `prev` is the previous sample of the same pod."""
     if prev is not None and prev.pod != curr.pod:
@@ -180,4 +190,5 @@ def pod_load(curr: PodSample, prev: PodSample | None = None) -> PodLoad:
         kv_pinned_requests=curr.kv_pinned_requests,
         budget_utilization=None if prev is None else budget_utilization(prev, curr),
         mean_waiting_prompt_tokens=None if prev is None else mean_waiting_prompt_tokens(prev, curr),
+        stepped=prev is not None and stepped(prev, curr),
     )

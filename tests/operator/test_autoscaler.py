@@ -316,6 +316,45 @@ def test_work_restarts_the_idle_clock():
     assert loop.events == [(100.0, 1, 0)]
 
 
+def test_a_trickle_of_work_between_evaluations_is_not_idle():
+    # A 3 s request every 30 s, evaluated every 15 s: every gauge read 0 at each scrape,
+    # and the role went to zero 7 s after serving a request, then back, over and over.
+    loop = Loop(PREFILL, 1, policy=ZERO, interval=15.0)
+    for t in range(20):
+        stepped = t % 2 == 0  # the engine ran steps in every other interval
+        obs = lambda n, s=stepped: observe(  # noqa: E731
+            n, tuple(PodLoad(f"p{i}", True, 0.0, 0, 0, 0, stepped=s) for i in range(n))
+        )
+        loop.step(obs)
+    assert loop.events == [] and loop.replicas == 1
+
+
+@pytest.mark.parametrize("field", ["handoff_waiting", "handoff_pending"])
+def test_handoffs_in_flight_keep_unreadable_prefill_pods(field):
+    # Prefill's pods hold the KV those handoffs wait to have fetched: with their metrics
+    # unreadable, the role read idle and went to zero, the KV with it.
+    loop = Loop(PREFILL, 2, policy=ZERO, interval=15.0)
+    for _ in range(8):
+        loop.step(lambda n: RoleObservation(n, (), unreadable=n), queue(**{field: 5}))
+    assert loop.events == [] and loop.replicas == 2
+
+
+def test_a_role_at_zero_is_not_reported_unreadable():
+    # Scaled to zero with its pods unreadable, it said "no pod's metrics readable" at
+    # every evaluation while it had no pod at all.
+    history = ScalingHistory(unreadable_since=5.0, last_active_at=0.0)
+    d = once(NORMAL, observe(0), policy=ZERO, history=history, now=200.0)
+    assert d.replicas == 0 and d.history.unreadable_since is None
+    assert "readable" not in d.reason
+
+
+def test_a_load_exactly_at_the_tolerance_band_edge_keeps_the_count():
+    # 13 decoders at 0.63 of the 0.7 target: 0.9 x current, "within 1 +- 0.1" as the docs
+    # say, though 0.63 / 0.7 is a hair below 0.9 in floats.
+    d = once(DECODE, observe(13, pods(13, kv=0.63, running=9)))
+    assert d.replicas == 13 and "within tolerance" in d.reason
+
+
 def test_a_fresh_history_never_counts_as_idle():
     # An operator that just restarted knows nothing of the past: it waits a full period.
     d = once(NORMAL, observe(1, pods(1, kv=0.0, running=0)), policy=ZERO, now=1e6)

@@ -119,6 +119,18 @@ def test_a_full_but_rarely_stepping_pod_is_not_read_as_busy():
     assert budget_utilization(prev, curr) == pytest.approx(0.01)
 
 
+@pytest.mark.parametrize("prefill", [True, False])
+def test_a_pod_that_stepped_between_two_scrapes_had_work_whatever_its_gauges_say(prefill):
+    # The request came and went between the scrapes: every gauge reads 0 at both.
+    metrics, engine = EngineMetrics("tiny", "prompt" if prefill else "completion"), FakeEngine()
+    first = sample(metrics, 0.0)
+    engine.step(metrics, prefill=prefill, tokens=40, seconds=0.2)
+    second, third = sample(metrics, 15.0), sample(metrics, 30.0)
+    assert pod_load(second, first).stepped
+    assert not pod_load(third, second).stepped  # nothing since
+    assert not pod_load(first).stepped  # a first scrape: no interval
+
+
 def test_an_idle_interval_reads_zero_and_a_first_scrape_reads_unknown():
     metrics, engine = EngineMetrics("tiny", "prompt"), FakeEngine()
     engine.step(metrics, prefill=True, tokens=500, seconds=0.5)
