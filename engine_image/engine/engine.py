@@ -119,6 +119,8 @@ class Engine:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
         self._check_token_ids(prompt_token_ids)
+        if params.stop and self.tokenizer is None:  # no text to find them in
+            raise ParameterError("this model has no tokenizer, so no stop strings", "stop")
         vocab = self.config.vocab_size
         if vocab is not None and params.logit_bias and params.logit_bias[-1][0] >= vocab:
             raise ParameterError(  # the pairs are sorted: the last has the largest id

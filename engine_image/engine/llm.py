@@ -144,10 +144,10 @@ class LLM:
             raise ValueError("give exactly one of prompts or prompt_token_ids")
         texts: list[str | None]
         if prompts is not None:
-            texts = [prompts] if isinstance(prompts, str) else list(prompts)
+            texts = [prompts] if isinstance(prompts, str) else _strings(prompts)
             ids: list[list[int] | None] = [None] * len(texts)
         else:
-            ids = [list(p) for p in prompt_token_ids]
+            ids = _id_lists(prompt_token_ids)
             texts = [None] * len(ids)
         params = _per_prompt(sampling_params, len(texts))
         return self._run(texts, ids, params)
@@ -183,6 +183,13 @@ class LLM:
         params: list[SamplingParams],
     ) -> list[CompletionOutput]:
         engine = self.engine
+        if engine.has_unfinished_requests():
+            # It steps the engine until it is empty: another caller's requests would end
+            # here, their outputs lost to it.
+            raise ValueError(
+                "the engine holds requests added through llm.engine: step them to the end "
+                "first (generate and chat run their prompts on the engine alone)"
+            )
         order, outputs = [], {}
         try:
             for index, (text, token_ids, p) in enumerate(zip(texts, ids, params, strict=True)):
@@ -295,3 +302,27 @@ def _per_prompt(
     if len(params) != n:
         raise ValueError(f"{len(params)} sampling params for {n} prompts")
     return params
+
+
+def _strings(prompts: object) -> list[str]:
+    """A list of prompts, or a ValueError that says what was given instead."""
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
+        raise ValueError(f"prompts must be a string or a list of strings, got {prompts!r:.80}")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt {i} must be a string, got {prompt!r:.80}")
+    return list(prompts)
+
+
+def _id_lists(prompt_token_ids: object) -> list[list[int]]:
+    """One list of token ids per prompt (a flat list is one prompt's ids: [[...]])."""
+    if not isinstance(prompt_token_ids, Sequence) or isinstance(prompt_token_ids, str):
+        raise ValueError(
+            f"prompt_token_ids must be a list of lists of ids, got {prompt_token_ids!r:.80}"
+        )
+    if prompt_token_ids and not isinstance(prompt_token_ids[0], Sequence):
+        raise ValueError(
+            "prompt_token_ids is a list of prompts, each a list of token ids: give [[1, 2, 3]] "
+            f"for one prompt, not {prompt_token_ids!r:.40}"
+        )
+    return [list(p) for p in prompt_token_ids]

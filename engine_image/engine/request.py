@@ -210,7 +210,7 @@ class Request:
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
         if not self.prompt_token_ids:
-            raise ValueError(f"request {self.request_id!r} has an empty prompt")
+            raise ValueError("the prompt is empty: give at least one token")
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.max_num_tokens = self.num_prompt_tokens + self.sampling_params.max_tokens

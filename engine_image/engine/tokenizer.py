@@ -19,6 +19,7 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tandem.engine.literal_chat import LiteralChat
+from tandem.engine.stop_matcher import StopMatcher
 
 # Decoding "\ufffd" at the end means the last token(s) stopped mid UTF-8 character.
 _REPLACEMENT = "\ufffd"
@@ -258,7 +259,7 @@ class IncrementalDetokenizer:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         self._tokenizer = tokenizer
         self._stop = tuple(stop)
-        self._longest_stop = max((len(s) for s in stop), default=0)
+        self._matcher = StopMatcher(self._stop)
         self._skip_special = skip_special_tokens
         self._ids = [int(i) for i in prompt_ids[-self._PROMPT_CONTEXT :]]
         # ids[_prefix:_read] is the window already decoded; ids[_read:] is new.
@@ -341,18 +342,16 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special)
 
     def _consume(self, piece: str, final: bool) -> tuple[str, bool]:
-        # A new match must end inside `piece`, so it starts at most this far back.
-        search_from = max(0, len(self._text) - self._longest_stop + 1)
         self._text += piece
-        # (end, start) of each stop's first match: the stop that completes first wins,
-        # as it would have had the text come one character at a time.
-        hits = [(i + len(s), i) for s in self._stop if (i := self._text.find(s, search_from)) != -1]
-        if hits:
+        # The stop that completes first wins, as it would have had the text come one
+        # character at a time.
+        start = self._matcher.feed(piece) if self._stop else None
+        if start is not None:
             # Held-back text never left, so the cut cannot fall before what was sent.
-            self._text = self._text[: max(min(hits)[1], self._emitted)]
+            self._text = self._text[: max(start, self._emitted)]
             self._stopped = True
             return self._release(len(self._text)), True
-        hold = 0 if final else self._stop_prefix_length()
+        hold = 0 if final else self._matcher.held()
         return self._release(len(self._text) - hold), False
 
     def _release(self, upto: int) -> str:
@@ -361,12 +360,3 @@ class IncrementalDetokenizer:
         delta = self._text[self._emitted : upto]
         self._emitted = upto
         return delta
-
-    def _stop_prefix_length(self) -> int:
-        """Length of the longest end of the text that is the start of some stop string."""
-        text = self._text
-        for k in range(min(self._longest_stop - 1, len(text)), 0, -1):
-            tail = text[-k:]
-            if any(s.startswith(tail) for s in self._stop if len(s) > k):
-                return k
-        return 0

@@ -143,7 +143,7 @@ def test_an_exact_max_tokens_must_fit_in_the_context_a_default_is_cut(llm):
     [
         ({"prompt_token_ids": [[1, 512]]}, "outside the vocabulary"),
         ({"prompt_token_ids": [[1, -3]]}, "non-negative integers"),
-        ({"prompt_token_ids": [[]]}, "empty prompt"),
+        ({"prompt_token_ids": [[]]}, "the prompt is empty"),
         ({}, "exactly one of prompts or prompt_token_ids"),
     ],
 )

@@ -53,3 +53,42 @@ def test_a_seed_or_mtp_head_of_the_wrong_kind_is_named():
         LLM("random:tiny", num_kv_blocks=8, seed="x")
     with pytest.raises(ValueError, match="mtp_head must have a propose method"):
         LLM("random:tiny", num_kv_blocks=8, mtp_head=object())
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"prompt_token_ids": [1, 2, 3]}, r"give \[\[1, 2, 3\]\] for one prompt"),
+        ({"prompts": 123}, "prompts must be a string or a list of strings, got 123"),
+        ({"prompts": b"abc"}, "prompts must be a string or a list of strings"),
+        ({"prompts": ["ok", 5]}, "prompt 1 must be a string, got 5"),
+        ({"prompts": ["ok", ""]}, "prompt 1: the prompt is empty"),
+    ],
+    ids=["flat ids", "an int", "bytes", "a non-string", "an empty one"],
+)
+def test_prompts_of_another_shape_are_named(llm, args, message):
+    # A flat list of ids (a common slip) was a TypeError from inside the loop.
+    with pytest.raises(ValueError, match=message):
+        llm.generate(**args, sampling_params=SamplingParams(max_tokens=1))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_generate_refuses_to_run_over_requests_added_through_the_engine(llm):
+    # It stepped the engine until empty: their outputs went to it, and a KeyError.
+    params = SamplingParams(max_tokens=2)
+    llm.engine.add_request("mine", None, params, prompt_token_ids=[1, 2])
+    try:
+        with pytest.raises(ValueError, match="the engine holds requests added through"):
+            llm.generate(prompt_token_ids=[[3, 4]], sampling_params=params)
+    finally:
+        llm.engine.abort("mine")
+    assert llm.generate(prompt_token_ids=[[3, 4]], sampling_params=params)[0].token_ids
+
+
+def test_stop_strings_without_a_tokenizer_are_refused():
+    # Without text to find them in they were silently ignored: length, not stop.
+    llm = LLM("random:tiny", dtype="float32", num_kv_blocks=16)
+    llm.engine.tokenizer = None  # as a checkpoint without tokenizer.json loads
+    with pytest.raises(ValueError, match="no tokenizer, so no stop strings") as refused:
+        llm.generate(prompt_token_ids=[[1, 2]], sampling_params=SamplingParams(stop=["ix"]))
+    assert refused.value.param == "stop"

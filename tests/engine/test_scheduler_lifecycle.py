@@ -163,7 +163,7 @@ def test_duplicate_request_ids_are_refused():
 
 
 def test_an_empty_prompt_is_refused():
-    with pytest.raises(ValueError, match="empty prompt"):
+    with pytest.raises(ValueError, match="the prompt is empty"):
         Request("a", [])
 
 
