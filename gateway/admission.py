@@ -24,6 +24,8 @@ import contextlib
 import time
 from dataclasses import dataclass
 
+from redis.exceptions import RedisError
+
 from tandem.gateway.auth import ApiKey, check_model
 from tandem.gateway.broker import Broker
 from tandem.gateway.directory import ModelDirectory
@@ -151,6 +153,11 @@ class Admission:
                 with contextlib.suppress(Exception):  # the first error is the one to report
                     await self.ledger.release(ledger_key, job.base_id)
             raise
+        if ledger_key is not None:
+            # Queued: unmarked (Redis failing just now), a retry waits PENDING_WAIT_S,
+            # then takes the record over and queues the work a second time.
+            with contextlib.suppress(RedisError, OSError):
+                await self.ledger.queued(ledger_key, mine)
         return Ticket(
             job.base_id,
             job.created,

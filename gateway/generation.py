@@ -104,16 +104,25 @@ class Generation:
                     self._open.discard(index)
                 if event.event == EventKind.ERROR:
                     await self.abandon("choice_failed")
-                    raise from_engine(
+                    error = from_engine(
                         event.error_code,
                         event.error_message,
                         self.job.prompt_param,
                         event.error_param,
                     )
+                    if error.status >= 500:
+                        # Worth retrying (n = 1's choice had ended, so abandon released
+                        # nothing): a retry with the Idempotency-Key runs it afresh
+                        # rather than read this error again for the record's lifetime.
+                        await self._forget_record()
+                    raise error
                 self._absorb(index, event)
                 yield index, event
             if self.ticket.ledger_key is None:  # no retry will read them again
                 await self._delivered()
+            else:  # a retry reads them again while the streams last, not past them
+                ledger, ticket = self.cancels.ledger, self.ticket
+                await self._aside(ledger.answered(ticket.ledger_key, ticket.base_id))
             if self.settle is not None and all(c.usage is not None for c in self.choices):
                 await self.settle(total_usage(self.choices)["total_tokens"])
         except DeadlinePassed:
@@ -136,6 +145,19 @@ class Generation:
                 # A retry with the same Idempotency-Key attaches to it instead.
                 await self.abandon("redis_unreachable")
             raise unavailable(f"Lost the connection to Redis while reading: {exc}") from None
+
+    async def _forget_record(self) -> None:
+        if self.ticket.ledger_key is not None:
+            ledger = self.cancels.ledger
+            await self._aside(ledger.release(self.ticket.ledger_key, self.ticket.base_id))
+
+    async def _aside(self, call: Awaitable[object]) -> None:
+        """A Redis call on the way to the answer: at most _REDIS_ASIDE_S, never raises."""
+        try:
+            async with asyncio.timeout(_REDIS_ASIDE_S):
+                await call
+        except (RedisError, OSError) as exc:  # TimeoutError is an OSError
+            log.debug("%s: Redis did not take %r: %s", self.ticket.base_id, call, exc)
 
     async def _delivered(self) -> None:
         try:

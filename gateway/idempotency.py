@@ -12,14 +12,23 @@ Beside the record, a count of the attempts reading the work: a client that
 leaves (or whose deadline passes) cancels the work only if it was the last
 reader (cancels.py). The record is dropped when the gateway cancels the work,
 so a later retry queues afresh rather than attaching to a cancelled request.
+
+The record is claimed before the work is queued (the queue's room and the quota
+come between) and marked queued after: a retry that finds it not yet queued
+waits for the mark, or for the record to go (the first attempt refused: it
+queues afresh), rather than read streams no engine will ever write. A record
+still unqueued after PENDING_WAIT_S is a first attempt that died between the
+two: the retry takes it over.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, replace
 
 import redis.asyncio as aioredis
 
@@ -27,12 +36,45 @@ from tandem.gateway.errors import NO_RETRY, GatewayError, bad_request
 from tandem.protocol import RESPONSE_TTL_SECONDS
 
 _KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
+# How long a retry waits for the first attempt's work to be queued (milliseconds
+# apart, unless Redis stalls), and how often it looks.
+PENDING_WAIT_S = 5.0
+_PENDING_POLL_S = 0.05
+_CLAIMS = 20
+# A record outlives no response stream it points to: its TTL once the answer is whole
+# is the streams' (from their last event, moments before) less this.
+_STREAM_MARGIN_S = 30
 
-# Delete the record only if it is still the one this attempt wrote.
+# Delete the record, and its readers' count (KEYS[2]), only if it is still the one
+# this attempt wrote.
 _RELEASE_LUA = """
 local raw = redis.call('GET', KEYS[1])
-if raw and cjson.decode(raw)['base_id'] == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+if raw and cjson.decode(raw)['base_id'] == ARGV[1] then
+  return redis.call('DEL', KEYS[1], KEYS[2])
+end
 return 0
+"""
+
+# The record (if still ARGV[1]'s) and its readers' count expire within ARGV[2] s,
+# never later than they would have (EXPIRE's LT option, before Redis 7).
+_ANSWERED_LUA = """
+local raw = redis.call('GET', KEYS[1])
+if not raw or cjson.decode(raw)['base_id'] ~= ARGV[1] then return 0 end
+local ttl = tonumber(ARGV[2])
+for _, key in ipairs(KEYS) do
+  if redis.call('TTL', key) > ttl then redis.call('EXPIRE', key, ttl) end
+end
+return 1
+"""
+
+# Replace the record by ARGV[2] (the same, marked queued) only if it is still this
+# attempt's (ARGV[1]), keeping its TTL.
+_QUEUED_LUA = """
+local raw = redis.call('GET', KEYS[1])
+if raw and cjson.decode(raw)['base_id'] == ARGV[1] then
+  return redis.call('SET', KEYS[1], ARGV[2], 'KEEPTTL')
+end
+return false
 """
 
 
@@ -85,6 +127,9 @@ class IdempotencyRecord:
     request_ids: list[str]
     created: int
     digest: str
+    # False from the claim until the work is queued (a record without the field, from
+    # an older gateway, was written once queued).
+    queued: bool = True
 
 
 class IdempotencyLedger:
@@ -95,6 +140,8 @@ class IdempotencyLedger:
         self._leave = client.register_script(_LEAVE_LUA)
         self._claim = client.register_script(_CLAIM_LUA)
         self._attach = client.register_script(_ATTACH_LUA)
+        self._queued = client.register_script(_QUEUED_LUA)
+        self._answered = client.register_script(_ANSWERED_LUA)
 
     def key(self, caller: str, idempotency_key: str) -> str:
         if not _KEY.match(idempotency_key):
@@ -114,13 +161,20 @@ class IdempotencyLedger:
         content is a 409: the key was reused for a different request."""
         # It must outlive the work: the deadline, then the response stream's TTL.
         ttl = int(timeout) + RESPONSE_TTL_SECONDS
-        payload = json.dumps(asdict(record))
+        payload = json.dumps(asdict(replace(record, queued=False)))
         own = [key, self._readers(key, record.base_id)]
-        for _ in range(3):  # a record gone between the claim and the attach: again
+        # A record gone between the claim and the attach (released: its attempt refused,
+        # or its last reader left): claim again. Several retries racing a refusal each
+        # see it go once.
+        for _ in range(_CLAIMS):
             raw = await self._claim(keys=own, args=[payload, record.base_id, ttl])
             if raw is None:
                 return None
             first = IdempotencyRecord(**json.loads(raw))
+            if not first.queued:
+                first = await self._until_queued(key, first)
+                if first is None:
+                    continue  # refused, or dead before it queued: claim it afresh
             if first.digest != record.digest:
                 raise GatewayError(
                     409,
@@ -135,6 +189,36 @@ class IdempotencyLedger:
                 return first
         raise GatewayError(503, "could not record the Idempotency-Key", type="server_error")
 
+    async def queued(self, key: str, record: IdempotencyRecord) -> None:
+        """Mark the record's work queued: retries waiting for it attach now."""
+        payload = json.dumps(asdict(replace(record, queued=True)))
+        await self._queued(keys=[key], args=[record.base_id, payload])
+
+    async def _until_queued(self, key: str, first: IdempotencyRecord) -> IdempotencyRecord | None:
+        """The first attempt's record once its work is queued; None once it is gone
+        (refused, nothing queued) or, still unqueued after PENDING_WAIT_S, taken
+        over (its attempt died between the claim and the queueing)."""
+        deadline = time.monotonic() + PENDING_WAIT_S
+        while time.monotonic() < deadline:
+            await asyncio.sleep(_PENDING_POLL_S)
+            raw = await self.client.get(key)
+            if raw is None:
+                return None
+            now = IdempotencyRecord(**json.loads(raw))
+            if now.base_id != first.base_id:
+                return None  # another attempt's record now: claim again to find it
+            if now.queued:
+                return now
+        await self.release(key, first.base_id)
+        return None
+
+    async def answered(self, key: str, base_id: str) -> None:
+        """The work's answer is whole: its response streams last RESPONSE_TTL_SECONDS
+        from their last event, now. The record and its readers' count no longer than
+        that: past it, a retry attached to streams gone and waited for its deadline."""
+        ttl = RESPONSE_TTL_SECONDS - _STREAM_MARGIN_S
+        await self._answered(keys=[key, self._readers(key, base_id)], args=[base_id, ttl])
+
     async def leave(self, key: str, base_id: str) -> int:
         """An attempt stops reading the work: how many attempts still read it; with
         none left, the record is released. A count Redis lost (a restart) reads as
@@ -147,4 +231,4 @@ class IdempotencyLedger:
         return f"{key}:readers:{base_id}"
 
     async def release(self, key: str, base_id: str) -> None:
-        await self._release(keys=[key], args=[base_id])
+        await self._release(keys=[key, self._readers(key, base_id)], args=[base_id])

@@ -181,6 +181,7 @@ def test_a_retry_whose_first_attempt_leaves_as_it_attaches_queues_afresh(redis_u
 
     async def work(ledger, key):
         assert await ledger.claim(key, first, timeout=30) is None
+        await ledger.queued(key, first)
         attach = ledger._attach
 
         async def first_leaves_then_attach(**kwargs):
@@ -190,6 +191,7 @@ def test_a_retry_whose_first_attempt_leaves_as_it_attaches_queues_afresh(redis_u
         ledger._attach = first_leaves_then_attach
         claimed = await ledger.claim(key, retry, timeout=30)
         ledger._attach = attach
+        await ledger.queued(key, retry)
         # The retry's record now: a third attempt attaches to it, two readers.
         third = await ledger.claim(key, IdempotencyRecord("c", ["c"], 3, "digest"), 30)
         return claimed, third, await ledger.leave(key, retry.base_id)
@@ -209,12 +211,49 @@ def test_a_retry_with_a_shorter_deadline_leaves_the_readers_count_its_time(
 
     async def work(ledger, key):
         await ledger.claim(key, first, timeout=3000)
+        await ledger.queued(key, first)
         retry = IdempotencyRecord("chatcmpl-b", ["chatcmpl-b"], 2, "digest")
         await ledger.claim(key, retry, timeout=10)
         return key
 
     key = _with_ledger(redis_url, keys, "order-10", work)
     assert redis_client.ttl(f"{key}:readers:chatcmpl-a") > 3000
+
+
+def test_a_retry_waits_for_the_first_attempts_work_to_be_queued_or_refused(redis_url, keys):
+    # Claimed before its queue room and quota were checked, the first attempt was then
+    # refused (429) and released its record; a retry that had attached in between read
+    # streams no engine would ever write, until its deadline: a 504 for a 429.
+    first = IdempotencyRecord("chatcmpl-a", ["chatcmpl-a"], 1, "digest")
+    retry = IdempotencyRecord("chatcmpl-b", ["chatcmpl-b"], 2, "digest")
+
+    async def work(ledger, key):
+        assert await ledger.claim(key, first, timeout=30) is None
+        waiting = asyncio.create_task(ledger.claim(key, retry, timeout=30))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()  # not attached to work that is not queued
+        await ledger.release(key, first.base_id)  # refused
+        refused = await waiting  # the retry's own claim: it queues afresh
+        await ledger.queued(key, retry)
+        third = IdempotencyRecord("chatcmpl-c", ["chatcmpl-c"], 3, "digest")
+        return refused, await ledger.claim(key, third, timeout=30)
+
+    refused, attached = _with_ledger(redis_url, keys, "order-11", work)
+    assert refused is None
+    assert attached is not None and attached.base_id == "chatcmpl-b"  # queued: attaches
+
+
+def test_a_record_its_attempt_never_queued_is_taken_over(redis_url, keys, monkeypatch):
+    # The first attempt's gateway died between the claim and the queueing.
+    monkeypatch.setattr("tandem.gateway.idempotency.PENDING_WAIT_S", 0.3)
+    first = IdempotencyRecord("chatcmpl-a", ["chatcmpl-a"], 1, "digest")
+    retry = IdempotencyRecord("chatcmpl-b", ["chatcmpl-b"], 2, "digest")
+
+    async def work(ledger, key):
+        assert await ledger.claim(key, first, timeout=30) is None
+        return await ledger.claim(key, retry, timeout=30)
+
+    assert _with_ledger(redis_url, keys, "order-12", work) is None  # queue it afresh
 
 
 def test_queue_depth_matches_the_original(redis_url, keys, redis_client):

@@ -1,0 +1,106 @@
+"""Idempotency-Key through a live gateway, with a stand-in engine: a registry entry, and
+the test writing the engine's events (its errors) into the response streams."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import redis
+
+from tandem.engine.service.registry import Registry
+from tandem.engine.service.responses import ResponseWriter
+from tandem.gateway.auth import KeyStore
+from tandem.protocol import (
+    PRIORITY_NORMAL,
+    RESPONSE_TTL_SECONDS,
+    EngineInfo,
+    ErrorCode,
+    ResponseEvent,
+    Usage,
+    WorkItem,
+)
+
+from .live import API_KEY, LiveGateway, settings_for
+
+MODEL = "stand-in"
+
+
+@pytest.fixture
+def gateway(redis_server, keys):
+    conn = redis.Redis.from_url(redis_server.url)
+    Registry(conn, keys, ttl_seconds=600).heartbeat(
+        EngineInfo("stand-in-engine", MODEL, "normal", "127.0.0.1:1")
+    )
+    live = LiveGateway(settings_for(redis_server.url, keys), KeyStore.load(None, API_KEY)).start()
+    yield live, conn
+    live.stop()
+    conn.close()
+
+
+def _ask(live, key: str, n: int) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": n}
+    headers = {"Idempotency-Key": key, "X-Tandem-Timeout": "20"}
+    with live.http() as client:
+        return client.post("/v1/chat/completions", json=body, headers=headers)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_retry_after_an_engine_failure_runs_the_work_afresh(gateway, keys, n):
+    # With n = 1 the record stayed: every retry (the SDKs retry a 5xx) read the same 503
+    # again at once for the record's lifetime; with n = 2 it was released.
+    live, conn = gateway
+    stream = keys.work_stream(MODEL, PRIORITY_NORMAL)
+    first: list[httpx.Response] = []
+    asking = threading.Thread(target=lambda: first.append(_ask(live, f"order-{n}", n)))
+    asking.start()
+    deadline = time.monotonic() + 10
+    while conn.xlen(stream) < n and time.monotonic() < deadline:
+        time.sleep(0.02)
+    rid = WorkItem.from_fields(conn.xrange(stream)[0][1]).request_id
+    writer = ResponseWriter(conn, keys, "stand-in-engine")
+    writer.add(rid, ResponseEvent.error(ErrorCode.REDELIVERY_LIMIT, "delivered 4 times", "e"))
+    writer.flush()
+    asking.join(30)
+    assert first[0].status_code == 503, first[0].text
+    queued = conn.xlen(stream)
+    retry = threading.Thread(target=lambda: first.append(_ask(live, f"order-{n}", n)))
+    retry.start()
+    deadline = time.monotonic() + 10
+    while conn.xlen(stream) < queued + n and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert conn.xlen(stream) == queued + n  # queued afresh, not the old error replayed
+    for item in conn.xrange(stream)[queued:]:
+        rid = WorkItem.from_fields(item[1]).request_id
+        writer.add(rid, ResponseEvent.error(ErrorCode.ENGINE_ERROR, "again", "e"))
+    writer.flush()
+    retry.join(30)
+    assert first[1].json()["error"]["message"] != first[0].json()["error"]["message"]
+
+
+def test_a_record_outlives_no_answer_it_points_to(gateway, keys):
+    # Kept for the deadline + 600 s from the claim while the answer's streams last 600 s
+    # from its end: a retry between the two attached to streams gone and waited out its
+    # deadline (a 504 that said no engine had started it).
+    live, conn = gateway
+    stream = keys.work_stream(MODEL, PRIORITY_NORMAL)
+    answer: list[httpx.Response] = []
+    asking = threading.Thread(target=lambda: answer.append(_ask(live, "order-done", 1)))
+    asking.start()
+    deadline = time.monotonic() + 10
+    while conn.xlen(stream) < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    rid = WorkItem.from_fields(conn.xrange(stream)[0][1]).request_id
+    writer = ResponseWriter(conn, keys, "stand-in-engine")
+    writer.add(rid, ResponseEvent.tokens(0, [5], "Hi", "e"))
+    writer.add(rid, ResponseEvent.finish(1, "stop", Usage(3, 1), "e"))
+    writer.flush()
+    asking.join(30)
+    assert answer[0].status_code == 200, answer[0].text
+    [record] = [k for k in conn.keys(f"{keys.prefix}:idem:*") if b":readers:" not in k]
+    [readers] = conn.keys(f"{keys.prefix}:idem:*:readers:*")
+    for key in (record, readers):
+        assert 0 < conn.ttl(key) <= RESPONSE_TTL_SECONDS - 30
+    assert conn.ttl(keys.response_stream(rid)) > RESPONSE_TTL_SECONDS - 30
