@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import secrets
 import signal
 import sys
 import time
@@ -120,6 +121,10 @@ class LocalActuator:
     ) -> None:
         self.name = name
         self.spec = spec
+        # In every engine id: ids are unique among the live engines of a Redis, and two
+        # stacks of one name on one Redis must not share them (one's drain deleted the
+        # other's registry entry).
+        self._run_id = secrets.token_hex(3)
         self.redis_url = redis_url
         self.log_dir = log_dir
         self.keys = keys or Keys()
@@ -160,7 +165,7 @@ class LocalActuator:
         ranks = self.roles[role].data_parallel_size  # rank r listens on port + r
         port = free_port(ranks)
         flags.update(host="127.0.0.1", port=str(port), **{"kv-port": str(free_port(ranks))})
-        flags["engine-id"] = f"{self.name}-{role}-{self._serial}"
+        flags["engine-id"] = f"{self.name}-{role}-{self._run_id}-{self._serial}"
         # The cores are shared by as many engines as the roles may scale to.
         most = sum(r.max_replicas * r.data_parallel_size for r in self.roles.values())
         if "threads" not in flags and (threads := engine_threads(most)) is not None:

@@ -70,6 +70,7 @@ class Child:
     _next_probe: float = field(default=0.0, init=False)
 
     def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)  # removed meanwhile: again
         log = open(self.log_path, "ab")  # noqa: SIM115 (lives as long as the process)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.process = subprocess.Popen(

@@ -87,8 +87,9 @@ def _up(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-up-"))
     config = dataclasses.replace(config, log_dir=log_dir)
     stack = Stack(config)
-    signal.signal(signal.SIGTERM, lambda *_: stack.request_stop())
-    signal.signal(signal.SIGINT, lambda *_: stack.request_stop())
+    # A closed terminal (SIGHUP) stops it as Ctrl-C does: the requests in flight answered.
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, lambda *_: stack.request_stop())
     try:
         stack.start()  # stops what it started if it fails
     except StartError:
@@ -102,7 +103,10 @@ def _up(args: argparse.Namespace) -> int:
     try:
         stack.supervise()
     finally:
-        print("stopping...", file=sys.stderr)
+        print(
+            "stopping: answering the requests admitted (Ctrl-C again: stop sooner)...",
+            file=sys.stderr,
+        )
         stack.stop()
     return 0
 
@@ -284,7 +288,7 @@ the OpenAI-compatible gateway and the engines of one model, each a child
 process with its log in the log folder. Once the model is served, it prints the
 URL, an API key and a curl command to try. A process that dies (or hangs) is
 restarted. Ctrl-C or SIGTERM answers every request already admitted, then
-stops everything. If it cannot start, it stops what it started and says why.
+stops everything (Ctrl-C again: sooner). If it cannot start, it stops what it started and says why.
 
 Say what to serve with --model, --served-model-name and --mode, or with a
 ModelDeployment manifest (-f)."""

@@ -20,6 +20,7 @@ import time
 import traceback
 import urllib.request
 from pathlib import Path
+from typing import IO
 
 import redis
 
@@ -29,6 +30,7 @@ from tandem.child import Child, drain_in_order, engine_threads, local_get
 from tandem.keys import Keys
 from tandem.preflight import StartError, check_model, check_port, check_redis
 from tandem.redis_server import RedisServer, free_port
+from tandem.run_folder import claim_run_folder
 from tandem.up_config import UpConfig
 
 # How long stopping may take: the admitted requests answered, every process drained.
@@ -36,6 +38,8 @@ STOP_TIMEOUT_S = 60.0
 # How long the queue must stay empty at stop: a request the gateway admitted just
 # before may not be queued yet (on a loaded machine its engines were stopped first).
 QUEUE_SETTLE_S = 1.0
+# After a second stop request, what the engines get to finish what they run.
+HURRY_S = 5.0
 # How often `tandem up` renews its model's catalog declaration (tandem/catalog.py).
 DECLARE_EVERY_S = 15.0
 
@@ -57,16 +61,19 @@ class Stack:
         # Without a log_dir: a temporary one, which stop() removes unless start() failed.
         self._tmp = None if config.log_dir else Path(tempfile.mkdtemp(prefix="tandem-up-"))
         self.log_dir = config.log_dir or self._tmp
-        try:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ValueError(f"cannot create --log-dir {self.log_dir}: {exc.strerror}") from None
+        self._lock: IO[bytes] | None = claim_run_folder(self.log_dir)
         self.redis: RedisServer | None = None
         self.redis_url = config.redis_url or ""
         self.children: list[Child] = []
         self.gateway: Child | None = None
         self.actuator = None  # a LocalActuator with `-f model.yaml`
         self._stop = threading.Event()
+        # In the engines' ids, fixed for the stack's life (a restart keeps its id): ids
+        # are unique among a Redis' live engines, and two stacks on one --redis-url
+        # shared theirs (one's drain deleted the other's registry entry).
+        self._run_id = secrets.token_hex(3)
+        # A second stop request (Ctrl-C again): stop without waiting for the queue.
+        self._hurry = threading.Event()
 
     @property
     def url(self) -> str:
@@ -164,7 +171,7 @@ class Stack:
             "--host", "127.0.0.1",
             "--port", str(port),
             "--kv-port", str(free_port()),
-            "--engine-id", f"up-{role}",
+            "--engine-id", f"up-{role}-{self._run_id}",
             *(["--threads", str(threads)] if threads is not None else []),
             *self.config.engine_args,
         ]  # fmt: skip
@@ -252,8 +259,7 @@ class Stack:
         while not self._stop.wait(0.5):
             self._restart_redis_if_dead(say)
             for child in self.children:
-                for line in child.supervise(time.monotonic()):
-                    say(line)
+                self._supervise(child, say)
             if self.actuator is None:
                 if time.monotonic() >= next_declaration:
                     next_declaration = time.monotonic() + DECLARE_EVERY_S
@@ -306,9 +312,11 @@ class Stack:
             self._stop.set()
 
     def request_stop(self) -> None:
+        if self._stop.is_set():
+            self._hurry.set()
         self._stop.set()
 
-    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+    def stop(self, timeout: float = STOP_TIMEOUT_S, say=print) -> None:
         """Answer what was admitted, then stop everything; Redis last.
 
         The gateway first takes no new requests (those in flight go on); the
@@ -323,7 +331,9 @@ class Stack:
         if gateway is not None:
             gateway.signal(signal.SIGTERM)
             if self.redis_url:
-                self._wait_for_empty_queue(deadline)
+                self._wait_for_empty_queue(deadline, say)
+        if self._hurry.is_set():
+            deadline = min(deadline, time.monotonic() + HURRY_S)
         drain_in_order(self._engines(), deadline)  # the actuator's too
         if self.actuator is not None:
             self.actuator.close()
@@ -335,6 +345,27 @@ class Stack:
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+        if self._lock is not None:
+            self._lock.close()  # the folder is free for another stack
+            self._lock = None
+
+    def _restart_dead_engines(self, say) -> None:
+        """As supervise() does, for the engines only: the gateway is stopping."""
+        for child in self.children:
+            if child is not self.gateway:
+                self._supervise(child, say)
+        if self.actuator is not None:
+            self.actuator.supervise()
+
+    @staticmethod
+    def _supervise(child: Child, say) -> None:
+        """One child's restart, if due; one that fails (its log unwritable, say) is tried
+        again after its backoff, not the end of the whole stack."""
+        try:
+            for line in child.supervise(time.monotonic()):
+                say(line)
+        except OSError as exc:
+            say(f"{child.name} could not restart: {exc}; trying again")
 
     def _engines(self) -> list[Child]:
         engines = [c for c in self.children if c is not self.gateway]
@@ -342,20 +373,22 @@ class Stack:
             engines += self.actuator.children()
         return engines
 
-    def _wait_for_empty_queue(self, deadline: float) -> None:
-        """Until every admitted request of the model was answered (or the deadline).
-        A role autoscaled to zero with work admitted is started for it, as the
-        autoscaler would have: stopped without it, the work waited for the deadline
-        and its client was cut off."""
+    def _wait_for_empty_queue(self, deadline: float, say) -> None:
+        """Until every admitted request of the model was answered (or the deadline, or
+        a second stop request). Engines that die meanwhile are restarted, and a role
+        autoscaled to zero with work admitted is started for it, as the autoscaler
+        would have: stopped without them, the work waited for the deadline and its
+        client was cut off."""
         client = redis.Redis.from_url(self.redis_url, socket_timeout=2)
         empty_since, next_evaluation = None, 0.0
         try:
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not self._hurry.is_set():
                 q = queue_depth(client, Keys(), self.config.name)
                 if q.total_waiting or q.pending or q.handoff_waiting or q.handoff_pending:
                     empty_since = None
+                    self._restart_dead_engines(say)
                     if self.actuator is None:
-                        if not any(c.alive for c in self._engines()):
+                        if not any(c.alive or c.restartable for c in self._engines()):
                             return  # no engine to answer it
                     elif time.monotonic() >= next_evaluation:
                         # Whatever else runs: a prefill role at zero leaves its

@@ -85,6 +85,33 @@ def test_stopping_a_stack_answers_every_request_it_admitted(tmp_path, monkeypatc
     assert took < 55, f"stop took {took:.0f} s: something waited out the deadline"
 
 
+def test_an_engine_dead_as_the_stack_stops_is_restarted_to_answer_what_was_admitted(
+    tmp_path, monkeypatch
+):
+    # Supervision ended with the stop: the dead engine stayed dead, the queue was never
+    # served, and every client waited out the 60 s deadline to be cut off.
+    engine_args = ("--max-model-len", "256", "--num-kv-blocks", "64", "--max-num-seqs", "2")
+    stack = Stack(config(tmp_path, monkeypatch, engine_args=engine_args)).start(
+        say=lambda line: None
+    )
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            replies = [pool.submit(chat, stack.url, 60) for _ in range(4)]
+            _wait_in_flight(stack.url, 4)
+            [engine] = [c for c in stack.children if c is not stack.gateway]
+            engine.kill()
+            started = time.monotonic()
+            stack.stop(say=lambda line: None)
+            took = time.monotonic() - started
+            answers = [r.result() for r in replies]
+    finally:
+        stack.stop()
+    for reply in answers:
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 60
+    assert took < 55, f"stop took {took:.0f} s: something waited out the deadline"
+
+
 def _wait_in_flight(url: str, count: int, timeout: float = 30) -> None:
     """Until the gateway holds `count` chat requests (a fixed sleep missed some on a
     loaded machine, and a client not yet connected at stop is refused, not answered)."""
@@ -179,6 +206,39 @@ def test_an_engine_that_stops_answering_is_killed_and_restarted(tmp_path, monkey
             hung.send_signal(signal.SIGCONT)
         assert hung.poll() is not None  # killed, not left stopped
         assert chat(stack.url, 4).status_code == 200
+
+
+def test_a_child_that_cannot_restart_is_tried_again_not_the_end_of_the_stack(tmp_path):
+    # Its log folder deleted, an engine's restart raised out of supervision and took the
+    # gateway and Redis down with it. The folder is made again; a log that cannot be
+    # opened at all is said, and tried again after the backoff.
+    gone = tmp_path / "removed" / "w.log"
+    child = Child("worker", [sys.executable, "-c", "pass"], gone, "", True)
+    child.start()
+    child.process.wait()
+    shutil.rmtree(tmp_path / "removed")
+    child.next_start = time.monotonic() - 1  # due
+    child.supervise(time.monotonic())
+    assert gone.exists()  # restarted, its folder made again
+    child.process.wait()
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    child.log_path = blocked / "w.log"  # under a file: cannot be made
+    child.next_start = time.monotonic() - 1
+    said: list[str] = []
+    Stack._supervise(child, said.append)
+    assert said and said[-1].startswith("worker could not restart: ")
+
+
+def test_two_stacks_never_share_a_run_folder(tmp_path, monkeypatch):
+    # Both Redis wrote one append-only file; one's restart loaded the other's data.
+    first = Stack(config(tmp_path, monkeypatch))
+    try:
+        with pytest.raises(ValueError, match="is in use by another running `tandem up`"):
+            Stack(config(tmp_path, monkeypatch))
+    finally:
+        first.stop()
+    Stack(config(tmp_path, monkeypatch)).stop()  # free once the first stopped
 
 
 def test_the_restart_backoff_grows_in_a_crash_loop_and_resets_after_a_long_run(tmp_path):

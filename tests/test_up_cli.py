@@ -94,14 +94,23 @@ def test_a_port_in_use_is_named_before_anything_starts(taken_port):
         (["-f", "/nonexistent.yaml"], "cannot read -f /nonexistent.yaml: No such file"),
         # A cluster manifest (Hub download): -f needs spec.model.path.
         (["-f", "examples/smollm2-cpu.yaml"], "the model must be spec.model.path"),
-        (["--log-dir", "/proc/no-such-dir"], "cannot create --log-dir /proc/no-such-dir: "),
+        (["--log-dir", "/proc/no-such-dir"], "cannot create or write to --log-dir /proc/no-such"),
+        (["--log-dir", "/proc"], "cannot create or write to --log-dir /proc: "),  # not writable
         # Before anything starts: with a role autoscaled from zero, the first engine
         # started only at the first request, and crash-looped while it waited.
         (["--model", "/no/such/model"], "model '/no/such/model' is no such file or directory"),
         # It served under --model's name instead.
         (["--served-model-name", ""], "a served model name must be non-empty"),
     ],
-    ids=["redis-url", "missing-file", "cluster-manifest", "log-dir", "model", "served-name"],
+    ids=[
+        "redis-url",
+        "missing-file",
+        "cluster-manifest",
+        "log-dir",
+        "unwritable-log-dir",
+        "model",
+        "served-name",
+    ],
 )
 def test_bad_input_is_one_clear_line(argv, says):
     done, left = up(*argv, "--port", str(free_port()))

@@ -1,0 +1,32 @@
+"""The run folder of one `tandem up`: its children's logs and its Redis' data."""
+
+from __future__ import annotations
+
+import fcntl
+import tempfile
+from pathlib import Path
+from typing import IO
+
+
+def claim_run_folder(folder: Path) -> IO[bytes]:
+    """Make `folder`, check it takes files, and hold it for this stack's life: the open
+    lock file, closed at stop. ValueError, saying why, where it cannot be had.
+
+    Two stacks in one folder ran their Redis on one append-only file, and one's
+    restarted Redis loaded the other's data; a folder it could not write to failed
+    later, with a traceback, as Redis started.
+    """
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+        lock = open(folder / ".tandem-up.lock", "wb")  # noqa: SIM115 (held until stop)
+    except OSError as exc:
+        raise ValueError(f"cannot create or write to --log-dir {folder}: {exc.strerror}") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise ValueError(
+            f"--log-dir {folder} is in use by another running `tandem up`: give each its own"
+        ) from None
+    return lock
