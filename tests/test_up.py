@@ -69,20 +69,7 @@ def test_stopping_a_stack_answers_every_request_it_admitted(tmp_path, monkeypatc
     engine_args = ("--max-model-len", "256", "--num-kv-blocks", "64", "--max-num-seqs", "2")
     up = config(tmp_path, monkeypatch, mode="disaggregated", engine_args=engine_args)
     stack = Stack(up).start(say=lambda line: None)
-    try:
-        with ThreadPoolExecutor(8) as pool:
-            replies = [pool.submit(chat, stack.url, 120) for _ in range(8)]
-            _wait_in_flight(stack.url, 8)  # all admitted, most waiting for an engine
-            started = time.monotonic()
-            stack.stop()
-            took = time.monotonic() - started
-            answers = [r.result() for r in replies]
-    finally:
-        stack.stop()
-    for reply in answers:
-        assert reply.status_code == 200, reply.text
-        assert reply.json()["usage"]["completion_tokens"] == 120
-    assert took < 55, f"stop took {took:.0f} s: something waited out the deadline"
+    _stop_while_serving(stack, requests=8, tokens=120)  # most waiting for an engine
 
 
 def test_an_engine_dead_as_the_stack_stops_is_restarted_to_answer_what_was_admitted(
@@ -94,12 +81,19 @@ def test_an_engine_dead_as_the_stack_stops_is_restarted_to_answer_what_was_admit
     stack = Stack(config(tmp_path, monkeypatch, engine_args=engine_args)).start(
         say=lambda line: None
     )
+    engines = [c for c in stack.children if c is not stack.gateway]
+    _stop_while_serving(stack, requests=4, tokens=60, first=lambda: engines[0].kill())
+
+
+def _stop_while_serving(stack: Stack, requests: int, tokens: int, first=None) -> None:
+    """Stop the stack with `requests` chat requests admitted (after `first()`); each must
+    be answered whole, the stop within its deadline."""
     try:
-        with ThreadPoolExecutor(4) as pool:
-            replies = [pool.submit(chat, stack.url, 60) for _ in range(4)]
-            _wait_in_flight(stack.url, 4)
-            [engine] = [c for c in stack.children if c is not stack.gateway]
-            engine.kill()
+        with ThreadPoolExecutor(requests) as pool:
+            replies = [pool.submit(chat, stack.url, tokens) for _ in range(requests)]
+            _wait_in_flight(stack.url, requests)
+            if first is not None:
+                first()
             started = time.monotonic()
             stack.stop(say=lambda line: None)
             took = time.monotonic() - started
@@ -108,7 +102,7 @@ def test_an_engine_dead_as_the_stack_stops_is_restarted_to_answer_what_was_admit
         stack.stop()
     for reply in answers:
         assert reply.status_code == 200, reply.text
-        assert reply.json()["usage"]["completion_tokens"] == 60
+        assert reply.json()["usage"]["completion_tokens"] == tokens
     assert took < 55, f"stop took {took:.0f} s: something waited out the deadline"
 
 
