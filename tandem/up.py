@@ -240,6 +240,8 @@ class Stack:
             f"{self.url}/v1/models", headers={"Authorization": f"Bearer {self.api_key}"}
         )
         while time.monotonic() < deadline:
+            if self._stop.is_set():  # Ctrl-C while starting: not --ready-timeout later
+                raise KeyboardInterrupt
             body = local_get(request, timeout=2)
             if body is not None and self.config.name in body.decode():
                 return

@@ -224,6 +224,18 @@ def test_a_child_that_cannot_restart_is_tried_again_not_the_end_of_the_stack(tmp
     assert said and said[-1].startswith("worker could not restart: ")
 
 
+def test_ctrl_c_while_waiting_for_the_model_to_be_listed_stops_at_once(tmp_path, monkeypatch):
+    # Its last wait while starting did not look at the stop: Ctrl-C there waited out
+    # --ready-timeout (300 s by default).
+    stack = Stack(config(tmp_path, monkeypatch))  # nothing started: nothing lists it
+    try:
+        stack.request_stop()
+        with pytest.raises(KeyboardInterrupt):
+            stack._wait_for_model(time.monotonic() + 300)
+    finally:
+        stack.stop()
+
+
 def test_two_stacks_never_share_a_run_folder(tmp_path, monkeypatch):
     # Both Redis wrote one append-only file; one's restart loaded the other's data.
     first = Stack(config(tmp_path, monkeypatch))
