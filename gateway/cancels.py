@@ -41,6 +41,10 @@ class Cancel:
     request_ids: tuple[str, ...]  # the work items still running
     why: str  # the metrics' label: disconnect, deadline, choice_failed, ...
     ledger_key: str | None  # its Idempotency-Key record, released with it
+    # Only if no other attempt reads the work: this attempt leaves the record's readers
+    # first (the id is the attempt's own), and the work is cancelled only if it was the
+    # last. For an attempt that could not reach Redis to leave when it ended.
+    if_last_of: str | None = None
 
 
 class Cancels:
@@ -58,7 +62,8 @@ class Cancels:
         self.ledger = ledger
         self.metrics = metrics
         self.keep_s = keep_s
-        self._pending: dict[str, tuple[Cancel, float]] = {}  # base id -> (cancel, kept until)
+        # (base id, the leaving attempt's id or None) -> (cancel, kept until)
+        self._pending: dict[tuple[str, str | None], tuple[Cancel, float]] = {}
         self._retries: asyncio.Task[None] | None = None
 
     async def leave(self, ledger_key: str, base_id: str, within: float) -> int:
@@ -87,7 +92,7 @@ class Cancels:
             raise
 
     def _keep(self, cancel: Cancel) -> None:
-        self._pending[cancel.base_id] = (cancel, time.monotonic() + self.keep_s)
+        self._pending[cancel.base_id, cancel.if_last_of] = (cancel, time.monotonic() + self.keep_s)
         if self._retries is None or self._retries.done():
             self._retries = asyncio.get_running_loop().create_task(self._retry())
 
@@ -99,7 +104,11 @@ class Cancels:
 
     async def _write(self, cancel: Cancel) -> None:
         # Both steps may run again (a reply lost): setting a cancel key twice, or
-        # releasing a record gone, changes nothing. Counted once, when both ran.
+        # releasing a record gone, changes nothing. Counted once, when both ran. (A
+        # leave run twice counts one reader too few: the work ends a reader early.)
+        shared = cancel.if_last_of is not None and cancel.ledger_key is not None
+        if shared and await self.ledger.leave(cancel.ledger_key, cancel.base_id) > 0:
+            return  # another attempt still reads it
         await self.broker.cancel(list(cancel.request_ids))
         if cancel.ledger_key is not None:  # a retry must queue afresh, not attach
             await self.ledger.release(cancel.ledger_key, cancel.base_id)
@@ -110,9 +119,10 @@ class Cancels:
         while self._pending:
             await asyncio.sleep(pause)
             pause = min(pause * 2, _MOST_BETWEEN_S)
-            for base_id, (cancel, until) in list(self._pending.items()):
+            for pending, (cancel, until) in list(self._pending.items()):
+                base_id = cancel.base_id
                 if time.monotonic() > until:
-                    del self._pending[base_id]
+                    del self._pending[pending]
                     log.warning("gave up cancelling %s: Redis away for too long", base_id)
                     continue
                 try:
@@ -120,6 +130,6 @@ class Cancels:
                         await self._write(cancel)
                 except (RedisError, OSError):
                     break  # still away: all of them later
-                del self._pending[base_id]
+                del self._pending[pending]
                 log.info("cancelled %s (%s) once Redis answered", base_id, cancel.why)
                 pause = _FIRST_RETRY_S

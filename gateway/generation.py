@@ -139,11 +139,12 @@ class Generation:
         except (RedisError, OSError) as exc:
             ids = ", ".join(self.ticket.request_ids)
             log.warning("ending %s with 503: Redis stayed unreachable while reading: %s", ids, exc)
-            if self.ticket.ledger_key is None:
-                # Told it failed, its client retries as a new request: the engines must
-                # not run this one too once Redis is back (the cancel is written then).
-                # A retry with the same Idempotency-Key attaches to it instead.
-                await self.abandon("redis_unreachable")
+            # Told it failed, its client retries as a new request: the engines must
+            # not run this one too once Redis is back (the cancel is written then). A
+            # retry with the same Idempotency-Key attaches to it instead: this attempt
+            # only stops reading, and the work is cancelled if no other reads it (left
+            # running, it held an engine until its deadline for nobody).
+            await self.abandon("redis_unreachable", last_only=self.ticket.ledger_key is not None)
             raise unavailable(f"Lost the connection to Redis while reading: {exc}") from None
 
     async def _forget_record(self) -> None:
@@ -233,7 +234,7 @@ class Generation:
         """The deadline passed while the answer could not go out (see streaming.py)."""
         await self.abandon("deadline")
 
-    async def abandon(self, why: str) -> None:
+    async def abandon(self, why: str, *, last_only: bool = False) -> None:
         """Cancel the choices still running (the engine frees their KV), once; work
         other attempts read too (an Idempotency-Key's) only if none is left.
 
@@ -247,6 +248,10 @@ class Generation:
         self._abandoned = True
         ids = tuple(self.ticket.request_ids[i] for i in sorted(self._open))
         key = self.ticket.ledger_key
+        if last_only:  # Redis away: leaving and cancelling wait for it, together
+            shared = Cancel(self.ticket.base_id, ids, why, key, if_last_of=self.job.base_id)
+            await self.cancels.cancel(shared, _REDIS_ASIDE_S)
+            return
         started = time.monotonic()
         if key is not None and why in _READERS_LEAVE:
             others = await self.cancels.leave(key, self.ticket.base_id, _REDIS_ASIDE_S)

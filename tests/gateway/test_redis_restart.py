@@ -28,7 +28,7 @@ from tandem.engine.service.responses import ResponseWriter
 from tandem.gateway import recovery
 from tandem.gateway.broker import Broker
 from tandem.gateway.cancels import Cancel, Cancels
-from tandem.gateway.idempotency import IdempotencyLedger
+from tandem.gateway.idempotency import IdempotencyLedger, IdempotencyRecord
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.keys import Keys
 from tandem.protocol import PRIORITY_LOW, EngineInfo, ResponseEvent, WorkItem
@@ -180,12 +180,12 @@ def test_a_redis_that_restarts_with_its_data_gets_nothing_queued_twice(server, k
     assert conn.xlen(keys.work_stream("tiny", PRIORITY_LOW)) == 1
 
 
-def _streaming(server, keys, start_gateway):
+def _streaming(server, keys, start_gateway, **headers: str):
     """A stream (outage time 1 s) whose client has its first token."""
     conn = _served(server.url, keys)
     gateway = start_gateway(redis_url=server.url, redis_outage_s=1.0)
     chunks: list = []
-    streamer = _ask(gateway.url, {**ASK, "stream": True}, chunks)
+    streamer = _ask(gateway.url, {**ASK, "stream": True}, chunks, **headers)
     rid = _queued(conn, keys).request_id
     writer = ResponseWriter(conn, keys, "e-1")
     writer.add(rid, ResponseEvent.tokens(0, [40], "a", "e-1"))
@@ -226,6 +226,25 @@ def test_a_stream_whose_redis_is_paused_ends_when_the_outage_time_is_up(
     # Its client was told it failed (and may retry as a new request): the work is
     # cancelled once Redis answers, not run for nobody.
     assert eventually(lambda: conn.exists(keys.cancel_key(rid)) == 1, timeout=10)
+
+
+def test_work_a_retry_could_attach_to_is_cancelled_once_no_attempt_reads_it(
+    server, keys, start_gateway
+):
+    # With an Idempotency-Key, the attempt answered 503 kept the work for a retry, and
+    # never left its readers' count: with no retry (or once the retry's client left),
+    # the work ran until its deadline for nobody.
+    headers = {"Idempotency-Key": "order-503"}
+    conn, rid, chunks, streamer = _streaming(server, keys, start_gateway, **headers)
+    pid = conn.info("server")["process_id"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        streamer.join(timeout=40)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert chunks[-1]["error"]["code"] == "redis_unreachable"
+    assert eventually(lambda: conn.exists(keys.cancel_key(rid)) == 1, timeout=10)
+    assert conn.keys(f"{keys.prefix}:idem:*") == []  # a later retry queues afresh
 
 
 def test_a_deadline_passes_on_time_while_redis_is_paused(server, keys, start_gateway):
@@ -453,3 +472,28 @@ def test_a_cancel_whose_task_is_cut_mid_write_is_still_written(server, keys):
         return written
 
     assert asyncio.run(main())
+
+
+def test_an_attempt_leaving_shared_work_cancels_it_only_as_its_last_reader(server, keys):
+    first = IdempotencyRecord("cmpl-a", ["cmpl-a"], 1, "digest")
+    retry = IdempotencyRecord("cmpl-b", ["cmpl-b"], 2, "digest")
+
+    async def main() -> tuple[bool, bool]:
+        client = aioredis.Redis.from_url(server.url)
+        ledger = IdempotencyLedger(client, keys.prefix)
+        cancels = Cancels(Broker(client, keys), ledger, GatewayMetrics())
+        key = ledger.key("caller", "order-shared")
+        await ledger.claim(key, first, timeout=30)
+        await ledger.queued(key, first)
+        assert await ledger.claim(key, retry, timeout=30) is not None  # two readers
+        leaving = Cancel("cmpl-a", ("cmpl-a",), "redis_unreachable", key, if_last_of="cmpl-a")
+        await cancels.cancel(leaving, 5)
+        kept = not await client.exists(keys.cancel_key("cmpl-a"))  # the retry reads it
+        last = Cancel("cmpl-a", ("cmpl-a",), "redis_unreachable", key, if_last_of="cmpl-b")
+        await cancels.cancel(last, 5)
+        cancelled = bool(await client.exists(keys.cancel_key("cmpl-a")))
+        await cancels.close()
+        await client.aclose()
+        return kept, cancelled
+
+    assert asyncio.run(main()) == (True, True)
