@@ -385,6 +385,36 @@ def test_a_decoder_that_will_not_fetch_releases_the_offer_with_its_token():
         silent.close()
 
 
+@pytest.mark.parametrize(
+    ("error", "released"),
+    [
+        (KVTransferError("checksum", "frame 3"), True),
+        (KVTransferError("timeout", "sent nothing mid-transfer"), True),
+        (KVTransferError("timeout", "did not answer", unanswered=True), False),  # stalled
+        (KVTransferError("refused", "unknown handle"), False),  # it holds none
+    ],
+)
+def test_a_fetch_that_broke_releases_the_offer_it_leaves_behind(error, released):
+    # The decoder recomputes the prompt; the prompt engine kept the KV pinned for
+    # nobody until the offer expired.
+    asked: list[dict] = []
+
+    def fetch(**_: object) -> None:
+        raise error
+
+    fetches = KVFetches(fetch, max_parallel=1, release=lambda **a: asked.append(a) or True)
+    try:
+        fetches.start("r", address="peer:1", handle="r", token=TOKEN, timeout=10)
+        deadline = time.monotonic() + (2 if released else 0.3)
+        while not asked and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [o.error.reason for o in fetches.done()] == [error.reason]
+    finally:
+        fetches.close()
+    expected = [{"address": "peer:1", "handle": "r", "token": TOKEN, "timeout": 2.0}]
+    assert asked == (expected if released else [])
+
+
 def test_two_fetches_at_once_from_one_server():
     tokens = 60
     src = caches(LAYOUT, seed=1)

@@ -252,12 +252,7 @@ class HandoffFlow:
     def _release(self, handoff: Handoff) -> None:
         """Tell the prompt engine its offer will not be fetched (this engine ends or
         recomputes the request): it frees the KV now, not at the offer's expiry."""
-        self.fetches.release(
-            handoff.kv_address,
-            handle=handoff.kv_handle,
-            token=handoff.kv_token,
-            timeout=self.settings.kv_fetch_timeout,
-        )
+        self.fetches.release(handoff.kv_address, handle=handoff.kv_handle, token=handoff.kv_token)
 
     def _recompute_reason(self, handoff: Handoff, generated: list[int]) -> str | None:
         if handoff.fingerprint != self.settings.fingerprint:

@@ -10,6 +10,7 @@ outcomes come back to the main thread, which alone touches the scheduler.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -81,6 +82,13 @@ class FetchOutcome:
 # each of its handoffs, and the handoffs of healthy ones waited in line behind them.
 # One whose frames stopped midway answered: a slow link, not a stalled peer.
 SUSPECT_FOR_S = 30.0
+# A release waits this long at most for the prompt engine (it holds a fetch thread).
+RELEASE_WITHIN_S = 2.0
+# Failed fetches after which the prompt engine likely still holds the offer (the
+# transfer broke, not the offer): released, so it frees the KV now.
+_OFFER_LEFT_PINNED = frozenset(
+    {Reason.TIMEOUT, Reason.CHECKSUM, Reason.PROTOCOL, Reason.UNREACHABLE}
+)
 
 
 class KVFetches:
@@ -107,14 +115,16 @@ class KVFetches:
         self.in_flight.add(request_id)
         self._pool.submit(self._run, request_id, fetch_args)
 
-    def release(self, address: str, **release_args: object) -> None:
+    def release(self, address: str, *, handle: str, token: str) -> None:
         """Free an offer this engine will not fetch, on a fetch thread; best effort."""
         if self._release is None:
             return
         with self._suspects_lock:
             if self._suspects.get(address, 0.0) > time.monotonic():
                 return  # it answers nothing now: its offers expire on their own
-        self._pool.submit(self._release, address=address, **release_args)
+        args = {"address": address, "handle": handle, "token": token}
+        with contextlib.suppress(RuntimeError):  # closing: the offer expires on its own
+            self._pool.submit(self._release, **args, timeout=RELEASE_WITHIN_S)
 
     def _run(self, request_id: str, fetch_args: dict[str, object]) -> None:
         address = str(fetch_args.get("address"))
@@ -127,6 +137,9 @@ class KVFetches:
                 with self._suspects_lock:
                     self._suspects[address] = time.monotonic() + SUSPECT_FOR_S
             self._outcomes.put(FetchOutcome(request_id, None, exc))
+            if exc.reason in _OFFER_LEFT_PINNED and not exc.unanswered:
+                # The prompt is recomputed here: the offer would stay pinned for nobody.
+                self.release(address, handle=fetch_args["handle"], token=fetch_args["token"])
         except Exception as exc:  # a bug must not strand the request: recompute it
             error = KVTransferError("protocol", f"{type(exc).__name__}: {exc}")
             self._outcomes.put(FetchOutcome(request_id, None, error))
