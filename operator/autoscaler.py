@@ -44,6 +44,11 @@ class RoleObservation:
     # without metrics for demand; they tell "none could be read" from "none was
     # there to read", and they are up: the step limit counts them as ready.
     unreadable: int = 0
+    # Pods Kubernetes reports ready, where the caller knows (the operator): all up, for
+    # the step limit, whatever an engine's own /readyz says (slow under the very load
+    # that asks for more pods, it froze the scale-up). None: the pods read ready and the
+    # unreadable ones (`tandem up -f`, which scrapes engines still loading too).
+    up: int | None = None
 
     def __post_init__(self) -> None:
         n = self.current_replicas
@@ -225,7 +230,10 @@ def decide(
         # pod whose scrape failed is up all the same: counted as starting, a role
         # whose scrapes time out under load (or a NetworkPolicy) froze at its size
         # with Redis's queue asking for more.
-        ready = min(current, len(observed.ready_pods) + observed.unreadable)
+        up = observed.up
+        if up is None:
+            up = len(observed.ready_pods) + observed.unreadable
+        ready = min(current, up)
         limit = max(
             ready + policy.scale_up_max_step,
             math.ceil(ready * (1 + policy.scale_up_max_percent / 100) - _EPSILON),

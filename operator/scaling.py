@@ -147,6 +147,7 @@ def evaluate(
             current_replicas=replicas[role_name],
             pods=loads,
             unreadable=sum(n not in samples for n in targets),
+            up=len(targets),  # the pods Kubernetes reports ready (and addressed)
         )
         # A role seen for the first time (a new model, or an operator that just
         # started) has no past to weigh a first reading against: see starting().

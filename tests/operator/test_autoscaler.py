@@ -355,6 +355,15 @@ def test_a_load_exactly_at_the_tolerance_band_edge_keeps_the_count():
     assert d.replicas == 13 and "within tolerance" in d.reason
 
 
+def test_pods_kubernetes_reports_ready_are_up_for_the_step_limit_whatever_their_readyz():
+    # 8 pods up, their /readyz slow under the load (read not ready), a backlog asking for
+    # 40: "keep 8->8, step limit 8 (0 ready)" where the same pods unread gave 8->16.
+    hot = tuple(PodLoad(f"p{i}", False, 1.0, 14, 0, 0) for i in range(8))
+    flood = queue(tokens=40 * TOKENS)
+    assert once(NORMAL, RoleObservation(8, hot, up=8), flood).replicas == 16
+    assert once(NORMAL, RoleObservation(8, hot), flood).replicas == 8  # as `tandem up -f`
+
+
 def test_a_fresh_history_never_counts_as_idle():
     # An operator that just restarted knows nothing of the past: it waits a full period.
     d = once(NORMAL, observe(1, pods(1, kv=0.0, running=0)), policy=ZERO, now=1e6)
