@@ -45,37 +45,46 @@ _CLAIMS = 20
 # is the streams' (from their last event, moments before) less this.
 _STREAM_MARGIN_S = 30
 
+# What the scripts below that act on one attempt's record begin with: the record
+# (KEYS[1]) as it is now, and whether it is still that attempt's (ARGV[1]).
+_OWNED_LUA = """
+local raw = redis.call('GET', KEYS[1])
+local owned = raw and cjson.decode(raw)['base_id'] == ARGV[1]
+"""
+
 # Delete the record, and its readers' count (KEYS[2]), only if it is still the one
 # this attempt wrote.
-_RELEASE_LUA = """
-local raw = redis.call('GET', KEYS[1])
-if raw and cjson.decode(raw)['base_id'] == ARGV[1] then
-  return redis.call('DEL', KEYS[1], KEYS[2])
-end
+_RELEASE_LUA = (
+    _OWNED_LUA
+    + """
+if owned then return redis.call('DEL', KEYS[1], KEYS[2]) end
 return 0
 """
+)
 
 # The record (if still ARGV[1]'s) and its readers' count expire within ARGV[2] s,
 # never later than they would have (EXPIRE's LT option, before Redis 7).
-_ANSWERED_LUA = """
-local raw = redis.call('GET', KEYS[1])
-if not raw or cjson.decode(raw)['base_id'] ~= ARGV[1] then return 0 end
+_ANSWERED_LUA = (
+    _OWNED_LUA
+    + """
+if not owned then return 0 end
 local ttl = tonumber(ARGV[2])
 for _, key in ipairs(KEYS) do
   if redis.call('TTL', key) > ttl then redis.call('EXPIRE', key, ttl) end
 end
 return 1
 """
+)
 
 # Replace the record by ARGV[2] (the same, marked queued) only if it is still this
 # attempt's (ARGV[1]), keeping its TTL.
-_QUEUED_LUA = """
-local raw = redis.call('GET', KEYS[1])
-if raw and cjson.decode(raw)['base_id'] == ARGV[1] then
-  return redis.call('SET', KEYS[1], ARGV[2], 'KEEPTTL')
-end
+_QUEUED_LUA = (
+    _OWNED_LUA
+    + """
+if owned then return redis.call('SET', KEYS[1], ARGV[2], 'KEEPTTL') end
 return false
 """
+)
 
 
 # Write the record and its readers' count (1: this attempt) if the key is new, in one
@@ -99,14 +108,16 @@ return raw
 # Count one more reader of the first attempt's work, only while its record is there:
 # read apart, the record could be released (its last reader gone, the work cancelled)
 # between the look and the count, and the retry attached to cancelled work. 0: gone.
-_ATTACH_LUA = """
-local raw = redis.call('GET', KEYS[1])
-if not raw or cjson.decode(raw)['base_id'] ~= ARGV[1] then return 0 end
+_ATTACH_LUA = (
+    _OWNED_LUA
+    + """
+if not owned then return 0 end
 local readers = redis.call('INCR', KEYS[2])
 -- Never shorter than it was: a first attempt with a longer deadline still reads.
 if redis.call('TTL', KEYS[2]) < tonumber(ARGV[2]) then redis.call('EXPIRE', KEYS[2], ARGV[2]) end
 return readers
 """
+)
 
 # One attempt stops reading: with none left, the record goes in the same step, so
 # that no retry attaches to work about to be cancelled (it queues afresh instead).

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Awaitable
 from typing import cast
 
 import redis.asyncio as aioredis
@@ -116,19 +117,13 @@ class GatewayService:
         token (too long for the context, a token id outside the vocabulary), so a
         typo in max_tokens took most of a minute's tokens for a 400. An attached
         retry took nothing: the first attempt gives back its own."""
-        try:
-            async with asyncio.timeout(_QUOTA_ASIDE_S):
-                await self.admission.quotas.give_back(caller, job.cost_tokens, job.base_id)
-        except (RedisError, OSError) as exc:  # the error is the answer; the quota refills
-            log.info("could not give back the quota of %s: %r", job.base_id, exc)
+        quotas = self.admission.quotas
+        await _quota_aside(quotas.give_back(caller, job.cost_tokens, job.base_id), "give back", job)
 
     async def _settle(self, caller: ApiKey, job: Job, used: int) -> None:
         """Charge the tpm quota what the answer used instead of the estimate taken."""
-        try:
-            async with asyncio.timeout(_QUOTA_ASIDE_S):
-                await self.admission.quotas.settle(caller, job.cost_tokens, used, job.base_id)
-        except (RedisError, OSError) as exc:  # the answer goes out; the estimate stays
-            log.info("could not settle the quota of %s: %r", job.base_id, exc)
+        quotas = self.admission.quotas
+        await _quota_aside(quotas.settle(caller, job.cost_tokens, used, job.base_id), "settle", job)
 
     def _loss_watch(self, job: Job, ticket: Ticket, run_id: str | None) -> LossWatch | None:
         """What queues the request's work again if Redis loses it: the job's work
@@ -180,6 +175,16 @@ class GatewayService:
             generation.deadline,
             generation.deadline_passed,
         )
+
+
+async def _quota_aside(call: Awaitable[None], what: str, job: Job) -> None:
+    """A quota's correction on the way to an answer: _QUOTA_ASIDE_S at most, never an
+    error (the answer goes out; the bucket refills, or keeps the estimate)."""
+    try:
+        async with asyncio.timeout(_QUOTA_ASIDE_S):
+            await call
+    except (RedisError, OSError) as exc:
+        log.info("could not %s the quota of %s: %r", what, job.base_id, exc)
 
 
 def service_of(request: Request) -> GatewayService:

@@ -260,14 +260,12 @@ class Stack:
         failing = False  # the autoscaler's last evaluation raised
         while not self._stop.wait(0.5):
             self._restart_redis_if_dead(say)
-            for child in self.children:
-                self._supervise(child, say)
+            self._restart_dead(say, gateway=True)
             if self.actuator is None:
                 if time.monotonic() >= next_declaration:
                     next_declaration = time.monotonic() + DECLARE_EVERY_S
                     self._declare()
                 continue
-            self.actuator.supervise()
             if time.monotonic() >= next_evaluation:
                 next_evaluation = time.monotonic() + self.config.scale_every
                 try:
@@ -351,10 +349,11 @@ class Stack:
             self._lock.close()  # the folder is free for another stack
             self._lock = None
 
-    def _restart_dead_engines(self, say) -> None:
-        """As supervise() does, for the engines only: the gateway is stopping."""
+    def _restart_dead(self, say, *, gateway: bool) -> None:
+        """Restart the children (the actuator's engines too) that died or hung, when their
+        backoff allows; the gateway only if `gateway` (not while it is stopping)."""
         for child in self.children:
-            if child is not self.gateway:
+            if gateway or child is not self.gateway:
                 self._supervise(child, say)
         if self.actuator is not None:
             self.actuator.supervise()
@@ -388,7 +387,7 @@ class Stack:
                 q = queue_depth(client, Keys(), self.config.name)
                 if q.total_waiting or q.pending or q.handoff_waiting or q.handoff_pending:
                     empty_since = None
-                    self._restart_dead_engines(say)
+                    self._restart_dead(say, gateway=False)
                     if self.actuator is None:
                         if not any(c.alive or c.restartable for c in self._engines()):
                             return  # no engine to answer it

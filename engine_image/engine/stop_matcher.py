@@ -29,8 +29,9 @@ def _failure(stop: str) -> list[int]:
 
 class StopMatcher:
     def __init__(self, stops: Sequence[str]) -> None:
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
+        for s in stops:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         self._stops = tuple(stops)
         self._fails = [_failure(s) for s in self._stops]
         # Per stop: how much of it the text ends with.

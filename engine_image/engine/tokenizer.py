@@ -254,12 +254,9 @@ class IncrementalDetokenizer:
         stop: tuple[str, ...] = (),
         skip_special_tokens: bool = True,
     ) -> None:
-        for s in stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         self._tokenizer = tokenizer
         self._stop = tuple(stop)
-        self._matcher = StopMatcher(self._stop)
+        self._matcher = StopMatcher(self._stop)  # refuses a stop that is not a non-empty str
         self._skip_special = skip_special_tokens
         self._ids = [int(i) for i in prompt_ids[-self._PROMPT_CONTEXT :]]
         # ids[_prefix:_read] is the window already decoded; ids[_read:] is new.
