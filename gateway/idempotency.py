@@ -182,7 +182,7 @@ class IdempotencyLedger:
             if raw is None:
                 return None
             first = IdempotencyRecord(**json.loads(raw))
-            if not first.queued:
+            if first.digest == record.digest and not first.queued:  # a 409 waits for nothing
                 first = await self._until_queued(key, first)
                 if first is None:
                     continue  # refused, or dead before it queued: claim it afresh

@@ -6,6 +6,7 @@ import asyncio
 import time
 from urllib.parse import urlsplit
 
+import pytest
 import redis.asyncio as aioredis
 
 from tandem.backlog import ENQUEUE_SCRIPT, enqueue, queue_depth
@@ -15,7 +16,8 @@ from tandem.engine.service.responses import ResponseWriter
 from tandem.engine.service.work_queue import WorkQueue
 from tandem.gateway.app import _redis_client
 from tandem.gateway.broker import Broker
-from tandem.gateway.idempotency import IdempotencyLedger, IdempotencyRecord
+from tandem.gateway.errors import GatewayError
+from tandem.gateway.idempotency import PENDING_WAIT_S, IdempotencyLedger, IdempotencyRecord
 from tandem.gateway.settings import GatewaySettings
 from tandem.protocol import EngineInfo, ResponseEvent, Role, WorkItem
 
@@ -241,6 +243,22 @@ def test_a_retry_waits_for_the_first_attempts_work_to_be_queued_or_refused(redis
     refused, attached = _with_ledger(redis_url, keys, "order-11", work)
     assert refused is None
     assert attached is not None and attached.base_id == "chatcmpl-b"  # queued: attaches
+
+
+def test_another_request_under_a_key_being_queued_is_a_409_at_once(redis_url, keys):
+    # It waited for the first attempt's work to be queued before comparing contents.
+    first = IdempotencyRecord("chatcmpl-a", ["chatcmpl-a"], 1, "digest")
+    other = IdempotencyRecord("chatcmpl-b", ["chatcmpl-b"], 2, "other digest")
+
+    async def work(ledger, key):
+        assert await ledger.claim(key, first, timeout=30) is None  # not queued yet
+        started = time.monotonic()
+        with pytest.raises(GatewayError) as caught:
+            await ledger.claim(key, other, timeout=30)
+        return caught.value.status, time.monotonic() - started
+
+    status, took = _with_ledger(redis_url, keys, "order-13", work)
+    assert status == 409 and took < PENDING_WAIT_S / 2
 
 
 def test_a_record_its_attempt_never_queued_is_taken_over(redis_url, keys, monkeypatch):
