@@ -1,8 +1,7 @@
 """A Job: what one OpenAI request becomes in Redis (its work items), and how.
 
 Building a Job is where a request is checked beyond its JSON types: refused
-parameters, conflicting ones, the sampling parameters (with the engine's own
-SamplingParams, so gateway and engine agree on what is valid), priority and
+parameters, conflicting ones, the sampling parameters (sampling.py), priority and
 timeout headers. The engine tokenizes; the gateway only estimates the prompt's
 tokens (UTF-8 bytes / 4) for the queued-tokens counter and the tpm quota.
 """
@@ -22,10 +21,10 @@ from typing import Any, Literal
 from pydantic_core import PydanticSerializationError
 from starlette.datastructures import Headers
 
-from tandem.engine.request import SamplingParams
 from tandem.gateway.auth import ApiKey
 from tandem.gateway.errors import bad_request, not_supported
 from tandem.gateway.messages import engine_message, valid_text
+from tandem.gateway.sampling import sampling_fields, with_seed
 from tandem.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from tandem.gateway.settings import GatewaySettings
 from tandem.protocol import PRIORITY_HIGH, PRIORITY_LOW, PRIORITY_NORMAL, WorkItem
@@ -39,18 +38,6 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # English runs ~4 characters a token. Bytes, not characters: CJK text runs about a
 # token a character (3 bytes) and emoji more, where characters / 4 counted a quarter.
 _BYTES_PER_TOKEN = 4
-_SAMPLING_FIELDS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "presence_penalty",
-    "frequency_penalty",
-)
-# Every parameter the engine's SamplingParams checks, as a refusal names it.
-_CHECKED_FIELDS = (*_SAMPLING_FIELDS, "logit_bias", "logprobs")
 # Chat parameters Tandem does not implement, in the schema's order (the first bad
 # one is named): the values besides null that ask for nothing (OpenAI's defaults,
 # which clients send), and what any other value is refused as.
@@ -236,7 +223,7 @@ class JobBuilder:
             raise bad_request(f"n must be at most {self.settings.max_n}, got {n}", "n")
         given = max_tokens is not None  # the client's: it must fit in the context
         max_tokens = max_tokens or default_max_tokens or self.settings.default_max_tokens
-        sampling = _sampling(body, max_tokens)
+        sampling = sampling_fields(body, max_tokens)
         priority = _priority(body.priority, headers.get(PRIORITY_HEADER))
         timeout = _timeout(self.settings.request_timeout, headers.get(TIMEOUT_HEADER))
         salt = cache_salt(caller, body.cache_salt)
@@ -246,7 +233,7 @@ class JobBuilder:
             WorkItem(
                 request_id=base_id if n == 1 else f"{base_id}-{i}",
                 model=body.model,
-                sampling=_with_seed(sampling, i),
+                sampling=with_seed(sampling, i),
                 priority=priority,
                 created_at=now,
                 deadline=now + timeout,
@@ -270,15 +257,6 @@ class JobBuilder:
             max_tokens=max_tokens,
             body=body,
         )
-
-
-def derive_seed(seed: int, index: int) -> int:
-    """Choice `index`'s seed: the request's own for choice 0 (so n=1 and the first
-    of n agree), a hash of (seed, index) for the others (distinct, reproducible)."""
-    if index == 0:
-        return seed
-    digest = hashlib.sha256(f"{seed}/{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
 
 
 def _refuse_common(body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -311,64 +289,6 @@ def _estimate(utf8_bytes: int) -> int:
 
 def _utf8_size(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
-
-
-def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> dict[str, Any]:
-    fields: dict[str, Any] = {"max_tokens": max_tokens}
-    for name in _SAMPLING_FIELDS[1:]:
-        value = getattr(body, name)
-        if value is not None:
-            fields[name] = [value] if name == "stop" and isinstance(value, str) else value
-    if fields.get("top_p") == 0:
-        # OpenAI takes 0 (temperature=0, top_p=0 is a common "deterministic" recipe): the
-        # nucleus shrunk to the likeliest token, which is top_k=1 to the engines.
-        del fields["top_p"]
-        fields["top_k"] = 1
-    if body.logit_bias:
-        fields["logit_bias"] = _logit_bias(body.logit_bias)
-    # Chat: logprobs is a switch, top_logprobs the alternatives; completions: a count.
-    if isinstance(body, ChatCompletionRequest):
-        if body.logprobs:
-            fields["logprobs"] = body.top_logprobs or 0
-    elif body.logprobs is not None:
-        fields["logprobs"] = body.logprobs
-    if body.ignore_eos:
-        fields["ignore_eos"] = True
-    try:
-        SamplingParams(**fields)  # the engine's own rules, refused here before queueing
-    except ValueError as exc:
-        message = str(exc)
-        param = message.split(" ", 1)[0]
-        raise bad_request(message, param if param in _CHECKED_FIELDS else None) from None
-    return fields
-
-
-def _logit_bias(bias: dict[str, float]) -> list[list[int | float]]:
-    """OpenAI's logit_bias, token ids as JSON's string keys, as the engine's pairs (the
-    engine refuses ids past its vocabulary)."""
-    pairs: list[list[int | float]] = []
-    for key, value in bias.items():
-        if not (key.isascii() and key.isdigit()):
-            raise bad_request(
-                f"logit_bias keys must be token ids (decimal integers), got {key!r}", "logit_bias"
-            )
-        if len(key) > _MOST_TOKEN_ID_DIGITS:  # int() of 4,300 digits on is a ValueError
-            raise bad_request(
-                f"logit_bias key {key[:20]}... has {len(key)} digits: no token id is that large",
-                "logit_bias",
-            )
-        pairs.append([int(key), value])
-    return pairs
-
-
-# No vocabulary comes near 10^18 tokens; longer keys are refused before int() reads them.
-_MOST_TOKEN_ID_DIGITS = 18
-
-
-def _with_seed(sampling: dict[str, Any], index: int) -> dict[str, Any]:
-    if index == 0 or sampling.get("seed") is None:
-        return sampling
-    return {**sampling, "seed": derive_seed(sampling["seed"], index)}
 
 
 def cache_salt(caller: ApiKey, salt: str | None) -> str | None:

@@ -21,8 +21,9 @@ from transformers import LlamaForCausalLM as HFLlama
 from tandem.engine.model import cpu_kernels
 from tandem.engine.model.attention import allocate_kv_cache
 from tandem.engine.model.attention_metadata import AttentionMetadata
-from tandem.engine.model.llama import LlamaForCausalLM, RMSNorm, apply_rope, rope_inv_freq
+from tandem.engine.model.llama import LlamaForCausalLM, RMSNorm
 from tandem.engine.model.model_config import ModelConfig
+from tandem.engine.model.rope import apply_rope, rope_inv_freq
 from tests.engine.kernels import needs_kernels
 
 BLOCK_SIZE = 4

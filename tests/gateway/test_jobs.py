@@ -8,7 +8,8 @@ import pytest
 
 from tandem.gateway.auth import ANONYMOUS, ApiKey
 from tandem.gateway.errors import GatewayError
-from tandem.gateway.jobs import JobBuilder, derive_seed
+from tandem.gateway.jobs import JobBuilder
+from tandem.gateway.sampling import derive_seed
 from tandem.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from tandem.gateway.settings import GatewaySettings
 from tandem.protocol import PRIORITY_HIGH, PRIORITY_LOW, PRIORITY_NORMAL
