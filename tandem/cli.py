@@ -15,6 +15,7 @@ from pathlib import Path
 # Light (no torch, no web stack): `tandem up`'s error and the defaults its help states.
 from tandem.preflight import StartError
 from tandem.up import Stack, UpConfig
+from tandem.up_config import read_manifest
 
 DEMO_QUESTION = "What is the capital of France?"
 
@@ -73,7 +74,7 @@ def _up(args: argparse.Namespace) -> int:
         if given:
             flag, where = MANIFEST_SETS[next(iter(given))]
             raise ValueError(f"{flag} cannot be used with -f: the manifest sets it ({where})")
-        manifest = _read_manifest(Path(args.file))
+        manifest = read_manifest(Path(args.file))
     config = UpConfig(
         manifest=manifest,
         host=args.host,
@@ -109,41 +110,6 @@ def _up(args: argparse.Namespace) -> int:
         )
         stack.stop()
     return 0
-
-
-def _read_manifest(path: Path) -> dict:
-    """The ModelDeployment in `path`, checked as `tandem up` will run it (ValueError if not)."""
-    import yaml
-
-    from tandem import strict_yaml
-    from tandem.operator.local_actuator import load_manifest
-
-    try:
-        documents = strict_yaml.load_all(path.read_text())
-    except OSError as exc:
-        raise ValueError(f"cannot read -f {path}: {exc.strerror}") from None
-    except yaml.MarkedYAMLError as exc:  # one line, not yaml's excerpt with a caret
-        mark = exc.problem_mark
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ValueError(f"-f {path} is not valid YAML: {exc.problem}{where}") from None
-    except yaml.YAMLError as exc:
-        raise ValueError(f"-f {path} is not valid YAML: {exc}") from None
-    if len(documents) > 1:  # kubectl's files often hold several; -f runs one
-        kinds = ", ".join(str(d.get("kind")) if isinstance(d, dict) else "?" for d in documents)
-        raise ValueError(
-            f"-f {path} holds {len(documents)} documents ({kinds}): tandem up runs one "
-            "ModelDeployment; put it in a file of its own"
-        )
-    document = documents[0] if documents else None
-    if not isinstance(document, dict):
-        raise ValueError(
-            f"-f {path} holds no ModelDeployment (a mapping with its kind, metadata, spec)"
-        )
-    try:
-        load_manifest(document)
-    except ValueError as exc:
-        raise ValueError(f"-f {path}: {exc}") from None
-    return document
 
 
 def banner(stack: Stack) -> str:

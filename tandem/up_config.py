@@ -1,4 +1,5 @@
-"""UpConfig: what `tandem up` runs, checked once (tandem/up.py runs it)."""
+"""UpConfig: what `tandem up` runs, checked once (tandem/up.py runs it); the
+ModelDeployment file `tandem up -f` reads."""
 
 from __future__ import annotations
 
@@ -45,3 +46,38 @@ class UpConfig:
             metadata = self.manifest.get("metadata") or {}
             return (spec.get("model") or {}).get("servedModelName") or metadata.get("name", "")
         return self.served_model_name or self.model
+
+
+def read_manifest(path: Path) -> dict:
+    """The ModelDeployment in `path`, checked as `tandem up` will run it (ValueError if not)."""
+    import yaml
+
+    from tandem import strict_yaml
+    from tandem.operator.local_actuator import load_manifest
+
+    try:
+        documents = strict_yaml.load_all(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read -f {path}: {exc.strerror}") from None
+    except yaml.MarkedYAMLError as exc:  # one line, not yaml's excerpt with a caret
+        mark = exc.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"-f {path} is not valid YAML: {exc.problem}{where}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"-f {path} is not valid YAML: {exc}") from None
+    if len(documents) > 1:  # kubectl's files often hold several; -f runs one
+        kinds = ", ".join(str(d.get("kind")) if isinstance(d, dict) else "?" for d in documents)
+        raise ValueError(
+            f"-f {path} holds {len(documents)} documents ({kinds}): tandem up runs one "
+            "ModelDeployment; put it in a file of its own"
+        )
+    document = documents[0] if documents else None
+    if not isinstance(document, dict):
+        raise ValueError(
+            f"-f {path} holds no ModelDeployment (a mapping with its kind, metadata, spec)"
+        )
+    try:
+        load_manifest(document)
+    except ValueError as exc:
+        raise ValueError(f"-f {path}: {exc}") from None
+    return document
