@@ -294,8 +294,17 @@ class Engine:
         request = tracked.request
         delta, reason = "", None
         if tracked.detokenizer is not None:
-            delta, stopped, kept = tracked.detokenizer.add_until_stop(new_tokens)
-            if kept < len(new_tokens):
+            # A stop token ends the text without its own (as in vLLM: a stop id that is
+            # an ordinary token, "\n" say, or an EOS that is not a special token); it
+            # stays in token_ids.
+            stop_token = (
+                status is RequestStatus.FINISHED_STOPPED
+                and bool(new_tokens)
+                and new_tokens[-1] in request.stop_token_set
+            )
+            shown = new_tokens[:-1] if stop_token else new_tokens
+            delta, stopped, kept = tracked.detokenizer.add_until_stop(shown)
+            if kept < len(shown):
                 # Accepted drafts after the token that completed a stop string: a run
                 # without speculation never sampled them.
                 del request.token_ids[kept - len(new_tokens) :]

@@ -287,3 +287,19 @@ def test_a_budget_set_alone_caps_the_derived_context_without_chunked_prefill():
     assert chunked.engine.scheduler.config.max_model_len == 64 * 16  # what the cache holds
     with pytest.raises(ValueError, match="smaller than max_model_len"):  # given, it is checked
         LLM("random:tiny", num_kv_blocks=64, max_num_batched_tokens=96, max_model_len=128)
+
+
+def test_a_stop_token_ends_the_text_without_its_own(llm):
+    # As vLLM: the stop id is the last of token_ids, its text is not in the answer
+    # (a stop id that is an ordinary token, a newline say, would end every answer in it).
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    free = llm.generate(["stop on a token"], params)[0]
+    stop_id = free.token_ids[4]
+    cut = free.token_ids.index(stop_id)
+    assert llm.tokenizer.decode([stop_id]), "the stop token must have text of its own"
+    stopped = llm.generate(
+        ["stop on a token"], SamplingParams(**{**vars_of(params), "stop_token_ids": (stop_id,)})
+    )[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[: cut + 1]
+    assert stopped.text == llm.tokenizer.decode(free.token_ids[:cut])
