@@ -203,12 +203,49 @@ class WorkItem(_Message):
     cache_salt: str | None = None
 
     def __post_init__(self) -> None:
+        # Checked as read, so that an entry of the wrong shape (hand-made, another
+        # producer's) is answered as unreadable, not a crash of each engine that takes it.
+        for name, kinds, optional in _WORK_ITEM_TYPES:
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+                shown = _JSON_TYPE_NAMES[kinds] + (" or null" if optional else "")
+                raise ProtocolError(
+                    f"work item {self.request_id!r}: {name} must be {shown}, got {value!r}"
+                )
         given = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))
         if given != 1:
             raise ProtocolError(
                 f"work item {self.request_id!r} needs exactly one of prompt, messages, "
                 f"prompt_token_ids ({given} given)"
             )
+
+
+# WorkItem's fields as JSON gives them: (name, types, may be null). The contents of
+# messages, prompt_token_ids and sampling are the engine's to check.
+_WORK_ITEM_TYPES: tuple[tuple[str, tuple[type, ...], bool], ...] = (
+    ("request_id", (str,), False),
+    ("model", (str,), False),
+    ("prompt", (str,), True),
+    ("messages", (list,), True),
+    ("prompt_token_ids", (list,), True),
+    ("sampling", (dict,), False),
+    ("priority", (int,), False),
+    ("created_at", (int, float), False),
+    ("deadline", (int, float), True),
+    ("estimated_prompt_tokens", (int,), False),
+    ("max_tokens_given", (bool,), False),
+    ("cache_salt", (str,), True),
+)
+_JSON_TYPE_NAMES = {
+    (str,): "a string",
+    (list,): "a list",
+    (dict,): "an object",
+    (int,): "an integer",
+    (int, float): "a number",
+    (bool,): "true or false",
+}
 
 
 @dataclass

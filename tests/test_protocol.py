@@ -44,6 +44,24 @@ def test_a_work_item_needs_exactly_one_prompt_form():
         WorkItem("r1", "m")
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("deadline", "soon", "deadline must be a number or null, got 'soon'"),
+        ("priority", True, "priority must be an integer, got True"),
+        ("sampling", [1], "sampling must be an object"),
+        ("max_tokens_given", 1, "max_tokens_given must be true or false"),
+        ("model", None, "model must be a string, got None"),
+    ],
+)
+def test_a_work_item_field_of_the_wrong_type_is_a_protocol_error(field, value, message):
+    body = {"request_id": "r1", "model": "m", "prompt": "x", field: value}
+    with pytest.raises(ProtocolError, match=f"work item 'r1': {message}"):
+        WorkItem.from_fields({"v": str(PROTOCOL_VERSION), "kind": "work", "data": json.dumps(body)})
+    # A number where a float is expected, and null where it may be, are fine.
+    assert WorkItem("r1", "m", prompt="x", created_at=5, deadline=None).created_at == 5
+
+
 def test_another_protocol_version_is_refused_with_advice():
     fields = WorkItem("r1", "m", prompt="x").to_fields()
     fields["v"] = str(PROTOCOL_VERSION + 1)

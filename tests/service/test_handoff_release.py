@@ -1,12 +1,17 @@
 """A decoder that will not fetch a handoff's KV tells its prompt engine, which frees it.
 
 Real engine processes: a prompt engine and a decoder of another dtype (another
-fingerprint: the KV cannot move between them), as during a rollout.
+fingerprint: the KV cannot move between them), as during a rollout; a decoder that
+ends or refuses the request as it takes the handoff.
 """
 
 from __future__ import annotations
 
+import time
+
 from support.polling import eventually
+
+from tandem.protocol import ErrorCode
 
 PROMPT = [5, 9, 17, 33, 2, 101, 77, 4, 8, 15, 16, 23, 42]
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -25,4 +30,36 @@ def test_a_decoder_of_another_model_recomputes_and_the_prompt_engine_frees_the_k
     assert len(answer.token_ids) == 8
     assert decoder.metric("tandem_engine_kv_transfer_failures_total", reason="mismatch") == 1
     assert eventually(lambda: prompt.metric("tandem_engine_kv_pinned_requests") == 0, 10)
+    assert prompt.metric("tandem_engine_kv_cache_usage") == 0
+
+
+def _pinned(engine) -> float:
+    return engine.metric("tandem_engine_kv_pinned_requests")
+
+
+def test_a_handoff_whose_deadline_passed_in_the_queue_frees_the_prompt_engines_kv(engines, client):
+    # Ended as the decoder took it, its KV stayed pinned until the offer expired (here
+    # 60 s): held for nobody, and read by the autoscaler as prefill work.
+    prompt = engines("prompt", "--handoff-ttl", "60")
+    rid = client.submit(
+        prompt_token_ids=PROMPT,
+        sampling={"max_tokens": 8, **GREEDY},
+        deadline=time.time() + 1.5,
+    )
+    assert eventually(lambda: _pinned(prompt) == 1, 30)
+    time.sleep(1.6)  # the deadline passes while the handoff waits for a decoder
+    engines("completion")
+    assert client.answer(rid, timeout=60).final.error_code == ErrorCode.DEADLINE_EXCEEDED
+    assert eventually(lambda: _pinned(prompt) == 0, 10)
+    assert prompt.metric("tandem_engine_kv_cache_usage") == 0
+
+
+def test_a_handoff_the_decoder_refuses_frees_the_prompt_engines_kv(engines, client):
+    # The decoder's context (128) cannot hold what the prompt engine's (256) prefilled.
+    prompt = engines("prompt", "--handoff-ttl", "60")
+    engines("completion", "--max-model-len", "128")
+    rid = client.submit(prompt_token_ids=PROMPT * 12, sampling={"max_tokens": 8, **GREEDY})
+    final = client.answer(rid, timeout=60).final
+    assert final.error_code == ErrorCode.PROMPT_TOO_LONG, final
+    assert eventually(lambda: _pinned(prompt) == 0, 10)
     assert prompt.metric("tandem_engine_kv_cache_usage") == 0

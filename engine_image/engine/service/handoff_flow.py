@@ -193,7 +193,7 @@ class HandoffFlow:
             # A decoder died after its last token, before its final event; or this
             # engine's context ends where the prompt engine's first token did: the
             # request finishes here without its KV.
-            self._release(handoff)
+            self.release(handoff)
             engine.add_request(
                 work.request_id,
                 None,
@@ -233,7 +233,7 @@ class HandoffFlow:
             metrics.kv_transfer_failed(reason)
             engine.handoff_failed(rid)
             if reason == "mismatch":  # pinned there for nobody until its expiry otherwise
-                self._release(handoff)
+                self.release(handoff)
             return True
         self.fetches.start(
             rid,
@@ -249,7 +249,7 @@ class HandoffFlow:
         )
         return True
 
-    def _release(self, handoff: Handoff) -> None:
+    def release(self, handoff: Handoff) -> None:
         """Tell the prompt engine its offer will not be fetched (this engine ends or
         recomputes the request): it frees the KV now, not at the offer's expiry."""
         self.fetches.release(handoff.kv_address, handle=handoff.kv_handle, token=handoff.kv_token)

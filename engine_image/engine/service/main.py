@@ -166,8 +166,9 @@ def serve(args: argparse.Namespace, rank: int, vote: Vote | None = None) -> int:
     worker = EngineWorker(engine, settings, io, metrics, handoffs, vote=vote)
 
     def on_signal(signum: int, _frame: object) -> None:
-        log.info("signal %s: draining (up to %.0fs)", signum, settings.drain_timeout)
-        worker.drain()
+        # Only a flag: logging or the drain's heartbeat would take locks (a metric's, the
+        # log handler's) that the interrupted loop may hold, and hang the engine.
+        worker.request_drain()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

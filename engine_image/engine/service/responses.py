@@ -15,7 +15,13 @@ import redis
 
 from tandem.deduplicator import ResponseDeduplicator
 from tandem.keys import Keys
-from tandem.protocol import RESPONSE_TTL_SECONDS, EventKind, ResponseEvent, as_text
+from tandem.protocol import (
+    RESPONSE_TTL_SECONDS,
+    EventKind,
+    ProtocolError,
+    ResponseEvent,
+    as_text,
+)
 
 # Events per XRANGE when reading a whole history: bounds one reply's size.
 _HISTORY_CHUNK = 1000
@@ -168,7 +174,13 @@ class ResponseWriter:
         while not dedup.done:
             chunk = self.client.xrange(stream, min=low, max="+", count=_HISTORY_CHUNK)
             for entry_id, fields in chunk:
-                event = ResponseEvent.from_fields(fields)
+                try:
+                    event = ResponseEvent.from_fields(fields)
+                except ProtocolError as exc:
+                    raise ProtocolError(
+                        f"{request_id}'s response stream {stream} holds an unreadable event "
+                        f"{as_text(entry_id)} ({exc})"
+                    ) from None
                 writers.add(event.engine_id)
                 dedup.accept(event)
                 low = f"({as_text(entry_id)}"

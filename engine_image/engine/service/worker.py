@@ -40,7 +40,7 @@ from tandem.engine.service.replies import Replies
 from tandem.engine.service.room import pull_room
 from tandem.engine.service.settings import WorkerSettings
 from tandem.engine.service.work_queue import Delivery
-from tandem.protocol import EngineInfo, ErrorCode, Handoff, WorkItem
+from tandem.protocol import EngineInfo, ErrorCode, Handoff, ProtocolError, WorkItem
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,9 @@ class EngineWorker:
         # Pulled, not taken yet: Redis went away while they were being taken.
         self._untaken: list[Delivery] = []
         self._draining = False
+        # Set by a signal handler (request_drain), applied by the loop: the handler runs
+        # between any two bytecodes of the loop, which may hold the locks drain() takes.
+        self._drain_requested = False
         self._drain_deadline = float("inf")
         self.last_loop_at = time.monotonic()
         self.heartbeat = Heartbeat(
@@ -100,9 +103,14 @@ class EngineWorker:
 
     # ------------------------------------------------------------ lifecycle
 
+    def request_drain(self) -> None:
+        """drain() at the loop's next turn: what a signal handler may call (SIGTERM)."""
+        self._drain_requested = True
+
     def drain(self) -> None:
-        """Stop taking work; finish what runs (SIGTERM)."""
+        """Stop taking work; finish what runs."""
         if not self._draining:
+            log.info("draining (up to %.0fs)", self.settings.drain_timeout)
             self._draining = True
             self._drain_deadline = time.monotonic() + self.settings.drain_timeout
             self.writes.beat_soon()
@@ -126,6 +134,8 @@ class EngineWorker:
         return 0
 
     def _drained(self) -> bool:
+        if self._drain_requested:
+            self.drain()
         done = self._draining and (self._idle() or time.monotonic() > self._drain_deadline)
         if self._vote is not None:  # every rank must be done, or none leaves
             done = self._vote(1 if done else 0) == 1
@@ -252,19 +262,28 @@ class EngineWorker:
         if self.handoffs is not None and self.handoffs.offered(rid):
             self.handoffs.withdraw(self.engine, rid)  # its Handoff lost: prefill it anew
         if delivery.exhausted:
+            self._unfetched(message)
             self.replies.refuse(delivery, work, redelivered(rid, delivery.times_delivered))
             return
         if self.io.is_cancelled(rid):  # cancelled while queued: it ends here, said so
             # (a gateway whose read missed the cancel reads on until a final event)
             sent = len(message.first_token_ids) if isinstance(message, Handoff) else 0
+            self._unfetched(message)
             self.replies.fail(delivery, work, ErrorCode.CANCELLED, CANCELLED, offset=sent)
             return
         # Every delivery, not only reclaimed ones: a gateway may retry a request id.
-        history = self.io.responses.history(rid)
+        try:
+            history = self.io.responses.history(rid)
+        except ProtocolError as exc:  # it cannot be resumed without repeating or losing text
+            self._unfetched(message)
+            self.replies.fail(delivery, work, ErrorCode.ENGINE_ERROR, str(exc))
+            return
         if history.final is not None:  # it already ended: never run it twice
+            self._unfetched(message)
             self._to_ack.append(delivery)
             return
         if work.deadline is not None and time.time() > work.deadline:
+            self._unfetched(message)
             self.replies.fail(
                 delivery, work, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed in queue"
             )
@@ -280,19 +299,26 @@ class EngineWorker:
                 return
             self._add(work, params, sent, history.text)
         except (ValueError, TypeError) as exc:  # the engine's refusals
-            self._forget_refused(rid)
+            self._forget_refused(rid, message)
             self.replies.refuse(delivery, work, refusal_of(exc))
             return
         self.held[rid] = Held(delivery, work, sent=len(sent))
 
-    def _forget_refused(self, rid: str) -> None:
+    def _forget_refused(self, rid: str, message: WorkItem | Handoff) -> None:
         """Free what a request refused while being taken had reserved (a handoff's
         blocks), lest they stay taken for good."""
         if self.handoffs is not None:
             if self.handoffs.fetching(rid):
                 return  # not refused after its fetch started: nothing to write into
             self.handoffs.drop(self.engine, rid)
+            self._unfetched(message)
         self.engine.abort(rid)
+
+    def _unfetched(self, message: WorkItem | Handoff) -> None:
+        """A handoff this engine ends or refuses without its KV: the prompt engine frees
+        the KV now, not at the offer's expiry (held for nobody, and read as busy)."""
+        if isinstance(message, Handoff) and self.handoffs is not None:
+            self.handoffs.release(message)
 
     def _add(self, work: WorkItem, params: SamplingParams, sent: list[int], text: str) -> None:
         engine = self.engine
