@@ -9,10 +9,12 @@ server the operator's tests use (support.kube_api) holds the StatefulSet, and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import kmock
@@ -28,8 +30,10 @@ STATEFULSETS = kmock.resource("apps", "v1", "statefulsets")
 class Cluster:
     """The emulated API server on its own loop and thread, for Helm's synchronous calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, without: tuple[kmock.resource, ...] = ()) -> None:
         self.api = ApiServer(crd_schema=root_schema())
+        for resource in without:  # CRDs not installed
+            del self.api.resources[resource]
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
@@ -61,11 +65,9 @@ class Cluster:
         self._thread.join()
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """One cluster for the module (Helm's discovery cache then serves every test)."""
-    emulated = Cluster()
-    home = tmp_path_factory.mktemp("kube")
+@contextlib.contextmanager
+def _pointed_at(emulated: Cluster, home: Path) -> Iterator[Cluster]:
+    """Helm's kubeconfig and discovery cache set for `emulated`, then it closes."""
     kubeconfig = home / "kubeconfig"
     kubeconfig.write_text(
         json.dumps(
@@ -81,12 +83,21 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             }
         )
     )
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KUBECONFIG", str(kubeconfig))
-        # Helm caches discovery per server, by default in ~/.kube/cache.
-        patch.setenv("KUBECACHEDIR", str(home / "cache"))
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("KUBECONFIG", str(kubeconfig))
+            # Helm caches discovery per server, by default in ~/.kube/cache.
+            patch.setenv("KUBECACHEDIR", str(home / "cache"))
+            yield emulated
+    finally:
+        emulated.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """One cluster for the module (Helm's discovery cache then serves every test)."""
+    with _pointed_at(Cluster(), tmp_path_factory.mktemp("kube")) as emulated:
         yield emulated
-    emulated.close()
 
 
 def _redis(claim: dict[str, Any] | None) -> dict[str, Any]:
@@ -252,6 +263,17 @@ def test_a_cluster_scoped_operator_keeps_the_peering_it_made(helm, cluster, owne
     result = _upgrade(helm, ["operator.scope=cluster"])
     assert result.returncode == 0, result.stderr
     assert _peering_names(result.stdout) == (name, name)
+
+
+@pytest.mark.parametrize("scope", ["cluster", "namespace"])
+def test_an_install_before_the_crds_chart_says_to_install_the_crds(helm, tmp_path, scope):
+    # Cluster-scoped, the peering's lookup failed inside a helper with a discovery error
+    # that named no CRD.
+    kopf = (PEERINGS, kmock.resource("kopf.dev", "v1", "kopfpeerings"))
+    with _pointed_at(Cluster(without=kopf), tmp_path):
+        result = _upgrade(helm, [f"operator.scope={scope}"])
+    assert result.returncode != 0
+    assert "ensure CRDs are installed first" in result.stderr, result.stderr
 
 
 DEPLOYMENTS = kmock.resource("apps", "v1", "deployments")

@@ -54,6 +54,10 @@ BAD_VALUES = [
     ([f"gateway.image.tag=sha256:{'a' * 64}"], "at '/gateway/image/tag'"),
     ([f"redis.image.repository=redis@sha256:{'a' * 64}"], "at '/redis/image/repository'"),
     (["operator.engineImage.digest=sha256:abc"], "at '/operator/engineImage/digest'"),
+    # A path in capitals (a GitHub org's name, say) is no image a runtime pulls: its pods
+    # sat in InvalidImageName, and the engines' too.
+    (["gateway.image.repository=ghcr.io/MyOrg/gateway"], "at '/gateway/image/repository'"),
+    (["operator.engineImage.repository=ghcr.io/MyOrg/e"], "at '/operator/engineImage/repository'"),
     (["gateway.auth.keys[0].key=sk-1"], "at '/gateway/auth/keys/0': missing property 'name'"),
     (
         ["gateway.auth.bootstrapKey=false"],

@@ -439,7 +439,13 @@ operator pods in one rollout must share one peering, or both act at once.
 {{- if .Values.operator.peeringName }}
 {{- .Values.operator.peeringName }}
 {{- else if eq .Values.operator.scope "cluster" }}
-{{- $live := lookup "kopf.dev/v1" "ClusterKopfPeering" "" $plain }}
+{{- /* Asked only where the kind exists: without the CRDs (tandem-crds not installed
+yet) lookup failed with a discovery error inside this helper, before Helm's own
+"ensure CRDs are installed first". */}}
+{{- $live := dict }}
+{{- if .Capabilities.APIVersions.Has "kopf.dev/v1/ClusterKopfPeering" }}
+{{- $live = lookup "kopf.dev/v1" "ClusterKopfPeering" "" $plain }}
+{{- end }}
 {{- if and $live (eq (dig "metadata" "annotations" "meta.helm.sh/release-namespace" "" $live) .Release.Namespace) }}
 {{- $plain }}
 {{- else }}
