@@ -49,6 +49,10 @@ _POD = ("spec", "template", "spec")
 _EXACT: Mapping[str, tuple[tuple[str, ...], ...]] = {
     "ConfigMap": (("data",),),
     "Secret": (("data",),),
+    # A key added to a selector makes it select no engine pod: discovery and scraping
+    # through the Service break, and the budget protects nothing from a node drain.
+    "Service": (("spec", "selector"),),
+    "PodDisruptionBudget": (("spec", "selector"),),
     "Deployment": (
         (*_POD, "nodeSelector"),
         (*_POD, "affinity"),

@@ -145,6 +145,26 @@ def test_extra_configmap_keys_are_drift():
     assert repair_patch(desired, config)["data"]["extra"] is None
 
 
+@pytest.mark.parametrize(
+    ("kind", "path"),
+    [("Service", ("selector",)), ("PodDisruptionBudget", ("selector", "matchLabels"))],
+)
+def test_a_key_added_to_a_selector_is_drift_and_removed(kind, path):
+    # The selector then matched no engine pod: the Service discovered none, the budget
+    # protected none from a drain, and the operator never put it back.
+    (child,) = [c for c in children_of(model()) if c["kind"] == kind]
+    desired = copy.deepcopy(child)
+    selector = child["spec"]
+    for key in path:
+        selector = selector[key]
+    selector["typo"] = "x"
+    assert drift(desired, child) == (".".join(("spec", *path, "typo")),)
+    patch = repair_patch(desired, child)["spec"]
+    for key in path:
+        patch = patch[key]
+    assert patch["typo"] is None
+
+
 def test_only_keys_a_manifest_set_are_removed_and_an_unrecorded_child_loses_every_extra():
     body = model({"nodeSelector": {"pool": "gpu"}})
     (wanted,) = [c for c in children_of(body) if c["kind"] == "Deployment"]
