@@ -113,6 +113,15 @@ def too_large(limit: int) -> GatewayError:
     )
 
 
+def unsupported_encoding(encoding: str) -> GatewayError:
+    return GatewayError(
+        415,
+        f"Content-Encoding {encoding} is not supported: send the body uncompressed",
+        code="unsupported_media_type",
+        reason="invalid",
+    )
+
+
 def body_too_slow(seconds: float) -> GatewayError:
     return GatewayError(
         408,

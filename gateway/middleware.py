@@ -15,7 +15,7 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem.gateway.disconnect import CLIENT_GONE, GONE_MIDWAY, ClientGone
-from tandem.gateway.errors import GatewayError, body_too_slow, too_large
+from tandem.gateway.errors import GatewayError, body_too_slow, too_large, unsupported_encoding
 from tandem.gateway.metrics import UNKNOWN_MODEL, GatewayMetrics, route_label
 
 # Where routes leave the model label for the metrics (request.state.model_label).
@@ -63,6 +63,11 @@ class BodyLimit:
             scope.setdefault("state", {})[CALLER] = caller
         except GatewayError as error:
             await self._refuse(error, send)
+            return
+        encodings = [v.strip().lower() for v in _header_values(scope, b"content-encoding")]
+        if any(e not in ("", "identity") for e in encodings):
+            # Read as it came, a compressed body was "not valid UTF-8", which named nothing.
+            await self._refuse(unsupported_encoding(", ".join(encodings)), send)
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:

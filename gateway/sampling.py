@@ -38,6 +38,8 @@ def sampling_fields(
         value = getattr(body, name)
         if value is not None:
             fields[name] = [value] if name == "stop" and isinstance(value, str) else value
+    if fields.get("top_k") in (0, -1):  # vLLM's spellings of "every token": none
+        del fields["top_k"]
     if fields.get("top_p") == 0:
         # OpenAI takes 0 (temperature=0, top_p=0 is a common "deterministic" recipe): the
         # nucleus shrunk to the likeliest token, which is top_k=1 to the engines.

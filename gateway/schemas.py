@@ -105,7 +105,10 @@ TopP = Annotated[
     float | None,
     Field(ge=0, le=1, allow_inf_nan=False, description="0 keeps only the likeliest token."),
 ]
-TopK = Annotated[int | None, Field(ge=1, description="Extension: top-k sampling.")]
+TopK = Annotated[
+    int | None,
+    Field(ge=-1, description="Extension: top-k sampling; 0 or -1 (vLLM's): every token."),
+]
 PriorityField = Annotated[
     Priority | None,
     Field(description="Extension: queue priority (or header X-Tandem-Priority)."),

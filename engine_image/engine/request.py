@@ -44,7 +44,7 @@ class SamplingParams:
     temperature: float = 1.0
     # Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p.
     top_p: float = 1.0
-    # Keep only the top_k most likely tokens; None keeps all.
+    # Keep only the top_k most likely tokens; None (or vLLM's 0 and -1) keeps all.
     top_k: int | None = None
     # Seed of this request's own generator; None draws from the engine's.
     seed: int | None = None
@@ -76,8 +76,12 @@ class SamplingParams:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
-            raise ValueError(f"top_k must be a positive integer or None, got {self.top_k!r}")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < -1):
+            raise ValueError(
+                f"top_k must be a positive integer, or 0, -1 or None for all, got {self.top_k!r}"
+            )
+        if self.top_k in (0, -1):  # vLLM's spellings of "no top-k"
+            object.__setattr__(self, "top_k", None)
         if self.seed is not None and (not _is_int(self.seed)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         ids = _as_tuple(self.stop_token_ids)

@@ -99,7 +99,8 @@ def test_draft_placeholder_is_the_last_vocab_id():
         ({"temperature": -0.1}, "temperature must be a number >= 0"),
         ({"temperature": float("nan")}, "temperature must be a number >= 0"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
-        ({"top_k": 0}, "top_k must be a positive integer"),
+        ({"top_k": -2}, "top_k must be a positive integer, or 0, -1 or None"),
+        ({"top_k": 2.0}, "top_k must be a positive integer"),
         ({"seed": 1.5}, "seed must be an integer"),
         ({"stop_token_ids": [-1]}, "stop_token_ids must be token ids"),
         ({"stop": [""]}, "stop must be non-empty strings"),
@@ -115,6 +116,12 @@ def test_draft_placeholder_is_the_last_vocab_id():
 def test_sampling_params_refuse_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_top_k_0_and_minus_1_keep_every_token_as_in_vllm():
+    assert SamplingParams(top_k=0).top_k is None
+    assert SamplingParams(top_k=-1).top_k is None
+    assert SamplingParams(top_k=1).top_k == 1
 
 
 def test_a_single_stop_string_becomes_a_tuple():

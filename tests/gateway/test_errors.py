@@ -3,6 +3,7 @@ gateway answers the next good request as if nothing happened."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import socket
@@ -238,6 +239,10 @@ CASES = {
     "empty stop string": Case(400, {**GOOD, "stop": ""}, param="stop"),
     "invalid UTF-8": Case(400, b'{"model": "tiny", "user": "\xff\xfe"}',
                           message="not valid UTF-8"),
+    # Read as it came, a compressed body was "not valid UTF-8".
+    "gzip body": Case(415, gzip.compress(json.dumps(GOOD).encode()),
+                      headers={"Content-Encoding": "gzip"}, code="unsupported_media_type",
+                      message="Content-Encoding gzip is not supported"),
     "nested too deeply": Case(400, b"[" * 1500 + b"]" * 1500, message="too deeply"),
     "trailing slash": Case(404, GOOD, path="/v1/chat/completions/"),
     "trailing slash on models": Case(404, None, path="/v1/models/", method="GET",

@@ -44,6 +44,13 @@ def test_top_p_0_is_the_likeliest_token_alone():
     assert item.sampling["top_k"] == 1 and "top_p" not in item.sampling
 
 
+@pytest.mark.parametrize("top_k", [0, -1])
+def test_top_k_0_or_minus_1_is_vllms_every_token(top_k):
+    # Clients written for vLLM send them explicitly: they were refused (a 400).
+    [item] = _chat(top_k=top_k).items
+    assert "top_k" not in item.sampling
+
+
 def test_developer_messages_are_system_messages():
     # OpenAI's newer name for the system role; chat templates know only "system".
     messages = [
