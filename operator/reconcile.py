@@ -87,8 +87,8 @@ def plan(
 
     `scaled` are the autoscaler's decisions that change a role's count (roles it
     did not change are left out); `pods` are the model's engine pods, whose
-    troubles the status quotes; `holder` names the older ModelDeployment that
-    serves this one's servedModelName, if any (`served_name_holder`).
+    troubles the status quotes; `holder` names the ModelDeployment that holds
+    this one's servedModelName, if any (`served_name_holder`).
     """
     meta = model["metadata"]
     previous = model.get("status") or {}
@@ -147,7 +147,8 @@ def plan(
     scales += [c.scale for c in clamps if not c.by_hand and c.role not in scaled]
     scales += edits
     last_scale = scales[-1].record(now) if scales else None
-    new_status = valid_status(meta, counts, previous, now, last_scale)
+    served = spec.served_model_name(owner.name)
+    new_status = valid_status(meta, counts, previous, now, last_scale, served)
     return Plan(
         creates=tuple(creates),
         patches=tuple(patches),
@@ -168,53 +169,69 @@ def plan(
 
 
 def served_name_holder(model: Body, models: Sequence[Body]) -> str | None:
-    """The older ModelDeployment among `models` (of every namespace served) that serves
-    the same servedModelName on the same queues, or None when `model` may serve it:
-    `ModelDeployment <name>`, or of another namespace without naming it (whose models
-    those are is that namespace's business).
+    """The ModelDeployment among `models` (of every namespace served) that holds the
+    servedModelName `model` asks for, on the same queues, or None when `model` may serve
+    it: `ModelDeployment <name>`, or of another namespace without naming it (whose
+    models those are is that namespace's business).
 
     Two models of one name on one Redis would both take its queue's work and each
     scale on all of it; from two namespaces, one team's pods would read the other's
     prompts. So the rivals are the models of `model`'s namespace, and those of
     every namespace on the operator's own Redis when `model` is too (models with a
     `spec.redis` of their own in other namespaces never share its queues: their
-    URLs name Redis servers as each namespace resolves them). The oldest (by
-    creationTimestamp, then namespace and name) holds the name whatever its state.
-    Read from the raw specs: an invalid one may still run pods of its last valid
-    spec. Models being deleted let go.
+    URLs name Redis servers as each namespace resolves them). A rival claims the name
+    its spec asks for and the one its pods serve (status.servedModelName: a refused
+    rename leaves them serving the old one). The name is held by the oldest (by
+    creationTimestamp, then namespace and name) of those whose pods serve it, else
+    of all who claim it: a model that serves a name keeps it when another, older or
+    not, is edited to claim it. Read from the raw specs: an invalid one may still run
+    pods of its last valid spec. Models being deleted let go.
     """
-
-    def served(body: Body) -> str:
-        source = (body.get("spec") or {}).get("model")
-        chosen = source.get("servedModelName") if isinstance(source, Mapping) else None
-        return chosen if isinstance(chosen, str) and chosen else body["metadata"]["name"]
-
-    def on_operators_redis(body: Body) -> bool:
-        return not (body.get("spec") or {}).get("redis")
-
-    def where(body: Body) -> tuple[str, str]:
-        meta = body["metadata"]
-        return (str(meta.get("namespace") or ""), meta["name"])
-
-    def age(body: Body) -> tuple[str, str, str]:
-        return (str(body["metadata"].get("creationTimestamp") or ""), *where(body))
-
-    namespace = where(model)[0]
-    shared = on_operators_redis(model)
+    name = _asked_name(model)
+    namespace = _where(model)[0]
+    shared = _on_operators_redis(model)
     rivals = [
         other
         for other in models
-        if where(other) != where(model)
-        and (where(other)[0] == namespace or (shared and on_operators_redis(other)))
+        if _where(other) != _where(model)
+        and (_where(other)[0] == namespace or (shared and _on_operators_redis(other)))
         and not other["metadata"].get("deletionTimestamp")
-        and served(other) == served(model)
+        and name in (_asked_name(other), _serving(other))
     ]
-    oldest = min([model, *rivals], key=age)
-    if oldest is model:
+    claimants = [model, *rivals]
+    serving = [body for body in claimants if _serving(body) == name]
+    holder = min(serving or claimants, key=_age)
+    if holder is model:
         return None
-    if where(oldest)[0] == namespace:
-        return f"ModelDeployment {where(oldest)[1]}"
+    if _where(holder)[0] == namespace:
+        return f"ModelDeployment {_where(holder)[1]}"
     return "ModelDeployment of another namespace"
+
+
+def _asked_name(body: Body) -> str:
+    """The name a model's spec asks to serve: its servedModelName, else its own."""
+    source = (body.get("spec") or {}).get("model")
+    chosen = source.get("servedModelName") if isinstance(source, Mapping) else None
+    return chosen if isinstance(chosen, str) and chosen else body["metadata"]["name"]
+
+
+def _serving(body: Body) -> str | None:
+    """The name a model's pods serve, as its status recorded it (None: none recorded)."""
+    served = (body.get("status") or {}).get("servedModelName")
+    return served if isinstance(served, str) else None
+
+
+def _on_operators_redis(body: Body) -> bool:
+    return not (body.get("spec") or {}).get("redis")
+
+
+def _where(body: Body) -> tuple[str, str]:
+    meta = body["metadata"]
+    return (str(meta.get("namespace") or ""), meta["name"])
+
+
+def _age(body: Body) -> tuple[str, str, str]:
+    return (str(body["metadata"].get("creationTimestamp") or ""), *_where(body))
 
 
 def refused(model: Body, error: str, *, now: str) -> Plan:
@@ -267,18 +284,23 @@ def _refusal(
 def _name_taken(
     model: Body, spec: ModelDeploymentSpec, found: Mapping[ChildKey, Body], holder: str, now: str
 ) -> Plan:
-    """An older model serves this one's name: this one serves nothing until the name is free.
+    """Another model holds this one's name: this one does not serve it until it is free.
 
-    Its Deployments go to zero pods rather than away, so the status counts them
-    down and nothing is rebuilt once the name is free; none is created. Those of a
-    mode the spec just left too: they served the name as well.
+    Pods that serve another name (a rename refused) are left serving it, as an invalid
+    edit leaves them. Pods that would serve the held name go to zero rather than away,
+    so the status counts them down and nothing is rebuilt once the name is free; none
+    is created. Those of a mode the spec just left too: they served the name as well.
     """
     name = model["metadata"]["name"]
+    asked = spec.served_model_name(name)
     why = (
-        f"servedModelName {spec.served_model_name(name)!r} is served by the older "
-        f"{holder}: this one serves nothing until the name is free "
-        "(rename or delete one of them)"
+        f"servedModelName {asked!r} is served by {holder}: this one does not serve it "
+        "until the name is free (rename or delete one of them)"
     )
+    serving = _serving(model)
+    if serving is not None and serving != asked:
+        why += f"; its pods serve {serving!r} meanwhile"
+        return _refusal(model, "ServedNameTaken", why, now)
     patches: list[ChildPatch] = []
     roles: dict[str, Any] = {}
     keys = {role: ChildKey("Deployment", child_name(name, role)) for role in RoleName}

@@ -88,8 +88,10 @@ def valid_status(
     previous: Body,
     now: str,
     last_scale: Mapping[str, Any] | None = None,
+    served: str | None = None,
 ) -> dict[str, Any]:
-    """The full status of a ModelDeployment whose spec is valid."""
+    """The full status of a ModelDeployment whose spec is valid; `served`: the name its
+    pods serve."""
     phase, reason, message = _phase(counts, previous)
     status: dict[str, Any] = {
         "observedGeneration": meta.get("generation"),
@@ -104,6 +106,8 @@ def valid_status(
     }
     if last_scale is not None:
         status["lastScale"] = dict(last_scale)
+    if served is not None:
+        status["servedModelName"] = served
     return status
 
 

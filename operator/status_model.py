@@ -99,3 +99,9 @@ class ModelDeploymentStatus(SpecModel):
         description="Ready, Progressing, Degraded and Invalid.",
     )
     last_scale: ScaleEvent | None = Field(None, description="The last scaling decision.")
+    served_model_name: str | None = Field(
+        None,
+        max_length=253,
+        description="The name the pods serve (the last applied spec's servedModelName): "
+        "another ModelDeployment that claims it is refused while this one serves it.",
+    )

@@ -114,7 +114,7 @@ def _fetch_without_hub() -> str:
 
 
 def _served_name_taken() -> str:
-    """The status message of a model whose served name an older one holds."""
+    """The status message of a new model whose served name an older one holds."""
     model = {
         "metadata": {"name": "llama-8b-copy", "namespace": "ns", "uid": "u", "generation": 1},
         "spec": {"model": {"path": "/m", "servedModelName": "llama-3.1-8b-instruct"}, "normal": {}},

@@ -188,12 +188,18 @@ def test_a_hand_scale_outside_the_bounds_is_drift_and_one_inside_is_kept():
 
 
 def model_named(
-    name: str, created: str, served: str | None = None, namespace: str = "default"
+    name: str,
+    created: str,
+    served: str | None = None,
+    namespace: str = "default",
+    serving: str | None = None,
 ) -> dict[str, Any]:
+    """A ModelDeployment asking to serve `served`, whose pods serve `serving` (its status)."""
     source = {"path": "smollm2", **({"servedModelName": served} if served else {})}
     return {
         "metadata": {"name": name, "namespace": namespace, "creationTimestamp": created},
         "spec": {"model": source, "normal": {}},
+        "status": {"servedModelName": serving} if serving else {},
     }
 
 
@@ -232,6 +238,46 @@ def test_a_served_name_is_held_across_namespaces_on_the_operators_redis():
     assert served_name_holder(theirs, [theirs, own]) is None
 
 
+def test_a_model_that_serves_a_name_keeps_it_when_another_is_edited_to_claim_it():
+    # The oldest claimant held it whatever served it: an edit of an older model to a
+    # name in use (a typo, a copy-paste) took the younger, serving model to zero pods,
+    # and the older one's own name was then served by nobody.
+    older = model_named("a", "2026-01-01T00:00:01Z", "mistral", serving="llama")
+    younger = model_named("b", "2026-01-01T00:00:02Z", "mistral", serving="mistral")
+    models = [older, younger]
+    assert served_name_holder(younger, models) is None
+    assert served_name_holder(older, models) == "ModelDeployment b"
+    # A rename refused leaves the pods serving the old name, which nobody else may claim.
+    newcomer = model_named("c", "2026-01-01T00:00:00Z", "llama")
+    assert served_name_holder(newcomer, [*models, newcomer]) == "ModelDeployment a"
+    # Two that both serve it (their queues newly shared): the oldest of them.
+    both = model_named("d", "2026-01-01T00:00:03Z", "mistral", serving="mistral")
+    assert served_name_holder(younger, [*models, both]) is None
+    assert served_name_holder(both, [*models, both]) == "ModelDeployment b"
+
+
+def test_a_refused_rename_leaves_the_pods_serving_the_old_name():
+    # As an invalid edit leaves them: zeroed, the model served nothing at all.
+    body = running({"replicas": 2, "maxReplicas": 2}, desired=2)
+    body["status"]["servedModelName"] = "m"
+    children = built(body)
+    body["spec"]["model"]["servedModelName"] = "taken"
+
+    actions = plan(body, children, OLD, now=NOW, holder="ModelDeployment other")
+    assert not actions.creates and not actions.deletes and not actions.patches
+    status = actions.status
+    assert (status["phase"], status["reason"]) == ("Invalid", "ServedNameTaken")
+    assert "its pods serve 'm' meanwhile" in status["message"]
+    assert "roles" not in status  # the counts stand
+
+
+def test_a_model_records_the_name_its_pods_serve():
+    body = running({}, desired=1)
+    assert plan(body, [], OLD, now=NOW).status["servedModelName"] == "m"
+    body["spec"]["model"]["servedModelName"] = "chat"
+    assert plan(body, [], OLD, now=NOW).status["servedModelName"] == "chat"
+
+
 def test_a_model_whose_name_is_taken_serves_nothing_and_says_so_once():
     body = running({"replicas": 2, "maxReplicas": 2}, desired=2)
     children = built(body)
@@ -241,7 +287,7 @@ def test_a_model_whose_name_is_taken_serves_nothing_and_says_so_once():
     assert [(p.name, p.patch) for p in actions.patches] == [("m-normal", {"spec": {"replicas": 0}})]
     status = actions.status
     assert (status["phase"], status["reason"]) == ("Invalid", "ServedNameTaken")
-    assert "servedModelName 'm' is served by the older ModelDeployment older" in status["message"]
+    assert "servedModelName 'm' is served by ModelDeployment older" in status["message"]
     assert status["roles"]["normal"]["desired"] == 0
     (event,) = actions.events
     assert event.reason == "ServedNameTaken" and event.warning
