@@ -32,9 +32,11 @@ def _chat(args: argparse.Namespace) -> int:
     from tandem.engine import LLM, SamplingParams
 
     # Checked before the model loads: a bad value costs no load.
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+    )
     started = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, seed=None)
     loaded = time.perf_counter()
     print(f"[{args.model} loaded in {loaded - started:.1f}s]", file=sys.stderr)
     # stdout holds the answer alone (`tandem chat ... > answer.txt`), the rest is stderr.
@@ -219,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chat.add_argument(
         "--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)"
+    )
+    chat.add_argument(
+        "--seed", type=int, help="the same seed, the same answer (default: a new one each run)"
     )
     chat.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 or float16")
     chat.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")

@@ -74,7 +74,7 @@ class LLM:
         device: str | torch.device | None = None,
         num_kv_blocks: int | None = None,
         kv_cache_memory: int | None = None,
-        seed: int = 0,
+        seed: int | None = 0,
         mtp_head: MtpHead | None = None,
         decode_graphs: bool | None = None,
         **engine_config_fields: Any,
@@ -85,8 +85,8 @@ class LLM:
         if "vocab_size" in engine_config_fields:
             raise ValueError("vocab_size comes from the model; do not set it")
         check_fields(engine_config_fields)  # before a load of minutes
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {seed!r}")
         if mtp_head is not None and not callable(getattr(mtp_head, "propose", None)):
             raise ValueError(f"mtp_head must have a propose method (MtpHead), got {mtp_head!r}")
         block_size = engine_config_fields.get("block_size", 16)
@@ -239,7 +239,7 @@ def build_engine(
     config: EngineConfig,
     num_blocks: int,
     *,
-    seed: int = 0,
+    seed: int | None = 0,
     vote=None,
     mtp_head: MtpHead | None = None,
     decode_graphs: bool | None = None,

@@ -51,10 +51,15 @@ _STREAM_SAMPLE, _STREAM_ACCEPT = 0, 1
 class Sampler:
     """Samples and verifies drafts for a step's logits; see the module docstring."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int | None = 0) -> None:
         # On the CPU whatever the logits' device: R numbers a step are cheap to
         # move, and one generator keeps unseeded draws reproducible per sampler.
-        self._generator = torch.Generator().manual_seed(seed)
+        # None: a seed from the OS, so that two samplers (replicas) draw apart.
+        self._generator = torch.Generator()
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
 
     def free(self, request_id: str) -> None:
         """Drop per-request state: there is none (seeded randomness is stateless)."""

@@ -300,6 +300,9 @@ def test_unseeded_draws_follow_the_sampler_seed():
     rows = [SampleRows(str(i), i, [], SamplingParams(temperature=1.0), 0) for i in range(20)]
     assert Sampler(seed=5).sample(logits, rows) == Sampler(seed=5).sample(logits, rows)
     assert Sampler(seed=5).sample(logits, rows) != Sampler(seed=6).sample(logits, rows)
+    # None: each sampler seeded from the OS (engine replicas, seeded alike, gave the same
+    # "random" answers in turn).
+    assert Sampler(seed=None).sample(logits, rows) != Sampler(seed=None).sample(logits, rows)
 
 
 # --------------------------------------------------------------- filters

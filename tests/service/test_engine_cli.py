@@ -133,3 +133,12 @@ def test_flags_default_to_the_settings_own_defaults():
     names = dict(role=args.role, model_name="m", engine_id="e", http_address="a:1")
     flagged = WorkerSettings(**names, **worker_fields(args))
     assert flagged == WorkerSettings(**names, started_at=flagged.started_at)
+
+
+def test_engines_seed_unseeded_draws_apart_unless_told():
+    # Every engine and rank seeded 0: replicas behind one gateway gave the same
+    # "random" answers in turn. None: each draws its seed from the OS (Sampler).
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).seed is None
+    assert parser.parse_args(["--seed", "7"]).seed == 7

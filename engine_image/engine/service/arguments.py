@@ -106,8 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--seed",
         type=int,
-        default=0,
-        help="seed of the sampler's draws for requests that give none (default: %(default)s)",
+        help="seed of the sampler's draws for requests that give none (default: a random one "
+        "per engine and rank, so that replicas do not give the same answers)",
     )
 
     serving = parser.add_argument_group("serving")
@@ -285,7 +285,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     # Past these torch's own check says "Overflow when unpacking long long", no flag.
     if args.threads is not None and args.threads > _MOST_THREADS:
         raise ValueError(f"--threads must be at most {_MOST_THREADS}, got {args.threads}")
-    if not 0 <= args.seed < 2**63:
+    if args.seed is not None and not 0 <= args.seed < 2**63:
         raise ValueError(f"--seed must be in 0..2**63-1, got {args.seed}")
     check_key_prefix(args.key_prefix, "--key-prefix")
     # Its registry entry and its consumer name in the Redis groups: an empty one would
