@@ -128,7 +128,8 @@ def with_adoptions(events: Sequence[Event], adopted: Collection[str]) -> tuple[E
     """The pass's events once its writes are made: a child planned as created but found
     already there and taken over ("Deployment m-decode", its labels removed by hand or
     left by an earlier ModelDeployment of the same name) is said to be adopted, not
-    (re)created, which is all the plan could know."""
+    (re)created, which is all the plan could know. On a first pass, whose creations
+    are no news, an adoption is said all the same: an object that was there before."""
     if not adopted:
         return tuple(events)
     made = {
@@ -136,12 +137,17 @@ def with_adoptions(events: Sequence[Event], adopted: Collection[str]) -> tuple[E
         for child in adopted
         for verb in ("created", "recreated")
     }
-    return tuple(
+    said = [
         Event(
             e.reason, "; ".join(made.get(part, part) for part in e.message.split("; ")), e.warning
         )
         for e in events
-    )
+    ]
+    told = {part for e in said for part in e.message.split("; ")}
+    unsaid = [f"{child}: adopted" for child in sorted(adopted) if f"{child}: adopted" not in told]
+    if unsaid:
+        said.append(Event("DriftRepaired", "; ".join(unsaid)))
+    return tuple(said)
 
 
 def readability_events(decisions: Mapping[RoleName, Decision]) -> tuple[Event, ...]:

@@ -93,6 +93,9 @@ async def test_what_an_earlier_model_of_the_same_name_left_is_adopted(cluster, o
     (owner,) = cluster.child("Deployment", "m-normal")["metadata"]["ownerReferences"]
     assert owner["uid"] == cluster.model("m")["metadata"]["uid"]
     assert cluster.events("ChildTaken") == []
+    # Taken over on the model's first pass, whose creations are no news: said all the same.
+    (event,) = await eventually(lambda: cluster.events("DriftRepaired"), what="DriftRepaired")
+    assert event["message"] == "Deployment m-normal: adopted"
 
 
 async def test_a_child_that_lost_its_labels_is_said_to_be_adopted(cluster, operator):
@@ -110,3 +113,47 @@ async def test_a_child_that_lost_its_labels_is_said_to_be_adopted(cluster, opera
     child = cluster.child("Deployment", "m-normal")
     assert child["metadata"]["uid"] == uid, "the same object, not a new one"
     assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "tandem-operator"
+
+
+async def test_an_object_of_a_childs_name_that_is_nobodys_child_is_not_taken_over(
+    cluster, operator
+):
+    # A team's own Service, made by kubectl or Helm (no owner, none of the model's
+    # labels): it was adopted in silence, its selector merged with the engines' (so it
+    # matched neither), and deleted with the model.
+    service = {
+        "metadata": {"name": "m-normal", "labels": {"app": "legacy"}},
+        "spec": {"selector": {"app": "legacy"}, "ports": [{"port": 80}]},
+    }
+    await cluster.api.create(CHILDREN["Service"], NAMESPACE, service)
+    await cluster.apply(MODEL)
+
+    await eventually(lambda: status(cluster).get("reason") == "ChildTaken", what="ChildTaken")
+    assert "Service m-normal exists and is not this ModelDeployment's" in status(cluster)["message"]
+    theirs = cluster.api.read(CHILDREN["Service"], NAMESPACE, "m-normal")
+    assert theirs["spec"]["selector"] == {"app": "legacy"}
+    assert not theirs["metadata"].get("ownerReferences")
+
+    await cluster.api.delete(CHILDREN["Service"], NAMESPACE, "m-normal")
+    await eventually(lambda: status(cluster).get("phase") == "Ready", what="Ready once freed")
+
+
+async def test_an_orphaned_child_with_the_models_labels_is_adopted(cluster, operator):
+    # `kubectl delete modeldeployment m --cascade=orphan`, then m again: its children
+    # lost their owner references, not their labels.
+    await cluster.apply(MODEL)
+    await eventually(lambda: status(cluster).get("phase") == "Ready", what="Ready")
+    uid = cluster.child("Service", "m-normal")["metadata"]["uid"]
+    patch = {
+        "metadata": {
+            "ownerReferences": None,
+            "labels": {"app.kubernetes.io/managed-by": None},
+        }
+    }
+    await cluster.api.patch(CHILDREN["Service"], NAMESPACE, "m-normal", patch)
+
+    (event,) = await eventually(lambda: cluster.events("DriftRepaired"), what="DriftRepaired")
+    assert event["message"] == "Service m-normal: adopted"
+    child = cluster.child("Service", "m-normal")
+    assert child["metadata"]["uid"] == uid
+    assert child["metadata"]["ownerReferences"][0]["uid"] == cluster.model("m")["metadata"]["uid"]

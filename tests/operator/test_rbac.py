@@ -65,7 +65,8 @@ def _normal_model() -> dict[str, Any]:
 
 
 async def _taken_names(cluster: Cluster) -> None:
-    """Objects already named as the normal role's children: the operator gets and adopts them."""
+    """The normal role's children orphaned (their labels kept, no owner): the operator gets
+    and adopts them."""
     selector = selector_labels("m", RoleName.NORMAL)
     specs: dict[str, dict[str, Any]] = {
         "ConfigMap": {},
@@ -82,7 +83,8 @@ async def _taken_names(cluster: Cluster) -> None:
     }
     for kind, body in specs.items():
         name = {"ConfigMap": "m-normal-engine", "Secret": "m-normal-redis"}.get(kind, "m-normal")
-        await cluster.api.create(CHILDREN[kind], NAMESPACE, {"metadata": {"name": name}, **body})
+        metadata = {"name": name, "labels": selector}
+        await cluster.api.create(CHILDREN[kind], NAMESPACE, {"metadata": metadata, **body})
 
 
 @pytest.mark.asyncio
