@@ -141,7 +141,10 @@ def plan(
     if not all(c.ready >= c.desired and not c.rolling for c in counts.values()):
         # After a mode change the old mode's roles serve until the new ones are ready
         # (loading a model takes minutes): the model never serves nothing meanwhile.
-        gone = {key for key in gone if _role(found[key]) in (None, *spec.roles())}
+        # So do a current role's old children (the operator's Redis Secret after a
+        # switch to spec.redis): its old pods read them until the new ones are ready,
+        # and one restarted meanwhile without them would not start.
+        gone = {key for key in gone if _role(found[key]) is None}
     deletes = tuple(sorted(gone, key=lambda k: (k.kind, k.name)))
     scales = [autoscaler_scale(d, clamp_of(clamps, role)) for role, d in scaled.items()]
     scales += [c.scale for c in clamps if not c.by_hand and c.role not in scaled]

@@ -198,6 +198,38 @@ def test_a_role_of_another_mode_is_deleted_once_the_new_roles_are_ready():
     assert {k.name for k in actions.deletes} == {"m-normal", "m-normal-engine", "m-normal-redis"}
 
 
+def test_a_current_roles_old_redis_secret_stays_until_its_new_pods_are_ready():
+    # Switched to spec.redis, the pass that rolled the pods deleted the operator's Redis
+    # Secret they read: an old pod restarted meanwhile could not start.
+    children = children_of(model())
+    for child in children:
+        if child["kind"] == "Deployment":
+            child["status"] = {"replicas": 1, "updatedReplicas": 1, "readyReplicas": 1}
+    own = model()
+    own["spec"]["redis"] = {"url": "redis://models-redis:6379/0"}
+    actions = plan(own, children, DEFAULTS, now=NOW)
+    assert "spec.template.spec.containers[0].env" in " ".join(
+        path for p in actions.patches if p.kind == "Deployment" for path in p.drift
+    )
+    assert not actions.deletes  # rolling: the old pods still read it
+
+    own["status"] = {**actions.status, "observedGeneration": 1}
+    (deployment,) = [c for c in children if c["kind"] == "Deployment"]
+    deployment["metadata"]["generation"] = 2
+    deployment["spec"] = next(p for p in actions.patches if p.kind == "Deployment").patch[
+        "spec"
+    ] | {"replicas": 1}
+    deployment["status"] = {
+        "observedGeneration": 2,
+        "replicas": 1,
+        "updatedReplicas": 1,
+        "readyReplicas": 1,
+        "availableReplicas": 1,
+    }
+    actions = plan(own, children, DEFAULTS, now=NOW)
+    assert [k.name for k in actions.deletes] == ["m-normal-redis"]
+
+
 def test_a_deployment_that_cannot_make_pods_says_why_in_the_status():
     # A quota or an admission webhook refuses every pod: its words, not a deadline's.
     children = children_of(model())
