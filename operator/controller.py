@@ -6,9 +6,7 @@ object and children, asks reconcile.plan what should change and writes only
 that. Passes of one ModelDeployment never overlap (a lock per object), so a
 burst of child events cannot race two creates of the same Deployment.
 
-Order of writes: pod-deletion costs before the replica change they prepare
-(the ReplicaSet reads them when it picks pods to remove), children next,
-Events, and the status last, so the status never claims what was not done.
+The writes, in their order, are plan_writer.py's.
 """
 
 from __future__ import annotations
@@ -16,10 +14,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
-import datetime
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,10 +25,9 @@ import redis
 from tandem import catalog
 from tandem.operator import scaling
 from tandem.operator.autoscaler import Decision
-from tandem.operator.child_owners import ChildTaken, check_not_taken
-from tandem.operator.drift import ChildKey, repair_patch
-from tandem.operator.events import Event, queue_events, readability_events, with_adoptions
-from tandem.operator.kube import ApiError, KubeApi
+from tandem.operator.drift import ChildKey
+from tandem.operator.events import Event, queue_events, readability_events
+from tandem.operator.kube import KubeApi
 from tandem.operator.manifests import (
     CHILD_KINDS,
     INSTANCE_LABEL,
@@ -42,13 +38,11 @@ from tandem.operator.manifests import (
     pods_of,
 )
 from tandem.operator.object_locks import ObjectLocks
+from tandem.operator.plan_writer import PlanWriter, utc_now
 from tandem.operator.pod_load import PodSample
 from tandem.operator.reconcile import (
     Plan,
-    child_taken,
-    forbidden,
     plan,
-    refused,
     served_name_holder,
 )
 from tandem.operator.replica_counts import role_replicas
@@ -91,6 +85,7 @@ class Controller:
         watch_clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._kube = kube
+        self._writer = PlanWriter(kube)
         self._sources = sources
         self._settings = settings
         self._defaults = OperatorDefaults(
@@ -170,7 +165,8 @@ class Controller:
             return
         self._failing.add(key)
         message = redacted(f"{error}"[:1000] or type(error).__name__)
-        await self._post(model, (Event("ReconcileFailed", f"{message}; retried", warning=True),))
+        failed = Event("ReconcileFailed", f"{message}; retried", warning=True)
+        await self._writer.post(model, (failed,))
 
     def forget(self, namespace: str, name: str) -> None:
         """The ModelDeployment is gone: a new one of its name starts no failure streak."""
@@ -196,14 +192,14 @@ class Controller:
             model,
             children,
             self._defaults,
-            now=_now(),
+            now=utc_now(),
             scaled=outcome.changed if outcome else {},
             pods=pods,
             holder=holder,
         )
         costs = await self._costs(actions, pods, outcome)
-        await self._apply(model, actions, costs)
-        await self._post(model, outcome.notices if outcome else ())
+        await self._writer.apply(model, actions, costs)
+        await self._writer.post(model, outcome.notices if outcome else ())
         return outcome.memory if outcome else memory
 
     async def _models(self) -> list[Body]:
@@ -309,92 +305,6 @@ class Controller:
             raise LookupError(f"Secret {ref.name} has no key {ref.key!r}")
         return base64.b64decode(secret["data"][ref.key]).decode().strip()
 
-    # ------------------------------------------------------------------ writes
-
-    async def _apply(self, model: Body, actions: Plan, costs: Mapping[str, int]) -> None:
-        meta = model["metadata"]
-        namespace, name = meta["namespace"], meta["name"]
-        for pod, cost in costs.items():
-            await self._kube.set_pod_deletion_cost(namespace, pod, cost)
-        try:
-            # Every write checked before any is made: a child the API server refuses
-            # must not leave the others changed (one role rolled to the new spec and
-            # the other not, a ConfigMap ahead of its Deployment).
-            if len(actions.creates) + len(actions.patches) > 1:
-                await self._write(namespace, actions, dry_run=True)
-            adopted = await self._write(namespace, actions, dry_run=False)
-        except ChildTaken as taken:
-            await self._apply(model, child_taken(model, str(taken), now=_now()), {})
-            return
-        except ApiError as error:
-            if error.forbidden:
-                # Said in the status and an Event, not only the log; the next pass
-                # (a child's event, the timer) tries again.
-                await self._apply(model, forbidden(model, str(error), now=_now()), {})
-                return
-            if not error.refused:
-                raise  # retried with backoff
-            # The spec passed our checks but builds a child the API server refuses
-            # (a rule only it knows): say so in the status, not in a retry loop.
-            await self._apply(model, refused(model, str(error), now=_now()), {})
-            return
-        for key in actions.deletes:
-            await self._kube.delete(key.kind, namespace, key.name)
-        await self._post(model, with_adoptions(actions.events, adopted))
-        if actions.status is not None:
-            await self._kube.patch_status(KIND, namespace, name, actions.status)
-        if actions.touches_children:
-            log.info(
-                "%s/%s: created %s; patched %s; deleted %s",
-                namespace,
-                name,
-                [f"{c['kind']}/{c['metadata']['name']}" for c in actions.creates],
-                [f"{p.kind}/{p.name} ({', '.join(p.drift)})" for p in actions.patches],
-                [f"{k.kind}/{k.name}" for k in actions.deletes],
-            )
-
-    async def _write(self, namespace: str, actions: Plan, *, dry_run: bool) -> set[str]:
-        """The plan's creates and patches; returns the children found already there and
-        adopted instead of created ("Deployment m-decode")."""
-        adopted = set()
-        for manifest in actions.creates:
-            if await self._create(manifest, dry_run=dry_run):
-                adopted.add(f"{manifest['kind']} {manifest['metadata']['name']}")
-        for patch in actions.patches:
-            await self._kube.patch(patch.kind, namespace, patch.name, patch.patch, dry_run=dry_run)
-        return adopted
-
-    async def _post(self, model: Body, events: Sequence[Event]) -> None:
-        for event in events:
-            await self._kube.post_event(
-                model, reason=event.reason, message=event.message, warning=event.warning
-            )
-
-    async def _create(self, manifest: Body, *, dry_run: bool = False) -> bool:
-        """Creates the child, or adopts one of its name already there: whether it adopted.
-        ChildTaken if another controller owns that one, in the dry run too: the real
-        writes must not begin (the children before it made, the model then frozen)."""
-        try:
-            await self._kube.create(manifest, dry_run=dry_run)
-            return False
-        except ApiError as error:
-            if not error.already_exists:
-                raise
-            meta = manifest["metadata"]
-            existing = await self._kube.get(manifest["kind"], meta["namespace"], meta["name"])
-            if existing is None:
-                if dry_run:
-                    return False  # gone meanwhile: the real write creates it
-                raise
-            check_not_taken(manifest, existing)
-            if dry_run:
-                return False
-            # Made meanwhile (a user, or an older incarnation of this object): adopt it.
-            await self._kube.patch(
-                manifest["kind"], meta["namespace"], meta["name"], repair_patch(manifest, existing)
-            )
-            return True
-
 
 def _deletion_costs(
     pods: list[Body], roles: list[RoleName], samples: Mapping[str, PodSample]
@@ -405,7 +315,3 @@ def _deletion_costs(
         role_pods = pods_of(pods, role_name)
         costs.update(scaling.cost_changes(role_pods, scaling.deletion_costs(role_pods, samples)))
     return costs
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
