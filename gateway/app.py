@@ -9,6 +9,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -84,8 +85,20 @@ def create_app(
         timeout_s=settings.body_timeout_s,
         authenticate=key_store.caller,
     )
-    # Added last, so outermost: it also sees the body limit's 413s.
+    # Added after the body limit, so outside it: it also sees the body limit's 413s.
     app.add_middleware(RequestObserver, metrics=metrics)
+    if settings.allowed_origins:
+        # Outermost: a browser's preflight (OPTIONS, no key) is answered here, and every
+        # answer, a 401 or 413 of the body limit's included, carries the headers a
+        # browser needs to show it to the page.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],  # Authorization, the SDKs' x-stainless-*, Idempotency-Key
+            expose_headers=["Retry-After", "x-should-retry"],
+            max_age=600,
+        )
     open_access = key_store.open_access
     app.openapi = lambda: _openapi(app, open_access=open_access)  # type: ignore[method-assign]
     return app

@@ -56,6 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="larger request bodies get 413",
     )
     parser.add_argument(
+        "--allowed-origin",
+        dest="allowed_origins",
+        action="append",
+        metavar="ORIGIN",
+        help="an origin (https://chat.example.com, or *) whose web pages may call the API "
+        "from a browser (CORS); repeat for more (default: none)",
+    )
+    parser.add_argument(
         "--default-max-tokens",
         type=int,
         default=default.default_max_tokens,

@@ -65,6 +65,9 @@ class GatewaySettings:
     redis_loss_grace_s: float = 2.0
     # /readyz answers 503 when Redis does not answer its PING within this long.
     readyz_timeout_s: float = 1.0
+    # Origins whose web pages may call the API from a browser (CORS); "*" any. Empty:
+    # none (a browser then refuses the answers to scripts of other origins).
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -94,6 +97,12 @@ class GatewaySettings:
         _positive_seconds("readyz_timeout_s", self.readyz_timeout_s)
         _positive_seconds("body_timeout_s", self.body_timeout_s)
         _positive_seconds("header_timeout_s", self.header_timeout_s)
+        for origin in self.allowed_origins:
+            if origin != "*" and not _is_origin(origin):
+                raise ValueError(
+                    f"allowed origin {origin!r} is not an origin: give scheme://host[:port] "
+                    "(https://chat.example.com) or *"
+                )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GatewaySettings:
@@ -110,6 +119,7 @@ class GatewaySettings:
             default_max_tokens=args.default_max_tokens,
             shutdown_timeout=args.shutdown_timeout,
             access_log=args.access_log,
+            allowed_origins=tuple(args.allowed_origins or ()),
         )
 
 
@@ -123,3 +133,9 @@ def _positive_seconds(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a number of seconds, got {value!r}")
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
+def _is_origin(value: str) -> bool:
+    """scheme://host[:port], nothing after: what a browser sends as Origin."""
+    scheme, sep, rest = value.partition("://")
+    return bool(sep and scheme in ("http", "https") and rest and not set("/?#@ ") & set(rest))

@@ -49,6 +49,8 @@ BAD_VALUES = [
     (["gateway.resources.limits=null"], "at '/gateway/resources': missing property 'limits'"),
     (["operator.namespaces={Team_A}"], "at '/operator/namespaces/0'"),
     (["monitoring.interval=30"], "at '/monitoring/interval'"),
+    # A page's URL is not its origin: the gateway refuses it at start (a crash loop).
+    (["gateway.allowedOrigins={https://a.example.com/app}"], "at '/gateway/allowedOrigins/0'"),
     # A digest where a tag goes, or in the repository, made an image reference no
     # runtime pulls (repo:sha256:..., repo@sha256:...:0.1.0): it has its own key.
     ([f"gateway.image.tag=sha256:{'a' * 64}"], "at '/gateway/image/tag'"),

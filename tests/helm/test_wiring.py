@@ -117,6 +117,14 @@ def test_the_gateway_accepts_its_command_line(renders, name):
         assert keys_file is None and "TANDEM_API_KEYS" in env, "the bootstrap key"
 
 
+def test_the_gateways_allowed_origins_reach_its_settings(helm):
+    sets = ["gateway.allowedOrigins={https://chat.example.com,http://localhost:3000}"]
+    container = _container(named(render(helm, sets=sets), "Deployment", "tandem-gateway"))
+    args = build_parser().parse_args([*container["command"][1:], *container["args"]])
+    origins = ("https://chat.example.com", "http://localhost:3000")
+    assert GatewaySettings.from_args(args).allowed_origins == origins
+
+
 @pytest.mark.parametrize(
     ("sets", "bootstrap"),
     [
