@@ -82,12 +82,18 @@ class HandoffFlow:
         # COMPLETION side.
         self.fetches = KVFetches(fetch_kv, release=release_kv)
         self._waiting_room: list[_Taken] = []
+        self._parked_since: dict[str, float] = {}  # request id -> time.monotonic()
         self._mismatched: set[str] = set()  # prompt engines of another model, warned of
 
     @property
     def num_parked(self) -> int:
         """COMPLETION: handoffs taken that wait for room to admit their KV."""
         return len(self._waiting_room)
+
+    def parked_longer_than(self, seconds: float) -> list[str]:
+        """COMPLETION: the request ids of handoffs parked for more than `seconds`."""
+        now = time.monotonic()
+        return [rid for rid, since in self._parked_since.items() if now - since > seconds]
 
     @property
     def num_offers(self) -> int:
@@ -220,7 +226,9 @@ class HandoffFlow:
         )
         if table is None:  # no room yet: retry every turn, the entry stays ours
             self._waiting_room.append(taken)
+            self._parked_since.setdefault(rid, time.monotonic())
             return False
+        self._parked_since.pop(rid, None)
         reason = self._recompute_reason(handoff, generated)
         if reason is not None:
             if reason == "mismatch" and handoff.prompt_engine not in self._mismatched:
@@ -277,6 +285,7 @@ class HandoffFlow:
         self._waiting_room = [
             w for w in self._waiting_room if w.handoff.work["request_id"] != request_id
         ]
+        self._parked_since.pop(request_id, None)
 
     # ---------------------------------------------------------------- both
 

@@ -47,6 +47,11 @@ log = logging.getLogger(__name__)
 
 # How often an idle rank of a busy data-parallel group asks Redis for work.
 GROUP_POLL_S = 0.01
+# A handoff parked this long on a decoder without room goes back to the queue, and the
+# decoder pulls nothing for PARK_COOLDOWN_S, so that one with room (a replica started
+# for the load, say) takes it; alone, the decoder takes it again after the pause.
+PARKED_HAND_BACK_S = 1.0
+PARK_COOLDOWN_S = 0.25
 
 
 class EngineWorker:
@@ -73,6 +78,7 @@ class EngineWorker:
         # Whether any rank had work at the last vote (this one's own work, alone).
         self._group_busy = False
         self._pulled_at = 0.0  # when it last asked Redis for work
+        self._pull_paused_until = 0.0  # after handing parked handoffs back (monotonic)
         self.held: dict[str, Held] = {}
         # Pulled, not taken yet: Redis went away while they were being taken.
         self._untaken: list[Delivery] = []
@@ -216,8 +222,10 @@ class EngineWorker:
     def _pull(self, *, block: bool) -> None:
         room = 0
         if not (self.outage.down or self._untaken or self._draining):
+            self._hand_back_parked()
             parked = self.handoffs.num_parked if self.handoffs is not None else 0
-            room = pull_room(self.engine.scheduler, self.settings, len(self.held), parked)
+            if time.monotonic() >= self._pull_paused_until:
+                room = pull_room(self.engine.scheduler, self.settings, len(self.held), parked)
         if self.outage.down or not (room or self._untaken):
             if block:
                 time.sleep(self.settings.idle_block_ms / 1000)
@@ -246,6 +254,27 @@ class EngineWorker:
             return
         if took:  # the waiting tokens' integral counts them from now, not from the step's end
             self.metrics.observe_queues(self.engine)
+
+    def _hand_back_parked(self) -> None:
+        """Handoffs parked past PARKED_HAND_BACK_S go back to the queue (see there): one
+        waited on a full decoder for its room while another decoder sat idle, until its
+        KV offer expired and it was recomputed."""
+        if self.handoffs is None:
+            return
+        stale = self.handoffs.parked_longer_than(PARKED_HAND_BACK_S)
+        deliveries = [self.held[rid].delivery for rid in stale if rid in self.held]
+        if not deliveries:
+            return
+        try:
+            self.io.queue.hand_back(deliveries)
+        except redis.RedisError as exc:
+            if not unavailable(exc):
+                raise
+            return  # kept parked: the outage is noticed by the next write
+        for rid in stale:
+            self.handoffs.drop(self.engine, rid)
+            self.held.pop(rid, None)
+        self._pull_paused_until = time.monotonic() + PARK_COOLDOWN_S
 
     def _take(self, delivery: Delivery) -> None:
         message = delivery.message

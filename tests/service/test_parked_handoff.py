@@ -1,0 +1,32 @@
+"""A handoff a full decoder has no room for goes back to the queue for a decoder that
+has. Real engine processes: a prompt engine and two decoders."""
+
+from __future__ import annotations
+
+import redis
+from support.polling import eventually
+
+# A model slow enough that the first request decodes for seconds.
+MEDIUM = ("--model", "random:medium", "--max-model-len", "2048", "--claim-idle-ms", "60000")
+SAMPLING = {"temperature": 0.0, "ignore_eos": True}
+
+
+def test_a_parked_handoff_goes_to_a_decoder_with_room(engines, client, redis_url, keys):
+    # The full decoder kept it until its own first request ended, however long that
+    # took, while a decoder started for the load sat idle.
+    engines("prompt", *MEDIUM, "--num-kv-blocks", "256")
+    # The first decodes 1,400 tokens; the second's prompt (1,500 tokens, 94 blocks) does
+    # not fit the first decoder's 128 blocks beside it (35).
+    client.submit(prompt_token_ids=[5] * 549, sampling={"max_tokens": 1400, **SAMPLING})
+    client.submit(prompt_token_ids=[6] * 1500, sampling={"max_tokens": 8, **SAMPLING})
+    conn = redis.Redis.from_url(redis_url)
+    stream = keys.handoff_stream("tiny")
+    assert eventually(lambda: conn.xlen(stream) == 2, 60), "the prompts were not prefilled"
+    first = engines("completion", *MEDIUM, "--num-kv-blocks", "128")
+    assert eventually(lambda: first.metric("tandem_engine_kv_cache_usage") > 0, 30)
+    second = engines("completion", *MEDIUM, "--num-kv-blocks", "256")
+    # The second takes the parked one while the first still decodes its own.
+    assert eventually(lambda: second.metric("tandem_engine_requests_total") == 1, 30)
+    assert first.metric("tandem_engine_requests_total") == 0
+    assert first.metric("tandem_engine_handoffs_parked") == 0
+    conn.close()
