@@ -107,11 +107,13 @@ async def _read_stream(
     response: httpx.Response, target: Target, record: RequestRecord, run_start: float
 ) -> None:
     chunks = 0
+    events = 0
     lines = sse_lines(response)
     async for line in lines:
         now = time.perf_counter()
         if not line.startswith("data:"):
             continue  # blank separators, comments, `event:` lines
+        events += 1
         payload = line[5:].strip()
         if payload == "[DONE]":
             record.e2e_s = now - run_start - record.start_s
@@ -148,6 +150,9 @@ async def _read_stream(
     if record.finish_reason is None:
         record.error_kind = "protocol"
         record.error_message = "the stream ended without a finish_reason"
+        if not events:  # a server that ignores stream: true, say
+            kind = response.headers.get("content-type") or "no Content-Type"
+            record.error_message = f"the server sent no event stream ({kind}, no data: line)"
     if not record.usage_reported:
         record.output_tokens = chunks
 

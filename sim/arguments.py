@@ -74,6 +74,16 @@ def check_args(args: argparse.Namespace) -> None:
     SLO(args.slo_ttft, args.slo_tpot)
 
 
+def check_deployment_args(args: argparse.Namespace, mode: str, autoscaled: bool) -> None:
+    """Refuse the flags the deployment (its mode, its bounds: flags or --deployment)
+    leaves without effect: ValueError naming them."""
+    if mode != "disaggregated":
+        _refuse(args.given_flags, ("--network-gbps",), "only for a disaggregated deployment")
+    if not autoscaled:
+        why = "only where some role is autoscaled (min below max): no pod starts mid-run"
+        _refuse(args.given_flags, ("--startup-s",), why)
+
+
 def _refuse(given: tuple[str, ...], flags: tuple[str, ...], why: str) -> None:
     wrong = [f for f in dict.fromkeys(given) if f in flags]  # once each, in the order given
     if wrong:
@@ -92,7 +102,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument("--device", default="h200", help=f"one of {', '.join(device_names())}")
     model.add_argument(
-        "--network-gbps", type=float, default=400.0, help="KV transfer link per GPU, Gb/s"
+        "--network-gbps",
+        action=_Noted,
+        type=float,
+        default=400.0,
+        help="KV transfer link per GPU, Gb/s (disaggregated)",
     )
 
     dep = parser.add_argument_group("deployment (or --deployment model.yaml)")
@@ -120,7 +134,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     dep.add_argument("--chunked-prefill", action=_Noted, nargs=0, const=True, default=False)
     dep.add_argument("--prefill-attempt-interval", action=_Noted, type=int, default=70)
     dep.add_argument("--prefill-any-attempt-interval", action=_Noted, type=int, default=100)
-    dep.add_argument("--startup-s", type=float, default=120.0, help="scale-up to ready, seconds")
+    dep.add_argument(
+        "--startup-s",
+        action=_Noted,
+        type=float,
+        default=120.0,
+        help="scale-up to ready, seconds (autoscaled roles)",
+    )
 
     load = parser.add_argument_group("workload (a trace, or distributions)")
     load.add_argument("--trace", default=None, help="JSONL: arrival_s, input_tokens, output_tokens")

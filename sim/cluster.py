@@ -23,6 +23,7 @@ nothing. Between the events it copies the real system:
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -87,6 +88,7 @@ class Cluster:
         self._lives: list[PodLife] = []
         self._events: list[ScaleEvent] = []
         self._timeline: list[ReplicaPoint] = []
+        self._last_points: dict[RoleName, ReplicaPoint] = {}  # each role's, in the timeline
         self._steps = 0
         self._tokens = 0
         self._names = itertools.count(1)
@@ -133,7 +135,7 @@ class Cluster:
                     self._push(now + cfg.scrape_interval_s, _TICK, None)
         if end is None:
             end = min(max(now, until), cfg.max_time_s)
-        self._record_replicas(end)
+        self._record_replicas(end, always=True)
         for pods in self._pods.values():
             for pod in pods:
                 self._lives.append(pod.life(end))
@@ -371,19 +373,24 @@ class Cluster:
                 pod.state = PodState.DRAINING
                 self._turn(pod, now)
 
-    def _record_replicas(self, now: float) -> None:
+    def _record_replicas(self, now: float, *, always: bool = False) -> None:
+        """A timeline point per role whose counts changed since its last (every role's
+        where `always`): an idle stretch ticks on for nothing new, and kept a point a
+        tick, its memory grew with the gap."""
         for role, pods in self._pods.items():
             states = [p.state for p in pods]
-            self._timeline.append(
-                ReplicaPoint(
-                    now,
-                    str(role),
-                    self._replicas[role],
-                    states.count(PodState.READY),
-                    states.count(PodState.STARTING),
-                    states.count(PodState.DRAINING),
-                )
+            point = ReplicaPoint(
+                now,
+                str(role),
+                self._replicas[role],
+                states.count(PodState.READY),
+                states.count(PodState.STARTING),
+                states.count(PodState.DRAINING),
             )
+            last = self._last_points.get(role)
+            if always or last is None or dataclasses.replace(last, time_s=now) != point:
+                self._timeline.append(point)
+                self._last_points[role] = point
 
 
 def simulate(config: ClusterConfig, requests: Sequence[TraceRequest]) -> RunResult:

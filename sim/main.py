@@ -16,7 +16,7 @@ import math
 
 from tandem.outputs import cannot_write, check_dir, check_file, write_failed
 from tandem.sim import deployment as deploy
-from tandem.sim.arguments import check_args
+from tandem.sim.arguments import check_args, check_deployment_args
 from tandem.sim.cluster import ClusterConfig, simulate
 from tandem.sim.devices import device
 from tandem.sim.model_shapes import model_shape
@@ -41,6 +41,7 @@ def main(args: argparse.Namespace) -> int:
     shape = model_shape(args.model)
     tp = args.tp if args.tp is not None else _DEFAULT_TP.get(shape.name, 1)
     deployment = _deployment(args, tp, shape.config.vocab_size)
+    check_deployment_args(args, deployment.mode, deployment.autoscaled)
     requests = _workload(args, deployment)
     if args.save_trace:
         try:

@@ -80,7 +80,8 @@ class ScaleEvent:
 
 @dataclass(frozen=True, slots=True)
 class ReplicaPoint:
-    """One role's pods at one autoscaler evaluation (or at the start and the end)."""
+    """One role's pods from an autoscaler evaluation that changed them (and at the start
+    and the end) until the next point."""
 
     time_s: float
     role: str

@@ -2,11 +2,11 @@
 
     {"arrival_s": 0.0, "input_tokens": 512, "output_tokens": 128}
 
-`arrival_s` is seconds from the start of the run (>= 0, lines in any order:
-they are sorted); the token counts are integers >= 1. Blank lines and lines
-starting with `#` are skipped; other keys are allowed and ignored (a trace
-exported from elsewhere may carry ids or timestamps). A bad line is a
-TraceError naming the file, the line number and what is wrong.
+`arrival_s` is seconds from the start of the run (>= 0, the first within a
+week; lines in any order: they are sorted); the token counts are integers >= 1.
+Blank lines and lines starting with `#` are skipped; other keys are allowed and
+ignored (a trace exported from elsewhere may carry ids or timestamps). A bad
+line is a TraceError naming the file, the line number and what is wrong.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+# The latest first arrival a trace may have: a quiet week, no more.
+MAX_FIRST_ARRIVAL_S = 7 * 86400
 
 
 class TraceError(ValueError):
@@ -50,7 +53,17 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>") -> list[TraceRequ
         requests.append(_parse_line(text, f"{source} line {number}"))
     if not requests:
         raise TraceError(f"{source}: no requests in the trace")
-    return sorted(requests, key=lambda r: r.arrival_s)
+    requests.sort(key=lambda r: r.arrival_s)
+    first = requests[0].arrival_s
+    if first > MAX_FIRST_ARRIVAL_S:
+        # A Unix timestamp, surely: the bench slept until then, and the simulator ran its
+        # autoscaler through decades of nothing.
+        raise TraceError(
+            f"{source}: its first request arrives {first:,.0f} s ({first / 86400:,.0f} days) "
+            "after the start: arrival_s counts seconds from the trace's start (these look "
+            "like timestamps); subtract the first arrival from every line"
+        )
+    return requests
 
 
 def read_trace(path: str | Path) -> list[TraceRequest]:

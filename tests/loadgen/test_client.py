@@ -97,6 +97,15 @@ def test_a_stream_that_ends_without_finishing_is_a_protocol_error():
     assert record.error_kind == "protocol" and "unreadable" in record.error_message
 
 
+def test_an_answer_that_is_no_event_stream_says_so():
+    # A server that ignores stream: true answers JSON: every request read as "the
+    # stream ended without a finish_reason", which named nothing.
+    whole = json.dumps({"choices": [{"text": "a", "finish_reason": "length"}]}).encode()
+    record = run(canned(whole))
+    assert record.error_kind == "protocol"
+    assert record.error_message.startswith("the server sent no event stream")
+
+
 def test_a_refused_connection():
     def refuse(request):
         raise httpx.ConnectError("connection refused")

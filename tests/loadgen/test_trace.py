@@ -52,6 +52,19 @@ def test_an_empty_trace_and_a_missing_file_are_errors(tmp_path):
     assert issubclass(TraceError, ValueError)
 
 
+def test_a_trace_of_timestamps_is_refused_with_the_fix():
+    # The bench slept until the first arrival (54 years) in silence; the simulator ran
+    # its autoscaler through them for hours, its memory growing.
+    lines = [
+        '{"arrival_s": 1700000001.0, "input_tokens": 100, "output_tokens": 10}',
+        '{"arrival_s": 1700000000.0, "input_tokens": 100, "output_tokens": 10}',
+    ]
+    with pytest.raises(TraceError, match="first request arrives 1,700,000,000 s"):
+        parse_trace(lines, "epoch.jsonl")
+    week = '{"arrival_s": 604800, "input_tokens": 1, "output_tokens": 1}'
+    assert parse_trace([week])[0].arrival_s == 604800  # a quiet week is a trace's own
+
+
 def test_bytes_that_are_not_utf8_are_named_by_line(tmp_path):
     path = tmp_path / "t.jsonl"
     good = b'{"arrival_s": 0, "input_tokens": 1, "output_tokens": 1}\n'

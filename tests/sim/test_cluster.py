@@ -149,3 +149,14 @@ def test_the_simulator_imports_no_io_client():
     # It runs the operator's autoscaler and scaling glue, never their HTTP or Redis clients.
     io = {"httpx", "redis", "prometheus_client", "kopf", "kubernetes"}
     assert packages_loaded("import tandem.sim.main", io) == []
+
+
+def test_an_idle_stretch_adds_no_timeline_points():
+    # One point per role and tick through a quiet day (memory grew with the gap): now a
+    # point where the counts change, and at the start and the end.
+    quiet = [TraceRequest(0.0, 100, 10), TraceRequest(86_400.0, 100, 10)]
+    role = deploy.role_setup("normal", replicas=1, min_replicas=1, max_replicas=2)
+    result = _run(deploy.Deployment({role.role: role}), quiet)
+    assert all(r.finished for r in result.records)
+    assert len(result.timeline) < 10
+    assert result.timeline[-1].time_s == result.end_s

@@ -16,10 +16,19 @@ SIM = ["sim", "--model", "llama-8b", "--duration", "2"]
         (["--until", "inf"], "--until must be a finite number of seconds >= 0, got inf"),
         (["--max-time", "-1"], "--max-time must be a finite number of seconds > 0, got -1.0"),
         (["--rate", "1e5", "--duration", "1e5"], "is 10,000,000,000 requests; a workload holds"),
-        (["--startup-s", "1e300"], "--startup-s must be at most 86400 s (a day), got 1e+300"),
+        (
+            ["--startup-s", "1e300", "--max-replicas", "2"],
+            "--startup-s must be at most 86400 s (a day), got 1e+300",
+        ),
         (["--max-time", "nan"], "--max-time must be a finite number of seconds > 0, got nan"),
         (["--until", "60", "--max-time", "30"], "--until 60 is past --max-time 30"),
-        (["--startup-s", "-1"], "--startup-s must be a finite number of seconds >= 0"),
+        (
+            ["--startup-s", "-1", "--max-replicas", "2"],
+            "--startup-s must be a finite number of seconds >= 0",
+        ),
+        # Flags the deployment leaves without effect (they changed nothing, said nothing).
+        (["--startup-s", "5"], "--startup-s: only where some role is autoscaled"),
+        (["--network-gbps", "1"], "--network-gbps: only for a disaggregated deployment"),
         (["--arrival", "bursty", "--cv", "1e6"], "--cv must be in (0, 10], got 1000000.0"),
         # Lengths: one parser with `tandem bench` (tandem/lengths.py).
         (["--input", "uniform:5:inf"], "--input 'uniform:5:inf': numbers must be finite"),
@@ -49,7 +58,7 @@ def test_bad_values_are_refused_naming_the_flag(argv, message, capsys):
 
 
 def test_a_start_up_of_zero_seconds_is_allowed():
-    assert main([*SIM, "--startup-s", "0", "--json"]) == 0
+    assert main([*SIM, "--startup-s", "0", "--max-replicas", "2", "--json"]) == 0
 
 
 def _check(*argv):
