@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -59,17 +60,40 @@ def test_a_client_that_never_finishes_its_request_is_dropped():
         server.stop()
 
 
-def test_past_its_connections_at_once_a_new_one_is_closed_and_later_ones_served():
+def test_past_its_connections_at_once_a_new_one_cuts_the_oldest_still_sending():
+    # Clients trickling a byte every few seconds took every slot: the probes were
+    # refused, and the engine was killed as dead (by tandem up, by the kubelet).
     server = _server(most_at_once=2)
     try:
         held = [_half_sent(server) for _ in range(2)]
-        with _half_sent(server) as extra:
-            assert extra.recv(64) == b""  # closed at once: no thread for it
+        time.sleep(0.1)  # both taken in, the first the older
+        for _ in range(3):  # each probe cuts the oldest one still sending
+            with socket.create_connection(("127.0.0.1", server.port), timeout=5) as probe:
+                probe.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert probe.recv(64).startswith(b"HTTP/1.0 200")
+        assert held[0].recv(64) == b""  # cut
         for conn in held:
             conn.close()
-        time.sleep(0.2)  # their threads end
-        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as probe:
-            probe.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert probe.recv(64).startswith(b"HTTP/1.0 200")
     finally:
+        server.stop()
+
+
+def test_a_trickling_crowd_does_not_keep_the_probes_out():
+    server = _server(most_at_once=8)
+    crowd = []
+    try:
+        for _ in range(20):  # more than the slots, each sending a byte now and then
+            conn = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            conn.sendall(b"G")
+            crowd.append(conn)
+        for _ in range(3):
+            for conn in crowd:
+                with contextlib.suppress(OSError):
+                    conn.sendall(b"E")
+            with socket.create_connection(("127.0.0.1", server.port), timeout=5) as probe:
+                probe.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert probe.recv(64).startswith(b"HTTP/1.0 200")
+    finally:
+        for conn in crowd:
+            conn.close()
         server.stop()

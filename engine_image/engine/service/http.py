@@ -6,7 +6,10 @@ main thread is busy in a long step.
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -38,6 +41,7 @@ class HealthServer:
             timeout = idle_s  # a client silent this long between reads is dropped
 
             def do_GET(self) -> None:
+                self.server.request_read(self.connection)  # type: ignore[attr-defined]
                 route = routes.get(self.path.split("?", 1)[0])
                 if route is None:
                     status, ctype, body = 404, "text/plain", b"not found\n"
@@ -77,10 +81,11 @@ class HealthServer:
 
 
 class _BoundedServer(ThreadingHTTPServer):
-    """Probes and scrapes are a few small requests at a time: past `most` connections
-    new ones are closed at once. Half-sent requests held a thread each, 500 of them 509
-    threads, for as long as their clients stayed (the handler's timeout drops them now);
-    the KV transfers need threads too."""
+    """Probes and scrapes are a few small requests at a time: at most `most` connections
+    are served at once (half-sent requests held a thread each, 500 of them 509
+    threads; the KV transfers need threads too). A connection past them cuts the oldest
+    one still sending its request: clients trickling a byte every few seconds took
+    every slot and the probes were refused until the engine was killed as dead."""
 
     daemon_threads = True
     request_queue_size = 64  # the standard library's 5 dropped probes in a burst
@@ -90,22 +95,48 @@ class _BoundedServer(ThreadingHTTPServer):
     ) -> None:
         super().__init__(address, handler)
         self._slots = threading.BoundedSemaphore(most)
+        self._lock = threading.Lock()
+        # Connections still reading their request -> when they were accepted.
+        self._reading: dict[Any, float] = {}
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)  # a prober retries; a scrape is late once
-            return
+            self._cut_oldest_reader()
+            if not self._slots.acquire(timeout=1.0):  # its thread leaves at the cut
+                self.shutdown_request(request)  # every slot answering: a prober retries
+                return
+        with self._lock:
+            self._reading[request] = time.monotonic()
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self._forget(request)
             raise
+
+    def request_read(self, request: Any) -> None:
+        """The connection's request is in: it is answered now, never cut."""
+        with self._lock:
+            self._reading.pop(request, None)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._forget(request)
+
+    def _forget(self, request: Any) -> None:
+        with self._lock:
+            self._reading.pop(request, None)
+        self._slots.release()
+
+    def _cut_oldest_reader(self) -> None:
+        with self._lock:
+            if not self._reading:
+                return
+            oldest = min(self._reading, key=self._reading.__getitem__)
+            del self._reading[oldest]
+        with contextlib.suppress(OSError):
+            oldest.shutdown(socket.SHUT_RDWR)  # its read returns: its thread ends
 
 
 def _probe(result: tuple[bool, str]) -> tuple[int, str, bytes]:
