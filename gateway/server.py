@@ -42,6 +42,12 @@ class HeaderDeadlineH11(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        if self.conn.our_state is h11.DONE and self.conn.their_state is h11.SEND_BODY:
+            # Answered before its body was read (a GET with one, a 404, a 405): no next
+            # request can come until the body ends, and a byte of it now and then held
+            # the connection for ever, past every deadline.
+            self.transport.close()
+            return
         self._watch_headers()
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -3,6 +3,7 @@ closed (idle ones held descriptors for ever), and asyncio's accept errors are th
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import logging
 import socket
@@ -44,6 +45,22 @@ def test_connections_slow_to_send_their_headers_are_closed(start_gateway):
     kept.close()
     with gateway.http() as client:  # and the gateway serves on
         assert client.get("/healthz").status_code == 200
+
+
+def test_a_body_left_unread_after_the_answer_does_not_hold_the_connection(start_gateway):
+    # A GET (or a 404, a 405) with a body it does not read: one byte of it after the
+    # answer held the connection for ever, no key needed, past every deadline.
+    gateway = start_gateway(header_timeout_s=0.5)
+    port = int(gateway.url.rsplit(":", 1)[1])
+    for method, path in (("GET", "/healthz"), ("GET", "/nothing-here"), ("DELETE", "/v1/models")):
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n"
+            sock.sendall(head.encode())
+            time.sleep(0.2)  # answered meanwhile
+            with contextlib.suppress(OSError):
+                sock.sendall(b"a")
+            took = _closed_within(sock, 5)
+            assert took is not None and took < 2, (method, path, took)
 
 
 def test_a_slow_body_is_the_body_timeouts_not_the_headers(start_gateway):
