@@ -190,5 +190,8 @@ def pod_load(curr: PodSample, prev: PodSample | None = None) -> PodLoad:
         kv_pinned_requests=curr.kv_pinned_requests,
         budget_utilization=None if prev is None else budget_utilization(prev, curr),
         mean_waiting_prompt_tokens=None if prev is None else mean_waiting_prompt_tokens(prev, curr),
-        stepped=prev is not None and stepped(prev, curr),
+        # A first scrape counts any step so far: a pod woken from zero served the request
+        # that woke it before its first scrape, and read idle, went back to zero a
+        # scrape later (a trickle of requests cold-started every one).
+        stepped=stepped(prev, curr) if prev is not None else any(curr.steps_total.values()),
     )

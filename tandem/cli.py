@@ -274,7 +274,8 @@ roles (spec.normal, the default mode's; or spec.prefill and spec.decode with
 mode: Disaggregated), and the model as
 spec.model.path (a local directory, a .gguf file, smollm2 or random:<size>):
 spec.model.huggingFace and spec.model.pvc are for clusters only:
-examples/local/smollm2.yaml is examples/smollm2-cpu.yaml with `path: smollm2`.
+examples/local/smollm2.yaml is a local variant of examples/smollm2-cpu.yaml
+(it serves `smollm2`, on this machine's threads).
 docs/modeldeployment.md describes every field.
 
 examples:

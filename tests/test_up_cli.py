@@ -214,7 +214,7 @@ def test_the_help_of_up_states_its_defaults_and_what_f_needs(capsys):
         "random:<size>",
         "a new temporary folder, kept after exit",
         "spec.model.path",
-        "examples/local/smollm2.yaml is examples/smollm2-cpu.yaml with `path: smollm2`",
+        "examples/local/smollm2.yaml is a local variant of examples/smollm2-cpu.yaml",
     ):
         assert said in text
 

@@ -128,7 +128,17 @@ def test_a_pod_that_stepped_between_two_scrapes_had_work_whatever_its_gauges_say
     second, third = sample(metrics, 15.0), sample(metrics, 30.0)
     assert pod_load(second, first).stepped
     assert not pod_load(third, second).stepped  # nothing since
-    assert not pod_load(first).stepped  # a first scrape: no interval
+    assert not pod_load(first).stepped  # a first scrape of a pod that never stepped
+
+
+def test_a_first_scrape_of_a_pod_that_stepped_had_work():
+    # A pod woken from zero serves the request that woke it before its first scrape:
+    # read idle, the role went back to zero a scrape later, and a trickle of requests
+    # cold-started every one.
+    metrics, engine = EngineMetrics("tiny", "normal"), FakeEngine()
+    engine.step(metrics, prefill=True, tokens=40, seconds=0.2)
+    engine.step(metrics, prefill=False, tokens=1, seconds=0.01)
+    assert pod_load(sample(metrics, 10.0)).stepped
 
 
 def test_an_idle_interval_reads_zero_and_a_first_scrape_reads_unknown():
