@@ -49,7 +49,7 @@ def test_chat_names_the_conversation_and_refuses_a_lone_message(llm):
 
 
 def test_a_seed_or_mtp_head_of_the_wrong_kind_is_named():
-    with pytest.raises(ValueError, match="seed must be an integer, got 'x'"):
+    with pytest.raises(ValueError, match="seed must be an integer or None, got 'x'"):
         LLM("random:tiny", num_kv_blocks=8, seed="x")
     with pytest.raises(ValueError, match="mtp_head must have a propose method"):
         LLM("random:tiny", num_kv_blocks=8, mtp_head=object())
