@@ -311,7 +311,7 @@ def _recommend(
 ) -> tuple[int, str]:
     """The replicas the signals ask for, with HPA's tolerance band, and why."""
     if idle_zero:
-        return 0, f"idle {idle_for:g}s >= scaleToZeroAfterSeconds, scale to zero"
+        return 0, f"idle {idle_for:.1f}s >= scaleToZeroAfterSeconds, scale to zero"
     if current == 0:
         if not demand.active:
             return 0, "no work"

@@ -362,8 +362,8 @@ def _add_up(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)  # Ctrl-C here too: no traceback
         return args.func(args)
     except ValueError as exc:  # bad input: say what, no traceback
         print(f"tandem: error: {exc}", file=sys.stderr)

@@ -26,3 +26,13 @@ def test_the_gateway_help_shows_no_redis_password(capsys, monkeypatch):
     text = _help(capsys, "gateway")
     assert "hunter2" not in text
     assert "--redis-url REDIS_URL default: $TANDEM_REDIS_URL, else redis://" in text
+
+
+def test_ctrl_c_while_the_command_line_is_read_is_no_traceback(monkeypatch, capsys):
+    # In the first fraction of a second (the parser loads the commands' modules).
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["up"]) == 130
+    assert "Traceback" not in capsys.readouterr().err
