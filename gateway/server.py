@@ -24,8 +24,9 @@ from tandem.gateway.settings import GatewaySettings
 
 
 class HeaderDeadlineH11(H11Protocol):
-    """uvicorn's h11 protocol; a connection waiting for a request's headers longer than
-    `headers_within_s` (from its opening, or its last response) is closed."""
+    """uvicorn's h11 protocol; a connection waiting for a request's headers (or the rest
+    of a body its answer left unread) longer than `headers_within_s`, from its opening
+    or its last response, is closed."""
 
     def __init__(self, *args: Any, headers_within_s: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -42,21 +43,24 @@ class HeaderDeadlineH11(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self.conn.our_state is h11.DONE and self.conn.their_state is h11.SEND_BODY:
-            # Answered before its body was read (a GET with one, a 404, a 405): no next
-            # request can come until the body ends, and a byte of it now and then held
-            # the connection for ever, past every deadline.
-            self.transport.close()
-            return
         self._watch_headers()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
         super().connection_lost(exc)
 
+    def _waiting(self) -> bool:
+        """Whether the connection waits for the client's next request: its headers (IDLE:
+        h11 leaves it once they are all in), or the rest of a body left unread by the
+        answer (a GET with one, a 404, a 405), which must end before the next request can
+        begin: a byte of it now and then held the connection for ever."""
+        if self.transport.is_closing():
+            return False
+        their = self.conn.their_state
+        return their is h11.IDLE or (their is h11.SEND_BODY and self.conn.our_state is h11.DONE)
+
     def _watch_headers(self) -> None:
-        # IDLE: no request's headers yet (h11 leaves it once they are all in).
-        waiting = self.conn.their_state is h11.IDLE and not self.transport.is_closing()
+        waiting = self._waiting()
         if waiting and self._header_timer is None:
             self._header_timer = self.loop.call_later(self._headers_within_s, self._too_slow)
         elif not waiting:
@@ -69,7 +73,7 @@ class HeaderDeadlineH11(H11Protocol):
 
     def _too_slow(self) -> None:
         self._header_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        if self._waiting():
             self.transport.close()
 
 

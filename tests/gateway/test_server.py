@@ -61,6 +61,23 @@ def test_a_body_left_unread_after_the_answer_does_not_hold_the_connection(start_
                 sock.sendall(b"a")
             took = _closed_within(sock, 5)
             assert took is not None and took < 2, (method, path, took)
+    # One whose body comes whole after the answer keeps its connection for the next.
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\n")
+        assert _healthz_answer(sock)
+        sock.sendall(b"null" + b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _healthz_answer(sock)
+
+
+def _healthz_answer(sock: socket.socket) -> bytes:
+    """The bytes of one /healthz answer read from `sock`, or b"" if it was closed first."""
+    got = b""
+    while b'{"status":"ok"}' not in got:
+        more = sock.recv(4096)
+        if not more:
+            return b""
+        got += more
+    return got
 
 
 def test_a_slow_body_is_the_body_timeouts_not_the_headers(start_gateway):

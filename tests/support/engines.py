@@ -53,6 +53,9 @@ class EngineProcess:
             "--engine-id", self.engine_id,
             "--max-model-len", "256",
             "--num-kv-blocks", "128",
+            # Unseeded draws the same from run to run (engines take an OS seed by
+            # default): a test's sampled answers do not change between runs.
+            "--seed", "0",
             *self.extra,
         ]  # fmt: skip
         log = open(self._log_path(), "wb")  # noqa: SIM115 (lives as long as the process)
