@@ -1,0 +1,201 @@
+"""Intake: how EngineWorker takes work from Redis, a mixin of it (worker.py).
+
+Pull only what there is room for (room.py); take each entry: a re-delivery of one
+held, a cancel or a deadline met in the queue, an answer already whole, a refusal by
+the engine (answered, any handoff's KV released), else a request added to the engine
+or a handoff admitted (handoff_flow.py). A handoff parked without room goes back to
+the queue after a while, for a decoder that has room.
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from tandem.engine.engine import Engine
+from tandem.engine.request import SamplingParams
+from tandem.engine.service.handoff_flow import HandoffFlow
+from tandem.engine.service.held import Held
+from tandem.engine.service.metrics import EngineMetrics
+from tandem.engine.service.redis_io import RedisIO
+from tandem.engine.service.redis_outage import RedisOutage, unavailable
+from tandem.engine.service.redis_writes import RedisWrites
+from tandem.engine.service.refusals import CANCELLED, redelivered, refusal_of
+from tandem.engine.service.replies import Replies
+from tandem.engine.service.room import pull_room
+from tandem.engine.service.settings import WorkerSettings
+from tandem.engine.service.work_queue import Delivery
+from tandem.protocol import ErrorCode, Handoff, ProtocolError, WorkItem
+
+# A handoff parked this long on a decoder without room goes back to the queue, and the
+# decoder pulls nothing for PARK_COOLDOWN_S, so that one with room (a replica started
+# for the load, say) takes it; alone, the decoder takes it again after the pause.
+PARKED_HAND_BACK_S = 1.0
+PARK_COOLDOWN_S = 0.25
+
+
+class Intake:
+    # EngineWorker's state (worker.py says what each holds).
+    engine: Engine
+    settings: WorkerSettings
+    io: RedisIO
+    metrics: EngineMetrics
+    handoffs: HandoffFlow | None
+    held: dict[str, Held]
+    replies: Replies
+    writes: RedisWrites
+    outage: RedisOutage
+    _untaken: list[Delivery]
+    _to_ack: list[Delivery]
+    _draining: bool
+    _pull_paused_until: float
+
+    def _pull(self, *, block: bool) -> None:
+        room = 0
+        if not (self.outage.down or self._untaken or self._draining):
+            self._hand_back_parked()
+            parked = self.handoffs.num_parked if self.handoffs is not None else 0
+            if time.monotonic() >= self._pull_paused_until:
+                room = pull_room(self.engine.scheduler, self.settings, len(self.held), parked)
+        if self.outage.down or not (room or self._untaken):
+            if block:
+                time.sleep(self.settings.idle_block_ms / 1000)
+            return
+        try:
+            if room:
+                pulled = self.io.queue.pull(room, self.settings.idle_block_ms if block else 0)
+                self.replies.unreadable(pulled.malformed)
+                self._untaken = list(pulled)
+            took = bool(self._untaken)
+            # One at a time, each dropped from _untaken once taken: Redis going away
+            # midway leaves the rest to take once it is back (pulled again, they would
+            # count one more delivery each).
+            while self._untaken:
+                self._take(self._untaken[0])
+                del self._untaken[0]
+                if self._untaken and self.handoffs is not None and self.handoffs.num_parked:
+                    # No room for that handoff: the rest go back to the queue at once,
+                    # for a decoder that has room (a replica just started, say).
+                    self.io.queue.hand_back(self._untaken)
+                    self._untaken = []
+        except redis.RedisError as exc:
+            if not unavailable(exc):
+                raise
+            self.outage.failed(exc, self.writes.holding(len(self.held)))
+            return
+        if took:  # the waiting tokens' integral counts them from now, not from the step's end
+            self.metrics.observe_queues(self.engine)
+
+    def _hand_back_parked(self) -> None:
+        """Handoffs parked past PARKED_HAND_BACK_S go back to the queue (see there): one
+        waited on a full decoder for its room while another decoder sat idle, until its
+        KV offer expired and it was recomputed."""
+        if self.handoffs is None:
+            return
+        stale = self.handoffs.parked_longer_than(PARKED_HAND_BACK_S)
+        deliveries = [self.held[rid].delivery for rid in stale if rid in self.held]
+        if not deliveries:
+            return
+        try:
+            self.io.queue.hand_back(deliveries)
+        except redis.RedisError as exc:
+            if not unavailable(exc):
+                raise
+            return  # kept parked: the outage is noticed by the next write
+        for rid in stale:
+            self.handoffs.drop(self.engine, rid)
+            self.held.pop(rid, None)
+        self._pull_paused_until = time.monotonic() + PARK_COOLDOWN_S
+
+    def _take(self, delivery: Delivery) -> None:
+        message = delivery.message
+        work = message.work_item if isinstance(message, Handoff) else message
+        rid = work.request_id
+        if rid in self.held:  # re-delivered to us while we still work on it
+            held = self.held[rid]
+            old = held.delivery
+            if (old.stream, old.entry_id) != (delivery.stream, delivery.entry_id):  # queued again
+                if held.pending:  # keep the new entry, acknowledge the old
+                    self._to_ack.append(held.delivery)
+                held.delivery, held.pending = delivery, True
+            return
+        if self.handoffs is not None and self.handoffs.offered(rid):
+            self.handoffs.withdraw(self.engine, rid)  # its Handoff lost: prefill it anew
+        if delivery.exhausted:
+            self._unfetched(message)
+            self.replies.refuse(delivery, work, redelivered(rid, delivery.times_delivered))
+            return
+        if self.io.is_cancelled(rid):  # cancelled while queued: it ends here, said so
+            # (a gateway whose read missed the cancel reads on until a final event)
+            sent = len(message.first_token_ids) if isinstance(message, Handoff) else 0
+            self._unfetched(message)
+            self.replies.fail(delivery, work, ErrorCode.CANCELLED, CANCELLED, offset=sent)
+            return
+        # Every delivery, not only reclaimed ones: a gateway may retry a request id.
+        try:
+            history = self.io.responses.history(rid)
+        except ProtocolError as exc:  # it cannot be resumed without repeating or losing text
+            self._unfetched(message)
+            self.replies.fail(delivery, work, ErrorCode.ENGINE_ERROR, str(exc))
+            return
+        if history.final is not None:  # it already ended: never run it twice
+            self._unfetched(message)
+            self._to_ack.append(delivery)
+            return
+        if work.deadline is not None and time.time() > work.deadline:
+            self._unfetched(message)
+            self.replies.fail(
+                delivery, work, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed in queue"
+            )
+            return
+        sent = list(history.token_ids)
+        try:
+            params = SamplingParams(**work.sampling)
+            if isinstance(message, Handoff):
+                flow, engine = self.handoffs, self.engine
+                cached = flow.take(engine, message, work, params, history, self.metrics)
+                sent_tokens = max(len(sent), len(message.first_token_ids))
+                self.held[rid] = Held(delivery, work, sent=sent_tokens, cached_tokens=cached)
+                return
+            self._add(work, params, sent, history.text)
+        except (ValueError, TypeError) as exc:  # the engine's refusals
+            self._forget_refused(rid, message)
+            self.replies.refuse(delivery, work, refusal_of(exc))
+            return
+        self.held[rid] = Held(delivery, work, sent=len(sent))
+
+    def _forget_refused(self, rid: str, message: WorkItem | Handoff) -> None:
+        """Free what a request refused while being taken had reserved (a handoff's
+        blocks), lest they stay taken for good."""
+        if self.handoffs is not None:
+            if self.handoffs.fetching(rid):
+                return  # not refused after its fetch started: nothing to write into
+            self.handoffs.drop(self.engine, rid)
+            self._unfetched(message)
+        self.engine.abort(rid)
+
+    def _unfetched(self, message: WorkItem | Handoff) -> None:
+        """A handoff this engine ends or refuses without its KV: the prompt engine frees
+        the KV now, not at the offer's expiry (held for nobody, and read as busy)."""
+        if isinstance(message, Handoff) and self.handoffs is not None:
+            self.handoffs.release(message)
+
+    def _add(self, work: WorkItem, params: SamplingParams, sent: list[int], text: str) -> None:
+        engine = self.engine
+        ids = work.prompt_token_ids
+        if work.messages is not None:
+            if engine.tokenizer is None:
+                raise ValueError("this model has no tokenizer, so no chat template")
+            ids = engine.tokenizer.encode_chat(work.messages)
+        engine.add_request(
+            work.request_id,
+            work.prompt,
+            params,
+            prompt_token_ids=ids,
+            priority=work.priority,
+            generated_token_ids=sent,
+            generated_text=text,
+            exact_max_tokens=work.max_tokens_given,
+            cache_salt=work.cache_salt,
+        )
