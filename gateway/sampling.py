@@ -87,6 +87,7 @@ _MOST_TOKEN_ID_DIGITS = 18
 
 
 def with_seed(sampling: dict[str, Any], index: int) -> dict[str, Any]:
+    """Choice `index`'s sampling fields: its own seed where the request gave one."""
     if index == 0 or sampling.get("seed") is None:
         return sampling
     return {**sampling, "seed": derive_seed(sampling["seed"], index)}

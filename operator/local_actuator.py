@@ -208,6 +208,7 @@ class LocalActuator:
                     self.say(f"{engine.name} stopped answering while draining; killing it")
                     engine.child.kill()
                 if not engine.child.alive:
+                    self.say(f"{engine.name:<10} drained and stopped")
                     engines.remove(engine)
 
     def close(self) -> None:

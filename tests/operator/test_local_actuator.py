@@ -125,3 +125,16 @@ def test_an_engine_up_whose_metrics_fail_is_unreadable_not_starting(actuator):
     assert child.started_up
     (decision,) = local.evaluate().values()
     assert decision.unreadable is not None and "holding" in decision.reason
+
+
+def test_a_drained_engine_that_exits_is_said_to_have_stopped(actuator):
+    # It was said to be draining, then nothing: had it stopped, or hung?
+    local, said = actuator(_manifest())
+    (child,) = local.start()
+    (engine,) = local.engines[RoleName.NORMAL]
+    engine.draining = True  # as a scale-down leaves it
+    child.process.terminate()
+    child.process.wait(timeout=30)
+    local.supervise()
+    assert said[-1] == "normal-1   drained and stopped"
+    assert local.engines[RoleName.NORMAL] == []
