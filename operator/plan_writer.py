@@ -108,8 +108,9 @@ class PlanWriter:
 
     async def _create(self, manifest: Body, *, dry_run: bool = False) -> bool:
         """Creates the child, or adopts one of its name already there: whether it adopted.
-        ChildTaken if another controller owns that one, in the dry run too: the real
-        writes must not begin (the children before it made, the model then frozen)."""
+        ChildTaken if that one is not the model's (child_owners.py), in the dry run too:
+        the real writes must not begin (the children before it made, the model then
+        frozen)."""
         try:
             await self._kube.create(manifest, dry_run=dry_run)
             return False

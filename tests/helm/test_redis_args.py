@@ -4,12 +4,12 @@ arguments answers as the chart means it to."""
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import redis
 from support.helm import RELEASE, named
+from support.polling import eventually
 
 from tandem.redis_server import find_redis_server, free_port
 
@@ -20,6 +20,13 @@ def _redis_args(manifests: list[dict[str, Any]], data: Path, password: str) -> l
     assert container["command"] == ["redis-server"]
     args = [a.replace("$(REDIS_PASSWORD)", password) for a in container["args"]]
     return [str(data) if a == "/data" else a for a in args]
+
+
+def _answers(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
 
 
 def test_the_charts_redis_keeps_its_data_in_the_append_only_file_alone(renders, tmp_path):
@@ -34,12 +41,7 @@ def test_the_charts_redis_keeps_its_data_in_the_append_only_file_alone(renders, 
     )
     client = redis.Redis(port=port, password="pw", decode_responses=True)
     try:
-        for _ in range(100):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
+        assert eventually(lambda: _answers(client), timeout=5), "redis-server did not start"
         assert client.config_get("save") == {"save": ""}
         assert client.config_get("appendonly") == {"appendonly": "yes"}
         assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}

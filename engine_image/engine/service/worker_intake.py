@@ -109,6 +109,16 @@ class Intake:
         self._pull_paused_until = time.monotonic() + PARK_COOLDOWN_S
 
     def _take(self, delivery: Delivery) -> None:
+        self._take_entry(delivery)
+        rid, flow, message = delivery.request_id, self.handoffs, delivery.message
+        taken = rid in self.held or (flow is not None and flow.fetching(rid))
+        if isinstance(message, Handoff) and flow is not None and not taken:
+            # Ended or refused as it came (cancelled, past its deadline, answered
+            # already, too long for this context...): the prompt engine frees its KV now,
+            # not at the offer's expiry (pinned for nobody, and read as busy).
+            flow.release(message)
+
+    def _take_entry(self, delivery: Delivery) -> None:
         message = delivery.message
         work = message.work_item if isinstance(message, Handoff) else message
         rid = work.request_id
@@ -123,28 +133,23 @@ class Intake:
         if self.handoffs is not None and self.handoffs.offered(rid):
             self.handoffs.withdraw(self.engine, rid)  # its Handoff lost: prefill it anew
         if delivery.exhausted:
-            self._unfetched(message)
             self.replies.refuse(delivery, work, redelivered(rid, delivery.times_delivered))
             return
         if self.io.is_cancelled(rid):  # cancelled while queued: it ends here, said so
             # (a gateway whose read missed the cancel reads on until a final event)
             sent = len(message.first_token_ids) if isinstance(message, Handoff) else 0
-            self._unfetched(message)
             self.replies.fail(delivery, work, ErrorCode.CANCELLED, CANCELLED, offset=sent)
             return
         # Every delivery, not only reclaimed ones: a gateway may retry a request id.
         try:
             history = self.io.responses.history(rid)
         except ProtocolError as exc:  # it cannot be resumed without repeating or losing text
-            self._unfetched(message)
             self.replies.fail(delivery, work, ErrorCode.ENGINE_ERROR, str(exc))
             return
         if history.final is not None:  # it already ended: never run it twice
-            self._unfetched(message)
             self._to_ack.append(delivery)
             return
         if work.deadline is not None and time.time() > work.deadline:
-            self._unfetched(message)
             self.replies.fail(
                 delivery, work, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed in queue"
             )
@@ -160,26 +165,19 @@ class Intake:
                 return
             self._add(work, params, sent, history.text)
         except (ValueError, TypeError) as exc:  # the engine's refusals
-            self._forget_refused(rid, message)
+            self._forget_refused(rid)
             self.replies.refuse(delivery, work, refusal_of(exc))
             return
         self.held[rid] = Held(delivery, work, sent=len(sent))
 
-    def _forget_refused(self, rid: str, message: WorkItem | Handoff) -> None:
+    def _forget_refused(self, rid: str) -> None:
         """Free what a request refused while being taken had reserved (a handoff's
         blocks), lest they stay taken for good."""
         if self.handoffs is not None:
             if self.handoffs.fetching(rid):
                 return  # not refused after its fetch started: nothing to write into
             self.handoffs.drop(self.engine, rid)
-            self._unfetched(message)
         self.engine.abort(rid)
-
-    def _unfetched(self, message: WorkItem | Handoff) -> None:
-        """A handoff this engine ends or refuses without its KV: the prompt engine frees
-        the KV now, not at the offer's expiry (held for nobody, and read as busy)."""
-        if isinstance(message, Handoff) and self.handoffs is not None:
-            self.handoffs.release(message)
 
     def _add(self, work: WorkItem, params: SamplingParams, sent: list[int], text: str) -> None:
         engine = self.engine
