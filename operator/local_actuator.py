@@ -166,10 +166,12 @@ class LocalActuator:
         port = free_port(ranks)
         flags.update(host="127.0.0.1", port=str(port), **{"kv-port": str(free_port(ranks))})
         flags["engine-id"] = f"{self.name}-{role}-{self._run_id}-{self._serial}"
-        # The cores are shared by as many engines as the roles may scale to.
+        # The cores are shared by as many engines as the roles may scale to. A pod's
+        # CPU limit (its --threads) bounds an engine here too but shares nothing: on
+        # one machine no quota holds it, and more threads than cores spin at barriers.
         most = sum(r.max_replicas * r.data_parallel_size for r in self.roles.values())
-        if "threads" not in flags and (threads := engine_threads(most)) is not None:
-            flags["threads"] = str(threads)
+        if (share := engine_threads(most)) is not None:
+            flags["threads"] = str(min(share, int(flags.get("threads", share))))
         argv = [
             sys.executable, "-m", "tandem.cli", "engine",
             *engine_arguments(flags),

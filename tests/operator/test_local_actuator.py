@@ -2,12 +2,14 @@
 their own id, and what it does (or holds back from doing) is said once. Real Redis
 and engine processes."""
 
+import os
 import re
 import sys
 import time
 
 import pytest
 
+from tandem.child import engine_threads
 from tandem.operator.local_actuator import LocalActuator, load_manifest
 from tandem.operator.role_name import RoleName
 
@@ -25,6 +27,11 @@ def _manifest(**normal):
             "normal": {"minReplicas": 1, "maxReplicas": 3, **normal},
         },
     }
+
+
+def _flag(argv, name):
+    (value,) = [arg.split("=", 1)[1] for arg in argv if arg.startswith(f"--{name}=")]
+    return value
 
 
 @pytest.fixture
@@ -138,3 +145,24 @@ def test_a_drained_engine_that_exits_is_said_to_have_stopped(actuator):
     local.supervise()
     assert said[-1] == "normal-1   drained and stopped"
     assert local.engines[RoleName.NORMAL] == []
+
+
+def test_a_pods_cpu_limit_does_not_give_local_engines_more_threads_than_their_share(
+    actuator, monkeypatch
+):
+    # A manifest written for a cluster asks 8 CPUs a pod; here the engines share
+    # this machine's cores, as many engines as the role may scale to.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    manifest = _manifest(resources={"limits": {"cpu": "8"}})
+    local, _ = actuator(manifest)
+    (child,) = local.start()
+    assert _flag(child.argv, "threads") == str(engine_threads(3))  # maxReplicas 3, not 8
+
+
+def test_a_cpu_limit_below_the_share_still_bounds_a_local_engine(actuator, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    manifest = _manifest(resources={"limits": {"cpu": "2"}})
+    local, _ = actuator(manifest)
+    (child,) = local.start()
+    assert _flag(child.argv, "threads") == "2"  # not 63 // 3
