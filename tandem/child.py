@@ -68,6 +68,7 @@ class Child:
     _was_live: bool = field(default=False, init=False)
     _failures: int = field(default=0, init=False)
     _next_probe: float = field(default=0.0, init=False)
+    _said_ready: bool = field(default=False, init=False)  # "ready" said since its start
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)  # removed meanwhile: again
@@ -83,6 +84,7 @@ class Child:
         )
         self.started_at = time.monotonic()
         self._was_live, self._failures, self._next_probe = False, 0, 0.0
+        self._said_ready = False
         log.close()
 
     @property
@@ -97,6 +99,13 @@ class Child:
 
     def ready(self) -> bool:
         return _answers(self.ready_url)
+
+    def newly_ready(self) -> bool:
+        """Whether it is ready and was not yet said to be since it (re)started."""
+        if self._said_ready or not self.ready_url or not self.alive or not self.ready():
+            return False
+        self._said_ready = True
+        return True
 
     def hung(self, now: float) -> bool:
         """Whether the child stopped answering its liveness probe, or never answered
@@ -118,7 +127,8 @@ class Child:
         return self._failures >= self.liveness_failures
 
     def supervise(self, now: float) -> list[str]:
-        """Restart it if it hung or died, after its backoff; what to tell the user.
+        """Restart it if it hung or died, after its backoff; what to tell the user
+        (that too, and when it is ready after a start).
 
         As the kubelet restarts a pod's container: the same child (its name, its
         engine id) again, 1, 2, 4 ... 30 s after each failure in a row, so a
@@ -137,6 +147,8 @@ class Child:
                 )
             self.kill()
         if self.alive or not self.restartable:
+            if self.newly_ready():  # restarted, or started by a scale-up: up again
+                said.append(f"{self.name:<10} ready")
             return said
         if self.next_start == 0.0:
             code = self.process.returncode if self.process else None

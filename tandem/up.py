@@ -222,7 +222,7 @@ class Stack:
                         f"{child.name} exited while starting: {child.last_error()} "
                         f"(details in {child.log_path})"
                     )
-                if child.ready():
+                if child.newly_ready():
                     say(f"{child.name:<10} ready")
                     pending.remove(child)
             if time.monotonic() > deadline:

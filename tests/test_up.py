@@ -379,6 +379,28 @@ def _serving_child(tmp_path, status: str, after_s: float = 0.0) -> Child:
                  True, live_url=f"{url}/healthz")  # fmt: skip
 
 
+def test_a_child_is_said_ready_once_after_each_start(tmp_path):
+    # Only the stack's first start said "ready": an engine restarted or started by
+    # a scale-up came back in silence, after "restarting in 1s" or "starting".
+    child = _serving_child(tmp_path, "200", after_s=0.5)
+    child.start()
+    try:
+        assert child.supervise(time.monotonic()) == []  # loading
+        said: list[str] = []
+        assert eventually(lambda: said.extend(child.supervise(time.monotonic())) or said, 10)
+        assert said == ["engine     ready"]
+        assert child.supervise(time.monotonic()) == []  # said once
+        child.kill()
+        assert child.supervise(time.monotonic())[0].startswith("engine exited (-9")
+        child.next_start = time.monotonic()  # its backoff over: started again
+        child.supervise(time.monotonic())
+        said.clear()
+        assert eventually(lambda: said.extend(child.supervise(time.monotonic())) or said, 10)
+        assert said == ["engine     ready"]
+    finally:
+        child.kill()
+
+
 def test_children_are_asked_directly_whatever_proxy_the_environment_names(tmp_path, monkeypatch):
     for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
         monkeypatch.setenv(name, f"http://127.0.0.1:{free_port()}")  # nothing listens
