@@ -115,6 +115,12 @@ class Generation:
                         # nothing): a retry with the Idempotency-Key runs it afresh
                         # rather than read this error again for the record's lifetime.
                         await self._forget_record()
+                    elif self.ticket.ledger_key is not None:
+                        # A refusal is final too: a retry reads it again while its
+                        # stream lasts, and past that queues afresh (not waits for
+                        # its deadline on a stream gone).
+                        ledger, ticket = self.cancels.ledger, self.ticket
+                        await self._aside(ledger.answered(ticket.ledger_key, ticket.base_id))
                     raise error
                 self._absorb(index, event)
                 yield index, event

@@ -80,6 +80,41 @@ def test_a_retry_after_an_engine_failure_runs_the_work_afresh(gateway, keys, n):
     assert first[1].json()["error"]["message"] != first[0].json()["error"]["message"]
 
 
+def test_a_record_of_a_refused_request_outlives_no_refusal_it_points_to(gateway, keys):
+    # An engine's 400 left the record for the deadline + 600 s while the refusal's stream
+    # lasts 600 s: a retry in between waited for its deadline and got a 504.
+    live, conn = gateway
+    stream = keys.work_stream(MODEL, PRIORITY_NORMAL)
+    answer: list[httpx.Response] = []
+    asking = threading.Thread(target=lambda: answer.append(_ask(live, "order-long", 1)))
+    asking.start()
+    deadline = time.monotonic() + 10
+    while conn.xlen(stream) < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    rid = WorkItem.from_fields(conn.xrange(stream)[0][1]).request_id
+    writer = ResponseWriter(conn, keys, "stand-in-engine")
+    writer.add(rid, ResponseEvent.error(ErrorCode.PROMPT_TOO_LONG, "too long", "e"))
+    writer.flush()
+    asking.join(30)
+    assert answer[0].status_code == 400, answer[0].text
+    [record] = [k for k in conn.keys(f"{keys.prefix}:idem:*") if b":readers:" not in k]
+    assert 0 < conn.ttl(record) <= RESPONSE_TTL_SECONDS - 30
+    assert _ask(live, "order-long", 1).status_code == 400  # read again while it lasts
+    conn.delete(record, keys.response_stream(rid))  # both past their TTL
+    queued = conn.xlen(stream)
+    retry = threading.Thread(target=lambda: answer.append(_ask(live, "order-long", 1)))
+    retry.start()
+    deadline = time.monotonic() + 10
+    while conn.xlen(stream) == queued and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert conn.xlen(stream) == queued + 1  # queued afresh
+    rid = WorkItem.from_fields(conn.xrange(stream)[-1][1]).request_id
+    writer.add(rid, ResponseEvent.error(ErrorCode.PROMPT_TOO_LONG, "too long", "e"))
+    writer.flush()
+    retry.join(30)
+    assert answer[-1].status_code == 400
+
+
 def test_a_record_outlives_no_answer_it_points_to(gateway, keys):
     # Kept for the deadline + 600 s from the claim while the answer's streams last 600 s
     # from its end: a retry between the two attached to streams gone and waited out its
