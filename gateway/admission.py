@@ -10,8 +10,10 @@ other reason costs the caller nothing.
 The queue limit compares a model's backlog (`queue_depth(...).total_waiting`)
 with --max-queue. Reading it costs a 9-command transaction, so a reading is
 reused for `queue_check_interval_s` (50 ms), plus what this replica queued
-since: under load that saves most reads, and the count never misses this
-replica's own admissions. Only a fresh reading refuses. Other replicas'
+since and what it is queueing now (room is reserved as the check passes, so
+a burst of concurrent requests cannot all pass on one reading): under load
+that saves most reads, and the count never misses this replica's own
+admissions. Only a fresh reading refuses. Other replicas'
 admissions are seen at the next reading, so replicas admitting at the same
 instant may overshoot the limit by a few entries: it sheds load, it is not an
 exact cap.
@@ -75,6 +77,27 @@ class QueueGauge:
         self.max_age_s = max_age_s
         self._backlogs: dict[str, _Backlog] = {}
         self._reads: dict[str, asyncio.Future[_Backlog]] = {}
+        # Entries of admissions past the check, not yet queued (their quota, their XADD).
+        self._reserved: dict[str, int] = {}
+
+    async def reserve(self, model: str, count: int, limit: int) -> int | None:
+        """Room for `count` entries if fewer than `limit` wait: reserved until
+        `settle`, and None; else how many wait (refuse the request)."""
+        waiting = await self.waiting(model, limit)
+        if waiting >= limit:
+            return waiting
+        # No await since the reading: no other admission can pass on it too.
+        self._reserved[model] = self._reserved.get(model, 0) + count
+        return None
+
+    def settle(self, model: str, count: int, *, queued: bool) -> None:
+        """A reservation's admission ended: its entries queued, or not (refused by
+        its quota, or Redis failed)."""
+        left = self._reserved.pop(model) - count
+        if left:
+            self._reserved[model] = left
+        if queued:
+            self.queued(model, count)
 
     async def waiting(self, model: str, limit: int) -> int:
         """The model's waiting entries, read afresh whenever the estimate reaches
@@ -82,9 +105,12 @@ class QueueGauge:
         only a fresh reading may refuse a request."""
         backlog = self._backlogs.get(model)
         stale = backlog is None or time.monotonic() - backlog.read_at > self.max_age_s
-        if stale or backlog.waiting + backlog.queued_since >= limit:
+        if stale or self._estimate(model, backlog) >= limit:
             backlog = await self._fresh(model)
-        return backlog.waiting + backlog.queued_since
+        return self._estimate(model, backlog)
+
+    def _estimate(self, model: str, backlog: _Backlog) -> int:
+        return backlog.waiting + backlog.queued_since + self._reserved.get(model, 0)
 
     async def _fresh(self, model: str) -> _Backlog:
         read = self._reads.get(model)
@@ -144,10 +170,14 @@ class Admission:
                     ledger_key=ledger_key,
                 )
         try:
-            await self._check_room(job)
-            await self.quotas.admit(caller, job.cost_tokens, job.base_id)
-            entry_ids = await self.broker.enqueue(job.items)
-            self.queues.queued(job.model, job.n)
+            await self._reserve_room(job)
+            try:
+                await self.quotas.admit(caller, job.cost_tokens, job.base_id)
+                entry_ids = await self.broker.enqueue(job.items)
+            except BaseException:
+                self.queues.settle(job.model, job.n, queued=False)
+                raise
+            self.queues.settle(job.model, job.n, queued=True)
         except BaseException:
             if ledger_key is not None:  # nothing queued: a retry must queue afresh
                 with contextlib.suppress(Exception):  # the first error is the one to report
@@ -167,9 +197,9 @@ class Admission:
             entry_ids=tuple(entry_ids),
         )
 
-    async def _check_room(self, job: Job) -> None:
-        waiting = await self.queues.waiting(job.model, self.settings.max_queue)
-        if waiting >= self.settings.max_queue:
+    async def _reserve_room(self, job: Job) -> None:
+        waiting = await self.queues.reserve(job.model, job.n, self.settings.max_queue)
+        if waiting is not None:
             raise rate_limited(
                 f"The queue of model {job.model!r} is full ({waiting} requests waiting, "
                 f"limit {self.settings.max_queue}); retry later",

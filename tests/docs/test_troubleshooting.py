@@ -200,19 +200,20 @@ def _refused(call: Callable[[], object]) -> errors.GatewayError:
 class _FullQueue:
     """The queue gauge of a model with 1000 requests waiting."""
 
-    async def waiting(self, model: str, limit: int) -> int:
+    async def reserve(self, model: str, count: int, limit: int) -> int | None:
         return 1000
 
 
 class _Job:
     model = "smollm2-135m-instruct"
+    n = 1
 
 
 def _queue_full() -> str:
     admission = Admission.__new__(Admission)  # only the queue check: no Redis behind it
     admission.settings = GatewaySettings()
     admission.queues = _FullQueue()  # type: ignore[assignment]
-    return _body(_refused(lambda: asyncio.run(admission._check_room(_Job()))))  # type: ignore[arg-type]
+    return _body(_refused(lambda: asyncio.run(admission._reserve_room(_Job()))))  # type: ignore[arg-type]
 
 
 def _deadline(seconds: int) -> str:

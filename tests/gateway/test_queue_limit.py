@@ -1,0 +1,53 @@
+"""--max-queue under a burst: a replica's concurrent admissions share one reading of
+the backlog, and each reserves its room as it passes the check. A live gateway on a
+real Redis, a registry entry of an engine that takes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import httpx
+import pytest
+import redis
+
+from tandem.engine.service.registry import Registry
+from tandem.gateway.auth import KeyStore
+from tandem.protocol import PRIORITY_NORMAL, EngineInfo
+
+from .live import API_KEY, LiveGateway, settings_for
+
+MODEL = "stand-in"
+LIMIT = 3
+
+
+@pytest.fixture
+def gateway(redis_server, keys):
+    conn = redis.Redis.from_url(redis_server.url)
+    Registry(conn, keys, ttl_seconds=600).heartbeat(
+        EngineInfo("stand-in-engine", MODEL, "normal", "127.0.0.1:1")
+    )
+    settings = settings_for(redis_server.url, keys, max_queue=LIMIT)
+    live = LiveGateway(settings, KeyStore.load(None, API_KEY)).start()
+    yield live, conn
+    live.stop()
+    conn.close()
+
+
+def test_a_burst_of_concurrent_requests_queues_no_more_than_the_limit(gateway, keys):
+    # All 20 passed the check on one reading of an empty queue (quota and XADD awaited
+    # between the check and the count): 19 were queued against a limit of 2.
+    live, conn = gateway
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+    async def burst() -> Counter:
+        headers = {"Authorization": f"Bearer {API_KEY}", "X-Tandem-Timeout": "2"}
+        async with httpx.AsyncClient(base_url=live.url, headers=headers, timeout=30) as client:
+            answers = await asyncio.gather(
+                *(client.post("/v1/chat/completions", json=body) for _ in range(20))
+            )
+        return Counter(answer.status_code for answer in answers)
+
+    answered = asyncio.run(burst())
+    assert conn.xlen(keys.work_stream(MODEL, PRIORITY_NORMAL)) == LIMIT
+    assert answered == {429: 20 - LIMIT, 504: LIMIT}  # the queued ones: nobody took them
