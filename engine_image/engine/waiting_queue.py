@@ -25,6 +25,8 @@ class WaitingQueue:
     def __init__(self, holds_blocks: Callable[[str], bool]) -> None:
         self._queue: deque[Request] = deque()
         self._holds_blocks = holds_blocks
+        # Requests put first to be recomputed, while they wait: new ones go behind them.
+        self._recomputes: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -40,25 +42,25 @@ class WaitingQueue:
         return self._queue[0] if self._queue else None
 
     def pop_first(self) -> Request:
-        return self._queue.popleft()
+        request = self._queue.popleft()
+        self._recomputes.discard(request.request_id)
+        return request
 
     def remove(self, request: Request) -> None:
         self._queue.remove(request)
+        self._recomputes.discard(request.request_id)
 
     def mid_chunk(self, request: Request) -> bool:
         return self._holds_blocks(request.request_id)
 
     def add(self, request: Request) -> None:
-        """A new request: behind every one of its priority or higher."""
+        """A new request: behind every one of its priority or higher, and behind the
+        recomputes and a prompt mid-chunk at the front whatever their priority."""
         queue = self._queue
-        if not queue or queue[-1].priority >= request.priority:
-            queue.append(request)  # the usual case, without a walk
-            return
-        for at, queued in enumerate(queue):
-            if queued.priority < request.priority and not self.mid_chunk(queued):
-                queue.insert(at, request)
-                return
-        queue.append(request)
+        at = len(queue)  # usually the end, without a walk
+        while at and queue[at - 1].priority < request.priority and not self._first(at - 1):
+            at -= 1
+        queue.insert(at, request)
 
     def add_first(self, request: Request) -> None:
         """A request to recompute: ahead of every other, but behind prompts mid-chunk."""
@@ -66,3 +68,9 @@ class WaitingQueue:
         while at < len(self._queue) and self.mid_chunk(self._queue[at]):
             at += 1
         self._queue.insert(at, request)
+        self._recomputes.add(request.request_id)
+
+    def _first(self, at: int) -> bool:
+        """Whether the entry at `at` keeps its place ahead of new requests."""
+        queued = self._queue[at]
+        return queued.request_id in self._recomputes or self.mid_chunk(queued)

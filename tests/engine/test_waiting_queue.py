@@ -34,6 +34,20 @@ def test_nothing_goes_ahead_of_a_prompt_mid_chunk():
     assert ids(queue) == ["chunked", "recompute", "urgent"]
 
 
+def test_a_recompute_first_keeps_arrival_order_within_a_priority_behind_it():
+    # A new request went in before the first entry of lower priority, the recompute at
+    # the front: "b" jumped ahead of "a" of its own priority, and of the recompute.
+    queue = queue_of()
+    queue.add_first(request("recompute", priority=0))
+    queue.add(request("a", priority=2))
+    queue.add(request("c", priority=0))
+    queue.add(request("b", priority=2))
+    assert ids(queue) == ["recompute", "a", "b", "c"]
+    queue.pop_first()
+    queue.add(request("d", priority=3))  # the recompute gone: nothing holds the front
+    assert ids(queue) == ["d", "a", "b", "c"]
+
+
 def test_an_empty_queue_has_no_first():
     queue = queue_of()
     assert queue.first() is None and not queue and len(queue) == 0
