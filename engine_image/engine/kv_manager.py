@@ -65,6 +65,19 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def blocks_taken(self, num_tokens: int, cached: list[int]) -> int:
+        """Free blocks a new request of num_tokens would take into use: its new
+        blocks, and the cached blocks of its prefix that nobody holds now (those
+        count as free until then)."""
+        revived = sum(1 for b in cached if self.pool.ref_count(b) == 0)
+        return self.blocks_for(num_tokens) - len(cached) + revived
+
+    def usage_with(self, more_blocks: int) -> float:
+        """KV usage once more_blocks more are in use: one division, as `usage` is
+        computed, so a pool that would land exactly on a watermark compares equal."""
+        used = self.pool.num_blocks - self.pool.num_free
+        return (used + more_blocks) / self.pool.num_blocks
+
     def match_prefix(self, request: Request) -> list[int]:
         """Cached blocks holding the longest prefix of the request's tokens.
 

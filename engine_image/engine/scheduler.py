@@ -213,8 +213,8 @@ class Scheduler(HandoffSide):
         cfg, kv = self.config, self.kv
         if cfg.engine_type is EngineType.PROMPT or not (self.running or plan.seqs):
             return True
-        new_blocks = kv.blocks_for(request.num_tokens) - len(cached)
-        return kv.usage + new_blocks / kv.num_blocks <= cfg.cache_prefill_watermark
+        taken = kv.blocks_taken(request.num_tokens, cached)
+        return kv.usage_with(taken) <= cfg.cache_prefill_watermark
 
     def _schedule_decode(self) -> StepPlan:
         """Decode every running sequence that fits the budget; preempt for blocks.

@@ -47,24 +47,33 @@ class HandoffSide:
             raise ValueError("only a COMPLETION engine takes handoffs")
         if not first_token_ids:  # the KV of the prompt's last token comes with the first
             raise ValueError("a handoff carries the first token its prompt engine sampled")
-        self._register(request)
-        # Recomputes waiting here (failed transfers) need slots too.
-        held = len(self.running) + len(self.receiving) + len(self.waiting)
-        if held >= self.config.max_num_seqs or (
-            self.kv.usage > self.config.cache_prefill_watermark
-        ):
-            del self.requests[request.request_id]
-            return None
         # KV arrives for every token but the newest sampled one, whose KV the
         # first decode step computes.
         num_kv_tokens = request.num_prompt_tokens + len(first_token_ids) - 1
-        if self.kv.allocate(request.request_id, num_kv_tokens) is None:
+        self._register(request)
+        if not self._takes_handoff(num_kv_tokens) or (
+            self.kv.allocate(request.request_id, num_kv_tokens) is None
+        ):
             del self.requests[request.request_id]
             return None
         request.token_ids.extend(first_token_ids)
         request.block_ids = self.kv.block_table(request.request_id)
         self.receiving[request.request_id] = request
         return request.block_ids
+
+    def _takes_handoff(self, num_kv_tokens: int) -> bool:
+        """Room for a handoff's KV, as a prompt's admission has it: a free slot, and
+        its blocks keep usage within the watermark (unless nothing else runs), the room
+        decodes grow into (filled to the brim, the next decode step preempted the
+        request whose KV just came over the network). No room while a recompute waits
+        here (a failed fetch, a preempted request): the blocks freed go to it first,
+        else a steady stream of handoffs starved it until its deadline."""
+        cfg, kv = self.config, self.kv
+        if self.waiting or len(self.running) + len(self.receiving) >= cfg.max_num_seqs:
+            return False
+        if not (self.running or self.receiving):
+            return True
+        return kv.usage_with(kv.blocks_for(num_kv_tokens)) <= cfg.cache_prefill_watermark
 
     def handoff_received(self, request_id: str) -> None:
         """The prompt's KV arrived: the request decodes from its first token on."""

@@ -122,6 +122,37 @@ def test_a_prompt_step_admits_prompts_only_while_they_keep_usage_within_the_wate
     assert sched.kv_usage == 0.9
 
 
+def test_a_prompts_cached_blocks_nobody_holds_count_against_the_watermark():
+    # Free until taken, they were left out: a prompt whose prefix was cached went in at
+    # 0.96 (its uncached twin was refused) and the next decodes preempted it.
+    sched = make(num_blocks=100, max_model_len=400, block_size=4)
+    shared = prompt(160, 5000)
+    sched.add_request(Request("a", shared, SamplingParams(max_tokens=1)))
+    run_until_idle(sched)  # its 40 blocks stay cached, free
+    long_run = SamplingParams(max_tokens=100, ignore_eos=True)
+    sched.add_request(Request("r", prompt(219), long_run))
+    step(sched)  # 55 blocks in use
+    sched.add_request(Request("q", [*shared, 1, 2, 3, 4], long_run))  # 41 blocks, 40 cached
+    plan, _ = step(sched)
+    assert "q" not in plan.num_scheduled_tokens  # 0.55 + 0.41 would pass 0.90
+    assert sched.kv_usage <= 0.9
+    check_integrity(sched)
+
+
+def test_a_prompt_that_lands_exactly_on_the_watermark_is_admitted():
+    # 20 of 30 blocks in use and 7 more: 27/30 is 0.9, which a sum of two fractions
+    # read as 0.9000000000000001 and refused.
+    sched = make(num_blocks=30, max_model_len=120, block_size=4, enable_prefix_caching=False,
+                 prefill_attempt_interval=1)  # fmt: skip
+    long_run = SamplingParams(max_tokens=30, ignore_eos=True)
+    sched.add_request(Request("r", prompt(79), long_run))
+    step(sched)  # 20 blocks
+    sched.add_request(Request("q", prompt(28, 1000), long_run))
+    plan, _ = step(sched)
+    assert "q" in plan.num_scheduled_tokens
+    assert sched.kv_usage == 0.9
+
+
 def test_a_prompt_larger_than_the_watermark_runs_when_nothing_else_does():
     sched = make(num_blocks=10, max_model_len=40, block_size=4)
     sched.add_request(Request("big", prompt(39), SamplingParams(max_tokens=1)))

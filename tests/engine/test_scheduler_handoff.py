@@ -86,10 +86,10 @@ def test_a_failed_handoff_waits_behind_a_recompute_mid_chunk():
         max_num_batched_tokens=32,
     )
     _handoff(sched, "a", 100)
+    _handoff(sched, "b", 40)
     sched.handoff_failed("a")
     plan, _ = step(sched)
     assert plan.num_scheduled_tokens == {"a": 32}  # "a" is mid-chunk
-    _handoff(sched, "b", 40)
     sched.handoff_failed("b")
     assert [r.request_id for r in sched.waiting] == ["a", "b"]
     run_until_idle(sched)
@@ -98,8 +98,41 @@ def test_a_failed_handoff_waits_behind_a_recompute_mid_chunk():
 
 def test_a_completion_engine_past_the_watermark_refuses_a_handoff_it_could_fit():
     sched = make(num_blocks=100, engine_type="completion", max_model_len=256)
-    assert sched.kv.allocate("filler", 91 * 16) is not None  # usage 0.91 > 0.90
+    assert _handoff(sched, "a", 20)[1] is not None
+    assert sched.kv.allocate("filler", 89 * 16) is not None  # usage 0.91 > 0.90
     assert _handoff(sched, "h", 20)[1] is None
+
+
+def test_a_handoff_is_taken_only_while_its_own_blocks_keep_usage_within_the_watermark():
+    # Taken at 0.80 to 0.96, the next decode step preempted the request whose KV had
+    # just come over the network, to recompute it here.
+    sched = make(num_blocks=100, engine_type="completion", max_model_len=256)
+    for rid in "abcde":
+        assert _handoff(sched, rid, 250)[1] is not None  # 16 blocks each: 0.80
+    assert _handoff(sched, "f", 250)[1] is None  # 0.96
+    assert _handoff(sched, "g", 160)[1] is not None  # 10 blocks: exactly 0.90
+    check_integrity(sched)
+
+
+def test_a_handoff_past_the_watermark_alone_is_taken_where_nothing_else_runs():
+    sched = make(num_blocks=16, engine_type="completion", max_model_len=256)
+    assert _handoff(sched, "a", 250)[1] is not None  # 16 of 16 blocks
+
+
+def test_no_handoff_is_taken_while_a_recompute_waits_for_the_room():
+    # Handoffs took every block freed, a failed fetch's recompute none: it waited until
+    # its deadline while a steady stream of others finished.
+    sched = make(num_blocks=100, engine_type="completion", max_model_len=256)
+    for rid in "abcde":
+        _handoff(sched, rid, 250)
+    sched.handoff_failed("a")
+    assert _handoff(sched, "f", 20)[1] is None
+    for rid in "bcde":
+        sched.handoff_received(rid)
+    plans = run_until_idle(sched)
+    assert any(plan.is_prefill and "a" in plan.num_scheduled_tokens for plan in plans)
+    assert _handoff(sched, "f", 20)[1] is not None  # the recompute ran: room again
+    check_integrity(sched)
 
 
 def test_completion_engine_refuses_handoffs_it_has_no_room_for():
