@@ -175,7 +175,9 @@ def _log_readability(
 ) -> None:
     # Once per change, not per scrape: each failed scrape is only a DEBUG line
     # (engine_metrics.scrape), yet a role holding for want of metrics must show.
-    # A change always has pods behind it: those scraped.
+    # A role scaled to zero has nothing left to read: its scale-down said so.
+    if not role_pods:
+        return
     meta = role_pods[0]["metadata"]
     model = meta.get("labels", {}).get(INSTANCE_LABEL, "?")
     where = f"{meta.get('namespace', '')}/{model} {decision.role}"

@@ -104,6 +104,19 @@ def test_a_role_whose_pods_cannot_be_read_holds_and_says_so_once(caplog):
     assert logged[1][1] == "ns/m normal: metrics readable again after 60s"
 
 
+def test_a_role_unread_until_it_scaled_to_zero_is_evaluated_without_its_pods():
+    # Its pods gone (a NetworkPolicy kept the operator from reading them), the next
+    # evaluation raised IndexError on every pass: nothing reconciled for a minute.
+    op = Operator(1, minReplicas=0, scaleToZeroAfterSeconds=60)
+    assert op.evaluate(pods(1), {}, now=0.0).unreadable == UNREADABLE
+    now = 15.0
+    while op.replicas:  # idle: nothing in Redis
+        op.evaluate(pods(1), {}, now)
+        now += 15.0
+    d = op.evaluate([], {}, now)
+    assert (d.replicas, d.unreadable) == (0, None)
+
+
 def test_a_role_that_cannot_be_read_still_follows_its_queue():
     # Redis is read apart from the engines: 5 replicas' worth of queued tokens still
     # adds pods (unread pods count 0 going up).
