@@ -3,6 +3,8 @@ has. Real engine processes: a prompt engine and two decoders."""
 
 from __future__ import annotations
 
+import signal
+
 import redis
 from support.polling import eventually
 
@@ -29,4 +31,22 @@ def test_a_parked_handoff_goes_to_a_decoder_with_room(engines, client, redis_url
     assert eventually(lambda: second.metric("tandem_engine_requests_total") == 1, 30)
     assert first.metric("tandem_engine_requests_total") == 0
     assert first.metric("tandem_engine_handoffs_parked") == 0
+    conn.close()
+
+
+def test_a_draining_decoder_hands_its_parked_handoff_back_at_once(engines, client, redis_url, keys):
+    # Draining, it kept the parked one until its own request ended or its drain timed
+    # out, while a decoder with room sat idle.
+    engines("prompt", *MEDIUM, "--num-kv-blocks", "256")
+    client.submit(prompt_token_ids=[5] * 549, sampling={"max_tokens": 1400, **SAMPLING})
+    client.submit(prompt_token_ids=[6] * 1500, sampling={"max_tokens": 8, **SAMPLING})
+    conn = redis.Redis.from_url(redis_url)
+    stream = keys.handoff_stream("tiny")
+    assert eventually(lambda: conn.xlen(stream) == 2, 60), "the prompts were not prefilled"
+    first = engines("completion", *MEDIUM, "--num-kv-blocks", "128", "--drain-timeout", "120")
+    assert eventually(lambda: first.metric("tandem_engine_handoffs_parked") == 1, 30)
+    first.process.send_signal(signal.SIGTERM)
+    second = engines("completion", *MEDIUM, "--num-kv-blocks", "256")
+    assert eventually(lambda: second.metric("tandem_engine_requests_total") == 1, 30)
+    assert first.process.poll() is None  # still draining its own request
     conn.close()

@@ -53,10 +53,12 @@ class Intake:
 
     def _pull(self, *, block: bool) -> None:
         room = 0
-        if not (self.outage.down or self._untaken or self._draining):
-            self._hand_back_parked()
+        if not (self.outage.down or self._untaken):
+            # A draining decoder keeps nothing parked: a decoder with room takes it now
+            # (waiting here, it waited for this one's room or its drain timeout).
+            self._hand_back_parked(0.0 if self._draining else PARKED_HAND_BACK_S)
             parked = self.handoffs.num_parked if self.handoffs is not None else 0
-            if time.monotonic() >= self._pull_paused_until:
+            if not self._draining and time.monotonic() >= self._pull_paused_until:
                 room = pull_room(self.engine.scheduler, self.settings, len(self.held), parked)
         if self.outage.down or not (room or self._untaken):
             if block:
@@ -87,13 +89,13 @@ class Intake:
         if took:  # the waiting tokens' integral counts them from now, not from the step's end
             self.metrics.observe_queues(self.engine)
 
-    def _hand_back_parked(self) -> None:
-        """Handoffs parked past PARKED_HAND_BACK_S go back to the queue (see there): one
-        waited on a full decoder for its room while another decoder sat idle, until its
-        KV offer expired and it was recomputed."""
+    def _hand_back_parked(self, after_s: float) -> None:
+        """Handoffs parked past after_s go back to the queue (PARKED_HAND_BACK_S says
+        why): one waited on a full decoder for its room while another decoder sat idle,
+        until its KV offer expired and it was recomputed."""
         if self.handoffs is None:
             return
-        stale = self.handoffs.parked_longer_than(PARKED_HAND_BACK_S)
+        stale = self.handoffs.parked_longer_than(after_s)
         deliveries = [self.held[rid].delivery for rid in stale if rid in self.held]
         if not deliveries:
             return
