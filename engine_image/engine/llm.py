@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tandem.engine.config import EngineConfig, check_fields, max_model_len_for
+from tandem.engine.config import EngineConfig, EngineType, check_fields, max_model_len_for
 from tandem.engine.decode_graphs import DecodeGraphs
 from tandem.engine.drafter import NgramDrafter
 from tandem.engine.engine import Engine
@@ -84,7 +84,16 @@ class LLM:
             raise ValueError(f"unknown engine settings: {', '.join(sorted(unknown))}")
         if "vocab_size" in engine_config_fields:
             raise ValueError("vocab_size comes from the model; do not set it")
+        if engine_config_fields.get("max_model_len", 0) is None:
+            del engine_config_fields["max_model_len"]  # vLLM's spelling of "the model's"
         check_fields(engine_config_fields)  # before a load of minutes
+        asked = EngineConfig(max_model_len=1, **engine_config_fields)  # checked just above
+        if asked.engine_type is not EngineType.NORMAL:
+            # A prompt engine pins each request's KV for a decoder that never comes.
+            raise ValueError(
+                "engine_type must be 'normal' here: the offline API runs prompts to the "
+                "end on one engine (prompt and completion engines are the service's roles)"
+            )
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an integer or None, got {seed!r}")
         if mtp_head is not None and not callable(getattr(mtp_head, "propose", None)):
@@ -96,6 +105,14 @@ class LLM:
             or num_kv_blocks < 1
         ):
             raise ValueError(f"num_kv_blocks must be a positive integer, got {num_kv_blocks!r}")
+        if kv_cache_memory is not None and (
+            isinstance(kv_cache_memory, bool)
+            or not isinstance(kv_cache_memory, int)
+            or kv_cache_memory < 1
+        ):
+            raise ValueError(
+                f"kv_cache_memory must be a positive number of bytes, got {kv_cache_memory!r}"
+            )
         pool = kv_pool_check(
             block_size, num_kv_blocks, kv_cache_memory, "kv_cache_memory or num_kv_blocks"
         )
@@ -168,6 +185,8 @@ class LLM:
         ids = []
         for i, conversation in enumerate(conversations):
             try:
+                if not isinstance(conversation, list | tuple):
+                    raise ValueError(f"a conversation is a list of messages, got {conversation!r}")
                 ids.append(self.tokenizer.encode_chat(list(conversation)))
             except ValueError as exc:  # which one, where there are several
                 raise ValueError(

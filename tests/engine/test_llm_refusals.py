@@ -92,3 +92,36 @@ def test_stop_strings_without_a_tokenizer_are_refused():
     with pytest.raises(ValueError, match="no tokenizer, so no stop strings") as refused:
         llm.generate(prompt_token_ids=[[1, 2]], sampling_params=SamplingParams(stop=["ix"]))
     assert refused.value.param == "stop"
+
+
+@pytest.mark.parametrize("role", ["prompt", "completion"])
+def test_an_engine_type_other_than_normal_is_refused_before_the_load(role):
+    # A prompt engine was accepted: each call raised KeyError, kept its KV pinned for a
+    # decoder that never comes, and the ninth spun for good.
+    with pytest.raises(ValueError, match="engine_type must be 'normal' here"):
+        LLM("no-such-model", engine_type=role)
+
+
+@pytest.mark.parametrize("memory", ["1GiB", 0, 1.5, True])
+def test_kv_cache_memory_must_be_a_positive_number_of_bytes(memory):
+    with pytest.raises(ValueError, match="kv_cache_memory must be a positive number of bytes"):
+        LLM("random:tiny", kv_cache_memory=memory)
+
+
+@pytest.mark.parametrize("device", ["xpu", "mps", "meta", "tpu"])
+def test_a_device_with_no_kernels_here_is_refused(device):
+    with pytest.raises(ValueError, match=f"unknown device '{device}': use 'cpu', 'cuda'"):
+        LLM("random:tiny", device=device, num_kv_blocks=8)
+
+
+def test_a_conversation_that_is_no_list_is_named(llm):
+    good = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(ValueError, match="conversation 1: a conversation is a list of messages"):
+        llm.chat([good, None], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="a conversation is a list of messages, got None"):
+        llm.chat([None], SamplingParams(max_tokens=1))
+
+
+def test_max_model_len_none_means_the_models(llm):
+    other = LLM(llm.loaded, num_kv_blocks=16, max_model_len=None)
+    assert other.engine.config.max_model_len == llm.engine.config.max_model_len

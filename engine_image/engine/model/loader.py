@@ -62,7 +62,9 @@ def pick_device(device: str | torch.device | None) -> torch.device:
     try:
         chosen = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ValueError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'") from None
+        chosen = None
+    if chosen is None or chosen.type not in ("cpu", "cuda"):  # xpu, mps, meta: no kernels here
+        raise ValueError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'")
     if chosen.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but no CUDA device is available")
     return chosen
