@@ -14,6 +14,7 @@ from pathlib import Path
 
 # Light (no torch, no web stack): `tandem up`'s error and the defaults its help states.
 from tandem.preflight import StartError
+from tandem.run_folder import remove_if_unused
 from tandem.up import Stack, UpConfig
 from tandem.up_config import read_manifest
 
@@ -98,7 +99,7 @@ def _up(args: argparse.Namespace) -> int:
     except StartError:
         if not args.log_dir:  # a new folder that nothing was written to is no use
             with contextlib.suppress(OSError):
-                log_dir.rmdir()
+                remove_if_unused(log_dir)
         raise
     except KeyboardInterrupt:  # Ctrl-C while starting
         return 130

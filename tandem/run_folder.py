@@ -7,6 +7,8 @@ import tempfile
 from pathlib import Path
 from typing import IO
 
+LOCK_FILE = ".tandem-up.lock"
+
 
 def claim_run_folder(folder: Path) -> IO[bytes]:
     """Make `folder`, check it takes files, and hold it for this stack's life: the open
@@ -19,7 +21,7 @@ def claim_run_folder(folder: Path) -> IO[bytes]:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=folder).close()
-        lock = open(folder / ".tandem-up.lock", "wb")  # noqa: SIM115 (held until stop)
+        lock = open(folder / LOCK_FILE, "wb")  # noqa: SIM115 (held until stop)
     except OSError as exc:
         raise ValueError(f"cannot create or write to --log-dir {folder}: {exc.strerror}") from None
     try:
@@ -30,3 +32,10 @@ def claim_run_folder(folder: Path) -> IO[bytes]:
             f"--log-dir {folder} is in use by another running `tandem up`: give each its own"
         ) from None
     return lock
+
+
+def remove_if_unused(folder: Path) -> None:
+    """Remove a run folder that holds nothing but its lock file (its stack stopped)."""
+    if {p.name for p in folder.iterdir()} <= {LOCK_FILE}:
+        (folder / LOCK_FILE).unlink(missing_ok=True)
+        folder.rmdir()

@@ -93,19 +93,21 @@ class Stack:
 
         StartError when it cannot: what had started is stopped, the logs are kept.
         """
-        check_port(self.config.host, self.config.port)
-        model = self.config.model
-        if self.deployment is not None:
-            model = self.deployment[1].model.path or model
-        check_model(model)
-        if self.config.redis_url:
-            check_redis(self.config.redis_url)
+        launching = False
         try:
+            check_port(self.config.host, self.config.port)
+            model = self.config.model
+            if self.deployment is not None:
+                model = self.deployment[1].model.path or model
+            check_model(model)
+            if self.config.redis_url:
+                check_redis(self.config.redis_url)
+            launching = True
             self._launch(say)
         except BaseException as exc:
-            if isinstance(exc, StartError):
+            if launching and isinstance(exc, StartError):
                 self._tmp = None  # the error names a log: keep it
-            self.stop()
+            self.stop()  # the run folder's lock too (a failed check: its folder is empty)
             raise
         return self
 

@@ -79,12 +79,14 @@ def taken_port():
         yield listener.getsockname()[1]
 
 
-def test_a_port_in_use_is_named_before_anything_starts(taken_port):
+def test_a_port_in_use_is_named_before_anything_starts(taken_port, tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where its run folder would be made
     done, left = up("--port", str(taken_port))
     error = the_error(done)
     assert f"port {taken_port} on 127.0.0.1 is already in use" in error and "--port" in error
     assert "redis" not in done.stdout  # nothing was started only to be stopped
     assert left == []
+    assert list(tmp_path.iterdir()) == []  # its empty run folder left behind, lock and all
 
 
 @pytest.mark.parametrize(
