@@ -353,11 +353,13 @@ def _demand(
         if role is RoleName.DECODE:
             # KV usage saturates at 1 per pod, so alone it cannot show a 4x load.
             # Handoffs no decoder has room for are the rest of the demand, each
-            # costing the KV a running request holds on average.
+            # costing the KV a request holds on average: those whose KV is still
+            # arriving hold theirs too (left out, a burst's fetches, two at a time,
+            # made the average several times too large).
             backlog = queue.handoff_waiting + sum(p.requests_waiting for p in pods)
-            running = sum(p.requests_running for p in ready)
-            if backlog and running:
-                usage += backlog * usage / running
+            holding = sum(p.requests_running + p.kv_receiving_requests for p in ready)
+            if backlog and holding:
+                usage += backlog * usage / holding
         signals.append(
             _per_pod("kv_cache", usage / policy.target_kv_cache_usage, len(ready), current)
         )
@@ -397,6 +399,7 @@ def _active(pods: Iterable[PodLoad], queue: QueueState) -> bool:
         or p.requests_waiting
         or p.waiting_prompt_tokens
         or p.kv_pinned_requests
+        or p.kv_receiving_requests
         or p.stepped
         for p in pods
     )

@@ -84,6 +84,7 @@ def parse_metrics(text: str, *, pod: str, ready: bool, scraped_at: float) -> Pod
         waiting_prompt_tokens=count("waiting_prompt_tokens"),
         token_budget=count("token_budget"),
         kv_pinned_requests=count("kv_pinned_requests"),
+        kv_receiving_requests=count("kv_receiving_requests"),
         steps_total=by_kind("steps_total"),
         scheduled_tokens_total=by_kind("scheduled_tokens_total"),
         step_seconds_total=counters.get(("step_seconds_sum", ""), 0.0),

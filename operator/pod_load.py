@@ -33,6 +33,8 @@ class PodSample:
     waiting_prompt_tokens: int
     token_budget: int
     kv_pinned_requests: int = 0
+    # COMPLETION: handoffs whose KV is being fetched, their blocks held (in kv_cache_usage).
+    kv_receiving_requests: int = 0
     # Counters by step kind ("prefill", "decode"): running totals since the
     # engine started, absent until the first step of that kind.
     steps_total: Mapping[str, float] = field(default_factory=dict)
@@ -70,6 +72,8 @@ class PodLoad:
     requests_waiting: int
     waiting_prompt_tokens: int
     kv_pinned_requests: int = 0
+    # COMPLETION: handoffs whose KV is being fetched, their blocks held (in kv_cache_usage).
+    kv_receiving_requests: int = 0
     # budget_utilization() over the last interval; None on a pod's first scrape.
     budget_utilization: float | None = None
     # mean_waiting_prompt_tokens() over the last interval; None on a pod's first
@@ -188,6 +192,7 @@ def pod_load(curr: PodSample, prev: PodSample | None = None) -> PodLoad:
         requests_waiting=curr.requests_waiting,
         waiting_prompt_tokens=curr.waiting_prompt_tokens,
         kv_pinned_requests=curr.kv_pinned_requests,
+        kv_receiving_requests=curr.kv_receiving_requests,
         budget_utilization=None if prev is None else budget_utilization(prev, curr),
         mean_waiting_prompt_tokens=None if prev is None else mean_waiting_prompt_tokens(prev, curr),
         # A first scrape counts any step so far: a pod woken from zero served the request

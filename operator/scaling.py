@@ -234,7 +234,12 @@ def plan_resize(target: int, samples: Sequence[PodSample | None]) -> tuple[int, 
 def drain_key(sample: PodSample) -> tuple[float, ...]:
     """How much a pod's drain costs, the least first: work in flight (what a drain
     waits for), then KV held, then queued prompts."""
-    requests = sample.requests_running + sample.requests_waiting + sample.kv_pinned_requests
+    requests = (
+        sample.requests_running
+        + sample.requests_waiting
+        + sample.kv_pinned_requests
+        + sample.kv_receiving_requests
+    )
     return (float(requests), sample.kv_cache_usage, float(sample.waiting_prompt_tokens))
 
 

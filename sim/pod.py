@@ -226,6 +226,7 @@ class Pod:
             waiting_prompt_tokens=sum(s.waiting_prompt_tokens for s in ranks),
             token_budget=self.config.max_num_batched_tokens * len(ranks),
             kv_pinned_requests=sum(len(s.handoff) for s in ranks),
+            kv_receiving_requests=sum(len(s.receiving) for s in ranks),
             steps_total=dict(self.counters.steps),
             scheduled_tokens_total=dict(self.counters.scheduled_tokens),
             step_seconds_total=self.counters.step_seconds,

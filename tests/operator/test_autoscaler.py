@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -112,6 +113,18 @@ def test_a_4x_load_step_scales_up_in_one_evaluation_bounded_by_the_step(role, ob
     assert "step limit 8" in d.reason
     tight = ScalingPolicy(max_replicas=32, scale_up_max_step=1, scale_up_max_percent=50)
     assert once(role, obs, q, policy=tight).replicas == 6
+
+
+def test_the_decode_backlog_costs_the_kv_of_requests_whose_kv_is_arriving_too():
+    # A burst: each decoder holds KV for 5 running requests and 15 whose KV is being
+    # fetched (two at a time). Divided by the 5 alone, the 20 handoffs waiting each cost
+    # 4x their KV: 4 -> 8 pods where 5 hold them.
+    receiving = tuple(
+        dataclasses.replace(p, kv_receiving_requests=15) for p in pods(4, kv=0.64, running=5)
+    )
+    d = once(DECODE, observe(4, receiving), queue(handoff_waiting=20))
+    # (4 x 0.64 + 20 x 0.032) / 0.7 = 4.57
+    assert d.replicas == 5 and "kv_cache asks 4.57" in d.reason
 
 
 @pytest.mark.parametrize(

@@ -41,6 +41,7 @@ class FakeEngine:
             num_waiting=0,
             waiting_prompt_tokens=0,
             handoff={},
+            receiving={},
         )
 
     def step(self, metrics: EngineMetrics, *, prefill: bool, tokens: int, seconds: float) -> None:
@@ -59,6 +60,7 @@ def test_parses_the_gauges_and_counters_an_engine_renders():
     engine.scheduler.num_waiting = 2
     engine.scheduler.waiting_prompt_tokens = 640
     engine.scheduler.handoff = {"r1": object()}
+    engine.scheduler.receiving = {"r2": object(), "r3": object()}
     engine.step(metrics, prefill=True, tokens=800, seconds=0.5)
     engine.step(metrics, prefill=False, tokens=3, seconds=0.25)
 
@@ -69,6 +71,7 @@ def test_parses_the_gauges_and_counters_an_engine_renders():
     assert s.kv_cache_usage == 0.25
     assert (s.requests_running, s.requests_waiting) == (3, 2)
     assert (s.waiting_prompt_tokens, s.kv_pinned_requests, s.token_budget) == (640, 1, BUDGET)
+    assert s.kv_receiving_requests == 2
     assert s.steps_total == {"prefill": 1.0, "decode": 1.0}
     assert s.scheduled_tokens_total == {"prefill": 800.0, "decode": 3.0}
     assert s.step_seconds_total == pytest.approx(0.75)

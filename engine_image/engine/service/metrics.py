@@ -73,6 +73,10 @@ class EngineMetrics:
             "its rate is the mean of tandem_engine_waiting_prompt_tokens.",
             lambda: self.waiting_token_seconds.total(self._clock()),
         )
+        self.kv_receiving_requests = gauge(
+            "tandem_engine_kv_receiving_requests",
+            "COMPLETION engine: handoffs whose KV is being fetched (their blocks held).",
+        )
         self.kv_pinned_requests = gauge(
             "tandem_engine_kv_pinned_requests", "PROMPT engine: prefilled KV awaiting a decoder."
         )
@@ -200,6 +204,7 @@ class EngineMetrics:
         self.waiting_prompt_tokens.set(waiting)
         self.waiting_token_seconds.set(waiting, self._clock())
         self.kv_pinned_requests.set(len(sched.handoff))
+        self.kv_receiving_requests.set(len(sched.receiving))
         self.token_budget.set(sched.config.max_num_batched_tokens)
 
     def render(self) -> bytes:
