@@ -174,6 +174,27 @@ def test_kv_released_during_the_transfer_is_refused():
     assert offers.fetched == []
 
 
+def test_kv_released_midway_stops_the_transfer_there():
+    # Sent whole, then refused: the fetcher waited out the transfer to recompute anyway,
+    # and the server went on reading blocks freed (another request's KV by then).
+    pinned = PinnedKV("req-1", scattered_slots(TOKENS, 3), "fp", TOKEN)
+    offers = Offers(pinned)
+    sent: list[int] = []
+
+    def slow_link(frame_bytes: int) -> None:
+        sent.append(frame_bytes)
+        if len(sent) == 2:
+            offers.pinned.clear()  # the offer expires while the frames go out
+        time.sleep(0.02)
+
+    with serving(caches(LAYOUT, 1), offers, frame_bytes=200, on_sent=slow_link) as server:
+        error = fetch_error(server.address)
+    frames = -(-TOKENS // (200 // LAYOUT.layer_token_bytes)) * LAYOUT.num_layers
+    assert len(sent) < frames // 2  # stopped within a few frames, not after all of them
+    assert error.reason == "unreachable"  # the connection closed midway: it recomputes
+    assert offers.fetched == []
+
+
 def test_nothing_listening_is_unreachable():
     probe = socket.create_server(("127.0.0.1", 0))
     port = probe.getsockname()[1]

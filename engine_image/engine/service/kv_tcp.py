@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 # A fetcher sends its request as soon as it connects: a peer silent longer held one of
 # the few transfer threads for the 30 s of a read, and four of them every fetch.
 REQUEST_WITHIN_S = 2.0
+# How often a transfer checks that its offer still holds: one that expired (or was
+# withdrawn) midway stops there, not after sending every frame of freed blocks.
+RECHECK_S = 0.05
 _FIRST_PAUSE_S, _MOST_PAUSE_S = 0.05, 1.0  # between accept() retries
 
 
@@ -235,11 +238,27 @@ class KVServer:
             conn.sendall(frames.wire(frame, buf))
             self._on_sent(frame[3])  # sent, whatever becomes of the transfer
 
-        pipeline(frames, frames.pack, send)
+        next_check = time.monotonic() + RECHECK_S
+
+        def pack(frame: Frame, buf: Buffer) -> None:
+            nonlocal next_check
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + RECHECK_S
+                if not self._still_pinned(pinned):
+                    raise _Released
+            frames.pack(frame, buf)
+
+        try:
+            pipeline(frames, pack, send)
+        except _Released:  # closing tells the fetcher at once: it recomputes
+            self._on_failure("refused")
+            log.info(
+                "KV of handle %r released during its transfer to %s: stopped", pinned.handle, peer
+            )
+            return
         # The rows were read while pinned only if the handle is still there: the engine
         # drops it from lookup before it frees (and reuses) its blocks.
-        again = self._lookup(pinned.handle)
-        if again is None or not torch.equal(again.slots, pinned.slots):
+        if not self._still_pinned(pinned):
             error = f"the KV of handle {pinned.handle!r} was released during the transfer"
             send_msg(conn, {"ok": False, "reason": Reason.REFUSED, "error": error}, None)
             self._on_failure("refused")
@@ -252,6 +271,10 @@ class KVServer:
             self._on_fetched(pinned.handle)
         except Exception:
             log.exception("on_fetched(%r) failed", pinned.handle)
+
+    def _still_pinned(self, pinned: PinnedKV) -> bool:
+        again = self._lookup(pinned.handle)
+        return again is not None and torch.equal(again.slots, pinned.slots)
 
     def _admit(self, request: dict[str, Any]) -> tuple[PinnedKV | None, dict[str, str]]:
         """The pinned KV a request may fetch, or None and why not (reason, error)."""
@@ -280,6 +303,10 @@ class KVServer:
 def _token_matches(given: object, token: str) -> bool:
     # In constant time: a reply's delay must not tell how much of a guess was right.
     return isinstance(given, str) and hmac.compare_digest(given.encode(), token.encode())
+
+
+class _Released(Exception):
+    """The offer of the KV being sent went away midway (expired, withdrawn)."""
 
 
 def fetch_kv(
