@@ -105,6 +105,8 @@ def pod_trouble(pod: Body) -> PodTrouble | None:
             return PodTrouble("Unschedulable", f"pod {name} cannot be scheduled: {why}")
     # Init containers (fetch-model) run first: while one fails, the engine waits.
     for init in status.get("initContainerStatuses") or []:
+        if ((init.get("state") or {}).get("terminated") or {}).get("exitCode") == 0:
+            continue  # done: the failures before it (a download retried) are history
         trouble = _container_trouble(name, init, _init_container(init.get("name", "?")))
         if trouble is not None:
             return trouble

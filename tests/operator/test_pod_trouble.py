@@ -51,6 +51,19 @@ def test_a_model_download_that_keeps_failing_is_quoted_before_the_waiting_engine
     assert "gated repo" in trouble.message
 
 
+def test_a_model_download_that_failed_then_finished_is_no_trouble():
+    # Two 429s, then the weights: the pod read ModelFetchFailing for the rest of its life,
+    # and a rollout or a lost pod later blamed it (over another pod's real trouble).
+    fetched = {
+        "name": "fetch-model",
+        **crash_loop("huggingface_hub: 429 Too Many Requests"),
+        "restartCount": 2,
+        "state": {"terminated": {"exitCode": 0, "reason": "Completed"}},
+    }
+    loading = {"restartCount": 0, "state": {"running": {}}}
+    assert pod_trouble(pod(engine=loading, initContainerStatuses=[fetched])) is None
+
+
 def test_a_crash_loop_holds_between_its_back_offs():
     # Running again after its third exit, not ready yet: still the same loop.
     engine = {**crash_loop(), "restartCount": 3, "state": {"running": {}}}
