@@ -87,8 +87,7 @@ class LLM:
         if engine_config_fields.get("max_model_len", 0) is None:
             del engine_config_fields["max_model_len"]  # vLLM's spelling of "the model's"
         check_fields(engine_config_fields)  # before a load of minutes
-        asked = EngineConfig(max_model_len=1, **engine_config_fields)  # checked just above
-        if asked.engine_type is not EngineType.NORMAL:
+        if EngineType(engine_config_fields.get("engine_type", "normal")) is not EngineType.NORMAL:
             # A prompt engine pins each request's KV for a decoder that never comes.
             raise ValueError(
                 "engine_type must be 'normal' here: the offline API runs prompts to the "

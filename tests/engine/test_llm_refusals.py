@@ -122,6 +122,7 @@ def test_a_conversation_that_is_no_list_is_named(llm):
         llm.chat([None], SamplingParams(max_tokens=1))
 
 
-def test_max_model_len_none_means_the_models(llm):
+def test_max_model_len_none_means_the_models_and_a_number_is_taken(llm):
     other = LLM(llm.loaded, num_kv_blocks=16, max_model_len=None)
     assert other.engine.config.max_model_len == llm.engine.config.max_model_len
+    assert LLM(llm.loaded, num_kv_blocks=16, max_model_len=128).engine.config.max_model_len == 128
