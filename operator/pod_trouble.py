@@ -43,35 +43,18 @@ _CONFIG = frozenset({"CreateContainerConfigError", "CreateContainerError", "RunC
 # crash loop, between its back-offs too (running again, not ready yet): its trouble
 # holds through the cycle instead of coming and going with each restart.
 _LOOPING_RESTARTS = 2
-# Every reason a PodTrouble has: the status tells "never served, failing" from "lost".
-REASONS = frozenset(
-    {
-        "EngineCrashLoop",
-        "EngineOOMKilled",
-        "ModelFetchFailing",
-        "ModelFetchOOMKilled",
-        "ImagePullFailing",
-        "ContainerConfigError",
-        "Unschedulable",
-    }
-)
 
 
 @dataclass(frozen=True)
 class PodTrouble:
     """What keeps a pod from serving."""
 
-    # The status reason, one of REASONS: EngineCrashLoop, EngineOOMKilled,
+    # The status reason: EngineCrashLoop, EngineOOMKilled,
     # ModelFetchFailing, ModelFetchOOMKilled (the fetch-model init container),
     # ImagePullFailing, ContainerConfigError, or Unschedulable.
     reason: str
     # For people: the pod, what happened, and its own words.
     message: str
-
-    def __post_init__(self) -> None:
-        # status.py tells a pod's trouble from other Degraded reasons by REASONS.
-        if self.reason not in REASONS:
-            raise ValueError(f"PodTrouble reason {self.reason!r} is not in REASONS; add it there")
 
     @property
     def degrades(self) -> bool:

@@ -120,9 +120,11 @@ def plan(
             patches.append(ChildPatch(key.kind, key.name, repair_patch(manifest, actual), paths))
     wanted = {ChildKey(m["kind"], m["metadata"]["name"]): m for m in desired}
 
-    # Deployments whose pods this pass replaces: a count alone adds or removes pods,
-    # which the ready counts say; calling it a rollout flapped Ready at every scale.
-    rolled = {ChildKey(p.kind, p.name) for p in patches if set(p.drift) != {"spec.replicas"}}
+    # Deployments whose pods this pass replaces: only a new pod template does. A count
+    # adds or removes pods, which the ready counts say, and metadata (the annotation an
+    # edit of spec.<role>.replicas moves with it) replaces none: calling those a rollout
+    # flapped Ready at every scale.
+    rolled = {ChildKey(p.kind, p.name) for p in patches if _replaces_pods(p.drift)}
     # A status the Deployment controller has not caught up with says nothing new: it
     # is rolling if the last pass said so (a new template then, or its rollout).
     was_rolling = previous.get("reason") == "RollingOut"
@@ -361,3 +363,8 @@ def _counts(
         stall=stall,
         trouble=trouble,
     )
+
+
+def _replaces_pods(drift: Sequence[str]) -> bool:
+    """Whether a Deployment patch of these drifted paths rolls its pods out."""
+    return any(path != "spec.replicas" and not path.startswith("metadata.") for path in drift)

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.operator.pod_trouble import REASONS, PodTrouble
+from tandem.operator.pod_trouble import PodTrouble
 from tandem.operator.role_name import RoleName
 from tandem.operator.status_model import ConditionType, Phase
 
@@ -201,10 +201,12 @@ def _phase(counts: Mapping[RoleName, RoleCounts], previous: Body) -> tuple[Phase
         why = f"{role.value}: {stall.message}; " if stall.message else ""
         return Phase.DEGRADED, stall.reason, f"{roles} cannot progress: {why}{summary}"
     reported = previous.get("roles") or {}
-    # Degraded by a pod's trouble says nothing of serving: a new model whose engines
-    # crashed is not one that lost pods once the crash is over.
+    # Only Ready, or pods lost since, says it served: a new model whose engines crashed,
+    # or that waited on a quota or a slow download past its deadline, is not one that
+    # lost pods once that is over (it is starting).
     was_serving = previous.get("phase") == Phase.READY.value or (
-        previous.get("phase") == Phase.DEGRADED.value and previous.get("reason") not in REASONS
+        previous.get("phase") == Phase.DEGRADED.value
+        and previous.get("reason") == "ReplicasUnavailable"
     )
     lost = [
         role.value
@@ -214,7 +216,10 @@ def _phase(counts: Mapping[RoleName, RoleCounts], previous: Body) -> tuple[Phase
         and c.desired <= ((reported.get(role.value) or {}).get("desired") or 0)
     ]
     if lost:
-        return Phase.DEGRADED, "ReplicasUnavailable", f"{', '.join(lost)} lost pods: {summary}"
+        # The replacements' trouble (no node can take them) is what to do about it.
+        why = "".join(f"{r.value}: {t.message}; " for r, t in troubled if r.value in lost)
+        message = f"{', '.join(lost)} lost pods: {why}{summary}"
+        return Phase.DEGRADED, "ReplicasUnavailable", message
     if troubled:  # a pod no node can take yet: waiting, with the scheduler's reason
         role, trouble = troubled[0]
         phase = Phase.PROGRESSING if any(c.ready for c in counts.values()) else Phase.PENDING

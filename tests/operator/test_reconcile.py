@@ -14,6 +14,7 @@ from tandem.operator.manifests import (
     OperatorDefaults,
 )
 from tandem.operator.pod_load import PodSample
+from tandem.operator.pod_trouble import role_trouble
 from tandem.operator.reconcile import plan
 from tandem.operator.replica_counts import role_replicas
 from tandem.operator.role_name import RoleName
@@ -288,8 +289,20 @@ def test_an_invalid_spec_plans_no_child_change_and_says_why():
         # ...stays Degraded until the pod is back:
         (
             {"desired": 2, "ready": 1, "replicas": 2},
-            {"phase": "Degraded", "desired": 2},
+            {"phase": "Degraded", "reason": "ReplicasUnavailable", "desired": 2},
             Phase.DEGRADED,
+        ),
+        # A new model past a quota or its progress deadline (a slow download) never
+        # served: its first pod ready is progress, not "lost pods".
+        (
+            {"desired": 2, "ready": 1, "replicas": 2},
+            {"phase": "Degraded", "reason": "ProgressDeadlineExceeded", "desired": 2},
+            Phase.PROGRESSING,
+        ),
+        (
+            {"desired": 1, "ready": 0, "replicas": 1},
+            {"phase": "Degraded", "reason": "ReplicaFailure", "desired": 1},
+            Phase.PENDING,
         ),
         # A scale-up is not a loss:
         (
@@ -313,6 +326,7 @@ def test_an_invalid_spec_plans_no_child_change_and_says_why():
 def test_phases(counts, previous, expected):
     before = {
         "phase": previous.get("phase"),
+        "reason": previous.get("reason"),
         "roles": {"normal": {"desired": previous.get("desired")}},
     }
     status = valid_status(META, {RoleName.NORMAL: RoleCounts(**counts)}, before, NOW)
@@ -415,6 +429,51 @@ def test_a_resize_starts_what_is_missing_and_drains_the_least_loaded_first():
     assert plan_resize(3, samples) == (0, [1, 3])
     # Equal loads keep their order; the busy pod is the last to go.
     assert plan_resize(0, samples) == (0, [1, 3, 4, 2, 0])
+
+
+def test_an_edit_of_a_roles_replicas_is_no_rollout():
+    # The edit moves the Deployment's spec-replicas annotation with its count: that
+    # read as a new template, and a Ready model went Progressing RollingOut (3/2 ready).
+    def ready_model(replicas: int, generation: int, status=None) -> dict:
+        body = model({"replicas": replicas, "maxReplicas": 4}, status)
+        body["metadata"]["generation"] = generation
+        return body
+
+    children = children_of(ready_model(3, 1))
+    for child in children:
+        if child["kind"] == "Deployment":
+            child["metadata"]["generation"] = 1
+            counts = {"replicas": 3, "updatedReplicas": 3, "readyReplicas": 3}
+            child["status"] = {"observedGeneration": 1, **counts}
+    ready = plan(ready_model(3, 1), children, DEFAULTS, now=NOW).status
+    assert ready["phase"] == "Ready"
+    edited = plan(ready_model(2, 2, ready), children, DEFAULTS, now=NOW)
+    assert [p.name for p in edited.patches] == ["m-normal"]  # the count and its annotation
+    assert (edited.status["phase"], edited.status["reason"]) == ("Ready", "AllReplicasReady")
+
+
+def test_a_lost_pod_whose_replacement_no_node_takes_says_why():
+    pod = {
+        "metadata": {"name": "m-normal-z"},
+        "status": {
+            "phase": "Pending",
+            "conditions": [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+                },
+            ],
+        },
+    }
+    previous = {"phase": "Ready", "roles": {"normal": {"desired": 2, "replicas": 2, "ready": 2}}}
+    trouble = role_trouble([pod])
+    counts = {RoleName.NORMAL: RoleCounts(desired=2, replicas=2, ready=1, trouble=trouble)}
+    status = valid_status(META, counts, previous, NOW)
+    assert (status["phase"], status["reason"]) == ("Degraded", "ReplicasUnavailable")
+    assert "normal lost pods: normal: pod m-normal-z cannot be scheduled" in status["message"]
+    assert "Insufficient nvidia.com/gpu" in status["message"]
 
 
 def test_a_first_evaluation_never_scales_down():
