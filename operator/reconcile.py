@@ -147,13 +147,19 @@ def plan(
         # switch to spec.redis): its old pods read them until the new ones are ready,
         # and one restarted meanwhile without them would not start.
         gone = {key for key in gone if _role(found[key]) is None}
+    # The old mode's Deployments kept serving: the status says so, not "nothing ready".
+    outgoing = {
+        role.value: (found[key].get("status") or {}).get("readyReplicas") or 0
+        for key in set(found) - set(wanted) - gone
+        if key.kind == "Deployment" and (role := _role(found[key])) not in (None, *spec.roles())
+    }
     deletes = tuple(sorted(gone, key=lambda k: (k.kind, k.name)))
     scales = [autoscaler_scale(d, clamp_of(clamps, role)) for role, d in scaled.items()]
     scales += [c.scale for c in clamps if not c.by_hand and c.role not in scaled]
     scales += edits
     last_scale = scales[-1].record(now) if scales else None
     served = spec.served_model_name(owner.name)
-    new_status = valid_status(meta, counts, previous, now, last_scale, served)
+    new_status = valid_status(meta, counts, previous, now, last_scale, served, outgoing)
     return Plan(
         creates=tuple(creates),
         patches=tuple(patches),

@@ -89,10 +89,19 @@ def valid_status(
     now: str,
     last_scale: Mapping[str, Any] | None = None,
     served: str | None = None,
+    outgoing: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """The full status of a ModelDeployment whose spec is valid; `served`: the name its
-    pods serve."""
+    pods serve; `outgoing`: the ready pods of roles a mode change is replacing, which
+    serve until the new roles are ready."""
     phase, reason, message = _phase(counts, previous)
+    serving = {role: n for role, n in (outgoing or {}).items() if n}
+    if serving and phase in (Phase.PENDING, Phase.PROGRESSING):
+        # Not "no engine pod ready yet": the old mode's pods take every request meanwhile.
+        old = ", ".join(f"{role} {n} ready" for role, n in serving.items())
+        summary = ", ".join(f"{r.value} {c.ready}/{c.desired} ready" for r, c in counts.items())
+        phase, reason = Phase.PROGRESSING, "RollingOut"
+        message = f"changing mode: {old} serve until the new roles are ready: {summary}"
     status: dict[str, Any] = {
         "observedGeneration": meta.get("generation"),
         "phase": phase.value,

@@ -476,6 +476,32 @@ def test_a_lost_pod_whose_replacement_no_node_takes_says_why():
     assert "Insufficient nvidia.com/gpu" in status["message"]
 
 
+def test_a_mode_change_says_the_old_pods_serve_until_the_new_roles_are_ready():
+    # It said "no engine pod ready yet" (Pending) while the normal pods served every request.
+    normal = model({"replicas": 2, "maxReplicas": 4})
+    children = children_of(normal)
+    for child in children:
+        if child["kind"] == "Deployment":
+            child["metadata"]["generation"] = 1
+            counts = {"replicas": 2, "updatedReplicas": 2, "readyReplicas": 2}
+            child["status"] = {"observedGeneration": 1, **counts}
+    ready = plan(normal, children, DEFAULTS, now=NOW).status
+    split = {
+        "metadata": {**META, "generation": 2},
+        "spec": {
+            "model": {"path": "smollm2"},
+            "mode": "Disaggregated",
+            "prefill": {},
+            "decode": {},
+        },
+        "status": ready,
+    }
+    actions = plan(split, children, DEFAULTS, now=NOW)
+    assert not actions.deletes  # the normal pods serve on
+    assert (actions.status["phase"], actions.status["reason"]) == ("Progressing", "RollingOut")
+    assert actions.status["message"].startswith("changing mode: normal 2 ready serve until")
+
+
 def test_a_first_evaluation_never_scales_down():
     spec = validate_spec(model({"replicas": 3, "maxReplicas": 3})["spec"], name="m")
     pods = [pod(n, "normal") for n in "abc"]
