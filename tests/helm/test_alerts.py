@@ -121,13 +121,27 @@ CASES: dict[str, tuple[list[tuple[str, str]], list[tuple[int, str, list[dict[str
             GATEWAY_UP,
             (_gateway("tandem_gateway_queue_waiting", model="m", priority="normal"), "1x20"),
             (_gateway("tandem_gateway_engines", model="m", role="normal"), "0x20"),
-            # Model n waits too, but an engine serves it (it is only busy).
+            # Model n waits too, but engines of both roles serve it (it is only busy).
             (_gateway("tandem_gateway_queue_waiting", model="n", priority="normal"), "5x20"),
             (_gateway("tandem_gateway_engines", model="n", role="prompt"), "1x20"),
+            (_gateway("tandem_gateway_handoffs_waiting", model="n"), "3x20"),
+            (_gateway("tandem_gateway_engines", model="n", role="completion"), "1x20"),
+            # Model d lost its prompt role: its decoders never take a request.
+            (_gateway("tandem_gateway_queue_waiting", model="d", priority="normal"), "2x20"),
+            (_gateway("tandem_gateway_engines", model="d", role="prompt"), "0x20"),
+            (_gateway("tandem_gateway_engines", model="d", role="completion"), "2x20"),
+            # Model e lost its decoders: its prefilled requests wait for one.
+            (_gateway("tandem_gateway_handoffs_waiting", model="e"), "4x20"),
+            (_gateway("tandem_gateway_engines", model="e", role="prompt"), "1x20"),
+            (_gateway("tandem_gateway_engines", model="e", role="completion"), "0x20"),
         ],
         [
             (8, "TandemQueueWithoutEngines", []),  # a scale from zero takes minutes
-            (15, "TandemQueueWithoutEngines", [{"namespace": NAMESPACE, "model": "m"}]),
+            (
+                15,
+                "TandemQueueWithoutEngines",
+                [{"namespace": NAMESPACE, "model": m} for m in ("m", "d", "e")],
+            ),
         ],
     ),
     "KV cache full": (
