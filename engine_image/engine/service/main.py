@@ -20,6 +20,7 @@ from redis.retry import Retry
 from tandem.engine.config import EngineConfig, max_model_len_for
 from tandem.engine.llm import build_engine
 from tandem.engine.model.loader import kv_blocks_for, kv_pool_check, load_model
+from tandem.engine.service import probes
 from tandem.engine.service.arguments import (
     add_arguments,
     check_arguments,
@@ -122,23 +123,13 @@ def serve(args: argparse.Namespace, rank: int, vote: Vote | None = None) -> int:
     )
     worker: EngineWorker | None = None
 
-    def live() -> tuple[bool, str]:
-        if worker is None:
-            return True, "starting"
-        stalled = time.monotonic() - worker.last_loop_at
-        return stalled < worker.settings.stall_limit, f"last loop {stalled:.1f}s ago"
-
-    def ready() -> tuple[bool, str]:
-        if worker is None or worker.draining:
-            return False, "draining" if worker else "starting"
-        if not worker.heartbeat.registered:  # the gateway would answer 404 for it
-            return False, "not yet in the registry"
-        if worker.outage.down:  # known without asking: answer at once
-            return False, f"redis unreachable for {worker.outage.seconds():.0f}s"
-        reachable = io.ping()
-        return reachable, "model loaded, redis reachable" if reachable else "redis unreachable"
-
-    http = HealthServer(args.host, args.port + rank, live=live, ready=ready, metrics=metrics.render)
+    http = HealthServer(
+        args.host,
+        args.port + rank,
+        live=lambda: probes.live(worker),
+        ready=lambda: probes.ready(worker, io.ping),
+        metrics=metrics.render,
+    )
     http.start()
     settings_kwargs["http_address"] = f"{host}:{http.port}"
     handoffs: HandoffFlow | None = None
