@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -19,7 +20,7 @@ from support.engines import Client, EngineProcess
 from support.polling import eventually
 
 from tandem.engine import LLM, SamplingParams
-from tandem.engine.service.redis_outage import unavailable
+from tandem.engine.service.redis_outage import RedisOutage, unavailable
 from tandem.engine.service.registry import Registry
 from tandem.protocol import WORK_GROUP, EventKind, ResponseEvent
 from tandem.redis_server import RedisServer
@@ -300,3 +301,19 @@ def test_a_full_redis_is_waited_out_like_an_absent_one(server, engines, client, 
 )
 def test_refusals_are_waited_out_and_bugs_are_not(error, waits):
     assert unavailable(error) is waits
+
+
+def test_a_failure_while_the_last_watcher_exits_starts_another():
+    # The watcher had seen a PING through and was exiting; the next write failed (Redis
+    # flapping at maxmemory): no new watcher started, and the engine never wrote again.
+    outage = RedisOutage(lambda: True, first_retry_s=0.01, max_retry_s=0.01)
+    outage.failed(redis.ConnectionError("gone"), "nothing")
+    assert eventually(outage.may_try, 5)
+    exiting = threading.Event()
+    outage._watcher = threading.Thread(target=exiting.wait)  # alive, its work done
+    outage._watcher.start()
+    try:
+        outage.failed(redis.ConnectionError("gone again"), "nothing")
+        assert eventually(outage.may_try, 5)
+    finally:
+        exiting.set()

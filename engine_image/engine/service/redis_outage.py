@@ -78,8 +78,11 @@ class RedisOutage:
                 exc,
                 holding,
             )
+        # A watcher that saw Redis answer is done, though it may not have exited yet:
+        # left to it, this failure would wait for a PING nobody sends (for good).
+        done = self._answers.is_set()
         self._answers.clear()
-        if self._watcher is None or not self._watcher.is_alive():
+        if done or self._watcher is None or not self._watcher.is_alive():
             self._watcher = threading.Thread(target=self._watch, name="redis-watch", daemon=True)
             self._watcher.start()
 
