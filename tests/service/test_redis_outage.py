@@ -317,3 +317,27 @@ def test_a_failure_while_the_last_watcher_exits_starts_another():
         assert eventually(outage.may_try, 5)
     finally:
         exiting.set()
+
+
+def test_a_request_redis_lost_is_dropped_here_once_another_engine_serves_it(
+    server, engines, client
+):
+    # Its entry lost with Redis's data, the engine went on with it, and looked at its
+    # stream only then: queued again by a gateway and taken by another engine, it ran to
+    # the end on both (KV and a slot held for an answer the client had from the other).
+    # A model slow enough to decode for a while yet; keep-alives every second.
+    engine = engines("normal", "--model", "random:medium", *LONG, "--claim-idle-ms", "4000")
+    sampling = {"max_tokens": MAX_TOKENS, **GREEDY}
+    rid = client.submit(prompt_token_ids=PROMPTS[0], sampling=sampling)
+    next(e for e in client.events(rid) if e.event == EventKind.TOKENS)
+    server.kill()  # no append-only file: it comes back with nothing
+    time.sleep(1)
+    server.start()
+    assert eventually(lambda: "Redis lost its entry; served on here" in engine.log(), 30)
+    stream = client.keys.response_stream(rid)
+    assert engine.metric("tandem_engine_requests_running") == 1  # nobody else has it
+    # The engine that took the entry a gateway queued again writes its first tokens.
+    other = ResponseEvent.tokens(0, PROMPTS[0][:1], "x", "engine-b")
+    client.redis.xadd(stream, other.to_fields())
+    assert eventually(lambda: "is served elsewhere now" in engine.log(), 30), engine.log()
+    assert eventually(lambda: engine.metric("tandem_engine_requests_running") == 0, 10)

@@ -39,14 +39,17 @@ class RedisWrites:
         untaken: Callable[[], list[Delivery]],
         lost: Callable[[Delivery, bool], None],
         info: Callable[[], EngineInfo],
+        orphans: Callable[[], list[Delivery]],
     ) -> None:
         """held(): the deliveries to keep alive. untaken(): those pulled and not taken
-        yet (Redis went away as they were). lost(delivery, elsewhere): one held is not
+        yet (Redis went away as they were). orphans(): those held whose entry Redis
+        lost (lost(..., False) said so). lost(delivery, elsewhere): one held is not
         this engine's any more: another engine took it over or finished it
         (elsewhere=True: drop it), or Redis lost it (False: nobody else will serve it).
         info(): the registry entry to send now."""
         self.io, self.settings, self.heartbeat, self.handoffs = io, settings, heartbeat, handoffs
         self._held, self._untaken, self._lost, self._info = held, untaken, lost, info
+        self._orphans = orphans
         self.outage = RedisOutage(io.writable)
         # Entries to acknowledge once the events before them are written.
         self.to_ack: list[Delivery] = []
@@ -126,6 +129,17 @@ class RedisWrites:
             self.io.queue.ack(self.to_ack)
             self.to_ack.clear()
 
+    def _drop_orphans_served_elsewhere(self) -> None:
+        """Requests whose entry Redis lost with its data go on here until another
+        writer shows in their stream: a gateway that queued one again (its history),
+        then the engine that took the new entry. Looked at once, they ran to the end on
+        both engines (KV and a slot held for an answer the client had from the other)."""
+        for delivery in self._orphans():
+            history = self.io.responses.history(delivery.request_id)
+            if history.final is not None or history.writers - {self.settings.engine_id}:
+                log.info("%s is served elsewhere now (queued again): dropped", delivery.request_id)
+                self._lost(delivery, True)
+
     def _rejoin(self) -> None:
         self.io.queue.ensure_groups()  # Redis may be back without its data
         # A pull whose reply the outage lost left entries pending here that nobody runs.
@@ -160,6 +174,7 @@ class RedisWrites:
                 if elsewhere and delivery in self.to_ack:
                     self.to_ack.remove(delivery)
                 self._lost(delivery, elsewhere)
+            self._drop_orphans_served_elsewhere()
             self._last_keep_alive = now
         if now - self._last_heartbeat > self.settings.heartbeat_every:
             self.heartbeat.beat(self._info())

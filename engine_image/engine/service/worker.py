@@ -93,6 +93,7 @@ class EngineWorker(Intake):
             untaken=lambda: self._untaken,
             lost=self._lost,
             info=self._beat_info,
+            orphans=lambda: [h.delivery for h in self.held.values() if not h.pending],
         )
         self.outage = self.writes.outage
         self._to_ack = self.writes.to_ack  # the same list: appended here, written there
@@ -273,6 +274,7 @@ class EngineWorker(Intake):
             self._drop(delivery.request_id)
         elif (held := self.held.get(delivery.request_id)) is not None:
             held.pending = False  # Redis lost its entry: nobody else will serve it
+            log.info("%s: Redis lost its entry; served on here", delivery.request_id)
 
     def _pending_deliveries(self) -> list[Delivery]:
         """The entries this engine still owes an outcome, kept alive while it works."""
