@@ -17,6 +17,7 @@ from tandem.operator.role_name import RoleName
 from tandem.operator.role_spec import RoleSpec
 from tandem.operator.spec import ModelDeploymentSpec
 
+ENGINE_CONTAINER = "engine"  # the engine pods' container that runs `tandem engine`
 HTTP_PORT = 8100  # /healthz /readyz /metrics; rank r listens on HTTP_PORT + r
 KV_PORT = 8200  # KV transfer (prefill engines); rank r listens on KV_PORT + r
 # Where model volumes (a PVC, or the Hugging Face download) are mounted.

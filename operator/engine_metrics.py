@@ -108,8 +108,8 @@ def _in_range(pod: str, name: str, value: float, high: float = math.inf) -> floa
 # ------------------------------------------------------------------ scraping
 
 
-# An engine's page is a few kilobytes (a few hundred series); a data-parallel pod's
-# rank-0 page the same.
+# An engine's page is a few kilobytes (a few hundred series); each rank's of a
+# data-parallel pod the same.
 MAX_BODY_BYTES = 4 << 20
 
 

@@ -31,7 +31,7 @@ from tandem.keys import Keys
 from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide_all
 from tandem.operator.engine_flags import engine_arguments, engine_flags
 from tandem.operator.engine_metrics import scrape
-from tandem.operator.pod_load import PodSample, pod_load
+from tandem.operator.pod_load import PodSample, combine_ranks, pod_load
 from tandem.operator.role_name import RoleName
 from tandem.operator.scaling import plan_resize
 from tandem.operator.scaling import policy as scaling_policy
@@ -52,6 +52,7 @@ class EngineProcess:
     draining: bool = False
     last_sample: PodSample | None = None
     started_at: float = field(default_factory=time.monotonic)
+    ranks: int = 1  # data-parallel ranks: rank r serves HTTP on http_port + r
 
     @property
     def name(self) -> str:
@@ -60,6 +61,13 @@ class EngineProcess:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
+
+    async def sample(self, client: httpx.AsyncClient) -> PodSample | None:
+        """Every rank's metrics as one sample, as the operator reads a pod's; None if a
+        rank cannot be read."""
+        urls = [f"http://127.0.0.1:{self.http_port + r}" for r in range(self.ranks)]
+        ranks = await asyncio.gather(*(scrape(client, url, self.name) for url in urls))
+        return None if None in ranks else combine_ranks(ranks)  # type: ignore[arg-type]
 
 
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -188,7 +196,7 @@ class LocalActuator:
             live_url=f"http://127.0.0.1:{port}/healthz",
         )
         child.start()
-        engine = EngineProcess(role, child, port)
+        engine = EngineProcess(role, child, port, ranks=ranks)
         self.engines[role].append(engine)
         self.say(f"{engine.name:<10} starting (log {child.log_path})")
         return engine
@@ -256,7 +264,7 @@ class LocalActuator:
             observed = {}
             for role in self.roles:
                 engines = self.active(role)
-                samples = await asyncio.gather(*(scrape(client, e.url, e.name) for e in engines))
+                samples = await asyncio.gather(*(e.sample(client) for e in engines))
                 loads = []
                 unreadable = 0
                 for engine, sample in zip(engines, samples, strict=True):

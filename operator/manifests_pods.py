@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tandem.operator.engine_flags import (
+    ENGINE_CONTAINER,
     HTTP_PORT,
     HUGGING_FACE_DIR,
     KV_PORT,
@@ -155,7 +156,7 @@ def _engine_container(
     mounts: list[dict[str, Any]],
 ) -> dict[str, Any]:
     container: dict[str, Any] = {
-        "name": "engine",
+        "name": ENGINE_CONTAINER,
         "image": image,
         "command": ["tandem", "engine"],
         "args": engine_arguments(flags),

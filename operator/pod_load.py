@@ -9,8 +9,8 @@ simulator makes them from its pods.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 # The logger of the scrapes that make samples (engine_metrics.py): each pod that
 # cannot be read, at DEBUG. Named here so that the autoscaler's glue can point at
@@ -91,6 +91,43 @@ class PodLoad:
 
 
 # ------------------------------------------------------------------ rates
+
+
+def combine_ranks(ranks: Sequence[PodSample]) -> PodSample:
+    """One data-parallel pod's sample from its ranks' (rank 0 first), as the pod's
+    PromQL sums them (docs/metrics.md): requests, tokens and steps summed (a rank's
+    empty steps are no steps), KV usage the mean of equal pools, the token budget a
+    rank's (a step's fill is per rank), the time stepping the busiest rank's (the
+    ranks step together), and a restart of any rank a restart of the pod."""
+    if len(ranks) == 1:
+        return ranks[0]
+
+    def total(name: str) -> int:
+        return sum(getattr(r, name) for r in ranks)
+
+    def by_kind(name: str) -> dict[str, float]:
+        kinds = {kind for r in ranks for kind in getattr(r, name)}
+        return {k: sum(getattr(r, name).get(k, 0.0) for r in ranks) for k in kinds}
+
+    waiting = [r.waiting_token_seconds_total for r in ranks]
+    started = [r.started_at for r in ranks]
+    return replace(
+        ranks[0],
+        ready=all(r.ready for r in ranks),
+        scraped_at=max(r.scraped_at for r in ranks),
+        kv_cache_usage=sum(r.kv_cache_usage for r in ranks) / len(ranks),
+        requests_running=total("requests_running"),
+        requests_waiting=total("requests_waiting"),
+        waiting_prompt_tokens=total("waiting_prompt_tokens"),
+        token_budget=max(r.token_budget for r in ranks),
+        kv_pinned_requests=total("kv_pinned_requests"),
+        kv_receiving_requests=total("kv_receiving_requests"),
+        steps_total=by_kind("steps_total"),
+        scheduled_tokens_total=by_kind("scheduled_tokens_total"),
+        step_seconds_total=max(r.step_seconds_total for r in ranks),
+        waiting_token_seconds_total=None if None in waiting else sum(waiting),  # type: ignore[arg-type]
+        started_at=None if None in started else max(started),  # type: ignore[type-var]
+    )
 
 
 def restarted(prev: PodSample, curr: PodSample) -> bool:

@@ -19,11 +19,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.operator.engine_flags import ENGINE_CONTAINER
 from tandem.redaction import redacted
 
 Body = Mapping[str, Any]
 
-ENGINE_CONTAINER = "engine"
 # Of a crash's log tail, the lines quoted: the error is the last of them.
 _QUOTED_LINES = 3
 _QUOTED_CHARS = 600

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide
-from tandem.operator.engine_flags import HTTP_PORT
+from tandem.operator.engine_flags import ENGINE_CONTAINER, HTTP_PORT
 from tandem.operator.manifests import (
     COMPONENT_LABEL,
     DELETION_COST_ANNOTATION,
@@ -103,15 +103,29 @@ def pod_ready(pod: Body) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
-def scrape_targets(pods: Sequence[Body]) -> dict[str, str]:
-    """Pod name -> base URL of its engine (rank 0), for every ready pod with an address."""
+def scrape_targets(pods: Sequence[Body]) -> dict[str, tuple[str, ...]]:
+    """Pod name -> base URLs of its engines, one per data-parallel rank (its container's
+    http ports), for every ready pod with an address."""
     targets = {}
     for pod in pods:
         ip = pod.get("status", {}).get("podIP")
         if ip and pod_ready(pod):
             host = f"[{ip}]" if ":" in ip else ip
-            targets[pod["metadata"]["name"]] = f"http://{host}:{HTTP_PORT}"
+            ports = _http_ports(pod)
+            targets[pod["metadata"]["name"]] = tuple(f"http://{host}:{p}" for p in ports)
     return targets
+
+
+def _http_ports(pod: Body) -> list[int]:
+    """The engine container's HTTP ports (http, http-1 ...: one per rank), rank 0 first."""
+    containers = pod.get("spec", {}).get("containers") or []
+    engine = next((c for c in containers if c.get("name") == ENGINE_CONTAINER), {})
+    ports = sorted(
+        p["containerPort"]
+        for p in engine.get("ports") or []
+        if str(p.get("name", "")).startswith("http") and isinstance(p.get("containerPort"), int)
+    )
+    return ports or [HTTP_PORT]
 
 
 def pod_selector(name: str) -> dict[str, str]:

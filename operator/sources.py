@@ -9,7 +9,7 @@ each engine pod's /metrics on port 8100) and `QueueSource` is RedisQueues
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -20,7 +20,7 @@ from tandem import catalog
 from tandem.backlog import queue_depth
 from tandem.keys import Keys
 from tandem.operator.engine_metrics import DEFAULT_TIMEOUT_S, scrape
-from tandem.operator.pod_load import PodSample
+from tandem.operator.pod_load import PodSample, combine_ranks
 from tandem.queue_state import QueueState
 
 # The Redis client may wait this long for a queue depth; a slow Redis skips one evaluation.
@@ -116,11 +116,18 @@ class MetricSources:
     samples: SampleSource
     queues: QueueSource
 
-    async def sample_all(self, targets: Mapping[str, str]) -> dict[str, PodSample]:
-        """Scrape every pod (name -> base URL) at once; unreadable pods are left out."""
+    async def sample_all(self, targets: Mapping[str, Sequence[str]]) -> dict[str, PodSample]:
+        """Scrape every pod (name -> its ranks' base URLs) at once, each pod's ranks as
+        one sample; pods with a rank that cannot be read are left out."""
         names = list(targets)
-        results = await asyncio.gather(*(self.samples.sample(n, targets[n]) for n in names))
+        results = await asyncio.gather(*(self._sample_pod(n, targets[n]) for n in names))
         return {name: s for name, s in zip(names, results, strict=True) if s is not None}
+
+    async def _sample_pod(self, pod: str, urls: Sequence[str]) -> PodSample | None:
+        ranks = await asyncio.gather(*(self.samples.sample(pod, url) for url in urls))
+        if not ranks or any(r is None for r in ranks):
+            return None  # half a pod's load read as its whole: wrong both ways
+        return combine_ranks(ranks)  # type: ignore[arg-type]
 
 
 class _HttpScrape(DirectScrape):

@@ -404,7 +404,18 @@ def test_only_ready_pods_with_an_address_are_scraped():
     gone = pod("c")
     del gone["status"]["podIP"]
     targets = scrape_targets([pod("a"), pod("b", ready=False), gone])
-    assert targets == {"a": "http://10.0.0.1:8100"}
+    assert targets == {"a": ("http://10.0.0.1:8100",)}
+
+
+def test_a_data_parallel_pod_is_scraped_on_every_ranks_port():
+    # Rank 0 alone was read: ranks 1-3 at 0.95 KV and a light rank 0 scaled a busy
+    # role down, and the busiest pod could be the first drained.
+    created = plan(model({"dataParallelSize": 4}), [], DEFAULTS, now=NOW).creates
+    (deployment,) = [c for c in created if c["kind"] == "Deployment"]
+    dp = pod("a", "normal")
+    dp["spec"] = deployment["spec"]["template"]["spec"]
+    urls = [f"http://10.0.0.1:{port}" for port in (8100, 8101, 8102, 8103)]
+    assert scrape_targets([dp]) == {"a": tuple(urls)}
 
 
 def test_the_least_loaded_pod_is_the_cheapest_to_remove():
