@@ -65,6 +65,7 @@ class Cancels:
         # (base id, the leaving attempt's id or None) -> (cancel, kept until)
         self._pending: dict[tuple[str, str | None], tuple[Cancel, float]] = {}
         self._retries: asyncio.Task[None] | None = None
+        self._stepping_aside: set[asyncio.Task[None]] = set()
 
     async def leave(self, ledger_key: str, base_id: str, within: float) -> int:
         """One reader of shared work left: how many still read it (0: cancel it).
@@ -96,7 +97,26 @@ class Cancels:
         if self._retries is None or self._retries.done():
             self._retries = asyncio.get_running_loop().create_task(self._retry())
 
+    def step_aside(self, ledger_key: str, base_id: str) -> None:
+        """One reader of shared work stops reading it without ending it: its server
+        shuts down, and a retry through another replica attaches to the work. Counted
+        out on a task of its own (the request's task is being cancelled), which close()
+        waits for a moment: still counted, it kept the last reader's leaving (the
+        retry's client gone too) from cancelling the work, which ran for nobody."""
+        task = asyncio.get_running_loop().create_task(self._step_aside(ledger_key, base_id))
+        self._stepping_aside.add(task)
+        task.add_done_callback(self._stepping_aside.discard)
+
+    async def _step_aside(self, ledger_key: str, base_id: str) -> None:
+        try:
+            async with asyncio.timeout(_ATTEMPT_S):
+                await self.ledger.step_aside(ledger_key, base_id)
+        except (RedisError, OSError) as exc:  # it stays counted: the deadline ends it
+            log.info("%s: could not count this reader out: %r", base_id, exc)
+
     async def close(self) -> None:
+        if self._stepping_aside:
+            await asyncio.wait(set(self._stepping_aside), timeout=_ATTEMPT_S)
         if self._retries is not None:
             self._retries.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -236,6 +236,15 @@ class Generation:
         """The HTTP client left: cancel what still runs (see disconnect.py)."""
         await self.abandon("disconnect")
 
+    def server_stopping(self) -> None:
+        """The server shuts down under this attempt: the work stays queued for a retry
+        through another replica (disconnect.py), but this attempt reads it no more."""
+        key = self.ticket.ledger_key
+        if self._abandoned or not self._open or key is None:
+            return
+        self._abandoned = True
+        self.cancels.step_aside(key, self.ticket.base_id)
+
     async def deadline_passed(self) -> None:
         """The deadline passed while the answer could not go out (see streaming.py)."""
         await self.abandon("deadline")

@@ -132,6 +132,14 @@ return left
 """
 
 
+# A reader leaves without ending the work: the record stays for a retry to attach to.
+_STEP_ASIDE_LUA = """
+local left = redis.call('DECR', KEYS[1])
+if left <= 0 then redis.call('DEL', KEYS[1]) end
+return left
+"""
+
+
 @dataclass(frozen=True)
 class IdempotencyRecord:
     base_id: str
@@ -149,6 +157,7 @@ class IdempotencyLedger:
         self.prefix = prefix
         self._release = client.register_script(_RELEASE_LUA)
         self._leave = client.register_script(_LEAVE_LUA)
+        self._step_aside = client.register_script(_STEP_ASIDE_LUA)
         self._claim = client.register_script(_CLAIM_LUA)
         self._attach = client.register_script(_ATTACH_LUA)
         self._queued = client.register_script(_QUEUED_LUA)
@@ -236,6 +245,12 @@ class IdempotencyLedger:
         none left."""
         left = await self._leave(keys=[key, self._readers(key, base_id)], args=[base_id])
         return max(0, int(left))
+
+    async def step_aside(self, key: str, base_id: str) -> None:
+        """An attempt stops reading the work, which goes on for a retry to attach to
+        (its replica shuts down): counted out, so that the last attempt to leave
+        later still cancels it."""
+        await self._step_aside(keys=[self._readers(key, base_id)])
 
     @staticmethod
     def _readers(key: str, base_id: str) -> str:

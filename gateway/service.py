@@ -152,6 +152,9 @@ class GatewayService:
             )
         except ClientGone:
             return Response(status_code=CLIENT_GONE)
+        except asyncio.CancelledError:  # the server shuts down
+            generation.server_stopping()
+            raise
         return JSONResponse(body)
 
     async def _stream(self, request: Request, generation: Generation) -> Response:
@@ -163,7 +166,9 @@ class GatewayService:
             first = await until_disconnected(request.receive, anext(events), generation.client_gone)
         except ClientGone:
             return Response(status_code=CLIENT_GONE)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):  # the server shuts down
+                generation.server_stopping()
             # Cancelled from outside (server shutdown), the read may still be
             # unwinding: closing a running generator would raise over the real error.
             with contextlib.suppress(RuntimeError):
@@ -174,6 +179,7 @@ class GatewayService:
             generation.client_gone,
             generation.deadline,
             generation.deadline_passed,
+            generation.server_stopping,
         )
 
 

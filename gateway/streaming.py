@@ -40,6 +40,7 @@ class EventStreamResponse(StreamingResponse):
         on_disconnect: Callable[[], Awaitable[None]],
         deadline: float,
         on_deadline: Callable[[], Awaitable[None]],
+        on_server_stop: Callable[[], None],
     ) -> None:
         super().__init__(
             chunks,
@@ -51,15 +52,20 @@ class EventStreamResponse(StreamingResponse):
         self._on_disconnect = on_disconnect
         self._deadline = deadline  # time.monotonic()'s
         self._on_deadline = on_deadline
+        self._on_server_stop = on_server_stop
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streamer = asyncio.ensure_future(self.stream_response(send))
         watch = asyncio.ensure_future(wait_for_disconnect(receive))
         try:
             left = max(self._deadline - time.monotonic(), 0.0) + _DEADLINE_GRACE_S
-            done, _ = await asyncio.wait(
-                {streamer, watch}, timeout=left, return_when=asyncio.FIRST_COMPLETED
-            )
+            try:
+                done, _ = await asyncio.wait(
+                    {streamer, watch}, timeout=left, return_when=asyncio.FIRST_COMPLETED
+                )
+            except asyncio.CancelledError:  # the server shuts down
+                self._on_server_stop()
+                raise
             if not done:
                 # A client that stopped reading: the stream waits on a full socket,
                 # where the answer's own deadline is never reached. Cut it, and free

@@ -61,7 +61,8 @@ class LiveGateway:
 
     def http(self, api_key: str | None = API_KEY, **kwargs) -> httpx.Client:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=60, **kwargs)
+        kwargs.setdefault("timeout", 60)
+        return httpx.Client(base_url=self.url, headers=headers, **kwargs)
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of one gateway metric whose labels include these."""

@@ -103,7 +103,8 @@ def test_a_stream_whose_client_left_calls_on_disconnect_before_it_unwinds() -> N
             if not gone.is_set():  # as the server: nothing goes out once the client left
                 sent.append(message)
 
-        response = EventStreamResponse(chunks(), work.release, time.monotonic() + 60, _never)
+        deadline = time.monotonic() + 60
+        response = EventStreamResponse(chunks(), work.release, deadline, _never, _nothing)
         call = response({"type": "http"}, receive_disconnect_when(gone), send)
         (await ends_in_time(call, work)).result()
         return work.log, sent
@@ -137,10 +138,14 @@ def test_a_stream_whose_client_stopped_reading_is_cut_at_its_deadline() -> None:
             cut.append("deadline")
 
         started = time.monotonic()
-        response = EventStreamResponse(chunks(), _never, started + 0.2, on_deadline)
+        response = EventStreamResponse(chunks(), _never, started + 0.2, on_deadline, _nothing)
         await asyncio.wait_for(response({"type": "http"}, asyncio.Event().wait, send), TIMEOUT_S)
         return cut, time.monotonic() - started
 
     cut, took = asyncio.run(main())
     assert cut == ["deadline"]
     assert 3.2 < took < 4.5  # the deadline and its grace (3 s)
+
+
+def _nothing() -> None:
+    pass

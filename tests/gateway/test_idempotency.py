@@ -3,12 +3,14 @@ the test writing the engine's events (its errors) into the response streams."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
 import httpx
 import pytest
 import redis
+from support.polling import eventually
 
 from tandem.engine.service.registry import Registry
 from tandem.engine.service.responses import ResponseWriter
@@ -40,11 +42,11 @@ def gateway(redis_server, keys):
     conn.close()
 
 
-def _ask(live, key: str, n: int) -> httpx.Response:
+def _ask(live, key: str, n: int, timeout: float = 60, stream: bool = False) -> httpx.Response:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": n}
     headers = {"Idempotency-Key": key, "X-Tandem-Timeout": "20"}
-    with live.http() as client:
-        return client.post("/v1/chat/completions", json=body, headers=headers)
+    with live.http(timeout=timeout) as client:
+        return client.post("/v1/chat/completions", json={**body, "stream": stream}, headers=headers)
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -139,3 +141,40 @@ def test_a_record_outlives_no_answer_it_points_to(gateway, keys):
     for key in (record, readers):
         assert 0 < conn.ttl(key) <= RESPONSE_TTL_SECONDS - 30
     assert conn.ttl(keys.response_stream(rid)) > RESPONSE_TTL_SECONDS - 30
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_work_whose_first_replica_stopped_is_cancelled_when_its_last_reader_leaves(
+    gateway, keys, redis_server, stream
+):
+    # The stopped replica's attempt still counted as a reader: the retry's client left,
+    # and the work ran for nobody until its deadline.
+    live, conn = gateway
+    other = LiveGateway(settings_for(redis_server.url, keys), KeyStore.load(None, API_KEY))
+    other.start()
+    try:
+        queue = keys.work_stream(MODEL, PRIORITY_NORMAL)
+        ask = lambda: _quietly(lambda: _ask(live, "order-roll", 1, stream=stream))  # noqa: E731
+        first = threading.Thread(target=ask)
+        first.start()
+        deadline = time.monotonic() + 10
+        while conn.xlen(queue) < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        rid = WorkItem.from_fields(conn.xrange(queue)[0][1]).request_id
+        writer = ResponseWriter(conn, keys, "stand-in-engine")
+        writer.add(rid, ResponseEvent.tokens(0, [5], "He", "e"))  # the engine generates
+        writer.flush()
+        time.sleep(0.3)
+        live.stop()  # its replica rolled, the attempt cut
+        first.join(20)
+        with pytest.raises(httpx.ReadTimeout):  # the retry's client gives up
+            _ask(other, "order-roll", 1, timeout=1.5)
+        assert eventually(lambda: conn.exists(keys.cancel_key(rid)), 5)
+        assert conn.xlen(queue) == 1  # the retry attached: the work was queued once
+    finally:
+        other.stop()
+
+
+def _quietly(call) -> None:
+    with contextlib.suppress(httpx.HTTPError):
+        call()
