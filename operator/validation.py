@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from tandem.engine.config import EngineConfig
-from tandem.operator.quantity import quantity_bytes
+from tandem.operator.quantity import quantity_bytes, quantity_value
 from tandem.operator.role_name import RoleName
 from tandem.operator.role_spec import RoleSpec
 from tandem.operator.spec import NAME_RULES, EngineSpec, ModelDeploymentSpec
@@ -44,7 +44,22 @@ def validate_spec(spec: Mapping[str, Any] | None, *, name: str) -> ModelDeployme
             engine_config(parsed.engine, role_name, role)
         except ValueError as error:
             raise InvalidSpec(f"spec.engine (for spec.{role_name}): {error}") from None
+        _check_gpus_per_rank(role_name, role)
     return parsed
+
+
+def _check_gpus_per_rank(role_name: RoleName, role: RoleSpec) -> None:
+    """A pod's data-parallel ranks each take a GPU of its own (rank r on cuda:r): fewer
+    GPUs than ranks crash-looped every pod with "invalid device ordinal"."""
+    limits = (role.resources.limits if role.resources else None) or {}
+    for name, amount in limits.items():
+        gpus = int(quantity_value(amount))
+        if name.endswith("/gpu") and 0 < gpus < role.data_parallel_size:
+            raise InvalidSpec(
+                f"spec.{role_name}.resources.limits.{name}: {gpus} for dataParallelSize "
+                f"{role.data_parallel_size}; each rank runs on a GPU of its own: ask for at "
+                f"least {role.data_parallel_size}"
+            )
 
 
 def invalid_reason(spec: Mapping[str, Any] | None, *, name: str) -> str | None:

@@ -316,6 +316,29 @@ CASES = [
         None,
         "",
     ),
+    (
+        # Rank r runs on cuda:r: ranks 1-3 crash-looped every pod (invalid device ordinal).
+        "fewer-gpus-than-ranks",
+        NORMAL,
+        {
+            "spec": {
+                "normal": {"dataParallelSize": 4, "resources": {"limits": {"nvidia.com/gpu": 1}}}
+            }
+        },
+        "operator",
+        "spec.normal.resources.limits.nvidia.com/gpu: 1 for dataParallelSize 4",
+    ),
+    (
+        "a-gpu-per-rank",
+        NORMAL,
+        {
+            "spec": {
+                "normal": {"dataParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 2}}}
+            }
+        },
+        None,
+        "",
+    ),
     ("long-name", NORMAL, {"metadata": {"name": "m" * 56}}, "cel", "at most 55 characters"),
     ("upper-name", NORMAL, {"metadata": {"name": "Llama"}}, "cel", "start with a letter"),
     ("digit-name", NORMAL, {"metadata": {"name": "8b"}}, "cel", "start with a letter"),
