@@ -24,16 +24,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TypeVar
 
 from redis.exceptions import RedisError
 
 from tandem.gateway.auth import ApiKey, check_model
 from tandem.gateway.broker import Broker
 from tandem.gateway.directory import ModelDirectory
-from tandem.gateway.errors import missing_role, model_not_found, rate_limited, unavailable
+from tandem.gateway.errors import missing_role, model_not_found, rate_limited
 from tandem.gateway.idempotency import IdempotencyLedger, IdempotencyRecord
 from tandem.gateway.jobs import Job
 from tandem.gateway.quota import Quotas
@@ -41,21 +39,6 @@ from tandem.gateway.settings import GatewaySettings
 
 # Retry-After of a model whose engines lack a role: an engine starts in seconds.
 MISSING_ROLE_RETRY_S = 5
-# How long a read that decides admission waits for Redis: a paused Redis held each one
-# a whole socket timeout (5 s), and every request waited 10 s for its 503 whatever its
-# deadline. Writes (quota, the queue) keep the socket's: cut midway, they may have run.
-READ_WAIT_S = 1.0
-
-T = TypeVar("T")
-
-
-async def read_within(call: Awaitable[T]) -> T:
-    """A Redis read's result, or a 503 once it has waited READ_WAIT_S."""
-    try:
-        async with asyncio.timeout(READ_WAIT_S):
-            return await call
-    except TimeoutError:
-        raise unavailable(f"Redis did not answer within {READ_WAIT_S:g} s") from None
 
 
 @dataclass(frozen=True)
@@ -165,12 +148,12 @@ class Admission:
 
     async def admit(self, caller: ApiKey, job: Job, idempotency_key: str | None) -> Ticket:
         check_model(caller, job.model)  # first, as retrieve_model: nothing of other models
-        if not await read_within(self.directory.is_served(job.model)):
+        if not await self.directory.is_served(job.model):
             # A Redis that refuses writes (full, say) lets the engines' registry entries
             # lapse: that is a 503 to retry, not a model that does not exist.
             await self.broker.check_writable()
             raise model_not_found(job.model, await self.directory.served_for(caller))
-        if (gap := await read_within(self.directory.missing_role(job.model))) is not None:
+        if (gap := await self.directory.missing_role(job.model)) is not None:
             raise missing_role(job.model, *gap, MISSING_ROLE_RETRY_S)
         ledger_key = None
         if idempotency_key is not None:
@@ -215,7 +198,7 @@ class Admission:
         )
 
     async def _reserve_room(self, job: Job) -> None:
-        waiting = await read_within(self.queues.reserve(job.model, job.n, self.settings.max_queue))
+        waiting = await self.queues.reserve(job.model, job.n, self.settings.max_queue)
         if waiting is not None:
             raise rate_limited(
                 f"The queue of model {job.model!r} is full ({waiting} requests waiting, "

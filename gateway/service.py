@@ -22,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
-from tandem.gateway.admission import Admission, Ticket, read_within
+from tandem.gateway.admission import Admission, Ticket
 from tandem.gateway.auth import ApiKey, KeyStore
 from tandem.gateway.broker import Broker
 from tandem.gateway.cancels import Cancels
@@ -83,7 +83,7 @@ class GatewayService:
         # invent label values, an unknown name is "unknown".
         request.state.model_label = self.directory.label(job.model)
         # Before queueing: a restart after this reading is one the request may have lost.
-        run_id = await read_within(self.epoch.current())
+        run_id = await self.epoch.current()
         ticket = await self.admission.admit(caller, job, request.headers.get(IDEMPOTENCY_HEADER))
         request.state.model_label = job.model
         request.state.request_id = ticket.base_id  # the x-request-id header
