@@ -50,6 +50,8 @@ class RedisWrites:
         self.io, self.settings, self.heartbeat, self.handoffs = io, settings, heartbeat, handoffs
         self._held, self._untaken, self._lost, self._info = held, untaken, lost, info
         self._orphans = orphans
+        # Per orphan, the last entry of its stream looked at: each keep-alive reads on.
+        self._orphans_read: dict[str, str] = {}
         self.outage = RedisOutage(io.writable)
         # Entries to acknowledge once the events before them are written.
         self.to_ack: list[Delivery] = []
@@ -134,11 +136,17 @@ class RedisWrites:
         writer shows in their stream: a gateway that queued one again (its history),
         then the engine that took the new entry. Looked at once, they ran to the end on
         both engines (KV and a slot held for an answer the client had from the other)."""
-        for delivery in self._orphans():
-            history = self.io.responses.history(delivery.request_id)
-            if history.final is not None or history.writers - {self.settings.engine_id}:
-                log.info("%s is served elsewhere now (queued again): dropped", delivery.request_id)
-                self._lost(delivery, True)
+        orphans = {d.request_id: d for d in self._orphans()}
+        self._orphans_read = {rid: self._orphans_read.get(rid, "-") for rid in orphans}
+        if not orphans:
+            return
+        for rid, (writers, final, last) in self.io.responses.writers_after(
+            self._orphans_read
+        ).items():
+            self._orphans_read[rid] = last
+            if final or writers - {self.settings.engine_id}:
+                log.info("%s is served elsewhere now (queued again): dropped", rid)
+                self._lost(orphans[rid], True)
 
     def _rejoin(self) -> None:
         self.io.queue.ensure_groups()  # Redis may be back without its data

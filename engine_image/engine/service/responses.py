@@ -8,8 +8,11 @@ uses too.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import redis
 
@@ -25,6 +28,15 @@ from tandem.protocol import (
 
 # Events per XRANGE when reading a whole history: bounds one reply's size.
 _HISTORY_CHUNK = 1000
+
+
+class WritersSeen(NamedTuple):
+    """Of a stream's events past a point: who wrote them, whether one is final, the last
+    entry id read."""
+
+    writers: frozenset[str]
+    final: bool
+    last: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +172,29 @@ class ResponseWriter:
         self._buffer.clear()
         self._last.clear()
         return sent
+
+    def writers_after(
+        self, after: Mapping[str, str]
+    ) -> dict[str, tuple[frozenset[str], bool, str]]:
+        """Per request id: who wrote the events of its stream past entry `after[id]`
+        ("-": from the start), whether one of them is final, and the last entry id read;
+        in one round trip, at most _HISTORY_CHUNK events a stream (the rest next time)."""
+        pipe = self.client.pipeline(transaction=False)
+        for request_id, low in after.items():
+            low = low if low == "-" else f"({low}"
+            stream = self.keys.response_stream(request_id)
+            pipe.xrange(stream, min=low, max="+", count=_HISTORY_CHUNK)
+        seen = {}
+        for (request_id, last), chunk in zip(after.items(), pipe.execute(), strict=True):
+            writers, final = set(), False
+            for entry_id, fields in chunk:
+                last = as_text(entry_id)
+                with contextlib.suppress(ProtocolError):  # history() names it, if it must
+                    event = ResponseEvent.from_fields(fields)
+                    writers.add(event.engine_id)
+                    final = final or event.is_final
+            seen[request_id] = WritersSeen(frozenset(writers), final, last)
+        return seen
 
     def history(self, request_id: str) -> ResponseHistory:
         """What was already sent for a request (by any engine), de-duplicated.
