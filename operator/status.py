@@ -98,10 +98,15 @@ def valid_status(
     serving = {role: n for role, n in (outgoing or {}).items() if n}
     if serving and phase in (Phase.PENDING, Phase.PROGRESSING):
         # Not "no engine pod ready yet": the old mode's pods take every request meanwhile.
+        # A new pod's trouble (no node takes it) stays the reason: it is what to fix.
         old = ", ".join(f"{role} {n} ready" for role, n in serving.items())
-        summary = ", ".join(f"{r.value} {c.ready}/{c.desired} ready" for r, c in counts.items())
-        phase, reason = Phase.PROGRESSING, "RollingOut"
-        message = f"changing mode: {old} serve until the new roles are ready: {summary}"
+        phase = Phase.PROGRESSING
+        if reason in ("PodsStarting", "RollingOut"):
+            summary = ", ".join(f"{r.value} {c.ready}/{c.desired} ready" for r, c in counts.items())
+            reason = "RollingOut"
+            message = f"changing mode: {old} serve until the new roles are ready: {summary}"
+        else:
+            message = f"{message}; changing mode: {old} serve meanwhile"
     status: dict[str, Any] = {
         "observedGeneration": meta.get("generation"),
         "phase": phase.value,

@@ -14,7 +14,7 @@ from tandem.operator.manifests import (
     OperatorDefaults,
 )
 from tandem.operator.pod_load import PodSample
-from tandem.operator.pod_trouble import role_trouble
+from tandem.operator.pod_trouble import PodTrouble, role_trouble
 from tandem.operator.reconcile import plan
 from tandem.operator.replica_counts import role_replicas
 from tandem.operator.role_name import RoleName
@@ -511,6 +511,19 @@ def test_a_mode_change_says_the_old_pods_serve_until_the_new_roles_are_ready():
     assert not actions.deletes  # the normal pods serve on
     assert (actions.status["phase"], actions.status["reason"]) == ("Progressing", "RollingOut")
     assert actions.status["message"].startswith("changing mode: normal 2 ready serve until")
+
+
+def test_a_mode_change_whose_new_pods_no_node_takes_says_why():
+    why = PodTrouble("Unschedulable", "pod m-decode-x cannot be scheduled: 0/3 nodes")
+    counts = {
+        RoleName.PREFILL: RoleCounts(desired=1, replicas=1, ready=0),
+        RoleName.DECODE: RoleCounts(desired=1, replicas=1, ready=0, trouble=why),
+    }
+    previous = {"phase": "Ready", "roles": {"normal": {"desired": 2, "ready": 2}}}
+    status = valid_status(META, counts, previous, NOW, outgoing={"normal": 2})
+    assert (status["phase"], status["reason"]) == ("Progressing", "Unschedulable")
+    assert "cannot be scheduled: 0/3 nodes" in status["message"]
+    assert status["message"].endswith("changing mode: normal 2 ready serve meanwhile")
 
 
 def test_a_first_evaluation_never_scales_down():
