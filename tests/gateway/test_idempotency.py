@@ -49,6 +49,25 @@ def _ask(live, key: str, n: int, timeout: float = 60, stream: bool = False) -> h
         return client.post("/v1/chat/completions", json={**body, "stream": stream}, headers=headers)
 
 
+def _asking(live, key: str, n: int = 1, **options) -> tuple[threading.Thread, list]:
+    """_ask on a thread of its own (the test plays the engine meanwhile): the thread
+    and the list its answer lands in."""
+    answers: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: answers.append(_ask(live, key, n, **options)))
+    thread.start()
+    return thread, answers
+
+
+def _queued(conn, stream: str, count: int, after: int = 0) -> list[str]:
+    """The request ids of `count` work entries queued past the first `after`, once there."""
+    deadline = time.monotonic() + 10
+    while conn.xlen(stream) < after + count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    entries = conn.xrange(stream)[after:]
+    assert len(entries) == count, entries
+    return [WorkItem.from_fields(fields).request_id for _, fields in entries]
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_a_retry_after_an_engine_failure_runs_the_work_afresh(gateway, keys, n):
     # With n = 1 the record stayed: every retry (the SDKs retry a 5xx) read the same 503
@@ -87,14 +106,9 @@ def test_a_record_of_a_refused_request_outlives_no_refusal_it_points_to(gateway,
     # lasts 600 s: a retry in between waited for its deadline and got a 504.
     live, conn = gateway
     stream = keys.work_stream(MODEL, PRIORITY_NORMAL)
-    answer: list[httpx.Response] = []
-    asking = threading.Thread(target=lambda: answer.append(_ask(live, "order-long", 1)))
-    asking.start()
-    deadline = time.monotonic() + 10
-    while conn.xlen(stream) < 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    rid = WorkItem.from_fields(conn.xrange(stream)[0][1]).request_id
     writer = ResponseWriter(conn, keys, "stand-in-engine")
+    asking, answer = _asking(live, "order-long")
+    [rid] = _queued(conn, stream, 1)
     writer.add(rid, ResponseEvent.error(ErrorCode.PROMPT_TOO_LONG, "too long", "e"))
     writer.flush()
     asking.join(30)
@@ -103,18 +117,12 @@ def test_a_record_of_a_refused_request_outlives_no_refusal_it_points_to(gateway,
     assert 0 < conn.ttl(record) <= RESPONSE_TTL_SECONDS - 30
     assert _ask(live, "order-long", 1).status_code == 400  # read again while it lasts
     conn.delete(record, keys.response_stream(rid))  # both past their TTL
-    queued = conn.xlen(stream)
-    retry = threading.Thread(target=lambda: answer.append(_ask(live, "order-long", 1)))
-    retry.start()
-    deadline = time.monotonic() + 10
-    while conn.xlen(stream) == queued and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert conn.xlen(stream) == queued + 1  # queued afresh
-    rid = WorkItem.from_fields(conn.xrange(stream)[-1][1]).request_id
+    retry, again = _asking(live, "order-long")
+    [rid] = _queued(conn, stream, 1, after=1)  # queued afresh
     writer.add(rid, ResponseEvent.error(ErrorCode.PROMPT_TOO_LONG, "too long", "e"))
     writer.flush()
     retry.join(30)
-    assert answer[-1].status_code == 400
+    assert again[0].status_code == 400
 
 
 def test_a_record_outlives_no_answer_it_points_to(gateway, keys):
@@ -157,10 +165,7 @@ def test_work_whose_first_replica_stopped_is_cancelled_when_its_last_reader_leav
         ask = lambda: _quietly(lambda: _ask(live, "order-roll", 1, stream=stream))  # noqa: E731
         first = threading.Thread(target=ask)
         first.start()
-        deadline = time.monotonic() + 10
-        while conn.xlen(queue) < 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        rid = WorkItem.from_fields(conn.xrange(queue)[0][1]).request_id
+        [rid] = _queued(conn, queue, 1)
         writer = ResponseWriter(conn, keys, "stand-in-engine")
         writer.add(rid, ResponseEvent.tokens(0, [5], "He", "e"))  # the engine generates
         writer.flush()

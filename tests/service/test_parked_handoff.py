@@ -16,14 +16,7 @@ SAMPLING = {"temperature": 0.0, "ignore_eos": True}
 def test_a_parked_handoff_goes_to_a_decoder_with_room(engines, client, redis_url, keys):
     # The full decoder kept it until its own first request ended, however long that
     # took, while a decoder started for the load sat idle.
-    engines("prompt", *MEDIUM, "--num-kv-blocks", "256")
-    # The first decodes 1,400 tokens; the second's prompt (1,500 tokens, 94 blocks) does
-    # not fit the first decoder's 128 blocks beside it (35).
-    client.submit(prompt_token_ids=[5] * 549, sampling={"max_tokens": 1400, **SAMPLING})
-    client.submit(prompt_token_ids=[6] * 1500, sampling={"max_tokens": 8, **SAMPLING})
-    conn = redis.Redis.from_url(redis_url)
-    stream = keys.handoff_stream("tiny")
-    assert eventually(lambda: conn.xlen(stream) == 2, 60), "the prompts were not prefilled"
+    _two_handoffs_waiting(engines, client, redis_url, keys)
     first = engines("completion", *MEDIUM, "--num-kv-blocks", "128")
     assert eventually(lambda: first.metric("tandem_engine_kv_cache_usage") > 0, 30)
     second = engines("completion", *MEDIUM, "--num-kv-blocks", "256")
@@ -31,22 +24,27 @@ def test_a_parked_handoff_goes_to_a_decoder_with_room(engines, client, redis_url
     assert eventually(lambda: second.metric("tandem_engine_requests_total") == 1, 30)
     assert first.metric("tandem_engine_requests_total") == 0
     assert first.metric("tandem_engine_handoffs_parked") == 0
-    conn.close()
 
 
 def test_a_draining_decoder_hands_its_parked_handoff_back_at_once(engines, client, redis_url, keys):
     # Draining, it kept the parked one until its own request ended or its drain timed
     # out, while a decoder with room sat idle.
-    engines("prompt", *MEDIUM, "--num-kv-blocks", "256")
-    client.submit(prompt_token_ids=[5] * 549, sampling={"max_tokens": 1400, **SAMPLING})
-    client.submit(prompt_token_ids=[6] * 1500, sampling={"max_tokens": 8, **SAMPLING})
-    conn = redis.Redis.from_url(redis_url)
-    stream = keys.handoff_stream("tiny")
-    assert eventually(lambda: conn.xlen(stream) == 2, 60), "the prompts were not prefilled"
+    _two_handoffs_waiting(engines, client, redis_url, keys)
     first = engines("completion", *MEDIUM, "--num-kv-blocks", "128", "--drain-timeout", "120")
     assert eventually(lambda: first.metric("tandem_engine_handoffs_parked") == 1, 30)
     first.process.send_signal(signal.SIGTERM)
     second = engines("completion", *MEDIUM, "--num-kv-blocks", "256")
     assert eventually(lambda: second.metric("tandem_engine_requests_total") == 1, 30)
     assert first.process.poll() is None  # still draining its own request
-    conn.close()
+
+
+def _two_handoffs_waiting(engines, client, redis_url, keys) -> None:
+    """Two prefilled requests waiting for a decoder: the first decodes 1,400 tokens; the
+    second's prompt (1,500 tokens, 94 blocks) does not fit a 128-block decoder beside
+    it (35)."""
+    engines("prompt", *MEDIUM, "--num-kv-blocks", "256")
+    client.submit(prompt_token_ids=[5] * 549, sampling={"max_tokens": 1400, **SAMPLING})
+    client.submit(prompt_token_ids=[6] * 1500, sampling={"max_tokens": 8, **SAMPLING})
+    with redis.Redis.from_url(redis_url) as conn:
+        stream = keys.handoff_stream("tiny")
+        assert eventually(lambda: conn.xlen(stream) == 2, 60), "the prompts were not prefilled"
