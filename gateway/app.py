@@ -30,6 +30,10 @@ _DESCRIPTION = """OpenAI-compatible API of Tandem. Extensions: `top_k`, `priorit
 `Idempotency-Key` (a retry attaches to the first attempt's work)."""
 
 
+# How long a read that decides a request's admission waits for Redis' answer.
+READ_TIMEOUT_S = 1.0
+
+
 def create_app(
     settings: GatewaySettings,
     *,
@@ -49,8 +53,14 @@ def create_app(
         else:
             key_store = KeyStore.load(settings.api_keys_file, os.environ.get(ENV_VAR))
     client = redis_client if redis_client is not None else _redis_client(settings)
+    # The reads that decide admission (Redis' run_id, the served models, the queues'
+    # lengths) on a pool of their own, each answer within READ_TIMEOUT_S: a paused
+    # Redis held each a whole socket timeout (5 s), 10 s to a 503 whatever the
+    # request's deadline. Their own pool: streams holding the main one in XREAD BLOCK
+    # under load do not time them out while Redis answers.
+    reads = client if redis_client is not None else _redis_client(settings, READ_TIMEOUT_S)
     metrics = GatewayMetrics()
-    service = GatewayService(settings, key_store, client, metrics)
+    service = GatewayService(settings, key_store, client, metrics, reads=reads)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -59,8 +69,9 @@ def create_app(
         finally:
             await service.cancels.close()
             if redis_client is None:
-                await client.aclose()
-                await client.connection_pool.disconnect()
+                for owned in (client, reads):
+                    await owned.aclose()
+                    await owned.connection_pool.disconnect()
 
     app = FastAPI(
         title="Tandem gateway",
@@ -104,7 +115,7 @@ def create_app(
     return app
 
 
-def _redis_client(settings: GatewaySettings) -> aioredis.Redis:
+def _redis_client(settings: GatewaySettings, answer_within: float | None = None) -> aioredis.Redis:
     # Blocking pool: past max_connections a request waits for a connection
     # instead of failing with "Too many connections" (redis-py's default pool).
     # A command that meets a dead connection (Redis restarted, a proxy closed it)
@@ -112,10 +123,14 @@ def _redis_client(settings: GatewaySettings) -> aioredis.Redis:
     # failed one request with a 503 after Redis came back. Not one that timed out:
     # a paused Redis held each command three socket timeouts (15 s), and reads
     # ended 30 s into an outage where the docs say 10.
+    timeouts = {} if answer_within is None else {
+        "socket_timeout": answer_within, "socket_connect_timeout": answer_within
+    }  # fmt: skip
     pool = aioredis.BlockingConnectionPool.from_url(
         settings.redis_url,
         max_connections=settings.redis_max_connections,
         timeout=5,
+        **timeouts,
         retry=Retry(
             ExponentialBackoff(cap=0.5, base=0.05), 2, supported_errors=(RedisConnectionError,)
         ),

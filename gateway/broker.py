@@ -39,8 +39,13 @@ log = logging.getLogger("tandem.gateway")
 
 
 class Broker:
-    def __init__(self, client: aioredis.Redis, keys: Keys) -> None:
+    def __init__(
+        self, client: aioredis.Redis, keys: Keys, *, reads: aioredis.Redis | None = None
+    ) -> None:
         self.client = client
+        # The reads admission waits on (run_id, the registry, the queues' lengths): a
+        # client whose commands answer within a second (app.py), else the one client.
+        self.reads = reads if reads is not None else client
         self.keys = keys
         self._enqueue = client.register_script(ENQUEUE_SCRIPT)
 
@@ -59,7 +64,7 @@ class Broker:
 
     async def run_id(self) -> str:
         """The Redis server's run_id (INFO server): a new one after every restart."""
-        return as_text((await self.client.info("server"))["run_id"])
+        return as_text((await self.reads.info("server"))["run_id"])
 
     async def enqueue(self, items: Sequence[WorkItem]) -> list[str]:
         """Queue work items (the n choices of one request) atomically, each at most
@@ -116,7 +121,7 @@ class Broker:
 
     async def queue_depths(self, models: Sequence[str]) -> dict[str, QueueState]:
         """queue_depth of several models in one round trip (one MULTI snapshot)."""
-        pipe = self.client.pipeline(transaction=True)
+        pipe = self.reads.pipeline(transaction=True)
         for model in models:
             queue_depth_commands(pipe, self.keys, model)
         results = await pipe.execute(raise_on_error=False)
@@ -146,13 +151,13 @@ class Broker:
 
     async def live_engines(self, model: str | None = None) -> list[EngineInfo]:
         """As `Registry.live`: engines whose entry has not expired, sorted by id."""
-        ids = sorted(as_text(x) for x in await self.client.smembers(self.keys.engines_set))
+        ids = sorted(as_text(x) for x in await self.reads.smembers(self.keys.engines_set))
         if not ids:
             return []
-        raws = await self.client.mget([self.keys.engine_key(i) for i in ids])
+        raws = await self.reads.mget([self.keys.engine_key(i) for i in ids])
         expired = [engine_id for engine_id, raw in zip(ids, raws, strict=True) if raw is None]
         if expired:
-            await self.client.srem(self.keys.engines_set, *expired)
+            await self.reads.srem(self.keys.engines_set, *expired)
         engines = []
         for engine_id, raw in zip(ids, raws, strict=True):
             info = None if raw is None else read_engine_entry(engine_id, raw)
@@ -162,11 +167,11 @@ class Broker:
 
     async def declared_models(self) -> set[str]:
         """Models a controller declared served (tandem/catalog.py), engines or not."""
-        names = sorted(as_text(x) for x in await self.client.smembers(self.keys.models_set))
+        names = sorted(as_text(x) for x in await self.reads.smembers(self.keys.models_set))
         if not names:
             return set()
-        raws = await self.client.mget([self.keys.model_key(n) for n in names])
+        raws = await self.reads.mget([self.keys.model_key(n) for n in names])
         expired = [name for name, raw in zip(names, raws, strict=True) if raw is None]
         if expired:
-            await self.client.srem(self.keys.models_set, *expired)
+            await self.reads.srem(self.keys.models_set, *expired)
         return {name for name, raw in zip(names, raws, strict=True) if raw is not None}

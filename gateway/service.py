@@ -54,6 +54,8 @@ class GatewayService:
         key_store: KeyStore,
         client: aioredis.Redis,
         metrics: GatewayMetrics,
+        *,
+        reads: aioredis.Redis | None = None,
     ) -> None:
         self.settings = settings
         self.key_store = key_store
@@ -61,7 +63,7 @@ class GatewayService:
         self.metrics = metrics
         self.keys = Keys(prefix=settings.key_prefix)
         self.jobs = JobBuilder(settings)
-        self.broker = Broker(client, self.keys)
+        self.broker = Broker(client, self.keys, reads=reads)
         self.reader = AsyncResponseReader(
             client, self.keys, block_ms=settings.read_block_ms, outage_s=settings.redis_outage_s
         )

@@ -280,6 +280,50 @@ def _get_while_paused(http: httpx.Client, pid: int, path: str) -> tuple[httpx.Re
         os.kill(pid, signal.SIGCONT)
 
 
+def test_a_request_while_redis_is_paused_is_a_503_within_a_second_or_so(
+    server, keys, start_gateway
+):
+    # Admission's reads (Redis' run_id, the served models) waited a socket timeout each:
+    # 10 s for the 503, whatever the request's deadline.
+    conn = _served(server.url, keys)
+    pid = conn.info("server")["process_id"]
+    gateway = start_gateway(redis_url=server.url)
+    with gateway.http() as http:
+        time.sleep(1.2)  # what the gateway read at its start is stale: it must ask again
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            answer = http.post("/v1/completions", json=ASK, headers={"X-Tandem-Timeout": "2"})
+            took = time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    assert answer.status_code == 503 and took < 3, (answer.status_code, took)
+    assert answer.json()["error"]["code"] == "redis_unreachable"
+
+
+def test_requests_are_admitted_while_streams_hold_every_pooled_connection(
+    server, keys, start_gateway
+):
+    # Admission's reads have a pool of their own: waiting behind the streams' XREAD
+    # BLOCKs for a connection is not Redis failing to answer (a healthy Redis answered
+    # 503 redis_unreachable when the reads were timed in the shared pool).
+    conn = _served(server.url, keys)
+    gateway = start_gateway(redis_url=server.url, redis_max_connections=4)
+    headers = {"Authorization": f"Bearer {API_KEY}", "X-Tandem-Timeout": "3"}
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(base_url=gateway.url, headers=headers, timeout=30) as http:
+            holding = [asyncio.ensure_future(http.post("/v1/completions", json=ASK))
+                       for _ in range(8)]  # fmt: skip
+            await asyncio.sleep(1.0)
+            late = await asyncio.gather(*(http.post("/v1/completions", json=ASK) for _ in range(8)))
+            await asyncio.gather(*holding)
+            return [answer.status_code for answer in late]
+
+    assert asyncio.run(burst()) == [504] * 8  # queued, and nobody served them
+    conn.close()
+
+
 def test_readyz_answers_within_its_timeout_while_redis_is_paused(server, keys, start_gateway):
     conn = redis.Redis.from_url(server.url)
     pid = conn.info("server")["process_id"]  # SIGSTOP: connections open, nothing answers
