@@ -122,7 +122,8 @@ def _redis_client(settings: GatewaySettings, answer_within: float | None = None)
     # reconnects and runs again, twice at most: without, every pooled connection
     # failed one request with a 503 after Redis came back. Not one that timed out:
     # a paused Redis held each command three socket timeouts (15 s), and reads
-    # ended 30 s into an outage where the docs say 10.
+    # ended 30 s into an outage where the docs say 10. answer_within: the socket's
+    # timeouts (connect, and each answer), for the admission reads' own pool.
     timeouts = {} if answer_within is None else {
         "socket_timeout": answer_within, "socket_connect_timeout": answer_within
     }  # fmt: skip
