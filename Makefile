@@ -34,12 +34,10 @@ lint: install
 KERNEL_TESTS := $(addprefix tests/engine/test_,attention.py attention_decode.py \
 	attention_prefill.py linear.py coded_weight.py llama_model.py llm_matches_hf.py)
 
-# One worker per core, at least 3 and at most 4 (each loads models and runs its own
-# Redis), each taking whole files (a file's module fixtures, a started stack, are then
-# made once): most tests wait on engines, Redis and sockets, so on 2 cores a third
-# worker fills the waits (the suite took 8:46 against 10:30 with two).
-WORKERS := $(shell n=$$(nproc); echo $$(( n < 3 ? 3 : (n > 4 ? 4 : n) )))
-PARALLEL := -n $(WORKERS) --dist loadfile
+# One worker per core (4 at most: each loads models and runs its own Redis), each
+# taking whole files (a file's module fixtures, a started stack, are then made once):
+# most tests wait on engines, Redis and sockets.
+PARALLEL := -n auto --maxprocesses 4 --dist loadfile
 
 test: lint tools
 	$(PY) -P -m pytest -q $(PARALLEL)
