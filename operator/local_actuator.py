@@ -31,10 +31,11 @@ from tandem.keys import Keys
 from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide_all
 from tandem.operator.engine_flags import engine_arguments, engine_flags
 from tandem.operator.engine_metrics import scrape
-from tandem.operator.pod_load import PodSample, combine_ranks, pod_load
+from tandem.operator.pod_load import PodSample, pod_load
 from tandem.operator.role_name import RoleName
 from tandem.operator.scaling import plan_resize
 from tandem.operator.scaling import policy as scaling_policy
+from tandem.operator.sources import sample_ranks
 from tandem.operator.spec import GROUP, KIND, VERSION, ModelDeploymentSpec
 from tandem.operator.validation import validate_spec
 from tandem.redis_server import free_port
@@ -66,8 +67,7 @@ class EngineProcess:
         """Every rank's metrics as one sample, as the operator reads a pod's; None if a
         rank cannot be read."""
         urls = [f"http://127.0.0.1:{self.http_port + r}" for r in range(self.ranks)]
-        ranks = await asyncio.gather(*(scrape(client, url, self.name) for url in urls))
-        return None if None in ranks else combine_ranks(ranks)  # type: ignore[arg-type]
+        return await sample_ranks(lambda url: scrape(client, url, self.name), urls)
 
 
 API_VERSION = f"{GROUP}/{VERSION}"

@@ -9,7 +9,7 @@ each engine pod's /metrics on port 8100) and `QueueSource` is RedisQueues
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -124,10 +124,19 @@ class MetricSources:
         return {name: s for name, s in zip(names, results, strict=True) if s is not None}
 
     async def _sample_pod(self, pod: str, urls: Sequence[str]) -> PodSample | None:
-        ranks = await asyncio.gather(*(self.samples.sample(pod, url) for url in urls))
-        if not ranks or any(r is None for r in ranks):
-            return None  # half a pod's load read as its whole: wrong both ways
-        return combine_ranks(ranks)  # type: ignore[arg-type]
+        return await sample_ranks(lambda url: self.samples.sample(pod, url), urls)
+
+
+async def sample_ranks(
+    sample: Callable[[str], Awaitable[PodSample | None]], urls: Sequence[str]
+) -> PodSample | None:
+    """One pod's sample from its ranks' (their base URLs, rank 0 first), read at once;
+    None if a rank cannot be read (half a pod's load read as its whole is wrong both
+    ways)."""
+    ranks = await asyncio.gather(*(sample(url) for url in urls))
+    if not ranks or any(r is None for r in ranks):
+        return None
+    return combine_ranks(ranks)  # type: ignore[arg-type]
 
 
 class _HttpScrape(DirectScrape):
