@@ -24,6 +24,7 @@ import torch
 from tokenizers import Regex, decoders, models, pre_tokenizers
 
 from tandem.engine.model.coded_weight import CodedWeight
+from tandem.engine.model.gguf_container import GGUFContainer, GGUFTensor
 from tandem.engine.model.model_config import ModelConfig
 from tandem.engine.model.source import (
     ModelSource,
@@ -67,13 +68,17 @@ _LLAMA3_REGEX = (
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 
+# (Hugging Face name, the GGUF tensor that holds it) for each weight.
+_Plan = list[tuple[str, GGUFTensor]]
+
+
 def load_gguf(path: Path) -> ModelSource:
     """A ModelSource for the GGUF file at `path` (architecture "llama" only)."""
     path = Path(path)
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as err:  # the parser of untrusted bytes: a cut file is an IndexError
-        raise ValueError(f"{path}: not a readable GGUF file: {err!r}") from err
+        reader = GGUFContainer.read(path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: not a readable GGUF file: {err}") from err
     arch = _field(reader, "general.architecture", None)
     if arch != "llama":
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; only 'llama'")
@@ -113,13 +118,12 @@ def unpermute_rotary(weight: np.ndarray, n_head: int) -> np.ndarray:
     return shaped.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = _MISSING) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        if default is _MISSING:
-            raise ValueError(f"GGUF metadata has no {key!r}")
-        return default
-    return field.contents()
+def _field(reader: GGUFContainer, key: str, default: Any = _MISSING) -> Any:
+    if key in reader.fields:
+        return reader.fields[key]
+    if default is _MISSING:
+        raise ValueError(f"GGUF metadata has no {key!r}")
+    return default
 
 
 def _f32(value: float) -> float:
@@ -138,9 +142,9 @@ def _per_layer(value: Any, key: str, path: Path) -> int:
 
 
 def _config(
-    reader: gguf.GGUFReader,
+    reader: GGUFContainer,
     path: Path,
-    tensors: dict[str, Any],
+    tensors: dict[str, GGUFTensor],
     tokenizer: Tokenizer | None,
 ) -> ModelConfig:
     def meta(key: str, default: Any = _MISSING) -> Any:
@@ -179,9 +183,9 @@ def _config(
 
 
 def _rope_scaling(
-    reader: gguf.GGUFReader,
+    reader: GGUFContainer,
     path: Path,
-    tensors: dict[str, Any],
+    tensors: dict[str, GGUFTensor],
     theta: float,
     head_dim: int,
 ) -> dict[str, Any] | None:
@@ -229,7 +233,7 @@ def _llama3_scaling(freqs: np.ndarray, theta: float, head_dim: int, path: Path) 
     }
 
 
-def _plan(tensors: dict[str, Any], path: Path) -> list[tuple[str, Any]]:
+def _plan(tensors: dict[str, GGUFTensor], path: Path) -> _Plan:
     """(Hugging Face name, GGUF tensor) for each weight, checking each can be dequantised."""
     plan = []
     for name, tensor in tensors.items():
@@ -253,11 +257,11 @@ def _plan(tensors: dict[str, Any], path: Path) -> list[tuple[str, Any]]:
     return plan
 
 
-def _hf_shape(tensor: Any) -> tuple[int, ...]:
+def _hf_shape(tensor: GGUFTensor) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(tensor.shape))
 
 
-def _codes(plan: list[tuple[str, Any]], config: ModelConfig) -> Iterator[tuple[str, CodedWeight]]:
+def _codes(plan: _Plan, config: ModelConfig) -> Iterator[tuple[str, CodedWeight]]:
     """The projections' and LM head's codes, where their type is a code form
     (coded_weight.py), in the rows' order after the rotary unpermutation, as _stream
     gives their weights."""
@@ -277,7 +281,7 @@ def _codes(plan: list[tuple[str, Any]], config: ModelConfig) -> Iterator[tuple[s
         yield hf_name, coded
 
 
-def _stream(plan: list[tuple[str, Any]], config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream(plan: _Plan, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     for hf_name, tensor in plan:
         weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         weight = np.asarray(weight, dtype=np.float32).reshape(_hf_shape(tensor))
@@ -291,7 +295,7 @@ def _stream(plan: list[tuple[str, Any]], config: ModelConfig) -> Iterator[tuple[
         yield hf_name, torch.from_numpy(weight)
 
 
-def _sample(tensor: Any) -> bytes:
+def _sample(tensor: GGUFTensor) -> bytes:
     raw = np.asarray(tensor.data).reshape(-1).view(np.uint8)
     return tensor_sample(
         tensor.name,
@@ -302,7 +306,7 @@ def _sample(tensor: Any) -> bytes:
     )
 
 
-def _tokenizer(reader: gguf.GGUFReader, path: Path) -> Tokenizer | None:
+def _tokenizer(reader: GGUFContainer, path: Path) -> Tokenizer | None:
     """The file's tokenizer as a `tokenizers` byte-level BPE, or None if it has none."""
     kind = _field(reader, "tokenizer.ggml.model", None)
     if kind is None:
