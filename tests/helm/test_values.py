@@ -426,3 +426,29 @@ def test_the_notes_keep_a_blank_line_under_their_first_line(helm):
     assert result.returncode == 0, result.stderr
     notes = result.stdout.split("NOTES:\n", 1)[1]
     assert notes.startswith("Tandem 0.1.0 is installed in namespace tandem-system.\n\n1. Serve")
+
+
+def test_decimal_seconds_given_with_set_reach_the_gateway_and_the_operator(helm):
+    # --set passes 0.5 as the string "0.5" (only whole numbers become numbers).
+    manifests = render(
+        helm,
+        sets=[
+            "gateway.requestTimeout=0.5",
+            "operator.scrapeInterval=2.5",
+            "operator.scrapeTimeout=.25",
+        ],
+    )
+    deployments = {m["metadata"]["name"]: m for m in manifests if m["kind"] == "Deployment"}
+    gateway = deployments["tandem-gateway"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--request-timeout=0.5" in gateway["args"]
+    operator = deployments["tandem-operator"]["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in operator["env"]}
+    assert env["TANDEM_OPERATOR_SCRAPE_INTERVAL"] == "2.5"
+    assert env["TANDEM_OPERATOR_SCRAPE_TIMEOUT"] == "0.25"
+
+
+@pytest.mark.parametrize("value", ["0.0", ".0", "0", "abc", "-1.5", "1.2.3"])
+def test_seconds_that_are_not_above_zero_are_refused(helm, value):
+    result = run_helm(helm, *template_args(CHART, sets=[f"gateway.requestTimeout={value}"]))
+    assert result.returncode != 0
+    assert "at '/gateway/requestTimeout'" in result.stderr
