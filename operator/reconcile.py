@@ -361,11 +361,13 @@ def _counts(
         deployment["metadata"].get("generation") or 0
     )
     stall = _stall(status.get("conditions") or [])
+    # A role at zero with no pods has none to replace: a new template there is no rollout.
+    rolling = (desired > 0 or replicas > 0) and (changing or stale or updated < replicas)
     return RoleCounts(
         desired=desired,
         replicas=replicas,
         ready=int(status.get("readyReplicas") or 0),
-        rolling=changing or stale or updated < replicas,
+        rolling=rolling,
         stall=stall,
         trouble=trouble,
     )

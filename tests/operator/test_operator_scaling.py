@@ -344,6 +344,28 @@ async def test_a_scale_down_with_every_pod_ready_keeps_the_model_ready(
     assert _ready_condition(cluster)["lastTransitionTime"] == since
 
 
+async def test_an_edit_of_a_model_at_zero_keeps_it_ready(cluster, operator):
+    # A new pod template at zero pods replaces nothing: no Pending "no engine pod ready"
+    # (and no moved lastTransitionTime) for an idle model someone edits.
+    await cluster.apply(normal_model(replicas=0, minReplicas=0, maxReplicas=2))
+    await eventually(lambda: ready(cluster))
+    since = _ready_condition(cluster)["lastTransitionTime"]
+    written: list[tuple[str, str]] = []
+
+    def note(resource: Any, kind: Any, obj: dict[str, Any]) -> None:
+        status = obj.get("status") or {}
+        if resource == MODELS and status.get("phase"):
+            written.append((status["phase"], status.get("reason", "")))
+
+    cluster.api.listen(note)
+    await cluster.patch_model("m", {"spec": {"engine": {"maxNumSeqs": 64}}})
+    await eventually(lambda: cluster.model("m")["status"].get("observedGeneration") == 2)
+    await asyncio.sleep(0.5)  # the passes after it
+    assert written and {phase for phase, _ in written} == {"Ready"}, written
+    assert _ready_condition(cluster)["lastTransitionTime"] == since
+    assert replicas(cluster, "normal") == 0
+
+
 def _ready_condition(cluster: Any) -> dict[str, Any]:
     conditions = cluster.model("m")["status"]["conditions"]
     return next(c for c in conditions if c["type"] == "Ready")
