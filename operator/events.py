@@ -110,17 +110,25 @@ def events(
         flags = " and ".join(sorted(settings))
         why = f"the operator's {flags} changed, so the engine pods roll: "
         found.append(Event("SettingsApplied", why + "; ".join(setting)))
-    # Nothing was applied while Invalid: what changes now is the spec's, edited or
-    # not (a child the API server now accepts, a served name now free).
+    # Nothing was applied while Invalid, or while the API server forbade the writes (a
+    # quota): what changes now is the spec's, edited or not (a child the API server now
+    # accepts, a served name now free).
     applying = (
         previous["observedGeneration"] != meta.get("generation")
         or previous.get("phase") == Phase.INVALID.value
+        or previous.get("reason") == "Forbidden"
     )
     made = "created" if applying else "recreated"
     other += [f"{c['kind']} {c['metadata']['name']}: {made}" for c in creates]
-    other += [f"{child}: deleted" for child in deletes]
+    # A child the spec no longer has goes because of the spec, in the pass that edits it
+    # or a later one (a mode change's old role, once the new roles serve).
+    gone = [f"{child}: deleted" for child in deletes]
+    if applying:
+        other, gone = other + gone, []
     if other:
         found.append(Event("SpecApplied" if applying else "DriftRepaired", "; ".join(other)))
+    if gone:
+        found.append(Event("SpecApplied", "; ".join(gone)))
     return tuple(found)
 
 

@@ -165,6 +165,10 @@ async def test_a_mode_change_keeps_the_old_role_serving_until_the_new_ones_are_r
 
     await eventually(lambda: not normal_children(), what="the normal role's children gone")
     await eventually(lambda: phase(cluster, "m") == "Ready", what="Ready, split")
+    # The old role went because of the spec, passes after its edit: no hand was set back.
+    assert not cluster.events("DriftRepaired")
+    said = "; ".join(e["message"] for e in cluster.events("SpecApplied"))
+    assert "Deployment m-normal: deleted" in said and "Deployment m-decode: created" in said
 
 
 async def test_hand_edits_of_owned_fields_are_set_back(cluster, operator):

@@ -44,6 +44,11 @@ async def test_a_forbidden_write_is_degraded_in_the_api_servers_words_until_it_p
     cluster.api.clear_faults()  # the quota raised
     await eventually(lambda: status(cluster).get("phase") == "Ready", what="Ready")
     assert cluster.child("Service", "m-normal") is not None
+    # The children the quota held back are the spec's first creation, not a hand
+    # deletion set back.
+    assert not cluster.events("DriftRepaired")
+    (applied,) = cluster.events("SpecApplied")
+    assert "Service m-normal: created" in applied["message"]
 
 
 async def test_the_autoscaler_resumes_at_its_next_tick_after_an_api_outage(
