@@ -53,8 +53,23 @@ async def _on_http_exception(request: Request, exc: StarletteHTTPException) -> J
         # FastAPI's "There was an error parsing the body": say what was wrong.
         return await _on_gateway_error(request, bad_request(_unparsable(exc.__cause__)))
     kind = INVALID if exc.status_code < 500 else SERVER
-    error = GatewayError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers)
+    message = str(exc.detail)
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 404 and message == "Not Found":  # no route: say it as OpenAI does
+        message = f"Invalid URL ({where}): {_ROUTES}"
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("allow") or (exc.headers or {}).get("Allow")
+        message = f"Method {request.method} is not allowed for {request.url.path}" + (
+            f"; use {allowed}" if allowed else ""
+        )
+    error = GatewayError(exc.status_code, message, type=kind, headers=exc.headers)
     return error.response()
+
+
+_ROUTES = (
+    "this server answers POST /v1/chat/completions, POST /v1/completions, GET /v1/models "
+    "and GET /v1/models/{model}"
+)
 
 
 def _unparsable(cause: BaseException) -> str:

@@ -261,8 +261,11 @@ CASES = {
                                          param="service_tier", code="unsupported"),
     "reasoning effort": Case(400, {**GOOD, "reasoning_effort": "high"},
                              param="reasoning_effort", code="unsupported"),
-    "unknown route": Case(404, GOOD, path="/v1/embeddings"),
-    "wrong method": Case(405, None, path="/v1/chat/completions", method="GET"),
+    "unknown route": Case(404, GOOD, path="/v1/embeddings",
+                          message="Invalid URL (POST /v1/embeddings): this server answers POST "
+                                  "/v1/chat/completions"),
+    "wrong method": Case(405, None, path="/v1/chat/completions", method="GET",
+                         message="Method GET is not allowed for /v1/chat/completions; use POST"),
 }  # fmt: skip
 
 
