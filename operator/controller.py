@@ -181,7 +181,7 @@ class Controller:
             self._kube.list("Pod", namespace, scaling.pod_selector(name)),
             self._models(),
         )
-        holder = served_name_holder(model, models)
+        holder = served_name_holder(model, models, self._defaults.redis_url)
         # A model that may not serve its name neither reads nor declares that name's queue,
         # and what its pods do meanwhile goes unwatched: its past is unknown after.
         if autoscale and holder is not None:

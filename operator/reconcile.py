@@ -26,6 +26,7 @@ from tandem.operator.manifests import (
     pods_of,
 )
 from tandem.operator.pod_trouble import PodTrouble, role_trouble
+from tandem.operator.redis_server import redis_server
 from tandem.operator.replica_counts import (
     autoscaler_scale,
     clamp_of,
@@ -179,7 +180,7 @@ def plan(
     )
 
 
-def served_name_holder(model: Body, models: Sequence[Body]) -> str | None:
+def served_name_holder(model: Body, models: Sequence[Body], operator_redis: str) -> str | None:
     """The ModelDeployment among `models` (of every namespace served) that holds the
     servedModelName `model` asks for, on the same queues, or None when `model` may serve
     it: `ModelDeployment <name>`, or of another namespace without naming it (whose
@@ -187,10 +188,10 @@ def served_name_holder(model: Body, models: Sequence[Body]) -> str | None:
 
     Two models of one name on one Redis would both take its queue's work and each
     scale on all of it; from two namespaces, one team's pods would read the other's
-    prompts. So the rivals are the models of `model`'s namespace, and those of
-    every namespace on the operator's own Redis when `model` is too (models with a
-    `spec.redis` of their own in other namespaces never share its queues: their
-    URLs name Redis servers as each namespace resolves them). A rival claims the name
+    prompts. So the rivals are the models of `model`'s namespace, and those of every
+    namespace whose spec reaches the same Redis database (redis_server.py: without
+    `spec.redis`, the operator's `operator_redis`; a URL naming that Service in full
+    shares it too; a short name resolves in its own namespace). A rival claims the name
     its spec asks for and the one its pods serve (status.servedModelName: a refused
     rename leaves them serving the old one). The name is held by the oldest (by
     creationTimestamp, then namespace and name) of those whose pods serve it, else
@@ -200,12 +201,12 @@ def served_name_holder(model: Body, models: Sequence[Body]) -> str | None:
     """
     name = _asked_name(model)
     namespace = _where(model)[0]
-    shared = _on_operators_redis(model)
+    server = redis_server(model, operator_redis)
     rivals = [
         other
         for other in models
         if _where(other) != _where(model)
-        and (_where(other)[0] == namespace or (shared and _on_operators_redis(other)))
+        and (_where(other)[0] == namespace or redis_server(other, operator_redis) == server)
         and not other["metadata"].get("deletionTimestamp")
         and name in (_asked_name(other), _serving(other))
     ]
@@ -230,10 +231,6 @@ def _serving(body: Body) -> str | None:
     """The name a model's pods serve, as its status recorded it (None: none recorded)."""
     served = (body.get("status") or {}).get("servedModelName")
     return served if isinstance(served, str) else None
-
-
-def _on_operators_redis(body: Body) -> bool:
-    return not (body.get("spec") or {}).get("redis")
 
 
 def _where(body: Body) -> tuple[str, str]:

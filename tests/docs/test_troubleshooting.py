@@ -123,7 +123,7 @@ def _served_name_taken() -> str:
     older = copy.deepcopy(model)
     older["metadata"].update(name="llama-8b", creationTimestamp="2025-01-01T00:00:00Z")
     model["metadata"]["creationTimestamp"] = "2026-01-01T00:00:00Z"
-    holder = served_name_holder(model, [older, model])
+    holder = served_name_holder(model, [older, model], defaults.redis_url)
     actions = plan(model, [], defaults, now="2026-01-01T00:00:00Z", holder=holder)
     assert actions.status is not None
     return actions.status["message"]

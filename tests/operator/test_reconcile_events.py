@@ -8,6 +8,8 @@ import copy
 import json
 from typing import Any
 
+import pytest
+
 from tandem.operator.autoscaler import Decision, ScalingHistory
 from tandem.operator.events import Event
 from tandem.operator.manifests import OperatorDefaults
@@ -15,6 +17,8 @@ from tandem.operator.reconcile import plan, served_name_holder
 from tandem.operator.role_name import RoleName
 
 NOW = "2026-01-01T00:00:00Z"
+# The operator's Redis as the chart names it.
+SHARED = "redis://:secret@tandem-redis.tandem.svc:6379/0"
 OLD = OperatorDefaults(image="engine:1", redis_url="redis://:old-password@r:6379/0")
 NEW = OperatorDefaults(image="engine:1", redis_url="redis://:new-password@r:6379/0")
 
@@ -208,17 +212,17 @@ def test_the_oldest_model_holds_a_served_name_then_the_name_decides():
     b = model_named("b", "2026-01-01T00:00:01Z", "shared")
     c = model_named("c", "2026-01-01T00:00:01Z", "shared")  # as old as b: b's name is first
     models = [a, b, c]
-    assert served_name_holder(a, models) == "ModelDeployment b"
-    assert served_name_holder(c, models) == "ModelDeployment b"
-    assert served_name_holder(b, models) is None
-    assert served_name_holder(model_named("d", NOW, "own"), models) is None
+    assert served_name_holder(a, models, SHARED) == "ModelDeployment b"
+    assert served_name_holder(c, models, SHARED) == "ModelDeployment b"
+    assert served_name_holder(b, models, SHARED) is None
+    assert served_name_holder(model_named("d", NOW, "own"), models, SHARED) is None
     # Without servedModelName the name is metadata.name.
     plain = model_named("shared", "2026-01-01T00:00:03Z")
-    assert served_name_holder(plain, [*models, plain]) == "ModelDeployment b"
+    assert served_name_holder(plain, [*models, plain], SHARED) == "ModelDeployment b"
     # A model being deleted lets go at once.
     going = copy.deepcopy(b)
     going["metadata"]["deletionTimestamp"] = NOW
-    assert served_name_holder(a, [a, going, c]) == "ModelDeployment c"
+    assert served_name_holder(a, [a, going, c], SHARED) == "ModelDeployment c"
 
 
 def test_a_served_name_is_held_across_namespaces_on_the_operators_redis():
@@ -226,16 +230,60 @@ def test_a_served_name_is_held_across_namespaces_on_the_operators_redis():
     # name would take this one's prompts. Whose model holds it is not said.
     theirs = model_named("llama", "2026-01-01T00:00:01Z", "llama-8b", namespace="team-a")
     mine = model_named("evil", "2026-01-01T00:00:02Z", "llama-8b", namespace="team-b")
-    assert served_name_holder(mine, [theirs, mine]) == "ModelDeployment of another namespace"
-    assert served_name_holder(theirs, [theirs, mine]) is None
+    assert (
+        served_name_holder(mine, [theirs, mine], SHARED) == "ModelDeployment of another namespace"
+    )
+    assert served_name_holder(theirs, [theirs, mine], SHARED) is None
     # The same name in two namespaces is two models, not one.
     twin = model_named("llama", "2026-01-01T00:00:03Z", "other", namespace="team-b")
-    assert served_name_holder(twin, [theirs, twin]) is None
+    assert served_name_holder(twin, [theirs, twin], SHARED) is None
     # A namespace on its own Redis shares no queue with the others'.
     own = copy.deepcopy(mine)
     own["spec"]["redis"] = {"url": "redis://redis:6379/0"}
-    assert served_name_holder(own, [theirs, own]) is None
-    assert served_name_holder(theirs, [theirs, own]) is None
+    assert served_name_holder(own, [theirs, own], SHARED) is None
+    assert served_name_holder(theirs, [theirs, own], SHARED) is None
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://tandem-redis.tandem.svc:6379/0",
+        "rediss://:pw@TANDEM-REDIS.tandem.svc.cluster.local.:6379",
+        "redis://tandem-redis.tandem/0",
+    ],
+)
+def test_a_spec_redis_that_names_the_operators_redis_shares_its_queues(url):
+    # Written out in spec.redis, the shared Redis is still the other teams' queues.
+    theirs = model_named("llama", "2026-01-01T00:00:01Z", "llama-8b", namespace="team-a")
+    mine = model_named("evil", "2026-01-01T00:00:02Z", "llama-8b", namespace="team-b")
+    mine["spec"]["redis"] = {"url": url}
+    assert (
+        served_name_holder(mine, [theirs, mine], SHARED) == "ModelDeployment of another namespace"
+    )
+    # Two namespaces spelling one Service in full share it too.
+    both = copy.deepcopy(theirs)
+    both["spec"]["redis"] = {"url": "redis://tandem-redis.tandem.svc.cluster.local:6379/0"}
+    assert served_name_holder(mine, [both, mine], SHARED) == "ModelDeployment of another namespace"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://tandem-redis:6379/0",  # a Service of team-b's own namespace
+        "redis://tandem-redis.tandem.svc:6379/1",  # another database
+        "redis://tandem-redis.tandem.svc:6380/0",  # another port
+        "unix:///run/redis.sock",
+    ],
+)
+def test_a_spec_redis_elsewhere_shares_nothing_with_other_namespaces(url):
+    theirs = model_named("llama", "2026-01-01T00:00:01Z", "llama-8b", namespace="team-a")
+    mine = model_named("evil", "2026-01-01T00:00:02Z", "llama-8b", namespace="team-b")
+    mine["spec"]["redis"] = {"url": url}
+    assert served_name_holder(mine, [theirs, mine], SHARED) is None
+    # A URL in a Secret is not read: the model's namespace alone decides.
+    hidden = copy.deepcopy(mine)
+    hidden["spec"]["redis"] = {"urlSecretRef": {"name": "redis", "key": "url"}}
+    assert served_name_holder(hidden, [theirs, hidden], SHARED) is None
 
 
 def test_a_model_that_serves_a_name_keeps_it_when_another_is_edited_to_claim_it():
@@ -245,15 +293,15 @@ def test_a_model_that_serves_a_name_keeps_it_when_another_is_edited_to_claim_it(
     older = model_named("a", "2026-01-01T00:00:01Z", "mistral", serving="llama")
     younger = model_named("b", "2026-01-01T00:00:02Z", "mistral", serving="mistral")
     models = [older, younger]
-    assert served_name_holder(younger, models) is None
-    assert served_name_holder(older, models) == "ModelDeployment b"
+    assert served_name_holder(younger, models, SHARED) is None
+    assert served_name_holder(older, models, SHARED) == "ModelDeployment b"
     # A rename refused leaves the pods serving the old name, which nobody else may claim.
     newcomer = model_named("c", "2026-01-01T00:00:00Z", "llama")
-    assert served_name_holder(newcomer, [*models, newcomer]) == "ModelDeployment a"
+    assert served_name_holder(newcomer, [*models, newcomer], SHARED) == "ModelDeployment a"
     # Two that both serve it (their queues newly shared): the oldest of them.
     both = model_named("d", "2026-01-01T00:00:03Z", "mistral", serving="mistral")
-    assert served_name_holder(younger, [*models, both]) is None
-    assert served_name_holder(both, [*models, both]) == "ModelDeployment b"
+    assert served_name_holder(younger, [*models, both], SHARED) is None
+    assert served_name_holder(both, [*models, both], SHARED) == "ModelDeployment b"
 
 
 def test_a_refused_rename_leaves_the_pods_serving_the_old_name():
