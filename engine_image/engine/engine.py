@@ -304,9 +304,9 @@ class Engine:
             )
             shown = new_tokens[:-1] if stop_token else new_tokens
             delta, stopped, kept = tracked.detokenizer.add_until_stop(shown)
-            if kept < len(shown):
-                # Accepted drafts after the token that completed a stop string: a run
-                # without speculation never sampled them.
+            if stopped and kept < len(new_tokens):
+                # Accepted drafts after the token that completed a stop string, a stop
+                # token among them: a run without speculation never sampled them.
                 del request.token_ids[kept - len(new_tokens) :]
                 new_tokens = new_tokens[:kept]
                 if status.is_finished:  # (a stop id or the length limit further on)

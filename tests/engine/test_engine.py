@@ -89,6 +89,21 @@ def test_speculation_stops_where_a_stop_string_completes(llm):
         accepted = drafted.engine.totals.drafts_accepted - before
         assert accepted < len(ours.token_ids)  # counts only the drafts kept
         cut_short += accepted > 0
+        # A stop token id drafted right after the token that completes the string: the
+        # plain run never sampled it, so it is no more in token_ids than the drafts are.
+        if len(plain.token_ids) == params.max_tokens:
+            continue  # the string never completed
+        (going_on,) = llm.generate(prompt_token_ids=[prompt], sampling_params=params)
+        after = going_on.token_ids[len(plain.token_ids)]
+        both = SamplingParams(**{**vars_of(with_stop), "stop_token_ids": (after,), "logprobs": 0})
+        ours = drafted.generate(prompt_token_ids=[prompt], sampling_params=both)[0]
+        plain = llm.generate(prompt_token_ids=[prompt], sampling_params=both)[0]
+        assert (ours.token_ids, ours.text, ours.finish_reason) == (
+            plain.token_ids,
+            plain.text,
+            plain.finish_reason,
+        )
+        assert len(ours.logprobs) == len(ours.token_ids)
     assert cut_short  # drafts were accepted on the way to a stop
 
 
