@@ -91,9 +91,16 @@ def _up(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-up-"))
     config = dataclasses.replace(config, log_dir=log_dir)
     stack = Stack(config)
-    # A closed terminal (SIGHUP) stops it as Ctrl-C does: the requests in flight answered.
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stack.request_stop())
+
+    def hang_up(*_: object) -> None:
+        # A closed terminal stops it as Ctrl-C does, the requests in flight answered;
+        # writing to the terminal now fails (EIO), and the stop must not die of a message.
+        _detach_from_terminal()
+        stack.request_stop()
+
+    signal.signal(signal.SIGHUP, hang_up)
     try:
         stack.start()  # stops what it started if it fails
     except StartError:
@@ -102,17 +109,29 @@ def _up(args: argparse.Namespace) -> int:
                 remove_if_unused(log_dir)
         raise
     except KeyboardInterrupt:  # Ctrl-C while starting
+        print(f"interrupted while starting: stopped (logs in {log_dir})", file=sys.stderr)
         return 130
     print(banner(stack), flush=True)
     try:
         stack.supervise()
     finally:
-        print(
-            "stopping: answering the requests admitted (Ctrl-C again: stop sooner)...",
-            file=sys.stderr,
-        )
-        stack.stop()
+        try:
+            print(
+                "stopping: answering the requests admitted (Ctrl-C again: stop sooner)...",
+                file=sys.stderr,
+            )
+        finally:
+            stack.stop()
     return 0
+
+
+def _detach_from_terminal() -> None:
+    """Point stdout and stderr at /dev/null (the children's logs are files)."""
+    with contextlib.suppress(OSError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.dup2(null, sys.stderr.fileno())
+        os.close(null)
 
 
 def banner(stack: Stack) -> str:
@@ -356,8 +375,9 @@ def _add_up(sub) -> None:
     where.add_argument(
         "--log-dir",
         metavar="DIR",
-        help="the folder for every process's log (default: a new temporary folder, "
-        "kept after exit; its path is printed)",
+        help="the folder for every process's log, and the embedded Redis' append-only "
+        "file in DIR/redis, started afresh each run (default: a new temporary folder, kept "
+        "after exit; its path is printed)",
     )
     up.set_defaults(func=_up)
 

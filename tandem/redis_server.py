@@ -108,6 +108,14 @@ class RedisServer:
         """Whether a start now would load data back: its append-only file is there."""
         return self.appendonly and (self.data_dir / APPEND_ONLY_FILE).is_file()
 
+    def discard_saved_data(self) -> None:
+        """Remove what a server left in data_dir (its append-only file), nothing else:
+        the folder may hold a user's files (tandem up --log-dir DIR keeps it in DIR/redis)."""
+        (self.data_dir / APPEND_ONLY_FILE).unlink(missing_ok=True)
+        shutil.rmtree(self.data_dir / "appendonlydir", ignore_errors=True)  # Redis 7's form
+        for rewrite in self.data_dir.glob("temp-*.aof"):  # a rewrite cut short
+            rewrite.unlink(missing_ok=True)
+
     def start(self, timeout: float = 10.0) -> RedisServer:
         """Start the server (again, after it died: same port, same folder, and with
         appendonly the data it had)."""
@@ -133,13 +141,14 @@ class RedisServer:
             # too and went at once, taking every request in flight with it.
             start_new_session=self.die_with_us,
         )
-        client = redis.Redis.from_url(self.url)
+        # Bounded: a port something else took and never answers on must not hang start().
+        client = redis.Redis.from_url(self.url, socket_timeout=1, socket_connect_timeout=1)
         deadline = time.monotonic() + timeout
         while True:
             try:
                 client.ping()
                 return self
-            except redis.ConnectionError:
+            except (redis.ConnectionError, redis.TimeoutError):
                 if self._process.poll() is not None:
                     err = self._process.stderr.read().decode(errors="replace")
                     raise RuntimeError(f"redis-server exited: {err.strip()}") from None

@@ -77,7 +77,8 @@ class Stack:
 
     @property
     def url(self) -> str:
-        return f"http://{self.config.host}:{self.config.port}"
+        host = self.config.host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.config.port}"
 
     @property
     def mode(self) -> str:
@@ -139,12 +140,12 @@ class Stack:
     def _start_redis(self) -> None:
         """The embedded Redis, with an append-only file: restarted after a crash, it
         still has the queued requests (and streams, registry) it had."""
-        data = self.log_dir / "redis"
+        server = RedisServer(data_dir=self.log_dir / "redis", appendonly=True, die_with_us=True)
         # Fresh for each run: a reused --log-dir's file would replay a finished run's
-        # queue, whose clients are long gone.
-        shutil.rmtree(data, ignore_errors=True)
+        # queue, whose clients are long gone. Only Redis' files: the folder is the user's.
+        server.discard_saved_data()
         try:
-            self.redis = RedisServer(data_dir=data, appendonly=True, die_with_us=True).start()
+            self.redis = server.start()
         except RuntimeError as exc:
             raise StartError(f"the embedded Redis did not start: {exc}") from None
         self.redis_url = self.redis.url
@@ -201,10 +202,10 @@ class Stack:
             "gateway",
             argv,
             self.log_dir / "gateway.log",
-            f"http://{cfg.host}:{cfg.port}/readyz",
+            f"{self.url}/readyz",
             restartable=True,
             env={"TANDEM_API_KEYS": self.api_key, **self._redis_env()},
-            live_url=f"http://{cfg.host}:{cfg.port}/healthz",
+            live_url=f"{self.url}/healthz",
         )
 
     def _redis_env(self) -> dict[str, str]:
@@ -219,11 +220,7 @@ class Stack:
             if self._stop.is_set():  # Ctrl-C while starting
                 raise KeyboardInterrupt
             for child in list(pending):
-                if not child.alive:
-                    raise StartError(
-                        f"{child.name} exited while starting: {child.last_error()} "
-                        f"(details in {child.log_path})"
-                    )
+                self._check_alive(child)
                 if child.newly_ready():
                     say(f"{child.name:<10} ready")
                     pending.remove(child)
@@ -236,6 +233,14 @@ class Stack:
             time.sleep(0.25)
         self._wait_for_model(deadline)
 
+    @staticmethod
+    def _check_alive(child: Child) -> None:
+        if not child.alive:
+            raise StartError(
+                f"{child.name} exited while starting: {child.last_error()} "
+                f"(details in {child.log_path})"
+            )
+
     def _wait_for_model(self, deadline: float) -> None:
         """The gateway lists the model once an engine's heartbeat reached the registry."""
         request = urllib.request.Request(
@@ -244,6 +249,9 @@ class Stack:
         while time.monotonic() < deadline:
             if self._stop.is_set():  # Ctrl-C while starting: not --ready-timeout later
                 raise KeyboardInterrupt
+            # Its port answering is not proof: a second tandem up on the same port saw
+            # the first one's gateway ready while its own had exited.
+            self._check_alive(self.gateway)
             body = local_get(request, timeout=2)
             if body is not None and self.config.name in body.decode():
                 return
@@ -309,7 +317,7 @@ class Stack:
         say(f"redis exited ({code}); restarting it on port {port} {kept}")
         try:
             self.redis.start()
-        except RuntimeError as exc:  # the port was taken meanwhile: nothing can recover
+        except (RuntimeError, redis.RedisError) as exc:  # the port taken: nothing can recover
             say(f"redis could not restart: {exc}; stopping")
             self._stop.set()
 

@@ -38,6 +38,14 @@ class UpConfig:
             check_served_name(self.served_model_name)  # '' would serve under the model's
         if not self.ready_timeout > 0:
             raise ValueError(f"--ready-timeout must be > 0 seconds, got {self.ready_timeout}")
+        if self.api_key is not None and (
+            not self.api_key or any(c == "," or c.isspace() for c in self.api_key)
+        ):
+            # The gateway reads its keys as a comma-separated list; a client sends one
+            # token after "Bearer ".
+            raise ValueError(
+                f"--api-key must be one key without commas or spaces, got {self.api_key!r}"
+            )
 
     @property
     def name(self) -> str:
@@ -59,6 +67,8 @@ def read_manifest(path: Path) -> dict:
         documents = strict_yaml.load_all(path.read_text())
     except OSError as exc:
         raise ValueError(f"cannot read -f {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"-f {path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
     except yaml.MarkedYAMLError as exc:  # one line, not yaml's excerpt with a caret
         mark = exc.problem_mark
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -3,12 +3,17 @@ running), the flags -f replaces refused, a banner that says what runs, a help th
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import http.server
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import termios
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -103,6 +108,9 @@ def test_a_port_in_use_is_named_before_anything_starts(taken_port, tmp_path, mon
         (["--model", "/no/such/model"], "model '/no/such/model' is no such file or directory"),
         # It served under --model's name instead.
         (["--served-model-name", ""], "a served model name must be non-empty"),
+        # The gateway reads its keys as a comma-separated list: it never came up.
+        (["--api-key", "team-key,v2"], "--api-key must be one key without commas or spaces"),
+        (["--api-key", " "], "--api-key must be one key without commas or spaces"),
     ],
     ids=[
         "redis-url",
@@ -112,6 +120,8 @@ def test_a_port_in_use_is_named_before_anything_starts(taken_port, tmp_path, mon
         "unwritable-log-dir",
         "model",
         "served-name",
+        "api-key-comma",
+        "api-key-blank",
     ],
 )
 def test_bad_input_is_one_clear_line(argv, says):
@@ -221,36 +231,62 @@ def test_the_help_of_up_states_its_defaults_and_what_f_needs(capsys):
         assert said in text
 
 
-def test_ctrl_c_in_a_terminal_answers_the_requests_in_flight():
-    # The terminal sends SIGINT to its whole foreground group: the embedded Redis took
-    # it too and went at once, every request in flight with it ("Lost the connection
-    # to Redis"), and tandem up then waited out its stop timeout.
+@pytest.mark.parametrize("how", ["ctrl-c", "hang-up"])
+def test_stopped_from_its_terminal_it_answers_the_requests_in_flight(how):
+    # Ctrl-C: the terminal sends SIGINT to its whole foreground group; the embedded
+    # Redis took it too and went at once, every request in flight with it. A closed
+    # terminal (SIGHUP): writing "stopping" to it failed (EIO) and the stop never ran,
+    # the children killed with their parent.
     port = free_port()
     argv = [TANDEM, "up", "--model", "random:tiny", "--port", str(port), "--api-key", "sk-t"]
     env = {**os.environ, "TANDEM_CPU_KERNELS": "0"}
     body = {"model": "random:tiny", "prompt": "hi", "max_tokens": 1500, "ignore_eos": True}
+    terminal, its_end = os.openpty()
     with subprocess.Popen(
-        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True
+        argv,
+        cwd=ROOT,
+        env=env,
+        stdin=its_end,
+        stdout=its_end,
+        stderr=its_end,
+        start_new_session=True,
+        # The terminal becomes its controlling one, as a shell's job has it.
+        preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
     ) as proc:
+        os.close(its_end)
         try:
-            for line in proc.stdout:
-                if line.startswith("Tandem is up"):
-                    break
+            said = b""
+            while b"Tandem is up" not in said:
+                said += os.read(terminal, 4096)
             url = f"http://127.0.0.1:{port}"
             with ThreadPoolExecutor(3) as pool, httpx.Client(timeout=90) as client:
                 post = partial(client.post, f"{url}/v1/completions", json=body)
                 auth = {"Authorization": "Bearer sk-t"}
                 replies = [pool.submit(post, headers=auth) for _ in range(2)]
                 time.sleep(1.0)  # admitted, generating
-                os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+                if how == "ctrl-c":
+                    os.write(terminal, b"\x03")  # the terminal signals its foreground group
+                else:
+                    os.close(terminal)  # the window closed: SIGHUP
                 answers = [reply.result() for reply in replies]
+            if how == "ctrl-c":
+                threading.Thread(target=_drain, args=(terminal,), daemon=True).start()
             assert proc.wait(timeout=60) == 0
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                os.close(terminal)
     for answer in answers:
         assert answer.status_code == 200, answer.text
         assert answer.json()["usage"]["completion_tokens"] == 1500
+
+
+def _drain(fd: int) -> None:
+    """Read a terminal until it closes: a full one would block its writer."""
+    with contextlib.suppress(OSError):
+        while os.read(fd, 4096):
+            pass
 
 
 def _manifest(**changes) -> dict:
@@ -291,6 +327,14 @@ def test_a_manifest_kubectl_would_refuse_is_one_clear_line(tmp_path, capsys, tex
     assert error.count("\n") == 1
 
 
+def test_a_manifest_that_is_not_text_is_named(tmp_path, capsys):
+    manifest = tmp_path / "m.yaml"
+    manifest.write_bytes(b"\xff\xfe" + yaml.safe_dump(DISAGGREGATED).encode("utf-16-le"))
+    assert cli.main(["up", "-f", str(manifest), "--port", str(free_port())]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"tandem: error: -f {manifest} is not UTF-8 text"), error
+
+
 def test_a_manifest_autoscaled_from_zero_names_a_model_that_is_not_there(tmp_path, capsys):
     spec = {**DISAGGREGATED["spec"], "model": {"path": str(tmp_path / "gone")}}
     spec["prefill"] = {"minReplicas": 0, "maxReplicas": 2}
@@ -315,3 +359,35 @@ def test_engines_slower_than_the_ready_timeout_name_the_flag(tmp_path, monkeypat
         Stack(config).start(say=lambda line: None)
     with pytest.raises(ValueError, match="--ready-timeout must be > 0"):
         UpConfig(ready_timeout=0)
+
+
+def test_an_ipv6_host_is_written_in_brackets(tmp_path):
+    assert Stack(UpConfig(host="::1", port=8123, log_dir=tmp_path)).url == "http://[::1]:8123"
+    assert Stack(UpConfig(port=8123, log_dir=tmp_path / "v4")).url == "http://127.0.0.1:8123"
+
+
+def test_a_gateway_that_exits_while_another_answers_its_port_is_named_at_once(
+    tmp_path, monkeypatch
+):
+    # Two tandem up started at once on one port both pass the port check; the loser's
+    # gateway exits ("in use") while the winner's answers its probes: it waited out
+    # --ready-timeout, then blamed the engines.
+    class Other(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/readyz" else 401)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
+    monkeypatch.setattr("tandem.up.check_port", lambda host, port: None)  # the race
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Other) as other:
+        threading.Thread(target=other.serve_forever, daemon=True).start()
+        port = other.server_address[1]
+        config = UpConfig(model="random:tiny", port=port, ready_timeout=100, log_dir=tmp_path)
+        started = time.monotonic()
+        with pytest.raises(StartError, match=r"gateway exited while starting: .*in use"):
+            Stack(config).start(say=lambda line: None)
+        other.shutdown()
+    assert time.monotonic() - started < 60

@@ -1,0 +1,37 @@
+"""The embedded Redis (tandem/redis_server.py) in the folders and ports it is given."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from tandem.redis_server import APPEND_ONLY_FILE, RedisServer
+
+
+def test_discarding_saved_data_removes_redis_files_and_nothing_else(tmp_path: Path) -> None:
+    # tandem up --log-dir DIR keeps its Redis in DIR/redis: a folder that may be the user's.
+    data = tmp_path / "redis"
+    (data / "appendonlydir").mkdir(parents=True)
+    (data / "appendonlydir" / "appendonly.aof.1.base.rdb").write_bytes(b"REDIS")
+    (data / APPEND_ONLY_FILE).write_bytes(b"*1\r\n")
+    (data / "temp-rewriteaof-42.aof").write_bytes(b"")
+    (data / "important.txt").write_text("mine")
+    RedisServer(data_dir=data).discard_saved_data()
+    assert [p.name for p in data.iterdir()] == ["important.txt"]
+    RedisServer(data_dir=tmp_path / "none").discard_saved_data()  # nothing there: no error
+
+
+def test_a_port_held_by_something_that_never_answers_fails_the_start_in_time(
+    tmp_path: Path,
+) -> None:
+    # Its port taken between a crash and the restart: the ping waited without end (or
+    # raised a TimeoutError through tandem up's supervisor).
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        server = RedisServer(port=silent.getsockname()[1], data_dir=tmp_path)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="redis-server"):
+            server.start(timeout=3)
+    assert time.monotonic() - started < 10
