@@ -111,11 +111,28 @@ def _tensor_info_at(raw: bytearray, name: str) -> int:
         (lambda raw: raw[: raw.index(b"t.ints") + 6] + struct.pack("<I", 99), "unknown metadata"),
         (lambda raw: raw[: len(raw) - 100], "tensor 'BF16' ends past the end of the file"),
         (
+            lambda raw: raw.replace(
+                struct.pack("<Q", 4) + b"Q8_0" + struct.pack("<IQQ", 2, 64, 4),
+                struct.pack("<Q", 4) + b"Q8_0" + struct.pack("<I", 0),
+            ),
+            "tensor 'Q8_0' has no dimensions",
+        ),
+        (
             lambda raw: raw.replace(struct.pack("<Q", 3) + b"f16", struct.pack("<Q", 3) + b"f32"),
             "tensor 'f32' appears twice",
         ),
     ],
-    ids=["cut", "huge-count", "magic", "version", "big-endian", "type", "tensor-cut", "twice"],
+    ids=[
+        "cut",
+        "huge-count",
+        "magic",
+        "version",
+        "big-endian",
+        "type",
+        "tensor-cut",
+        "no-dims",
+        "twice",
+    ],
 )
 def test_a_damaged_file_is_named(tmp_path: Path, edit, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -120,7 +120,9 @@ def _tensor(
         raise ValueError(f"tensor {name!r} has unknown type {kind}") from None
     block, block_bytes = GGML_QUANT_SIZES[tensor_type]
     elements = math.prod(dims)
-    if dims and dims[0] % block:
+    if not dims:
+        raise ValueError(f"tensor {name!r} has no dimensions")
+    if dims[0] % block:
         raise ValueError(f"tensor {name!r}: rows of {dims[0]} are not whole {block}-blocks")
     n_bytes = elements * block_bytes // block
     if offset + n_bytes > data.size:
