@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from tandem.protocol import check_key_prefix
+from tandem.redaction import check_redis_url
 
 # Reads of a response stream block at most this long: redis-py's socket timeout
 # is 5 s by default, and a short read lets a replica notice deadlines promptly.
@@ -74,6 +75,7 @@ class GatewaySettings:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if not self.redis_url:
             raise ValueError("redis_url must be set (e.g. redis://127.0.0.1:6379/0)")
+        check_redis_url(self.redis_url, "--redis-url")
         check_key_prefix(self.key_prefix, "key_prefix")
         if self.no_auth and self.api_keys_file:
             raise ValueError("--no-auth and --api-keys-file contradict each other: choose one")

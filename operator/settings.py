@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem import __version__
-from tandem.redaction import redacted
+from tandem.redaction import check_redis_url
 
 ENV_PREFIX = "TANDEM_OPERATOR_"
 DEFAULT_ENGINE_IMAGE = f"ghcr.io/tandem-serving/engine:{__version__}"
@@ -73,11 +73,7 @@ class OperatorSettings:
                 )
             if name in self.engine_image_pull_secrets[:i]:
                 raise ValueError(f"engine image pull secret {name!r} is given twice")
-        if not re.match(r"^(redis|rediss|unix)://", self.redis_url):
-            raise ValueError(
-                "redis URL must start with redis://, rediss:// or unix://: "
-                f"{redacted(self.redis_url)!r}"
-            )
+        check_redis_url(self.redis_url, "the operator's Redis URL (--redis-url)")
         for namespace in self.namespaces:
             if not _NAMESPACE.fullmatch(namespace) or len(namespace) > 63:
                 raise ValueError(f"not a namespace name: {namespace!r}")

@@ -11,7 +11,7 @@ import socket
 
 import redis
 
-from tandem.redaction import redacted
+from tandem.redaction import check_redis_url, redacted
 
 
 class StartError(RuntimeError):
@@ -38,9 +38,13 @@ def check_port(host: str, port: int, *, flag: str = "--port", who: str = "the ga
 def check_redis(url: str) -> None:
     """StartError unless the Redis at `url` (--redis-url) answers."""
     try:
+        check_redis_url(url, "--redis-url")
+    except ValueError as exc:
+        raise StartError(str(exc)) from None
+    try:
         with redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5) as client:
             client.ping()
-    except (redis.RedisError, ValueError) as exc:  # ValueError: not a Redis URL
+    except redis.RedisError as exc:
         raise StartError(
             f"cannot reach Redis at {redacted(url)} (--redis-url): {str(exc).rstrip('.')}; "
             "start it, "

@@ -10,10 +10,27 @@ from __future__ import annotations
 import re
 
 # scheme://user:password@ -> scheme://user:***@ (the user may be empty). The password
-# runs to the last @ before the host's path: a raw @ in it (p@ss) is all hidden.
-_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^/\s:@]*):[^\s/]*@")
+# runs to the URL's last @: a raw @, / or ? in it (p@ss, a base64 password) all hidden.
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^/\s:@]*):\S*@")
+
+REDIS_URL_FORMS = (
+    "redis://[[user]:password@]host[:port][/db], rediss://... or unix://path; "
+    "percent-encode any /, ?, # or @ in the password"
+)
 
 
 def redacted(text: str) -> str:
     """`text` with the password of every URL in it replaced by ***."""
     return _USERINFO.sub(r"\1:***@", text)
+
+
+def check_redis_url(url: str, where: str) -> None:
+    """ValueError unless redis-py reads `url`, naming `where` (a flag, a field) and never
+    the URL or redis-py's reason, which quotes pieces of it: a password holding a /
+    reads as host:port, its first half as the port ("cannot be cast ... as 'pw'")."""
+    from redis.connection import parse_url
+
+    try:
+        parse_url(url)
+    except ValueError:
+        raise ValueError(f"{where} is not a Redis URL: {REDIS_URL_FORMS}") from None

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tandem.redaction import redacted
+from tandem.redaction import check_redis_url, redacted
 
 
 @pytest.mark.parametrize(
@@ -17,7 +17,29 @@ from tandem.redaction import redacted
         ("redis://:p@ss@host:6379/0", "redis://:***@host:6379/0"),  # an @ in it, unquoted
         ("unix://:pw@/run/redis.sock", "unix://:***@/run/redis.sock"),
         ("two: redis://:a@x and redis://u:b@y", "two: redis://:***@x and redis://u:***@y"),
+        # A base64 password holds a /; others a ? or #, unencoded.
+        ("redis://:Xk9f/p7Lr@127.0.0.1:6379/0", "redis://:***@127.0.0.1:6379/0"),
+        ("at redis://:a?b#c@h/0 (x)", "at redis://:***@h/0 (x)"),
     ],
 )
 def test_a_urls_password_is_starred(text, shown):
     assert redacted(text) == shown
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://:Xk9f/p7Lr@127.0.0.1:6379/0", "redis://:a?b@h:1/0", "hunter2", "redis://h:x/0"]
+)
+def test_a_url_redis_cannot_read_is_refused_without_a_piece_of_it(url):
+    # redis-py's reason quotes a piece ("cannot be cast to integer value as 'Xk9f'").
+    with pytest.raises(ValueError) as refused:
+        check_redis_url(url, "--redis-url")
+    message = str(refused.value)
+    assert message.startswith("--redis-url is not a Redis URL: redis://[[user]:password@]")
+    assert "percent-encode" in message
+    for piece in ("Xk9f", "p7Lr", "hunter2", "'a'", "'x'"):
+        assert piece not in message
+
+
+def test_a_url_redis_reads_passes():
+    for url in ("redis://:p%2Fq@h:6379/0", "rediss://u:pw@h", "unix:///run/redis.sock"):
+        check_redis_url(url, "--redis-url")

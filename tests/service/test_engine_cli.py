@@ -45,7 +45,9 @@ def _engine(*flags: str) -> subprocess.CompletedProcess[str]:
         (["--engine-id", ""], "--engine-id must be non-empty without spaces, got ''"),
         (["--redis-wait", "-1"], "--redis-wait must be 0 or more seconds, got -1.0"),
         # Not echoed: a spec.redis.urlSecretRef may point at any Secret's value.
-        (["--redis-url", "hunter2"], "--redis-url is not a Redis URL: Redis URL must specify"),
+        (["--redis-url", "hunter2"], "--redis-url is not a Redis URL: redis://[[user]:pass"),
+        # redis-py's reason quoted the password's first half ("as 'Xk9f'").
+        (["--redis-url", "redis://:Xk9f/p7@h:6379/0"], "percent-encode any /, ?, # or @ in"),
         # The engine's settings, named by their flags (a ZeroDivisionError after the
         # model loaded, a traceback from every rank of a data-parallel group).
         (["--block-size", "0"], "--block-size must be at least 1, got 0"),

@@ -41,7 +41,7 @@ from tandem.engine.service.worker import EngineWorker
 from tandem.engine.step_vote import Vote
 from tandem.keys import Keys
 from tandem.protocol import Role
-from tandem.redaction import redacted
+from tandem.redaction import check_redis_url, redacted
 
 log = logging.getLogger("tandem.engine")
 
@@ -188,10 +188,9 @@ def wait_for_redis(url: str, wait_s: float) -> None:
 
     Checked before the model loads, so a wrong URL costs seconds, not a model load.
     """
-    try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
-    except ValueError as exc:  # not a Redis URL: not echoed, it may be any Secret's value
-        raise ValueError(f"--redis-url is not a Redis URL: {exc}") from None
+    # Neither the URL nor redis-py's reason is echoed: it may be any Secret's value.
+    check_redis_url(url, "--redis-url")
+    client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
     deadline = time.monotonic() + wait_s
     with client:
         while True:
