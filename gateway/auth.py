@@ -226,7 +226,16 @@ def _digest(key: str) -> bytes:
 
 def parse_env_keys(value: str) -> list[tuple[bytes, ApiKey]]:
     keys = [k.strip() for k in value.split(",") if k.strip()]
+    for i, key in enumerate(keys):
+        _check_sendable(f"TANDEM_API_KEYS: key #{i + 1}", key)
     return [(_digest(k), ApiKey(f"env-{i + 1}")) for i, k in enumerate(keys)]
+
+
+def _check_sendable(where: str, key: str) -> None:
+    # An HTTP header reaches the server as Latin-1 bytes: a key beyond ASCII loads, and
+    # its holder is refused whatever they send.
+    if not key.isascii() or not key.isprintable():
+        raise ValueError(f"{where}: a key must be printable ASCII (it travels in a header)")
 
 
 def parse_key_file(path: Path) -> list[tuple[bytes, ApiKey]]:
@@ -270,6 +279,7 @@ def _entry(path: Path, index: int, item: Any) -> tuple[bytes, ApiKey]:
     if "key" in item:
         if not isinstance(item["key"], str) or not item["key"].strip():
             raise ValueError(f"{where}: key must be a non-empty string")
+        _check_sendable(where, item["key"].strip())
         digest = _digest(item["key"].strip())
     else:
         hexed = item["key_sha256"]

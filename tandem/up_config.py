@@ -39,12 +39,15 @@ class UpConfig:
         if not self.ready_timeout > 0:
             raise ValueError(f"--ready-timeout must be > 0 seconds, got {self.ready_timeout}")
         if self.api_key is not None and (
-            not self.api_key or any(c == "," or c.isspace() for c in self.api_key)
+            not self.api_key
+            or not self.api_key.isascii()
+            or any(c == "," or not c.isprintable() or c.isspace() for c in self.api_key)
         ):
             # The gateway reads its keys as a comma-separated list; a client sends one
-            # token after "Bearer ".
+            # token after "Bearer ", in a header (ASCII).
             raise ValueError(
-                f"--api-key must be one key without commas or spaces, got {self.api_key!r}"
+                "--api-key must be one key of printable ASCII without commas or spaces, "
+                f"got {self.api_key!r}"
             )
 
     @property

@@ -71,6 +71,11 @@ def test_environment_keys_allow_every_model_and_combine_with_the_file(tmp_path):
     assert caught.value.status == 403 and caught.value.param == "model"
 
 
+def test_an_environment_key_beyond_ascii_is_refused_by_its_place():
+    with pytest.raises(ValueError, match="TANDEM_API_KEYS: key #2: a key must be printable"):
+        KeyStore.load(None, "sk-one,sk-clé")
+
+
 def test_open_access_lets_everyone_in_as_anonymous():
     store = KeyStore.open()
     assert store.authenticate(None) is ANONYMOUS and store.authenticate("Bearer x") is ANONYMOUS
@@ -94,6 +99,9 @@ def test_open_access_lets_everyone_in_as_anonymous():
         ([{"name": "a", "key": "x", "prefix_cache": "private"}], 'must be "shared" or "own"'),
         ([{"name": "a", "key": "x"}, {"name": "a", "key": "y"}], "used twice"),
         ([{"name": "a", "key": "x"}, {"name": "b", "key": "x"}], "listed twice"),
+        # A header arrives as Latin-1 bytes: such a key loaded, and nobody could use it.
+        ([{"name": "a", "key": "sk-clé"}], "a key must be printable ASCII"),
+        ([{"name": "a", "key": "sk-\x07bell"}], "a key must be printable ASCII"),
     ],
 )
 def test_a_bad_key_file_is_a_clear_error_at_start(tmp_path, entries, message):
