@@ -4,9 +4,12 @@ has. Real engine processes: a prompt engine and two decoders."""
 from __future__ import annotations
 
 import signal
+import time
 
 import redis
 from support.polling import eventually
+
+from tandem.protocol import ErrorCode
 
 # A model slow enough that the first request decodes for seconds.
 MEDIUM = ("--model", "random:medium", "--max-model-len", "2048", "--claim-idle-ms", "60000")
@@ -36,6 +39,24 @@ def test_a_draining_decoder_hands_its_parked_handoff_back_at_once(engines, clien
     second = engines("completion", *MEDIUM, "--num-kv-blocks", "256")
     assert eventually(lambda: second.metric("tandem_engine_requests_total") == 1, 30)
     assert first.process.poll() is None  # still draining its own request
+
+
+def test_a_parked_handoff_past_its_deadline_frees_the_prompt_engines_kv_at_once(engines, client):
+    # Ended while it waited for room, its offer stayed pinned on the prompt engine until
+    # it expired (here 120 s): held for nobody, and read by the autoscaler as work.
+    prompt = engines("prompt", *MEDIUM, "--num-kv-blocks", "256", "--handoff-ttl", "120")
+    decoder = engines("completion", *MEDIUM, "--num-kv-blocks", "128")
+    client.submit(prompt_token_ids=[5] * 549, sampling={"max_tokens": 1400, **SAMPLING})
+    assert eventually(lambda: decoder.metric("tandem_engine_kv_cache_usage") > 0, 30)
+    deadline = time.time() + 8  # the first decodes for longer: the second waits past it
+    parked = client.submit(
+        prompt_token_ids=[6] * 1500, sampling={"max_tokens": 8, **SAMPLING}, deadline=deadline
+    )
+    assert eventually(lambda: decoder.metric("tandem_engine_handoffs_parked") == 1, 30)
+    assert time.time() < deadline, "parked after its deadline: this tests nothing"
+    assert client.answer(parked, timeout=60).final.error_code == ErrorCode.DEADLINE_EXCEEDED
+    # The first request's offer was fetched and released long ago: none is left pinned.
+    assert eventually(lambda: prompt.metric("tandem_engine_kv_pinned_requests") == 0, 5)
 
 
 def _two_handoffs_waiting(engines, client, redis_url, keys) -> None:

@@ -277,14 +277,20 @@ class HandoffFlow:
     def fetching(self, request_id: str) -> bool:
         return request_id in self.fetches.in_flight
 
-    def drop(self, engine: Engine, request_id: str) -> None:
+    def drop(self, engine: Engine, request_id: str, *, ending: bool = False) -> None:
         """Forget a request's handoff (cancelled, or another engine owns it now): one
-        not yet published, its offer, or one waiting for room."""
+        not yet published, its offer, or one waiting for room. `ending`: the request
+        ends here (cancelled, past its deadline), so the prompt engine's offer of one
+        waiting for room is released now, not held for nobody until it expires;
+        another engine's request is left to it."""
         self._to_publish = [p for p in self._to_publish if p[0].kv_handle != request_id]
         self.withdraw(engine, request_id)
-        self._waiting_room = [
-            w for w in self._waiting_room if w.handoff.work["request_id"] != request_id
-        ]
+        room = self._waiting_room
+        waiting = [w for w in room if w.handoff.work["request_id"] == request_id]
+        self._waiting_room = [w for w in room if w.handoff.work["request_id"] != request_id]
+        if ending:
+            for parked in waiting:
+                self.release(parked.handoff)
         self._parked_since.pop(request_id, None)
 
     # ---------------------------------------------------------------- both

@@ -247,7 +247,7 @@ class EngineWorker(Intake):
             held.end_with = (code, message)  # its blocks are being written: wait
             return
         if self.handoffs is not None:
-            self.handoffs.drop(self.engine, rid)
+            self.handoffs.drop(self.engine, rid, ending=True)
         self.engine.abort(rid)
         self.replies.fail(held.delivery, held.work, code, message, offset=held.sent)
         self.held.pop(rid, None)
