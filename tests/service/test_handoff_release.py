@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from support.polling import eventually
+from support.response_reader import ResponseReader
 
 from tandem.protocol import ErrorCode
 
@@ -49,7 +50,12 @@ def test_a_handoff_whose_deadline_passed_in_the_queue_frees_the_prompt_engines_k
     assert eventually(lambda: _pinned(prompt) == 1, 30)
     time.sleep(1.6)  # the deadline passes while the handoff waits for a decoder
     engines("completion")
-    assert client.answer(rid, timeout=60).final.error_code == ErrorCode.DEADLINE_EXCEEDED
+    answer = client.answer(rid, timeout=60)
+    assert answer.final.error_code == ErrorCode.DEADLINE_EXCEEDED
+    # Its offset, as written, counts the prompt engine's first token sent before it (it
+    # said 0, which readers without the gateway's deduplicator took at its word).
+    written = [event for _, event in ResponseReader(client.redis, client.keys).read(rid, "0")]
+    assert [e.offset for e in written] == [0, 1] and len(answer.token_ids) == 1
     assert eventually(lambda: _pinned(prompt) == 0, 10)
     assert prompt.metric("tandem_engine_kv_cache_usage") == 0
 

@@ -137,11 +137,6 @@ class Intake:
         if delivery.exhausted:
             self.replies.refuse(delivery, work, redelivered(rid, delivery.times_delivered))
             return
-        if self.io.is_cancelled(rid):  # cancelled while queued: it ends here, said so
-            # (a gateway whose read missed the cancel reads on until a final event)
-            sent = len(message.first_token_ids) if isinstance(message, Handoff) else 0
-            self.replies.fail(delivery, work, ErrorCode.CANCELLED, CANCELLED, offset=sent)
-            return
         # Every delivery, not only reclaimed ones: a gateway may retry a request id.
         try:
             history = self.io.responses.history(rid)
@@ -151,10 +146,17 @@ class Intake:
         if history.final is not None:  # it already ended: never run it twice
             self._to_ack.append(delivery)
             return
+        # An ending's offset counts the tokens its stream already holds: a prompt
+        # engine's first token, an earlier engine's before a takeover.
+        first = message.first_token_ids if isinstance(message, Handoff) else []
+        sent_before = max(len(history.token_ids), len(first))
+        if self.io.is_cancelled(rid):  # cancelled while queued: it ends here, said so
+            # (a gateway whose read missed the cancel reads on until a final event)
+            self.replies.fail(delivery, work, ErrorCode.CANCELLED, CANCELLED, offset=sent_before)
+            return
         if work.deadline is not None and time.time() > work.deadline:
-            self.replies.fail(
-                delivery, work, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed in queue"
-            )
+            why = "the deadline passed in queue"
+            self.replies.fail(delivery, work, ErrorCode.DEADLINE_EXCEEDED, why, offset=sent_before)
             return
         sent = list(history.token_ids)
         try:
@@ -162,8 +164,7 @@ class Intake:
             if isinstance(message, Handoff):
                 flow, engine = self.handoffs, self.engine
                 cached = flow.take(engine, message, work, params, history, self.metrics)
-                sent_tokens = max(len(sent), len(message.first_token_ids))
-                self.held[rid] = Held(delivery, work, sent=sent_tokens, cached_tokens=cached)
+                self.held[rid] = Held(delivery, work, sent=sent_before, cached_tokens=cached)
                 return
             self._add(work, params, sent, history.text)
         except (ValueError, TypeError) as exc:  # the engine's refusals
