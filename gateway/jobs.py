@@ -38,6 +38,11 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # English runs ~4 characters a token. Bytes, not characters: CJK text runs about a
 # token a character (3 bytes) and emoji more, where characters / 4 counted a quarter.
 _BYTES_PER_TOKEN = 4
+# What a chat template adds around each message (ChatML's <|im_start|>role\n ...
+# <|im_end|>\n, Llama 3's headers: 5 to 7 tokens), so that many short messages cost what
+# they run: 200 empty ones were estimated at 1 token and prefilled ~1,400, a client that
+# left after the first token keeping the estimate's charge.
+_TOKENS_PER_MESSAGE = 8
 # Chat parameters Tandem does not implement, in the schema's order (the first bad
 # one is named): the values besides null that ask for nothing (OpenAI's defaults,
 # which clients send), and what any other value is refused as.
@@ -175,8 +180,9 @@ class JobBuilder:
         max_tokens = body.max_completion_tokens or body.max_tokens
         messages = [engine_message(i, m) for i, m in enumerate(body.messages)]
         size = sum(_utf8_size(m["content"]) for m in messages)
+        estimate = _estimate(size) + _TOKENS_PER_MESSAGE * len(messages)
         prompt = {"messages": messages}
-        return self._job("chat", body, headers, caller, prompt, _estimate(size), max_tokens)
+        return self._job("chat", body, headers, caller, prompt, estimate, max_tokens)
 
     def completion(
         self, body: CompletionRequest, headers: Mapping[str, str], caller: ApiKey

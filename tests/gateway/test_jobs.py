@@ -34,9 +34,17 @@ def test_a_chat_request_becomes_one_work_item_with_its_sampling():
         "presence_penalty": -0.5, "frequency_penalty": 1.25,
     }  # fmt: skip
     assert item.priority == PRIORITY_NORMAL and item.request_id == job.base_id
-    assert item.estimated_prompt_tokens == 2  # 8 characters / 4
+    assert item.estimated_prompt_tokens == 2 + 8  # 8 characters / 4, and its template
     assert item.deadline == pytest.approx(time.time() + 60, abs=1)
-    assert job.cost_tokens == 2 + 5
+    assert job.cost_tokens == 10 + 5
+
+
+def test_each_chat_message_costs_its_template_tokens_too():
+    # 200 empty messages were estimated at 1 token and ran ~1,400: a client leaving after
+    # the first token kept the estimate's charge, its tpm quota exceeded hundreds of times.
+    empty = [{"role": "user", "content": ""}] * 200
+    [item] = _chat(messages=empty, max_tokens=1).items
+    assert item.estimated_prompt_tokens >= 1400
 
 
 def test_top_p_0_is_the_likeliest_token_alone():
@@ -70,7 +78,7 @@ def test_n_choices_get_distinct_reproducible_seeds_the_first_keeps_its_own():
     assert seeds[0] == 42 and len(set(seeds)) == 3
     assert seeds == [derive_seed(42, i) for i in range(3)]
     assert [item.request_id for item in job.items] == [f"{job.base_id}-{i}" for i in range(3)]
-    assert job.cost_tokens == 3 * (2 + 4)
+    assert job.cost_tokens == 3 * (10 + 4)
     unseeded = _chat(n=2)
     assert all("seed" not in item.sampling for item in unseeded.items)
 
