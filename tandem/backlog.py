@@ -109,8 +109,8 @@ def queue_depth(client: redis.Redis, keys: Keys, model: str) -> QueueState:
 
 def queue_depth_commands(pipe: Any, keys: Keys, model: str) -> None:
     """Queue queue_depth's commands on a pipeline (sync or asyncio: the gateway's too)."""
-    streams = [*keys.work_streams(model), keys.handoff_stream(model)]
-    groups = [WORK_GROUP] * len(PRIORITIES) + [HANDOFF_GROUP]
+    streams = [*keys.work_streams(model), *keys.handoff_streams(model)]
+    groups = [WORK_GROUP] * len(PRIORITIES) + [HANDOFF_GROUP] * len(PRIORITIES)
     for stream, group in zip(streams, groups, strict=True):
         pipe.xlen(stream)
         pipe.xpending(stream, group)
@@ -133,10 +133,11 @@ def queue_state(results: list[Any]) -> QueueState:
     tokens = results[-1]
     if isinstance(tokens, Exception):
         raise tokens
+    levels = len(PRIORITIES)  # the work streams, then the handoff streams
     return QueueState(
-        waiting=dict(zip(PRIORITIES, waiting[:-1], strict=True)),
-        pending=sum(pending[:-1]),
+        waiting=dict(zip(PRIORITIES, waiting[:levels], strict=True)),
+        pending=sum(pending[:levels]),
         queued_tokens=max(0, int(tokens or 0)),
-        handoff_waiting=waiting[-1],
-        handoff_pending=pending[-1],
+        handoff_waiting=sum(waiting[levels:]),
+        handoff_pending=sum(pending[levels:]),
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.protocol import PRIORITIES
+from tandem.protocol import PRIORITIES, PRIORITY_NORMAL
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,19 @@ class Keys:
         """All work streams of a model, highest priority first."""
         return [self.work_stream(model, p) for p in PRIORITIES]
 
-    def handoff_stream(self, model: str) -> str:
-        return f"{self.prefix}:{{{model}}}:handoff"
+    def handoff_stream(self, model: str, priority: int = PRIORITY_NORMAL) -> str:
+        """Where a prompt engine offers the model's prefilled requests of `priority`.
+        Normal's keeps the name of the one stream earlier versions had: through a
+        rolling upgrade, one version's prompt engines publish where the other's
+        decoders read."""
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")
+        level = "" if priority == PRIORITY_NORMAL else f":p{priority}"
+        return f"{self.prefix}:{{{model}}}:handoff{level}"
+
+    def handoff_streams(self, model: str) -> list[str]:
+        """All handoff streams of a model, highest priority first."""
+        return [self.handoff_stream(model, p) for p in PRIORITIES]
 
     def handoff_published(self, model: str, request_id: str) -> str:
         """The work entry id whose Handoff was published (work_queue's publish_handoff)."""

@@ -12,7 +12,7 @@ does not know instead of misreading it.
 Request path (docs/protocol.md has the whole story):
 
     gateway  --XADD WorkItem-->      work stream {model} per priority   (group "engines")
-    PROMPT   --XADD Handoff-->       handoff stream {model}             (group "decoders")
+    PROMPT   --XADD Handoff-->       handoff stream {model} per priority (group "decoders")
     engines  --XADD ResponseEvent--> response stream per request        (gateway XREADs)
     gateway  --SET + PUBLISH-->      cancel key and channel
     engines  --SET (TTL)-->          registry entry per engine          (heartbeat)

@@ -20,7 +20,7 @@ class QueueState:
     pending: int
     # Prompt tokens of the waiting entries, as their producers estimated them.
     queued_tokens: int
-    # The same two counts for the handoff stream (prefilled, waiting for a decoder).
+    # The same two counts for the handoff streams (prefilled, waiting for a decoder).
     handoff_waiting: int
     handoff_pending: int
 

@@ -243,6 +243,27 @@ def test_handoffs_go_to_completion_engines(redis_client, keys, queue):
     assert queue_depth(redis_client, keys, MODEL).handoff_pending == 0
 
 
+def test_handoffs_keep_their_priority_and_the_backlog_counts_them_all(
+    redis_client, keys, queue
+):
+    prompt = queue("p1", role=Role.PROMPT)
+    completion = queue("c1", role=Role.COMPLETION)
+    for rid, priority in (("low", PRIORITY_LOW), ("normal", PRIORITY_NORMAL)):
+        enqueue(redis_client, keys, item(rid, priority))
+        (source,) = prompt.pull(1).work
+        work = dataclasses.asdict(item(rid, priority))
+        assert prompt.publish_handoff(dataclasses.replace(handoff(rid), work=work), source)
+    enqueue(redis_client, keys, item("high", PRIORITY_HIGH))
+    (source,) = prompt.pull(1).work
+    work = dataclasses.asdict(item("high", PRIORITY_HIGH))
+    assert prompt.publish_handoff(dataclasses.replace(handoff("high"), work=work), source)
+    assert queue_depth(redis_client, keys, MODEL).handoff_waiting == 3
+    taken = completion.pull(3).work
+    assert [d.request_id for d in taken] == ["high", "normal", "low"]
+    assert taken[0].stream == keys.handoff_stream(MODEL, PRIORITY_HIGH)
+    assert queue_depth(redis_client, keys, MODEL).handoff_pending == 3
+
+
 def test_a_handoff_is_published_once_and_only_by_the_entrys_holder(redis_client, keys, queue):
     stalled, thief = queue("p1", role=Role.PROMPT), queue("p2", role=Role.PROMPT)
     source = prefilled(redis_client, keys, stalled, "r1")

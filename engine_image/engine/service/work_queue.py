@@ -2,7 +2,8 @@
 
 NORMAL and PROMPT engines take WorkItems from the model's work streams (one per
 priority, group WORK_GROUP); COMPLETION engines take Handoffs from the handoff
-stream (group HANDOFF_GROUP). One `pull` is one Lua script, so one round trip:
+streams (one per priority too, group HANDOFF_GROUP). One `pull` is one Lua script,
+so one round trip:
 
 1. reclaim entries that stayed pending longer than `claim_idle_ms` (their engine
    died), highest priority first, counting each delivery;
@@ -45,6 +46,8 @@ from tandem.engine.service.work_queue_lua import (
 from tandem.keys import Keys
 from tandem.protocol import (
     HANDOFF_GROUP,
+    PRIORITIES,
+    PRIORITY_NORMAL,
     RESPONSE_TTL_SECONDS,
     WORK_GROUP,
     Handoff,
@@ -155,7 +158,7 @@ class WorkQueue:
         self.max_deliveries = max_deliveries
         if self.role is Role.COMPLETION:
             self.group = HANDOFF_GROUP
-            self.streams = [keys.handoff_stream(model)]
+            self.streams = keys.handoff_streams(model)
             self._counter: str | None = None
         else:
             self.group = WORK_GROUP
@@ -361,9 +364,13 @@ class WorkQueue:
         work entry `source` it came from, in one step (PUBLISH_HANDOFF_LUA). True once
         published by this engine (now, or by a try whose reply was lost); False when
         another engine has the request (it took the entry over, or handed it off)."""
+        # At its request's priority: decoders take higher ones first, as engines do work.
+        priority = handoff.work.get("priority", PRIORITY_NORMAL)
         keys = [
             source.stream,
-            self.keys.handoff_stream(self.model),
+            self.keys.handoff_stream(
+                self.model, priority if priority in PRIORITIES else PRIORITY_NORMAL
+            ),
             self.keys.handoff_published(self.model, source.request_id),
         ]
         fields = [x for pair in handoff.to_fields().items() for x in pair]

@@ -122,7 +122,7 @@ return n
 # nor can a retry after a lost reply publish it twice (the marker says it was), nor an
 # engine that stalled publish an entry another engine took over meanwhile. An entry
 # Redis lost (restarted without its data) is published: nobody else holds it.
-# KEYS: the work stream, the handoff stream, the request's published marker.
+# KEYS: the work stream, the handoff stream of its priority, the request's published marker.
 # ARGV: group, consumer, work entry id, marker TTL in seconds, the handoff's fields.
 # Returns 1 when published, 2 when this consumer had published it already (a retry:
 # its KV stays offered), 0 when another engine has the request.
