@@ -243,9 +243,7 @@ def test_handoffs_go_to_completion_engines(redis_client, keys, queue):
     assert queue_depth(redis_client, keys, MODEL).handoff_pending == 0
 
 
-def test_handoffs_keep_their_priority_and_the_backlog_counts_them_all(
-    redis_client, keys, queue
-):
+def test_handoffs_keep_their_priority_and_the_backlog_counts_them_all(redis_client, keys, queue):
     prompt = queue("p1", role=Role.PROMPT)
     completion = queue("c1", role=Role.COMPLETION)
     for rid, priority in (("low", PRIORITY_LOW), ("normal", PRIORITY_NORMAL)):
