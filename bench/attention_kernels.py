@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from counts import count  # bench/ is on sys.path when run as a script
 
 from tandem.engine.model import cpu_kernels
 from tandem.engine.model.attention import paged_attention
@@ -181,7 +182,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--prefill", type=int, default=1024)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=count, default=7)
     parser.add_argument("--only", choices=("decode", "prefill"), help="run one kind of case")
     parser.add_argument("--sharpness", type=float, default=1.0, help="queries times this")
     args = parser.parse_args()

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
+from counts import count  # bench/ is on sys.path when run as a script
 from roofline import (  # bench/ is on sys.path when run as a script
     CudaProbe,
     MachineProbe,
@@ -251,7 +252,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="fewer tokens, for a smoke run")
-    parser.add_argument("--rounds", type=int, default=3, help="best of, for each measure")
+    parser.add_argument("--rounds", type=count, default=3, help="best of, for each measure")
     parser.add_argument(
         "--enforce-eager", action="store_true", help="on CUDA: decode steps without CUDA graphs"
     )

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 import xxhash
+from counts import count  # bench/ is on sys.path when run as a script
 
 from tandem.engine.service.kv_tcp import KVServer, fetch_kv
 from tandem.engine.service.kv_transfer import KVLayout, PinnedKV
@@ -173,7 +174,7 @@ def checksum_speeds(rounds: int = 40) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=count, default=7)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
     args = parser.parse_args()
     torch.manual_seed(0)

@@ -27,6 +27,7 @@ import statistics
 import time
 
 import torch
+from counts import count  # bench/ is on sys.path when run as a script
 
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.model.loader import load_model
@@ -78,7 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=count, default=4)
     parser.add_argument("--quick", action="store_true", help="fewer steps and sizes (tests)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -15,6 +15,8 @@ import gc
 import statistics
 import time
 
+from counts import count  # bench/ is on sys.path when run as a script
+
 from tandem.engine.config import EngineConfig
 from tandem.engine.plan import StepPlan, StepResult
 from tandem.engine.request import Request, SamplingParams
@@ -99,7 +101,7 @@ def mixed_prefill_case(rounds: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=count, default=400)
     args = parser.parse_args()
     gc.collect()
     rows = [

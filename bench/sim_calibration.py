@@ -22,6 +22,7 @@ import statistics
 import time
 
 import torch
+from counts import count  # bench/ is on sys.path when run as a script
 from roofline import measure_machine  # bench/ is on sys.path when run as a script
 
 from tandem.engine.config import EngineConfig
@@ -77,7 +78,7 @@ def decode_seconds(engine: Engine, batch: int, context: int, steps: int = 5) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--rounds", type=count, default=9)
     # One thread: on a shared machine a second thread waits for a busy core at every op.
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--verbose", action="store_true", help="print every round's times")

@@ -166,8 +166,8 @@ def _flag(name: str) -> str:
 def _load(args: argparse.Namespace) -> tuple[RunLimits, Iterator[TraceRequest]]:
     if args.num_requests is not None and args.num_requests < 1:
         raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
-    if args.duration is not None and not args.duration > 0:
-        raise ValueError(f"--duration must be > 0 s, got {args.duration}")
+    if args.duration is not None and not 0 < args.duration < math.inf:
+        raise ValueError(f"--duration must be a finite number > 0 s, got {args.duration}")
     if args.concurrency < 0:
         raise ValueError(f"--concurrency must be >= 0 (0: no cap), got {args.concurrency}")
     if not args.timeout > 0:

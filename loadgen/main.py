@@ -116,6 +116,10 @@ async def _bench(
     return result, target
 
 
+# What ends an endpoint's URL, never an API's base.
+_ENDPOINTS = ("/completions", "/chat", "/models")
+
+
 async def _model(client: httpx.AsyncClient, target: Target) -> str:
     """The model to send: --model, else the only one /models lists.
 
@@ -127,6 +131,12 @@ async def _model(client: httpx.AsyncClient, target: Target) -> str:
         response = await client.get(url)
     except httpx.HTTPError as exc:
         raise ValueError(f"cannot reach {url}: {_reason(exc)}") from None
+    if response.status_code == 404 and target.base_url.endswith(_ENDPOINTS):
+        # The whole endpoint pasted (.../v1/completions): every request would be a 404.
+        raise ValueError(
+            f"{url} answered 404: --url is the API's base, ending in /v1 "
+            f"(e.g. http://host:8000/v1), not {target.base_url}"
+        )
     if response.status_code in (401, 403):  # every request would be refused alike
         raise ValueError(
             f"{url} answered {response.status_code}: the server refuses the API key; "

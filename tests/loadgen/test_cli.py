@@ -17,7 +17,9 @@ from tandem.loadgen import main
         (["--rate", "0"], "--rate must be > 0"),
         (["--burstiness", "-1", "--rate", "5"], "--burstiness must be"),
         (["--num-requests", "0"], "--num-requests must be >= 1"),
-        (["--duration", "-3"], "--duration must be > 0"),
+        (["--duration", "-3"], "--duration must be a finite number > 0"),
+        # It was taken, and the run never ended.
+        (["--duration", "inf", "--rate", "1"], "--duration must be a finite number > 0"),
         (["--concurrency", "-1"], "--concurrency must be >= 0"),
         (["--timeout", "0"], "--timeout must be > 0"),
         (["--replica-poll-s", "0"], "--replica-poll-s must be > 0"),
@@ -116,6 +118,26 @@ def test_a_refused_api_key_stops_the_bench_naming_the_flag(model, capsys):
         f"tandem: error: {url}/models answered 401: the server refuses the API key; "
         "check --api-key (or $TANDEM_API_KEY / $OPENAI_API_KEY)\n"
     )
+
+
+@pytest.mark.parametrize("model", [[], ["--model", "m"]])
+def test_an_endpoint_given_as_the_url_is_named_before_the_run(model, capsys):
+    # It said "give --model"; given one, every request of the run was a 404.
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1/completions"
+        assert cli.main(["bench", "--url", url, *model, "-n", "3", "-q"]) == 2
+        server.shutdown()
+    err = capsys.readouterr().err
+    assert "--url is the API's base, ending in /v1" in err and err.count("\n") == 1
 
 
 def test_a_model_the_server_does_not_list_is_warned_of_first(capsys):
