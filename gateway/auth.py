@@ -37,7 +37,8 @@ ENV_VAR = "TANDEM_API_KEYS"
 RELOAD_EVERY_S = 5.0
 _NAME = re.compile(r"^[A-Za-z0-9_.@:-]{1,64}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_FIELDS = {"key", "key_sha256", "name", "models", "rpm", "tpm", "prefix_cache"}
+_FIELDS = {"key", "key_sha256", "name", "models", "rpm", "tpm", "prefix_cache", "max_priority"}
+_PRIORITY_NAMES = ("high", "normal", "low")
 _PREFIX_CACHES = ("shared", "own")
 
 
@@ -54,6 +55,9 @@ class ApiKey:
     # Its prompts share the engines' prefix cache only among themselves (prefix_cache:
     # own): no other caller can tell from cached_tokens or speed what it sent.
     own_prefix_cache: bool = False
+    # The highest priority its requests may ask for (max_priority: a tenant's requests
+    # otherwise jump every other's queue); None: any.
+    max_priority: str | None = None
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -292,6 +296,7 @@ def _entry(path: Path, index: int, item: Any) -> tuple[bytes, ApiKey]:
         _limit(where, "rpm", item.get("rpm")),
         _limit(where, "tpm", item.get("tpm")),
         _prefix_cache(where, item.get("prefix_cache", "shared")),
+        _max_priority(where, item.get("max_priority")),
     )
 
 
@@ -312,6 +317,14 @@ def _prefix_cache(where: str, value: Any) -> bool:
     if value not in _PREFIX_CACHES:
         raise ValueError(f'{where}: prefix_cache must be "shared" or "own", got {value!r}')
     return value == "own"
+
+
+def _max_priority(where: str, value: Any) -> str | None:
+    if value is None or value == "high":
+        return None
+    if value not in _PRIORITY_NAMES:
+        raise ValueError(f"{where}: max_priority must be high, normal or low, got {value!r}")
+    return value
 
 
 def _limit(where: str, name: str, value: Any) -> int | None:

@@ -76,14 +76,9 @@ def unauthorized(message: str, code: str) -> GatewayError:
     return GatewayError(401, message, type="authentication_error", code=code, reason="auth")
 
 
-def forbidden(message: str) -> GatewayError:
+def forbidden(message: str, code: str = "model_not_allowed", param: str = "model") -> GatewayError:
     return GatewayError(
-        403,
-        message,
-        type="permission_error",
-        param="model",
-        code="model_not_allowed",
-        reason="forbidden",
+        403, message, type="permission_error", param=param, code=code, reason="forbidden"
     )
 
 

@@ -22,7 +22,7 @@ from pydantic_core import PydanticSerializationError
 from starlette.datastructures import Headers
 
 from tandem.gateway.auth import ApiKey
-from tandem.gateway.errors import bad_request, not_supported
+from tandem.gateway.errors import bad_request, forbidden, not_supported
 from tandem.gateway.messages import engine_message, valid_text
 from tandem.gateway.sampling import sampling_fields, with_seed
 from tandem.gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -231,6 +231,12 @@ class JobBuilder:
         max_tokens = max_tokens or default_max_tokens or self.settings.default_max_tokens
         sampling = sampling_fields(body, max_tokens)
         priority = _priority(body.priority, headers.get(PRIORITY_HEADER))
+        if caller.max_priority is not None and priority > _PRIORITIES[caller.max_priority]:
+            raise forbidden(
+                f"API key {caller.name!r} may ask for priority {caller.max_priority} at most",
+                "priority_not_allowed",
+                "priority",
+            )
         timeout = _timeout(self.settings.request_timeout, headers.get(TIMEOUT_HEADER))
         salt = cache_salt(caller, body.cache_salt)
         base_id = uuid.uuid4().hex

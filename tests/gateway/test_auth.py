@@ -22,10 +22,12 @@ def test_json_and_yaml_files_give_the_same_keys(tmp_path):
     entries = [
         {"key": "sk-plain", "name": "alice", "models": ["tiny"], "rpm": 10, "tpm": 1000},
         {"key_sha256": digest, "name": "bob", "models": "*", "prefix_cache": "own"},
+        {"key": "sk-low", "name": "carol", "max_priority": "low"},
     ]
     yaml_text = (
         "- key: sk-plain\n  name: alice\n  models: [tiny]\n  rpm: 10\n  tpm: 1000\n"
         f"- key_sha256: {digest}\n  name: bob\n  models: '*'\n  prefix_cache: own\n"
+        "- key: sk-low\n  name: carol\n  max_priority: low\n"
     )
     for store in (_store(tmp_path, json.dumps(entries)), _store(tmp_path, yaml_text, "k.yaml")):
         alice = store.authenticate("Bearer sk-plain")
@@ -34,6 +36,8 @@ def test_json_and_yaml_files_give_the_same_keys(tmp_path):
         assert bob.name == "bob" and bob.models is None and bob.rpm is None
         assert bob.own_prefix_cache and not alice.own_prefix_cache  # shared by default
         assert alice.allows("tiny") and not alice.allows("big") and bob.allows("big")
+        assert store.authenticate("Bearer sk-low").max_priority == "low"
+        assert alice.max_priority is None  # any
 
 
 def test_the_store_keeps_no_plain_key(tmp_path):
@@ -99,6 +103,7 @@ def test_open_access_lets_everyone_in_as_anonymous():
         ([{"name": "a", "key": "x", "prefix_cache": "private"}], 'must be "shared" or "own"'),
         ([{"name": "a", "key": "x"}, {"name": "a", "key": "y"}], "used twice"),
         ([{"name": "a", "key": "x"}, {"name": "b", "key": "x"}], "listed twice"),
+        ([{"name": "a", "key": "x", "max_priority": "urgent"}], "max_priority must be high"),
         # A header arrives as Latin-1 bytes: such a key loaded, and nobody could use it.
         ([{"name": "a", "key": "sk-clé"}], "a key must be printable ASCII"),
         ([{"name": "a", "key": "sk-\x07bell"}], "a key must be printable ASCII"),

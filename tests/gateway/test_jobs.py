@@ -111,6 +111,30 @@ def test_priority_from_the_field_or_the_header():
     assert caught.value.param == "X-Tandem-Priority"
 
 
+def test_a_key_asks_for_no_priority_above_its_max_priority():
+    # Any key could ask for high, and engines take high first: one tenant jumped the queue.
+    team = ApiKey("team", max_priority="normal")
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "priority": "high"}
+    )
+    with pytest.raises(GatewayError) as caught:
+        BUILDER.chat(body, {}, team)
+    refused = caught.value
+    assert (refused.status, refused.code, refused.param) == (
+        403,
+        "priority_not_allowed",
+        "priority",
+    )
+    assert "'team' may ask for priority normal at most" in refused.message
+    with pytest.raises(GatewayError):
+        BUILDER.chat(
+            body.model_copy(update={"priority": None}), {"x-tandem-priority": "high"}, team
+        )
+    for allowed in ("normal", "low"):
+        item = BUILDER.chat(body.model_copy(update={"priority": allowed}), {}, team).items[0]
+        assert item.priority == (PRIORITY_NORMAL if allowed == "normal" else PRIORITY_LOW)
+
+
 def test_an_empty_list_of_content_parts_is_refused():
     with pytest.raises(GatewayError) as caught:
         _chat(messages=[{"role": "user", "content": []}])
