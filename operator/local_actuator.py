@@ -14,7 +14,6 @@ import logging
 import re
 import secrets
 import signal
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ import redis
 
 from tandem import catalog
 from tandem.backlog import queue_depth
-from tandem.child import Child, engine_threads
+from tandem.child import Child, engine_child, engine_threads
 from tandem.keys import Keys
 from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide_all
 from tandem.operator.engine_flags import engine_arguments, engine_flags
@@ -180,20 +179,13 @@ class LocalActuator:
         most = sum(r.max_replicas * r.data_parallel_size for r in self.roles.values())
         if (share := engine_threads(most)) is not None:
             flags["threads"] = str(min(share, int(flags.get("threads", share))))
-        argv = [
-            sys.executable, "-m", "tandem.cli", "engine",
-            *engine_arguments(flags),
-            *self.extra_engine_args,
-        ]  # fmt: skip
-        child = Child(
+        child = engine_child(
             f"{role}-{self._serial}",
-            argv,
+            [*engine_arguments(flags), *self.extra_engine_args],
+            port,
             self.log_dir / f"engine-{role}-{self._serial}.log",
-            f"http://127.0.0.1:{port}/readyz",
-            restartable=True,
-            env={"TANDEM_REDIS_URL": self.redis_url},
-            stop_stage=1 if role is RoleName.DECODE else 0,
-            live_url=f"http://127.0.0.1:{port}/healthz",
+            self.redis_url,
+            decodes=role is RoleName.DECODE,
         )
         child.start()
         engine = EngineProcess(role, child, port, ranks=ranks)

@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterable
@@ -202,6 +203,26 @@ class Child:
             if found := _REASON.match(line):
                 return found.group(1) or found.group(2)
         return lines[-1] if lines else "its log is empty"
+
+
+def engine_child(
+    name: str, flags: list[str], port: int, log_path: Path, redis_url: str, *, decodes: bool
+) -> Child:
+    """A local `tandem engine` with these flags (its --port `port` among them), as
+    `tandem up` runs one: restarted when it dies or hangs, its Redis URL in its
+    environment (on its command line, ps would show a password to every user of the
+    machine), stopped after the others when it `decodes` (prompt engines wait until
+    decoders fetched their KV)."""
+    return Child(
+        name,
+        [sys.executable, "-m", "tandem.cli", "engine", *flags],
+        log_path,
+        f"http://127.0.0.1:{port}/readyz",
+        restartable=True,
+        env={"TANDEM_REDIS_URL": redis_url},
+        stop_stage=1 if decodes else 0,
+        live_url=f"http://127.0.0.1:{port}/healthz",
+    )
 
 
 def drain_in_order(children: Iterable[Child], deadline: float) -> None:

@@ -26,7 +26,7 @@ import redis
 
 from tandem import catalog
 from tandem.backlog import queue_depth
-from tandem.child import Child, drain_in_order, engine_threads, local_get
+from tandem.child import Child, drain_in_order, engine_child, engine_threads, local_get
 from tandem.keys import Keys
 from tandem.preflight import StartError, check_model, check_port, check_redis
 from tandem.redis_server import RedisServer, free_port
@@ -166,8 +166,7 @@ class Stack:
 
     def _engine(self, role: str, threads: int | None) -> Child:
         port = free_port()
-        argv = [
-            sys.executable, "-m", "tandem.cli", "engine",
+        flags = [
             "--role", role,
             "--model", self.config.model,
             "--served-model-name", self.config.name,
@@ -178,15 +177,10 @@ class Stack:
             *(["--threads", str(threads)] if threads is not None else []),
             *self.config.engine_args,
         ]  # fmt: skip
-        return Child(
-            f"{role} engine",
-            argv,
-            self.log_dir / f"engine-{role}.log",
-            f"http://127.0.0.1:{port}/readyz",
-            restartable=True,
-            stop_stage=1 if role == "completion" else 0,
-            live_url=f"http://127.0.0.1:{port}/healthz",
-            env=self._redis_env(),
+        log_path = self.log_dir / f"engine-{role}.log"
+        decodes = role == "completion"
+        return engine_child(
+            f"{role} engine", flags, port, log_path, self.redis_url, decodes=decodes
         )
 
     def _gateway(self) -> Child:
@@ -204,14 +198,10 @@ class Stack:
             self.log_dir / "gateway.log",
             f"{self.url}/readyz",
             restartable=True,
-            env={"TANDEM_API_KEYS": self.api_key, **self._redis_env()},
+            # The Redis URL in its environment, as an engine's (engine_child).
+            env={"TANDEM_API_KEYS": self.api_key, "TANDEM_REDIS_URL": self.redis_url},
             live_url=f"{self.url}/healthz",
         )
-
-    def _redis_env(self) -> dict[str, str]:
-        """The Redis URL for a child, in its environment: on its command line (ps) a
-        password would show to every user of the machine."""
-        return {"TANDEM_REDIS_URL": self.redis_url}
 
     def _wait_ready(self, say, children: list[Child]) -> None:
         deadline = time.monotonic() + self.config.ready_timeout

@@ -79,13 +79,7 @@ def test_speculation_stops_where_a_stop_string_completes(llm):
         stop = start.text[-at - 2 : -at]
         with_stop = SamplingParams(**{**vars_of(params), "stop": (stop,)})
         before = drafted.engine.totals.drafts_accepted
-        ours = drafted.generate(prompt_token_ids=[prompt], sampling_params=with_stop)[0]
-        plain = llm.generate(prompt_token_ids=[prompt], sampling_params=with_stop)[0]
-        assert (ours.token_ids, ours.text, ours.finish_reason) == (
-            plain.token_ids,
-            plain.text,
-            plain.finish_reason,
-        )
+        ours, plain = both_runs(drafted, llm, prompt, with_stop)
         accepted = drafted.engine.totals.drafts_accepted - before
         assert accepted < len(ours.token_ids)  # counts only the drafts kept
         cut_short += accepted > 0
@@ -96,15 +90,21 @@ def test_speculation_stops_where_a_stop_string_completes(llm):
         (going_on,) = llm.generate(prompt_token_ids=[prompt], sampling_params=params)
         after = going_on.token_ids[len(plain.token_ids)]
         both = SamplingParams(**{**vars_of(with_stop), "stop_token_ids": (after,), "logprobs": 0})
-        ours = drafted.generate(prompt_token_ids=[prompt], sampling_params=both)[0]
-        plain = llm.generate(prompt_token_ids=[prompt], sampling_params=both)[0]
-        assert (ours.token_ids, ours.text, ours.finish_reason) == (
-            plain.token_ids,
-            plain.text,
-            plain.finish_reason,
-        )
+        ours, _ = both_runs(drafted, llm, prompt, both)
         assert len(ours.logprobs) == len(ours.token_ids)
     assert cut_short  # drafts were accepted on the way to a stop
+
+
+def both_runs(drafted, plain_llm, prompt, params):
+    """(drafted's output, plain's) for one prompt, checked to say the same."""
+    ours = drafted.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+    plain = plain_llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+    assert (ours.token_ids, ours.text, ours.finish_reason) == (
+        plain.token_ids,
+        plain.text,
+        plain.finish_reason,
+    )
+    return ours, plain
 
 
 def vars_of(params):

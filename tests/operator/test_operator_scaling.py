@@ -326,14 +326,7 @@ async def test_a_scale_down_with_every_pod_ready_keeps_the_model_ready(
     await cluster.apply(normal_model(replicas=3, **bounds))
     await eventually(lambda: ready(cluster) and len(cluster.pods("m", "normal")) == 3)
     since = _ready_condition(cluster)["lastTransitionTime"]
-    written: list[tuple[str, str]] = []
-
-    def note(resource: Any, kind: Any, obj: dict[str, Any]) -> None:
-        status = obj.get("status") or {}
-        if resource == MODELS and status.get("phase"):
-            written.append((status["phase"], status.get("reason", "")))
-
-    cluster.api.listen(note)
+    written = _phases_written(cluster)
     metrics.default_kv = 0.1
     await asyncio.sleep(1.0)  # evaluations inside the (fake) window
     clock.advance(WINDOW_S + 1)
@@ -350,6 +343,17 @@ async def test_an_edit_of_a_model_at_zero_keeps_it_ready(cluster, operator):
     await cluster.apply(normal_model(replicas=0, minReplicas=0, maxReplicas=2))
     await eventually(lambda: ready(cluster))
     since = _ready_condition(cluster)["lastTransitionTime"]
+    written = _phases_written(cluster)
+    await cluster.patch_model("m", {"spec": {"engine": {"maxNumSeqs": 64}}})
+    await eventually(lambda: cluster.model("m")["status"].get("observedGeneration") == 2)
+    await asyncio.sleep(0.5)  # the passes after it
+    assert written and {phase for phase, _ in written} == {"Ready"}, written
+    assert _ready_condition(cluster)["lastTransitionTime"] == since
+    assert replicas(cluster, "normal") == 0
+
+
+def _phases_written(cluster: Any) -> list[tuple[str, str]]:
+    """Every (phase, reason) the operator writes to a model's status from now on."""
     written: list[tuple[str, str]] = []
 
     def note(resource: Any, kind: Any, obj: dict[str, Any]) -> None:
@@ -358,12 +362,7 @@ async def test_an_edit_of_a_model_at_zero_keeps_it_ready(cluster, operator):
             written.append((status["phase"], status.get("reason", "")))
 
     cluster.api.listen(note)
-    await cluster.patch_model("m", {"spec": {"engine": {"maxNumSeqs": 64}}})
-    await eventually(lambda: cluster.model("m")["status"].get("observedGeneration") == 2)
-    await asyncio.sleep(0.5)  # the passes after it
-    assert written and {phase for phase, _ in written} == {"Ready"}, written
-    assert _ready_condition(cluster)["lastTransitionTime"] == since
-    assert replicas(cluster, "normal") == 0
+    return written
 
 
 def _ready_condition(cluster: Any) -> dict[str, Any]:
