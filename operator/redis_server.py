@@ -13,7 +13,7 @@ import ipaddress
 import json
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 Body = Mapping[str, Any]
 _DEFAULT_PORT = 6379
@@ -48,7 +48,8 @@ def url_server(url: str, namespace: str | None) -> tuple[str, ...]:
     host = host.removesuffix(".svc")
     if namespace is not None and "." not in host and not _is_address(host):
         host = f"{host}.{namespace}"
-    database = parts.path.strip("/") or "0"
+    # redis-py's order: ?db=N, else the path, else 0.
+    database = parse_qs(parts.query).get("db", [parts.path.strip("/") or "0"])[0]
     return (host, str(port), database)
 
 

@@ -133,6 +133,12 @@ def test_a_key_asks_for_no_priority_above_its_max_priority():
     for allowed in ("normal", "low"):
         item = BUILDER.chat(body.model_copy(update={"priority": allowed}), {}, team).items[0]
         assert item.priority == (PRIORITY_NORMAL if allowed == "normal" else PRIORITY_LOW)
+    # Asking for none is no ask: normal, or the key's limit below it (every request of a
+    # max_priority: low key was refused, SDKs sending no priority).
+    unasked = body.model_copy(update={"priority": None})
+    assert BUILDER.chat(unasked, {}, team).items[0].priority == PRIORITY_NORMAL
+    batch = ApiKey("batch", max_priority="low")
+    assert BUILDER.chat(unasked, {}, batch).items[0].priority == PRIORITY_LOW
 
 
 def test_an_empty_list_of_content_parts_is_refused():

@@ -250,6 +250,7 @@ def test_a_served_name_is_held_across_namespaces_on_the_operators_redis():
         "redis://tandem-redis.tandem.svc:6379/0",
         "rediss://:pw@TANDEM-REDIS.tandem.svc.cluster.local.:6379",
         "redis://tandem-redis.tandem/0",
+        "redis://tandem-redis.tandem.svc?db=0",
     ],
 )
 def test_a_spec_redis_that_names_the_operators_redis_shares_its_queues(url):
@@ -271,6 +272,7 @@ def test_a_spec_redis_that_names_the_operators_redis_shares_its_queues(url):
     [
         "redis://tandem-redis:6379/0",  # a Service of team-b's own namespace
         "redis://tandem-redis.tandem.svc:6379/1",  # another database
+        "redis://tandem-redis.tandem.svc:6379/0?db=2",  # another, as redis-py reads it
         "redis://tandem-redis.tandem.svc:6380/0",  # another port
         "unix:///run/redis.sock",
     ],

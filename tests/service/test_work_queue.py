@@ -262,6 +262,24 @@ def test_handoffs_keep_their_priority_and_the_backlog_counts_them_all(redis_clie
     assert queue_depth(redis_client, keys, MODEL).handoff_pending == 3
 
 
+def test_a_priority_no_decoder_reads_yet_is_offered_on_the_normal_stream(redis_client, keys, queue):
+    # Through a rolling upgrade the decoders may all be of a version with one handoff
+    # stream (normal's name): a high handoff on a stream they never read was stuck.
+    prompt = queue("p1", role=Role.PROMPT)
+    high = dataclasses.asdict(item("r1", PRIORITY_HIGH))
+    enqueue(redis_client, keys, item("r1", PRIORITY_HIGH))
+    (source,) = prompt.pull(1).work
+    assert prompt.publish_handoff(dataclasses.replace(handoff("r1"), work=high), source)
+    assert redis_client.xlen(keys.handoff_stream(MODEL)) == 1
+    assert not redis_client.exists(keys.handoff_stream(MODEL, PRIORITY_HIGH))
+    queue("c1", role=Role.COMPLETION)  # a decoder of this version: all three streams
+    enqueue(redis_client, keys, item("r2", PRIORITY_HIGH))
+    (source,) = prompt.pull(1).work
+    high = dataclasses.asdict(item("r2", PRIORITY_HIGH))
+    assert prompt.publish_handoff(dataclasses.replace(handoff("r2"), work=high), source)
+    assert redis_client.xlen(keys.handoff_stream(MODEL, PRIORITY_HIGH)) == 1
+
+
 def test_a_handoff_is_published_once_and_only_by_the_entrys_holder(redis_client, keys, queue):
     stalled, thief = queue("p1", role=Role.PROMPT), queue("p2", role=Role.PROMPT)
     source = prefilled(redis_client, keys, stalled, "r1")

@@ -77,7 +77,7 @@ def load_gguf(path: Path) -> ModelSource:
     path = Path(path)
     try:
         reader = GGUFContainer.read(path)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RecursionError) as err:  # arrays of arrays, deeply
         raise ValueError(f"{path}: not a readable GGUF file: {err}") from err
     arch = _field(reader, "general.architecture", None)
     if arch != "llama":

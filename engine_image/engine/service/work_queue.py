@@ -372,6 +372,7 @@ class WorkQueue:
                 self.model, priority if priority in PRIORITIES else PRIORITY_NORMAL
             ),
             self.keys.handoff_published(self.model, source.request_id),
+            self.keys.handoff_stream(self.model, PRIORITY_NORMAL),
         ]
         fields = [x for pair in handoff.to_fields().items() for x in pair]
         args = [self.group, self.consumer, source.entry_id, PUBLISHED_MARKER_TTL_S, *fields]

@@ -122,7 +122,11 @@ return n
 # nor can a retry after a lost reply publish it twice (the marker says it was), nor an
 # engine that stalled publish an entry another engine took over meanwhile. An entry
 # Redis lost (restarted without its data) is published: nobody else holds it.
-# KEYS: the work stream, the handoff stream of its priority, the request's published marker.
+# KEYS: the work stream, the handoff stream of its priority, the request's published
+# marker, the normal priority's handoff stream. The priority's stream is used only once a
+# decoder made it (every decoder makes all three as it starts); until then (decoders of a
+# version with one handoff stream, through a rolling upgrade) the normal one, which every
+# version's decoders read: a high request is then not first, but never unread.
 # ARGV: group, consumer, work entry id, marker TTL in seconds, the handoff's fields.
 # Returns 1 when published, 2 when this consumer had published it already (a retry:
 # its KV stays offered), 0 when another engine has the request.
@@ -135,7 +139,9 @@ local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if not p.err and p[1] and p[1][2] ~= ARGV[2] then return 0 end
 local fields = {}
 for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
-redis.call('XADD', KEYS[2], '*', unpack(fields))
+local target = KEYS[2]
+if redis.call('EXISTS', target) == 0 then target = KEYS[4] end
+redis.call('XADD', target, '*', unpack(fields))
 redis.call('SET', KEYS[3], marker, 'EX', ARGV[4])
 redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[3])
 redis.pcall('XDEL', KEYS[1], ARGV[3])
