@@ -6,7 +6,8 @@ from __future__ import annotations
 import redis
 from support.polling import eventually
 
-from tandem.protocol import PRIORITY_HIGH, PRIORITY_LOW
+from tandem.engine.service.work_queue import WorkQueue
+from tandem.protocol import PRIORITY_HIGH, PRIORITY_LOW, Role
 
 SHORT = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
 
@@ -16,6 +17,8 @@ def test_a_decoder_takes_a_high_priority_handoff_before_low_ones_queued_earlier(
 ):
     # One handoff stream for every priority: in a disaggregated model, where decoders
     # are the bottleneck, a high request finished behind every low one prefilled first.
+    with redis.Redis.from_url(redis_url) as conn:  # the streams a decoder makes as it starts
+        WorkQueue(conn, keys, "tiny", Role.COMPLETION, "a-decoder-gone").ensure_groups()
     engines("prompt")
     lows = [
         client.submit(prompt_token_ids=[5 + i, 9, 17, 33], sampling=SHORT, priority=PRIORITY_LOW)
