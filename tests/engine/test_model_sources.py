@@ -78,10 +78,15 @@ def load_into(model, weights: dict[str, torch.Tensor]) -> None:
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight) == bool(missing)
 
 
-def write_llama_gguf(path: Path, source: ModelSource, *, qtypes=None, rope_freqs=None) -> None:
-    """A GGUF laid out as llama.cpp writes one: Q/K permuted, dims reversed, no output if tied."""
+def write_llama_gguf(
+    path: Path, source: ModelSource, *, qtypes=None, rope_freqs=None, extra=None
+) -> None:
+    """A GGUF laid out as llama.cpp writes one: Q/K permuted, dims reversed, no output if
+    tied; `extra(writer)` adds metadata of the test's."""
     cfg, tok, qtypes = source.config, source.tokenizer, qtypes or {}
     writer = gguf.GGUFWriter(path, "llama")
+    if extra is not None:
+        extra(writer)
     for add, value in [
         (writer.add_context_length, cfg.max_position_embeddings),
         (writer.add_embedding_length, cfg.hidden_size),
@@ -289,6 +294,42 @@ def test_gguf_llama3_rope_freqs_become_rope_scaling(tmp_path: Path) -> None:
         resolve_model(tmp_path / "b.gguf")
 
 
+def test_a_config_json_without_defaults_reads_them_as_transformers_does() -> None:
+    fields = {"vocab_size": 8, "hidden_size": 8, "intermediate_size": 8}
+    fields |= {"num_hidden_layers": 1, "num_attention_heads": 2}
+    llama = ModelConfig.from_hf_dict(fields)
+    assert llama.rms_norm_eps == transformers.LlamaConfig().rms_norm_eps  # 1e-6, not 1e-5
+    assert llama.max_position_embeddings == transformers.LlamaConfig().max_position_embeddings
+    mistral = ModelConfig.from_hf_dict({**fields, "model_type": "mistral"})
+    expected = transformers.MistralConfig()
+    assert mistral.rms_norm_eps == expected.rms_norm_eps
+    assert mistral.max_position_embeddings == expected.max_position_embeddings
+
+
+@pytest.mark.parametrize(
+    ("metadata", "scaling"),
+    [
+        # llama.cpp reads a factor without a type as linear, and older conversions
+        # wrote the factor as rope.scale_linear: both ran unscaled here.
+        ({"llama.rope.scaling.factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
+        ({"llama.rope.scale_linear": 4.0}, {"rope_type": "linear", "factor": 4.0}),
+        (
+            {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0},
+            {"rope_type": "linear", "factor": 2.0},
+        ),
+        ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, None),
+        ({}, None),
+    ],
+)
+def test_gguf_rope_scaling_is_read_as_llama_cpp_reads_it(tmp_path, metadata, scaling) -> None:
+    def add(writer: gguf.GGUFWriter) -> None:
+        for key, value in metadata.items():
+            (writer.add_string if isinstance(value, str) else writer.add_float32)(key, value)
+
+    write_llama_gguf(tmp_path / "m.gguf", resolve_model("random:tiny"), extra=add)
+    assert resolve_model(tmp_path / "m.gguf").config.rope_scaling == scaling
+
+
 def test_gguf_of_another_architecture_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "gpt2.gguf"
     writer = gguf.GGUFWriter(path, "gpt2")
@@ -364,6 +405,16 @@ def test_hf_dir_refusals(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="sliding-window"):
         resolve_model(mistral)
+    # Left out, transformers' MistralConfig windows 4,096 tokens of its 131,072: full
+    # attention here answered differently past 4,096.
+    unsaid = _write_config(
+        tmp_path / "swa-default", architectures=["MistralForCausalLM"], model_type="mistral"
+    )
+    with pytest.raises(ValueError, match=r"sliding-window attention \(window 4096\)"):
+        resolve_model(unsaid)
+    yarn = _write_config(tmp_path / "yarn", rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
+        resolve_model(yarn)  # as the checkpoint is read, before any weight is allocated
     pickled = _write_config(tmp_path / "bin")
     (pickled / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(ValueError, match="safetensors"):

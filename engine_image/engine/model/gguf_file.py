@@ -189,9 +189,14 @@ def _rope_scaling(
     theta: float,
     head_dim: int,
 ) -> dict[str, Any] | None:
-    """Hugging Face's rope_scaling dict for what the metadata (or rope_freqs) says."""
-    kind = _field(reader, "llama.rope.scaling.type", "none")
-    factor = _f32(_field(reader, "llama.rope.scaling.factor", 1.0))
+    """Hugging Face's rope_scaling dict for what the metadata (or rope_freqs) says, read
+    as llama.cpp reads it: a factor without a type is linear, and older conversions give
+    the factor as rope.scale_linear."""
+    kind = _field(reader, "llama.rope.scaling.type", "linear")
+    factor = _field(reader, "llama.rope.scaling.factor", None)
+    if factor is None:
+        factor = _field(reader, "llama.rope.scale_linear", 1.0)
+    factor = _f32(factor)
     original = _field(reader, "llama.rope.scaling.original_context_length", None)
     if _ROPE_FREQS in tensors:
         freqs = gguf.quants.dequantize(tensors[_ROPE_FREQS].data, tensors[_ROPE_FREQS].tensor_type)

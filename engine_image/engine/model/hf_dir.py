@@ -18,7 +18,11 @@ import tokenizers
 import torch
 from safetensors import safe_open
 
-from tandem.engine.model.model_config import ModelConfig
+from tandem.engine.model.model_config import (
+    MISTRAL_CONTEXT,
+    MISTRAL_SLIDING_WINDOW,
+    ModelConfig,
+)
 from tandem.engine.model.source import (
     ModelSource,
     check_weight_shapes,
@@ -89,9 +93,12 @@ def _check_architecture(raw: dict[str, Any], path: Path) -> None:
             f"{path}: architecture {found} is not supported; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    # Llama-shaped configs can still ask for things the Llama model does not do.
-    window = raw.get("sliding_window")
-    if window is not None and window < raw.get("max_position_embeddings", 2048):
+    # Llama-shaped configs can still ask for things the Llama model does not do. Left
+    # out, Mistral's window is transformers' default (null: none).
+    mistral = raw.get("model_type") == "mistral"
+    window = raw.get("sliding_window", MISTRAL_SLIDING_WINDOW if mistral else None)
+    context = raw.get("max_position_embeddings", MISTRAL_CONTEXT if mistral else 2048)
+    if window is not None and window < context:
         raise ValueError(
             f"{path}: sliding-window attention (window {window}) is not supported; "
             f"only full attention"

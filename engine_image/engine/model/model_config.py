@@ -20,6 +20,11 @@ SIZE_FIELDS = (
     "num_attention_heads",
     "num_key_value_heads",
 )
+# transformers' MistralConfig defaults, for a config.json that leaves them out.
+MISTRAL_CONTEXT = 131072
+MISTRAL_SLIDING_WINDOW = 4096
+# Rotary scalings the model computes (rope.py), as Hugging Face names them.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,15 @@ class ModelConfig:
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        # Refused here, as the checkpoint is read: the model's rope module would refuse it
+        # only once every weight was allocated.
+        scaling = self.rope_scaling or {}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"model {self.name!r}: rope_type {rope_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            )
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -110,6 +124,9 @@ class ModelConfig:
                 cfg.setdefault("rope_theta", rope.pop("rope_theta"))
             if rope.get("rope_type", "default") != "default":
                 cfg.setdefault("rope_scaling", rope)
+        # What transformers takes for a field config.json leaves out: its config
+        # class's default (LlamaConfig's, MistralConfig's), not ours.
+        mistral = cfg.get("model_type") == "mistral"
         eos = cfg.get("eos_token_id")
         eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (eos,))
         try:
@@ -122,10 +139,12 @@ class ModelConfig:
                 num_attention_heads=heads,
                 num_key_value_heads=cfg.get("num_key_value_heads") or heads,
                 head_dim=cfg.get("head_dim"),
-                rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+                rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
                 rope_theta=cfg.get("rope_theta", 10000.0),
                 rope_scaling=cfg.get("rope_scaling"),
-                max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+                max_position_embeddings=cfg.get(
+                    "max_position_embeddings", MISTRAL_CONTEXT if mistral else 2048
+                ),
                 tie_word_embeddings=cfg.get("tie_word_embeddings", False),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,

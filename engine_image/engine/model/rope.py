@@ -11,9 +11,7 @@ import math
 
 import torch
 
-from tandem.engine.model.model_config import ModelConfig
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from tandem.engine.model.model_config import SUPPORTED_ROPE_TYPES, ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
