@@ -19,6 +19,7 @@ from tandem import __version__
 from tandem.gateway import routes_chat, routes_completions, routes_models, routes_ops
 from tandem.gateway.auth import ENV_VAR, KeyStore
 from tandem.gateway.error_handlers import install_error_handlers
+from tandem.gateway.head_requests import HeadAsGet
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.middleware import BodyLimit, RequestObserver
 from tandem.gateway.service import GatewayService
@@ -110,6 +111,7 @@ def create_app(
             expose_headers=["Retry-After", "x-should-retry"],
             max_age=600,
         )
+    app.add_middleware(HeadAsGet)  # outermost: everything inside sees a GET
     open_access = key_store.open_access
     app.openapi = lambda: _openapi(app, open_access=open_access)  # type: ignore[method-assign]
     return app

@@ -33,6 +33,10 @@ from tandem.protocol import ResponseEvent, as_text
 _OUTAGE_RETRY_S = 0.25
 # How long past its block a read may go unanswered before Redis counts as stalled.
 _STALLED_READ_S = 2.0
+# Entries one read takes of each stream: a client that stops reading holds at most this
+# much in the gateway. Without a bound a read took a stream's whole backlog, and each
+# attached retry of a finished n=16 answer held a copy (~24 MiB) until its deadline.
+READ_BATCH = 256
 
 
 class DeadlinePassed(TimeoutError):
@@ -53,9 +57,13 @@ class AsyncResponseReader:
         *,
         block_ms: int = MAX_READ_BLOCK_MS,
         outage_s: float = 10.0,
+        batch: int = READ_BATCH,
     ) -> None:
         if not 1 <= block_ms <= MAX_READ_BLOCK_MS:
             raise ValueError(f"block_ms must be in 1..{MAX_READ_BLOCK_MS}, got {block_ms}")
+        if batch < 1:
+            raise ValueError(f"batch must be at least 1, got {batch}")
+        self.batch = batch
         self.client = client
         self.keys = keys
         self.block_ms = block_ms
@@ -137,7 +145,7 @@ class AsyncResponseReader:
         TIME_WAIT. Shielded, the read ends within block_ms (1 s at most) and its
         connection goes back to the pool.
         """
-        read = asyncio.ensure_future(self.client.xread(last, block=block_ms))
+        read = asyncio.ensure_future(self.client.xread(last, count=self.batch, block=block_ms))
         try:
             return await asyncio.shield(read)
         except asyncio.CancelledError:

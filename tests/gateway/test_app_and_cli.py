@@ -186,3 +186,17 @@ def test_after_redis_restarts_no_request_fails_on_a_dead_pooled_connection(start
             server.kill()
             server.start()  # same port
             assert ready_codes() == [200] * 32
+
+
+def test_head_requests_are_answered_as_their_get_without_a_body(start_gateway):
+    # FastAPI's GET routes answered HEAD with 405: monitors that probe with HEAD (many
+    # do by default) reported a healthy gateway as down.
+    gateway = start_gateway()
+    with gateway.http() as client:
+        for path in ("/healthz", "/readyz", "/metrics", "/v1/models"):
+            got, head = client.get(path), client.head(path)
+            assert head.status_code == got.status_code == 200, (path, head.status_code)
+            assert head.content == b""
+            assert head.headers["content-type"] == got.headers["content-type"]
+        # POST routes stay POST's: a HEAD there is a wrong method, as a GET is.
+        assert client.head("/v1/chat/completions").status_code == 405
