@@ -213,6 +213,7 @@ class Cluster:
     def _ready(self, pod: Pod, now: float) -> None:
         if pod.state is PodState.STARTING:
             pod.state = PodState.READY
+        if pod.state is PodState.READY:
             self._turn(pod, now)
 
     # ----------------------------------------------------------------- pods
@@ -295,10 +296,11 @@ class Cluster:
             min_step_s=max(self.config.device.step_overhead_s, 1e-4),
         )
         self._pods[role].append(pod)
-        if pod.state is PodState.STARTING:
-            self._push(ready_at, _READY, pod)
-        else:
+        if pod.state is not PodState.STARTING:
             self._idle[role][pod] = None
+        # Its first turn, even when it is ready at once (--startup-s 0): a pod spawned
+        # for work already queued waited for the next arrival, and from zero for ever.
+        self._push(ready_at, _READY, pod)
         return pod
 
     def _retire(self, pod: Pod, now: float) -> None:

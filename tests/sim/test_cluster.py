@@ -160,3 +160,23 @@ def test_an_idle_stretch_adds_no_timeline_points():
     assert all(r.finished for r in result.records)
     assert len(result.timeline) < 10
     assert result.timeline[-1].time_s == result.end_s
+
+
+def test_pods_ready_at_once_take_the_work_already_queued():
+    # --startup-s 0: a pod spawned ready waited for the next arrival before its first
+    # turn, so from zero pods a lone request was never served (the run never ended),
+    # and pods added under a burst were charged GPU-hours and never stepped.
+    lone = [TraceRequest(0.0, 1000, 50)]
+    role = deploy.role_setup("normal", replicas=0, min_replicas=0, max_replicas=1)
+    zero = deploy.Deployment({role.role: role})
+    assert all(r.finished for r in _run(zero, lone, startup_s=0.0, max_time_s=600.0).records)
+
+    burst = [TraceRequest(i / 400, 2000, 200) for i in range(400)]
+    scaled = deploy.normal(1, tp=4, min_replicas=1, max_replicas=4)
+    seventy_b = ClusterConfig(scaled, H200, model_shape("llama-70b"))
+    ends = {}
+    for startup in (0.0, 1.0):
+        result = simulate(dataclasses.replace(seventy_b, startup_s=startup), burst)
+        assert all(r.finished for r in result.records)
+        ends[startup] = max(r.finish_s for r in result.records)
+    assert ends[0.0] <= ends[1.0]  # ready sooner serves sooner (it took 53 s against 28)
