@@ -58,9 +58,14 @@ class ClusterConfig:
         """The KV blocks each rank of the role's pods has after the weights."""
         engine = setup.engine
         blocks = self.cost_model(setup.tp).kv_blocks(engine.block_size)
+        where = "left after the weights"
+        if setup.kv_cache_bytes is not None:  # the pool the engine is told to make
+            asked = setup.kv_cache_bytes // (self.shape.kv_bytes_per_token * engine.block_size)
+            if asked < blocks:
+                blocks, where = asked, "of engine.kvCacheMemory"
         if blocks * engine.block_size < engine.max_model_len:
             raise ValueError(
-                f"{setup.role}: the KV cache left after the weights holds "
+                f"{setup.role}: the KV cache {where} holds "
                 f"{blocks * engine.block_size} tokens, fewer than max_model_len "
                 f"{engine.max_model_len}: raise tp or lower max_model_len"
             )

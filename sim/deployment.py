@@ -18,6 +18,7 @@ import yaml
 
 from tandem import strict_yaml
 from tandem.engine.config import EngineConfig
+from tandem.operator.quantity import quantity_bytes
 from tandem.operator.role_name import RoleName
 from tandem.operator.scaling import policy as role_policy
 from tandem.operator.scaling_policy import ScalingPolicy
@@ -42,6 +43,9 @@ class RoleSetup:
     replicas: int
     # Devices one rank spans with tensor parallelism.
     tp: int = 1
+    # A rank's KV pool in bytes (the spec's engine.kvCacheMemory); None: what the devices
+    # hold after the weights.
+    kv_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not self.policy.min_replicas <= self.replicas <= self.policy.max_replicas:
@@ -175,7 +179,13 @@ def from_yaml(path: str | Path, tp: int = 1, vocab_size: int | None = None) -> D
             config = dataclasses.replace(config, **_defaults(), max_num_batched_tokens=budget)
         # Speculation needs the vocabulary for its draft placeholders (the model's).
         config = dataclasses.replace(config, **_NO_PREFIX_CACHE, vocab_size=vocab_size)
+        kv_bytes = spec.engine.kv_cache_memory
         roles[role_name] = RoleSetup(
-            role_name, config, role_policy(role), role.initial_replicas, tp
+            role_name,
+            config,
+            role_policy(role),
+            role.initial_replicas,
+            tp,
+            None if kv_bytes is None else quantity_bytes(kv_bytes),
         )
     return Deployment(roles)

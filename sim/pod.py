@@ -141,7 +141,8 @@ class Pod:
         """How many entries this rank pulls now: the engine service's own rule."""
         if self.state is not PodState.READY:
             return 0
-        return pull_room(self.ranks[rank], self.settings, self.held(rank))
+        parked = len(self.waiting_room[rank])  # none pulled while some wait for room
+        return pull_room(self.ranks[rank], self.settings, self.held(rank), parked)
 
     def pull_order(self) -> list[int]:
         n = len(self.ranks)

@@ -93,3 +93,29 @@ def test_a_trace_is_saved_into_a_new_folder(tmp_path, capsys):
     assert main([*args, "--save-trace", str(path)]) == 0
     requests = json.loads(capsys.readouterr().out)["summary"]["requests"]
     assert len(path.read_text().splitlines()) == requests > 0
+
+
+def test_a_deployments_kv_cache_memory_sizes_the_simulated_pool(tmp_path, capsys):
+    # It was ignored: a deployment that caps its KV got figures for the devices' whole
+    # memory, many times too optimistic.
+    def run(engine: str) -> dict:
+        path = tmp_path / "md.yaml"
+        path.write_text(
+            "kind: ModelDeployment\nmetadata: {name: m}\nspec:\n  model: {path: smollm2}\n"
+            f"  engine: {{maxModelLen: 8192{engine}}}\n  normal: {{replicas: 1}}\n"
+        )
+        args = ["sim", "--model", "llama-8b", "--deployment", str(path), "--rate", "4"]
+        assert (
+            main([*args, "--duration", "20", "--input", "4000", "--output", "200", "--json"]) == 0
+        )
+        return json.loads(capsys.readouterr().out)
+
+    whole, capped = run(""), run(", kvCacheMemory: 2Gi")  # 16,384 tokens of llama-8b's KV
+    assert capped["summary"]["ttft"]["p50"] > whole["summary"]["ttft"]["p50"]
+    too_small = tmp_path / "small.yaml"
+    too_small.write_text(
+        "kind: ModelDeployment\nmetadata: {name: m}\nspec:\n  model: {path: smollm2}\n"
+        "  engine: {maxModelLen: 8192, kvCacheMemory: 512Mi}\n  normal: {replicas: 1}\n"
+    )
+    assert main(["sim", "--model", "llama-8b", "--deployment", str(too_small)]) == 2
+    assert "the KV cache of engine.kvCacheMemory holds 4096 tokens" in capsys.readouterr().err
