@@ -36,13 +36,16 @@ def main() -> None:
         deployment = deploy.normal(16, tp=4)
     else:
         deployment = deploy.disaggregated(8, 8, tp=4)
-    requests = synthesize(
-        rate=args.rate,
-        duration_s=args.duration,
-        input_len=LengthDist.parse("lognormal:1000:0.4", cap=8000),
-        output_len=LengthDist.parse("lognormal:300:0.4", cap=2000),
-        seed=args.seed,
-    )
+    try:
+        requests = synthesize(
+            rate=args.rate,
+            duration_s=args.duration,
+            input_len=LengthDist.parse("lognormal:1000:0.4", cap=8000),
+            output_len=LengthDist.parse("lognormal:300:0.4", cap=2000),
+            seed=args.seed,
+        )
+    except ValueError as exc:  # a bad --rate or --duration, named by the workload
+        parser.error(str(exc))
     started = time.perf_counter()
     result = simulate(ClusterConfig(deployment, H200, model_shape("llama-70b")), requests)
     wall = time.perf_counter() - started

@@ -50,6 +50,14 @@ class ClusterConfig:
             )
         for setup in self.deployment.roles.values():
             self.kv_blocks(setup)  # a role that cannot hold one request is refused now
+            # A pod's data-parallel ranks are processes of one pod, so on one node.
+            gpus, node = setup.tp * setup.dp, self.device.gpus_per_node
+            if gpus > node:
+                raise ValueError(
+                    f"{setup.role}: a pod of --tp {setup.tp} x --dp {setup.dp} "
+                    f"(dataParallelSize) needs {gpus} devices on one node; a "
+                    f"{self.device.name} node has {node}"
+                )
 
     def cost_model(self, tp: int) -> CostModel:
         return CostModel(self.device, self.shape, tp)

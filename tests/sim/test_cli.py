@@ -20,6 +20,9 @@ def test_bad_arguments_are_explained(capsys):
     assert "unknown model 'gpt-9'" in capsys.readouterr().err
     assert main(["sim", "--model", "llama-70b", "--tp", "1"]) == 2
     assert "raise tp" in capsys.readouterr().err
+    # A pod's ranks run on one node: 32 devices of an 8-device node were simulated.
+    assert main(["sim", "--model", "llama-70b", "--tp", "8", "--dp", "4"]) == 2
+    assert "needs 32 devices on one node; a h200 node has 8" in capsys.readouterr().err
 
 
 def test_json_report(tmp_path, capsys):
