@@ -82,7 +82,9 @@ def test_an_engine_dead_as_the_stack_stops_is_restarted_to_answer_what_was_admit
         say=lambda line: None
     )
     engines = [c for c in stack.children if c is not stack.gateway]
-    _stop_while_serving(stack, requests=4, tokens=60, first=lambda: engines[0].kill())
+    # 200 tokens: long enough that all four are held at once on a loaded machine (with
+    # 60 the first two could end before the last connected, under a CI's two workers).
+    _stop_while_serving(stack, requests=4, tokens=200, first=lambda: engines[0].kill())
 
 
 def _stop_while_serving(stack: Stack, requests: int, tokens: int, first=None) -> None:
