@@ -119,7 +119,8 @@ def stub_engine(redis_url: str, prefix: str) -> int:
     from tandem.engine.service.registry import Registry
     from tandem.engine.service.responses import ResponseWriter
     from tandem.engine.service.work_queue import WorkQueue
-    from tandem.protocol import EngineInfo, ResponseEvent, Role, Usage
+    from tandem.protocol import ResponseEvent, Role, Usage
+    from tandem.registry_entry import EngineInfo
 
     client = redis.Redis.from_url(redis_url)
     keys = Keys(prefix)

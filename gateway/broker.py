@@ -27,13 +27,12 @@ from tandem.keys import Keys
 from tandem.protocol import (
     DELIVERED_RESPONSE_TTL_SECONDS,
     RESPONSE_TTL_SECONDS,
-    EngineInfo,
     ResponseEvent,
     WorkItem,
     as_text,
-    read_engine_entry,
 )
 from tandem.queue_state import QueueState
+from tandem.registry_entry import EngineInfo, read_engine_entry
 
 log = logging.getLogger("tandem.gateway")
 

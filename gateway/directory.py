@@ -28,7 +28,8 @@ from redis.exceptions import RedisError
 from tandem.gateway.auth import ApiKey
 from tandem.gateway.broker import Broker
 from tandem.gateway.metrics import UNKNOWN_MODEL
-from tandem.protocol import ENGINE_TTL_SECONDS, EngineInfo, Role
+from tandem.protocol import Role
+from tandem.registry_entry import ENGINE_TTL_SECONDS, EngineInfo
 
 # A model missing from the cache triggers a refresh, at most this often: an
 # engine that just started is found at once, unknown names cost little.

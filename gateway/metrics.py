@@ -12,8 +12,9 @@ from collections.abc import Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tandem.protocol import PRIORITY_HIGH, PRIORITY_LOW, PRIORITY_NORMAL, EngineInfo
+from tandem.protocol import PRIORITY_HIGH, PRIORITY_LOW, PRIORITY_NORMAL
 from tandem.queue_state import QueueState
+from tandem.registry_entry import EngineInfo
 
 # Seconds: sub-millisecond gateway work up to minutes-long CPU generations, as long as
 # --request-timeout's default (600 s) allows.

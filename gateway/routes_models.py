@@ -15,7 +15,7 @@ from tandem.gateway.dependencies import Caller
 from tandem.gateway.errors import ERROR_RESPONSES, model_not_found
 from tandem.gateway.schemas import ModelCard, ModelList
 from tandem.gateway.service import service_of
-from tandem.protocol import EngineInfo
+from tandem.registry_entry import EngineInfo
 
 router = APIRouter()
 

@@ -25,7 +25,8 @@ from redis.exceptions import RedisError
 
 from tandem.keys import Keys
 from tandem.loadgen.client import described
-from tandem.protocol import EngineInfo, ProtocolError, as_text
+from tandem.protocol import ProtocolError, as_text
+from tandem.registry_entry import EngineInfo
 
 ENGINES_METRIC = "tandem_gateway_engines"
 

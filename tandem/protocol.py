@@ -15,7 +15,8 @@ Request path (docs/protocol.md has the whole story):
     PROMPT   --XADD Handoff-->       handoff stream {model} per priority (group "decoders")
     engines  --XADD ResponseEvent--> response stream per request        (gateway XREADs)
     gateway  --SET + PUBLISH-->      cancel key and channel
-    engines  --SET (TTL)-->          registry entry per engine          (heartbeat)
+    engines  --SET (TTL)-->          registry entry per engine          (heartbeat;
+                                     tandem/registry_entry.py)
 """
 
 from __future__ import annotations
@@ -100,11 +101,9 @@ CANCEL_TTL_SECONDS = 3600
 # A request id stays marked queued this long: far longer than a producer's
 # reconnect-and-retry of its enqueue (about a second), which must find it queued.
 ENQUEUED_TTL_SECONDS = 60
-# A registry entry expires this long after the engine's last heartbeat.
-ENGINE_TTL_SECONDS = 10
 
 
-class _Message:
+class Message:
     """JSON round trip with a version check, for the dataclasses below."""
 
     KIND: ClassVar[str]
@@ -174,7 +173,7 @@ def as_text(value: Any) -> str:
 
 
 @dataclass
-class WorkItem(_Message):
+class WorkItem(Message):
     """A request as the gateway queues it; the engine tokenizes and validates."""
 
     KIND: ClassVar[str] = "work"
@@ -249,7 +248,7 @@ _JSON_TYPE_NAMES = {
 
 
 @dataclass
-class Handoff(_Message):
+class Handoff(Message):
     """A prefilled request whose KV a PROMPT engine holds for a COMPLETION engine."""
 
     KIND: ClassVar[str] = "handoff"
@@ -318,7 +317,7 @@ class Usage:
 
 
 @dataclass
-class ResponseEvent(_Message):
+class ResponseEvent(Message):
     """One event of a request's response stream.
 
     `offset` is the number of output tokens sent before this event: a reader
@@ -390,47 +389,3 @@ class ResponseEvent(_Message):
     @property
     def is_final(self) -> bool:
         return self.event in (EventKind.FINISH, EventKind.ERROR)
-
-
-@dataclass
-class EngineInfo(_Message):
-    """An engine's registry entry, refreshed by its heartbeat."""
-
-    KIND: ClassVar[str] = "engine"
-
-    engine_id: str
-    model: str  # the served model name
-    role: str  # a Role
-    # host:port of its HTTP server (/healthz, /readyz, /metrics).
-    http_address: str
-    # host:port of its KV server (PROMPT engines), else None.
-    kv_address: str | None = None
-    started_at: float = field(default_factory=time.time)
-    heartbeat_at: float = field(default_factory=time.time)
-    draining: bool = False
-    # Load at the last heartbeat.
-    kv_usage: float = 0.0
-    running: int = 0
-    waiting: int = 0
-    waiting_prompt_tokens: int = 0
-
-
-def engine_entry(info: EngineInfo) -> str:
-    """What an engine's heartbeat stores under its registry key."""
-    return json.dumps(info.to_fields())
-
-
-def read_engine_entry(engine_id: str, raw: bytes | str) -> EngineInfo | None:
-    """An engine's registry entry (its EngineInfo's fields as JSON), or None.
-
-    An entry this side cannot read (another protocol version, a stray key) is
-    skipped, not pruned: its engine is alive and may be read by a newer reader.
-    """
-    try:
-        fields = json.loads(raw)
-        if not isinstance(fields, dict):
-            raise ValueError("not a JSON object")
-        return EngineInfo.from_fields(fields)
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        log.warning("skipping unreadable registry entry of engine %r: %s", engine_id, exc)
-        return None

@@ -7,7 +7,6 @@ import pytest
 from tandem.keys import Keys
 from tandem.protocol import (
     PROTOCOL_VERSION,
-    EngineInfo,
     ErrorCode,
     EventKind,
     Handoff,
@@ -16,9 +15,8 @@ from tandem.protocol import (
     Usage,
     WorkItem,
     as_text,
-    engine_entry,
-    read_engine_entry,
 )
+from tandem.registry_entry import EngineInfo, engine_entry, read_engine_entry
 
 
 def test_work_item_round_trips_through_stream_fields():

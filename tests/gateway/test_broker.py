@@ -19,7 +19,8 @@ from tandem.gateway.broker import Broker
 from tandem.gateway.errors import GatewayError
 from tandem.gateway.idempotency import PENDING_WAIT_S, IdempotencyLedger, IdempotencyRecord
 from tandem.gateway.settings import GatewaySettings
-from tandem.protocol import EngineInfo, ResponseEvent, Role, WorkItem
+from tandem.protocol import ResponseEvent, Role, WorkItem
+from tandem.registry_entry import EngineInfo
 
 
 def _run(redis_url, keys, work):

@@ -16,7 +16,8 @@ import redis
 
 from tandem import catalog
 from tandem.engine.service.registry import Registry
-from tandem.protocol import PRIORITY_NORMAL, EngineInfo
+from tandem.protocol import PRIORITY_NORMAL
+from tandem.registry_entry import EngineInfo
 
 ASK = {"model": "tiny", "prompt": "hello", "max_tokens": 3}
 SHORT = {"X-Tandem-Timeout": "1"}

@@ -19,7 +19,8 @@ from tandem.backlog import enqueue
 from tandem.engine.service.cancellation import is_cancelled
 from tandem.engine.service.registry import Registry
 from tandem.gateway.auth import KeyStore
-from tandem.protocol import EngineInfo, WorkItem
+from tandem.protocol import WorkItem
+from tandem.registry_entry import EngineInfo
 
 from .live import API_KEY, LiveGateway, settings_for
 

@@ -18,12 +18,12 @@ from tandem.gateway.auth import KeyStore
 from tandem.protocol import (
     PRIORITY_NORMAL,
     RESPONSE_TTL_SECONDS,
-    EngineInfo,
     ErrorCode,
     ResponseEvent,
     Usage,
     WorkItem,
 )
+from tandem.registry_entry import EngineInfo
 
 from .live import API_KEY, LiveGateway, settings_for
 

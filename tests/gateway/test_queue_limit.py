@@ -13,7 +13,8 @@ import redis
 
 from tandem.engine.service.registry import Registry
 from tandem.gateway.auth import KeyStore
-from tandem.protocol import PRIORITY_NORMAL, EngineInfo
+from tandem.protocol import PRIORITY_NORMAL
+from tandem.registry_entry import EngineInfo
 
 from .live import API_KEY, LiveGateway, settings_for
 

@@ -31,8 +31,9 @@ from tandem.gateway.cancels import Cancel, Cancels
 from tandem.gateway.idempotency import IdempotencyLedger, IdempotencyRecord
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.keys import Keys
-from tandem.protocol import PRIORITY_LOW, EngineInfo, ResponseEvent, WorkItem
+from tandem.protocol import PRIORITY_LOW, ResponseEvent, WorkItem
 from tandem.redis_server import RedisServer
+from tandem.registry_entry import EngineInfo
 
 from .live import API_KEY, serving_engine
 

@@ -19,7 +19,8 @@ from support.engines import Client
 
 from tandem.engine.service.cancellation import is_cancelled
 from tandem.engine.service.registry import Registry
-from tandem.protocol import EngineInfo, EventKind, WorkItem
+from tandem.protocol import EventKind, WorkItem
+from tandem.registry_entry import EngineInfo
 
 from .live import API_KEY
 

@@ -12,7 +12,7 @@ from tandem.loadgen.replicas import (
     metrics_url,
     roles_from_metrics,
 )
-from tandem.protocol import EngineInfo
+from tandem.registry_entry import EngineInfo
 
 
 def entry(engine_id, model="tiny", role="normal", draining=False):

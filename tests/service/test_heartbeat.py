@@ -9,7 +9,8 @@ import redis
 
 from tandem.engine.service.heartbeat import Heartbeat
 from tandem.engine.service.registry import Registry
-from tandem.protocol import EngineInfo, Role
+from tandem.protocol import Role
+from tandem.registry_entry import EngineInfo
 
 TTL = 0.4
 

@@ -5,7 +5,8 @@ import time
 import pytest
 
 from tandem.engine.service.registry import Registry
-from tandem.protocol import ENGINE_TTL_SECONDS, EngineInfo, Role
+from tandem.protocol import Role
+from tandem.registry_entry import ENGINE_TTL_SECONDS, EngineInfo
 
 TTL = 0.3
 

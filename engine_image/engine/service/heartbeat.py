@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import redis
 
-from tandem.protocol import EngineInfo
+from tandem.registry_entry import EngineInfo
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from tandem.engine.service.responses import ResponseWriter
 from tandem.engine.service.settings import WorkerSettings
 from tandem.engine.service.work_queue import WorkQueue
 from tandem.keys import Keys
-from tandem.protocol import EngineInfo
+from tandem.registry_entry import EngineInfo
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from tandem.engine.service.redis_io import RedisIO
 from tandem.engine.service.redis_outage import RedisOutage, unavailable
 from tandem.engine.service.settings import WorkerSettings
 from tandem.engine.service.work_queue import Delivery
-from tandem.protocol import EngineInfo
+from tandem.registry_entry import EngineInfo
 
 log = logging.getLogger(__name__)
 

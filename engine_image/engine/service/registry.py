@@ -13,7 +13,8 @@ import time
 import redis
 
 from tandem.keys import Keys
-from tandem.protocol import ENGINE_TTL_SECONDS, EngineInfo, as_text, engine_entry, read_engine_entry
+from tandem.protocol import as_text
+from tandem.registry_entry import ENGINE_TTL_SECONDS, EngineInfo, engine_entry, read_engine_entry
 
 
 class Registry:

@@ -7,7 +7,8 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from tandem.protocol import EngineInfo, Role
+from tandem.protocol import Role
+from tandem.registry_entry import EngineInfo
 
 # The fields check_values() checks, by rule.
 _AT_LEAST_ONE = ("claim_idle_ms", "max_deliveries", "max_waiting", "max_waiting_tokens")

@@ -36,7 +36,8 @@ from tandem.engine.service.replies import Replies
 from tandem.engine.service.settings import WorkerSettings
 from tandem.engine.service.work_queue import Delivery
 from tandem.engine.service.worker_intake import Intake
-from tandem.protocol import EngineInfo, ErrorCode
+from tandem.protocol import ErrorCode
+from tandem.registry_entry import EngineInfo
 
 log = logging.getLogger(__name__)
 
