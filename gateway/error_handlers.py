@@ -58,7 +58,7 @@ async def _on_http_exception(request: Request, exc: StarletteHTTPException) -> J
     if exc.status_code == 404 and message == "Not Found":  # no route: say it as OpenAI does
         message = f"Invalid URL ({where}): {_ROUTES}"
     elif exc.status_code == 405:
-        allowed = (exc.headers or {}).get("allow") or (exc.headers or {}).get("Allow")
+        allowed = (exc.headers or {}).get("Allow")  # as Starlette's router sets it
         message = f"Method {request.method} is not allowed for {request.url.path}" + (
             f"; use {allowed}" if allowed else ""
         )

@@ -231,16 +231,16 @@ class JobBuilder:
         max_tokens = max_tokens or default_max_tokens or self.settings.default_max_tokens
         sampling = sampling_fields(body, max_tokens)
         priority = _priority(body.priority, headers.get(PRIORITY_HEADER))
-        asked = body.priority is not None or headers.get(PRIORITY_HEADER) is not None
-        if caller.max_priority is not None and not asked:
-            # The default is normal, or the key's limit below it (SDKs send no priority).
-            priority = min(priority, _PRIORITIES[caller.max_priority])
-        elif caller.max_priority is not None and priority > _PRIORITIES[caller.max_priority]:
-            raise forbidden(
-                f"API key {caller.name!r} may ask for priority {caller.max_priority} at most",
-                "priority_not_allowed",
-                "priority",
-            )
+        if caller.max_priority is not None:
+            most = _PRIORITIES[caller.max_priority]
+            if body.priority is None and headers.get(PRIORITY_HEADER) is None:
+                priority = min(priority, most)  # unasked: normal, or the key's limit below it
+            elif priority > most:
+                raise forbidden(
+                    f"API key {caller.name!r} may ask for priority {caller.max_priority} at most",
+                    "priority_not_allowed",
+                    "priority",
+                )
         timeout = _timeout(self.settings.request_timeout, headers.get(TIMEOUT_HEADER))
         salt = cache_salt(caller, body.cache_salt)
         base_id = uuid.uuid4().hex

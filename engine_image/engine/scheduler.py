@@ -345,11 +345,7 @@ class Scheduler(HandoffSide):
                     # Nothing proposed after a prefill: placeholders keep decodes 1 + k wide.
                     next_drafts = [cfg.draft_placeholder_id] * num_spec if is_prefill else []
                 request.draft_token_ids = next_drafts
-                # (a block past those holding computed + 1 tokens: ceil((computed + 1) / size))
-                if (
-                    not is_prefill
-                    and len(request.block_ids) > (computed + block_size) // block_size
-                ):
+                if not is_prefill and len(request.block_ids) > kv.blocks_for(computed + 1):
                     # Blocks taken for drafts it rejected go back now: kept, they starved
                     # the next step's own tokens, and a guess preempted a request.
                     kv.trim(rid, computed + 1)

@@ -1,9 +1,11 @@
 """`tandem bench` arguments: bad ones are refused with a message naming the problem (exit 2)."""
 
+import contextlib
 import http.server
 import json
 import socket
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -97,22 +99,29 @@ def test_a_server_that_never_answers_is_said_to_time_out(capsys, monkeypatch):
     assert f"cannot reach {url}/models: no answer within 0.2 s" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("model", [[], ["--model", "m"]])
-def test_a_refused_api_key_stops_the_bench_naming_the_flag(model, capsys):
-    class Refuses(http.server.BaseHTTPRequestHandler):
+@contextlib.contextmanager
+def answering(status: int, path: str = "/v1") -> Iterator[str]:
+    """A server answering every GET with `status` and no body; the URL under `path`."""
+
+    class Answers(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            self.send_response(401)
+            self.send_response(status)
             self.end_headers()
 
         def log_message(self, *args):
             pass  # http.server logs every request to stderr, which the test reads
 
-    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuses) as server:
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answers) as server:
         threading.Thread(target=server.serve_forever, daemon=True).start()
-        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        yield f"http://127.0.0.1:{server.server_address[1]}{path}"
+        server.shutdown()
+
+
+@pytest.mark.parametrize("model", [[], ["--model", "m"]])
+def test_a_refused_api_key_stops_the_bench_naming_the_flag(model, capsys):
+    with answering(401) as url:
         argv = ["bench", "--url", url, "--api-key", "bad", *model, "-n", "3", "-q"]
         assert cli.main(argv) == 2
-        server.shutdown()
     err = capsys.readouterr().err
     assert err == (
         f"tandem: error: {url}/models answered 401: the server refuses the API key; "
@@ -123,19 +132,8 @@ def test_a_refused_api_key_stops_the_bench_naming_the_flag(model, capsys):
 @pytest.mark.parametrize("model", [[], ["--model", "m"]])
 def test_an_endpoint_given_as_the_url_is_named_before_the_run(model, capsys):
     # It said "give --model"; given one, every request of the run was a 404.
-    class NotFound(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(404)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound) as server:
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        url = f"http://127.0.0.1:{server.server_address[1]}/v1/completions"
+    with answering(404, "/v1/completions") as url:
         assert cli.main(["bench", "--url", url, *model, "-n", "3", "-q"]) == 2
-        server.shutdown()
     err = capsys.readouterr().err
     assert "--url is the API's base, ending in /v1" in err and err.count("\n") == 1
 
