@@ -83,7 +83,7 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tandem.gateway.app import create_app
-    from tandem.gateway.server import quiet_accept_errors, server_config
+    from tandem.gateway.server import quiet_server_logs, server_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings = GatewaySettings.from_args(args)
@@ -107,11 +107,12 @@ def main(args: argparse.Namespace) -> int:
     # (nothing admitted yet) ends the process at once: a no-op handler here swallowed
     # it, and the gateway served on until the supervisor's kill (tandem up waited 60 s).
     signal.signal(signal.SIGTERM, _exit_cleanly)
-    quiet_accept_errors()
+    shutdown_s = int(settings.shutdown_timeout) or 1
+    quiet_server_logs(shutdown_s)
     config = server_config(
         app,
         settings,
-        timeout_graceful_shutdown=int(settings.shutdown_timeout) or 1,
+        timeout_graceful_shutdown=shutdown_s,
         access_log=settings.access_log,
         log_level="info",
     )

@@ -106,6 +106,29 @@ class OncePer(logging.Filter):
         return True
 
 
-def quiet_accept_errors() -> None:
-    """asyncio's "socket.accept() out of system resource" at most once every 10 s."""
+class ShutdownCuts(logging.Filter):
+    """uvicorn's "Exception in ASGI application" for a request its graceful-shutdown
+    timeout cancelled, as one warning line: it is no error of the app's, and a
+    traceback per request still open paged whoever alerts on ERROR lines."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__()
+        self._timeout_s = timeout_s
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, asyncio.CancelledError) and str(record.msg).startswith(
+            "Exception in ASGI application"
+        ):
+            record.msg = "a request still open at the shutdown timeout (%gs) was cut"
+            record.args = (self._timeout_s,)
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_server_logs(shutdown_timeout_s: float) -> None:
+    """asyncio's "socket.accept() out of system resource" at most once every 10 s, and
+    requests cut by the shutdown timeout as one line each (ShutdownCuts)."""
     logging.getLogger("asyncio").addFilter(OncePer(("socket.accept() out of system",), 10.0))
+    logging.getLogger("uvicorn.error").addFilter(ShutdownCuts(shutdown_timeout_s))

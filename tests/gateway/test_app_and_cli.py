@@ -13,10 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from support.imports import modules_loaded, packages_loaded
+from support.polling import eventually
 
+from tandem import catalog
 from tandem.cli import build_parser
 from tandem.gateway.app import create_app
 from tandem.gateway.settings import GatewaySettings
+from tandem.protocol import PRIORITY_NORMAL
 from tandem.redis_server import RedisServer, free_port
 
 
@@ -82,6 +85,18 @@ def test_the_gateway_imports_of_the_engine_only_sampling_params():
     assert engine == ["tandem.engine", "tandem.engine.request"]
 
 
+def _gateway_answering(process: subprocess.Popen, port: int) -> None:
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+
+
 def test_tandem_gateway_serves_and_stops_on_sigterm(redis_url, keys):
     port = free_port()
     cmd = [
@@ -91,15 +106,7 @@ def test_tandem_gateway_serves_and_stops_on_sigterm(redis_url, keys):
     ]  # fmt: skip
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
+        _gateway_answering(process, port)
         assert httpx.get(f"http://127.0.0.1:{port}/readyz").json() == {"status": "ready"}
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
         assert models == {"object": "list", "data": []}
@@ -109,6 +116,40 @@ def test_tandem_gateway_serves_and_stops_on_sigterm(redis_url, keys):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_requests_cut_by_the_shutdown_timeout_log_one_line_each(redis_url, redis_client, keys):
+    # An alert on ERROR lines paged on every stop with a request open: uvicorn logged
+    # the cancellation as "Exception in ASGI application" and a traceback.
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "tandem.cli", "gateway", "--no-auth", "--shutdown-timeout", "1",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--redis-url", redis_url, "--key-prefix", keys.prefix,
+    ]  # fmt: skip
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _gateway_answering(process, port)
+        catalog.declare(redis_client, keys, "idle", "test/idle", ttl_s=60)  # no engine
+        body = {"model": "idle", "prompt": "hi", "max_tokens": 2}
+        with ThreadPoolExecutor(2) as pool:
+            asked = [
+                pool.submit(httpx.post, f"http://127.0.0.1:{port}/v1/completions",
+                            json={**body, "stream": stream}, timeout=30)
+                for stream in (False, True)
+            ]  # fmt: skip
+            stream = keys.work_stream("idle", PRIORITY_NORMAL)
+            assert eventually(lambda: redis_client.xlen(stream) == 2)
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=15) == 0
+            assert all(answer.result().status_code >= 500 for answer in asked)
+        output = process.stdout.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert "Traceback" not in output and "CancelledError" not in output, output
+    assert output.count("a request still open at the shutdown timeout (1s) was cut") == 2
 
 
 def test_a_sigterm_before_the_server_took_over_ends_the_gateway(monkeypatch, redis_url):
