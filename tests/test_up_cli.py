@@ -24,7 +24,7 @@ import httpx
 import pytest
 import yaml
 
-from tandem import cli
+from tandem import cli, up_command
 from tandem.operator.local_actuator import load_manifest
 from tandem.redis_server import free_port
 from tandem.up import Stack, StartError, UpConfig
@@ -210,7 +210,7 @@ def test_a_key_given_twice_in_the_manifest_is_refused_as_kubectl_refuses_it(tmp_
 
 def test_the_banner_reports_the_mode_and_engines_a_manifest_runs(tmp_path):
     stack = Stack(UpConfig(manifest=DISAGGREGATED, log_dir=tmp_path))
-    text = cli.banner(stack)
+    text = up_command.banner(stack)
     assert "Tandem is up: disaggregated mode, model 'tiny'" in text
     assert "engines  prefill 1 (autoscaled 1-2), decode 1\n" in text
 
