@@ -79,10 +79,18 @@ def load_into(model, weights: dict[str, torch.Tensor]) -> None:
 
 
 def write_llama_gguf(
-    path: Path, source: ModelSource, *, qtypes=None, rope_freqs=None, extra=None
+    path: Path,
+    source: ModelSource,
+    *,
+    qtypes=None,
+    rope_freqs=None,
+    extra=None,
+    pre: str = "default",
+    add_bos: bool | None = False,
 ) -> None:
     """A GGUF laid out as llama.cpp writes one: Q/K permuted, dims reversed, no output if
-    tied; `extra(writer)` adds metadata of the test's."""
+    tied; `extra(writer)` adds metadata of the test's; `pre` is the tokenizer's
+    pre-tokenizer, `add_bos` its add_bos_token (None: no such key)."""
     cfg, tok, qtypes = source.config, source.tokenizer, qtypes or {}
     writer = gguf.GGUFWriter(path, "llama")
     if extra is not None:
@@ -99,13 +107,14 @@ def write_llama_gguf(
         (writer.add_rope_dimension_count, cfg.head_dim),
         (writer.add_vocab_size, cfg.vocab_size),
         (writer.add_tokenizer_model, "gpt2"),
-        (writer.add_tokenizer_pre, "default"),
+        (writer.add_tokenizer_pre, pre),
         (writer.add_bos_token_id, cfg.bos_token_id),
         (writer.add_eos_token_id, cfg.eos_token_ids[0]),
-        (writer.add_add_bos_token, False),
         (writer.add_chat_template, tok.chat_template),
     ]:
         add(value)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
     vocab = tok.backend.get_vocab()
     tokens = sorted(vocab, key=vocab.get)
     merges = json.loads(tok.backend.to_str())["model"]["merges"]
@@ -328,6 +337,25 @@ def test_gguf_rope_scaling_is_read_as_llama_cpp_reads_it(tmp_path, metadata, sca
 
     write_llama_gguf(tmp_path / "m.gguf", resolve_model("random:tiny"), extra=add)
     assert resolve_model(tmp_path / "m.gguf").config.rope_scaling == scaling
+
+
+@pytest.mark.parametrize(
+    ("pre", "add_bos", "adds_bos"),
+    [
+        # llama.cpp prepends BOS for Llama 3's vocabulary when the file does not say,
+        # and Llama 3 GGUFs mostly do not: a raw completion's prompt was a token short.
+        ("llama-bpe", None, True),
+        ("llama-bpe", False, False),
+        ("default", None, False),
+        ("default", True, True),
+    ],
+)
+def test_gguf_bos_is_prepended_as_llama_cpp_prepends_it(tmp_path, pre, add_bos, adds_bos) -> None:
+    write_llama_gguf(tmp_path / "m.gguf", resolve_model("random:tiny"), pre=pre, add_bos=add_bos)
+    tokenizer = resolve_model(tmp_path / "m.gguf").tokenizer
+    assert tokenizer.add_bos_token is adds_bos
+    ids = tokenizer.encode("hello")
+    assert (ids[0] == tokenizer.bos_token_id) is adds_bos
 
 
 def test_gguf_of_another_architecture_is_refused(tmp_path: Path) -> None:

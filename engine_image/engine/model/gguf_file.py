@@ -61,6 +61,9 @@ _GPT2_SPLIT = {"default", "gpt2", "mpt", "olmo", "jais"}
 # These split every digit apart first (StarCoder-style vocabularies, SmolLM's included).
 _DIGIT_SPLIT = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 _LLAMA3_SPLIT = {"llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3"}
+# Vocabularies llama.cpp prepends BOS to when the file does not say
+# (tokenizer.ggml.add_bos_token): Llama 3's, whose GGUFs mostly carry no such key.
+_BOS_BY_DEFAULT = {"llama-bpe", "llama3", "llama-v3", "falcon3"}
 _LLAMA3_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -347,7 +350,7 @@ def _tokenizer(reader: GGUFContainer, path: Path) -> Tokenizer | None:
         backend,
         bos_token_id=bos,
         eos_token_ids=[i for i in eos if i is not None],
-        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", pre in _BOS_BY_DEFAULT)),
         chat_template=_field(reader, "tokenizer.chat_template", None),
     )
 
