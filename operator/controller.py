@@ -51,7 +51,7 @@ from tandem.operator.settings import OperatorSettings
 from tandem.operator.sources import MetricSources
 from tandem.operator.spec import KIND, ModelDeploymentSpec
 from tandem.operator.validation import InvalidSpec, validate_spec
-from tandem.redaction import redacted
+from tandem.redaction import check_redis_url, redacted
 
 log = logging.getLogger(__name__)
 
@@ -303,7 +303,14 @@ class Controller:
         secret = await self._kube.get("Secret", namespace, ref.name)
         if secret is None or ref.key not in (secret.get("data") or {}):
             raise LookupError(f"Secret {ref.name} has no key {ref.key!r}")
-        return base64.b64decode(secret["data"][ref.key]).decode().strip()
+        where = f"Secret {ref.name}'s key {ref.key!r}"
+        try:
+            url = base64.b64decode(secret["data"][ref.key]).decode().strip()
+        except ValueError:  # the decoder's reason quotes a byte of it
+            raise ValueError(f"{where} is not UTF-8 text") from None
+        # What the URL holds stays out of the Event and log the error goes to.
+        check_redis_url(url, where)
+        return url
 
 
 def _deletion_costs(

@@ -35,6 +35,9 @@ ModelDeployment (deleted with it) and labelled
   carries a hash of them (`serving.tandem.dev/config-hash`), so an edit rolls
   the pods.
 - a **PodDisruptionBudget** `<name>-<role>` (maxUnavailable 1).
+- without `spec.redis`, a **Secret** `<name>-<role>-redis` holding the
+  operator's Redis URL (password included), which the pods read through
+  `secretKeyRef`, so no password shows in a Deployment.
 
 Pods run as a non-root user on a read-only root filesystem (emptyDirs for
 /tmp and the cache), get `POD_IP` (the address engines advertise for KV

@@ -246,7 +246,7 @@ def refused(model: Body, error: str, *, now: str) -> Plan:
     """The plan once the API server refused a child the spec builds: Invalid, in its words.
 
     The spec passed the CRD and the operator's checks, so only a rule the API
-    server alone knows (a GPU count that must be whole, a label key's format)
+    server alone knows (a toleration's value with operator Exists, a label key's format)
     stands in the way; retrying cannot help, a changed spec can.
     """
     return _refusal(model, "InvalidSpec", f"the API server refused a child object: {error}", now)

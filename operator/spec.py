@@ -23,6 +23,7 @@ from tandem.operator.role_name import RoleName
 from tandem.operator.role_spec import DecodeRole, NormalRole, PrefillRole, RoleSpec
 from tandem.operator.settings import SECRET_NAME_PATTERN, SECRET_NAME_RULE, is_secret_name
 from tandem.operator.spec_base import CelRule, SpecModel, count_set
+from tandem.redaction import check_redis_url
 
 GROUP = "serving.tandem.dev"
 VERSION = "v1alpha1"
@@ -281,6 +282,15 @@ class RedisSpec(SpecModel):
     url_secret_ref: SecretKeyRef | None = Field(
         None, description="A Secret key holding the URL (for URLs with a password)."
     )
+
+    @field_validator("url")
+    @classmethod
+    def _readable_url(cls, url: str | None) -> str | None:
+        """A URL the engines cannot read crash-looped every pod, and the operator's own
+        read of its queue quoted redis-py's reason, half a password in it, in an Event."""
+        if url is not None:
+            check_redis_url(url, "the URL")
+        return url
 
 
 class ImagePullSecret(SpecModel):

@@ -241,6 +241,21 @@ async def test_a_spec_only_the_operator_refuses_is_invalid_too(cluster, operator
     assert cluster.children("m") == []
 
 
+async def test_a_redis_url_no_engine_can_read_is_invalid_and_quoted_nowhere(cluster, operator):
+    # A raw / in the password reads as host:port; the engines crash-looped, and the
+    # operator's queue read put redis-py's reason, half the password, in an Event.
+    manifest = normal(minReplicas=1)
+    manifest["spec"]["redis"] = {"url": "redis://:Secr3tHalf/otherhalf@redis:6379/0"}
+    await cluster.apply(manifest)  # the CRD's pattern accepts it
+
+    await eventually(lambda: phase(cluster, "m") == "Invalid", what="phase Invalid")
+    message = condition(cluster, "m", "Invalid")["message"]
+    assert message.startswith("spec.redis.url: the URL is not a Redis URL: redis://[[user]")
+    assert cluster.children("m") == []
+    (event,) = await eventually(lambda: cluster.events("InvalidSpec"), what="an Event")
+    assert "Secr3tHalf" not in str(event) and "Secr3tHalf" not in str(cluster.model("m")["status"])
+
+
 async def test_an_unknown_field_in_a_verbatim_affinity_makes_the_model_invalid(cluster, operator):
     # The CRD keeps `affinity` as given; the API server's default would drop the
     # misspelt key and run the pods anywhere. The operator writes strictly.
@@ -256,7 +271,7 @@ async def test_an_unknown_field_in_a_verbatim_affinity_makes_the_model_invalid(c
 async def test_a_child_the_api_server_refuses_makes_the_model_invalid_until_it_passes(
     cluster, operator
 ):
-    # A rule only the API server knows (a GPU count that must be whole, a label
+    # A rule only the API server knows (a toleration's value with Exists, a label
     # key's format) refuses the Deployment: the status says so, once.
     cluster.api.fail_next("POST", DEPLOYMENTS, status=422, reason="Invalid", times=10**6)
     await cluster.apply(normal(minReplicas=1))

@@ -123,6 +123,23 @@ async def test_the_queue_is_read_from_the_models_own_redis(cluster, operator, me
     assert (url, "m", f"{NAMESPACE}/m") in metrics.declarations
 
 
+async def test_an_unreadable_url_in_the_models_secret_is_named_not_quoted(
+    cluster, operator, metrics
+):
+    url = "redis://:Secr3tHalf/otherhalf@model-redis:6379/1"  # a raw / in the password
+    secret = {
+        "metadata": {"name": "model-redis"},
+        "data": {"url": b64encode(url.encode()).decode()},
+    }
+    await cluster.api.create(SECRETS, NAMESPACE, secret)
+    manifest = split()
+    manifest["spec"]["redis"] = {"urlSecretRef": {"name": "model-redis"}}
+    await cluster.apply(manifest)
+    (event,) = await eventually(lambda: cluster.events("QueueUnreadable"), what="an Event")
+    assert "Secret model-redis's key 'url' is not a Redis URL" in event["message"]
+    assert "Secr3tHalf" not in str(cluster.events()) and metrics.queue_reads == []
+
+
 async def test_only_the_leader_acts_and_the_standby_takes_over(cluster, metrics, clock):
     def sources() -> MetricSources:
         return MetricSources(metrics, metrics)
