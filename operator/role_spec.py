@@ -237,7 +237,7 @@ class PrefillRole(RoleSpec):
         0.7,
         gt=0,
         le=1,
-        description="Mean share (0-1) of the step token budget (maxNumBatchedTokens) that "
-        "prefill steps schedule, which the autoscaler keeps the role at.",
+        description="Mean share (0-1) of each prefill pod's capacity in use, read as the "
+        "share of time it spends prefilling, which the autoscaler keeps the role at.",
     )
     target_queued_tokens_per_replica: int = _queued_tokens_target()

@@ -26,7 +26,7 @@ class ScalingPolicy:
     # targetKVCacheUsage (decode, normal): the KV fraction each pod should run at.
     target_kv_cache_usage: float = 0.7
     # targetBudgetUtilization (prefill): the share of each pod's prefill token
-    # capacity to use (engine_metrics.budget_utilization).
+    # capacity to use (pod_load.budget_utilization).
     target_budget_utilization: float = 0.7
     # targetQueuedTokensPerReplica (prefill, normal): prompt tokens waiting, in Redis
     # and inside the engines, that one replica may have ahead of it. Half an

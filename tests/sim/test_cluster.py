@@ -145,6 +145,24 @@ def test_the_autoscaler_scales_up_under_a_burst_and_down_after():
     assert result.gpu_seconds < fixed.gpu_seconds
 
 
+def test_prefill_settles_under_a_steady_load_instead_of_cycling():
+    # Prompts well under the budget: each pod's steps part-full. Read as fill x busy,
+    # 8 pods' load asked 0.19 of a pod, the role fell to 1, its queue grew, and it
+    # climbed back to 8: a cycle of minutes, for as long as the load held.
+    steady = _workload(rate=20.0, duration=700.0, out="uniform:100:500")
+    roles = [
+        deploy.role_setup(name, replicas=1, min_replicas=1, max_replicas=8, tp=4)
+        for name in ("prefill", "decode")
+    ]
+    deployment = deploy.Deployment({role.role: role for role in roles})
+    result = simulate(ClusterConfig(deployment, H200, model_shape("llama-70b")), steady)
+    prefill = [(e.from_replicas, e.to_replicas) for e in result.scale_events if e.role == "prefill"]
+    downs = [i for i, (a, b) in enumerate(prefill) if b < a]
+    assert downs, "the start-up backlog's pods are given back"
+    assert all(b < a for a, b in prefill[downs[0] :]), f"down then up again: {prefill}"
+    assert prefill[-1][1] >= 2  # ~1.2 pods' time stepping, at the 70 % target
+
+
 def test_the_simulator_imports_no_io_client():
     # It runs the operator's autoscaler and scaling glue, never their HTTP or Redis clients.
     io = {"httpx", "redis", "prometheus_client", "kopf", "kubernetes"}
