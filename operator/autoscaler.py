@@ -196,7 +196,11 @@ def decide(
     recommendation, why = _recommend(current, demand, policy, idle_zero, now - last_active)
     notes = [why]
     unreadable_since = _unreadable_since(observed, history.unreadable_since, now)
-    if unreadable_since is not None:
+    # At zero there is no pod to read: nothing to report, and nothing cleared either (a
+    # role whose pods were never read said "readable again" as it reached zero).
+    at_zero = observed.current_replicas == 0 and not observed.pods
+    reported = None if at_zero else unreadable_since
+    if reported is not None:
         # Demand then holds at the current count (rule 2) unless Redis moves it:
         # say why instead of "within tolerance".
         notes = [f"holding: {UNREADABLE}"] if recommendation == current else [why, UNREADABLE]
@@ -271,8 +275,9 @@ def decide(
         reason=f"{role} {verb} {current}->{replicas}: " + "; ".join(notes),
         history=new_history,
         signals=tuple((s.name, round(s.up, 6)) for s in demand.signals),
-        unreadable=None if unreadable_since is None else UNREADABLE,
-        unreadable_changed=(unreadable_since is None) != (history.unreadable_since is None),
+        unreadable=None if reported is None else UNREADABLE,
+        unreadable_changed=not at_zero
+        and (unreadable_since is None) != (history.unreadable_since is None),
     )
 
 
@@ -294,10 +299,12 @@ def decide_all(
 
 
 def _unreadable_since(observed: RoleObservation, since: float | None, now: float) -> float | None:
-    """Since when no pod of the role could be read; None while one can, or while the
-    role has no pod at all (at zero there is nothing to read)."""
-    if observed.pods or observed.current_replicas == 0:
+    """Since when no pod of the role could be read; None while one can. Kept as it was
+    while the role has no pod at all: nothing was read, so nothing changed."""
+    if observed.pods:
         return None
+    if observed.current_replicas == 0:
+        return since
     if observed.unreadable:
         return now if since is None else since
     return since  # no pod ready, none scraped: nothing new either way

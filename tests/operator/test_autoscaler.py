@@ -18,6 +18,7 @@ from tandem.operator.autoscaler import (
     decide,
     decide_all,
 )
+from tandem.operator.events import readability_events
 from tandem.operator.pod_load import PodLoad
 from tandem.operator.role_name import RoleName
 from tandem.operator.scaling_policy import ScalingPolicy
@@ -357,8 +358,27 @@ def test_a_role_at_zero_is_not_reported_unreadable():
     # every evaluation while it had no pod at all.
     history = ScalingHistory(unreadable_since=5.0, last_active_at=0.0)
     d = once(NORMAL, observe(0), policy=ZERO, history=history, now=200.0)
-    assert d.replicas == 0 and d.history.unreadable_since is None
+    assert d.replicas == 0 and d.unreadable is None and not d.unreadable_changed
     assert "readable" not in d.reason
+
+
+def test_pods_never_read_are_not_said_readable_again_at_zero_nor_after():
+    # Every pod unreadable (a NetworkPolicy on port 8100) and idle: reaching zero posted
+    # "metrics readable again", though no pod had been read.
+    loop, said = Loop(NORMAL, 1, policy=ZERO), []
+
+    def step(obs_for, q) -> None:
+        said.extend(e.reason for e in readability_events({NORMAL: loop.step(obs_for, q)}))
+
+    unreadable = lambda n: RoleObservation(n, (), unreadable=n)  # noqa: E731
+    for _ in range(12):  # idle past scaleToZeroAfterSeconds, then at zero
+        step(unreadable, queue())
+    assert loop.replicas == 0 and said == ["MetricsUnreadable"]
+    step(unreadable, queue(waiting=3))  # woken, still unreadable: nothing new to say
+    step(unreadable, queue(waiting=3))
+    assert loop.replicas == 1 and said == ["MetricsUnreadable"]
+    step(lambda n: observe(n, pods(n, kv=0.5)), queue(waiting=3))  # read at last
+    assert said == ["MetricsUnreadable", "MetricsReadable"]
 
 
 def test_a_load_exactly_at_the_tolerance_band_edge_keeps_the_count():
