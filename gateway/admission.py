@@ -171,11 +171,16 @@ class Admission:
                 )
         try:
             await self._reserve_room(job)
+            charged = False
             try:
-                await self.quotas.admit(caller, job.cost_tokens, job.base_id)
+                await self.quotas.admit(caller, job.cost_tokens, job.base_id, job.timeout)
+                charged = True
                 entry_ids = await self.broker.enqueue(job.items)
             except BaseException:
                 self.queues.settle(job.model, job.n, queued=False)
+                if charged:  # nothing queued: a refused request uses no quota
+                    with contextlib.suppress(Exception):  # the first error is the one to report
+                        await self.quotas.give_back(caller, job.cost_tokens, job.base_id)
                 raise
             self.queues.settle(job.model, job.n, queued=True)
         except BaseException:

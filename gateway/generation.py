@@ -34,7 +34,7 @@ from tandem.gateway.reader import AsyncResponseReader, DeadlinePassed
 from tandem.gateway.recovery import LossWatch
 from tandem.gateway.rendering import ChoiceResult, Renderer, total_usage
 from tandem.gateway.streaming import DONE, sse
-from tandem.protocol import EventKind, ProtocolError, ResponseEvent
+from tandem.protocol import ErrorCode, EventKind, ProtocolError, ResponseEvent
 
 log = logging.getLogger("tandem.gateway")
 # The most a Redis call made on the way to another answer (an error, a deadline) may
@@ -95,6 +95,14 @@ class Generation:
             async for index, event in self.reader.events(
                 self.ticket.request_ids, self.deadline, self.watch
             ):
+                if (
+                    event.event == EventKind.ERROR
+                    and event.error_code == ErrorCode.DEADLINE_EXCEEDED
+                ):
+                    # The engine saw the deadline first (in its queue, or running): the
+                    # gateway's own answer, its likely cause and no retry by the SDKs,
+                    # whichever of the two saw it first.
+                    raise DeadlinePassed(f"an engine ended choice {index} at its deadline")
                 self._taken.add(index)
                 if first and not self.ticket.attached and event.event == EventKind.TOKENS:
                     waited = time.monotonic() - self.ticket.enqueued_at

@@ -17,6 +17,7 @@ that ends early (an error, a disconnect, its deadline) keeps the estimate.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -45,11 +46,13 @@ local rpm, tpm, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 """
 
 # KEYS: rpm bucket, tpm bucket, the request's marker. ARGV: rpm limit, tpm limit
-# (0: none), token cost. Returns {1} when admitted, else {0, quota, seconds until it
-# would pass}: "rpm", "tpm", or "tpm_size" (the cost exceeds the whole bucket: never
-# passes). Numbers cross as strings: Redis truncates Lua numbers to integers.
-# The marker (60 s) makes a take that runs again (its reply lost with a dead
-# connection, the client's retry) admit without taking twice.
+# (0: none), token cost, the marker's life in ms. Returns {1} when admitted, else {0,
+# quota, seconds until it would pass}: "rpm", "tpm", or "tpm_size" (the cost exceeds
+# the whole bucket: never passes). Numbers cross as strings: Redis truncates Lua
+# numbers to integers. The marker makes a take that runs again (its reply lost with a
+# dead connection, the client's retry) admit without taking twice, and lets a give-back
+# find what was taken: it lives as long as the request may (an engine refuses a request
+# it takes from the queue, at any time until its deadline).
 _TAKE_LUA = (
     """
 if redis.call('EXISTS', KEYS[3]) == 1 then return {1} end
@@ -68,7 +71,7 @@ if tpm > 0 then
 end
 if r then store(KEYS[1], r - 1, rpm) end
 if k then store(KEYS[2], k - cost, tpm) end
-redis.call('SET', KEYS[3], '1', 'PX', 60000)
+redis.call('SET', KEYS[3], '1', 'PX', ARGV[4])
 return {1}
 """
 )
@@ -107,6 +110,10 @@ return 1
 )
 
 
+# The shortest a take's marker lives: a take run again within it takes nothing twice.
+_MIN_HOLD_S = 60.0
+
+
 @dataclass(frozen=True, slots=True)
 class QuotaDecision:
     admitted: bool
@@ -131,15 +138,20 @@ class Quotas:
     def marker_key(self, name: str, request_id: str) -> str:
         return f"{self.prefix}:quota:{{{name}}}:taken:{request_id}"
 
-    async def take(self, key: ApiKey, tokens: int, request_id: str) -> QuotaDecision:
+    async def take(
+        self, key: ApiKey, tokens: int, request_id: str, hold_s: float = _MIN_HOLD_S
+    ) -> QuotaDecision:
         """Use one request and `tokens` tokens of the key's quotas, or neither; a
-        request id already admitted (within a minute) takes nothing again."""
+        request id already admitted (within `hold_s`, at least a minute: the request's
+        deadline) takes nothing again, and can be given back until then."""
         if key.rpm is None and key.tpm is None:
             return QuotaDecision(True)
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
         script_keys = [*self.bucket_keys(key.name), self.marker_key(key.name, request_id)]
-        reply = await self._take(keys=script_keys, args=[key.rpm or 0, key.tpm or 0, tokens])
+        hold_ms = math.ceil(max(hold_s, _MIN_HOLD_S) * 1000)
+        args = [key.rpm or 0, key.tpm or 0, tokens, hold_ms]
+        reply = await self._take(keys=script_keys, args=args)
         if int(reply[0]) == 1:
             return QuotaDecision(True)
         quota = as_text(reply[1])
@@ -163,9 +175,9 @@ class Quotas:
         script_keys = [*self.bucket_keys(key.name), self.marker_key(key.name, request_id)]
         await self._settle(keys=script_keys, args=[0, key.tpm, charged, used])
 
-    async def admit(self, key: ApiKey, tokens: int, request_id: str) -> None:
+    async def admit(self, key: ApiKey, tokens: int, request_id: str, hold_s: float) -> None:
         """take(), raising the 429 that names the quota when refused."""
-        decision = await self.take(key, tokens, request_id)
+        decision = await self.take(key, tokens, request_id, hold_s)
         if not decision.admitted:
             raise refusal(key, tokens, decision)
 

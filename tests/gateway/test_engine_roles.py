@@ -131,3 +131,20 @@ def test_engine_series_stay_at_zero_once_the_engines_are_gone(start_gateway, red
     conn.delete(keys.engine_key("prompt-0"), keys.engine_key("completion-1"))
     # Neither live nor declared: no data would read as "no problem" to an alert.
     assert engines_scraped() == {"normal": 0, "prompt": 0, "completion": 0}
+
+
+def test_a_deadline_an_engine_saw_first_is_answered_as_the_gateways_own(start_gateway, engines):
+    # The engine ends a request at its deadline while the gateway waits a grace for it:
+    # most often its error came first, and the 504 lacked x-should-retry: false (the
+    # SDKs ran the request twice more, each time to its deadline) and the cause.
+    engines("normal", "--max-model-len", "2048", "--num-kv-blocks", "256")
+    gateway = start_gateway(models_cache_s=0.0)
+    long = {**ASK, "max_tokens": 2000, "ignore_eos": True}
+    with gateway.http() as http:
+        answers = [http.post("/v1/completions", json=long, headers=SHORT) for _ in range(3)]
+    for answer in answers:
+        assert answer.status_code == 504, answer.text
+        assert answer.headers["x-should-retry"] == "false"
+        assert answer.json()["error"]["code"] == "deadline_exceeded"
+        message = answer.json()["error"]["message"]
+        assert message.startswith("The request did not finish within its deadline of 1 s")

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import uuid
 
 import pytest
 import redis.asyncio as aioredis
 
-from tandem.gateway.auth import ApiKey
+from tandem import catalog
+from tandem.gateway.auth import ApiKey, KeyStore
 from tandem.gateway.errors import GatewayError
 from tandem.gateway.quota import Quotas
+from tandem.protocol import PRIORITY_NORMAL
 
 
 def _run(redis_url, work):
@@ -64,7 +68,7 @@ def test_a_cost_above_the_whole_bucket_is_refused_for_good(redis_url, keys):
         quotas = Quotas(a, keys.prefix)
         decision = await quotas.take(key, 101, "r0")
         with pytest.raises(GatewayError) as caught:
-            await quotas.admit(key, 101, "r1")
+            await quotas.admit(key, 101, "r1", 60.0)
         return decision, caught.value
 
     decision, error = _run(redis_url, work)
@@ -92,9 +96,9 @@ def test_the_429_names_the_quota_and_says_when_to_retry(redis_url, keys):
 
     async def work(a, _):
         quotas = Quotas(a, keys.prefix)
-        await quotas.admit(key, 0, "r0")
+        await quotas.admit(key, 0, "r0", 60.0)
         with pytest.raises(GatewayError) as caught:
-            await quotas.admit(key, 0, "r1")
+            await quotas.admit(key, 0, "r1", 60.0)
         return caught.value
 
     error = _run(redis_url, work)
@@ -191,3 +195,45 @@ def test_nothing_is_settled_after_a_give_back(redis_url, keys):
         return await quotas.take(key, 100, "whole")
 
     assert _run(redis_url, work).admitted  # all 100 were back: 60 had the 40 been charged
+
+
+def test_a_take_can_be_given_back_until_the_requests_deadline(redis_url, keys):
+    # An engine refuses a request (too long a prompt) as it takes it from the queue, at
+    # any time until its deadline: with a minute's marker, a request refused after a
+    # longer wait kept its charge.
+    key = ApiKey("k", rpm=2, tpm=100)
+
+    async def work(a, _):
+        quotas = Quotas(a, keys.prefix)
+        await quotas.take(key, 10, "short", hold_s=5.0)  # at least a minute, as before
+        await quotas.take(key, 10, "long", hold_s=600.0)
+        return [await a.pttl(quotas.marker_key(key.name, rid)) for rid in ("short", "long")]
+
+    short, long = _run(redis_url, work)
+    assert short == pytest.approx(60_000, abs=1_000)
+    assert long == pytest.approx(600_000, abs=1_000)
+
+
+def test_a_request_whose_work_could_not_be_queued_uses_no_quota(
+    start_gateway, redis_client, keys, tmp_path, monkeypatch
+):
+    # The quota is taken before the work is written; a write Redis refused answered
+    # 5xx and kept the charge, against "a refused request uses no quota".
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps([{"key": "sk-tpm", "name": "team", "tpm": 100}]))
+    gateway = start_gateway(KeyStore.load(str(path), None))  # in this process
+    catalog.declare(redis_client, keys, "idle", "test/idle", ttl_s=60)
+    first = uuid.UUID(int=7)
+    monkeypatch.setattr(uuid, "uuid4", lambda: first)  # the first request's ids
+    # The request's queued marker of the wrong type: the enqueue script fails before
+    # it writes anything.
+    redis_client.hset(keys.enqueued("idle", first.hex), "x", "1")
+    body = {"model": "idle", "prompt": "hi", "max_tokens": 60}
+    with gateway.http("sk-tpm", timeout=10) as http:
+        refused = http.post("/v1/completions", json=body)
+        assert refused.status_code >= 500, refused.text
+        assert redis_client.xlen(keys.work_stream("idle", PRIORITY_NORMAL)) == 0
+        monkeypatch.undo()
+        # 100 tokens a minute: with the first 61 still charged, this one would be a 429.
+        again = http.post("/v1/completions", json=body, headers={"X-Tandem-Timeout": "0.5"})
+    assert again.status_code == 504, again.text  # admitted, queued, nobody served it
