@@ -51,6 +51,7 @@ _UNSERVED_PARAMS: dict[str, tuple[tuple[object, ...], str | None]] = {
     "function_call": (("none",), "function_call other than none"),
     "functions": (([],), None),
     "modalities": ((["text"],), "modalities other than ['text']"),
+    "moderation": ((), None),
     "prediction": ((), None),
     "reasoning_effort": (("none",), "reasoning_effort other than none"),
     "response_format": (({"type": "text"},), "response_format other than text"),

@@ -77,7 +77,7 @@ def engine_message(index: int, message: ChatMessage) -> dict[str, str]:
             raise bad_request(
                 f"Missing required parameter: {param}[{j}].text", f"{param}[{j}].text"
             )
-        # Parts of other types have fields of their own; a text part has only these two.
+        # Parts of other types have fields of their own; a text part has only those declared.
         if part.model_extra:
             extra = f"{param}[{j}].{next(iter(part.model_extra))}"
             raise bad_request(f"Unrecognized request argument supplied: {extra}", extra)

@@ -51,6 +51,9 @@ class ContentPart(BaseModel):
 
     type: str
     text: str | None = None
+    # Accepted and ignored on a text part: where a cached prefix may end (the engines'
+    # prefix cache finds its own).
+    prompt_cache_breakpoint: dict[str, object] | None = None
 
 
 class ChatMessage(BaseModel):
@@ -138,12 +141,14 @@ class ChatCompletionRequest(_Request):
     # Accepted and ignored: they change nothing without tools or storage.
     metadata: dict[str, str] | None = None
     modalities: list[str] | None = Field(default=None, description="Only ['text'].")
+    moderation: dict[str, object] | None = Field(default=None, description="Not supported.")
     n: Choices = None
     parallel_tool_calls: bool | None = None
     prediction: dict[str, object] | None = Field(default=None, description="Not supported.")
     presence_penalty: Penalty = None
     # Accepted and ignored, as `user`: a cache or abuse-tracking hint changes no answer.
     prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, object] | None = None
     prompt_cache_retention: str | None = None  # the engines' prefix cache keeps its own
     # Strings, not OpenAI's enums: a value OpenAI adds later is refused as unsupported.
     reasoning_effort: str | None = Field(default=None, description="Only 'none'.")

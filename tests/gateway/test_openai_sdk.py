@@ -330,11 +330,42 @@ def test_openai_parameters_at_neutral_values_change_nothing_and_others_are_named
         reasoning_effort="none",
         verbosity="medium",
         prompt_cache_key="team-a",
+        prompt_cache_options={"ttl": "30m"},
         prompt_cache_retention="24h",
         safety_identifier="user-123",
+        moderation=None,
     )
     plain = sdk.chat.completions.create(**args)
     assert neutral.choices[0].message.content == plain.choices[0].message.content
     with pytest.raises(openai.BadRequestError) as caught:
         sdk.chat.completions.create(**args, service_tier="flex")
     assert (caught.value.param, caught.value.code) == ("service_tier", "unsupported")
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk.chat.completions.create(**args, moderation={"model": "omni-moderation-latest"})
+    assert (caught.value.param, caught.value.code) == ("moderation", "unsupported")
+    breakpoint_part = {"type": "text", "text": "Hi", "prompt_cache_breakpoint": {"ttl": "5m"}}
+    marked = sdk.chat.completions.create(
+        **{**args, "messages": [{"role": "user", "content": [breakpoint_part]}]}
+    )
+    unmarked = sdk.chat.completions.create(
+        **{**args, "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}
+    )
+    assert marked.choices[0].message.content == unmarked.choices[0].message.content
+
+
+def test_every_parameter_the_sdk_sends_is_declared():
+    # A parameter the installed SDK sends and the schema lacks is refused as
+    # unrecognized: this names it when the SDK is upgraded (served, ignored, or refused
+    # as unsupported, by name: a choice to make).
+    from openai.types import completion_create_params as completion
+    from openai.types.chat import chat_completion_content_part_text_param as text_part
+    from openai.types.chat import completion_create_params as chat
+
+    from tandem.gateway.schemas import ChatCompletionRequest, CompletionRequest, ContentPart
+
+    for sdk_params, ours in (
+        (chat.CompletionCreateParamsBase, ChatCompletionRequest),
+        (completion.CompletionCreateParamsBase, CompletionRequest),
+        (text_part.ChatCompletionContentPartTextParam, ContentPart),
+    ):
+        assert set(sdk_params.__annotations__) - set(ours.model_fields) == set(), ours
