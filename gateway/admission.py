@@ -173,7 +173,8 @@ class Admission:
             await self._reserve_room(job)
             charged = False
             try:
-                await self.quotas.admit(caller, job.cost_tokens, job.base_id, job.timeout)
+                default = None if job.max_tokens_given else job.max_tokens
+                await self.quotas.admit(caller, job.cost_tokens, job.base_id, job.timeout, default)
                 charged = True
                 entry_ids = await self.broker.enqueue(job.items)
             except BaseException:

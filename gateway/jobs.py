@@ -93,6 +93,11 @@ class Job:
         return [item.request_id for item in self.items]
 
     @property
+    def max_tokens_given(self) -> bool:
+        """Whether the client set max_tokens (else a default counts)."""
+        return self.items[0].max_tokens_given
+
+    @property
     def cost_tokens(self) -> int:
         """What the tpm quota charges: estimated prompt + max_tokens, per choice."""
         return self.n * (self.estimated_prompt_tokens + self.max_tokens)

@@ -175,14 +175,24 @@ class Quotas:
         script_keys = [*self.bucket_keys(key.name), self.marker_key(key.name, request_id)]
         await self._settle(keys=script_keys, args=[0, key.tpm, charged, used])
 
-    async def admit(self, key: ApiKey, tokens: int, request_id: str, hold_s: float) -> None:
-        """take(), raising the 429 that names the quota when refused."""
+    async def admit(
+        self,
+        key: ApiKey,
+        tokens: int,
+        request_id: str,
+        hold_s: float,
+        default_max_tokens: int | None = None,
+    ) -> None:
+        """take(), raising the 429 that names the quota when refused;
+        `default_max_tokens`: the max_tokens counted for a client that set none."""
         decision = await self.take(key, tokens, request_id, hold_s)
         if not decision.admitted:
-            raise refusal(key, tokens, decision)
+            raise refusal(key, tokens, decision, default_max_tokens)
 
 
-def refusal(key: ApiKey, tokens: int, decision: QuotaDecision) -> GatewayError:
+def refusal(
+    key: ApiKey, tokens: int, decision: QuotaDecision, default_max_tokens: int | None = None
+) -> GatewayError:
     if decision.quota == "rpm":
         return rate_limited(
             f"Rate limit reached for requests per minute (rpm) of key {key.name!r}: "
@@ -191,10 +201,15 @@ def refusal(key: ApiKey, tokens: int, decision: QuotaDecision) -> GatewayError:
             decision.retry_after,
         )
     if decision.quota == "tpm_size":
+        # A client that set no max_tokens was told to lower what it never set.
+        counted, fix = "max_tokens", "lower max_tokens or n"
+        if default_max_tokens is not None:
+            counted = f"max_tokens, unset: the default {default_max_tokens}"
+            fix = "set max_tokens lower (or n)"
         return rate_limited(
             f"Request too large for tokens per minute (tpm) of key {key.name!r}: it needs "
-            f"{tokens} tokens (estimated prompt + max_tokens, per choice), the limit is "
-            f"{key.tpm}/min; lower max_tokens or n",
+            f"{tokens} tokens (estimated prompt + {counted}, per choice), the limit is "
+            f"{key.tpm}/min; {fix}",
             "tpm_exceeded",
             None,
             retryable=False,
