@@ -105,6 +105,13 @@ class EngineConfig:
             )
 
     @property
+    def max_running(self) -> int:
+        """Most sequences running at once: max_num_seqs, and no more than one decode step's
+        budget holds a token of each. (With more, each decode step took the oldest again
+        and the newest, their first token sent, waited for the oldest to finish.)"""
+        return min(self.max_num_seqs, self.max_num_batched_tokens)
+
+    @property
     def prompt_limit(self) -> int:
         """Longest prompt the engine accepts: the prompt and its first sampled token
         fit the context. (Without chunked prefill a prompt must also fit one step,

@@ -155,7 +155,7 @@ class Scheduler(HandoffSide):
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         # Sequences whose KV is arriving run next: their slots are taken.
-        slots = cfg.max_num_seqs - len(self.running) - len(self.receiving)
+        slots = cfg.max_running - len(self.running) - len(self.receiving)
         waiting, kv = self.waiting, self.kv
         plan = StepPlan(is_prefill=True)
         while (request := waiting.first()) is not None and budget > 0 and slots > 0:

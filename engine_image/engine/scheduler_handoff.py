@@ -69,7 +69,7 @@ class HandoffSide:
         here (a failed fetch, a preempted request): the blocks freed go to it first,
         else a steady stream of handoffs starved it until its deadline."""
         cfg, kv = self.config, self.kv
-        if self.waiting or len(self.running) + len(self.receiving) >= cfg.max_num_seqs:
+        if self.waiting or len(self.running) + len(self.receiving) >= cfg.max_running:
             return False
         if not (self.running or self.receiving):
             return True

@@ -268,11 +268,36 @@ def test_decode_respects_the_budget():
     sched = make(max_model_len=64, max_num_batched_tokens=64, max_num_seqs=100)
     for i in range(80):
         sched.add_request(Request(f"r{i}", prompt(4, i * 10), LONG))
-    while sched.waiting:
-        step(sched)
+    for _ in range(4):  # 16 prompts of 4 tokens a step
+        assert step(sched)[0].is_prefill
+    # As many running as a decode step holds: the other 16 wait unprefilled.
+    assert sched.num_running == 64 and sched.num_waiting == 16
     plan, _ = step(sched)
     assert not plan.is_prefill
     assert plan.total_tokens == 64
+
+
+def test_a_budget_below_max_num_seqs_never_leaves_a_started_answer_waiting():
+    # Chunked prefill allows a budget below max_num_seqs. Each decode step took the
+    # oldest sequences again: the newest, their first token sent, waited for the
+    # oldest to finish (a stream that froze for minutes).
+    sched = make(
+        max_model_len=256, max_num_seqs=4, max_num_batched_tokens=2, enable_chunked_prefill=True
+    )
+    for i in range(4):
+        sched.add_request(Request(f"r{i}", prompt(1, 10 + i), SamplingParams(max_tokens=50)))
+    last: dict[str, int] = {}
+    longest = 0
+    for n in range(1000):
+        if not sched.has_unfinished_requests():
+            break
+        _, outputs = step(sched)
+        for out in outputs:
+            if out.new_token_ids:
+                longest = max(longest, n - last.get(out.request_id, n))
+                last[out.request_id] = n
+    assert not sched.has_unfinished_requests() and len(last) == 4
+    assert longest <= 2  # a decode step, or a prompt step between two
 
 
 def test_max_num_seqs_bounds_running_requests():
