@@ -5,26 +5,24 @@ history, now): no I/O, no clock, no global state. The caller keeps the returned
 `ScalingHistory` and passes it to the next evaluation, so the same inputs always
 give the same decision and every rule is a table-driven test.
 
-Each signal is turned into "replicas needed" (demand), HPA's ratio rule in
-absolute form: demand = sum over ready pods of metric / target, so a pod at the
-target is one replica. The largest signal wins; then, in order: tolerance band,
-scale to / from zero, scale-up and scale-down stabilisation windows, scale-up
-step limit, min/max bounds.
+Each signal is turned into "replicas needed" (role_demand.py: HPA's ratio rule in
+absolute form, a pod at the target is one replica). The largest signal wins; then,
+in order: tolerance band, scale to / from zero (role_demand.recommend), scale-up and
+scale-down stabilisation windows, scale-up step limit, min/max bounds.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from tandem.operator.pod_load import PodLoad
+from tandem.operator.role_demand import EPSILON, recommend, role_demand
 from tandem.operator.role_name import RoleName
 from tandem.operator.scaling_policy import ScalingPolicy
 from tandem.queue_state import QueueState
 
-# ceil() of a demand computed in floats: 0.7 * 3 / 0.7 must ask for 3 pods, not 4.
-_EPSILON = 1e-9
 # Decision.unreadable.
 UNREADABLE = "no pod's metrics readable"
 
@@ -142,33 +140,6 @@ class Decision:
         return self.replicas != self.current
 
 
-@dataclass(frozen=True, slots=True)
-class _Signal:
-    name: str
-    # Replicas needed, pods lacking the metric counted idle (HPA's scale-up rule)...
-    up: float
-    # ...and counted at the target (HPA's scale-down rule for missing metrics).
-    down: float
-
-
-@dataclass(frozen=True, slots=True)
-class _Demand:
-    signals: tuple[_Signal, ...]
-    active: bool
-
-    @property
-    def up(self) -> float:
-        return max((s.up for s in self.signals), default=0.0)
-
-    @property
-    def down(self) -> float:
-        return max((s.down for s in self.signals), default=0.0)
-
-    @property
-    def driver(self) -> str:
-        return max(self.signals, key=lambda s: s.up).name if self.signals else "none"
-
-
 def decide(
     role: RoleName | str,
     observed: RoleObservation,
@@ -182,7 +153,9 @@ def decide(
     if isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now):
         raise ValueError(f"now must be a finite number of seconds, got {now!r}")
     current = observed.current_replicas
-    demand = _demand(role, observed, queue, policy)
+    demand = role_demand(
+        role, observed.current_replicas, observed.pods, observed.ready_pods, queue, policy
+    )
     # A fresh history (operator restart) starts the idle clock now: an unknown
     # past never counts as idle time.
     last_active = history.last_active_at
@@ -193,7 +166,7 @@ def decide(
         and not demand.active
         and now - last_active >= policy.scale_to_zero_after_seconds
     )
-    recommendation, why = _recommend(current, demand, policy, idle_zero, now - last_active)
+    recommendation, why = recommend(current, demand, policy, idle_zero, now - last_active)
     notes = [why]
     unreadable_since = _unreadable_since(observed, history.unreadable_since, now)
     # At zero there is no pod to read: nothing to report, and nothing cleared either (a
@@ -240,7 +213,7 @@ def decide(
         ready = min(current, up)
         limit = max(
             ready + policy.scale_up_max_step,
-            math.ceil(ready * (1 + policy.scale_up_max_percent / 100) - _EPSILON),
+            math.ceil(ready * (1 + policy.scale_up_max_percent / 100) - EPSILON),
         )
         if replicas > max(current, limit):
             notes.append(f"step limit {max(current, limit)} ({ready} ready)")
@@ -308,109 +281,3 @@ def _unreadable_since(observed: RoleObservation, since: float | None, now: float
     if observed.unreadable:
         return now if since is None else since
     return since  # no pod ready, none scraped: nothing new either way
-
-
-# ------------------------------------------------------------------ signals
-
-
-def _recommend(
-    current: int, demand: _Demand, policy: ScalingPolicy, idle_zero: bool, idle_for: float
-) -> tuple[int, str]:
-    """The replicas the signals ask for, with HPA's tolerance band, and why."""
-    if idle_zero:
-        return 0, f"idle {idle_for:.1f}s >= scaleToZeroAfterSeconds, scale to zero"
-    if current == 0:
-        if not demand.active:
-            return 0, "no work"
-        # No pod to measure: the queue alone sizes the first step (at least one pod).
-        return max(1, _ceil(demand.up)), f"work queued, scale from zero ({_asks(demand)})"
-    up, down = demand.up / current, demand.down / current
-    # With _EPSILON: exactly at the band's edge (0.63 / 0.7 = 0.9 in floats) is within.
-    if up > 1 + policy.tolerance + _EPSILON:
-        recommendation, why = _ceil(demand.up), f"{_asks(demand)}, {up:.2f}x current"
-    elif down < 1 - policy.tolerance - _EPSILON:
-        recommendation, why = _ceil(demand.down), f"{_asks(demand, down=True)}, {down:.2f}x current"
-    else:
-        return current, f"{_asks(demand)}, within tolerance {policy.tolerance:g}"
-    if recommendation == 0:
-        # Zero only through the idle timer: queued work with 0 tokens still needs a pod.
-        return 1, why + ("; at least 1 until idle" if policy.min_replicas == 0 else "")
-    return recommendation, why
-
-
-def _asks(demand: _Demand, *, down: bool = False) -> str:
-    """The signal that asks most, in the view that decides (rule 2): going down, the
-    pods without metrics count at target, and the reason must say that figure."""
-    if not demand.signals:
-        return "no signal"
-    if down:
-        signal = max(demand.signals, key=lambda s: s.down)
-        return f"{signal.name} asks {signal.down:.2f}"
-    return f"{demand.driver} asks {demand.up:.2f}"
-
-
-def _demand(
-    role: RoleName, observed: RoleObservation, queue: QueueState, policy: ScalingPolicy
-) -> _Demand:
-    current, pods, ready = observed.current_replicas, observed.pods, observed.ready_pods
-    signals: list[_Signal] = []
-    if role in (RoleName.NORMAL, RoleName.DECODE):
-        # Loads are in range (engine_metrics.parse_metrics refuses the rest).
-        usage = sum(p.kv_cache_usage for p in ready)
-        if role is RoleName.DECODE:
-            # KV usage saturates at 1 per pod, so alone it cannot show a 4x load.
-            # Handoffs no decoder has room for are the rest of the demand, each
-            # costing the KV a request holds on average: those whose KV is still
-            # arriving hold theirs too (left out, a burst's fetches, two at a time,
-            # made the average several times too large).
-            backlog = queue.handoff_waiting + sum(p.requests_waiting for p in pods)
-            holding = sum(p.requests_running + p.kv_receiving_requests for p in ready)
-            if backlog and holding:
-                usage += backlog * usage / holding
-        signals.append(
-            _per_pod("kv_cache", usage / policy.target_kv_cache_usage, len(ready), current)
-        )
-    if role is RoleName.PREFILL:
-        used = [p.budget_utilization for p in ready if p.budget_utilization is not None]
-        units = sum(used) / policy.target_budget_utilization
-        signals.append(_per_pod("budget", units, len(used), current))
-    if role in (RoleName.NORMAL, RoleName.PREFILL):
-        # Absolute, like an HPA External metric with an AverageValue target: the
-        # tokens are waiting whoever will take them, so no per-pod adjustment.
-        # The engines' share is each one's mean since the last scrape.
-        tokens = queue.queued_tokens + sum(p.buffered_tokens for p in pods)
-        units = tokens / policy.target_queued_tokens_per_replica
-        signals.append(_Signal("queued_tokens", units, units))
-    return _Demand(tuple(signals), _active(pods, queue))
-
-
-def _per_pod(name: str, units: float, measured: int, current: int) -> _Signal:
-    """A per-pod signal; replicas lacking the metric are idle going up, at target going down."""
-    return _Signal(name, units, units + max(0, current - measured))
-
-
-def _active(pods: Iterable[PodLoad], queue: QueueState) -> bool:
-    """Whether the role has any work: what scale from zero and to zero look at."""
-    # Taken-but-unacked entries (pending) count: an engine is serving them even
-    # when its /metrics could not be read.
-    work = queue.queued_tokens > 0 or queue.total_waiting > 0 or queue.pending > 0
-    # Handoffs waiting or being fetched: decode must take them, and prefill's pods hold
-    # their KV (read from Redis, so unreadable prefill pods are not taken for idle). A
-    # normal role has none. Every queued request will need a decoder too: decode's cold
-    # start runs alongside prefill's instead of after the first handoff.
-    work = work or queue.handoff_waiting > 0 or queue.handoff_pending > 0
-    # A pod that stepped since the last scrape had work, though its gauges read 0 now:
-    # a trickle of short requests between scrapes was idle to them, scaled to zero.
-    return work or any(
-        p.requests_running
-        or p.requests_waiting
-        or p.waiting_prompt_tokens
-        or p.kv_pinned_requests
-        or p.kv_receiving_requests
-        or p.stepped
-        for p in pods
-    )
-
-
-def _ceil(x: float) -> int:
-    return max(0, math.ceil(x - _EPSILON))
