@@ -30,6 +30,7 @@ from redis.exceptions import RedisError
 
 from tandem.gateway.auth import ApiKey, check_model
 from tandem.gateway.broker import Broker
+from tandem.gateway.context_check import check_context
 from tandem.gateway.directory import ModelDirectory
 from tandem.gateway.errors import missing_role, model_not_found, rate_limited
 from tandem.gateway.idempotency import IdempotencyLedger, IdempotencyRecord
@@ -155,6 +156,7 @@ class Admission:
             raise model_not_found(job.model, await self.directory.served_for(caller))
         if (gap := await self.directory.missing_role(job.model)) is not None:
             raise missing_role(job.model, *gap, MISSING_ROLE_RETRY_S)
+        check_context(job, self.directory.context_length(job.model))
         ledger_key = None
         if idempotency_key is not None:
             ledger_key = self.ledger.key(caller.name, idempotency_key)

@@ -127,6 +127,15 @@ class ModelDirectory:
             return Role.PROMPT.value, Role.COMPLETION.value
         return None  # roles of a newer engine this gateway does not know: let it try
 
+    def context_length(self, model: str) -> int | None:
+        """The longest context any of `model`'s live engines serves (as of the last
+        refresh): a request longer fits none of them. None when an engine does not say
+        (one from before the field), or none is live (scaled to zero)."""
+        lengths = [info.max_model_len for info in self._models.get(model, ())]
+        if not lengths or None in lengths:
+            return None
+        return max(lengths)  # type: ignore[type-var]
+
     async def stall(self, model: str, *, taken: bool) -> str:
         """Why a request for `model` may have run out of time, as far as the (cached)
         registry tells; "" when it tells nothing. `taken`: an engine had started it."""

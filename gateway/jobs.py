@@ -106,6 +106,12 @@ class Job:
     def prompt_param(self) -> str:
         return "messages" if self.kind == "chat" else "prompt"
 
+    @property
+    def max_tokens_param(self) -> str:
+        """The field the client gave max_tokens in."""
+        chat = isinstance(self.body, ChatCompletionRequest)
+        return "max_completion_tokens" if chat and self.body.max_completion_tokens else "max_tokens"
+
     @cached_property
     def digest(self) -> str:
         """The request's content, for Idempotency-Key (computed only when one is sent).

@@ -39,6 +39,9 @@ class EngineInfo(Message):
     running: int = 0
     waiting: int = 0
     waiting_prompt_tokens: int = 0
+    # Its context length: the gateway refuses what can never fit before queueing it.
+    # None: an engine from before the field.
+    max_model_len: int | None = None
 
 
 def engine_entry(info: EngineInfo) -> str:

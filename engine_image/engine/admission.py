@@ -6,6 +6,7 @@ forever; the engine service turns each error into its protocol error code.
 
 from __future__ import annotations
 
+from tandem.context_window import context_exceeded, prompt_too_long
 from tandem.engine.config import EngineConfig
 
 
@@ -23,18 +24,9 @@ def check_fits(
     """Raise PromptTooLongError for a prompt over config.prompt_limit. exact_max_tokens:
     the caller asked for max_tokens of room, so a prompt that leaves less raises
     ContextLengthError (else generation stops at max_model_len)."""
-    limit = config.prompt_limit
-    if num_prompt_tokens > limit:
-        raise PromptTooLongError(
-            f"The prompt has {num_prompt_tokens} tokens, more than this engine's limit of "
-            f"{limit} (max_model_len {config.max_model_len}, less one token for the "
-            "completion). Please reduce the length of the prompt."
-        )
-    if exact_max_tokens and num_prompt_tokens + max_tokens > config.max_model_len:
-        # OpenAI's words for the same refusal: clients and people recognise them.
-        raise ContextLengthError(
-            f"This model's maximum context length is {config.max_model_len} tokens. However, "
-            f"you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in "
-            f"the prompt, {max_tokens} in the completion). Please reduce the length of the "
-            "prompt or of max_tokens."
-        )
+    if (why := prompt_too_long(num_prompt_tokens, config.max_model_len)) is not None:
+        raise PromptTooLongError(why)
+    if exact_max_tokens:
+        why = context_exceeded(num_prompt_tokens, max_tokens, config.max_model_len)
+        if why is not None:
+            raise ContextLengthError(why)

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.context_window import prompt_limit
 from tandem.protocol import Role
 
 # The deepinfer scheduler's name for an engine's role: the very enum the registry
@@ -116,7 +117,7 @@ class EngineConfig:
         """Longest prompt the engine accepts: the prompt and its first sampled token
         fit the context. (Without chunked prefill a prompt must also fit one step,
         and the budget is at least max_model_len, checked above.)"""
-        return self.max_model_len - 1
+        return prompt_limit(self.max_model_len)
 
     @property
     def draft_placeholder_id(self) -> int | None:

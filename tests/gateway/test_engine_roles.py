@@ -148,3 +148,44 @@ def test_a_deadline_an_engine_saw_first_is_answered_as_the_gateways_own(start_ga
         assert answer.json()["error"]["code"] == "deadline_exceeded"
         message = answer.json()["error"]["message"]
         assert message.startswith("The request did not finish within its deadline of 1 s")
+
+
+def test_what_can_never_fit_the_context_is_refused_before_it_is_queued(
+    start_gateway, redis_url, redis_client, keys
+):
+    # Engines refused it only as they took it from the queue: after minutes, under
+    # load. Here no engine takes anything: the refusals are the gateway's own.
+    conn = redis.Redis.from_url(redis_url)
+    registry = Registry(conn, keys, ttl_seconds=600)
+    registry.heartbeat(EngineInfo("n-0", "tiny", "normal", "127.0.0.1:1", max_model_len=256))
+    gateway = start_gateway(models_cache_s=0.0)
+    asks = {
+        "prompt_too_long": ({**ASK, "prompt": [1] * 256}, "prompt"),
+        "context_length_exceeded": ({**ASK, "prompt": [1] * 200, "max_tokens": 57}, "prompt"),
+        "completion alone": ({**ASK, "max_tokens": 256}, "max_tokens"),
+    }
+    with gateway.http() as http:
+        for body, param in asks.values():
+            answer = http.post("/v1/completions", json=body, headers=SHORT)
+            assert answer.status_code == 400, answer.text
+            assert answer.json()["error"]["param"] == param
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
+        answer = http.post("/v1/chat/completions", json={**chat, "max_completion_tokens": 300})
+        assert answer.json()["error"]["param"] == "max_completion_tokens"
+        assert answer.json()["error"]["message"] == (
+            "This model's maximum context length is 256 tokens. However, you requested 300 "
+            "tokens in the completion alone, which leaves no room for the prompt. Please "
+            "reduce max_tokens."
+        )
+        # What may fit is queued (and waits here for an engine that never comes).
+        fits = http.post("/v1/completions", json={**ASK, "prompt": [1] * 200, "max_tokens": 56},
+                         headers=SHORT)  # fmt: skip
+        assert fits.status_code == 504
+    assert redis_client.xlen(keys.work_stream("tiny", PRIORITY_NORMAL)) == 1
+
+    # An engine from before the field says nothing: nothing is checked.
+    registry.heartbeat(EngineInfo("n-1", "tiny", "normal", "127.0.0.1:1"))
+    gateway = start_gateway(models_cache_s=0.0)
+    with gateway.http() as http:
+        late = http.post("/v1/completions", json={**ASK, "max_tokens": 256}, headers=SHORT)
+    assert late.status_code == 504

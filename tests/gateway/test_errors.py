@@ -216,7 +216,7 @@ CASES = {
     "tokens per minute": Case(429, {**GOOD, "max_tokens": 60}, key="sk-tpm",
                               before={**GOOD, "max_tokens": 60}, code="tpm_exceeded",
                               message="tokens per minute", check=_retry_after),
-    "larger than the tpm quota": Case(429, {**GOOD, "max_tokens": 500}, key="sk-tpm",
+    "larger than the tpm quota": Case(429, {**GOOD, "max_tokens": 150}, key="sk-tpm",
                                       code="tpm_exceeded", check=_no_retry,
                                       message="; lower max_tokens or n"),
     # Not "lower max_tokens": the client never set it.

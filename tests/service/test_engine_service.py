@@ -69,6 +69,9 @@ def test_normal_engine_streams_what_the_offline_engine_generates(engines, client
     # Tokens per second and billing from /metrics: the usage, counted once.
     assert engine.metric("tandem_engine_generation_tokens_total") == 24
     assert engine.metric("tandem_engine_prompt_tokens_total") == 13
+    # Its context length is in its registry entry: the gateway refuses by it up front.
+    [entry] = Registry(client.redis, client.keys).live()
+    assert (entry.engine_id, entry.max_model_len) == (engine.engine_id, 256)
 
 
 def test_prompt_and_completion_engines_match_normal_and_really_move_kv(engines, client, reference):

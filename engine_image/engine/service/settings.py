@@ -68,7 +68,7 @@ class WorkerSettings:
                 f"({self.claim_idle_ms} ms), or other engines would take over live requests"
             )
 
-    def engine_info(self, *, draining: bool, **load: float) -> EngineInfo:
+    def engine_info(self, *, draining: bool, **load: float | int) -> EngineInfo:
         return EngineInfo(
             engine_id=self.engine_id,
             model=self.model_name,

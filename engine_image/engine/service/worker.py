@@ -291,4 +291,5 @@ class EngineWorker(Intake):
             running=sched.num_running,
             waiting=sched.num_waiting,
             waiting_prompt_tokens=sched.waiting_prompt_tokens,
+            max_model_len=sched.config.max_model_len,
         )

@@ -1,0 +1,32 @@
+"""A request that can never fit its model's context, refused before it is queued.
+
+The engines refuse it too, but only as they take it from the queue: under load,
+after minutes in it. The gateway knows the context length each live engine
+registers (`EngineInfo.max_model_len`, the longest of them counts) and the exact
+length of a prompt given as token ids; of a text prompt it only estimates the length,
+so there it refuses only a max_tokens that leaves no room for any prompt. Refused
+here, a request takes no quota and no place in the queue.
+"""
+
+from __future__ import annotations
+
+from tandem.context_window import completion_too_long, context_exceeded, prompt_too_long
+from tandem.gateway.errors import bad_request
+from tandem.gateway.jobs import Job
+from tandem.protocol import ErrorCode
+
+
+def check_context(job: Job, max_model_len: int | None) -> None:
+    """GatewayError (400, the engines' words and codes) for a job that cannot fit a
+    context of `max_model_len` tokens; None: not known (nothing checked)."""
+    if max_model_len is None:
+        return
+    ids = job.items[0].prompt_token_ids
+    if ids is not None and (why := prompt_too_long(len(ids), max_model_len)):
+        raise bad_request(why, job.prompt_param, ErrorCode.PROMPT_TOO_LONG)
+    if not job.max_tokens_given:  # the engines then stop at the context's end
+        return
+    if ids is not None and (why := context_exceeded(len(ids), job.max_tokens, max_model_len)):
+        raise bad_request(why, job.prompt_param, ErrorCode.CONTEXT_LENGTH_EXCEEDED)
+    if why := completion_too_long(job.max_tokens, max_model_len):
+        raise bad_request(why, job.max_tokens_param, ErrorCode.CONTEXT_LENGTH_EXCEEDED)

@@ -1,0 +1,49 @@
+"""A request's room in a model's context: the two refusals, worded once.
+
+An engine refuses a request that cannot fit as it takes it (tandem.engine.admission);
+the gateway refuses the ones it can tell before queueing them (gateway/context_check.py),
+from the context length the engines register, in the same words: clients and people
+recognise one refusal whoever made it. The second is OpenAI's wording.
+"""
+
+from __future__ import annotations
+
+
+def prompt_limit(max_model_len: int) -> int:
+    """The longest prompt: the prompt and its first sampled token fit the context."""
+    return max_model_len - 1
+
+
+def prompt_too_long(num_prompt_tokens: int, max_model_len: int) -> str | None:
+    """Why a prompt of `num_prompt_tokens` never runs, or None when it fits."""
+    limit = prompt_limit(max_model_len)
+    if num_prompt_tokens <= limit:
+        return None
+    return (
+        f"The prompt has {num_prompt_tokens} tokens, more than this engine's limit of "
+        f"{limit} (max_model_len {max_model_len}, less one token for the completion). "
+        "Please reduce the length of the prompt."
+    )
+
+
+def completion_too_long(max_tokens: int, max_model_len: int) -> str | None:
+    """Why `max_tokens` leaves no room for any prompt, or None when it leaves some."""
+    if max_tokens < max_model_len:
+        return None
+    return (
+        f"This model's maximum context length is {max_model_len} tokens. However, you "
+        f"requested {max_tokens} tokens in the completion alone, which leaves no room for "
+        "the prompt. Please reduce max_tokens."
+    )
+
+
+def context_exceeded(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> str | None:
+    """Why a prompt leaves less than `max_tokens` of room, or None when it leaves enough."""
+    if num_prompt_tokens + max_tokens <= max_model_len:
+        return None
+    return (
+        f"This model's maximum context length is {max_model_len} tokens. However, you "
+        f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+        f"prompt, {max_tokens} in the completion). Please reduce the length of the prompt "
+        "or of max_tokens."
+    )
