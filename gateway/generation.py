@@ -76,6 +76,8 @@ class Generation:
         self._open = set(range(len(ticket.request_ids)))
         self._abandoned = False
         self._first_token_sent = False
+        # The status of the error that ended the stream after it began, if one did.
+        self.stream_failed: int | None = None
         self.directory = directory
         # Choices an engine took (it wrote an event): for the deadline's message.
         self._taken: set[int] = set()
@@ -224,6 +226,7 @@ class Generation:
                 yield sse(renderer.usage(self.choices))
             yield DONE
         except GatewayError as error:
+            self.stream_failed = error.status
             yield sse(error.body())
         finally:
             await rest.aclose()

@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tandem.gateway.disconnect import CLIENT_GONE, GONE_MIDWAY, ClientGone
 from tandem.gateway.errors import GatewayError, body_too_slow, too_large, unsupported_encoding
 from tandem.gateway.metrics import UNKNOWN_MODEL, GatewayMetrics, route_label
+from tandem.gateway.streaming import STREAM_FAILED
 
 # Where routes leave the model label for the metrics (request.state.model_label).
 MODEL_LABEL = "model_label"
@@ -185,4 +186,6 @@ class RequestObserver:
             model = str(state.get(MODEL_LABEL, UNKNOWN_MODEL))
             if state.get(GONE_MIDWAY):
                 status = CLIENT_GONE
+            elif (failed := state.get(STREAM_FAILED)) is not None:
+                status = failed
             self.metrics.finished(route, model, status, seconds)

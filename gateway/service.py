@@ -182,6 +182,7 @@ class GatewayService:
             generation.deadline,
             generation.deadline_passed,
             generation.server_stopping,
+            lambda: generation.stream_failed,
         )
 
 

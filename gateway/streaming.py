@@ -22,6 +22,10 @@ from starlette.types import Receive, Scope, Send
 from tandem.gateway.disconnect import GONE_MIDWAY, wait_for_disconnect
 
 DONE = b"data: [DONE]\n\n"
+# Where a stream that an error event ended leaves the status that error would have had
+# (scope["state"]): its response started 200, and counted so, a decoder failing every
+# stream after its first token (the prompt engine's) raised no alert.
+STREAM_FAILED = "stream_failed_status"
 # Past its deadline (or its start, if that came later), how long a stream may still
 # take to go out: the answer's own deadline path may wait on Redis a second to cancel
 # and a second to say why before its error goes out, and a client reads it.
@@ -41,6 +45,7 @@ class EventStreamResponse(StreamingResponse):
         deadline: float,
         on_deadline: Callable[[], Awaitable[None]],
         on_server_stop: Callable[[], None],
+        failed: Callable[[], int | None] = lambda: None,
     ) -> None:
         super().__init__(
             chunks,
@@ -53,6 +58,7 @@ class EventStreamResponse(StreamingResponse):
         self._deadline = deadline  # time.monotonic()'s
         self._on_deadline = on_deadline
         self._on_server_stop = on_server_stop
+        self._failed = failed  # the status of the error that ended the stream, if one did
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streamer = asyncio.ensure_future(self.stream_response(send))
@@ -86,6 +92,8 @@ class EventStreamResponse(StreamingResponse):
                 await self._on_disconnect()
             elif (error := streamer.exception()) is not None:
                 raise error
+            elif (status := self._failed()) is not None:
+                scope.setdefault("state", {})[STREAM_FAILED] = status
         finally:
             watch.cancel()
             streamer.cancel()

@@ -111,6 +111,11 @@ def test_a_prompt_engine_alone_answers_the_first_token_then_a_deadline_naming_th
         "The request did not finish within its deadline of 1 s: a prompt engine started it, "
         "but no decode (completion) engine was live for 'tiny' at the deadline to finish it"
     )
+    # Counted as the 504 it is, though its response began 200: a decoder failing every
+    # stream after its first token raised no alert on failed requests.
+    route = {"route": "/v1/completions", "model": "tiny"}
+    assert gateway.metric("tandem_gateway_requests_total", status="504", **route) == 1
+    assert gateway.metric("tandem_gateway_requests_total", status="200", **route) == 0
 
 
 def test_engine_series_stay_at_zero_once_the_engines_are_gone(start_gateway, redis_url, keys):
