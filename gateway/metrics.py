@@ -191,6 +191,11 @@ class GatewayMetrics:
         for (model, role), count in counts.items():
             self._engines.labels(model, role).set(count)
 
+    @property
+    def backlog_models(self) -> frozenset[str]:
+        """The models whose queue gauges were ever set."""
+        return frozenset(self._backlog_models)
+
     def backlog(self, states: Mapping[str, QueueState]) -> None:
         """Set the queue gauges to these models' backlogs; a model shown before and not
         served any more shows 0 (its series stay, as the engine counts' do)."""

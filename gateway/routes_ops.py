@@ -52,7 +52,11 @@ async def metrics(request: Request) -> Response:
     try:
         async with asyncio.timeout(METRICS_REDIS_TIMEOUT_S):
             models = await service.directory.models()
-            backlogs = await service.broker.queue_depths(sorted(models))
+            # And those no longer served: a model scaled to zero whose declaration
+            # lapsed (its operator down) still has its requests in Redis, and reading 0,
+            # the alert on work without engines went silent when it was needed most.
+            shown = service.metrics.backlog_models
+            backlogs = await service.broker.queue_depths(sorted(shown | set(models)))
     except (RedisError, OSError, TimeoutError):
         service.metrics.redis_up(False)
     else:

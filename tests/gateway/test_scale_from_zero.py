@@ -91,6 +91,33 @@ def test_an_undeclared_or_lapsed_model_is_unknown(start_gateway, redis_client, k
     assert redis_client.smembers(keys.models_set) == set()  # pruned by the reader
 
 
+def test_requests_left_queued_by_a_lapsed_declaration_stay_in_the_gauges(
+    start_gateway, redis_client, keys
+):
+    # The operator down: its declaration lapses with requests queued and no engine. The
+    # gauges read 0, and the alert on work without engines went silent.
+    gateway = start_gateway(models_cache_s=0.0)
+    catalog.declare(redis_client, keys, MODEL, "test/tiny", ttl_s=1.0)
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 3}
+
+    def ask() -> None:
+        with gateway.http() as client:
+            client.post("/v1/completions", json=body, headers={"X-Tandem-Timeout": "5"})
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    try:
+        stream = keys.work_stream(MODEL, PRIORITY_NORMAL)
+        assert eventually(lambda: redis_client.xlen(stream) == 1)
+        assert _backlog_scraped(gateway)[0] == 1
+        time.sleep(1.2)  # lapsed: no longer served
+        with gateway.http() as http:
+            assert http.get("/v1/models").json()["data"] == []
+        assert _backlog_scraped(gateway)[0] == 1 and _engines_scraped(gateway) == 0
+    finally:
+        asker.join(timeout=10)
+
+
 def test_a_declaration_needs_a_positive_ttl(redis_client, keys):
     with pytest.raises(ValueError, match="positive TTL"):
         catalog.declare(redis_client, keys, MODEL, "x", ttl_s=0)
