@@ -30,7 +30,7 @@ from tandem.gateway.errors import (
 )
 from tandem.gateway.jobs import Job
 from tandem.gateway.metrics import GatewayMetrics
-from tandem.gateway.reader import AsyncResponseReader, DeadlinePassed
+from tandem.gateway.reader import AsyncResponseReader, DeadlinePassed, ResponseGap
 from tandem.gateway.recovery import LossWatch
 from tandem.gateway.rendering import ChoiceResult, Renderer, total_usage
 from tandem.gateway.streaming import DONE, sse
@@ -146,6 +146,17 @@ class Generation:
             raise deadline_exceeded(
                 f"The request did not finish within its deadline of {self.job.timeout:g} s"
                 + await self._stall()
+            ) from None
+        except ResponseGap as gap:
+            # Never an answer with a hole in it: retried, it runs afresh.
+            await self.abandon("response_lost")
+            await self._forget_record()
+            log.warning("%s: %s (Redis lost them)", self.ticket.base_id, gap)
+            raise unavailable(
+                f"Part of the answer was lost: Redis lost tokens {gap.seen} to "
+                f"{gap.offset - 1} before the gateway read them (it restarted without its "
+                "data); retry the request",
+                code="response_lost",
             ) from None
         except ProtocolError as exc:
             await self.abandon("protocol_error")

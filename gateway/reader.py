@@ -27,7 +27,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from tandem.deduplicator import ResponseDeduplicator
 from tandem.gateway.settings import MAX_READ_BLOCK_MS
 from tandem.keys import Keys
-from tandem.protocol import ResponseEvent, as_text
+from tandem.protocol import EventKind, ResponseEvent, as_text
 
 # Between reads that failed for want of Redis.
 _OUTAGE_RETRY_S = 0.25
@@ -41,6 +41,16 @@ READ_BATCH = 256
 
 class DeadlinePassed(TimeoutError):
     """The request's deadline passed before every choice ended."""
+
+
+class ResponseGap(Exception):
+    """A choice's stream skips tokens the gateway never read: Redis lost them (it came
+    back empty, or without its last writes) while its engine served on. Passed on,
+    the answer had a hole in its text and still reported its whole usage."""
+
+    def __init__(self, choice: int, seen: int, offset: int) -> None:
+        super().__init__(f"choice {choice}: tokens {seen} to {offset - 1} never read")
+        self.choice, self.seen, self.offset = choice, seen, offset
 
 
 class Watch(Protocol):
@@ -79,6 +89,7 @@ class AsyncResponseReader:
 
         `deadline` is in time.monotonic() seconds; DeadlinePassed is raised when it
         passes first. Raises ProtocolError on an event this gateway cannot read,
+        ResponseGap on one past tokens it never read,
         and Redis's ConnectionError or TimeoutError when Redis stayed out of reach
         for `outage_s`. Reads block at most block_ms (a blocking read longer than
         the client's socket timeout fails), and never past the deadline.
@@ -126,7 +137,10 @@ class AsyncResponseReader:
                 i = index[name]
                 for entry_id, fields in entries:
                     last[name] = as_text(entry_id)
-                    passed = dedup[i].accept(ResponseEvent.from_fields(fields))
+                    event = ResponseEvent.from_fields(fields)
+                    if event.offset > dedup[i].next_offset and event.event != EventKind.ERROR:
+                        raise ResponseGap(i, dedup[i].next_offset, event.offset)
+                    passed = dedup[i].accept(event)
                     if passed is not None:
                         yield i, passed
                     if dedup[i].done:

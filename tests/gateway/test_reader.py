@@ -4,14 +4,17 @@ batch at a time (what a stalled client holds in the gateway), against a real Red
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
 import redis
 import redis.asyncio as aioredis
+from support.polling import eventually
 
-from tandem.gateway.reader import AsyncResponseReader
-from tandem.protocol import ResponseEvent, Usage
+from tandem import catalog
+from tandem.gateway.reader import AsyncResponseReader, ResponseGap
+from tandem.protocol import PRIORITY_NORMAL, ResponseEvent, Usage, WorkItem
 
 
 def test_a_long_answer_is_read_whole_in_bounded_batches(redis_url, keys):
@@ -53,3 +56,64 @@ def test_a_long_answer_is_read_whole_in_bounded_batches(redis_url, keys):
 def test_a_batch_below_one_is_refused():
     with pytest.raises(ValueError, match="batch must be at least 1"):
         AsyncResponseReader(None, None, batch=0)  # type: ignore[arg-type]
+
+
+def _write(writer: redis.Redis, stream: str, events: list[ResponseEvent]) -> None:
+    for event in events:
+        writer.xadd(stream, event.to_fields())
+
+
+def test_tokens_never_read_are_a_gap_not_a_shorter_answer(redis_url, keys):
+    # Redis came back empty while the gateway had read 5 tokens and its engine served
+    # on, writing from token 8 into a new stream: passed on, a hole in the text.
+    with redis.Redis.from_url(redis_url) as writer:
+        _write(writer, keys.response_stream("r"), [
+            ResponseEvent.tokens(0, [0, 1, 2, 3, 4], "01234", "e1"),
+            ResponseEvent.tokens(8, [8], "8", "e1"),
+            ResponseEvent.finish(9, "length", Usage(3, 9, 0), "e1"),
+        ])  # fmt: skip
+
+    async def main() -> list[ResponseEvent]:
+        client = aioredis.Redis.from_url(redis_url)
+        seen: list[ResponseEvent] = []
+        try:
+            async for _, event in AsyncResponseReader(client, keys).events(
+                ["r"], deadline=time.monotonic() + 10
+            ):
+                seen.append(event)
+        finally:
+            await client.aclose()
+        return seen
+
+    with pytest.raises(ResponseGap) as caught:
+        asyncio.run(main())
+    assert (caught.value.seen, caught.value.offset) == (5, 8)
+
+
+def test_an_answer_redis_lost_part_of_is_a_503_to_retry(start_gateway, redis_client, keys):
+    gateway = start_gateway(models_cache_s=0.0)
+    catalog.declare(redis_client, keys, "m", "test/m", ttl_s=60)
+    answers = []
+
+    def ask() -> None:
+        with gateway.http() as client:
+            body = {"model": "m", "prompt": "hello", "max_tokens": 9}
+            answers.append(client.post("/v1/completions", json=body))
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    stream = keys.work_stream("m", PRIORITY_NORMAL)
+    assert eventually(lambda: redis_client.xlen(stream) == 1)
+    [(_, fields)] = redis_client.xrange(stream)
+    rid = WorkItem.from_fields(fields).request_id
+    _write(redis_client, keys.response_stream(rid), [  # as an engine whose Redis lost 5-7
+        ResponseEvent.tokens(0, [5] * 5, "hello", "e1"),
+        ResponseEvent.tokens(8, [6], "!", "e1"),
+        ResponseEvent.finish(9, "length", Usage(2, 9, 0), "e1"),
+    ])  # fmt: skip
+    asker.join(timeout=20)
+    [answer] = answers
+    assert answer.status_code == 503, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "response_lost" and "tokens 5 to 7" in error["message"]
+    assert gateway.metric("tandem_gateway_requests_total", status="503", model="m") == 1
