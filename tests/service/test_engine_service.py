@@ -368,6 +368,16 @@ def test_a_drain_that_times_out_hands_its_requests_back_at_once(engines, client,
     assert answer.engines == {first.engine_id, second.engine_id}
 
 
+def test_a_second_engine_with_a_live_engines_id_refuses_to_start(engines):
+    # Both served every request (each took the other's entries as a dead namesake's),
+    # sampled answers a mix of the two.
+    first = engines("normal", "--engine-id", "dup-1")
+    with pytest.raises(RuntimeError, match=r"engine id 'dup-1' \(--engine-id\) is taken"):
+        engines("normal", "--engine-id", "dup-1")
+    first.stop()  # killed: its entry lasts its TTL, but beats no more
+    assert engines("normal", "--engine-id", "dup-1").process.poll() is None  # a restart
+
+
 def test_two_data_parallel_ranks_vote_through_gloo_and_serve(engines, client, reference):
     # At most two waiting requests per rank: both ranks must take work.
     group = engines("normal", "--data-parallel-size", "2", "--max-waiting", "2")

@@ -36,6 +36,7 @@ from tandem.engine.service.kv_transfer import KVLayout
 from tandem.engine.service.metrics import EngineMetrics
 from tandem.engine.service.ranks import run_ranks
 from tandem.engine.service.redis_io import RedisIO
+from tandem.engine.service.registry import Registry
 from tandem.engine.service.settings import WorkerSettings
 from tandem.engine.service.worker import EngineWorker
 from tandem.engine.step_vote import Vote
@@ -54,7 +55,9 @@ def main(args: argparse.Namespace) -> int:
     check_arguments(args)
     check_ports(args)
     wait_for_redis(args.redis_url, args.redis_wait)
-    if args.engine_id is None:
+    if args.engine_id is not None:
+        refuse_a_live_namesake(args.redis_url, Keys(prefix=args.key_prefix), args.engine_id)
+    else:
         # Chosen once, before the ranks start: rank r is "<id>-r<r>" of the same id.
         host, suffix = socket.gethostname(), uuid.uuid4().hex[:6]
         args.engine_id = f"{args.role}-{host}-{suffix}"
@@ -206,6 +209,31 @@ def wait_for_redis(url: str, wait_s: float) -> None:
                 # status: never the password.
                 log.info("waiting for Redis at %s: %s", redacted(url), exc)
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+
+def refuse_a_live_namesake(url: str, keys: Keys, engine_id: str) -> None:
+    """SystemExit if an engine with this id still beats: both served every request (each
+    took the other's entries as a dead namesake's), a sampled answer a mix of the two,
+    and the first to stop took the other's registry entry with it. An entry whose engine
+    died (a restart under the same id) beats no more: one heartbeat's wait tells them
+    apart. Checked before the model loads."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+    with client:
+        registry = Registry(client, keys)
+        try:
+            first = registry.entry(engine_id)
+            if first is None:
+                return
+            time.sleep(1.5 * WorkerSettings.heartbeat_every)
+            now = registry.entry(engine_id)
+        except redis.RedisError:
+            return  # Redis went away again: the engine waits for it in its loop
+    if now is not None and now.heartbeat_at != first.heartbeat_at:
+        raise SystemExit(
+            f"tandem: error: engine id {engine_id!r} (--engine-id) is taken by a live "
+            f"engine (http {now.http_address}, started {time.ctime(now.started_at)}): "
+            "give each engine an id of its own"
+        )
 
 
 def kv_fingerprint(weights: str, layout: KVLayout) -> str:

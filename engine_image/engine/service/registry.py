@@ -50,6 +50,11 @@ class Registry:
         pipe.execute()
         return info
 
+    def entry(self, engine_id: str) -> EngineInfo | None:
+        """An engine's entry, if it has one that has not expired (and can be read)."""
+        raw = self.client.get(self.keys.engine_key(engine_id))
+        return None if raw is None else read_engine_entry(engine_id, raw)
+
     def remove(self, engine_id: str) -> None:
         """Leave the registry at once (a clean shutdown), without waiting for the TTL."""
         pipe = self.client.pipeline(transaction=True)
