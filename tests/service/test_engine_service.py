@@ -27,6 +27,7 @@ from tandem.protocol import (
     ErrorCode,
     EventKind,
     Handoff,
+    ResponseEvent,
     WorkItem,
     as_text,
 )
@@ -469,13 +470,22 @@ def test_cancelling_a_running_request_frees_its_kv_at_once(engines, client, redi
     engine = engines("normal", *LONG)
     rid = client.submit(prompt_token_ids=PROMPT, sampling={"max_tokens": 2000, **GREEDY})
     events = client.events(rid, timeout=60)
-    next(e for e in events if e.event == EventKind.TOKENS)  # it is decoding
+    first = next(e for e in events if e.event == EventKind.TOKENS)  # it is decoding
     assert engine.metric("tandem_engine_kv_cache_usage") > 0
     conn = redis.Redis.from_url(redis_url)
     cancel(conn, keys, rid)
     conn.close()
-    final = next(e for e in events if e.is_final)
-    assert final.error_code == ErrorCode.CANCELLED
+    sent = len(first.token_ids)
+    for event in events:
+        if event.is_final:
+            break
+        sent += len(event.token_ids)
+    assert event.error_code == ErrorCode.CANCELLED
+    # As written (readers correct an offset behind them), it counts the tokens sent
+    # before it (protocol.md): it said 0, as if none had been.
+    with redis.Redis.from_url(redis_url) as conn:
+        (_, raw), *_ = conn.xrevrange(keys.response_stream(rid), count=1)
+    assert ResponseEvent.from_fields(raw).offset == sent > 0
     assert eventually(lambda: engine.metric("tandem_engine_kv_cache_usage") == 0)
     assert engine.metric("tandem_engine_requests_total", outcome="cancelled") == 1
 

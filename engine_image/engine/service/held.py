@@ -16,6 +16,9 @@ class Held:
     work: WorkItem
     # Output tokens the client already has (resumed or sent by a PROMPT engine).
     sent: int = 0
+    # Output tokens in its response stream once this engine's events are written: an
+    # ending's offset (protocol.md: the tokens sent before it).
+    written: int = 0
     first_token_at: float | None = None
     cached_tokens: int = 0
     # Set when a cancellation or deadline arrives while the KV is still being fetched.

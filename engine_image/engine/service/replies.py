@@ -50,6 +50,7 @@ class Replies:
             offset, out.new_token_ids, out.text_delta, self.engine_id, logprobs
         )
         self.io.responses.add(out.request_id, event)
+        held.written = out.num_output_tokens
         if held.first_token_at is None:
             held.first_token_at = time.time()
             if offset == 0:  # this engine produced the request's first token

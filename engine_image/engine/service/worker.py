@@ -250,7 +250,8 @@ class EngineWorker(Intake):
         if self.handoffs is not None:
             self.handoffs.drop(self.engine, rid, ending=True)
         self.engine.abort(rid)
-        self.replies.fail(held.delivery, held.work, code, message, offset=held.sent)
+        offset = max(held.sent, held.written)
+        self.replies.fail(held.delivery, held.work, code, message, offset=offset)
         self.held.pop(rid, None)
 
     def _drop(self, rid: str) -> None:
