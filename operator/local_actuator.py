@@ -25,7 +25,7 @@ import redis
 
 from tandem import catalog
 from tandem.backlog import queue_depth
-from tandem.child import Child, engine_child, engine_threads
+from tandem.child import MAX_BACKOFF_S, Child, engine_child, engine_threads
 from tandem.keys import Keys
 from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide_all
 from tandem.operator.engine_flags import engine_arguments, engine_flags
@@ -152,6 +152,10 @@ class LocalActuator:
         self._holds: dict[RoleName, str] = {}
         self._serial = 0
         self._redis = redis.Redis.from_url(redis_url)
+        # A role's engines that could not be started (no fork, a log file refused): how
+        # many tries failed in a row, and when to try again.
+        self._failed_starts: dict[RoleName, int] = {}
+        self._retry_at: dict[RoleName, float] = {}
 
     # ------------------------------------------------------------ processes
 
@@ -193,6 +197,24 @@ class LocalActuator:
         self.say(f"{engine.name:<10} starting (log {child.log_path})")
         return engine
 
+    def _start_missing(self, role: RoleName, now: float) -> None:
+        """Start the engines the role's count asks for beyond those it has. One that
+        cannot start is said and tried again after a backoff: it ended the whole stack,
+        or left the role an engine short for good (its count said it had them all)."""
+        missing = self.replicas[role] - len(self.active(role))
+        if missing <= 0 or now < self._retry_at.get(role, 0.0):
+            return
+        try:
+            for _ in range(missing):
+                self._spawn(role)
+        except OSError as exc:
+            failed = self._failed_starts.get(role, 0)
+            wait = min(MAX_BACKOFF_S, 2.0**failed)
+            self._failed_starts[role], self._retry_at[role] = failed + 1, now + wait
+            self.say(f"{role} engine could not start: {exc}; trying again in {wait:.0f}s")
+        else:
+            self._failed_starts.pop(role, None)
+
     def active(self, role: RoleName) -> list[EngineProcess]:
         return [e for e in self.engines[role] if not e.draining]
 
@@ -200,6 +222,8 @@ class LocalActuator:
         """Restart engines that hung or died, with backoff and under their own engine id
         (a pod's container restarts so); forget drained ones that exited."""
         now = time.monotonic()
+        for role in self.roles:
+            self._start_missing(role, now)
         for engines in self.engines.values():
             for engine in list(engines):
                 if not engine.draining:
@@ -276,9 +300,8 @@ class LocalActuator:
         self.decisions.append(decision)
         self.replicas[role] = decision.replicas
         active = self.active(role)
-        start, drain = plan_resize(decision.replicas, [e.last_sample for e in active])
-        for _ in range(start):
-            self._spawn(role)
+        _, drain = plan_resize(decision.replicas, [e.last_sample for e in active])
+        self._start_missing(role, time.monotonic())
         for i in drain:  # the least loaded (what pod-deletion-cost does in a cluster)
             engine = active[i]
             engine.draining = True

@@ -164,7 +164,10 @@ class Child:
         elif now >= self.next_start:
             self.restarts += 1
             self.next_start = 0.0
-            self.start()
+            try:
+                self.start()
+            except OSError as exc:  # its log unwritable, no fork: said, and tried again
+                said.append(f"{self.name} could not restart: {exc}; trying again")
         return said
 
     def backoff(self, now: float) -> float:

@@ -360,13 +360,9 @@ class Stack:
 
     @staticmethod
     def _supervise(child: Child, say) -> None:
-        """One child's restart, if due; one that fails (its log unwritable, say) is tried
-        again after its backoff, not the end of the whole stack."""
-        try:
-            for line in child.supervise(time.monotonic()):
-                say(line)
-        except OSError as exc:
-            say(f"{child.name} could not restart: {exc}; trying again")
+        """One child's restart, if due (one that fails is tried again after its backoff)."""
+        for line in child.supervise(time.monotonic()):
+            say(line)
 
     def _engines(self) -> list[Child]:
         engines = [c for c in self.children if c is not self.gateway]

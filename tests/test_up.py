@@ -221,9 +221,10 @@ def test_a_child_that_cannot_restart_is_tried_again_not_the_end_of_the_stack(tmp
     blocked.write_text("")
     child.log_path = blocked / "w.log"  # under a file: cannot be made
     child.next_start = time.monotonic() - 1
-    said: list[str] = []
-    Stack._supervise(child, said.append)
+    said = child.supervise(time.monotonic())
     assert said and said[-1].startswith("worker could not restart: ")
+    said = child.supervise(time.monotonic())  # then after a backoff, as any failed start
+    assert said and said[-1].startswith("worker exited (0); restarting in 4s")
 
 
 def test_ctrl_c_while_waiting_for_the_model_to_be_listed_stops_at_once(tmp_path, monkeypatch):

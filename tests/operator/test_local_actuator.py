@@ -84,6 +84,25 @@ def test_an_engine_that_cannot_start_is_restarted_with_backoff_under_its_own_id(
     assert said[-1].endswith("; restarting in 2s")  # a crash loop backs off further
 
 
+def test_an_engine_that_cannot_be_started_is_tried_again_not_forgotten(actuator, tmp_path):
+    # A scale-up whose engine could not be started (no fork, its log refused) ended the
+    # whole stack, or left the role an engine short for good: its count said 2.
+    local, said = actuator(_manifest())
+    local.start()
+    (tmp_path / "engine-normal-2.log").mkdir()  # the next engine's log cannot be opened
+    local.replicas[RoleName.NORMAL] = 2  # what a scale-up decided
+    local.supervise()
+    assert said[-1].startswith("normal engine could not start: [Errno 21]")
+    assert said[-1].endswith("; trying again in 1s")
+    assert len(local.active(RoleName.NORMAL)) == 1
+    local.supervise()  # within its backoff: nothing tried, nothing said
+    assert len(said) == 2
+    time.sleep(1.1)
+    local.supervise()
+    assert said[-1].startswith("normal-3   starting")
+    assert len(local.active(RoleName.NORMAL)) == 2
+
+
 def test_a_scale_up_held_by_its_window_is_said_once(actuator, redis_client, keys):
     local, said = actuator(
         _manifest(targetQueuedTokensPerReplica=100, scaleUpStabilizationSeconds=60)
@@ -139,7 +158,7 @@ def test_a_drained_engine_that_exits_is_said_to_have_stopped(actuator):
     local, said = actuator(_manifest())
     (child,) = local.start()
     (engine,) = local.engines[RoleName.NORMAL]
-    engine.draining = True  # as a scale-down leaves it
+    engine.draining, local.replicas[RoleName.NORMAL] = True, 0  # as a scale-down leaves it
     child.process.terminate()
     child.process.wait(timeout=30)
     local.supervise()
