@@ -9,6 +9,17 @@ recognise one refusal whoever made it. The second is OpenAI's wording.
 from __future__ import annotations
 
 
+def past_positions(max_model_len: int, positions: int) -> str | None:
+    """Why a context of `max_model_len` is refused on a model of `positions` positions,
+    or None when it is not."""
+    if max_model_len <= positions:
+        return None
+    return (
+        f"max_model_len ({max_model_len}) is longer than the model's {positions} positions "
+        "(max_position_embeddings): it was never trained past them; lower it"
+    )
+
+
 def prompt_limit(max_model_len: int) -> int:
     """The longest prompt: the prompt and its first sampled token fit the context."""
     return max_model_len - 1

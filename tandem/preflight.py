@@ -11,6 +11,7 @@ import socket
 
 import redis
 
+from tandem.context_window import past_positions
 from tandem.redaction import check_redis_url, redacted
 
 
@@ -63,3 +64,16 @@ def check_model(spec: str) -> None:
 
     if (problem := spec_problem(spec)) is not None:
         raise StartError(problem)
+
+
+def check_max_model_len(spec: str, max_model_len: int | None, where: str) -> None:
+    """StartError for a max_model_len (set at `where`) past the model's positions, where
+    they are cheap to read: as check_model, a role autoscaled from zero crash-looped on
+    it only at the first request, which waited out its deadline."""
+    from tandem.engine.model.model_spec import declared_positions
+
+    positions = declared_positions(spec)
+    if max_model_len is None or positions is None:
+        return
+    if (why := past_positions(max_model_len, positions)) is not None:
+        raise StartError(f"{where}: {why}")

@@ -28,7 +28,13 @@ from tandem import catalog
 from tandem.backlog import queue_depth
 from tandem.child import Child, drain_in_order, engine_child, engine_threads, local_get
 from tandem.keys import Keys
-from tandem.preflight import StartError, check_model, check_port, check_redis
+from tandem.preflight import (
+    StartError,
+    check_max_model_len,
+    check_model,
+    check_port,
+    check_redis,
+)
 from tandem.redis_server import RedisServer, free_port
 from tandem.run_folder import claim_run_folder
 from tandem.up_config import UpConfig
@@ -101,6 +107,9 @@ class Stack:
             if self.deployment is not None:
                 model = self.deployment[1].model.path or model
             check_model(model)
+            if self.deployment is not None:
+                length = self.deployment[1].engine.max_model_len
+                check_max_model_len(model, length, "spec.engine.maxModelLen")
             if self.config.redis_url:
                 check_redis(self.config.redis_url)
             launching = True

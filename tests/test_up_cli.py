@@ -345,6 +345,29 @@ def test_a_manifest_autoscaled_from_zero_names_a_model_that_is_not_there(tmp_pat
     assert f"model '{tmp_path / 'gone'}' is no such file or directory" in error, error
 
 
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"model": {"path": "random:huge"}}, "model 'random:huge': unknown size 'huge'"),
+        (
+            {"engine": {"maxModelLen": 100000}},
+            "spec.engine.maxModelLen: max_model_len (100000) is longer than the model's 2048",
+        ),
+    ],
+)
+def test_a_manifest_autoscaled_from_zero_names_what_no_engine_could_start(
+    tmp_path, capsys, change, says
+):
+    # Found only at the first request, which waited out its deadline while the role's
+    # first engine crash-looped.
+    spec = {**DISAGGREGATED["spec"], "model": {"path": "random:tiny"}, **change}
+    spec["prefill"] = spec["decode"] = {"minReplicas": 0, "maxReplicas": 2}
+    manifest = tmp_path / "zero.yaml"
+    manifest.write_text(yaml.safe_dump({**DISAGGREGATED, "spec": spec}))
+    assert cli.main(["up", "-f", str(manifest), "--port", str(free_port())]) == 1  # StartError
+    assert says in capsys.readouterr().err
+
+
 def test_the_readmes_local_manifest_is_one_that_runs_here():
     manifest = yaml.safe_load((ROOT / "examples" / "local" / "smollm2.yaml").read_text())
     name, spec = load_manifest(manifest)

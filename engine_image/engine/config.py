@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.context_window import prompt_limit
+from tandem.context_window import past_positions, prompt_limit
 from tandem.protocol import Role
 
 # The deepinfer scheduler's name for an engine's role: the very enum the registry
@@ -149,11 +149,8 @@ def max_model_len_for(fields: Mapping[str, Any], positions: int, cache_tokens: i
     """
     given = fields.get("max_model_len")
     if given is not None:
-        if isinstance(given, int) and given > positions:
-            raise ValueError(
-                f"max_model_len ({given}) is longer than the model's {positions} positions "
-                "(max_position_embeddings): it was never trained past them; lower it"
-            )
+        if isinstance(given, int) and (why := past_positions(given, positions)):
+            raise ValueError(why)
         return given
     length = min(positions, cache_tokens)
     budget = fields.get("max_num_batched_tokens")

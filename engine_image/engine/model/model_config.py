@@ -7,7 +7,9 @@ Field names follow Hugging Face's config.json. No torch here.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 # The sizes that give a model its shape, each at least 1 (checked in __post_init__;
@@ -168,3 +170,53 @@ SMOLLM2_135M = ModelConfig(
     tie_word_embeddings=True,
     name="smollm2-135m",
 )
+
+
+# random:<size>'s shapes (random_model.py draws the weights).
+RANDOM_SHAPES: Mapping[str, Mapping[str, int | bool]] = MappingProxyType(
+    {
+        # ~1.1M parameters: fast enough to run token by token in unit tests.
+        "tiny": MappingProxyType(
+            {
+                "vocab_size": 512,
+                "hidden_size": 128,
+                "intermediate_size": 512,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "tie_word_embeddings": False,
+            }
+        ),
+        # ~5M parameters, tied embeddings.
+        "small": MappingProxyType(
+            {
+                "vocab_size": 2048,
+                "hidden_size": 256,
+                "intermediate_size": 768,
+                "num_hidden_layers": 6,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 4,
+                "tie_word_embeddings": True,
+            }
+        ),
+        # ~33M parameters, 4 query heads per KV head, head_dim 64 like real models.
+        "medium": MappingProxyType(
+            {
+                "vocab_size": 8192,
+                "hidden_size": 512,
+                "intermediate_size": 1536,
+                "num_hidden_layers": 8,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "tie_word_embeddings": False,
+            }
+        ),
+        # SmolLM2-135M's shapes (~135M parameters, 3 query heads per KV head): benches
+        # where its GGUF is not at hand (an accelerator machine), speed alike.
+        "smollm2-135m": MappingProxyType(
+            {name: getattr(SMOLLM2_135M, name) for name in (*SIZE_FIELDS, "tie_word_embeddings")}
+        ),
+    }
+)
+# The positions of every random:<size> model.
+RANDOM_POSITIONS = 2048

@@ -3,7 +3,10 @@ starts anything (tandem/preflight.py), and the loader raises the same words."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+from tandem.engine.model.model_config import RANDOM_POSITIONS, RANDOM_SHAPES, SMOLLM2_135M
 
 ACCEPTED_FORMS = (
     "a local Hugging Face model directory (config.json + *.safetensors), "
@@ -14,10 +17,31 @@ ACCEPTED_FORMS = (
 def spec_problem(spec: str) -> str | None:
     """Why `spec` names no model of an accepted form (None: it does; what a folder or
     file holds is the loader's to check)."""
-    if spec == "smollm2" or spec.startswith("random:"):
+    if spec.startswith("random:"):
+        size = spec.removeprefix("random:")
+        if size in RANDOM_SHAPES:
+            return None
+        return f"model {spec!r}: unknown size {size!r}; known sizes: {', '.join(RANDOM_SHAPES)}"
+    if spec == "smollm2":
         return None
     path = Path(spec).expanduser()
     if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):
         return None
     why = "is a file but not a .gguf file" if path.is_file() else "is no such file or directory"
     return f"model {spec!r} {why}; expected {ACCEPTED_FORMS}"
+
+
+def declared_positions(spec: str) -> int | None:
+    """The positions the model was trained for, where that is cheap to read without
+    loading it (a preset, a config.json that says); None where it is not (a GGUF file:
+    its engine checks)."""
+    if spec == "smollm2":
+        return SMOLLM2_135M.max_position_embeddings
+    if spec.startswith("random:"):
+        return RANDOM_POSITIONS
+    path = Path(spec).expanduser() / "config.json"
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

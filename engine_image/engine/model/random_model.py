@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterator, Mapping
-from types import MappingProxyType
+from collections.abc import Callable, Iterator
 
 import tokenizers
 import torch
 from tokenizers import decoders, models, pre_tokenizers
 
-from tandem.engine.model.model_config import SIZE_FIELDS, SMOLLM2_135M, ModelConfig
+from tandem.engine.model.model_config import RANDOM_POSITIONS, RANDOM_SHAPES, ModelConfig
+from tandem.engine.model.model_spec import spec_problem
 from tandem.engine.model.source import (
     ModelSource,
     fingerprint,
@@ -27,52 +27,6 @@ from tandem.engine.tokenizer import Tokenizer
 
 # Bump when the way weights are drawn changes, so fingerprints change with them.
 _INIT_VERSION = "normal-v1"
-
-_SHAPES: Mapping[str, Mapping[str, int | bool]] = MappingProxyType(
-    {
-        # ~1.1M parameters: fast enough to run token by token in unit tests.
-        "tiny": MappingProxyType(
-            {
-                "vocab_size": 512,
-                "hidden_size": 128,
-                "intermediate_size": 512,
-                "num_hidden_layers": 4,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "tie_word_embeddings": False,
-            }
-        ),
-        # ~5M parameters, tied embeddings.
-        "small": MappingProxyType(
-            {
-                "vocab_size": 2048,
-                "hidden_size": 256,
-                "intermediate_size": 768,
-                "num_hidden_layers": 6,
-                "num_attention_heads": 8,
-                "num_key_value_heads": 4,
-                "tie_word_embeddings": True,
-            }
-        ),
-        # ~33M parameters, 4 query heads per KV head, head_dim 64 like real models.
-        "medium": MappingProxyType(
-            {
-                "vocab_size": 8192,
-                "hidden_size": 512,
-                "intermediate_size": 1536,
-                "num_hidden_layers": 8,
-                "num_attention_heads": 8,
-                "num_key_value_heads": 2,
-                "tie_word_embeddings": False,
-            }
-        ),
-        # SmolLM2-135M's shapes (~135M parameters, 3 query heads per KV head): benches
-        # where its GGUF is not at hand (an accelerator machine), speed alike.
-        "smollm2-135m": MappingProxyType(
-            {name: getattr(SMOLLM2_135M, name) for name in (*SIZE_FIELDS, "tie_word_embeddings")}
-        ),
-    }
-)
 
 _SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 _BOS_ID, _EOS_ID = 1, 2
@@ -87,15 +41,13 @@ _CHAT_TEMPLATE = (
 
 
 def random_config(size: str) -> ModelConfig:
-    if size not in _SHAPES:
-        raise ValueError(
-            f"model 'random:{size}': unknown size {size!r}; known sizes: {', '.join(_SHAPES)}"
-        )
+    if (problem := spec_problem(f"random:{size}")) is not None:
+        raise ValueError(problem)
     return ModelConfig(
-        **_SHAPES[size],
+        **RANDOM_SHAPES[size],
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
-        max_position_embeddings=2048,
+        max_position_embeddings=RANDOM_POSITIONS,
         bos_token_id=_BOS_ID,
         eos_token_ids=(_EOS_ID,),
         name=f"random:{size}",
