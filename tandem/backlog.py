@@ -22,10 +22,14 @@ from tandem.protocol import (
     HANDOFF_GROUP,
     PRIORITIES,
     WORK_GROUP,
+    ProtocolError,
     WorkItem,
     as_text,
 )
 from tandem.queue_state import QueueState
+
+# The most work entries answers_owed reads of a stream.
+_ENDED_SCAN = 1000
 
 # The stream field where `enqueue` records the tokens it added to the queued-tokens
 # counter: `pull` subtracts exactly that, without parsing the JSON inside Redis (and
@@ -141,3 +145,30 @@ def queue_state(results: list[Any]) -> QueueState:
         handoff_waiting=sum(waiting[levels:]),
         handoff_pending=sum(pending[levels:]),
     )
+
+
+def answers_owed(client: redis.Redis, keys: Keys, model: str, now: float) -> bool:
+    """Whether a request of the model still waits for its answer: an entry an engine
+    holds or a handoff, or one queued whose deadline has not passed and that nobody
+    cancelled. A queued request past its deadline (the gateway answered 504) or
+    cancelled (its client left) waits for an engine only to be acknowledged: `tandem
+    up` stops without waiting on it (with its only engine crash-looping, it waited out
+    the whole stop timeout for nobody). Past _ENDED_SCAN entries a stream is taken as
+    owed (not worth reading whole)."""
+    q = queue_depth(client, keys, model)
+    if q.pending or q.handoff_waiting or q.handoff_pending:
+        return True
+    if not q.total_waiting:
+        return False
+    for stream in keys.work_streams(model):
+        entries = client.xrange(stream, count=_ENDED_SCAN + 1)
+        if len(entries) > _ENDED_SCAN:
+            return True
+        try:
+            items = [WorkItem.from_fields(fields) for _, fields in entries]
+        except ProtocolError:
+            return True  # an engine answers it with an error
+        live = [i.request_id for i in items if i.deadline is None or i.deadline > now]
+        if live and not all(client.mget([keys.cancel_key(rid) for rid in live])):
+            return True
+    return False

@@ -25,7 +25,7 @@ from typing import IO
 import redis
 
 from tandem import catalog
-from tandem.backlog import queue_depth
+from tandem.backlog import answers_owed
 from tandem.child import Child, drain_in_order, engine_child, engine_threads, local_get
 from tandem.keys import Keys
 from tandem.preflight import (
@@ -389,8 +389,7 @@ class Stack:
         empty_since, next_evaluation = None, 0.0
         try:
             while time.monotonic() < deadline and not self._hurry.is_set():
-                q = queue_depth(client, Keys(), self.config.name)
-                if q.total_waiting or q.pending or q.handoff_waiting or q.handoff_pending:
+                if answers_owed(client, Keys(), self.config.name, time.time()):
                     empty_since = None
                     self._restart_dead(say, gateway=False)
                     if self.actuator is None:

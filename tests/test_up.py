@@ -556,3 +556,25 @@ def test_a_manifests_cluster_redis_is_said_to_be_unused(tmp_path, monkeypatch):
     )
     Stack(up).start(say=said.append).stop()
     assert "redis      spec.redis is a cluster's: here --redis-url is, else an embedded one" in said
+
+
+def test_a_stop_waits_only_for_requests_that_still_wait_for_an_answer(redis_client, keys):
+    # Its only entry was a request already answered 504 (its engine crash-looping): the
+    # stop waited the whole minute for nobody.
+    from tandem.backlog import answers_owed
+    from tandem.engine.service.cancellation import cancel
+
+    now = time.time()
+
+    def owed() -> bool:
+        return answers_owed(redis_client, keys, "m", time.time())
+
+    assert not owed()
+    enqueue(redis_client, keys, WorkItem("late", "m", prompt_token_ids=[1], deadline=now - 1))
+    assert not owed()  # answered 504 by the gateway
+    enqueue(redis_client, keys, WorkItem("open", "m", prompt_token_ids=[1], deadline=now + 60))
+    assert owed()
+    cancel(redis_client, keys, "open")  # its client left
+    assert not owed()
+    enqueue(redis_client, keys, WorkItem("forever", "m", prompt_token_ids=[1]))
+    assert owed()
