@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 import redis
+from pydantic.alias_generators import to_camel
 
 from tandem import catalog
 from tandem.backlog import queue_depth
@@ -110,6 +111,29 @@ def load_manifest(manifest: dict[str, Any]) -> tuple[str, ModelDeploymentSpec]:
     return name, spec
 
 
+def cluster_only(spec: ModelDeploymentSpec) -> list[str]:
+    """The fields a manifest sets that one machine has no use for (an image, where pods
+    go, what they may take beyond a CPU limit, which sizes an engine's threads): said,
+    not silently run as something else. spec.redis is said apart (what is used instead)."""
+    unused = [f"spec.{to_camel(f)}" for f in _IMAGE_FIELDS if f in spec.model_fields_set]
+    for role, role_spec in spec.roles().items():
+        for name in ("node_selector", "tolerations", "affinity"):
+            if getattr(role_spec, name):
+                unused.append(f"spec.{role}.{to_camel(name)}")
+        resources = role_spec.resources
+        for kind in ("limits", "requests"):
+            amounts = getattr(resources, kind, None) or {}
+            unused += [
+                f"spec.{role}.resources.{kind}.{k}"
+                for k in amounts
+                if kind != "limits" or k != "cpu"
+            ]
+    return unused
+
+
+_IMAGE_FIELDS = ("image", "image_pull_policy", "image_pull_secrets")
+
+
 def _listed(names: set[str]) -> str:
     return ", ".join(sorted(names))
 
@@ -160,6 +184,8 @@ class LocalActuator:
     # ------------------------------------------------------------ processes
 
     def start(self) -> list[Child]:
+        if unused := cluster_only(self.spec):
+            self.say(f"cluster    not used on one machine: {', '.join(unused)}")
         self._declare()
         for role, count in self.replicas.items():
             for _ in range(count):

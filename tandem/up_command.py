@@ -137,7 +137,9 @@ serving.tandem.dev/v1alpha1, kind: ModelDeployment, metadata.name, its mode's
 roles (spec.normal, the default mode's; or spec.prefill and spec.decode with
 mode: Disaggregated), and the model as
 spec.model.path (a local directory, a .gguf file, smollm2 or random:<size>):
-spec.model.huggingFace and spec.model.pvc are for clusters only:
+spec.model.huggingFace and spec.model.pvc are for clusters only, and what only
+a cluster uses (spec.image, spec.redis, a role's nodeSelector, tolerations,
+affinity and resources but a CPU limit) is said at start, not used:
 examples/local/smollm2.yaml is a local variant of examples/smollm2-cpu.yaml
 (it serves `smollm2`, on this machine's threads).
 docs/modeldeployment.md describes every field.

@@ -185,3 +185,21 @@ def test_a_cpu_limit_below_the_share_still_bounds_a_local_engine(actuator, monke
     local, _ = actuator(manifest)
     (child,) = local.start()
     assert _flag(child.argv, "threads") == "2"  # not 63 // 3
+
+
+def test_what_a_manifest_asks_of_a_cluster_is_said_unused_here(actuator):
+    # A pinned image, a GPU, a node: silently run as the local CPU engine.
+    manifest = _manifest(
+        nodeSelector={"gpu": "h100"},
+        resources={"limits": {"cpu": "2", "nvidia.com/gpu": "1"}, "requests": {"memory": "1Gi"}},
+    )
+    manifest["spec"]["image"] = "ghcr.io/x/engine:1"
+    local, said = actuator(manifest)
+    local.start()
+    assert said[0] == (
+        "cluster    not used on one machine: spec.image, spec.normal.nodeSelector, "
+        "spec.normal.resources.limits.nvidia.com/gpu, spec.normal.resources.requests.memory"
+    )
+    plain, said = actuator(_manifest())
+    plain.start()
+    assert not said[0].startswith("cluster")
