@@ -108,8 +108,8 @@ async def test_prefill_scales_on_queued_tokens_alone(cluster, operator, metrics)
     assert ("redis://tandem-redis.tandem-system.svc:6379/0", "m") in metrics.queue_reads
 
 
-async def test_the_queue_is_read_from_the_models_own_redis(cluster, operator, metrics):
-    url = "redis://:secret@model-redis:6379/1"
+async def _apply_with_redis_secret(cluster, url: str) -> None:
+    """The split model, its Redis URL in the Secret model-redis."""
     secret = {
         "metadata": {"name": "model-redis"},
         "data": {"url": b64encode(url.encode()).decode()},
@@ -118,6 +118,11 @@ async def test_the_queue_is_read_from_the_models_own_redis(cluster, operator, me
     manifest = split()
     manifest["spec"]["redis"] = {"urlSecretRef": {"name": "model-redis"}}
     await cluster.apply(manifest)
+
+
+async def test_the_queue_is_read_from_the_models_own_redis(cluster, operator, metrics):
+    url = "redis://:secret@model-redis:6379/1"
+    await _apply_with_redis_secret(cluster, url)
     await eventually(lambda: (url, "m") in metrics.queue_reads, what="a read of the model's Redis")
     # and declared there, so that its gateways queue requests even with no engine up
     assert (url, "m", f"{NAMESPACE}/m") in metrics.declarations
@@ -126,15 +131,8 @@ async def test_the_queue_is_read_from_the_models_own_redis(cluster, operator, me
 async def test_an_unreadable_url_in_the_models_secret_is_named_not_quoted(
     cluster, operator, metrics
 ):
-    url = "redis://:Secr3tHalf/otherhalf@model-redis:6379/1"  # a raw / in the password
-    secret = {
-        "metadata": {"name": "model-redis"},
-        "data": {"url": b64encode(url.encode()).decode()},
-    }
-    await cluster.api.create(SECRETS, NAMESPACE, secret)
-    manifest = split()
-    manifest["spec"]["redis"] = {"urlSecretRef": {"name": "model-redis"}}
-    await cluster.apply(manifest)
+    # A raw / in the password.
+    await _apply_with_redis_secret(cluster, "redis://:Secr3tHalf/otherhalf@model-redis:6379/1")
     (event,) = await eventually(lambda: cluster.events("QueueUnreadable"), what="an Event")
     assert "Secret model-redis's key 'url' is not a Redis URL" in event["message"]
     assert "Secr3tHalf" not in str(cluster.events()) and metrics.queue_reads == []
