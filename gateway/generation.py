@@ -40,8 +40,9 @@ log = logging.getLogger("tandem.gateway")
 # The most a Redis call made on the way to another answer (an error, a deadline) may
 # add to it.
 _REDIS_ASIDE_S = 1.0
-# The ends of one attempt's reading, not of the work: other attempts may still read it.
-_READERS_LEAVE = ("disconnect", "deadline")
+# The ends of one attempt's reading, not of the work: other attempts may still read it
+# (one that had read further before Redis lost the stream's tail sees no gap).
+_READERS_LEAVE = ("disconnect", "deadline", "response_lost")
 
 Event = tuple[int, ResponseEvent]
 

@@ -28,8 +28,9 @@ from tandem.protocol import (
 )
 from tandem.queue_state import QueueState
 
-# The most work entries answers_owed reads of a stream.
+# The most work entries answers_owed reads of a stream, and how many a read.
 _ENDED_SCAN = 1000
+_ENDED_PAGE = 100
 
 # The stream field where `enqueue` records the tokens it added to the queued-tokens
 # counter: `pull` subtracts exactly that, without parsing the JSON inside Redis (and
@@ -161,14 +162,20 @@ def answers_owed(client: redis.Redis, keys: Keys, model: str, now: float) -> boo
     if not q.total_waiting:
         return False
     for stream in keys.work_streams(model):
-        entries = client.xrange(stream, count=_ENDED_SCAN + 1)
-        if len(entries) > _ENDED_SCAN:
-            return True
-        try:
-            items = [WorkItem.from_fields(fields) for _, fields in entries]
-        except ProtocolError:
-            return True  # an engine answers it with an error
-        live = [i.request_id for i in items if i.deadline is None or i.deadline > now]
-        if live and not all(client.mget([keys.cancel_key(rid) for rid in live])):
-            return True
+        start, read = "-", 0
+        while read < _ENDED_SCAN:  # a page at a time: a live entry is mostly near the start
+            entries = client.xrange(stream, min=start, count=_ENDED_PAGE)
+            if not entries:
+                break
+            try:
+                items = [WorkItem.from_fields(fields) for _, fields in entries]
+            except ProtocolError:
+                return True  # an engine answers it with an error
+            live = [i.request_id for i in items if i.deadline is None or i.deadline > now]
+            if live and not all(client.mget([keys.cancel_key(rid) for rid in live])):
+                return True
+            read += len(entries)
+            start = "(" + as_text(entries[-1][0])
+        else:
+            return True  # too long to read whole: taken as owed
     return False

@@ -578,3 +578,10 @@ def test_a_stop_waits_only_for_requests_that_still_wait_for_an_answer(redis_clie
     assert not owed()
     enqueue(redis_client, keys, WorkItem("forever", "m", prompt_token_ids=[1]))
     assert owed()
+    # Read a page at a time: a live request behind a long run of ended ones is found.
+    for i in range(150):
+        late = WorkItem(f"late-{i}", "n", prompt_token_ids=[1], deadline=now - 1)
+        enqueue(redis_client, keys, late)
+    assert not answers_owed(redis_client, keys, "n", time.time())
+    enqueue(redis_client, keys, WorkItem("last", "n", prompt_token_ids=[1], deadline=now + 60))
+    assert answers_owed(redis_client, keys, "n", time.time())

@@ -69,3 +69,15 @@ def test_a_completion_engine_with_a_handoff_waiting_for_room_takes_no_more():
     sched = scheduler(EngineType.COMPLETION, max_num_seqs=8)
     assert pull_room(sched, settings(Role.COMPLETION), held=3, parked=1) == 0
     assert pull_room(sched, settings(Role.COMPLETION), held=3, parked=0) == 5
+
+
+def test_a_completion_engine_takes_only_the_handoffs_its_budget_can_decode():
+    # A budget below max_num_seqs (chunked prefill allows it) runs fewer sequences
+    # (EngineConfig.max_running): handoffs pulled past it parked, went back, and came
+    # again, a cycle through Redis for as long as the engine was full.
+    sched = scheduler(
+        EngineType.COMPLETION, max_num_seqs=8, max_num_batched_tokens=4,
+        enable_chunked_prefill=True, max_model_len=64,
+    )  # fmt: skip
+    assert pull_room(sched, settings(Role.COMPLETION), held=0) == 4
+    assert pull_room(sched, settings(Role.COMPLETION), held=4) == 0

@@ -17,12 +17,13 @@ def pull_room(scheduler: Scheduler, settings: WorkerSettings, held: int, parked:
 
     `held` counts the entries taken and not yet acknowledged. Nothing while KV
     usage is over the prefill watermark (what is pulled would only wait). A
-    COMPLETION engine takes handoffs up to `max_num_seqs` in flight, and none while
+    COMPLETION engine takes handoffs up to `max_running` in flight (max_num_seqs, or
+    fewer where a decode step's budget holds fewer), and none while
     `parked` ones wait for room it has not got (those it took would wait with them,
     while another decoder, a replica just started say, might start them) or while a
     recompute waits (the scheduler takes no handoff then); any other
     stops at `max_waiting_tokens` prompt tokens waiting, and else fills its
-    waiting queue up to `max_waiting` entries and `max_num_seqs` in flight.
+    waiting queue up to `max_waiting` entries and `max_running` in flight.
     A draining engine pulls nothing: callers check that first.
     """
     config = scheduler.config
@@ -31,7 +32,7 @@ def pull_room(scheduler: Scheduler, settings: WorkerSettings, held: int, parked:
     if settings.role is Role.COMPLETION:
         # Its waiting queue holds recomputes only: they take the room that frees first.
         busy = parked or scheduler.num_waiting
-        return 0 if busy else max(0, config.max_num_seqs - held)
+        return 0 if busy else max(0, config.max_running - held)
     if scheduler.waiting_prompt_tokens >= settings.max_waiting_tokens:
         return 0
-    return max(0, min(settings.max_waiting - scheduler.num_waiting, config.max_num_seqs - held))
+    return max(0, min(settings.max_waiting - scheduler.num_waiting, config.max_running - held))
