@@ -149,7 +149,7 @@ def test_prefill_settles_under_a_steady_load_instead_of_cycling():
     # Prompts well under the budget: each pod's steps part-full. Read as fill x busy,
     # 8 pods' load asked 0.19 of a pod, the role fell to 1, its queue grew, and it
     # climbed back to 8: a cycle of minutes, for as long as the load held.
-    steady = _workload(rate=20.0, duration=700.0, out="uniform:100:500")
+    steady = _workload(rate=20.0, duration=700.0, out="uniform:20:60")  # prefill-bound
     roles = [
         deploy.role_setup(name, replicas=1, min_replicas=1, max_replicas=8, tp=4)
         for name in ("prefill", "decode")
