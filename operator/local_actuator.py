@@ -111,6 +111,10 @@ def load_manifest(manifest: dict[str, Any]) -> tuple[str, ModelDeploymentSpec]:
     return name, spec
 
 
+# The spec's fields of the pods' image, which one machine runs without.
+_IMAGE_FIELDS = ("image", "image_pull_policy", "image_pull_secrets")
+
+
 def cluster_only(spec: ModelDeploymentSpec) -> list[str]:
     """The fields a manifest sets that one machine has no use for (an image, where pods
     go, what they may take beyond a CPU limit, which sizes an engine's threads): said,
@@ -120,18 +124,11 @@ def cluster_only(spec: ModelDeploymentSpec) -> list[str]:
         for name in ("node_selector", "tolerations", "affinity"):
             if getattr(role_spec, name):
                 unused.append(f"spec.{role}.{to_camel(name)}")
-        resources = role_spec.resources
         for kind in ("limits", "requests"):
-            amounts = getattr(resources, kind, None) or {}
-            unused += [
-                f"spec.{role}.resources.{kind}.{k}"
-                for k in amounts
-                if kind != "limits" or k != "cpu"
-            ]
+            amounts = getattr(role_spec.resources, kind, None) or {}
+            used = {"cpu"} if kind == "limits" else set()  # a CPU limit sizes the threads
+            unused += [f"spec.{role}.resources.{kind}.{k}" for k in amounts if k not in used]
     return unused
-
-
-_IMAGE_FIELDS = ("image", "image_pull_policy", "image_pull_secrets")
 
 
 def _listed(names: set[str]) -> str:

@@ -92,7 +92,7 @@ def _gateway_answering(process: subprocess.Popen, port: int) -> None:
             if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
                 return
         except httpx.TransportError:
-            pass
+            pass  # not listening yet
         assert process.poll() is None and time.monotonic() < deadline
         time.sleep(0.1)
 
