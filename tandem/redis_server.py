@@ -8,6 +8,7 @@ leaving the `with` block) ends it.
 from __future__ import annotations
 
 import importlib.util
+import random
 import shutil
 import socket
 import subprocess
@@ -38,16 +39,39 @@ def find_redis_server() -> Path:
 def free_port(count: int = 1) -> int:
     """A local port that is free now, with the `count - 1` ports after it free too:
     an engine with data-parallel ranks listens on port + rank, and one rank whose
-    port is taken ends the whole group."""
+    port is taken ends the whole group.
+
+    Drawn outside the kernel's ephemeral range: a port the kernel handed out for
+    binding to port 0 is one it may hand to the next outgoing connection (a Redis
+    client, say) before the server meant to listen on it starts."""
     if count < 1:
         raise ValueError(f"count must be at least 1, got {count}")
+    low, high = _listening_range()
+    draw = random.SystemRandom()  # two processes drawing at once draw apart
     for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-            if all(_bindable(base + i) for i in range(1, count)):
-                return base
+        base = draw.randrange(low, high - count + 1)
+        if all(_bindable(base + i) for i in range(count)):
+            return base
     raise RuntimeError(f"no run of {count} free local ports found in 100 tries")
+
+
+# Where free_port draws when the kernel does not say its ephemeral range: below
+# Linux's default one (32768-60999) and above the ports services usually take.
+_LISTENING_RANGE = (20000, 32768)
+
+
+def _listening_range() -> tuple[int, int]:
+    """[low, high): local ports no outgoing connection is given by the kernel."""
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        first, last = (int(part) for part in text.split())
+    except (OSError, ValueError):
+        return _LISTENING_RANGE
+    if first - 10000 >= 5000:  # room below the ephemeral range
+        return 10000, first
+    if 65536 - (last + 1) >= 2000:  # else above it
+        return last + 1, 65536
+    return _LISTENING_RANGE
 
 
 def _bindable(port: int) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +42,14 @@ def test_a_run_with_a_taken_port_is_not_returned(monkeypatch):
 def test_a_count_below_one_is_refused():
     with pytest.raises(ValueError, match="count"):
         free_port(0)
+
+
+def test_ports_are_drawn_outside_the_kernels_ephemeral_range():
+    # The kernel hands ephemeral ports to outgoing connections: a listening port
+    # drawn from that range can be taken by a client before its server binds it.
+    first, last = (
+        int(p) for p in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+    )
+    for _ in range(50):
+        base = free_port(4)
+        assert not (first <= base + 3 and base <= last), (base, first, last)
