@@ -144,3 +144,13 @@ def test_engines_seed_unseeded_draws_apart_unless_told():
     add_arguments(parser)
     assert parser.parse_args([]).seed is None
     assert parser.parse_args(["--seed", "7"]).seed == 7
+
+
+def test_a_bad_flag_is_answered_before_torch_loads():
+    # torch alone took ~2 s to import before a typo was named.
+    command = [sys.executable, "-X", "importtime", "-m", "tandem.cli", "engine", "--port", "0"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and "--port must be at least 1" in done.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if "|" in line}
+    assert "tandem.engine.service.registry" in imported  # main.py ran: the listing is real
+    assert "torch" not in imported

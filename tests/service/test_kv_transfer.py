@@ -18,7 +18,7 @@ import torch
 from tandem.engine.service.kv_handoff import KVFetches
 from tandem.engine.service.kv_tcp import KVServer, fetch_kv, release_kv
 from tandem.engine.service.kv_transfer import KVLayout, KVTransferError, PinnedKV
-from tandem.engine.service.main import kv_fingerprint
+from tandem.engine.service.serve import kv_fingerprint
 
 pytestmark = pytest.mark.timeout(30)
 

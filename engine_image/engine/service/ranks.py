@@ -21,7 +21,7 @@ from tandem.redis_server import free_port
 
 log = logging.getLogger("tandem.engine")
 
-# What each rank runs (service/main.py's serve): (args, rank, vote) -> exit code.
+# What each rank runs (service/serve.py's serve): (args, rank, vote) -> exit code.
 Serve = Callable[[argparse.Namespace, int, Vote], int]
 
 
