@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import http.server
+import json
 import os
 import re
 import signal
@@ -17,12 +18,12 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
+from support.polling import eventually
 
 from tandem import cli, up_command
 from tandem.operator.local_actuator import load_manifest
@@ -240,7 +241,14 @@ def test_stopped_from_its_terminal_it_answers_the_requests_in_flight(how):
     port = free_port()
     argv = [TANDEM, "up", "--model", "random:tiny", "--port", str(port), "--api-key", "sk-t"]
     env = {**os.environ, "TANDEM_CPU_KERNELS": "0"}
-    body = {"model": "random:tiny", "prompt": "hi", "max_tokens": 1500, "ignore_eos": True}
+    body = {
+        "model": "random:tiny",
+        "prompt": "hi",
+        "max_tokens": 300,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     terminal, its_end = os.openpty()
     with subprocess.Popen(
         argv,
@@ -258,12 +266,14 @@ def test_stopped_from_its_terminal_it_answers_the_requests_in_flight(how):
             said = b""
             while b"Tandem is up" not in said:
                 said += os.read(terminal, 4096)
-            url = f"http://127.0.0.1:{port}"
+            url = f"http://127.0.0.1:{port}/v1/completions"
             with ThreadPoolExecutor(3) as pool, httpx.Client(timeout=90) as client:
-                post = partial(client.post, f"{url}/v1/completions", json=body)
                 auth = {"Authorization": "Bearer sk-t"}
-                replies = [pool.submit(post, headers=auth) for _ in range(2)]
-                time.sleep(1.0)  # admitted, generating
+                tokens: list[list[str]] = [[], []]
+                replies = [pool.submit(_stream, client, url, body, auth, seen) for seen in tokens]
+                assert eventually(lambda: all(tokens), 60), "no stream began"
+                # Both admitted and generating: stopped now, neither has ended.
+                assert not any(reply.done() for reply in replies), "ended before the stop"
                 if how == "ctrl-c":
                     os.write(terminal, b"\x03")  # the terminal signals its foreground group
                 else:
@@ -277,9 +287,23 @@ def test_stopped_from_its_terminal_it_answers_the_requests_in_flight(how):
                 os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(OSError):
                 os.close(terminal)
-    for answer in answers:
-        assert answer.status_code == 200, answer.text
-        assert answer.json()["usage"]["completion_tokens"] == 1500
+    for status, usage in answers:
+        assert status == 200
+        assert usage["completion_tokens"] == 300  # the whole answer
+
+
+def _stream(client: httpx.Client, url: str, body: dict, headers: dict, seen: list[str]):
+    """Read one streamed completion, each text piece into `seen` as it comes: its status
+    and the usage its last event carries."""
+    usage = None
+    with client.stream("POST", url, json=body, headers=headers) as reply:
+        for line in reply.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            seen.extend(choice["text"] for choice in event["choices"])
+            usage = event.get("usage") or usage
+        return reply.status_code, usage
 
 
 def _drain(fd: int) -> None:
