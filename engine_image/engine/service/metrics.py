@@ -28,7 +28,9 @@ _PER_TOKEN = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
     0.2, 0.3, 0.5, 1, 2.5, 5, 10, 30,
 )  # fmt: skip
-_TRANSFER = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+# Past 10 s (--kv-fetch-timeout's default) too: a deployment that raises it sees where
+# its slow fetches fall, not one +Inf bucket.
+_TRANSFER = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # Drafts accepted per sequence in a step, a mean over the step's sequences (so
 # fractional), up to numSpeculativeTokens' most, 16.
 _DRAFTS = (0, 0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16)
