@@ -154,7 +154,9 @@ class ModelSpec(SpecModel):
         None,
         min_length=1,
         max_length=253,
-        pattern=r"^[^{}\s]+$",
+        # RE2's \s spelled out: the API server's \s is ASCII, pydantic's Unicode (a
+        # name with a no-break space passed one and failed the other).
+        pattern=r"^[^{} \t\n\f\r]+$",
         description="The model name clients ask for (`--served-model-name`); "
         "default: metadata.name.",
     )

@@ -9,9 +9,10 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import kubernetes_validate
+import pydantic
 import pytest
 import yaml
 from hypothesis import given, settings
@@ -411,3 +412,27 @@ def test_cel_and_python_rules_agree_on_random_specs(role, engine, mode, roles, s
     assert (server == []) == (reason is None), (server, reason)
     if server:  # every value is schema-valid here, so these are CEL messages
         assert any(error.split(": ", 1)[1] in reason for error in server), (server, reason)
+
+
+# Strings on which regexp flavours part: Unicode spaces, a vertical tab, non-ASCII
+# digits and letters.
+_FLAVOUR_PROBES = ("a", "a b", "a\u00a0b", "a\x0bb", "a\u2003b", "\u0661\u0662", "é", "Ａ", "a\nb")
+
+
+def test_every_pattern_means_the_same_to_the_api_server_and_the_operator():
+    # The API server matches patterns with Go's regexp (RE2's syntax: \s, \d and \w are
+    # ASCII), pydantic with Rust's regex (Unicode): a pattern read two ways let a
+    # ModelDeployment in that the operator then called Invalid.
+    re2 = pytest.importorskip("re2", reason="google-re2 (cel-python's dependency) missing")
+    patterns = {node["pattern"] for _, node in _schema_nodes(SCHEMA) if "pattern" in node}
+    assert patterns  # the walk found them
+    for pattern in patterns:
+        operator = pydantic.TypeAdapter(Annotated[str, pydantic.StringConstraints(pattern=pattern)])
+        for probe in _FLAVOUR_PROBES:
+            api_server = re2.search(pattern, probe) is not None
+            try:
+                operator.validate_python(probe)
+                accepted = True
+            except pydantic.ValidationError:
+                accepted = False
+            assert api_server == accepted, (pattern, probe)
