@@ -103,9 +103,19 @@ def plan(
     owner = Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
     # A decision made from a count the spec's edit replaces waits for the next pass.
     edited = pending_edits(spec, owner.name, found)
-    scaled = {role: d for role, d in (scaled or {}).items() if role not in edited}
+    # While the old mode's pods serve after a mode change, each new role runs a pod at
+    # least: a role at zero counted as ready at once, and the serving pods were deleted
+    # with none loading the model to take over. The autoscaler may take it to zero after.
+    handing_over = any(_old_mode_ready(spec, found).values())
+    scaled = {
+        role: d
+        for role, d in (scaled or {}).items()
+        if role not in edited and not (handing_over and d.replicas == 0)
+    }
     decisions = {role: d.replicas for role, d in scaled.items()}
     replicas, clamps, edits = replica_counts(spec, owner.name, found, previous, decisions)
+    if handing_over:
+        replicas = {role: max(count, 1) for role, count in replicas.items()}
     desired = build_manifests(owner, spec, replicas, defaults)
 
     creates: list[dict[str, Any]] = []
@@ -149,11 +159,8 @@ def plan(
         # and one restarted meanwhile without them would not start.
         gone = {key for key in gone if _role(found[key]) is None}
     # The old mode's Deployments kept serving: the status says so, not "nothing ready".
-    outgoing = {
-        role.value: (found[key].get("status") or {}).get("readyReplicas") or 0
-        for key in set(found) - set(wanted) - gone
-        if key.kind == "Deployment" and (role := _role(found[key])) not in (None, *spec.roles())
-    }
+    kept = set(found) - gone
+    outgoing = {role.value: ready for role, ready in _old_mode_ready(spec, found, kept).items()}
     deletes = tuple(sorted(gone, key=lambda k: (k.kind, k.name)))
     scales = [autoscaler_scale(d, clamp_of(clamps, role)) for role, d in scaled.items()]
     scales += [c.scale for c in clamps if not c.by_hand and c.role not in scaled]
@@ -334,6 +341,23 @@ def _stall(conditions: list[Body]) -> Stall | None:
     if progressing.get("status") == "False":
         return Stall("ProgressDeadlineExceeded", str(progressing.get("message") or ""))
     return None
+
+
+def _old_mode_ready(
+    spec: ModelDeploymentSpec,
+    found: Mapping[ChildKey, Body],
+    among: set[ChildKey] | None = None,
+) -> dict[RoleName, int]:
+    """Ready pods of each Deployment of a role the spec's mode no longer has (`among`
+    those children only, if given): after a mode change, the pods serving meanwhile."""
+    return {
+        role: (child.get("status") or {}).get("readyReplicas") or 0
+        for key, child in found.items()
+        if key.kind == "Deployment"
+        and (among is None or key in among)
+        and (role := _role(child)) is not None
+        and role not in spec.roles()
+    }
 
 
 def _role(child: Body) -> RoleName | None:

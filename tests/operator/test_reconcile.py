@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from tandem.operator.autoscaler import Decision, ScalingHistory
 from tandem.operator.drift import OWNED_KEYS_ANNOTATION, ChildKey, drift, repair_patch
 from tandem.operator.manifests import (
     DEFAULTS_ANNOTATION,
@@ -197,6 +198,48 @@ def test_a_role_of_another_mode_is_deleted_once_the_new_roles_are_ready():
             child["status"]["readyReplicas"] = 1
     actions = plan(split, children + new, DEFAULTS, now=NOW)
     assert {k.name for k in actions.deletes} == {"m-normal", "m-normal-engine", "m-normal-redis"}
+
+
+def test_a_new_role_that_may_scale_to_zero_runs_a_pod_while_the_old_mode_serves():
+    # Started at its minReplicas 0, the new prefill role counted as ready at once: the
+    # serving normal pods were deleted with no pod loading the model to take over.
+    children = children_of(model())
+    (old,) = [c for c in children if c["kind"] == "Deployment"]
+    old["status"] = {"replicas": 1, "updatedReplicas": 1, "readyReplicas": 1}
+    split = model()
+    split["spec"] = {
+        "model": {"path": "x"},
+        "mode": "Disaggregated",
+        "prefill": {"minReplicas": 0, "maxReplicas": 2},
+        "decode": {},
+    }
+    actions = plan(split, children, DEFAULTS, now=NOW)
+    new = [copy.deepcopy(m) for m in actions.creates]
+    assert _replicas(new) == {"m-prefill": 1, "m-decode": 1} and not actions.deletes
+    for child in new:
+        if child["kind"] == "Deployment":
+            child["status"] = {"replicas": 1, "updatedReplicas": 1, "readyReplicas": 0}
+    # The autoscaler's zero waits for the handover too.
+    why = "prefill scale 1->0: idle"
+    idle = {RoleName.PREFILL: Decision(RoleName.PREFILL, 0, 1, 0, why, ScalingHistory())}
+    actions = plan(split, children + new, DEFAULTS, now=NOW, scaled=idle)
+    assert not actions.deletes and not actions.patches
+    for child in new:
+        if child["kind"] == "Deployment":
+            child["status"]["readyReplicas"] = 1
+    actions = plan(split, children + new, DEFAULTS, now=NOW)
+    assert {k.name for k in actions.deletes} == {"m-normal", "m-normal-engine", "m-normal-redis"}
+    # With nothing served by the old mode, the role starts where its spec says.
+    old["status"]["readyReplicas"] = 0
+    fresh = plan(split, children, DEFAULTS, now=NOW).creates
+    assert _replicas(fresh) == {"m-prefill": 0, "m-decode": 1}
+
+
+def _replicas(children: list[dict[str, Any]]) -> dict[str, int]:
+    """Each Deployment's replicas, by name."""
+    return {
+        c["metadata"]["name"]: c["spec"]["replicas"] for c in children if c["kind"] == "Deployment"
+    }
 
 
 def test_a_current_roles_old_redis_secret_stays_until_its_new_pods_are_ready():
