@@ -78,6 +78,10 @@ def pod_trouble(pod: Body) -> PodTrouble | None:
     status = pod.get("status") or {}
     if pod.get("metadata", {}).get("deletionTimestamp"):
         return None  # on its way out: its troubles are over
+    if status.get("phase") in ("Failed", "Succeeded"):
+        # Ended for good (evicted, its node shut down): the ReplicaSet made another in
+        # its place, and the ended one lingers until the garbage collector's threshold.
+        return None
     for condition in status.get("conditions") or []:
         if (
             condition.get("type") == "PodScheduled"

@@ -159,6 +159,18 @@ def test_a_pod_being_deleted_has_no_trouble():
     assert pod_trouble(leaving) is None
 
 
+def test_an_evicted_pod_left_behind_has_no_trouble():
+    # It lingers (Failed) until the cluster's terminated-pod threshold: every later
+    # scale-up read its old OOM kill and called the model Degraded.
+    evicted = pod(
+        engine={"restartCount": 2, "lastState": {"terminated": {"reason": "OOMKilled"}}},
+        phase="Failed",
+        reason="Evicted",
+        message="The node was low on resource: memory.",
+    )
+    assert pod_trouble(evicted) is None
+
+
 def test_a_role_reports_its_first_troubled_pod_by_name():
     pods = [pod("m-b", engine=crash_loop()), pod("m-c"), pod("m-a", engine=crash_loop("boom"))]
     trouble = role_trouble(pods)
