@@ -151,7 +151,8 @@ def plan(
         for role_name, key in deployments.items()
     }
     gone = set(found) - set(wanted)
-    if not all(c.ready >= c.desired and not c.rolling for c in counts.values()):
+    settled = all(c.ready >= c.desired and not c.rolling for c in counts.values())
+    if not settled:
         # After a mode change the old mode's roles serve until the new ones are ready
         # (loading a model takes minutes): the model never serves nothing meanwhile.
         # So do a current role's old children (the operator's Redis Secret after a
@@ -167,6 +168,11 @@ def plan(
     scales += edits
     last_scale = scales[-1].record(now) if scales else None
     served = spec.served_model_name(owner.name)
+    if not settled and isinstance(previous.get("servedModelName"), str):
+        # A rename's old pods serve the old name until the new ones replace them: the
+        # status keeps it, so another model cannot claim it meanwhile (both would take
+        # its queue's work; from another namespace, read its prompts).
+        served = previous["servedModelName"]
     new_status = valid_status(meta, counts, previous, now, last_scale, served, outgoing)
     return Plan(
         creates=tuple(creates),

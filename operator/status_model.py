@@ -102,6 +102,7 @@ class ModelDeploymentStatus(SpecModel):
     served_model_name: str | None = Field(
         None,
         max_length=253,
-        description="The name the pods serve (the last applied spec's servedModelName): "
-        "another ModelDeployment that claims it is refused while this one serves it.",
+        description="The name the pods serve (the spec's servedModelName; after a rename, "
+        "the old one until the new pods replace the old): another ModelDeployment that "
+        "claims it is refused while this one serves it.",
     )

@@ -274,6 +274,48 @@ def test_a_current_roles_old_redis_secret_stays_until_its_new_pods_are_ready():
     assert [k.name for k in actions.deletes] == ["m-normal-redis"]
 
 
+def test_a_renamed_model_keeps_its_old_name_until_its_new_pods_replace_the_old():
+    # The status took the new name in the pass that began the rollout: another model
+    # claimed the old one while the old pods still served it, both on one queue.
+    children = children_of(model())
+    (deployment,) = [c for c in children if c["kind"] == "Deployment"]
+    deployment["metadata"]["generation"] = 1
+    deployment["status"] = {
+        "observedGeneration": 1,
+        "replicas": 1,
+        "updatedReplicas": 1,
+        "readyReplicas": 1,
+    }
+    renamed = model(status={"servedModelName": "shared", "reason": "AllReplicasReady"})
+    renamed["spec"]["model"]["servedModelName"] = "a-only"
+    actions = plan(renamed, children, DEFAULTS, now=NOW)
+    assert actions.status["servedModelName"] == "shared"  # the old pods serve it
+
+    # The Deployment rolls: a new pod ready beside the old one (maxSurge 1).
+    renamed["status"] = {**renamed["status"], **actions.status}
+    deployment["metadata"]["generation"] = 2
+    deployment["spec"] = next(p for p in actions.patches if p.kind == "Deployment").patch[
+        "spec"
+    ] | {"replicas": 1}
+    deployment["status"] = {
+        "observedGeneration": 2,
+        "replicas": 2,
+        "updatedReplicas": 1,
+        "readyReplicas": 1,
+    }
+    assert (plan(renamed, children, DEFAULTS, now=NOW).status or {}).get(
+        "servedModelName", "shared"
+    ) == "shared"
+    # The old pod gone: the new name is the one served.
+    deployment["status"] = {
+        "observedGeneration": 2,
+        "replicas": 1,
+        "updatedReplicas": 1,
+        "readyReplicas": 1,
+    }
+    assert plan(renamed, children, DEFAULTS, now=NOW).status["servedModelName"] == "a-only"
+
+
 def test_a_deployment_that_cannot_make_pods_says_why_in_the_status():
     # A quota or an admission webhook refuses every pod: its words, not a deadline's.
     children = children_of(model())
