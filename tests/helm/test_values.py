@@ -137,6 +137,12 @@ BAD_VALUES = [
         ["gateway.auth.keys[0].name=a", "gateway.auth.keys[0].key=   "],
         "at '/gateway/auth/keys/0/key'",
     ),
+    # A key beyond printable ASCII (an en dash pasted from a document) rendered, and
+    # every gateway pod then refused it at start: it travels in a header.
+    (
+        ["gateway.auth.keys[0].name=a", "gateway.auth.keys[0].key=sk\u2013team-a"],
+        "at '/gateway/auth/keys/0/key'",
+    ),
     # A second app.kubernetes.io/name would break every selector.
     (
         ["commonLabels.app\\.kubernetes\\.io/name=x"],
