@@ -458,3 +458,12 @@ def test_seconds_that_are_not_above_zero_are_refused(helm, value):
     result = run_helm(helm, *template_args(CHART, sets=[f"gateway.requestTimeout={value}"]))
     assert result.returncode != 0
     assert "at '/gateway/requestTimeout'" in result.stderr
+
+
+def test_a_compound_scrape_interval_reaches_the_monitors(helm):
+    # Prometheus durations compound (1m30s): the schema took one unit only.
+    sets = ["monitoring.enabled=true", "monitoring.interval=1m30s"]
+    monitors = [m for m in render(helm, sets=sets) if m["kind"] == "ServiceMonitor"]
+    assert monitors and all(
+        endpoint["interval"] == "1m30s" for m in monitors for endpoint in m["spec"]["endpoints"]
+    )
