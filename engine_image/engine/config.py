@@ -64,6 +64,9 @@ class EngineConfig:
             ) from None
         object.__setattr__(self, "engine_type", engine_type)
 
+        # None or "false" read as off or on: prefix caching lost without a word.
+        _require_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        _require_bool("enable_prefix_caching", self.enable_prefix_caching)
         _require_int("max_model_len", self.max_model_len, minimum=1)
         _require_int("max_num_seqs", self.max_num_seqs, minimum=1)
         _require_int("num_speculative_tokens", self.num_speculative_tokens, minimum=0)
@@ -157,6 +160,11 @@ def max_model_len_for(fields: Mapping[str, Any], positions: int, cache_tokens: i
     if budget is not None and not fields.get("enable_chunked_prefill", False):
         length = min(length, budget)
     return length
+
+
+def _require_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def _require_int(name: str, value: object, *, minimum: int) -> None:

@@ -84,8 +84,9 @@ class LLM:
             raise ValueError(f"unknown engine settings: {', '.join(sorted(unknown))}")
         if "vocab_size" in engine_config_fields:
             raise ValueError("vocab_size comes from the model; do not set it")
-        if engine_config_fields.get("max_model_len", 0) is None:
-            del engine_config_fields["max_model_len"]  # vLLM's spelling of "the model's"
+        for name in ("max_model_len", "enable_prefix_caching"):
+            if name in engine_config_fields and engine_config_fields[name] is None:
+                del engine_config_fields[name]  # vLLM's spelling of "the default"
         check_fields(engine_config_fields)  # before a load of minutes
         if EngineType(engine_config_fields.get("engine_type", "normal")) is not EngineType.NORMAL:
             # A prompt engine pins each request's KV for a decoder that never comes.
@@ -93,6 +94,8 @@ class LLM:
                 "engine_type must be 'normal' here: the offline API runs prompts to the "
                 "end on one engine (prompt and completion engines are the service's roles)"
             )
+        if decode_graphs is not None and not isinstance(decode_graphs, bool):
+            raise ValueError(f"decode_graphs must be True, False or None, got {decode_graphs!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an integer or None, got {seed!r}")
         if mtp_head is not None and not callable(getattr(mtp_head, "propose", None)):

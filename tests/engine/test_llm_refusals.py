@@ -126,3 +126,23 @@ def test_max_model_len_none_means_the_models_and_a_number_is_taken(llm):
     other = LLM(llm.loaded, num_kv_blocks=16, max_model_len=None)
     assert other.engine.config.max_model_len == llm.engine.config.max_model_len
     assert LLM(llm.loaded, num_kv_blocks=16, max_model_len=128).engine.config.max_model_len == 128
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("enable_prefix_caching", "false"),  # read as on
+        ("enable_chunked_prefill", 0),
+        ("enable_chunked_prefill", None),
+        ("decode_graphs", "yes"),
+    ],
+)
+def test_an_on_off_setting_of_another_kind_is_named(llm, setting, value):
+    with pytest.raises(ValueError, match=f"{setting} must be True"):
+        LLM(llm.loaded, num_kv_blocks=16, **{setting: value})
+
+
+def test_prefix_caching_none_means_the_default_not_off(llm):
+    # vLLM's spelling of its default: it turned prefix caching off without a word.
+    other = LLM(llm.loaded, num_kv_blocks=16, enable_prefix_caching=None)
+    assert other.engine.config.enable_prefix_caching is True
