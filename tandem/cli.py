@@ -40,6 +40,11 @@ def _chat(args: argparse.Namespace) -> int:
     engine = llm.engine
     if llm.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer (tokenizer.json), so no chat template")
+    if not llm.tokenizer.chat_template:
+        raise ValueError(
+            f"{args.model} has no chat template (a base model?): `tandem chat` needs a chat "
+            "model; a base model continues plain text (LLM.generate, /v1/completions)"
+        )
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.question}])
     engine.add_request("chat", prompt_token_ids=prompt, sampling_params=params)
     num_tokens = 0
