@@ -60,8 +60,14 @@ class LiteralChat:
         marked = []
         for i, message in enumerate(messages):
             if isinstance(message.get("content"), str):
-                contents[str(i)] = message["content"]
-                message = {**message, "content": f"TANDEM{tag}M{i}X"}
+                # The marker wears the content's surrounding whitespace and stands for
+                # the rest: a template that trims (Llama 3's `| trim`) trims it alike.
+                text = message["content"]
+                core = text.strip()
+                lead = text[: len(text) - len(text.lstrip())]
+                trail = text[len(lead) + len(core) :]
+                contents[str(i)] = core
+                message = {**message, "content": f"{lead}TANDEM{tag}M{i}X{trail}"}
             marked.append(message)
         text = render(marked)
         # One pass over the text, however many messages (a count per marker would be

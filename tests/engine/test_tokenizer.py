@@ -140,7 +140,21 @@ def test_a_template_that_does_not_write_a_content_whole_refuses_control_text(
     assert chopped.encode_chat([{"role": "user", "content": "hello"}])  # the rest as before
 
 
-# --- chat template rendering -----------------------------------------------------------
+def test_a_template_that_trims_trims_a_content_holding_control_text(tiny: Tokenizer) -> None:
+    # Llama 3's templates write `content | trim`: a content quoting a control token kept
+    # its spaces, a prompt unlike transformers' (and unlike the same text without it).
+    eos = tiny.backend.id_to_token(2)
+    template = "{% for m in messages %}{{ m['content'] | trim }}" + eos + "{% endfor %}"
+    trims = _with_template(template, tiny)
+    for content in (f"  hello {eos}  ", f"\n{eos} x\t", "   "):
+        messages = [{"role": "user", "content": content}, {"role": "user", "content": " b "}]
+        ids = trims.encode_chat(messages)
+        assert trims.decode(ids, skip_special_tokens=False) == trims.apply_chat_template(
+            messages
+        ), content
+        assert ids.count(2) == 2  # the template's own ends only
+
+
 # --- chat template rendering -----------------------------------------------------------
 
 
