@@ -40,13 +40,10 @@ from tandem.operator.manifests import (
 from tandem.operator.object_locks import ObjectLocks
 from tandem.operator.plan_writer import PlanWriter, utc_now
 from tandem.operator.pod_load import PodSample
-from tandem.operator.reconcile import (
-    Plan,
-    plan,
-    served_name_holder,
-)
+from tandem.operator.reconcile import Plan, plan
 from tandem.operator.replica_counts import role_replicas
 from tandem.operator.role_name import RoleName
+from tandem.operator.served_names import served_name_holder
 from tandem.operator.settings import OperatorSettings
 from tandem.operator.sources import MetricSources
 from tandem.operator.spec import KIND, ModelDeploymentSpec

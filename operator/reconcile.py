@@ -26,7 +26,6 @@ from tandem.operator.manifests import (
     pods_of,
 )
 from tandem.operator.pod_trouble import PodTrouble, role_trouble
-from tandem.operator.redis_server import redis_server
 from tandem.operator.replica_counts import (
     autoscaler_scale,
     clamp_of,
@@ -34,6 +33,7 @@ from tandem.operator.replica_counts import (
     replica_counts,
 )
 from tandem.operator.role_name import RoleName
+from tandem.operator.served_names import applied_name, retiring_names
 from tandem.operator.setting_changes import setting_changes
 from tandem.operator.spec import ModelDeploymentSpec
 from tandem.operator.status import (
@@ -168,12 +168,11 @@ def plan(
     scales += edits
     last_scale = scales[-1].record(now) if scales else None
     served = spec.served_model_name(owner.name)
-    if not settled and isinstance(previous.get("servedModelName"), str):
-        # A rename's old pods serve the old name until the new ones replace them: the
-        # status keeps it, so another model cannot claim it meanwhile (both would take
-        # its queue's work; from another namespace, read its prompts).
-        served = previous["servedModelName"]
-    new_status = valid_status(meta, counts, previous, now, last_scale, served, outgoing)
+    # Pods of before a rename (or of the old mode) serve on meanwhile: their names stay
+    # claimed (served_names.py) until no such pod is left.
+    replacing = any(c.rolling for c in counts.values()) or any(outgoing.values())
+    retiring = retiring_names(previous, served) if replacing else ()
+    new_status = valid_status(meta, counts, previous, now, last_scale, served, outgoing, retiring)
     return Plan(
         creates=tuple(creates),
         patches=tuple(patches),
@@ -191,68 +190,6 @@ def plan(
         clamps=tuple(clamps),
         edits=tuple(edits),
     )
-
-
-def served_name_holder(model: Body, models: Sequence[Body], operator_redis: str) -> str | None:
-    """The ModelDeployment among `models` (of every namespace served) that holds the
-    servedModelName `model` asks for, on the same queues, or None when `model` may serve
-    it: `ModelDeployment <name>`, or of another namespace without naming it (whose
-    models those are is that namespace's business).
-
-    Two models of one name on one Redis would both take its queue's work and each
-    scale on all of it; from two namespaces, one team's pods would read the other's
-    prompts. So the rivals are the models of `model`'s namespace, and those of every
-    namespace whose spec reaches the same Redis database (redis_server.py: without
-    `spec.redis`, the operator's `operator_redis`; a URL naming that Service in full
-    shares it too; a short name resolves in its own namespace). A rival claims the name
-    its spec asks for and the one its pods serve (status.servedModelName: a refused
-    rename leaves them serving the old one). The name is held by the oldest (by
-    creationTimestamp, then namespace and name) of those whose pods serve it, else
-    of all who claim it: a model that serves a name keeps it when another, older or
-    not, is edited to claim it. Read from the raw specs: an invalid one may still run
-    pods of its last valid spec. Models being deleted let go.
-    """
-    name = _asked_name(model)
-    namespace = _where(model)[0]
-    server = redis_server(model, operator_redis)
-    rivals = [
-        other
-        for other in models
-        if _where(other) != _where(model)
-        and (_where(other)[0] == namespace or redis_server(other, operator_redis) == server)
-        and not other["metadata"].get("deletionTimestamp")
-        and name in (_asked_name(other), _serving(other))
-    ]
-    claimants = [model, *rivals]
-    serving = [body for body in claimants if _serving(body) == name]
-    holder = min(serving or claimants, key=_age)
-    if holder is model:
-        return None
-    if _where(holder)[0] == namespace:
-        return f"ModelDeployment {_where(holder)[1]}"
-    return "ModelDeployment of another namespace"
-
-
-def _asked_name(body: Body) -> str:
-    """The name a model's spec asks to serve: its servedModelName, else its own."""
-    source = (body.get("spec") or {}).get("model")
-    chosen = source.get("servedModelName") if isinstance(source, Mapping) else None
-    return chosen if isinstance(chosen, str) and chosen else body["metadata"]["name"]
-
-
-def _serving(body: Body) -> str | None:
-    """The name a model's pods serve, as its status recorded it (None: none recorded)."""
-    served = (body.get("status") or {}).get("servedModelName")
-    return served if isinstance(served, str) else None
-
-
-def _where(body: Body) -> tuple[str, str]:
-    meta = body["metadata"]
-    return (str(meta.get("namespace") or ""), meta["name"])
-
-
-def _age(body: Body) -> tuple[str, str, str]:
-    return (str(body["metadata"].get("creationTimestamp") or ""), *_where(body))
 
 
 def refused(model: Body, error: str, *, now: str) -> Plan:
@@ -318,7 +255,7 @@ def _name_taken(
         f"servedModelName {asked!r} is served by {holder}: this one does not serve it "
         "until the name is free (rename or delete one of them)"
     )
-    serving = _serving(model)
+    serving = applied_name(model)
     if serving is not None and serving != asked:
         why += f"; its pods serve {serving!r} meanwhile"
         return _refusal(model, "ServedNameTaken", why, now)

@@ -20,7 +20,7 @@ desired count just went up is scaling, not degraded.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,10 +90,12 @@ def valid_status(
     last_scale: Mapping[str, Any] | None = None,
     served: str | None = None,
     outgoing: Mapping[str, int] | None = None,
+    retiring: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The full status of a ModelDeployment whose spec is valid; `served`: the name its
-    pods serve; `outgoing`: the ready pods of roles a mode change is replacing, which
-    serve until the new roles are ready."""
+    pods serve (once rolled); `outgoing`: the ready pods of roles a mode change is
+    replacing, which serve until the new roles are ready; `retiring`: the names pods of
+    before a rename still serve."""
     phase, reason, message = _phase(counts, previous)
     serving = {role: n for role, n in (outgoing or {}).items() if n}
     if serving and phase in (Phase.PENDING, Phase.PROGRESSING):
@@ -122,6 +124,8 @@ def valid_status(
         status["lastScale"] = dict(last_scale)
     if served is not None:
         status["servedModelName"] = served
+    # None removes the field (a merge patch) once no pod serves an old name.
+    status["retiringServedModelNames"] = list(retiring) or None
     return status
 
 

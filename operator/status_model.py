@@ -7,7 +7,7 @@ the CRD its status schema and the printer columns something to point at.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -102,7 +102,11 @@ class ModelDeploymentStatus(SpecModel):
     served_model_name: str | None = Field(
         None,
         max_length=253,
-        description="The name the pods serve (the spec's servedModelName; after a rename, "
-        "the old one until the new pods replace the old): another ModelDeployment that "
-        "claims it is refused while this one serves it.",
+        description="The name the pods serve (the last applied spec's servedModelName): "
+        "another ModelDeployment that claims it is refused while this one serves it.",
+    )
+    retiring_served_model_names: list[Annotated[str, Field(max_length=253)]] | None = Field(
+        None,
+        description="Names pods from before a rename (or a mode change) still serve until "
+        "the new pods replace them: held against other ModelDeployments meanwhile.",
     )

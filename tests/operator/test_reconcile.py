@@ -274,22 +274,18 @@ def test_a_current_roles_old_redis_secret_stays_until_its_new_pods_are_ready():
     assert [k.name for k in actions.deletes] == ["m-normal-redis"]
 
 
-def test_a_renamed_model_keeps_its_old_name_until_its_new_pods_replace_the_old():
-    # The status took the new name in the pass that began the rollout: another model
-    # claimed the old one while the old pods still served it, both on one queue.
+def test_a_renamed_model_claims_its_old_name_until_its_new_pods_replace_the_old():
+    # The status said only the new name as the rollout began: another model claimed
+    # the old one while the old pods still served it, both on one queue.
     children = children_of(model())
     (deployment,) = [c for c in children if c["kind"] == "Deployment"]
     deployment["metadata"]["generation"] = 1
-    deployment["status"] = {
-        "observedGeneration": 1,
-        "replicas": 1,
-        "updatedReplicas": 1,
-        "readyReplicas": 1,
-    }
+    deployment["status"] = _rolled(1, replicas=1, updated=1, ready=1)
     renamed = model(status={"servedModelName": "shared", "reason": "AllReplicasReady"})
     renamed["spec"]["model"]["servedModelName"] = "a-only"
     actions = plan(renamed, children, DEFAULTS, now=NOW)
-    assert actions.status["servedModelName"] == "shared"  # the old pods serve it
+    served = ("servedModelName", "retiringServedModelNames")
+    assert [actions.status[k] for k in served] == ["a-only", ["shared"]]
 
     # The Deployment rolls: a new pod ready beside the old one (maxSurge 1).
     renamed["status"] = {**renamed["status"], **actions.status}
@@ -297,23 +293,24 @@ def test_a_renamed_model_keeps_its_old_name_until_its_new_pods_replace_the_old()
     deployment["spec"] = next(p for p in actions.patches if p.kind == "Deployment").patch[
         "spec"
     ] | {"replicas": 1}
-    deployment["status"] = {
-        "observedGeneration": 2,
-        "replicas": 2,
-        "updatedReplicas": 1,
-        "readyReplicas": 1,
+    deployment["status"] = _rolled(2, replicas=2, updated=1, ready=1)
+    status = plan(renamed, children, DEFAULTS, now=NOW).status or {}
+    assert status.get("retiringServedModelNames", ["shared"]) == ["shared"]
+    # The old pod gone, the old name is let go, however many pods are still starting.
+    deployment["spec"]["replicas"] = 2
+    deployment["status"] = _rolled(2, replicas=2, updated=2, ready=1)
+    status = plan(renamed, children, DEFAULTS, now=NOW).status
+    assert status["servedModelName"] == "a-only" and status["retiringServedModelNames"] is None
+
+
+def _rolled(generation: int, *, replicas: int, updated: int, ready: int) -> dict[str, int]:
+    """A Deployment's status as its controller writes it."""
+    return {
+        "observedGeneration": generation,
+        "replicas": replicas,
+        "updatedReplicas": updated,
+        "readyReplicas": ready,
     }
-    assert (plan(renamed, children, DEFAULTS, now=NOW).status or {}).get(
-        "servedModelName", "shared"
-    ) == "shared"
-    # The old pod gone: the new name is the one served.
-    deployment["status"] = {
-        "observedGeneration": 2,
-        "replicas": 1,
-        "updatedReplicas": 1,
-        "readyReplicas": 1,
-    }
-    assert plan(renamed, children, DEFAULTS, now=NOW).status["servedModelName"] == "a-only"
 
 
 def test_a_deployment_that_cannot_make_pods_says_why_in_the_status():

@@ -13,8 +13,9 @@ import pytest
 from tandem.operator.autoscaler import Decision, ScalingHistory
 from tandem.operator.events import Event
 from tandem.operator.manifests import OperatorDefaults
-from tandem.operator.reconcile import plan, served_name_holder
+from tandem.operator.reconcile import plan
 from tandem.operator.role_name import RoleName
+from tandem.operator.served_names import served_name_holder
 
 NOW = "2026-01-01T00:00:00Z"
 # The operator's Redis as the chart names it.
@@ -223,6 +224,20 @@ def test_the_oldest_model_holds_a_served_name_then_the_name_decides():
     going = copy.deepcopy(b)
     going["metadata"]["deletionTimestamp"] = NOW
     assert served_name_holder(a, [a, going, c], SHARED) == "ModelDeployment c"
+
+
+def test_a_rename_in_progress_holds_both_its_names():
+    # Its pods serve the old name and the new one until the rollout ends: an older
+    # model asking either is refused, not let onto the same queue.
+    renaming = model_named("x", "2026-01-01T00:00:05Z", "bar", serving="bar")
+    renaming["status"]["retiringServedModelNames"] = ["foo"]
+    for name in ("foo", "bar"):
+        older = model_named("y", "2026-01-01T00:00:01Z", name)
+        assert served_name_holder(older, [older, renaming], SHARED) == "ModelDeployment x"
+        assert served_name_holder(renaming, [older, renaming], SHARED) is None
+    renaming["status"]["retiringServedModelNames"] = None  # rolled: foo is free
+    older = model_named("y", "2026-01-01T00:00:01Z", "foo")
+    assert served_name_holder(older, [older, renaming], SHARED) is None
 
 
 def test_a_served_name_is_held_across_namespaces_on_the_operators_redis():

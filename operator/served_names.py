@@ -1,0 +1,97 @@
+"""Which model serves a name: one served name, one model, on one Redis.
+
+Two models of one name on one Redis would both take its queue's work and each scale
+on all of it; from two namespaces, one team's pods would read the other's prompts.
+A model claims the name its spec asks for and the names its pods serve: the name of
+its last applied spec (status.servedModelName) and, while a rename's rollout (or a
+mode change) still runs pods of before it, the names those serve
+(status.retiringServedModelNames).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tandem.operator.redis_server import redis_server
+
+Body = Mapping[str, Any]
+
+
+def served_name_holder(model: Body, models: Sequence[Body], operator_redis: str) -> str | None:
+    """The ModelDeployment among `models` (of every namespace served) that holds the
+    servedModelName `model` asks for, on the same queues, or None when `model` may serve
+    it: `ModelDeployment <name>`, or of another namespace without naming it (whose
+    models those are is that namespace's business).
+
+    Two models of one name on one Redis would both take its queue's work and each
+    scale on all of it; from two namespaces, one team's pods would read the other's
+    prompts. So the rivals are the models of `model`'s namespace, and those of every
+    namespace whose spec reaches the same Redis database (redis_server.py: without
+    `spec.redis`, the operator's `operator_redis`; a URL naming that Service in full
+    shares it too; a short name resolves in its own namespace). A rival claims the name
+    its spec asks for and the one its pods serve (status.servedModelName: a refused
+    rename leaves them serving the old one). The name is held by the oldest (by
+    creationTimestamp, then namespace and name) of those whose pods serve it, else
+    of all who claim it: a model that serves a name keeps it when another, older or
+    not, is edited to claim it. Read from the raw specs: an invalid one may still run
+    pods of its last valid spec. Models being deleted let go.
+    """
+    name = _asked_name(model)
+    namespace = _where(model)[0]
+    server = redis_server(model, operator_redis)
+    rivals = [
+        other
+        for other in models
+        if _where(other) != _where(model)
+        and (_where(other)[0] == namespace or redis_server(other, operator_redis) == server)
+        and not other["metadata"].get("deletionTimestamp")
+        and (name == _asked_name(other) or name in serving_names(other))
+    ]
+    claimants = [model, *rivals]
+    serving = [body for body in claimants if name in serving_names(body)]
+    holder = min(serving or claimants, key=_age)
+    if holder is model:
+        return None
+    if _where(holder)[0] == namespace:
+        return f"ModelDeployment {_where(holder)[1]}"
+    return "ModelDeployment of another namespace"
+
+
+def _asked_name(body: Body) -> str:
+    """The name a model's spec asks to serve: its servedModelName, else its own."""
+    source = (body.get("spec") or {}).get("model")
+    chosen = source.get("servedModelName") if isinstance(source, Mapping) else None
+    return chosen if isinstance(chosen, str) and chosen else body["metadata"]["name"]
+
+
+def applied_name(body: Body) -> str | None:
+    """The name of a model's last applied spec, as its status recorded it (None: none
+    recorded): what its pods serve, or will once rolled."""
+    served = (body.get("status") or {}).get("servedModelName")
+    return served if isinstance(served, str) else None
+
+
+def serving_names(body: Body) -> set[str]:
+    """Every name a model's pods may serve now: the applied one, and those of pods from
+    before a rename that serve on until replaced."""
+    status = body.get("status") or {}
+    retiring = status.get("retiringServedModelNames")
+    names = {n for n in retiring if isinstance(n, str)} if isinstance(retiring, list) else set()
+    applied = applied_name(body)
+    return names | {applied} if applied is not None else names
+
+
+def retiring_names(previous: Body, applied: str) -> tuple[str, ...]:
+    """The names pods of before the spec named `applied` may still serve, from the last
+    status: its applied name and retiring ones, less `applied` (a rename back)."""
+    return tuple(sorted(serving_names({"status": previous}) - {applied}))
+
+
+def _where(body: Body) -> tuple[str, str]:
+    meta = body["metadata"]
+    return (str(meta.get("namespace") or ""), meta["name"])
+
+
+def _age(body: Body) -> tuple[str, str, str]:
+    return (str(body["metadata"].get("creationTimestamp") or ""), *_where(body))
