@@ -38,7 +38,9 @@ KERNEL_TESTS := $(addprefix tests/engine/test_,attention.py attention_decode.py 
 # Redis), each taking whole files (a file's module fixtures, a started stack, are then
 # made once). Most tests wait on engines, Redis and sockets: with a worker per core the
 # cores sat a fifth idle (on 2 cores, 3 workers ran the suite in 8.4 min, 2 in 10.5).
-WORKERS := $(shell n=$$(nproc); echo $$(( n + 1 < 4 ? n + 1 : 4 )))
+# (nproc counts OMP_NUM_THREADS, which torch users export, unless it is emptied.)
+WORKERS := $(shell n=$$(OMP_NUM_THREADS= OMP_THREAD_LIMIT= nproc 2>/dev/null || echo 1); \
+	echo $$(( n + 1 < 4 ? n + 1 : 4 )))
 PARALLEL := -n $(WORKERS) --dist loadfile
 
 test: lint tools
