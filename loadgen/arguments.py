@@ -203,7 +203,11 @@ def _target(args: argparse.Namespace) -> Target:
         raise ValueError(f"--url must be an http(s) URL, got {args.url!r}")
     if parts.path in ("", "/"):
         url += "/v1"  # a bare host: the OpenAI API lives under /v1
-    key = args.api_key or os.environ.get("TANDEM_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    key, source = _api_key(args)
+    if key and not (key.isascii() and key.isprintable()):
+        # Not echoed: it is a secret. (A pasted smart quote failed later in the words of
+        # an ASCII codec; a trailing newline as "cannot reach" the server.)
+        raise ValueError(f"{source} must be printable ASCII (it travels in a header)")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return Target(
         base_url=url,
@@ -214,6 +218,16 @@ def _target(args: argparse.Namespace) -> Target:
         timeout_s=args.timeout,
         headers=headers,
     )
+
+
+def _api_key(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The API key and where it came from (a flag or a variable), for its errors."""
+    if args.api_key:
+        return args.api_key, "--api-key"
+    for variable in ("TANDEM_API_KEY", "OPENAI_API_KEY"):
+        if os.environ.get(variable):
+            return os.environ[variable], variable
+    return None, "--api-key"
 
 
 def _id_range(spec: str) -> tuple[int, int]:

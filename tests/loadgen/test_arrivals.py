@@ -40,6 +40,22 @@ def test_bursty_arrivals_keep_the_rate_and_vary_more():
     assert abs(bursty[-1] / N - 0.1) < 8 * 0.1 / math.sqrt(N)
 
 
+@pytest.mark.parametrize("burstiness", [0.01, 0.25, 4.0])
+def test_a_run_of_any_burstiness_offers_rate_times_duration(burstiness):
+    # The first gap started at an arrival: at burstiness 0.01, 167 requests where 120
+    # were asked over a minute at rate 2, most of them in the first seconds.
+    rate, duration, runs = 2.0, 60.0, 2000
+
+    def count(seed: int) -> int:
+        offsets = arrival_offsets(rate, burstiness, random.Random(seed))
+        return sum(1 for _ in itertools.takewhile(lambda t: t < duration, offsets))
+
+    mean = sum(count(seed) for seed in range(runs)) / runs
+    # A run's count has variance about rate x duration / burstiness (12,000 at 0.01):
+    # the mean of 2,000 runs is off by at most 2.5 standard errors, 10 at most.
+    assert abs(mean - rate * duration) < 10, mean
+
+
 def test_burstiness_above_one_is_more_regular_than_poisson():
     assert coefficient_of_variation(take(10.0, 4.0, seed=4)) < 0.6
 

@@ -58,6 +58,10 @@ from tandem.loadgen import main
         (["--json", "x.jsonl/r.json"], "--json x.jsonl/r.json: x.jsonl is not a folder"),
         (["--plots", "x.jsonl"], "--plots x.jsonl: is not a folder"),
         (["--plots", "/proc/nope"], "--plots /proc/nope: cannot write"),
+        # A pasted smart quote failed in an ASCII codec's words; a newline as "cannot
+        # reach" the server. The key itself is not echoed.
+        (["--api-key", "sk-rev\u201c"], "--api-key must be printable ASCII"),
+        (["--api-key", "sk-rev\n"], "--api-key must be printable ASCII"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_problem(argv, message, capsys, tmp_path, monkeypatch):
