@@ -31,17 +31,7 @@ def test_a_bad_sampling_value_is_refused_before_the_model_loads():
 
 
 def test_a_model_without_a_tokenizer_is_one_error_line(tmp_path):
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)  # no tokenizer.json
+    _save_tiny_llama(tmp_path)  # no tokenizer.json
     done = _chat("--model", str(tmp_path), "--max-tokens", "2", "hi")
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
@@ -52,12 +42,22 @@ def test_a_model_without_a_tokenizer_is_one_error_line(tmp_path):
 def test_a_model_without_a_chat_template_is_named_as_a_base_model(tmp_path):
     # It said "send a plain prompt instead", which `tandem chat` has no way to do.
     import tokenizers
-    import transformers
 
     words = {"[UNK]": 0, "hi": 1, "there": 2}
     tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tokenizer.save(str(tmp_path / "tokenizer.json"))
+    _save_tiny_llama(tmp_path)
+    done = _chat("--model", str(tmp_path), "--max-tokens", "2", "hi there")
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"tandem: error: {tmp_path} has no chat template (a base model?)")
+
+
+def _save_tiny_llama(folder: Path) -> None:
+    """A one-layer Llama's config and weights, and nothing else, in `folder`."""
+    import transformers
+
     config = transformers.LlamaConfig(
         vocab_size=64,
         hidden_size=16,
@@ -66,11 +66,7 @@ def test_a_model_without_a_chat_template_is_named_as_a_base_model(tmp_path):
         num_attention_heads=2,
         num_key_value_heads=2,
     )
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
-    done = _chat("--model", str(tmp_path), "--max-tokens", "2", "hi there")
-    assert done.returncode == 2, done.stderr
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"tandem: error: {tmp_path} has no chat template (a base model?)")
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
 
 
 def test_a_reader_that_stops_early_ends_it_quietly():
