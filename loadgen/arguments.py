@@ -183,7 +183,11 @@ def _load(args: argparse.Namespace) -> tuple[RunLimits, Iterator[TraceRequest]]:
     else:
         inputs = parse_length(args.input_tokens, "--input-tokens")
         outputs = parse_length(args.output_tokens, "--output-tokens")
-        workload = synthetic_workload(args.rate, args.burstiness, inputs, outputs, args.seed)
+        # A run of a set duration starts stationary: it offers --rate x --duration.
+        timed = args.duration is not None
+        workload = synthetic_workload(
+            args.rate, args.burstiness, inputs, outputs, args.seed, stationary=timed
+        )
         if num is None and args.duration is None:
             num = DEFAULT_REQUESTS
         if num is None and math.isinf(args.rate) and concurrency is None:
@@ -235,6 +239,6 @@ def _id_range(spec: str) -> tuple[int, int]:
         low, high = (int(x) for x in spec.split(":"))
     except ValueError:
         raise ValueError(f"--token-id-range must be LOW:HIGH integers, got {spec!r}") from None
-    if not 0 <= low <= high:
-        raise ValueError(f"--token-id-range needs 0 <= LOW <= HIGH, got {spec!r}")
+    if not 0 <= low <= high < 2**31:
+        raise ValueError(f"--token-id-range needs 0 <= LOW <= HIGH < 2**31, got {spec!r}")
     return low, high

@@ -31,8 +31,14 @@ def check_rate(rate: float, burstiness: float) -> None:
             )
 
 
-def arrival_offsets(rate: float, burstiness: float, rng: random.Random) -> Iterator[float]:
-    """Offsets 0 <= t0 <= t1 <= ... ; rate inf: everything at 0 (the concurrency limit paces)."""
+def arrival_offsets(
+    rate: float, burstiness: float, rng: random.Random, *, stationary: bool = False
+) -> Iterator[float]:
+    """Offsets 0 <= t0 <= t1 <= ... ; rate inf: everything at 0 (the concurrency limit paces).
+
+    `stationary` (for runs of a set duration) starts as if arrivals had run before 0, so
+    the run offers rate x duration; otherwise (a set count) the first gap is a plain one,
+    not an idle wait that at small burstiness lasts minutes."""
     check_rate(rate, burstiness)
     now = 0.0
     if math.isinf(rate):
@@ -40,7 +46,7 @@ def arrival_offsets(rate: float, burstiness: float, rng: random.Random) -> Itera
             yield 0.0
     # Gamma(shape k, scale θ) has mean kθ: θ = 1 / (rate k) gives mean gap 1 / rate.
     scale = 1.0 / (rate * burstiness)
-    if burstiness != 1.0:
+    if stationary and burstiness != 1.0:
         # Stationary, as the simulator draws it: the first arrival is a uniform share
         # of a length-biased gap, as if the process had run before 0. A plain first gap
         # started at an arrival: (1/k - 1) / 2 requests more in a burst at the start

@@ -23,10 +23,14 @@ def synthetic_workload(
     input_tokens: LengthDist,
     output_tokens: LengthDist,
     seed: int,
+    *,
+    stationary: bool = False,
 ) -> Iterator[TraceRequest]:
+    """Requests of these lengths arriving at `rate` (`stationary`: see arrival_offsets)."""
     check_rate(rate, burstiness)
     # Separate streams, so changing a length distribution keeps the arrival times.
-    arrivals = arrival_offsets(rate, burstiness, random.Random(f"arrivals:{seed}"))
+    rng = random.Random(f"arrivals:{seed}")
+    arrivals = arrival_offsets(rate, burstiness, rng, stationary=stationary)
     lengths = random.Random(f"lengths:{seed}")
     return (
         TraceRequest(arrival, input_tokens.sample(lengths), output_tokens.sample(lengths))

@@ -47,13 +47,20 @@ def test_a_run_of_any_burstiness_offers_rate_times_duration(burstiness):
     rate, duration, runs = 2.0, 60.0, 2000
 
     def count(seed: int) -> int:
-        offsets = arrival_offsets(rate, burstiness, random.Random(seed))
+        offsets = arrival_offsets(rate, burstiness, random.Random(seed), stationary=True)
         return sum(1 for _ in itertools.takewhile(lambda t: t < duration, offsets))
 
     mean = sum(count(seed) for seed in range(runs)) / runs
     # A run's count has variance about rate x duration / burstiness (12,000 at 0.01):
     # the mean of 2,000 runs is off by at most 2.5 standard errors, 10 at most.
     assert abs(mean - rate * duration) < 10, mean
+
+
+def test_a_run_of_a_set_count_sends_its_first_request_after_one_plain_gap():
+    # Stationary, a count-bounded run waited out a length-biased share of a gap first
+    # (at burstiness 0.001 and rate 2 a median of minutes) sending nothing.
+    firsts = sorted(take(2.0, 0.001, seed, n=1)[0] for seed in range(200))
+    assert firsts[100] < 0.01  # gamma(0.001) gaps: almost all tiny
 
 
 def test_burstiness_above_one_is_more_regular_than_poisson():

@@ -33,6 +33,8 @@ from tandem.loadgen import main
         (["--api", "chat", "--prompt", "ids"], "--prompt ids needs --api completions"),
         (["--token-id-range", "9"], "--token-id-range must be LOW:HIGH"),
         (["--token-id-range", "9:2"], "0 <= LOW <= HIGH"),
+        # Past a vocabulary's size by far: the prompt's draw overflowed mid-run.
+        (["--token-id-range", f"0:{2**63}"], "0 <= LOW <= HIGH < 2**31"),
         (["--url", "http://127.0.0.1:99999/v1"], "--url 'http://127.0.0.1:99999/v1' is not a"),
         (["--url", "http://127.0.0.1:abc/v1"], "--url 'http://127.0.0.1:abc/v1' is not a valid"),
         (["--url", "http://[::1"], "--url 'http://[::1' is not a valid URL"),
