@@ -93,11 +93,11 @@ def plan(
     """
     meta = model["metadata"]
     previous = model.get("status") or {}
+    found = {ChildKey(c["kind"], c["metadata"]["name"]): c for c in children}
     try:
         spec = validate_spec(model.get("spec"), name=meta["name"])
     except InvalidSpec as error:
-        return _refusal(model, "InvalidSpec", str(error), now)
-    found = {ChildKey(c["kind"], c["metadata"]["name"]): c for c in children}
+        return _refusal(model, "InvalidSpec", str(error), now, found=found)
     if holder is not None:
         return _name_taken(model, spec, found, holder, now)
     owner = Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
@@ -170,7 +170,8 @@ def plan(
     served = spec.served_model_name(owner.name)
     # Pods of before a rename (or of the old mode) serve on meanwhile: their names stay
     # claimed (served_names.py) until no such pod is left.
-    replacing = any(c.rolling for c in counts.values()) or any(outgoing.values())
+    rolling = any(c.rolling for c in counts.values())
+    replacing = rolling or any(outgoing.values()) or _old_pods_may_run(found)
     retiring = retiring_names(previous, served) if replacing else ()
     new_status = valid_status(meta, counts, previous, now, last_scale, served, outgoing, retiring)
     return Plan(
@@ -225,13 +226,18 @@ def _refusal(
     roles: dict[str, Any] | None = None,
     patches: tuple[ChildPatch, ...] = (),
     phase: Phase = Phase.INVALID,
+    found: Mapping[ChildKey, Body] | None = None,
 ) -> Plan:
     """Phase Invalid (or `phase`): no child created or changed but by `patches`; `roles`
-    or the old counts."""
+    or the old counts. With the children `found`, the names pods of before a rename
+    serve are let go once none can run (a refusal applies no spec: kept, they would
+    hold a name no pod serves for as long as the refusal lasts)."""
     meta, previous = model["metadata"], model.get("status") or {}
     status = refusal_status(meta, why, previous, now, reason, phase)
     if roles is not None:
         status["roles"] = roles
+    if found is not None and not _old_pods_may_run(found):
+        status["retiringServedModelNames"] = None
     return Plan(
         patches=patches,
         status=status_patch(previous, status),
@@ -258,7 +264,7 @@ def _name_taken(
     serving = applied_name(model)
     if serving is not None and serving != asked:
         why += f"; its pods serve {serving!r} meanwhile"
-        return _refusal(model, "ServedNameTaken", why, now)
+        return _refusal(model, "ServedNameTaken", why, now, found=found)
     patches: list[ChildPatch] = []
     roles: dict[str, Any] = {}
     keys = {role: ChildKey("Deployment", child_name(name, role)) for role in RoleName}
@@ -270,7 +276,9 @@ def _name_taken(
         if deployment is not None and deployment.get("spec", {}).get("replicas") != 0:
             patch = {"spec": {"replicas": 0}}
             patches.append(ChildPatch(key.kind, key.name, patch, ("spec.replicas",)))
-    return _refusal(model, "ServedNameTaken", why, now, roles=roles, patches=tuple(patches))
+    return _refusal(
+        model, "ServedNameTaken", why, now, roles=roles, patches=tuple(patches), found=found
+    )
 
 
 def _stall(conditions: list[Body]) -> Stall | None:
@@ -284,6 +292,21 @@ def _stall(conditions: list[Body]) -> Stall | None:
     if progressing.get("status") == "False":
         return Stall("ProgressDeadlineExceeded", str(progressing.get("message") or ""))
     return None
+
+
+def _old_pods_may_run(found: Mapping[ChildKey, Body]) -> bool:
+    """Whether a Deployment may still run pods of an older template: its controller has
+    not caught up with its spec yet, or has not replaced all its pods."""
+    for key, child in found.items():
+        if key.kind != "Deployment":
+            continue
+        status = child.get("status") or {}
+        generation = int(child["metadata"].get("generation") or 0)
+        if int(status.get("observedGeneration") or 0) < generation:
+            return True
+        if int(status.get("updatedReplicas") or 0) < int(status.get("replicas") or 0):
+            return True
+    return False
 
 
 def _old_mode_ready(

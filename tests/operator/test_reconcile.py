@@ -303,6 +303,48 @@ def test_a_renamed_model_claims_its_old_name_until_its_new_pods_replace_the_old(
     assert status["servedModelName"] == "a-only" and status["retiringServedModelNames"] is None
 
 
+def test_a_rename_holds_its_old_name_while_the_deployment_has_not_caught_up():
+    # Renamed while a pod was unschedulable (reason Unschedulable, not RollingOut), one
+    # pass read the Deployment before its controller saw the new template and let the
+    # old name go for good while the old pods still served it.
+    renamed = model(
+        {"replicas": 2, "maxReplicas": 2},
+        status={"servedModelName": "a-only", "retiringServedModelNames": ["shared"]},
+    )
+    renamed["spec"]["model"]["servedModelName"] = "a-only"
+    children = children_of(renamed)  # the new template, patched in the pass before
+    (deployment,) = [c for c in children if c["kind"] == "Deployment"]
+    deployment["metadata"]["generation"] = 2
+    deployment["status"] = _rolled(1, replicas=2, updated=2, ready=1)  # not caught up
+    assert not plan(renamed, children, DEFAULTS, now=NOW).patches  # nothing rolls here
+    status = plan(renamed, children, DEFAULTS, now=NOW).status or {}
+    assert status.get("retiringServedModelNames", ["shared"]) == ["shared"]
+
+
+@pytest.mark.parametrize("refusal", ["invalid spec", "name taken"])
+def test_a_refused_model_lets_its_old_names_go_once_no_old_pod_runs(refusal):
+    # A refusal applies no spec, and kept the names of a rename whose rollout had ended:
+    # a name no pod served stayed held for as long as the refusal lasted.
+    children = children_of(model())
+    (deployment,) = [c for c in children if c["kind"] == "Deployment"]
+    deployment["metadata"]["generation"] = 2
+    deployment["status"] = _rolled(2, replicas=1, updated=1, ready=1)  # rolled
+    refused = model(status={"servedModelName": "y", "retiringServedModelNames": ["x"]})
+    refused["spec"]["model"]["servedModelName"] = "y"
+    holder = None
+    if refusal == "invalid spec":
+        refused["spec"]["normal"] = {"replicas": 9, "maxReplicas": 2}
+    else:
+        refused["spec"]["model"]["servedModelName"] = "z"
+        holder = "ModelDeployment c"
+    status = plan(refused, children, DEFAULTS, now=NOW, holder=holder).status
+    assert status["phase"] == "Invalid" and status["retiringServedModelNames"] is None
+    # While the old pods may still run, they are kept.
+    deployment["status"] = _rolled(2, replicas=2, updated=1, ready=1)
+    status = plan(refused, children, DEFAULTS, now=NOW, holder=holder).status
+    assert "retiringServedModelNames" not in status  # left as they were
+
+
 def _rolled(generation: int, *, replicas: int, updated: int, ready: int) -> dict[str, int]:
     """A Deployment's status as its controller writes it."""
     return {
