@@ -37,7 +37,8 @@ from tandem.gateway.settings import GatewaySettings
 from tandem.operator import crd
 from tandem.operator.manifests import OperatorDefaults
 from tandem.operator.manifests_pods import FETCH_SCRIPT
-from tandem.operator.reconcile import plan, served_name_holder
+from tandem.operator.reconcile import plan
+from tandem.operator.served_names import served_name_holder
 from tandem.operator.validation import invalid_reason
 from tandem.protocol import ErrorCode
 
