@@ -80,6 +80,10 @@ class QueueGauge:
         self._reads: dict[str, asyncio.Future[_Backlog]] = {}
         # Entries of admissions past the check, not yet queued (their quota, their XADD).
         self._reserved: dict[str, int] = {}
+        # Entries queued while a read of the model is in flight: its snapshot may have
+        # been taken before their XADD, so the reading counts them (twice at worst, a
+        # refusal one early; counted nowhere, the queue went past its limit).
+        self._queued_during_read: dict[str, int] = {}
 
     async def reserve(self, model: str, count: int, limit: int) -> int | None:
         """Room for `count` entries if fewer than `limit` wait: reserved until
@@ -121,14 +125,21 @@ class QueueGauge:
         return await asyncio.shield(read)
 
     async def _read(self, model: str) -> _Backlog:
-        depth = await self.broker.queue_depth(model)
-        backlog = self._backlogs[model] = _Backlog(time.monotonic(), depth.total_waiting)
+        self._queued_during_read[model] = 0
+        try:
+            depth = await self.broker.queue_depth(model)
+        finally:
+            during = self._queued_during_read.pop(model)
+        backlog = _Backlog(time.monotonic(), depth.total_waiting, queued_since=during)
+        self._backlogs[model] = backlog
         return backlog
 
     def queued(self, model: str, count: int) -> None:
         backlog = self._backlogs.get(model)
         if backlog is not None:
             backlog.queued_since += count
+        if model in self._queued_during_read:
+            self._queued_during_read[model] += count
 
 
 class Admission:
