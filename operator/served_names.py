@@ -24,14 +24,12 @@ def served_name_holder(model: Body, models: Sequence[Body], operator_redis: str)
     it: `ModelDeployment <name>`, or of another namespace without naming it (whose
     models those are is that namespace's business).
 
-    Two models of one name on one Redis would both take its queue's work and each
-    scale on all of it; from two namespaces, one team's pods would read the other's
-    prompts. So the rivals are the models of `model`'s namespace, and those of every
-    namespace whose spec reaches the same Redis database (redis_server.py: without
-    `spec.redis`, the operator's `operator_redis`; a URL naming that Service in full
-    shares it too; a short name resolves in its own namespace). A rival claims the name
-    its spec asks for and the one its pods serve (status.servedModelName: a refused
-    rename leaves them serving the old one). The name is held by the oldest (by
+    The rivals are the models of `model`'s namespace, and those of every namespace
+    whose spec reaches the same Redis database (redis_server.py: without `spec.redis`,
+    the operator's `operator_redis`; a URL naming that Service in full shares it too; a
+    short name resolves in its own namespace). A rival claims the name its spec asks for
+    and those its pods serve (`serving_names`: a refused rename leaves them serving the
+    old one, a rename's rollout serves both). The name is held by the oldest (by
     creationTimestamp, then namespace and name) of those whose pods serve it, else
     of all who claim it: a model that serves a name keeps it when another, older or
     not, is edited to claim it. Read from the raw specs: an invalid one may still run
@@ -68,24 +66,31 @@ def _asked_name(body: Body) -> str:
 def applied_name(body: Body) -> str | None:
     """The name of a model's last applied spec, as its status recorded it (None: none
     recorded): what its pods serve, or will once rolled."""
-    served = (body.get("status") or {}).get("servedModelName")
-    return served if isinstance(served, str) else None
+    return _applied(body.get("status") or {})
 
 
 def serving_names(body: Body) -> set[str]:
     """Every name a model's pods may serve now: the applied one, and those of pods from
     before a rename that serve on until replaced."""
-    status = body.get("status") or {}
-    retiring = status.get("retiringServedModelNames")
-    names = {n for n in retiring if isinstance(n, str)} if isinstance(retiring, list) else set()
-    applied = applied_name(body)
-    return names | {applied} if applied is not None else names
+    return _status_names(body.get("status") or {})
 
 
 def retiring_names(previous: Body, applied: str) -> tuple[str, ...]:
     """The names pods of before the spec named `applied` may still serve, from the last
-    status: its applied name and retiring ones, less `applied` (a rename back)."""
-    return tuple(sorted(serving_names({"status": previous}) - {applied}))
+    status `previous`: its applied name and retiring ones, less `applied` (a rename back)."""
+    return tuple(sorted(_status_names(previous) - {applied}))
+
+
+def _applied(status: Body) -> str | None:
+    served = status.get("servedModelName")
+    return served if isinstance(served, str) else None
+
+
+def _status_names(status: Body) -> set[str]:
+    retiring = status.get("retiringServedModelNames")
+    names = {n for n in retiring if isinstance(n, str)} if isinstance(retiring, list) else set()
+    applied = _applied(status)
+    return names | {applied} if applied is not None else names
 
 
 def _where(body: Body) -> tuple[str, str]:
