@@ -26,7 +26,8 @@ def check_context(job: Job, max_model_len: int | None) -> None:
         raise bad_request(why, job.prompt_param, ErrorCode.PROMPT_TOO_LONG)
     if not job.max_tokens_given:  # the engines then stop at the context's end
         return
-    if ids is not None and (why := context_exceeded(len(ids), job.max_tokens, max_model_len)):
+    max_tokens, field = job.max_tokens, job.max_tokens_param
+    if ids is not None and (why := context_exceeded(len(ids), max_tokens, max_model_len, field)):
         raise bad_request(why, job.prompt_param, ErrorCode.CONTEXT_LENGTH_EXCEEDED)
-    if why := completion_too_long(job.max_tokens, max_model_len):
+    if why := completion_too_long(max_tokens, max_model_len, field):
         raise bad_request(why, job.max_tokens_param, ErrorCode.CONTEXT_LENGTH_EXCEEDED)

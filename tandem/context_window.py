@@ -37,24 +37,30 @@ def prompt_too_long(num_prompt_tokens: int, max_model_len: int) -> str | None:
     )
 
 
-def completion_too_long(max_tokens: int, max_model_len: int) -> str | None:
-    """Why `max_tokens` leaves no room for any prompt, or None when it leaves some."""
+def completion_too_long(
+    max_tokens: int, max_model_len: int, field: str = "max_tokens"
+) -> str | None:
+    """Why `max_tokens` leaves no room for any prompt, or None when it leaves some.
+    `field`: the request's name for it (chat's max_completion_tokens)."""
     if max_tokens < max_model_len:
         return None
     return (
         f"This model's maximum context length is {max_model_len} tokens. However, you "
         f"requested {max_tokens} tokens in the completion alone, which leaves no room for "
-        "the prompt. Please reduce max_tokens."
+        f"the prompt. Please reduce {field}."
     )
 
 
-def context_exceeded(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> str | None:
-    """Why a prompt leaves less than `max_tokens` of room, or None when it leaves enough."""
+def context_exceeded(
+    num_prompt_tokens: int, max_tokens: int, max_model_len: int, field: str = "max_tokens"
+) -> str | None:
+    """Why a prompt leaves less than `max_tokens` of room, or None when it leaves enough.
+    `field`: the request's name for it (chat's max_completion_tokens)."""
     if num_prompt_tokens + max_tokens <= max_model_len:
         return None
     return (
         f"This model's maximum context length is {max_model_len} tokens. However, you "
         f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
         f"prompt, {max_tokens} in the completion). Please reduce the length of the prompt "
-        "or of max_tokens."
+        f"or of {field}."
     )

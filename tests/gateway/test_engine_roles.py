@@ -184,7 +184,7 @@ def test_what_can_never_fit_the_context_is_refused_before_it_is_queued(
         assert answer.json()["error"]["message"] == (
             "This model's maximum context length is 256 tokens. However, you requested 300 "
             "tokens in the completion alone, which leaves no room for the prompt. Please "
-            "reduce max_tokens."
+            "reduce max_completion_tokens."
         )
         # What may fit is queued (and waits here for an engine that never comes).
         fits = http.post("/v1/completions", json={**ASK, "prompt": [1] * 200, "max_tokens": 56},
