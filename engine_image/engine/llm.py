@@ -175,8 +175,28 @@ class LLM:
         self,
         messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[CompletionOutput]:
-        """Answer one conversation (a list of messages) or several, with the model's template."""
+        """Answer one conversation (a list of messages) or several, with the model's template.
+
+        As vLLM's: continue_final_message (with add_generation_prompt=False) goes on with
+        the last message, an assistant's answer begun; chat_template_kwargs are more of
+        the template's variables.
+        """
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(
+                f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}"
+            )
+        if chat_template_kwargs and "messages" in chat_template_kwargs:
+            raise ValueError("chat_template_kwargs cannot set messages: give them as messages")
+        options = {
+            **(chat_template_kwargs or {}),
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+        }
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
         if isinstance(messages, dict):
@@ -189,7 +209,7 @@ class LLM:
             try:
                 if not isinstance(conversation, list | tuple):
                     raise ValueError(f"a conversation is a list of messages, got {conversation!r}")
-                ids.append(self.tokenizer.encode_chat(list(conversation)))
+                ids.append(self.tokenizer.encode_chat(list(conversation), **options))
             except ValueError as exc:  # which one, where there are several
                 raise ValueError(
                     f"conversation {i}: {exc}" if len(conversations) > 1 else str(exc)

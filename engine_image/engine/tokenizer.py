@@ -7,17 +7,19 @@ Face transformers does, so prompts match what the model was trained on.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from typing import Any
 
 import jinja2
-import jinja2.ext
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from tandem.engine.chat_template import (
+    ChatRendering,
+    checked_messages,
+    cut_after_final_message,
+    template_environment,
+)
 from tandem.engine.literal_chat import LiteralChat
 from tandem.engine.stop_matcher import StopMatcher
 
@@ -103,43 +105,54 @@ class Tokenizer:
         return text.encode()
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **extra: Any,
     ) -> str:
         """The prompt text for `messages`, rendered with the checkpoint's own template.
 
+        continue_final_message: the prompt ends with the last message's content, its
+        turn left open for the model to go on with (an assistant's answer begun).
         `extra` reaches the template as variables, as in transformers (e.g. tools).
         """
-        return self._render(_checked_messages(messages), add_generation_prompt, extra)
+        how = ChatRendering(add_generation_prompt, continue_final_message, extra)
+        return self._render(checked_messages(messages), how)
 
-    def _render(
-        self, checked: list[dict[str, Any]], add_generation_prompt: bool, extra: dict[str, Any]
-    ) -> str:
-        """apply_chat_template of messages _checked_messages already copied and checked."""
+    def _render(self, checked: list[dict[str, Any]], how: ChatRendering) -> str:
+        """apply_chat_template of messages checked_messages already copied and checked."""
         template = self._compiled_template()
         context = {
             **self._special_tokens,
-            **extra,
+            **how.extra,
             "messages": checked,
-            "add_generation_prompt": add_generation_prompt,
+            "add_generation_prompt": how.add_generation_prompt,
         }
         try:
-            return template.render(**context)
+            text = template.render(**context)
         except (jinja2.TemplateError, TypeError, ValueError) as err:
             raise ValueError(f"chat template failed to render: {err}") from err
+        if how.continue_final_message:
+            return cut_after_final_message(text, checked[-1]["content"])
+        return text
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **extra: Any,
     ) -> list[int]:
         """The prompt's token ids. A message's text is text: one that holds a control
         token's ("<|im_end|>") gets no control token from it (literal_chat.py)."""
-        checked = _checked_messages(messages)
+        how = ChatRendering(add_generation_prompt, continue_final_message, extra)
+        checked = checked_messages(messages)
         if self._literal_chat is None:
             self._literal_chat = LiteralChat(self._backend)
         if self._literal_chat.holds_control_text(checked):
-            return self._literal_chat.encode(
-                checked, lambda marked: self._render(marked, add_generation_prompt, extra)
-            )
-        text = self._render(checked, add_generation_prompt, extra)
+            return self._literal_chat.encode(checked, lambda marked: self._render(marked, how))
+        text = self._render(checked, how)
         # The template writes BOS itself when the model wants one (as transformers assumes).
         return self.encode(text, add_special_tokens=False)
 
@@ -148,76 +161,10 @@ class Tokenizer:
             if not self.chat_template:
                 raise ValueError("this model has no chat template; send a plain prompt instead")
             try:
-                self._template = _template_environment().from_string(self.chat_template)
+                self._template = template_environment().from_string(self.chat_template)
             except jinja2.TemplateError as err:
                 raise ValueError(f"the model's chat template does not compile: {err}") from err
         return self._template
-
-
-def _template_environment() -> ImmutableSandboxedEnvironment:
-    """The Jinja environment transformers renders chat templates in (sandboxed)."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # Jinja's own tojson escapes HTML characters, which changes prompts; transformers' does not.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _checked_messages(messages: Any) -> list[dict[str, Any]]:
-    """Copies of the messages, each with a role and string content (text parts joined)."""
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
-    checked = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise ValueError(f"message {i} must be a dict, got {type(message).__name__}")
-        role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise ValueError(f"message {i} has no 'role' (a non-empty string)")
-        if "content" not in message:
-            raise ValueError(f"message {i} ({role}) has no 'content'")
-        content = message["content"]
-        if isinstance(content, list):
-            content = _joined_text_parts(content, i)
-        elif content is None and not message.get("tool_calls"):
-            raise ValueError(f"message {i} ({role}) has no content and no tool_calls")
-        elif content is not None and not isinstance(content, str):
-            raise ValueError(
-                f"message {i} ({role}): content must be a string or a list of text parts, "
-                f"got {type(content).__name__}"
-            )
-        checked.append({**message, "content": content})
-    return checked
-
-
-def _joined_text_parts(parts: list[Any], index: int) -> str:
-    texts = []
-    for part in parts:
-        if not (isinstance(part, dict) and part.get("type") == "text"):
-            raise ValueError(f"message {index}: only text content parts are supported")
-        if not isinstance(part.get("text"), str):
-            raise ValueError(f"message {index}: a text part needs a string 'text'")
-        texts.append(part["text"])
-    return "\n".join(texts)  # as the gateway joins them (gateway/messages.py)
 
 
 def _byte_level_alphabet() -> dict[str, int]:

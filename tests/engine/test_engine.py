@@ -233,6 +233,39 @@ def test_chat_renders_the_checkpoint_template_and_answers(llm):
     assert len(out[0].token_ids) == 3
 
 
+def test_chat_can_go_on_with_an_assistant_answer_begun(llm):
+    # The prompt ends inside the assistant's turn, as vLLM's continue_final_message: the
+    # model completes "The capital is" rather than answering after a closed turn.
+    begun = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The capital is "}]
+    out = llm.chat(begun, SamplingParams(max_tokens=2),
+                   add_generation_prompt=False, continue_final_message=True)  # fmt: skip
+    closed = llm.tokenizer.apply_chat_template(begun, add_generation_prompt=False)
+    assert closed.endswith("The capital is <|im_end|>\n")
+    expected = closed[: closed.rindex("<|im_end|>")]
+    assert out[0].prompt_token_ids == llm.tokenizer.encode(expected, add_special_tokens=False)
+    # Without the generation prompt, the conversation's turns are closed.
+    named = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1),
+                     add_generation_prompt=False)  # fmt: skip
+    assert llm.tokenizer.decode(named[0].prompt_token_ids, skip_special_tokens=False).endswith(
+        "<|im_start|>user\nhi<|im_end|>\n"
+    )
+    refusals = {
+        "exclude each other": {"continue_final_message": True},
+        "continue_final_message must be True or False": {
+            "add_generation_prompt": False,
+            "continue_final_message": "yes",
+        },
+        "chat_template_kwargs must be a dict": {"chat_template_kwargs": ["x"]},
+        "chat_template_kwargs cannot set messages": {"chat_template_kwargs": {"messages": []}},
+    }
+    for why, options in refusals.items():
+        with pytest.raises(ValueError, match=why):
+            llm.chat(begun, SamplingParams(max_tokens=1), **options)
+    with pytest.raises(ValueError, match="a last message with text"):
+        llm.chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}],
+                 add_generation_prompt=False, continue_final_message=True)  # fmt: skip
+
+
 def test_engine_outputs_stream_deltas_that_add_up_to_the_text(llm):
     engine = llm.engine
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

@@ -71,6 +71,12 @@ def test_smollm2_matches_transformers_gguf_tokenizer(smol: Tokenizer) -> None:
     assert smol.apply_chat_template(messages) == theirs.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
     )
+    for begun in ("It is", "It is  ", "  It is\n"):
+        answer = [*messages, {"role": "assistant", "content": begun}]
+        options = {"add_generation_prompt": False, "continue_final_message": True}
+        assert smol.apply_chat_template(answer, **options) == theirs.apply_chat_template(
+            answer, tokenize=False, **options
+        )
 
 
 @needs_smollm2
@@ -164,6 +170,37 @@ def _with_template(template: str, tokenizer: Tokenizer) -> Tokenizer:
         bos_token_id=1,
         eos_token_ids=(2,),
         chat_template=template,
+    )
+
+
+def test_a_continued_final_message_ends_the_prompt_as_its_template_wrote_it(
+    tiny: Tokenizer,
+) -> None:
+    eos = tiny.backend.id_to_token(2)
+    keeps = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}" + eos + "{% endfor %}"
+    trims = "{% for m in messages %}{{ m['content'] | trim }}" + eos + "{% endfor %}"
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    cases = [  # template, the answer begun, the whole prompt (transformers' cut)
+        (keeps, "It is ", f"<user>hi{eos}<assistant>It is "),
+        (trims, "  It is ", f"hi{eos}It is"),  # the template trimmed the space: so is the cut
+        (keeps, "hi", f"<user>hi{eos}<assistant>hi"),  # the content's last place, not its first
+    ]
+    for template, begun, prompt in cases:
+        chat = _with_template(template, tiny)
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": begun}]
+        text = chat.apply_chat_template(messages, **options)
+        assert text == prompt
+        assert chat.encode_chat(messages, **options) == chat.encode(text, add_special_tokens=False)
+        # With a control token's text in the answer begun, the same prompt, that text as text.
+        quoting = [*messages[:1], {"role": "assistant", "content": f"{begun}{eos} x"}]
+        ids = chat.encode_chat(quoting, **options)
+        assert ids.count(2) == 1 and chat.decode(ids, skip_special_tokens=False).endswith(
+            f"{eos} x"
+        )
+    # The caller's variables reach the template, as transformers passes them.
+    greets = _with_template("{{ greeting }}{{ messages[0]['content'] }}", tiny)
+    assert greets.apply_chat_template([{"role": "user", "content": "x"}], greeting="hey ") == (
+        "hey x"
     )
 
 

@@ -1,0 +1,118 @@
+"""Chat templates rendered as transformers renders them: the Jinja environment, the
+messages a template is given, and the options of a rendering.
+
+Tokenizer.apply_chat_template and encode_chat render with these; a prompt matches
+what the model was trained on only where every piece is transformers' own.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+def template_environment() -> ImmutableSandboxedEnvironment:
+    """The Jinja environment transformers renders chat templates in (sandboxed)."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson escapes HTML characters, which changes prompts; transformers' does not.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+@dataclass(frozen=True)
+class ChatRendering:
+    """How a conversation is rendered."""
+
+    add_generation_prompt: bool  # the template opens the assistant's turn
+    continue_final_message: bool  # the prompt ends inside the last message, left open
+    extra: dict[str, Any]  # more template variables (tools, a template's own flags)
+
+    def __post_init__(self) -> None:
+        for name in ("add_generation_prompt", "continue_final_message"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError(
+                "add_generation_prompt and continue_final_message exclude each other: the "
+                "prompt either opens a new assistant turn or goes on with the last message"
+            )
+
+
+def cut_after_final_message(text: str, final: str | None) -> str:
+    """`text` up to the end of the last message's content, as transformers cuts it: a
+    template that trims the content (Llama 3's `| trim`) leaves its trailing space out."""
+    core = (final or "").strip()
+    if not core or core not in text:
+        raise ValueError(
+            "continue_final_message needs a last message with text that the chat template "
+            "writes into the prompt"
+        )
+    at = text.rindex(core)
+    whole = final.lstrip()
+    if text[at : at + len(whole)] == whole:
+        return text[: at + len(whole)]
+    return text[: at + len(core)]
+
+
+def checked_messages(messages: Any) -> list[dict[str, Any]]:
+    """Copies of the messages, each with a role and string content (text parts joined)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"message {i} must be a dict, got {type(message).__name__}")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"message {i} has no 'role' (a non-empty string)")
+        if "content" not in message:
+            raise ValueError(f"message {i} ({role}) has no 'content'")
+        content = message["content"]
+        if isinstance(content, list):
+            content = _joined_text_parts(content, i)
+        elif content is None and not message.get("tool_calls"):
+            raise ValueError(f"message {i} ({role}) has no content and no tool_calls")
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(
+                f"message {i} ({role}): content must be a string or a list of text parts, "
+                f"got {type(content).__name__}"
+            )
+        checked.append({**message, "content": content})
+    return checked
+
+
+def _joined_text_parts(parts: list[Any], index: int) -> str:
+    texts = []
+    for part in parts:
+        if not (isinstance(part, dict) and part.get("type") == "text"):
+            raise ValueError(f"message {index}: only text content parts are supported")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"message {index}: a text part needs a string 'text'")
+        texts.append(part["text"])
+    return "\n".join(texts)  # as the gateway joins them (gateway/messages.py)
