@@ -42,10 +42,11 @@ class RedisWrites:
         orphans: Callable[[], list[Delivery]],
     ) -> None:
         """held(): the deliveries to keep alive. untaken(): those pulled and not taken
-        yet (Redis went away as they were). orphans(): those held whose entry Redis
-        lost (lost(..., False) said so). lost(delivery, elsewhere): one held is not
-        this engine's any more: another engine took it over or finished it
-        (elsewhere=True: drop it), or Redis lost it (False: nobody else will serve it).
+        yet (Redis went away as they were; the list itself, which a rejoin shortens).
+        orphans(): those held whose entry Redis lost (lost(..., False) said so).
+        lost(delivery, elsewhere): one held is not this engine's any more: another
+        engine took it over or finished it (elsewhere=True: drop it), or Redis lost it
+        (False: nobody else will serve it).
         info(): the registry entry to send now."""
         self.io, self.settings, self.heartbeat, self.handoffs = io, settings, heartbeat, handoffs
         self._held, self._untaken, self._lost, self._info = held, untaken, lost, info
@@ -155,8 +156,25 @@ class RedisWrites:
         strays = self.io.queue.release_strays(known)
         if strays:
             log.info("handed back %d entries a pull took as Redis went away", strays)
+        self._still_own_untaken()
         self._last_keep_alive = self._last_heartbeat = 0.0
         self._periodic()
+
+    def _still_own_untaken(self) -> None:
+        """Drop the entries pulled and not taken that are not this engine's any more: an
+        outage past --claim-idle-ms let another engine take them over (taken here too,
+        both served them, and a sampled answer's stream mixed two runs), or finished
+        them. Nothing of them runs here yet, so nothing else is to stop; those left are
+        kept alive until taken."""
+        untaken = self._untaken()
+        if not untaken:
+            return
+        lapsed = self.io.queue.keep_alive(untaken)
+        for delivery in [*lapsed.taken, *lapsed.gone]:
+            untaken.remove(delivery)
+        if lapsed.taken or lapsed.gone:
+            ids = ", ".join(d.request_id for d in [*lapsed.taken, *lapsed.gone])
+            log.info("%s, pulled as Redis went away, are another engine's now: left to it", ids)
 
     def _periodic(self) -> None:
         now = time.monotonic()

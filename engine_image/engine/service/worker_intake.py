@@ -65,6 +65,12 @@ class Intake:
                 time.sleep(self.settings.idle_block_ms / 1000)
             return
         try:
+            if self._draining and self._untaken:
+                # Pulled before the drain, as Redis went away: the next engine to pull
+                # starts them, not this one on its way out.
+                self.io.queue.hand_back(self._untaken)
+                self._untaken = []
+                return
             if room:
                 pulled = self.io.queue.pull(room, self.settings.idle_block_ms if block else 0)
                 self.replies.unreadable(pulled.malformed)
