@@ -94,7 +94,7 @@ class Engine:
         request.priority = priority
         request.cache_salt = cache_salt
         if generated_token_ids:
-            self._check_token_ids(generated_token_ids)
+            self._check_token_ids(generated_token_ids, "generated")
             request.token_ids.extend(generated_token_ids)
             # The last engine died before saying so.
             if (reason := _already_done(request, self.config.max_model_len)) is not None:
@@ -157,6 +157,9 @@ class Engine:
         once here, are cached under it).
         """
         request = self._make_request(request_id, None, prompt_token_ids, sampling_params)
+        # Sampled by the prompt engine: one of another model (a rollout that moved the
+        # served name) may have sampled a token this vocabulary lacks.
+        self._check_token_ids(first_token_ids, "generated")
         request.cache_salt = cache_salt
         table = self.scheduler.admit_handoff(request, first_token_ids)
         if table is not None:
@@ -198,13 +201,13 @@ class Engine:
         self._tracked.pop(request_id, None)
         self.runner.free(request_id)
 
-    def _check_token_ids(self, token_ids: list[int]) -> None:
+    def _check_token_ids(self, token_ids: list[int], what: str = "prompt") -> None:
         vocab = self.config.vocab_size
         for token in token_ids:
             if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-                raise ValueError(f"prompt token ids must be non-negative integers, got {token!r}")
+                raise ValueError(f"{what} token ids must be non-negative integers, got {token!r}")
             if vocab is not None and token >= vocab:
-                raise ValueError(f"prompt token id {token} is outside the vocabulary ({vocab})")
+                raise ValueError(f"{what} token id {token} is outside the vocabulary ({vocab})")
 
     def _track(self, request: Request, sent_text: str | None = None) -> None:
         detok = None

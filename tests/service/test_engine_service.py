@@ -19,6 +19,7 @@ from support.engines import EngineProcess
 from support.polling import eventually
 
 from tandem.engine import LLM, SamplingParams
+from tandem.engine.model.model_config import RANDOM_SHAPES
 from tandem.engine.service.registry import Registry
 from tandem.protocol import (
     HANDOFF_GROUP,
@@ -280,23 +281,28 @@ def test_a_handoff_with_another_model_fingerprint_is_refused_and_recomputed(
     engines, client, reference, redis_url, keys
 ):
     decode = engines("completion")
-    work = WorkItem(
-        "forged", "tiny", prompt_token_ids=PROMPT, sampling={"max_tokens": 12, **GREEDY}
-    )
+
+    def forged(rid: str, first: list[int]) -> Handoff:
+        work = WorkItem(rid, "tiny", prompt_token_ids=PROMPT, sampling={"max_tokens": 12, **GREEDY})
+        return Handoff(
+            work=work.__dict__,
+            prompt_token_ids=PROMPT,
+            first_token_ids=first,
+            kv_address="127.0.0.1:1",
+            kv_handle=rid,
+            num_kv_tokens=len(PROMPT),
+            fingerprint="another-model",
+            prompt_engine="nobody",
+            expires_at=time.time() + 60,
+        )
+
     first = reference(PROMPT, 1).token_ids
-    handoff = Handoff(
-        work=work.__dict__,
-        prompt_token_ids=PROMPT,
-        first_token_ids=first,
-        kv_address="127.0.0.1:1",
-        kv_handle="forged",
-        num_kv_tokens=len(PROMPT),
-        fingerprint="another-model",
-        prompt_engine="nobody",
-        expires_at=time.time() + 60,
-    )
     conn = redis.Redis.from_url(redis_url)
-    conn.xadd(keys.handoff_stream("tiny"), handoff.to_fields())
+    # The other model's vocabulary is larger: its first token is none of this one's (it
+    # reached the embedding, and the step failed with every request prefilled in it).
+    beyond = RANDOM_SHAPES["tiny"]["vocab_size"]
+    conn.xadd(keys.handoff_stream("tiny"), forged("foreign", [beyond]).to_fields())
+    conn.xadd(keys.handoff_stream("tiny"), forged("forged", first).to_fields())
     conn.close()
     answer = client.answer("forged")
     assert answer.ok
@@ -304,6 +310,12 @@ def test_a_handoff_with_another_model_fingerprint_is_refused_and_recomputed(
     assert decode.metric("tandem_engine_kv_transfer_failures_total", reason="mismatch") == 1
     # Said in its log, naming the prompt engine (it was only a metric).
     assert "prompt engine nobody serves another model" in decode.log()
+    foreign = client.answer("foreign")
+    assert foreign.final.error_code == "invalid_request"
+    assert foreign.final.error_message == (
+        f"generated token id {beyond} is outside the vocabulary ({beyond})"
+    )
+    assert "step failed" not in decode.log()
 
 
 def test_a_handoff_whose_numbers_disagree_is_refused_and_the_decoder_serves_on(
