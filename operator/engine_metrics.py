@@ -85,6 +85,9 @@ def parse_metrics(text: str, *, pod: str, ready: bool, scraped_at: float) -> Pod
         token_budget=count("token_budget"),
         kv_pinned_requests=count("kv_pinned_requests"),
         kv_receiving_requests=count("kv_receiving_requests"),
+        handoffs_parked=count("handoffs_parked"),
+        # 0: a page rendered before the engine's first turn set it; absent: an older engine.
+        max_running_requests=count("max_running_requests") or None,
         steps_total=by_kind("steps_total"),
         scheduled_tokens_total=by_kind("scheduled_tokens_total"),
         step_seconds_total=counters.get(("step_seconds_sum", ""), 0.0),

@@ -35,6 +35,11 @@ class PodSample:
     kv_pinned_requests: int = 0
     # COMPLETION: handoffs whose KV is being fetched, their blocks held (in kv_cache_usage).
     kv_receiving_requests: int = 0
+    # COMPLETION: handoffs taken that wait for KV room (no scheduler queue holds them).
+    handoffs_parked: int = 0
+    # Sequence slots (requests running at once, at least 1); None: an engine from
+    # before the gauge.
+    max_running_requests: int | None = None
     # Counters by step kind ("prefill", "decode"): running totals since the
     # engine started, absent until the first step of that kind.
     steps_total: Mapping[str, float] = field(default_factory=dict)
@@ -74,6 +79,8 @@ class PodLoad:
     kv_pinned_requests: int = 0
     # COMPLETION: handoffs whose KV is being fetched, their blocks held (in kv_cache_usage).
     kv_receiving_requests: int = 0
+    handoffs_parked: int = 0  # COMPLETION: taken, waiting for KV room
+    max_running_requests: int | None = None  # sequence slots; None: not exported
     # budget_utilization() over the last interval; None on a pod's first scrape.
     budget_utilization: float | None = None
     # mean_waiting_prompt_tokens() over the last interval; None on a pod's first
@@ -110,6 +117,7 @@ def combine_ranks(ranks: Sequence[PodSample]) -> PodSample:
         return {k: sum(getattr(r, name).get(k, 0.0) for r in ranks) for k in kinds}
 
     waiting = [r.waiting_token_seconds_total for r in ranks]
+    slots = [r.max_running_requests for r in ranks]
     started = [r.started_at for r in ranks]
     return replace(
         ranks[0],
@@ -122,6 +130,8 @@ def combine_ranks(ranks: Sequence[PodSample]) -> PodSample:
         token_budget=max(r.token_budget for r in ranks),
         kv_pinned_requests=total("kv_pinned_requests"),
         kv_receiving_requests=total("kv_receiving_requests"),
+        handoffs_parked=total("handoffs_parked"),
+        max_running_requests=None if None in slots else sum(slots),  # type: ignore[arg-type]
         steps_total=by_kind("steps_total"),
         scheduled_tokens_total=by_kind("scheduled_tokens_total"),
         step_seconds_total=max(r.step_seconds_total for r in ranks),
@@ -234,6 +244,8 @@ def pod_load(curr: PodSample, prev: PodSample | None = None) -> PodLoad:
         waiting_prompt_tokens=curr.waiting_prompt_tokens,
         kv_pinned_requests=curr.kv_pinned_requests,
         kv_receiving_requests=curr.kv_receiving_requests,
+        handoffs_parked=curr.handoffs_parked,
+        max_running_requests=curr.max_running_requests,
         budget_utilization=None if prev is None else budget_utilization(prev, curr),
         mean_waiting_prompt_tokens=None if prev is None else mean_waiting_prompt_tokens(prev, curr),
         # A first scrape counts any step so far: a pod woken from zero served the request

@@ -104,14 +104,21 @@ def role_demand(
             # Handoffs no decoder has room for are the rest of the demand, each
             # costing the KV a request holds on average: those whose KV is still
             # arriving hold theirs too (left out, a burst's fetches, two at a time,
-            # made the average several times too large).
-            backlog = queue.handoff_waiting + sum(p.requests_waiting for p in pods)
+            # made the average several times too large). A decoder's parked handoff
+            # is in no queue of its scheduler, and its entry is not waiting in Redis.
+            backlog = queue.handoff_waiting + sum(
+                p.requests_waiting + p.handoffs_parked for p in pods
+            )
             holding = sum(p.requests_running + p.kv_receiving_requests for p in ready)
             if backlog and holding:
                 usage += backlog * usage / holding
+        else:  # each request queued for the role needs a sequence slot too
+            backlog = queue.total_waiting + sum(p.requests_waiting for p in pods)
         signals.append(
             _per_pod("kv_cache", usage / policy.target_kv_cache_usage, len(ready), current)
         )
+        if (slots := _slots(backlog, ready, current)) is not None:
+            signals.append(slots)
     if role is RoleName.PREFILL:
         used = [p.budget_utilization for p in ready if p.budget_utilization is not None]
         units = sum(used) / policy.target_budget_utilization
@@ -124,6 +131,22 @@ def role_demand(
         units = tokens / policy.target_queued_tokens_per_replica
         signals.append(Signal("queued_tokens", units, units))
     return Demand(tuple(signals), _active(pods, queue))
+
+
+def _slots(backlog: int, ready: tuple[PodLoad, ...], current: int) -> Signal | None:
+    """The pods the role's requests need at full sequence slots: running, receiving
+    and queued. Short requests on a large pool fill every slot at a few per cent of
+    its KV: to the KV signal alone such a role was idle, scaled down under a steady
+    load and climbed back on the queue that left, a cycle a scale-down window long.
+    None where no ready pod exports its slots (engines from before the gauge)."""
+    slotted = [p for p in ready if p.max_running_requests is not None]
+    if not slotted:
+        return None
+    used = sum(
+        (p.requests_running + p.kv_receiving_requests) / p.max_running_requests for p in slotted
+    )
+    per_pod = sum(p.max_running_requests for p in slotted) / len(slotted)
+    return _per_pod("slots", used + backlog / per_pod, len(slotted), current)
 
 
 def _per_pod(name: str, units: float, measured: int, current: int) -> Signal:

@@ -250,10 +250,10 @@ class Cluster:
             room = pod.room(rank)
             while room > 0 and queue:
                 room -= 1
-                if completion:
-                    self._admit(pod, rank, queue.popleft(), now)
-                else:
+                if not completion:
                     self._add(pod, rank, queue.popleft(), now)
+                elif not self._admit(pod, rank, queue.popleft(), now):
+                    break  # parked: the engine hands the rest of its pull back at once
 
     def _add(self, pod: Pod, rank: int, index: int, now: float) -> None:
         rec = self.records[index]
@@ -274,14 +274,16 @@ class Cluster:
         )
         pod.ranks[rank].add_request(request)
 
-    def _admit(self, pod: Pod, rank: int, handoff: Handoff, now: float) -> None:
+    def _admit(self, pod: Pod, rank: int, handoff: Handoff, now: float) -> bool:
+        """Admit a handoff and start its KV's transfer; False: parked without room."""
         if not pod.admit(rank, handoff):
-            return  # in the waiting room until the next turn
+            return False  # in the waiting room until the next turn
         source = handoff.source
         lanes = min(source.setup.tp, pod.setup.tp)
         size = handoff.num_kv_tokens * self.config.shape.kv_bytes_per_token / lanes
         end = self._links.reserve(source.name, pod.name, size, now)
         self._push(end, _TRANSFER, (pod, rank, handoff))
+        return True
 
     def _spawn(self, role: RoleName, now: float, ready_at: float) -> Pod:
         setup = self._roles[role]

@@ -228,6 +228,8 @@ class Pod:
             token_budget=self.config.max_num_batched_tokens * len(ranks),
             kv_pinned_requests=sum(len(s.handoff) for s in ranks),
             kv_receiving_requests=sum(len(s.receiving) for s in ranks),
+            handoffs_parked=sum(len(room) for room in self.waiting_room),
+            max_running_requests=self.config.max_running * len(ranks),
             steps_total=dict(self.counters.steps),
             scheduled_tokens_total=dict(self.counters.scheduled_tokens),
             step_seconds_total=self.counters.step_seconds,

@@ -128,6 +128,41 @@ def test_the_decode_backlog_costs_the_kv_of_requests_whose_kv_is_arriving_too():
     assert d.replicas == 5 and "kv_cache asks 4.57" in d.reason
 
 
+def slotted(n, *, kv, running, slots=256, parked=0):
+    """Pods that export their sequence slots (and a decoder's parked handoffs)."""
+    return tuple(
+        dataclasses.replace(p, max_running_requests=slots, handoffs_parked=parked)
+        for p in pods(n, kv=kv, running=running)
+    )
+
+
+@pytest.mark.parametrize("role", [DECODE, NORMAL])
+def test_a_role_whose_sequence_slots_are_full_is_not_idle_at_a_low_kv_usage(role):
+    # Short chats on a large pool: every slot taken at a tenth of the KV. To the KV
+    # signal alone the 4 pods were 0.57 of one: scaled to 1 under a steady load, then
+    # climbing back on the queue that left.
+    d = once(role, observe(4, slotted(4, kv=0.1, running=256)))
+    assert (d.replicas, d.changed) == (4, False)
+    assert "slots asks 4.00" in d.reason
+    # Half the slots taken: the pods that hold them full, rounded up.
+    assert once(role, observe(4, slotted(4, kv=0.1, running=100))).replicas == 2
+
+
+@pytest.mark.parametrize(
+    ("role", "q"), [(DECODE, queue(handoff_waiting=512)), (NORMAL, queue(waiting=512))]
+)
+def test_requests_queued_for_full_sequence_slots_scale_the_role_up(role, q):
+    d = once(role, observe(4, slotted(4, kv=0.1, running=256)), q)
+    assert d.replicas == 6 and "slots asks 6.00" in d.reason  # 4 + 512 / 256
+
+
+def test_a_decoders_parked_handoffs_are_in_its_backlog():
+    # Each decoder parked a long handoff it has no KV room for: it is in no queue of its
+    # scheduler, nor waiting in Redis, and the role read within tolerance (2.14).
+    d = once(DECODE, observe(2, slotted(2, kv=0.75, running=10, parked=1)))
+    assert d.replicas == 3 and "kv_cache asks 2.36" in d.reason
+
+
 @pytest.mark.parametrize(
     ("ready", "step", "percent", "expected"),
     [(4, 4, 100.0, 8), (10, 4, 100.0, 20), (10, 4, 10.0, 14), (10, 1, 0.0, 11), (1, 2, 300.0, 4)],

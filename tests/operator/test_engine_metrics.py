@@ -26,6 +26,7 @@ from tandem.operator.pod_load import (
 from tandem.operator.sources import DirectScrape
 
 BUDGET = 1000
+SLOTS = 64
 
 
 class FakeEngine:
@@ -35,7 +36,7 @@ class FakeEngine:
         self.last_step = StepStats()
         self.totals = EngineTotals()
         self.scheduler = SimpleNamespace(
-            config=SimpleNamespace(max_num_batched_tokens=budget),
+            config=SimpleNamespace(max_num_batched_tokens=budget, max_running=SLOTS),
             kv_usage=0.0,
             num_running=0,
             num_waiting=0,
@@ -72,6 +73,7 @@ def test_parses_the_gauges_and_counters_an_engine_renders():
     assert (s.requests_running, s.requests_waiting) == (3, 2)
     assert (s.waiting_prompt_tokens, s.kv_pinned_requests, s.token_budget) == (640, 1, BUDGET)
     assert s.kv_receiving_requests == 2
+    assert (s.max_running_requests, s.handoffs_parked) == (SLOTS, 0)
     assert s.steps_total == {"prefill": 1.0, "decode": 1.0}
     assert s.scheduled_tokens_total == {"prefill": 800.0, "decode": 3.0}
     assert s.step_seconds_total == pytest.approx(0.75)
@@ -286,6 +288,7 @@ def with_value(text: str, series: str, value: str) -> str:
         ("scheduled_tokens_total", "-800"),
         ("step_seconds_sum", "NaN"),
         ("waiting_prompt_token_seconds_total", "-1"),
+        ("max_running_requests", "-1"),
     ],
 )
 def test_a_value_no_engine_exports_makes_the_page_unreadable(series, value):
@@ -296,6 +299,15 @@ def test_a_value_no_engine_exports_makes_the_page_unreadable(series, value):
     text = with_value(metrics.render().decode(), series, value)
     with pytest.raises(ValueError, match=f"tandem_engine_{series} is"):
         parse_metrics(text, pod="p0", ready=True, scraped_at=0.0)
+
+
+def test_sequence_slots_not_known_yet_or_not_exported_are_none():
+    metrics, engine = EngineMetrics("tiny", "normal"), FakeEngine()
+    assert sample(metrics, 0.0).max_running_requests is None  # before the first turn: 0
+    engine.step(metrics, prefill=True, tokens=800, seconds=0.5)
+    page = metrics.render().decode().splitlines()
+    older = "\n".join(line for line in page if "max_running_requests" not in line) + "\n"
+    assert parse_metrics(older, pod="p0", ready=True, scraped_at=0.0).max_running_requests is None
 
 
 def test_pod_load_refuses_samples_of_two_pods():

@@ -89,6 +89,11 @@ class EngineMetrics:
         self.token_budget = gauge(
             "tandem_engine_token_budget", "max_num_batched_tokens: the token budget of a step."
         )
+        self.max_running_requests = gauge(
+            "tandem_engine_max_running_requests",
+            "Sequence slots: the most requests running at once (max_num_seqs, or a decode "
+            "budget below it).",
+        )
         self.budget_utilization = gauge(
             "tandem_engine_budget_utilization",
             "Scheduled tokens of the last step over the budget (rate of "
@@ -208,6 +213,7 @@ class EngineMetrics:
         self.kv_pinned_requests.set(len(sched.handoff))
         self.kv_receiving_requests.set(len(sched.receiving))
         self.token_budget.set(sched.config.max_num_batched_tokens)
+        self.max_running_requests.set(sched.config.max_running)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
