@@ -156,6 +156,24 @@ def test_requests_queued_for_full_sequence_slots_scale_the_role_up(role, q):
     assert d.replicas == 6 and "slots asks 6.00" in d.reason  # 4 + 512 / 256
 
 
+def test_prefill_waits_for_decode_to_catch_up_rather_than_grow():
+    # Every prefill pod's KV is full of offers no decoder took, and handoffs wait in
+    # Redis: the prompts queue because decode is behind, and prefill grew 2 -> 6 on them
+    # (pods that would fill with offers too, for the same decoders).
+    full = tuple(
+        dataclasses.replace(p, kv_pinned_requests=5) for p in pods(2, kv=0.95, util=0.2)
+    )
+    behind = queue(tokens=8 * TOKENS, handoff_waiting=50)
+    d = once(PREFILL, observe(2, full), behind)
+    assert (d.replicas, d.changed) == (2, False)
+    assert "held: decode is behind" in d.reason
+    # Decode keeping up (nothing waits for it), or a prefill pod with room: prefill's
+    # own queue, and prefill grows.
+    assert once(PREFILL, observe(2, full), queue(tokens=8 * TOKENS)).replicas == 6
+    roomy = (full[0], dataclasses.replace(full[1], kv_cache_usage=0.5))
+    assert once(PREFILL, observe(2, roomy), behind).replicas == 6
+
+
 def test_a_decoders_parked_handoffs_are_in_its_backlog():
     # Each decoder parked a long handoff it has no KV room for: it is in no queue of its
     # scheduler, nor waiting in Redis, and the role read within tolerance (2.14).
