@@ -160,9 +160,7 @@ def test_prefill_waits_for_decode_to_catch_up_rather_than_grow():
     # Every prefill pod's KV is full of offers no decoder took, and handoffs wait in
     # Redis: the prompts queue because decode is behind, and prefill grew 2 -> 6 on them
     # (pods that would fill with offers too, for the same decoders).
-    full = tuple(
-        dataclasses.replace(p, kv_pinned_requests=5) for p in pods(2, kv=0.95, util=0.2)
-    )
+    full = tuple(dataclasses.replace(p, kv_pinned_requests=5) for p in pods(2, kv=0.95, util=0.2))
     behind = queue(tokens=8 * TOKENS, handoff_waiting=50)
     d = once(PREFILL, observe(2, full), behind)
     assert (d.replicas, d.changed) == (2, False)
