@@ -32,7 +32,7 @@ from tandem.gateway.auth import ApiKey, check_model
 from tandem.gateway.broker import Broker
 from tandem.gateway.context_check import check_context
 from tandem.gateway.directory import ModelDirectory
-from tandem.gateway.errors import missing_role, model_not_found, rate_limited
+from tandem.gateway.errors import bad_request, missing_role, model_not_found, rate_limited
 from tandem.gateway.idempotency import IdempotencyLedger, IdempotencyRecord
 from tandem.gateway.jobs import Job
 from tandem.gateway.quota import Quotas
@@ -168,6 +168,14 @@ class Admission:
         if (gap := await self.directory.missing_role(job.model)) is not None:
             raise missing_role(job.model, *gap, MISSING_ROLE_RETRY_S)
         check_context(job, self.directory.context_length(job.model))
+        if (option := job.chat_option) and not self.directory.renders_chat_options(job.model):
+            raise bad_request(
+                f"{option} needs engines that render chat template options, and some "
+                f"engines of {job.model!r} are older (a rolling upgrade in progress?): send "
+                "it once they are replaced, or without the option",
+                option,
+                "unsupported",
+            )
         ledger_key = None
         if idempotency_key is not None:
             ledger_key = self.ledger.key(caller.name, idempotency_key)

@@ -136,6 +136,11 @@ class ModelDirectory:
             return None
         return max(lengths)  # type: ignore[type-var]
 
+    def renders_chat_options(self, model: str) -> bool:
+        """Whether every live engine of `model` renders a work item's chat template
+        options (as of the last refresh); True when none is live (scaled to zero)."""
+        return all(info.chat_options for info in self._models.get(model, ()))
+
     async def stall(self, model: str, *, taken: bool) -> str:
         """Why a request for `model` may have run out of time, as far as the (cached)
         registry tells; "" when it tells nothing. `taken`: an engine had started it."""

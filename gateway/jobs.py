@@ -23,7 +23,7 @@ from starlette.datastructures import Headers
 
 from tandem.gateway.auth import ApiKey
 from tandem.gateway.errors import bad_request, forbidden, not_supported
-from tandem.gateway.messages import engine_message, valid_text
+from tandem.gateway.messages import chat_options, engine_message, valid_text
 from tandem.gateway.sampling import sampling_fields, with_seed
 from tandem.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from tandem.gateway.settings import GatewaySettings
@@ -87,6 +87,17 @@ class Job:
     def logprobs(self) -> bool:
         """Whether the answer carries logprobs (the engines report them per token)."""
         return "logprobs" in self.items[0].sampling
+
+    @property
+    def chat_option(self) -> str | None:
+        """The first template option the request sets other than the default, or None
+        (engines from before the options would render without them)."""
+        first = self.items[0]
+        if not first.add_generation_prompt:
+            return "add_generation_prompt"
+        if first.chat_template_kwargs:
+            return "chat_template_kwargs"
+        return None
 
     @property
     def request_ids(self) -> list[str]:
@@ -193,7 +204,7 @@ class JobBuilder:
         messages = [engine_message(i, m) for i, m in enumerate(body.messages)]
         size = sum(_utf8_size(m["content"]) for m in messages)
         estimate = _estimate(size) + _TOKENS_PER_MESSAGE * len(messages)
-        prompt = {"messages": messages}
+        prompt = {"messages": messages, **chat_options(body)}
         return self._job("chat", body, headers, caller, prompt, estimate, max_tokens)
 
     def completion(

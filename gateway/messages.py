@@ -8,8 +8,10 @@ have them. Text must be valid Unicode for the engine's tokenizer.
 
 from __future__ import annotations
 
+from typing import Any
+
 from tandem.gateway.errors import bad_request
-from tandem.gateway.schemas import ChatMessage
+from tandem.gateway.schemas import ChatCompletionRequest, ChatMessage
 
 # Fields of OpenAI's message schemas besides role and content, by role.
 _ROLE_FIELDS = {
@@ -97,3 +99,27 @@ def valid_text(value: str, param: str) -> str:
             param,
         ) from None
     return value
+
+
+def chat_options(body: ChatCompletionRequest) -> dict[str, Any]:
+    """The template options a chat request sets (vLLM's extensions), as the WorkItem
+    fields that carry them; the defaults are left out."""
+    options: dict[str, Any] = {}
+    if body.add_generation_prompt is not None:
+        options["add_generation_prompt"] = body.add_generation_prompt
+    if body.continue_final_message:
+        if body.add_generation_prompt is not False:  # vLLM's rule, whose default is true
+            raise bad_request(
+                "continue_final_message and add_generation_prompt cannot both be true: "
+                "set add_generation_prompt to false to go on with the last message",
+                "continue_final_message",
+            )
+        options["continue_final_message"] = True
+    if body.chat_template_kwargs:
+        if "messages" in body.chat_template_kwargs:
+            raise bad_request(
+                "chat_template_kwargs cannot set messages: give them as messages",
+                "chat_template_kwargs",
+            )
+        options["chat_template_kwargs"] = dict(body.chat_template_kwargs)
+    return options

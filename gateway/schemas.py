@@ -177,6 +177,18 @@ class ChatCompletionRequest(_Request):
     priority: PriorityField = None
     ignore_eos: IgnoreEos = None
     cache_salt: CacheSalt = None
+    add_generation_prompt: bool | None = Field(
+        default=None,
+        description="Extension (vLLM's): the template opens the assistant's turn (default true).",
+    )
+    continue_final_message: bool | None = Field(
+        default=None,
+        description="Extension (vLLM's): the prompt ends inside the last message, which the "
+        "model goes on with (with add_generation_prompt false).",
+    )
+    chat_template_kwargs: dict[str, object] | None = Field(
+        default=None, description="Extension (vLLM's): more variables for the chat template."
+    )
 
 
 class CompletionRequest(_Request):

@@ -200,6 +200,11 @@ class WorkItem(Message):
     max_tokens_given: bool = False
     # The prefix cache's salt (the engine's Request.cache_salt); None: shared.
     cache_salt: str | None = None
+    # Chat only, vLLM's options of the template's rendering: the assistant's turn
+    # opened, or the last message left open to go on with; more template variables.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # Checked as read, so that an entry of the wrong shape (hand-made, another
@@ -236,6 +241,9 @@ _WORK_ITEM_TYPES: tuple[tuple[str, tuple[type, ...], bool], ...] = (
     ("estimated_prompt_tokens", (int,), False),
     ("max_tokens_given", (bool,), False),
     ("cache_salt", (str,), True),
+    ("add_generation_prompt", (bool,), False),
+    ("continue_final_message", (bool,), False),
+    ("chat_template_kwargs", (dict,), True),
 )
 _JSON_TYPE_NAMES = {
     (str,): "a string",

@@ -42,6 +42,9 @@ class EngineInfo(Message):
     # Its context length: the gateway refuses what can never fit before queueing it.
     # None: an engine from before the field.
     max_model_len: int | None = None
+    # It renders a work item's chat options (WorkItem.add_generation_prompt and the
+    # rest); False: an engine from before them, which would ignore them.
+    chat_options: bool = False
 
 
 def engine_entry(info: EngineInfo) -> str:

@@ -116,3 +116,21 @@ def _joined_text_parts(parts: list[Any], index: int) -> str:
             raise ValueError(f"message {index}: a text part needs a string 'text'")
         texts.append(part["text"])
     return "\n".join(texts)  # as the gateway joins them (gateway/messages.py)
+
+
+def template_options(
+    add_generation_prompt: bool, continue_final_message: bool, chat_template_kwargs: Any
+) -> dict[str, Any]:
+    """encode_chat's keyword arguments for a conversation's options, as vLLM takes them
+    (LLM.chat's, a work item's); ValueError naming one that cannot be."""
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise ValueError(
+            f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}"
+        )
+    if chat_template_kwargs and "messages" in chat_template_kwargs:
+        raise ValueError("chat_template_kwargs cannot set messages: give them as messages")
+    return {
+        **(chat_template_kwargs or {}),
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+    }

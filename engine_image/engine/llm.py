@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tandem.engine.chat_template import template_options
 from tandem.engine.config import EngineConfig, EngineType, check_fields, max_model_len_for
 from tandem.engine.decode_graphs import DecodeGraphs
 from tandem.engine.drafter import NgramDrafter
@@ -186,17 +187,9 @@ class LLM:
         the last message, an assistant's answer begun; chat_template_kwargs are more of
         the template's variables.
         """
-        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-            raise ValueError(
-                f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}"
-            )
-        if chat_template_kwargs and "messages" in chat_template_kwargs:
-            raise ValueError("chat_template_kwargs cannot set messages: give them as messages")
-        options = {
-            **(chat_template_kwargs or {}),
-            "add_generation_prompt": add_generation_prompt,
-            "continue_final_message": continue_final_message,
-        }
+        options = template_options(
+            add_generation_prompt, continue_final_message, chat_template_kwargs
+        )
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
         if isinstance(messages, dict):

@@ -198,3 +198,33 @@ def test_what_can_never_fit_the_context_is_refused_before_it_is_queued(
     with gateway.http() as http:
         late = http.post("/v1/completions", json={**ASK, "max_tokens": 256}, headers=SHORT)
     assert late.status_code == 504
+
+
+def test_chat_options_wait_for_engines_that_render_them(start_gateway, redis_url, keys):
+    # An engine from before the options ignores them: the prompt would open a new
+    # assistant turn where the client asked to go on with its own.
+    conn = redis.Redis.from_url(redis_url)
+    registry = Registry(conn, keys, ttl_seconds=600)
+    registry.heartbeat(EngineInfo("n-0", "tiny", "normal", "127.0.0.1:1"))
+    gateway = start_gateway(models_cache_s=0.0)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
+    asks = {
+        "add_generation_prompt": {"add_generation_prompt": False},
+        "chat_template_kwargs": {"chat_template_kwargs": {"enable_thinking": False}},
+    }
+    with gateway.http() as http:
+        for param, option in asks.items():
+            answer = http.post("/v1/chat/completions", json={**chat, **option}, headers=SHORT)
+            assert answer.status_code == 400, answer.text
+            error = answer.json()["error"]
+            assert (error["param"], error["code"]) == (param, "unsupported")
+            assert "some engines of 'tiny' are older" in error["message"]
+        # The defaults, spelled out, need nothing new.
+        same = {**chat, "add_generation_prompt": True, "continue_final_message": False}
+        assert http.post("/v1/chat/completions", json=same, headers=SHORT).status_code == 504
+    registry.heartbeat(EngineInfo("n-0", "tiny", "normal", "127.0.0.1:1", chat_options=True))
+    with gateway.http() as http:
+        queued = http.post("/v1/chat/completions", json={**chat, **asks["add_generation_prompt"]},
+                           headers=SHORT)  # fmt: skip
+    assert queued.status_code == 504  # queued: no engine here takes work
+    conn.close()

@@ -57,6 +57,34 @@ def test_chat_answers_what_the_engine_generates_with_its_usage(sdk, direct):
     assert reply.usage.prompt_tokens_details.cached_tokens <= usage["cached_tokens"]
 
 
+def test_chat_goes_on_with_an_assistant_answer_begun(sdk, direct):
+    # vLLM's extensions, through extra_body: the prompt ends inside the assistant's turn.
+    begun = [*MESSAGES, {"role": "assistant", "content": "Red, "}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    sampling = {"max_tokens": 6, "ignore_eos": True, **GREEDY}
+    reply = sdk.chat.completions.create(
+        model="tiny", messages=begun, max_tokens=6, extra_body={"ignore_eos": True, **options},
+        **GREEDY,
+    )  # fmt: skip
+    expected = direct.answer(direct.submit(messages=begun, sampling=sampling, **options))
+    assert reply.choices[0].message.content == expected.text
+    # Not an answer after the assistant's turn closed: that prompt is longer, by the
+    # end-of-turn the continued one leaves out.
+    closed = direct.answer(
+        direct.submit(messages=begun, sampling=sampling, add_generation_prompt=False)
+    )
+    assert reply.usage.prompt_tokens < closed.final.usage["prompt_tokens"]
+    with pytest.raises(openai.BadRequestError, match="cannot both be true") as refused:
+        sdk.chat.completions.create(
+            model="tiny", messages=begun, extra_body={"continue_final_message": True}
+        )
+    assert refused.value.param == "continue_final_message"
+    with pytest.raises(openai.BadRequestError, match="cannot set messages"):
+        sdk.chat.completions.create(
+            model="tiny", messages=begun, extra_body={"chat_template_kwargs": {"messages": []}}
+        )
+
+
 def test_every_answer_names_its_request_for_support(sdk):
     raw = sdk.chat.completions.with_raw_response.create(
         model="tiny", messages=MESSAGES, max_tokens=2, **GREEDY

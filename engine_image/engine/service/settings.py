@@ -77,6 +77,7 @@ class WorkerSettings:
             kv_address=self.kv_address,
             started_at=self.started_at,
             draining=draining,
+            chat_options=True,
             **load,
         )
 

@@ -13,6 +13,7 @@ import time
 
 import redis
 
+from tandem.engine.chat_template import template_options
 from tandem.engine.engine import Engine
 from tandem.engine.request import SamplingParams
 from tandem.engine.service.handoff_flow import HandoffFlow
@@ -194,7 +195,12 @@ class Intake:
         if work.messages is not None:
             if engine.tokenizer is None:
                 raise ValueError("this model has no tokenizer, so no chat template")
-            ids = engine.tokenizer.encode_chat(work.messages)
+            options = template_options(
+                work.add_generation_prompt,
+                work.continue_final_message,
+                work.chat_template_kwargs,
+            )
+            ids = engine.tokenizer.encode_chat(work.messages, **options)
         engine.add_request(
             work.request_id,
             work.prompt,
