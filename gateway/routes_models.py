@@ -7,6 +7,8 @@ A key sees only the models it may use.
 
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter, Request
 from starlette.exceptions import HTTPException
 
@@ -54,6 +56,7 @@ async def retrieve_model(model: str, request: Request, caller: Caller) -> ModelC
 
 
 def _card(name: str, engines: list[EngineInfo]) -> ModelCard:
-    # "created": when its longest-running engine started.
-    started = min((e.started_at for e in engines), default=0.0)
+    # "created": when its longest-running engine started; with none yet (declared, at
+    # zero or loading), now, as vLLM says of every model (0 read as 1970).
+    started = min((e.started_at for e in engines), default=time.time())
     return ModelCard(id=name, created=int(started))
