@@ -54,7 +54,9 @@ class Replies:
         if held.first_token_at is None:
             held.first_token_at = time.time()
             if offset == 0:  # this engine produced the request's first token
-                self.metrics.ttft.observe(held.first_token_at - held.work.created_at)
+                # From the gateway's clock: a node's clock behind it would observe less
+                # than nothing (a histogram's _sum pulled down by it).
+                self.metrics.ttft.observe(max(0.0, held.first_token_at - held.work.created_at))
 
     def finish(self, held: Held, out: EngineOutput) -> None:
         """The request ended (a stop, its length): its usage, and its entry acknowledged."""
