@@ -14,7 +14,7 @@ scale-down stabilisation windows, scale-up step limit, min/max bounds.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from tandem.operator.pod_load import PodLoad
@@ -147,8 +147,10 @@ def decide(
     policy: ScalingPolicy,
     history: ScalingHistory,
     now: float,
+    hold_up: str | None = None,
 ) -> Decision:
-    """The replicas `role` should have now, why, and the history for next time."""
+    """The replicas `role` should have now, why, and the history for next time.
+    hold_up: why the role must not grow now (another role's state; decode_full)."""
     role = RoleName(role)
     if isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now):
         raise ValueError(f"now must be a finite number of seconds, got {now!r}")
@@ -179,6 +181,9 @@ def decide(
         notes = [f"holding: {UNREADABLE}"] if recommendation == current else [why, UNREADABLE]
 
     replicas = recommendation
+    if hold_up is not None and replicas > current > 0:
+        notes.append(hold_up)
+        replicas = current
     down_window_start = now - policy.scale_down_stabilization_seconds
     up_window_start = now - policy.scale_up_stabilization_seconds
     if replicas > current > 0:
@@ -261,14 +266,42 @@ def decide_all(
     histories: Mapping[RoleName, ScalingHistory],
     now: float,
 ) -> dict[RoleName, Decision]:
-    """`decide` for every observed role, each on its own signals and history."""
+    """`decide` for every observed role, each on its own signals and history (decode's
+    first: a full decode role holds prefill, decode_full)."""
     missing = [str(role) for role in observed if role not in policies]
     if missing:
         raise ValueError(f"no scaling policy for role(s) {', '.join(missing)}")
-    return {
-        role: decide(role, obs, queue, policies[role], histories.get(role, ScalingHistory()), now)
-        for role, obs in observed.items()
-    }
+    decisions: dict[RoleName, Decision] = {}
+    hold = None
+    for role in decode_first(observed):
+        history = histories.get(role, ScalingHistory())
+        held = hold if role is RoleName.PREFILL else None
+        decisions[role] = decide(role, observed[role], queue, policies[role], history, now, held)
+        if role is RoleName.DECODE:
+            hold = decode_full(decisions[role], policies[role], queue)
+    return {role: decisions[role] for role in observed}
+
+
+def decode_first(roles: Iterable[RoleName]) -> list[RoleName]:
+    """The roles in the order to decide them: decode's decision can hold prefill."""
+    return sorted(roles, key=lambda role: role is not RoleName.DECODE)
+
+
+def decode_full(decode: Decision, policy: ScalingPolicy, queue: QueueState) -> str | None:
+    """Why prefill must not grow now, or None: decode is at its maxReplicas, handoffs
+    wait for it, and its signals ask for more decoders than it may have. Prefill pods
+    added then only prefill prompts whose KV waits in them for a decoder (and expires
+    there, to be prefilled again by one): GPUs for nothing."""
+    if (
+        queue.handoff_waiting > 0
+        and decode.current >= policy.max_replicas
+        and decode.recommendation > policy.max_replicas
+    ):
+        return (
+            f"held: decode is at maxReplicas {policy.max_replicas} and asks for "
+            f"{decode.recommendation}"
+        )
+    return None
 
 
 def _unreadable_since(observed: RoleObservation, since: float | None, now: float) -> float | None:

@@ -14,7 +14,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide
+from tandem.operator.autoscaler import (
+    Decision,
+    RoleObservation,
+    ScalingHistory,
+    decide,
+    decode_first,
+    decode_full,
+)
 from tandem.operator.engine_flags import ENGINE_CONTAINER, HTTP_PORT
 from tandem.operator.manifests import (
     COMPONENT_LABEL,
@@ -149,7 +156,10 @@ def evaluate(
     # Only the spec's roles: a role that comes back after a mode change is a new role,
     # not one idle since it went.
     histories: dict[RoleName, ScalingHistory] = {}
-    for role_name, role in spec.roles().items():
+    roles = spec.roles()
+    hold = None  # a full decode role holds prefill (autoscaler.decode_full)
+    for role_name in decode_first(roles):
+        role = roles[role_name]
         role_pods = pods_of(pods, role_name)
         targets = scrape_targets(role_pods)
         loads = tuple(
@@ -168,7 +178,10 @@ def evaluate(
         history = memory.histories.get(role_name) or ScalingHistory.starting(
             now, replicas[role_name]
         )
-        decision = decide(role_name, observed, queue, policy(role), history, now)
+        held = hold if role_name is RoleName.PREFILL else None
+        decision = decide(role_name, observed, queue, policy(role), history, now, held)
+        if role_name is RoleName.DECODE:
+            hold = decode_full(decision, policy(role), queue)
         if decision.unreadable_changed:
             _log_readability(role_pods, observed, history, decision, now)
         decisions[role_name] = decision
@@ -177,6 +190,7 @@ def evaluate(
     # scrape must not cost the next evaluation its rate. Gone pods are dropped.
     alive = {p["metadata"]["name"] for p in pods}
     kept = {n: s for n, s in memory.samples.items() if n in alive and n not in samples}
+    decisions = {role_name: decisions[role_name] for role_name in roles}  # the spec's order
     return Evaluation(decisions, ScalerMemory(histories, {**kept, **samples}, memory.deployments))
 
 

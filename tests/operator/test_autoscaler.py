@@ -485,6 +485,25 @@ def test_decode_heavy_load_raises_decode_not_prefill():
     assert dict(out[DECODE].signals)["kv_cache"] == pytest.approx(2 * (1 + 1) / 0.7)
 
 
+def test_a_decode_role_full_at_its_max_holds_prefill_where_it_is():
+    # Decode may not grow past 2 and asks for 6: prefill grown on its queue would only
+    # prefill prompts whose KV waits in it for a decoder (expiring there, prefilled
+    # again by one). A simulated run: prefill 1 -> 5 -> 8 pods for the same throughput.
+    observed = {
+        PREFILL: observe(2, pods(2, util=1.0)),
+        DECODE: observe(2, pods(2, kv=1.0, running=20)),
+    }
+    capped = {PREFILL: POLICY, DECODE: ScalingPolicy(max_replicas=2)}
+    behind = queue(tokens=10 * TOKENS, handoff_waiting=40)
+    out = decide_all(observed, behind, capped, {}, 0.0)
+    assert (out[PREFILL].replicas, out[DECODE].replicas) == (2, 2)
+    assert "held: decode is at maxReplicas 2 and asks for 6" in out[PREFILL].reason
+    assert list(out) == [PREFILL, DECODE]  # decided decode first, answered as asked
+    # Decode free to grow: both roles grow, each on its own queue.
+    out = decide_all(observed, behind, {PREFILL: POLICY, DECODE: POLICY}, {}, 0.0)
+    assert (out[PREFILL].replicas, out[DECODE].replicas) == (6, 6)
+
+
 def test_normal_scales_on_kv_and_on_queued_tokens():
     assert once(NORMAL, observe(2, pods(2, kv=1.0))).replicas == 3
     assert once(NORMAL, observe(2, pods(2, kv=0.7)), queue(tokens=5 * TOKENS)).replicas == 5

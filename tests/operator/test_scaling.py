@@ -137,3 +137,37 @@ def test_pods_ready_but_unread_count_as_ready_for_the_scale_up_step():
     d = op.evaluate(pods(8), samples(2, kv=1.0), 0.0, queue(tokens=40 * 8192))
     assert d.replicas == 16
     assert d.unreadable is None  # some pods read: not the role-wide hold
+
+
+# ------------------------------------------------------------------ roles together
+
+
+def test_the_operator_holds_prefill_while_decode_is_full_at_its_max():
+    # The operator's path decides decode before prefill, as decide_all does.
+    body = {
+        "model": {"path": "x"},
+        "mode": "Disaggregated",
+        "prefill": {"maxReplicas": 8},
+        "decode": {"maxReplicas": 2},
+    }
+    spec = validate_spec(body, name="m")
+    role_pods, loads = [], {}
+    for role, busy in ((RoleName.PREFILL, 0.95), (RoleName.DECODE, 1.0)):
+        for i in range(2):
+            name = f"m-{role.value}-{i}"
+            role_pods.append(
+                {
+                    "metadata": {"name": name, "namespace": "ns", "labels": labels("m", role)},
+                    "status": {
+                        "podIP": f"10.0.{len(loads)}.1",
+                        "conditions": [{"type": "Ready", "status": "True"}],
+                    },
+                }
+            )
+            loads[name] = PodSample(name, True, 0.0, busy, 20, 0, 0, 8192)
+    replicas = {RoleName.PREFILL: 2, RoleName.DECODE: 2}
+    behind = QueueState(dict.fromkeys(PRIORITIES, 0), 0, 80_000, 40, 0)
+    out = evaluate(spec, replicas, role_pods, loads, behind, ScalerMemory(), 1000.0)
+    assert list(out.decisions) == [RoleName.PREFILL, RoleName.DECODE]  # the spec's order
+    prefill = out.decisions[RoleName.PREFILL]
+    assert prefill.replicas == 2 and "held: decode is at maxReplicas 2" in prefill.reason
