@@ -131,9 +131,11 @@ class Job:
         retry a stream without streaming and get the same answer. Only the fields
         the client sent count (and a null one as not sent): a field a later version
         adds, whatever its default, does not change the digest of a request that
-        does not send it. (The gateway before this rule counted every field: across
-        an upgrade from it, a retry through a replica of the other version is a
-        409 until the first attempt's record expires.)
+        does not send it. Canonical JSON (keys sorted, ASCII): an object's keys in
+        another order (logit_bias, chat_template_kwargs, re-serialised by a proxy or
+        a retry layer) are the same request. (The gateways before either rule digested
+        otherwise: across an upgrade from one, a retry through a replica of the other
+        version is a 409 until the first attempt's record expires.)
         """
         sent: dict[str, Any] = {
             "exclude": {"stream", "stream_options"},
@@ -141,22 +143,18 @@ class Job:
             "exclude_none": True,
         }
         try:
-            content = self.body.model_dump_json(**sent).encode()
-        except PydanticSerializationError:
-            # A lone surrogate (JSON's \ud800, a JavaScript client's cut emoji) in a
-            # field the engine never reads: not valid UTF-8, but a request all the
-            # same, and none of the form above can have it.
-            try:
-                data = self.body.model_dump(mode="json", **sent)
-            except (PydanticSerializationError, ValueError):
-                # Nested past pydantic's serialisation depth (255) in a field the engine
-                # never reads: nothing to compare a retry by.
-                raise bad_request(
-                    "the request is nested too deeply (past 255 levels) to be compared "
-                    "with a retry: send it without Idempotency-Key, or less deeply nested"
-                ) from None
-            content = json.dumps(data, ensure_ascii=True, sort_keys=True).encode()
-        return hashlib.sha256(content).hexdigest()
+            data = self.body.model_dump(mode="json", **sent)
+        except (PydanticSerializationError, ValueError):
+            # Nested past pydantic's serialisation depth (255) in a field the engine
+            # never reads: nothing to compare a retry by.
+            raise bad_request(
+                "the request is nested too deeply (past 255 levels) to be compared "
+                "with a retry: send it without Idempotency-Key, or less deeply nested"
+            ) from None
+        # ASCII: a lone surrogate (JSON's \ud800, a JavaScript client's cut emoji) in a
+        # field the engine never reads is escaped, not refused as UTF-8.
+        content = json.dumps(data, ensure_ascii=True, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(content.encode()).hexdigest()
 
 
 # The headers a job reads, as the errors name them.

@@ -103,23 +103,38 @@ def valid_text(value: str, param: str) -> str:
 
 def chat_options(body: ChatCompletionRequest) -> dict[str, Any]:
     """The template options a chat request sets (vLLM's extensions), as the WorkItem
-    fields that carry them; the defaults are left out."""
+    fields that carry them; the defaults are left out. As in vLLM, chat_template_kwargs
+    may set add_generation_prompt and continue_final_message too, and wins."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    if "messages" in kwargs:
+        raise bad_request(
+            "chat_template_kwargs cannot set messages: give them as messages",
+            "chat_template_kwargs",
+        )
+    flags = {
+        "add_generation_prompt": body.add_generation_prompt,
+        "continue_final_message": body.continue_final_message,
+    }
+    for name in flags:
+        if name in kwargs:
+            if not isinstance(kwargs[name], bool):
+                raise bad_request(
+                    f"chat_template_kwargs' {name} must be true or false, got {kwargs[name]!r}",
+                    "chat_template_kwargs",
+                )
+            flags[name] = kwargs.pop(name)
+    adds, goes_on = flags["add_generation_prompt"], flags["continue_final_message"]
+    if goes_on and adds is not False:  # vLLM's rule, whose default is true
+        raise bad_request(
+            "continue_final_message and add_generation_prompt cannot both be true: "
+            "set add_generation_prompt to false to go on with the last message",
+            "continue_final_message",
+        )
     options: dict[str, Any] = {}
-    if body.add_generation_prompt is not None:
-        options["add_generation_prompt"] = body.add_generation_prompt
-    if body.continue_final_message:
-        if body.add_generation_prompt is not False:  # vLLM's rule, whose default is true
-            raise bad_request(
-                "continue_final_message and add_generation_prompt cannot both be true: "
-                "set add_generation_prompt to false to go on with the last message",
-                "continue_final_message",
-            )
+    if adds is not None:
+        options["add_generation_prompt"] = adds
+    if goes_on:
         options["continue_final_message"] = True
-    if body.chat_template_kwargs:
-        if "messages" in body.chat_template_kwargs:
-            raise bad_request(
-                "chat_template_kwargs cannot set messages: give them as messages",
-                "chat_template_kwargs",
-            )
-        options["chat_template_kwargs"] = dict(body.chat_template_kwargs)
+    if kwargs:
+        options["chat_template_kwargs"] = kwargs
     return options

@@ -129,8 +129,9 @@ def template_options(
         )
     if chat_template_kwargs and "messages" in chat_template_kwargs:
         raise ValueError("chat_template_kwargs cannot set messages: give them as messages")
+    # As vLLM merges them: the kwargs may set the two options too, and win.
     return {
-        **(chat_template_kwargs or {}),
         "add_generation_prompt": add_generation_prompt,
         "continue_final_message": continue_final_message,
+        **(chat_template_kwargs or {}),
     }

@@ -243,6 +243,11 @@ def test_chat_can_go_on_with_an_assistant_answer_begun(llm):
     assert closed.endswith("The capital is <|im_end|>\n")
     expected = closed[: closed.rindex("<|im_end|>")]
     assert out[0].prompt_token_ids == llm.tokenizer.encode(expected, add_special_tokens=False)
+    # As vLLM merges them, chat_template_kwargs may set the options too, and wins.
+    merged = llm.chat(begun, SamplingParams(max_tokens=2),
+                      chat_template_kwargs={"add_generation_prompt": False,
+                                            "continue_final_message": True})  # fmt: skip
+    assert merged[0].prompt_token_ids == out[0].prompt_token_ids
     # Without the generation prompt, the conversation's turns are closed.
     named = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1),
                      add_generation_prompt=False)  # fmt: skip

@@ -279,6 +279,36 @@ def test_the_digest_counts_only_the_fields_sent():
     assert _chat(temperature=0.5).digest != now
 
 
+def test_the_digest_reads_an_objects_keys_in_any_order():
+    # A proxy or retry layer that re-serialises the body reorders its objects' keys: the
+    # same request, and a retry must attach to it, not be refused as another (409).
+    ordered = _chat(logit_bias={"5": 1.0, "7": -1.0}, chat_template_kwargs={"a": 1, "b": 2})
+    reordered = _chat(logit_bias={"7": -1.0, "5": 1.0}, chat_template_kwargs={"b": 2, "a": 1})
+    assert ordered.digest == reordered.digest != _chat(logit_bias={"5": 1.0}).digest
+
+
+def test_chat_template_kwargs_may_set_the_template_options_and_win():
+    # vLLM merges them over the named options: a client written for it sets them there.
+    def item(**extra):
+        return _chat(messages=[{"role": "user", "content": "hi"}], **extra).items[0]
+
+    begun = item(chat_template_kwargs={"continue_final_message": True},
+                 add_generation_prompt=False)  # fmt: skip
+    assert (begun.add_generation_prompt, begun.continue_final_message) == (False, True)
+    assert begun.chat_template_kwargs is None
+    flipped = item(add_generation_prompt=True,
+                   chat_template_kwargs={"add_generation_prompt": False, "x": 1})  # fmt: skip
+    assert (flipped.add_generation_prompt, flipped.chat_template_kwargs) == (False, {"x": 1})
+    refusals = {
+        "cannot both be true": {"chat_template_kwargs": {"continue_final_message": True}},
+        "must be true or false": {"chat_template_kwargs": {"add_generation_prompt": "no"}},
+    }
+    for why, extra in refusals.items():
+        with pytest.raises(GatewayError, match=why) as refused:
+            item(**extra)
+        assert refused.value.param in ("continue_final_message", "chat_template_kwargs")
+
+
 def test_the_prefix_cache_salt_is_the_keys_own_then_the_requests():
     def salt(caller: ApiKey, **extra) -> str | None:
         body = ChatCompletionRequest.model_validate(
