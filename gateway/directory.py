@@ -137,9 +137,11 @@ class ModelDirectory:
         return max(lengths)  # type: ignore[type-var]
 
     def renders_chat_options(self, model: str) -> bool:
-        """Whether every live engine of `model` renders a work item's chat template
-        options (as of the last refresh); True when none is live (scaled to zero)."""
-        return all(info.chat_options for info in self._models.get(model, ()))
+        """Whether every live engine of `model` that takes work items renders their chat
+        template options (as of the last refresh; decoders take the prompt's token ids);
+        True when none is live (scaled to zero)."""
+        engines = self._models.get(model, ())
+        return all(info.chat_options for info in engines if info.role != Role.COMPLETION)
 
     async def stall(self, model: str, *, taken: bool) -> str:
         """Why a request for `model` may have run out of time, as far as the (cached)

@@ -223,6 +223,9 @@ def test_chat_options_wait_for_engines_that_render_them(start_gateway, redis_url
         same = {**chat, "add_generation_prompt": True, "continue_final_message": False}
         assert http.post("/v1/chat/completions", json=same, headers=SHORT).status_code == 504
     registry.heartbeat(EngineInfo("n-0", "tiny", "normal", "127.0.0.1:1", chat_options=True))
+    # A decoder renders no template (it takes the prompt's token ids): an older one is
+    # no reason to refuse.
+    registry.heartbeat(EngineInfo("c-0", "tiny", "completion", "127.0.0.1:1"))
     with gateway.http() as http:
         queued = http.post("/v1/chat/completions", json={**chat, **asks["add_generation_prompt"]},
                            headers=SHORT)  # fmt: skip
