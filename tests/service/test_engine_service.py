@@ -277,24 +277,29 @@ def test_a_handoff_longer_than_the_decoders_context_ends_with_a_clear_error(engi
     assert len(answer.token_ids) == 1
 
 
+def forged_handoff(rid: str, first: list[int], fingerprint: str, *, max_tokens: int) -> Handoff:
+    """A handoff of PROMPT from a prompt engine nobody runs (its KV unreachable)."""
+    sampling = {"max_tokens": max_tokens, **GREEDY}
+    return Handoff(
+        work=WorkItem(rid, "tiny", prompt_token_ids=PROMPT, sampling=sampling).__dict__,
+        prompt_token_ids=PROMPT,
+        first_token_ids=first,
+        kv_address="127.0.0.1:1",
+        kv_handle=rid,
+        num_kv_tokens=len(PROMPT),
+        fingerprint=fingerprint,
+        prompt_engine="nobody",
+        expires_at=time.time() + 60,
+    )
+
+
 def test_a_handoff_with_another_model_fingerprint_is_refused_and_recomputed(
     engines, client, reference, redis_url, keys
 ):
     decode = engines("completion")
 
     def forged(rid: str, first: list[int]) -> Handoff:
-        work = WorkItem(rid, "tiny", prompt_token_ids=PROMPT, sampling={"max_tokens": 12, **GREEDY})
-        return Handoff(
-            work=work.__dict__,
-            prompt_token_ids=PROMPT,
-            first_token_ids=first,
-            kv_address="127.0.0.1:1",
-            kv_handle=rid,
-            num_kv_tokens=len(PROMPT),
-            fingerprint="another-model",
-            prompt_engine="nobody",
-            expires_at=time.time() + 60,
-        )
+        return forged_handoff(rid, first, "another-model", max_tokens=12)
 
     first = reference(PROMPT, 1).token_ids
     conn = redis.Redis.from_url(redis_url)
@@ -324,18 +329,7 @@ def test_a_handoff_whose_numbers_disagree_is_refused_and_the_decoder_serves_on(
     decode = engines("completion")
     conn = redis.Redis.from_url(redis_url)
     for rid, change in (("too-many", {"num_kv_tokens": 300}), ("undated", {"expires_at": "soon"})):
-        work = WorkItem(rid, "tiny", prompt_token_ids=PROMPT, sampling={"max_tokens": 4, **GREEDY})
-        fields = Handoff(
-            work=work.__dict__,
-            prompt_token_ids=PROMPT,
-            first_token_ids=[5],
-            kv_address="127.0.0.1:1",
-            kv_handle=rid,
-            num_kv_tokens=len(PROMPT),
-            fingerprint="f",
-            prompt_engine="nobody",
-            expires_at=time.time() + 60,
-        ).to_fields()
+        fields = forged_handoff(rid, [5], "f", max_tokens=4).to_fields()
         fields["data"] = json.dumps({**json.loads(fields["data"]), **change})
         conn.xadd(keys.handoff_stream("tiny"), fields)
         answer = client.answer(rid)
