@@ -160,7 +160,8 @@ class LocalActuator:
         self.say = say  # what `tandem up` prints: starts, exits, scales, holds
         self.model = spec.served_model_name(name)
         self.roles = spec.roles()
-        self.policies = {r: scaling_policy(s) for r, s in self.roles.items()}
+        watermark = spec.engine.cache_prefill_watermark
+        self.policies = {r: scaling_policy(s, watermark=watermark) for r, s in self.roles.items()}
         self.replicas = {r: s.initial_replicas for r, s in self.roles.items()}
         # As the operator does for a role it sees first: the starting count counts as
         # recommended now in both windows, so nothing scales, down or up, before a

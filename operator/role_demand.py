@@ -13,7 +13,6 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tandem.engine.config import EngineConfig
 from tandem.operator.pod_load import PodLoad
 from tandem.operator.role_name import RoleName
 from tandem.operator.scaling_policy import ScalingPolicy
@@ -21,8 +20,6 @@ from tandem.queue_state import QueueState
 
 # ceil() of a demand computed in floats: 0.7 * 3 / 0.7 must ask for 3 pods, not 4.
 EPSILON = 1e-9
-# A prompt engine's KV this full pulls no prompt (the engines' default watermark).
-PROMPT_ENGINE_FULL = EngineConfig.cache_prefill_watermark
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +129,8 @@ def role_demand(
         # The engines' share is each one's mean since the last scrape.
         tokens = queue.queued_tokens + sum(p.buffered_tokens for p in pods)
         units = tokens / policy.target_queued_tokens_per_replica
-        if role is RoleName.PREFILL and _waiting_on_decode(ready, queue) and units > current:
+        waiting_on_decode = _waiting_on_decode(ready, queue, policy.cache_prefill_watermark)
+        if role is RoleName.PREFILL and waiting_on_decode and units > current:
             # The prefill pods stopped pulling because decoders do not take their
             # offers: pods added would fill with offers too, their first tokens sent
             # and the rest waiting on the same decoders (docs/autoscaling.md).
@@ -142,14 +140,14 @@ def role_demand(
     return Demand(tuple(signals), _active(pods, queue))
 
 
-def _waiting_on_decode(ready: tuple[PodLoad, ...], queue: QueueState) -> bool:
+def _waiting_on_decode(ready: tuple[PodLoad, ...], queue: QueueState, watermark: float) -> bool:
     """Whether the prompts wait on decode, not on prefill: handoffs wait in Redis for a
     decoder while every ready prefill pod's KV is full of offers no decoder took yet (a
     prompt engine above its watermark pulls nothing)."""
     return (
         bool(ready)
         and queue.handoff_waiting > 0
-        and all(p.kv_pinned_requests and p.kv_cache_usage >= PROMPT_ENGINE_FULL for p in ready)
+        and all(p.kv_pinned_requests and p.kv_cache_usage > watermark for p in ready)
     )
 
 

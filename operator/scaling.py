@@ -80,9 +80,11 @@ class Evaluation:
         return {role: d for role, d in self.decisions.items() if d.changed}
 
 
-def policy(role: RoleSpec) -> ScalingPolicy:
-    """The CRD's scaling fields of one role, as the autoscaler's policy."""
+def policy(role: RoleSpec, *, watermark: float) -> ScalingPolicy:
+    """The CRD's scaling fields of one role, as the autoscaler's policy; `watermark`:
+    the spec's engine.cachePrefillWatermark."""
     fields: dict[str, Any] = {
+        "cache_prefill_watermark": watermark,
         "min_replicas": role.min_replicas,
         "max_replicas": role.max_replicas,
         "tolerance": role.tolerance,
@@ -179,9 +181,10 @@ def evaluate(
             now, replicas[role_name]
         )
         held = hold if role_name is RoleName.PREFILL else None
-        decision = decide(role_name, observed, queue, policy(role), history, now, held)
+        rules = policy(role, watermark=spec.engine.cache_prefill_watermark)
+        decision = decide(role_name, observed, queue, rules, history, now, held)
         if role_name is RoleName.DECODE:
-            hold = decode_full(decision, policy(role), queue)
+            hold = decode_full(decision, rules, queue)
         if decision.unreadable_changed:
             _log_readability(role_pods, observed, history, decision, now)
         decisions[role_name] = decision

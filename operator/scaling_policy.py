@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tandem.engine.config import EngineConfig
+
 
 @dataclass(frozen=True, slots=True)
 class ScalingPolicy:
@@ -49,6 +51,9 @@ class ScalingPolicy:
     # scaleToZeroAfterSeconds: with min_replicas 0, how long a role must have had
     # no work at all before its last pod goes.
     scale_to_zero_after_seconds: float = 300.0
+    # engine.cachePrefillWatermark (the spec's, for every role): KV usage above which
+    # an engine pulls no work. Prefill reads it to tell prompts that wait on decode.
+    cache_prefill_watermark: float = EngineConfig.cache_prefill_watermark
 
     def __post_init__(self) -> None:
         _count("min_replicas", self.min_replicas, minimum=0)
@@ -60,6 +65,7 @@ class ScalingPolicy:
             )
         _fraction("target_kv_cache_usage", self.target_kv_cache_usage)
         _fraction("target_budget_utilization", self.target_budget_utilization)
+        _fraction("cache_prefill_watermark", self.cache_prefill_watermark)
         _count("target_queued_tokens_per_replica", self.target_queued_tokens_per_replica, 1)
         _number("tolerance", self.tolerance)
         if not 0.0 <= self.tolerance < 1.0:

@@ -111,7 +111,8 @@ def role_setup(
         **{**_defaults(), **(engine or {}), **_NO_PREFIX_CACHE, "engine_type": role.engine_role}
     )
     bounds = _bounds(role, replicas, min_replicas, max_replicas)
-    return RoleSetup(role, config, ScalingPolicy(**{**bounds, **(policy or {})}), replicas, tp)
+    rules = {**bounds, **(policy or {}), "cache_prefill_watermark": config.cache_prefill_watermark}
+    return RoleSetup(role, config, ScalingPolicy(**rules), replicas, tp)
 
 
 def _bounds(role: RoleName, replicas: int, low: int | None, high: int | None) -> dict:
@@ -183,7 +184,7 @@ def from_yaml(path: str | Path, tp: int = 1, vocab_size: int | None = None) -> D
         roles[role_name] = RoleSetup(
             role_name,
             config,
-            role_policy(role),
+            role_policy(role, watermark=spec.engine.cache_prefill_watermark),
             role.initial_replicas,
             tp,
             None if kv_bytes is None else quantity_bytes(kv_bytes),

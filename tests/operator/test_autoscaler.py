@@ -170,6 +170,11 @@ def test_prefill_waits_for_decode_to_catch_up_rather_than_grow():
     assert once(PREFILL, observe(2, full), queue(tokens=8 * TOKENS)).replicas == 6
     roomy = (full[0], dataclasses.replace(full[1], kv_cache_usage=0.5))
     assert once(PREFILL, observe(2, roomy), behind).replicas == 6
+    # Full is above the deployment's own watermark, where its engines stop pulling.
+    tuned = [dataclasses.replace(POLICY, cache_prefill_watermark=w) for w in (0.8, 0.98)]
+    at = tuple(dataclasses.replace(p, kv_cache_usage=0.85) for p in full)
+    assert once(PREFILL, observe(2, at), behind, policy=tuned[0]).replicas == 2
+    assert once(PREFILL, observe(2, full), behind, policy=tuned[1]).replicas == 6
 
 
 def test_a_decoders_parked_handoffs_are_in_its_backlog():

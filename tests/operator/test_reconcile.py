@@ -513,7 +513,11 @@ def test_policy_maps_the_role_fields():
         },
         name="m",
     )
-    prefill, decode = policy(spec.prefill), policy(spec.decode)
+    watermark = spec.engine.cache_prefill_watermark
+    prefill, decode = (
+        policy(spec.prefill, watermark=watermark),
+        policy(spec.decode, watermark=watermark),
+    )
     assert (prefill.min_replicas, prefill.max_replicas) == (0, 3)
     assert prefill.target_queued_tokens_per_replica == 100
     assert prefill.scale_to_zero_after_seconds == 300
