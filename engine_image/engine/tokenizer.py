@@ -107,6 +107,7 @@ class Tokenizer:
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
+        /,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         **extra: Any,
@@ -130,7 +131,7 @@ class Tokenizer:
             "add_generation_prompt": how.add_generation_prompt,
         }
         try:
-            text = template.render(**context)
+            text = template.render(context)  # a dict: any variable name, "self" too
         except (jinja2.TemplateError, TypeError, ValueError) as err:
             raise ValueError(f"chat template failed to render: {err}") from err
         if how.continue_final_message:
@@ -140,6 +141,7 @@ class Tokenizer:
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
+        /,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         **extra: Any,

@@ -332,6 +332,9 @@ def test_a_config_json_of_the_wrong_types_is_named_as_it_is_read() -> None:
     nulls = dict.fromkeys(("rms_norm_eps", "rope_theta", "max_position_embeddings"))
     assert ModelConfig.from_hf_dict({**fields, **nulls}) == ModelConfig.from_hf_dict(fields)
     assert ModelConfig.from_hf_dict({**fields, "rope_theta": 500000}).rope_theta == 500000.0
+    # transformers 5 writes theta in rope_parameters: a null beside it is no value.
+    beside = {**fields, "rope_theta": None, "rope_parameters": {"rope_theta": 500000.0}}
+    assert ModelConfig.from_hf_dict(beside).rope_theta == 500000.0
     with pytest.raises(ValueError, match=r"no 'vocab_size' field \(or it is null\)"):
         ModelConfig.from_hf_dict({**fields, "vocab_size": None})
 
@@ -461,6 +464,10 @@ def test_hf_dir_refusals(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match=r"sliding-window attention \(window 4096\)"):
         resolve_model(unsaid)
+    nulled = _write_config(tmp_path / "swa-null-context", architectures=["MistralForCausalLM"],
+                           model_type="mistral", max_position_embeddings=None)  # fmt: skip
+    with pytest.raises(ValueError, match=r"sliding-window attention \(window 4096\)"):
+        resolve_model(nulled)  # a null context is the default one, not a TypeError
     yarn = _write_config(tmp_path / "yarn", rope_scaling={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
         resolve_model(yarn)  # as the checkpoint is read, before any weight is allocated

@@ -202,6 +202,8 @@ def test_a_continued_final_message_ends_the_prompt_as_its_template_wrote_it(
     assert greets.apply_chat_template([{"role": "user", "content": "x"}], greeting="hey ") == (
         "hey x"
     )
+    # Any name, the method's own too (it took `self` for a second argument: a TypeError).
+    assert greets.encode_chat([{"role": "user", "content": "x"}], self=1, greeting="")
 
 
 def test_template_environment_is_like_transformers(tiny: Tokenizer) -> None:

@@ -97,7 +97,9 @@ def _check_architecture(raw: dict[str, Any], path: Path) -> None:
     # out, Mistral's window is transformers' default (null: none).
     mistral = raw.get("model_type") == "mistral"
     window = raw.get("sliding_window", MISTRAL_SLIDING_WINDOW if mistral else None)
-    context = raw.get("max_position_embeddings", MISTRAL_CONTEXT if mistral else 2048)
+    context = raw.get("max_position_embeddings")  # a null is left out (ModelConfig)
+    if context is None:
+        context = MISTRAL_CONTEXT if mistral else 2048
     if window is not None and window < context:
         raise ValueError(
             f"{path}: sliding-window attention (window {window}) is not supported; "

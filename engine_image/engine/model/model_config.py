@@ -134,6 +134,10 @@ class ModelConfig:
         ({"rope_theta": ..., "rope_type": ..., ...}); older versions wrote
         `rope_theta` and `rope_scaling`. Both are read.
         """
+        # A null is read as a field left out (its default): taken as given, a null
+        # rope_theta or max_position_embeddings failed the load with a TypeError. First:
+        # a null rope_theta beside rope_parameters' must not hide it.
+        cfg = {key: value for key, value in cfg.items() if value is not None}
         rope = cfg.get("rope_parameters")
         if isinstance(rope, dict):
             rope = dict(rope)
@@ -145,9 +149,6 @@ class ModelConfig:
         # What transformers takes for a field config.json leaves out: its config
         # class's default (LlamaConfig's, MistralConfig's), not ours.
         mistral = cfg.get("model_type") == "mistral"
-        # A null is read as a field left out (its default): taken as given, a null
-        # rope_theta or max_position_embeddings failed the load with a TypeError.
-        cfg = {key: value for key, value in cfg.items() if value is not None}
         eos = cfg.get("eos_token_id")
         eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (eos,))
         try:
