@@ -72,6 +72,10 @@ class GGUFTensor:
     data: np.ndarray
 
 
+# GGUFContainer.field's default for a key the file must have.
+REQUIRED = object()
+
+
 @dataclass(frozen=True)
 class GGUFContainer:
     """A GGUF file's metadata and tensors."""
@@ -80,6 +84,15 @@ class GGUFContainer:
     # Metadata key -> value: int, float, bool, str, or a list of them (arrays).
     fields: dict[str, Any]
     tensors: list[GGUFTensor]
+
+    def field(self, key: str, default: Any = REQUIRED) -> Any:
+        """Metadata `key`'s value, `default` where the file has none (ValueError when
+        it is REQUIRED)."""
+        if key in self.fields:
+            return self.fields[key]
+        if default is REQUIRED:
+            raise ValueError(f"GGUF metadata has no {key!r}")
+        return default
 
     @classmethod
     def read(cls, path: Path) -> GGUFContainer:

@@ -19,12 +19,11 @@ from typing import Any
 
 import gguf
 import numpy as np
-import tokenizers
 import torch
-from tokenizers import Regex, decoders, models, pre_tokenizers
 
 from tandem.engine.model.coded_weight import CodedWeight
-from tandem.engine.model.gguf_container import GGUFContainer, GGUFTensor
+from tandem.engine.model.gguf_container import REQUIRED, GGUFContainer, GGUFTensor
+from tandem.engine.model.gguf_tokenizer import gguf_tokenizer
 from tandem.engine.model.model_config import ModelConfig
 from tandem.engine.model.source import (
     ModelSource,
@@ -33,8 +32,6 @@ from tandem.engine.model.source import (
     tensor_sample,
 )
 from tandem.engine.tokenizer import Tokenizer
-
-_MISSING = object()
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -56,20 +53,6 @@ _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 # Llama 3.1-style rope scaling arrives as precomputed per-frequency factors.
 _ROPE_FREQS = "rope_freqs.weight"
 
-# tokenizer.ggml.pre -> how text is split before BPE (llama.cpp's llama-vocab.cpp).
-_GPT2_SPLIT = {"default", "gpt2", "mpt", "olmo", "jais"}
-# These split every digit apart first (StarCoder-style vocabularies, SmolLM's included).
-_DIGIT_SPLIT = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
-_LLAMA3_SPLIT = {"llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3"}
-# Vocabularies llama.cpp prepends BOS to when the file does not say
-# (tokenizer.ggml.add_bos_token): Llama 3's, whose GGUFs mostly carry no such key.
-_BOS_BY_DEFAULT = {"llama-bpe", "llama3", "llama-v3", "falcon3"}
-_LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
-
 
 # (Hugging Face name, the GGUF tensor that holds it) for each weight.
 _Plan = list[tuple[str, GGUFTensor]]
@@ -82,16 +65,16 @@ def load_gguf(path: Path) -> ModelSource:
         reader = GGUFContainer.read(path)
     except (OSError, ValueError, RecursionError) as err:  # arrays of arrays, deeply
         raise ValueError(f"{path}: not a readable GGUF file: {err}") from err
-    arch = _field(reader, "general.architecture", None)
+    arch = reader.field("general.architecture", None)
     if arch != "llama":
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; only 'llama'")
-    if _field(reader, "split.count", 1) > 1:
+    if reader.field("split.count", 1) > 1:
         raise ValueError(f"{path}: split GGUF files are not supported; merge them first")
-    if _field(reader, "llama.expert_count", 0):
+    if reader.field("llama.expert_count", 0):
         raise ValueError(f"{path}: mixture-of-experts GGUFs (e.g. Mixtral) are not supported")
 
     tensors = {t.name: t for t in reader.tensors}
-    tokenizer = _tokenizer(reader, path)
+    tokenizer = gguf_tokenizer(reader, path)
     config = _config(reader, path, tensors, tokenizer)
     plan = _plan(tensors, path)
     check_weight_shapes(config, {hf: _hf_shape(t) for hf, t in plan}, str(path))
@@ -121,14 +104,6 @@ def unpermute_rotary(weight: np.ndarray, n_head: int) -> np.ndarray:
     return shaped.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _field(reader: GGUFContainer, key: str, default: Any = _MISSING) -> Any:
-    if key in reader.fields:
-        return reader.fields[key]
-    if default is _MISSING:
-        raise ValueError(f"GGUF metadata has no {key!r}")
-    return default
-
-
 def _f32(value: float) -> float:
     # Metadata floats are float32: 1e-5 reads back as 9.999999747e-06. Keep the
     # shortest decimal that is the same float32, which is what config.json said.
@@ -150,8 +125,8 @@ def _config(
     tensors: dict[str, GGUFTensor],
     tokenizer: Tokenizer | None,
 ) -> ModelConfig:
-    def meta(key: str, default: Any = _MISSING) -> Any:
-        return _field(reader, f"llama.{key}", default)
+    def meta(key: str, default: Any = REQUIRED) -> Any:
+        return reader.field(f"llama.{key}", default)
 
     heads = _per_layer(meta("attention.head_count"), "head_count", path)
     kv_heads = _per_layer(meta("attention.head_count_kv", heads), "head_count_kv", path)
@@ -195,12 +170,12 @@ def _rope_scaling(
     """Hugging Face's rope_scaling dict for what the metadata (or rope_freqs) says, read
     as llama.cpp reads it: a factor without a type is linear, and older conversions give
     the factor as rope.scale_linear."""
-    kind = _field(reader, "llama.rope.scaling.type", "linear")
-    factor = _field(reader, "llama.rope.scaling.factor", None)
+    kind = reader.field("llama.rope.scaling.type", "linear")
+    factor = reader.field("llama.rope.scaling.factor", None)
     if factor is None:
-        factor = _field(reader, "llama.rope.scale_linear", 1.0)
+        factor = reader.field("llama.rope.scale_linear", 1.0)
     factor = _f32(factor)
-    original = _field(reader, "llama.rope.scaling.original_context_length", None)
+    original = reader.field("llama.rope.scaling.original_context_length", None)
     if _ROPE_FREQS in tensors:
         freqs = gguf.quants.dequantize(tensors[_ROPE_FREQS].data, tensors[_ROPE_FREQS].tensor_type)
         return _llama3_scaling(np.asarray(freqs, np.float32).ravel(), theta, head_dim, path)
@@ -312,65 +287,3 @@ def _sample(tensor: GGUFTensor) -> bytes:
         int(tensor.n_bytes),
         lambda offset, length: raw[offset : offset + length].tobytes(),
     )
-
-
-def _tokenizer(reader: GGUFContainer, path: Path) -> Tokenizer | None:
-    """The file's tokenizer as a `tokenizers` byte-level BPE, or None if it has none."""
-    kind = _field(reader, "tokenizer.ggml.model", None)
-    if kind is None:
-        return None
-    if kind != "gpt2":
-        raise ValueError(
-            f"{path}: tokenizer type {kind!r} is not supported; only 'gpt2' (byte-level BPE)"
-        )
-    pre = _field(reader, "tokenizer.ggml.pre", "default")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ")) for m in _field(reader, "tokenizer.ggml.merges", [])]
-    if any(len(m) != 2 for m in merges):
-        raise ValueError(f"{path}: a tokenizer merge is not two tokens separated by a space")
-    vocab = {token: i for i, token in enumerate(tokens)}
-    backend = tokenizers.Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _LLAMA3_SPLIT)
-    )
-    backend.pre_tokenizer = _pre_tokenizer(pre, path)
-    backend.decoder = decoders.ByteLevel()
-    types = _field(reader, "tokenizer.ggml.token_type", [])
-    # Control tokens (<|im_start|>) and user-defined ones must match whole, never split;
-    # only control tokens are special (dropped by decode(skip_special_tokens=True)).
-    backend.add_special_tokens(
-        [_added(tokens[i], True) for i, t in enumerate(types) if t == _CONTROL]
-    )
-    backend.add_tokens(
-        [_added(tokens[i], False) for i, t in enumerate(types) if t == _USER_DEFINED]
-    )
-    bos = _field(reader, "tokenizer.ggml.bos_token_id", None)
-    # End of turn / end of message ids end generation too (Llama 3's <|eot_id|>).
-    eos = [_field(reader, f"tokenizer.ggml.{key}_token_id", None) for key in ("eos", "eot", "eom")]
-    return Tokenizer(
-        backend,
-        bos_token_id=bos,
-        eos_token_ids=[i for i in eos if i is not None],
-        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", pre in _BOS_BY_DEFAULT)),
-        chat_template=_field(reader, "tokenizer.chat_template", None),
-    )
-
-
-def _added(token: str, special: bool) -> tokenizers.AddedToken:
-    return tokenizers.AddedToken(token, special=special, normalized=False)
-
-
-def _pre_tokenizer(pre: str, path: Path) -> pre_tokenizers.PreTokenizer:
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _GPT2_SPLIT:
-        return byte_level
-    if pre in _DIGIT_SPLIT:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in _LLAMA3_SPLIT:
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    known = sorted(_GPT2_SPLIT | _DIGIT_SPLIT | _LLAMA3_SPLIT)
-    raise ValueError(f"{path}: pre-tokenizer {pre!r} is not supported; known: {', '.join(known)}")

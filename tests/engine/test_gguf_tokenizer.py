@@ -1,0 +1,103 @@
+"""A GGUF's SentencePiece vocabulary (Llama 2's, Mistral's kind) against transformers'.
+
+The file is written as llama.cpp writes such a vocabulary: special pieces, 256 byte
+pieces, then the learned pieces with falling scores, and no merges. transformers'
+GGUF loader is the reference: the same file must encode to the same ids.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+import tokenizers
+import transformers
+
+from tandem.engine.model.gguf_container import GGUFContainer
+from tandem.engine.model.gguf_tokenizer import gguf_tokenizer
+from tandem.engine.tokenizer import Tokenizer
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world, hello there! What is the capital of France?",
+    "A tokenizer splits text into pieces; numbers like 1234 too.",
+]
+TEXTS = [
+    "The quick brown fox",
+    " leading space, and  two spaces",
+    "Hello world!\nnew line\ttab",
+    "émoji 🎉 and 日本語, spelled in bytes",  # no piece spells these: byte fallback
+    "",
+    "a",
+    "What is the capital of France?",
+]
+UNKNOWN, CONTROL, NORMAL, BYTE = 2, 3, 1, 6  # llama.cpp token types
+
+
+def write_sentencepiece_gguf(path: Path, **extra) -> Path:
+    """A GGUF holding only a SentencePiece vocabulary learned from CORPUS."""
+    learner = tokenizers.SentencePieceBPETokenizer()
+    learner.train_from_iterator(CORPUS * 20, vocab_size=220, show_progress=False)
+    learned = learner.get_vocab()
+    pieces = [p for p in sorted(learned, key=learned.get) if p != "<unk>"]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    types = [UNKNOWN, CONTROL, CONTROL, *[BYTE] * 256, *[NORMAL] * len(pieces)]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    for key, value in extra.items():
+        getattr(writer, f"add_{key}")(value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def read(path: Path) -> Tokenizer:
+    tokenizer = gguf_tokenizer(GGUFContainer.read(path), path)
+    assert tokenizer is not None
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def vocabulary(tmp_path_factory) -> Path:
+    return write_sentencepiece_gguf(tmp_path_factory.mktemp("spm") / "spm.gguf")
+
+
+def test_a_sentencepiece_vocabulary_encodes_as_transformers_reads_it(vocabulary):
+    ours = read(vocabulary)
+    theirs = transformers.AutoTokenizer.from_pretrained(vocabulary.parent, gguf_file="spm.gguf")
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == theirs(text)["input_ids"], text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True) == text.lstrip()
+    # SentencePiece's BOS, as llama.cpp prepends it by default; the end of sequence.
+    assert (ours.bos_token_id, ours.eos_token_ids, ours.add_bos_token) == (1, (2,), True)
+    # Its control pieces are special: in text they are the tokens (BOS said once).
+    assert ours.encode("<s>hi</s>")[-1] == 2
+    assert ours.decode(ours.encode("<s>hi</s>")) == "hi"
+
+
+def test_the_files_own_add_bos_token_is_kept(tmp_path):
+    path = write_sentencepiece_gguf(tmp_path / "nobos.gguf", add_bos_token=False)
+    assert read(path).encode("hi")[0] != 1
+
+
+def test_a_sentencepiece_vocabulary_without_scores_is_named(tmp_path):
+    writer = gguf.GGUFWriter(tmp_path / "bare.gguf", "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "a"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"bare\.gguf: a SentencePiece tokenizer without"):
+        read(tmp_path / "bare.gguf")
