@@ -46,6 +46,10 @@ class PodSample:
     scheduled_tokens_total: Mapping[str, float] = field(default_factory=dict)
     # Sum of tandem_engine_step_seconds: seconds spent stepping since the start.
     step_seconds_total: float = 0.0
+    # A data-parallel pod's: each rank's own sum, rank 0 first (empty for one rank).
+    # Ranks time only the steps they compute, so their totals drift apart: the pod's
+    # busy time is the largest rank's increase, not the increase of the largest total.
+    rank_step_seconds: tuple[float, ...] = ()
     # tandem_engine_waiting_prompt_token_seconds_total: waiting_prompt_tokens
     # integrated over time; None from an engine that does not export it.
     waiting_token_seconds_total: float | None = None
@@ -104,8 +108,8 @@ def combine_ranks(ranks: Sequence[PodSample]) -> PodSample:
     """One data-parallel pod's sample from its ranks' (rank 0 first), as the pod's
     PromQL sums them (docs/metrics.md): requests, tokens and steps summed (a rank's
     empty steps are no steps), KV usage the mean of equal pools, the token budget a
-    rank's (a step's fill is per rank), the time stepping the busiest rank's (the
-    ranks step together), and a restart of any rank a restart of the pod."""
+    rank's (a step's fill is per rank), each rank's time stepping kept (busy_fraction
+    takes the busiest rank's increase), and a restart of any rank a restart of the pod."""
     if len(ranks) == 1:
         return ranks[0]
 
@@ -135,6 +139,7 @@ def combine_ranks(ranks: Sequence[PodSample]) -> PodSample:
         steps_total=by_kind("steps_total"),
         scheduled_tokens_total=by_kind("scheduled_tokens_total"),
         step_seconds_total=max(r.step_seconds_total for r in ranks),
+        rank_step_seconds=tuple(r.step_seconds_total for r in ranks),
         waiting_token_seconds_total=None if None in waiting else sum(waiting),  # type: ignore[arg-type]
         started_at=None if None in started else max(started),  # type: ignore[type-var]
     )
@@ -146,6 +151,8 @@ def restarted(prev: PodSample, curr: PodSample) -> bool:
     if both and prev.started_at != curr.started_at:
         return True
     pairs = [(prev.step_seconds_total, curr.step_seconds_total)]
+    if len(prev.rank_step_seconds) == len(curr.rank_step_seconds):
+        pairs += zip(prev.rank_step_seconds, curr.rank_step_seconds, strict=True)
     if (
         prev.waiting_token_seconds_total is not None
         and curr.waiting_token_seconds_total is not None
@@ -184,7 +191,11 @@ def busy_fraction(prev: PodSample, curr: PodSample) -> float | None:
     if not interval > 0:
         return None
     reset = restarted(prev, curr)
-    busy = _increase(prev.step_seconds_total, curr.step_seconds_total, reset=reset)
+    ranks = prev.rank_step_seconds, curr.rank_step_seconds
+    if ranks[0] and len(ranks[0]) == len(ranks[1]):  # the busiest rank's share
+        busy = max(_increase(b, a, reset=reset) for b, a in zip(*ranks, strict=True))
+    else:
+        busy = _increase(prev.step_seconds_total, curr.step_seconds_total, reset=reset)
     return min(1.0, max(0.0, busy / interval))
 
 

@@ -32,7 +32,7 @@ def main(args: argparse.Namespace) -> int:
     if args.engine_id is not None:
         refuse_a_live_namesake(args.redis_url, Keys(prefix=args.key_prefix), args.engine_id)
     else:
-        # Chosen once, before the ranks start: rank r is "<id>-r<r>" of the same id.
+        # Chosen once, before the ranks start: rank r > 0 is "<id>-r<r>" of the same id.
         host, suffix = socket.gethostname(), uuid.uuid4().hex[:6]
         args.engine_id = f"{args.role}-{host}-{suffix}"
     from tandem.engine.service.serve import serve  # torch, the model's stack
