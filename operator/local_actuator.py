@@ -29,7 +29,7 @@ from tandem.backlog import queue_depth
 from tandem.child import MAX_BACKOFF_S, Child, engine_child, engine_threads
 from tandem.keys import Keys
 from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide_all
-from tandem.operator.engine_flags import engine_arguments, engine_flags
+from tandem.operator.engine_flags import cpu_threads, engine_arguments, engine_flags
 from tandem.operator.engine_metrics import scrape
 from tandem.operator.pod_load import PodSample, pod_load
 from tandem.operator.role_name import RoleName
@@ -51,7 +51,10 @@ class EngineProcess:
     child: Child
     http_port: int
     draining: bool = False
+    # The last sample read, kept through a failed scrape for the next rate, and whether
+    # the latest scrape read it: a scale-down stops the engines unread now first.
     last_sample: PodSample | None = None
+    read_now: bool = False
     started_at: float = field(default_factory=time.monotonic)
     ranks: int = 1  # data-parallel ranks: rank r serves HTTP on http_port + r
 
@@ -117,7 +120,7 @@ _IMAGE_FIELDS = ("image", "image_pull_policy", "image_pull_secrets")
 
 def cluster_only(spec: ModelDeploymentSpec) -> list[str]:
     """The fields a manifest sets that one machine has no use for (an image, where pods
-    go, what they may take beyond a CPU limit, which sizes an engine's threads): said,
+    go, what they may take beyond a CPU limit that sizes an engine's threads): said,
     not silently run as something else. spec.redis is said apart (what is used instead)."""
     unused = [f"spec.{to_camel(f)}" for f in _IMAGE_FIELDS if f in spec.model_fields_set]
     for role, role_spec in spec.roles().items():
@@ -126,7 +129,9 @@ def cluster_only(spec: ModelDeploymentSpec) -> list[str]:
                 unused.append(f"spec.{role}.{to_camel(name)}")
         for kind in ("limits", "requests"):
             amounts = getattr(role_spec.resources, kind, None) or {}
-            used = {"cpu"} if kind == "limits" else set()  # a CPU limit sizes the threads
+            # A CPU limit sizes the threads, where no GPU limit beside it makes them torch's.
+            sized = kind == "limits" and cpu_threads(role_spec) is not None
+            used = {"cpu"} if sized else set()
             unused += [f"spec.{role}.resources.{kind}.{k}" for k in amounts if k not in used]
     return unused
 
@@ -308,6 +313,7 @@ class LocalActuator:
                 loads = []
                 unreadable = 0
                 for engine, sample in zip(engines, samples, strict=True):
+                    engine.read_now = sample is not None
                     if sample is not None:
                         loads.append(pod_load(sample, engine.last_sample))
                         engine.last_sample = sample
@@ -324,7 +330,12 @@ class LocalActuator:
         self.decisions.append(decision)
         self.replicas[role] = decision.replicas
         active = self.active(role)
-        _, drain = plan_resize(decision.replicas, [e.last_sample for e in active])
+        # An engine that died, restarts or hangs is ranked by nothing (stopped first, as a
+        # ReplicaSet removes pods not ready first): by its reading from before, it was
+        # kept and the engine serving was stopped, leaving the role nothing until the
+        # dead one came back.
+        readings = [e.last_sample if e.read_now and e.child.alive else None for e in active]
+        _, drain = plan_resize(decision.replicas, readings)
         self._start_missing(role, time.monotonic())
         for i in drain:  # the least loaded (what pod-deletion-cost does in a cluster)
             engine = active[i]

@@ -10,7 +10,9 @@ import time
 import pytest
 
 from tandem.child import engine_threads
+from tandem.operator.autoscaler import Decision, ScalingHistory
 from tandem.operator.local_actuator import LocalActuator, load_manifest
+from tandem.operator.pod_load import PodSample
 from tandem.operator.role_name import RoleName
 
 pytestmark = pytest.mark.timeout(60)
@@ -198,8 +200,27 @@ def test_what_a_manifest_asks_of_a_cluster_is_said_unused_here(actuator):
     local.start()
     assert said[0] == (
         "cluster    not used on one machine: spec.image, spec.normal.nodeSelector, "
-        "spec.normal.resources.limits.nvidia.com/gpu, spec.normal.resources.requests.memory"
+        # Beside a GPU limit the CPU limit sizes nothing (a GPU pod's threads are torch's).
+        "spec.normal.resources.limits.cpu, spec.normal.resources.limits.nvidia.com/gpu, "
+        "spec.normal.resources.requests.memory"
     )
     plain, said = actuator(_manifest())
     plain.start()
     assert not said[0].startswith("cluster")
+
+
+def test_a_scale_down_stops_an_engine_that_died_not_the_one_serving(actuator):
+    # Ranked by its reading from before it died (12 requests running), a crashed engine
+    # was kept and the idle live one drained: the role served nothing until the dead one
+    # had restarted (a whole model load; for good in a crash loop).
+    local, _ = actuator(_manifest())
+    local.replicas[RoleName.NORMAL] = 2
+    local.start()
+    dead, serving = local.engines[RoleName.NORMAL]
+    dead.child.kill()
+    dead.last_sample = PodSample("normal-1", True, 0.0, 0.9, 12, 0, 0, 8192)
+    serving.last_sample = PodSample("normal-2", True, 0.0, 0.1, 0, 0, 0, 8192)
+    serving.read_now = True
+    history = ScalingHistory()
+    local._resize(RoleName.NORMAL, Decision(RoleName.NORMAL, 1, 2, 1, "scale 2->1", history))
+    assert (dead.draining, serving.draining) == (True, False)
