@@ -39,7 +39,9 @@ class LiteralChat:
         # Longest first: "<|im_start|>" before a shorter token it begins with.
         names = sorted(specials, key=len, reverse=True)
         self._specials = re.compile("|".join(map(re.escape, names))) if names else None
-        self._literal: tokenizers.Tokenizer | None = None
+        # Copies that read special tokens as text: for the text's first piece, and for
+        # the pieces after a special token (which a "first"-only Metaspace prefix skips).
+        self._literal: tuple[tokenizers.Tokenizer, tokenizers.Tokenizer] | None = None
         self._backend = backend
 
     def holds_control_text(self, messages: Sequence[dict[str, Any]]) -> bool:
@@ -86,16 +88,23 @@ class LiteralChat:
         ids: list[int] = []
         start = 0
         for special in self._specials.finditer(text):
-            ids += self._piece(restore(text[start : special.start()]))
+            ids += self._piece(restore(text[start : special.start()]), first=start == 0)
             ids.append(self.special_ids[special.group()])
             start = special.end()
-        ids += self._piece(restore(text[start:]))
+        ids += self._piece(restore(text[start:]), first=start == 0)
         return ids
 
-    def _piece(self, text: str) -> list[int]:
+    def _piece(self, text: str, *, first: bool) -> list[int]:
         if not text:
             return []
-        if self._literal is None:  # a copy: the shared backend's flag is not ours to flip
-            self._literal = tokenizers.Tokenizer.from_str(self._backend.to_str())
-            self._literal.encode_special_tokens = True
-        return self._literal.encode(text, add_special_tokens=False).ids
+        if self._literal is None:  # copies: the shared backend's flag is not ours to flip
+            spec = self._backend.to_str()
+            # SentencePiece's Metaspace puts its space before the text's first piece
+            # only; encoded alone, every piece is a first (Llama 2's "<s>[INST]" read
+            # "<s>▁[INST]").
+            later = spec.replace('"prepend_scheme":"first"', '"prepend_scheme":"never"')
+            self._literal = (tokenizers.Tokenizer.from_str(spec),
+                             tokenizers.Tokenizer.from_str(later))  # fmt: skip
+            for copy in self._literal:
+                copy.encode_special_tokens = True
+        return self._literal[0 if first else 1].encode(text, add_special_tokens=False).ids

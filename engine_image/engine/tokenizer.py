@@ -25,6 +25,7 @@ from tandem.engine.stop_matcher import StopMatcher
 
 # Decoding "\ufffd" at the end means the last token(s) stopped mid UTF-8 character.
 _REPLACEMENT = "\ufffd"
+_SPACE = "\u2581"  # SentencePiece's visible space
 
 
 class Tokenizer:
@@ -84,10 +85,17 @@ class Tokenizer:
 
     def token_text(self, token_id: int) -> str:
         """One token's own decode, special tokens kept (logprobs name each token so);
-        remembered, as a stream asks for the same tokens step after step."""
+        remembered, as a stream asks for the same tokens step after step. A
+        SentencePiece token keeps its leading spaces ("▁The" is " The"): decoded alone,
+        the decoder strips the space it takes for the text's start, and a run of
+        tokens' bytes no longer joined into their text."""
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_id] = self.decode([token_id], False)
+            text = self.decode([token_id], False)
+            piece = self._backend.id_to_token(token_id) or ""
+            spaces = len(piece) - len(piece.lstrip(_SPACE))
+            text = " " * max(0, spaces - (len(text) - len(text.lstrip(" ")))) + text
+            self._token_texts[token_id] = text
         return text
 
     def token_bytes(self, token_id: int) -> bytes:

@@ -14,6 +14,7 @@ import pytest
 import tokenizers
 import transformers
 
+from tandem.engine.literal_chat import LiteralChat
 from tandem.engine.model.gguf_container import GGUFContainer
 from tandem.engine.model.gguf_tokenizer import gguf_tokenizer
 from tandem.engine.tokenizer import Tokenizer
@@ -101,3 +102,38 @@ def test_a_sentencepiece_vocabulary_without_scores_is_named(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match=r"bare\.gguf: a SentencePiece tokenizer without"):
         read(tmp_path / "bare.gguf")
+
+
+LLAMA2_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}<s>[INST] {{ m['content'] }} [/INST]"
+    "{% else %} {{ m['content'] }} </s>{% endif %}{% endfor %}"
+)
+
+
+def test_text_between_control_tokens_encodes_as_in_the_whole_prompt(vocabulary):
+    # A message quoting a control token is encoded piece by piece (literal_chat.py): each
+    # piece as the whole prompt would have it. SentencePiece's space goes before the
+    # prompt's first piece only; alone, every piece was a first ("<s>" then "▁[INST]").
+    spm = read(vocabulary)
+    chat = Tokenizer(spm.backend, bos_token_id=1, eos_token_ids=(2,), chat_template=LLAMA2_TEMPLATE)
+    turns = [
+        {"role": "user", "content": "Hello world"},
+        {"role": "assistant", "content": "hello there"},
+        {"role": "user", "content": "The quick brown fox"},
+    ]
+    whole = chat.encode(chat.apply_chat_template(turns), add_special_tokens=False)
+    literal = LiteralChat(spm.backend).encode(turns, chat.apply_chat_template)
+    assert literal == whole
+    quoting = [*turns[:2], {"role": "user", "content": "what is <s> for"}]
+    ids = chat.encode_chat(quoting)
+    assert ids[: whole.index(1, 1)] == whole[: whole.index(1, 1)]  # the first turn as it was
+    assert ids.count(1) == 2  # the template's own <s> only
+
+
+def test_a_sentencepiece_tokens_text_keeps_its_space(vocabulary):
+    # Logprobs name each token by its own text and bytes: a run of them must join into
+    # the text (decoded alone, "▁quick" lost its space to the decoder's start strip).
+    spm = read(vocabulary)
+    ids = spm.encode("The quick brown fox", add_special_tokens=False)
+    assert "".join(spm.token_text(i) for i in ids) == " The quick brown fox"
+    assert b"".join(spm.token_bytes(i) for i in ids) == b" The quick brown fox"

@@ -96,19 +96,20 @@ def test_a_data_parallel_pods_busy_time_is_its_busiest_ranks():
     # Ranks time only the steps they compute, so their totals drift apart: rank 0 had
     # stepped 100 s, rank 1 40 s, then rank 1 stepped the whole 15 s interval. The
     # increase of the largest total read 0: a busy prefill pod read idle.
-    def pod(at: float, totals: tuple[float, float]) -> PodSample:
+    def pod(at: float, totals: tuple[float, float], steps: tuple[float, float]) -> PodSample:
         ranks = [
-            PodSample("p", True, at, 0.5, 1, 0, 0, BUDGET, steps_total={"prefill": t},
-                      scheduled_tokens_total={"prefill": t}, step_seconds_total=t)
-            for t in totals
+            PodSample("p", True, at, 0.5, 1, 0, 0, BUDGET, steps_total={"prefill": n},
+                      scheduled_tokens_total={"prefill": 100 * n}, step_seconds_total=t)
+            for t, n in zip(totals, steps, strict=True)
         ]  # fmt: skip
         return combine_ranks(ranks)
 
-    before, after = pod(0.0, (100.0, 40.0)), pod(15.0, (100.0, 55.0))
+    before, after = pod(0.0, (100.0, 40.0), (10, 10)), pod(15.0, (100.0, 55.0), (10, 20))
     assert busy_fraction(before, after) == pytest.approx(1.0)
     assert budget_utilization(before, after) == pytest.approx(1.0)
     assert not restarted(before, after)
-    assert restarted(before, pod(30.0, (101.0, 2.0)))  # a rank's total went back: restarted
+    # Only a rank's time went back (its other counters did not): a restart all the same.
+    assert restarted(after, pod(30.0, (101.0, 2.0), (10, 25)))
 
 
 def test_an_engine_that_never_stepped_has_no_counters_yet():
