@@ -7,6 +7,7 @@ GGUF loader is the reference: the same file must encode to the same ids.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
@@ -36,8 +37,9 @@ TEXTS = [
 UNKNOWN, CONTROL, NORMAL, BYTE = 2, 3, 1, 6  # llama.cpp token types
 
 
-def write_sentencepiece_gguf(path: Path, **extra) -> Path:
-    """A GGUF holding only a SentencePiece vocabulary learned from CORPUS."""
+def write_sentencepiece_gguf(path: Path, *, typed: bool = True, **extra) -> Path:
+    """A GGUF holding only a SentencePiece vocabulary learned from CORPUS; `typed`:
+    with llama.cpp's token types; `extra`: more metadata by its writer's name."""
     learner = tokenizers.SentencePieceBPETokenizer()
     learner.train_from_iterator(CORPUS * 20, vocab_size=220, show_progress=False)
     learned = learner.get_vocab()
@@ -49,7 +51,8 @@ def write_sentencepiece_gguf(path: Path, **extra) -> Path:
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
-    writer.add_token_types(types)
+    if typed:
+        writer.add_token_types(types)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
@@ -137,3 +140,27 @@ def test_a_sentencepiece_tokens_text_keeps_its_space(vocabulary):
     ids = spm.encode("The quick brown fox", add_special_tokens=False)
     assert "".join(spm.token_text(i) for i in ids) == " The quick brown fox"
     assert b"".join(spm.token_bytes(i) for i in ids) == b" The quick brown fox"
+
+
+def learned_merges() -> list[str]:
+    learner = tokenizers.SentencePieceBPETokenizer()
+    learner.train_from_iterator(CORPUS * 20, vocab_size=220, show_progress=False)
+    return [" ".join(pair) for pair in json.loads(learner.to_str())["model"]["merges"][:40]]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"token_merges": learned_merges()},  # the file's own merges, as transformers reads them
+        {"typed": False},  # no token types: BOS, EOS and unknown are special all the same
+    ],
+    ids=["merges", "untyped"],
+)
+def test_what_a_file_says_besides_its_pieces_is_read_as_transformers_reads_it(tmp_path, extra):
+    path = write_sentencepiece_gguf(tmp_path / "spm.gguf", **extra)
+    ours = read(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
+    for text in [*TEXTS, "<s> hello world</s>"]:
+        ids = theirs(text)["input_ids"]
+        assert ours.encode(text) == (ids[1:] if ids[:2] == [1, 1] else ids), text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text

@@ -32,7 +32,7 @@ _LLAMA3_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4  # llama.cpp token types
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4  # llama.cpp token types
 _SPACE = "\u2581"  # SentencePiece's visible space
 
 
@@ -51,9 +51,7 @@ def gguf_tokenizer(reader: GGUFContainer, path: Path) -> Tokenizer | None:
         )
     pre = reader.field("tokenizer.ggml.pre", "default")
     tokens = reader.field("tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ")) for m in reader.field("tokenizer.ggml.merges", [])]
-    if any(len(m) != 2 for m in merges):
-        raise ValueError(f"{path}: a tokenizer merge is not two tokens separated by a space")
+    merges = _merge_pairs(reader.field("tokenizer.ggml.merges", []), path) or []
     vocab = {token: i for i, token in enumerate(tokens)}
     backend = tokenizers.Tokenizer(
         models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _LLAMA3_SPLIT)
@@ -77,12 +75,30 @@ def _sentencepiece(reader: GGUFContainer, path: Path) -> Tokenizer:
     scores = reader.field("tokenizer.ggml.scores", None)
     if scores is None:
         raise ValueError(f"{path}: a SentencePiece tokenizer without tokenizer.ggml.scores")
+    types = list(reader.field("tokenizer.ggml.token_type", []))
+    if not types:  # a file without types: its BOS, EOS and unknown ids are still special
+        types = [_NORMAL] * len(tokens)
+        for key, kind in (("bos", _CONTROL), ("eos", _CONTROL), ("unknown", _UNKNOWN)):
+            index = reader.field(f"tokenizer.ggml.{key}_token_id", None)
+            if isinstance(index, int) and 0 <= index < len(tokens):
+                types[index] = kind
+    # The file's merges where it has any, as transformers reads them (llama.cpp does not).
+    merges = _merge_pairs(reader.field("tokenizer.ggml.merges", None), path)
     try:
-        types = reader.field("tokenizer.ggml.token_type", [])
-        backend = sentencepiece_backend(tokens, scores, types)
+        backend = sentencepiece_backend(tokens, scores, types, merges)
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
     return _wrapped(reader, backend, add_bos_by_default=True)  # llama.cpp's for SentencePiece
+
+
+def _merge_pairs(merges: list[str] | None, path: Path) -> list[tuple[str, str]] | None:
+    """The file's merges ("a b") as pairs; None where it has none."""
+    if merges is None:
+        return None
+    pairs = [tuple(merge.split(" ")) for merge in merges]
+    if any(len(pair) != 2 for pair in pairs):
+        raise ValueError(f"{path}: a tokenizer merge is not two tokens separated by a space")
+    return pairs  # type: ignore[return-value]
 
 
 def _wrapped(
@@ -123,15 +139,20 @@ def _pre_tokenizer(pre: str, path: Path) -> pre_tokenizers.PreTokenizer:
 
 
 def sentencepiece_backend(
-    tokens: Sequence[str], scores: Sequence[float], types: Sequence[int]
+    tokens: Sequence[str],
+    scores: Sequence[float],
+    types: Sequence[int],
+    merges: list[tuple[str, str]] | None = None,
 ) -> tokenizers.Tokenizer:
     """The vocabulary of `tokens` (their `scores` and llama.cpp token `types`) as a BPE
     with byte fallback, Metaspace pre-tokenizing ("▁" for spaces, one before the
-    text), as transformers' LlamaTokenizer is."""
+    text), as transformers' LlamaTokenizer is; `merges` the file's, else the ones the
+    scores imply."""
     if len(scores) != len(tokens):
         raise ValueError(f"the tokenizer has {len(tokens)} tokens and {len(scores)} scores")
     vocab = {token: i for i, token in enumerate(tokens)}
-    merges = implied_merges(vocab, dict(zip(tokens, scores, strict=True)))
+    if merges is None:
+        merges = implied_merges(vocab, dict(zip(tokens, scores, strict=True)))
     backend = tokenizers.Tokenizer(
         models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True)
     )
