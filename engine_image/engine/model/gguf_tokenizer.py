@@ -3,9 +3,10 @@
 Two kinds (`tokenizer.ggml.model`): "gpt2", a byte-level BPE with its merges and
 llama.cpp's pre-tokenizer by name (SmolLM2's, Llama 3's); and "llama", the
 SentencePiece vocabularies of Llama 2, Mistral and TinyLlama: pieces ("▁the"), one
-score each, byte pieces ("<0x0A>") for what no piece spells, and no merges.
-transformers' GGUF loader turns those into its LlamaTokenizer, a BPE whose merges
-the scores imply; this builds the same, so a prompt encodes as the model's own
+score each, byte pieces ("<0x0A>") for what no piece spells, and (as converters
+write them) no merges. transformers' GGUF loader turns those into its
+LlamaTokenizer, a BPE whose merges the scores imply (the file's own where it has
+some); this builds the same, so a prompt encodes as the model's own
 tokenizer.json would (tests/engine/test_gguf_tokenizer.py compares the two).
 """
 
