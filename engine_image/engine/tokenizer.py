@@ -95,6 +95,8 @@ class Tokenizer:
             piece = self._backend.id_to_token(token_id) or ""
             spaces = len(piece) - len(piece.lstrip(_SPACE))
             text = " " * max(0, spaces - (len(text) - len(text.lstrip(" ")))) + text
+            if not text and (found := _BYTE_FALLBACK.fullmatch(piece)):
+                text = chr(int(found.group(1), 16))  # <0x20>: a space the decoder stripped
             self._token_texts[token_id] = text
         return text
 

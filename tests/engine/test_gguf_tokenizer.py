@@ -140,6 +140,9 @@ def test_a_sentencepiece_tokens_text_keeps_its_space(vocabulary):
     ids = spm.encode("The quick brown fox", add_special_tokens=False)
     assert "".join(spm.token_text(i) for i in ids) == " The quick brown fox"
     assert b"".join(spm.token_bytes(i) for i in ids) == b" The quick brown fox"
+    # A space spelled as its byte piece, which the decoder's start strip also took.
+    space = spm.token_to_id("<0x20>")
+    assert (spm.token_text(space), spm.token_bytes(space)) == (" ", b" ")
 
 
 def learned_merges() -> list[str]:

@@ -2,8 +2,9 @@
 logprobs, each token with its text and UTF-8 bytes, which the gateway cannot make
 (it has no tokenizer).
 
-A token's text is its own decode, as vLLM gives it: a token holding part of a
-multi-byte character decodes to U+FFFD. Its bytes are its own, as OpenAI gives
+A token's text is its own decode, as vLLM gives it (a SentencePiece token with its
+leading space, Tokenizer.token_text): a token holding part of a multi-byte
+character decodes to U+FFFD. Its bytes are its own, as OpenAI gives
 them, so that a client joins a run of such tokens into the character.
 """
 
