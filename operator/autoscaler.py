@@ -14,7 +14,7 @@ scale-down stabilisation windows, scale-up step limit, min/max bounds.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from tandem.operator.pod_load import PodLoad
@@ -150,7 +150,7 @@ def decide(
     hold_up: str | None = None,
 ) -> Decision:
     """The replicas `role` should have now, why, and the history for next time.
-    hold_up: why the role must not grow now (another role's state; decode_full)."""
+    hold_up: why the role must not grow now (another role's state; _decode_full)."""
     role = RoleName(role)
     if isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now):
         raise ValueError(f"now must be a finite number of seconds, got {now!r}")
@@ -267,27 +267,22 @@ def decide_all(
     now: float,
 ) -> dict[RoleName, Decision]:
     """`decide` for every observed role, each on its own signals and history (decode's
-    first: a full decode role holds prefill, decode_full)."""
+    first: a full decode role holds prefill, _decode_full)."""
     missing = [str(role) for role in observed if role not in policies]
     if missing:
         raise ValueError(f"no scaling policy for role(s) {', '.join(missing)}")
     decisions: dict[RoleName, Decision] = {}
     hold = None
-    for role in decode_first(observed):
+    for role in sorted(observed, key=lambda role: role is not RoleName.DECODE):
         history = histories.get(role, ScalingHistory())
         held = hold if role is RoleName.PREFILL else None
         decisions[role] = decide(role, observed[role], queue, policies[role], history, now, held)
         if role is RoleName.DECODE:
-            hold = decode_full(decisions[role], policies[role], queue)
+            hold = _decode_full(decisions[role], policies[role], queue)
     return {role: decisions[role] for role in observed}
 
 
-def decode_first(roles: Iterable[RoleName]) -> list[RoleName]:
-    """The roles in the order to decide them: decode's decision can hold prefill."""
-    return sorted(roles, key=lambda role: role is not RoleName.DECODE)
-
-
-def decode_full(decode: Decision, policy: ScalingPolicy, queue: QueueState) -> str | None:
+def _decode_full(decode: Decision, policy: ScalingPolicy, queue: QueueState) -> str | None:
     """Why prefill must not grow now, or None: decode is at its maxReplicas, handoffs
     wait for it, and its signals ask for more decoders than it may have. Prefill pods
     added then only prefill prompts whose KV waits in them for a decoder (and expires

@@ -129,8 +129,8 @@ def role_demand(
         # The engines' share is each one's mean since the last scrape.
         tokens = queue.queued_tokens + sum(p.buffered_tokens for p in pods)
         units = tokens / policy.target_queued_tokens_per_replica
-        waiting_on_decode = _waiting_on_decode(ready, queue, policy.cache_prefill_watermark)
-        if role is RoleName.PREFILL and waiting_on_decode and units > current:
+        prefill = role is RoleName.PREFILL
+        if prefill and units > current and _waiting_on_decode(ready, queue, policy):
             # The prefill pods stopped pulling because decoders do not take their
             # offers: pods added would fill with offers too, their first tokens sent
             # and the rest waiting on the same decoders (docs/autoscaling.md).
@@ -140,14 +140,19 @@ def role_demand(
     return Demand(tuple(signals), _active(pods, queue))
 
 
-def _waiting_on_decode(ready: tuple[PodLoad, ...], queue: QueueState, watermark: float) -> bool:
+def _waiting_on_decode(
+    ready: tuple[PodLoad, ...], queue: QueueState, policy: ScalingPolicy
+) -> bool:
     """Whether the prompts wait on decode, not on prefill: handoffs wait in Redis for a
     decoder while every ready prefill pod's KV is full of offers no decoder took yet (a
     prompt engine above its watermark pulls nothing)."""
     return (
         bool(ready)
         and queue.handoff_waiting > 0
-        and all(p.kv_pinned_requests and p.kv_cache_usage > watermark for p in ready)
+        and all(
+            p.kv_pinned_requests and p.kv_cache_usage > policy.cache_prefill_watermark
+            for p in ready
+        )
     )
 
 

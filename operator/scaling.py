@@ -14,14 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.operator.autoscaler import (
-    Decision,
-    RoleObservation,
-    ScalingHistory,
-    decide,
-    decode_first,
-    decode_full,
-)
+from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide_all
 from tandem.operator.engine_flags import ENGINE_CONTAINER, HTTP_PORT
 from tandem.operator.manifests import (
     COMPONENT_LABEL,
@@ -153,23 +146,22 @@ def evaluate(
     memory: ScalerMemory,
     now: float,
 ) -> Evaluation:
-    """The autoscaler's decision for every role, each on its own signals and history."""
-    decisions: dict[RoleName, Decision] = {}
+    """The autoscaler's decision for every role, each on its own signals and history
+    (decide_all: a full decode role holds prefill)."""
     # Only the spec's roles: a role that comes back after a mode change is a new role,
     # not one idle since it went.
-    histories: dict[RoleName, ScalingHistory] = {}
     roles = spec.roles()
-    hold = None  # a full decode role holds prefill (autoscaler.decode_full)
-    for role_name in decode_first(roles):
-        role = roles[role_name]
-        role_pods = pods_of(pods, role_name)
-        targets = scrape_targets(role_pods)
+    role_pods = {role_name: pods_of(pods, role_name) for role_name in roles}
+    observed: dict[RoleName, RoleObservation] = {}
+    before: dict[RoleName, ScalingHistory] = {}
+    for role_name, found in role_pods.items():
+        targets = scrape_targets(found)
         loads = tuple(
             pod_load(samples[name], memory.samples.get(name))
-            for name in (p["metadata"]["name"] for p in role_pods)
+            for name in (p["metadata"]["name"] for p in found)
             if name in samples
         )
-        observed = RoleObservation(
+        observed[role_name] = RoleObservation(
             current_replicas=replicas[role_name],
             pods=loads,
             unreadable=sum(n not in samples for n in targets),
@@ -177,23 +169,21 @@ def evaluate(
         )
         # A role seen for the first time (a new model, or an operator that just
         # started) has no past to weigh a first reading against: see starting().
-        history = memory.histories.get(role_name) or ScalingHistory.starting(
+        before[role_name] = memory.histories.get(role_name) or ScalingHistory.starting(
             now, replicas[role_name]
         )
-        held = hold if role_name is RoleName.PREFILL else None
-        rules = policy(role, watermark=spec.engine.cache_prefill_watermark)
-        decision = decide(role_name, observed, queue, rules, history, now, held)
-        if role_name is RoleName.DECODE:
-            hold = decode_full(decision, rules, queue)
+    watermark = spec.engine.cache_prefill_watermark
+    policies = {role_name: policy(role, watermark=watermark) for role_name, role in roles.items()}
+    decisions = decide_all(observed, queue, policies, before, now)
+    for role_name, decision in decisions.items():
         if decision.unreadable_changed:
-            _log_readability(role_pods, observed, history, decision, now)
-        decisions[role_name] = decision
-        histories[role_name] = decision.history
+            _log_readability(role_pods[role_name], observed[role_name], before[role_name],
+                             decision, now)  # fmt: skip
+    histories = {role_name: decision.history for role_name, decision in decisions.items()}
     # Pods that were not scraped this time keep their last sample: one failed
     # scrape must not cost the next evaluation its rate. Gone pods are dropped.
     alive = {p["metadata"]["name"] for p in pods}
     kept = {n: s for n, s in memory.samples.items() if n in alive and n not in samples}
-    decisions = {role_name: decisions[role_name] for role_name in roles}  # the spec's order
     return Evaluation(decisions, ScalerMemory(histories, {**kept, **samples}, memory.deployments))
 
 
