@@ -25,7 +25,7 @@ from tandem.engine.stop_matcher import StopMatcher
 
 # Decoding "\ufffd" at the end means the last token(s) stopped mid UTF-8 character.
 _REPLACEMENT = "\ufffd"
-_SPACE = "\u2581"  # SentencePiece's visible space
+SENTENCEPIECE_SPACE = "\u2581"  # SentencePiece's visible space (its "▁")
 
 
 class Tokenizer:
@@ -93,7 +93,7 @@ class Tokenizer:
         if text is None:
             text = self.decode([token_id], False)
             piece = self._backend.id_to_token(token_id) or ""
-            spaces = len(piece) - len(piece.lstrip(_SPACE))
+            spaces = len(piece) - len(piece.lstrip(SENTENCEPIECE_SPACE))
             text = " " * max(0, spaces - (len(text) - len(text.lstrip(" ")))) + text
             if not text and (found := _BYTE_FALLBACK.fullmatch(piece)):
                 text = chr(int(found.group(1), 16))  # <0x20>: a space the decoder stripped

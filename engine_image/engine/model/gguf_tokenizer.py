@@ -19,7 +19,7 @@ import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers
 
 from tandem.engine.model.gguf_container import GGUFContainer
-from tandem.engine.tokenizer import Tokenizer
+from tandem.engine.tokenizer import SENTENCEPIECE_SPACE, Tokenizer
 
 # tokenizer.ggml.pre -> how text is split before BPE (llama.cpp's llama-vocab.cpp).
 _GPT2_SPLIT = {"default", "gpt2", "mpt", "olmo", "jais"}
@@ -34,7 +34,6 @@ _LLAMA3_REGEX = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4  # llama.cpp token types
-_SPACE = "\u2581"  # SentencePiece's visible space
 
 
 def gguf_tokenizer(reader: GGUFContainer, path: Path) -> Tokenizer | None:
@@ -158,11 +157,11 @@ def sentencepiece_backend(
         models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True)
     )
     backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement=_SPACE, prepend_scheme="first", split=False
+        replacement=SENTENCEPIECE_SPACE, prepend_scheme="first", split=False
     )
     backend.decoder = decoders.Sequence(
         [
-            decoders.Replace(_SPACE, " "),
+            decoders.Replace(SENTENCEPIECE_SPACE, " "),
             decoders.ByteFallback(),
             decoders.Fuse(),
             decoders.Strip(content=" ", left=1, right=0),
