@@ -23,12 +23,16 @@ def queue(tokens: int = 0) -> QueueState:
     return QueueState(dict.fromkeys(PRIORITIES, 0), 0, tokens, 0, 0)
 
 
-def pods(n: int, *, ready: bool = True) -> list[dict]:
+def pods(n: int, *, ready: bool = True, role: RoleName = NORMAL, subnet: int = 0) -> list[dict]:
     return [
         {
-            "metadata": {"name": f"m-normal-{i}", "namespace": "ns", "labels": labels("m", NORMAL)},
+            "metadata": {
+                "name": f"m-{role.value}-{i}",
+                "namespace": "ns",
+                "labels": labels("m", role),
+            },
             "status": {
-                "podIP": f"10.0.0.{i}",
+                "podIP": f"10.0.{subnet}.{i}",
                 "conditions": [{"type": "Ready", "status": str(ready)}],
             },
         }
@@ -152,18 +156,10 @@ def test_the_operator_holds_prefill_while_decode_is_full_at_its_max():
     }
     spec = validate_spec(body, name="m")
     role_pods, loads = [], {}
-    for role, busy in ((RoleName.PREFILL, 0.95), (RoleName.DECODE, 1.0)):
-        for i in range(2):
-            name = f"m-{role.value}-{i}"
-            role_pods.append(
-                {
-                    "metadata": {"name": name, "namespace": "ns", "labels": labels("m", role)},
-                    "status": {
-                        "podIP": f"10.0.{len(loads)}.1",
-                        "conditions": [{"type": "Ready", "status": "True"}],
-                    },
-                }
-            )
+    for subnet, (role, busy) in enumerate(((RoleName.PREFILL, 0.95), (RoleName.DECODE, 1.0))):
+        for pod in pods(2, role=role, subnet=subnet):
+            name = pod["metadata"]["name"]
+            role_pods.append(pod)
             loads[name] = PodSample(name, True, 0.0, busy, 20, 0, 0, 8192)
     replicas = {RoleName.PREFILL: 2, RoleName.DECODE: 2}
     behind = QueueState(dict.fromkeys(PRIORITIES, 0), 0, 80_000, 40, 0)
