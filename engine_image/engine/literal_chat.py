@@ -103,8 +103,9 @@ class LiteralChat:
             # only; encoded alone, every piece is a first (Llama 2's "<s>[INST]" read
             # "<s>▁[INST]").
             later = spec.replace('"prepend_scheme":"first"', '"prepend_scheme":"never"')
-            self._literal = (tokenizers.Tokenizer.from_str(spec),
-                             tokenizers.Tokenizer.from_str(later))  # fmt: skip
-            for copy in self._literal:
-                copy.encode_special_tokens = True
+            first_copy = tokenizers.Tokenizer.from_str(spec)
+            # One copy where nothing differs (byte-level BPE): a vocabulary's copy is big.
+            later_copy = first_copy if later == spec else tokenizers.Tokenizer.from_str(later)
+            first_copy.encode_special_tokens = later_copy.encode_special_tokens = True
+            self._literal = (first_copy, later_copy)
         return self._literal[0 if first else 1].encode(text, add_special_tokens=False).ids
