@@ -40,8 +40,12 @@ class EngineProcess:
     process: subprocess.Popen | None = None
 
     def start(self) -> EngineProcess:
-        cmd = [
-            sys.executable, "-m", "tandem.cli", "engine",
+        self.start_command([sys.executable, "-m", "tandem.cli", "engine", *self.flags()])
+        return self
+
+    def flags(self) -> list[str]:
+        """`tandem engine`'s flags for this engine."""
+        return [
             "--role", self.role,
             "--model", self.model,
             "--served-model-name", self.served_name,
@@ -58,10 +62,12 @@ class EngineProcess:
             "--seed", "0",
             *self.extra,
         ]  # fmt: skip
+
+    def start_command(self, cmd: list[str]) -> None:
+        """Runs cmd as this engine's process, its output to the engine's log."""
         log = open(self._log_path(), "wb")  # noqa: SIM115 (lives as long as the process)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        return self
 
     def _log_path(self) -> Path:
         folder = self.log_dir or Path("/tmp")

@@ -131,6 +131,11 @@ def serve(args: argparse.Namespace, rank: int, vote: Vote | None = None) -> int:
     if role is not Role.NORMAL:
         handoffs = HandoffFlow(settings, kv_caches, layout, config.block_size)
     io = RedisIO(client, keys, settings, CancelListener(args.redis_url, keys), probe=probe)
+    if vote is not None:
+        # Every rank's model loaded before any registers: a rank up first would take
+        # work and hold it in its first step's vote for as long as a peer still loads
+        # (past the stall limit, its liveness probe fails and the pod restarts).
+        vote(0)
     worker = EngineWorker(engine, settings, io, metrics, handoffs, vote=vote)
 
     def on_signal(signum: int, _frame: object) -> None:
