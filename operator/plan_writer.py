@@ -1,7 +1,8 @@
 """PlanWriter: a pass's plan written to the Kubernetes API, in its order.
 
 Pod-deletion costs before the replica change they prepare (the ReplicaSet reads
-them when it picks pods to remove), children next (all checked by a dry run before
+them when it picks pods to remove; best effort, a pod refusing one is passed by),
+children next (all checked by a dry run before
 any is written, so a refused child leaves the others as they were), Events, and the
 status last, so the status never claims what was not done. A create that finds the
 child's name taken adopts the object if it is the model's (child_owners.py).
@@ -38,7 +39,7 @@ class PlanWriter:
         meta = model["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         for pod, cost in costs.items():
-            await self._kube.set_pod_deletion_cost(namespace, pod, cost)
+            await self._set_deletion_cost(namespace, pod, cost)
         if actions.creates and not await self._still_there(model):
             # Deleted while this pass ran (before kopf's finalizer was on): the children
             # the garbage collector just took would be made again for nobody.
@@ -50,6 +51,8 @@ class PlanWriter:
             if len(actions.creates) + len(actions.patches) > 1:
                 await self._write(namespace, actions, dry_run=True)
             adopted = await self._write(namespace, actions, dry_run=False)
+            for key in actions.deletes:  # a refused one is said as a refused write is
+                await self._kube.delete(key.kind, namespace, key.name)
         except ChildTaken as taken:
             await self.apply(model, child_taken(model, str(taken), now=utc_now()), {})
             return
@@ -65,8 +68,6 @@ class PlanWriter:
             # (a rule only it knows): say so in the status, not in a retry loop.
             await self.apply(model, refused(model, str(error), now=utc_now()), {})
             return
-        for key in actions.deletes:
-            await self._kube.delete(key.kind, namespace, key.name)
         await self.post(model, with_adoptions(actions.events, adopted))
         if actions.status is not None:
             await self._kube.patch_status(KIND, namespace, name, actions.status)
@@ -79,6 +80,17 @@ class PlanWriter:
                 [f"{p.kind}/{p.name} ({', '.join(p.drift)})" for p in actions.patches],
                 [f"{k.kind}/{k.name}" for k in actions.deletes],
             )
+
+    async def _set_deletion_cost(self, namespace: str, pod: str, cost: int) -> None:
+        """Best effort: a cost only orders which pods a scale-down takes. One pod a policy
+        protects (a 403 or 422 to its patch) must not stop the pass: the scale-down, every
+        edit written with it and the status would wait on it for good."""
+        try:
+            await self._kube.set_pod_deletion_cost(namespace, pod, cost)
+        except ApiError as error:
+            if not (error.forbidden or error.refused):
+                raise  # retried with backoff
+            log.warning("%s/%s: deletion cost not written, scaling on: %s", namespace, pod, error)
 
     async def _still_there(self, model: Body) -> bool:
         """Whether the ModelDeployment this pass read is still there, not being deleted."""

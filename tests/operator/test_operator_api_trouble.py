@@ -100,3 +100,52 @@ async def test_an_unreadable_queue_is_said_once_and_so_is_its_return(cluster, op
 
     metrics.redis_down = False
     await eventually(lambda: cluster.events("QueueReadable"), what="its return said")
+
+
+@pytest.mark.parametrize("code, reason", [(403, "Forbidden"), (422, "Invalid")])
+async def test_a_pod_refusing_its_deletion_cost_does_not_stop_a_scale_down(
+    cluster, operator, metrics, code, reason
+):
+    # A policy protecting one pod refused its deletion-cost patch: the pass stopped
+    # there, so the scale-down and every edit with it waited for good, the model Ready.
+    await cluster.apply(normal_model(replicas=4, minReplicas=1, maxReplicas=6))
+    await eventually(lambda: len(cluster.pods("m", "normal")) == 4, what="four pods")
+    protected = sorted(p["metadata"]["name"] for p in cluster.pods("m", "normal"))[0]
+    denied = f"admission webhook denied the request: pods/{protected} is protected"
+    cluster.api.fail_next(
+        "PATCH", PODS, protected, status=code, reason=reason, message=denied, times=10**6
+    )
+    edit = {"normal": {"replicas": None, "maxReplicas": 2}, "engine": {"maxNumSeqs": 64}}
+    await cluster.patch_model("m", {"spec": edit})
+    await eventually(lambda: replicas(cluster) == 2, what="clamped to maxReplicas")
+    config = cluster.child("ConfigMap", "m-normal-engine")["data"]
+    assert config["max-num-seqs"] == "64"  # the edit written with it
+    model = cluster.model("m")
+    await eventually(
+        lambda: status(cluster).get("observedGeneration") == model["metadata"]["generation"],
+        what="the edit observed",
+    )
+    assert not cluster.events("ReconcileFailed")
+
+
+async def test_a_forbidden_delete_of_the_old_modes_children_is_degraded_until_it_passes(
+    cluster, operator
+):
+    # After a mode change the old role's children go once the new roles serve; a
+    # delete the API server forbade failed the pass for good, the status silent.
+    await cluster.apply(normal_model())
+    await eventually(lambda: status(cluster).get("phase") == "Ready", what="Ready")
+    forbidden = "deployments.apps is forbidden: a policy keeps m-normal"
+    cluster.api.fail_next(
+        "DELETE", CHILDREN["Deployment"], "m-normal", status=403, reason="Forbidden",
+        message=forbidden, times=10**6,
+    )  # fmt: skip
+    split = {"mode": "Disaggregated", "normal": None, "prefill": {}, "decode": {}}
+    await cluster.patch_model("m", {"spec": split})
+
+    await eventually(lambda: status(cluster).get("reason") == "Forbidden", what="Forbidden")
+    assert status(cluster)["phase"] == "Degraded"
+    assert "a policy keeps m-normal" in status(cluster)["message"]
+    cluster.api.clear_faults()
+    await eventually(lambda: cluster.child("Deployment", "m-normal") is None, what="deleted")
+    await eventually(lambda: status(cluster).get("phase") == "Ready", what="Ready, split")
