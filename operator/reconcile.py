@@ -88,8 +88,8 @@ def plan(
 
     `scaled` are the autoscaler's decisions that change a role's count (roles it
     did not change are left out); `pods` are the model's engine pods, whose
-    troubles the status quotes; `holder` names the ModelDeployment that holds
-    this one's servedModelName, if any (`served_name_holder`).
+    troubles the status quotes; `holder` says which ModelDeployment holds this
+    one's servedModelName, if any (`served_name_holder`).
     """
     meta = model["metadata"]
     previous = model.get("status") or {}
@@ -258,7 +258,7 @@ def _name_taken(
     name = model["metadata"]["name"]
     asked = spec.served_model_name(name)
     why = (
-        f"servedModelName {asked!r} is served by {holder}: this one does not serve it "
+        f"servedModelName {asked!r} is {holder}: this one does not serve it "
         "until the name is free (rename or delete one of them)"
     )
     serving = applied_name(model)

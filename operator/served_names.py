@@ -21,8 +21,9 @@ Body = Mapping[str, Any]
 def served_name_holder(model: Body, models: Sequence[Body], operator_redis: str) -> str | None:
     """The ModelDeployment among `models` (of every namespace served) that holds the
     servedModelName `model` asks for, on the same queues, or None when `model` may serve
-    it: `ModelDeployment <name>`, or of another namespace without naming it (whose
-    models those are is that namespace's business).
+    it: "served by ModelDeployment <name>" ("claimed by" while none serves it yet),
+    or one of another namespace without naming it (whose models those are is that
+    namespace's business).
 
     The rivals are the models of `model`'s namespace, and those of every namespace
     whose spec reaches the same Redis database (redis_server.py: without `spec.redis`,
@@ -33,7 +34,8 @@ def served_name_holder(model: Body, models: Sequence[Body], operator_redis: str)
     creationTimestamp, then namespace and name) of those whose pods serve it, else
     of all who claim it: a model that serves a name keeps it when another, older or
     not, is edited to claim it. Read from the raw specs: an invalid one may still run
-    pods of its last valid spec. Models being deleted let go.
+    pods of its last valid spec. Models being deleted let go, and so do those whose
+    current spec was refused and that serve nothing (`_claims`).
     """
     name = _asked_name(model)
     namespace = _where(model)[0]
@@ -44,16 +46,32 @@ def served_name_holder(model: Body, models: Sequence[Body], operator_redis: str)
         if _where(other) != _where(model)
         and (_where(other)[0] == namespace or redis_server(other, operator_redis) == server)
         and not other["metadata"].get("deletionTimestamp")
-        and (name == _asked_name(other) or name in serving_names(other))
+        and (name in serving_names(other) or (name == _asked_name(other) and _claims(other)))
     ]
     claimants = [model, *rivals]
     serving = [body for body in claimants if name in serving_names(body)]
     holder = min(serving or claimants, key=_age)
     if holder is model:
         return None
+    how = "served by" if serving else "claimed by"  # an older model yet to serve it
     if _where(holder)[0] == namespace:
-        return f"ModelDeployment {_where(holder)[1]}"
-    return "ModelDeployment of another namespace"
+        return f"{how} ModelDeployment {_where(holder)[1]}"
+    return f"{how} a ModelDeployment of another namespace"
+
+
+# Refusals of a model's own spec (reconcile.py): it applies nothing until edited. Not
+# ServedNameTaken: two models waiting for a freed name would each pass the other by.
+_REFUSED = ("InvalidSpec", "ChildTaken")
+
+
+def _claims(body: Body) -> bool:
+    """Whether a model claims the name its spec asks for: not when its status refuses
+    the spec it has now (a bad spec, a child name another object holds): an older
+    model that never served must not keep a valid younger one from the name."""
+    status = body.get("status") or {}
+    refused = status.get("phase") == "Invalid" and status.get("reason") in _REFUSED
+    current = status.get("observedGeneration") == body["metadata"].get("generation")
+    return not (refused and current)
 
 
 def _asked_name(body: Body) -> str:

@@ -115,7 +115,7 @@ def _fetch_without_hub() -> str:
 
 
 def _served_name_taken() -> str:
-    """The status message of a new model whose served name an older one holds."""
+    """The status message of a new model whose served name an older one serves."""
     model = {
         "metadata": {"name": "llama-8b-copy", "namespace": "ns", "uid": "u", "generation": 1},
         "spec": {"model": {"path": "/m", "servedModelName": "llama-3.1-8b-instruct"}, "normal": {}},
@@ -123,6 +123,7 @@ def _served_name_taken() -> str:
     defaults = OperatorDefaults(image="engine", redis_url="redis://r:6379/0")
     older = copy.deepcopy(model)
     older["metadata"].update(name="llama-8b", creationTimestamp="2025-01-01T00:00:00Z")
+    older["status"] = {"servedModelName": "llama-3.1-8b-instruct"}
     model["metadata"]["creationTimestamp"] = "2026-01-01T00:00:00Z"
     holder = served_name_holder(model, [older, model], defaults.redis_url)
     actions = plan(model, [], defaults, now="2026-01-01T00:00:00Z", holder=holder)

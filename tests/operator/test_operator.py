@@ -405,7 +405,7 @@ async def test_a_served_name_another_namespace_holds_is_taken(cluster, metrics, 
         return cluster.api.read(MODELS, "team-b", "other").get("status") or {}
 
     await eventually(lambda: taken().get("reason") == "ServedNameTaken", what="taken")
-    assert "served by ModelDeployment of another namespace" in taken()["message"]
+    assert "served by a ModelDeployment of another namespace" in taken()["message"]
     assert cluster.api.read(CHILDREN["Deployment"], "team-b", "other-normal") is None
 
 

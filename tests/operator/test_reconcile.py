@@ -336,7 +336,7 @@ def test_a_refused_model_lets_its_old_names_go_once_no_old_pod_runs(refusal):
         refused["spec"]["normal"] = {"replicas": 9, "maxReplicas": 2}
     else:
         refused["spec"]["model"]["servedModelName"] = "z"
-        holder = "ModelDeployment c"
+        holder = "served by ModelDeployment c"
     status = plan(refused, children, DEFAULTS, now=NOW, holder=holder).status
     assert status["phase"] == "Invalid" and status["retiringServedModelNames"] is None
     # While the old pods may still run, they are kept.

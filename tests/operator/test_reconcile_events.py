@@ -213,17 +213,17 @@ def test_the_oldest_model_holds_a_served_name_then_the_name_decides():
     b = model_named("b", "2026-01-01T00:00:01Z", "shared")
     c = model_named("c", "2026-01-01T00:00:01Z", "shared")  # as old as b: b's name is first
     models = [a, b, c]
-    assert served_name_holder(a, models, SHARED) == "ModelDeployment b"
-    assert served_name_holder(c, models, SHARED) == "ModelDeployment b"
+    assert served_name_holder(a, models, SHARED) == "claimed by ModelDeployment b"
+    assert served_name_holder(c, models, SHARED) == "claimed by ModelDeployment b"
     assert served_name_holder(b, models, SHARED) is None
     assert served_name_holder(model_named("d", NOW, "own"), models, SHARED) is None
     # Without servedModelName the name is metadata.name.
     plain = model_named("shared", "2026-01-01T00:00:03Z")
-    assert served_name_holder(plain, [*models, plain], SHARED) == "ModelDeployment b"
+    assert served_name_holder(plain, [*models, plain], SHARED) == "claimed by ModelDeployment b"
     # A model being deleted lets go at once.
     going = copy.deepcopy(b)
     going["metadata"]["deletionTimestamp"] = NOW
-    assert served_name_holder(a, [a, going, c], SHARED) == "ModelDeployment c"
+    assert served_name_holder(a, [a, going, c], SHARED) == "claimed by ModelDeployment c"
 
 
 def test_a_rename_in_progress_holds_both_its_names():
@@ -233,7 +233,7 @@ def test_a_rename_in_progress_holds_both_its_names():
     renaming["status"]["retiringServedModelNames"] = ["foo"]
     for name in ("foo", "bar"):
         older = model_named("y", "2026-01-01T00:00:01Z", name)
-        assert served_name_holder(older, [older, renaming], SHARED) == "ModelDeployment x"
+        assert served_name_holder(older, [older, renaming], SHARED) == "served by ModelDeployment x"
         assert served_name_holder(renaming, [older, renaming], SHARED) is None
     renaming["status"]["retiringServedModelNames"] = None  # rolled: foo is free
     older = model_named("y", "2026-01-01T00:00:01Z", "foo")
@@ -246,7 +246,8 @@ def test_a_served_name_is_held_across_namespaces_on_the_operators_redis():
     theirs = model_named("llama", "2026-01-01T00:00:01Z", "llama-8b", namespace="team-a")
     mine = model_named("evil", "2026-01-01T00:00:02Z", "llama-8b", namespace="team-b")
     assert (
-        served_name_holder(mine, [theirs, mine], SHARED) == "ModelDeployment of another namespace"
+        served_name_holder(mine, [theirs, mine], SHARED)
+        == "claimed by a ModelDeployment of another namespace"
     )
     assert served_name_holder(theirs, [theirs, mine], SHARED) is None
     # The same name in two namespaces is two models, not one.
@@ -274,12 +275,16 @@ def test_a_spec_redis_that_names_the_operators_redis_shares_its_queues(url):
     mine = model_named("evil", "2026-01-01T00:00:02Z", "llama-8b", namespace="team-b")
     mine["spec"]["redis"] = {"url": url}
     assert (
-        served_name_holder(mine, [theirs, mine], SHARED) == "ModelDeployment of another namespace"
+        served_name_holder(mine, [theirs, mine], SHARED)
+        == "claimed by a ModelDeployment of another namespace"
     )
     # Two namespaces spelling one Service in full share it too.
     both = copy.deepcopy(theirs)
     both["spec"]["redis"] = {"url": "redis://tandem-redis.tandem.svc.cluster.local:6379/0"}
-    assert served_name_holder(mine, [both, mine], SHARED) == "ModelDeployment of another namespace"
+    assert (
+        served_name_holder(mine, [both, mine], SHARED)
+        == "claimed by a ModelDeployment of another namespace"
+    )
 
 
 @pytest.mark.parametrize(
@@ -311,14 +316,34 @@ def test_a_model_that_serves_a_name_keeps_it_when_another_is_edited_to_claim_it(
     younger = model_named("b", "2026-01-01T00:00:02Z", "mistral", serving="mistral")
     models = [older, younger]
     assert served_name_holder(younger, models, SHARED) is None
-    assert served_name_holder(older, models, SHARED) == "ModelDeployment b"
+    assert served_name_holder(older, models, SHARED) == "served by ModelDeployment b"
     # A rename refused leaves the pods serving the old name, which nobody else may claim.
     newcomer = model_named("c", "2026-01-01T00:00:00Z", "llama")
-    assert served_name_holder(newcomer, [*models, newcomer], SHARED) == "ModelDeployment a"
+    assert (
+        served_name_holder(newcomer, [*models, newcomer], SHARED) == "served by ModelDeployment a"
+    )
     # Two that both serve it (their queues newly shared): the oldest of them.
     both = model_named("d", "2026-01-01T00:00:03Z", "mistral", serving="mistral")
     assert served_name_holder(younger, [*models, both], SHARED) is None
-    assert served_name_holder(both, [*models, both], SHARED) == "ModelDeployment b"
+    assert served_name_holder(both, [*models, both], SHARED) == "served by ModelDeployment b"
+
+
+@pytest.mark.parametrize("reason", ["InvalidSpec", "ChildTaken"])
+def test_an_older_model_refused_before_it_served_does_not_hold_the_name(reason):
+    # It never applied a spec and runs no pods: the name was served by nobody, the valid
+    # younger model told the name "is served by" it.
+    refused = model_named("b", "2026-01-01T00:00:01Z", "llama")
+    refused["metadata"]["generation"] = 1
+    refused["status"] = {"phase": "Invalid", "reason": reason, "observedGeneration": 1}
+    valid = model_named("a", "2026-01-01T00:00:02Z", "llama")
+    assert served_name_holder(valid, [refused, valid], SHARED) is None
+    assert served_name_holder(refused, [refused, valid], SHARED) == "claimed by ModelDeployment a"
+    # Edited since (a fix not yet looked at): it claims again, as the older.
+    refused["metadata"]["generation"] = 2
+    assert served_name_holder(valid, [refused, valid], SHARED) == "claimed by ModelDeployment b"
+    # Waiting for the name itself is no refusal of its spec: two such would both take it.
+    refused["status"] = {"phase": "Invalid", "reason": "ServedNameTaken", "observedGeneration": 2}
+    assert served_name_holder(valid, [refused, valid], SHARED) == "claimed by ModelDeployment b"
 
 
 def test_a_refused_rename_leaves_the_pods_serving_the_old_name():
@@ -347,7 +372,7 @@ def test_a_model_whose_name_is_taken_serves_nothing_and_says_so_once():
     body = running({"replicas": 2, "maxReplicas": 2}, desired=2)
     children = built(body)
 
-    actions = plan(body, children, OLD, now=NOW, holder="ModelDeployment older")
+    actions = plan(body, children, OLD, now=NOW, holder="served by ModelDeployment older")
     assert not actions.creates and not actions.deletes
     assert [(p.name, p.patch) for p in actions.patches] == [("m-normal", {"spec": {"replicas": 0}})]
     status = actions.status
@@ -359,8 +384,8 @@ def test_a_model_whose_name_is_taken_serves_nothing_and_says_so_once():
 
     # The next pass finds what it wrote: no second Warning. A new model creates nothing.
     body["status"].update(status)
-    assert plan(body, children, OLD, now=NOW, holder="ModelDeployment older").events == ()
-    fresh = plan(running({}, desired=1), [], OLD, now=NOW, holder="ModelDeployment older")
+    assert plan(body, children, OLD, now=NOW, holder="served by ModelDeployment older").events == ()
+    fresh = plan(running({}, desired=1), [], OLD, now=NOW, holder="served by ModelDeployment older")
     assert fresh.creates == ()
 
 
