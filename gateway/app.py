@@ -108,7 +108,8 @@ def create_app(
             allow_origins=list(settings.allowed_origins),
             allow_methods=["GET", "POST"],
             allow_headers=["*"],  # Authorization, the SDKs' x-stainless-*, Idempotency-Key
-            expose_headers=["Retry-After", "x-should-retry"],
+            # x-request-id: the SDKs' `_request_id`, and `request_id` on their errors.
+            expose_headers=["Retry-After", "x-should-retry", "x-request-id"],
             max_age=600,
         )
     app.add_middleware(HeadAsGet)  # outermost: everything inside sees a GET

@@ -145,9 +145,8 @@ def rate_limited(
 
 def deadline_exceeded(message: str) -> GatewayError:
     # The SDKs retry a 504: the same request under the same deadline mostly fails alike.
-    headers = {"x-should-retry": "false"}
     return GatewayError(
-        504, message, type="timeout_error", code="deadline_exceeded", headers=headers
+        504, message, type="timeout_error", code="deadline_exceeded", headers=dict(NO_RETRY)
     )
 
 
@@ -203,6 +202,12 @@ _ENGINE_ANSWERS: dict[str, tuple[int, str]] = {
 }
 
 
+# Engine errors a retry repeats: engines kept failing on the request, and each SDK retry
+# queued it afresh to crash as many again. (An engine's deadline is the gateway's own
+# 504, deadline_exceeded.)
+_NOT_RETRIED = frozenset({ErrorCode.REDELIVERY_LIMIT})
+
+
 # What an engine refuses of a request it never starts (the prompt, as it sees it; a
 # sampling parameter only it can check): answered 400, and its quota given back.
 PROMPT_REFUSALS = frozenset(
@@ -232,6 +237,7 @@ def from_engine(
         type=kind,
         param=param,
         code=code or ErrorCode.ENGINE_ERROR,
+        headers=dict(NO_RETRY) if code in _NOT_RETRIED else None,
     )
 
 

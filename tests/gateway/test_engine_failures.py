@@ -1,0 +1,85 @@
+"""An engine's failure as an OpenAI SDK meets it: the SDKs retry every 5xx unless the
+answer says not to, and a retry queues the request afresh. A live gateway with a
+stand-in engine (a registry entry; the test writes the engine's error events)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import openai
+import pytest
+import redis
+
+from tandem.engine.service.registry import Registry
+from tandem.engine.service.responses import ResponseWriter
+from tandem.gateway.auth import KeyStore
+from tandem.protocol import PRIORITY_NORMAL, ErrorCode, ResponseEvent, WorkItem
+from tandem.registry_entry import EngineInfo
+
+from .live import API_KEY, LiveGateway, settings_for
+
+MODEL = "stand-in"
+
+
+@pytest.fixture
+def gateway(redis_server, keys):
+    conn = redis.Redis.from_url(redis_server.url)
+    Registry(conn, keys, ttl_seconds=600).heartbeat(
+        EngineInfo("stand-in-engine", MODEL, "normal", "127.0.0.1:1")
+    )
+    live = LiveGateway(settings_for(redis_server.url, keys), KeyStore.load(None, API_KEY)).start()
+    yield live, conn
+    live.stop()
+    conn.close()
+
+
+def _failing_engine(conn, keys, code: str, stop: threading.Event) -> threading.Thread:
+    """Answers every request queued for MODEL with the error `code`, as engines would."""
+
+    def run() -> None:
+        writer = ResponseWriter(conn, keys, "stand-in-engine")
+        stream, answered = keys.work_stream(MODEL, PRIORITY_NORMAL), 0
+        while not stop.is_set():
+            for _, fields in conn.xrange(stream)[answered:]:
+                rid = WorkItem.from_fields(fields).request_id
+                writer.add(rid, ResponseEvent.error(code, f"failed: {code}", "e"))
+                writer.flush()
+                answered += 1
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize(
+    "code, status, retried",
+    [
+        # Engines kept dying on it: each SDK retry would crash as many engines again.
+        (ErrorCode.REDELIVERY_LIMIT, 503, False),
+        # The same deadline passes alike (the gateway's own 504).
+        (ErrorCode.DEADLINE_EXCEEDED, 504, False),
+        # A failed step may pass on another try.
+        (ErrorCode.ENGINE_ERROR, 500, True),
+    ],
+)
+def test_the_sdk_retries_only_the_engine_failures_a_retry_may_mend(
+    gateway, keys, code, status, retried
+):
+    live, conn = gateway
+    stop = threading.Event()
+    engine = _failing_engine(conn, keys, code, stop)
+    client = live.openai(max_retries=2)
+    try:
+        with pytest.raises(openai.APIStatusError) as raised:
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+    finally:
+        stop.set()
+        engine.join(5)
+    assert raised.value.status_code == status
+    assert raised.value.body["code"] == code
+    queued = conn.xlen(keys.work_stream(MODEL, PRIORITY_NORMAL))
+    assert queued == (3 if retried else 1)  # the first try and the SDK's two retries
