@@ -17,10 +17,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import secrets
+import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
@@ -124,5 +127,14 @@ def main(args: argparse.Namespace) -> int:
         return 2
     scope = ", ".join(settings.namespaces) or "all namespaces"
     log.info("serving ModelDeployments in %s against %s", scope, connection.server)
-    asyncio.run(run(settings, connection))
+    asyncio.run(run(settings, connection, identity=own_identity(os.environ)))
     return 0
+
+
+def own_identity(environ: Mapping[str, str]) -> str:
+    """This replica's name among its peers (kopf's peering, Events' reportingInstance):
+    its pod's (POD_ID, as kopf reads it, or the chart's POD_NAME), else the host's with
+    a random suffix. Not kopf's own default, which asks the password database for the
+    user: a runAsUser the image does not list (OpenShift picks one) ended the operator."""
+    name = environ.get("POD_ID") or environ.get("POD_NAME")
+    return name or f"{socket.gethostname()}-{secrets.token_hex(4)}"
