@@ -146,15 +146,15 @@ BAD_VALUES = [
     # A second app.kubernetes.io/name would break every selector.
     (
         ["commonLabels.app\\.kubernetes\\.io/name=x"],
-        "invalid propertyName 'app.kubernetes.io/name'",
+        "commonLabels: app.kubernetes.io/name is one of the chart's own selector labels",
     ),
     # Labels the API server would refuse on every object the chart makes.
     (["commonLabels.team=a b!"], "at '/commonLabels/team'"),
-    (["commonLabels.bad key=x"], "invalid propertyName 'bad key'"),
+    (["commonLabels.bad key=x"], "at '/commonLabels': additional properties 'bad key'"),
     # The same for the monitors' and the dashboard's own labels.
     (
         ["monitoring.labels.app\\.kubernetes\\.io/instance=x"],
-        "invalid propertyName 'app.kubernetes.io/instance'",
+        "monitoring.labels: app.kubernetes.io/instance is one of the chart's own selector",
     ),
     (["monitoring.labels.release=kube prometheus"], "at '/monitoring/labels/release'"),
     (["monitoring.dashboard.labels.grafana_dashboard=-1-"], "/monitoring/dashboard/labels/"),

@@ -480,6 +480,7 @@ start on a new, empty volume. Found by the gateway Deployment this release made.
 {{/* The values that cannot work together, refused before anything is made. */}}
 {{- define "tandem.checks" -}}
 {{- include "tandem.resourceChecks" . }}
+{{- include "tandem.labelChecks" . }}
 {{- include "tandem.redisMemoryCheck" . }}
 {{- include "tandem.redisClaimCheck" . }}
 {{- include "tandem.renameCheck" . }}
@@ -493,5 +494,18 @@ start on a new, empty volume. Found by the gateway Deployment this release made.
 {{- end }}
 {{- if and (eq .Values.operator.scope "cluster") .Values.operator.namespaces }}
 {{- fail "operator.namespaces is for operator.scope=namespace; a cluster-scoped operator serves every namespace" }}
+{{- end }}
+{{- end }}
+
+{{- /* The chart's selector labels in a values map of labels: a second copy of one
+would break the selectors. Here, not in the schema, so the refusal names the map. */}}
+{{- define "tandem.labelChecks" -}}
+{{- $maps := dict "commonLabels" .Values.commonLabels "monitoring.labels" .Values.monitoring.labels "monitoring.dashboard.labels" .Values.monitoring.dashboard.labels }}
+{{- range $where, $labels := $maps }}
+{{- range $key := list "app.kubernetes.io/name" "app.kubernetes.io/instance" "app.kubernetes.io/component" }}
+{{- if hasKey ($labels | default dict) $key }}
+{{- fail (printf "%s: %s is one of the chart's own selector labels (app.kubernetes.io/name, instance, component), which it sets itself: remove it (a second copy would break the selectors)" $where $key) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- end }}
