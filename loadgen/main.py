@@ -11,7 +11,6 @@ import asyncio
 import dataclasses
 import json
 import math
-import os
 import random
 import sys
 from pathlib import Path
@@ -31,7 +30,7 @@ from tandem.loadgen.replicas import (
 )
 from tandem.loadgen.report import build_report, format_report
 from tandem.loadgen.runner import RunResult, run
-from tandem.outputs import write_failed
+from tandem.outputs import say, write_failed
 
 __all__ = ["add_arguments", "main"]  # add_arguments: what `tandem` builds the flags from
 
@@ -49,20 +48,11 @@ def main(args: argparse.Namespace, transport: httpx.AsyncBaseTransport | None = 
     result, target = asyncio.run(_bench(args, plan, progress, transport))
     report = build_report(result, plan.slo, _config(args, target, plan))
     # The text first: whatever fails after it, the result has been shown.
-    _print_report(format_report(report))
+    say(format_report(report))
     written = _write_outputs(args, report, result, target)
     if result.interrupted is not None:
         return 130  # a shell's status for Ctrl-C, after the report
     return 0 if report["requests"]["ok"] and written else 1
-
-
-def _print_report(text: str) -> None:
-    try:
-        print(text, flush=True)
-    except BrokenPipeError:
-        # A closed stdout (`| head`): --json and --plots are still written, and
-        # stdout goes to /dev/null so that later prints and the exit flush pass.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _write_outputs(args, report: dict[str, Any], result: RunResult, target: Target) -> bool:
@@ -80,11 +70,12 @@ def _write_outputs(args, report: dict[str, Any], result: RunResult, target: Targ
         from tandem.loadgen.plots import write_plots
 
         try:
-            for path in write_plots(result, Path(args.plots), title=f"({target.model})"):
-                print(f"plot         {path}")
+            paths = write_plots(result, Path(args.plots), title=f"({target.model})")
         except OSError as exc:
             write_failed("--plots", args.plots, exc)
-            written = False
+            return False
+        for path in paths:
+            say(f"plot         {path}")
     return written
 
 

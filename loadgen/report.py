@@ -194,8 +194,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"note         {req['short_outputs']} outputs ended before max_tokens")
     if req["interrupted"] is not None:
         lines.append(
-            f"note         interrupted (Ctrl-C): the {req['interrupted']} requests in flight "
-            "were dropped, the figures cover the rest"
+            f"note         interrupted (Ctrl-C or SIGTERM): the {req['interrupted']} requests "
+            "in flight were dropped, the figures cover the rest"
         )
     if report["replicas"]:
         roles = sorted({role for s in report["replicas"] for role in s["roles"]})

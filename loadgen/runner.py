@@ -128,10 +128,16 @@ async def run(
     return result
 
 
+# What ends a run early but keeps it: Ctrl-C, and SIGTERM (`timeout`, a cancelled CI
+# job, a Kubernetes Job's end), which otherwise killed it with nothing reported.
+_STOPS = (signal.SIGINT, signal.SIGTERM)
+
+
 class _Interrupt:
-    """The first Ctrl-C ends the run early but keeps its result: no new request is
-    sent, those in flight are cancelled (the server sees the client leave), and
-    the report covers what was answered. A second Ctrl-C aborts (KeyboardInterrupt)."""
+    """The first Ctrl-C (or SIGTERM) ends the run early but keeps its result: no new
+    request is sent, those in flight are cancelled (the server sees the client leave),
+    and the report covers what was answered. A second aborts (Ctrl-C's
+    KeyboardInterrupt, SIGTERM's default end)."""
 
     def __init__(self, sender: asyncio.Task[None], tasks: list[asyncio.Task[RequestRecord]]):
         self.sender, self.tasks = sender, tasks
@@ -141,7 +147,8 @@ class _Interrupt:
     def on_ctrl_c(self) -> Iterator[None]:
         loop = asyncio.get_running_loop()
         try:
-            loop.add_signal_handler(signal.SIGINT, self.fire)
+            for signum in _STOPS:
+                loop.add_signal_handler(signum, self.fire)
         except (NotImplementedError, RuntimeError, ValueError):
             # Not the main thread (or no Unix signals): Ctrl-C stays KeyboardInterrupt.
             yield
@@ -149,7 +156,13 @@ class _Interrupt:
         try:
             yield
         finally:
-            loop.remove_signal_handler(signal.SIGINT)  # the default again: KeyboardInterrupt
+            self._restore(loop)
+
+    @staticmethod
+    def _restore(loop: asyncio.AbstractEventLoop) -> None:
+        """The defaults again: Ctrl-C is KeyboardInterrupt, SIGTERM ends the process."""
+        for signum in _STOPS:
+            loop.remove_signal_handler(signum)
 
     def fire(self) -> None:
         if self.fired:
@@ -158,8 +171,8 @@ class _Interrupt:
         self.sender.cancel()
         for task in self.tasks:
             task.cancel()
-        # The next Ctrl-C is Python's own again: it aborts at once.
-        asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
+        # The next one is the default again: it aborts at once.
+        self._restore(asyncio.get_running_loop())
 
 
 async def _send_all(

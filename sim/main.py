@@ -14,7 +14,7 @@ import argparse
 import json
 import math
 
-from tandem.outputs import cannot_write, check_dir, check_file, write_failed
+from tandem.outputs import cannot_write, check_dir, check_file, say, write_failed
 from tandem.sim import deployment as deploy
 from tandem.sim.arguments import check_args, check_deployment_args
 from tandem.sim.cluster import ClusterConfig, simulate
@@ -77,23 +77,23 @@ def main(args: argparse.Namespace) -> int:
         "workload": args.trace or f"{args.arrival} {args.rate}/s for {args.duration:g}s",
     }
     if args.json:
-        print(json.dumps(document(summary, result, setup), indent=1))
+        say(json.dumps(document(summary, result, setup), indent=1))
     else:
         title = (
             f"tandem sim: {shape.name} on {config.device.name} (TP {tp}), {deployment.mode}, "
             f"{setup['workload']}"
         )
-        print(text(summary, result, title))
+        say(text(summary, result, title))
     if args.plot:  # after the report: a failure here loses no result
         from tandem.sim.plots import run_plots
 
         try:
-            for path in run_plots(result, summary.slo, args.plot):
-                if not args.json:
-                    print(f"wrote {path}")
+            paths = run_plots(result, summary.slo, args.plot)
         except OSError as exc:
             write_failed("--plot", args.plot, exc)
             return 1
+        for path in paths if not args.json else ():
+            say(f"wrote {path}")
     return 0
 
 

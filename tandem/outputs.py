@@ -9,6 +9,7 @@ disk) is reported by `write_failed` once the text report is out.
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -35,6 +36,17 @@ def check_dir(flag: str, path: str | Path) -> None:
         _check_writable_folder(flag, path, path)
     except OSError as exc:
         raise ValueError(cannot_write(flag, path, exc)) from None
+
+
+def say(text: str) -> None:
+    """Print to stdout, which the reader may have closed (`| head`): what is still to
+    write (--json, the plots) is written all the same, and no write to a closed pipe
+    reads as one of theirs failing."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Later prints and the flush at exit go to /dev/null and pass.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def write_failed(flag: str, path: str | Path, exc: OSError) -> None:

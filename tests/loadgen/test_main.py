@@ -55,14 +55,16 @@ def test_a_failed_calibration_request_is_a_clear_error():
         bench("--prompt", "text", transport=httpx.MockTransport(handle))
 
 
-def test_a_ctrl_c_ends_the_run_with_the_report_of_what_was_answered(tmp_path, capsys):
+# SIGTERM: what `timeout`, a cancelled CI job or a Job's end sends (it lost the report).
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_ctrl_c_ends_the_run_with_the_report_of_what_was_answered(tmp_path, capsys, signum):
     # Ten requests of ~0.4 s, two at a time; Ctrl-C after ~1 s: a few answered,
     # two in flight dropped, the rest never sent. A long run stopped early still
     # has its figures.
     server = FakeServer(token_delay=0.02)
     path = tmp_path / "r.json"
     argv = ["-n", "10", "--rate", "inf", "--concurrency", "2", "--output-tokens", "20"]
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signum))
     timer.start()
     try:
         status = bench(*argv, "--json", str(path), transport=server.transport())
@@ -74,4 +76,4 @@ def test_a_ctrl_c_ends_the_run_with_the_report_of_what_was_answered(tmp_path, ca
     assert requests["interrupted"] in (1, 2)
     assert requests["ok"] == requests["sent"] >= 1
     assert requests["sent"] + requests["interrupted"] < 10
-    assert "interrupted (Ctrl-C)" in capsys.readouterr().out
+    assert "interrupted (Ctrl-C or SIGTERM)" in capsys.readouterr().out

@@ -1,6 +1,9 @@
 """`tandem sim` on the command line."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -122,3 +125,18 @@ def test_a_deployments_kv_cache_memory_sizes_the_simulated_pool(tmp_path, capsys
     )
     assert main(["sim", "--model", "llama-8b", "--deployment", str(too_small)]) == 2
     assert "the KV cache of engine.kvCacheMemory holds 4096 tokens" in capsys.readouterr().err
+
+
+def test_a_reader_that_closes_the_output_early_fails_nothing(tmp_path):
+    # `| head`: the plots' "wrote" lines met the closed pipe and read as the plots
+    # failing to write (exit 1, "cannot write (Broken pipe)").
+    plots = tmp_path / "plots"
+    argv = ["sim", "--model", "llama-8b", "--rate", "1", "--duration", "20", "--plot", str(plots)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "tandem.cli", *argv]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout.readline().startswith(b"tandem sim: llama-8b")
+    proc.stdout.close()  # what head does once it has its line
+    assert proc.wait(timeout=120) == 0, proc.stderr.read().decode()
+    assert proc.stderr.read() == b""
+    assert sorted(p.suffix for p in plots.iterdir()) == [".png", ".png"]
