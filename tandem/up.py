@@ -113,7 +113,13 @@ class Stack:
             if self.config.redis_url:
                 check_redis(self.config.redis_url)
             launching = True
-            self._launch(say)
+            try:
+                self._launch(say)
+            except OSError as exc:  # a file of the run folder's in the way
+                where = exc.filename or self.log_dir
+                raise StartError(
+                    f"cannot write {where} (--log-dir {self.log_dir}): {exc.strerror or exc}"
+                ) from None
         except BaseException as exc:
             if launching and isinstance(exc, StartError):
                 self._tmp = None  # the error names a log: keep it

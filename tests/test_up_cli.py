@@ -131,6 +131,28 @@ def test_bad_input_is_one_clear_line(argv, says):
     assert left == []
 
 
+@pytest.mark.parametrize(
+    "in_the_way, says",
+    [
+        # A file where the embedded Redis keeps its folder, a folder where a log goes.
+        ("redis", "redis/appendonly.aof (--log-dir {}): Not a directory"),
+        ("gateway.log", "gateway.log (--log-dir {}): Is a directory"),
+    ],
+)
+def test_a_file_in_the_way_in_the_run_folder_is_named(tmp_path, in_the_way, says):
+    # It was a traceback (NotADirectoryError, IsADirectoryError).
+    path = tmp_path / in_the_way
+    if path.suffix == ".log":
+        path.mkdir()
+    else:
+        path.write_text("")
+    done, left = up(
+        "--model", "random:tiny", "--port", str(free_port()), "--log-dir", str(tmp_path)
+    )
+    assert says.format(tmp_path) in the_error(done)
+    assert left == []
+
+
 def test_killed_outright_it_takes_everything_it_started_with_it():
     # SIGKILL (an OOM kill, kill -9) forwards nothing: the gateway, the engine and the
     # embedded Redis went on running, orphaned, and held the port.
