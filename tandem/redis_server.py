@@ -86,6 +86,10 @@ def _bindable(port: int) -> bool:
 
 
 APPEND_ONLY_FILE = "appendonly.aof"
+# Its log, in its folder: why it could not start (a port taken) is written there.
+LOG_FILE = "redis.log"
+# The warning-level lines every start logs, which say nothing of why it stopped.
+_BANNER = ("Redis version=", "Configuration loaded")
 
 
 class RedisServer:
@@ -153,6 +157,7 @@ class RedisServer:
             "appendonly": "yes" if self.appendonly else "no",
             "appendfilename": APPEND_ONLY_FILE,
             "appendfsync": "everysec",
+            "logfile": str(self.data_dir / LOG_FILE),
         }
         argv = [str(binary)] + [item for k, v in args.items() for item in (f"--{k}", v)]
         self._process = subprocess.Popen(
@@ -174,14 +179,32 @@ class RedisServer:
                 return self
             except (redis.ConnectionError, redis.TimeoutError):
                 if self._process.poll() is not None:
-                    err = self._process.stderr.read().decode(errors="replace")
-                    raise RuntimeError(f"redis-server exited: {err.strip()}") from None
+                    raise RuntimeError(f"redis-server exited: {self._last_words()}") from None
                 if time.monotonic() > deadline:
                     self.stop()
                     raise RuntimeError(f"redis-server not ready on port {self.port}") from None
                 time.sleep(0.05)
             finally:
                 client.close()
+
+    def _last_words(self) -> str:
+        """Why it exited: its stderr (a bad argument), else its log's last warning (a
+        port taken: Redis logs that, and says nothing on stderr)."""
+        said = self._process.stderr.read().decode(errors="replace").strip()
+        if said:
+            return said
+        try:
+            log = (self.data_dir / LOG_FILE).read_text(errors="replace")
+        except OSError:
+            log = ""
+        last_run = log.rpartition("Redis is starting")[2].splitlines()
+        warnings = [
+            line.split(" # ", 1)[1]
+            for line in last_run
+            if " # " in line and not any(banner in line for banner in _BANNER)
+        ]
+        # A port taken is two lines: the bind's error, then "aborting".
+        return "; ".join(warnings[-2:]) or f"no reason in {self.data_dir / LOG_FILE}"
 
     def kill(self) -> None:
         """End the server as a crash would; its port and folder stay for start()."""

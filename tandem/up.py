@@ -74,6 +74,8 @@ class Stack:
         self.gateway: Child | None = None
         self.actuator = None  # a LocalActuator with `-f model.yaml`
         self._stop = threading.Event()
+        # Why the stack stopped on its own (what it could not recover from), if it did.
+        self.failure: str | None = None
         # In the engines' ids, fixed for the stack's life (a restart keeps its id): ids
         # are unique among a Redis' live engines, and two stacks on one --redis-url
         # shared theirs (one's drain deleted the other's registry entry).
@@ -323,6 +325,7 @@ class Stack:
         try:
             self.redis.start()
         except (RuntimeError, redis.RedisError) as exc:  # the port taken: nothing can recover
+            self.failure = f"the embedded Redis could not restart: {exc}"
             say(f"redis could not restart: {exc}; stopping")
             self._stop.set()
 

@@ -80,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
             )
         finally:
             stack.stop()
+    if stack.failure is not None:  # it gave up: a supervisor must not read a clean stop
+        print(f"tandem: error: {stack.failure}", file=sys.stderr)
+        return 1
     return 0
 
 

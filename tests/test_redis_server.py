@@ -35,3 +35,11 @@ def test_a_port_held_by_something_that_never_answers_fails_the_start_in_time(
         with pytest.raises(RuntimeError, match="redis-server"):
             server.start(timeout=3)
     assert time.monotonic() - started < 10
+
+
+def test_a_port_taken_is_the_reason_it_could_not_start(tmp_path: Path) -> None:
+    # Redis says so in its log, not on stderr: tandem up said "redis-server exited: ".
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        server = RedisServer(port=taken.getsockname()[1], data_dir=tmp_path)
+        with pytest.raises(RuntimeError, match="Address already in use"):
+            server.start(timeout=10)

@@ -460,3 +460,47 @@ def test_a_gateway_that_exits_while_another_answers_its_port_is_named_at_once(
             Stack(config).start(say=lambda line: None)
         other.shutdown()
     assert time.monotonic() - started < 60
+
+
+def test_a_stack_that_gives_up_exits_non_zero_and_says_why(tmp_path):
+    # Its Redis died and something took the port: it stopped, as it must, but exited 0
+    # (a supervisor's restart-on-failure read a clean stop) saying "redis-server exited: ".
+    argv = [TANDEM, "up", "--model", "random:tiny", "--port", str(free_port())]
+    env = {**os.environ, "TANDEM_CPU_KERNELS": "0", "PYTHONUNBUFFERED": "1"}
+    with subprocess.Popen(
+        [*argv, "--log-dir", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    ) as proc:
+        said = ""
+        while "Tandem is up" not in said:
+            line = proc.stdout.readline()
+            assert line, said
+            said += line
+        port = int(re.search(r"redis +redis://127\.0\.0\.1:(\d+)/0", said).group(1))
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        (redis_pid,) = [
+            int(pid)
+            for pid in children
+            if b"redis-server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        os.kill(redis_pid, signal.SIGKILL)
+        with socket.socket() as taker:
+            deadline = time.monotonic() + 10
+            while True:  # before the supervisor restarts it
+                try:
+                    taker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    taker.bind(("127.0.0.1", port))
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, "the port never came free"
+                    time.sleep(0.005)
+            taker.listen()
+            rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, said + rest
+    error = rest.rstrip().splitlines()[-1]
+    assert error.startswith("tandem: error: the embedded Redis could not restart: "), rest
+    assert "Address already in use" in error
