@@ -17,8 +17,13 @@ from tandem.redis_server import free_port
 from tandem.up import Stack, UpConfig
 
 
+class AnswerError(RuntimeError):
+    """The gateway refused the question, or the answer broke off; str() is its word."""
+
+
 def stream_chat(url: str, api_key: str, model: str, question: str, max_tokens: int):
-    """Yield the answer's text pieces from /v1/chat/completions with stream=true."""
+    """Yield the answer's text pieces from /v1/chat/completions with stream=true;
+    AnswerError if the gateway refuses or the stream ends in an error event."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": question}],
@@ -39,17 +44,28 @@ def stream_chat(url: str, api_key: str, model: str, question: str, max_tokens: i
     ) as resp:
         if resp.status_code != 200:
             resp.read()
-            raise RuntimeError(f"HTTP {resp.status_code}: {resp.text}")
+            raise AnswerError(f"the gateway answered {resp.status_code}: {_said(resp.text)}")
         for line in resp.iter_lines():
             if not line.startswith("data: "):
                 continue
             data = line.removeprefix("data: ")
             if data == "[DONE]":
                 return
-            for choice in json.loads(data).get("choices", []):
+            event = json.loads(data)
+            if "error" in event:  # after the status line: the only way left to say it
+                raise AnswerError(f"the answer broke off: {_said(data)}")
+            for choice in event.get("choices", []):
                 piece = choice.get("delta", {}).get("content")
                 if piece:
                     yield piece
+
+
+def _said(body: str) -> str:
+    """An OpenAI error body's message (else the body as it came)."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body
 
 
 def run(model: str, question: str, mode: str = "normal", max_tokens: int = 64) -> int:
@@ -64,8 +80,13 @@ def run(model: str, question: str, mode: str = "normal", max_tokens: int = 64) -
         stack.start(say=say)
         print(f"> {question}")
         asked = time.perf_counter()
-        for piece in stream_chat(stack.url, stack.api_key, config.name, question, max_tokens):
-            print(piece, end="", flush=True)
+        try:
+            for piece in stream_chat(stack.url, stack.api_key, config.name, question, max_tokens):
+                print(piece, end="", flush=True)
+        except AnswerError as exc:
+            print()
+            print(f"tandem: error: {exc}", file=sys.stderr)
+            return 1
         print()
         say(f"answered in {time.perf_counter() - asked:.2f}s through {stack.url}/v1")
     finally:

@@ -3,6 +3,7 @@ a start that fails."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import re
@@ -11,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -21,7 +23,7 @@ from support.stacks import running_stack
 
 from tandem.backlog import enqueue, queue_depth
 from tandem.child import STABLE_AFTER_S, Child
-from tandem.demo import stream_chat
+from tandem.demo import AnswerError, stream_chat
 from tandem.engine.service.work_queue import WorkQueue
 from tandem.keys import Keys
 from tandem.preflight import StartError
@@ -420,31 +422,56 @@ def test_children_are_asked_directly_whatever_proxy_the_environment_names(tmp_pa
         child.kill()
 
 
-def test_the_demo_asks_its_gateway_directly_whatever_proxy_the_environment_names(monkeypatch):
-    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
-        monkeypatch.setenv(name, f"http://127.0.0.1:{free_port()}")  # nothing listens
-    monkeypatch.delenv("no_proxy", raising=False)
-    monkeypatch.delenv("NO_PROXY", raising=False)
-    chunk = {"choices": [{"delta": {"content": "Paris"}}]}
-    body = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()
+@contextlib.contextmanager
+def stand_in_gateway(status: int, events: list[dict]) -> Iterator[str]:
+    """A server answering every POST with `status` and `events` as a stream (a JSON
+    body if not 200): its URL."""
+    if status == 200:
+        body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    else:
+        body = json.dumps(events[0])
 
     class Gateway(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
             self.rfile.read(int(self.headers["Content-Length"]))
-            self.send_response(200)
+            self.send_response(status)
             self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Content-Length", str(len(body.encode())))
             self.end_headers()
-            self.wfile.write(body)
+            self.wfile.write(body.encode())
 
         def log_message(self, *args):
             pass  # http.server logs every request to stderr
 
     with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gateway) as server:
         threading.Thread(target=server.serve_forever, daemon=True).start()
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        assert "".join(stream_chat(url, "k", "m", "Capital of France?", 4)) == "Paris"
+        yield f"http://127.0.0.1:{server.server_address[1]}"
         server.shutdown()
+
+
+def test_the_demo_asks_its_gateway_directly_whatever_proxy_the_environment_names(monkeypatch):
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(name, f"http://127.0.0.1:{free_port()}")  # nothing listens
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    chunk = {"choices": [{"delta": {"content": "Paris"}}]}
+    with stand_in_gateway(200, [chunk]) as url:
+        assert "".join(stream_chat(url, "k", "m", "Capital of France?", 4)) == "Paris"
+
+
+def test_the_demo_says_what_the_gateway_refused_or_what_broke_the_answer_off():
+    # A refusal was a traceback; an error event mid-answer was dropped, the cut-off
+    # answer then said "answered".
+    refusal = {"error": {"message": "The prompt has 15015 tokens, more than 2047"}}
+    with stand_in_gateway(400, [refusal]) as url, pytest.raises(AnswerError) as refused:
+        list(stream_chat(url, "k", "m", "?", 4))
+    assert str(refused.value) == "the gateway answered 400: " + refusal["error"]["message"]
+    chunk = {"choices": [{"delta": {"content": "The cap"}}]}
+    broke = {"error": {"message": "the engine failed", "code": "engine_error"}}
+    pieces = []
+    with stand_in_gateway(200, [chunk, broke]) as url, pytest.raises(AnswerError) as cut:
+        pieces.extend(stream_chat(url, "k", "m", "?", 4))
+    assert pieces == ["The cap"] and str(cut.value) == "the answer broke off: the engine failed"
 
 
 def test_a_child_is_asked_often_whether_it_is_up_until_it_first_answers(tmp_path):
