@@ -49,6 +49,13 @@ def check_args(args: argparse.Namespace) -> None:
     """Refuse flags that this run would ignore, and bad objectives before a long run:
     ValueError naming the flags."""
     given = args.given_flags
+    if args.deployment and "--model" not in given:
+        # A manifest names a checkpoint, not one of the simulator's shapes: the default's
+        # llama-70b on 4 GPUs a pod answered for a manifest of another model.
+        raise ValueError(
+            f"--deployment needs --model, the simulated shape of its model (one of "
+            f"{', '.join(model_names())})"
+        )
     if args.deployment:
         _refuse(
             given,
@@ -93,7 +100,12 @@ def _refuse(given: tuple[str, ...], flags: tuple[str, ...], why: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(given_flags=())  # _Noted adds to it
     model = parser.add_argument_group("model and hardware")
-    model.add_argument("--model", default="llama-70b", help=f"one of {', '.join(model_names())}")
+    model.add_argument(
+        "--model",
+        action=_Noted,
+        default="llama-70b",
+        help=f"one of {', '.join(model_names())} (default: %(default)s; needed with --deployment)",
+    )
     model.add_argument(
         "--tp",
         type=int,

@@ -18,8 +18,9 @@ import yaml
 
 from tandem import strict_yaml
 from tandem.engine.config import EngineConfig
-from tandem.operator.quantity import quantity_bytes
+from tandem.operator.quantity import quantity_bytes, quantity_value
 from tandem.operator.role_name import RoleName
+from tandem.operator.role_spec import RoleSpec
 from tandem.operator.scaling import policy as role_policy
 from tandem.operator.scaling_policy import ScalingPolicy
 from tandem.operator.validation import engine_config, validate_spec
@@ -180,6 +181,7 @@ def from_yaml(path: str | Path, tp: int = 1, vocab_size: int | None = None) -> D
             config = dataclasses.replace(config, **_defaults(), max_num_batched_tokens=budget)
         # Speculation needs the vocabulary for its draft placeholders (the model's).
         config = dataclasses.replace(config, **_NO_PREFIX_CACHE, vocab_size=vocab_size)
+        _check_gpus(path, role_name, role, tp * config.data_parallel_size)
         kv_bytes = spec.engine.kv_cache_memory
         roles[role_name] = RoleSetup(
             role_name,
@@ -190,3 +192,15 @@ def from_yaml(path: str | Path, tp: int = 1, vocab_size: int | None = None) -> D
             None if kv_bytes is None else quantity_bytes(kv_bytes),
         )
     return Deployment(roles)
+
+
+def _check_gpus(path: Path, role_name: RoleName, role: RoleSpec, simulated: int) -> None:
+    """ValueError when a role's pods ask for other GPUs than the run simulates (tp x
+    dp): the answer would be about another deployment."""
+    limits = (role.resources.limits or {}) if role.resources is not None else {}
+    asked = [int(quantity_value(v)) for k, v in limits.items() if k.endswith("/gpu")]
+    if asked and asked[0] != simulated:
+        raise ValueError(
+            f"{path}: spec.{role_name} pods ask for {asked[0]} GPUs, the run simulates "
+            f"{simulated} a pod (--tp x dataParallelSize): give the --tp that matches"
+        )

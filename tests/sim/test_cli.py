@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -67,8 +68,17 @@ def test_deployment_yaml(tmp_path, capsys):
     roles = json.loads(capsys.readouterr().out)["setup"]["roles"]
     assert roles["decode"]["replicas"] == 2 and roles["prefill"]["max"] == 2
     path.write_text("kind: ModelDeployment\nmetadata: {name: m}\nspec: {mode: Sideways}\n")
-    assert main(["sim", "--deployment", str(path)]) == 2
+    assert main(["sim", "--model", "llama-8b", "--deployment", str(path)]) == 2
     assert "spec.mode" in capsys.readouterr().err
+
+
+def test_a_deployment_whose_pods_ask_for_other_gpus_than_simulated_is_refused(capsys):
+    # Its pods' GPUs were ignored: a 1-GPU manifest was simulated on 4 GPUs a pod.
+    manifest = Path(__file__).parents[2] / "examples/llama-8b-disaggregated.yaml"  # 1 GPU a pod
+    argv = ["sim", "--deployment", str(manifest), "--rate", "1", "--duration", "5"]
+    assert main([*argv, "--model", "llama-70b", "--tp", "4"]) == 2
+    assert "spec.prefill pods ask for 1 GPUs, the run simulates 4 a pod" in capsys.readouterr().err
+    assert main([*argv, "--model", "llama-8b"]) == 0
 
 
 @pytest.mark.parametrize(

@@ -76,10 +76,24 @@ def _check(*argv):
         (["--decode-max", "4"], "--decode-max: only with --mode disaggregated; this run is "),
         (["--mode", "disaggregated", "--replicas", "7"], "--replicas: only with --mode normal"),
         (
-            ["--deployment", "x.yaml", "--mode", "disaggregated", "--replicas", "5"],
+            [
+                "--deployment",
+                "x.yaml",
+                "--model",
+                "llama-8b",
+                "--mode",
+                "disaggregated",
+                "--replicas",
+                "5",
+            ],
             "--mode, --replicas: not with --deployment",
         ),
-        (["--deployment", "x.yaml", "--chunked-prefill"], "--chunked-prefill: not with"),
+        (
+            ["--deployment", "x.yaml", "--model", "llama-8b", "--chunked-prefill"],
+            "--chunked-prefill: not with",
+        ),
+        # A manifest names a checkpoint: llama-70b (the default) answered for any.
+        (["--deployment", "x.yaml", "--tp", "1"], "--deployment needs --model, the simulated"),
         (
             ["--trace", "t.jsonl", "--rate", "3", "--input", "10"],
             "--rate, --input: not with --trace",
@@ -98,4 +112,4 @@ def test_flags_given_with_their_default_value_count_as_given():
         _check("--mode", "disaggregated", "--replicas", "1")
     _check("--mode", "disaggregated", "--prefill", "2", "--decode-max", "3")
     _check("--arrival", "bursty", "--cv", "5")
-    _check("--deployment", "x.yaml", "--tp", "2", "--rate", "4")
+    _check("--deployment", "x.yaml", "--model", "llama-70b", "--tp", "2", "--rate", "4")
