@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -185,14 +185,20 @@ class Child:
             self.process.kill()
             self.process.wait()
 
-    def wait_or_kill(self, deadline: float) -> None:
-        """Wait for the process to exit until `deadline` (monotonic), then kill it."""
+    def wait_or_kill(self, deadline: Callable[[], float]) -> None:
+        """Wait for the process to exit until deadline() (monotonic, asked again as it
+        waits: a second Ctrl-C brings it closer), then kill it."""
         if self.process is None:
             return
-        try:
-            self.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self.kill()
+        while True:
+            left = deadline() - time.monotonic()
+            try:
+                self.process.wait(timeout=min(max(0.1, left), 0.5))
+                return
+            except subprocess.TimeoutExpired:
+                if left <= 0.5:
+                    self.kill()
+                    return
 
     def last_error(self) -> str:
         """Why it exited, in one line of its log: the last that reads as an error, else
@@ -228,9 +234,9 @@ def engine_child(
     )
 
 
-def drain_in_order(children: Iterable[Child], deadline: float) -> None:
+def drain_in_order(children: Iterable[Child], deadline: Callable[[], float]) -> None:
     """SIGTERM the children stage by stage (Child.stop_stage), each stage once the one
-    before has exited; whatever is still running at `deadline` is killed."""
+    before has exited; whatever is still running at deadline() is killed."""
     stages: dict[int, list[Child]] = {}
     for child in children:
         stages.setdefault(child.stop_stage, []).append(child)

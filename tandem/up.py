@@ -82,6 +82,7 @@ class Stack:
         self._run_id = secrets.token_hex(3)
         # A second stop request (Ctrl-C again): stop without waiting for the queue.
         self._hurry = threading.Event()
+        self._hurried_at = 0.0  # when the second stop request came (once _hurry is set)
 
     @property
     def url(self) -> str:
@@ -330,7 +331,8 @@ class Stack:
             self._stop.set()
 
     def request_stop(self) -> None:
-        if self._stop.is_set():
+        if self._stop.is_set() and not self._hurry.is_set():
+            self._hurried_at = time.monotonic()
             self._hurry.set()
         self._stop.set()
 
@@ -344,14 +346,20 @@ class Stack:
         running after `timeout` seconds is killed.
         """
         self._stop.set()
-        deadline = time.monotonic() + timeout
+        at_the_latest = time.monotonic() + timeout
+
+        def deadline() -> float:
+            # Asked as it waits: a second stop request (Ctrl-C again) during the drain
+            # cuts what still runs after HURRY_S too, not only one during the queue's wait.
+            if not self._hurry.is_set():
+                return at_the_latest
+            return min(at_the_latest, self._hurried_at + HURRY_S)
+
         gateway = self.gateway
         if gateway is not None:
             gateway.signal(signal.SIGTERM)
             if self.redis_url:
-                self._wait_for_empty_queue(deadline, say)
-        if self._hurry.is_set():
-            deadline = min(deadline, time.monotonic() + HURRY_S)
+                self._wait_for_empty_queue(at_the_latest, say)
         drain_in_order(self._engines(), deadline)  # the actuator's too
         if self.actuator is not None:
             self.actuator.close()

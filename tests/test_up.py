@@ -29,7 +29,7 @@ from tandem.keys import Keys
 from tandem.preflight import StartError
 from tandem.protocol import Role, WorkItem
 from tandem.redis_server import free_port
-from tandem.up import Stack, UpConfig
+from tandem.up import HURRY_S, Stack, UpConfig
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -612,3 +612,25 @@ def test_a_stop_waits_only_for_requests_that_still_wait_for_an_answer(redis_clie
     assert not answers_owed(redis_client, keys, "n", time.time())
     enqueue(redis_client, keys, WorkItem("last", "n", prompt_token_ids=[1], deadline=now + 60))
     assert answers_owed(redis_client, keys, "n", time.time())
+
+
+def test_ctrl_c_again_while_the_engines_drain_cuts_the_stop_short(tmp_path, monkeypatch):
+    # Only a second stop request during the queue's wait shortened the stop: one during
+    # the engines' drain waited out the whole minute.
+    stack = Stack(config(tmp_path, monkeypatch))
+    deaf = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('deaf', flush=True); time.sleep(600)"
+    )
+    engine = Child("engine", [sys.executable, "-c", deaf], tmp_path / "e.log", "", True)
+    engine.start()
+    assert eventually(lambda: "deaf" in engine.log_path.read_text(), 30)
+    stack.children.append(engine)  # drains for ever: only a kill ends it
+    stopping = threading.Thread(target=stack.stop)
+    started = time.monotonic()
+    stopping.start()
+    time.sleep(1.0)  # the engine signalled, its drain under way
+    stack.request_stop()  # Ctrl-C again (stop() was the first)
+    stopping.join(30)
+    assert not stopping.is_alive() and engine.process.poll() is not None
+    assert 1.0 + HURRY_S - 0.5 < time.monotonic() - started < 1.0 + HURRY_S + 3
