@@ -27,6 +27,7 @@ import redis
 from tandem import catalog
 from tandem.backlog import answers_owed
 from tandem.child import Child, drain_in_order, engine_child, engine_threads, local_get
+from tandem.embedded_redis import restart_if_dead, start_embedded
 from tandem.keys import Keys
 from tandem.preflight import (
     StartError,
@@ -156,16 +157,7 @@ class Stack:
         self._wait_ready(say, starting + self.children)
 
     def _start_redis(self) -> None:
-        """The embedded Redis, with an append-only file: restarted after a crash, it
-        still has the queued requests (and streams, registry) it had."""
-        server = RedisServer(data_dir=self.log_dir / "redis", appendonly=True, die_with_us=True)
-        # Fresh for each run: a reused --log-dir's file would replay a finished run's
-        # queue, whose clients are long gone. Only Redis' files: the folder is the user's.
-        server.discard_saved_data()
-        try:
-            self.redis = server.start()
-        except RuntimeError as exc:
-            raise StartError(f"the embedded Redis did not start: {exc}") from None
+        self.redis = start_embedded(self.log_dir / "redis")
         self.redis_url = self.redis.url
 
     def _start_actuator(self, say) -> list[Child]:
@@ -277,7 +269,10 @@ class Stack:
         next_declaration = time.monotonic()
         failing = False  # the autoscaler's last evaluation raised
         while not self._stop.wait(0.5):
-            self._restart_redis_if_dead(say)
+            if self.redis is not None and (failure := restart_if_dead(self.redis, say)):
+                self.failure = failure
+                self._stop.set()
+                continue
             self._restart_dead(say, gateway=True)
             if self.actuator is None:
                 if time.monotonic() >= next_declaration:
@@ -307,28 +302,6 @@ class Stack:
             pass  # Redis restarting: the next round declares it
         finally:
             client.close()
-
-    def _restart_redis_if_dead(self, say) -> None:
-        if self.redis is None or self.redis.alive:
-            return
-        if self.redis.has_saved_data():
-            kept = (
-                "from its append-only file (queued requests are kept; at worst those of its "
-                "last second are lost, and the gateway queues those again; engines reconnect)"
-            )
-        else:
-            kept = (
-                "empty: its append-only file is gone (the gateway queues the requests it "
-                "holds again; engines reconnect)"
-            )
-        port, code = self.redis.port, self.redis.returncode
-        say(f"redis exited ({code}); restarting it on port {port} {kept}")
-        try:
-            self.redis.start()
-        except (RuntimeError, redis.RedisError) as exc:  # the port taken: nothing can recover
-            self.failure = f"the embedded Redis could not restart: {exc}"
-            say(f"redis could not restart: {exc}; stopping")
-            self._stop.set()
 
     def request_stop(self) -> None:
         if self._stop.is_set() and not self._hurry.is_set():

@@ -24,6 +24,7 @@ from support.stacks import running_stack
 from tandem.backlog import enqueue, queue_depth
 from tandem.child import STABLE_AFTER_S, Child
 from tandem.demo import AnswerError, stream_chat
+from tandem.embedded_redis import restart_if_dead
 from tandem.engine.service.work_queue import WorkQueue
 from tandem.keys import Keys
 from tandem.preflight import StartError
@@ -162,14 +163,14 @@ def test_the_embedded_redis_keeps_queued_requests_across_its_crash(tmp_path):
         assert eventually(lambda: client.info("persistence")["aof_buffer_length"] == 0, 5)
         stack.redis.kill()
         said: list[str] = []
-        stack._restart_redis_if_dead(said.append)
+        assert restart_if_dead(stack.redis, said.append) is None
         assert "append-only file (queued requests are kept" in said[0]
         depth = queue_depth(client, Keys(), "m")
         assert (depth.total_waiting, depth.pending) == (1, 1)
         # Its file deleted meanwhile, it comes back empty, and says so.
         stack.redis.kill()
         (stack.redis.data_dir / "appendonly.aof").unlink()
-        stack._restart_redis_if_dead(said.append)
+        assert restart_if_dead(stack.redis, said.append) is None
         assert "empty: its append-only file is gone" in said[1]
         assert queue_depth(client, Keys(), "m").total_waiting == 0
     finally:
