@@ -6,13 +6,24 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
+import redis
 from support.engine_fixture import engines_fixture
 from support.engines import EngineProcess
 
+from tandem.engine.service.registry import Registry
 from tandem.gateway.auth import KeyStore
 from tandem.keys import Keys
+from tandem.registry_entry import EngineInfo
 
-from .live import API_KEY, LiveGateway, serving_engine, settings_for, start_engine, wait_served
+from .live import (
+    API_KEY,
+    STAND_IN,
+    LiveGateway,
+    serving_engine,
+    settings_for,
+    start_engine,
+    wait_served,
+)
 
 
 @pytest.fixture
@@ -56,3 +67,17 @@ def shared_gateway(redis_server, shared_keys, shared_engine) -> Iterator[LiveGat
     gateway = LiveGateway(settings, KeyStore.load(None, API_KEY)).start()
     yield gateway
     gateway.stop()
+
+
+@pytest.fixture
+def stand_in_gateway(redis_server, keys) -> Iterator[tuple[LiveGateway, redis.Redis]]:
+    """A gateway before a stand-in engine of STAND_IN (a registry entry; the test writes
+    the engine's events), and a Redis client."""
+    conn = redis.Redis.from_url(redis_server.url)
+    Registry(conn, keys, ttl_seconds=600).heartbeat(
+        EngineInfo("stand-in-engine", STAND_IN, "normal", "127.0.0.1:1")
+    )
+    live = LiveGateway(settings_for(redis_server.url, keys), KeyStore.load(None, API_KEY)).start()
+    yield live, conn
+    live.stop()
+    conn.close()

@@ -25,6 +25,8 @@ from tandem.keys import Keys
 from tandem.redis_server import free_port
 
 API_KEY = "sk-tandem-test"
+# The model of the stand_in_gateway fixture's engine (conftest.py).
+STAND_IN = "stand-in"
 
 
 class LiveGateway:

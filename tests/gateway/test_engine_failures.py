@@ -9,29 +9,18 @@ import time
 
 import openai
 import pytest
-import redis
 
-from tandem.engine.service.registry import Registry
 from tandem.engine.service.responses import ResponseWriter
-from tandem.gateway.auth import KeyStore
 from tandem.protocol import PRIORITY_NORMAL, ErrorCode, ResponseEvent, WorkItem
-from tandem.registry_entry import EngineInfo
 
-from .live import API_KEY, LiveGateway, settings_for
+from .live import STAND_IN
 
-MODEL = "stand-in"
+MODEL = STAND_IN
 
 
 @pytest.fixture
-def gateway(redis_server, keys):
-    conn = redis.Redis.from_url(redis_server.url)
-    Registry(conn, keys, ttl_seconds=600).heartbeat(
-        EngineInfo("stand-in-engine", MODEL, "normal", "127.0.0.1:1")
-    )
-    live = LiveGateway(settings_for(redis_server.url, keys), KeyStore.load(None, API_KEY)).start()
-    yield live, conn
-    live.stop()
-    conn.close()
+def gateway(stand_in_gateway):
+    return stand_in_gateway
 
 
 def _failing_engine(conn, keys, code: str, stop: threading.Event) -> threading.Thread:

@@ -9,10 +9,8 @@ import time
 
 import httpx
 import pytest
-import redis
 from support.polling import eventually
 
-from tandem.engine.service.registry import Registry
 from tandem.engine.service.responses import ResponseWriter
 from tandem.gateway.auth import KeyStore
 from tandem.protocol import (
@@ -23,23 +21,15 @@ from tandem.protocol import (
     Usage,
     WorkItem,
 )
-from tandem.registry_entry import EngineInfo
 
-from .live import API_KEY, LiveGateway, settings_for
+from .live import API_KEY, STAND_IN, LiveGateway, settings_for
 
-MODEL = "stand-in"
+MODEL = STAND_IN
 
 
 @pytest.fixture
-def gateway(redis_server, keys):
-    conn = redis.Redis.from_url(redis_server.url)
-    Registry(conn, keys, ttl_seconds=600).heartbeat(
-        EngineInfo("stand-in-engine", MODEL, "normal", "127.0.0.1:1")
-    )
-    live = LiveGateway(settings_for(redis_server.url, keys), KeyStore.load(None, API_KEY)).start()
-    yield live, conn
-    live.stop()
-    conn.close()
+def gateway(stand_in_gateway):
+    return stand_in_gateway
 
 
 def _ask(live, key: str, n: int, timeout: float = 60, stream: bool = False) -> httpx.Response:
