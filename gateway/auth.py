@@ -263,8 +263,8 @@ def _load(path: Path, text: str) -> Any:
             raise ValueError(f"{path}: not valid JSON: {exc}") from None
     try:
         return strict_yaml.load(text)
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    except yaml.YAMLError as exc:  # never PyYAML's excerpt: the line may hold a key
+        raise ValueError(f"{path}: not valid YAML: {strict_yaml.problem(exc)}") from None
 
 
 def _entry(path: Path, index: int, item: Any) -> tuple[bytes, ApiKey]:

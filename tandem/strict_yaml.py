@@ -48,3 +48,13 @@ def load_all(text: str) -> list[Any]:
     """Every document in `text` (empty ones left out: a leading or trailing ---), each
     read as `load` reads one."""
     return [d for d in yaml.load_all(text, Loader=_StrictLoader) if d is not None]
+
+
+def problem(exc: yaml.YAMLError) -> str:
+    """What is wrong, and where, in one line: not PyYAML's text, whose excerpt quotes the
+    offending line (in a keys file, an API key in plain text)."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        return f"{exc.problem}{where}"
+    return type(exc).__name__  # unmarked: PyYAML's own words may hold anything

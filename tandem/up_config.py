@@ -72,12 +72,8 @@ def read_manifest(path: Path) -> dict:
         raise ValueError(f"cannot read -f {path}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
         raise ValueError(f"-f {path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
-    except yaml.MarkedYAMLError as exc:  # one line, not yaml's excerpt with a caret
-        mark = exc.problem_mark
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ValueError(f"-f {path} is not valid YAML: {exc.problem}{where}") from None
-    except yaml.YAMLError as exc:
-        raise ValueError(f"-f {path} is not valid YAML: {exc}") from None
+    except yaml.YAMLError as exc:  # one line, not yaml's excerpt with a caret
+        raise ValueError(f"-f {path} is not valid YAML: {strict_yaml.problem(exc)}") from None
     if len(documents) > 1:  # kubectl's files often hold several; -f runs one
         kinds = ", ".join(str(d.get("kind")) if isinstance(d, dict) else "?" for d in documents)
         raise ValueError(

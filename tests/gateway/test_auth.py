@@ -127,6 +127,23 @@ def test_no_keys_at_all_is_refused_unless_open(tmp_path):
         _store(tmp_path, "- key: sk-a\n  name: a\n  rpm: 10\n  rpm: \n", "k.yaml")
 
 
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        # PyYAML's message quoted the offending line: the key in plain text in the log.
+        ("- name: bob\n  key: sk-live-bob:secret: 2\n", "mapping values are not allowed here at"),
+        ("- {name: al, key: sk-live-al\n", "expected ',' or '}', but got"),
+        ("- name: al\n  key: sk-live-al\n  key: sk-live-al-2\n", "key 'key' is given twice"),
+    ],
+)
+def test_a_keys_file_that_is_not_yaml_is_named_without_quoting_a_key(tmp_path, text, says):
+    with pytest.raises(ValueError) as refused:
+        _store(tmp_path, text, "k.yaml")
+    message = str(refused.value)
+    assert says in message and " at line " in message, message
+    assert "sk-live" not in message and "\n" not in message
+
+
 def test_a_file_key_named_like_an_environment_key_says_whose_name_it_is(tmp_path):
     path = tmp_path / "keys.json"
     path.write_text(json.dumps([{"name": "env-1", "key": "from-file"}]))
