@@ -12,6 +12,8 @@ import re
 # scheme://user:password@ -> scheme://user:***@ (the user may be empty). The password
 # runs to the URL's last @: a raw @, / or ? in it (p@ss, a base64 password) all hidden.
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^/\s:@]*):\S*@")
+# ...?password=pw: redis-py reads it there too (the usual form for a unix:// socket).
+_QUERY_PASSWORD = re.compile(r"(?i)([?&]password=)[^&#\s]*")
 
 REDIS_URL_FORMS = (
     "redis://[[user]:password@]host[:port][/db], rediss://... or unix://path; "
@@ -21,7 +23,7 @@ REDIS_URL_FORMS = (
 
 def redacted(text: str) -> str:
     """`text` with the password of every URL in it replaced by ***."""
-    return _USERINFO.sub(r"\1:***@", text)
+    return _QUERY_PASSWORD.sub(r"\1***", _USERINFO.sub(r"\1:***@", text))
 
 
 def check_redis_url(url: str, where: str) -> None:

@@ -20,6 +20,12 @@ from tandem.redaction import check_redis_url, redacted
         # A base64 password holds a /; others a ? or #, unencoded.
         ("redis://:Xk9f/p7Lr@127.0.0.1:6379/0", "redis://:***@127.0.0.1:6379/0"),
         ("at redis://:a?b#c@h/0 (x)", "at redis://:***@h/0 (x)"),
+        # The password as a query parameter, which redis-py reads too.
+        (
+            "redis://h:1/0?password=TopSecret (--redis-url)",
+            "redis://h:1/0?password=*** (--redis-url)",
+        ),
+        ("unix:///r.sock?db=1&Password=pw&x=1", "unix:///r.sock?db=1&Password=***&x=1"),
     ],
 )
 def test_a_urls_password_is_starred(text, shown):
