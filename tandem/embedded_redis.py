@@ -3,6 +3,7 @@ with the data it had when it dies (its append-only file)."""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,7 +16,10 @@ from tandem.redis_server import RedisServer
 def start_embedded(folder: Path) -> RedisServer:
     """A Redis keeping an append-only file in `folder`: restarted after a crash, it still
     has the queued requests (and streams, registry) it had. StartError if it cannot start."""
-    server = RedisServer(data_dir=folder, appendonly=True, die_with_us=True)
+    # A password of its own: any user of the machine reaches 127.0.0.1, and without it
+    # could read every prompt and answer, or queue work past the gateway's key.
+    password = secrets.token_urlsafe(24)
+    server = RedisServer(data_dir=folder, appendonly=True, die_with_us=True, password=password)
     # Fresh for each run: a reused --log-dir's file would replay a finished run's
     # queue, whose clients are long gone. Only Redis' files: the folder is the user's.
     server.discard_saved_data()

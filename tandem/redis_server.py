@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -86,6 +87,8 @@ def _bindable(port: int) -> bool:
 
 
 APPEND_ONLY_FILE = "appendonly.aof"
+# Its settings that no command line may show (its password), in its folder.
+CONFIG_FILE = "redis.conf"
 # Its log, in its folder: why it could not start (a port taken) is written there.
 LOG_FILE = "redis.log"
 # The warning-level lines every start logs, which say nothing of why it stopped.
@@ -110,8 +113,14 @@ class RedisServer:
         data_dir: Path | None = None,
         appendonly: bool = False,
         die_with_us: bool = False,
+        password: str | None = None,
     ) -> None:
         self.port = port or free_port()
+        # Asked of every client (tandem up's: other users of the machine reach 127.0.0.1
+        # too). URL-safe characters: the URL carries it as it is.
+        if password is not None and not re.fullmatch(r"[A-Za-z0-9_-]+", password):
+            raise ValueError("a RedisServer password is letters, digits, '-' and '_'")
+        self.password = password
         # Killed when this process dies (tandem up's Redis; parent_death.py).
         self.die_with_us = die_with_us
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="tandem-redis-")
@@ -121,7 +130,8 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        login = f":{self.password}@" if self.password else ""
+        return f"redis://{login}127.0.0.1:{self.port}/0"
 
     @property
     def alive(self) -> bool:
@@ -160,6 +170,13 @@ class RedisServer:
             "logfile": str(self.data_dir / LOG_FILE),
         }
         argv = [str(binary)] + [item for k, v in args.items() for item in (f"--{k}", v)]
+        if self.password is not None:
+            # In a file only its owner reads, not on the command line ps shows.
+            config = self.data_dir / CONFIG_FILE
+            config.touch(mode=0o600)
+            config.chmod(0o600)
+            config.write_text(f"requirepass {self.password}\n")
+            argv.insert(1, str(config))  # the config file comes first, then the options
         self._process = subprocess.Popen(
             argv,
             stdout=subprocess.DEVNULL,

@@ -36,6 +36,7 @@ from tandem.preflight import (
     check_port,
     check_redis,
 )
+from tandem.redaction import redacted
 from tandem.redis_server import RedisServer, free_port
 from tandem.run_folder import claim_run_folder
 from tandem.up_config import UpConfig
@@ -138,7 +139,7 @@ class Stack:
             say("redis      spec.redis is a cluster's: here --redis-url is, else an embedded one")
         if not self.redis_url:
             self._start_redis()
-            say(f"redis      {self.redis_url} (embedded)")
+            say(f"redis      {redacted(self.redis_url)} (embedded, its password in its folder)")
         starting = []
         if self.deployment is not None:
             starting += self._start_actuator(say)  # it says what it starts

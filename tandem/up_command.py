@@ -202,17 +202,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     where.add_argument(
         "--port", type=int, default=UpConfig.port, help="the gateway's port (default: %(default)s)"
     )
+    # Each also read from the environment, as `tandem bench` reads the key and the
+    # engines and gateway the URL: on a command line, ps shows it to every user.
     where.add_argument(
         "--api-key",
         metavar="KEY",
-        help='the key clients send as "Authorization: Bearer KEY" '
-        "(default: a new random key, printed at start)",
+        default=os.environ.get("TANDEM_API_KEY") or None,
+        help='the key clients send as "Authorization: Bearer KEY" (default: '
+        "$TANDEM_API_KEY, else a new random key, printed at start)",
     )
     where.add_argument(
         "--redis-url",
         metavar="URL",
-        help="a running Redis to use, such as redis://127.0.0.1:6379/0 (default: a "
-        "redis-server of its own, started and stopped with the rest)",
+        default=os.environ.get("TANDEM_REDIS_URL") or None,
+        help="a running Redis to use, such as redis://127.0.0.1:6379/0 (default: "
+        "$TANDEM_REDIS_URL, else a redis-server of its own, password-protected, started "
+        "and stopped with the rest)",
     )
     where.add_argument(
         "--ready-timeout",

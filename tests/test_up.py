@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -24,7 +25,7 @@ from support.stacks import running_stack
 from tandem.backlog import enqueue, queue_depth
 from tandem.child import STABLE_AFTER_S, Child
 from tandem.demo import AnswerError, stream_chat
-from tandem.embedded_redis import restart_if_dead
+from tandem.embedded_redis import restart_if_dead, start_embedded
 from tandem.engine.service.work_queue import WorkQueue
 from tandem.keys import Keys
 from tandem.preflight import StartError
@@ -635,3 +636,23 @@ def test_ctrl_c_again_while_the_engines_drain_cuts_the_stop_short(tmp_path, monk
     stopping.join(30)
     assert not stopping.is_alive() and engine.process.poll() is not None
     assert 1.0 + HURRY_S - 0.5 < time.monotonic() - started < 1.0 + HURRY_S + 3
+
+
+def test_the_embedded_redis_asks_a_password_that_no_command_line_shows(tmp_path):
+    # Without one, any user of the machine could read every prompt and answer on
+    # 127.0.0.1, and queue work past the gateway's API key.
+    server = start_embedded(tmp_path / "redis")
+    try:
+        with redis.Redis(port=server.port) as anonymous, pytest.raises(redis.AuthenticationError):
+            anonymous.ping()
+        with redis.Redis.from_url(server.url) as client:
+            assert client.ping()
+        cmdline = Path(f"/proc/{server._process.pid}/cmdline").read_bytes()
+        assert server.password and server.password.encode() not in cmdline
+        assert (tmp_path / "redis" / "redis.conf").stat().st_mode & 0o077 == 0  # owner only
+        server.kill()  # restarted after a crash, it asks the same password
+        assert restart_if_dead(server, print) is None
+        with redis.Redis.from_url(server.url) as client:
+            assert client.ping()
+    finally:
+        server.stop()

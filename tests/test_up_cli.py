@@ -167,7 +167,8 @@ def test_killed_outright_it_takes_everything_it_started_with_it():
                 if line.startswith("Tandem is up"):
                     break
             # Redis rewrites its environment (its process title): found by its port.
-            redis_port = int(re.search(r"redis://127.0.0.1:(\d+)/", "".join(lines)).group(1))
+            said = "".join(lines)
+            redis_port = int(re.search(r"redis://:\*\*\*@127.0.0.1:(\d+)/", said).group(1))
             started = processes_marked(mark)
             assert len(started) == 3, started  # itself, the gateway, an engine
         finally:
@@ -480,7 +481,7 @@ def test_a_stack_that_gives_up_exits_non_zero_and_says_why(tmp_path):
             line = proc.stdout.readline()
             assert line, said
             said += line
-        port = int(re.search(r"redis +redis://127\.0\.0\.1:(\d+)/0", said).group(1))
+        port = int(re.search(r"redis +redis://:\*\*\*@127\.0\.0\.1:(\d+)/0", said).group(1))
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
         (redis_pid,) = [
             int(pid)
