@@ -26,7 +26,7 @@ IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 def disagg(args: argparse.Namespace) -> None:
     results = []
     for workload in study_disagg.WORKLOADS:
-        runs = study_disagg.sweep(workload, args.duration or 120.0, args.seed, log=_log)
+        runs = study_disagg.sweep(workload, args.duration, args.seed, log=_log)
         results.append((workload, runs))
         print(study_disagg.table(workload, runs), "\n", flush=True)
     study_disagg.plot(results, str(args.out / "sim-disagg.png"))
@@ -34,16 +34,17 @@ def disagg(args: argparse.Namespace) -> None:
 
 def intervals(args: argparse.Namespace) -> None:
     by_rate = {}
-    for rate in (args.rate,) if args.rate else study_intervals.RATES:
-        runs = study_intervals.sweep(rate, args.duration or 120.0, args.seed, log=_log)
+    for rate in study_intervals.RATES if args.rate is None else (args.rate,):
+        runs = study_intervals.sweep(rate, args.duration, args.seed, log=_log)
         print(study_intervals.table(runs, rate), "\n", flush=True)
         by_rate[rate] = runs
     study_intervals.plot(by_rate, str(args.out / "sim-intervals.png"))
 
 
 def autoscale(args: argparse.Namespace) -> None:
-    duration = args.duration or study_autoscale.DAY_S
-    requests = study_autoscale.trace(args.rate or 3.0, args.seed, duration)
+    duration = study_autoscale.DAY_S if args.duration is None else args.duration
+    rate = 3.0 if args.rate is None else args.rate
+    requests = study_autoscale.trace(rate, args.seed, duration)
     _log(f"  day trace: {len(requests)} requests")
     windows = [float(w) for w in args.scale_up_windows.split(",")]
     runs = study_autoscale.run_study(requests, until_s=duration, up_windows=windows, log=_log)
@@ -75,6 +76,11 @@ def main() -> None:
         help="folder for the plot (default: docs/img, overwriting the docs' figure)",
     )
     args = parser.parse_args()
+    for flag, value in (("--duration", args.duration), ("--rate", args.rate)):
+        if value is not None and not 0 < value < float("inf"):
+            parser.error(f"{flag} must be a finite number > 0, got {value:g}")
+    if args.duration is None and args.study != "autoscale":
+        args.duration = 120.0  # seconds of arrivals of each disagg / intervals run
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     {"disagg": disagg, "intervals": intervals, "autoscale": autoscale}[args.study](args)

@@ -146,10 +146,19 @@ def _late_share(result: RunResult, bins) -> list[float]:
 
 
 def summary_line(runs: dict[str, RunResult]) -> str:
-    parts = []
-    for name, result in runs.items():
-        s = summarize(result, SLO_DAY)
-        parts.append(
-            f"{name}: attainment {s.attainment:.1%} on {s.gpu_seconds / 3600:,.0f} GPU-hours"
-        )
-    return "; ".join(parts)
+    """Each run's attainment and GPU-hours, then each autoscaled run's ratios against the
+    baseline, the fixed run (the last)."""
+    summaries = {name: summarize(result, SLO_DAY) for name, result in runs.items()}
+    parts = [
+        f"{name}: attainment {s.attainment:.1%} on {s.gpu_seconds / 3600:,.0f} GPU-hours"
+        for name, s in summaries.items()
+    ]
+    *autoscaled, (baseline_name, baseline) = summaries.items()
+    ratios = [
+        f"{name} against {baseline_name}: {baseline.gpu_seconds / s.gpu_seconds:.1f}x fewer "
+        f"GPU-hours, {s.goodput_per_gpu_hour / baseline.goodput_per_gpu_hour:.1f}x the good "
+        "requests per GPU-hour"
+        for name, s in autoscaled
+        if s.gpu_seconds > 0 and baseline.goodput_per_gpu_hour > 0
+    ]
+    return "\n".join(["; ".join(parts), *ratios])
