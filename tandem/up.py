@@ -41,8 +41,11 @@ from tandem.redis_server import RedisServer, free_port
 from tandem.run_folder import claim_run_folder
 from tandem.up_config import UpConfig
 
-# How long stopping may take: the admitted requests answered, every process drained.
+# How long stopping may take: the admitted requests answered, every process drained
+# (engines draining for up to their default 30 s), and more where a manifest's
+# drainTimeoutSeconds is longer (Stack.stop_timeout).
 STOP_TIMEOUT_S = 60.0
+DEFAULT_DRAIN_S = 30.0
 # How long the queue must stay empty at stop: a request the gateway admitted just
 # before may not be queued yet (on a loaded machine its engines were stopped first).
 QUEUE_SETTLE_S = 1.0
@@ -66,6 +69,11 @@ class Stack:
             from tandem.operator.local_actuator import load_manifest
 
             self.deployment = load_manifest(config.manifest)
+        # As a pod's grace period follows drainTimeoutSeconds: engines given longer to
+        # finish their requests were killed after a minute all the same.
+        roles = self.deployment[1].roles().values() if self.deployment is not None else ()
+        longest = max((r.drain_timeout_seconds for r in roles), default=DEFAULT_DRAIN_S)
+        self.stop_timeout = STOP_TIMEOUT_S + max(0.0, longest - DEFAULT_DRAIN_S)
         # Without a log_dir: a temporary one, which stop() removes unless start() failed.
         self._tmp = None if config.log_dir else Path(tempfile.mkdtemp(prefix="tandem-up-"))
         self.log_dir = config.log_dir or self._tmp
@@ -201,7 +209,7 @@ class Stack:
             "--host", cfg.host,
             "--port", str(cfg.port),
             # Its streams end after the engines answered them, at stop()'s pace.
-            "--shutdown-timeout", str(STOP_TIMEOUT_S),
+            "--shutdown-timeout", str(self.stop_timeout),
         ]  # fmt: skip
         return Child(
             "gateway",
@@ -310,17 +318,17 @@ class Stack:
             self._hurry.set()
         self._stop.set()
 
-    def stop(self, timeout: float = STOP_TIMEOUT_S, say=print) -> None:
+    def stop(self, timeout: float | None = None, say=print) -> None:
         """Answer what was admitted, then stop everything; Redis last.
 
         The gateway first takes no new requests (those in flight go on); the
         engines then serve the model's queue until it is empty, since no one
         else will; then they drain, decode engines last (they fetch the prompt
         engines' last KV); then the gateway's streams end. What is still
-        running after `timeout` seconds is killed.
+        running after `timeout` seconds (default: stop_timeout) is killed.
         """
         self._stop.set()
-        at_the_latest = time.monotonic() + timeout
+        at_the_latest = time.monotonic() + (self.stop_timeout if timeout is None else timeout)
 
         def deadline() -> float:
             # Asked as it waits: a second stop request (Ctrl-C again) during the drain

@@ -4,6 +4,7 @@ running), the flags -f replaces refused, a banner that says what runs, a help th
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
 import http.server
 import json
@@ -28,7 +29,7 @@ from support.polling import eventually
 from tandem import cli, up_command
 from tandem.operator.local_actuator import load_manifest
 from tandem.redis_server import free_port
-from tandem.up import Stack, StartError, UpConfig
+from tandem.up import STOP_TIMEOUT_S, Stack, StartError, UpConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -237,6 +238,21 @@ def test_the_banner_reports_the_mode_and_engines_a_manifest_runs(tmp_path):
     text = up_command.banner(stack)
     assert "Tandem is up: disaggregated mode, model 'tiny'" in text
     assert "engines  prefill 1 (autoscaled 1-2), decode 1\n" in text
+
+
+def test_a_manifests_longer_drain_timeout_lengthens_the_stop(tmp_path):
+    # As a pod's grace period follows drainTimeoutSeconds: engines given 300 s to finish
+    # their requests were killed a minute into the stop, and the gateway's streams with them.
+    manifest = copy.deepcopy(DISAGGREGATED)
+    manifest["spec"]["decode"]["drainTimeoutSeconds"] = 300
+    for spec, expected in ((DISAGGREGATED, STOP_TIMEOUT_S), (manifest, STOP_TIMEOUT_S + 270)):
+        stack = Stack(UpConfig(manifest=spec, log_dir=tmp_path / str(expected)))
+        try:
+            assert stack.stop_timeout == expected
+            argv = stack._gateway().argv
+            assert argv[argv.index("--shutdown-timeout") + 1] == str(expected)
+        finally:
+            stack.stop()
 
 
 def test_the_help_of_up_states_its_defaults_and_what_f_needs(capsys):
