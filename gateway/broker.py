@@ -18,9 +18,11 @@ import redis.asyncio as aioredis
 
 from tandem.backlog import (
     ENQUEUE_SCRIPT,
+    WITHDRAW_SCRIPT,
     enqueue_call,
     queue_depth_commands,
     queue_state,
+    withdraw_call,
 )
 from tandem.cancel_notice import cancel_commands
 from tandem.keys import Keys
@@ -47,6 +49,7 @@ class Broker:
         self.reads = reads if reads is not None else client
         self.keys = keys
         self._enqueue = client.register_script(ENQUEUE_SCRIPT)
+        self._withdraw = client.register_script(WITHDRAW_SCRIPT)
 
     async def ping(self, timeout_s: float | None = None) -> bool:
         """Whether Redis answers, within timeout_s: a paused or unresponsive Redis
@@ -128,6 +131,13 @@ class Broker:
         return {
             model: queue_state(results[i * size : (i + 1) * size]) for i, model in enumerate(models)
         }
+
+    async def withdraw(self, model: str, priority: int, entry_ids: Sequence[str]) -> int:
+        """Delete the work entries no engine has read yet, as `backlog.withdraw`; how many."""
+        if not entry_ids:
+            return 0
+        script_keys, args = withdraw_call(self.keys, model, priority, entry_ids)
+        return int(await self._withdraw(keys=script_keys, args=args))
 
     async def cancel(self, request_ids: Sequence[str]) -> None:
         """As `cancellation.cancel`, for several requests in one round trip."""

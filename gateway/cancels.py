@@ -34,6 +34,16 @@ _MOST_BETWEEN_S = 4.0
 
 
 @dataclass(frozen=True)
+class Queued:
+    """Where a request's work entries were queued: those no engine has read yet go with
+    its cancel (backlog.WITHDRAW_SCRIPT), and count no more against the queue."""
+
+    model: str
+    priority: int
+    entry_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Cancel:
     """One request's work to cancel."""
 
@@ -45,6 +55,8 @@ class Cancel:
     # first (the id is the attempt's own), and the work is cancelled only if it was the
     # last. For an attempt that could not reach Redis to leave when it ended.
     if_last_of: str | None = None
+    # Its entries' place in the queue, where known (not for work it attached to).
+    queued: Queued | None = None
 
 
 class Cancels:
@@ -130,6 +142,9 @@ class Cancels:
         if shared and await self.ledger.leave(cancel.ledger_key, cancel.base_id) > 0:
             return  # another attempt still reads it
         await self.broker.cancel(list(cancel.request_ids))
+        if cancel.queued is not None:  # after the cancel keys: an engine reading it now drops it
+            q = cancel.queued
+            await self.broker.withdraw(q.model, q.priority, q.entry_ids)
         if cancel.ledger_key is not None:  # a retry must queue afresh, not attach
             await self.ledger.release(cancel.ledger_key, cancel.base_id)
         self.metrics.cancelled(cancel.why, len(cancel.request_ids))

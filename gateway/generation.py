@@ -19,7 +19,7 @@ from redis.exceptions import RedisError
 
 from tandem.gateway.admission import Ticket
 from tandem.gateway.broker import Broker
-from tandem.gateway.cancels import Cancel, Cancels
+from tandem.gateway.cancels import Cancel, Cancels, Queued
 from tandem.gateway.directory import ModelDirectory
 from tandem.gateway.errors import (
     SERVER,
@@ -286,8 +286,11 @@ class Generation:
         self._abandoned = True
         ids = tuple(self.ticket.request_ids[i] for i in sorted(self._open))
         key = self.ticket.ledger_key
+        queued = self._queued()
         if last_only:  # Redis away: leaving and cancelling wait for it, together
-            shared = Cancel(self.ticket.base_id, ids, why, key, if_last_of=self.job.base_id)
+            shared = Cancel(
+                self.ticket.base_id, ids, why, key, if_last_of=self.job.base_id, queued=queued
+            )
             await self.cancels.cancel(shared, _REDIS_ASIDE_S)
             return
         started = time.monotonic()
@@ -299,4 +302,14 @@ class Generation:
                 )
                 return
         left = max(0.0, _REDIS_ASIDE_S - (time.monotonic() - started))
-        await self.cancels.cancel(Cancel(self.ticket.base_id, ids, why, key), left)
+        await self.cancels.cancel(Cancel(self.ticket.base_id, ids, why, key, queued=queued), left)
+
+    def _queued(self) -> Queued | None:
+        """Where the open choices' work entries were queued (unknown when attached):
+        as the loss watch last queued them, if Redis lost them and it queued them again."""
+        known = self.watch.entry_ids if self.watch is not None else self.ticket.entry_ids
+        entries = tuple(known[i] for i in sorted(self._open) if i < len(known) and known[i])
+        if not entries:
+            return None
+        first = self.job.items[0]
+        return Queued(first.model, first.priority, entries)

@@ -66,6 +66,71 @@ return ids
 """
 
 
+# Takes back work entries no engine has read yet: those past the group's last-delivered
+# id (every one while no engine created the group). KEYS: the work stream, the model's
+# queued-tokens counter. ARGV: the group, then the entry ids. Deletes each such entry
+# and takes its tokens off the counter; returns how many it deleted. For work the
+# gateway cancelled (its client left, its deadline passed): left queued, it counted
+# against --max-queue, and the autoscaler's backlog, until an engine had room to read
+# and drop it. One read by an engine (pending, or acked and gone) is its engine's.
+WITHDRAW_SCRIPT = (
+    """
+local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
+if not ok then return 0 end
+local last = nil
+for _, group in ipairs(groups) do
+  local info = {}
+  for i = 1, #group, 2 do info[group[i]] = group[i + 1] end
+  if info['name'] == ARGV[1] then last = info['last-delivered-id'] end
+end
+local function after(id, mark)
+  local a, b = string.match(id, '^(%d+)-(%d+)$')
+  local c, d = string.match(mark, '^(%d+)-(%d+)$')
+  if not (a and c) then return false end
+  a, b, c, d = tonumber(a), tonumber(b), tonumber(c), tonumber(d)
+  return a > c or (a == c and b > d)
+end
+local withdrawn, tokens = 0, 0
+for n = 2, #ARGV do
+  local id = ARGV[n]
+  if last == nil or after(id, last) then
+    local entry = redis.call('XRANGE', KEYS[1], id, id)
+    if #entry > 0 then
+      local fields = entry[1][2]
+      for i = 1, #fields, 2 do
+        if fields[i] == '"""
+    + TOKENS_FIELD
+    + """' then
+          tokens = tokens + tonumber(fields[i + 1])
+        end
+      end
+      redis.call('XDEL', KEYS[1], id)
+      withdrawn = withdrawn + 1
+    end
+  end
+end
+if tokens > 0 then redis.call('DECRBY', KEYS[2], tokens) end
+return withdrawn
+"""
+)
+
+
+def withdraw_call(
+    keys: Keys, model: str, priority: int, entry_ids: Sequence[str]
+) -> tuple[list[str], list[str]]:
+    """WITHDRAW_SCRIPT's keys and arguments for entries of one model and priority."""
+    stream = keys.work_stream(model, priority)
+    return [stream, keys.queued_tokens(model)], [WORK_GROUP, *entry_ids]
+
+
+def withdraw(
+    client: redis.Redis, keys: Keys, model: str, priority: int, entry_ids: Sequence[str]
+) -> int:
+    """Delete the entries no engine has read yet (WITHDRAW_SCRIPT); how many."""
+    script_keys, args = withdraw_call(keys, model, priority, entry_ids)
+    return int(client.register_script(WITHDRAW_SCRIPT)(keys=script_keys, args=args))
+
+
 def enqueue_call(keys: Keys, items: Sequence[WorkItem]) -> tuple[list[str], list[Any]]:
     """ENQUEUE_SCRIPT's keys and arguments for items of one model and priority."""
     if not items:

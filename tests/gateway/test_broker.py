@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 import pytest
 import redis.asyncio as aioredis
 
-from tandem.backlog import ENQUEUE_SCRIPT, enqueue, queue_depth
+from tandem.backlog import ENQUEUE_SCRIPT, enqueue, queue_depth, withdraw
 from tandem.engine.service.cancellation import is_cancelled
 from tandem.engine.service.registry import Registry
 from tandem.engine.service.responses import ResponseWriter
@@ -60,6 +60,29 @@ def test_n_items_queue_in_one_transaction_and_an_engine_takes_them(redis_url, ke
     pulled = queue.pull(10)
     assert [d.request_id for d in pulled.work] == ["r-0", "r-1", "r-2"]
     assert int(redis_client.get(keys.queued_tokens("m"))) == 0
+
+
+@pytest.mark.parametrize("twin", ["gateway", "original"])
+def test_withdrawing_takes_back_only_what_no_engine_read(redis_url, keys, redis_client, twin):
+    items = [WorkItem(f"w-{i}", "m", prompt="x", estimated_prompt_tokens=3) for i in range(4)]
+    ids = [enqueue(redis_client, keys, items[0])]  # before any engine made the group
+    withdraw_first = (
+        _run(redis_url, keys, lambda b: b.withdraw("m", 1, ids))
+        if twin == "gateway"
+        else withdraw(redis_client, keys, "m", 1, ids)
+    )
+    assert withdraw_first == 1 and int(redis_client.get(keys.queued_tokens("m"))) == 0
+    ids = [enqueue(redis_client, keys, item) for item in items[1:]]
+    queue = WorkQueue(redis_client, keys, "m", Role.NORMAL, "engine-1")
+    assert [d.request_id for d in queue.pull(1).work] == ["w-1"]  # read: its engine's
+    withdrawn = (
+        _run(redis_url, keys, lambda b: b.withdraw("m", 1, [*ids, ids[-1]]))
+        if twin == "gateway"
+        else withdraw(redis_client, keys, "m", 1, [*ids, ids[-1]])
+    )
+    assert withdrawn == 2  # w-2 and w-3, once each
+    depth = queue_depth(redis_client, keys, "m")
+    assert (depth.total_waiting, depth.pending, depth.queued_tokens) == (0, 1, 0)
 
 
 def test_a_request_id_is_queued_once_however_often_it_is_enqueued(redis_url, keys, redis_client):

@@ -5,13 +5,13 @@ stand-in engine (a registry entry; the test writes the engine's error events).""
 from __future__ import annotations
 
 import threading
-import time
 
 import openai
 import pytest
 
 from tandem.engine.service.responses import ResponseWriter
-from tandem.protocol import PRIORITY_NORMAL, ErrorCode, ResponseEvent, WorkItem
+from tandem.engine.service.work_queue import WorkQueue
+from tandem.protocol import ErrorCode, ResponseEvent, Role
 
 from .live import STAND_IN
 
@@ -23,23 +23,22 @@ def gateway(stand_in_gateway):
     return stand_in_gateway
 
 
-def _failing_engine(conn, keys, code: str, stop: threading.Event) -> threading.Thread:
-    """Answers every request queued for MODEL with the error `code`, as engines would."""
+def _failing_engine(conn, keys, code: str, stop: threading.Event) -> list[str]:
+    """Takes every request queued for MODEL and answers it with the error `code`, as
+    engines would; the ids it took, as it takes them."""
+    taken: list[str] = []
 
     def run() -> None:
         writer = ResponseWriter(conn, keys, "stand-in-engine")
-        stream, answered = keys.work_stream(MODEL, PRIORITY_NORMAL), 0
+        queue = WorkQueue(conn, keys, MODEL, Role.NORMAL, "stand-in-engine")
         while not stop.is_set():
-            for _, fields in conn.xrange(stream)[answered:]:
-                rid = WorkItem.from_fields(fields).request_id
-                writer.add(rid, ResponseEvent.error(code, f"failed: {code}", "e"))
+            for delivery in queue.pull(8, block_ms=20).work:
+                taken.append(delivery.request_id)
+                writer.add(delivery.request_id, ResponseEvent.error(code, f"failed: {code}", "e"))
                 writer.flush()
-                answered += 1
-            time.sleep(0.02)
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=run, daemon=True).start()
+    return taken
 
 
 @pytest.mark.parametrize(
@@ -58,7 +57,7 @@ def test_the_sdk_retries_only_the_engine_failures_a_retry_may_mend(
 ):
     live, conn = gateway
     stop = threading.Event()
-    engine = _failing_engine(conn, keys, code, stop)
+    taken = _failing_engine(conn, keys, code, stop)
     client = live.openai(max_retries=2)
     try:
         with pytest.raises(openai.APIStatusError) as raised:
@@ -67,8 +66,6 @@ def test_the_sdk_retries_only_the_engine_failures_a_retry_may_mend(
             )
     finally:
         stop.set()
-        engine.join(5)
     assert raised.value.status_code == status
     assert raised.value.body["code"] == code
-    queued = conn.xlen(keys.work_stream(MODEL, PRIORITY_NORMAL))
-    assert queued == (3 if retried else 1)  # the first try and the SDK's two retries
+    assert len(taken) == (3 if retried else 1)  # the first try and the SDK's two retries

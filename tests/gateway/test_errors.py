@@ -7,6 +7,7 @@ import gzip
 import json
 import re
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -364,18 +365,30 @@ def test_four_stop_sequences_and_every_openai_message_field_pass(gateway):
 def test_a_deadline_cancels_the_queued_work(gateway, shared_keys):
     live, conn = gateway
     before = live.metric("tandem_gateway_cancellations_total", why="deadline")
-    with live.http() as client:
-        reply = client.post(
-            "/v1/completions",
-            json={"model": SLOW_CANCEL, "prompt": "x", "max_tokens": 3},
-            headers={"X-Tandem-Timeout": "0.2"},
-        )
-    assert reply.status_code == 504
+    stream = shared_keys.work_stream(SLOW_CANCEL, 1)
+    replies: list[httpx.Response] = []
+
+    def ask() -> None:
+        with live.http() as client:
+            replies.append(
+                client.post(
+                    "/v1/completions",
+                    json={"model": SLOW_CANCEL, "prompt": "x", "max_tokens": 3},
+                    headers={"X-Tandem-Timeout": "1"},
+                )
+            )
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    assert eventually(lambda: conn.xlen(stream) == 1)
+    [(_, queued)] = conn.xrange(stream)
+    work = WorkItem.from_fields(queued)
+    assert work.deadline is not None and work.deadline - work.created_at == pytest.approx(1)
+    asking.join(30)
+    assert replies[0].status_code == 504
     assert live.metric("tandem_gateway_cancellations_total", why="deadline") == before + 1
-    [(_, newest)] = conn.xrange(shared_keys.work_stream(SLOW_CANCEL, 1))
-    work = WorkItem.from_fields(newest)
     assert is_cancelled(conn, shared_keys, work.request_id)
-    assert work.deadline is not None and work.deadline - work.created_at == pytest.approx(0.2)
+    assert conn.xlen(stream) == 0  # no engine had read it: taken back out of the queue
 
 
 def test_rejections_are_counted_by_reason(gateway):

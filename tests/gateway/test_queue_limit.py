@@ -10,7 +10,9 @@ from collections import Counter
 import httpx
 import pytest
 import redis
+from support.polling import eventually
 
+from tandem.backlog import queue_depth
 from tandem.engine.service.registry import Registry
 from tandem.gateway.auth import KeyStore
 from tandem.protocol import PRIORITY_NORMAL
@@ -50,5 +52,29 @@ def test_a_burst_of_concurrent_requests_queues_no_more_than_the_limit(gateway, k
         return Counter(answer.status_code for answer in answers)
 
     answered = asyncio.run(burst())
-    assert conn.xlen(keys.work_stream(MODEL, PRIORITY_NORMAL)) == LIMIT
     assert answered == {429: 20 - LIMIT, 504: LIMIT}  # the queued ones: nobody took them
+    # Their deadlines passed: taken back out of the queue, as nobody had read them.
+    assert conn.xlen(keys.work_stream(MODEL, PRIORITY_NORMAL)) == 0
+
+
+def test_work_nobody_waits_for_any_more_leaves_the_queue(gateway, keys):
+    # Timed out (504) or left by its client, queued work kept its place until an engine
+    # had room to read and drop it: live requests got 429 queue_full meanwhile, and the
+    # autoscaler counted the dead work as backlog.
+    live, conn = gateway
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=live.url, headers=headers) as client:
+        for _ in range(LIMIT):  # the queue filled with work whose deadline passes
+            timed_out = client.post(
+                "/v1/chat/completions", json=body, headers={"X-Tandem-Timeout": "0.5"}
+            )
+            assert timed_out.status_code == 504
+        with pytest.raises(httpx.ReadTimeout):  # a client that leaves while it waits
+            client.post("/v1/chat/completions", json=body, timeout=0.5)
+    stream = keys.work_stream(MODEL, PRIORITY_NORMAL)
+    assert eventually(lambda: conn.xlen(stream) == 0), conn.xlen(stream)
+    assert queue_depth(conn, keys, MODEL).queued_tokens == 0
+    with httpx.Client(base_url=live.url, headers=headers) as client:
+        again = client.post("/v1/chat/completions", json=body, headers={"X-Tandem-Timeout": "0.5"})
+    assert again.status_code == 504, again.text  # queued (nobody serves it), not 429
