@@ -47,7 +47,7 @@ def restart_if_dead(server: RedisServer, say: Callable[[str], None]) -> str | No
     say(f"redis exited ({server.returncode}); restarting it on port {server.port} {kept}")
     try:
         server.start()
-    except (RuntimeError, redis.RedisError) as exc:  # the port taken
+    except (RuntimeError, OSError, redis.RedisError) as exc:  # the port taken, a full disk
         say(f"redis could not restart: {exc}; stopping")
         return f"the embedded Redis could not restart: {exc}"
     return None

@@ -8,6 +8,7 @@ leaving the `with` block) ends it.
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 import re
 import shutil
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -159,6 +161,10 @@ class RedisServer:
         appendonly the data it had)."""
         binary = find_redis_server()
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        if self.password is not None:
+            # Its append-only file holds every prompt and answer: its owner's alone, in a
+            # folder of the owner's alone (a --log-dir's folder is as the user made it).
+            self.data_dir.chmod(0o700)
         args = {
             "port": str(self.port),
             "bind": "127.0.0.1",
@@ -181,7 +187,7 @@ class RedisServer:
             argv,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            preexec_fn=parent_death.preexec() if self.die_with_us else None,
+            preexec_fn=self._preexec(),
             # A child of tandem up: the terminal's Ctrl-C (SIGINT to its foreground
             # group) is for tandem up, which stops the stack in order; Redis took it
             # too and went at once, taking every request in flight with it.
@@ -203,6 +209,20 @@ class RedisServer:
                 time.sleep(0.05)
             finally:
                 client.close()
+
+    def _preexec(self) -> Callable[[], None] | None:
+        """What the server's process runs before redis-server: dying with this one
+        (die_with_us), and with a password, files its owner's alone (umask 077)."""
+        dies = parent_death.preexec() if self.die_with_us else None
+        if self.password is None:
+            return dies
+
+        def in_child() -> None:  # between fork and exec: system calls, nothing more
+            os.umask(0o077)
+            if dies is not None:
+                dies()
+
+        return in_child
 
     def _last_words(self) -> str:
         """Why it exited: its stderr (a bad argument), else its log's last warning (a

@@ -649,7 +649,13 @@ def test_the_embedded_redis_asks_a_password_that_no_command_line_shows(tmp_path)
             assert client.ping()
         cmdline = Path(f"/proc/{server._process.pid}/cmdline").read_bytes()
         assert server.password and server.password.encode() not in cmdline
-        assert (tmp_path / "redis" / "redis.conf").stat().st_mode & 0o077 == 0  # owner only
+        with redis.Redis.from_url(server.url) as client:
+            client.xadd("prompts", {"text": "a secret prompt"})  # in its append-only file
+        # Owner only: its folder, its password, and the data (every prompt and answer).
+        folder = tmp_path / "redis"
+        assert folder.stat().st_mode & 0o077 == 0
+        for name in ("redis.conf", "appendonly.aof", "redis.log"):
+            assert (folder / name).stat().st_mode & 0o077 == 0, name
         server.kill()  # restarted after a crash, it asks the same password
         assert restart_if_dead(server, print) is None
         with redis.Redis.from_url(server.url) as client:
