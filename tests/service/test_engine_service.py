@@ -519,11 +519,12 @@ def test_cancelling_a_request_whose_kv_is_offered_unpins_it_at_once(
     assert eventually(lambda: conn.xlen(keys.handoff_stream("tiny")) == 0)
     conn.close()
     assert decode.metric("tandem_engine_kv_transfer_bytes_total") == 0
-    # Counted once, where it ended (the decoder found it ended): without `handoff`, the
-    # engines' outcomes count each choice once, as docs/metrics.md says to read them.
+    # Counted once, by the decoder that takes the handoff (no engine counted it): without
+    # `handoff`, the engines' outcomes count each choice once, as docs/metrics.md says.
     ended = "tandem_engine_requests_total"
-    assert prompt.metric(ended, outcome="cancelled") == 1
-    assert decode.metric(ended) == 0
+    assert eventually(lambda: decode.metric(ended, outcome="cancelled") == 1)
+    assert prompt.metric(ended, outcome="cancelled") == 0
+    assert prompt.metric(ended, outcome="handoff") == 1
 
 
 def test_offered_kv_is_served_only_to_a_fetch_with_the_handoffs_token(

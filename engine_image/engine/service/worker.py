@@ -184,9 +184,6 @@ class EngineWorker(Intake):
             if handoffs is not None and handoffs.offered(rid):
                 # No decoder will fetch it: unpin its KV now, not at the offer's expiry.
                 handoffs.withdraw_cancelled(self.engine, rid, self.io, CANCELLED)
-                # Its end is here (the decoder finds it ended and counts nothing): counted
-                # once beside the offer's `handoff`, as a decoder counts the choices it ends.
-                self.metrics.request_ended(str(ErrorCode.CANCELLED))
             self._end(rid, ErrorCode.CANCELLED, CANCELLED)
             ended = True
         if self.handoffs is not None:

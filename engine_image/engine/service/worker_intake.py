@@ -151,6 +151,14 @@ class Intake:
             self.replies.fail(delivery, work, ErrorCode.ENGINE_ERROR, str(exc))
             return
         if history.final is not None:  # it already ended: never run it twice
+            final = history.final
+            by_prompt = isinstance(message, Handoff) and final.engine_id == message.prompt_engine
+            if by_prompt and final.error_code is not None:
+                # Its prompt engine ended it while the handoff waited (its client left):
+                # counted here, as a decoder counts the end of every handoff it takes (a
+                # prompt engine counts `handoff`; counted on both sides, a decoder mid-fetch
+                # as the cancel came would count it twice).
+                self.metrics.request_ended(str(final.error_code))
             self._to_ack.append(delivery)
             return
         # An ending's offset counts the tokens its stream already holds: a prompt
