@@ -79,14 +79,14 @@ class Cancels:
         self._retries: asyncio.Task[None] | None = None
         self._stepping_aside: set[asyncio.Task[None]] = set()
 
-    async def leave(self, ledger_key: str, base_id: str, within: float) -> int:
-        """One reader of shared work left: how many still read it (0: cancel it).
-        Redis unreadable: 0, as if alone (at worst, another reader's answer ends)."""
+    async def leave(self, ledger_key: str, base_id: str, within: float) -> int | None:
+        """One reader of shared work left: how many still read it (0: cancel it). None:
+        Redis unreadable; cancelled as if alone (at worst, another reader's answer ends)."""
         try:
             async with asyncio.timeout(within):
                 return await self.ledger.leave(ledger_key, base_id)
         except (RedisError, OSError):  # TimeoutError is an OSError
-            return 0
+            return None
 
     async def cancel(self, cancel: Cancel, within: float) -> None:
         """Cancel now if Redis takes it within `within` s, else as soon as it does.

@@ -301,6 +301,10 @@ class Generation:
                     "%s (%s): %d other attempts still read it", self.ticket.base_id, why, others
                 )
                 return
+            if others is None:
+                # Whether another attempt reads it is unknown: its entries stay for an
+                # engine to end with a `cancelled` event, which such a reader reads too.
+                queued = None
         left = max(0.0, _REDIS_ASIDE_S - (time.monotonic() - started))
         await self.cancels.cancel(Cancel(self.ticket.base_id, ids, why, key, queued=queued), left)
 
