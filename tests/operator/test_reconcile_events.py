@@ -337,7 +337,6 @@ def test_an_older_model_refused_before_it_served_does_not_hold_the_name(reason):
     refused["status"] = {"phase": "Invalid", "reason": reason, "observedGeneration": 1}
     valid = model_named("a", "2026-01-01T00:00:02Z", "llama")
     assert served_name_holder(valid, [refused, valid], SHARED) is None
-    assert served_name_holder(refused, [refused, valid], SHARED) == "claimed by ModelDeployment a"
     # Edited since (a fix not yet looked at): it claims again, as the older.
     refused["metadata"]["generation"] = 2
     assert served_name_holder(valid, [refused, valid], SHARED) == "claimed by ModelDeployment b"
