@@ -51,22 +51,32 @@ def run_ranks(args: argparse.Namespace, serve: Serve) -> int:
     signal.signal(signal.SIGINT, forward)
     # A rank that fails (a port taken, a bad device) leaves its peers blocked in a
     # collective for good: end the whole group, so the process exits and is restarted.
-    while any(proc.is_alive() for proc in procs):
-        multiprocessing.connection.wait([proc.sentinel for proc in procs], timeout=1.0)
-        failed = [proc for proc in procs if proc.exitcode not in (None, 0)]
+    # Taken as they end: the first to fail is named, not a peer that failed after it
+    # (its collective broken: "Connection closed by peer").
+    running = {proc.sentinel: proc for proc in procs}
+    while running:
+        ready = multiprocessing.connection.wait(list(running), timeout=1.0)
+        ended = [running.pop(sentinel) for sentinel in ready]
+        for proc in ended:
+            proc.join()  # its sentinel may be ready a moment before its exit code
+        failed = [proc for proc in ended if proc.exitcode != 0]
         if failed:
-            first = failed[0]
-            code = first.exitcode or 1
-            how = f"signal {-code}" if code < 0 else f"code {code}"
             # Its last words may be none (SIGKILL, the OOM killer): the group's log
-            # must say which rank ended it, or the pod's message says nothing.
-            log.error("%s exited (%s): ending the group", first.name, how)
+            # must say which rank ended it, or the pod's message says nothing. Those
+            # that ended together are all named: which failed first is not known then.
+            said = ", ".join(f"{proc.name} exited ({_how(proc.exitcode)})" for proc in failed)
+            log.error("%s: ending the group", said)
+            code = failed[0].exitcode or 1
             for proc in procs:
                 if proc.is_alive():
                     proc.kill()
                 proc.join()
             return code if code > 0 else 1
     return 0
+
+
+def _how(code: int) -> str:
+    return f"signal {-code}" if code < 0 else f"code {code}"
 
 
 def _rank_main(
@@ -90,8 +100,8 @@ def _rank_main(
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    try:
-        code = serve(args, rank, distributed_vote())
-    finally:
-        dist.destroy_process_group()
+    code = serve(args, rank, distributed_vote())
+    # Only after a clean run: a rank that fails keeps its connections until it has exited,
+    # so its peers, whose collectives break only then, never exit first in its stead.
+    dist.destroy_process_group()
     raise SystemExit(code)
