@@ -42,12 +42,11 @@ def intervals(args: argparse.Namespace) -> None:
 
 
 def autoscale(args: argparse.Namespace) -> None:
-    duration = study_autoscale.DAY_S if args.duration is None else args.duration
     rate = 3.0 if args.rate is None else args.rate
-    requests = study_autoscale.trace(rate, args.seed, duration)
+    requests = study_autoscale.trace(rate, args.seed, args.duration)
     _log(f"  day trace: {len(requests)} requests")
     windows = [float(w) for w in args.scale_up_windows.split(",")]
-    runs = study_autoscale.run_study(requests, until_s=duration, up_windows=windows, log=_log)
+    runs = study_autoscale.run_study(requests, until_s=args.duration, up_windows=windows, log=_log)
     print(study_autoscale.table(runs))
     print(study_autoscale.summary_line(runs))
     study_autoscale.plot(requests, runs, str(args.out / "sim-autoscale.png"))
@@ -79,8 +78,8 @@ def main() -> None:
     for flag, value in (("--duration", args.duration), ("--rate", args.rate)):
         if value is not None and not 0 < value < float("inf"):
             parser.error(f"{flag} must be a finite number > 0, got {value:g}")
-    if args.duration is None and args.study != "autoscale":
-        args.duration = 120.0  # seconds of arrivals of each disagg / intervals run
+    if args.duration is None:  # a day for the autoscaler; each disagg / intervals run 120 s
+        args.duration = study_autoscale.DAY_S if args.study == "autoscale" else 120.0
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     {"disagg": disagg, "intervals": intervals, "autoscale": autoscale}[args.study](args)

@@ -92,8 +92,9 @@ def main(args: argparse.Namespace) -> int:
         except OSError as exc:
             write_failed("--plot", args.plot, exc)
             return 1
-        for path in paths if not args.json else ():
-            say(f"wrote {path}")
+        if not args.json:
+            for path in paths:
+                say(f"wrote {path}")
     return 0
 
 

@@ -68,13 +68,12 @@ return ids
 
 # Takes back work entries no engine has read yet: those past the group's last-delivered
 # id (every one while no engine created the group). KEYS: the work stream, the model's
-# queued-tokens counter. ARGV: the group, then the entry ids. Deletes each such entry
-# and takes its tokens off the counter; returns how many it deleted. For work the
-# gateway cancelled (its client left, its deadline passed): left queued, it counted
-# against --max-queue, and the autoscaler's backlog, until an engine had room to read
-# and drop it. One read by an engine (pending, or acked and gone) is its engine's.
-WITHDRAW_SCRIPT = (
-    """
+# queued-tokens counter. ARGV: the group, the tokens field, then the entry ids. Deletes
+# each such entry and takes its tokens off the counter; returns how many it deleted. For
+# work the gateway cancelled (its client left, its deadline passed): left queued, it
+# counted against --max-queue, and the autoscaler's backlog, until an engine had room to
+# read and drop it. One read by an engine (pending, or acked and gone) is its engine's.
+WITHDRAW_SCRIPT = """
 local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
 if not ok then return 0 end
 local last = nil
@@ -91,18 +90,14 @@ local function after(id, mark)
   return a > c or (a == c and b > d)
 end
 local withdrawn, tokens = 0, 0
-for n = 2, #ARGV do
+for n = 3, #ARGV do
   local id = ARGV[n]
   if last == nil or after(id, last) then
     local entry = redis.call('XRANGE', KEYS[1], id, id)
     if #entry > 0 then
       local fields = entry[1][2]
       for i = 1, #fields, 2 do
-        if fields[i] == '"""
-    + TOKENS_FIELD
-    + """' then
-          tokens = tokens + tonumber(fields[i + 1])
-        end
+        if fields[i] == ARGV[2] then tokens = tokens + tonumber(fields[i + 1]) end
       end
       redis.call('XDEL', KEYS[1], id)
       withdrawn = withdrawn + 1
@@ -112,7 +107,6 @@ end
 if tokens > 0 then redis.call('DECRBY', KEYS[2], tokens) end
 return withdrawn
 """
-)
 
 
 def withdraw_call(
@@ -120,7 +114,7 @@ def withdraw_call(
 ) -> tuple[list[str], list[str]]:
     """WITHDRAW_SCRIPT's keys and arguments for entries of one model and priority."""
     stream = keys.work_stream(model, priority)
-    return [stream, keys.queued_tokens(model)], [WORK_GROUP, *entry_ids]
+    return [stream, keys.queued_tokens(model)], [WORK_GROUP, TOKENS_FIELD, *entry_ids]
 
 
 def withdraw(

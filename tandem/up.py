@@ -90,9 +90,9 @@ class Stack:
         # are unique among a Redis' live engines, and two stacks on one --redis-url
         # shared theirs (one's drain deleted the other's registry entry).
         self._run_id = secrets.token_hex(3)
-        # A second stop request (Ctrl-C again): stop without waiting for the queue.
-        self._hurry = threading.Event()
-        self._hurried_at = 0.0  # when the second stop request came (once _hurry is set)
+        # When a second stop request (Ctrl-C again) came: the stop waits no more for the
+        # queue, and cuts what still runs HURRY_S after it.
+        self._hurried_at: float | None = None
 
     @property
     def url(self) -> str:
@@ -313,9 +313,8 @@ class Stack:
             client.close()
 
     def request_stop(self) -> None:
-        if self._stop.is_set() and not self._hurry.is_set():
+        if self._stop.is_set() and self._hurried_at is None:
             self._hurried_at = time.monotonic()
-            self._hurry.set()
         self._stop.set()
 
     def stop(self, timeout: float | None = None, say=print) -> None:
@@ -333,7 +332,7 @@ class Stack:
         def deadline() -> float:
             # Asked as it waits: a second stop request (Ctrl-C again) during the drain
             # cuts what still runs after HURRY_S too, not only one during the queue's wait.
-            if not self._hurry.is_set():
+            if self._hurried_at is None:
                 return at_the_latest
             return min(at_the_latest, self._hurried_at + HURRY_S)
 
@@ -387,7 +386,7 @@ class Stack:
         client = redis.Redis.from_url(self.redis_url, socket_timeout=2)
         empty_since, next_evaluation = None, 0.0
         try:
-            while time.monotonic() < deadline and not self._hurry.is_set():
+            while time.monotonic() < deadline and self._hurried_at is None:
                 if answers_owed(client, Keys(), self.config.name, time.time()):
                     empty_since = None
                     self._restart_dead(say, gateway=False)
