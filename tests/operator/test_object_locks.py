@@ -15,10 +15,13 @@ async def test_passes_of_one_object_take_turns_and_leave_nothing_behind():
     locks = ObjectLocks()
     inside: list[str] = []
     most = 0
+    beside_m: list[str] = []  # what of "m" was inside as "c" came in
 
     async def pass_(key: str, who: str) -> None:
         nonlocal most
         async with locks.hold(key):
+            if who == "c":
+                beside_m.extend(inside)
             inside.append(who)
             most = max(most, inside.count("a") + inside.count("b"))
             await asyncio.sleep(0.01)
@@ -28,6 +31,7 @@ async def test_passes_of_one_object_take_turns_and_leave_nothing_behind():
     # deletion), one of another that need not wait.
     await asyncio.gather(pass_("m", "a"), pass_("m", "b"), pass_("m", "a"), pass_("n", "c"))
     assert most == 1  # never two of "m" at once
+    assert beside_m == ["a"]  # "n" ran beside "m": one slow model holds up no other
     assert len(locks) == 0  # the object gone, so is its lock
 
 

@@ -54,3 +54,29 @@ def test_reads_never_go_down_whatever_the_interleaving():
     thread.join()
     assert len(seen) > 10
     assert all(b >= a for a, b in itertools.pairwise(seen))
+
+
+def test_a_reader_and_the_writer_never_add_the_same_span():
+    # The writer is held inside its addition (its value's product waits); a
+    # reader at the same time must wait for it, not add the span a second time.
+    inside, entries = threading.Condition(), []
+
+    class HeldValue(float):
+        def __mul__(self, other: float) -> float:
+            with inside:
+                entries.append(other)
+                inside.notify_all()
+                inside.wait_for(lambda: len(entries) > 1, timeout=0.2)
+            return float(self) * other
+
+    integral = TimeIntegral(now=0.0, value=HeldValue(10.0))
+    writer = threading.Thread(target=integral.set, args=(0.0,), kwargs={"now": 5.0})
+    writer.start()
+    with inside:
+        assert inside.wait_for(lambda: entries, timeout=5)
+    reader = threading.Thread(target=integral.total, args=(5.0,))
+    reader.start()
+    writer.join(5)
+    reader.join(5)
+    assert entries == [5.0]  # the reader found the span added, not still to add
+    assert integral.total(5.0) == pytest.approx(50.0)
