@@ -159,9 +159,12 @@ def decide(
         role, observed.current_replicas, observed.pods, observed.ready_pods, queue, policy
     )
     # A fresh history (operator restart) starts the idle clock now: an unknown
-    # past never counts as idle time.
+    # past never counts as idle time. Nor does a time when no pod of the role read
+    # ready: a pod still loading after a scale from zero has served nothing yet, and
+    # pods whose metrics cannot be read may run a request between every two scrapes
+    # (what `stepped` tells); either way the role was never seen idle (rule 2).
     last_active = history.last_active_at
-    if demand.active or last_active is None:
+    if demand.active or last_active is None or not observed.ready_pods:
         last_active = now
     idle_zero = (
         policy.min_replicas == 0

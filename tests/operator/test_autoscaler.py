@@ -427,9 +427,12 @@ def test_pods_never_read_are_not_said_readable_again_at_zero_nor_after():
         said.extend(e.reason for e in readability_events({NORMAL: loop.step(obs_for, q)}))
 
     unreadable = lambda n: RoleObservation(n, (), unreadable=n)  # noqa: E731
-    for _ in range(12):  # idle past scaleToZeroAfterSeconds, then at zero
+    for _ in range(12):  # past scaleToZeroAfterSeconds, never seen idle: held
         step(unreadable, queue())
-    assert loop.replicas == 0 and said == ["MetricsUnreadable"]
+    assert loop.replicas == 1 and said == ["MetricsUnreadable"]
+    loop.replicas = 0  # taken to zero by an edit of spec.replicas
+    step(unreadable, queue())
+    assert said == ["MetricsUnreadable"]
     step(unreadable, queue(waiting=3))  # woken, still unreadable: nothing new to say
     step(unreadable, queue(waiting=3))
     assert loop.replicas == 1 and said == ["MetricsUnreadable"]
@@ -451,6 +454,33 @@ def test_pods_kubernetes_reports_ready_are_up_for_the_step_limit_whatever_their_
     flood = queue(tokens=40 * TOKENS)
     assert once(NORMAL, RoleObservation(8, hot, up=8), flood).replicas == 16
     assert once(NORMAL, RoleObservation(8, hot), flood).replicas == 8  # as `tandem up -f`
+
+
+def test_a_pod_still_loading_after_a_scale_from_zero_is_never_idle():
+    # A request woke the role; its client left (the gateway withdrew its entry) while
+    # the one pod loaded for minutes: the idle timer took it away before it was ready,
+    # and the next request started the load afresh.
+    loop = Loop(NORMAL, 0, policy=ZERO)
+    loop.step(lambda n: observe(n), queue(tokens=500))
+    assert loop.replicas == 1
+    loading = lambda n: RoleObservation(n, (), up=0)  # noqa: E731
+    for _ in range(20):  # 300 s of loading, nothing queued
+        loop.step(loading)
+    assert loop.replicas == 1
+    last_loading = loop.now - loop.interval
+    for _ in range(8):  # ready and idle: the clock runs from the last look at it loading
+        loop.step(lambda n: observe(n, pods(n, kv=0.0, running=0)))
+    assert loop.events[-1] == (last_loading + 60, 1, 0)
+
+
+def test_pods_that_cannot_be_read_are_never_taken_for_idle():
+    # A NetworkPolicy keeps the operator off port 8100; short requests come and go
+    # between scrapes, so Redis reads empty at every one: only a pod's `stepped` would
+    # tell, and none can be read. The role holds (rule 2), as with a readable one.
+    loop = Loop(NORMAL, 1, policy=ZERO)
+    for _ in range(40):  # 600 s
+        loop.step(lambda n: RoleObservation(n, (), unreadable=n, up=n))
+    assert loop.replicas == 1 and loop.events == []
 
 
 def test_a_fresh_history_never_counts_as_idle():

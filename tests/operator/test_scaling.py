@@ -113,11 +113,10 @@ def test_a_role_unread_until_it_scaled_to_zero_is_evaluated_without_its_pods():
     # evaluation raised IndexError on every pass: nothing reconciled for a minute.
     op = Operator(1, minReplicas=0, scaleToZeroAfterSeconds=60)
     assert op.evaluate(pods(1), {}, now=0.0).unreadable == UNREADABLE
-    now = 15.0
-    while op.replicas:  # idle: nothing in Redis
-        op.evaluate(pods(1), {}, now)
-        now += 15.0
-    d = op.evaluate([], {}, now)
+    for now in range(15, 150, 15):  # nothing in Redis, but never seen idle: held
+        assert op.evaluate(pods(1), {}, float(now)).replicas == 1
+    op.replicas = 0  # taken to zero by an edit of spec.replicas
+    d = op.evaluate([], {}, 150.0)
     assert (d.replicas, d.unreadable) == (0, None)
 
 
