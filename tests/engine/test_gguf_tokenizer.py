@@ -18,7 +18,7 @@ import transformers
 from tandem.engine.literal_chat import LiteralChat
 from tandem.engine.model.gguf_container import GGUFContainer
 from tandem.engine.model.gguf_tokenizer import gguf_tokenizer
-from tandem.engine.tokenizer import Tokenizer
+from tandem.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -143,6 +143,25 @@ def test_a_sentencepiece_tokens_text_keeps_its_space(vocabulary):
     # A space spelled as its byte piece, which the decoder's start strip also took.
     space = spm.token_to_id("<0x20>")
     assert (spm.token_text(space), spm.token_bytes(space)) == (" ", b" ")
+
+
+@pytest.mark.parametrize(
+    ("prompt", "completion"),
+    [("The capital of 日本", "語 is Tokyo"), ("Party time 🎉🎉", "🎉 fun"), ("Hello 🎉", "🎉 fun")],
+)
+def test_text_streamed_after_a_prompt_ending_in_byte_tokens_is_the_decode(
+    vocabulary, prompt, completion
+):
+    # The prompt's last five tokens start inside a character's byte tokens: the
+    # window's run of bytes was not UTF-8, and the generated characters joining it
+    # streamed as U+FFFD.
+    tokenizer = read(vocabulary)
+    ids, prompt_ids = tokenizer.encode(prompt + completion), tokenizer.encode(prompt)
+    assert ids[: len(prompt_ids)] == prompt_ids
+    generated = ids[len(prompt_ids) :]
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+    streamed = "".join(detokenizer.add([t])[0] for t in generated) + detokenizer.flush()
+    assert streamed == tokenizer.decode(generated) == completion
 
 
 def learned_merges() -> list[str]:
