@@ -25,13 +25,17 @@ def prompt_limit(max_model_len: int) -> int:
     return max_model_len - 1
 
 
-def prompt_too_long(num_prompt_tokens: int, max_model_len: int) -> str | None:
-    """Why a prompt of `num_prompt_tokens` never runs, or None when it fits."""
+def prompt_too_long(
+    num_prompt_tokens: int, max_model_len: int, *, at_least: bool = False
+) -> str | None:
+    """Why a prompt of `num_prompt_tokens` (at least, where only a bound is known)
+    never runs, or None when it fits."""
     limit = prompt_limit(max_model_len)
     if num_prompt_tokens <= limit:
         return None
     return (
-        f"The prompt has {num_prompt_tokens} tokens, more than this engine's limit of "
+        f"The prompt has {'at least ' if at_least else ''}{num_prompt_tokens} tokens, "
+        f"more than this engine's limit of "
         f"{limit} (max_model_len {max_model_len}, less one token for the completion). "
         "Please reduce the length of the prompt."
     )

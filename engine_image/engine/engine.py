@@ -117,7 +117,9 @@ class Engine:
         if prompt_token_ids is None:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids")
-            prompt_token_ids = self.tokenizer.encode(prompt)
+            prompt_token_ids = self.tokenizer.encode(
+                prompt, max_model_len=self.config.max_model_len
+            )
         self._check_token_ids(prompt_token_ids)
         if params.stop and self.tokenizer is None:  # no text to find them in
             raise ParameterError("this model has no tokenizer, so no stop strings", "stop")

@@ -192,9 +192,10 @@ class LLM:
         )
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
-        if isinstance(messages, dict):
+        if not isinstance(messages, list | tuple):
             raise ValueError(
-                "messages must be a list of messages (or of conversations), not one dict"
+                "messages must be a list of messages (or of conversations), got "
+                + ("one dict" if isinstance(messages, dict) else f"{messages!r:.40}")
             )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         ids = []
@@ -202,11 +203,14 @@ class LLM:
             try:
                 if not isinstance(conversation, list | tuple):
                     raise ValueError(f"a conversation is a list of messages, got {conversation!r}")
-                ids.append(self.tokenizer.encode_chat(list(conversation), **options))
+                limit = self.engine.config.max_model_len
+                ids.append(
+                    self.tokenizer.encode_chat(list(conversation), **options, max_model_len=limit)
+                )
             except ValueError as exc:  # which one, where there are several
-                raise ValueError(
-                    f"conversation {i}: {exc}" if len(conversations) > 1 else str(exc)
-                ) from None
+                if len(conversations) > 1:  # its class kept (PromptTooLongError)
+                    exc.args = (f"conversation {i}: {exc}", *exc.args[1:])
+                raise
         params = _per_prompt(sampling_params, len(ids))
         return self._run([None] * len(ids), ids, params)
 
@@ -359,4 +363,7 @@ def _id_lists(prompt_token_ids: object) -> list[list[int]]:
             "prompt_token_ids is a list of prompts, each a list of token ids: give [[1, 2, 3]] "
             f"for one prompt, not {prompt_token_ids!r:.40}"
         )
+    for i, ids in enumerate(prompt_token_ids):
+        if not isinstance(ids, Sequence) or isinstance(ids, str):
+            raise ValueError(f"prompt {i}: a prompt's token ids are a list, got {ids!r:.40}")
     return [list(p) for p in prompt_token_ids]

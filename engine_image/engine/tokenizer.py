@@ -7,6 +7,7 @@ Face transformers does, so prompts match what the model was trained on.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 import jinja2
 import tokenizers
 
+from tandem.context_window import prompt_too_long
+from tandem.engine.admission import PromptTooLongError
 from tandem.engine.chat_template import (
     ChatRendering,
     checked_messages,
@@ -22,6 +25,11 @@ from tandem.engine.chat_template import (
 )
 from tandem.engine.literal_chat import LiteralChat
 from tandem.engine.stop_matcher import StopMatcher
+from tandem.engine.token_bound import fewest_tokens, longest_token_chars
+
+# Texts from this many characters on: their length bounds their tokens, they are
+# encoded without the GIL, and the last one's ids are kept.
+_LONG_TEXT = 4096
 
 # Decoding "\ufffd" at the end means the last token(s) stopped mid UTF-8 character.
 _REPLACEMENT = "\ufffd"
@@ -58,6 +66,7 @@ class Tokenizer:
         self._special_tokens = names
         self._token_texts: dict[int, str] = {}  # token_text's, at most the vocabulary
         self._literal_chat: LiteralChat | None = None  # made at the first chat prompt
+        self._last_long: tuple[tuple[str, bool], list[int]] | None = None
 
     @property
     def backend(self) -> tokenizers.Tokenizer:
@@ -71,14 +80,45 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on `len(encode(text))` from the text's length alone, 0 where
+        the tokenizer allows none (token_bound.py): a prompt it puts over the limit is
+        refused without the seconds a megabyte takes to encode."""
+        if len(text) < _LONG_TEXT:
+            return 0
+        return fewest_tokens(len(text), self._longest_token_chars)
+
+    @functools.cached_property
+    def _longest_token_chars(self) -> int | None:
+        return longest_token_chars(self._backend)  # read at the first long text
+
+    def encode(
+        self, text: str, add_special_tokens: bool = True, *, max_model_len: int | None = None
+    ) -> list[int]:
+        """`text`'s ids. max_model_len: for a prompt of that context, refused
+        (PromptTooLongError) unencoded where its length alone shows it cannot fit."""
         if not isinstance(text, str):
             raise ValueError(f"can only encode a string, got {type(text).__name__}")
-        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if max_model_len is not None:
+            _refuse_unfit(self.fewest_tokens(text), max_model_len)
+        if len(text) < _LONG_TEXT:
+            ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        else:
+            ids = self._encode_long(text, add_special_tokens)
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids.insert(0, bos)
         return ids
+
+    def _encode_long(self, text: str, add_special_tokens: bool) -> list[int]:
+        """A long text's ids: the last one's remembered (the n choices of one request
+        arrive as n prompts of the same text), and encoded by `encode_batch`, which lets
+        go of the GIL (`encode` held it: the engine's heartbeat and /metrics stopped)."""
+        key = (text, add_special_tokens)
+        if self._last_long is None or self._last_long[0] != key:
+            encoding = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+            self._last_long = (key, encoding[0].ids)
+        return list(self._last_long[1])
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -159,12 +199,17 @@ class Tokenizer:
         /,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        max_model_len: int | None = None,
         **extra: Any,
     ) -> list[int]:
         """The prompt's token ids. A message's text is text: one that holds a control
-        token's ("<|im_end|>") gets no control token from it (literal_chat.py)."""
+        token's ("<|im_end|>") gets no control token from it (literal_chat.py).
+        max_model_len: as `encode`'s, from the messages' text."""
         how = ChatRendering(add_generation_prompt, continue_final_message, extra)
         checked = checked_messages(messages)
+        if max_model_len is not None:
+            contents = "".join(m["content"] or "" for m in checked)
+            _refuse_unfit(self.fewest_tokens(contents), max_model_len)
         if self._literal_chat is None:
             self._literal_chat = LiteralChat(self._backend)
         if self._literal_chat.holds_control_text(checked):
@@ -331,3 +376,8 @@ class IncrementalDetokenizer:
 def _continuation(byte: int | None) -> bool:
     """Whether `byte` is a UTF-8 continuation byte (10xxxxxx), never a character's first."""
     return byte is not None and byte & 0xC0 == 0x80
+
+
+def _refuse_unfit(fewest: int, max_model_len: int) -> None:
+    if (why := prompt_too_long(fewest, max_model_len, at_least=True)) is not None:
+        raise PromptTooLongError(why)

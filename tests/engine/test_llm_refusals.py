@@ -122,6 +122,23 @@ def test_a_conversation_that_is_no_list_is_named(llm):
         llm.chat([None], SamplingParams(max_tokens=1))
 
 
+@pytest.mark.parametrize(
+    ("messages", "named"),
+    [(None, "got None"), (5, "got 5"), ("hello", "got 'hello'"), ({"role": "user"}, "one dict")],
+)
+def test_messages_of_another_kind_are_named(llm, messages, named):
+    # A string was read letter by letter ("conversation 0 ... got 'h'"); None and 5
+    # were bare TypeErrors from inside.
+    with pytest.raises(ValueError, match=f"messages must be a list of messages.*{named}"):
+        llm.chat(messages, SamplingParams(max_tokens=1))
+
+
+@pytest.mark.parametrize("second", [3, None, "ab"])
+def test_each_prompts_token_ids_must_be_a_list(llm, second):
+    with pytest.raises(ValueError, match="prompt 1: a prompt's token ids are a list"):
+        llm.generate(prompt_token_ids=[[1, 2], second], sampling_params=SamplingParams())
+
+
 def test_max_model_len_none_means_the_models_and_a_number_is_taken(llm):
     other = LLM(llm.loaded, num_kv_blocks=16, max_model_len=None)
     assert other.engine.config.max_model_len == llm.engine.config.max_model_len

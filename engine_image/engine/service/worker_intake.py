@@ -208,7 +208,8 @@ class Intake:
                 work.continue_final_message,
                 work.chat_template_kwargs,
             )
-            ids = engine.tokenizer.encode_chat(work.messages, **options)
+            limit = engine.config.max_model_len
+            ids = engine.tokenizer.encode_chat(work.messages, **options, max_model_len=limit)
         engine.add_request(
             work.request_id,
             work.prompt,
