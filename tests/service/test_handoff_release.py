@@ -67,5 +67,32 @@ def test_a_handoff_the_decoder_refuses_frees_the_prompt_engines_kv(engines, clie
     rid = client.submit(prompt_token_ids=PROMPT * 12, sampling={"max_tokens": 8, **GREEDY})
     final = client.answer(rid, timeout=60).final
     assert final.error_code == ErrorCode.PROMPT_TOO_LONG, final
+    # After the prompt engine's first token (its offset said 0).
+    written = [event for _, event in ResponseReader(client.redis, client.keys).read(rid, "0")]
+    assert [e.offset for e in written] == [0, 1]
     assert eventually(lambda: _pinned(prompt) == 0, 10)
     assert prompt.metric("tandem_engine_kv_cache_usage") == 0
+
+
+def test_a_prompt_engine_of_another_vocabulary_is_the_engines_fault_not_the_request(
+    engines, client
+):
+    # A rollout to a model of another tokenizer: the old prompt engine (8,192 ids)
+    # samples a first token the new decoder's vocabulary (512) lacks. Each request was
+    # a 400 invalid_request blaming the client, with no mismatch counted or logged.
+    prompt = engines("prompt", "--handoff-ttl", "60", "--model", "random:medium")
+    decoder = engines("completion")
+    rids = [
+        client.submit(prompt_token_ids=[p, *PROMPT], sampling={"max_tokens": 8, **GREEDY})
+        for p in range(20, 24)
+    ]
+    answers = [client.answer(rid, timeout=60) for rid in rids]
+    foreign = [a for a in answers if a.token_ids and a.token_ids[0] >= 512]
+    assert foreign, "every first token in the decoder's vocabulary: this tests nothing"
+    for answer in foreign:
+        assert answer.final.error_code == ErrorCode.ENGINE_ERROR, answer.final
+        assert "serves another model under this name" in answer.final.error_message
+    mismatches = decoder.metric("tandem_engine_kv_transfer_failures_total", reason="mismatch")
+    assert mismatches == len(answers)  # the others were recomputed, as ever
+    assert "serves another model" in decoder.log()
+    assert eventually(lambda: _pinned(prompt) == 0, 10)

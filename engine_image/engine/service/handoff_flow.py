@@ -28,6 +28,7 @@ from tandem.engine.service.kv_tcp import fetch_kv, release_kv
 from tandem.engine.service.kv_transfer import KVLayout, PinnedKV
 from tandem.engine.service.metrics import EngineMetrics
 from tandem.engine.service.redis_io import RedisIO
+from tandem.engine.service.refusals import OtherModelError
 from tandem.engine.service.responses import ResponseHistory
 from tandem.engine.service.settings import WorkerSettings
 from tandem.engine.service.work_queue import Delivery
@@ -194,6 +195,18 @@ class HandoffFlow:
         taken = _Taken(
             handoff, params, list(generated), history.text, work.max_tokens_given, work.cache_salt
         )
+        vocab = engine.config.vocab_size
+        foreign = [t for t in generated if vocab is not None and t >= vocab]
+        if foreign and handoff.fingerprint != self.settings.fingerprint:
+            # Another model's tokens (a rollout that changed the vocabulary): this one
+            # cannot go on from them, nor recompute what the client already has.
+            self._mismatched_engine(handoff.prompt_engine)
+            metrics.kv_transfer_failed("mismatch")
+            self.release(handoff)
+            raise OtherModelError(
+                f"the prompt engine {handoff.prompt_engine} serves another model under this "
+                f"name: its token id {foreign[0]} is outside this model's vocabulary ({vocab})"
+            )
         engine.check_handoff_fits(handoff.prompt_token_ids, params, taken.exact_max_tokens)
         if engine.already_ended(handoff.prompt_token_ids, taken.generated, params):
             # A decoder died after its last token, before its final event; or this
@@ -231,13 +244,8 @@ class HandoffFlow:
         self._parked_since.pop(rid, None)
         reason = self._recompute_reason(handoff, generated)
         if reason is not None:
-            if reason == "mismatch" and handoff.prompt_engine not in self._mismatched:
-                self._mismatched.add(handoff.prompt_engine)  # said once per prompt engine
-                log.warning(
-                    "prompt engine %s serves another model (weights, dtype or KV layout) "
-                    "under this served name: its prompts are recomputed here",
-                    handoff.prompt_engine,
-                )
+            if reason == "mismatch":
+                self._mismatched_engine(handoff.prompt_engine)
             metrics.kv_transfer_failed(reason)
             engine.handoff_failed(rid)
             if reason == "mismatch":  # pinned there for nobody until its expiry otherwise
@@ -256,6 +264,16 @@ class HandoffFlow:
             timeout=self.settings.kv_fetch_timeout,
         )
         return True
+
+    def _mismatched_engine(self, prompt_engine: str) -> None:
+        if prompt_engine not in self._mismatched:
+            self._mismatched.add(prompt_engine)  # said once per prompt engine
+            log.warning(
+                "prompt engine %s serves another model (weights, dtype or KV layout) "
+                "under this served name: its prompts are recomputed here (or end, where "
+                "its tokens are outside this model's vocabulary)",
+                prompt_engine,
+            )
 
     def release(self, handoff: Handoff) -> None:
         """Tell the prompt engine its offer will not be fetched (this engine ends or

@@ -17,6 +17,11 @@ from tandem.protocol import ErrorCode
 CANCELLED = "the client cancelled the request"
 
 
+class OtherModelError(ValueError):
+    """A handoff from a prompt engine of another model that this one cannot go on from:
+    the engines' fault (a rollout), not the request's."""
+
+
 @dataclass(frozen=True)
 class Refusal:
     code: ErrorCode
@@ -35,6 +40,8 @@ def redelivered(request_id: str, times: int) -> Refusal:
 def refusal_of(exc: ValueError | TypeError) -> Refusal:
     """The answer to the engine's refusal to add a request (ValueErrors and the
     TypeErrors of a wrongly typed field), by the most specific kind."""
+    if isinstance(exc, OtherModelError):
+        return Refusal(ErrorCode.ENGINE_ERROR, str(exc))
     if isinstance(exc, PromptTooLongError):
         return Refusal(ErrorCode.PROMPT_TOO_LONG, str(exc))
     if isinstance(exc, ContextLengthError):

@@ -88,8 +88,9 @@ class Replies:
         self.error(work.request_id, code, message, offset, param)
         self.to_ack.append(delivery)
 
-    def refuse(self, delivery: Delivery, work: WorkItem, refusal: Refusal) -> None:
-        self.fail(delivery, work, refusal.code, refusal.message, param=refusal.param)
+    def refuse(self, delivery: Delivery, work: WorkItem, refusal: Refusal, offset: int = 0) -> None:
+        """As `fail`, with the refusal's code, message and param."""
+        self.fail(delivery, work, refusal.code, refusal.message, offset, refusal.param)
 
     def error(
         self, rid: str, code: ErrorCode, message: str, offset: int = 0, param: str | None = None

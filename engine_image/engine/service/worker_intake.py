@@ -141,14 +141,14 @@ class Intake:
             return
         if self.handoffs is not None and self.handoffs.offered(rid):
             self.handoffs.withdraw(self.engine, rid)  # its Handoff lost: prefill it anew
-        if delivery.exhausted:
-            self.replies.refuse(delivery, work, redelivered(rid, delivery.times_delivered))
-            return
+        # An ending's offset counts the tokens its stream already holds: a prompt
+        # engine's first token, an earlier engine's before a takeover.
+        first = message.first_token_ids if isinstance(message, Handoff) else []
         # Every delivery, not only reclaimed ones: a gateway may retry a request id.
         try:
             history = self.io.responses.history(rid)
         except ProtocolError as exc:  # it cannot be resumed without repeating or losing text
-            self.replies.fail(delivery, work, ErrorCode.ENGINE_ERROR, str(exc))
+            self.replies.fail(delivery, work, ErrorCode.ENGINE_ERROR, str(exc), len(first))
             return
         if history.final is not None:  # it already ended: never run it twice
             final = history.final
@@ -161,10 +161,11 @@ class Intake:
                 self.metrics.request_ended(str(final.error_code))
             self._to_ack.append(delivery)
             return
-        # An ending's offset counts the tokens its stream already holds: a prompt
-        # engine's first token, an earlier engine's before a takeover.
-        first = message.first_token_ids if isinstance(message, Handoff) else []
         sent_before = max(len(history.token_ids), len(first))
+        if delivery.exhausted:
+            refusal = redelivered(rid, delivery.times_delivered)
+            self.replies.refuse(delivery, work, refusal, offset=sent_before)
+            return
         if self.io.is_cancelled(rid):  # cancelled while queued: it ends here, said so
             # (a gateway whose read missed the cancel reads on until a final event)
             self.replies.fail(delivery, work, ErrorCode.CANCELLED, CANCELLED, offset=sent_before)
@@ -184,7 +185,7 @@ class Intake:
             self._add(work, params, sent, history.text)
         except (ValueError, TypeError) as exc:  # the engine's refusals
             self._forget_refused(rid)
-            self.replies.refuse(delivery, work, refusal_of(exc))
+            self.replies.refuse(delivery, work, refusal_of(exc), offset=sent_before)
             return
         self.held[rid] = Held(delivery, work, sent=len(sent))
 
