@@ -65,15 +65,19 @@ class HandoffSide:
         """Room for a handoff's KV, as a prompt's admission has it: a free slot, and
         its blocks keep usage within the watermark (unless nothing else runs), the room
         decodes grow into (filled to the brim, the next decode step preempted the
-        request whose KV just came over the network). No room while a recompute waits
-        here (a failed fetch, a preempted request): the blocks freed go to it first,
-        else a steady stream of handoffs starved it until its deadline."""
+        request whose KV just came over the network). A recompute waiting here (a
+        failed fetch, a preempted request) keeps its slot and blocks: handoffs take only
+        the room beside them, else a steady stream of them starved it until its
+        deadline (and refusing every handoff while one waited left a near-empty decoder
+        turning all away until its next attempt point, ~70 steps)."""
         cfg, kv = self.config, self.kv
-        if self.waiting or len(self.running) + len(self.receiving) >= cfg.max_running:
+        waiting = list(self.waiting)
+        if len(self.running) + len(self.receiving) + len(waiting) >= cfg.max_running:
             return False
-        if not (self.running or self.receiving):
+        if not (self.running or self.receiving or waiting):
             return True
-        return kv.usage_with(kv.blocks_for(num_kv_tokens)) <= cfg.cache_prefill_watermark
+        needed = kv.blocks_for(num_kv_tokens) + sum(kv.blocks_for(r.num_tokens) for r in waiting)
+        return kv.usage_with(needed) <= cfg.cache_prefill_watermark
 
     def handoff_received(self, request_id: str) -> None:
         """The prompt's KV arrived: the request decodes from its first token on."""

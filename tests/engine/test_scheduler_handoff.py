@@ -119,19 +119,33 @@ def test_a_handoff_past_the_watermark_alone_is_taken_where_nothing_else_runs():
     assert _handoff(sched, "a", 250)[1] is not None  # 16 of 16 blocks
 
 
-def test_no_handoff_is_taken_while_a_recompute_waits_for_the_room():
+def test_no_handoff_takes_the_room_a_waiting_recompute_needs():
     # Handoffs took every block freed, a failed fetch's recompute none: it waited until
     # its deadline while a steady stream of others finished.
     sched = make(num_blocks=100, engine_type="completion", max_model_len=256)
     for rid in "abcde":
         _handoff(sched, rid, 250)
-    sched.handoff_failed("a")
-    assert _handoff(sched, "f", 20)[1] is None
-    for rid in "bcde":
+    sched.handoff_failed("a")  # 0.64 in use, and the recompute's 16 blocks to come
+    assert _handoff(sched, "f", 250)[1] is None  # 0.96 with them
+    assert _handoff(sched, "g", 20)[1] is not None  # beside them: 0.82
+    for rid in "bcdeg":
         sched.handoff_received(rid)
     plans = run_until_idle(sched)
     assert any(plan.is_prefill and "a" in plan.num_scheduled_tokens for plan in plans)
-    assert _handoff(sched, "f", 20)[1] is not None  # the recompute ran: room again
+    check_integrity(sched)
+
+
+def test_a_waiting_recompute_leaves_a_near_empty_decoder_taking_handoffs():
+    # Any recompute waiting refused every handoff until the next attempt point (~70
+    # decode steps), with 99 % of the pool free.
+    sched = make(num_blocks=100, engine_type="completion", max_model_len=256)
+    _handoff(sched, "a", 20)
+    _handoff(sched, "b", 20)
+    sched.handoff_received("a")
+    step(sched)  # a decode step: the counter passes its attempt point
+    sched.handoff_failed("b")
+    step(sched)  # another: the recompute waits for the next point
+    assert sched.waiting and _handoff(sched, "c", 20)[1] is not None
     check_integrity(sched)
 
 
