@@ -171,9 +171,14 @@ PRODUCERS: dict[str, Callable[[Path], str]] = {
     "up-cluster-manifest": lambda _: _cli("up", "-f", "examples/smollm2-cpu.yaml"),
     "gateway-no-keys": lambda _: _cli("gateway", "--redis-url", "redis://127.0.0.1:1/0"),
     "engine-redis-unreachable": lambda _: _cli(
-        "engine", "--model", "random:tiny", "--redis-wait", "1",
-        "--redis-url", "redis://:secret@127.0.0.1:1/0",
-    ),  # fmt: skip
+        "engine",
+        "--model",
+        "random:tiny",
+        "--redis-wait",
+        "1",
+        "--redis-url",
+        "redis://:secret@127.0.0.1:1/0",
+    ),
     "operator-no-credentials": _no_credentials,
     "401-missing": lambda _: _http("/v1/models"),
     "401-invalid": lambda _: _http("/v1/models", "Bearer sk-b"),

@@ -52,6 +52,33 @@ def test_after_a_prompt_step_the_next_step_prefills_too_if_requests_wait():
     assert not step(sched)[0].is_prefill  # nothing waits: decode
 
 
+def test_prompts_arriving_during_a_run_of_prompt_steps_wait_for_the_next_point():
+    # Chained as the queued ones are, a steady stream of short prompts (one arriving
+    # each step, done at its first token) kept the running request from its next token
+    # for good: every step a prompt step.
+    sched = make(max_model_len=4096)
+    start_long_decode(sched, 5)
+    sched.add_request(Request("a", prompt(3000, 10_000), LONG))
+    sched.add_request(Request("b", prompt(3000, 20_000), LONG))  # a step of its own
+    kinds, arrivals = [], iter(range(10**6))
+    for _ in range(300):
+        one = SamplingParams(max_tokens=1)
+        sched.add_request(Request(f"q{next(arrivals)}", prompt(16, 30_000), one))
+        kinds.append("P" if step(sched)[0].is_prefill else "D")
+    run = "".join(kinds)
+    assert run[:65] == "D" * 65 and run[65:67] == "PP"  # a and b, back to back
+    assert max(len(p) for p in run.split("D")) <= 2  # the rest each wait for a point
+    assert run.count("D") >= 290 - 4 * 2
+    assert sched.requests["long"].num_output_tokens >= 290 - 4 * 2
+
+
+def test_with_nothing_decoding_every_arrival_is_prefilled_at_once():
+    sched = make(max_model_len=2048)
+    for i in range(5):
+        sched.add_request(Request(f"q{i}", prompt(16, 1000 * i), SamplingParams(max_tokens=1)))
+        assert step(sched)[0].is_prefill
+
+
 def test_worst_case_wait_is_69_decode_steps():
     sched = make(max_model_len=2048)
     start_long_decode(sched, 1)
@@ -145,8 +172,9 @@ def test_a_prompt_that_lands_exactly_on_the_watermark_is_admitted():
     sched = make(num_blocks=30, max_model_len=120, block_size=4, enable_prefix_caching=False,
                  prefill_attempt_interval=1)  # fmt: skip
     long_run = SamplingParams(max_tokens=30, ignore_eos=True)
-    sched.add_request(Request("r", prompt(79), long_run))
-    step(sched)  # 20 blocks
+    sched.add_request(Request("r", prompt(78), long_run))
+    step(sched)
+    step(sched)  # a decode step (a prompt queued during a run of prompt steps waits): 20 blocks
     sched.add_request(Request("q", prompt(28, 1000), long_run))
     plan, _ = step(sched)
     assert "q" in plan.num_scheduled_tokens
