@@ -312,13 +312,16 @@ def test_a_handoff_with_another_model_fingerprint_is_refused_and_recomputed(
     answer = client.answer("forged")
     assert answer.ok
     assert first + answer.token_ids == reference(PROMPT, 12).token_ids
-    assert decode.metric("tandem_engine_kv_transfer_failures_total", reason="mismatch") == 1
+    foreign = client.answer("foreign")
+    # Both mismatched; the foreign one cannot go on here: the engines' fault, not the
+    # request's (it was an invalid_request).
+    assert decode.metric("tandem_engine_kv_transfer_failures_total", reason="mismatch") == 2
     # Said in its log, naming the prompt engine (it was only a metric).
     assert "prompt engine nobody serves another model" in decode.log()
-    foreign = client.answer("foreign")
-    assert foreign.final.error_code == "invalid_request"
+    assert foreign.final.error_code == "engine_error"
     assert foreign.final.error_message == (
-        f"generated token id {beyond} is outside the vocabulary ({beyond})"
+        "the prompt engine nobody serves another model under this name: its token id "
+        f"{beyond} is outside this model's vocabulary ({beyond})"
     )
     assert "step failed" not in decode.log()
 
