@@ -79,5 +79,10 @@ class Keys:
         return f"{self.prefix}:model:{model}"
 
     @property
+    def data_epoch(self) -> str:
+        """Set once, never changed: gone, Redis lost its data (engine/service/data_epoch.py)."""
+        return f"{self.prefix}:epoch"
+
+    @property
     def models_set(self) -> str:
         return f"{self.prefix}:models"

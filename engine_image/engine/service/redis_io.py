@@ -10,6 +10,7 @@ import redis
 
 from tandem.engine.service import cancellation
 from tandem.engine.service.cancellation import CancelListener
+from tandem.engine.service.data_epoch import DataEpoch
 from tandem.engine.service.redis_outage import unavailable
 from tandem.engine.service.registry import Registry
 from tandem.engine.service.responses import ResponseWriter
@@ -51,6 +52,7 @@ class RedisIO:
         )
         self.responses = ResponseWriter(client, keys, settings.engine_id)
         self.registry = Registry(client, keys)
+        self.epoch = DataEpoch(client, keys)
         self._listener = listener
         self._recheck = False  # a gap in the notices whose keys are not checked yet
 
@@ -59,6 +61,7 @@ class RedisIO:
         goes back to the queue now, not after --claim-idle-ms, and engines long gone
         leave the consumer group (work_queue.py)."""
         try:
+            self.epoch.note()
             released = self.queue.release_inherited()
             self.queue.forget_consumers()
         except redis.RedisError as exc:

@@ -189,14 +189,20 @@ class RedisWrites:
                 if delivery in self.to_ack:  # its entry is the new owner's to acknowledge
                     self.to_ack.remove(delivery)
                 self._lost(delivery, True)
-            for delivery in lapsed.gone:  # finished elsewhere, or lost with Redis's data
+            # Finished elsewhere (taken over while this one stalled), or lost with
+            # Redis's data: the epoch tells (the response stream may have expired).
+            kept = bool(lapsed.gone) and self.io.epoch.kept()
+            if kept:
+                ids = ", ".join(d.request_id for d in lapsed.gone)
+                log.info("%s finished elsewhere while this engine stalled: dropped", ids)
+            for delivery in lapsed.gone:
                 history = self.io.responses.history(delivery.request_id)
                 # Another writer in its stream (an engine that took it over, a gateway
                 # that queued it again after Redis lost it): that one serves it now,
                 # and this engine's unwritten events are stale. Only its own: Redis
                 # lost the entry, and this engine goes on (its final event included).
                 others = history.writers - {self.settings.engine_id}
-                elsewhere = history.final is not None or bool(others)
+                elsewhere = kept or history.final is not None or bool(others)
                 if elsewhere and delivery in self.to_ack:
                     self.to_ack.remove(delivery)
                 self._lost(delivery, elsewhere)

@@ -1,0 +1,51 @@
+"""Whether Redis still holds the data an engine saw: its epoch key.
+
+An entry this engine holds can vanish from the group's pending list in two ways:
+another engine took it over and finished it (it acknowledges, so deletes, the
+entry), or Redis lost its data (restarted without persistence, a FLUSHALL). The
+first is common after a long stall; the second leaves nobody else to serve the
+request, so the engine goes on with it. The pending list cannot tell them apart,
+nor can the request's response stream, which expires a minute after its answer
+was delivered: an engine back from a two-minute freeze ran a request already
+answered elsewhere to its end, for nobody.
+
+The epoch key tells: the first engine to look sets it (SET NX) to a random value
+and none ever changes it, so while it reads as it did, Redis has lost nothing
+since; a Redis that lost its data lost the key with it.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import redis
+
+from tandem.keys import Keys
+from tandem.protocol import as_text
+
+
+class DataEpoch:
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        self._client = client
+        self._key = keys.data_epoch
+        self._seen: str | None = None  # the value read last; None before the first read
+
+    def note(self) -> None:
+        """Read it now (the engine's start): what later reads are compared with."""
+        self._seen = self._read()
+
+    def kept(self) -> bool:
+        """Whether Redis kept its data since the epoch was last read (noted at start,
+        or by the last call of this). Never read before (Redis was away at the
+        engine's start): not known, so not kept."""
+        current = self._read()
+        kept = current == self._seen
+        self._seen = current
+        return kept
+
+    def _read(self) -> str:
+        pipe = self._client.pipeline(transaction=False)
+        pipe.set(self._key, secrets.token_hex(8), nx=True)
+        pipe.get(self._key)
+        _, value = pipe.execute()
+        return "" if value is None else as_text(value)
