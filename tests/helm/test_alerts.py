@@ -134,13 +134,20 @@ CASES: dict[str, tuple[list[tuple[str, str]], list[tuple[int, str, list[dict[str
             (_gateway("tandem_gateway_handoffs_waiting", model="e"), "4x20"),
             (_gateway("tandem_gateway_engines", model="e", role="prompt"), "1x20"),
             (_gateway("tandem_gateway_engines", model="e", role="completion"), "0x20"),
+            # Model g: a request every 5 minutes, each given up on by its client within
+            # one (its entry withdrawn), and no engine ever: the queue empties between.
+            (
+                _gateway("tandem_gateway_queue_waiting", model="g", priority="normal"),
+                " ".join(["1 0 0 0 0"] * 4),
+            ),
+            (_gateway("tandem_gateway_engines", model="g", role="normal"), "0x20"),
         ],
         [
             (8, "TandemQueueWithoutEngines", []),  # a scale from zero takes minutes
             (
                 15,
                 "TandemQueueWithoutEngines",
-                [{"namespace": NAMESPACE, "model": m} for m in ("m", "d", "e")],
+                [{"namespace": NAMESPACE, "model": m} for m in ("m", "d", "e", "g")],
             ),
         ],
     ),
