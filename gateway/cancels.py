@@ -79,12 +79,12 @@ class Cancels:
         self._retries: asyncio.Task[None] | None = None
         self._stepping_aside: set[asyncio.Task[None]] = set()
 
-    async def leave(self, ledger_key: str, base_id: str, within: float) -> int | None:
-        """One reader of shared work left: how many still read it (0: cancel it). None:
-        Redis unreadable; cancelled as if alone (at worst, another reader's answer ends)."""
+    async def leave(self, ledger_key: str, base_id: str, reader: str, within: float) -> int | None:
+        """Attempt `reader` of shared work left: how many still read it (0: cancel it).
+        None: Redis unreadable (the leave may still run; running again, it is the same)."""
         try:
             async with asyncio.timeout(within):
-                return await self.ledger.leave(ledger_key, base_id)
+                return await self.ledger.leave(ledger_key, base_id, reader)
         except (RedisError, OSError):  # TimeoutError is an OSError
             return None
 
@@ -109,20 +109,21 @@ class Cancels:
         if self._retries is None or self._retries.done():
             self._retries = asyncio.get_running_loop().create_task(self._retry())
 
-    def step_aside(self, ledger_key: str, base_id: str) -> None:
+    def step_aside(self, ledger_key: str, base_id: str, reader: str) -> None:
         """One reader of shared work stops reading it without ending it: its server
         shuts down, and a retry through another replica attaches to the work. Counted
         out on a task of its own (the request's task is being cancelled), which close()
         waits for a moment: still counted, it kept the last reader's leaving (the
         retry's client gone too) from cancelling the work, which ran for nobody."""
-        task = asyncio.get_running_loop().create_task(self._step_aside(ledger_key, base_id))
+        stepping = self._step_aside(ledger_key, base_id, reader)
+        task = asyncio.get_running_loop().create_task(stepping)
         self._stepping_aside.add(task)
         task.add_done_callback(self._stepping_aside.discard)
 
-    async def _step_aside(self, ledger_key: str, base_id: str) -> None:
+    async def _step_aside(self, ledger_key: str, base_id: str, reader: str) -> None:
         try:
             async with asyncio.timeout(_ATTEMPT_S):
-                await self.ledger.step_aside(ledger_key, base_id)
+                await self.ledger.step_aside(ledger_key, base_id, reader)
         except (RedisError, OSError) as exc:  # it stays counted: the deadline ends it
             log.info("%s: could not count this reader out: %r", base_id, exc)
 
@@ -136,10 +137,11 @@ class Cancels:
 
     async def _write(self, cancel: Cancel) -> None:
         # Both steps may run again (a reply lost): setting a cancel key twice, or
-        # releasing a record gone, changes nothing. Counted once, when both ran. (A
-        # leave run twice counts one reader too few: the work ends a reader early.)
-        shared = cancel.if_last_of is not None and cancel.ledger_key is not None
-        if shared and await self.ledger.leave(cancel.ledger_key, cancel.base_id) > 0:
+        # releasing a record gone, or a leave of a reader counted out, changes nothing.
+        # Counted once, when both ran.
+        leaving, key = cancel.if_last_of, cancel.ledger_key
+        shared = leaving is not None and key is not None
+        if shared and await self.ledger.leave(key, cancel.base_id, leaving) > 0:  # type: ignore[arg-type]
             return  # another attempt still reads it
         await self.broker.cancel(list(cancel.request_ids))
         if cancel.queued is not None:  # after the cancel keys: an engine reading it now drops it

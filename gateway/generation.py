@@ -266,7 +266,7 @@ class Generation:
         if self._abandoned or not self._open or key is None:
             return
         self._abandoned = True
-        self.cancels.step_aside(key, self.ticket.base_id)
+        self.cancels.step_aside(key, self.ticket.base_id, self.job.base_id)
 
     async def deadline_passed(self) -> None:
         """The deadline passed while the answer could not go out (see streaming.py)."""
@@ -294,19 +294,24 @@ class Generation:
             await self.cancels.cancel(shared, _REDIS_ASIDE_S)
             return
         started = time.monotonic()
+        leaving = None
         if key is not None and why in _READERS_LEAVE:
-            others = await self.cancels.leave(key, self.ticket.base_id, _REDIS_ASIDE_S)
+            me = self.job.base_id
+            others = await self.cancels.leave(key, self.ticket.base_id, me, _REDIS_ASIDE_S)
             if others:
                 log.info(
                     "%s (%s): %d other attempts still read it", self.ticket.base_id, why, others
                 )
                 return
             if others is None:
-                # Whether another attempt reads it is unknown: its entries stay for an
-                # engine to end with a `cancelled` event, which such a reader reads too.
-                queued = None
+                # Whether another attempt reads it is unknown until Redis answers: the
+                # cancel waits for that, and is written only if none does (it cancelled
+                # as if alone, and another attempt's client read "cancelled"). Its
+                # entries stay for an engine to end with a `cancelled` event.
+                leaving, queued = me, None
         left = max(0.0, _REDIS_ASIDE_S - (time.monotonic() - started))
-        await self.cancels.cancel(Cancel(self.ticket.base_id, ids, why, key, queued=queued), left)
+        cancel = Cancel(self.ticket.base_id, ids, why, key, if_last_of=leaving, queued=queued)
+        await self.cancels.cancel(cancel, left)
 
     def _queued(self) -> Queued | None:
         """Where the open choices' work entries were queued (unknown when attached):

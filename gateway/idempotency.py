@@ -87,44 +87,50 @@ return false
 )
 
 
-# Write the record and its readers' count (1: this attempt) if the key is new, in one
+# Write the record and its readers (this attempt, ARGV[2]) if the key is new, in one
 # step: written apart, a retry attaching between them had its count overwritten, and
 # the first attempt's leaving then cancelled the work the retry still read. Run again
 # after a lost reply, it finds its own record (ARGV[2]) and queues nothing twice.
 # Returns nil to go ahead and queue, else the record found.
 _CLAIM_LUA = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[3]) then
-  redis.call('SET', KEYS[2], 1, 'EX', ARGV[3])
+  redis.call('DEL', KEYS[2])
+  redis.call('SADD', KEYS[2], ARGV[2])
+  redis.call('EXPIRE', KEYS[2], ARGV[3])
   return false
 end
 local raw = redis.call('GET', KEYS[1])
 if raw and cjson.decode(raw)['base_id'] == ARGV[2] then
-  redis.call('SET', KEYS[2], 1, 'NX', 'EX', ARGV[3])
+  redis.call('SADD', KEYS[2], ARGV[2])
+  if redis.call('TTL', KEYS[2]) < 0 then redis.call('EXPIRE', KEYS[2], ARGV[3]) end
   return false
 end
 return raw
 """
 
-# Count one more reader of the first attempt's work, only while its record is there:
-# read apart, the record could be released (its last reader gone, the work cancelled)
-# between the look and the count, and the retry attached to cancelled work. 0: gone.
+# One more reader (ARGV[3]) of the first attempt's work, only while its record is
+# there: read apart, the record could be released (its last reader gone, the work
+# cancelled) between the look and the count, and the retry attached to cancelled work.
+# Returns how many read it; 0: gone.
 _ATTACH_LUA = (
     _OWNED_LUA
     + """
 if not owned then return 0 end
-local readers = redis.call('INCR', KEYS[2])
+redis.call('SADD', KEYS[2], ARGV[3])
 -- Never shorter than it was: a first attempt with a longer deadline still reads.
 if redis.call('TTL', KEYS[2]) < tonumber(ARGV[2]) then redis.call('EXPIRE', KEYS[2], ARGV[2]) end
-return readers
+return redis.call('SCARD', KEYS[2])
 """
 )
 
-# One attempt stops reading: with none left, the record goes in the same step, so
-# that no retry attaches to work about to be cancelled (it queues afresh instead).
+# One attempt (ARGV[2]) stops reading: with none left, the record goes in the same
+# step, so that no retry attaches to work about to be cancelled (it queues afresh
+# instead). Readers are a set: a leave run twice (its reply lost in a Redis pause, then
+# sent again) counts its attempt out once, and a reader still there stays counted.
 _LEAVE_LUA = """
-local left = redis.call('DECR', KEYS[2])
+redis.call('SREM', KEYS[2], ARGV[2])
+local left = redis.call('SCARD', KEYS[2])
 if left <= 0 then
-  redis.call('DEL', KEYS[2])
   local raw = redis.call('GET', KEYS[1])
   if raw and cjson.decode(raw)['base_id'] == ARGV[1] then redis.call('DEL', KEYS[1]) end
 end
@@ -132,11 +138,11 @@ return left
 """
 
 
-# A reader leaves without ending the work: the record stays for a retry to attach to.
+# A reader (ARGV[1]) leaves without ending the work: the record stays for a retry to
+# attach to.
 _STEP_ASIDE_LUA = """
-local left = redis.call('DECR', KEYS[1])
-if left <= 0 then redis.call('DEL', KEYS[1]) end
-return left
+redis.call('SREM', KEYS[1], ARGV[1])
+return redis.call('SCARD', KEYS[1])
 """
 
 
@@ -205,7 +211,7 @@ class IdempotencyLedger:
                     headers=NO_RETRY,  # the same request would be refused again
                 )
             readers = self._readers(key, first.base_id)
-            if await self._attach(keys=[key, readers], args=[first.base_id, ttl]):
+            if await self._attach(keys=[key, readers], args=[first.base_id, ttl, record.base_id]):
                 return first
         raise GatewayError(503, "could not record the Idempotency-Key", type="server_error")
 
@@ -239,22 +245,24 @@ class IdempotencyLedger:
         ttl = RESPONSE_TTL_SECONDS - _STREAM_MARGIN_S
         await self._answered(keys=[key, self._readers(key, base_id)], args=[base_id, ttl])
 
-    async def leave(self, key: str, base_id: str) -> int:
-        """An attempt stops reading the work: how many attempts still read it; with
-        none left, the record is released. A count Redis lost (a restart) reads as
-        none left."""
-        left = await self._leave(keys=[key, self._readers(key, base_id)], args=[base_id])
-        return max(0, int(left))
+    async def leave(self, key: str, base_id: str, reader: str) -> int:
+        """Attempt `reader` stops reading `base_id`'s work: how many attempts still read
+        it; with none left, the record is released. Readers Redis lost (a restart)
+        read as none left. Run twice, it counts the attempt out once."""
+        readers = self._readers(key, base_id)
+        return int(await self._leave(keys=[key, readers], args=[base_id, reader]))
 
-    async def step_aside(self, key: str, base_id: str) -> None:
-        """An attempt stops reading the work, which goes on for a retry to attach to
-        (its replica shuts down): counted out, so that the last attempt to leave
+    async def step_aside(self, key: str, base_id: str, reader: str) -> None:
+        """Attempt `reader` stops reading the work, which goes on for a retry to attach
+        to (its replica shuts down): counted out, so that the last attempt to leave
         later still cancels it."""
-        await self._step_aside(keys=[self._readers(key, base_id)])
+        await self._step_aside(keys=[self._readers(key, base_id)], args=[reader])
 
     @staticmethod
     def _readers(key: str, base_id: str) -> str:
-        return f"{key}:readers:{base_id}"
+        # A set of attempt ids (":readers:" held a count, which a leave sent twice
+        # counted down twice; gateways of both kinds count apart during an upgrade).
+        return f"{key}:attempts:{base_id}"
 
     async def release(self, key: str, base_id: str) -> None:
         await self._release(keys=[key, self._readers(key, base_id)], args=[base_id])

@@ -211,7 +211,7 @@ def test_a_retry_whose_first_attempt_leaves_as_it_attaches_queues_afresh(redis_u
         attach = ledger._attach
 
         async def first_leaves_then_attach(**kwargs):
-            assert await ledger.leave(key, first.base_id) == 0  # the last reader
+            assert await ledger.leave(key, first.base_id, first.base_id) == 0  # the last
             return await attach(**kwargs)
 
         ledger._attach = first_leaves_then_attach
@@ -220,7 +220,7 @@ def test_a_retry_whose_first_attempt_leaves_as_it_attaches_queues_afresh(redis_u
         await ledger.queued(key, retry)
         # The retry's record now: a third attempt attaches to it, two readers.
         third = await ledger.claim(key, IdempotencyRecord("c", ["c"], 3, "digest"), 30)
-        return claimed, third, await ledger.leave(key, retry.base_id)
+        return claimed, third, await ledger.leave(key, retry.base_id, retry.base_id)
 
     claimed, third, left = _with_ledger(redis_url, keys, "order-9", work)
     assert claimed is None  # queue afresh
@@ -231,7 +231,7 @@ def test_a_retry_whose_first_attempt_leaves_as_it_attaches_queues_afresh(redis_u
 def test_a_retry_with_a_shorter_deadline_leaves_the_readers_count_its_time(
     redis_url, keys, redis_client
 ):
-    # The attach set the count's TTL to the retry's own: past it the count was gone,
+    # The attach set the readers' TTL to the retry's own: past it they were gone,
     # and the first attempt, still reading, was taken for the last reader.
     first = IdempotencyRecord("chatcmpl-a", ["chatcmpl-a"], 1, "digest")
 
@@ -243,7 +243,26 @@ def test_a_retry_with_a_shorter_deadline_leaves_the_readers_count_its_time(
         return key
 
     key = _with_ledger(redis_url, keys, "order-10", work)
-    assert redis_client.ttl(f"{key}:readers:chatcmpl-a") > 3000
+    assert redis_client.ttl(f"{key}:attempts:chatcmpl-a") > 3000
+
+
+def test_an_attempt_leaving_twice_is_counted_out_once(redis_url, keys):
+    # A leave whose reply a Redis pause lost runs when Redis resumes, and the cancel
+    # that waited for Redis leaves again: counted down twice, the work's other reader
+    # was taken for gone and its answer cancelled.
+    first = IdempotencyRecord("chatcmpl-a", ["chatcmpl-a"], 1, "digest")
+    retry = IdempotencyRecord("chatcmpl-b", ["chatcmpl-b"], 2, "digest")
+
+    async def work(ledger, key):
+        await ledger.claim(key, first, timeout=30)
+        await ledger.queued(key, first)
+        assert await ledger.claim(key, retry, timeout=30) is not None  # attached
+        once = await ledger.leave(key, first.base_id, first.base_id)
+        twice = await ledger.leave(key, first.base_id, first.base_id)
+        last = await ledger.leave(key, first.base_id, retry.base_id)
+        return once, twice, last
+
+    assert _with_ledger(redis_url, keys, "order-11", work) == (1, 1, 0)
 
 
 def test_a_retry_waits_for_the_first_attempts_work_to_be_queued_or_refused(redis_url, keys):

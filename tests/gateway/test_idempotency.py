@@ -4,6 +4,10 @@ the test writing the engine's events (its errors) into the response streams."""
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import signal
+import socket
 import threading
 import time
 
@@ -25,6 +29,7 @@ from tandem.protocol import (
 from .live import API_KEY, STAND_IN, LiveGateway, settings_for
 
 MODEL = STAND_IN
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture
@@ -103,7 +108,7 @@ def test_a_record_of_a_refused_request_outlives_no_refusal_it_points_to(gateway,
     writer.flush()
     asking.join(30)
     assert answer[0].status_code == 400, answer[0].text
-    [record] = [k for k in conn.keys(f"{keys.prefix}:idem:*") if b":readers:" not in k]
+    [record] = [k for k in conn.keys(f"{keys.prefix}:idem:*") if b":attempts:" not in k]
     assert 0 < conn.ttl(record) <= RESPONSE_TTL_SECONDS - 30
     assert _ask(live, "order-long", 1).status_code == 400  # read again while it lasts
     conn.delete(record, keys.response_stream(rid))  # both past their TTL
@@ -134,8 +139,8 @@ def test_a_record_outlives_no_answer_it_points_to(gateway, keys):
     writer.flush()
     asking.join(30)
     assert answer[0].status_code == 200, answer[0].text
-    [record] = [k for k in conn.keys(f"{keys.prefix}:idem:*") if b":readers:" not in k]
-    [readers] = conn.keys(f"{keys.prefix}:idem:*:readers:*")
+    [record] = [k for k in conn.keys(f"{keys.prefix}:idem:*") if b":attempts:" not in k]
+    [readers] = conn.keys(f"{keys.prefix}:idem:*:attempts:*")
     for key in (record, readers):
         assert 0 < conn.ttl(key) <= RESPONSE_TTL_SECONDS - 30
     assert conn.ttl(keys.response_stream(rid)) > RESPONSE_TTL_SECONDS - 30
@@ -166,6 +171,60 @@ def test_work_whose_first_replica_stopped_is_cancelled_when_its_last_reader_leav
             _ask(other, "order-roll", 1, timeout=1.5)
         assert eventually(lambda: conn.exists(keys.cancel_key(rid)), 5)
         assert conn.xlen(queue) == 1  # the retry attached: the work was queued once
+    finally:
+        other.stop()
+
+
+def test_a_reader_leaving_while_redis_pauses_cancels_nothing_another_reads(
+    gateway, keys, redis_server
+):
+    # Its leave unanswered within a second, the first attempt cancelled as if alone: the
+    # other attempt, still reading through another replica, got "the client cancelled
+    # the request"; and the leave, run when Redis resumed, counted a reader out twice.
+    live, conn = gateway
+    other = LiveGateway(settings_for(redis_server.url, keys), KeyStore.load(None, API_KEY))
+    other.start()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    headers = {"Idempotency-Key": "order-pause", "X-Tandem-Timeout": "30"}
+    writer = ResponseWriter(conn, keys, "stand-in-engine")
+    # The first client on a bare socket, to leave by closing it at a chosen moment.
+    payload = json.dumps(body).encode()
+    request = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
+        "Content-Type: application/json\r\n"
+        + "".join(f"{k}: {v}\r\n" for k, v in {**AUTH, **headers}.items())
+        + f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode() + payload
+    try:
+        first = socket.create_connection(("127.0.0.1", live.settings.port))
+        first.sendall(request)
+        [rid] = _queued(conn, keys.work_stream(MODEL, PRIORITY_NORMAL), 1)
+        writer.add(rid, ResponseEvent.tokens(0, [5], "He", "e"))
+        writer.flush()
+        assert first.recv(4096).startswith(b"HTTP/1.1 200")
+        with (
+            other.http(timeout=30) as second_client,
+            second_client.stream(
+                "POST", "/v1/chat/completions", json=body, headers=headers
+            ) as second,
+        ):
+            lines = second.iter_lines()
+            assert '"He"' in next(line for line in lines if "He" in line)
+            pid = conn.info("server")["process_id"]
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                first.close()  # the first client leaves
+                time.sleep(2.5)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            time.sleep(1.5)  # the deferred leave and cancel decided
+            writer.add(rid, ResponseEvent.tokens(1, [6], "llo", "e"))
+            writer.add(rid, ResponseEvent.finish(2, "stop", Usage(3, 2), "e"))
+            writer.flush()
+            rest = "\n".join(lines)
+        assert "llo" in rest and '"finish_reason":"stop"' in rest.replace(" ", ""), rest
+        assert "cancelled" not in rest
+        assert not conn.exists(keys.cancel_key(rid))
     finally:
         other.stop()
 
