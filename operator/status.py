@@ -98,10 +98,14 @@ def valid_status(
     before a rename still serve."""
     phase, reason, message = _phase(counts, previous)
     serving = {role: n for role, n in (outgoing or {}).items() if n}
-    if serving and phase in (Phase.PENDING, Phase.PROGRESSING):
+    old = ", ".join(f"{role} {n} ready" for role, n in serving.items())
+    if serving and phase is Phase.DEGRADED:
+        # A new pod's trouble (an image that does not pull) is what to fix, but the old
+        # mode's pods still serve: read alone, "0/1 ready" looked like an outage.
+        message = f"{message}; changing mode: {old} serve meanwhile"
+    elif serving and phase in (Phase.PENDING, Phase.PROGRESSING):
         # Not "no engine pod ready yet": the old mode's pods take every request meanwhile.
         # A new pod's trouble (no node takes it) stays the reason: it is what to fix.
-        old = ", ".join(f"{role} {n} ready" for role, n in serving.items())
         phase = Phase.PROGRESSING
         if reason in ("PodsStarting", "RollingOut"):
             summary = ", ".join(f"{r.value} {c.ready}/{c.desired} ready" for r, c in counts.items())

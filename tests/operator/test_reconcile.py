@@ -654,6 +654,19 @@ def test_a_mode_change_whose_new_pods_no_node_takes_says_why():
     assert status["message"].endswith("changing mode: normal 2 ready serve meanwhile")
 
 
+def test_a_mode_change_whose_new_pods_fail_says_the_old_ones_serve():
+    why = PodTrouble("ImagePullFailing", "pod m-decode-x: image cannot be pulled")
+    counts = {
+        RoleName.PREFILL: RoleCounts(desired=1, replicas=1, ready=0),
+        RoleName.DECODE: RoleCounts(desired=1, replicas=1, ready=0, trouble=why),
+    }
+    previous = {"phase": "Ready", "roles": {"normal": {"desired": 3, "ready": 3}}}
+    status = valid_status(META, counts, previous, NOW, outgoing={"normal": 3})
+    assert (status["phase"], status["reason"]) == ("Degraded", "ImagePullFailing")
+    assert "image cannot be pulled" in status["message"]
+    assert status["message"].endswith("changing mode: normal 3 ready serve meanwhile")
+
+
 def test_a_first_evaluation_never_scales_down():
     spec = validate_spec(model({"replicas": 3, "maxReplicas": 3})["spec"], name="m")
     pods = [pod(n, "normal") for n in "abc"]
