@@ -33,6 +33,7 @@ from tandem.operator.manifests import (
     INSTANCE_LABEL,
     MANAGED_BY_LABEL,
     OPERATOR,
+    SPEC_REPLICAS_ANNOTATION,
     OperatorDefaults,
     child_name,
     pods_of,
@@ -236,7 +237,7 @@ class Controller:
         found = {ChildKey(c["kind"], c["metadata"]["name"]): c for c in children}
         replicas = role_replicas(spec, meta["name"], found, model.get("status") or {}, {})
         deployments = {
-            role: found[key]["metadata"].get("uid", "")
+            role: _watched_as(found[key])
             for role in spec.roles()
             if (key := ChildKey("Deployment", child_name(meta["name"], role))) in found
         }
@@ -319,3 +320,13 @@ def _deletion_costs(
         role_pods = pods_of(pods, role_name)
         costs.update(scaling.cost_changes(role_pods, scaling.deletion_costs(role_pods, samples)))
     return costs
+
+
+def _watched_as(deployment: Body) -> str:
+    """What a role's autoscaling history is the history of: its Deployment (a new one
+    has no past) at the count an edit of spec.<role>.replicas last set. The edit is a
+    new start: weighed against the readings from before it, a count raised ahead of a
+    burst went back down as soon as its pods were ready."""
+    meta = deployment["metadata"]
+    edit = (meta.get("annotations") or {}).get(SPEC_REPLICAS_ANNOTATION, "")
+    return f"{meta.get('uid', '')}@{edit}"

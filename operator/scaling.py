@@ -42,7 +42,8 @@ class ScalerMemory:
     histories: Mapping[RoleName, ScalingHistory] = field(default_factory=dict)
     # The last sample of each pod: rates (budget utilisation) need two.
     samples: Mapping[str, PodSample] = field(default_factory=dict)
-    # The uid of the Deployment each role's history watched.
+    # What each role's history watched: its Deployment's uid, at the count the last
+    # edit of spec.<role>.replicas set (controller._watched_as).
     deployments: Mapping[RoleName, str] = field(default_factory=dict)
     # Why the last evaluation could not read the request queue; None once it could
     # (an Event says each change once, events.queue_events).
@@ -53,8 +54,8 @@ class ScalerMemory:
 
     def watching(self, deployments: Mapping[RoleName, str]) -> ScalerMemory:
         """This memory for the roles' Deployments now: a role whose Deployment is new (a
-        mode changed away and back, a Deployment deleted and made again) has no past,
-        however quickly that happened."""
+        mode changed away and back, a Deployment deleted and made again), or whose count
+        an edit set, has no past, however quickly that happened."""
         kept = {
             role: history
             for role, history in self.histories.items()

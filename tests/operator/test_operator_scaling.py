@@ -295,6 +295,27 @@ async def test_an_edited_spec_replicas_drains_the_least_loaded_pods_once(
     assert len(cluster.events("ScaledDown")) == 1
 
 
+async def test_a_count_raised_by_an_edit_is_held_for_the_scale_down_window(
+    cluster, operator, metrics, clock
+):
+    # Weighed against the light readings from before the edit, the five pods raised
+    # ahead of a burst went back to one as soon as they were ready.
+    metrics.default_kv = 0.1
+    await cluster.apply(
+        normal_model(replicas=1, minReplicas=1, maxReplicas=6, scaleDownStabilizationSeconds=60)
+    )
+    await eventually(lambda: ready(cluster))
+    reads = len(metrics.queue_reads)
+    await eventually(lambda: len(metrics.queue_reads) >= reads + 3, what="a few evaluations")
+    await cluster.patch_model("m", {"spec": {"normal": {"replicas": 5}}})
+    await eventually(lambda: ready(cluster) and len(cluster.pods("m", "normal")) == 5)
+    reads = len(metrics.queue_reads)
+    await eventually(lambda: len(metrics.queue_reads) >= reads + 5, what="evaluations, ready")
+    assert replicas(cluster, "normal") == 5
+    clock.advance(61)  # the window passed: the light load takes it down
+    await eventually(lambda: replicas(cluster, "normal") == 1, what="the scale-down")
+
+
 async def test_a_hand_scale_beyond_the_bounds_is_set_back_and_reported(cluster, operator):
     await cluster.apply(normal_model(replicas=2, minReplicas=1, maxReplicas=4))
     await eventually(lambda: ready(cluster) and len(cluster.pods("m", "normal")) == 2)
