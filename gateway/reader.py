@@ -115,8 +115,12 @@ class AsyncResponseReader:
             try:
                 # A read Redis leaves unanswered past its block is a stalled Redis: a
                 # paused one otherwise held it the whole socket timeout (5 s), past
-                # the deadline too. Shielded (_read), it still ends on its own.
-                async with asyncio.timeout(block_ms / 1000 + _STALLED_READ_S):
+                # the deadline too. Shielded (_read), it still ends on its own. Never
+                # past the deadline: the deadline's error must still go out within the
+                # stream's grace (streaming.py), and a read held 2 s past it, then the
+                # cancel and the stall's look, each waiting on the paused Redis, did not.
+                wait_s = min(block_ms / 1000 + _STALLED_READ_S, left_ms / 1000)
+                async with asyncio.timeout(wait_s):
                     reply = await self._read(last, block_ms)
             except (RedisConnectionError, RedisTimeoutError, TimeoutError) as exc:
                 # The client's own retries (about 0.3 s) did not outlast a restart, or

@@ -82,6 +82,7 @@ class EventStreamResponse(StreamingResponse):
                     "a stream's client stopped reading; cut at its deadline "
                     "(the server's 'returned without completing response' is this)"
                 )
+                scope.setdefault("state", {})[STREAM_FAILED] = 504  # counted: not a 200
                 await self._on_deadline()
                 return
             # Gone: the server said so, or the socket broke while sending.

@@ -1,0 +1,63 @@
+"""A Redis that stops answering for a while (paused: a failover, a fork, SIGSTOP) under
+a live gateway and a stand-in engine (a registry entry; the test writes its events)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+
+from tandem.engine.service.responses import ResponseWriter
+from tandem.protocol import PRIORITY_NORMAL, ResponseEvent, WorkItem
+
+from .live import STAND_IN
+
+
+def test_a_stream_whose_deadline_passes_while_redis_pauses_ends_with_its_error(
+    stand_in_gateway, keys
+):
+    # The read held 2 s past the deadline, then the cancel and the stall's look waited a
+    # second each on the paused Redis: past the stream's 3 s grace, the stream was cut
+    # with no error event (the client read a broken chunked body), logged as a client
+    # that stopped reading, and counted a 200.
+    live, conn = stand_in_gateway
+    timeout = 4.0
+    lines: list[str] = []
+    failures: list[Exception] = []
+
+    def ask() -> None:
+        body = {"model": STAND_IN, "prompt": [5, 9], "max_tokens": 10, "stream": True}
+        headers = {"X-Tandem-Timeout": str(timeout)}
+        try:
+            with (
+                live.http(timeout=30) as client,
+                client.stream("POST", "/v1/completions", json=body, headers=headers) as response,
+            ):
+                lines.extend(line for line in response.iter_lines() if line)
+        except httpx.HTTPError as exc:
+            failures.append(exc)
+
+    started = time.monotonic()
+    asking = threading.Thread(target=ask)
+    asking.start()
+    queue = keys.work_stream(STAND_IN, PRIORITY_NORMAL)
+    while conn.xlen(queue) == 0 and time.monotonic() - started < 10:
+        time.sleep(0.01)
+    rid = WorkItem.from_fields(conn.xrange(queue)[0][1]).request_id
+    writer = ResponseWriter(conn, keys, "stand-in-engine")
+    writer.add(rid, ResponseEvent.tokens(0, [40], "a", "stand-in-engine"))
+    writer.flush()
+    pid = conn.info("server")["process_id"]
+    time.sleep(max(0.0, timeout - 0.6 - (time.monotonic() - started)))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        asking.join(20)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert not failures, failures
+    assert '"code":"deadline_exceeded"' in lines[-1].replace(" ", ""), lines
+    assert live.metric("tandem_gateway_requests_total", status="504") == 1
+    assert live.metric("tandem_gateway_requests_total", status="200") == 0
