@@ -120,6 +120,13 @@ class Cancels:
         self._stepping_aside.add(task)
         task.add_done_callback(self._stepping_aside.discard)
 
+    def cancel_soon(self, cancel: Cancel) -> None:
+        """`cancel` on a task of its own, which close() waits for a moment: the request's
+        task is being cancelled (its server shuts down)."""
+        task = asyncio.get_running_loop().create_task(self.cancel(cancel, _ATTEMPT_S))
+        self._stepping_aside.add(task)
+        task.add_done_callback(self._stepping_aside.discard)
+
     async def _step_aside(self, ledger_key: str, base_id: str, reader: str) -> None:
         try:
             async with asyncio.timeout(_ATTEMPT_S):
@@ -134,6 +141,18 @@ class Cancels:
             self._retries.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._retries
+        # The cancels still waiting for Redis: one last try each, then said, not lost
+        # in silence (the engines run that work to its end for nobody).
+        for cancel, _ in list(self._pending.values()):
+            try:
+                async with asyncio.timeout(_ATTEMPT_S):
+                    await self._write(cancel)
+            except (RedisError, OSError) as exc:
+                ids = ", ".join(cancel.request_ids)
+                log.warning(
+                    "gave up cancelling %s (%s) as the gateway stops: %r", ids, cancel.why, exc
+                )
+        self._pending.clear()
 
     async def _write(self, cancel: Cancel) -> None:
         # Both steps may run again (a reply lost): setting a cancel key twice, or

@@ -260,13 +260,20 @@ class Generation:
         await self.abandon("disconnect")
 
     def server_stopping(self) -> None:
-        """The server shuts down under this attempt: the work stays queued for a retry
-        through another replica (disconnect.py), but this attempt reads it no more."""
+        """The server shuts down under this attempt. Work with an Idempotency-Key stays
+        queued for a retry through another replica to attach to (disconnect.py); this
+        attempt reads it no more. Work without one is cancelled: no retry can attach to
+        it (its client retries as a new request), and left queued it ran for nobody."""
         key = self.ticket.ledger_key
-        if self._abandoned or not self._open or key is None:
+        if self._abandoned or not self._open:
             return
         self._abandoned = True
-        self.cancels.step_aside(key, self.ticket.base_id, self.job.base_id)
+        if key is not None:
+            self.cancels.step_aside(key, self.ticket.base_id, self.job.base_id)
+            return
+        ids = tuple(self.ticket.request_ids[i] for i in sorted(self._open))
+        cancel = Cancel(self.ticket.base_id, ids, "server_stop", None, queued=self._queued())
+        self.cancels.cancel_soon(cancel)
 
     async def deadline_passed(self) -> None:
         """The deadline passed while the answer could not go out (see streaming.py)."""

@@ -1,14 +1,17 @@
-"""A Redis that stops answering for a while (paused: a failover, a fork, SIGSTOP) under
-a live gateway and a stand-in engine (a registry entry; the test writes its events)."""
+"""A Redis that stops answering for a while (paused: a failover, a fork, SIGSTOP), and a
+replica that shuts down, under a live gateway and a stand-in engine (a registry entry;
+the test writes its events)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
 
 import httpx
+from support.polling import eventually
 
 from tandem.engine.service.responses import ResponseWriter
 from tandem.protocol import PRIORITY_NORMAL, ResponseEvent, WorkItem
@@ -59,5 +62,41 @@ def test_a_stream_whose_deadline_passes_while_redis_pauses_ends_with_its_error(
         os.kill(pid, signal.SIGCONT)
     assert not failures, failures
     assert '"code":"deadline_exceeded"' in lines[-1].replace(" ", ""), lines
-    assert live.metric("tandem_gateway_requests_total", status="504") == 1
+    # Counted as the response ends, a moment after its last byte.
+    assert eventually(lambda: live.metric("tandem_gateway_requests_total", status="504") == 1, 5)
     assert live.metric("tandem_gateway_requests_total", status="200") == 0
+
+
+def test_work_of_requests_a_stopping_replica_cuts_is_cancelled_unless_shared(
+    stand_in_gateway, keys
+):
+    # Left queued, the work of a request without an Idempotency-Key ran to its end for
+    # nobody: its client's retry (the SDKs retry the 500) is a new request. One with a
+    # key stays queued for a retry through another replica to attach to.
+    live, conn = stand_in_gateway
+    answers: dict[str, int] = {}
+
+    def ask(name: str, headers: dict[str, str]) -> None:
+        body = {"model": STAND_IN, "prompt": [5, 9], "max_tokens": 10}
+        with live.http(timeout=30) as client, contextlib.suppress(httpx.HTTPError):
+            answers[name] = client.post("/v1/completions", json=body, headers=headers).status_code
+
+    asking = [
+        threading.Thread(target=ask, args=("plain", {})),
+        threading.Thread(target=ask, args=("keyed", {"Idempotency-Key": "order-stop"})),
+    ]
+    for thread in asking:
+        thread.start()
+    queue = keys.work_stream(STAND_IN, PRIORITY_NORMAL)
+    deadline = time.monotonic() + 10
+    while conn.xlen(queue) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ids = {WorkItem.from_fields(f).request_id for _, f in conn.xrange(queue)}
+    live.stop()  # its graceful timeout (1 s) passes with both waiting
+    for thread in asking:
+        thread.join(20)
+    left = [WorkItem.from_fields(f).request_id for _, f in conn.xrange(queue)]
+    assert len(left) == 1  # the keyed request's work, for a retry to attach to
+    (plain,) = ids - set(left)
+    assert conn.exists(keys.cancel_key(plain))
+    assert live.metric("tandem_gateway_cancellations_total", why="server_stop") == 1
