@@ -83,7 +83,7 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tandem.gateway.app import create_app
-    from tandem.gateway.server import quiet_server_logs, server_config
+    from tandem.gateway.server import graceful_seconds, quiet_server_logs, server_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings = GatewaySettings.from_args(args)
@@ -107,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
     # (nothing admitted yet) ends the process at once: a no-op handler here swallowed
     # it, and the gateway served on until the supervisor's kill (tandem up waited 60 s).
     signal.signal(signal.SIGTERM, _exit_cleanly)
-    shutdown_s = int(settings.shutdown_timeout) or 1
+    shutdown_s = graceful_seconds(settings.shutdown_timeout)
     quiet_server_logs(shutdown_s)
     config = server_config(
         app,

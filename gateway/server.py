@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 from typing import Any
 
@@ -125,6 +126,12 @@ class ShutdownCuts(logging.Filter):
             record.levelno, record.levelname = logging.WARNING, "WARNING"
             record.exc_info, record.exc_text = None, None
         return True
+
+
+def graceful_seconds(shutdown_timeout: float) -> int:
+    """uvicorn's whole seconds of graceful shutdown for --shutdown-timeout: never fewer
+    than asked (int() cut 2.9 s to 2), and at least one."""
+    return max(1, math.ceil(shutdown_timeout))
 
 
 def quiet_server_logs(shutdown_timeout_s: float) -> None:

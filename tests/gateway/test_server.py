@@ -9,7 +9,7 @@ import logging
 import socket
 import time
 
-from tandem.gateway.server import OncePer
+from tandem.gateway.server import OncePer, graceful_seconds
 
 
 def _closed_within(sock: socket.socket, seconds: float) -> float | None:
@@ -106,3 +106,8 @@ def test_accept_errors_are_logged_once_per_interval():
         if once.filter(record):
             records.append(message.split("\n")[0])
     assert records == ["socket.accept() out of system resource", "other", "other", "other"]
+
+
+def test_the_shutdown_timeout_is_never_cut_short():
+    # int() gave requests 2 s of a --shutdown-timeout of 2.9.
+    assert [graceful_seconds(t) for t in (0.1, 1, 2.9, 30)] == [1, 1, 3, 30]
