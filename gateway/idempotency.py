@@ -52,18 +52,18 @@ local raw = redis.call('GET', KEYS[1])
 local owned = raw and cjson.decode(raw)['base_id'] == ARGV[1]
 """
 
-# Delete the record, and its readers' count (KEYS[2]), only if it is still the one
+# Delete the record and its readers (KEYS[2], KEYS[3]) only if it is still the one
 # this attempt wrote.
 _RELEASE_LUA = (
     _OWNED_LUA
     + """
-if owned then return redis.call('DEL', KEYS[1], KEYS[2]) end
+if owned then return redis.call('DEL', KEYS[1], KEYS[2], KEYS[3]) end
 return 0
 """
 )
 
-# The record (if still ARGV[1]'s) and its readers' count expire within ARGV[2] s,
-# never later than they would have (EXPIRE's LT option, before Redis 7).
+# The record (if still ARGV[1]'s) and its readers expire within ARGV[2] s, never later
+# than they would have (EXPIRE's LT option, before Redis 7).
 _ANSWERED_LUA = (
     _OWNED_LUA
     + """
@@ -87,6 +87,14 @@ return false
 )
 
 
+# The readers of a record's work are counted twice over. KEYS[2], the count every
+# gateway version reads and moves: a reader more or less, INCR / DECR. KEYS[3], the
+# set of the readers' attempt ids, which moves the count only when it changes itself:
+# a leave sent twice (its reply lost in a Redis pause, sent again with the cancel that
+# waited for it) counts its attempt out once, where a count alone went down twice and
+# took the work from a reader still there. (Gateways from before the set move the
+# count alone; both kinds read it, so a rolling upgrade keeps one tally.)
+
 # Write the record and its readers (this attempt, ARGV[2]) if the key is new, in one
 # step: written apart, a retry attaching between them had its count overwritten, and
 # the first attempt's leaving then cancelled the work the retry still read. Run again
@@ -94,15 +102,16 @@ return false
 # Returns nil to go ahead and queue, else the record found.
 _CLAIM_LUA = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[3]) then
-  redis.call('DEL', KEYS[2])
-  redis.call('SADD', KEYS[2], ARGV[2])
-  redis.call('EXPIRE', KEYS[2], ARGV[3])
+  redis.call('SET', KEYS[2], 1, 'EX', ARGV[3])
+  redis.call('DEL', KEYS[3])
+  redis.call('SADD', KEYS[3], ARGV[2])
+  redis.call('EXPIRE', KEYS[3], ARGV[3])
   return false
 end
 local raw = redis.call('GET', KEYS[1])
 if raw and cjson.decode(raw)['base_id'] == ARGV[2] then
-  redis.call('SADD', KEYS[2], ARGV[2])
-  if redis.call('TTL', KEYS[2]) < 0 then redis.call('EXPIRE', KEYS[2], ARGV[3]) end
+  redis.call('SET', KEYS[2], 1, 'NX', 'EX', ARGV[3])
+  if redis.call('SADD', KEYS[3], ARGV[2]) == 1 then redis.call('EXPIRE', KEYS[3], ARGV[3]) end
   return false
 end
 return raw
@@ -116,21 +125,23 @@ _ATTACH_LUA = (
     _OWNED_LUA
     + """
 if not owned then return 0 end
-redis.call('SADD', KEYS[2], ARGV[3])
+if redis.call('SADD', KEYS[3], ARGV[3]) == 1 then redis.call('INCR', KEYS[2]) end
 -- Never shorter than it was: a first attempt with a longer deadline still reads.
-if redis.call('TTL', KEYS[2]) < tonumber(ARGV[2]) then redis.call('EXPIRE', KEYS[2], ARGV[2]) end
-return redis.call('SCARD', KEYS[2])
+for i = 2, 3 do
+  if redis.call('TTL', KEYS[i]) < tonumber(ARGV[2]) then redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+end
+return tonumber(redis.call('GET', KEYS[2]))
 """
 )
 
 # One attempt (ARGV[2]) stops reading: with none left, the record goes in the same
 # step, so that no retry attaches to work about to be cancelled (it queues afresh
-# instead). Readers are a set: a leave run twice (its reply lost in a Redis pause, then
-# sent again) counts its attempt out once, and a reader still there stays counted.
+# instead). Returns how many still read it.
 _LEAVE_LUA = """
-redis.call('SREM', KEYS[2], ARGV[2])
-local left = redis.call('SCARD', KEYS[2])
+if redis.call('SREM', KEYS[3], ARGV[2]) == 1 then redis.call('DECR', KEYS[2]) end
+local left = tonumber(redis.call('GET', KEYS[2]) or '0')
 if left <= 0 then
+  redis.call('DEL', KEYS[2], KEYS[3])
   local raw = redis.call('GET', KEYS[1])
   if raw and cjson.decode(raw)['base_id'] == ARGV[1] then redis.call('DEL', KEYS[1]) end
 end
@@ -141,8 +152,10 @@ return left
 # A reader (ARGV[1]) leaves without ending the work: the record stays for a retry to
 # attach to.
 _STEP_ASIDE_LUA = """
-redis.call('SREM', KEYS[1], ARGV[1])
-return redis.call('SCARD', KEYS[1])
+if redis.call('SREM', KEYS[2], ARGV[1]) == 1 then redis.call('DECR', KEYS[1]) end
+local left = tonumber(redis.call('GET', KEYS[1]) or '0')
+if left <= 0 then redis.call('DEL', KEYS[1], KEYS[2]) end
+return left
 """
 
 
@@ -188,7 +201,7 @@ class IdempotencyLedger:
         # It must outlive the work: the deadline, then the response stream's TTL.
         ttl = int(timeout) + RESPONSE_TTL_SECONDS
         payload = json.dumps(asdict(replace(record, queued=False)))
-        own = [key, self._readers(key, record.base_id)]
+        own = [key, *self._readers(key, record.base_id)]
         # A record gone between the claim and the attach (released: its attempt refused,
         # or its last reader left): claim again. Several retries racing a refusal each
         # see it go once.
@@ -211,7 +224,7 @@ class IdempotencyLedger:
                     headers=NO_RETRY,  # the same request would be refused again
                 )
             readers = self._readers(key, first.base_id)
-            if await self._attach(keys=[key, readers], args=[first.base_id, ttl, record.base_id]):
+            if await self._attach(keys=[key, *readers], args=[first.base_id, ttl, record.base_id]):
                 return first
         raise GatewayError(503, "could not record the Idempotency-Key", type="server_error")
 
@@ -243,26 +256,26 @@ class IdempotencyLedger:
         from their last event, now. The record and its readers' count no longer than
         that: past it, a retry attached to streams gone and waited for its deadline."""
         ttl = RESPONSE_TTL_SECONDS - _STREAM_MARGIN_S
-        await self._answered(keys=[key, self._readers(key, base_id)], args=[base_id, ttl])
+        await self._answered(keys=[key, *self._readers(key, base_id)], args=[base_id, ttl])
 
     async def leave(self, key: str, base_id: str, reader: str) -> int:
         """Attempt `reader` stops reading `base_id`'s work: how many attempts still read
         it; with none left, the record is released. Readers Redis lost (a restart)
         read as none left. Run twice, it counts the attempt out once."""
         readers = self._readers(key, base_id)
-        return int(await self._leave(keys=[key, readers], args=[base_id, reader]))
+        return max(0, int(await self._leave(keys=[key, *readers], args=[base_id, reader])))
 
     async def step_aside(self, key: str, base_id: str, reader: str) -> None:
         """Attempt `reader` stops reading the work, which goes on for a retry to attach
         to (its replica shuts down): counted out, so that the last attempt to leave
         later still cancels it."""
-        await self._step_aside(keys=[self._readers(key, base_id)], args=[reader])
+        await self._step_aside(keys=list(self._readers(key, base_id)), args=[reader])
 
     @staticmethod
-    def _readers(key: str, base_id: str) -> str:
-        # A set of attempt ids (":readers:" held a count, which a leave sent twice
-        # counted down twice; gateways of both kinds count apart during an upgrade).
-        return f"{key}:attempts:{base_id}"
+    def _readers(key: str, base_id: str) -> tuple[str, str]:
+        """The keys of the readers of `base_id`'s work: their count, and their set of
+        attempt ids (see _CLAIM_LUA's comment above)."""
+        return f"{key}:readers:{base_id}", f"{key}:attempts:{base_id}"
 
     async def release(self, key: str, base_id: str) -> None:
-        await self._release(keys=[key, self._readers(key, base_id)], args=[base_id])
+        await self._release(keys=[key, *self._readers(key, base_id)], args=[base_id])

@@ -243,7 +243,8 @@ def test_a_retry_with_a_shorter_deadline_leaves_the_readers_count_its_time(
         return key
 
     key = _with_ledger(redis_url, keys, "order-10", work)
-    assert redis_client.ttl(f"{key}:attempts:chatcmpl-a") > 3000
+    for readers in ("readers", "attempts"):
+        assert redis_client.ttl(f"{key}:{readers}:chatcmpl-a") > 3000
 
 
 def test_an_attempt_leaving_twice_is_counted_out_once(redis_url, keys):
@@ -263,6 +264,25 @@ def test_an_attempt_leaving_twice_is_counted_out_once(redis_url, keys):
         return once, twice, last
 
     assert _with_ledger(redis_url, keys, "order-11", work) == (1, 1, 0)
+
+
+def test_readers_through_gateways_of_before_the_set_share_one_tally(redis_url, keys):
+    # A rolling upgrade: a gateway of before the readers' set moves their count alone
+    # (INCR as it attaches, DECR as it leaves). Counted apart, one reader leaving took
+    # the work from the other, whichever version each came through.
+    first = IdempotencyRecord("chatcmpl-a", ["chatcmpl-a"], 1, "digest")
+
+    async def work(ledger, key):
+        await ledger.claim(key, first, timeout=30)
+        await ledger.queued(key, first)
+        count = f"{key}:readers:{first.base_id}"
+        await ledger.client.incr(count)  # an older gateway's retry attaches
+        mine_left = await ledger.leave(key, first.base_id, first.base_id)
+        record_kept = await ledger.client.exists(key)
+        await ledger.client.decr(count)  # the older retry leaves: it reads 0, it cancels
+        return mine_left, record_kept, int(await ledger.client.get(count))
+
+    assert _with_ledger(redis_url, keys, "order-12", work) == (1, 1, 0)
 
 
 def test_a_retry_waits_for_the_first_attempts_work_to_be_queued_or_refused(redis_url, keys):

@@ -108,7 +108,7 @@ def test_a_record_of_a_refused_request_outlives_no_refusal_it_points_to(gateway,
     writer.flush()
     asking.join(30)
     assert answer[0].status_code == 400, answer[0].text
-    [record] = [k for k in conn.keys(f"{keys.prefix}:idem:*") if b":attempts:" not in k]
+    [record] = _records(conn, keys)
     assert 0 < conn.ttl(record) <= RESPONSE_TTL_SECONDS - 30
     assert _ask(live, "order-long", 1).status_code == 400  # read again while it lasts
     conn.delete(record, keys.response_stream(rid))  # both past their TTL
@@ -139,9 +139,10 @@ def test_a_record_outlives_no_answer_it_points_to(gateway, keys):
     writer.flush()
     asking.join(30)
     assert answer[0].status_code == 200, answer[0].text
-    [record] = [k for k in conn.keys(f"{keys.prefix}:idem:*") if b":attempts:" not in k]
+    [record] = _records(conn, keys)
+    [count] = conn.keys(f"{keys.prefix}:idem:*:readers:*")
     [readers] = conn.keys(f"{keys.prefix}:idem:*:attempts:*")
-    for key in (record, readers):
+    for key in (record, count, readers):
         assert 0 < conn.ttl(key) <= RESPONSE_TTL_SECONDS - 30
     assert conn.ttl(keys.response_stream(rid)) > RESPONSE_TTL_SECONDS - 30
 
@@ -227,6 +228,12 @@ def test_a_reader_leaving_while_redis_pauses_cancels_nothing_another_reads(
         assert not conn.exists(keys.cancel_key(rid))
     finally:
         other.stop()
+
+
+def _records(conn, keys) -> list[bytes]:
+    """The Idempotency records' keys, without their readers' count and set."""
+    found = conn.keys(f"{keys.prefix}:idem:*")
+    return [k for k in found if b":readers:" not in k and b":attempts:" not in k]
 
 
 def _quietly(call) -> None:
