@@ -141,18 +141,22 @@ class Cancels:
             self._retries.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._retries
-        # The cancels still waiting for Redis: one last try each, then said, not lost
-        # in silence (the engines run that work to its end for nobody).
-        for cancel, _ in list(self._pending.values()):
-            try:
-                async with asyncio.timeout(_ATTEMPT_S):
-                    await self._write(cancel)
-            except (RedisError, OSError) as exc:
+        # The cancels still waiting for Redis: one last try, all of them within one
+        # attempt's time (one each, in turn, overran the pod's grace with dozens), then
+        # those left said, not lost in silence (the engines run that work for nobody).
+        left = [cancel for cancel, _ in self._pending.values()]
+        self._pending.clear()
+        try:
+            async with asyncio.timeout(_ATTEMPT_S):
+                while left:
+                    await self._write(left[0])
+                    del left[0]
+        except (RedisError, OSError) as exc:
+            for cancel in left:
                 ids = ", ".join(cancel.request_ids)
                 log.warning(
                     "gave up cancelling %s (%s) as the gateway stops: %r", ids, cancel.why, exc
                 )
-        self._pending.clear()
 
     async def _write(self, cancel: Cancel) -> None:
         # Both steps may run again (a reply lost): setting a cancel key twice, or

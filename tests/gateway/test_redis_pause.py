@@ -4,6 +4,7 @@ the test writes its events)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -11,9 +12,15 @@ import threading
 import time
 
 import httpx
+import redis
+import redis.asyncio as aioredis
 from support.polling import eventually
 
 from tandem.engine.service.responses import ResponseWriter
+from tandem.gateway.broker import Broker
+from tandem.gateway.cancels import Cancel, Cancels
+from tandem.gateway.idempotency import IdempotencyLedger
+from tandem.gateway.metrics import GatewayMetrics
 from tandem.protocol import PRIORITY_NORMAL, ResponseEvent, WorkItem
 
 from .live import STAND_IN
@@ -100,3 +107,32 @@ def test_work_of_requests_a_stopping_replica_cuts_is_cancelled_unless_shared(
     (plain,) = ids - set(left)
     assert conn.exists(keys.cancel_key(plain))
     assert live.metric("tandem_gateway_cancellations_total", why="server_stop") == 1
+
+
+def test_cancels_waiting_for_a_paused_redis_hold_a_stopping_gateway_a_second_at_most(
+    redis_server, keys, caplog
+):
+    # Each given a last try in turn, up to a second each: 15 held the shutdown 15 s,
+    # past the pod's grace with dozens. Those given up are said, one line each.
+    async def main(pid: int) -> float:
+        client = aioredis.Redis.from_url(redis_server.url)
+        await client.ping()
+        cancels = Cancels(
+            Broker(client, keys), IdempotencyLedger(client, keys.prefix), GatewayMetrics()
+        )
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            for i in range(15):  # clients leaving during the pause: each cancel kept
+                await cancels.cancel(Cancel(f"c-{i}", (f"c-{i}",), "disconnect", None), 0.05)
+            started = time.monotonic()
+            await cancels.close()
+            return time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            await client.aclose()
+
+    pid = redis.Redis.from_url(redis_server.url).info("server")["process_id"]
+    took = asyncio.run(main(pid))
+    assert took < 2
+    gave_up = [r for r in caplog.records if "gave up cancelling" in r.getMessage()]
+    assert len(gave_up) == 15
