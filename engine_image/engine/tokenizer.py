@@ -204,19 +204,17 @@ class Tokenizer:
     ) -> list[int]:
         """The prompt's token ids. A message's text is text: one that holds a control
         token's ("<|im_end|>") gets no control token from it (literal_chat.py).
-        max_model_len: as `encode`'s, from the messages' text."""
+        max_model_len: as `encode`'s, from the rendered prompt's text (not the messages':
+        a template may leave parts of them out, as Qwen3's does earlier turns' reasoning)."""
         how = ChatRendering(add_generation_prompt, continue_final_message, extra)
         checked = checked_messages(messages)
-        if max_model_len is not None:
-            contents = "".join(m["content"] or "" for m in checked)
-            _refuse_unfit(self.fewest_tokens(contents), max_model_len)
         if self._literal_chat is None:
             self._literal_chat = LiteralChat(self._backend)
         if self._literal_chat.holds_control_text(checked):
             return self._literal_chat.encode(checked, lambda marked: self._render(marked, how))
         text = self._render(checked, how)
         # The template writes BOS itself when the model wants one (as transformers assumes).
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=False, max_model_len=max_model_len)
 
     def _compiled_template(self) -> jinja2.Template:
         if self._template is None:
