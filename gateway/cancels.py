@@ -158,14 +158,14 @@ class Cancels:
                     "gave up cancelling %s (%s) as the gateway stops: %r", ids, cancel.why, exc
                 )
 
-    async def _write(self, cancel: Cancel) -> None:
+    async def _write(self, cancel: Cancel) -> bool:
         # Both steps may run again (a reply lost): setting a cancel key twice, or
         # releasing a record gone, or a leave of a reader counted out, changes nothing.
         # Counted once, when both ran.
         leaving, key = cancel.if_last_of, cancel.ledger_key
         shared = leaving is not None and key is not None
         if shared and await self.ledger.leave(key, cancel.base_id, leaving) > 0:  # type: ignore[arg-type]
-            return  # another attempt still reads it
+            return False  # another attempt still reads it
         await self.broker.cancel(list(cancel.request_ids))
         if cancel.queued is not None:  # after the cancel keys: an engine reading it now drops it
             q = cancel.queued
@@ -173,6 +173,7 @@ class Cancels:
         if cancel.ledger_key is not None:  # a retry must queue afresh, not attach
             await self.ledger.release(cancel.ledger_key, cancel.base_id)
         self.metrics.cancelled(cancel.why, len(cancel.request_ids))
+        return True
 
     async def _retry(self) -> None:
         pause = _FIRST_RETRY_S
@@ -187,9 +188,13 @@ class Cancels:
                     continue
                 try:
                     async with asyncio.timeout(_ATTEMPT_S):
-                        await self._write(cancel)
+                        cancelled = await self._write(cancel)
                 except (RedisError, OSError):
                     break  # still away: all of them later
                 del self._pending[pending]
-                log.info("cancelled %s (%s) once Redis answered", base_id, cancel.why)
+                if cancelled:
+                    log.info("cancelled %s (%s) once Redis answered", base_id, cancel.why)
+                else:
+                    log.info("%s (%s): left once Redis answered; another attempt reads it",
+                             base_id, cancel.why)  # fmt: skip
                 pause = _FIRST_RETRY_S

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -177,11 +178,12 @@ def test_work_whose_first_replica_stopped_is_cancelled_when_its_last_reader_leav
 
 
 def test_a_reader_leaving_while_redis_pauses_cancels_nothing_another_reads(
-    gateway, keys, redis_server
+    gateway, keys, redis_server, caplog
 ):
     # Its leave unanswered within a second, the first attempt cancelled as if alone: the
     # other attempt, still reading through another replica, got "the client cancelled
     # the request"; and the leave, run when Redis resumed, counted a reader out twice.
+    caplog.set_level(logging.INFO, logger="tandem.gateway")
     live, conn = gateway
     other = LiveGateway(settings_for(redis_server.url, keys), KeyStore.load(None, API_KEY))
     other.start()
@@ -226,6 +228,9 @@ def test_a_reader_leaving_while_redis_pauses_cancels_nothing_another_reads(
         assert "llo" in rest and '"finish_reason":"stop"' in rest.replace(" ", ""), rest
         assert "cancelled" not in rest
         assert not conn.exists(keys.cancel_key(rid))
+        said = [r.getMessage() for r in caplog.records]  # not "cancelled" in the log either
+        assert any("left once Redis answered; another attempt reads it" in m for m in said)
+        assert not any("once Redis answered" in m and "cancelled" in m for m in said)
     finally:
         other.stop()
 
