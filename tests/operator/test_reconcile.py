@@ -641,30 +641,27 @@ def test_a_mode_change_says_the_old_pods_serve_until_the_new_roles_are_ready():
     assert actions.status["message"].startswith("changing mode: normal 2 ready serve until")
 
 
-def test_a_mode_change_whose_new_pods_no_node_takes_says_why():
-    why = PodTrouble("Unschedulable", "pod m-decode-x cannot be scheduled: 0/3 nodes")
+@pytest.mark.parametrize(
+    ("trouble", "why", "phase"),
+    [
+        ("Unschedulable", "pod m-decode-x cannot be scheduled: 0/3 nodes", "Progressing"),
+        # Degraded (an image that does not pull) said nothing of the pods serving: read
+        # alone, "0/1 ready" looked like an outage of a model still serving.
+        ("ImagePullFailing", "pod m-decode-x: image cannot be pulled", "Degraded"),
+    ],
+)
+def test_a_mode_change_whose_new_pods_are_in_trouble_says_why_and_who_serves(trouble, why, phase):
     counts = {
         RoleName.PREFILL: RoleCounts(desired=1, replicas=1, ready=0),
-        RoleName.DECODE: RoleCounts(desired=1, replicas=1, ready=0, trouble=why),
+        RoleName.DECODE: RoleCounts(
+            desired=1, replicas=1, ready=0, trouble=PodTrouble(trouble, why)
+        ),
     }
     previous = {"phase": "Ready", "roles": {"normal": {"desired": 2, "ready": 2}}}
     status = valid_status(META, counts, previous, NOW, outgoing={"normal": 2})
-    assert (status["phase"], status["reason"]) == ("Progressing", "Unschedulable")
-    assert "cannot be scheduled: 0/3 nodes" in status["message"]
+    assert (status["phase"], status["reason"]) == (phase, trouble)
+    assert why in status["message"]
     assert status["message"].endswith("changing mode: normal 2 ready serve meanwhile")
-
-
-def test_a_mode_change_whose_new_pods_fail_says_the_old_ones_serve():
-    why = PodTrouble("ImagePullFailing", "pod m-decode-x: image cannot be pulled")
-    counts = {
-        RoleName.PREFILL: RoleCounts(desired=1, replicas=1, ready=0),
-        RoleName.DECODE: RoleCounts(desired=1, replicas=1, ready=0, trouble=why),
-    }
-    previous = {"phase": "Ready", "roles": {"normal": {"desired": 3, "ready": 3}}}
-    status = valid_status(META, counts, previous, NOW, outgoing={"normal": 3})
-    assert (status["phase"], status["reason"]) == ("Degraded", "ImagePullFailing")
-    assert "image cannot be pulled" in status["message"]
-    assert status["message"].endswith("changing mode: normal 3 ready serve meanwhile")
 
 
 def test_a_first_evaluation_never_scales_down():
