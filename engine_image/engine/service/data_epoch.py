@@ -10,8 +10,10 @@ was delivered: an engine back from a two-minute freeze ran a request already
 answered elsewhere to its end, for nobody.
 
 The epoch key tells: the first engine to look sets it (SET NX) to a random value
-and none ever changes it, so while it reads as it did, Redis has lost nothing
-since; a Redis that lost its data lost the key with it.
+and none ever changes it, so while it reads as it did at the engine's start,
+Redis has lost nothing since; a Redis that lost its data lost the key with it.
+After such a loss the engine goes back to the response stream alone, until it
+restarts.
 """
 
 from __future__ import annotations
@@ -35,13 +37,12 @@ class DataEpoch:
         self._seen = self._read()
 
     def kept(self) -> bool:
-        """Whether Redis kept its data since the epoch was last read (noted at start,
-        or by the last call of this). Never read before (Redis was away at the
-        engine's start): not known, so not kept."""
-        current = self._read()
-        kept = current == self._seen
-        self._seen = current
-        return kept
+        """Whether Redis kept its data since the engine's start. Not noted then (Redis
+        was away): not known, so not kept. Once it reads otherwise it stays so: the
+        entries this engine held when Redis lost them are gone for good, and read
+        against the new epoch they would pass for finished elsewhere (their final
+        events dropped, their clients left waiting)."""
+        return self._seen is not None and self._read() == self._seen
 
     def _read(self) -> str:
         pipe = self._client.pipeline(transaction=False)
