@@ -30,6 +30,10 @@ from tandem.engine.step_result import accepted_tokens, proposed_drafts
 from tandem.engine.step_vote import Point, StepVote, Vote
 from tandem.engine.waiting_queue import WaitingQueue
 
+# While requests decode, prompt steps run at most this many in a row (a prompt mid-chunk
+# finishes, as the seed has it); then a decode step, and the next attempt point.
+MAX_PROMPT_STEPS_IN_A_ROW = 8
+
 
 class Scheduler(HandoffSide):
     def __init__(self, config: EngineConfig, num_blocks: int, vote: Vote | None = None) -> None:
@@ -59,10 +63,8 @@ class Scheduler(HandoffSide):
         self.receiving: dict[str, Request] = {}
         # Decode steps since the last prompt step; the same on every rank.
         self.decode_step = 0
-        # The waiting queue's mark when the current run of prompt steps began (None
-        # between runs): with requests decoding, only the prompts queued by then are
-        # prefilled back to back (`_wants_prefill`).
-        self._run_mark: int | None = None
+        # Prompt steps in a row since the last decode step; the same on every rank.
+        self.prompt_steps_in_a_row = 0
         self.num_preemptions = 0
 
     # ----------------------------------------------------------- requests in
@@ -122,17 +124,13 @@ class Scheduler(HandoffSide):
 
     def schedule(self) -> StepPlan:
         """Plan the next step. On several ranks, every rank calls this in lockstep."""
-        mark = self.waiting.mark()
         if self.config.engine_type is EngineType.PROMPT:
             plan = self._schedule_prefill() or StepPlan(is_prefill=True)
         else:
             plan = self._schedule_by_vote()
         plan.decode_step = self.decode_step
         self.decode_step = 0 if plan.is_prefill else self.decode_step + 1
-        if not plan.is_prefill:
-            self._run_mark = None
-        elif self._run_mark is None:
-            self._run_mark = mark
+        self.prompt_steps_in_a_row = self.prompt_steps_in_a_row + 1 if plan.is_prefill else 0
         return plan
 
     def _schedule_by_vote(self) -> StepPlan:
@@ -154,12 +152,14 @@ class Scheduler(HandoffSide):
         first = self.waiting.first()
         if first is None:
             return False
-        run = self._run_mark
-        if run is not None and self.running and not self.waiting.queued_before(first, run):
+        if (
+            self.prompt_steps_in_a_row >= MAX_PROMPT_STEPS_IN_A_ROW
+            and self.running
+            and not self.waiting.mid_chunk(first)
+        ):
             # A prompt step's counter of 0 is an attempt point again, so prompts run
-            # back to back; those arriving meanwhile wait for the next point. Chained
-            # too, a steady stream of short prompts kept every running request from
-            # its next token for good.
+            # back to back, a burst's together; unbounded, a steady stream of short
+            # prompts kept every running request from its next token for good.
             return False
         if self.kv.usage <= self.config.cache_prefill_watermark:
             return True

@@ -27,9 +27,6 @@ class WaitingQueue:
         self._holds_blocks = holds_blocks
         # Requests put first to be recomputed, while they wait: new ones go behind them.
         self._recomputes: set[str] = set()
-        # When each waiting request was queued, counted in requests queued (`mark`).
-        self._queued_at: dict[str, int] = {}
-        self._num_queued = 0
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -46,28 +43,12 @@ class WaitingQueue:
 
     def pop_first(self) -> Request:
         request = self._queue.popleft()
-        self._forget(request.request_id)
+        self._recomputes.discard(request.request_id)
         return request
 
     def remove(self, request: Request) -> None:
         self._queue.remove(request)
-        self._forget(request.request_id)
-
-    def mark(self) -> int:
-        """Now, for `queued_before`: the requests queued so far."""
-        return self._num_queued
-
-    def queued_before(self, request: Request, mark: int) -> bool:
-        """Whether `request` was queued before `mark` was read."""
-        return self._queued_at[request.request_id] < mark
-
-    def _stamp(self, request_id: str) -> None:
-        self._queued_at[request_id] = self._num_queued
-        self._num_queued += 1
-
-    def _forget(self, request_id: str) -> None:
-        self._recomputes.discard(request_id)
-        del self._queued_at[request_id]
+        self._recomputes.discard(request.request_id)
 
     def mid_chunk(self, request: Request) -> bool:
         return self._holds_blocks(request.request_id)
@@ -80,7 +61,6 @@ class WaitingQueue:
         while at and queue[at - 1].priority < request.priority and not self._first(at - 1):
             at -= 1
         queue.insert(at, request)
-        self._stamp(request.request_id)
 
     def add_first(self, request: Request) -> None:
         """A request to recompute: ahead of every other, but behind prompts mid-chunk."""
@@ -89,7 +69,6 @@ class WaitingQueue:
             at += 1
         self._queue.insert(at, request)
         self._recomputes.add(request.request_id)
-        self._stamp(request.request_id)
 
     def _first(self, at: int) -> bool:
         """Whether the entry at `at` keeps its place ahead of new requests."""

@@ -6,6 +6,7 @@ from support.stepping import LONG, make, prompt, run_until_idle, step
 
 from tandem.engine.admission import PromptTooLongError
 from tandem.engine.request import Request, RequestStatus, SamplingParams
+from tandem.engine.scheduler import MAX_PROMPT_STEPS_IN_A_ROW
 
 
 def start_long_decode(sched, decode_step):
@@ -52,47 +53,57 @@ def test_after_a_prompt_step_the_next_step_prefills_too_if_requests_wait():
     assert not step(sched)[0].is_prefill  # nothing waits: decode
 
 
-def test_prompts_arriving_during_a_run_of_prompt_steps_wait_for_the_next_point():
-    # Chained as the queued ones are, a steady stream of short prompts (one arriving
-    # each step, done at its first token) kept the running request from its next token
-    # for good: every step a prompt step.
+def test_while_requests_decode_prompt_steps_run_eight_in_a_row_at_most():
+    # Chained as a burst's are, a steady stream of short prompts (one arriving each
+    # step, done at its first token) kept the running request from its next token for
+    # good: every step a prompt step.
     sched = make(max_model_len=4096)
     start_long_decode(sched, 5)
-    sched.add_request(Request("a", prompt(3000, 10_000), LONG))
-    sched.add_request(Request("b", prompt(3000, 20_000), LONG))  # a step of its own
-    kinds, arrivals = [], iter(range(10**6))
-    for _ in range(300):
+    kinds = []
+    for i in range(300):
         one = SamplingParams(max_tokens=1)
-        sched.add_request(Request(f"q{next(arrivals)}", prompt(16, 30_000), one))
+        sched.add_request(Request(f"q{i}", prompt(16, 30_000 + 20 * i), one))
         kinds.append("P" if step(sched)[0].is_prefill else "D")
     run = "".join(kinds)
-    assert run[:65] == "D" * 65 and run[65:67] == "PP"  # a and b, back to back
-    assert max(len(p) for p in run.split("D")) <= 2  # the rest each wait for a point
-    assert run.count("D") >= 290 - 4 * 2
-    assert sched.requests["long"].num_output_tokens >= 290 - 4 * 2
+    assert run[:65] == "D" * 65  # the first point, at 70
+    assert max(len(p) for p in run.split("D")) == MAX_PROMPT_STEPS_IN_A_ROW
+    assert "D" * 70 in run  # then the decode steps up to the next point
+    assert sched.requests["long"].num_output_tokens >= 300 * 70 // 78 - 8
+
+
+def test_a_burst_arriving_during_a_prompt_step_joins_the_run():
+    # Requests a few milliseconds behind the first of a burst come during its prompt
+    # step: they are prefilled next, not 70 decode steps later.
+    sched = make(max_model_len=2048)
+    start_long_decode(sched, 0)
+    sched.add_request(Request("late", prompt(16, 7000), LONG))
+    assert step(sched)[0].is_prefill
 
 
 def test_with_nothing_decoding_every_arrival_is_prefilled_at_once():
     sched = make(max_model_len=2048)
-    for i in range(5):
+    for i in range(12):  # past the most in a row: nothing waits on them
         sched.add_request(Request(f"q{i}", prompt(16, 1000 * i), SamplingParams(max_tokens=1)))
         assert step(sched)[0].is_prefill
 
 
-@pytest.mark.parametrize(
-    ("counter", "worst"),
-    # Between points 69; 70 just after a prompt step: the counter is 0 again, and the
-    # prompt came after the run of prompt steps began.
-    [(1, 69), (0, 70)],
-)
-def test_worst_case_wait_is_69_decode_steps_or_70_during_a_run(counter, worst):
+def test_a_prompt_mid_chunk_finishes_whatever_the_run():
+    # 40,000 tokens in chunks of 4,096: ten prompt steps in a row, past the most.
+    sched = make(max_model_len=65_536, enable_chunked_prefill=True, max_num_batched_tokens=4096)
+    start_long_decode(sched, 70)  # the next step is an attempt point
+    sched.add_request(Request("long-prompt", prompt(40_000, 100_000), LONG))
+    kinds = "".join("P" if step(sched)[0].is_prefill else "D" for _ in range(12))
+    assert kinds == "P" * 10 + "DD"
+
+
+def test_worst_case_wait_is_69_decode_steps():
     sched = make(max_model_len=2048)
-    start_long_decode(sched, counter)
+    start_long_decode(sched, 1)
     sched.add_request(Request("new", prompt(16, 7000), LONG))
     waited = 0
     while not step(sched)[0].is_prefill:
         waited += 1
-    assert waited == worst
+    assert waited == 69
 
 
 def test_any_point_alone_triggers_prefill():
@@ -178,9 +189,8 @@ def test_a_prompt_that_lands_exactly_on_the_watermark_is_admitted():
     sched = make(num_blocks=30, max_model_len=120, block_size=4, enable_prefix_caching=False,
                  prefill_attempt_interval=1)  # fmt: skip
     long_run = SamplingParams(max_tokens=30, ignore_eos=True)
-    sched.add_request(Request("r", prompt(78), long_run))
-    step(sched)
-    step(sched)  # a decode step (a prompt queued during a run of prompt steps waits): 20 blocks
+    sched.add_request(Request("r", prompt(79), long_run))
+    step(sched)  # 20 blocks
     sched.add_request(Request("q", prompt(28, 1000), long_run))
     plan, _ = step(sched)
     assert "q" in plan.num_scheduled_tokens
