@@ -18,7 +18,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -77,7 +79,8 @@ class Cancels:
         # (base id, the leaving attempt's id or None) -> (cancel, kept until)
         self._pending: dict[tuple[str, str | None], tuple[Cancel, float]] = {}
         self._retries: asyncio.Task[None] | None = None
-        self._stepping_aside: set[asyncio.Task[None]] = set()
+        # Writes of requests whose task is being cancelled (step_aside, cancel_soon).
+        self._leaving: set[asyncio.Task[None]] = set()
 
     async def leave(self, ledger_key: str, base_id: str, reader: str, within: float) -> int | None:
         """Attempt `reader` of shared work left: how many still read it (0: cancel it).
@@ -115,17 +118,17 @@ class Cancels:
         out on a task of its own (the request's task is being cancelled), which close()
         waits for a moment: still counted, it kept the last reader's leaving (the
         retry's client gone too) from cancelling the work, which ran for nobody."""
-        stepping = self._step_aside(ledger_key, base_id, reader)
-        task = asyncio.get_running_loop().create_task(stepping)
-        self._stepping_aside.add(task)
-        task.add_done_callback(self._stepping_aside.discard)
+        self._on_the_way_out(self._step_aside(ledger_key, base_id, reader))
 
     def cancel_soon(self, cancel: Cancel) -> None:
         """`cancel` on a task of its own, which close() waits for a moment: the request's
         task is being cancelled (its server shuts down)."""
-        task = asyncio.get_running_loop().create_task(self.cancel(cancel, _ATTEMPT_S))
-        self._stepping_aside.add(task)
-        task.add_done_callback(self._stepping_aside.discard)
+        self._on_the_way_out(self.cancel(cancel, _ATTEMPT_S))
+
+    def _on_the_way_out(self, write: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(write)
+        self._leaving.add(task)
+        task.add_done_callback(self._leaving.discard)
 
     async def _step_aside(self, ledger_key: str, base_id: str, reader: str) -> None:
         try:
@@ -135,8 +138,8 @@ class Cancels:
             log.info("%s: could not count this reader out: %r", base_id, exc)
 
     async def close(self) -> None:
-        if self._stepping_aside:
-            await asyncio.wait(set(self._stepping_aside), timeout=_ATTEMPT_S)
+        if self._leaving:
+            await asyncio.wait(set(self._leaving), timeout=_ATTEMPT_S)
         if self._retries is not None:
             self._retries.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -163,8 +166,11 @@ class Cancels:
         # releasing a record gone, or a leave of a reader counted out, changes nothing.
         # Counted once, when both ran.
         leaving, key = cancel.if_last_of, cancel.ledger_key
-        shared = leaving is not None and key is not None
-        if shared and await self.ledger.leave(key, cancel.base_id, leaving) > 0:  # type: ignore[arg-type]
+        if (
+            leaving is not None
+            and key is not None
+            and await self.ledger.leave(key, cancel.base_id, leaving) > 0
+        ):
             return False  # another attempt still reads it
         await self.broker.cancel(list(cancel.request_ids))
         if cancel.queued is not None:  # after the cancel keys: an engine reading it now drops it

@@ -271,7 +271,7 @@ class Generation:
         if key is not None:
             self.cancels.step_aside(key, self.ticket.base_id, self.job.base_id)
             return
-        ids = tuple(self.ticket.request_ids[i] for i in sorted(self._open))
+        ids = self._open_ids()
         cancel = Cancel(self.ticket.base_id, ids, "server_stop", None, queued=self._queued())
         self.cancels.cancel_soon(cancel)
 
@@ -291,7 +291,7 @@ class Generation:
         if self._abandoned or not self._open:
             return
         self._abandoned = True
-        ids = tuple(self.ticket.request_ids[i] for i in sorted(self._open))
+        ids = self._open_ids()
         key = self.ticket.ledger_key
         queued = self._queued()
         if last_only:  # Redis away: leaving and cancelling wait for it, together
@@ -319,6 +319,10 @@ class Generation:
         left = max(0.0, _REDIS_ASIDE_S - (time.monotonic() - started))
         cancel = Cancel(self.ticket.base_id, ids, why, key, if_last_of=leaving, queued=queued)
         await self.cancels.cancel(cancel, left)
+
+    def _open_ids(self) -> tuple[str, ...]:
+        """The request ids of the choices still running."""
+        return tuple(self.ticket.request_ids[i] for i in sorted(self._open))
 
     def _queued(self) -> Queued | None:
         """Where the open choices' work entries were queued (unknown when attached):

@@ -17,6 +17,7 @@ tokenizer the bound is unknown (None) and the text is encoded as before.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import tokenizers
@@ -48,13 +49,13 @@ def fewest_tokens(num_chars: int, longest: int | None) -> int:
     return 0 if longest is None else -(-num_chars // longest)
 
 
-def _keeps_length(part: dict[str, Any] | None, keeps: Any) -> bool:
+def _keeps_length(part: dict[str, Any] | None, keeps: Callable[[dict[str, Any]], bool]) -> bool:
     if part is None:
         return True
     if part.get("type") == "Sequence":
         inner = part.get("normalizers", part.get("pretokenizers", []))
         return all(_keeps_length(p, keeps) for p in inner)
-    return bool(keeps(part))
+    return keeps(part)
 
 
 def _keeping_normalizer(part: dict[str, Any]) -> bool:

@@ -30,7 +30,7 @@ class DataEpoch:
     def __init__(self, client: redis.Redis, keys: Keys) -> None:
         self._client = client
         self._key = keys.data_epoch
-        self._seen: str | None = None  # the value read last; None before the first read
+        self._seen: str | None = None  # as noted at the engine's start; None: not noted
 
     def note(self) -> None:
         """Read it now (the engine's start): what later reads are compared with."""

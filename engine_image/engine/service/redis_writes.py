@@ -132,6 +132,14 @@ class RedisWrites:
             self.io.queue.ack(self.to_ack)
             self.to_ack.clear()
 
+    def _served_elsewhere(self, request_id: str) -> bool:
+        """Whether another writer shows in the request's stream (an engine that took it
+        over, a gateway that queued it again after Redis lost it), or its end: that one
+        serves it now, and this engine's unwritten events are stale. Only its own: Redis
+        lost the entry, and this engine goes on (its final event included)."""
+        history = self.io.responses.history(request_id)
+        return history.final is not None or bool(history.writers - {self.settings.engine_id})
+
     def _drop_orphans_served_elsewhere(self) -> None:
         """Requests whose entry Redis lost with its data go on here until another
         writer shows in their stream: a gateway that queued one again (its history),
@@ -196,13 +204,7 @@ class RedisWrites:
                 ids = ", ".join(d.request_id for d in lapsed.gone)
                 log.info("%s finished elsewhere while this engine stalled: dropped", ids)
             for delivery in lapsed.gone:
-                history = self.io.responses.history(delivery.request_id)
-                # Another writer in its stream (an engine that took it over, a gateway
-                # that queued it again after Redis lost it): that one serves it now,
-                # and this engine's unwritten events are stale. Only its own: Redis
-                # lost the entry, and this engine goes on (its final event included).
-                others = history.writers - {self.settings.engine_id}
-                elsewhere = kept or history.final is not None or bool(others)
+                elsewhere = kept or self._served_elsewhere(delivery.request_id)
                 if elsewhere and delivery in self.to_ack:
                     self.to_ack.remove(delivery)
                 self._lost(delivery, elsewhere)
