@@ -31,6 +31,7 @@ from tandem.engine.plan import StepPlan
 from tandem.engine.request import Request, RequestStatus, SamplingParams
 from tandem.engine.runner import ModelRunner
 from tandem.engine.scheduler import Scheduler, Vote
+from tandem.engine.stop_matcher import StopStrings
 from tandem.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("tandem.engine")
@@ -62,6 +63,10 @@ class Engine:
         self._eos = eos_token_ids[0] if eos_token_ids else None
         self._extra_eos = tuple(eos_token_ids[1:])
         self._tracked: dict[str, _Tracked] = {}
+        # The last stop strings' tables: the n choices of a request arrive one after
+        # another with the same strings, and share one build (linear in their length,
+        # on the stepping thread).
+        self._last_stops = StopStrings.of(())
         # Resumed requests found complete on arrival: reported by the next step().
         self._finished_early: list[tuple[Request, FinishReason]] = []
         self.last_step = StepStats()
@@ -214,8 +219,11 @@ class Engine:
     def _track(self, request: Request, sent_text: str | None = None) -> None:
         detok = None
         if self.tokenizer is not None:
+            stop = request.sampling_params.stop
+            if stop != self._last_stops.stops:
+                self._last_stops = StopStrings.of(stop)
             detok = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, request.sampling_params.stop
+                self.tokenizer, request.prompt_token_ids, self._last_stops
             )
             if request.num_output_tokens:
                 # Tokens generated elsewhere (a PROMPT engine, or an engine that died):

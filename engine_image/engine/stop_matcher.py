@@ -7,14 +7,20 @@ may yet become a stop string, so must not go out) is the longest of those length
 Testing every tail of the text against every stop at each token cost time in the
 stop's length per token: a 20,000-character stop made each token ~1.3 ms, on the
 thread that steps every request of the engine.
+
+The automaton's tables (`StopStrings`) are built once for a request's stop strings
+and shared by its n choices: building them is linear in the strings' length, but
+on the stepping thread, and n copies of long strings stalled every stream for
+seconds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 
-def _failure(stop: str) -> list[int]:
+def _failure(stop: str) -> tuple[int, ...]:
     """fail[i]: the longest proper prefix of stop[: i + 1] that is also its suffix."""
     fail = [0] * len(stop)
     k = 0
@@ -24,16 +30,28 @@ def _failure(stop: str) -> list[int]:
         if stop[i] == stop[k]:
             k += 1
         fail[i] = k
-    return fail
+    return tuple(fail)
 
 
-class StopMatcher:
-    def __init__(self, stops: Sequence[str]) -> None:
+@dataclass(frozen=True)
+class StopStrings:
+    """Stop strings with their failure tables: read-only, so choices can share it."""
+
+    stops: tuple[str, ...]  # as the request gave them
+    fails: tuple[tuple[int, ...], ...]  # _failure() of each stop, in order
+
+    @classmethod
+    def of(cls, stops: Sequence[str]) -> StopStrings:
         for s in stops:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
-        self._stops = tuple(stops)
-        self._fails = [_failure(s) for s in self._stops]
+        return cls(tuple(stops), tuple(_failure(s) for s in stops))
+
+
+class StopMatcher:
+    def __init__(self, stops: StopStrings | Sequence[str]) -> None:
+        table = stops if isinstance(stops, StopStrings) else StopStrings.of(stops)
+        self._stops, self._fails = table.stops, table.fails
         # Per stop: how much of it the text ends with.
         self._matched = [0] * len(self._stops)
         self._length = 0  # characters fed so far

@@ -24,7 +24,7 @@ from tandem.engine.chat_template import (
     template_environment,
 )
 from tandem.engine.literal_chat import LiteralChat
-from tandem.engine.stop_matcher import StopMatcher
+from tandem.engine.stop_matcher import StopMatcher, StopStrings
 from tandem.engine.token_bound import fewest_tokens, longest_token_chars
 
 # Texts from this many characters on: their length bounds their tokens, they are
@@ -258,12 +258,12 @@ class IncrementalDetokenizer:
         self,
         tokenizer: Tokenizer,
         prompt_ids: Sequence[int],
-        stop: tuple[str, ...] = (),
+        stop: StopStrings | tuple[str, ...] = (),
         skip_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
-        self._stop = tuple(stop)
-        self._matcher = StopMatcher(self._stop)  # refuses a stop that is not a non-empty str
+        self._matcher = StopMatcher(stop)  # refuses a stop that is not a non-empty str
+        self._stop = bool(stop.stops if isinstance(stop, StopStrings) else stop)
         self._skip_special = skip_special_tokens
         self._ids = [int(i) for i in prompt_ids[-self._PROMPT_CONTEXT :]]
         # Nor inside a character's byte-fallback tokens (SentencePiece's <0x97>): the

@@ -66,6 +66,27 @@ def test_a_stop_string_the_last_allowed_token_completes_ends_as_a_stop(llm):
     assert out.finish_reason == "stop"
 
 
+def test_the_choices_of_a_request_share_one_build_of_its_stop_strings(llm, monkeypatch):
+    # Built on the thread that steps every request, linear in the strings' length: n
+    # choices with four stops of ~250,000 characters stalled every stream 3-7 s.
+    from tandem.engine import stop_matcher
+
+    built = []
+    real = stop_matcher._failure
+    monkeypatch.setattr(stop_matcher, "_failure", lambda s: built.append(s) or real(s))
+    stops = ("never " * 50, "nor this")
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True, stop=stops)
+    outs = llm.generate(["one prompt"] * 4, params)
+    assert sorted(built) == sorted(stops)  # once each, for the four choices
+    assert all(len(o.token_ids) == 6 and o.finish_reason == "length" for o in outs)
+    # Other strings get their own build; the stops still cut the text.
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    free = llm.generate(["stop here"], greedy)[0]
+    cut = SamplingParams(**{**vars_of(greedy), "stop": (free.text[5:7],)})
+    assert llm.generate(["stop here"], cut)[0].text == free.text[: free.text.index(cut.stop[0])]
+    assert built[2:] == [cut.stop[0]]
+
+
 def test_speculation_stops_where_a_stop_string_completes(llm):
     """Drafts accepted after the token that completes a stop string are dropped: token
     ids, text, reason and accepted-draft counts match a run without speculation."""
