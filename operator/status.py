@@ -113,6 +113,9 @@ def valid_status(
             message = f"changing mode: {old} serve until the new roles are ready: {summary}"
         else:
             message = f"{message}; changing mode: {old} serve meanwhile"
+    # The CRD's maxLength: a pod's or Deployment's own words (a webhook's denial listing
+    # every violation) could be longer, and a status the API refuses is never updated.
+    message = message[:_MAX_MESSAGE]
     status: dict[str, Any] = {
         "observedGeneration": meta.get("generation"),
         "phase": phase.value,

@@ -309,7 +309,11 @@ def test_large_numbers_from_a_values_file_render_as_integers(helm, tmp_path):
     values.write_text(
         yaml.safe_dump(
             {
-                "redis": {"maxmemory": 800_000_000, "runAsUser": 1_000_650_000},
+                "redis": {
+                    "maxmemory": 800_000_000,
+                    "runAsUser": 1_000_650_000,
+                    "persistence": {"size": 8_589_934_592},
+                },
                 "gateway": {"requestTimeout": 1_000_000, "shutdownTimeout": 1_000_000},
                 "operator": {"scrapeInterval": 2_000_000, "scrapeTimeout": 0.5},
             }
@@ -321,6 +325,8 @@ def test_large_numbers_from_a_values_file_render_as_integers(helm, tmp_path):
     args = pod["containers"][0]["args"]
     assert args[args.index("--maxmemory") + 1] == "800000000"
     assert pod["securityContext"]["runAsUser"] == 1_000_650_000
+    [claim] = redis["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "8589934592"
     gateway, operator = (
         next(
             m

@@ -226,3 +226,16 @@ def test_a_rollout_whose_new_pods_crash_is_degraded_while_the_old_still_serve():
     counts = RoleCounts(desired=2, replicas=3, ready=2, rolling=True, trouble=trouble)
     status = valid_status(META, {RoleName.NORMAL: counts}, {"phase": "Ready"}, NOW)
     assert (status["phase"], status["reason"]) == (Phase.DEGRADED.value, "EngineCrashLoop")
+
+
+def test_a_pods_message_past_the_crds_limit_is_cut_to_fit():
+    # Its own words come from outside (the kubelet, an admission webhook's denial): a
+    # status longer than the CRD's maxLength is refused whole, and never updated again.
+    from tandem.operator.crd import status_schema
+
+    limit = status_schema()["properties"]["message"]["maxLength"]
+    waiting = {"reason": "ErrImagePull", "message": "denied: " + "x" * 100_000}
+    status = _status(0, pod(engine={"image": "engine:1", "state": {"waiting": waiting}}))
+    assert status["reason"] == "ImagePullFailing" and status["message"].startswith("normal: pod")
+    assert len(status["message"]) == limit
+    assert all(len(c["message"]) <= limit for c in status["conditions"])
