@@ -33,7 +33,12 @@ from tandem.operator.replica_counts import (
     replica_counts,
 )
 from tandem.operator.role_name import RoleName
-from tandem.operator.served_names import applied_name, retiring_names
+from tandem.operator.served_names import (
+    applied_name,
+    queues_digest,
+    retiring_names,
+    served_queues,
+)
 from tandem.operator.setting_changes import setting_changes
 from tandem.operator.spec import ModelDeploymentSpec
 from tandem.operator.status import (
@@ -98,8 +103,9 @@ def plan(
         spec = validate_spec(model.get("spec"), name=meta["name"])
     except InvalidSpec as error:
         return _refusal(model, "InvalidSpec", str(error), now, found=found)
+    queues = queues_digest(model, defaults.redis_url)
     if holder is not None:
-        return _name_taken(model, spec, found, holder, now)
+        return _name_taken(model, spec, found, holder, now, queues)
     owner = Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
     # A decision made from a count the spec's edit replaces waits for the next pass.
     edited = pending_edits(spec, owner.name, found)
@@ -173,7 +179,9 @@ def plan(
     rolling = any(c.rolling for c in counts.values())
     replacing = rolling or any(outgoing.values()) or _old_pods_may_run(found)
     retiring = retiring_names(previous, served) if replacing else ()
-    new_status = valid_status(meta, counts, previous, now, last_scale, served, outgoing, retiring)
+    new_status = valid_status(
+        meta, counts, previous, now, last_scale, (served, queues), outgoing, retiring
+    )
     return Plan(
         creates=tuple(creates),
         patches=tuple(patches),
@@ -246,11 +254,17 @@ def _refusal(
 
 
 def _name_taken(
-    model: Body, spec: ModelDeploymentSpec, found: Mapping[ChildKey, Body], holder: str, now: str
+    model: Body,
+    spec: ModelDeploymentSpec,
+    found: Mapping[ChildKey, Body],
+    holder: str,
+    now: str,
+    queues: str,
 ) -> Plan:
     """Another model holds this one's name: this one does not serve it until it is free.
 
-    Pods that serve another name (a rename refused) are left serving it, as an invalid
+    Pods that serve another name (a rename refused), or the name on other queues (a
+    move to another Redis refused, `queues` the spec's), are left serving, as an invalid
     edit leaves them. Pods that would serve the held name go to zero rather than away,
     so the status counts them down and nothing is rebuilt once the name is free; none
     is created. Those of a mode the spec just left too: they served the name as well.
@@ -264,6 +278,9 @@ def _name_taken(
     serving = applied_name(model)
     if serving is not None and serving != asked:
         why += f"; its pods serve {serving!r} meanwhile"
+        return _refusal(model, "ServedNameTaken", why, now, found=found)
+    if serving is not None and served_queues(model) not in (None, queues):
+        why += "; its pods serve it on the Redis of its last applied spec meanwhile"
         return _refusal(model, "ServedNameTaken", why, now, found=found)
     patches: list[ChildPatch] = []
     roles: dict[str, Any] = {}

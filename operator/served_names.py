@@ -10,6 +10,8 @@ mode change) still runs pods of before it, the names those serve
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,37 +28,66 @@ def served_name_holder(model: Body, models: Sequence[Body], operator_redis: str)
     namespace's business).
 
     The rivals are the models of `model`'s namespace, and those of every namespace
-    whose spec reaches the same Redis database (redis_server.py: without `spec.redis`,
+    whose queues are on the same Redis database (redis_server.py: without `spec.redis`,
     the operator's `operator_redis`; a URL naming that Service in full shares it too; a
     short name resolves in its own namespace). A rival claims the name its spec asks for
-    and those its pods serve (`serving_names`: a refused rename leaves them serving the
-    old one, a rename's rollout serves both). The name is held by the oldest (by
-    creationTimestamp, then namespace and name) of those whose pods serve it, else
-    of all who claim it: a model that serves a name keeps it when another, older or
-    not, is edited to claim it. Read from the raw specs: an invalid one may still run
-    pods of its last valid spec. Models being deleted let go, and so do those whose
-    current spec was refused and that serve nothing (`_claims`).
+    (on its spec's Redis) and those its pods serve (`serving_names`: a refused rename
+    leaves them serving the old one, a rename's rollout serves both; on the Redis of its
+    last applied spec, `status.servedRedis`: a refused move to another Redis leaves them
+    on the old one). Of two that claim the name, one whose pods serve it keeps it, else
+    the older (by creationTimestamp, then namespace and name): a model that serves a
+    name keeps it when another, older or not, is edited to claim it. Read from the raw
+    specs: an invalid one may still run pods of its last valid spec. Models being
+    deleted let go, and so do those whose current spec was refused and that serve
+    nothing (`_claims`).
     """
     name = _asked_name(model)
     namespace = _where(model)[0]
-    server = redis_server(model, operator_redis)
-    rivals = [
-        other
-        for other in models
-        if _where(other) != _where(model)
-        and (_where(other)[0] == namespace or redis_server(other, operator_redis) == server)
-        and not other["metadata"].get("deletionTimestamp")
-        and (name in serving_names(other) or (name == _asked_name(other) and _claims(other)))
-    ]
-    claimants = [model, *rivals]
-    serving = [body for body in claimants if name in serving_names(body)]
-    holder = min(serving or claimants, key=_age)
-    if holder is model:
+    queues = queues_digest(model, operator_redis)
+    winners = []
+    for other in models:
+        if _where(other) == _where(model) or other["metadata"].get("deletionTimestamp"):
+            continue
+        # Within a namespace one name is one model whatever the Redis (a URL in a
+        # Secret is not read: two could share it unseen).
+        near = _where(other)[0] == namespace
+        serves = name in serving_names(other) and (
+            near or _serves_on(other, operator_redis) == queues
+        )
+        asks = name == _asked_name(other) and _claims(other)
+        if not (serves or (asks and (near or queues_digest(other, operator_redis) == queues))):
+            continue
+        held = name in serving_names(model) and (
+            near or _serves_on(model, operator_redis) == queues
+        )
+        if (serves, _age(model)) > (held, _age(other)):
+            winners.append((not serves, _age(other), other))
+    if not winners:
         return None
-    how = "served by" if serving else "claimed by"  # an older model yet to serve it
+    idle, _, holder = min(winners)  # one that serves the name, else the oldest
+    how = "claimed by" if idle else "served by"  # an older model yet to serve it
     if _where(holder)[0] == namespace:
         return f"{how} ModelDeployment {_where(holder)[1]}"
     return f"{how} a ModelDeployment of another namespace"
+
+
+def queues_digest(body: Body, operator_redis: str) -> str:
+    """Which Redis database a model's spec puts its queues on, as a digest that says no
+    host or password (status.servedRedis)."""
+    key = json.dumps(redis_server(body, operator_redis))
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def served_queues(body: Body) -> str | None:
+    """The queues' digest of a model's last applied spec (None: none recorded, as from
+    an operator before it was): where its pods serve, or will once rolled."""
+    served = (body.get("status") or {}).get("servedRedis")
+    return served if isinstance(served, str) else None
+
+
+def _serves_on(body: Body, operator_redis: str) -> str:
+    """Where a model's pods serve: its last applied spec's queues, else its spec's."""
+    return served_queues(body) or queues_digest(body, operator_redis)
 
 
 # Refusals of a model's own spec (reconcile.py): it applies nothing until edited. Not

@@ -88,14 +88,14 @@ def valid_status(
     previous: Body,
     now: str,
     last_scale: Mapping[str, Any] | None = None,
-    served: str | None = None,
+    served: tuple[str, str] | None = None,
     outgoing: Mapping[str, int] | None = None,
     retiring: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The full status of a ModelDeployment whose spec is valid; `served`: the name its
-    pods serve (once rolled); `outgoing`: the ready pods of roles a mode change is
-    replacing, which serve until the new roles are ready; `retiring`: the names pods of
-    before a rename still serve."""
+    pods serve (once rolled) and the digest of their queues' Redis; `outgoing`: the
+    ready pods of roles a mode change is replacing, which serve until the new roles are
+    ready; `retiring`: the names pods of before a rename still serve."""
     phase, reason, message = _phase(counts, previous)
     serving = {role: n for role, n in (outgoing or {}).items() if n}
     old = ", ".join(f"{role} {n} ready" for role, n in serving.items())
@@ -130,7 +130,7 @@ def valid_status(
     if last_scale is not None:
         status["lastScale"] = dict(last_scale)
     if served is not None:
-        status["servedModelName"] = served
+        status["servedModelName"], status["servedRedis"] = served
     # None removes the field (a merge patch) once no pod serves an old name.
     status["retiringServedModelNames"] = list(retiring) or None
     return status

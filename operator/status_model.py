@@ -105,6 +105,13 @@ class ModelDeploymentStatus(SpecModel):
         description="The name the pods serve (the last applied spec's servedModelName): "
         "another ModelDeployment that claims it is refused while this one serves it.",
     )
+    served_redis: str | None = Field(
+        None,
+        max_length=64,
+        description="A digest of the Redis database the pods' queues are on (the last "
+        "applied spec's): a ModelDeployment of another namespace that serves the same name "
+        "on it is refused while this one serves it.",
+    )
     retiring_served_model_names: list[Annotated[str, Field(max_length=253)]] | None = Field(
         None,
         description="Names pods from before a rename (or a mode change) still serve until "

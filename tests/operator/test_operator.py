@@ -409,6 +409,52 @@ async def test_a_served_name_another_namespace_holds_is_taken(cluster, metrics, 
     assert cluster.api.read(CHILDREN["Deployment"], "team-b", "other-normal") is None
 
 
+async def test_a_refused_move_onto_a_redis_where_the_name_is_served_keeps_both_serving(
+    cluster, metrics, clock
+):
+    # "m" serves on its own Redis; team-b's "m" on the operator's. Moving the first onto
+    # the operator's Redis is refused: older or not, it must not take team-b's name, and
+    # its pods, on their own Redis still, serve on (they were scaled to zero).
+    await cluster.api.create(CLUSTER_PEERINGS, None, {"metadata": {"name": PEERING}})
+    await cluster.start_operator(
+        lambda: MetricSources(metrics, metrics), clock=clock, namespaces=()
+    )
+    own = normal(minReplicas=2, maxReplicas=2)
+    own["spec"]["redis"] = {"url": "redis://team-a-redis.default.svc:6379/0"}
+    await cluster.apply(own)
+    await eventually(lambda: phase(cluster, "m") == "Ready", what="m on its own Redis")
+    await cluster.api.create(NAMESPACES, None, {"metadata": {"name": "team-b"}})
+    theirs = normal(minReplicas=1)
+    theirs["metadata"]["namespace"] = "team-b"
+    await cluster.api.create(MODELS, "team-b", theirs)
+
+    def status_b() -> dict[str, Any]:
+        return cluster.api.read(MODELS, "team-b", "m").get("status") or {}
+
+    await eventually(lambda: status_b().get("phase") == "Ready", what="team-b's m")
+
+    await cluster.patch_model("m", {"spec": {"redis": None}})
+    status = lambda: (cluster.model("m") or {}).get("status") or {}  # noqa: E731
+    await eventually(lambda: status().get("reason") == "ServedNameTaken", what="refused")
+    assert "served by a ModelDeployment of another namespace" in status()["message"]
+    assert (
+        "its pods serve it on the Redis of its last applied spec meanwhile" in status()["message"]
+    )
+    await asyncio.sleep(0.5)  # a few more passes
+    deployment = cluster.child("Deployment", "m-normal")
+    assert deployment["spec"]["replicas"] == 2
+    env = {
+        e["name"]: e.get("value")
+        for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["TANDEM_REDIS_URL"] == "redis://team-a-redis.default.svc:6379/0"
+    assert status_b()["phase"] == "Ready"
+    assert cluster.api.read(CHILDREN["Deployment"], "team-b", "m-normal")["spec"]["replicas"] == 1
+
+    await cluster.patch_model("m", {"spec": {"redis": own["spec"]["redis"]}})  # moved back
+    await eventually(lambda: phase(cluster, "m") == "Ready", what="m serving as before")
+
+
 async def test_engine_pods_pull_with_the_specs_secrets_else_the_operators(cluster, metrics, clock):
     await cluster.start_operator(
         lambda: MetricSources(metrics, metrics),

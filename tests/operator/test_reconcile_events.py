@@ -15,7 +15,7 @@ from tandem.operator.events import Event
 from tandem.operator.manifests import OperatorDefaults
 from tandem.operator.reconcile import plan
 from tandem.operator.role_name import RoleName
-from tandem.operator.served_names import served_name_holder
+from tandem.operator.served_names import queues_digest, served_name_holder
 
 NOW = "2026-01-01T00:00:00Z"
 # The operator's Redis as the chart names it.
@@ -306,6 +306,32 @@ def test_a_spec_redis_elsewhere_shares_nothing_with_other_namespaces(url):
     hidden = copy.deepcopy(mine)
     hidden["spec"]["redis"] = {"urlSecretRef": {"name": "redis", "key": "url"}}
     assert served_name_holder(hidden, [theirs, hidden], SHARED) is None
+
+
+@pytest.mark.parametrize("older", ["moved", "theirs"])
+def test_a_model_serves_its_name_on_the_redis_of_its_last_applied_spec(older):
+    # Its spec moved onto the operator's Redis, its pods still on their own: another
+    # namespace's model serving the name there keeps it, and this one is refused, however
+    # old each is (the older took the name, the younger lost its pods to zero).
+    own = {"url": "redis://redis.team-a:6379/0"}
+    times = {"moved": "2026-01-01T00:00:01Z", "theirs": "2026-01-01T00:00:02Z"}
+    if older == "theirs":
+        times = {"moved": times["theirs"], "theirs": times["moved"]}
+    moved = model_named("m", times["moved"], namespace="team-a", serving="m")
+    theirs = model_named("m", times["theirs"], namespace="team-b", serving="m")
+    applied = copy.deepcopy(moved)
+    applied["spec"]["redis"] = own
+    moved["status"]["servedRedis"] = queues_digest(applied, SHARED)
+    theirs["status"]["servedRedis"] = queues_digest(theirs, SHARED)
+    models = [moved, theirs]
+    taken = "served by a ModelDeployment of another namespace"
+    assert served_name_holder(moved, models, SHARED) == taken
+    assert served_name_holder(theirs, models, SHARED) is None
+    # On its own Redis still, as applied, it holds the name there.
+    assert served_name_holder(applied, [applied, theirs], SHARED) is None
+    # A status from before the digest was recorded: where its spec says.
+    del theirs["status"]["servedRedis"]
+    assert served_name_holder(moved, models, SHARED) == taken
 
 
 def test_a_model_that_serves_a_name_keeps_it_when_another_is_edited_to_claim_it():
