@@ -16,7 +16,7 @@ from typing import Any
 
 from tandem.operator.autoscaler import Decision
 from tandem.operator.drift import ChildKey, ChildPatch, drift, repair_patch
-from tandem.operator.events import Clamp, Event, events, refusal_event
+from tandem.operator.events import Clamp, Event, events, refusal_event, with_adoptions
 from tandem.operator.manifests import (
     ROLE_LABEL,
     OperatorDefaults,
@@ -182,20 +182,25 @@ def plan(
     new_status = valid_status(
         meta, counts, previous, now, last_scale, (served, queues), outgoing, retiring
     )
+    said = events(
+        model,
+        creates,
+        patches,
+        [f"{k.kind} {k.name}" for k in deletes],
+        scales,
+        [c for c in clamps if c.by_hand],
+        setting_changes(owner.name, tuple(spec.roles()), found, wanted),
+    )
+    # Children found by the model's labels that are not its own yet (orphaned with
+    # their labels, or an earlier model's of its name before the garbage collector
+    # came): the patches take them over, said on a first pass too.
+    adopted = [f"{k.kind} {k.name}" for k in found if k in wanted and not _owned(found[k], owner)]
     return Plan(
         creates=tuple(creates),
         patches=tuple(patches),
         deletes=deletes,
         status=status_patch(previous, new_status),
-        events=events(
-            model,
-            creates,
-            patches,
-            [f"{k.kind} {k.name}" for k in deletes],
-            scales,
-            [c for c in clamps if c.by_hand],
-            setting_changes(owner.name, tuple(spec.roles()), found, wanted),
-        ),
+        events=with_adoptions(said, adopted),
         clamps=tuple(clamps),
         edits=tuple(edits),
     )
@@ -341,6 +346,12 @@ def _old_mode_ready(
         and (role := _role(child)) is not None
         and role not in spec.roles()
     }
+
+
+def _owned(child: Body, owner: Owner) -> bool:
+    """Whether a child's owner references name the model (by uid: not a deleted one's)."""
+    refs = child["metadata"].get("ownerReferences") or []
+    return any(ref.get("uid") == owner.uid for ref in refs)
 
 
 def _role(child: Body) -> RoleName | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from support.kube_api import CHILDREN, DEPLOYMENTS
+from support.kube_api import CHILDREN, DEPLOYMENTS, MODELS
 from support.kube_cluster import NAMESPACE, eventually
 
 pytestmark = pytest.mark.asyncio
@@ -157,3 +157,32 @@ async def test_an_orphaned_child_with_the_models_labels_is_adopted(cluster, oper
     child = cluster.child("Service", "m-normal")
     assert child["metadata"]["uid"] == uid
     assert child["metadata"]["ownerReferences"][0]["uid"] == cluster.model("m")["metadata"]["uid"]
+
+
+async def test_children_orphaned_with_their_labels_are_said_to_be_adopted_by_a_new_model(
+    cluster, operator
+):
+    # `kubectl delete md m --cascade=orphan` keeps every label: the new m's selector
+    # finds the children and its first pass takes them over, which no Event said.
+    await cluster.apply(MODEL)
+    await eventually(lambda: status(cluster).get("phase") == "Ready", what="Ready")
+    children = {(c["kind"], c["metadata"]["name"]): c for c in cluster.children("m")}
+    for kind, name in children:
+        orphaned = {"metadata": {"ownerReferences": None}}
+        await cluster.api.patch(CHILDREN[kind], NAMESPACE, name, orphaned)
+    await cluster.api.delete(MODELS, NAMESPACE, "m")
+    await eventually(lambda: cluster.model("m") is None, what="m deleted")
+
+    await cluster.apply(MODEL)
+    uid = cluster.model("m")["metadata"]["uid"]
+
+    def repaired() -> list[dict]:  # the new m's (the old one set its children back too)
+        return [e for e in cluster.events("DriftRepaired") if e["involvedObject"]["uid"] == uid]
+
+    (event,) = await eventually(repaired, what="the new model's DriftRepaired")
+    said = sorted(event["message"].split("; "))
+    assert said == sorted(f"{kind} {name}: adopted" for kind, name in children)
+    for (kind, name), before in children.items():
+        child = cluster.child(kind, name)
+        assert child["metadata"]["uid"] == before["metadata"]["uid"], "the same object"
+        assert [ref["uid"] for ref in child["metadata"]["ownerReferences"]] == [uid]
