@@ -136,7 +136,9 @@ class Scheduler(HandoffSide):
     def _schedule_by_vote(self) -> StepPlan:
         """NORMAL (and COMPLETION, whose queue only holds KV to recompute)."""
         votes = self._votes
-        point = votes.point(self.decode_step, idle=not self.running)
+        first = self.waiting.first()
+        mid_chunk = first is not None and self.waiting.mid_chunk(first)
+        point = votes.point(self.decode_step, idle=not self.running, mid_chunk=mid_chunk)
         if point is Point.NONE:
             return self._schedule_decode()
         want = self._wants_prefill()

@@ -7,7 +7,8 @@ enough, so an isolated rank's prompt waits at most that long. ANY wins where
 both fall. Ranks agree through all-reduce MIN votes, and because every rank
 keeps the same decode-step counter, they cast the same votes in the same order
 and never hang in a collective. Where no rank has anything to decode, every
-step is an ANY point (one vote a step tells the ranks).
+step is an ANY point, and so is every step while a rank has a prompt mid-chunk
+(one vote a step tells the ranks both).
 """
 
 from __future__ import annotations
@@ -44,15 +45,18 @@ class StepVote:
         # Without peers there is nobody to keep in lockstep.
         self.single_rank = vote is None
 
-    def point(self, decode_step: int, *, idle: bool) -> Point:
+    def point(self, decode_step: int, *, idle: bool, mid_chunk: bool = False) -> Point:
         """The kind of attempt point at this counter value.
 
         A group with nothing to decode on any rank treats the step as an ANY point:
         counting empty decode steps would only delay its next prompt (~100 of them,
-        seconds on an idle group). Several ranks learn it from a vote at every step,
-        so that all of them still take the same point.
+        seconds on an idle group). So does a group where a rank has a prompt mid-chunk
+        (`mid_chunk`): a peer that decodes would vote no at the ALL point after each
+        chunk, and every chunk waited for the next ANY point, 100 steps on (a single
+        rank runs its chunks back to back). Several ranks learn both from one vote at
+        every step, so that all of them still take the same point.
         """
-        if self._group_idle(idle):
+        if self._forced_any(idle, mid_chunk):
             return Point.ANY
         if decode_step != 0 and decode_step % self._any_interval == 0:
             return Point.ANY
@@ -60,10 +64,11 @@ class StepVote:
             return Point.ALL
         return Point.NONE
 
-    def _group_idle(self, idle: bool) -> bool:
-        if self.single_rank:
-            return idle
-        return self._vote(1 if idle else 0) == 1  # MIN: 1 only if every rank is idle
+    def _forced_any(self, idle: bool, mid_chunk: bool) -> bool:
+        # MIN of 0 (a prompt mid-chunk), 2 (nothing to decode) or 1 (neither): 0 if any
+        # rank is mid-chunk, 2 only if every rank is idle.
+        mine = 0 if mid_chunk else 2 if idle else 1
+        return (mine if self.single_rank else self._vote(mine)) != 1
 
     def agree_to_prefill(self, point: Point, want: bool) -> bool:
         """First vote: do the ranks prefill at this point?"""

@@ -99,6 +99,19 @@ def test_a_prompt_on_an_idle_group_is_prefilled_at_once():
     assert not any(t0.kinds[6:])
 
 
+def test_a_prompts_chunks_run_back_to_back_while_a_peer_decodes():
+    # The ALL point after each chunk failed (the peer decoding wants no prefill): each
+    # chunk waited 100 decode steps for the ANY point, ~1,600 for a 128k-token prompt.
+    scheds = ranks(2, enable_chunked_prefill=True, max_num_batched_tokens=256)
+    arrivals = long_decodes(2)
+    arrivals[0][6] = [Request("big", list(range(100, 700)), LONG)]  # 256 + 256 + 88
+    t0, t1 = run_ranks(scheds, 110, arrivals)
+    chunks = [k for k, plan in enumerate(t0.scheduled) if "big" in plan and t0.kinds[k]]
+    assert chunks == [101, 102, 103]  # the first at the ANY point, the rest at once
+    assert not any(t1.scheduled[k] for k in chunks)  # the peer runs empty steps beside
+    assert t0.kinds[104] is False  # then both decode
+
+
 def test_all_point_prefills_when_every_rank_wants():
     scheds = ranks(3)
     arrivals = long_decodes(3)
@@ -162,11 +175,12 @@ def test_random_arrivals_keep_ranks_in_lockstep_and_every_request_finishes():
         check_integrity(sched)
 
 
-def test_a_request_preempted_between_a_prompts_chunks_does_not_stall_it():
-    # Rank 0 decodes B while the 40-token prompt A is prefilled a chunk at a time, at
-    # the ANY points only (rank 1, busy decoding, never wants prefill). B ran out of
-    # blocks, was preempted to the queue's front, ahead of A, and waited there for the
-    # blocks A holds: rank 0 scheduled nothing from then on.
+def test_a_prompt_chunked_on_a_tight_pool_beside_decodes_finishes_with_its_neighbours():
+    # Rank 0 decodes B while the 40-token prompt A is prefilled a chunk at a time
+    # (rank 1, busy decoding, never wants prefill). When A's chunks ran at the ANY points
+    # only, B ran out of blocks between them, was preempted to the queue's front, ahead
+    # of A, and waited there for the blocks A holds: rank 0 scheduled nothing from then
+    # on. Now the chunks run back to back, and nothing decodes between them.
     config = EngineConfig(
         max_model_len=64,
         block_size=4,
@@ -181,7 +195,9 @@ def test_a_request_preempted_between_a_prompts_chunks_does_not_stall_it():
     b = Request("B", [1, 2, 3, 4], SamplingParams(max_tokens=40, ignore_eos=True))
     a = Request("A", list(range(100, 140)), SamplingParams(max_tokens=8, ignore_eos=True))
     busy = {k: [Request(f"C{k}", [1, 2, 3, 4], LONG)] for k in range(0, 400, 60)}
-    run_ranks(scheds, 400, {0: {0: [b], 10: [a]}, 1: busy})
-    assert b.num_preemptions >= 1  # the case itself
+    t0, _ = run_ranks(scheds, 400, {0: {0: [b], 10: [a]}, 1: busy})
+    chunks = [k for k, plan in enumerate(t0.scheduled) if "A" in plan and t0.kinds[k]]
+    # (Later prompt steps of A's: recomputes, once preempted while it decodes.)
+    assert chunks[:5] == list(range(chunks[0], chunks[0] + 5))  # 40 tokens, 8 a step
     assert a.is_finished and b.is_finished
     check_integrity(scheds[0])

@@ -19,17 +19,40 @@ def test_points_follow_the_intervals_and_any_wins_where_both_fall():
     assert votes.point(200, idle=False) is Point.ANY
 
 
+def peer(*, idle: bool = False, mid_chunk: bool = False) -> StepVote:
+    """This rank's votes beside one peer in the given state: the MIN of this rank's
+    ballot and the one the peer's own StepVote casts at the point."""
+    return StepVote(EngineConfig(), vote=lambda mine: min(mine, _cast(idle, mid_chunk)))
+
+
+def _cast(idle: bool, mid_chunk: bool) -> int:
+    """The peer's vote at a step's point, cast by a StepVote of its own."""
+    cast = []
+    StepVote(EngineConfig(), vote=lambda v: cast.append(v) or v).point(
+        37, idle=idle, mid_chunk=mid_chunk
+    )
+    return cast[0]
+
+
 def test_an_idle_group_may_prefill_at_any_step_a_busy_one_at_its_points():
     alone = StepVote(EngineConfig())
     assert alone.point(37, idle=True) is Point.ANY
     assert alone.point(37, idle=False) is Point.NONE
-    # Several ranks: ANY only when no rank decodes (the vote is the MIN of "idle").
-    everyone_idle = StepVote(EngineConfig(), vote=lambda mine: min(mine, 1))
-    assert everyone_idle.point(37, idle=True) is Point.ANY
-    assert everyone_idle.point(37, idle=False) is Point.NONE
-    a_peer_decodes = StepVote(EngineConfig(), vote=lambda mine: min(mine, 0))
-    assert a_peer_decodes.point(37, idle=True) is Point.NONE
-    assert a_peer_decodes.point(100, idle=True) is Point.ANY
+    # Several ranks: ANY only when no rank decodes.
+    assert peer(idle=True).point(37, idle=True) is Point.ANY
+    assert peer(idle=True).point(37, idle=False) is Point.NONE
+    assert peer(idle=False).point(37, idle=True) is Point.NONE
+    assert peer(idle=False).point(100, idle=True) is Point.ANY
+
+
+@pytest.mark.parametrize("idle", [True, False])
+def test_a_prompt_mid_chunk_on_any_rank_makes_every_step_an_any_point(idle):
+    # A peer decoding votes no at the ALL point after each chunk: the next chunk
+    # waited for the ANY point, 100 decode steps on.
+    assert StepVote(EngineConfig()).point(37, idle=idle, mid_chunk=True) is Point.ANY
+    assert peer(mid_chunk=True).point(37, idle=idle) is Point.ANY
+    assert peer(idle=idle).point(37, idle=False, mid_chunk=True) is Point.ANY
+    assert peer(idle=True).point(37, idle=True, mid_chunk=True) is Point.ANY
 
 
 @pytest.mark.parametrize(
