@@ -13,6 +13,8 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import sys
+import time
 from collections.abc import Callable
 
 from tandem.engine.step_vote import Vote
@@ -23,6 +25,11 @@ log = logging.getLogger("tandem.engine")
 
 # What each rank runs (service/serve.py's serve): (args, rank, vote) -> exit code.
 Serve = Callable[[argparse.Namespace, int, Vote], int]
+
+# Past --drain-timeout, how long the ranks get to stop (hand back, close) before the
+# group kills them: below the pod's grace beyond the drain (manifests_pods.py's 30 s),
+# so that the log says which rank hung rather than the kubelet's SIGKILL saying nothing.
+STOP_MARGIN_S = 15.0
 
 
 def run_ranks(args: argparse.Namespace, serve: Serve) -> int:
@@ -42,7 +49,10 @@ def run_ranks(args: argparse.Namespace, serve: Serve) -> int:
     for proc in procs:
         proc.start()
 
+    asked: list[tuple[int, float]] = []  # the signal forwarded, and when
+
     def forward(signum: int, _frame: object) -> None:
+        asked.append((signum, time.monotonic()))
         for proc in procs:
             if proc.pid is not None and proc.is_alive():
                 os.kill(proc.pid, signum)
@@ -59,7 +69,10 @@ def run_ranks(args: argparse.Namespace, serve: Serve) -> int:
         ended = [running.pop(sentinel) for sentinel in ready]
         for proc in ended:
             proc.join()  # its sentinel may be ready a moment before its exit code
-        failed = [proc for proc in ended if proc.exitcode != 0]
+        # A rank ended by the signal forwarded to it (one still loading, whose handler
+        # is not set yet) stopped as asked.
+        stopped = {-signum for signum, _ in asked}
+        failed = [proc for proc in ended if proc.exitcode not in (0, *stopped)]
         if failed:
             # Its last words may be none (SIGKILL, the OOM killer): the group's log
             # must say which rank ended it, or the pod's message says nothing. Those
@@ -67,12 +80,24 @@ def run_ranks(args: argparse.Namespace, serve: Serve) -> int:
             said = ", ".join(f"{proc.name} exited ({_how(proc.exitcode)})" for proc in failed)
             log.error("%s: ending the group", said)
             code = failed[0].exitcode or 1
-            for proc in procs:
-                if proc.is_alive():
-                    proc.kill()
-                proc.join()
+            _kill(procs)
             return code if code > 0 else 1
+        limit = args.drain_timeout + STOP_MARGIN_S
+        if running and asked and time.monotonic() > asked[0][1] + limit:
+            # A rank stuck in a step or a vote (a hung kernel, a peer stopped) never
+            # reads its drain flag: the group would wait for the kubelet's SIGKILL.
+            hung = ", ".join(proc.name for proc in running.values())
+            log.error("%s did not stop within %.0f s of the signal: killing the group", hung, limit)
+            _kill(procs)
+            return 1
     return 0
+
+
+def _kill(procs: list[multiprocessing.process.BaseProcess]) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
 
 
 def _how(code: int) -> str:
@@ -100,7 +125,11 @@ def _rank_main(
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    code = serve(args, rank, distributed_vote())
+    try:
+        code = serve(args, rank, distributed_vote())
+    except ValueError as exc:  # bad flags found once the model loaded: as one rank says it
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     # Only after a clean run: a rank that fails keeps its connections until it has exited,
     # so its peers, whose collectives break only then, never exit first in its stead.
     dist.destroy_process_group()

@@ -1,0 +1,95 @@
+"""How a data-parallel group stops: asked while loading, with a rank that hangs, and
+on a bad setting its ranks find once loaded. Real two-rank groups of `tandem engine`."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from support.engines import EngineProcess
+from support.polling import eventually
+
+from tandem.engine.service.ranks import STOP_MARGIN_S
+from tandem.engine.service.registry import Registry
+
+
+def _ranks(group: EngineProcess) -> list[int]:
+    """The group's rank processes (spawned interpreters; not the resource tracker)."""
+    pid = group.process.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [
+        int(child)
+        for child in children
+        if "spawn_main" in Path(f"/proc/{child}/cmdline").read_text(errors="replace")
+    ]
+
+
+def test_a_group_asked_to_stop_while_loading_stops_cleanly(redis_url, keys, tmp_path):
+    # A rank whose SIGTERM handler is not set yet dies of the signal: the group logged
+    # it as a failure and exited 1, as if it had crashed (a scale-down mid-load).
+    group = EngineProcess("normal", redis_url, keys, ["--data-parallel-size", "2"])
+    group.log_dir = tmp_path
+    group.start()
+    try:
+        assert eventually(lambda: len(_ranks(group)) == 2, timeout=60), group.log()
+        code = group.terminate(timeout=60)
+    finally:
+        group.stop()
+    assert code == 0, group.log()
+    assert "ending the group" not in group.log()
+
+
+def test_a_group_with_a_hung_rank_stops_within_its_drain_and_margin(
+    redis_url, keys, client, tmp_path
+):
+    # A rank stuck (a hung kernel; here, stopped) holds its peer in a vote: neither
+    # reads its drain flag, and the group ignored SIGTERM until the kubelet's SIGKILL,
+    # which says nothing in the log.
+    extra = ["--data-parallel-size", "2", "--drain-timeout", "1"]
+    group = EngineProcess("normal", redis_url, keys, extra, log_dir=tmp_path)
+    group.start()
+    try:
+        group.wait_ready(timeout=120)
+        ids = {group.engine_id, f"{group.engine_id}-r1"}
+        registry = Registry(client.redis, client.keys)
+        assert eventually(lambda: ids <= {e.engine_id for e in registry.live()}, 120)
+        rank_1 = _ranks(group)[1]
+        os.kill(rank_1, signal.SIGSTOP)
+        client.submit(prompt_token_ids=[1, 2, 3], sampling={"max_tokens": 4})
+        time.sleep(1)  # rank 0 waits in a vote now, or in the queue
+        asked = time.monotonic()
+        group.process.send_signal(signal.SIGTERM)
+        code = group.process.wait(timeout=1 + STOP_MARGIN_S + 30)
+        took = time.monotonic() - asked
+    finally:
+        for pid in _ranks(group) if group.process.poll() is None else []:
+            os.kill(pid, signal.SIGCONT)
+        group.stop()
+    assert code == 1, group.log()
+    assert took >= 1 + STOP_MARGIN_S - 1, took  # not before the drain and its margin
+    assert "rank-1" in group.log() and "did not stop within 16 s" in group.log()
+    assert eventually(lambda: not Path(f"/proc/{rank_1}").exists() or _zombie(rank_1), 10)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_setting_the_ranks_refuse_once_loaded_is_one_error_line(redis_url, keys, tmp_path):
+    # A KV pool too small for max_model_len is found after the model loads: one rank
+    # says `tandem: error: ...` and exits 2; each rank of a group printed a traceback and
+    # the group exited 1, and the pod's message (its last log lines) quoted its tail.
+    extra = ["--data-parallel-size", "2", "--num-kv-blocks", "4"]
+    group = EngineProcess("normal", redis_url, keys, extra, log_dir=tmp_path)
+    group.start()
+    try:
+        code = group.process.wait(timeout=120)
+    finally:
+        group.stop()
+    log = group.log()
+    assert code == 2, log
+    assert "tandem: error: 4 KV blocks of 16 tokens hold 64 tokens" in log
+    assert "Traceback" not in log
