@@ -275,6 +275,9 @@ class IncrementalDetokenizer:
         self._prefix = 0
         self._read = len(self._ids)
         self._text = ""  # all generated text decoded so far, held back part included
+        # Characters of the window's new text taken while its last character was still
+        # arriving (their bytes are decoded again once it has).
+        self._pending = 0
         self._emitted = 0  # how much of _text was returned
         self._stopped = False
 
@@ -295,10 +298,20 @@ class IncrementalDetokenizer:
         self._ids.extend(new_token_ids)
         before = self._decode(self._prefix, self._read)
         after = self._decode(self._prefix, len(self._ids))
-        if len(after) <= len(before) or after.endswith(_REPLACEMENT):
+        if len(after) <= len(before):
             return self._consume("", final=False)
+        new = after[len(before) :]
+        if new.endswith(_REPLACEMENT):
+            # A character still arriving (byte-level BPE's " \xe2\x80"): the window waits
+            # for its last byte, but the characters before it are text already, in which
+            # a stop string may end (seen only with the next token, the request ran on
+            # to its length limit when that never came).
+            whole = new.rstrip(_REPLACEMENT)
+            fresh, self._pending = whole[self._pending :], max(len(whole), self._pending)
+            return self._consume(fresh, final=False)
         self._prefix, self._read = self._read, len(self._ids)
-        return self._consume(after[len(before) :], final=False)
+        fresh, self._pending = new[self._pending :], 0
+        return self._consume(fresh, final=False)
 
     def resume(self, token_ids: Sequence[int], sent_text: str | None = None) -> None:
         """Continue after tokens generated elsewhere (a PROMPT engine, an engine that
@@ -344,7 +357,8 @@ class IncrementalDetokenizer:
         before = self._decode(self._prefix, self._read)
         after = self._decode(self._prefix, len(self._ids))
         self._prefix = self._read = len(self._ids)
-        delta, _ = self._consume(after[len(before) :], final=True)
+        fresh, self._pending = after[len(before) + self._pending :], 0
+        delta, _ = self._consume(fresh, final=True)
         return delta
 
     def _decode(self, start: int, end: int) -> str:

@@ -399,6 +399,28 @@ def _stream_into(detok, ids, chunk):
     return deltas, False, detok
 
 
+def test_a_stop_string_before_a_character_still_arriving_is_found_at_once(
+    tiny: Tokenizer,
+) -> None:
+    # The text before a half-arrived character was not matched until its last byte
+    # came: a request ran past its stop (to its length limit, which then said "length").
+    ids = tiny.encode("ab€c")
+    assert [tiny.decode([i]) for i in ids] == ["ab", "\ufffd", "\ufffd", "\ufffd", "c"]
+    assert IncrementalDetokenizer(tiny, [], ("b",)).add(ids[:2]) == ("a", True)
+    # Without a stop, that text goes out at once; the character once whole.
+    detok = IncrementalDetokenizer(tiny, [])
+    deltas = [detok.add(ids[:2])[0], detok.add(ids[2:3])[0], detok.add(ids[3:])[0]]
+    assert deltas == ["ab", "", "€c"] and detok.text == "ab€c"
+
+
+@needs_smollm2
+def test_a_stop_string_completed_by_a_token_ending_inside_a_character(smol: Tokenizer) -> None:
+    token = 459  # " " and the first two bytes of a three-byte character (— ’ “)
+    assert smol.decode([token]) == " \ufffd"
+    detok = IncrementalDetokenizer(smol, smol.encode("Hello"), (" ",))
+    assert detok.add([token]) == ("", True)
+
+
 def test_a_resume_inside_a_character_does_not_send_the_text_again(tiny: Tokenizer) -> None:
     ids = tiny.encode("Paris 🎉")
     first = IncrementalDetokenizer(tiny, [])
