@@ -8,6 +8,8 @@ import struct
 import threading
 import time
 
+import pytest
+
 from tandem.engine.service.http import HealthServer
 
 
@@ -96,4 +98,25 @@ def test_a_trickling_crowd_does_not_keep_the_probes_out():
     finally:
         for conn in crowd:
             conn.close()
+        server.stop()
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this host has no IPv6 loopback (::1)")
+def test_it_listens_on_an_ipv6_address():
+    # `--host ::` on an IPv6 cluster (the KV server took it; this server failed at start).
+    ok = lambda: (True, "")  # noqa: E731
+    server = HealthServer("::1", 0, live=ok, ready=ok, metrics=lambda: b"").start()
+    try:
+        with socket.create_connection(("::1", server.port), timeout=5) as conn:
+            conn.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert conn.recv(64).startswith(b"HTTP/1.0 200")
+    finally:
         server.stop()

@@ -93,6 +93,10 @@ class _BoundedServer(ThreadingHTTPServer):
     def __init__(
         self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], most: int
     ) -> None:
+        # --host :: or an IPv6 address (an IPv6 cluster): the standard library binds
+        # IPv4 only, and the engine failed at start on the address it was given.
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
         super().__init__(address, handler)
         self._slots = threading.BoundedSemaphore(most)
         self._lock = threading.Lock()
