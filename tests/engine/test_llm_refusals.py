@@ -114,6 +114,18 @@ def test_a_device_with_no_kernels_here_is_refused(device):
         LLM("random:tiny", device=device, num_kv_blocks=8)
 
 
+def test_a_gpu_past_the_hosts_is_refused_by_name(monkeypatch):
+    # A data-parallel group's rank r takes cuda:r: four ranks on a two-GPU host failed
+    # in torch with "invalid device ordinal", no flag named. (Checked with a host that
+    # says it has two GPUs: this one has none.)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"'cuda:3' .* has 2 CUDA device\(s\) .* --data-parallel"):
+        LLM("random:tiny", device="cuda:3", num_kv_blocks=8)
+
+
 def test_a_conversation_that_is_no_list_is_named(llm):
     good = [{"role": "user", "content": "Hi"}]
     with pytest.raises(ValueError, match="conversation 1: a conversation is a list of messages"):

@@ -67,6 +67,13 @@ def pick_device(device: str | torch.device | None) -> torch.device:
         raise ValueError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'")
     if chosen.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but no CUDA device is available")
+    if chosen.type == "cuda" and (chosen.index or 0) >= (count := torch.cuda.device_count()):
+        # A data-parallel group's rank r takes cuda:r: more ranks than GPUs end here.
+        raise ValueError(
+            f"device {device!r} asked for, but this host has {count} CUDA device(s) "
+            f"(cuda:0 to cuda:{count - 1}); a data-parallel group puts each rank on its own: "
+            "lower --data-parallel-size, or give --device cuda:N to share one"
+        )
     return chosen
 
 
