@@ -105,7 +105,9 @@ class Child:
         """Whether it is ready and was not yet said to be since it (re)started."""
         if self._said_ready or not self.ready_url or not self.alive or not self.ready():
             return False
-        self._said_ready = True
+        # Its probe server answers: it is up, and from now on its liveness counts (one
+        # that hung before its first /healthz ask waited out the startup deadline).
+        self._said_ready = self._was_live = True
         return True
 
     def hung(self, now: float) -> bool:

@@ -54,15 +54,15 @@ def check_redis(url: str) -> None:
 
 
 def check_model(spec: str) -> None:
-    """StartError unless `spec` names a model of a form an engine loads (what it holds
-    is the engine's to check). A role autoscaled from zero started its first engine
-    only at the first request, which then crash-looped on a path that is not there
-    while the request waited."""
+    """StartError unless `spec` names a model of a form an engine loads, a folder with
+    its config.json and weights (what they hold is the engine's to check). A role
+    autoscaled from zero started its first engine only at the first request, which then
+    crash-looped on a path that is not there while the request waited."""
     # Here, not at the top: the gateway imports this module, and of the engine only
     # its SamplingParams (tandem/protocol.py's contract).
-    from tandem.engine.model.model_spec import spec_problem
+    from tandem.engine.model.model_spec import spec_problem, weights_problem
 
-    if (problem := spec_problem(spec)) is not None:
+    if (problem := spec_problem(spec) or weights_problem(spec)) is not None:
         raise StartError(problem)
 
 

@@ -126,7 +126,9 @@ class RedisServer:
         # Killed when this process dies (tandem up's Redis; parent_death.py).
         self.die_with_us = die_with_us
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="tandem-redis-")
-        self.data_dir = data_dir or Path(self._tmp.name)
+        # Absolute: Redis enters `dir` before it opens its log file, whose relative path
+        # then named a folder inside that one (`tandem up --log-dir logs` did not start).
+        self.data_dir = Path(data_dir or self._tmp.name).resolve()
         self.appendonly = appendonly
         self._process: subprocess.Popen[bytes] | None = None
 

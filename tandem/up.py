@@ -10,6 +10,7 @@ everything.
 
 from __future__ import annotations
 
+import json
 import secrets
 import shutil
 import signal
@@ -262,7 +263,7 @@ class Stack:
             # the first one's gateway ready while its own had exited.
             self._check_alive(self.gateway)
             body = local_get(request, timeout=2)
-            if body is not None and self.config.name in body.decode():
+            if body is not None and self.config.name in _listed(body):
                 return
             time.sleep(0.25)
         raise StartError(
@@ -413,3 +414,12 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _listed(body: bytes) -> set[str]:
+    """The model ids of a /v1/models answer (a substring of its JSON matched "list",
+    and never a name that JSON escapes)."""
+    try:
+        return {m.get("id") for m in json.loads(body).get("data", []) if isinstance(m, dict)}
+    except (ValueError, AttributeError):
+        return set()

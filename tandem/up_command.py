@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         **given,  # the rest: UpConfig's defaults
     )
     # Made here, once the flags were checked, not by Stack: Stack removes its own at stop.
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-up-"))
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-up-")).resolve()
     config = dataclasses.replace(config, log_dir=log_dir)
     stack = Stack(config)
     for signum in (signal.SIGTERM, signal.SIGINT):

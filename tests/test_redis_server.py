@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 
 from tandem.redis_server import APPEND_ONLY_FILE, RedisServer
 
@@ -43,3 +44,18 @@ def test_a_port_taken_is_the_reason_it_could_not_start(tmp_path: Path) -> None:
         server = RedisServer(port=taken.getsockname()[1], data_dir=tmp_path)
         with pytest.raises(RuntimeError, match="Address already in use"):
             server.start(timeout=10)
+
+
+def test_a_relative_data_folder_is_taken_from_where_it_was_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `tandem up --log-dir logs`: Redis entered logs/redis, then looked for its log
+    # file in logs/redis/logs/redis, and did not start.
+    monkeypatch.chdir(tmp_path)
+    server = RedisServer(data_dir=Path("logs") / "redis")
+    try:
+        server.start(timeout=30)
+        assert redis.Redis.from_url(server.url).ping()
+    finally:
+        server.stop()
+    assert (tmp_path / "logs" / "redis" / "redis.log").is_file()

@@ -4,6 +4,7 @@ a start that fails."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.server
 import json
 import re
@@ -74,6 +75,26 @@ def test_stopping_a_stack_answers_every_request_it_admitted(tmp_path, monkeypatc
     up = config(tmp_path, monkeypatch, mode="disaggregated", engine_args=engine_args)
     stack = Stack(up).start(say=lambda line: None)
     _stop_while_serving(stack, requests=8, tokens=120)  # most waiting for an engine
+
+
+def test_a_served_name_that_json_escapes_is_served(tmp_path, monkeypatch):
+    # The wait for the gateway to list the model looked for the name in the raw JSON,
+    # where a backslash or a quote is escaped: the start failed after --ready-timeout.
+    name = 'team\\"tiny"'
+    up = config(tmp_path, monkeypatch)
+    up = dataclasses.replace(up, served_model_name=name, ready_timeout=60.0)
+    stack = Stack(up).start(say=lambda line: None)
+    try:
+        answer = httpx.post(
+            f"{stack.url}/v1/completions",
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            json={"model": name, "prompt": "hi", "max_tokens": 2},
+            timeout=60,
+        )
+    finally:
+        stack.stop(say=lambda line: None)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["model"] == name
 
 
 def test_an_engine_dead_as_the_stack_stops_is_restarted_to_answer_what_was_admitted(
@@ -487,6 +508,22 @@ def test_a_child_is_asked_often_whether_it_is_up_until_it_first_answers(tmp_path
             child.hung(time.monotonic())
             time.sleep(0.1)
         assert child.started_up
+    finally:
+        child.kill()
+
+
+def test_a_child_that_hangs_once_said_ready_is_probed_for_liveness(tmp_path):
+    # Hung between its readiness answer and the supervisor's first liveness ask, it
+    # was never seen up: only the startup deadline (30 minutes) would end it.
+    child = _serving_child(tmp_path, "200")
+    child.liveness_period_s, child.liveness_failures = 0.1, 2
+    child.start()
+    try:
+        assert eventually(child.newly_ready, 10)
+        child.process.send_signal(signal.SIGSTOP)
+        said: list[str] = []
+        assert eventually(lambda: said.extend(child.supervise(time.monotonic())) or said, 20)
+        assert said[0].startswith("engine stopped answering")
     finally:
         child.kill()
 

@@ -108,6 +108,7 @@ def test_a_port_in_use_is_named_before_anything_starts(taken_port, tmp_path, mon
         # Before anything starts: with a role autoscaled from zero, the first engine
         # started only at the first request, and crash-looped while it waited.
         (["--model", "/no/such/model"], "model '/no/such/model' is no such file or directory"),
+        (["--model", "docs"], "model 'docs': no config.json; not a Hugging Face model directory"),
         # It served under --model's name instead.
         (["--served-model-name", ""], "a served model name must be non-empty"),
         # The gateway reads its keys as a comma-separated list: it never came up.
@@ -121,6 +122,7 @@ def test_a_port_in_use_is_named_before_anything_starts(taken_port, tmp_path, mon
         "log-dir",
         "unwritable-log-dir",
         "model",
+        "model-folder",
         "served-name",
         "api-key-comma",
         "api-key-blank",
@@ -187,13 +189,15 @@ def _listening(port: int) -> bool:
 
 def test_an_engine_that_cannot_start_is_named_with_its_log_and_everything_stops(tmp_path):
     log = tmp_path / "engine-normal.log"
-    model = tmp_path / "no-config"  # a folder, as a model is, but without its config.json
+    model = tmp_path / "gpt2"  # a model folder, of an architecture the engine does not run
     model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    (model / "model.safetensors").write_bytes(b"")
     done, left = up("--model", str(model), "--port", str(free_port()), "--log-dir", str(tmp_path))
     error = the_error(done)
     assert error.startswith("tandem: error: normal engine exited while starting: ")
-    assert "config.json" in error
-    assert f"(details in {log})" in error and "config.json" in log.read_text()
+    assert "GPT2LMHeadModel" in error
+    assert f"(details in {log})" in error and "GPT2LMHeadModel" in log.read_text()
     assert left == []  # the gateway and the embedded Redis were stopped too
 
 
@@ -521,3 +525,25 @@ def test_a_stack_that_gives_up_exits_non_zero_and_says_why(tmp_path):
     error = rest.rstrip().splitlines()[-1]
     assert error.startswith("tandem: error: the embedded Redis could not restart: "), rest
     assert "Address already in use" in error
+
+
+@pytest.mark.parametrize(
+    ("files", "says"),
+    [
+        (["config.json"], "no *.safetensors weight files"),
+        (["model.Q4_1.gguf"], "holds GGUF files, not a Hugging Face model; pass "),
+        (["config.json", "pytorch_model.bin"], "only pickled weights (*.bin/*.pt); convert"),
+    ],
+)
+def test_a_folder_that_holds_no_model_is_refused_before_anything_starts(
+    tmp_path, capsys, files, says
+):
+    # It passed as a model: with a role autoscaled from zero, the first request started
+    # an engine that crash-looped on it, and the request waited out its deadline.
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in files:
+        (folder / name).write_text("{}")
+    assert cli.main(["up", "--model", str(folder), "--port", str(free_port())]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith(f"tandem: error: model '{folder}'") and says in error, error
