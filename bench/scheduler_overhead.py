@@ -84,6 +84,7 @@ def mixed_prefill_case(rounds: int) -> float:
             head = shared if i % 2 else [(k + i + j) % VOCAB for j in range(48)]
             sched.add_request(Request(f"p{k}-{i}", head + tail, LONG))
         sched.decode_step = 0  # an attempt point
+        sched.prompt_steps_in_a_row = 0  # (the warm-up's prompt steps reached the cap)
         t0 = time.perf_counter()
         plan = sched.schedule()
         t1 = time.perf_counter()
