@@ -38,6 +38,10 @@ RELOAD_EVERY_S = 5.0
 _NAME = re.compile(r"^[A-Za-z0-9_.@:-]{1,64}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _FIELDS = {"key", "key_sha256", "name", "models", "rpm", "tpm", "prefix_cache", "max_priority"}
+# An unknown field shown by name: a word a field could be, not an API key's shape.
+_FIELD_LIKE = re.compile(r"^[a-z_][a-z0-9_]{0,23}$")
+# Quoted in a YAML error: three characters or more could be (part of) a key.
+_QUOTED = re.compile(r"'[^'\s][^']+[^'\s]'|\"[^\"\s][^\"]+[^\"\s]\"")
 _PRIORITY_NAMES = ("high", "normal", "low")
 _PREFIX_CACHES = ("shared", "own")
 
@@ -113,7 +117,12 @@ class KeyStore:
             log.error("API keys not reloaded, the %d in use stay: %s", len(self._keys), exc)
             return
         if keys is not None:
-            log.info("API keys reloaded from %s: %d keys", self._source.path, len(keys))
+            if keys:
+                log.info("API keys reloaded from %s: %d keys", self._source.path, len(keys))
+            else:  # the file's [] with no TANDEM_API_KEYS: every key revoked
+                log.warning(
+                    "API keys reloaded from %s: none, every request gets 401", self._source.path
+                )
             self._keys = keys
 
     def __len__(self) -> int:
@@ -212,7 +221,7 @@ def _read_keys(path: Path | None, env_value: str | None) -> dict[bytes, ApiKey]:
             )
         keys[digest] = key
         names.add(key.name)
-    return keys  # empty only without a file (a file lists one key at least)
+    return keys  # empty where neither lists one (a store refuses that at start)
 
 
 def check_model(key: ApiKey, model: str) -> None:
@@ -250,8 +259,10 @@ def parse_key_file(path: Path) -> list[tuple[bytes, ApiKey]]:
     data = _load(path, text)
     if isinstance(data, dict) and "keys" in data:
         data = data["keys"]
-    if not isinstance(data, list) or not data:
-        raise ValueError(f"{path}: expected a non-empty list of keys")
+    if data is None:  # an empty file: more likely one mid-edit than a wish to revoke all
+        raise ValueError(f"{path}: holds no list of keys (to revoke every key: [])")
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a list of keys")
     return [_entry(path, i, item) for i, item in enumerate(data)]
 
 
@@ -264,7 +275,17 @@ def _load(path: Path, text: str) -> Any:
     try:
         return strict_yaml.load(text)
     except yaml.YAMLError as exc:  # never PyYAML's excerpt: the line may hold a key
-        raise ValueError(f"{path}: not valid YAML: {strict_yaml.problem(exc)}") from None
+        # Nor the tokens its words quote (an undefined alias, an unknown tag: a key
+        # that begins with * or !), but for a character or two (',' or '\t').
+        said = _QUOTED.sub(_field_or_dots, strict_yaml.problem(exc))
+        raise ValueError(f"{path}: not valid YAML: {said}") from None
+
+
+def _field_or_dots(quoted: re.Match[str]) -> str:
+    """A quoted word of a YAML error, kept where it reads as a field name ('rpm')."""
+    word = quoted.group(0)[1:-1]
+    plain = _FIELD_LIKE.match(word) or re.fullmatch(r"<[a-z ]+>", word)  # PyYAML's <stream end>
+    return quoted.group(0) if plain else "'...'"
 
 
 def _entry(path: Path, index: int, item: Any) -> tuple[bytes, ApiKey]:
@@ -273,7 +294,12 @@ def _entry(path: Path, index: int, item: Any) -> tuple[bytes, ApiKey]:
         raise ValueError(f"{where}: expected a mapping, got {type(item).__name__}")
     unknown = set(item) - _FIELDS
     if unknown:
-        raise ValueError(f"{where}: unknown fields {sorted(unknown)}; known: {sorted(_FIELDS)}")
+        # Named where they read as a misspelt field ('rmp'); a key written where a field
+        # goes (`- sk-...: x`) must not reach the log.
+        shown = sorted(str(f) for f in unknown if _FIELD_LIKE.match(str(f)))
+        others = len(unknown) - len(shown)
+        said = ", ".join([*map(repr, shown), *([f"{others} not shown"] if others else [])])
+        raise ValueError(f"{where}: unknown fields [{said}]; known: {sorted(_FIELDS)}")
     name = item.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
         raise ValueError(f"{where}: name must be 1-64 of A-Z a-z 0-9 _ . @ : -, got {name!r}")

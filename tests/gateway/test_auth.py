@@ -88,8 +88,8 @@ def test_open_access_lets_everyone_in_as_anonymous():
 @pytest.mark.parametrize(
     ("entries", "message"),
     [
-        ([], "non-empty list"),
-        ({"key": "x"}, "non-empty list"),
+        ([], "no API keys configured"),  # a file may list none, but a gateway needs one
+        ({"key": "x"}, "expected a list of keys"),
         ([{"key": "x"}], "name must be"),
         ([{"key": "x", "name": "has space"}], "name must be"),
         ([{"name": "a"}], "exactly one of key or key_sha256"),
@@ -134,6 +134,9 @@ def test_no_keys_at_all_is_refused_unless_open(tmp_path):
         ("- name: bob\n  key: sk-live-bob:secret: 2\n", "mapping values are not allowed here at"),
         ("- {name: al, key: sk-live-al\n", "expected ',' or '}', but got"),
         ("- name: al\n  key: sk-live-al\n  key: sk-live-al-2\n", "key 'key' is given twice"),
+        # Tokens PyYAML's own words quote: a key that begins with * or !.
+        ("- key: *sk-live-alias\n  name: a\n", "found undefined alias '...' at"),
+        ("- key: !sk-live-tag x\n  name: a\n", "constructor for the tag '...' at"),
     ],
 )
 def test_a_keys_file_that_is_not_yaml_is_named_without_quoting_a_key(tmp_path, text, says):
@@ -142,6 +145,13 @@ def test_a_keys_file_that_is_not_yaml_is_named_without_quoting_a_key(tmp_path, t
     message = str(refused.value)
     assert says in message and " at line " in message, message
     assert "sk-live" not in message and "\n" not in message
+
+
+def test_a_key_written_where_a_field_goes_is_not_named_a_misspelt_field_is(tmp_path):
+    with pytest.raises(ValueError) as refused:
+        _store(tmp_path, "- {sk-live-flow: 1, name: a, rmp: 2}\n", "k.yaml")
+    message = str(refused.value)
+    assert "unknown fields ['rmp', 1 not shown]" in message and "sk-live" not in message
 
 
 def test_a_file_key_named_like_an_environment_key_says_whose_name_it_is(tmp_path):
@@ -193,3 +203,20 @@ def test_a_changed_keys_file_is_read_again_without_a_restart(tmp_path, caplog):
     path.symlink_to(tmp_path / "v2.yaml")
     clock.now += 5
     assert _allowed(store, "sk-v2") and not _allowed(store, "sk-new")
+
+
+def test_a_keys_file_emptied_to_a_list_of_none_revokes_every_key(tmp_path, caplog):
+    # `[]` read as a mistake: every key kept working, the obvious "revoke all" failed open.
+    path, clock = tmp_path / "keys.yaml", _Clock()
+    path.write_text("- {key: sk-one, name: one}\n")
+    beside = KeyStore.load(str(path), "sk-env", clock=clock)
+    alone = KeyStore.load(str(path), None, clock=clock)
+    path.write_text("")  # truncated mid-edit: the keys in use stay
+    clock.now += 5
+    assert _allowed(beside, "sk-one") and _allowed(alone, "sk-one")
+    assert "holds no list of keys (to revoke every key: [])" in caplog.text
+    path.write_text("keys: []\n")
+    clock.now += 5
+    assert not _allowed(beside, "sk-one") and _allowed(beside, "sk-env")
+    assert not _allowed(alone, "sk-one")
+    assert "none, every request gets 401" in caplog.text
