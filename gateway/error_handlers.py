@@ -22,6 +22,7 @@ from tandem.gateway.errors import (
     SERVER,
     GatewayError,
     bad_request,
+    redis_trouble,
     unavailable,
 )
 from tandem.gateway.validation_errors import validation_error
@@ -91,7 +92,7 @@ async def _on_redis_error(request: Request, exc: RedisError) -> JSONResponse:
     log.warning("redis error on %s %s: %s", request.method, request.url.path, exc)
     if (why := refusal(exc)) is not None:  # it answers, but takes no work for now
         return unavailable(f"{why}: {plain(exc)}", retry_after=REFUSED_RETRY_AFTER_S).response()
-    return unavailable(f"The gateway cannot reach Redis: {exc}").response()
+    return unavailable(f"The gateway cannot reach Redis: {redis_trouble(exc)}").response()
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:

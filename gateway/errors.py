@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tandem.gateway.schemas import ErrorResponse
 from tandem.protocol import ErrorCode
@@ -166,6 +167,22 @@ def unavailable(
     return GatewayError(
         503, message, type=SERVER, code=code, headers={"Retry-After": str(retry_after)}
     )
+
+
+class RedisOutage(RedisTimeoutError):
+    """Redis silent past the gateway's patience, in the gateway's own words."""
+
+
+def redis_trouble(exc: BaseException) -> str:
+    """What went wrong with Redis, for a client: its kind, not redis-py's words, which
+    name the cluster's internal host and port (the gateway's log has them)."""
+    if isinstance(exc, RedisOutage):
+        return str(exc)
+    if isinstance(exc, TimeoutError) or type(exc).__name__ == "TimeoutError":
+        return "it did not answer in time"
+    if isinstance(exc, OSError) or type(exc).__name__ == "ConnectionError":
+        return "the connection failed"
+    return type(exc).__name__
 
 
 def missing_role(model: str, missing: str, present: str, retry_after: int) -> GatewayError:

@@ -26,6 +26,7 @@ from tandem.gateway.errors import (
     GatewayError,
     deadline_exceeded,
     from_engine,
+    redis_trouble,
     unavailable,
 )
 from tandem.gateway.jobs import Job
@@ -173,7 +174,8 @@ class Generation:
             # only stops reading, and the work is cancelled if no other reads it (left
             # running, it held an engine until its deadline for nobody).
             await self.abandon("redis_unreachable", last_only=self.ticket.ledger_key is not None)
-            raise unavailable(f"Lost the connection to Redis while reading: {exc}") from None
+            lost = f"Lost the connection to Redis while reading: {redis_trouble(exc)}"
+            raise unavailable(lost) from None
 
     async def _forget_record(self) -> None:
         if self.ticket.ledger_key is not None:

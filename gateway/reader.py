@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tandem.deduplicator import ResponseDeduplicator
+from tandem.gateway.errors import RedisOutage
 from tandem.gateway.settings import MAX_READ_BLOCK_MS
 from tandem.keys import Keys
 from tandem.protocol import EventKind, ResponseEvent, as_text
@@ -130,7 +131,7 @@ class AsyncResponseReader:
                 if now - unreachable_since >= self.outage_s:
                     if isinstance(exc, RedisError):
                         raise
-                    raise RedisTimeoutError(
+                    raise RedisOutage(
                         f"no answer from Redis for {now - unreachable_since:.1f} s"
                     ) from None
                 await asyncio.sleep(min(_OUTAGE_RETRY_S, max(0.0, deadline - now)))

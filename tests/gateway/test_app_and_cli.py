@@ -209,6 +209,9 @@ def test_without_redis_the_gateway_answers_503_and_is_not_ready(start_gateway):
         )
     assert reply.status_code == 503
     assert reply.json()["error"]["code"] == "redis_unreachable"
+    # Its kind, not redis-py's words: they name the cluster's internal address.
+    said = reply.json()["error"]["message"]
+    assert said == "The gateway cannot reach Redis: the connection failed", said
     # The SDKs wait that long before their retries, not 0.5-1 s: a restarting Redis.
     assert reply.headers["Retry-After"] == "2"
 
