@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from tandem.protocol import check_key_prefix
 from tandem.redaction import check_redis_url
@@ -105,6 +106,10 @@ class GatewaySettings:
                     f"allowed origin {origin!r} is not an origin: give scheme://host[:port] "
                     "(https://chat.example.com) or *"
                 )
+        # As a browser sends it (compared as a string): https://Chat.Example.com:443
+        # passed, and no page of it was ever allowed.
+        origins = tuple(o if o == "*" else _as_sent(o) for o in self.allowed_origins)
+        object.__setattr__(self, "allowed_origins", origins)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GatewaySettings:
@@ -137,7 +142,23 @@ def _positive_seconds(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
+def _as_sent(origin: str) -> str:
+    """An origin as a browser's Origin header says it: scheme and host in lower case,
+    no default port."""
+    parts = urlsplit(origin)
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    default = {"http": 80, "https": 443}[parts.scheme.lower()]
+    port = "" if parts.port in (None, default) else f":{parts.port}"
+    return f"{parts.scheme.lower()}://{host}{port}"
+
+
 def _is_origin(value: str) -> bool:
     """scheme://host[:port], nothing after: what a browser sends as Origin."""
     scheme, sep, rest = value.partition("://")
-    return bool(sep and scheme in ("http", "https") and rest and not set("/?#@ ") & set(rest))
+    if not (sep and scheme.lower() in ("http", "https") and rest) or set("/?#@ ") & set(rest):
+        return False
+    try:
+        return urlsplit(value).port is not None or not rest.endswith(":")
+    except ValueError:  # a port out of range, or no number
+        return False

@@ -54,7 +54,22 @@ def test_no_origin_is_allowed_by_default(start_gateway):
         assert "access-control-allow-origin" not in _preflight(client, PAGE).headers
 
 
-@pytest.mark.parametrize("origin", ["chat.example.com", "https://chat.example.com/", ""])
+def test_an_allowed_origin_is_kept_as_a_browser_sends_it():
+    # Compared as a string: these passed, and no page of theirs was ever allowed.
+    given = ("HTTPS://Chat.Example.com:443", "http://[::1]:80", "http://Dev.local:8080", "*")
+    settings = GatewaySettings(allowed_origins=given)
+    assert settings.allowed_origins == (
+        "https://chat.example.com",
+        "http://[::1]",
+        "http://dev.local:8080",
+        "*",
+    )
+
+
+@pytest.mark.parametrize(
+    "origin",
+    ["chat.example.com", "https://chat.example.com/", "", "https://x.com:99999", "http://x:"],
+)
 def test_an_allowed_origin_must_be_an_origin(origin):
     with pytest.raises(ValueError, match="is not an origin: give scheme://host"):
         GatewaySettings(allowed_origins=(origin,))
