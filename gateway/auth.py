@@ -12,6 +12,7 @@ restart; a file that no longer reads keeps the keys in use, and says why in the 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -267,11 +268,14 @@ def parse_key_file(path: Path) -> list[tuple[bytes, ApiKey]]:
 
 
 def _load(path: Path, text: str) -> Any:
-    if path.suffix.lower() == ".json" or text.lstrip().startswith(("[", "{")):
+    if path.suffix.lower() == ".json":
         try:
             return json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not valid JSON: {exc}") from None
+    if text.lstrip().startswith(("[", "{")):  # JSON, or YAML's flow style: [{key: ...}]
+        with contextlib.suppress(json.JSONDecodeError):
+            return json.loads(text)
     try:
         return strict_yaml.load(text)
     except yaml.YAMLError as exc:  # never PyYAML's excerpt: the line may hold a key

@@ -40,6 +40,12 @@ def test_json_and_yaml_files_give_the_same_keys(tmp_path):
         assert alice.max_priority is None  # any
 
 
+def test_a_yaml_file_in_flow_style_is_yaml(tmp_path):
+    # Read as JSON for its first "[": "not valid JSON", though the docs say YAML or JSON.
+    store = _store(tmp_path, "[{key: sk-flow, name: flow, rpm: 3}]\n", "keys.yaml")
+    assert store.authenticate("Bearer sk-flow").rpm == 3
+
+
 def test_the_store_keeps_no_plain_key(tmp_path):
     store = _store(tmp_path, json.dumps([{"key": "sk-secret-123", "name": "a"}]))
     assert "sk-secret-123" not in repr(vars(store))
