@@ -147,6 +147,14 @@ class Broker:
         cancel_commands(pipe, self.keys, request_ids)
         await pipe.execute()
 
+    async def kept(self, request_ids: Sequence[str]) -> None:
+        """The response streams last RESPONSE_TTL_SECONDS from now (their answer is whole,
+        and retries with its Idempotency-Key read it again)."""
+        pipe = self.client.pipeline(transaction=False)
+        for request_id in request_ids:
+            pipe.expire(self.keys.response_stream(request_id), RESPONSE_TTL_SECONDS)
+        await pipe.execute()
+
     async def delivered(self, request_ids: Sequence[str]) -> None:
         """Shorten the response streams' lives: their readers have them whole.
 

@@ -131,16 +131,14 @@ class Generation:
                         # A refusal is final too: a retry reads it again while its
                         # stream lasts, and past that queues afresh (not waits for
                         # its deadline on a stream gone).
-                        ledger, ticket = self.cancels.ledger, self.ticket
-                        await self._aside(ledger.answered(ticket.ledger_key, ticket.base_id))
+                        await self._answered(self.ticket.ledger_key)
                     raise error
                 self._absorb(index, event)
                 yield index, event
             if self.ticket.ledger_key is None:  # no retry will read them again
                 await self._delivered()
             else:  # a retry reads them again while the streams last, not past them
-                ledger, ticket = self.cancels.ledger, self.ticket
-                await self._aside(ledger.answered(ticket.ledger_key, ticket.base_id))
+                await self._answered(self.ticket.ledger_key)
             if self.settle is not None and all(c.usage is not None for c in self.choices):
                 await self.settle(total_usage(self.choices)["total_tokens"])
         except DeadlinePassed:
@@ -189,6 +187,13 @@ class Generation:
                 await call
         except (RedisError, OSError) as exc:  # TimeoutError is an OSError
             log.debug("%s: Redis did not take %r: %s", self.ticket.base_id, call, exc)
+
+    async def _answered(self, ledger_key: str) -> None:
+        """The answer is whole: every choice's stream lasts its full TTL from now, and the
+        Idempotency-Key's record less (a choice that ended 30 s before the last expired
+        before the record, and a retry attached to it waited out its deadline)."""
+        await self._aside(self.broker.kept(self.ticket.request_ids))
+        await self._aside(self.cancels.ledger.answered(ledger_key, self.ticket.base_id))
 
     async def _delivered(self) -> None:
         try:

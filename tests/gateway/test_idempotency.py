@@ -148,6 +148,28 @@ def test_a_record_outlives_no_answer_it_points_to(gateway, keys):
     assert conn.ttl(keys.response_stream(rid)) > RESPONSE_TTL_SECONDS - 30
 
 
+def test_a_record_outlives_no_choice_of_its_answer(gateway, keys):
+    # n = 2, the first choice ending long before the second: its stream expired 600 s
+    # after its own end, before the record (570 s after the last), and a retry attached
+    # to it waited out its deadline for events gone.
+    live, conn = gateway
+    asking, answer = _asking(live, "order-two", n=2)
+    first, second = _queued(conn, keys.work_stream(MODEL, PRIORITY_NORMAL), 2)
+    writer = ResponseWriter(conn, keys, "stand-in-engine")
+    for rid, text in ((first, "A"), (second, "B")):
+        writer.add(rid, ResponseEvent.tokens(0, [5], text, "e"))
+        writer.add(rid, ResponseEvent.finish(1, "stop", Usage(3, 1), "e"))
+        writer.flush()
+        if rid == first:
+            conn.expire(keys.response_stream(first), 100)  # as if it ended 500 s ago
+    asking.join(30)
+    assert answer[0].status_code == 200, answer[0].text
+    [record] = _records(conn, keys)
+    assert 0 < conn.ttl(record) <= RESPONSE_TTL_SECONDS - 30
+    for rid in (first, second):
+        assert conn.ttl(keys.response_stream(rid)) > RESPONSE_TTL_SECONDS - 30
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_work_whose_first_replica_stopped_is_cancelled_when_its_last_reader_leaves(
     gateway, keys, redis_server, stream
