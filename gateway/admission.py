@@ -32,7 +32,13 @@ from tandem.gateway.auth import ApiKey, check_model
 from tandem.gateway.broker import Broker
 from tandem.gateway.context_check import check_context
 from tandem.gateway.directory import ModelDirectory
-from tandem.gateway.errors import bad_request, missing_role, model_not_found, rate_limited
+from tandem.gateway.errors import (
+    bad_request,
+    missing_role,
+    model_not_found,
+    rate_limited,
+    unavailable,
+)
 from tandem.gateway.idempotency import IdempotencyLedger, IdempotencyRecord
 from tandem.gateway.jobs import Job
 from tandem.gateway.quota import Quotas
@@ -40,6 +46,8 @@ from tandem.gateway.settings import GatewaySettings
 
 # Retry-After of a model whose engines lack a role: an engine starts in seconds.
 MISSING_ROLE_RETRY_S = 5
+# Retry-After while older engines are replaced (a rolling upgrade: a pod's model loads).
+OUTDATED_RETRY_AFTER_S = 30
 
 
 @dataclass(frozen=True)
@@ -175,6 +183,17 @@ class Admission:
                 "it once they are replaced, or without the option",
                 option,
                 "unsupported",
+            )
+        if job.items[0].cache_salt is not None and not self.directory.salts_prefix_cache(job.model):
+            # Not the client's doing (a key's prefix_cache: own salts every request): a
+            # rollout's, which passes. Run on an older engine, it would share its cache.
+            raise unavailable(
+                f"Some engines of {job.model!r} are older than prefix-cache isolation "
+                "(cache_salt, or the API key's prefix_cache: own), and would share cached "
+                "prompts across tenants: a rolling upgrade in progress; retry once they are "
+                "replaced",
+                "engines_outdated",
+                OUTDATED_RETRY_AFTER_S,
             )
         ledger_key = None
         if idempotency_key is not None:

@@ -143,6 +143,14 @@ class ModelDirectory:
         engines = self._models.get(model, ())
         return all(info.chat_options for info in engines if info.role != Role.COMPLETION)
 
+    def salts_prefix_cache(self, model: str) -> bool:
+        """Whether every live engine of `model` keeps a work item's cache_salt apart in
+        its prefix cache (as of the last refresh); True when none is live. One from
+        before the salt reads the item without it and shares cached prompts across
+        tenants. No entry says so itself: chat options came after the salt, so an engine
+        that renders them keeps it."""
+        return all(info.chat_options for info in self._models.get(model, ()))
+
     async def stall(self, model: str, *, taken: bool) -> str:
         """Why a request for `model` may have run out of time, as far as the (cached)
         registry tells; "" when it tells nothing. `taken`: an engine had started it."""

@@ -230,3 +230,23 @@ def test_chat_options_wait_for_engines_that_render_them(start_gateway, redis_url
                            headers=SHORT)  # fmt: skip
     assert queued.status_code == 504  # queued: no engine here takes work
     conn.close()
+
+
+def test_a_salted_request_waits_for_engines_that_keep_the_salt(start_gateway, redis_url, keys):
+    # An engine from before cache_salt reads the work item without it, and serves one
+    # tenant's cached prompt to another: refused (503, to retry) while such runs.
+    conn = redis.Redis.from_url(redis_url)
+    registry = Registry(conn, keys, ttl_seconds=600)
+    registry.heartbeat(EngineInfo("n-0", "tiny", "normal", "127.0.0.1:1"))
+    gateway = start_gateway(models_cache_s=0.0)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
+    with gateway.http() as http:
+        salted = http.post("/v1/chat/completions", json={**chat, "cache_salt": "t"}, headers=SHORT)
+        assert salted.status_code == 503, salted.text
+        assert salted.json()["error"]["code"] == "engines_outdated"
+        assert salted.headers["Retry-After"] == "30"
+        assert http.post("/v1/chat/completions", json=chat, headers=SHORT).status_code == 504
+    registry.heartbeat(EngineInfo("n-0", "tiny", "normal", "127.0.0.1:1", chat_options=True))
+    with gateway.http() as http:
+        queued = http.post("/v1/chat/completions", json={**chat, "cache_salt": "t"}, headers=SHORT)
+    assert queued.status_code == 504  # queued: its deadline passed with no engine behind
