@@ -1,7 +1,7 @@
 """The report: throughput, latency percentiles, goodput and errors, from the run's records.
 
 Definitions (docs/bench-client.md says the same for users):
-- rates divide by the wall time from the first send to the last answer;
+- rates divide by the wall time from the first send to the last successful answer;
 - TTFT: send to the first chunk with text; E2E: send to the end of the
   answer; TPOT: (E2E - TTFT) / (output tokens - 1), per request, for
   successful requests with at least two output tokens; ITL: the gaps
@@ -25,6 +25,9 @@ from tandem.loadgen.record import RequestRecord
 from tandem.loadgen.runner import RunResult
 
 SCHEMA = "tandem.bench.report/v1"
+# A send this much after its arrival waited for a --concurrency slot (not the loop's
+# own jitter, a millisecond or two).
+LATE_S = 0.05
 PERCENTILES = (50, 90, 95, 99)
 
 
@@ -111,6 +114,10 @@ def build_report(result: RunResult, slo: Slo, config: dict[str, Any]) -> dict[st
     output_tokens = sum(r.output_tokens or 0 for r in ok)
     input_tokens = sum(r.input_tokens if r.prompt_tokens is None else r.prompt_tokens for r in ok)
     good = sum(slo.met_by(r) for r in records)
+    # Sent and cut by a Ctrl-C: neither ok nor failed, but sent (they were the slow ones).
+    cut = result.interrupted or 0
+    # How long each send waited for a --concurrency slot past its arrival.
+    waits = [max(0.0, r.start_s - r.scheduled_s) for r in records]
     by_status = Counter("none" if r.status is None else str(r.status) for r in records)
     latency = {
         "ttft": summarize([r.ttft_s for r in ok if r.ttft_s is not None], 1000),
@@ -124,7 +131,7 @@ def build_report(result: RunResult, slo: Slo, config: dict[str, Any]) -> dict[st
         "config": config,
         "wall_s": wall,
         "requests": {
-            "sent": len(records),
+            "sent": len(records) + cut,
             "ok": len(ok),
             "failed": len(records) - len(ok),
             "by_status": dict(sorted(by_status.items())),
@@ -135,6 +142,11 @@ def build_report(result: RunResult, slo: Slo, config: dict[str, Any]) -> dict[st
             # finish reason, as a server without usage leaves only chunks to count.
             "short_outputs": sum(1 for r in ok if r.finish_reason != "length"),
             "interrupted": result.interrupted,
+            # The offered load, where it was not met: sends that waited for a slot
+            # (their latencies count from the send), and arrivals never sent.
+            "late": sum(1 for w in waits if w > LATE_S),
+            "slot_wait_max_s": max(waits, default=0.0),
+            "left_unsent": result.left_unsent,
         },
         "throughput": {
             "requests_per_s": per_s(len(ok)),
@@ -148,7 +160,7 @@ def build_report(result: RunResult, slo: Slo, config: dict[str, Any]) -> dict[st
             "slo_ttft_ms": slo.ttft_ms,
             "slo_tpot_ms": slo.tpot_ms,
             "good": good,
-            "fraction": good / len(records) if records else 0.0,
+            "fraction": good / (len(records) + cut) if records or cut else 0.0,
             "requests_per_s": per_s(good),
         },
         "replicas": [{"t_s": s.t_s, "roles": s.roles} for s in result.replicas],
@@ -195,7 +207,14 @@ def format_report(report: dict[str, Any]) -> str:
     if req["interrupted"] is not None:
         lines.append(
             f"note         interrupted (Ctrl-C or SIGTERM): the {req['interrupted']} requests "
-            "in flight were dropped, the figures cover the rest"
+            "in flight were cut (counted sent, not ok), the latencies cover the rest"
+        )
+    if req["late"] or req["left_unsent"]:
+        unsent = "; arrivals within --duration were left unsent" if req["left_unsent"] else ""
+        lines.append(
+            f"note         offered load not met: {req['late']} sends waited for a free "
+            f"--concurrency slot (up to {req['slot_wait_max_s']:.2f} s; latencies count from "
+            f"the send){unsent}"
         )
     if report["replicas"]:
         roles = sorted({role for s in report["replicas"] for role in s["roles"]})

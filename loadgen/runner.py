@@ -43,7 +43,8 @@ class RunLimits:
 class RunResult:
     # One per request sent, in workload order.
     records: list[RequestRecord]
-    # First send to last answer, seconds: the denominator of every rate.
+    # First send to the last successful answer (to the last end where none
+    # succeeded), seconds: the denominator of every rate.
     wall_s: float
     # Unix time at the start, for the report.
     started_at: float
@@ -54,6 +55,8 @@ class RunResult:
     # Requests in flight when Ctrl-C ended the run (dropped: neither ok nor
     # failed); None when the run was not interrupted.
     interrupted: int | None = None
+    # Arrivals within --duration were never sent: every --concurrency slot stayed taken.
+    left_unsent: bool = False
 
 
 @dataclass
@@ -61,6 +64,7 @@ class _Counters:
     done: int = 0
     ok: int = 0
     in_flight: int = 0
+    left_unsent: bool = False  # an arrival within --duration found no slot before its end
 
 
 async def run(
@@ -112,13 +116,16 @@ async def run(
             if poller is not None:
                 await poller.close()
             raise
+        # Not to a failure's end: one request timing out after --timeout (600 s) cut
+        # every rate by as much as it outlasted the answers.
         ends = [r.end_s for r in records if r.end_s is not None]
+        ends = [r.end_s for r in records if r.ok and r.end_s is not None] or ends
         wall_s = max(ends) - min(r.start_s for r in records) if ends else 0.0
         stop.set()
         await asyncio.gather(*background)
         progress.update(_line(counters, limits, time.perf_counter() - t0), force=True)
         progress.close()
-    result = RunResult(records, wall_s, started_at)
+    result = RunResult(records, wall_s, started_at, left_unsent=counters.left_unsent)
     if interrupt.fired:
         result.interrupted = len(tasks) - len(records)
     if poller is not None:
@@ -211,6 +218,10 @@ async def _send_all(
         if limits.duration_s is not None and time.perf_counter() - t0 >= limits.duration_s:
             if slots is not None:
                 slots.release()
+            # It arrived within the duration and waited for a slot past it: the offered
+            # load was not met, which the report must say (how many more would have
+            # come is not known: at --rate inf, without end).
+            counters.left_unsent = True
             break
         prompt = make_prompt(index, request.input_tokens)
         record = RequestRecord(

@@ -88,6 +88,11 @@ REPORT_SCHEMA: dict[str, Any] = {
                 "short_outputs": {"type": "integer", "minimum": 0},
                 # Requests dropped in flight by a Ctrl-C; null: the run ran to its end.
                 "interrupted": {"type": ["integer", "null"], "minimum": 0},
+                # Sends that waited for a --concurrency slot, the longest wait, and
+                # whether arrivals within --duration were left unsent.
+                "late": {"type": "integer", "minimum": 0},
+                "slot_wait_max_s": {"type": "number", "minimum": 0},
+                "left_unsent": {"type": "boolean"},
             },
         },
         "throughput": {

@@ -1,5 +1,6 @@
 """Statistics, goodput and errors from hand-built records; the JSON report against its schema."""
 
+import dataclasses
 import json
 
 import jsonschema
@@ -190,3 +191,26 @@ def test_the_text_report_shows_every_section():
     assert "(2/7 met TTFT <= 150 ms)" in text
     assert "timeout x1" in text
     assert "replicas     normal 1..2" in text
+
+
+def test_sends_that_waited_for_a_slot_and_requests_cut_are_said():
+    # Sends late for want of a --concurrency slot measure from the send: the rate asked
+    # was not offered, and the report said nothing. Requests cut by a Ctrl-C (the slow
+    # ones) vanished from "sent" and from the goodput fraction's denominator.
+    recs = records()
+    recs[1] = dataclasses.replace(recs[1], scheduled_s=0.1)  # sent 0.4 s after its arrival
+    cut = RunResult(recs, 6.7, 1.0e9, interrupted=3, left_unsent=True)
+    report = build_report(cut, Slo(), {})
+    req = report["requests"]
+    assert (req["sent"], req["ok"], req["failed"], req["interrupted"]) == (10, 4, 3, 3)
+    assert (req["late"], req["left_unsent"]) == (1, True)
+    assert req["slot_wait_max_s"] == pytest.approx(0.4)
+    assert report["goodput"]["fraction"] == pytest.approx(4 / 10)
+    jsonschema.validate(json.loads(json.dumps(report)), REPORT_SCHEMA)
+    text = format_report(report)
+    assert "offered load not met: 1 sends waited for a free --concurrency slot" in text
+    assert "(up to 0.40 s; latencies count from the send)" in text
+    assert "arrivals within --duration were left unsent" in text
+    assert "the 3 requests in flight were cut (counted sent, not ok)" in text
+    quiet = format_report(build_report(result(), Slo(), {}))
+    assert "offered load" not in quiet

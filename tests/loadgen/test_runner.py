@@ -51,6 +51,31 @@ def test_planned_arrivals_are_kept_when_there_is_room():
         assert planned <= record.start_s < planned + 0.19
     # The wall time runs from the first send, not from the start of the run.
     assert result.wall_s < 0.6 + 0.19
+    assert not result.left_unsent
+
+
+class _OneHangs(FakeServer):
+    """Answers at once, but for a request of 9 tokens, which it never answers."""
+
+    async def _stream(self, body):
+        if body["max_tokens"] == 9:
+            await asyncio.sleep(30)
+        async for chunk in super()._stream(body):
+            yield chunk
+
+
+def test_the_wall_time_ends_at_the_last_answer_not_at_a_timeout():
+    # A request that timed out after the others were answered stretched the wall
+    # time, and cut every rate (by 10x and more at the default 600 s --timeout).
+    workload = [TraceRequest(0.0, 2, 9), *(TraceRequest(0.0, 2, 2) for _ in range(3))]
+    target = Target(base_url="http://fake/v1", model="m", timeout_s=1.0)
+    result = asyncio.run(
+        run(target, iter(workload), lambda i, n: [1] * n, RunLimits(), QUIET,
+            transport=_OneHangs().transport())
+    )  # fmt: skip
+    assert [r.ok for r in result.records] == [False, True, True, True]
+    assert result.records[0].error_kind == "timeout"
+    assert result.wall_s < 0.5, result.wall_s
 
 
 def test_the_request_count_limit_and_the_prompts():
@@ -85,6 +110,7 @@ def test_the_duration_limit_stops_sending_and_waits_for_what_is_in_flight():
     assert 4 <= len(result.records) <= 8
     assert all(r.start_s < 0.35 for r in result.records)
     assert all(r.ok for r in result.records)
+    assert result.left_unsent  # arrivals waited for a slot past the end: said so
 
 
 def test_the_progress_line_ends_with_the_final_counts():
