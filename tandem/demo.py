@@ -8,6 +8,7 @@ the answer as it arrives, and shuts everything down.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 
@@ -90,5 +91,9 @@ def run(model: str, question: str, mode: str = "normal", max_tokens: int = 64) -
         print()
         say(f"answered in {time.perf_counter() - asked:.2f}s through {stack.url}/v1")
     finally:
+        # A Ctrl-C now hurries the stop, as `tandem up`'s second one does: breaking out
+        # of it killed the children undrained and left the run folder, every prompt
+        # and answer in its Redis file, behind in /tmp.
+        signal.signal(signal.SIGINT, lambda *_: stack.request_stop())
         stack.stop()
     return 0

@@ -7,9 +7,11 @@ import contextlib
 import dataclasses
 import http.server
 import json
+import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -495,6 +497,28 @@ def test_the_demo_says_what_the_gateway_refused_or_what_broke_the_answer_off():
     with stand_in_gateway(200, [chunk, broke]) as url, pytest.raises(AnswerError) as cut:
         pieces.extend(stream_chat(url, "k", "m", "?", 4))
     assert pieces == ["The cap"] and str(cut.value) == "the answer broke off: the engine failed"
+
+
+def test_ctrl_c_while_the_demo_stops_hurries_the_stop_and_leaves_no_run_folder(tmp_path):
+    # The Ctrl-C broke out of the stop: the children were killed undrained, and the run
+    # folder, its Redis file holding every prompt and answer, stayed in /tmp.
+    env = {**os.environ, "TMPDIR": str(tmp_path), "TANDEM_CPU_KERNELS": "0"}
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "demo", "--model", "random:tiny"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    said = []
+    try:
+        for line in demo.stderr:
+            said.append(line)
+            if "answered in" in line:
+                demo.send_signal(signal.SIGINT)
+                break
+        code = demo.wait(timeout=60)
+    finally:
+        demo.kill()
+    assert code == 0, "".join(said) + demo.stderr.read()
+    assert not list(tmp_path.glob("tandem-up-*"))
 
 
 def test_a_child_is_asked_often_whether_it_is_up_until_it_first_answers(tmp_path):
