@@ -65,6 +65,8 @@ class Ticket:
     ledger_key: str | None = None
     # The work entries' ids, per request id (None: attached, not known here).
     entry_ids: tuple[str | None, ...] = ()
+    # The tokens the tpm quota took for it (0: attached, the first attempt took them).
+    charged: int = 0
 
 
 @dataclass
@@ -212,16 +214,19 @@ class Admission:
         try:
             await self._reserve_room(job)
             charged = False
+            charge = job.cost_tokens(self.directory.context_length(job.model))
             try:
-                default = None if job.max_tokens_given else job.max_tokens
-                await self.quotas.admit(caller, job.cost_tokens, job.base_id, job.timeout, default)
+                # The max_tokens counted for a client that set none (cut to the context).
+                counted = charge // job.n - job.estimated_prompt_tokens
+                default = None if job.max_tokens_given else counted
+                await self.quotas.admit(caller, charge, job.base_id, job.timeout, default)
                 charged = True
                 entry_ids = await self.broker.enqueue(job.items)
             except BaseException:
                 self.queues.settle(job.model, job.n, queued=False)
                 if charged:  # nothing queued: a refused request uses no quota
                     with contextlib.suppress(Exception):  # the first error is the one to report
-                        await self.quotas.give_back(caller, job.cost_tokens, job.base_id)
+                        await self.quotas.give_back(caller, charge, job.base_id)
                 raise
             self.queues.settle(job.model, job.n, queued=True)
         except BaseException:
@@ -241,6 +246,7 @@ class Admission:
             time.monotonic(),
             ledger_key=ledger_key,
             entry_ids=tuple(entry_ids),
+            charged=charge,
         )
 
     async def _reserve_room(self, job: Job) -> None:

@@ -204,7 +204,7 @@ def refusal(
         # A client that set no max_tokens was told to lower what it never set.
         counted, fix = "max_tokens", "lower max_tokens or n"
         if default_max_tokens is not None:
-            counted = f"max_tokens, unset: the default {default_max_tokens}"
+            counted = f"max_tokens, unset: {default_max_tokens}, the default within the context"
             fix = "set max_tokens lower (or n)"
         return rate_limited(
             f"Request too large for tokens per minute (tpm) of key {key.name!r}: it needs "

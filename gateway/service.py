@@ -103,7 +103,9 @@ class GatewayService:
             directory=self.directory,
             watch=self._loss_watch(job, ticket, run_id),
             # An attached retry took nothing: the first attempt settles its own.
-            settle=None if ticket.attached else functools.partial(self._settle, caller, job),
+            settle=None
+            if ticket.attached
+            else functools.partial(self._settle, caller, job, ticket),
         )
         try:
             if job.stream:
@@ -111,21 +113,22 @@ class GatewayService:
             return await self._complete(request, generation)
         except GatewayError as error:
             if error.code in PROMPT_REFUSALS and not ticket.attached:
-                await self._give_back(caller, job)
+                await self._give_back(caller, job, ticket)
             raise
 
-    async def _give_back(self, caller: ApiKey, job: Job) -> None:
+    async def _give_back(self, caller: ApiKey, job: Job, ticket: Ticket) -> None:
         """The quota an engine's refusal did not use: it refuses a prompt before any
         token (too long for the context, a token id outside the vocabulary), so a
         typo in max_tokens took most of a minute's tokens for a 400. An attached
         retry took nothing: the first attempt gives back its own."""
         quotas = self.admission.quotas
-        await _quota_aside(quotas.give_back(caller, job.cost_tokens, job.base_id), "give back", job)
+        await _quota_aside(quotas.give_back(caller, ticket.charged, job.base_id), "give back", job)
 
-    async def _settle(self, caller: ApiKey, job: Job, used: int) -> None:
+    async def _settle(self, caller: ApiKey, job: Job, ticket: Ticket, used: int) -> None:
         """Charge the tpm quota what the answer used instead of the estimate taken."""
         quotas = self.admission.quotas
-        await _quota_aside(quotas.settle(caller, job.cost_tokens, used, job.base_id), "settle", job)
+        settle = quotas.settle(caller, ticket.charged, used, job.base_id)
+        await _quota_aside(settle, "settle", job)
 
     def _loss_watch(self, job: Job, ticket: Ticket, run_id: str | None) -> LossWatch | None:
         """What queues the request's work again if Redis loses it: the job's work

@@ -10,6 +10,7 @@ says which engine was missing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import redis
@@ -17,6 +18,7 @@ from support.polling import eventually
 
 from tandem import catalog
 from tandem.engine.service.registry import Registry
+from tandem.gateway.auth import KeyStore
 from tandem.protocol import PRIORITY_NORMAL
 from tandem.registry_entry import EngineInfo
 
@@ -250,3 +252,22 @@ def test_a_salted_request_waits_for_engines_that_keep_the_salt(start_gateway, re
     with gateway.http() as http:
         queued = http.post("/v1/chat/completions", json={**chat, "cache_salt": "t"}, headers=SHORT)
     assert queued.status_code == 504  # queued: its deadline passed with no engine behind
+
+
+def test_a_request_without_max_tokens_is_charged_within_the_models_context(
+    start_gateway, redis_url, keys, tmp_path
+):
+    # Charged the default max_tokens (1,024) on a model of 256 tokens: a key of 300
+    # tokens a minute was refused (429 tpm_size) every request that set none.
+    conn = redis.Redis.from_url(redis_url)
+    registry = Registry(conn, keys, ttl_seconds=600)
+    info = EngineInfo("n-0", "tiny", "normal", "127.0.0.1:1", max_model_len=256)
+    registry.heartbeat(dataclasses.replace(info, chat_options=True))
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps([{"key": "sk-small", "name": "small", "tpm": 300}]))
+    gateway = start_gateway(KeyStore.load(str(path), None), models_cache_s=0.0)
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
+    with gateway.http() as http:
+        headers = {**SHORT, "Authorization": "Bearer sk-small"}
+        queued = http.post("/v1/chat/completions", json=ask, headers=headers)
+    assert queued.status_code == 504, queued.text  # queued: no engine behind the entry

@@ -223,8 +223,8 @@ CASES = {
     # Not "lower max_tokens": the client never set it.
     "larger than the tpm quota by default": Case(
         429, {"model": "tiny", "messages": USER}, key="sk-tpm", code="tpm_exceeded",
-        check=_no_retry, message="max_tokens, unset: the default 1024, per choice), the "
-        "limit is 100/min; set max_tokens lower (or n)"),
+        check=_no_retry, message="max_tokens, unset: 247, the default within the context, "
+        "per choice), the limit is 100/min; set max_tokens lower (or n)"),
     "deadline passed": Case(504, {**GOOD, "model": SLOW}, headers={"X-Tandem-Timeout": "0.3"},
                             code="deadline_exceeded", check=_no_retry),
     "deadline passed, streaming": Case(504, {**GOOD, "model": SLOW_STREAM, "stream": True},

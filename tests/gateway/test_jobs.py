@@ -36,7 +36,20 @@ def test_a_chat_request_becomes_one_work_item_with_its_sampling():
     assert item.priority == PRIORITY_NORMAL and item.request_id == job.base_id
     assert item.estimated_prompt_tokens == 2 + 8  # 8 characters / 4, and its template
     assert item.deadline == pytest.approx(time.time() + 60, abs=1)
-    assert job.cost_tokens == 10 + 5
+    assert job.cost_tokens() == 10 + 5
+    assert job.cost_tokens(12) == 10 + 5  # the client's max_tokens: as given
+
+
+def test_the_default_max_tokens_is_charged_within_the_models_context():
+    # Charged at the default (--default-max-tokens, 100 here) on a model whose context
+    # leaves less, which could never use it: a key whose tpm was below the default was
+    # refused every request without max_tokens.
+    job = _chat()
+    assert not job.max_tokens_given and job.max_tokens == 100
+    assert job.cost_tokens() == 10 + 100  # the context not known
+    assert job.cost_tokens(64) == 64  # the prompt's 10 and the 54 left of the context
+    assert job.cost_tokens(4096) == 10 + 100
+    assert job.cost_tokens(5) == 10 + 1  # a prompt past the context: refused elsewhere
 
 
 def test_each_chat_message_costs_its_template_tokens_too():
@@ -78,7 +91,7 @@ def test_n_choices_get_distinct_reproducible_seeds_the_first_keeps_its_own():
     assert seeds[0] == 42 and len(set(seeds)) == 3
     assert seeds == [derive_seed(42, i) for i in range(3)]
     assert [item.request_id for item in job.items] == [f"{job.base_id}-{i}" for i in range(3)]
-    assert job.cost_tokens == 3 * (10 + 4)
+    assert job.cost_tokens() == 3 * (10 + 4)
     unseeded = _chat(n=2)
     assert all("seed" not in item.sampling for item in unseeded.items)
 
