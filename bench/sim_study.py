@@ -56,6 +56,9 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+WINDOWS = "0,30,60"  # --scale-up-windows' default
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("study", choices=["disagg", "intervals", "autoscale"])
@@ -64,7 +67,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=None, help="requests/s (mean)")
     parser.add_argument(
         "--scale-up-windows",
-        default="0,30,60",
+        default=WINDOWS,
         help="autoscale: scaleUpStabilizationSeconds of each autoscaled run, comma-separated",
     )
     parser.add_argument(
@@ -78,6 +81,11 @@ def main() -> None:
     for flag, value in (("--duration", args.duration), ("--rate", args.rate)):
         if value is not None and not 0 < value < float("inf"):
             parser.error(f"{flag} must be a finite number > 0, got {value:g}")
+    # Flags a study does not use are refused, not ignored (disagg sweeps its own rates).
+    if args.study == "disagg" and args.rate is not None:
+        parser.error("--rate: the disagg study sweeps its own rates; it takes none")
+    if args.study != "autoscale" and args.scale_up_windows != WINDOWS:
+        parser.error(f"--scale-up-windows: only the autoscale study takes it, not {args.study}")
     if args.duration is None:  # a day for the autoscaler; each disagg / intervals run 120 s
         args.duration = study_autoscale.DAY_S if args.study == "autoscale" else 120.0
     args.out.mkdir(parents=True, exist_ok=True)
