@@ -47,9 +47,8 @@ def check_redis(url: str) -> None:
             client.ping()
     except redis.RedisError as exc:
         raise StartError(
-            f"cannot reach Redis at {redacted(url)} (--redis-url): {str(exc).rstrip('.')}; "
-            "start it, "
-            "or leave out --redis-url to run an embedded one"
+            f"cannot reach Redis at {redacted(url)} (--redis-url, or $TANDEM_REDIS_URL): "
+            f"{str(exc).rstrip('.')}; start it, or give neither to run an embedded one"
         ) from None
 
 

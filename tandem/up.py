@@ -149,6 +149,8 @@ class Stack:
         if not self.redis_url:
             self._start_redis()
             say(f"redis      {redacted(self.redis_url)} (embedded, its password in its folder)")
+        else:  # (an exported $TANDEM_REDIS_URL attached the stack to it in silence)
+            say(f"redis      {redacted(self.redis_url)} (--redis-url, or $TANDEM_REDIS_URL)")
         starting = []
         if self.deployment is not None:
             starting += self._start_actuator(say)  # it says what it starts

@@ -99,6 +99,18 @@ def test_a_served_name_that_json_escapes_is_served(tmp_path, monkeypatch):
     assert answer.json()["model"] == name
 
 
+def test_a_redis_given_from_outside_is_said_at_start(tmp_path, monkeypatch, redis_url):
+    # Only the embedded one was said: an exported $TANDEM_REDIS_URL attached the stack to
+    # a shared Redis in silence.
+    up = dataclasses.replace(config(tmp_path, monkeypatch), redis_url=redis_url)
+    said: list[str] = []
+    stack = Stack(up).start(say=said.append)
+    stack.stop(say=lambda line: None)
+    assert "redis      redis://127.0.0.1:" in said[0] and said[0].endswith(
+        "(--redis-url, or $TANDEM_REDIS_URL)"
+    ), said
+
+
 def test_an_engine_dead_as_the_stack_stops_is_restarted_to_answer_what_was_admitted(
     tmp_path, monkeypatch
 ):

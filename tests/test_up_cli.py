@@ -99,7 +99,12 @@ def test_a_port_in_use_is_named_before_anything_starts(taken_port, tmp_path, mon
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (["--redis-url", "redis://127.0.0.1:1/0"], "cannot reach Redis at redis://127.0.0.1:1/0"),
+        # Named with the variable it may come from: a user who exported it, and passed
+        # no flag, was told of --redis-url only.
+        (
+            ["--redis-url", "redis://127.0.0.1:1/0"],
+            "cannot reach Redis at redis://127.0.0.1:1/0 (--redis-url, or $TANDEM_REDIS_URL)",
+        ),
         (["-f", "/nonexistent.yaml"], "cannot read -f /nonexistent.yaml: No such file"),
         # A cluster manifest (Hub download): -f needs spec.model.path.
         (["-f", "examples/smollm2-cpu.yaml"], "the model must be spec.model.path"),
