@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tandem.gateway.schemas import ErrorResponse
@@ -178,9 +179,9 @@ def redis_trouble(exc: BaseException) -> str:
     name the cluster's internal host and port (the gateway's log has them)."""
     if isinstance(exc, RedisOutage):
         return str(exc)
-    if isinstance(exc, TimeoutError) or type(exc).__name__ == "TimeoutError":
+    if isinstance(exc, TimeoutError | RedisTimeoutError):
         return "it did not answer in time"
-    if isinstance(exc, OSError) or type(exc).__name__ == "ConnectionError":
+    if isinstance(exc, OSError | RedisConnectionError):
         return "the connection failed"
     return type(exc).__name__
 
