@@ -201,13 +201,19 @@ def test_what_can_never_fit_the_context_is_refused_before_it_is_queued(
     assert late.status_code == 504
 
 
-def test_chat_options_wait_for_engines_that_render_them(start_gateway, redis_url, keys):
-    # An engine from before the options ignores them: the prompt would open a new
-    # assistant turn where the client asked to go on with its own.
+def _beside_an_older_engine(start_gateway, redis_url, keys):
+    """(a Redis client, the registry, a gateway) with one engine of "tiny" registered
+    as one from before chat options and cache_salt (it answers nothing)."""
     conn = redis.Redis.from_url(redis_url)
     registry = Registry(conn, keys, ttl_seconds=600)
     registry.heartbeat(EngineInfo("n-0", "tiny", "normal", "127.0.0.1:1"))
-    gateway = start_gateway(models_cache_s=0.0)
+    return conn, registry, start_gateway(models_cache_s=0.0)
+
+
+def test_chat_options_wait_for_engines_that_render_them(start_gateway, redis_url, keys):
+    # An engine from before the options ignores them: the prompt would open a new
+    # assistant turn where the client asked to go on with its own.
+    conn, registry, gateway = _beside_an_older_engine(start_gateway, redis_url, keys)
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
     asks = {
         "add_generation_prompt": {"add_generation_prompt": False},
@@ -237,10 +243,7 @@ def test_chat_options_wait_for_engines_that_render_them(start_gateway, redis_url
 def test_a_salted_request_waits_for_engines_that_keep_the_salt(start_gateway, redis_url, keys):
     # An engine from before cache_salt reads the work item without it, and serves one
     # tenant's cached prompt to another: refused (503, to retry) while such runs.
-    conn = redis.Redis.from_url(redis_url)
-    registry = Registry(conn, keys, ttl_seconds=600)
-    registry.heartbeat(EngineInfo("n-0", "tiny", "normal", "127.0.0.1:1"))
-    gateway = start_gateway(models_cache_s=0.0)
+    conn, registry, gateway = _beside_an_older_engine(start_gateway, redis_url, keys)
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
     with gateway.http() as http:
         salted = http.post("/v1/chat/completions", json={**chat, "cache_salt": "t"}, headers=SHORT)
@@ -252,6 +255,7 @@ def test_a_salted_request_waits_for_engines_that_keep_the_salt(start_gateway, re
     with gateway.http() as http:
         queued = http.post("/v1/chat/completions", json={**chat, "cache_salt": "t"}, headers=SHORT)
     assert queued.status_code == 504  # queued: its deadline passed with no engine behind
+    conn.close()
 
 
 def test_a_request_without_max_tokens_is_charged_within_the_models_context(
