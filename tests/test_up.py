@@ -524,12 +524,16 @@ def test_ctrl_c_while_the_demo_stops_hurries_the_stop_and_leaves_no_run_folder(t
         for line in demo.stderr:
             said.append(line)
             if "answered in" in line:
+                time.sleep(0.5)  # into the stop (its drain takes seconds)
                 demo.send_signal(signal.SIGINT)
                 break
         code = demo.wait(timeout=60)
     finally:
         demo.kill()
-    assert code == 0, "".join(said) + demo.stderr.read()
+    rest = demo.stderr.read()
+    # 130 where the Ctrl-C came before the stop began (a loaded machine): a Ctrl-C then
+    # ends the demo, and its stop runs all the same.
+    assert code in (0, 130) and "Traceback" not in rest, "".join(said) + rest
     assert not list(tmp_path.glob("tandem-up-*"))
 
 
