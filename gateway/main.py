@@ -10,6 +10,7 @@ import signal
 
 # Light (a plain dataclass), unlike the app: its defaults are the flags' defaults.
 from tandem.gateway.settings import GatewaySettings
+from tandem.listen import every_interface
 from tandem.preflight import StartError, check_port
 
 
@@ -86,6 +87,7 @@ def main(args: argparse.Namespace) -> int:
     from tandem.gateway.server import graceful_seconds, quiet_server_logs, server_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args.host = every_interface(args.host)  # "::" in a pod of an IPv6 cluster
     settings = GatewaySettings.from_args(args)
     try:  # uvicorn's own refusal is a log line and exit 3, once the app was built
         check_port(settings.host, settings.port)

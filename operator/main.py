@@ -28,6 +28,7 @@ from typing import Any
 
 import kopf
 
+from tandem.listen import every_interface_url
 from tandem.operator.controller import Controller
 from tandem.operator.handlers import build_registry, configure
 from tandem.operator.kube import Backoff, KubeApi
@@ -84,7 +85,9 @@ async def run(
         standalone=settings.standalone,
         peering_name=None if settings.standalone else settings.peering_name,
         priority=settings.priority,
-        liveness_endpoint=settings.liveness_endpoint,
+        # 0.0.0.0 is "::" in a pod of an IPv6 cluster (tandem/listen.py).
+        liveness_endpoint=settings.liveness_endpoint
+        and every_interface_url(settings.liveness_endpoint),
         identity=identity,  # type: ignore[arg-type]  # kopf.Identity is a NewType of str
         stop_flag=stop_flag,
         ready_flag=ready_flag,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -13,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from support.imports import modules_loaded, packages_loaded
+from support.ipv6 import ipv6_loopback
 from support.polling import eventually
 
 from tandem import catalog
@@ -85,11 +87,11 @@ def test_the_gateway_imports_of_the_engine_only_sampling_params():
     assert engine == ["tandem.engine", "tandem.engine.request"]
 
 
-def _gateway_answering(process: subprocess.Popen, port: int) -> None:
+def _gateway_answering(process: subprocess.Popen, port: int, host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + 20
     while True:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+            if httpx.get(f"http://{host}:{port}/healthz", timeout=1).status_code == 200:
                 return
         except httpx.TransportError:
             pass  # not listening yet
@@ -116,6 +118,24 @@ def test_tandem_gateway_serves_and_stops_on_sigterm(redis_url, keys):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="this host has no IPv6 loopback (::1)")
+def test_in_a_pod_of_an_ipv6_cluster_every_interface_is_ipv6(redis_url, keys):
+    # The chart's --host=0.0.0.0 listened on IPv4 alone: a pod with an IPv6 address
+    # only was refused its probes and its Service's traffic, and never became ready.
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "tandem.cli", "gateway", "--no-auth", "--host", "0.0.0.0",
+        "--port", str(port), "--redis-url", redis_url, "--key-prefix", keys.prefix,
+    ]  # fmt: skip
+    env = {**os.environ, "POD_IP": "fd00::7"}
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        _gateway_answering(process, port, host="[::1]")
+    finally:
+        process.kill()
+        process.wait()
 
 
 def test_requests_cut_by_the_shutdown_timeout_log_one_line_each(redis_url, redis_client, keys):

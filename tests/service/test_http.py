@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from support.ipv6 import ipv6_loopback
 
 from tandem.engine.service.http import HealthServer
 
@@ -101,15 +102,7 @@ def test_a_trickling_crowd_does_not_keep_the_probes_out():
         server.stop()
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
-    except OSError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _ipv6_loopback(), reason="this host has no IPv6 loopback (::1)")
+@pytest.mark.skipif(not ipv6_loopback(), reason="this host has no IPv6 loopback (::1)")
 def test_it_listens_on_an_ipv6_address():
     # `--host ::` on an IPv6 cluster (the KV server took it; this server failed at start).
     ok = lambda: (True, "")  # noqa: E731
@@ -120,3 +113,14 @@ def test_it_listens_on_an_ipv6_address():
             assert conn.recv(64).startswith(b"HTTP/1.0 200")
     finally:
         server.stop()
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="this host has no IPv6 loopback (::1)")
+def test_an_engine_in_a_pod_of_an_ipv6_cluster_listens_on_ipv6(engines, monkeypatch):
+    # --host 0.0.0.0 (the operator's) listened on IPv4 alone: a pod with an IPv6 address
+    # only was refused its probes, and restarted as dead.
+    monkeypatch.setenv("POD_IP", "fd00::7")
+    engine = engines("normal", "--host", "0.0.0.0")
+    with socket.create_connection(("::1", engine.port), timeout=5) as conn:
+        conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert conn.recv(64).startswith(b"HTTP/1.0 200")

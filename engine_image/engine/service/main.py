@@ -19,6 +19,7 @@ from tandem.engine.service.ranks import run_ranks
 from tandem.engine.service.registry import Registry
 from tandem.engine.service.settings import WorkerSettings
 from tandem.keys import Keys
+from tandem.listen import every_interface
 from tandem.redaction import check_redis_url, redacted
 
 log = logging.getLogger("tandem.engine")
@@ -26,6 +27,7 @@ log = logging.getLogger("tandem.engine")
 
 def main(args: argparse.Namespace) -> int:
     log_to_stderr()
+    args.host = every_interface(args.host)  # "::" in a pod of an IPv6 cluster
     check_arguments(args)
     check_ports(args)
     wait_for_redis(args.redis_url, args.redis_wait)
