@@ -45,6 +45,9 @@ class EngineInfo(Message):
     # It renders a work item's chat options (WorkItem.add_generation_prompt and the
     # rest); False: an engine from before them, which would ignore them.
     chat_options: bool = False
+    # A decoder that reads the handoff streams of every priority (handoff:p2, :p0);
+    # False: one from before them, which reads the normal one alone.
+    priority_handoffs: bool = False
 
 
 def engine_entry(info: EngineInfo) -> str:

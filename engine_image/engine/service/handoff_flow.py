@@ -140,7 +140,8 @@ class HandoffFlow:
         # whose first try was written publishes nothing twice, and keeps its offer).
         while self._to_publish:
             handoff, source = self._to_publish[0]
-            if not io.queue.publish_handoff(handoff, source):
+            by_priority = io.decoders_read_priorities()
+            if not io.queue.publish_handoff(handoff, source, by_priority=by_priority):
                 log.info("handoff of %s not published: another engine has it", handoff.kv_handle)
                 self._unpublished.append(handoff.kv_handle)
             del self._to_publish[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 import redis
@@ -17,12 +18,16 @@ from tandem.engine.service.responses import ResponseWriter
 from tandem.engine.service.settings import WorkerSettings
 from tandem.engine.service.work_queue import WorkQueue
 from tandem.keys import Keys
+from tandem.protocol import Role
 from tandem.registry_entry import EngineInfo
 
 log = logging.getLogger(__name__)
 
 # The write probe's key outlives a probe by far, and an engine by little.
 _PROBE_TTL_MS = 10_000
+# How often a prompt engine reads which handoff streams the decoders read: a registry
+# read (every engine's entry) per handoff would cost more than the handoff.
+_DECODERS_EVERY_S = 5.0
 
 
 class RedisIO:
@@ -55,6 +60,9 @@ class RedisIO:
         self.epoch = DataEpoch(client, keys)
         self._listener = listener
         self._recheck = False  # a gap in the notices whose keys are not checked yet
+        # decoders_read_priorities' last answer, and when it was read (monotonic s).
+        self._decoders_read_priorities = True
+        self._decoders_read_at: float | None = None
 
     def start(self) -> None:
         """Before the first pull: what a dead process with this engine id left pending
@@ -102,6 +110,23 @@ class RedisIO:
 
     def heartbeat(self, info: EngineInfo) -> None:
         self.registry.heartbeat(info)
+
+    def decoders_read_priorities(self) -> bool:
+        """Whether the model's live decoders all read the handoff streams of every
+        priority (as of a registry read at most _DECODERS_EVERY_S old; True with none
+        live: decoders of now make them as they start). One from before them reads the
+        normal stream alone: after a rolled-back upgrade, high and low requests offered
+        on theirs waited there for their deadlines."""
+        now = time.monotonic()
+        if self._decoders_read_at is None or now - self._decoders_read_at >= _DECODERS_EVERY_S:
+            decoders = [
+                info
+                for info in self.registry.live(self.queue.model)
+                if info.role == Role.COMPLETION.value
+            ]
+            self._decoders_read_priorities = all(d.priority_handoffs for d in decoders)
+            self._decoders_read_at = now
+        return self._decoders_read_priorities
 
     def deregister(self, engine_id: str) -> None:
         """Leave the registry, and the consumer group unless entries are still pending

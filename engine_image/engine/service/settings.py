@@ -78,6 +78,7 @@ class WorkerSettings:
             started_at=self.started_at,
             draining=draining,
             chat_options=True,
+            priority_handoffs=True,
             **load,
         )
 

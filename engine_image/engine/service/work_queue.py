@@ -359,13 +359,17 @@ class WorkQueue:
             script(keys=[stream], args=[self.group, self.consumer, *args, *held], client=pipe)
         return list(zip(by_stream.values(), pipe.execute(), strict=True))
 
-    def publish_handoff(self, handoff: Handoff, source: Delivery) -> bool:
+    def publish_handoff(
+        self, handoff: Handoff, source: Delivery, *, by_priority: bool = True
+    ) -> bool:
         """Offer a prefilled request to the model's COMPLETION engines, and acknowledge the
         work entry `source` it came from, in one step (PUBLISH_HANDOFF_LUA). True once
         published by this engine (now, or by a try whose reply was lost); False when
-        another engine has the request (it took the entry over, or handed it off)."""
+        another engine has the request (it took the entry over, or handed it off).
+        `by_priority`: on its priority's stream, where the decoders read it (else the
+        normal one, which every decoder reads)."""
         # At its request's priority: decoders take higher ones first, as engines do work.
-        priority = handoff.work.get("priority", PRIORITY_NORMAL)
+        priority = handoff.work.get("priority", PRIORITY_NORMAL) if by_priority else None
         keys = [
             source.stream,
             self.keys.handoff_stream(

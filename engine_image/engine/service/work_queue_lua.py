@@ -126,7 +126,9 @@ return n
 # marker, the normal priority's handoff stream. The priority's stream is used only once a
 # decoder made it (every decoder makes all three as it starts); until then (decoders of a
 # version with one handoff stream, through a rolling upgrade) the normal one, which every
-# version's decoders read: a high request is then not first, but never unread.
+# version's decoders read: a high request is then not first, but never unread. (The
+# caller passes the normal stream as both where a live decoder reads it alone: after a
+# rolled-back upgrade the streams made stay.)
 # ARGV: group, consumer, work entry id, marker TTL in seconds, the handoff's fields.
 # Returns 1 when published, 2 when this consumer had published it already (a retry:
 # its KV stays offered), 0 when another engine has the request.
