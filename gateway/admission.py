@@ -214,11 +214,10 @@ class Admission:
         try:
             await self._reserve_room(job)
             charged = False
-            charge = job.cost_tokens(self.directory.context_length(job.model))
+            context = self.directory.context_length(job.model)
+            charge = job.cost_tokens(context)
             try:
-                # The max_tokens counted for a client that set none (cut to the context).
-                counted = charge // job.n - job.estimated_prompt_tokens
-                default = None if job.max_tokens_given else counted
+                default = None if job.max_tokens_given else job.counted_max_tokens(context)
                 await self.quotas.admit(caller, charge, job.base_id, job.timeout, default)
                 charged = True
                 entry_ids = await self.broker.enqueue(job.items)

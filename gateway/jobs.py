@@ -108,15 +108,17 @@ class Job:
         """Whether the client set max_tokens (else a default counts)."""
         return self.items[0].max_tokens_given
 
+    def counted_max_tokens(self, max_model_len: int | None = None) -> int:
+        """The max_tokens a quota counts: the client's, else the default cut to the room
+        the prompt leaves in a context of `max_model_len` (as the engine cuts it): a key
+        whose tpm was below the default was refused every such request on a small model."""
+        if max_model_len is None or self.max_tokens_given:
+            return self.max_tokens
+        return max(1, min(self.max_tokens, max_model_len - self.estimated_prompt_tokens))
+
     def cost_tokens(self, max_model_len: int | None = None) -> int:
-        """What the tpm quota charges: estimated prompt + max_tokens, per choice. Where
-        the client gave no max_tokens, the default is cut to the room the prompt leaves
-        in a context of `max_model_len` (as the engine cuts it): a key whose tpm was
-        below the default was refused every such request on a small model."""
-        most = self.max_tokens
-        if max_model_len is not None and not self.max_tokens_given:
-            most = max(1, min(most, max_model_len - self.estimated_prompt_tokens))
-        return self.n * (self.estimated_prompt_tokens + most)
+        """What the tpm quota charges: estimated prompt + max_tokens, per choice."""
+        return self.n * (self.estimated_prompt_tokens + self.counted_max_tokens(max_model_len))
 
     @property
     def prompt_param(self) -> str:

@@ -44,6 +44,10 @@ def served_name_holder(model: Body, models: Sequence[Body], operator_redis: str)
     name = _asked_name(model)
     namespace = _where(model)[0]
     queues = queues_digest(model, operator_redis)
+    # Whether this model's pods serve the name: against its namespace, wherever; against
+    # another namespace's models, on these queues.
+    held_near = name in serving_names(model)
+    held_far = held_near and _serves_on(model, operator_redis) == queues
     winners = []
     for other in models:
         if _where(other) == _where(model) or other["metadata"].get("deletionTimestamp"):
@@ -57,9 +61,7 @@ def served_name_holder(model: Body, models: Sequence[Body], operator_redis: str)
         asks = name == _asked_name(other) and _claims(other)
         if not (serves or (asks and (near or queues_digest(other, operator_redis) == queues))):
             continue
-        held = name in serving_names(model) and (
-            near or _serves_on(model, operator_redis) == queues
-        )
+        held = held_near if near else held_far
         if (serves, _age(model)) > (held, _age(other)):
             winners.append((not serves, _age(other), other))
     if not winners:
