@@ -1,8 +1,10 @@
 """The ModelDeployment spec (serving.tandem.dev/v1alpha1): the one source of truth.
 
-crd.py turns these models into the CRD's OpenAPI schema (defaults, ranges,
-descriptions, CEL rules) and docs/modeldeployment.md; validation.py re-checks
-specs with them; manifests.py builds the engine pods from them.
+Its parts live beside it: the roles in role_spec.py, the weights' sources in
+model_source.py, the shared base and rules in spec_base.py. crd.py turns these
+models into the CRD's OpenAPI schema (defaults, ranges, descriptions, CEL rules)
+and docs/modeldeployment.md; validation.py re-checks specs with them;
+manifests.py builds the engine pods from them.
 
 Engine defaults are read from EngineConfig, so the CRD cannot drift from the
 engine it configures.
@@ -13,16 +15,16 @@ from __future__ import annotations
 import dataclasses
 import re
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import AfterValidator, Field, field_validator
+from pydantic import Field, field_validator
 
 from tandem.engine.config import EngineConfig
+from tandem.operator.model_source import ModelSpec
 from tandem.operator.quantity import KvCacheBytes
 from tandem.operator.role_name import RoleName
 from tandem.operator.role_spec import DecodeRole, NormalRole, PrefillRole, RoleSpec
-from tandem.operator.settings import SECRET_NAME_PATTERN, SECRET_NAME_RULE, is_secret_name
-from tandem.operator.spec_base import CelRule, SpecModel, count_set
+from tandem.operator.spec_base import CelRule, SecretName, SpecModel, count_set
 from tandem.redaction import check_redis_url
 
 GROUP = "serving.tandem.dev"
@@ -55,111 +57,9 @@ NAME_RULES = (
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 
-def _check_secret_name(name: str) -> str:
-    # Its own message: pydantic's would quote the pattern, which explains nothing.
-    if not is_secret_name(name):
-        raise ValueError(f"{name!r} is not a Secret name: {SECRET_NAME_RULE}")
-    return name
-
-
-# A Secret's name, checked as the API server checks it (settings.SECRET_NAME_RULE).
-SecretName = Annotated[
-    str,
-    Field(min_length=1, max_length=253, json_schema_extra={"pattern": SECRET_NAME_PATTERN}),
-    AfterValidator(_check_secret_name),  # after the lengths: their messages are clearer
-]
-
-
 class Mode(StrEnum):
     NORMAL = "Normal"
     DISAGGREGATED = "Disaggregated"
-
-
-class PvcSource(SpecModel):
-    """Weights on a PersistentVolumeClaim, mounted at /models in the engine pods."""
-
-    cel_rules = (
-        CelRule(
-            rule="!has(self.subPath) || "
-            "(!self.subPath.startsWith('/') && !self.subPath.matches('(^|/)[.][.](/|$)'))",
-            message="pvc.subPath must be a relative path inside the claim, without '..'",
-            holds=lambda p: (
-                p.sub_path is None
-                or (not p.sub_path.startswith("/") and ".." not in p.sub_path.split("/"))
-            ),
-            field_path=".subPath",
-        ),
-    )
-
-    claim_name: str = Field(min_length=1, max_length=253, description="The claim's name.")
-    sub_path: str | None = Field(
-        None,
-        min_length=1,
-        max_length=1024,
-        description="The model's directory (or .gguf file) inside the claim; "
-        "default: the claim's root.",
-    )
-    read_only: bool = Field(True, description="Mount the claim read-only.")
-
-
-class HuggingFaceSource(SpecModel):
-    """A Hugging Face Hub repository, downloaded by an init container into the pod.
-
-    The engine then loads the local copy: it never downloads at run time.
-    Every new pod downloads again; for large models a pvc starts pods faster.
-    """
-
-    id: str = Field(
-        min_length=1,
-        max_length=256,
-        pattern=r"^[A-Za-z0-9][-A-Za-z0-9_.]*(/[A-Za-z0-9][-A-Za-z0-9_.]*)?$",
-        description="Repository id, e.g. HuggingFaceTB/SmolLM2-135M-Instruct.",
-    )
-    revision: str = Field(
-        "main",
-        min_length=1,
-        max_length=256,
-        description="Branch, tag or commit; pin a commit for reproducible pods.",
-    )
-    token_secret_name: SecretName | None = Field(
-        None,
-        description="A Secret whose key `token` holds a Hub token (gated or private models).",
-    )
-
-
-class ModelSpec(SpecModel):
-    """Where the weights come from (exactly one source) and the name clients ask for."""
-
-    cel_rules = (
-        CelRule(
-            rule="(has(self.path) ? 1 : 0) + (has(self.pvc) ? 1 : 0)"
-            " + (has(self.huggingFace) ? 1 : 0) == 1",
-            message="spec.model needs exactly one source: path, pvc or huggingFace",
-            holds=lambda m: count_set(m.path, m.pvc, m.hugging_face) == 1,
-        ),
-    )
-
-    path: str | None = Field(
-        None,
-        min_length=1,
-        max_length=4096,
-        description="A Hugging Face directory or .gguf file inside the image or a volume "
-        "(or an engine built-in such as smollm2), passed to `--model` as is.",
-    )
-    pvc: PvcSource | None = Field(None, description="Weights on a PersistentVolumeClaim.")
-    hugging_face: HuggingFaceSource | None = Field(
-        None, description="Weights fetched from the Hugging Face Hub before the engine starts."
-    )
-    served_model_name: str | None = Field(
-        None,
-        min_length=1,
-        max_length=253,
-        # RE2's \s spelled out: the API server's \s is ASCII, pydantic's Unicode (a
-        # name with a no-break space passed one and failed the other).
-        pattern=r"^[^{} \t\n\f\r]+$",
-        description="The model name clients ask for (`--served-model-name`); "
-        "default: metadata.name.",
-    )
 
 
 class EngineSpec(SpecModel):

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import Annotated, Any, ClassVar, Self
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
+
+from tandem.operator.settings import SECRET_NAME_PATTERN, SECRET_NAME_RULE, is_secret_name
 
 # The schema key the API server reads CEL rules from.
 CEL_KEY = "x-kubernetes-validations"
@@ -82,3 +84,18 @@ class SpecModel(BaseModel):
 def count_set(*values: object) -> int:
     """How many of the values are set (not None): for exactly-one-of rules."""
     return sum(value is not None for value in values)
+
+
+def _check_secret_name(name: str) -> str:
+    # Its own message: pydantic's would quote the pattern, which explains nothing.
+    if not is_secret_name(name):
+        raise ValueError(f"{name!r} is not a Secret name: {SECRET_NAME_RULE}")
+    return name
+
+
+# A Secret's name, checked as the API server checks it (settings.SECRET_NAME_RULE).
+SecretName = Annotated[
+    str,
+    Field(min_length=1, max_length=253, json_schema_extra={"pattern": SECRET_NAME_PATTERN}),
+    AfterValidator(_check_secret_name),  # after the lengths: their messages are clearer
+]

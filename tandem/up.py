@@ -10,7 +10,6 @@ everything.
 
 from __future__ import annotations
 
-import json
 import secrets
 import shutil
 import signal
@@ -19,7 +18,6 @@ import tempfile
 import threading
 import time
 import traceback
-import urllib.request
 from pathlib import Path
 from typing import IO
 
@@ -27,7 +25,7 @@ import redis
 
 from tandem import catalog
 from tandem.backlog import answers_owed
-from tandem.child import Child, drain_in_order, engine_child, engine_threads, local_get
+from tandem.child import Child, drain_in_order, engine_child, engine_threads
 from tandem.embedded_redis import restart_if_dead, start_embedded
 from tandem.keys import Keys
 from tandem.preflight import (
@@ -41,6 +39,7 @@ from tandem.redaction import redacted
 from tandem.redis_server import RedisServer, free_port
 from tandem.run_folder import claim_run_folder
 from tandem.up_config import UpConfig
+from tandem.up_ready import ReadyWait
 
 # How long stopping may take: the admitted requests answered, every process drained
 # (engines draining for up to their default 30 s), and more where a manifest's
@@ -226,52 +225,14 @@ class Stack:
         )
 
     def _wait_ready(self, say, children: list[Child]) -> None:
-        deadline = time.monotonic() + self.config.ready_timeout
-        pending = list(children)
-        while pending:
-            if self._stop.is_set():  # Ctrl-C while starting
-                raise KeyboardInterrupt
-            for child in list(pending):
-                self._check_alive(child)
-                if child.newly_ready():
-                    say(f"{child.name:<10} ready")
-                    pending.remove(child)
-            if time.monotonic() > deadline:
-                names = ", ".join(c.name for c in pending)
-                raise StartError(
-                    f"not ready after {self.config.ready_timeout:g} s (--ready-timeout): {names} "
-                    f"(their logs are in {self.log_dir})"
-                )
-            time.sleep(0.25)
-        self._wait_for_model(deadline)
-
-    @staticmethod
-    def _check_alive(child: Child) -> None:
-        if not child.alive:
-            raise StartError(
-                f"{child.name} exited while starting: {child.last_error()} "
-                f"(details in {child.log_path})"
-            )
-
-    def _wait_for_model(self, deadline: float) -> None:
-        """The gateway lists the model once an engine's heartbeat reached the registry."""
-        request = urllib.request.Request(
-            f"{self.url}/v1/models", headers={"Authorization": f"Bearer {self.api_key}"}
+        wait = ReadyWait(
+            timeout_s=self.config.ready_timeout,
+            deadline=time.monotonic() + self.config.ready_timeout,
+            stopping=self._stop,
+            log_dir=self.log_dir,
         )
-        while time.monotonic() < deadline:
-            if self._stop.is_set():  # Ctrl-C while starting: not --ready-timeout later
-                raise KeyboardInterrupt
-            # Its port answering is not proof: a second tandem up on the same port saw
-            # the first one's gateway ready while its own had exited.
-            self._check_alive(self.gateway)
-            body = local_get(request, timeout=2)
-            if body is not None and self.config.name in _listed(body):
-                return
-            time.sleep(0.25)
-        raise StartError(
-            f"the gateway never listed model {self.config.name!r}: no engine registered it "
-            f"in {self.config.ready_timeout:g} s (--ready-timeout; the logs are in {self.log_dir})"
-        )
+        wait.children(children, say)
+        wait.model(self.url, self.api_key, self.config.name, self.gateway)
 
     # ----------------------------------------------------------- supervise
 
@@ -416,12 +377,3 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _listed(body: bytes) -> set[str]:
-    """The model ids of a /v1/models answer (a substring of its JSON matched "list",
-    and never a name that JSON escapes)."""
-    try:
-        return {m.get("id") for m in json.loads(body).get("data", []) if isinstance(m, dict)}
-    except (ValueError, AttributeError):
-        return set()
