@@ -170,6 +170,18 @@ def unavailable(
     )
 
 
+def shutting_down() -> GatewayError:
+    """A request this replica was still working on when its --shutdown-timeout ran out."""
+    return GatewayError(
+        503,
+        "this gateway replica shut down before the answer was ready (its shutdown "
+        "timeout ran out); retry: another replica answers",
+        type=SERVER,
+        code="shutting_down",
+        headers={"Retry-After": "1"},
+    )
+
+
 class RedisOutage(RedisTimeoutError):
     """Redis silent past the gateway's patience, in the gateway's own words."""
 

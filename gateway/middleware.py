@@ -8,6 +8,7 @@ client's disconnect from the app, which the gateway needs to cancel work.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -15,7 +16,13 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem.gateway.disconnect import CLIENT_GONE, GONE_MIDWAY, ClientGone
-from tandem.gateway.errors import GatewayError, body_too_slow, too_large, unsupported_encoding
+from tandem.gateway.errors import (
+    GatewayError,
+    body_too_slow,
+    shutting_down,
+    too_large,
+    unsupported_encoding,
+)
 from tandem.gateway.metrics import UNKNOWN_MODEL, GatewayMetrics, route_label
 from tandem.gateway.streaming import STREAM_FAILED
 
@@ -28,6 +35,7 @@ REQUEST_ID_HEADER = b"x-request-id"
 # Where BodyLimit leaves the caller it authenticated (request.state.caller): the
 # route's dependency takes it from there rather than hashing the key again.
 CALLER = "caller"
+log = logging.getLogger("tandem.gateway")
 
 
 class BodyLimit:
@@ -165,12 +173,13 @@ class RequestObserver:
         # it too: Starlette answers an unexpected error outside this middleware).
         state[REQUEST_ID] = f"req_{uuid.uuid4().hex}"
         status = 500  # an exception that escapes every handler
+        started_response = False
         finished_at: float | None = None
 
         async def observed(message: Message) -> None:
-            nonlocal status, finished_at
+            nonlocal status, started_response, finished_at
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started_response = message["status"], True
                 rid = str(state[REQUEST_ID])
                 headers = [*message.get("headers", ()), (REQUEST_ID_HEADER, rid.encode())]
                 message = {**message, "headers": headers}
@@ -181,6 +190,17 @@ class RequestObserver:
         self.metrics.started(route)
         try:
             await self.app(scope, receive, observed)
+        except asyncio.CancelledError:
+            # The server's graceful-shutdown timeout cancels what is still open: a
+            # stream that started is cut (its client sees the connection end), one
+            # not answered yet gets this error, where the server's own was a
+            # plain-text 500 an SDK shows as "Internal Server Error".
+            if started_response:
+                raise  # a response started: the server closes the connection
+            log.warning("a request still open at the shutdown timeout was cut: answered 503")
+            response = shutting_down().response()
+            response.headers["Connection"] = "close"
+            await response({"type": "http"}, _no_receive, observed)
         finally:
             seconds = (finished_at or time.perf_counter()) - started
             model = str(state.get(MODEL_LABEL, UNKNOWN_MODEL))
