@@ -8,19 +8,26 @@ what the model was trained on only where every piece is transformers' own.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# The template a checkpoint names for conversations with tools (transformers' choice).
+TOOL_USE = "tool_use"
 
 
 def template_environment() -> ImmutableSandboxedEnvironment:
     """The Jinja environment transformers renders chat templates in (sandboxed)."""
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationTag],
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -43,6 +50,46 @@ def _tojson(
 
 def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers marks the assistant's text
+    with it for training masks (TRL's assistant-only loss); in a prompt it is its body.
+    Without it such a template did not compile."""
+
+    tags: ClassVar[set[str]] = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+class ChatTemplates:
+    """A checkpoint's chat templates, compiled when first used: its default and the
+    named others, of which transformers renders "tool_use" for a conversation given
+    tools (Hermes 2 Pro's tokenizer_config.json holds both)."""
+
+    def __init__(self, default: str | None, named: Mapping[str, str] | None = None) -> None:
+        self.default = default
+        self.named = dict(named or {})
+        self._compiled: dict[str | None, jinja2.Template] = {}
+
+    def for_variables(self, variables: Mapping[str, Any]) -> jinja2.Template:
+        """The template to render with `variables` (the conversation's extra ones)."""
+        name = TOOL_USE if variables.get("tools") is not None and TOOL_USE in self.named else None
+        if (template := self._compiled.get(name)) is not None:
+            return template
+        source = self.default if name is None else self.named[name]
+        if not source:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        try:
+            template = template_environment().from_string(source)
+        except jinja2.TemplateError as err:
+            what = "chat template" if name is None else f"{name!r} chat template"
+            raise ValueError(f"the model's {what} does not compile: {err}") from err
+        self._compiled[name] = template
+        return template
 
 
 @dataclass(frozen=True)

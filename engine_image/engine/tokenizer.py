@@ -19,9 +19,9 @@ from tandem.context_window import prompt_too_long
 from tandem.engine.admission import PromptTooLongError
 from tandem.engine.chat_template import (
     ChatRendering,
+    ChatTemplates,
     checked_messages,
     cut_after_final_message,
-    template_environment,
 )
 from tandem.engine.literal_chat import LiteralChat
 from tandem.engine.stop_matcher import StopMatcher, StopStrings
@@ -45,6 +45,7 @@ class Tokenizer:
         eos_token_ids: Sequence[int] = (),
         add_bos_token: bool = False,
         chat_template: str | None = None,
+        named_chat_templates: Mapping[str, str] | None = None,
         special_tokens: Mapping[str, str] | None = None,
     ) -> None:
         """`special_tokens`: template variables such as bos_token="<s>"; derived from ids if absent.
@@ -56,8 +57,8 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
         self.add_bos_token = add_bos_token
-        self.chat_template = chat_template
-        self._template: jinja2.Template | None = None
+        self.chat_template = chat_template  # the default one
+        self._templates = ChatTemplates(chat_template, named_chat_templates)
         names = dict(special_tokens or {})
         if "bos_token" not in names and bos_token_id is not None:
             names["bos_token"] = backend.id_to_token(bos_token_id) or ""
@@ -178,8 +179,11 @@ class Tokenizer:
 
     def _render(self, checked: list[dict[str, Any]], how: ChatRendering) -> str:
         """apply_chat_template of messages checked_messages already copied and checked."""
-        template = self._compiled_template()
+        template = self._templates.for_variables(how.extra)
         context = {
+            # As transformers: set, if to None, whether or not the caller gave them.
+            "tools": None,
+            "documents": None,
             **self._special_tokens,
             **how.extra,
             "messages": checked,
@@ -215,16 +219,6 @@ class Tokenizer:
         text = self._render(checked, how)
         # The template writes BOS itself when the model wants one (as transformers assumes).
         return self.encode(text, add_special_tokens=False, max_model_len=max_model_len)
-
-    def _compiled_template(self) -> jinja2.Template:
-        if self._template is None:
-            if not self.chat_template:
-                raise ValueError("this model has no chat template; send a plain prompt instead")
-            try:
-                self._template = template_environment().from_string(self.chat_template)
-            except jinja2.TemplateError as err:
-                raise ValueError(f"the model's chat template does not compile: {err}") from err
-        return self._template
 
 
 def _byte_level_alphabet() -> dict[str, int]:

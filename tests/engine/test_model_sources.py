@@ -436,6 +436,34 @@ def test_hf_dir_single_and_sharded(tmp_path: Path, tie: bool, dtype: torch.dtype
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_hf_dir_named_chat_templates_as_transformers_finds_them(tmp_path: Path) -> None:
+    tiny = resolve_model("random:tiny")
+    _save_hf_dir(tmp_path / "listed", tiny.config, torch.float32)
+    config = json.loads((tmp_path / "listed" / "tokenizer_config.json").read_text())
+    config["eos_token"] = "<|im_end|>"  # as transformers 5 reads it (not a dict)
+    config["chat_template"] = [
+        {"name": "default", "template": "plain:{{ messages[0].content }}"},
+        {"name": "tool_use", "template": "tools:{{ messages[0].content }}"},
+    ]
+    (tmp_path / "listed" / "tokenizer_config.json").write_text(json.dumps(config))
+    # transformers 5 saves them as files: chat_template.jinja and one a named template.
+    _save_hf_dir(tmp_path / "files", tiny.config, torch.float32)
+    config.pop("chat_template")
+    (tmp_path / "files" / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "files" / "chat_template.jinja").write_text("plain:{{ messages[0].content }}")
+    (tmp_path / "files" / "additional_chat_templates").mkdir()
+    named = tmp_path / "files" / "additional_chat_templates" / "tool_use.jinja"
+    named.write_text("tools:{{ messages[0].content }}")
+    messages = [{"role": "user", "content": "x"}]
+    for folder in ("listed", "files"):
+        ours = resolve_model(tmp_path / folder).tokenizer
+        theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / folder)
+        for tools in (None, [{"type": "function", "function": {"name": "f"}}]):
+            expected = theirs.apply_chat_template(messages, tools=tools, tokenize=False)
+            assert ours.apply_chat_template(messages, tools=tools) == expected, (folder, tools)
+        assert ours.apply_chat_template(messages, tools=[{}]).startswith("tools:")
+
+
 def _write_config(path: Path, **fields) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     base = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1}

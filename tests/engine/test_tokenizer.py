@@ -227,6 +227,52 @@ def test_template_environment_is_like_transformers(tiny: Tokenizer) -> None:
     ).startswith("<|im_start|>user\na\nb<|im_end|>")  # parts joined as the gateway does
 
 
+def test_templates_render_as_transformers_for_its_generation_tag_and_unset_tools(
+    tiny: Tokenizer,
+) -> None:
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    templates = [
+        # TRL's assistant-only loss needs it: such fine-tunes' templates did not compile.
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
+        "{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}",
+        # transformers sets tools and documents, to None where not given: tojson of an
+        # undefined one failed, and `is defined` left the block out.
+        "{% if tools is not none %}{{ tools | tojson }}{% endif %}{{ messages[0].content }}",
+        "{% if documents is not none %}{{ documents | tojson }}{% endif %}"
+        "{{ messages[0].content }}",
+        "{% if tools is defined %}T:{{ tools | tojson }}{% endif %}{{ messages[0].content }}",
+    ]
+    for template in templates:
+        [theirs], _ = render_jinja_template(
+            conversations=[messages], chat_template=template, add_generation_prompt=False
+        )
+        ours = _with_template(template, tiny).apply_chat_template(
+            messages, add_generation_prompt=False
+        )
+        assert ours == theirs, template
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    given = _with_template(templates[1], tiny)
+    assert given.apply_chat_template(messages, tools=tools).startswith('[{"type": "function"')
+
+
+def test_a_conversation_given_tools_renders_the_tool_use_template(tiny: Tokenizer) -> None:
+    # As transformers picks among a checkpoint's named templates (Hermes 2 Pro's).
+    chat = Tokenizer(
+        tiny.backend,
+        chat_template="plain:{{ messages[0].content }}",
+        named_chat_templates={"tool_use": "tools:{{ tools | length }}:{{ messages[0].content }}"},
+    )
+    messages = [{"role": "user", "content": "x"}]
+    assert chat.apply_chat_template(messages) == "plain:x"
+    assert chat.apply_chat_template(messages, tools=[{"type": "function"}]) == "tools:1:x"
+    assert chat.apply_chat_template(messages, tools=None) == "plain:x"
+    broken = Tokenizer(tiny.backend, chat_template="x", named_chat_templates={"tool_use": "{% if"})
+    with pytest.raises(ValueError, match="'tool_use' chat template does not compile"):
+        broken.apply_chat_template(messages, tools=[])
+
+
 def test_chat_errors_are_value_errors(tiny: Tokenizer) -> None:
     for bad, match in [
         ([], "non-empty list"),

@@ -18,6 +18,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers
 
+from tandem.engine.chat_template import TOOL_USE
 from tandem.engine.model.gguf_container import GGUFContainer
 from tandem.engine.tokenizer import SENTENCEPIECE_SPACE, Tokenizer
 
@@ -114,6 +115,12 @@ def _wrapped(
         eos_token_ids=[i for i in eos if i is not None],
         add_bos_token=bool(reader.field("tokenizer.ggml.add_bos_token", add_bos_by_default)),
         chat_template=reader.field("tokenizer.chat_template", None),
+        # llama.cpp's converter writes a checkpoint's named templates beside it.
+        named_chat_templates={
+            name: template
+            for name in (TOOL_USE,)
+            if (template := reader.field(f"tokenizer.chat_template.{name}", None)) is not None
+        },
     )
 
 

@@ -257,26 +257,39 @@ def _tokenizer(
     bos_id = config.bos_token_id
     if "bos_token" in special and backend.token_to_id(special["bos_token"]) is not None:
         bos_id = backend.token_to_id(special["bos_token"])
+    default_template, named_templates = _chat_templates(path, tokenizer_config)
     return Tokenizer(
         backend,
         bos_token_id=bos_id,
         eos_token_ids=config.eos_token_ids,
         add_bos_token=bool(tokenizer_config.get("add_bos_token", False)),
-        chat_template=_chat_template(path, tokenizer_config),
+        chat_template=default_template,
+        named_chat_templates=named_templates,
         special_tokens=special,
     )
 
 
-def _chat_template(path: Path, tokenizer_config: dict[str, Any]) -> str | None:
-    """The default chat template: chat_template.jinja, chat_template.json, or tokenizer_config."""
+def _chat_templates(
+    path: Path, tokenizer_config: dict[str, Any]
+) -> tuple[str | None, dict[str, str]]:
+    """The default chat template and the named others, where transformers finds them:
+    chat_template.jinja (beside additional_chat_templates/<name>.jinja),
+    chat_template.json, or tokenizer_config's chat_template (a list of named ones)."""
+    named: dict[str, str] = {}
+    extra = path / "additional_chat_templates"
+    if extra.is_dir():
+        named = {f.stem: f.read_text(encoding="utf-8") for f in sorted(extra.glob("*.jinja"))}
     jinja_file = path / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
+        return jinja_file.read_text(encoding="utf-8"), named
     template = _read_json(path / "chat_template.json", required=False).get("chat_template")
     if template is None:
         template = tokenizer_config.get("chat_template")
     if isinstance(template, list):
-        # Several named templates: transformers uses the one called "default".
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    return template if isinstance(template, str) else None
+        # Several named templates: transformers renders the one called "default", and
+        # "tool_use" for a conversation given tools.
+        for entry in template:
+            if isinstance(entry, dict) and isinstance(entry.get("template"), str):
+                named.setdefault(str(entry.get("name")), entry["template"])
+        template = named.pop("default", None)
+    return (template if isinstance(template, str) else None), named
