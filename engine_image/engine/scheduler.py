@@ -26,7 +26,7 @@ from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.plan import RequestOutput, ScheduledSeq, StepPlan, StepResult
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler_handoff import HandoffSide
-from tandem.engine.step_result import accepted_tokens, proposed_drafts
+from tandem.engine.step_result import checked_samples
 from tandem.engine.step_vote import Point, StepVote, Vote
 from tandem.engine.waiting_queue import WaitingQueue
 
@@ -326,19 +326,24 @@ class Scheduler(HandoffSide):
         num_spec = cfg.num_speculative_tokens
         is_prefill = plan.is_prefill
         is_prompt_engine = cfg.engine_type is EngineType.PROMPT
+        # Skipped: requests aborted while the step ran (and maybe added again, anew).
+        live = [
+            (seq, request)
+            for seq in plan.seqs
+            if (request := requests.get(seq.request_id)) is not None
+            and request.token_ids is seq.all_token_ids
+        ]
+        sampled, drafted = checked_samples((seq for seq, _ in live), result, num_spec)
         outputs: list[RequestOutput] = []
         ended: list[Request] = []
-        for seq in plan.seqs:
+        for seq, request in live:
             rid = seq.request_id
-            request = requests.get(rid)
-            if request is None or request.token_ids is not seq.all_token_ids:
-                continue  # aborted while the step ran (and maybe added again, anew)
             start = seq.start_pos
             if not seq.sample:  # a prompt chunk: KV written, nothing sampled
                 request.num_computed_tokens = start + len(seq.token_ids)
                 kv.cache_computed(request)
                 continue
-            tokens = accepted_tokens(seq, result, num_spec)
+            tokens = sampled[rid]
             num_accepted = len(tokens) - 1
             # Prefill: the whole chunk has KV. Decode: the fed tokens up to the
             # last accepted draft do; a rejected draft's KV is overwritten later.
@@ -358,7 +363,7 @@ class Scheduler(HandoffSide):
                 ended.append(request)
                 self.handoff[rid] = request
             elif num_spec:
-                next_drafts = proposed_drafts(rid, result, num_spec)
+                next_drafts = drafted[rid]
                 if next_drafts is None:
                     # Nothing proposed after a prefill: placeholders keep decodes 1 + k wide.
                     next_drafts = [cfg.draft_placeholder_id] * num_spec if is_prefill else []

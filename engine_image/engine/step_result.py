@@ -7,6 +7,8 @@ Pure Python and no torch, like the scheduler.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from tandem.engine.plan import ScheduledSeq, StepResult
 
 
@@ -43,3 +45,23 @@ def proposed_drafts(
             f"num_speculative_tokens is {num_speculative_tokens}"
         )
     return drafts
+
+
+def checked_samples(
+    seqs: Iterable[ScheduledSeq], result: StepResult, num_speculative_tokens: int
+) -> tuple[dict[str, list[int]], dict[str, list[int] | None]]:
+    """Each sampling sequence's accepted tokens, and (with speculative decoding) the
+    drafts proposed for its next step: the whole result checked before the scheduler
+    applies any of it. Refused halfway, a result left a request it had finished in the
+    running queue, and no decode step ran again."""
+    sampled = {
+        seq.request_id: accepted_tokens(seq, result, num_speculative_tokens)
+        for seq in seqs
+        if seq.sample
+    }
+    drafted = {
+        rid: proposed_drafts(rid, result, num_speculative_tokens)
+        for rid in sampled
+        if num_speculative_tokens
+    }
+    return sampled, drafted

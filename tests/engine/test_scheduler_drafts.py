@@ -1,6 +1,7 @@
 """The step scheduler's speculative decoding: drafts proposed, verified, accepted."""
 
 import pytest
+from support.scheduler_integrity import check_integrity
 from support.stepping import LONG, accept_all, fake_result, make, prompt, step
 
 from tandem.engine.plan import StepResult
@@ -61,6 +62,24 @@ def test_more_drafts_than_configured_are_refused():
     plan = sched.schedule()
     with pytest.raises(ValueError, match="4 drafts proposed, num_speculative_tokens is 3"):
         sched.update(plan, StepResult({"a": [1]}, {"a": [1, 2, 3, 4]}))
+
+
+def test_a_refused_result_changes_nothing_and_the_step_can_run_again():
+    # Refused halfway, the first request's end was applied: it stayed in `running`
+    # without its blocks, and no decode step ran again for anyone.
+    sched = spec_sched()
+    sched.add_request(Request("a", prompt(20), SamplingParams(max_tokens=1)))
+    sched.add_request(Request("b", prompt(20), LONG))
+    plan = sched.schedule()
+    before = {rid: list(r.token_ids) for rid, r in sched.requests.items()}
+    with pytest.raises(ValueError, match="'b': 4 drafts proposed"):
+        sched.update(plan, StepResult({"a": [1], "b": [2]}, {"b": [1, 2, 3, 4]}))
+    assert {rid: list(r.token_ids) for rid, r in sched.requests.items()} == before
+    outputs = sched.update(plan, StepResult({"a": [1], "b": [2]}))  # the step, well answered
+    assert [o.status for o in outputs] == [RequestStatus.FINISHED_LENGTH, RequestStatus.RUNNING]
+    assert [r.request_id for r in sched.running] == ["b"] and list(sched.requests) == ["b"]
+    check_integrity(sched)
+    assert sched.schedule().seqs[0].request_id == "b"
 
 
 def test_drafts_are_trimmed_to_the_tokens_left():
