@@ -76,7 +76,10 @@ class HandoffSide:
             return False
         if not (self.running or self.receiving or waiting):
             return True
-        needed = kv.blocks_for(num_kv_tokens) + sum(kv.blocks_for(r.num_tokens) for r in waiting)
+        # A recompute mid-chunk holds its blocks already, counted in the usage (added
+        # again, they turned away handoffs that fit through all of its chunks).
+        still = [kv.blocks_for(r.num_tokens) - len(kv.block_table(r.request_id)) for r in waiting]
+        needed = kv.blocks_for(num_kv_tokens) + sum(max(0, n) for n in still)
         return kv.usage_with(needed) <= cfg.cache_prefill_watermark
 
     def handoff_received(self, request_id: str) -> None:

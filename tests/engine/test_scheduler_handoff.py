@@ -135,6 +135,25 @@ def test_no_handoff_takes_the_room_a_waiting_recompute_needs():
     check_integrity(sched)
 
 
+def test_a_recompute_mid_chunk_counts_its_blocks_once_against_a_handoff():
+    # It holds all its blocks from its first chunk on: counted again as room it needed,
+    # handoffs that fitted were refused through all of its chunks.
+    sched = make(
+        num_blocks=100,
+        engine_type="completion",
+        max_model_len=1000,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=100,
+    )
+    _handoff(sched, "a", 599)  # 38 blocks of 16 tokens
+    sched.handoff_failed("a")
+    plan, _ = step(sched)
+    assert plan.num_scheduled_tokens == {"a": 100} and sched.kv.usage == 0.38  # mid-chunk
+    assert _handoff(sched, "b", 800)[1] is not None  # 51 more: 0.89 (a's 38 twice: 1.27)
+    assert _handoff(sched, "c", 100)[1] is None  # 7 more: 0.96
+    check_integrity(sched)
+
+
 def test_a_waiting_recompute_leaves_a_near_empty_decoder_taking_handoffs():
     # Any recompute waiting refused every handoff until the next attempt point (~70
     # decode steps), with 99 % of the pool free.
