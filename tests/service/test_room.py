@@ -81,3 +81,16 @@ def test_a_completion_engine_takes_only_the_handoffs_its_budget_can_decode():
     )  # fmt: skip
     assert pull_room(sched, settings(Role.COMPLETION), held=0) == 4
     assert pull_room(sched, settings(Role.COMPLETION), held=4) == 0
+
+
+def test_a_completion_engine_with_a_recompute_waiting_takes_handoffs_beside_it():
+    # One failed fetch stopped the pulling until the recompute's prefill, up to ~70
+    # decode steps, on a decoder whose scheduler takes handoffs beside it.
+    sched = scheduler(EngineType.COMPLETION, max_num_seqs=8)
+    request = Request("r", list(range(20)), PARAMS)
+    assert sched.admit_handoff(request, [7]) is not None
+    sched.handoff_failed("r")  # recomputed here: it waits
+    assert sched.num_waiting == 1
+    assert pull_room(sched, settings(Role.COMPLETION), held=1) == 7
+    probe = Request("p", list(range(20)), PARAMS)
+    assert sched.admit_handoff(probe, [7]) is not None  # as the scheduler would
