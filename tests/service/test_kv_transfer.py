@@ -17,7 +17,7 @@ import torch
 
 from tandem.engine.service.kv_handoff import KVFetches
 from tandem.engine.service.kv_tcp import KVServer, fetch_kv, release_kv
-from tandem.engine.service.kv_transfer import KVLayout, KVTransferError, PinnedKV
+from tandem.engine.service.kv_transfer import KVLayout, KVTransferError, PinnedKV, TransferStats
 from tandem.engine.service.serve import kv_fingerprint
 
 pytestmark = pytest.mark.timeout(30)
@@ -387,6 +387,50 @@ def test_only_a_peer_that_did_not_answer_is_skipped_after_a_timeout():
     finally:
         fetches.close()
     assert [o.error.reason for o in outcomes] == ["timeout", "timeout", "skipped"]
+
+
+def test_a_suspect_peer_is_probed_and_asked_again_once_it_answers():
+    # A prompt engine only busy (its transfer threads all taken, the fetch waiting in
+    # its queue past the timeout) was skipped for 30 s, and the offers skipped stayed
+    # pinned on it for nobody until they expired: it filled up and pulled no more work.
+    unanswered = [KVTransferError("timeout", "did not answer", unanswered=True)]
+    fetched: list[str] = []
+    released: list[tuple[str, str]] = []
+
+    def fetch(handle: str, **_: object) -> TransferStats:
+        if unanswered:
+            raise unanswered.pop()
+        fetched.append(handle)
+        return TransferStats(bytes=1, seconds=0.0, layers=1)
+
+    def release(address: str, handle: str, token: str, timeout: float) -> bool:
+        released.append((handle, token))
+        return True
+
+    fetches = KVFetches(fetch, max_parallel=1, release=release, probe_every_s=0.3)
+    outcomes: dict = {}
+
+    def run(rid: str) -> KVTransferError | None:
+        fetches.start(rid, address="peer:1", handle=rid, token=f"t-{rid}")
+        deadline = time.monotonic() + 5
+        while rid not in outcomes and time.monotonic() < deadline:
+            outcomes.update({o.request_id: o for o in fetches.done()})
+            time.sleep(0.01)
+        return outcomes[rid].error
+
+    try:
+        assert run("a").reason == "timeout"
+        assert run("b").reason == "skipped"  # not asked: it may be stalled
+        time.sleep(0.35)
+        assert run("c") is None  # the probe: it answers, and is asked again
+        assert run("d") is None
+        deadline = time.monotonic() + 5
+        while ("b", "t-b") not in released and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        fetches.close()
+    assert fetched == ["c", "d"]
+    assert released == [("b", "t-b")]  # the offer skipped, freed on the prompt engine
 
 
 def test_a_decoder_that_will_not_fetch_releases_the_offer_with_its_token():

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -82,6 +82,13 @@ class FetchOutcome:
 # each of its handoffs, and the handoffs of healthy ones waited in line behind them.
 # One whose frames stopped midway answered: a slow link, not a stalled peer.
 SUSPECT_FOR_S = 30.0
+# Meanwhile one fetch is let through this often: one that succeeds ends the suspicion.
+# A prompt engine that was only busy (its transfer threads all taken, the fetch waiting
+# in its queue past the timeout) was skipped for the whole 30 s, and the offers skipped
+# stayed pinned there until they expired, so it filled up and pulled no more work.
+PROBE_EVERY_S = 5.0
+# Offers skipped while a peer is suspect, kept to release once it answers again.
+_SKIPPED_KEPT = 256
 # A release waits this long at most for the prompt engine (it holds a fetch thread).
 RELEASE_WITHIN_S = 2.0
 # Failed fetches after which the prompt engine likely still holds the offer (the
@@ -89,6 +96,17 @@ RELEASE_WITHIN_S = 2.0
 _OFFER_LEFT_PINNED = frozenset(
     {Reason.TIMEOUT, Reason.CHECKSUM, Reason.PROTOCOL, Reason.UNREACHABLE}
 )
+
+
+@dataclass
+class _Suspect:
+    """A peer that did not answer a fetch: skipped until `until`, but for one probe
+    fetch at a time from `probe_at` on (all time.monotonic())."""
+
+    until: float
+    probe_at: float
+    probing: bool = False
+    skipped: dict[str, str] = field(default_factory=dict)  # offer handle -> its token
 
 
 class KVFetches:
@@ -99,6 +117,7 @@ class KVFetches:
         fetch: Callable[..., TransferStats],
         max_parallel: int = 2,
         release: Callable[..., bool] | None = None,
+        probe_every_s: float = PROBE_EVERY_S,
     ) -> None:
         self._fetch = fetch
         self._release = release
@@ -107,8 +126,9 @@ class KVFetches:
         # Requests whose fetch is in flight: their blocks must not be freed yet,
         # or a fetch would write into blocks another request now owns.
         self.in_flight: set[str] = set()
-        # Addresses that did not answer a fetch -> time.monotonic() until they are skipped.
-        self._suspects: dict[str, float] = {}
+        self._probe_every_s = probe_every_s
+        # Addresses that did not answer a fetch, and the offers skipped meanwhile.
+        self._suspects: dict[str, _Suspect] = {}
         self._suspects_lock = threading.Lock()
 
     def start(self, request_id: str, **fetch_args: object) -> None:
@@ -120,37 +140,68 @@ class KVFetches:
         if self._release is None:
             return
         with self._suspects_lock:
-            if self._suspects.get(address, 0.0) > time.monotonic():
-                return  # it answers nothing now: its offers expire on their own
+            suspect = self._suspects.get(address)
+            if suspect is not None and suspect.until > time.monotonic():
+                # It answers nothing now: released if it answers again, else they expire.
+                suspect.skipped[handle] = token
+                while len(suspect.skipped) > _SKIPPED_KEPT:
+                    del suspect.skipped[next(iter(suspect.skipped))]
+                return
         args = {"address": address, "handle": handle, "token": token}
         with contextlib.suppress(RuntimeError):  # closing: the offer expires on its own
             self._pool.submit(self._release, **args, timeout=RELEASE_WITHIN_S)
 
     def _run(self, request_id: str, fetch_args: dict[str, object]) -> None:
         address = str(fetch_args.get("address"))
+        probe = False
         try:
-            self._check(address)
+            probe = self._check(address)
             stats = self._fetch(**fetch_args)
             self._outcomes.put(FetchOutcome(request_id, stats, None))
+            if probe:
+                self._answered(address)
         except KVTransferError as exc:
             if exc.reason is Reason.TIMEOUT and exc.unanswered:
                 with self._suspects_lock:
-                    self._suspects[address] = time.monotonic() + SUSPECT_FOR_S
+                    now = time.monotonic()
+                    suspect = self._suspects.setdefault(address, _Suspect(now, now))
+                    suspect.until = now + SUSPECT_FOR_S
+                    suspect.probe_at, suspect.probing = now + self._probe_every_s, False
+            elif probe:  # it answered, if not with the KV
+                self._answered(address)
             self._outcomes.put(FetchOutcome(request_id, None, exc))
-            if exc.reason in _OFFER_LEFT_PINNED and not exc.unanswered:
-                # The prompt is recomputed here: the offer would stay pinned for nobody.
+            skipped = exc.reason is Reason.SKIPPED
+            if skipped or (exc.reason in _OFFER_LEFT_PINNED and not exc.unanswered):
+                # The prompt is recomputed here: the offer would stay pinned for nobody
+                # (one skipped is released once its engine answers again).
                 self.release(address, handle=fetch_args["handle"], token=fetch_args["token"])
         except Exception as exc:  # a bug must not strand the request: recompute it
             error = KVTransferError("protocol", f"{type(exc).__name__}: {exc}")
             self._outcomes.put(FetchOutcome(request_id, None, error))
 
-    def _check(self, address: str) -> None:
-        """KVTransferError (skipped) for a peer that timed out moments ago."""
+    def _check(self, address: str) -> bool:
+        """Whether this fetch probes a suspect peer; KVTransferError (skipped) for one
+        that timed out moments ago, unless a probe is due."""
+        now = time.monotonic()
         with self._suspects_lock:
-            left = self._suspects.get(address, 0.0) - time.monotonic()
-        if left > 0:
-            ago = SUSPECT_FOR_S - left
-            raise KVTransferError(Reason.SKIPPED, f"{address} timed out {ago:.0f} s ago")
+            suspect = self._suspects.get(address)
+            if suspect is None or suspect.until <= now:
+                # Its offers skipped then have expired (--handoff-ttl is the same 30 s).
+                self._suspects.pop(address, None)
+                return False
+            if not suspect.probing and suspect.probe_at <= now:
+                suspect.probing = True
+                return True
+            ago = now - (suspect.until - SUSPECT_FOR_S)
+        raise KVTransferError(Reason.SKIPPED, f"{address} timed out {ago:.0f} s ago")
+
+    def _answered(self, address: str) -> None:
+        """A suspect peer answered a probe: asked again from now on, and the offers
+        skipped meanwhile are released (they stayed pinned there for nobody)."""
+        with self._suspects_lock:
+            suspect = self._suspects.pop(address, None)
+        for handle, token in (suspect.skipped if suspect is not None else {}).items():
+            self.release(address, handle=handle, token=token)
 
     def done(self) -> list[FetchOutcome]:
         outcomes = []
