@@ -499,6 +499,19 @@ def test_hf_dir_refusals(tmp_path: Path) -> None:
     yarn = _write_config(tmp_path / "yarn", rope_scaling={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
         resolve_model(yarn)  # as the checkpoint is read, before any weight is allocated
+    # Values of the wrong type (a hand-edited config.json) are named as it is read: a
+    # "false" tie_word_embeddings was true, and an untied checkpoint loaded and served
+    # its embeddings as the LM head.
+    for field, value, message in [
+        ("tie_word_embeddings", "false", "tie_word_embeddings must be true or false"),
+        ("head_dim", "32", "head_dim must be an even integer >= 2"),
+        ("head_dim", 0, "head_dim must be an even integer >= 2"),
+        ("rope_scaling", {"rope_type": "linear", "factor": "4"}, "factor .linear. must be"),
+        ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "low_freq_factor .llama3."),
+    ]:
+        typo = _write_config(tmp_path / f"typo-{field}-{value!s:.9}", **{field: value})
+        with pytest.raises(ValueError, match=message):
+            resolve_model(typo)
     pickled = _write_config(tmp_path / "bin")
     (pickled / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(ValueError, match="safetensors"):

@@ -26,8 +26,14 @@ SIZE_FIELDS = (
 # transformers' MistralConfig defaults, for a config.json that leaves them out.
 MISTRAL_CONTEXT = 131072
 MISTRAL_SLIDING_WINDOW = 4096
-# Rotary scalings the model computes (rope.py), as Hugging Face names them.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Rotary scalings the model computes (rope.py), as Hugging Face names them, and the
+# numbers each reads from rope_scaling.
+ROPE_FIELDS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+SUPPORTED_ROPE_TYPES = tuple(ROPE_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,20 @@ class ModelConfig:
                 f"model config {self.name!r}: num_attention_heads ({self.num_attention_heads}) "
                 f"is not a multiple of num_key_value_heads ({self.num_key_value_heads})"
             )
+        # A string "false" is true: the embeddings served as the LM head of an untied
+        # checkpoint, whose own head was never read (wrong outputs, no error).
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ValueError(
+                f"model config {self.name!r}: tie_word_embeddings must be true or false, "
+                f"got {self.tie_word_embeddings!r}"
+            )
+        head_dim = self.head_dim
+        whole = isinstance(head_dim, int) and not isinstance(head_dim, bool)
+        if head_dim is not None and (not whole or head_dim % 2 or head_dim < 2):
+            raise ValueError(
+                f"model config {self.name!r}: head_dim must be an even integer >= 2 (rotary "
+                f"embeddings rotate pairs), got {head_dim!r}"
+            )
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(
@@ -88,12 +108,23 @@ class ModelConfig:
         # Refused here, as the checkpoint is read: the model's rope module would refuse it
         # only once every weight was allocated.
         scaling = self.rope_scaling or {}
+        if not isinstance(scaling, dict):
+            raise ValueError(
+                f"model config {self.name!r}: rope_scaling must be an object, got {scaling!r}"
+            )
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
+        if rope_type not in ROPE_FIELDS:
             raise ValueError(
                 f"model {self.name!r}: rope_type {rope_type!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
             )
+        for key in ROPE_FIELDS[rope_type]:
+            value = scaling.get(key)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < inf:
+                raise ValueError(
+                    f"model {self.name!r}: rope_scaling's {key} ({rope_type}) must be a "
+                    f"number > 0, got {value!r}"
+                )
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -35,9 +35,7 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | str = "cpu") -> to
 
 
 def _scaling_field(config: ModelConfig, scaling: dict, key: str) -> float:
-    if key not in scaling:
-        raise ValueError(f"model {config.name!r}: rope_scaling {scaling} has no {key!r}")
-    return float(scaling[key])
+    return float(scaling[key])  # there, and a number > 0: ModelConfig checked
 
 
 def _llama3_inv_freq(config: ModelConfig, scaling: dict, inv_freq: torch.Tensor) -> torch.Tensor:
