@@ -23,7 +23,14 @@ from tandem.engine.engine import Engine
 from tandem.engine.engine_output import FinishReason
 from tandem.engine.host_memory import keep_freed_memory
 from tandem.engine.model.attention import allocate_kv_cache
-from tandem.engine.model.loader import LoadedModel, kv_blocks_for, kv_pool_check, load_model
+from tandem.engine.model.loader import (
+    LoadedModel,
+    kv_blocks_for,
+    kv_pool_check,
+    load_model,
+    pick_device,
+    pick_dtype,
+)
 from tandem.engine.mtp import MtpHead
 from tandem.engine.plan import TokenLogprobs
 from tandem.engine.request import SamplingParams
@@ -121,6 +128,7 @@ class LLM:
         )
         if isinstance(model, LoadedModel):  # share one copy of the weights
             loaded = model
+            _check_as_loaded(loaded, dtype, device)
             pool(loaded.config, loaded.dtype, loaded.device)
         else:
             loaded = load_model(model, dtype=dtype, device=device, before_weights=pool)
@@ -367,3 +375,21 @@ def _id_lists(prompt_token_ids: object) -> list[list[int]]:
         if not isinstance(ids, Sequence) or isinstance(ids, str):
             raise ValueError(f"prompt {i}: a prompt's token ids are a list, got {ids!r:.40}")
     return [list(p) for p in prompt_token_ids]
+
+
+def _check_as_loaded(
+    loaded: LoadedModel, dtype: str | torch.dtype | None, device: str | torch.device | None
+) -> None:
+    """A dtype or device given beside a loaded model must be the one it was loaded with:
+    the weights are shared as they are (a bfloat16 asked for ran in float32, unsaid)."""
+    asked = pick_device(device) if device is not None else loaded.device
+    if (asked.type, asked.index or 0) != (loaded.device.type, loaded.device.index or 0):
+        raise ValueError(
+            f"device {device!r}: the model given was loaded on {loaded.device}; "
+            "leave device out, or load it there"
+        )
+    if dtype is not None and pick_dtype(dtype, loaded.device) != loaded.dtype:
+        raise ValueError(
+            f"dtype {dtype!r}: the model given was loaded in {loaded.dtype}; "
+            "leave dtype out, or load it so"
+        )

@@ -175,3 +175,13 @@ def test_prefix_caching_none_means_the_default_not_off(llm):
     # vLLM's spelling of its default: it turned prefix caching off without a word.
     other = LLM(llm.loaded, num_kv_blocks=16, enable_prefix_caching=None)
     assert other.engine.config.enable_prefix_caching is True
+
+
+def test_a_dtype_or_device_beside_a_loaded_model_must_be_its_own(llm):
+    # Ignored, a bfloat16 asked for ran in float32 without a word.
+    assert llm.loaded.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"loaded in torch\.float32; leave dtype out"):
+        LLM(llm.loaded, num_kv_blocks=16, dtype="bfloat16")
+    LLM(llm.loaded, num_kv_blocks=16, dtype="float32", device="cpu")  # its own: taken
+    with pytest.raises(ValueError, match=r"no CUDA device|loaded on cpu"):
+        LLM(llm.loaded, num_kv_blocks=16, device="cuda")
