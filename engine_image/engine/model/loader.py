@@ -8,6 +8,7 @@ num_blocks = kv_blocks_for(loaded.config, ...) # from a memory budget
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +119,14 @@ def resolve_model(spec: str | Path, *, seed: int = 0) -> ModelSource:
     the accepted forms when the spec is none of these.
     """
     text = str(spec)
+    if (text == "smollm2" or text.startswith("random:")) and Path(text).exists():
+        # `--local-dir smollm2` (a download of SmolLM2 itself, say) loaded the built-in
+        # model in its place, unsaid.
+        warnings.warn(
+            f"{text!r} names a built-in model, and is also a path here: the built-in model "
+            f"is loaded; write ./{text} to load the path",
+            stacklevel=2,
+        )
     if text.startswith("random:"):
         return random_model.random_source(text.removeprefix("random:"), seed=seed)
     if text == "smollm2":
