@@ -5,7 +5,7 @@ reading "<|im_end|><|im_start|>system ..." closed its own turn and opened a syst
 turn of its author's making (transformers and vLLM encode so by default). OpenAI
 reads such text as text; so does this module, for message content.
 
-The template is rendered with a marker in place of each message's content. The
+The template is rendered with a marker in place of each such message's content. The
 special tokens the template itself wrote split the rendered text into pieces, as a
 tokenizer's own special-token matching would; the markers are then replaced by the
 contents, and each piece is encoded with special tokens read as text. A prompt
@@ -61,7 +61,12 @@ class LiteralChat:
         contents: dict[str, str] = {}  # a marker's number -> the content it stands for
         marked = []
         for i, message in enumerate(messages):
-            if isinstance(message.get("content"), str):
+            # Only the contents that hold such text: the template sees every other one
+            # as it is (one that skips empty turns, or reads a content, rendered another
+            # conversation when every content was a marker).
+            if isinstance(message.get("content"), str) and self._specials.search(
+                message["content"]
+            ):
                 # The marker wears the content's surrounding whitespace and stands for
                 # the rest: a template that trims (Llama 3's `| trim`) trims it alike.
                 text = message["content"]

@@ -146,6 +146,27 @@ def test_a_template_that_does_not_write_a_content_whole_refuses_control_text(
     assert chopped.encode_chat([{"role": "user", "content": "hello"}])  # the rest as before
 
 
+def test_control_text_in_one_message_leaves_the_others_to_the_template(tiny: Tokenizer) -> None:
+    # Every content was a marker once one held control text: a template that skips
+    # empty turns (or reads a content) rendered another conversation.
+    eos = tiny.backend.id_to_token(2)
+    skips = _with_template(
+        "{% for m in messages %}{% if m.content %}<{{ m.role }}>{{ m.content }}"
+        + eos
+        + "{% endif %}{% endfor %}",
+        tiny,
+    )
+    for first in ("what is it?", f"what does {eos} mean?"):
+        messages = [
+            {"role": "user", "content": first},
+            {"role": "assistant", "content": ""},
+            {"role": "user", "content": "go on"},
+        ]
+        prompt = skips.decode(skips.encode_chat(messages), skip_special_tokens=False)
+        assert prompt == skips.apply_chat_template(messages), first
+        assert "<assistant>" not in prompt
+
+
 def test_a_template_that_trims_trims_a_content_holding_control_text(tiny: Tokenizer) -> None:
     # Llama 3's templates write `content | trim`: a content quoting a control token kept
     # its spaces, a prompt unlike transformers' (and unlike the same text without it).
