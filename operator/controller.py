@@ -115,6 +115,8 @@ class Controller:
         """Converge one ModelDeployment; with `autoscale`, evaluate the autoscaler first.
 
         Returns the autoscaler's memory for the next evaluation (the caller keeps it).
+        Without `autoscale`, `memory` (the last evaluation's) only ranks the pods of a
+        role the pass shrinks, those not read now by their last samples.
         """
         async with self._locks.hold((namespace, name)):
             model = await self._kube.get(KIND, namespace, name)
@@ -124,7 +126,8 @@ class Controller:
                 return memory
             if model["metadata"].get("deletionTimestamp"):
                 return memory  # garbage collection removes the children
-            memory = self._kept_up(namespace, name, memory)
+            if autoscale:
+                memory = self._kept_up(namespace, name, memory)
             try:
                 memory = await self._reconcile(model, autoscale, memory)
             except Exception as error:
@@ -195,7 +198,7 @@ class Controller:
             pods=pods,
             holder=holder,
         )
-        costs = await self._costs(actions, pods, outcome)
+        costs = await self._costs(actions, pods, outcome, memory)
         await self._writer.apply(model, actions, costs)
         await self._writer.post(model, outcome.notices if outcome else ())
         return outcome.memory if outcome else memory
@@ -267,23 +270,32 @@ class Controller:
         samples = await self._sources.sample_all(scaling.scrape_targets(pods))
         evaluation = scaling.evaluate(spec, replicas, pods, samples, queue, memory, self._clock())
         shrinking = [role for role, d in evaluation.changed.items() if d.replicas < d.current]
-        costs = _deletion_costs(pods, shrinking, samples)
+        # Ranked by their last samples, those not read this time too: a busy pod whose
+        # scrape failed once cost 0, and went first (a pod not ready goes first anyway).
+        last = evaluation.memory.samples
+        costs = _deletion_costs(pods, shrinking, last)
         notices = queue_events(memory.queue_unreadable, None)
         notices += readability_events(evaluation.decisions)
-        return _Scaling(evaluation.memory, evaluation.changed, costs, samples, notices)
+        return _Scaling(evaluation.memory, evaluation.changed, costs, last, notices)
 
     async def _costs(
-        self, actions: Plan, pods: list[Body], outcome: _Scaling | None
+        self,
+        actions: Plan,
+        pods: list[Body],
+        outcome: _Scaling | None,
+        memory: scaling.ScalerMemory | None,
     ) -> dict[str, int]:
         """The autoscaler's deletion costs, and those of roles a moved bound or an edit of
-        spec.<role>.replicas shrinks: the least-loaded pods go first there too."""
+        spec.<role>.replicas shrinks: the least-loaded pods go first there too, pods not
+        read now ranked by their last samples (`memory`'s)."""
         costs = dict(outcome.costs) if outcome else {}
         shrinking = actions.shrinking
         if shrinking:
             samples = outcome.samples if outcome else None
             if samples is None:
                 targets = [p for role in shrinking for p in pods_of(pods, role)]
-                samples = await self._sources.sample_all(scaling.scrape_targets(targets))
+                read = await self._sources.sample_all(scaling.scrape_targets(targets))
+                samples = {**(memory.samples if memory else {}), **read}
             costs.update(_deletion_costs(pods, shrinking, samples))
         return costs
 

@@ -48,11 +48,15 @@ def build_registry(
     timers: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry, id="model")
-    async def model_changed(event: kopf.RawEvent, namespace: str, name: str, **_: Any) -> None:
+    async def model_changed(
+        event: kopf.RawEvent, namespace: str, name: str, memo: kopf.Memo, **_: Any
+    ) -> None:
         if event["type"] == "DELETED":
             controller.forget(namespace, name)
         else:
-            await controller.reconcile(namespace, name)
+            # The timer's memory (kopf keeps one memo per object): a lowered bound
+            # drains the pods its last samples found least loaded.
+            await controller.reconcile(namespace, name, memory=memo.get("autoscaler"))
 
     for child in CHILD_RESOURCES:
 

@@ -220,7 +220,7 @@ def deletion_costs(pods: Sequence[Body], samples: Mapping[str, PodSample]) -> di
 
     The ReplicaSet removes the lowest cost first (after pods that are not ready),
     so the least-loaded pods get the lowest costs: they drain soonest. Pods
-    without a sample (starting, unreadable) cost 0, below every measured pod.
+    without a sample (starting, never read) cost 0, below every measured pod.
     """
     measured = [
         (drain_key(samples[name]), name)

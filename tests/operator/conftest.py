@@ -37,11 +37,13 @@ class FakeMetrics:
         self.declarations: list[tuple[str, str, str]] = []
         # Every scrape fails (a NetworkPolicy on the engines' port, engines that hang).
         self.unreadable = False
+        # The pods whose scrapes fail (busy ones timing out, say).
+        self.silent: set[str] = set()
         # Every queue read fails (Redis down).
         self.redis_down = False
 
     async def sample(self, pod: str, url: str) -> PodSample | None:
-        if self.unreadable:
+        if self.unreadable or pod in self.silent:
             return None
         prefixes = sorted((p for p in self.kv if pod.startswith(p)), key=len, reverse=True)
         return PodSample(

@@ -267,6 +267,31 @@ async def test_a_lowered_max_drains_the_least_loaded_pods_and_says_so(cluster, o
     await eventually(lambda: _last_scale(cluster) == ("normal", 4, 2), what="lastScale 4->2")
 
 
+async def test_a_busy_pod_whose_scrape_failed_is_ranked_by_its_last_sample(
+    cluster, operator, metrics
+):
+    # Ranked by this evaluation's samples alone, it cost 0 and went first, its requests
+    # cut or recomputed elsewhere, while an idle pod stayed.
+    await cluster.apply(normal_model(replicas=3, minReplicas=1, maxReplicas=6))
+    await eventually(lambda: ready(cluster) and len(cluster.pods("m", "normal")) == 3)
+    pods = sorted(p["metadata"]["name"] for p in cluster.pods("m", "normal"))
+    metrics.kv = dict(zip(pods, (0.9, 0.05, 0.6), strict=True))
+    reads = len(metrics.queue_reads)
+    await eventually(lambda: len(metrics.queue_reads) >= reads + 2, what="evaluations")
+    metrics.silent = {pods[0]}  # the busiest one's scrapes time out from now on
+    reads = len(metrics.queue_reads)
+    await eventually(lambda: len(metrics.queue_reads) >= reads + 2, what="evaluations")
+
+    await cluster.patch_model("m", {"spec": {"normal": {"replicas": None, "maxReplicas": 2}}})
+    await eventually(lambda: replicas(cluster, "normal") == 2, what="clamped to maxReplicas")
+    await eventually(
+        lambda: (
+            sorted(p["metadata"]["name"] for p in cluster.pods("m", "normal")) == [pods[0], pods[2]]
+        ),
+        what="the idle pod removed, the busy one kept",
+    )
+
+
 async def test_an_edited_spec_replicas_drains_the_least_loaded_pods_once(
     cluster, operator, metrics
 ):
