@@ -60,6 +60,16 @@ def test_each_chat_message_costs_its_template_tokens_too():
     assert item.estimated_prompt_tokens >= 1400
 
 
+def test_template_variables_are_charged_as_prompt_too():
+    # The template writes them into the prompt (tools, documents): 67 KB of them were
+    # charged 10 tokens of a key's tpm, and a request past its whole tpm was admitted.
+    documents = [{"title": f"d{i}", "text": "lorem ipsum dolor sit amet " * 40} for i in range(30)]
+    job = _chat(max_tokens=1, chat_template_kwargs={"documents": documents})
+    [item] = job.items
+    assert item.estimated_prompt_tokens >= len(str(documents)) // 4
+    assert job.cost_tokens() == item.estimated_prompt_tokens + 1
+
+
 def test_top_p_0_is_the_likeliest_token_alone():
     [item] = _chat(temperature=1.0, top_p=0, top_k=5).items
     assert item.sampling["top_k"] == 1 and "top_p" not in item.sampling
