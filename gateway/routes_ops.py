@@ -8,7 +8,6 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from redis.exceptions import RedisError
 
 from tandem.gateway.errors import ERROR_RESPONSES, unavailable
 from tandem.gateway.service import service_of
@@ -51,16 +50,7 @@ async def metrics(request: Request) -> Response:
     # operator needs, and a scrape that failed read as the gateway being down.
     try:
         async with asyncio.timeout(METRICS_REDIS_TIMEOUT_S):
-            models = await service.directory.models()
-            # And those no longer served: a model scaled to zero whose declaration
-            # lapsed (its operator down) still has its requests in Redis, and reading 0,
-            # the alert on work without engines went silent when it was needed most.
-            shown = service.metrics.backlog_models
-            backlogs = await service.broker.queue_depths(sorted(shown | set(models)))
-    except (RedisError, OSError, TimeoutError):
+            await service.scrape.refresh()
+    except TimeoutError:
         service.metrics.redis_up(False)
-    else:
-        service.metrics.redis_up(True)
-        service.metrics.engines(models)
-        service.metrics.backlog(backlogs)
     return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)

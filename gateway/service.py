@@ -37,6 +37,7 @@ from tandem.gateway.quota import Quotas
 from tandem.gateway.reader import AsyncResponseReader
 from tandem.gateway.recovery import LossWatch, RedisEpoch
 from tandem.gateway.rendering import ChatRenderer, CompletionRenderer, Renderer
+from tandem.gateway.scrape import ScrapeReadings
 from tandem.gateway.settings import GatewaySettings
 from tandem.gateway.streaming import EventStreamResponse
 from tandem.keys import Keys
@@ -69,6 +70,8 @@ class GatewayService:
         )
         self.epoch = RedisEpoch(self.broker)
         self.directory = ModelDirectory(self.broker, settings.models_cache_s)
+        # As old as the engine list may be (its own cache): a second at most by default.
+        self.scrape = ScrapeReadings(self.directory, self.broker, metrics, settings.models_cache_s)
         self.ledger = IdempotencyLedger(client, settings.key_prefix)
         self.cancels = Cancels(self.broker, self.ledger, metrics)
         self.admission = Admission(

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import redis
 from support.imports import modules_loaded, packages_loaded
 from support.ipv6 import ipv6_loopback
 from support.polling import eventually
@@ -242,6 +243,32 @@ def test_without_redis_the_gateway_answers_503_and_is_not_ready(start_gateway):
     assert said == "The gateway cannot reach Redis: the connection failed", said
     # The SDKs wait that long before their retries, not 0.5-1 s: a restarting Redis.
     assert reply.headers["Retry-After"] == "2"
+
+
+def test_scrapes_share_a_reading_of_redis_a_second_at_most(start_gateway, keys):
+    # /metrics needs no key, and each scrape read every model's queues afresh (about a
+    # dozen commands a model): anyone could multiply the load on everyone's Redis.
+    with RedisServer() as server:
+        conn = redis.Redis.from_url(server.url)
+        for i in range(5):
+            catalog.declare(conn, keys, f"model-{i}", "test/owner", ttl_s=60)
+        gateway = start_gateway(redis_url=server.url)
+
+        def commands() -> int:
+            return conn.info("stats")["total_commands_processed"]
+
+        with gateway.http() as client:
+            time.sleep(1.2)  # past the last reading's second
+            before = commands()
+            assert client.get("/metrics").status_code == 200
+            one = commands() - before - 1  # INFO is one
+            assert one >= 5 * 5, "every model's queues read"
+            before, started = commands(), time.monotonic()
+            for _ in range(50):
+                assert client.get("/metrics").status_code == 200
+            elapsed = time.monotonic() - started
+            used = commands() - before - 1
+    assert used <= (elapsed + 2) * one + 20, (used, one, elapsed)
 
 
 def test_after_redis_restarts_no_request_fails_on_a_dead_pooled_connection(start_gateway):
