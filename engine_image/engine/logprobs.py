@@ -31,7 +31,9 @@ def token_logprobs(
     logp = torch.log_softmax(picked.float(), dim=-1)
     chosen = torch.tensor([t for _, tokens in wanted for t in tokens], device=logits.device)
     chosen_logp = logp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-    most = max(s.sampling_params.logprobs for s, _ in wanted)
+    # A vocabulary smaller than the count asked for has them all (topk past it failed
+    # the whole step, the requests beside it too).
+    most = min(max(s.sampling_params.logprobs for s, _ in wanted), logp.shape[-1])
     top_logp, top_ids = logp.topk(most, dim=-1)  # most likely first (most may be 0)
     top_logp, top_ids = top_logp.tolist(), top_ids.tolist()
     out: dict[str, list[TokenLogprobs]] = {}

@@ -410,3 +410,19 @@ def test_an_overflowed_logit_is_the_likeliest_and_a_nan_none():
         for seed in range(40)
     }
     assert 1 not in draws and draws & {0, 2}  # it drew the last token, 3, every time
+
+
+def test_a_vocabulary_smaller_than_the_logprobs_asked_gives_them_all():
+    # topk past the vocabulary failed the whole step, the requests beside it too.
+    from tandem.engine.logprobs import token_logprobs
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3]]))
+    rows = [
+        SampleRows("a", 0, [], SamplingParams(temperature=0, logprobs=20), 0),
+        SampleRows("b", 1, [], GREEDY, 0),
+    ]
+    got = token_logprobs(logits, rows, [[0], [1]])
+    [entry] = got["a"]
+    assert [token for token, _ in entry.top] == [0, 1, 2]
+    assert entry.logprob == pytest.approx(np.log(0.5), abs=1e-6)
+    assert "b" not in got
