@@ -155,10 +155,21 @@ CASES: dict[str, tuple[list[tuple[str, str]], list[tuple[int, str, list[dict[str
         [
             GATEWAY_UP,
             (_engine("tandem_engine_kv_cache_usage", pod="d", model="m"), "0.97x20"),
+            # Full engines swing around the 90 % watermark: a mean of 0.89 is saturated.
+            (_engine("tandem_engine_kv_cache_usage", pod="s", model="s"), "0.97 0.81 " * 10),
+            # At the autoscaler's target, or briefly full: no alert.
+            (_engine("tandem_engine_kv_cache_usage", pod="t", model="t"), "0.72x20"),
+            (_engine("tandem_engine_kv_cache_usage", pod="u", model="u"), "0.5x8 0.99x12"),
             # Prompt engines hold prefilled KV until it is fetched: full is not a problem.
             (_series("tandem_engine_kv_cache_usage", ENGINES, role="prompt", model="n"), "0.99x20"),
         ],
-        [(18, "TandemKVCacheSaturated", [{"namespace": "models", "model": "m"}])],
+        [
+            (
+                18,
+                "TandemKVCacheSaturated",
+                [{"namespace": "models", "model": "m"}, {"namespace": "models", "model": "s"}],
+            )
+        ],
     ),
     "KV transfers failing": (
         [
