@@ -67,7 +67,12 @@ def recommend(
     elif down < 1 - policy.tolerance - EPSILON:
         recommendation, why = _ceil(demand.down), f"{_asks(demand, down=True)}, {down:.2f}x current"
     else:
-        return current, f"{_asks(demand)}, within tolerance {policy.tolerance:g}"
+        # Both views when they differ: with pods starting (counted at target going down)
+        # "asks 0.00, within tolerance" of one replica read as a contradiction.
+        views, going_down = _asks(demand), _asks(demand, down=True)
+        if going_down != views:
+            views += f" (going down, {going_down})"
+        return current, f"{views}, within tolerance {policy.tolerance:g}"
     if recommendation == 0:
         # Zero only through the idle timer: queued work with 0 tokens still needs a pod.
         return 1, why + ("; at least 1 until idle" if policy.min_replicas == 0 else "")

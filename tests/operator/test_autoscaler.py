@@ -80,6 +80,14 @@ def kv_load(total: float, *, running_per_unit: float = 10):
 # ------------------------------------------------------------------ steady, step, flapping
 
 
+def test_a_hold_says_both_views_where_they_differ():
+    # A pod starting counts idle going up and at target going down: "asks 0.00, within
+    # tolerance" of one replica read as a contradiction, the hold's cause unsaid.
+    d = once(DECODE, observe(1))
+    assert (d.replicas, d.changed) == (1, False)
+    assert "kv_cache asks 0.00 (going down, kv_cache asks 1.00), within tolerance" in d.reason
+
+
 @pytest.mark.parametrize(
     ("role", "obs", "q"),
     [
