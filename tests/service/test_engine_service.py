@@ -25,6 +25,7 @@ from tandem.protocol import (
     HANDOFF_GROUP,
     PRIORITY_NORMAL,
     PROTOCOL_VERSION,
+    WORK_GROUP,
     ErrorCode,
     EventKind,
     Handoff,
@@ -613,6 +614,9 @@ def test_an_entry_the_engine_cannot_read_is_answered_not_dropped(engines, client
     answer = client.answer("no-prompt", timeout=30)
     assert answer.final.error_code == ErrorCode.INVALID_REQUEST
     assert "the engine cannot read this request" in answer.final.error_message
+    # Acked once answered (the answer first: an engine dying between leaves it pending).
+    assert eventually(lambda: client.redis.xpending(stream, WORK_GROUP)["pending"] == 0)
+    assert client.redis.xlen(stream) == 0
 
 
 def test_a_request_past_its_deadline_ends_with_a_clear_error(engines, client):

@@ -134,7 +134,7 @@ def test_ack_clears_pending_and_deletes(redis_client, keys, queue):
     assert not queue("e2").pull(5)
 
 
-def test_malformed_entries_are_acked_and_reported(redis_client, keys, queue):
+def test_malformed_entries_are_reported_and_acked_once_answered(redis_client, keys, queue):
     q = queue()
     stream = keys.work_stream(MODEL, PRIORITY_NORMAL)
     bad = [
@@ -151,6 +151,11 @@ def test_malformed_entries_are_acked_and_reported(redis_client, keys, queue):
     assert "protocol version 99" in pulled.malformed[2][1]
     # Where the request id can be read, it comes along: the engine answers it.
     assert [rid for _, _, rid in pulled.malformed] == [None, None, "r9", "r0"]
+    # Pending until answered: acked at once, an engine that died before its answers
+    # were written left their clients waiting out their deadlines in silence.
+    assert redis_client.xpending(stream, WORK_GROUP)["pending"] == 5
+    assert pulled.unreadable == [(stream, entry_id) for entry_id in bad]
+    assert q.ack_entries(pulled.unreadable) == 4
     assert redis_client.xpending(stream, WORK_GROUP)["pending"] == 1  # only the good one
     time.sleep(IDLE_MS * 1.5 / 1000)
     assert ids(queue("e2").pull(10).work) == ["good"]  # the bad ones never come back

@@ -101,7 +101,7 @@ class Replies:
 
     def unreadable(self, malformed: list[tuple[str, str, str | None]]) -> None:
         """Entries no engine can read (a gateway of another protocol version, a hand-made
-        entry), already acked: said in the log, and answered where the request id could
+        entry), acked once this is written: said in the log, and answered where the request id could
         be read, else its client waited out its whole deadline in silence."""
         for _, why, rid in malformed:
             log.warning("unreadable entry dropped: %s", why)

@@ -93,9 +93,11 @@ class Pulled:
 
     exhausted: delivered more than max_deliveries times (engines kept dying on
     them): write an ErrorCode.REDELIVERY_LIMIT event, then `ack` them.
-    malformed: (entry_id, why, request_id or None) of entries that cannot be read;
-    already acked. Their request id, where it could still be read, is for an answer:
-    without one the client waits out its whole deadline.
+    malformed: (entry_id, why, request_id or None) of entries that cannot be read.
+    Their request id, where it could still be read, is for an answer: without one the
+    client waits out its whole deadline. `unreadable` are their (stream, entry_id),
+    still pending: `ack_entries` them once the answers are written (acked first, an
+    engine that died between lost the answer, and its client waited in silence).
     Iterating yields work, then exhausted deliveries (`Delivery.exhausted` tells
     them apart), for a loop that handles both in one place.
     """
@@ -103,6 +105,7 @@ class Pulled:
     work: list[Delivery] = field(default_factory=list)
     exhausted: list[Delivery] = field(default_factory=list)
     malformed: list[tuple[str, str, str | None]] = field(default_factory=list)
+    unreadable: list[tuple[str, str]] = field(default_factory=list)
 
     def __iter__(self) -> Iterator[Delivery]:
         yield from self.work
@@ -235,7 +238,6 @@ class WorkQueue:
 
     def _sort(self, entries: list[Any], lost: list[Any]) -> Pulled:
         pulled = Pulled()
-        unreadable: list[tuple[str, str]] = []
         for index, raw_id, flat, times, reclaimed in entries:
             stream, entry_id = self.streams[index - 1], as_text(raw_id)
             fields = {as_text(flat[i]): flat[i + 1] for i in range(0, len(flat), 2)}
@@ -246,7 +248,7 @@ class WorkQueue:
                 # valid but not an object of the expected shape.
                 why, rid = f"{stream} {entry_id}: {exc}", _request_id(fields)
                 pulled.malformed.append((entry_id, why, rid))
-                unreadable.append((stream, entry_id))
+                pulled.unreadable.append((stream, entry_id))
                 continue
             exhausted = int(times) > self.max_deliveries
             delivery = Delivery(stream, entry_id, message, int(times), bool(reclaimed), exhausted)
@@ -255,8 +257,6 @@ class WorkQueue:
             entry_id = as_text(raw_id)
             stream = self.streams[index - 1]
             pulled.malformed.append((entry_id, f"{stream} {entry_id}: deleted while pending", None))
-        if unreadable:
-            self._ack_ids(unreadable)
         return pulled
 
     def _decode(self, fields: dict[str, Any]) -> WorkItem | Handoff:
@@ -272,9 +272,11 @@ class WorkQueue:
 
     def ack(self, deliveries: Iterable[Delivery]) -> int:
         """Acknowledge and delete finished entries; returns how many were pending."""
-        return self._ack_ids([(d.stream, d.entry_id) for d in deliveries])
+        return self.ack_entries([(d.stream, d.entry_id) for d in deliveries])
 
-    def _ack_ids(self, ids: Sequence[tuple[str, str]]) -> int:
+    def ack_entries(self, ids: Sequence[tuple[str, str]]) -> int:
+        """Acknowledge and delete entries by (stream, entry_id): those `Pulled.unreadable`
+        names, once answered; returns how many were pending."""
         if not ids:
             return 0
         by_stream: dict[str, list[str]] = defaultdict(list)
