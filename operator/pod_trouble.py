@@ -116,6 +116,9 @@ class _Container:
     crashes: str  # the reason when it keeps exiting
     oom: str  # the reason when it is killed for memory
     oom_advice: str
+    # Its startupProbe passed since its last restart once `started` is true (without
+    # one, Kubernetes sets it as the container starts: no proof of anything).
+    has_startup_probe: bool = False
 
 
 _ENGINE = _Container(
@@ -123,6 +126,7 @@ _ENGINE = _Container(
     "EngineCrashLoop",
     "EngineOOMKilled",
     "raise the role's resources.limits.memory, or lower engine.kvCacheMemory or engine.maxNumSeqs",
+    has_startup_probe=True,
 )
 
 
@@ -151,6 +155,12 @@ def _container_trouble(pod: str, container: Body, kind: _Container) -> PodTroubl
         failed and restarts >= _LOOPING_RESTARTS
     ):
         return None  # starting, or exited once and restarting: not a loop yet
+    running = (container.get("state") or {}).get("running") is not None
+    if kind.has_startup_probe and running and container.get("started"):
+        # Up since its last exit (its startup probe passed): that exit, maybe hours
+        # old, is no cause of its being unready now (a Redis blip read as a crash loop,
+        # quoting the old log).
+        return None
     if last.get("reason") == "OOMKilled":
         return PodTrouble(
             kind.oom,

@@ -71,6 +71,16 @@ def test_a_crash_loop_holds_between_its_back_offs():
     assert trouble is not None and trouble.reason == "EngineCrashLoop"
 
 
+def test_an_engine_up_since_its_last_exits_is_not_in_a_crash_loop():
+    # Two exits at start (Redis not up yet), then hours of serving; a Redis blip made
+    # it unready, and the model read EngineCrashLoop, quoting the hours-old log.
+    engine = {**crash_loop(), "restartCount": 2, "state": {"running": {}}, "started": True}
+    assert pod_trouble(pod(engine=engine)) is None
+    looping = {**engine, "started": False}  # loading again, its probe not passed yet
+    trouble = pod_trouble(pod(engine=looping))
+    assert trouble is not None and trouble.reason == "EngineCrashLoop"
+
+
 def test_a_crash_without_a_message_points_at_the_logs():
     trouble = pod_trouble(pod(engine=crash_loop(message="")))
     assert trouble is not None and "kubectl logs --previous" in trouble.message
