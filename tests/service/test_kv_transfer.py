@@ -433,6 +433,87 @@ def test_a_suspect_peer_is_probed_and_asked_again_once_it_answers():
     assert released == [("b", "t-b")]  # the offer skipped, freed on the prompt engine
 
 
+class _FakeFetches:
+    """KVFetches over a fetch function of the test's, its outcomes collected by id."""
+
+    def __init__(self, fetch, probe_every_s: float) -> None:
+        self.released: list[str] = []
+        self.outcomes: dict = {}
+
+        def release(address: str, handle: str, token: str, timeout: float) -> bool:
+            self.released.append(handle)
+            return True
+
+        self.fetches = KVFetches(fetch, max_parallel=2, release=release,
+                                 probe_every_s=probe_every_s)  # fmt: skip
+
+    def start(self, rid: str, address: str) -> None:
+        self.fetches.start(rid, address=address, handle=rid, token="t")
+
+    def reason(self, rid: str) -> str | None:
+        deadline = time.monotonic() + 5
+        while rid not in self.outcomes and time.monotonic() < deadline:
+            self.outcomes.update({o.request_id: o for o in self.fetches.done()})
+            time.sleep(0.01)
+        error = self.outcomes[rid].error
+        return None if error is None else error.reason
+
+
+def test_suspect_peers_are_probed_one_at_a_time():
+    # A probe of a stalled peer holds a fetch thread for its whole timeout: each suspect
+    # probed on its own, a zone cut off kept both threads busy for good.
+    gate = threading.Event()
+    started: list[str] = []
+
+    def fetch(handle: str, **_: object) -> TransferStats:
+        started.append(handle)
+        if handle.startswith("probe"):
+            gate.wait(5)  # a stalled peer: no answer until its timeout
+        raise KVTransferError("timeout", "did not answer", unanswered=True)
+
+    fake = _FakeFetches(fetch, probe_every_s=0.1)
+    try:
+        fake.start("first-a", "stalled:1")
+        fake.start("first-b", "stalled:2")
+        assert fake.reason("first-a") == fake.reason("first-b") == "timeout"
+        time.sleep(0.15)  # both probes due
+        fake.start("probe-a", "stalled:1")
+        time.sleep(0.1)
+        fake.start("probe-b", "stalled:2")
+        assert fake.reason("probe-b") == "skipped"  # while probe-a runs
+        gate.set()
+        assert fake.reason("probe-a") == "timeout"
+    finally:
+        gate.set()
+        fake.fetches.close()
+    assert started == ["first-a", "first-b", "probe-a"]
+
+
+def test_a_probe_that_finds_no_one_keeps_the_peer_skipped_and_releases_nothing():
+    # Counted as an answer, the dead peer was asked again, and every offer skipped was
+    # released to it, each holding a fetch thread until its own timeout.
+    def fetch(handle: str, **_: object) -> TransferStats:
+        if handle == "probe":
+            raise KVTransferError("unreachable", "connection refused")
+        raise KVTransferError("timeout", "did not answer", unanswered=True)
+
+    fake = _FakeFetches(fetch, probe_every_s=0.1)
+    try:
+        fake.start("first", "gone:1")
+        assert fake.reason("first") == "timeout"
+        fake.start("skipped", "gone:1")
+        assert fake.reason("skipped") == "skipped"
+        time.sleep(0.15)
+        fake.start("probe", "gone:1")
+        assert fake.reason("probe") == "unreachable"
+        fake.start("after", "gone:1")
+        assert fake.reason("after") == "skipped"
+        time.sleep(0.2)
+    finally:
+        fake.fetches.close()
+    assert fake.released == []
+
+
 def test_a_decoder_that_will_not_fetch_releases_the_offer_with_its_token():
     # A decoder recomputing a prompt (another model's KV) left the KV pinned on the
     # prompt engine until the offer expired: a rollout's mismatched pairs filled its pool.

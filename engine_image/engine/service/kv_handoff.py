@@ -82,13 +82,19 @@ class FetchOutcome:
 # each of its handoffs, and the handoffs of healthy ones waited in line behind them.
 # One whose frames stopped midway answered: a slow link, not a stalled peer.
 SUSPECT_FOR_S = 30.0
-# Meanwhile one fetch is let through this often: one that succeeds ends the suspicion.
-# A prompt engine that was only busy (its transfer threads all taken, the fetch waiting
+# Meanwhile one fetch is let through after this long, then twice as long after each
+# that went unanswered, and one suspect at a time is probed (a probe of a stalled peer
+# holds a fetch thread for a whole timeout). One the peer answers ends the suspicion:
+# a prompt engine that was only busy (its transfer threads all taken, the fetch waiting
 # in its queue past the timeout) was skipped for the whole 30 s, and the offers skipped
 # stayed pinned there until they expired, so it filled up and pulled no more work.
 PROBE_EVERY_S = 5.0
+# Failures that are an answer from the peer: it is up, if not with this KV.
+_ANSWERS = frozenset(
+    {Reason.REFUSED, Reason.MISMATCH, Reason.CHECKSUM, Reason.PROTOCOL, Reason.TIMEOUT}
+)
 # Offers skipped while a peer is suspect, kept to release once it answers again.
-_SKIPPED_KEPT = 256
+_SKIPPED_KEPT = 64
 # A release waits this long at most for the prompt engine (it holds a fetch thread).
 RELEASE_WITHIN_S = 2.0
 # Failed fetches after which the prompt engine likely still holds the offer (the
@@ -100,12 +106,12 @@ _OFFER_LEFT_PINNED = frozenset(
 
 @dataclass
 class _Suspect:
-    """A peer that did not answer a fetch: skipped until `until`, but for one probe
-    fetch at a time from `probe_at` on (all time.monotonic())."""
+    """A peer that did not answer a fetch: skipped until `until`, but for a probe fetch
+    from `probe_at` on (all time.monotonic())."""
 
     until: float
     probe_at: float
-    probing: bool = False
+    failed_probes: int = 0  # in a row: each doubles the wait for the next
     skipped: dict[str, str] = field(default_factory=dict)  # offer handle -> its token
 
 
@@ -129,6 +135,7 @@ class KVFetches:
         self._probe_every_s = probe_every_s
         # Addresses that did not answer a fetch, and the offers skipped meanwhile.
         self._suspects: dict[str, _Suspect] = {}
+        self._probing = False  # a probe runs (of any suspect)
         self._suspects_lock = threading.Lock()
 
     def start(self, request_id: str, **fetch_args: object) -> None:
@@ -162,13 +169,11 @@ class KVFetches:
                 self._answered(address)
         except KVTransferError as exc:
             if exc.reason is Reason.TIMEOUT and exc.unanswered:
-                with self._suspects_lock:
-                    now = time.monotonic()
-                    suspect = self._suspects.setdefault(address, _Suspect(now, now))
-                    suspect.until = now + SUSPECT_FOR_S
-                    suspect.probe_at, suspect.probing = now + self._probe_every_s, False
-            elif probe:  # it answered, if not with the KV
+                self._suspect(address, probe)
+            elif probe and exc.reason in _ANSWERS:  # it answered, if not with the KV
                 self._answered(address)
+            elif probe:  # unreachable: gone (a new pod has another address)
+                self._gone(address)
             self._outcomes.put(FetchOutcome(request_id, None, exc))
             skipped = exc.reason is Reason.SKIPPED
             if skipped or (exc.reason in _OFFER_LEFT_PINNED and not exc.unanswered):
@@ -178,6 +183,29 @@ class KVFetches:
         except Exception as exc:  # a bug must not strand the request: recompute it
             error = KVTransferError("protocol", f"{type(exc).__name__}: {exc}")
             self._outcomes.put(FetchOutcome(request_id, None, error))
+            if probe:
+                self._gone(address)
+
+    def _suspect(self, address: str, probe: bool) -> None:
+        """The peer did not answer a fetch (a probe, if `probe`) within its timeout."""
+        with self._suspects_lock:
+            now = time.monotonic()
+            suspect = self._suspects.setdefault(address, _Suspect(now, now))
+            suspect.until = now + SUSPECT_FOR_S
+            if probe:
+                suspect.failed_probes += 1
+                self._probing = False
+            wait = self._probe_every_s * 2**suspect.failed_probes
+            suspect.probe_at = now + min(wait, SUSPECT_FOR_S)
+
+    def _gone(self, address: str) -> None:
+        """A probe found no one there: still skipped, its skipped offers forgotten
+        (released to nobody, each held a fetch thread until its own timeout)."""
+        with self._suspects_lock:
+            self._probing = False
+            if (suspect := self._suspects.get(address)) is not None:
+                suspect.skipped.clear()
+                suspect.probe_at = time.monotonic() + SUSPECT_FOR_S
 
     def _check(self, address: str) -> bool:
         """Whether this fetch probes a suspect peer; KVTransferError (skipped) for one
@@ -189,8 +217,8 @@ class KVFetches:
                 # Its offers skipped then have expired (--handoff-ttl is the same 30 s).
                 self._suspects.pop(address, None)
                 return False
-            if not suspect.probing and suspect.probe_at <= now:
-                suspect.probing = True
+            if not self._probing and suspect.probe_at <= now:
+                self._probing = True
                 return True
             ago = now - (suspect.until - SUSPECT_FOR_S)
         raise KVTransferError(Reason.SKIPPED, f"{address} timed out {ago:.0f} s ago")
@@ -200,6 +228,7 @@ class KVFetches:
         skipped meanwhile are released (they stayed pinned there for nobody)."""
         with self._suspects_lock:
             suspect = self._suspects.pop(address, None)
+            self._probing = False
         for handle, token in (suspect.skipped if suspect is not None else {}).items():
             self.release(address, handle=handle, token=token)
 
