@@ -61,6 +61,11 @@ class HandoffSide:
         self.receiving[request.request_id] = request
         return request.block_ids
 
+    def takes_handoffs(self) -> bool:
+        """Whether a handoff of one token's KV would be taken now: none is while a
+        recompute waiting needs the room (the engine then pulls none to park)."""
+        return self._takes_handoff(1)
+
     def _takes_handoff(self, num_kv_tokens: int) -> bool:
         """Room for a handoff's KV, as a prompt's admission has it: a free slot, and
         its blocks keep usage within the watermark (unless nothing else runs), the room

@@ -94,3 +94,14 @@ def test_a_completion_engine_with_a_recompute_waiting_takes_handoffs_beside_it()
     assert pull_room(sched, settings(Role.COMPLETION), held=1) == 7
     probe = Request("p", list(range(20)), PARAMS)
     assert sched.admit_handoff(probe, [7]) is not None  # as the scheduler would
+
+
+def test_a_completion_engine_pulls_none_its_scheduler_would_refuse_for_a_recompute():
+    # Pulled beside a recompute that needs the room, each was parked, handed back a
+    # second later, and pulled again: a handoff another decoder could have started.
+    sched = scheduler(EngineType.COMPLETION, max_num_seqs=8, num_blocks=128)
+    request = Request("r", list(range(1_900)), PARAMS)  # 119 of 128 blocks to come
+    assert sched.admit_handoff(request, [7]) is not None
+    sched.handoff_failed("r")
+    assert pull_room(sched, settings(Role.COMPLETION), held=1) == 0
+    assert sched.admit_handoff(Request("p", list(range(20)), PARAMS), [7]) is None

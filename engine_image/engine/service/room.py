@@ -21,8 +21,8 @@ def pull_room(scheduler: Scheduler, settings: WorkerSettings, held: int, parked:
     fewer where a decode step's budget holds fewer), and none while
     `parked` ones wait for room it has not got (those it took would wait with them,
     while another decoder, a replica just started say, might start them); a
-    recompute waiting keeps its slot (it is held) and the scheduler takes handoffs
-    in the room beside its blocks (scheduler_handoff.py); any other
+    recompute waiting keeps its slot (it is held), and handoffs are pulled while the
+    scheduler takes them in the room beside its blocks (scheduler_handoff.py); any other
     stops at `max_waiting_tokens` prompt tokens waiting, and else fills its
     waiting queue up to `max_waiting` entries and `max_running` in flight.
     A draining engine pulls nothing: callers check that first.
@@ -31,7 +31,9 @@ def pull_room(scheduler: Scheduler, settings: WorkerSettings, held: int, parked:
     if scheduler.kv_usage > config.cache_prefill_watermark:
         return 0
     if settings.role is Role.COMPLETION:
-        return 0 if parked else max(0, config.max_running - held)
+        if parked or not scheduler.takes_handoffs():
+            return 0
+        return max(0, config.max_running - held)
     if scheduler.waiting_prompt_tokens >= settings.max_waiting_tokens:
         return 0
     return max(0, min(settings.max_waiting - scheduler.num_waiting, config.max_running - held))
