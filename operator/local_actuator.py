@@ -333,8 +333,12 @@ class LocalActuator:
         # An engine that died, restarts or hangs is ranked by nothing (stopped first, as a
         # ReplicaSet removes pods not ready first): by its reading from before, it was
         # kept and the engine serving was stopped, leaving the role nothing until the
-        # dead one came back.
-        readings = [e.last_sample if e.read_now and e.child.alive else None for e in active]
+        # dead one came back. One answering its liveness probe whose scrape failed (busy)
+        # is ranked by its last reading, as the operator ranks a ready pod unread.
+        readings = [
+            e.last_sample if e.child.alive and (e.read_now or e.child.answering) else None
+            for e in active
+        ]
         _, drain = plan_resize(decision.replicas, readings)
         self._start_missing(role, time.monotonic())
         for i in drain:  # the least loaded (what pod-deletion-cost does in a cluster)

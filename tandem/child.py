@@ -95,6 +95,11 @@ class Child:
         return self._was_live
 
     @property
+    def answering(self) -> bool:
+        """Up and answering its liveness probe at the last ask (busy, maybe: not hung)."""
+        return self._was_live and self._failures == 0 and self.alive
+
+    @property
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 

@@ -224,3 +224,20 @@ def test_a_scale_down_stops_an_engine_that_died_not_the_one_serving(actuator):
     history = ScalingHistory()
     local._resize(RoleName.NORMAL, Decision(RoleName.NORMAL, 1, 2, 1, "scale 2->1", history))
     assert (dead.draining, serving.draining) == (True, False)
+
+
+def test_a_scale_down_keeps_a_busy_engine_whose_scrape_failed(actuator):
+    # Unread this time (its scrape timed out under load), it was ranked as an engine
+    # that hung and stopped first; it answers its liveness probe, and the operator ranks
+    # such a pod by its last sample.
+    local, _ = actuator(_manifest())
+    local.replicas[RoleName.NORMAL] = 2
+    local.start()
+    busy, idle = local.engines[RoleName.NORMAL]
+    busy.last_sample = PodSample("normal-1", True, 0.0, 0.9, 12, 0, 0, 8192)
+    idle.last_sample = PodSample("normal-2", True, 0.0, 0.1, 0, 0, 0, 8192)
+    busy.read_now, idle.read_now = False, True
+    busy.child._was_live = True  # it answered /healthz: up, not hung
+    history = ScalingHistory()
+    local._resize(RoleName.NORMAL, Decision(RoleName.NORMAL, 1, 2, 1, "scale 2->1", history))
+    assert (busy.draining, idle.draining) == (False, True)
