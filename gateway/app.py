@@ -22,6 +22,7 @@ from tandem.gateway.error_handlers import install_error_handlers
 from tandem.gateway.head_requests import HeadAsGet
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.middleware import BodyLimit, RequestObserver
+from tandem.gateway.server import graceful_seconds
 from tandem.gateway.service import GatewayService
 from tandem.gateway.settings import GatewaySettings
 
@@ -98,7 +99,9 @@ def create_app(
         authenticate=key_store.caller,
     )
     # Added after the body limit, so outside it: it also sees the body limit's 413s.
-    app.add_middleware(RequestObserver, metrics=metrics)
+    app.add_middleware(
+        RequestObserver, metrics=metrics, shutdown_s=graceful_seconds(settings.shutdown_timeout)
+    )
     if settings.allowed_origins:
         # Outermost: a browser's preflight (OPTIONS, no key) is answered here, and every
         # answer, a 401 or 413 of the body limit's included, carries the headers a

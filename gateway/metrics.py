@@ -102,7 +102,7 @@ class GatewayMetrics:
         )
         self._redis_up = Gauge(
             "tandem_gateway_redis_up",
-            "1 if Redis answered this scrape's read of the engine registry, else 0 (the "
+            "1 if Redis answered the last read of the engine registry, else 0 (the "
             "engine counts are then the last read).",
             registry=r,
         )

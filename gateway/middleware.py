@@ -157,9 +157,10 @@ class RequestObserver:
     A client that left is counted as 499, also when its stream had started (200).
     """
 
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, shutdown_s: float = 0.0) -> None:
         self.app = app
         self.metrics = metrics
+        self.shutdown_s = shutdown_s  # the server's graceful shutdown, for the log
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -197,7 +198,10 @@ class RequestObserver:
             # plain-text 500 an SDK shows as "Internal Server Error".
             if started_response:
                 raise  # a response started: the server closes the connection
-            log.warning("a request still open at the shutdown timeout was cut: answered 503")
+            log.warning(
+                "a request still open at the shutdown timeout (%gs) was cut: answered 503",
+                self.shutdown_s,
+            )
             response = shutting_down().response()
             response.headers["Connection"] = "close"
             await response({"type": "http"}, _no_receive, observed)
