@@ -74,13 +74,13 @@ class Intake:
                 return
             if room:
                 pulled = self.io.queue.pull(room, self.settings.idle_block_ms if block else 0)
+                self._untaken = list(pulled)  # first: Redis may fail below
                 if pulled.malformed:
                     self.replies.unreadable(pulled.malformed)
                     # Their answers, then their acks (a failure between leaves them to
                     # be pulled and answered again, not lost with their answers).
                     self.io.responses.flush()
                     self.io.queue.ack_entries(pulled.unreadable)
-                self._untaken = list(pulled)
             took = bool(self._untaken)
             # One at a time, each dropped from _untaken once taken: Redis going away
             # midway leaves the rest to take once it is back (pulled again, they would
