@@ -97,6 +97,26 @@ def test_a_port_in_use_is_named_before_the_model_loads():
             )
 
 
+@pytest.mark.parametrize(
+    ("flags", "shared", "ranks"),
+    [
+        (["--port", "18150", "--kv-port", "18150"], 18150, ""),
+        # Rank 1's HTTP port is rank 0's KV port.
+        (["--port", "18150", "--kv-port", "18151", "--data-parallel-size", "2"], 18151,
+         " (a port per rank, 2 ranks)"),
+    ],
+)  # fmt: skip
+def test_the_http_and_kv_ports_may_not_overlap(flags, shared, ranks):
+    # Each was free alone: the KV server failed with a traceback once the model loaded.
+    done = _engine("--role", "prompt", *flags)
+    assert done.returncode == 2, done.stderr
+    port, kv_port = flags[1], flags[3]
+    assert done.stderr.strip() == (
+        f"tandem: error: --port {port} and --kv-port {kv_port} both take port {shared}{ranks}: "
+        "give them ports apart"
+    )
+
+
 def test_an_unreachable_redis_is_named_before_the_model_loads():
     port = free_port()
     done = _engine("--redis-url", f"redis://:S3cret@127.0.0.1:{port}/0", "--redis-wait", "1.5")

@@ -260,7 +260,15 @@ def check_ports(args: argparse.Namespace) -> None:
     this machine does not have), before minutes of model loading end in a traceback."""
     ports = [("--port", args.port + rank) for rank in range(args.data_parallel_size)]
     if args.role == "prompt" and args.kv_port:  # 0: any free port
-        ports += [("--kv-port", args.kv_port + r) for r in range(args.data_parallel_size)]
+        kv_ports = [("--kv-port", args.kv_port + r) for r in range(args.data_parallel_size)]
+        if shared := sorted({p for _, p in ports} & {p for _, p in kv_ports}):
+            # Each was free alone: the second server failed once the model had loaded.
+            ranks = f" (a port per rank, {args.data_parallel_size} ranks)" if len(ports) > 1 else ""
+            raise ValueError(
+                f"--port {args.port} and --kv-port {args.kv_port} both take port "
+                f"{shared[0]}{ranks}: give them ports apart"
+            )
+        ports += kv_ports
     for flag, port in ports:
         try:
             check_port(args.host, port, flag=flag, who="the engine")
