@@ -104,7 +104,9 @@ def serve(args: argparse.Namespace, rank: int, vote: Vote | None = None) -> int:
         args.host,
         args.port + rank,
         live=lambda: probes.live(worker),
-        ready=lambda: probes.ready(worker, io.ping),
+        # io.ping looked up when asked: `io` is made below, after the port opens (read
+        # at once, a probe in between answered 500, "cannot access free variable").
+        ready=lambda: probes.ready(worker, lambda: io.ping()),
         metrics=metrics.render,
     )
     http.start()
