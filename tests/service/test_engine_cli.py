@@ -15,7 +15,8 @@ import pytest
 from tandem.engine.config import EngineConfig
 from tandem.engine.service.arguments import add_arguments, engine_fields, worker_fields
 from tandem.engine.service.settings import WorkerSettings
-from tandem.redis_server import free_port
+from tandem.redaction import redacted
+from tandem.redis_server import RedisServer, free_port
 
 TANDEM = str(Path(sys.executable).with_name("tandem"))
 
@@ -115,6 +116,23 @@ def test_the_http_and_kv_ports_may_not_overlap(flags, shared, ranks):
         f"tandem: error: --port {port} and --kv-port {kv_port} both take port {shared}{ranks}: "
         "give them ports apart"
     )
+
+
+def test_a_redis_refusing_the_password_is_named_at_once():
+    # Retried for the whole --redis-wait (60 s) as if Redis were still starting, and
+    # without a password in the URL, in redis-py's words ("HELLO must be called ...").
+    with RedisServer(password="S3cret") as server:
+        shown = f"redis://127.0.0.1:{server.port}/0"
+        for url, what in (
+            (shown, "asks for a password, and none is in"),
+            (f"redis://:wrong@127.0.0.1:{server.port}/0", "refused the password of"),
+        ):
+            done = _engine("--redis-url", url, "--redis-wait", "30")
+            assert done.returncode == 1, done.stderr
+            assert done.stderr.strip().splitlines()[-1] == (
+                f"tandem: error: Redis at {redacted(url)} {what} --redis-url"
+            )
+            assert "waiting for Redis" not in done.stderr and "wrong" not in done.stderr
 
 
 def test_an_unreachable_redis_is_named_before_the_model_loads():

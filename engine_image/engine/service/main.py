@@ -10,6 +10,7 @@ import socket
 import sys
 import time
 import uuid
+from urllib.parse import urlsplit
 
 import redis
 
@@ -58,6 +59,9 @@ def wait_for_redis(url: str, wait_s: float) -> None:
             try:
                 client.ping()
                 return
+            except redis.AuthenticationError:
+                # No waiting: a wrong password stays wrong (it cost --redis-wait a start).
+                raise SystemExit(f"tandem: error: {refused_credentials(url)}") from None
             except redis.RedisError as exc:
                 if time.monotonic() >= deadline:
                     raise SystemExit(
@@ -67,6 +71,15 @@ def wait_for_redis(url: str, wait_s: float) -> None:
                 # status: never the password.
                 log.info("waiting for Redis at %s: %s", redacted(url), exc)
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+
+def refused_credentials(url: str) -> str:
+    """Why Redis at `url` refused the connection's credentials, in words a user acts on
+    (redis-py's, with no password given: "HELLO must be called with the client already
+    authenticated ...")."""
+    given = urlsplit(url).password is not None
+    what = "refused the password of" if given else "asks for a password, and none is in"
+    return f"Redis at {redacted(url)} {what} --redis-url"
 
 
 def refuse_a_live_namesake(url: str, keys: Keys, engine_id: str) -> None:
