@@ -341,3 +341,23 @@ def test_a_request_redis_lost_is_dropped_here_once_another_engine_serves_it(
     client.redis.xadd(stream, other.to_fields())
     assert eventually(lambda: "is served elsewhere now" in engine.log(), 30), engine.log()
     assert eventually(lambda: engine.metric("tandem_engine_requests_running") == 0, 10)
+
+
+def test_an_unreadable_event_in_a_lost_requests_stream_drops_it_not_the_engine(engines, client):
+    # Its entry and the data epoch gone, the engine looked at the request's stream to
+    # see whether another engine served it: an event of another protocol version there
+    # raised through the loop, and the engine ended as if a flag were bad (exit 2, no
+    # traceback), its other requests not handed back.
+    engine = engines("normal", "--model", "random:medium", *LONG, "--claim-idle-ms", "4000")
+    sampling = {"max_tokens": MAX_TOKENS, **GREEDY}
+    rid = client.submit(prompt_token_ids=PROMPTS[0], sampling=sampling)
+    next(e for e in client.events(rid) if e.event == EventKind.TOKENS)
+    for stream in client.keys.work_streams("tiny"):
+        for entry in client.redis.xpending_range(stream, WORK_GROUP, "-", "+", 10):
+            client.redis.xack(stream, WORK_GROUP, entry["message_id"])
+    client.redis.delete(client.keys.data_epoch)  # as if Redis lost its data
+    stream = client.keys.response_stream(rid)
+    client.redis.xadd(stream, {"v": "9", "kind": "event", "data": "{}"})
+    assert eventually(lambda: "taken as served elsewhere" in engine.log(), 30), engine.log()
+    assert eventually(lambda: engine.metric("tandem_engine_requests_running") == 0, 10)
+    assert engine.process.poll() is None, engine.log()

@@ -22,6 +22,7 @@ from tandem.engine.service.redis_io import RedisIO
 from tandem.engine.service.redis_outage import RedisOutage, unavailable
 from tandem.engine.service.settings import WorkerSettings
 from tandem.engine.service.work_queue import Delivery
+from tandem.protocol import ProtocolError
 from tandem.registry_entry import EngineInfo
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,11 @@ class RedisWrites:
         over, a gateway that queued it again after Redis lost it), or its end: that one
         serves it now, and this engine's unwritten events are stale. Only its own: Redis
         lost the entry, and this engine goes on (its final event included)."""
-        history = self.io.responses.history(request_id)
+        try:
+            history = self.io.responses.history(request_id)
+        except ProtocolError as exc:  # a writer of another version: not this engine
+            log.warning("%s: %s; taken as served elsewhere", request_id, exc)
+            return True
         return history.final is not None or bool(history.writers - {self.settings.engine_id})
 
     def _drop_orphans_served_elsewhere(self) -> None:

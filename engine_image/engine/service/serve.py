@@ -157,6 +157,10 @@ def serve(args: argparse.Namespace, rank: int, vote: Vote | None = None) -> int:
     )
     try:
         return worker.run()
+    except ValueError as exc:
+        # A bug or bad data while serving, not a bad flag: `tandem` reads a ValueError
+        # as bad input (one line, exit 2), and the traceback was lost.
+        raise RuntimeError(f"the engine failed while serving: {exc}") from exc
     finally:
         if kv_server is not None:
             kv_server.stop()
