@@ -361,3 +361,6 @@ def test_an_unreadable_event_in_a_lost_requests_stream_drops_it_not_the_engine(e
     assert eventually(lambda: "taken as served elsewhere" in engine.log(), 30), engine.log()
     assert eventually(lambda: engine.metric("tandem_engine_requests_running") == 0, 10)
     assert engine.process.poll() is None, engine.log()
+    # Said as a warning, which an alert on the level can tell from an info line.
+    [line] = [x for x in engine.log().splitlines() if "taken as served elsewhere" in x]
+    assert " WARNING tandem.engine" in line, line

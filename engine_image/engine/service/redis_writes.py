@@ -118,6 +118,9 @@ class RedisWrites:
             self._stranded(exc, running)
 
     def _stranded(self, why: object, running: int) -> None:
+        if not running and not self.unwritten:
+            log.info("stopping with Redis unreachable (%s): nothing was held", why)
+            return
         log.warning(
             "stopping with Redis unreachable (%s): %s are lost; if Redis keeps their "
             "entries, other engines take the unfinished requests over after --claim-idle-ms",

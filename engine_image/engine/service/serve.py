@@ -42,7 +42,8 @@ PROBE_TIMEOUT_S = 0.5
 
 def serve(args: argparse.Namespace, rank: int, vote: Vote | None = None) -> int:
     """Load the model, wire the service together, run until drained."""
-    log_to_stderr()  # a data-parallel rank is a fresh interpreter
+    # A data-parallel rank is a fresh interpreter; its lines say which it is.
+    log_to_stderr(rank if args.data_parallel_size > 1 else None)
     role = Role(args.role)
     if args.threads is not None:
         # More threads than cores owned is far worse than too few: torch's OpenMP
