@@ -91,3 +91,24 @@ def test_a_draining_engine_hands_them_back_once_redis_is_back(stranded, redis_cl
     assert sorted(d.request_id for d in pulled) == ["r0", "r1"]
     assert all(d.times_delivered == 1 for d in pulled)  # the hand-back counted nothing
     assert writers(redis_client, keys, "r0") == writers(redis_client, keys, "r1") == set()
+
+
+def test_an_engine_that_started_with_redis_away_notes_the_epoch_before_its_first_pull(
+    redis_client, redis_url, keys
+):
+    # Noted only at the start, it never was: for the process's life a request whose
+    # entry vanished (finished by another engine while this one stalled) was run to its
+    # end for nobody. The worker here never started: as if Redis had been away then.
+    engine = LLM("random:tiny", num_kv_blocks=32, max_model_len=128).engine
+    settings = WorkerSettings(role=Role.NORMAL, model_name="tiny", engine_id="a", http_address="")
+    listener = CancelListener(redis_url, keys)
+    worker = EngineWorker(engine, settings, RedisIO(redis_client, keys, settings, listener),
+                          EngineMetrics("tiny", "normal"))  # fmt: skip
+    try:
+        assert not worker.io.epoch.noted
+        sampling = {"max_tokens": 2, "temperature": 0.0}
+        enqueue(redis_client, keys, WorkItem("r", "tiny", prompt_token_ids=[5], sampling=sampling))
+        turn_until(worker, lambda: worker.held)
+        assert worker.io.epoch.noted and worker.io.epoch.kept()
+    finally:
+        listener.close()

@@ -36,12 +36,17 @@ class DataEpoch:
         """Read it now (the engine's start): what later reads are compared with."""
         self._seen = self._read()
 
+    @property
+    def noted(self) -> bool:
+        return self._seen is not None
+
     def kept(self) -> bool:
-        """Whether Redis kept its data since the engine's start. Not noted then (Redis
-        was away): not known, so not kept. Once it reads otherwise it stays so: the
-        entries this engine held when Redis lost them are gone for good, and read
-        against the new epoch they would pass for finished elsewhere (their final
-        events dropped, their clients left waiting)."""
+        """Whether Redis kept its data since it was noted (the engine's start, or its
+        first pull where Redis was away at the start). Not noted: not known, so not
+        kept. Once it reads otherwise it stays so: the entries this engine held when
+        Redis lost them are gone for good, and read against the new epoch they would
+        pass for finished elsewhere (their final events dropped, their clients left
+        waiting)."""
         return self._seen is not None and self._read() == self._seen
 
     def _read(self) -> str:

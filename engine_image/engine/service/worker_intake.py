@@ -73,6 +73,11 @@ class Intake:
                 self._untaken = []
                 return
             if room:
+                if not self.io.epoch.noted:
+                    # Redis was away at the start: noted before anything is held, or the
+                    # check of a request whose entry is lost never passes (run to its
+                    # end for nobody once another engine finished it).
+                    self.io.epoch.note()
                 pulled = self.io.queue.pull(room, self.settings.idle_block_ms if block else 0)
                 self._untaken = list(pulled)  # first: Redis may fail below
                 if pulled.malformed:
