@@ -86,6 +86,9 @@ def check_deployment_args(args: argparse.Namespace, mode: str, autoscaled: bool)
     leaves without effect: ValueError naming them."""
     if mode != "disaggregated":
         _refuse(args.given_flags, ("--network-gbps",), "only for a disaggregated deployment")
+    else:  # prompt and completion engines never vote on a prefill attempt
+        attempts = ("--prefill-attempt-interval", "--prefill-any-attempt-interval")
+        _refuse(args.given_flags, attempts, "only for a normal deployment (its engines' votes)")
     if not autoscaled:
         why = "only where some role is autoscaled (min below max): no pod starts mid-run"
         _refuse(args.given_flags, ("--startup-s",), why)

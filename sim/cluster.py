@@ -108,6 +108,7 @@ class Cluster:
         n, i, now = len(requests), 0, 0.0
         until = cfg.until_s if cfg.until_s is not None else 0.0
         end: float | None = None
+        worked = 0.0  # the last event other than a tick: a run ends there, not at a tick
         while True:
             next_arrival = requests[i].arrival_s if i < n else math.inf
             if heap and heap[0][0] <= next_arrival:
@@ -121,6 +122,8 @@ class Cluster:
                 end = cfg.max_time_s
                 break
             now = t
+            if kind != _TICK:
+                worked = now
             if kind == _STEP:
                 self._step_done(obj, now)  # type: ignore[arg-type]
             elif kind == _ARRIVAL:
@@ -134,7 +137,9 @@ class Cluster:
                 if i < n or self._outstanding or now + cfg.scrape_interval_s <= until:
                     self._push(now + cfg.scrape_interval_s, _TICK, None)
         if end is None:
-            end = min(max(now, until), cfg.max_time_s)
+            # Autoscaled, the tick pushed while work was left ran after the last answer:
+            # its pods were billed to it, a fixed deployment's to the last answer.
+            end = min(max(worked, until), cfg.max_time_s)
         self._record_replicas(end, always=True)
         for pods in self._pods.values():
             for pod in pods:
@@ -213,6 +218,7 @@ class Cluster:
     def _ready(self, pod: Pod, now: float) -> None:
         if pod.state is PodState.STARTING:
             pod.state = PodState.READY
+            self._record_replicas(now)  # at once: the next tick's point came late
         if pod.state is PodState.READY:
             self._turn(pod, now)
 
@@ -224,9 +230,8 @@ class Cluster:
             return
         for rank, handoff in pod.absorb():
             self._admit(pod, rank, handoff, now)
-        if pod.state is PodState.READY:
-            self._pull(pod, now)
-        elif pod.idle():  # draining and done
+        took = pod.state is PodState.READY and self._pull(pod, now)
+        if pod.state is not PodState.READY and pod.idle():  # draining and done
             self._retire(pod, now)
             return
         # The engine's metrics after its step and pull; the next step's prompts
@@ -239,21 +244,27 @@ class Cluster:
                 self._idle[role].pop(pod, None)
                 self._push(now + seconds, _STEP, pod)
                 return
+        if took:  # behind the pods idle longer (it kept its place, and took the next too)
+            self._idle[role].pop(pod, None)
         self._idle[role][pod] = None
 
-    def _pull(self, pod: Pod, now: float) -> None:
+    def _pull(self, pod: Pod, now: float) -> bool:
+        """Whether the pod took work from its queue."""
         completion = pod.engine_type is EngineType.COMPLETION
         queue = self._handoffs if completion else self._prefill_queue
         if not queue:
-            return
+            return False
+        took = False
         for rank in pod.pull_order():
             room = pod.room(rank)
             while room > 0 and queue:
                 room -= 1
+                took = True
                 if not completion:
                     self._add(pod, rank, queue.popleft(), now)
                 elif not self._admit(pod, rank, queue.popleft(), now):
-                    break  # parked: the engine hands the rest of its pull back at once
+                    return took  # parked: the engine hands the rest of its pull back at once
+        return took
 
     def _add(self, pod: Pod, rank: int, index: int, now: float) -> None:
         rec = self.records[index]
@@ -313,6 +324,7 @@ class Cluster:
         self._lives.append(pod.life(now))
         self._links.forget(pod.name)
         pod.close()
+        self._record_replicas(now)
 
     # ------------------------------------------------------------ autoscaler
 

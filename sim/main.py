@@ -2,7 +2,7 @@
 
     tandem sim --model llama-70b --tp 4 --mode disaggregated --prefill 2 --decode 2 \\
         --rate 4 --duration 600 --input 4000 --output 250 --slo-ttft 1 --slo-tpot 0.05
-    tandem sim --deployment model.yaml --trace day.jsonl --json
+    tandem sim --model llama-8b --deployment model.yaml --trace day.jsonl --json
     tandem sim --replicas 2 --max-replicas 8 --arrival bursty --cv 3 --plot out/
 
 docs/simulator.md explains the model and its limits.
@@ -143,7 +143,7 @@ def _workload(args: argparse.Namespace, deployment: deploy.Deployment):
         return read_trace(args.trace)
     # A prompt must leave its first token room in the context (the engine's admission).
     context = max(r.engine.max_model_len for r in deployment.roles.values())
-    return synthesize(
+    requests = synthesize(
         rate=_positive("--rate", args.rate),
         duration_s=_positive("--duration", args.duration),
         input_len=LengthDist.parse(args.input, cap=context - 1, what="--input"),
@@ -151,6 +151,12 @@ def _workload(args: argparse.Namespace, deployment: deploy.Deployment):
         cv=1.0 if args.arrival == "poisson" else _positive("--cv", args.cv),
         seed=args.seed,
     )
+    if not requests:  # as an empty trace is refused (and the trace it saved was)
+        raise ValueError(
+            f"--rate {args.rate:g} for --duration {args.duration:g} s draws no request "
+            "(this --seed): raise either"
+        )
+    return requests
 
 
 def _positive(flag: str, value: float) -> float:

@@ -198,3 +198,29 @@ def test_pods_ready_at_once_take_the_work_already_queued():
         assert all(r.finished for r in result.records)
         ends[startup] = max(r.finish_s for r in result.records)
     assert ends[0.0] <= ends[1.0]  # ready sooner serves sooner (it took 53 s against 28)
+
+
+def test_handoffs_go_to_the_decoder_idle_longest():
+    # A decoder that took a handoff kept its place at the head of the idle queue while
+    # its KV came, and took the next one too: the transfers queued on its one link
+    # while the other decoder idled.
+    from tandem.sim.network import Network
+
+    requests = [TraceRequest(0.0, 4000, 2), TraceRequest(0.01, 4000, 2)]
+    slow = Network(bandwidth=1e9, latency_s=0.001)
+    result = _run(deploy.disaggregated(2, 2), requests, network=slow)
+    decoding = [r.finish_s - r.first_token_s for r in result.records]
+    assert max(decoding) < 1.2 * min(decoding), decoding  # was 0.53 and 1.05 s
+
+
+def test_an_autoscaled_run_says_pods_ready_when_they_are_and_ends_at_its_last_answer():
+    # Pods ready between ticks showed a tick late (15 s), and the tick pushed while
+    # work was left ran after the last answer, every pod billed to it.
+    burst = _workload(rate=40.0, duration=60.0, prompt="3000", out="200")
+    scaled = deploy.normal(1, min_replicas=1, max_replicas=4)
+    result = _run(scaled, burst, startup_s=20.0)
+    started = [life for life in result.pods if life.ready_s > 0]
+    assert started, "pods were added"
+    points = {p.time_s for p in result.timeline}
+    assert all(life.ready_s in points for life in started)
+    assert result.end_s == max(r.finish_s for r in result.records)

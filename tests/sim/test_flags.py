@@ -29,6 +29,12 @@ SIM = ["sim", "--model", "llama-8b", "--duration", "2"]
         # Flags the deployment leaves without effect (they changed nothing, said nothing).
         (["--startup-s", "5"], "--startup-s: only where some role is autoscaled"),
         (["--network-gbps", "1"], "--network-gbps: only for a disaggregated deployment"),
+        (
+            ["--mode", "disaggregated", "--prefill-attempt-interval", "1"],
+            "--prefill-attempt-interval: only for a normal deployment",
+        ),
+        # A workload of no request, as an empty trace is (the trace it saved was).
+        (["--rate", "0.001", "--duration", "1"], "draws no request (this --seed): raise either"),
         (["--arrival", "bursty", "--cv", "1e6"], "--cv must be in (0, 10], got 1000000.0"),
         # Lengths: one parser with `tandem bench` (tandem/lengths.py).
         (["--input", "uniform:5:inf"], "--input 'uniform:5:inf': numbers must be finite"),
