@@ -232,6 +232,18 @@ def test_a_drain_that_runs_out_with_redis_away_exits_and_says_what_is_lost(serve
     assert "stopping with Redis unreachable" in engine.log()
 
 
+def test_an_idle_engine_stopped_while_redis_is_paused_says_nothing_was_lost(server, engines):
+    # It warned that "0 requests running, 0 events and 0 acks to write are lost".
+    engine = engines("normal", *LONG)
+    os.kill(server._process.pid, signal.SIGSTOP)
+    try:
+        assert engine.terminate(timeout=30) == 0
+    finally:
+        os.kill(server._process.pid, signal.SIGCONT)
+    assert " INFO " in next(x for x in engine.log().splitlines() if "nothing was held" in x)
+    assert "are lost" not in engine.log()
+
+
 def test_a_full_redis_is_waited_out_like_an_absent_one(server, engines, client, expected):
     # maxmemory with noeviction (the chart's Redis): writes are refused with OOM while
     # PING still answers. Engines ended on the first refused XADD or heartbeat, every

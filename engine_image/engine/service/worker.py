@@ -129,7 +129,10 @@ class EngineWorker(Intake):
             self.writes.hand_back(left, len(self.held))
         finally:
             self.heartbeat.stop()
-            self.io.deregister(self.settings.engine_id)
+            # Not while Redis is known away (the hand-back found it so): its entry
+            # expires on its own, and the try waited out another socket timeout.
+            if not self.outage.down or self.io.ping():
+                self.io.deregister(self.settings.engine_id)
         return 0
 
     def _drained(self) -> bool:
