@@ -23,7 +23,6 @@ nothing. Between the events it copies the real system:
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import math
@@ -43,7 +42,14 @@ from tandem.queue_state import QueueState
 from tandem.sim.cluster_config import ClusterConfig
 from tandem.sim.network import Links
 from tandem.sim.pod import Handoff, Pod, PodState, sampling
-from tandem.sim.records import PodLife, ReplicaPoint, RequestRecord, RunResult, ScaleEvent
+from tandem.sim.records import (
+    PodLife,
+    ReplicaPoint,
+    ReplicaTimeline,
+    RequestRecord,
+    RunResult,
+    ScaleEvent,
+)
 from tandem.trace import TraceRequest
 
 # Event kinds. Arrivals are read from the sorted workload, never pushed on the heap.
@@ -87,8 +93,7 @@ class Cluster:
         }
         self._lives: list[PodLife] = []
         self._events: list[ScaleEvent] = []
-        self._timeline: list[ReplicaPoint] = []
-        self._last_points: dict[RoleName, ReplicaPoint] = {}  # each role's, in the timeline
+        self._timeline = ReplicaTimeline()
         self._steps = 0
         self._tokens = 0
         self._names = itertools.count(1)
@@ -149,7 +154,7 @@ class Cluster:
             records=self.records,
             pods=self._lives,
             scale_events=self._events,
-            timeline=self._timeline,
+            timeline=self._timeline.points,
             end_s=end,
             steps=self._steps,
             wall_s=time.perf_counter() - started,
@@ -390,23 +395,12 @@ class Cluster:
                 self._turn(pod, now)
 
     def _record_replicas(self, now: float, *, always: bool = False) -> None:
-        """A timeline point per role whose counts changed since its last (every role's
-        where `always`): an idle stretch ticks on for nothing new, and kept a point a
-        tick, its memory grew with the gap."""
         for role, pods in self._pods.items():
             states = [p.state for p in pods]
-            point = ReplicaPoint(
-                now,
-                str(role),
-                self._replicas[role],
-                states.count(PodState.READY),
-                states.count(PodState.STARTING),
-                states.count(PodState.DRAINING),
-            )
-            last = self._last_points.get(role)
-            if always or last is None or dataclasses.replace(last, time_s=now) != point:
-                self._timeline.append(point)
-                self._last_points[role] = point
+            ready, starting = states.count(PodState.READY), states.count(PodState.STARTING)
+            draining = states.count(PodState.DRAINING)
+            point = ReplicaPoint(now, str(role), self._replicas[role], ready, starting, draining)
+            self._timeline.record(point, always=always)
 
 
 def simulate(config: ClusterConfig, requests: Sequence[TraceRequest]) -> RunResult:

@@ -5,6 +5,7 @@ Plain data; sim/summary.py turns it into percentiles, goodput and GPU-seconds.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -90,6 +91,22 @@ class ReplicaPoint:
     ready: int
     starting: int
     draining: int
+
+
+class ReplicaTimeline:
+    """The ReplicaPoints of a run: a role's point where its counts changed since its
+    last (every role's where `always`): an idle stretch ticks on for nothing new, and
+    kept a point a tick, its memory grew with the gap."""
+
+    def __init__(self) -> None:
+        self.points: list[ReplicaPoint] = []
+        self._last: dict[str, ReplicaPoint] = {}  # each role's, in the timeline
+
+    def record(self, point: ReplicaPoint, *, always: bool = False) -> None:
+        last = self._last.get(point.role)
+        if always or last is None or dataclasses.replace(last, time_s=point.time_s) != point:
+            self.points.append(point)
+            self._last[point.role] = point
 
 
 @dataclass
