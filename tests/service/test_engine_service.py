@@ -698,3 +698,15 @@ def test_an_engine_restarted_under_its_id_resumes_what_it_held_at_once(
     assert "left unfinished go back to the queue" in engine.log()
     assert eventually(lambda: conn.xpending(keys.work_stream("tiny", 1), "engines")["pending"] == 0)
     conn.close()
+
+
+def test_preemptions_are_said_in_the_log(engines, client):
+    # Only /metrics told of a KV cache too small for the load: the log said nothing.
+    engine = engines("normal", "--num-kv-blocks", "8", "--max-model-len", "128")
+    sampling = {"max_tokens": 60, **GREEDY}
+    rids = [client.submit(prompt_token_ids=PROMPT, sampling=sampling) for _ in range(4)]
+    for rid in rids:  # 4 x ~70 tokens in 128 of KV: some wait their turn, preempted
+        assert client.answer(rid, timeout=60).final.error_code is None
+    assert engine.metric("tandem_engine_preemptions_total") > 0
+    said = [line for line in engine.log().splitlines() if "preempted (the KV cache" in line]
+    assert said and " INFO " in said[0], engine.log()

@@ -247,6 +247,8 @@ class HandoffFlow:
         if reason is not None:
             if reason == "mismatch":
                 self._mismatched_engine(handoff.prompt_engine)
+            else:  # said, as a fetch that failed is (only /metrics told of these)
+                log.info("KV of %s not fetched (%s), recomputing", rid, reason)
             metrics.kv_transfer_failed(reason)
             engine.handoff_failed(rid)
             if reason == "mismatch":  # pinned there for nobody until its expiry otherwise

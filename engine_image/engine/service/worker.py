@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 # How often an idle rank of a busy data-parallel group asks Redis for work.
 GROUP_POLL_S = 0.01
+# Preemptions are said in the log at most this often, as a count (one a line flooded it).
+PREEMPTIONS_SAID_EVERY_S = 10.0
 
 
 class EngineWorker(Intake):
@@ -70,6 +72,7 @@ class EngineWorker(Intake):
         # Whether any rank had work at the last vote (this one's own work, alone).
         self._group_busy = False
         self._pulled_at = 0.0  # when it last asked Redis for work
+        self._preemptions_said = (0, 0.0)  # the count last said, and when
         self._pull_paused_until = 0.0  # after handing parked handoffs back (monotonic)
         self.held: dict[str, Held] = {}
         # Pulled, not taken yet: Redis went away while they were being taken.
@@ -173,7 +176,21 @@ class EngineWorker(Intake):
         if busy:
             self._publish(self.engine.step())
             self.metrics.observe_step(self.engine)
+            self._say_preemptions()
         self.writes.after_step(len(self.held))
+
+    def _say_preemptions(self) -> None:
+        """A line for the requests preempted since the last one (at most every
+        PREEMPTIONS_SAID_EVERY_S): only /metrics told of a KV cache too small for the load."""
+        count, said_at = self._preemptions_said
+        now, total = time.monotonic(), self.engine.totals.preemptions
+        if total > count and now - said_at >= PREEMPTIONS_SAID_EVERY_S:
+            log.info(
+                "%d request(s) preempted (the KV cache was full): each is recomputed as "
+                "room frees; a larger cache or fewer sequences (--max-num-seqs) avoid it",
+                total - count,
+            )
+            self._preemptions_said = (total, now)
 
     # ---------------------------------------------------------------- input
 
