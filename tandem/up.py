@@ -367,6 +367,10 @@ class Stack:
                 elif time.monotonic() - empty_since >= QUEUE_SETTLE_S:
                     return
                 time.sleep(0.2)
+            if answers_owed(client, Keys(), self.config.name, time.time()):
+                # Cut without a word: their clients saw a connection close.
+                why = "Ctrl-C again" if self._hurried_at is not None else "out of time"
+                say(f"stopping sooner ({why}): requests still owed an answer are cut")
         except redis.RedisError:
             return  # nothing to wait for: no engine can serve without it
         finally:

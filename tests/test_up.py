@@ -33,7 +33,7 @@ from tandem.engine.service.work_queue import WorkQueue
 from tandem.keys import Keys
 from tandem.preflight import StartError
 from tandem.protocol import Role, WorkItem
-from tandem.redis_server import free_port
+from tandem.redis_server import RedisServer, free_port
 from tandem.up import HURRY_S, Stack, UpConfig
 
 pytestmark = pytest.mark.timeout(240)
@@ -739,3 +739,28 @@ def test_the_embedded_redis_asks_a_password_that_no_command_line_shows(tmp_path)
             assert client.ping()
     finally:
         server.stop()
+
+
+def test_a_hurried_stop_says_it_cuts_requests_still_owed_an_answer(tmp_path, monkeypatch):
+    # A second Ctrl-C cut them (their clients saw a connection close) without a word.
+    with RedisServer() as server:
+        stack = Stack(config(tmp_path, monkeypatch, redis_url=server.url))
+        with redis.Redis.from_url(server.url) as client:
+            owed = WorkItem("open", "tiny", prompt_token_ids=[1], deadline=time.time() + 60)
+            enqueue(client, Keys(), owed)  # no engine: it stays owed
+        gateway = Child("gateway", [sys.executable, "-c", "import time; time.sleep(60)"],
+                        tmp_path / "g.log", "", True)  # fmt: skip
+        gateway.start()
+        stack.gateway = gateway
+        stack.children.append(gateway)
+        said: list[str] = []
+        stack.children.append(Child("engine", [sys.executable, "-c", "import time; "
+                              "time.sleep(60)"], tmp_path / "e.log", "", True))  # fmt: skip
+        stack.children[-1].start()
+        stopping = threading.Thread(target=stack.stop, kwargs={"say": said.append})
+        stopping.start()
+        time.sleep(1.0)  # waiting for the queue to empty
+        stack.request_stop()  # Ctrl-C again
+        stopping.join(30)
+        assert not stopping.is_alive()
+    assert "stopping sooner (Ctrl-C again): requests still owed an answer are cut" in said, said
