@@ -10,8 +10,10 @@ says which engine was missing.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import time
 
 import redis
 from support.polling import eventually
@@ -275,3 +277,23 @@ def test_a_request_without_max_tokens_is_charged_within_the_models_context(
         headers = {**SHORT, "Authorization": "Bearer sk-small"}
         queued = http.post("/v1/chat/completions", json=ask, headers=headers)
     assert queued.status_code == 504, queued.text  # queued: no engine behind the entry
+
+
+def test_a_whole_answer_goes_out_whatever_redis_takes_to_shorten_its_streams(
+    start_gateway, engines
+):
+    # The call that shortens the answered streams' TTL had no bound of its own: a Redis
+    # stalled at that moment (a fork, a slow fsync) held a whole answer 5 s.
+    engines("normal")
+    gateway = start_gateway(models_cache_s=0.0)
+
+    async def stalled(request_ids: list[str]) -> None:
+        await asyncio.sleep(4)
+
+    gateway.app.state.gateway.broker.delivered = stalled
+    with gateway.http() as http:
+        started = time.monotonic()
+        answer = http.post("/v1/completions", json=ASK)
+        took = time.monotonic() - started
+    assert answer.status_code == 200, answer.text
+    assert took < 3, took  # the answer, then at most a second's wait on Redis
