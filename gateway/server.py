@@ -117,6 +117,11 @@ class ShutdownCuts(logging.Filter):
         self._timeout_s = timeout_s
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("Cancel ") and "graceful shutdown" in str(record.msg):
+            # "Cancel N running task(s), timeout graceful shutdown exceeded": each is
+            # said below (or answered 503), and ERROR paged on every such stop.
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            return True
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, asyncio.CancelledError) and str(record.msg).startswith(
             "Exception in ASGI application"

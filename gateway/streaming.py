@@ -10,6 +10,7 @@ generator, whatever ended the stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -20,6 +21,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tandem.gateway.disconnect import GONE_MIDWAY, wait_for_disconnect
+from tandem.gateway.errors import shutting_down
 
 DONE = b"data: [DONE]\n\n"
 # Where a stream that an error event ended leaves the status that error would have had
@@ -69,9 +71,10 @@ class EventStreamResponse(StreamingResponse):
                 done, _ = await asyncio.wait(
                     {streamer, watch}, timeout=left, return_when=asyncio.FIRST_COMPLETED
                 )
-            except asyncio.CancelledError:  # the server shuts down
+            except asyncio.CancelledError:  # the server's shutdown timeout ran out
                 self._on_server_stop()
-                raise
+                await self._end_with_shutdown(scope, send, streamer)
+                return
             if not done:
                 # A client that stopped reading: the stream waits on a full socket,
                 # where the answer's own deadline is never reached. Cut it, and free
@@ -100,3 +103,17 @@ class EventStreamResponse(StreamingResponse):
             streamer.cancel()
             await asyncio.gather(streamer, watch, return_exceptions=True)
             await self._chunks.aclose()
+
+    async def _end_with_shutdown(
+        self, scope: Scope, send: Send, streamer: asyncio.Future[None]
+    ) -> None:
+        """End the stream with an error event its client can read: cut bare, an SDK said
+        "Connection error.", as for a gateway that crashed."""
+        streamer.cancel()
+        await asyncio.gather(streamer, return_exceptions=True)
+        error = shutting_down()
+        scope.setdefault("state", {})[STREAM_FAILED] = error.status
+        log.warning("a stream still open at the shutdown timeout was cut: ended with an error")
+        with contextlib.suppress(OSError):  # its client left meanwhile
+            last = {"type": "http.response.body", "body": sse(error.body()), "more_body": False}
+            await send(last)

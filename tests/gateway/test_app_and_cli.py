@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,7 +23,7 @@ from tandem import catalog
 from tandem.cli import build_parser
 from tandem.gateway.app import create_app
 from tandem.gateway.settings import GatewaySettings
-from tandem.protocol import PRIORITY_NORMAL
+from tandem.protocol import PRIORITY_NORMAL, ResponseEvent, WorkItem
 from tandem.redis_server import RedisServer, free_port
 
 
@@ -180,6 +181,51 @@ def test_requests_cut_by_the_shutdown_timeout_are_answered_503_and_log_one_line_
         assert answer.status_code == 503, answer.text
         assert answer.json()["error"]["code"] == "shutting_down"
         assert answer.headers["retry-after"] == "1"
+
+
+def test_a_stream_cut_by_the_shutdown_timeout_ends_with_an_error_event(
+    redis_url, redis_client, keys
+):
+    # Cut bare, its client saw the connection drop ("Connection error." in the SDKs), as
+    # for a gateway that crashed; and uvicorn said so at ERROR on every such stop.
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "tandem.cli", "gateway", "--no-auth", "--shutdown-timeout", "1",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--redis-url", redis_url, "--key-prefix", keys.prefix,
+    ]  # fmt: skip
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _gateway_answering(process, port)
+        catalog.declare(redis_client, keys, "idle", "test/idle", ttl_s=60)
+        body = {"model": "idle", "prompt": "hi", "max_tokens": 50, "stream": True}
+        url = f"http://127.0.0.1:{port}/v1/completions"
+
+        def first_token() -> None:  # as an engine writes it: the stream's answer starts
+            stream = keys.work_stream("idle", PRIORITY_NORMAL)
+            assert eventually(lambda: redis_client.xlen(stream) == 1)
+            [(_, fields)] = redis_client.xrange(stream)
+            rid = WorkItem.from_fields(fields).request_id
+            first = ResponseEvent.tokens(0, [7], "hi", "engine-x")
+            redis_client.xadd(keys.response_stream(rid), first.to_fields())
+
+        engine = threading.Thread(target=first_token)
+        engine.start()
+        with httpx.stream("POST", url, json=body, timeout=30) as answer:
+            engine.join()
+            lines = answer.iter_lines()
+            assert next(line for line in lines if line.startswith("data: ")).count('"hi"')
+            process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert process.wait(timeout=15) == 0
+        output = process.stdout.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert json.loads(rest[-1].removeprefix("data: "))["error"]["code"] == "shutting_down", rest
+    assert " ERROR " not in output and "Traceback" not in output, output
+    assert "a stream still open at the shutdown timeout was cut" in output
 
 
 def test_a_sigterm_before_the_server_took_over_ends_the_gateway(monkeypatch, redis_url):
