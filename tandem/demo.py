@@ -77,6 +77,13 @@ def run(model: str, question: str, mode: str = "normal", max_tokens: int = 64) -
         print(f"  [{time.perf_counter() - started:5.1f}s] {line}", file=sys.stderr)
 
     stack = Stack(config)
+
+    def terminated(*_: object) -> None:
+        # As Ctrl-C (`timeout`, a cancelled CI job): died at once, it left the run folder,
+        # every prompt and answer in its Redis file, behind in /tmp.
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminated)
     try:
         stack.start(say=say)
         print(f"> {question}")
@@ -94,6 +101,7 @@ def run(model: str, question: str, mode: str = "normal", max_tokens: int = 64) -
         # A Ctrl-C now hurries the stop, as `tandem up`'s second one does: breaking out
         # of it killed the children undrained and left the run folder, every prompt
         # and answer in its Redis file, behind in /tmp.
-        signal.signal(signal.SIGINT, lambda *_: stack.request_stop())
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: stack.request_stop())
         stack.stop()
     return 0

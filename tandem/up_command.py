@@ -58,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
         _detach_from_terminal()
         stack.request_stop()
 
-    signal.signal(signal.SIGHUP, hang_up)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # under nohup it stays so
+        signal.signal(signal.SIGHUP, hang_up)
     try:
         stack.start()  # stops what it started if it fails
     except StartError:

@@ -537,6 +537,54 @@ def test_ctrl_c_while_the_demo_stops_hurries_the_stop_and_leaves_no_run_folder(t
     assert not list(tmp_path.glob("tandem-up-*"))
 
 
+def test_a_sigterm_to_the_demo_stops_it_as_ctrl_c_does(tmp_path):
+    # `timeout`, a cancelled CI job: the demo died at once, and left its run folder
+    # (every prompt and answer in its Redis file) in /tmp.
+    env = {**os.environ, "TMPDIR": str(tmp_path), "TANDEM_CPU_KERNELS": "0"}
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "demo", "--model", "random:tiny"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    said = []
+    try:
+        for line in demo.stderr:
+            said.append(line)
+            if "starting" in line:  # its processes launched
+                demo.send_signal(signal.SIGTERM)
+                break
+        code = demo.wait(timeout=60)
+    finally:
+        demo.kill()
+    rest = demo.stderr.read()
+    assert code == 130 and "Traceback" not in rest, "".join(said) + rest
+    assert not list(tmp_path.glob("tandem-up-*"))
+
+
+def test_under_nohup_a_hang_up_leaves_tandem_up_running(tmp_path):
+    # Its handler replaced the SIG_IGN nohup set: closing the terminal stopped a server
+    # its user had protected.
+    env = {**os.environ, "TANDEM_CPU_KERNELS": "0"}
+    argv = [sys.executable, "-m", "tandem.cli", "up", "--model", "random:tiny",
+            "--port", str(free_port()), "--log-dir", str(tmp_path / "up")]  # fmt: skip
+    up = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),
+    )  # fmt: skip
+    try:
+        for line in up.stdout:
+            if "starting" in line:
+                break
+        up.send_signal(signal.SIGHUP)
+        time.sleep(1.5)
+        assert up.poll() is None, up.stdout.read()
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(timeout=60)
+        finally:
+            up.kill()
+
+
 def test_a_child_is_asked_often_whether_it_is_up_until_it_first_answers(tmp_path):
     # Asked every liveness period (10 s), an engine that hung within that of its
     # start was never seen up, so never probed for liveness: hung for good.
