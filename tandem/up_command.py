@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
     print(banner(stack), flush=True)
     try:
-        stack.supervise()
+        stack.supervise(say=_say)
     finally:
         try:
             print(
@@ -80,11 +80,21 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         finally:
-            stack.stop()
+            stack.stop(say=_say)
     if stack.failure is not None:  # it gave up: a supervisor must not read a clean stop
         print(f"tandem: error: {stack.failure}", file=sys.stderr)
         return 1
     return 0
+
+
+def _say(line: str) -> None:
+    """A line on stdout, where its reader may be gone (`| grep -m1`, a closed terminal):
+    then nowhere. A BrokenPipeError out of a restart's message stopped the whole stack,
+    which then exited 0 as if stopped on purpose."""
+    try:
+        print(line, flush=True)
+    except OSError:
+        _detach_from_terminal()
 
 
 def _detach_from_terminal() -> None:

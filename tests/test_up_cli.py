@@ -552,3 +552,22 @@ def test_a_folder_that_holds_no_model_is_refused_before_anything_starts(
     assert cli.main(["up", "--model", str(folder), "--port", str(free_port())]) == 1
     error = capsys.readouterr().err
     assert error.startswith(f"tandem: error: model '{folder}'") and says in error, error
+
+
+def test_a_line_for_a_reader_that_left_is_dropped_and_tandem_up_serves_on():
+    # `tandem up | grep -m1 'API key'`: the next line (an engine's restart) raised
+    # BrokenPipeError out of the supervisor, and the whole stack stopped, exit 0.
+    code = (
+        "from tandem.up_command import _say\n"
+        "_say('first'); _say('a restart, said to nobody'); _say('and another')\n"
+        "print('served on', file=__import__('sys').stderr)\n"
+    )
+    reader = subprocess.Popen([sys.executable, "-P", "-c", "import sys; sys.stdin.readline()"],
+                              stdin=subprocess.PIPE)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-P", "-c", "import time; time.sleep(0.5); " + code.replace("\n", "; ")],
+        stdout=reader.stdin, stderr=subprocess.PIPE, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    reader.wait(timeout=10)
+    assert done.returncode == 0 and "served on" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
