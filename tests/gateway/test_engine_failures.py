@@ -23,9 +23,12 @@ def gateway(stand_in_gateway):
     return stand_in_gateway
 
 
-def _failing_engine(conn, keys, code: str, stop: threading.Event) -> list[str]:
+def _failing_engine(
+    conn, keys, code: str, stop: threading.Event
+) -> tuple[list[str], threading.Thread]:
     """Takes every request queued for MODEL and answers it with the error `code`, as
-    engines would; the ids it took, as it takes them."""
+    engines would; the ids it took, as it takes them, and its thread (joined before the
+    connection closes: a pull on a closed one failed the thread)."""
     taken: list[str] = []
 
     def run() -> None:
@@ -37,8 +40,9 @@ def _failing_engine(conn, keys, code: str, stop: threading.Event) -> list[str]:
                 writer.add(delivery.request_id, ResponseEvent.error(code, f"failed: {code}", "e"))
                 writer.flush()
 
-    threading.Thread(target=run, daemon=True).start()
-    return taken
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return taken, thread
 
 
 @pytest.mark.parametrize(
@@ -57,7 +61,7 @@ def test_the_sdk_retries_only_the_engine_failures_a_retry_may_mend(
 ):
     live, conn = gateway
     stop = threading.Event()
-    taken = _failing_engine(conn, keys, code, stop)
+    taken, engine = _failing_engine(conn, keys, code, stop)
     client = live.openai(max_retries=2)
     try:
         with pytest.raises(openai.APIStatusError) as raised:
@@ -66,6 +70,7 @@ def test_the_sdk_retries_only_the_engine_failures_a_retry_may_mend(
             )
     finally:
         stop.set()
+        engine.join(10)
     assert raised.value.status_code == status
     assert raised.value.body["code"] == code
     assert len(taken) == (3 if retried else 1)  # the first try and the SDK's two retries
