@@ -511,14 +511,19 @@ def test_the_demo_says_what_the_gateway_refused_or_what_broke_the_answer_off():
     assert pieces == ["The cap"] and str(cut.value) == "the answer broke off: the engine failed"
 
 
-def test_ctrl_c_while_the_demo_stops_hurries_the_stop_and_leaves_no_run_folder(tmp_path):
-    # The Ctrl-C broke out of the stop: the children were killed undrained, and the run
-    # folder, its Redis file holding every prompt and answer, stayed in /tmp.
+def _demo(tmp_path: Path) -> subprocess.Popen[str]:
+    """`tandem demo` on a tiny model, its run folder under tmp_path, its stderr piped."""
     env = {**os.environ, "TMPDIR": str(tmp_path), "TANDEM_CPU_KERNELS": "0"}
-    demo = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", "tandem.cli", "demo", "--model", "random:tiny"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
+
+
+def test_ctrl_c_while_the_demo_stops_hurries_the_stop_and_leaves_no_run_folder(tmp_path):
+    # The Ctrl-C broke out of the stop: the children were killed undrained, and the run
+    # folder, its Redis file holding every prompt and answer, stayed in /tmp.
+    demo = _demo(tmp_path)
     said = []
     try:
         for line in demo.stderr:
@@ -540,11 +545,7 @@ def test_ctrl_c_while_the_demo_stops_hurries_the_stop_and_leaves_no_run_folder(t
 def test_a_sigterm_to_the_demo_stops_it_as_ctrl_c_does(tmp_path):
     # `timeout`, a cancelled CI job: the demo died at once, and left its run folder
     # (every prompt and answer in its Redis file) in /tmp.
-    env = {**os.environ, "TMPDIR": str(tmp_path), "TANDEM_CPU_KERNELS": "0"}
-    demo = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "demo", "--model", "random:tiny"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+    demo = _demo(tmp_path)
     said = []
     try:
         for line in demo.stderr:

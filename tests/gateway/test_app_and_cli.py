@@ -140,18 +140,23 @@ def test_in_a_pod_of_an_ipv6_cluster_every_interface_is_ipv6(redis_url, keys):
         process.wait()
 
 
+def _quick_to_stop_gateway(redis_url, keys, port: int) -> subprocess.Popen[str]:
+    """`tandem gateway` with a 1 s shutdown timeout, its output in one pipe."""
+    cmd = [
+        sys.executable, "-m", "tandem.cli", "gateway", "--no-auth", "--shutdown-timeout", "1",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--redis-url", redis_url, "--key-prefix", keys.prefix,
+    ]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 def test_requests_cut_by_the_shutdown_timeout_are_answered_503_and_log_one_line_each(
     redis_url, redis_client, keys
 ):
     # An alert on ERROR lines paged on every stop with a request open: uvicorn logged
     # the cancellation as "Exception in ASGI application" and a traceback.
     port = free_port()
-    cmd = [
-        sys.executable, "-m", "tandem.cli", "gateway", "--no-auth", "--shutdown-timeout", "1",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--redis-url", redis_url, "--key-prefix", keys.prefix,
-    ]  # fmt: skip
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = _quick_to_stop_gateway(redis_url, keys, port)
     try:
         _gateway_answering(process, port)
         catalog.declare(redis_client, keys, "idle", "test/idle", ttl_s=60)  # no engine
@@ -189,12 +194,7 @@ def test_a_stream_cut_by_the_shutdown_timeout_ends_with_an_error_event(
     # Cut bare, its client saw the connection drop ("Connection error." in the SDKs), as
     # for a gateway that crashed; and uvicorn said so at ERROR on every such stop.
     port = free_port()
-    cmd = [
-        sys.executable, "-m", "tandem.cli", "gateway", "--no-auth", "--shutdown-timeout", "1",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--redis-url", redis_url, "--key-prefix", keys.prefix,
-    ]  # fmt: skip
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = _quick_to_stop_gateway(redis_url, keys, port)
     try:
         _gateway_answering(process, port)
         catalog.declare(redis_client, keys, "idle", "test/idle", ttl_s=60)
