@@ -39,7 +39,7 @@ from tandem.gateway.recovery import LossWatch, RedisEpoch
 from tandem.gateway.rendering import ChatRenderer, CompletionRenderer, Renderer
 from tandem.gateway.scrape import ScrapeReadings
 from tandem.gateway.settings import GatewaySettings
-from tandem.gateway.streaming import EventStreamResponse
+from tandem.gateway.streaming import EventStreamResponse, with_keepalive
 from tandem.keys import Keys
 
 log = logging.getLogger("tandem.gateway")
@@ -183,7 +183,7 @@ class GatewayService:
                 await events.aclose()
             raise
         return EventStreamResponse(
-            generation.stream(first, events),
+            with_keepalive(generation.stream(first, events), self.settings.keepalive_s),
             generation.client_gone,
             generation.deadline,
             generation.deadline_passed,

@@ -65,6 +65,9 @@ class GatewaySettings:
     # stream are both gone is queued again, but only this long after the restart
     # was noticed: an engine still running it writes again within a step or two.
     redis_loss_grace_s: float = 2.0
+    # A started stream with nothing to send for this long sends an SSE comment, so that
+    # proxies with an idle timeout (often 60 s) do not cut it.
+    keepalive_s: float = 15.0
     # /readyz answers 503 when Redis does not answer its PING within this long.
     readyz_timeout_s: float = 1.0
     # Origins whose web pages may call the API from a browser (CORS); "*" any. Empty:
@@ -98,6 +101,7 @@ class GatewaySettings:
         _positive_seconds("shutdown_timeout", self.shutdown_timeout)
         _positive_seconds("redis_outage_s", self.redis_outage_s)
         _positive_seconds("readyz_timeout_s", self.readyz_timeout_s)
+        _positive_seconds("keepalive_s", self.keepalive_s)
         _positive_seconds("body_timeout_s", self.body_timeout_s)
         _positive_seconds("header_timeout_s", self.header_timeout_s)
         for origin in self.allowed_origins:

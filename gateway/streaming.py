@@ -24,6 +24,8 @@ from tandem.gateway.disconnect import GONE_MIDWAY, wait_for_disconnect
 from tandem.gateway.errors import shutting_down
 
 DONE = b"data: [DONE]\n\n"
+# An SSE comment: holds an idle stream open through proxies; clients skip it.
+KEEPALIVE = b": keep-alive\n\n"
 # Where a stream that an error event ended leaves the status that error would have had
 # (scope["state"]): its response started 200, and counted so, a decoder failing every
 # stream after its first token (the prompt engine's) raised no alert.
@@ -37,6 +39,39 @@ log = logging.getLogger("tandem.gateway")
 
 def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def with_keepalive(
+    chunks: AsyncGenerator[bytes, None], every_s: float
+) -> AsyncGenerator[bytes, None]:
+    """The chunks, and an SSE comment after every `every_s` seconds without one: a
+    started stream waiting on its engine (a long prompt's next chunk, a decoder
+    restarted mid-answer) sent nothing for as long, and proxies and load balancers
+    with an idle timeout (often 60 s) cut it. Clients skip comment lines (the SSE
+    format; the OpenAI SDKs do)."""
+    source = aiter(chunks)
+    pending: asyncio.Future[bytes] | None = None
+    try:
+        while True:
+            # The next chunk is awaited in its own task, not cancelled on a timeout:
+            # a cancelled read of the answer's stream would end the generator.
+            if pending is None:
+                pending = asyncio.ensure_future(anext(source))
+            done, _ = await asyncio.wait({pending}, timeout=every_s)
+            if not done:
+                yield KEEPALIVE
+                continue
+            ended, pending = pending, None
+            try:
+                chunk = ended.result()
+            except StopAsyncIteration:
+                return
+            yield chunk
+    finally:
+        if pending is not None:  # stopped mid-wait (the client left, the server stops)
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        await chunks.aclose()
 
 
 class EventStreamResponse(StreamingResponse):
