@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from tandem.context_window import naming_field
 from tandem.gateway.schemas import ErrorResponse
 from tandem.protocol import ErrorCode
 
@@ -246,14 +247,21 @@ PROMPT_REFUSALS = frozenset(
 
 
 def from_engine(
-    code: str | None, message: str | None, prompt_param: str, param: str | None = None
+    code: str | None,
+    message: str | None,
+    prompt_param: str,
+    param: str | None = None,
+    max_tokens_param: str = "max_tokens",
 ) -> GatewayError:
     """The answer to an engine's error event, with the engine's own message.
 
-    prompt_param names the field the prompt came in ("messages", "prompt");
+    prompt_param names the field the prompt came in ("messages", "prompt"), and
+    max_tokens_param the one max_tokens came in (chat's max_completion_tokens);
     param, the parameter the engine named (ResponseEvent.error_param), if any.
     """
     status, kind = _ENGINE_ANSWERS.get(code or "", (500, SERVER))
+    if code == ErrorCode.CONTEXT_LENGTH_EXCEEDED and message is not None:
+        message = naming_field(message, max_tokens_param)
     # The gateway checked the sampling parameters before queueing (with the
     # engine's own SamplingParams); what only the engine can check of them
     # (a logit_bias id past its vocabulary) it names. Anything else it refuses

@@ -121,6 +121,7 @@ class Generation:
                         event.error_message,
                         self.job.prompt_param,
                         event.error_param,
+                        self.job.max_tokens_param,
                     )
                     if error.status >= 500:
                         # Worth retrying (n = 1's choice had ended, so abandon released

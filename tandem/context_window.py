@@ -68,3 +68,9 @@ def context_exceeded(
         f"prompt, {max_tokens} in the completion). Please reduce the length of the prompt "
         f"or of {field}."
     )
+
+
+def naming_field(why: str, field: str) -> str:
+    """context_exceeded's message naming the request's `field` where it named max_tokens:
+    an engine does not know which of the two a chat request gave."""
+    return why.replace(" or of max_tokens.", f" or of {field}.")

@@ -22,6 +22,7 @@ from tandem.gateway.auth import KeyStore
 from tandem.gateway.server import server_config
 from tandem.gateway.settings import GatewaySettings
 from tandem.keys import Keys
+from tandem.protocol import PRIORITY_NORMAL, WorkItem
 from tandem.redis_server import free_port
 
 API_KEY = "sk-tandem-test"
@@ -115,3 +116,16 @@ def wait_served(proc: EngineProcess, timeout: float = 60.0) -> EngineProcess:
     if proc.engine_id not in live:
         raise AssertionError(f"engine {proc.engine_id} is ready but not registered:\n{proc.log()}")
     return proc
+
+
+def take_queued(conn: redis.Redis, keys: Keys, model: str = STAND_IN) -> str:
+    """The request id of the next work item queued for `model`, taken off its queue as
+    a stand-in engine would take it."""
+    queue = keys.work_stream(model, PRIORITY_NORMAL)
+    deadline = time.monotonic() + 10
+    while not (entries := conn.xrange(queue)):
+        if time.monotonic() > deadline:
+            raise AssertionError("the gateway queued nothing")
+        time.sleep(0.01)
+    conn.xdel(queue, entries[0][0])
+    return WorkItem.from_fields(entries[0][1]).request_id

@@ -7,16 +7,15 @@ import asyncio
 import threading
 import time
 
-import pytest
 import redis
 
 from tandem.engine.service.registry import Registry
 from tandem.engine.service.responses import ResponseWriter
 from tandem.gateway.streaming import KEEPALIVE, with_keepalive
-from tandem.protocol import PRIORITY_NORMAL, ResponseEvent, Usage, WorkItem
+from tandem.protocol import ResponseEvent, Usage
 from tandem.registry_entry import EngineInfo
 
-from .live import STAND_IN
+from .live import STAND_IN, take_queued
 
 
 def test_chunks_pass_as_they_come_and_a_silence_is_filled_with_comments() -> None:
@@ -104,7 +103,7 @@ def test_a_silent_started_stream_reaches_the_sdk_whole(start_gateway, redis_url,
         for ask in (ask_raw, ask_sdk):
             asking = threading.Thread(target=ask)
             asking.start()
-            rid = _taken(conn, keys)
+            rid = take_queued(conn, keys)
             writer = ResponseWriter(conn, keys, "stand-in-engine")
             writer.add(rid, ResponseEvent.tokens(0, [40], "a", "stand-in-engine"))
             writer.flush()
@@ -119,15 +118,3 @@ def test_a_silent_started_stream_reaches_the_sdk_whole(start_gateway, redis_url,
     assert raw[-1] == "data: [DONE]"
     assert not failures, failures
     assert "".join(texts) == "ab"
-
-
-def _taken(conn: redis.Redis, keys) -> str:
-    """The request id of the next work item queued for STAND_IN, taken off the queue."""
-    queue = keys.work_stream(STAND_IN, PRIORITY_NORMAL)
-    deadline = time.monotonic() + 10
-    while not (entries := conn.xrange(queue)):
-        if time.monotonic() > deadline:
-            pytest.fail("the gateway queued nothing")
-        time.sleep(0.01)
-    conn.xdel(queue, entries[0][0])
-    return WorkItem.from_fields(entries[0][1]).request_id
