@@ -34,6 +34,8 @@ _REASON = re.compile(r"(?:tandem: error:|ERROR:)\s*(.+)|([\w.]*(?:Error|Exceptio
 # an engine that hung within that of its start was never seen up, so never probed
 # for liveness, and hung for good with its requests.)
 STARTUP_PROBE_S = 1.0
+# The most of a log's end read for why its child exited.
+_TAIL = 64 * 1024
 # A child that has not answered this long after its start is killed and started again,
 # as a pod's startupProbe does (180 failures 10 s apart): a load stuck for good, or an
 # engine that hung before its first answer, would otherwise never be probed. Liveness,
@@ -70,10 +72,14 @@ class Child:
     _failures: int = field(default=0, init=False)
     _next_probe: float = field(default=0.0, init=False)
     _said_ready: bool = field(default=False, init=False)  # "ready" said since its start
+    # Where this start's lines begin in its log: a log of earlier runs (a reused
+    # --log-dir) or starts holds their errors, not this one's.
+    _log_start: int = field(default=0, init=False)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)  # removed meanwhile: again
         log = open(self.log_path, "ab")  # noqa: SIM115 (lives as long as the process)
+        self._log_start = os.fstat(log.fileno()).st_size
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.process = subprocess.Popen(
             self.argv,
@@ -159,14 +165,8 @@ class Child:
                 said.append(f"{self.name:<10} ready")
             return said
         if self.next_start == 0.0:
-            code = self.process.returncode if self.process else None
             delay = self.backoff(now)
-            why = ""
-            if code is not None and code < 0:  # a signal: its log says nothing of it
-                why = f": killed by {signal.Signals(-code).name}"
-            elif code:
-                why = f": {self.last_error()}"
-            said.append(f"{self.name} exited ({code}{why}); restarting in {delay:.0f}s")
+            said.append(f"{self.name} exited ({self.exit_reason()}); restarting in {delay:.0f}s")
             self.next_start = now + delay
         elif now >= self.next_start:
             self.restarts += 1
@@ -207,11 +207,24 @@ class Child:
                     self.kill()
                     return
 
+    def exit_reason(self) -> str:
+        """Its exit status and why, as `1: <its log's error>` or `-9: killed by SIGKILL`
+        (a signal: its log says nothing of it)."""
+        code = self.process.returncode if self.process else None
+        if code is not None and code < 0:
+            return f"{code}: killed by {_signal_name(-code)}"
+        return f"{code}: {self.last_error()}" if code else f"{code}"
+
     def last_error(self) -> str:
-        """Why it exited, in one line of its log: the last that reads as an error, else
-        the last line."""
+        """Why it exited, in one line of what it logged since its start: the last that
+        reads as an error, else the last line."""
         try:
-            lines = self.log_path.read_text(errors="replace").split("\n")
+            with open(self.log_path, "rb") as log:
+                size = os.fstat(log.fileno()).st_size
+                # The end of it only: a long run's log may be large. Cut (rotated,
+                # truncated) below where this start began: all of it.
+                log.seek(max(self._log_start if self._log_start <= size else 0, size - _TAIL))
+                lines = log.read().decode(errors="replace").split("\n")
         except OSError:
             lines = []
         lines = [line.strip() for line in lines if line.strip()]
@@ -219,6 +232,13 @@ class Child:
             if found := _REASON.match(line):
                 return found.group(1) or found.group(2)
         return lines[-1] if lines else "its log is empty"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal
+        return f"signal {number}"
 
 
 def engine_child(

@@ -71,8 +71,8 @@ class ReadyWait:
 def check_alive(child: Child) -> None:
     if not child.alive:
         raise StartError(
-            f"{child.name} exited while starting: {child.last_error()} "
-            f"(details in {child.log_path})"
+            f"{child.name} exited while starting ({child.exit_reason()}; "
+            f"details in {child.log_path})"
         )
 
 

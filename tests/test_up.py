@@ -334,8 +334,8 @@ def test_a_failed_start_stops_everything_and_keeps_the_log_that_says_why(monkeyp
             stack.start(say=lambda line: None)
         log = stack.log_dir / "engine-normal.log"
         assert re.fullmatch(
-            rf"normal engine exited while starting: .*--no-such-flag "
-            rf"\(details in {re.escape(str(log))}\)",
+            rf"normal engine exited while starting \(2: .*--no-such-flag; "
+            rf"details in {re.escape(str(log))}\)",
             str(failed.value),
         )
         assert "--no-such-flag" in log.read_text()
@@ -367,6 +367,23 @@ def test_a_failed_start_stops_everything_and_keeps_the_log_that_says_why(monkeyp
 def test_the_reason_a_child_exited_is_the_line_of_its_log_that_says_it(tmp_path, log, reason):
     (tmp_path / "c.log").write_text(log)
     assert Child("c", [], tmp_path / "c.log", "", True).last_error() == reason
+
+
+def test_the_reason_is_of_this_start_and_says_its_exit_status(tmp_path):
+    # A reused --log-dir: "exited while starting" quoted an earlier run's error line, and
+    # never said how the process ended.
+    log = tmp_path / "c.log"
+    log.write_text("tandem: error: an earlier run's error\n")
+
+    def exited(code: str) -> Child:
+        child = Child("c", [sys.executable, "-c", code], log, "", True)
+        child.start()
+        child.process.wait(30)
+        return child
+
+    assert exited("import sys; sys.exit(3)").exit_reason() == "3: its log is empty"
+    assert exited("import os; os.kill(os.getpid(), 9)").exit_reason() == "-9: killed by SIGKILL"
+    assert exited("raise SystemExit('tandem: error: now')").exit_reason() == "1: now"
 
 
 def test_a_request_sent_while_the_engine_loads_waits_for_it(tmp_path, monkeypatch):

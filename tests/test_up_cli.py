@@ -200,9 +200,9 @@ def test_an_engine_that_cannot_start_is_named_with_its_log_and_everything_stops(
     (model / "model.safetensors").write_bytes(b"")
     done, left = up("--model", str(model), "--port", str(free_port()), "--log-dir", str(tmp_path))
     error = the_error(done)
-    assert error.startswith("tandem: error: normal engine exited while starting: ")
+    assert error.startswith("tandem: error: normal engine exited while starting (2: ")
     assert "GPT2LMHeadModel" in error
-    assert f"(details in {log})" in error and "GPT2LMHeadModel" in log.read_text()
+    assert f"; details in {log})" in error and "GPT2LMHeadModel" in log.read_text()
     assert left == []  # the gateway and the embedded Redis were stopped too
 
 
@@ -482,7 +482,7 @@ def test_a_gateway_that_exits_while_another_answers_its_port_is_named_at_once(
         port = other.server_address[1]
         config = UpConfig(model="random:tiny", port=port, ready_timeout=100, log_dir=tmp_path)
         started = time.monotonic()
-        with pytest.raises(StartError, match=r"gateway exited while starting: .*in use"):
+        with pytest.raises(StartError, match=r"gateway exited while starting \(2: .*in use"):
             Stack(config).start(say=lambda line: None)
         other.shutdown()
     assert time.monotonic() - started < 60
