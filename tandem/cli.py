@@ -172,12 +172,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Flags whose default is an environment variable's value: where such a value is at fault,
+# the error names the variable too (its user never typed the flag).
+_FLAG_VARIABLES = {"--redis-url": "TANDEM_REDIS_URL", "--api-key": "TANDEM_API_KEY"}
+
+
+def naming_environment(message: str, argv: list[str]) -> str:
+    """The message, each flag it names that took its value from the environment
+    followed by that variable's name."""
+    for flag, variable in _FLAG_VARIABLES.items():
+        # argparse takes a flag's unambiguous prefix (--redis) as the flag.
+        typed = any(
+            len(name := arg.partition("=")[0]) > 2 and flag.startswith(name) for arg in argv
+        )
+        named = f"${variable}" in message
+        if flag in message and not typed and not named and os.environ.get(variable):
+            message = message.replace(flag, f"{flag} (from ${variable})", 1)
+    return message
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)  # Ctrl-C here too: no traceback
         return args.func(args)
     except ValueError as exc:  # bad input: say what, no traceback
-        print(f"tandem: error: {exc}", file=sys.stderr)
+        said = naming_environment(str(exc), sys.argv[1:] if argv is None else argv)
+        print(f"tandem: error: {said}", file=sys.stderr)
         return 2
     except StartError as exc:  # `tandem up` or `demo` did not start; it says why
         print(f"tandem: error: {exc}", file=sys.stderr)

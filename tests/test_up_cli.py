@@ -140,6 +140,25 @@ def test_bad_input_is_one_clear_line(argv, says):
 
 
 @pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["gateway"], "--redis-url (from $TANDEM_REDIS_URL) is not a Redis URL"),
+        (["engine", "--model", "random:tiny"], "--redis-url (from $TANDEM_REDIS_URL) is not a"),
+        (["gateway", "--redis-url", "foo://typed"], "error: --redis-url is not a Redis URL"),
+        (["gateway", "--redis=foo://typed"], "error: --redis-url is not a Redis URL"),  # prefix
+        (["up", "--model", "random:tiny"], "--api-key (from $TANDEM_API_KEY) must be one key"),
+    ],
+    ids=["gateway", "engine", "typed", "typed-prefix", "api-key"],
+)
+def test_a_bad_value_from_the_environment_names_its_variable(argv, says, monkeypatch, capsys):
+    # The user never typed --redis-url: the value came from an exported variable.
+    monkeypatch.setenv("TANDEM_REDIS_URL", "foo://from-the-environment")
+    monkeypatch.setenv("TANDEM_API_KEY", "with space")
+    assert cli.main(argv) == 2
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     "in_the_way, says",
     [
         # A file where the embedded Redis keeps its folder, a folder where a log goes.
