@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 
 import redis.asyncio as aioredis
+from redis.exceptions import AuthenticationError
 
 from tandem.backlog import (
     ENQUEUE_SCRIPT,
@@ -34,6 +36,7 @@ from tandem.protocol import (
     as_text,
 )
 from tandem.queue_state import QueueState
+from tandem.redaction import password_given, refused_credentials
 from tandem.registry_entry import EngineInfo, read_engine_entry
 
 log = logging.getLogger("tandem.gateway")
@@ -51,14 +54,22 @@ class Broker:
         self._enqueue = client.register_script(ENQUEUE_SCRIPT)
         self._withdraw = client.register_script(WITHDRAW_SCRIPT)
 
-    async def ping(self, timeout_s: float | None = None) -> bool:
-        """Whether Redis answers, within timeout_s: a paused or unresponsive Redis
-        would hold the socket read for the client's whole socket timeout, and retries."""
+    async def unready(self, timeout_s: float) -> str | None:
+        """Why Redis does not serve this gateway now, in words safe for an unauthenticated
+        caller (no host, no password); None when it answers PING within timeout_s (a
+        paused Redis would hold the read for the client's whole socket timeout, and
+        retries)."""
+        started = time.monotonic()
         try:
             async with asyncio.timeout(timeout_s):
-                return bool(await self.client.ping())
+                await self.client.ping()
+            return None
+        except AuthenticationError:  # a wrong password stays wrong: not "unreachable"
+            return f"Redis {refused_credentials(password_given(self.client))}"
         except (aioredis.RedisError, OSError):  # TimeoutError is an OSError
-            return False
+            if time.monotonic() - started >= timeout_s:
+                return f"Redis did not answer within {timeout_s:g} s"
+            return "Redis is unreachable"
 
     async def check_writable(self) -> None:
         """Raise Redis's refusal (OOM, READONLY, ...) when it takes no writes now."""

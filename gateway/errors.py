@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -194,6 +195,8 @@ def redis_trouble(exc: BaseException) -> str:
         return str(exc)
     if isinstance(exc, TimeoutError | RedisTimeoutError):
         return "it did not answer in time"
+    if isinstance(exc, AuthenticationError):  # a ConnectionError: said before those
+        return "Redis refused the gateway's credentials (--redis-url)"
     if isinstance(exc, OSError | RedisConnectionError):
         return "the connection failed"
     return type(exc).__name__

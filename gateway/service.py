@@ -35,6 +35,7 @@ from tandem.gateway.jobs import IDEMPOTENCY_HEADER, Job, JobBuilder
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.quota import Quotas
 from tandem.gateway.reader import AsyncResponseReader
+from tandem.gateway.readiness import ReadinessLog
 from tandem.gateway.recovery import LossWatch, RedisEpoch
 from tandem.gateway.rendering import ChatRenderer, CompletionRenderer, Renderer
 from tandem.gateway.scrape import ScrapeReadings
@@ -65,6 +66,7 @@ class GatewayService:
         self.keys = Keys(prefix=settings.key_prefix)
         self.jobs = JobBuilder(settings)
         self.broker = Broker(client, self.keys, reads=reads)
+        self.readiness = ReadinessLog(settings.redis_url)
         self.reader = AsyncResponseReader(
             client, self.keys, block_ms=settings.read_block_ms, outage_s=settings.redis_outage_s
         )

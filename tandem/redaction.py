@@ -8,6 +8,7 @@ message and then a ModelDeployment's status quote) shows it as `***` instead.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 # scheme://user:password@ -> scheme://user:***@ (the user may be empty). The password
 # runs to the URL's last @: a raw @, / or ? in it (p@ss, a base64 password) all hidden.
@@ -36,3 +37,18 @@ def check_redis_url(url: str, where: str) -> None:
         parse_url(url)
     except ValueError:
         raise ValueError(f"{where} is not a Redis URL: {REDIS_URL_FORMS}") from None
+
+
+def password_given(client: Any) -> bool:
+    """Whether a redis-py client (sync or asyncio) sends a password: its URL's, or a
+    ?password= one."""
+    return client.connection_pool.connection_kwargs.get("password") is not None
+
+
+def refused_credentials(password_given: bool) -> str:
+    """What Redis's refusal of a client's credentials means, in words a user acts on
+    (redis-py's, with no password given: "HELLO must be called with the client already
+    authenticated ...")."""
+    if password_given:
+        return "refused the password of --redis-url"
+    return "asks for a password, and none is in --redis-url"

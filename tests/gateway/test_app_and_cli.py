@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -290,6 +291,36 @@ def test_without_redis_the_gateway_answers_503_and_is_not_ready(start_gateway):
     assert said == "The gateway cannot reach Redis: the connection failed", said
     # The SDKs wait that long before their retries, not 0.5-1 s: a restarting Redis.
     assert reply.headers["Retry-After"] == "2"
+
+
+def test_a_redis_refusing_the_password_is_named_and_logged_once(
+    start_gateway, tmp_path, caplog
+):
+    # A password Secret ending in a newline: Redis (and its probe) took "pw\n", the
+    # gateway's URL "pw". /readyz said "unreachable", and the log, with no request ever
+    # routed to an unready pod, said nothing at all.
+    with RedisServer(data_dir=tmp_path / "redis", password="s3cret") as server:
+        wrong = start_gateway(redis_url=f"redis://:wrong@127.0.0.1:{server.port}/0")
+        none = start_gateway(redis_url=f"redis://127.0.0.1:{server.port}/0")
+        with caplog.at_level(logging.INFO, "tandem.gateway"), wrong.http() as client:
+            answers = [client.get("/readyz") for _ in range(3)]
+            reply = client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+        with none.http() as client:
+            unasked = client.get("/readyz").json()["error"]["message"]
+    assert {a.status_code for a in answers} == {503}
+    assert answers[0].json()["error"]["message"] == "Redis refused the password of --redis-url"
+    assert unasked == "Redis asks for a password, and none is in --redis-url"
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("not ready")]
+    assert said == [  # once for the three probes; then the other gateway's
+        "not ready: Redis refused the password of --redis-url "
+        f"(Redis at redis://:***@127.0.0.1:{server.port}/0)",
+        "not ready: Redis asks for a password, and none is in --redis-url "
+        f"(Redis at redis://127.0.0.1:{server.port}/0)",
+    ]
+    assert reply.status_code == 503
+    assert reply.json()["error"]["message"] == (
+        "The gateway cannot reach Redis: Redis refused the gateway's credentials (--redis-url)"
+    )
 
 
 def test_scrapes_share_a_reading_of_redis_a_second_at_most(start_gateway, keys):

@@ -10,7 +10,6 @@ import socket
 import sys
 import time
 import uuid
-from urllib.parse import urlsplit
 
 import redis
 
@@ -21,7 +20,7 @@ from tandem.engine.service.registry import Registry
 from tandem.engine.service.settings import WorkerSettings
 from tandem.keys import Keys
 from tandem.listen import every_interface
-from tandem.redaction import check_redis_url, redacted
+from tandem.redaction import check_redis_url, password_given, redacted, refused_credentials
 
 log = logging.getLogger("tandem.engine")
 
@@ -61,7 +60,8 @@ def wait_for_redis(url: str, wait_s: float) -> None:
                 return
             except redis.AuthenticationError:
                 # No waiting: a wrong password stays wrong (it cost --redis-wait a start).
-                raise SystemExit(f"tandem: error: {refused_credentials(url)}") from None
+                why = refused_credentials(password_given(client))
+                raise SystemExit(f"tandem: error: Redis at {redacted(url)} {why}") from None
             except redis.RedisError as exc:
                 if time.monotonic() >= deadline:
                     raise SystemExit(
@@ -71,15 +71,6 @@ def wait_for_redis(url: str, wait_s: float) -> None:
                 # status: never the password.
                 log.info("waiting for Redis at %s: %s", redacted(url), exc)
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-
-
-def refused_credentials(url: str) -> str:
-    """Why Redis at `url` refused the connection's credentials, in words a user acts on
-    (redis-py's, with no password given: "HELLO must be called with the client already
-    authenticated ...")."""
-    given = urlsplit(url).password is not None
-    what = "refused the password of" if given else "asks for a password, and none is in"
-    return f"Redis at {redacted(url)} {what} --redis-url"
 
 
 def refuse_a_live_namesake(url: str, keys: Keys, engine_id: str) -> None:
