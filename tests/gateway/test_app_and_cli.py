@@ -293,9 +293,7 @@ def test_without_redis_the_gateway_answers_503_and_is_not_ready(start_gateway):
     assert reply.headers["Retry-After"] == "2"
 
 
-def test_a_redis_refusing_the_password_is_named_and_logged_once(
-    start_gateway, tmp_path, caplog
-):
+def test_a_redis_refusing_the_password_is_named_and_logged_once(start_gateway, tmp_path, caplog):
     # A password Secret ending in a newline: Redis (and its probe) took "pw\n", the
     # gateway's URL "pw". /readyz said "unreachable", and the log, with no request ever
     # routed to an unready pod, said nothing at all.

@@ -162,7 +162,11 @@ def test_a_request_above_its_limit_is_refused_by_name(
         # Both above 2^63-1 bytes: the API server caps both there, so they are equal.
         ["gateway.resources.requests.memory=9Ei", "gateway.resources.limits.memory=8Ei"],
         # No Redis pod without Redis.
-        ["redis.enabled=false", "redis.external.url=redis://r", "redis.resources.requests.cpu=5"],
+        [
+            "redis.enabled=false",
+            "redis.external.url=redis://r.db.svc",
+            "redis.resources.requests.cpu=5",
+        ],
     ],
 )
 def test_requests_equal_to_limits_by_value_pass(helm, sets):
@@ -328,7 +332,11 @@ def test_a_redis_cap_at_or_above_its_memory_limit_is_refused(helm, sets, shown):
         ["redis.maxmemory=0"],  # no cap
         ["redis.maxmemory=1000m"],  # 10^9 bytes, under 1 GiB
         ["redis.maxmemory=1gb", "redis.resources.limits.memory=2Gi"],
-        ["redis.maxmemory=4gb", "redis.enabled=false", "redis.external.url=redis://r:6379/0"],
+        [
+            "redis.maxmemory=4gb",
+            "redis.enabled=false",
+            "redis.external.url=redis://r.db.svc:6379/0",
+        ],
     ],
 )
 def test_a_redis_cap_below_its_limit_passes(helm, sets):

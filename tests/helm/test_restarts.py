@@ -34,8 +34,8 @@ def _checksums(manifests: list[dict[str, Any]]) -> dict[str, str]:
         [["redis.auth.password=a"], ["redis.auth.password=b"], ["redis.auth.existingSecret=s"], []],
         # An external Redis: its URL, another one, a Secret of the user's.
         [
-            ["redis.enabled=false", "redis.external.url=redis://a:6379/0"],
-            ["redis.enabled=false", "redis.external.url=redis://b:6379/0"],
+            ["redis.enabled=false", "redis.external.url=redis://a.db.svc:6379/0"],
+            ["redis.enabled=false", "redis.external.url=redis://b.db.svc:6379/0"],
             ["redis.enabled=false", "redis.external.existingSecret=s"],
         ],
     ],
@@ -57,7 +57,7 @@ def test_a_new_redis_password_or_url_restarts_redis_and_its_clients(helm, varian
 def test_values_that_do_not_decide_the_password_restart_nothing(helm):
     # An external URL left over while the chart runs Redis decides nothing.
     before = _checksums(render(helm))
-    after = _checksums(render(helm, sets=["redis.external.url=redis://elsewhere:6379/0"]))
+    after = _checksums(render(helm, sets=["redis.external.url=redis://elsewhere.db.svc:6379/0"]))
     assert before == after
 
 

@@ -185,7 +185,7 @@ def test_a_changed_claim_is_refused_naming_the_value(helm, cluster, claim, sets,
         ),
         (None, ["redis.persistence.enabled=false"]),
         # To an external Redis: the StatefulSet goes, nothing of it is kept.
-        (_claim("8Gi"), ["redis.enabled=false", "redis.external.url=redis://r:6379/0"]),
+        (_claim("8Gi"), ["redis.enabled=false", "redis.external.url=redis://r.db.svc:6379/0"]),
     ],
 )
 def test_an_unchanged_claim_upgrades(helm, cluster, claim, sets):

@@ -177,6 +177,13 @@ BAD_VALUES = [
         ],
         "at '/gateway/ingress/tls/0/hosts/0'",
     ),
+    # A short host resolves in each pod's namespace: the engines, in their models'
+    # namespaces, reached another Redis or none.
+    (
+        ["redis.enabled=false", "redis.external.url=redis://my-redis:6379/0"],
+        'redis.external.url: host "my-redis" is a short name, which each pod resolves in '
+        "its own namespace",
+    ),
 ]
 
 
@@ -185,6 +192,21 @@ def test_helm_template_refuses_bad_values_naming_the_key(helm, sets, message):
     result = run_helm(helm, *template_args(CHART, sets=sets))
     assert result.returncode != 0, f"{sets} was accepted"
     assert message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["redis.external.url=redis://my-redis.db.svc:6379/0"],
+        ["redis.external.url=redis://10.0.0.7:6379/0"],
+        ["redis.external.url=redis://[fd00::7]:6379/0"],
+        # Engines only in the release namespace: its short names are theirs too.
+        ["redis.external.url=redis://my-redis:6379/0", "operator.scope=namespace"],
+    ],
+    ids=["full-name", "ipv4", "ipv6", "one-namespace"],
+)
+def test_an_external_redis_every_engine_resolves_alike_is_taken(helm, sets):
+    assert render(helm, sets=["redis.enabled=false", *sets])
 
 
 def test_helm_lint_reports_the_same(helm):

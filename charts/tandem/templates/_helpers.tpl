@@ -492,8 +492,24 @@ start on a new, empty volume. Found by the gateway Deployment this release made.
 {{- if and (not .Values.redis.enabled) (not .Values.redis.external.url) (not .Values.redis.external.existingSecret) }}
 {{- fail "redis: with redis.enabled=false set redis.external.url or redis.external.existingSecret" }}
 {{- end }}
+{{- include "tandem.externalRedisHostCheck" . }}
 {{- if and (eq .Values.operator.scope "cluster") .Values.operator.namespaces }}
 {{- fail "operator.namespaces is for operator.scope=namespace; a cluster-scoped operator serves every namespace" }}
+{{- end }}
+{{- end }}
+
+{{- /* An external Redis named by a short host name (redis://my-redis:6379/0): the
+gateway and the operator resolve it in the release namespace, but the operator hands
+the same URL to engines in their models' namespaces, where it names another Service
+or none. Refused where engines may run elsewhere; a Secret's URL is not read here. */}}
+{{- define "tandem.externalRedisHostCheck" -}}
+{{- $url := .Values.redis.external.url }}
+{{- if and (not .Values.redis.enabled) $url (not .Values.redis.external.existingSecret) }}
+{{- $elsewhere := or (eq .Values.operator.scope "cluster") (without .Values.operator.namespaces .Release.Namespace) }}
+{{- $host := regexReplaceAll ":[0-9]*$" (urlParse $url).host "" }}
+{{- if and $elsewhere $host (not (contains "." $host)) (not (hasPrefix "[" $host)) }}
+{{- fail (printf "redis.external.url: host %q is a short name, which each pod resolves in its own namespace, and the engines run in their models' namespaces: give %s.%s.svc (a Service's full name), another DNS name or an IP address" $host $host .Release.Namespace) }}
+{{- end }}
 {{- end }}
 {{- end }}
 
