@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
-from support.helm import CHART, render, run_helm, template_args
+from support.helm import CHART, named, render, run_helm, template_args
 
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 VALUES_TEXT = (CHART / "values.yaml").read_text()
@@ -207,6 +207,17 @@ def test_helm_template_refuses_bad_values_naming_the_key(helm, sets, message):
 )
 def test_an_external_redis_every_engine_resolves_alike_is_taken(helm, sets):
     assert render(helm, sets=["redis.enabled=false", *sets])
+
+
+def test_a_cpu_limit_may_be_left_out(helm):
+    # Without a CPU limit a pod is never throttled (CFS quotas): a common choice for a
+    # latency-bound gateway. The memory limit stays: Redis' cap is checked against it.
+    manifests = render(helm, sets=["gateway.resources.limits.cpu=null"])
+    gateway = named(manifests, "Deployment", "tandem-gateway")
+    limits = gateway["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert "cpu" not in limits and "memory" in limits
+    result = run_helm(helm, *template_args(CHART, sets=["redis.resources.limits.memory=null"]))
+    assert "at '/redis/resources/limits': missing property 'memory'" in result.stderr
 
 
 def test_helm_lint_reports_the_same(helm):
