@@ -102,6 +102,13 @@ class LLM:
                 "engine_type must be 'normal' here: the offline API runs prompts to the "
                 "end on one engine (prompt and completion engines are the service's roles)"
             )
+        if engine_config_fields.get("data_parallel_size", 1) != 1:
+            # Refused by the scheduler only after the load, in its own terms (the vote).
+            raise ValueError(
+                "data_parallel_size must be 1 here: the offline API runs one engine in this "
+                "process (data-parallel ranks are the service's: tandem engine "
+                "--data-parallel-size)"
+            )
         if decode_graphs is not None and not isinstance(decode_graphs, bool):
             raise ValueError(f"decode_graphs must be True, False or None, got {decode_graphs!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):

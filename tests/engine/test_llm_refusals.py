@@ -102,6 +102,13 @@ def test_an_engine_type_other_than_normal_is_refused_before_the_load(role):
         LLM("no-such-model", engine_type=role)
 
 
+def test_data_parallel_ranks_are_refused_before_the_load():
+    # Accepted, it was refused only once the model had loaded (minutes), in the
+    # scheduler's terms: "the scheduler needs a vote (an all-reduce MIN ...)".
+    with pytest.raises(ValueError, match="data_parallel_size must be 1 here"):
+        LLM("no-such-model", data_parallel_size=2)
+
+
 @pytest.mark.parametrize("memory", ["1GiB", 0, 1.5, True])
 def test_kv_cache_memory_must_be_a_positive_number_of_bytes(memory):
     with pytest.raises(ValueError, match="kv_cache_memory must be a positive number of bytes"):
