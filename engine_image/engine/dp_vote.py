@@ -16,6 +16,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from tandem.engine.step_vote import PeersLost
+
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
@@ -57,7 +59,10 @@ def distributed_vote(group: dist.ProcessGroup | None = None) -> Callable[[int], 
     def vote(value: int) -> int:
         _check(value)
         buffer.fill_(value)
-        dist.all_reduce(buffer, op=dist.ReduceOp.MIN, group=group)
+        try:
+            dist.all_reduce(buffer, op=dist.ReduceOp.MIN, group=group)
+        except RuntimeError as exc:  # gloo's "Connection closed by peer", NCCL's errors
+            raise PeersLost(f"a peer rank ended; the group's vote broke: {exc}") from exc
         return int(buffer.item())
 
     return vote

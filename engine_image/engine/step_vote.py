@@ -22,6 +22,10 @@ from tandem.engine.config import EngineConfig
 Vote = Callable[[int], int]
 
 
+class PeersLost(RuntimeError):
+    """A vote's collective broke: a peer rank of the data-parallel group ended."""
+
+
 class Point(Enum):
     NONE = "none"  # decode without asking anyone
     ALL = "all"  # prefill only if every rank wants to

@@ -9,8 +9,9 @@ from pathlib import Path
 from support.engines import EngineProcess
 from support.polling import eventually
 
-from tandem.engine.service.ranks import STOP_MARGIN_S
+from tandem.engine.service.ranks import PEERS_HAND_BACK_S, STOP_MARGIN_S
 from tandem.engine.service.registry import Registry
+from tandem.protocol import PRIORITY_NORMAL, WORK_GROUP, as_text
 
 
 def _ranks(group: EngineProcess) -> list[int]:
@@ -93,3 +94,43 @@ def test_a_setting_the_ranks_refuse_once_loaded_is_one_error_line(redis_url, key
     assert code == 2, log
     assert "tandem: error: 4 KV blocks of 16 tokens hold 64 tokens" in log
     assert "Traceback" not in log
+
+
+def test_when_a_rank_dies_its_peer_hands_back_what_it_holds(redis_url, keys, client, tmp_path):
+    # The group killed the healthy ranks at once with the failed one: their requests
+    # waited --claim-idle-ms (30 s) for another engine, ready seconds after the crash.
+    group = EngineProcess("normal", redis_url, keys, ["--data-parallel-size", "2"])
+    group.log_dir = tmp_path
+    group.start()
+    stream = keys.work_stream(client.model, PRIORITY_NORMAL)
+    try:
+        group.wait_ready(timeout=120)
+        sampling = {"max_tokens": 1500, "temperature": 0.0, "ignore_eos": True}
+
+        def holders() -> dict[str, int]:
+            return {
+                as_text(c["name"]): c["pending"]
+                for c in client.redis.xinfo_consumers(stream, WORK_GROUP)
+                if c["pending"]
+            }
+
+        # One at a time until both ranks hold some: a burst may all go to one rank.
+        for _ in range(40):
+            client.submit(prompt_token_ids=[1, 2, 3], sampling=sampling)
+            if eventually(lambda: len(holders()) == 2, timeout=0.3):
+                break
+        assert len(holders()) == 2, (holders(), group.log())
+        peer = f"{group.engine_id}-r1"
+        os.kill(_ranks(group)[0], signal.SIGKILL)
+        code = group.process.wait(timeout=PEERS_HAND_BACK_S + 30)
+    finally:
+        group.stop()
+    log = group.log()
+    assert code != 0 and "rank-0 exited (signal 9): ending the group" in log, log
+    held = [p for p in client.redis.xpending_range(stream, WORK_GROUP, "-", "+", 100)]
+    peers = [p for p in held if as_text(p["consumer"]) == peer]
+    assert peers, held
+    # Handed back: idle past any --claim-idle-ms, so the next engine to pull takes them.
+    assert all(p["time_since_delivered"] > 3600 * 1000 for p in peers), peers
+    assert f"a peer rank ended: handed {len(peers)} requests back" in log, log
+    assert "Traceback" not in log, log

@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from tandem.engine.step_vote import Vote
+from tandem.engine.step_vote import PeersLost, Vote
 from tandem.parent_death import die_with
 from tandem.redis_server import free_port
 
@@ -30,6 +30,10 @@ Serve = Callable[[argparse.Namespace, int, Vote], int]
 # group kills them: below the pod's grace beyond the drain (manifests_pods.py's 30 s),
 # so that the log says which rank hung rather than the kubelet's SIGKILL saying nothing.
 STOP_MARGIN_S = 15.0
+# After a rank failed, how long its peers get to exit on their own: their next vote
+# breaks, and they hand back what they hold (killed at once, their requests waited
+# --claim-idle-ms for a takeover).
+PEERS_HAND_BACK_S = 10.0
 
 
 def run_ranks(args: argparse.Namespace, serve: Serve) -> int:
@@ -80,7 +84,7 @@ def run_ranks(args: argparse.Namespace, serve: Serve) -> int:
             said = ", ".join(f"{proc.name} exited ({_how(proc.exitcode)})" for proc in failed)
             log.error("%s: ending the group", said)
             code = failed[0].exitcode or 1
-            _kill(procs)
+            _kill(procs, grace_s=PEERS_HAND_BACK_S)
             return code if code > 0 else 1
         limit = args.drain_timeout + STOP_MARGIN_S
         if running and asked and time.monotonic() > asked[0][1] + limit:
@@ -93,8 +97,11 @@ def run_ranks(args: argparse.Namespace, serve: Serve) -> int:
     return 0
 
 
-def _kill(procs: list[multiprocessing.process.BaseProcess]) -> None:
+def _kill(procs: list[multiprocessing.process.BaseProcess], grace_s: float = 0.0) -> None:
+    """Kill the ranks still running after `grace_s` seconds."""
+    deadline = time.monotonic() + grace_s
     for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
             proc.kill()
         proc.join()
@@ -130,6 +137,9 @@ def _rank_main(
     except ValueError as exc:  # bad flags found once the model loaded: as one rank says it
         print(f"tandem: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    except PeersLost:  # the group names the rank that failed; this one handed back
+        log.warning("rank-%d: a peer rank ended; stopping with the group", rank)
+        raise SystemExit(1) from None
     # Only after a clean run: a rank that fails keeps its connections until it has exited,
     # so its peers, whose collectives break only then, never exit first in its stead.
     dist.destroy_process_group()

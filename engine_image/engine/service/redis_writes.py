@@ -102,16 +102,17 @@ class RedisWrites:
                 if not unavailable(exc):
                     raise
 
-    def hand_back(self, left: list[Delivery], running: int) -> None:
-        """The engine stops: write what is left, and give the unfinished entries back
-        so that the next engine to pull resumes them now, not after --claim-idle-ms."""
+    def hand_back(self, left: list[Delivery], running: int, why: str) -> None:
+        """The engine stops (`why`, for the log): write what is left, and give the
+        unfinished entries back so that the next engine to pull resumes them now, not
+        after --claim-idle-ms."""
         if self.outage.down and not self.io.ping():
             self._stranded("no answer to PING", running)
             return
         try:
             self._write()  # the tokens so far first: the next engine resumes after them
             if left:
-                log.info("drain timed out: handed %d requests back", self.io.queue.hand_back(left))
+                log.info("%s: handed %d requests back", why, self.io.queue.hand_back(left))
         except redis.RedisError as exc:
             if not unavailable(exc):
                 raise

@@ -36,6 +36,7 @@ from tandem.engine.service.replies import Replies
 from tandem.engine.service.settings import WorkerSettings
 from tandem.engine.service.work_queue import Delivery
 from tandem.engine.service.worker_intake import Intake
+from tandem.engine.step_vote import PeersLost
 from tandem.protocol import ErrorCode
 from tandem.registry_entry import EngineInfo
 
@@ -129,7 +130,14 @@ class EngineWorker(Intake):
                 self.run_once()
             # Left when the drain timed out: another engine takes it over now.
             left = [h.delivery for h in self.held.values() if h.pending] + self._untaken
-            self.writes.hand_back(left, len(self.held))
+            self.writes.hand_back(left, len(self.held), "drain timed out")
+        except PeersLost:
+            # The group ends with its failed rank. What this rank holds is given back
+            # (its tokens so far written: the next engine resumes after them), not left
+            # to wait --claim-idle-ms for a takeover.
+            left = [h.delivery for h in self.held.values()] + self._untaken
+            self.writes.hand_back(left, len(self.held), "a peer rank ended")
+            raise
         finally:
             self.heartbeat.stop()
             # Not while Redis is known away (the hand-back found it so): its entry
