@@ -6,10 +6,11 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 from support.engines import EngineProcess
 from support.polling import eventually
 
-from tandem.engine.service.ranks import PEERS_HAND_BACK_S, STOP_MARGIN_S
+from tandem.engine.service.ranks import PEERS_HAND_BACK_S, STOP_MARGIN_S, rank_device
 from tandem.engine.service.registry import Registry
 from tandem.protocol import PRIORITY_NORMAL, WORK_GROUP, as_text
 
@@ -134,3 +135,18 @@ def test_when_a_rank_dies_its_peer_hands_back_what_it_holds(redis_url, keys, cli
     assert all(p["time_since_delivered"] > 3600 * 1000 for p in peers), peers
     assert f"a peer rank ended: handed {len(peers)} requests back" in log, log
     assert "Traceback" not in log, log
+
+
+def test_more_ranks_than_gpus_is_the_loaders_error_not_cudas(monkeypatch):
+    # torch.cuda.set_device(cuda:1) on a one-GPU host ran before the loader's check:
+    # a CUDA traceback ("invalid device ordinal") and exit 1, not one error line.
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert rank_device(None, 0) == "cuda:0"
+    assert rank_device("cuda", 0) == "cuda:0"
+    assert rank_device("cuda:0", 1) == "cuda:0"  # one GPU shared on purpose
+    assert rank_device("cpu", 1) == "cpu"
+    with pytest.raises(ValueError, match="lower --data-parallel-size"):
+        rank_device(None, 1)

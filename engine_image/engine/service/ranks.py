@@ -121,9 +121,13 @@ def _rank_main(
 
     from tandem.engine.dp_vote import distributed_vote, vote_backend
 
-    own_gpu = torch.cuda.is_available() and args.device in (None, "cuda")
-    if own_gpu:
-        args.device = f"cuda:{rank}"  # one GPU per rank, not all ranks on GPU 0
+    try:
+        device = rank_device(args.device, rank)
+    except ValueError as exc:  # more ranks than GPUs: before CUDA's "invalid device ordinal"
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    own_gpu = device != args.device
+    args.device = device
     # NCCL takes one GPU per rank: ranks that share one (an explicit --device cuda:N)
     # vote as CPU ranks do, over gloo.
     backend = vote_backend(args.device if own_gpu else None)
@@ -144,3 +148,18 @@ def _rank_main(
     # so its peers, whose collectives break only then, never exit first in its stead.
     dist.destroy_process_group()
     raise SystemExit(code)
+
+
+def rank_device(device: str | None, rank: int) -> str | None:
+    """The device rank `rank` runs on: its own GPU, cuda:<rank>, where the host has CUDA
+    and --device named no one GPU (not every rank on GPU 0), else `device`. ValueError
+    where the host has fewer GPUs than that (the loader's words, which name the fix)."""
+    import torch
+
+    from tandem.engine.model.loader import pick_device
+
+    if not (torch.cuda.is_available() and device in (None, "cuda")):
+        return device
+    own = f"cuda:{rank}"
+    pick_device(own)
+    return own
