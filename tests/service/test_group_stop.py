@@ -1,5 +1,6 @@
 """How a data-parallel group stops: asked while loading, with a rank that hangs, and
-on a bad setting its ranks find once loaded. Real two-rank groups of `tandem engine`."""
+on a bad setting its ranks find once loaded, and when a rank dies. Real two-rank groups
+of `tandem engine`."""
 
 import os
 import signal
@@ -26,19 +27,25 @@ def _ranks(group: EngineProcess) -> list[int]:
     ]
 
 
-def test_a_group_asked_to_stop_while_loading_stops_cleanly(redis_url, keys, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_group_asked_to_stop_while_loading_stops_cleanly(redis_url, keys, tmp_path, signum):
     # A rank whose SIGTERM handler is not set yet dies of the signal: the group logged
-    # it as a failure and exited 1, as if it had crashed (a scale-down mid-load).
+    # it as a failure and exited 1, as if it had crashed (a scale-down mid-load). A
+    # terminal's Ctrl-C (SIGINT to the group and to every rank) raised KeyboardInterrupt
+    # in the ranks' imports: tracebacks, an abort, and "ending the group".
     group = EngineProcess("normal", redis_url, keys, ["--data-parallel-size", "2"])
     group.log_dir = tmp_path
     group.start()
     try:
         assert eventually(lambda: len(_ranks(group)) == 2, timeout=60), group.log()
-        code = group.terminate(timeout=60)
+        for pid in [group.process.pid, *_ranks(group)]:
+            os.kill(pid, signum)
+        code = group.process.wait(timeout=60)
     finally:
         group.stop()
     assert code == 0, group.log()
     assert "ending the group" not in group.log()
+    assert "Traceback" not in group.log() and "terminate called" not in group.log()
 
 
 def test_a_group_with_a_hung_rank_stops_within_its_drain_and_margin(

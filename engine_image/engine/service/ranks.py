@@ -50,16 +50,22 @@ def run_ranks(args: argparse.Namespace, serve: Serve) -> int:
         )
         for rank in range(world)
     ]
+    # The ranks start with SIGINT ignored (inherited; Python then leaves it so), and
+    # the group stops them with SIGTERM: a terminal's Ctrl-C reaches every rank too, and
+    # raised KeyboardInterrupt in their imports or a C++ call (tracebacks, an abort),
+    # read as a failed rank. Until serve() takes SIGTERM (a drain) once loaded, a rank
+    # dies of it, which the group counts as stopped.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     for proc in procs:
         proc.start()
 
-    asked: list[tuple[int, float]] = []  # the signal forwarded, and when
+    asked: list[float] = []  # when the group was asked to stop
 
-    def forward(signum: int, _frame: object) -> None:
-        asked.append((signum, time.monotonic()))
+    def forward(_signum: int, _frame: object) -> None:
+        asked.append(time.monotonic())
         for proc in procs:
             if proc.pid is not None and proc.is_alive():
-                os.kill(proc.pid, signum)
+                os.kill(proc.pid, signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
@@ -75,8 +81,8 @@ def run_ranks(args: argparse.Namespace, serve: Serve) -> int:
             proc.join()  # its sentinel may be ready a moment before its exit code
         # A rank ended by the signal forwarded to it (one still loading, whose handler
         # is not set yet) stopped as asked.
-        stopped = {-signum for signum, _ in asked}
-        failed = [proc for proc in ended if proc.exitcode not in (0, *stopped)]
+        stopped = (0, -signal.SIGTERM) if asked else (0,)
+        failed = [proc for proc in ended if proc.exitcode not in stopped]
         if failed:
             # Its last words may be none (SIGKILL, the OOM killer): the group's log
             # must say which rank ended it, or the pod's message says nothing. Those
@@ -87,7 +93,7 @@ def run_ranks(args: argparse.Namespace, serve: Serve) -> int:
             _kill(procs, grace_s=PEERS_HAND_BACK_S)
             return code if code > 0 else 1
         limit = args.drain_timeout + STOP_MARGIN_S
-        if running and asked and time.monotonic() > asked[0][1] + limit:
+        if running and asked and time.monotonic() > asked[0] + limit:
             # A rank stuck in a step or a vote (a hung kernel, a peer stopped) never
             # reads its drain flag: the group would wait for the kubelet's SIGKILL.
             hung = ", ".join(proc.name for proc in running.values())
