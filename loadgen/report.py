@@ -116,8 +116,9 @@ def build_report(result: RunResult, slo: Slo, config: dict[str, Any]) -> dict[st
     good = sum(slo.met_by(r) for r in records)
     # Sent and cut by a Ctrl-C: neither ok nor failed, but sent (they were the slow ones).
     cut = result.interrupted or 0
-    # How long each send waited for a --concurrency slot past its arrival.
-    waits = [max(0.0, r.start_s - r.scheduled_s) for r in records]
+    # How long each send waited past its arrival (for a --concurrency slot, or for the
+    # client): none to speak of in a closed loop, where all arrive at 0.
+    waits = [0.0 if result.closed_loop else max(0.0, r.start_s - r.scheduled_s) for r in records]
     by_status = Counter("none" if r.status is None else str(r.status) for r in records)
     latency = {
         "ttft": summarize([r.ttft_s for r in ok if r.ttft_s is not None], 1000),
@@ -146,7 +147,7 @@ def build_report(result: RunResult, slo: Slo, config: dict[str, Any]) -> dict[st
             # (their latencies count from the send), and arrivals never sent.
             "late": sum(1 for w in waits if w > LATE_S),
             "slot_wait_max_s": max(waits, default=0.0),
-            "left_unsent": result.left_unsent,
+            "left_unsent": result.left_unsent and not result.closed_loop,
         },
         "throughput": {
             "requests_per_s": per_s(len(ok)),
@@ -211,10 +212,15 @@ def format_report(report: dict[str, Any]) -> str:
         )
     if req["late"] or req["left_unsent"]:
         unsent = "; arrivals within --duration were left unsent" if req["left_unsent"] else ""
+        # Without a cap, a late send is the client's own: it could not keep up.
+        waited = (
+            "for a free --concurrency slot"
+            if report["config"].get("concurrency")
+            else ("on this client, which could not keep up")
+        )
         lines.append(
-            f"note         offered load not met: {req['late']} sends waited for a free "
-            f"--concurrency slot (up to {req['slot_wait_max_s']:.2f} s; latencies count from "
-            f"the send){unsent}"
+            f"note         offered load not met: {req['late']} sends waited {waited} "
+            f"(up to {req['slot_wait_max_s']:.2f} s; latencies count from the send){unsent}"
         )
     if report["replicas"]:
         roles = sorted({role for s in report["replicas"] for role in s["roles"]})

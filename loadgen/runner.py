@@ -57,6 +57,9 @@ class RunResult:
     interrupted: int | None = None
     # Arrivals within --duration were never sent: every --concurrency slot stayed taken.
     left_unsent: bool = False
+    # Every arrival at 0 (--rate inf): the sends wait for --concurrency slots by design,
+    # and no offered load can be missed.
+    closed_loop: bool = False
 
 
 @dataclass
@@ -65,6 +68,7 @@ class _Counters:
     ok: int = 0
     in_flight: int = 0
     left_unsent: bool = False  # an arrival within --duration found no slot before its end
+    timed: bool = False  # an arrival after 0 was seen: an offered load, which may be missed
 
 
 async def run(
@@ -125,7 +129,13 @@ async def run(
         await asyncio.gather(*background)
         progress.update(_line(counters, limits, time.perf_counter() - t0), force=True)
         progress.close()
-    result = RunResult(records, wall_s, started_at, left_unsent=counters.left_unsent)
+    result = RunResult(
+        records,
+        wall_s,
+        started_at,
+        left_unsent=counters.left_unsent,
+        closed_loop=not counters.timed,
+    )
     if interrupt.fired:
         result.interrupted = len(tasks) - len(records)
     if poller is not None:
@@ -210,6 +220,7 @@ async def _send_all(
             break
         if limits.duration_s is not None and request.arrival_s >= limits.duration_s:
             break
+        counters.timed = counters.timed or request.arrival_s > 0
         delay = t0 + request.arrival_s - time.perf_counter()
         # Always yield to the loop: with everything due at once the sends must start.
         await asyncio.sleep(max(0.0, delay))

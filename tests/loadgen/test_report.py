@@ -200,7 +200,7 @@ def test_sends_that_waited_for_a_slot_and_requests_cut_are_said():
     recs = records()
     recs[1] = dataclasses.replace(recs[1], scheduled_s=0.1)  # sent 0.4 s after its arrival
     cut = RunResult(recs, 6.7, 1.0e9, interrupted=3, left_unsent=True)
-    report = build_report(cut, Slo(), {})
+    report = build_report(cut, Slo(), {"concurrency": 2})
     req = report["requests"]
     assert (req["sent"], req["ok"], req["failed"], req["interrupted"]) == (10, 4, 3, 3)
     assert (req["late"], req["left_unsent"]) == (1, True)
@@ -214,3 +214,17 @@ def test_sends_that_waited_for_a_slot_and_requests_cut_are_said():
     assert "the 3 requests in flight were cut (counted sent, not ok)" in text
     quiet = format_report(build_report(result(), Slo(), {}))
     assert "offered load" not in quiet
+    # No cap: the sends were late on the client itself, not for a slot.
+    uncapped = format_report(build_report(cut, Slo(), {"concurrency": None}))
+    assert "1 sends waited on this client, which could not keep up" in uncapped
+
+
+def test_a_closed_loop_misses_no_offered_load():
+    # --rate inf (every arrival at 0): each send after the first --concurrency ones
+    # "waited", and every default run said the offered load was not met.
+    recs = [dataclasses.replace(r, scheduled_s=0.0) for r in records()]
+    closed = RunResult(recs, 6.7, 1.0e9, left_unsent=True, closed_loop=True)
+    report = build_report(closed, Slo(), {"concurrency": 2})
+    req = report["requests"]
+    assert (req["late"], req["slot_wait_max_s"], req["left_unsent"]) == (0, 0.0, False)
+    assert "offered load" not in format_report(report)

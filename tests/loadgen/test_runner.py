@@ -110,7 +110,8 @@ def test_the_duration_limit_stops_sending_and_waits_for_what_is_in_flight():
     assert 4 <= len(result.records) <= 8
     assert all(r.start_s < 0.35 for r in result.records)
     assert all(r.ok for r in result.records)
-    assert result.left_unsent  # arrivals waited for a slot past the end: said so
+    assert result.left_unsent  # arrivals waited for a slot past the end
+    assert result.closed_loop  # ... all at 0: no offered load, and none missed
 
 
 def test_the_progress_line_ends_with_the_final_counts():
