@@ -87,8 +87,9 @@ async def send(
                 else:
                     await _read_stream(response, target, record, run_start)
     except TimeoutError:
-        record.error_kind = "timeout"
-        record.error_message = f"no complete answer within {target.timeout_s:g} s"
+        if record.e2e_s is None:  # else cut while reading the body's end past [DONE]: kept
+            record.error_kind = "timeout"
+            record.error_message = f"no complete answer within {target.timeout_s:g} s"
     except httpx.TimeoutException as exc:
         record.error_kind = "timeout"
         record.error_message = _short(described(exc))
@@ -108,6 +109,7 @@ async def _read_stream(
 ) -> None:
     chunks = 0
     events = 0
+    done = False
     lines = sse_lines(response)
     async for line in lines:
         now = time.perf_counter()
@@ -117,7 +119,7 @@ async def _read_stream(
         payload = line[5:].strip()
         if payload == "[DONE]":
             record.e2e_s = now - run_start - record.start_s
-            await _drain(lines)
+            done = True
             break
         try:
             chunk = json.loads(payload)
@@ -155,6 +157,8 @@ async def _read_stream(
             record.error_message = f"the server sent no event stream ({kind}, no data: line)"
     if not record.usage_reported:
         record.output_tokens = chunks
+    if done:  # last: the answer is whole, whatever the body's end does
+        await _drain(lines)
 
 
 # How long the rest of a body may take after its [DONE] (its end, usually at once).

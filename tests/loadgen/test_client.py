@@ -240,3 +240,24 @@ def test_an_answer_complete_at_done_stays_complete_whatever_the_body_does_after(
         record = run(httpx.MockTransport(handle))
         assert record.ok, record.error_message
         assert time.monotonic() - started < 5
+
+
+def test_a_body_kept_open_past_done_near_the_deadline_is_no_timeout():
+    # The request's deadline passed while the body's end was read after its [DONE]: a
+    # whole answer, its latency taken below the deadline, was counted a timeout and
+    # left out of every latency and goodput figure.
+    chunk = sse({"choices": [{"text": "a", "finish_reason": "length"}]})
+
+    class LateDone(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            await asyncio.sleep(0.3)
+            yield chunk + b"data: [DONE]\n\n"
+            await asyncio.sleep(30)
+
+    async def handle(request):
+        return httpx.Response(200, stream=LateDone())
+
+    soon = Target(base_url="http://fake/v1", model="m", timeout_s=0.6)
+    record = run(httpx.MockTransport(handle), target=soon)
+    assert record.ok, record.error_message
+    assert record.finish_reason == "length" and 0.3 <= record.e2e_s < 0.6
