@@ -319,6 +319,11 @@ def main() -> int:
         return stub_engine(*args.stub_engine)
     if args.rate <= 0 or args.seconds <= 0 or args.rounds < 1 or args.concurrency < 1:
         parser.error("--rate, --seconds, --rounds and --concurrency must be positive")
+    if args.rate * args.seconds < 1:  # an open-loop round of no request measures nothing
+        parser.error(
+            f"--rate {args.rate:g} x --seconds {args.seconds:g} sends no request in a round: "
+            "give at least one (rate x seconds >= 1)"
+        )
     kinds = ["stub", "tiny"] if args.engine == "both" else [args.engine]
     for kind in kinds:
         print(f"\n=== engine: {kind} ===", flush=True)
