@@ -110,6 +110,8 @@ class GatewayMetricsSource:
 
     async def __call__(self) -> dict[str, int]:
         response = await self.client.get(self.metrics_url)
+        if response.status_code == 404:  # a server without /metrics: not httpx's paragraph
+            raise LookupError(f"{self.metrics_url} answers 404: not a Tandem gateway")
         response.raise_for_status()
         counts = roles_from_metrics(response.text, self.model)
         if counts is None:

@@ -2,6 +2,7 @@
 
 import json
 
+import httpx
 import pytest
 
 from tandem.loadgen.replicas import (
@@ -71,3 +72,14 @@ def test_the_poll_interval_must_be_positive():
     source = GatewayMetricsSource("http://127.0.0.1:1/metrics", "tiny", {})
     with pytest.raises(ValueError, match="replica-poll-s"):
         ReplicaPoller(source, interval_s=0)
+
+
+async def test_a_server_without_metrics_is_not_a_tandem_gateway():
+    # Its 404 was said in httpx's words, a paragraph with a link to MDN.
+    transport = httpx.MockTransport(lambda request: httpx.Response(404, text="Not Found"))
+    source = GatewayMetricsSource("http://other/metrics", "tiny", {}, transport=transport)
+    try:
+        with pytest.raises(LookupError, match=r"^http://other/metrics answers 404: not a Tandem"):
+            await source()
+    finally:
+        await source.close()
