@@ -1,5 +1,6 @@
 """Replicas per role: from registry entries or a gateway's /metrics; live, not draining."""
 
+import asyncio
 import json
 
 import httpx
@@ -74,12 +75,16 @@ def test_the_poll_interval_must_be_positive():
         ReplicaPoller(source, interval_s=0)
 
 
-async def test_a_server_without_metrics_is_not_a_tandem_gateway():
+def test_a_server_without_metrics_is_not_a_tandem_gateway():
     # Its 404 was said in httpx's words, a paragraph with a link to MDN.
     transport = httpx.MockTransport(lambda request: httpx.Response(404, text="Not Found"))
-    source = GatewayMetricsSource("http://other/metrics", "tiny", {}, transport=transport)
-    try:
-        with pytest.raises(LookupError, match=r"^http://other/metrics answers 404: not a Tandem"):
+
+    async def read() -> None:
+        source = GatewayMetricsSource("http://other/metrics", "tiny", {}, transport=transport)
+        try:
             await source()
-    finally:
-        await source.close()
+        finally:
+            await source.close()
+
+    with pytest.raises(LookupError, match=r"^http://other/metrics answers 404: not a Tandem"):
+        asyncio.run(read())
