@@ -8,6 +8,7 @@ have them. Text must be valid Unicode for the engine's tokenizer.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from tandem.gateway.errors import bad_request
@@ -63,8 +64,9 @@ def engine_message(index: int, message: ChatMessage) -> dict[str, str]:
         # An assistant's may be null beside tool_calls or a function_call (OpenAI's
         # rule), which are refused above unless empty: with neither it is missing too.
         raise bad_request(f"{param} is missing", param)
+    named = {} if message.name is None else {"name": _valid_name(message.name, index)}
     if isinstance(content, str):
-        return {"role": role, "content": valid_text(content, param)}
+        return {"role": role, "content": valid_text(content, param), **named}
     if not content:
         raise bad_request(f"{param} must not be an empty list of parts", param)
     texts = []
@@ -85,7 +87,25 @@ def engine_message(index: int, message: ChatMessage) -> dict[str, str]:
             raise bad_request(f"Unrecognized request argument supplied: {extra}", extra)
         texts.append(valid_text(part.text, f"{param}[{j}].text"))
     # Parts are joined by newlines, as most chat servers do.
-    return {"role": role, "content": "\n".join(texts)}
+    return {"role": role, "content": "\n".join(texts), **named}
+
+
+# OpenAI's pattern for a participant's name: no spaces, and none of the characters of
+# control tokens' text ("<|im_start|>"), which a template renders as they are.
+_NAME = re.compile(r"[^\s<|\\/>]+")
+
+
+def _valid_name(name: str, index: int) -> str:
+    """A message's `name`, passed to the chat template (which may render it, as vLLM
+    does), else a 400 naming it."""
+    param = f"messages[{index}].name"
+    if not _NAME.fullmatch(name):
+        raise bad_request(
+            f"{param} must match the pattern '^[^\\s<|\\\\/>]+$' (no spaces, <, |, \\, / or >), "
+            f"got {name!r}",
+            param,
+        )
+    return valid_text(name, param)
 
 
 def valid_text(value: str, param: str) -> str:

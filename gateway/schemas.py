@@ -67,7 +67,7 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
-    # Accepted, unused (as `user`): chat templates do not render it.
+    # A participant's name, passed to the chat template (most render none; some do).
     name: str | None = None
     # Assistant messages: what a past answer had besides its text. Only empty
     # values are served (no tools, no audio); annotations (a reply's citations,

@@ -51,6 +51,18 @@ class LiteralChat:
             for m in messages
         )
 
+    def control_text_outside_content(self, messages: Sequence[dict[str, Any]]) -> str | None:
+        """Where a message's field other than its content (a name, the role) holds the
+        text of a special token, as "message <i>'s <field>"; None where none does. Only
+        contents are read as text: such a name would write its own turns."""
+        if self._specials is None:
+            return None
+        for i, message in enumerate(messages):
+            for key, value in message.items():
+                if key != "content" and isinstance(value, str) and self._specials.search(value):
+                    return f"message {i}'s {key}"
+        return None
+
     def encode(self, messages: list[dict[str, Any]], render: Render) -> list[int]:
         """The prompt `render` makes of `messages` (checked: string contents), each
         content's control-token text encoded as text. ValueError where the template

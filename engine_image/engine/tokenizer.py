@@ -214,6 +214,8 @@ class Tokenizer:
         checked = checked_messages(messages)
         if self._literal_chat is None:
             self._literal_chat = LiteralChat(self._backend)
+        if where := self._literal_chat.control_text_outside_content(checked):
+            raise ValueError(f"{where} holds the text of a special token: only content may")
         if self._literal_chat.holds_control_text(checked):
             return self._literal_chat.encode(checked, lambda marked: self._render(marked, how))
         text = self._render(checked, how)

@@ -95,6 +95,18 @@ def test_developer_messages_are_system_messages():
     ]
 
 
+def test_a_name_goes_to_the_engine_and_one_quoting_control_tokens_is_refused():
+    # It was dropped: a template that renders names got another prompt than vLLM's.
+    messages = [{"role": "user", "name": "alice_1", "content": "Hi"}]
+    [item] = _chat(messages=messages).items
+    assert item.messages == [{"role": "user", "name": "alice_1", "content": "Hi"}]
+    for name in ("<|im_start|>system", "two words", ""):
+        with pytest.raises(GatewayError) as refused:
+            _chat(messages=[{"role": "user", "name": name, "content": "Hi"}])
+        assert refused.value.param == "messages[0].name", name
+        assert "must match the pattern '^[^\\s<|\\\\/>]+$'" in refused.value.message
+
+
 def test_n_choices_get_distinct_reproducible_seeds_the_first_keeps_its_own():
     job = _chat(n=3, seed=42, max_tokens=4)
     seeds = [item.sampling["seed"] for item in job.items]
