@@ -289,12 +289,15 @@ _DESCRIPTIONS = {
     401: "Missing or unknown API key",
     403: "The API key may not use this model",
     404: "Unknown model (no live engine serves it)",
+    408: "The body did not arrive in time",
     409: "Idempotency-Key reused with a different request",
     413: "Request body too large",
+    415: "A compressed body (Content-Encoding other than identity)",
     429: "Queue full or quota exceeded; see Retry-After",
     500: "Engine or gateway failure",
-    503: "Redis unreachable, engines kept failing on the request, or a model's engines "
-    "lack a role (prompt or decode) to finish it",
+    503: "Redis unreachable or refusing writes, engines kept failing on the request, the "
+    "work cancelled by someone else, engines older than a salted request, a model's "
+    "engines lacking a role (prompt or decode) to finish it, or this replica shutting down",
     504: "The request's deadline passed",
 }
 
