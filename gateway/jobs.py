@@ -194,7 +194,13 @@ class JobBuilder:
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs is only allowed when logprobs is true", "top_logprobs")
         for name, (neutral, what) in _UNSERVED_PARAMS.items():
-            if getattr(body, name) not in (None, *neutral):
+            value = getattr(body, name)
+            if isinstance(value, dict) and value.get("type") == "text" and len(value) > 1:
+                # A text format with a field OpenAI's has not: named as an unknown field,
+                # not as a format other than text.
+                extra = f"{name}.{next(k for k in value if k != 'type')}"
+                raise bad_request(f"Unrecognized request argument supplied: {extra}", extra)
+            if value not in (None, *neutral):
                 raise not_supported(name, what)
         if (
             body.max_tokens is not None
@@ -207,7 +213,7 @@ class JobBuilder:
             )
         max_tokens = body.max_completion_tokens or body.max_tokens
         messages = [engine_message(i, m) for i, m in enumerate(body.messages)]
-        size = sum(_utf8_size(m["content"]) for m in messages)
+        size = sum(_utf8_size(m["content"]) + _utf8_size(m.get("name", "")) for m in messages)
         estimate = _estimate(size) + _TOKENS_PER_MESSAGE * len(messages)
         options = chat_options(body)
         if kwargs := options.get("chat_template_kwargs"):

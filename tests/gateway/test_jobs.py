@@ -269,6 +269,16 @@ def test_unimplemented_openai_parameters_are_refused_by_name(name, value):
     assert caught.value.message.startswith(name)
 
 
+def test_a_text_format_with_an_unknown_field_names_the_field():
+    # It was "response_format other than text is not supported", its type being text.
+    with pytest.raises(GatewayError) as caught:
+        _chat(response_format={"type": "text", "strict": True})
+    assert (caught.value.status, caught.value.param) == (400, "response_format.strict")
+    assert caught.value.message == (
+        "Unrecognized request argument supplied: response_format.strict"
+    )
+
+
 def test_neutral_values_of_unsupported_parameters_pass():
     job = _chat(
         audio=None,
