@@ -25,3 +25,9 @@ def every_interface_url(url: str, pod_ip: str | None = None) -> str:
     every_interface's."""
     host = every_interface(EVERY_IPV4, pod_ip)
     return url.replace(f"//{EVERY_IPV4}:", f"//[{host}]:", 1) if host != EVERY_IPV4 else url
+
+
+def local_host(host: str) -> str:
+    """Where a client on this machine reaches a server listening on `host`: the loopback
+    address for a wildcard (http://0.0.0.0:8000 is no address to give a user)."""
+    return {EVERY_IPV4: "127.0.0.1", EVERY_IPV6: "::1", "": "127.0.0.1"}.get(host, host)

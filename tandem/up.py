@@ -28,6 +28,7 @@ from tandem.backlog import answers_owed
 from tandem.child import Child, drain_in_order, engine_child, engine_threads
 from tandem.embedded_redis import restart_if_dead, start_embedded
 from tandem.keys import Keys
+from tandem.listen import local_host
 from tandem.preflight import (
     StartError,
     check_max_model_len,
@@ -96,7 +97,9 @@ class Stack:
 
     @property
     def url(self) -> str:
-        host = self.config.host
+        """The gateway's URL from this machine (the loopback address for a --host that
+        is every interface)."""
+        host = local_host(self.config.host)
         return f"http://{f'[{host}]' if ':' in host else host}:{self.config.port}"
 
     @property

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 # Light (no torch, no web stack): `tandem --help` imports this module.
+from tandem.listen import local_host
 from tandem.preflight import StartError
 from tandem.run_folder import remove_if_unused
 from tandem.up import Stack, UpConfig
@@ -117,9 +118,13 @@ def banner(stack: Stack) -> str:
             counts.append(f"{role} {spec.initial_replicas}")
             counts[-1] += f" (autoscaled {low}-{high})" if low < high else ""
         engines = f"\n  engines  {', '.join(counts)}"
+    host = stack.config.host
+    elsewhere = ""
+    if local_host(host) != host:  # every interface: other machines use this one's address
+        elsewhere = f" (--host {host}: from other machines, this machine's address)"
     return f"""
 Tandem is up: {stack.mode} mode, model {name!r}{engines}
-  URL      {stack.url}/v1
+  URL      {stack.url}/v1{elsewhere}
   API key  {stack.api_key}
   logs     {stack.log_dir}
 

@@ -268,6 +268,24 @@ def test_the_banner_reports_the_mode_and_engines_a_manifest_runs(tmp_path):
     assert "engines  prefill 1 (autoscaled 1-2), decode 1\n" in text
 
 
+@pytest.mark.parametrize(
+    ("host", "url", "elsewhere"),
+    [
+        ("0.0.0.0", "http://127.0.0.1:8123/v1", True),
+        ("::", "http://[::1]:8123/v1", True),
+        ("127.0.0.1", "http://127.0.0.1:8123/v1", False),
+        ("fd00::5", "http://[fd00::5]:8123/v1", False),
+    ],
+)
+def test_the_banners_url_is_one_a_client_can_use(tmp_path, host, url, elsewhere):
+    # --host 0.0.0.0 printed http://0.0.0.0:8123/v1, which a browser or an SDK on
+    # another OS cannot open, and told nothing of the other machines it was for.
+    stack = Stack(UpConfig(model="random:tiny", host=host, port=8123, log_dir=tmp_path))
+    text = up_command.banner(stack)
+    assert f"URL      {url}" in text and f"curl {url}/chat/completions" in text
+    assert ("from other machines, this machine's address" in text) == elsewhere
+
+
 def test_a_manifests_longer_drain_timeout_lengthens_the_stop(tmp_path):
     # As a pod's grace period follows drainTimeoutSeconds: engines given 300 s to finish
     # their requests were killed a minute into the stop, and the gateway's streams with them.
