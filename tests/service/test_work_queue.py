@@ -64,6 +64,34 @@ def test_higher_priorities_first_and_max_items_across_streams(redis_client, keys
     assert (d.times_delivered, d.reclaimed, d.stream) == (1, False, keys.work_stream(MODEL, 1))
 
 
+def test_ranks_of_a_group_even_out_what_they_hold(redis_client, keys, queue):
+    # A data-parallel group's first rank to read took a whole burst (8 of 8), and the
+    # group stepped at its pace while its peer ran empty steps.
+    group = ("g", "g-r1", "g-r2")
+    ranks = [queue(name, share_with=group) for name in group]
+    other = queue("other-engine")  # another pod's engine: not of the group
+    for n in range(4):
+        enqueue(redis_client, keys, item(f"early{n}"))
+    assert len(other.pull(4).work) == 4  # held elsewhere: not the group's to even out
+    for n in range(9):
+        enqueue(redis_client, keys, item(f"b{n}", PRIORITY_HIGH if n % 3 == 0 else PRIORITY_LOW))
+    taken = [rank.pull(256).work for rank in ranks]
+    assert [len(t) for t in taken] == [3, 3, 3]
+    # The others finished theirs: the rank still holding 3 takes one (never none), and
+    # the next the rest of its share.
+    ranks[1].ack(taken[1])
+    ranks[2].ack(taken[2])
+    for n in range(4):
+        enqueue(redis_client, keys, item(f"c{n}"))
+    assert [len(rank.pull(256).work) for rank in ranks] == [1, 3, 0]
+    # Alone, as before: everything it has room for.
+    for n in range(5):
+        enqueue(redis_client, keys, item(f"d{n}"))
+    assert len(queue("alone").pull(256).work) == 5
+    with pytest.raises(ValueError, match="share_with must include the consumer"):
+        queue("stranger", share_with=group)
+
+
 def test_dead_consumer_entries_are_reclaimed_until_exhausted(redis_client, keys, queue):
     dead = queue("dead", max_deliveries=3)
     for n in range(2):

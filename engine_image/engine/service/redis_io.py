@@ -54,6 +54,7 @@ class RedisIO:
             settings.engine_id,
             claim_idle_ms=settings.claim_idle_ms,
             max_deliveries=settings.max_deliveries,
+            share_with=settings.group,
         )
         self.responses = ResponseWriter(client, keys, settings.engine_id)
         self.registry = Registry(client, keys)

@@ -71,9 +71,8 @@ def serve(args: argparse.Namespace, rank: int, vote: Vote | None = None) -> int:
     )
 
     host = args.advertise_host or _default_advertise_host(args.host)
-    engine_id = args.engine_id
-    if rank:
-        engine_id = f"{engine_id}-r{rank}"
+    group = group_ids(args.engine_id, config.data_parallel_size)
+    engine_id = group[rank] if group else args.engine_id
     kv_caches = engine.runner.kv_caches
     layout = KVLayout.of(kv_caches)
     fingerprint = kv_fingerprint(loaded.source.fingerprint, layout)
@@ -86,6 +85,7 @@ def serve(args: argparse.Namespace, rank: int, vote: Vote | None = None) -> int:
         fingerprint=fingerprint,
         keep_alive_every=min(5.0, args.claim_idle_ms / 4000),
         max_waiting_tokens=2 * config.max_num_batched_tokens,
+        group=group,
         **worker_fields(args),
     )
     metrics = EngineMetrics(settings_kwargs["model_name"], role.value)
@@ -183,3 +183,11 @@ def _default_advertise_host(bind: str) -> str:
     if bind not in ("0.0.0.0", "::", ""):
         return bind
     return os.environ.get("POD_IP") or socket.gethostbyname(socket.gethostname())
+
+
+def group_ids(engine_id: str, size: int) -> tuple[str, ...]:
+    """The engine ids of a data-parallel group's ranks 0 to size - 1 (rank 0 keeps the
+    group's id, rank r is <id>-r<r>); empty for one engine alone."""
+    if size < 2:
+        return ()
+    return (engine_id, *(f"{engine_id}-r{rank}" for rank in range(1, size)))

@@ -57,6 +57,9 @@ class WorkerSettings:
     # A KV fetch waiting longer than this (for an answer, then for each read) falls back
     # to recomputing.
     kv_fetch_timeout: float = 10.0
+    # The engine ids of this engine's data-parallel group (its own among them), which
+    # pull from the same queues; empty alone. Their pulls even out what each holds.
+    group: tuple[str, ...] = ()
     started_at: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:

@@ -143,6 +143,7 @@ class WorkQueue:
         *,
         claim_idle_ms: int = 30_000,
         max_deliveries: int = 3,
+        share_with: Sequence[str] = (),
     ) -> None:
         if not model:
             raise ValueError("model must be a non-empty name")
@@ -152,6 +153,8 @@ class WorkQueue:
             raise ValueError(f"claim_idle_ms must be at least 1, got {claim_idle_ms}")
         if max_deliveries < 1:
             raise ValueError(f"max_deliveries must be at least 1, got {max_deliveries}")
+        if share_with and consumer not in share_with:
+            raise ValueError(f"share_with must include the consumer {consumer!r} itself")
         self.role = Role(role)
         self.client = client
         self.keys = keys
@@ -159,6 +162,9 @@ class WorkQueue:
         self.consumer = consumer
         self.claim_idle_ms = claim_idle_ms
         self.max_deliveries = max_deliveries
+        # The consumers pulling beside this one, itself included (a data-parallel
+        # group's ranks): each pull takes no more than evens out what they hold.
+        self.share_with = tuple(share_with)
         if self.role is Role.COMPLETION:
             self.group = HANDOFF_GROUP
             self.streams = keys.handoff_streams(model)
@@ -224,7 +230,7 @@ class WorkQueue:
         keys = [*self.streams, *([self._counter] if self._counter else [])]
         has_counter = "1" if self._counter else "0"
         args = [self.group, self.consumer, max_items, self.claim_idle_ms, self.max_deliveries]
-        args += [has_counter, TOKENS_FIELD]
+        args += [has_counter, TOKENS_FIELD, len(self.share_with), *self.share_with]
         try:
             entries, lost, newest = self._pull_script(keys=keys, args=args)
         except redis.ResponseError as exc:

@@ -6,7 +6,8 @@ they report are exact (work_queue.py has the Python side).
 
 # KEYS: the streams, highest priority first, then (when ARGV[6] == "1") the
 # queued-tokens counter. ARGV: group, consumer, max_items, claim_idle_ms,
-# max_deliveries, has_counter, tokens field.
+# max_deliveries, has_counter, tokens field, the number of consumers pulling side by
+# side (0 alone), and their names.
 # Returns {entries, lost, newest}: entries as {stream index, id, fields, times
 # delivered, reclaimed}; lost: {stream index, id} of entries deleted while still
 # pending (Redis 6.2 keeps them in the PEL and XCLAIM answers nil: acked here so
@@ -40,6 +41,29 @@ for i = 1, nstreams do
       lost[#lost + 1] = {i, p[1]}
     end
   end
+end
+
+-- Consumers pulling side by side (a data-parallel group's ranks, ARGV[9..]) even out
+-- what they hold: this one takes at most its share of their entries and the new ones,
+-- less what it holds (at least one). The first to read took a whole burst, and the
+-- group's steps went at its pace. A stream holds only pending and undelivered entries
+-- (acked ones are deleted): its new ones are its length less its pending count.
+local peers = tonumber(ARGV[8])
+if peers > 1 and room > 0 then
+  local in_group = {}
+  for j = 9, 8 + peers do in_group[ARGV[j]] = true end
+  local new, held, mine = 0, 0, 0
+  for i = 1, nstreams do
+    local summary = redis.call('XPENDING', KEYS[i], group)
+    new = new + math.max(redis.call('XLEN', KEYS[i]) - summary[1], 0)
+    for _, c in ipairs(summary[4] or {}) do
+      if in_group[c[1]] then
+        held = held + tonumber(c[2])
+        if c[1] == consumer then mine = mine + tonumber(c[2]) end
+      end
+    end
+  end
+  room = math.min(room, math.max(math.ceil((new + held) / peers) - mine, 1))
 end
 
 local tokens = 0
