@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Iterator, Mapping
 
 from tandem.engine.block_pool import BlockHash, BlockPool
 from tandem.engine.request import Request
@@ -78,8 +79,12 @@ class KVCacheManager:
         used = self.pool.num_blocks - self.pool.num_free
         return (used + more_blocks) / self.pool.num_blocks
 
-    def match_prefix(self, request: Request) -> list[int]:
-        """Cached blocks holding the longest prefix of the request's tokens.
+    def match_prefix(
+        self, request: Request, computing: Mapping[BlockHash, int] | None = None
+    ) -> list[int]:
+        """Cached blocks holding the longest prefix of the request's tokens, and after
+        them blocks `computing` holds (an earlier sequence of the same prefill step
+        completes them: a layer's KV is written for every sequence before any attends).
 
         At least one token is left to compute: the last prompt position must run
         through the model to give the logits of the first output token. Nothing
@@ -87,23 +92,37 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return []
-        size = self.block_size
-        tokens = request.token_ids
-        hashes = self._hashes.setdefault(request.request_id, [])
-        parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+        computing = computing or {}
         blocks: list[int] = []
-        for i in range((len(tokens) - 1) // size):
-            if i < len(hashes):
-                digest = hashes[i]
-            else:
-                digest = hash_block(parent, tokens[i * size : (i + 1) * size])
-                hashes.append(digest)
+        for digest in self._hashes_of(request, (len(request.token_ids) - 1) // self.block_size):
             block_id = self.pool.lookup(digest)
+            if block_id is None:
+                block_id = computing.get(digest)
             if block_id is None:
                 break
             blocks.append(block_id)
-            parent = digest
         return blocks
+
+    def completed_by(self, request: Request, start: int, end: int) -> dict[BlockHash, int]:
+        """The blocks a step computing the request's tokens start to end fills, by their
+        content hash: match_prefix's `computing` for the prompts after it in the step
+        (n choices of one prompt, a burst sharing a system prompt computed it n times)."""
+        if not self.enable_prefix_caching:
+            return {}
+        size, table = self.block_size, self._tables[request.request_id]
+        hashes = list(self._hashes_of(request, end // size))
+        return {hashes[i]: table[i] for i in range(start // size, end // size)}
+
+    def _hashes_of(self, request: Request, num_blocks: int) -> Iterator[BlockHash]:
+        """The content hashes of the request's first num_blocks full blocks, each
+        computed once (a lookup stops at its first miss: later ones are never hashed)."""
+        size, tokens = self.block_size, request.token_ids
+        hashes = self._hashes.setdefault(request.request_id, [])
+        for i in range(num_blocks):
+            if i == len(hashes):
+                parent = hashes[i - 1] if i else root_hash(request.cache_salt)
+                hashes.append(hash_block(parent, tokens[i * size : (i + 1) * size]))
+            yield hashes[i]
 
     def allocate(
         self, request_id: str, num_tokens: int, cached_blocks: list[int] | None = None
@@ -149,12 +168,7 @@ class KVCacheManager:
         if num_full <= offered:
             return
         table = self._tables[rid]
-        hashes = self._hashes.setdefault(rid, [])
-        size, tokens = self.block_size, request.token_ids
-        root = root_hash(request.cache_salt)
-        for i in range(len(hashes), num_full):
-            parent = hashes[i - 1] if i else root
-            hashes.append(hash_block(parent, tokens[i * size : (i + 1) * size]))
+        hashes = list(self._hashes_of(request, num_full))
         for i in range(offered, num_full):
             self.pool.cache(table[i], hashes[i])
         self._offered[rid] = num_full

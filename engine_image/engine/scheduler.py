@@ -21,6 +21,7 @@ drive it the same way: schedule() -> runner -> update().
 from __future__ import annotations
 
 from tandem.engine.admission import check_fits
+from tandem.engine.block_pool import BlockHash
 from tandem.engine.config import EngineConfig, EngineType
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.plan import RequestOutput, ScheduledSeq, StepPlan, StepResult
@@ -176,10 +177,11 @@ class Scheduler(HandoffSide):
         slots = cfg.max_running - len(self.running) - len(self.receiving)
         waiting, kv = self.waiting, self.kv
         plan = StepPlan(is_prefill=True)
+        computing: dict[BlockHash, int] = {}  # blocks this step fills, for the prompts after
         while (request := waiting.first()) is not None and budget > 0 and slots > 0:
             rid = request.request_id
             admitted = kv.holds_blocks(rid)
-            cached = [] if admitted else kv.match_prefix(request)
+            cached = [] if admitted else kv.match_prefix(request, computing)
             if not admitted and not self._admits(request, cached, plan):
                 break
             start = request.num_computed_tokens if admitted else len(cached) * cfg.block_size
@@ -200,6 +202,7 @@ class Scheduler(HandoffSide):
                 plan.num_prefix_cached_tokens += start
                 plan.num_admitted_tokens += request.num_tokens
             end = start + num_new
+            computing |= kv.completed_by(request, start, end)
             last_chunk = end == request.num_tokens
             plan.num_scheduled_tokens[rid] = num_new
             plan.seqs.append(

@@ -136,6 +136,18 @@ def test_prefix_cache_hits(checkpoint):
     assert second.token_ids == _hf_greedy(hf, [*shared, 9, 9])
 
 
+def test_prompts_of_one_step_share_their_prefix(checkpoint):
+    # n choices of a prompt and a burst with a common prefix, prefilled in one step:
+    # the later ones read the blocks the first fills in that same step.
+    make_llm, hf = checkpoint
+    (shared,) = _prompts(hf.config.vocab_size, [70], seed=4)
+    prompts = [[*shared, 5], [*shared, 5], [*shared, 9, 9]]
+    llm = make_llm(max_model_len=256, num_kv_blocks=256)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.num_cached_tokens for o in outputs] == [0, 64, 64]
+    assert [o.token_ids for o in outputs] == [_hf_greedy(hf, p) for p in prompts]
+
+
 @GRAPHS
 def test_preemption_forced_by_a_tiny_kv_pool(checkpoint, graphs):
     make_llm, hf = checkpoint

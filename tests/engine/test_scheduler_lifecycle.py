@@ -182,6 +182,52 @@ def test_a_repeated_prompt_skips_the_prefill_of_its_cached_blocks():
     assert plan.seqs[0].start_pos == 96
 
 
+def test_prompts_of_one_step_share_the_blocks_an_earlier_one_fills():
+    # n choices of one prompt (n work items) and a burst sharing a system prompt were
+    # prefilled in one step, each computing the whole prompt: blocks were offered to the
+    # cache only after the step. A layer's KV is written for every sequence before any
+    # attends, so the later ones read the blocks the first fills in the same step.
+    sched = make(max_model_len=1024, max_num_batched_tokens=4096)
+    shared = prompt(100)
+    requests = [
+        Request("a", shared, SamplingParams(max_tokens=2)),
+        Request("b", shared, SamplingParams(max_tokens=2)),
+        Request("c", [*shared[:40], 7, 7], SamplingParams(max_tokens=2)),
+        Request("salted", shared, SamplingParams(max_tokens=2), cache_salt="s"),
+    ]
+    for request in requests:
+        sched.add_request(request)
+    plan = sched.schedule()
+    assert plan.num_scheduled_tokens == {"a": 100, "b": 4, "c": 10, "salted": 100}
+    assert [s.start_pos for s in plan.seqs] == [0, 96, 32, 0]
+    table = {s.request_id: s.block_ids for s in plan.seqs}
+    assert table["b"][:6] == table["a"][:6] and table["c"][:2] == table["a"][:2]
+    assert not set(table["salted"]) & set(table["a"])  # another salt's, never shared
+    sched.update(plan, fake_result(plan))
+    check_integrity(sched)
+    assert [r.num_cached_tokens for r in requests] == [0, 96, 32, 0]
+    run_until_idle(sched)
+    check_integrity(sched)
+    assert sched.kv.usage == 0.0
+
+
+def test_a_prompt_after_a_last_chunk_shares_the_blocks_that_step_completes():
+    # Blocks filled in earlier steps are cached; those of the last chunk are shared too.
+    sched = make(max_model_len=1024, max_num_batched_tokens=40, enable_chunked_prefill=True)
+    shared = prompt(100)
+    sched.add_request(Request("a", shared, SamplingParams(max_tokens=2)))
+    sched.add_request(Request("b", shared, SamplingParams(max_tokens=2)))
+    for _ in range(2):  # the budget spent on a's chunks: b waits
+        plan, _ = step(sched)
+        assert plan.num_scheduled_tokens == {"a": 40}
+    # a's last chunk, 80-100, fills block 5 (80-95): b shares blocks 0-4 (cached) and 5.
+    plan, _ = step(sched)
+    assert plan.num_scheduled_tokens == {"a": 20, "b": 4}
+    assert plan.seqs[1].start_pos == 96
+    run_until_idle(sched)
+    check_integrity(sched)
+
+
 def test_a_salted_prompt_shares_cached_blocks_only_with_its_own_salt():
     sched = make(max_model_len=1024)
     shared = prompt(100)
