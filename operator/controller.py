@@ -170,8 +170,10 @@ class Controller:
         await self._writer.post(model, (failed,))
 
     def forget(self, namespace: str, name: str) -> None:
-        """The ModelDeployment is gone: a new one of its name starts no failure streak."""
+        """The ModelDeployment is gone: a new one of its name starts no failure streak,
+        and no drift left alone."""
         self._failing.discard((namespace, name))
+        self._writer.forget(namespace, name)
 
     async def _reconcile(
         self, model: Body, autoscale: bool, memory: scaling.ScalerMemory | None
@@ -197,6 +199,7 @@ class Controller:
             scaled=outcome.changed if outcome else {},
             pods=pods,
             holder=holder,
+            undone=self._writer.undone(namespace, name),
         )
         costs = await self._costs(actions, pods, outcome, memory)
         await self._writer.apply(model, actions, costs)

@@ -84,6 +84,9 @@ class ChildPatch:
     name: str
     patch: dict[str, Any]
     drift: tuple[str, ...]
+    # The child's metadata.generation as read: a spec patch that leaves it so changed
+    # nothing (an admission webhook wrote the drift back). None: not known.
+    generation: int | None = None
 
 
 def drift(desired: Body, actual: Body) -> tuple[str, ...]:

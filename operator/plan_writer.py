@@ -10,13 +10,14 @@ child's name taken adopts the object if it is the model's (child_owners.py).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tandem.operator.child_owners import ChildTaken, check_not_taken
-from tandem.operator.drift import repair_patch
+from tandem.operator.drift import ChildKey, ChildPatch, repair_patch
 from tandem.operator.events import Event, with_adoptions
 from tandem.operator.kube import ApiError, KubeApi
 from tandem.operator.reconcile import Plan, child_taken, forbidden, refused
@@ -32,6 +33,17 @@ class PlanWriter:
 
     def __init__(self, kube: KubeApi) -> None:
         self._kube = kube
+        # Per model (namespace, name): each child's last repair that changed no spec (an
+        # admission webhook wrote the drift back), not written again while the same (a
+        # spec edit makes another): patched every pass, the model read RollingOut for
+        # ever and posted an Event each time.
+        self._undone: dict[tuple[str, str], dict[ChildKey, ChildPatch]] = {}
+
+    def undone(self, namespace: str, name: str) -> Mapping[ChildKey, ChildPatch]:
+        return self._undone.get((namespace, name), {})
+
+    def forget(self, namespace: str, name: str) -> None:
+        self._undone.pop((namespace, name), None)
 
     async def apply(self, model: Body, actions: Plan, costs: Mapping[str, int]) -> None:
         """Make the plan's writes: pod-deletion costs, children, Events, the status. A
@@ -50,7 +62,8 @@ class PlanWriter:
             # the other not, a ConfigMap ahead of its Deployment).
             if len(actions.creates) + len(actions.patches) > 1:
                 await self._write(namespace, actions, dry_run=True)
-            adopted = await self._write(namespace, actions, dry_run=False)
+            adopted, written = await self._write(namespace, actions, dry_run=False)
+            await self._note_undone(model, actions.patches, written)
             for key in actions.deletes:  # a refused one is said as a refused write is
                 await self._kube.delete(key.kind, namespace, key.name)
         except ChildTaken as taken:
@@ -101,16 +114,45 @@ class PlanWriter:
         now = current["metadata"]
         return now.get("uid") == meta.get("uid") and not now.get("deletionTimestamp")
 
-    async def _write(self, namespace: str, actions: Plan, *, dry_run: bool) -> set[str]:
+    async def _write(
+        self, namespace: str, actions: Plan, *, dry_run: bool
+    ) -> tuple[set[str], list[Body | None]]:
         """The plan's creates and patches; returns the children found already there and
-        adopted instead of created ("Deployment m-decode")."""
+        adopted instead of created ("Deployment m-decode"), and each patched child as
+        the API server answered (None: gone)."""
         adopted = set()
         for manifest in actions.creates:
             if await self._create(manifest, dry_run=dry_run):
                 adopted.add(f"{manifest['kind']} {manifest['metadata']['name']}")
-        for patch in actions.patches:
+        written = [
             await self._kube.patch(patch.kind, namespace, patch.name, patch.patch, dry_run=dry_run)
-        return adopted
+            for patch in actions.patches
+        ]
+        return adopted, written
+
+    async def _note_undone(
+        self, model: Body, patches: Sequence[ChildPatch], written: Sequence[Body | None]
+    ) -> None:
+        """Note the patches that changed no spec (their child's generation as it was),
+        each said once in a Warning Event; a repair that took clears its child's note."""
+        meta = model["metadata"]
+        notes = self._undone.setdefault((meta["namespace"], meta["name"]), {})
+        for patch, child in zip(patches, written, strict=True):
+            key = ChildKey(patch.kind, patch.name)
+            spec = [path for path in patch.drift if path.startswith("spec.")]
+            generation = (child or {}).get("metadata", {}).get("generation")
+            if not spec or patch.generation is None or generation != patch.generation:
+                notes.pop(key, None)
+                continue
+            notes[key] = dataclasses.replace(patch, generation=None)
+            message = (
+                f"{patch.kind} {patch.name}: {', '.join(spec)} written back as it was by "
+                "the API server (a mutating admission webhook?); left as the cluster "
+                "keeps it until it differs otherwise"
+            )
+            await self.post(model, (Event("DriftKept", message, warning=True),))
+        if not notes:
+            self._undone.pop((meta["namespace"], meta["name"]), None)
 
     async def post(self, model: Body, events: Sequence[Event]) -> None:
         for event in events:

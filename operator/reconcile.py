@@ -11,7 +11,7 @@ events.py words the Events.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tandem.operator.autoscaler import Decision
@@ -88,13 +88,15 @@ def plan(
     scaled: Mapping[RoleName, Decision] | None = None,
     pods: Sequence[Body] = (),
     holder: str | None = None,
+    undone: Mapping[ChildKey, ChildPatch] | None = None,
 ) -> Plan:
     """What to do so that the children and the status match the ModelDeployment `model`.
 
     `scaled` are the autoscaler's decisions that change a role's count (roles it
     did not change are left out); `pods` are the model's engine pods, whose
     troubles the status quotes; `holder` says which ModelDeployment holds this
-    one's servedModelName, if any (`served_name_holder`).
+    one's servedModelName, if any (`served_name_holder`); `undone`, each child's last
+    repair that changed nothing (PlanWriter.undone): not written again while the same.
     """
     meta = model["metadata"]
     previous = model.get("status") or {}
@@ -133,8 +135,12 @@ def plan(
             creates.append(manifest)
             continue
         paths = drift(manifest, actual)
-        if paths:
-            patches.append(ChildPatch(key.kind, key.name, repair_patch(manifest, actual), paths))
+        if not paths:
+            continue
+        repair = ChildPatch(key.kind, key.name, repair_patch(manifest, actual), paths)
+        if (undone or {}).get(key) != repair:  # the same repair changed nothing last time
+            generation = actual["metadata"].get("generation")
+            patches.append(replace(repair, generation=generation))
     wanted = {ChildKey(m["kind"], m["metadata"]["name"]): m for m in desired}
 
     # Deployments whose pods this pass replaces: only a new pod template does. A count
@@ -389,5 +395,6 @@ def _counts(
 
 
 def _replaces_pods(drift: Sequence[str]) -> bool:
-    """Whether a Deployment patch of these drifted paths rolls its pods out."""
-    return any(path != "spec.replicas" and not path.startswith("metadata.") for path in drift)
+    """Whether a Deployment patch of these drifted paths rolls its pods out: only a new
+    pod template does (a repaired spec.strategy or revisionHistoryLimit replaces none)."""
+    return any(path == "spec.template" or path.startswith("spec.template.") for path in drift)

@@ -211,6 +211,42 @@ async def test_hand_edits_of_owned_fields_are_set_back(cluster, operator):
     assert "containers[0].image" in event["message"]
 
 
+async def test_drift_a_webhook_writes_back_is_kept_and_the_model_settles(cluster, operator):
+    # A mutating webhook (Kyverno's policies for pods apply to Deployments' templates)
+    # adding a toleration: each pass patched it away, the webhook put it back in the
+    # same request, and the model read RollingOut for ever, with a PATCH and an Event
+    # at every timer tick.
+    toleration = {"key": "team", "operator": "Exists", "effect": "NoSchedule"}
+
+    def add_toleration(deployment: dict[str, Any]) -> None:
+        pod = deployment.setdefault("spec", {}).setdefault("template", {}).setdefault("spec", {})
+        if toleration not in (pod.get("tolerations") or []):
+            pod["tolerations"] = [*(pod.get("tolerations") or []), toleration]
+
+    cluster.api.webhooks[DEPLOYMENTS] = add_toleration
+    await cluster.apply(normal())
+    await eventually(
+        lambda: (cluster.model("m").get("status") or {}).get("phase") == "Ready", what="Ready"
+    )
+    (kept,) = await eventually(lambda: cluster.events("DriftKept"), what="a DriftKept Event")
+    assert kept["type"] == "Warning"
+    assert "Deployment m-normal: spec.template.spec.tolerations written back" in kept["message"]
+    before, events = len(cluster.writes_by(operator)), len(cluster.events())
+    await asyncio.sleep(2)  # timer ticks: no patch of the Deployment, no Event
+    paths = [r.url.path for r in cluster.writes_by(operator)[before:]]
+    assert not [p for p in paths if "/deployments/" in p or p.endswith("/events")], paths
+    assert len(cluster.events()) == events
+    assert (cluster.model("m").get("status") or {}).get("phase") == "Ready"
+    # A spec edit is another repair: written, and the webhook's toleration kept with it.
+    await cluster.patch_model("m", {"spec": {"normal": {"nodeSelector": {"pool": "gpu"}}}})
+
+    def applied() -> bool:
+        pod = cluster.child("Deployment", "m-normal")["spec"]["template"]["spec"]
+        return pod.get("nodeSelector") == {"pool": "gpu"} and toleration in pod["tolerations"]
+
+    await eventually(applied, what="the edit applied, the webhook's toleration with it")
+
+
 async def test_the_crd_admission_refuses_what_its_rules_refuse(cluster):
     with pytest.raises(ApiError) as refused:
         await cluster.apply(normal(minReplicas=3, maxReplicas=1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -589,6 +590,45 @@ def test_an_edit_of_a_roles_replicas_is_no_rollout():
     edited = plan(ready_model(2, 2, ready), children, DEFAULTS, now=NOW)
     assert [p.name for p in edited.patches] == ["m-normal"]  # the count and its annotation
     assert (edited.status["phase"], edited.status["reason"]) == ("Ready", "AllReplicasReady")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("revisionHistoryLimit", 10), ("progressDeadlineSeconds", 60), ("strategy", {})],
+)
+def test_a_repair_outside_the_pod_template_is_no_rollout(field, value):
+    # Any path but spec.replicas and metadata read as a new template: a hand edit of the
+    # Deployment's history limit flipped a Ready model to RollingOut, no pod replaced.
+    body = model({"replicas": 2, "maxReplicas": 4})
+    body["metadata"]["generation"] = 1
+    children = children_of(body)
+    for child in children:
+        if child["kind"] == "Deployment":
+            child["metadata"]["generation"] = 1
+            counts = {"replicas": 2, "updatedReplicas": 2, "readyReplicas": 2}
+            child["status"] = {"observedGeneration": 1, **counts}
+    body["status"] = plan(body, children, DEFAULTS, now=NOW).status
+    (deployment,) = [c for c in children if c["kind"] == "Deployment"]
+    deployment["spec"][field] = value
+    actions = plan(body, children, DEFAULTS, now=NOW)
+    assert [p.name for p in actions.patches] == ["m-normal"]
+    assert actions.status is None or actions.status["phase"] == "Ready"
+
+
+def test_a_repair_the_api_server_undid_is_not_written_again_unless_it_changes():
+    # A mutating webhook writes the drift back in the same request: its repair changed
+    # nothing, and written at every pass, the model read RollingOut for ever.
+    body = model({"replicas": 1, "maxReplicas": 1})
+    children = children_of(body)
+    (deployment,) = [c for c in children if c["kind"] == "Deployment"]
+    deployment["spec"]["template"]["spec"]["tolerations"] = [{"key": "team"}]
+    (repair,) = plan(body, children, DEFAULTS, now=NOW).patches
+    assert repair.drift == ("spec.template.spec.tolerations",)
+    undone = {ChildKey("Deployment", "m-normal"): replace(repair, generation=None)}
+    assert plan(body, children, DEFAULTS, now=NOW, undone=undone).patches == ()
+    deployment["spec"]["template"]["spec"]["nodeSelector"] = {"x": "y"}  # another drift
+    (again,) = plan(body, children, DEFAULTS, now=NOW, undone=undone).patches
+    assert "spec.template.spec.nodeSelector" in again.drift
 
 
 def test_a_lost_pod_whose_replacement_no_node_takes_says_why():

@@ -21,6 +21,7 @@ the HTTP side and lists every gap filled):
   400 naming it (kubernetes-validate's schemas; the default, Warn, is not
   emulated: the field is kept, where a real server drops it);
 - dryRun=All on creates and patches: every check made, nothing stored;
+- mutating admission webhooks (`webhooks`), run on creates and patches;
 - garbage collection: removing an owner removes its dependents (background
   propagation), as kube-controller-manager does.
 
@@ -79,6 +80,9 @@ class ApiStore(kmock.KubernetesEmulator):
     # The ModelDeployment CRD's openAPIV3Schema.
     crd_schema: Mapping[str, Any]
     admission: bool = True
+    # Mutating admission webhooks by resource: each edits, in place, what a create or a
+    # patch (not of the status) would store, as Kyverno's policies do.
+    webhooks: dict[kmock.resource, Callable[[Body], None]] = attrs.field(factory=dict)
     _rv: int = attrs.field(default=0, init=False)
     _listeners: list[Listener] = attrs.field(factory=list, init=False)
 
@@ -184,6 +188,8 @@ class ApiStore(kmock.KubernetesEmulator):
         meta.update(name=name, uid=str(uuid.uuid4()), generation=1, creationTimestamp=_now())
         if resource == MODELS and admit:
             obj = self._admit(obj, name)
+        if (webhook := self.webhooks.get(resource)) is not None:
+            webhook(obj)
         if strict:
             _strict_decode(obj)
         if dry_run:  # dryRun=All: every check made, nothing stored
@@ -238,6 +244,8 @@ class ApiStore(kmock.KubernetesEmulator):
                 patched["status"] = current["status"]
         if resource == MODELS and admit:
             patched = self._admit(patched, name, current, status_only=subresource == "status")
+        if subresource is None and (webhook := self.webhooks.get(resource)) is not None:
+            webhook(patched)
         meta = patched["metadata"]  # admission returns a new object
         if _spec_of(patched) != _spec_of(current):
             meta["generation"] = int(old_meta.get("generation", 1)) + 1
