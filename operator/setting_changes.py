@@ -123,12 +123,23 @@ def _changed(built: Mapping[str, Any], now: Mapping[str, Any], key: str) -> bool
 
 
 def _record(deployment: Body) -> dict[str, Any] | None:
+    """The defaults the Deployment was built with, as its annotation records them: only
+    the fields of the right type (a hand-edited `"image": ["x"]` raised TypeError at every
+    pass, and nothing could write the annotation right again)."""
     text = _annotations(deployment).get(DEFAULTS_ANNOTATION)
     try:
         record = json.loads(text) if isinstance(text, str) else None
     except ValueError:
         return None
-    return record if isinstance(record, dict) else None
+    if not isinstance(record, dict):
+        return None
+    secrets = record.get("imagePullSecrets")
+    kept = {}
+    if isinstance(record.get("image"), str):
+        kept["image"] = record["image"]
+    if isinstance(secrets, list) and all(isinstance(name, str) for name in secrets):
+        kept["imagePullSecrets"] = secrets
+    return kept
 
 
 def _images(pod: Any) -> set[Any]:

@@ -12,7 +12,7 @@ import pytest
 
 from tandem.operator.autoscaler import Decision, ScalingHistory
 from tandem.operator.events import Event
-from tandem.operator.manifests import OperatorDefaults
+from tandem.operator.manifests import DEFAULTS_ANNOTATION, OperatorDefaults
 from tandem.operator.reconcile import plan
 from tandem.operator.role_name import RoleName
 from tandem.operator.served_names import queues_digest, served_name_holder
@@ -466,3 +466,18 @@ def test_an_edit_of_the_spec_replicas_wins_over_a_decision_made_in_the_same_pass
     said = "normal scale 4->1: spec.normal.replicas set to 1"
     assert actions.events == (Event("ScaledDown", said),)
     assert actions.shrinking == (RoleName.NORMAL,)
+
+
+@pytest.mark.parametrize(
+    "record", ['{"image": ["x"]}', '{"imagePullSecrets": [1]}', "[1]", "{", '{"image": null}']
+)
+def test_a_mangled_defaults_record_is_read_as_none_not_a_wedge(record):
+    # `"image": ["x"]` raised TypeError (unhashable) at every pass: no spec edit was
+    # applied again, and the status stayed Ready at the old generation.
+    body = running({}, desired=1)
+    children = built(body, OLD)
+    deployment = child(children, "Deployment")
+    deployment["metadata"]["annotations"][DEFAULTS_ANNOTATION] = record
+    upgraded = OperatorDefaults(image="engine:2", redis_url=OLD.redis_url)
+    (patch,) = plan(body, children, upgraded, now=NOW).patches
+    assert f"metadata.annotations.{DEFAULTS_ANNOTATION}" in patch.drift  # written right again
