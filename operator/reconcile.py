@@ -253,6 +253,8 @@ def _refusal(
     hold a name no pod serves for as long as the refusal lasts)."""
     meta, previous = model["metadata"], model.get("status") or {}
     status = refusal_status(meta, why, previous, now, reason, phase)
+    if roles is None and found is not None and previous.get("roles"):
+        roles = _as_found(meta["name"], previous["roles"], found)
     if roles is not None:
         status["roles"] = roles
     if found is not None and not _old_pods_may_run(found):
@@ -307,6 +309,25 @@ def _name_taken(
     return _refusal(
         model, "ServedNameTaken", why, now, roles=roles, patches=tuple(patches), found=found
     )
+
+
+def _as_found(name: str, roles: Mapping[str, Any], found: Mapping[ChildKey, Body]) -> dict:
+    """The status's role counts with each role's pods as its Deployment has them now
+    (none where it is gone), the desired count as it was: a refusal applies no spec,
+    but the pods it leaves serving may still lose readiness, or their Deployment."""
+    counted = {}
+    for role, counts in roles.items():
+        if role not in set(RoleName) or not isinstance(counts, Mapping):
+            counted[role] = counts  # not a role this operator makes: as it was
+            continue
+        deployment = found.get(ChildKey("Deployment", child_name(name, RoleName(role))))
+        status = (deployment or {}).get("status") or {}
+        counted[role] = {
+            **counts,
+            "replicas": int(status.get("replicas") or 0),
+            "ready": int(status.get("readyReplicas") or 0),
+        }
+    return counted
 
 
 def _stall(conditions: list[Body]) -> Stall | None:

@@ -398,6 +398,21 @@ def test_an_invalid_spec_plans_no_child_change_and_says_why():
     assert "roles" not in actions.status
 
 
+def test_an_invalid_specs_counts_say_the_pods_as_they_are():
+    # The counts stayed as they were: a pod that lost readiness, or the Deployment
+    # deleted by hand (not made again while the spec is refused), still read 2/2 ready.
+    previous = {"phase": "Ready", "roles": {"normal": {"desired": 2, "replicas": 2, "ready": 2}}}
+    invalid = model({"minReplicas": 3, "maxReplicas": 1}, previous)
+    children = children_of(model())
+    (deployment,) = [c for c in children if c["kind"] == "Deployment"]
+    deployment["status"] = {"replicas": 2, "readyReplicas": 1}
+    status = plan(invalid, children, DEFAULTS, now=NOW).status
+    assert status["roles"] == {"normal": {"desired": 2, "replicas": 2, "ready": 1}}
+    gone = [c for c in children if c["kind"] != "Deployment"]
+    status = plan(invalid, gone, DEFAULTS, now=NOW).status
+    assert status["roles"] == {"normal": {"desired": 2, "replicas": 0, "ready": 0}}
+
+
 @pytest.mark.parametrize(
     ("counts", "previous", "expected"),
     [
