@@ -376,6 +376,7 @@ def test_a_refused_rename_leaves_the_pods_serving_the_old_name():
     body = running({"replicas": 2, "maxReplicas": 2}, desired=2)
     body["status"]["servedModelName"] = "m"
     children = built(body)
+    child(children, "Deployment")["status"] = {"replicas": 2, "readyReplicas": 2}
     body["spec"]["model"]["servedModelName"] = "taken"
 
     actions = plan(body, children, OLD, now=NOW, holder="ModelDeployment other")
@@ -383,7 +384,8 @@ def test_a_refused_rename_leaves_the_pods_serving_the_old_name():
     status = actions.status
     assert (status["phase"], status["reason"]) == ("Invalid", "ServedNameTaken")
     assert "its pods serve 'm' meanwhile" in status["message"]
-    assert "roles" not in status  # the counts stand
+    # The counts stand (not zeroed): the pods serve on, as their Deployment says.
+    assert status["roles"] == {"normal": {"desired": 2, "replicas": 2, "ready": 2}}
 
 
 def test_a_model_records_the_name_its_pods_serve():
