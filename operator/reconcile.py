@@ -17,15 +17,23 @@ from typing import Any
 from tandem.operator.autoscaler import Decision
 from tandem.operator.drift import ChildKey, ChildPatch, drift, repair_patch
 from tandem.operator.events import Clamp, Event, events, refusal_event, with_adoptions
+from tandem.operator.found_children import (
+    as_found,
+    old_mode_ready,
+    old_pods_may_run,
+    owned_by,
+    replaces_pods,
+    role_counts,
+    role_of,
+)
 from tandem.operator.manifests import (
-    ROLE_LABEL,
     OperatorDefaults,
     Owner,
     build_manifests,
     child_name,
     pods_of,
 )
-from tandem.operator.pod_trouble import PodTrouble, role_trouble
+from tandem.operator.pod_trouble import role_trouble
 from tandem.operator.replica_counts import (
     autoscaler_scale,
     clamp_of,
@@ -42,9 +50,7 @@ from tandem.operator.served_names import (
 from tandem.operator.setting_changes import setting_changes
 from tandem.operator.spec import ModelDeploymentSpec
 from tandem.operator.status import (
-    RoleCounts,
     Scale,
-    Stall,
     refusal_status,
     status_patch,
     valid_status,
@@ -114,7 +120,7 @@ def plan(
     # While the old mode's pods serve after a mode change, each new role runs a pod at
     # least: a role at zero counted as ready at once, and the serving pods were deleted
     # with none loading the model to take over. The autoscaler may take it to zero after.
-    handing_over = any(_old_mode_ready(spec, found).values())
+    handing_over = any(old_mode_ready(spec, found).values())
     scaled = {
         role: d
         for role, d in (scaled or {}).items()
@@ -147,13 +153,13 @@ def plan(
     # adds or removes pods, which the ready counts say, and metadata (the annotation an
     # edit of spec.<role>.replicas moves with it) replaces none: calling those a rollout
     # flapped Ready at every scale.
-    rolled = {ChildKey(p.kind, p.name) for p in patches if _replaces_pods(p.drift)}
+    rolled = {ChildKey(p.kind, p.name) for p in patches if replaces_pods(p.drift)}
     # A status the Deployment controller has not caught up with says nothing new: it
     # is rolling if the last pass said so (a new template then, or its rollout).
     was_rolling = previous.get("reason") == "RollingOut"
     deployments = {r: ChildKey("Deployment", child_name(owner.name, r)) for r in spec.roles()}
     counts = {
-        role_name: _counts(
+        role_name: role_counts(
             found.get(key),
             replicas[role_name],
             key in rolled,
@@ -170,10 +176,10 @@ def plan(
         # So do a current role's old children (the operator's Redis Secret after a
         # switch to spec.redis): its old pods read them until the new ones are ready,
         # and one restarted meanwhile without them would not start.
-        gone = {key for key in gone if _role(found[key]) is None}
+        gone = {key for key in gone if role_of(found[key]) is None}
     # The old mode's Deployments kept serving: the status says so, not "nothing ready".
     kept = set(found) - gone
-    outgoing = {role.value: ready for role, ready in _old_mode_ready(spec, found, kept).items()}
+    outgoing = {role.value: ready for role, ready in old_mode_ready(spec, found, kept).items()}
     deletes = tuple(sorted(gone, key=lambda k: (k.kind, k.name)))
     scales = [autoscaler_scale(d, clamp_of(clamps, role)) for role, d in scaled.items()]
     scales += [c.scale for c in clamps if not c.by_hand and c.role not in scaled]
@@ -183,7 +189,7 @@ def plan(
     # Pods of before a rename (or of the old mode) serve on meanwhile: their names stay
     # claimed (served_names.py) until no such pod is left.
     rolling = any(c.rolling for c in counts.values())
-    replacing = rolling or any(outgoing.values()) or _old_pods_may_run(found)
+    replacing = rolling or any(outgoing.values()) or old_pods_may_run(found)
     retiring = retiring_names(previous, served) if replacing else ()
     new_status = valid_status(
         meta, counts, previous, now, last_scale, (served, queues), outgoing, retiring
@@ -200,7 +206,7 @@ def plan(
     # Children found by the model's labels that are not its own yet (orphaned with
     # their labels, or an earlier model's of its name before the garbage collector
     # came): the patches take them over, said on a first pass too.
-    adopted = [f"{k.kind} {k.name}" for k in found if k in wanted and not _owned(found[k], owner)]
+    adopted = [f"{k.kind} {k.name}" for k in found if k in wanted and not owned_by(found[k], owner)]
     return Plan(
         creates=tuple(creates),
         patches=tuple(patches),
@@ -254,10 +260,10 @@ def _refusal(
     meta, previous = model["metadata"], model.get("status") or {}
     status = refusal_status(meta, why, previous, now, reason, phase)
     if roles is None and found is not None and previous.get("roles"):
-        roles = _as_found(meta["name"], previous["roles"], found)
+        roles = as_found(meta["name"], previous["roles"], found)
     if roles is not None:
         status["roles"] = roles
-    if found is not None and not _old_pods_may_run(found):
+    if found is not None and not old_pods_may_run(found):
         status["retiringServedModelNames"] = None
     return Plan(
         patches=patches,
@@ -301,7 +307,7 @@ def _name_taken(
     for role_name in (r for r in RoleName if r in spec.roles() or keys[r] in found):
         key = keys[role_name]
         deployment = found.get(key)
-        counts = _counts(deployment, 0, False, False, None)
+        counts = role_counts(deployment, 0, False, False, None)
         roles[role_name.value] = {"desired": 0, "replicas": counts.replicas, "ready": counts.ready}
         if deployment is not None and deployment.get("spec", {}).get("replicas") != 0:
             patch = {"spec": {"replicas": 0}}
@@ -309,113 +315,3 @@ def _name_taken(
     return _refusal(
         model, "ServedNameTaken", why, now, roles=roles, patches=tuple(patches), found=found
     )
-
-
-def _as_found(name: str, roles: Mapping[str, Any], found: Mapping[ChildKey, Body]) -> dict:
-    """The status's role counts with each role's pods as its Deployment has them now
-    (none where it is gone), the desired count as it was: a refusal applies no spec,
-    but the pods it leaves serving may still lose readiness, or their Deployment."""
-    counted = {}
-    for role, counts in roles.items():
-        if role not in set(RoleName) or not isinstance(counts, Mapping):
-            counted[role] = counts  # not a role this operator makes: as it was
-            continue
-        deployment = found.get(ChildKey("Deployment", child_name(name, RoleName(role))))
-        status = (deployment or {}).get("status") or {}
-        counted[role] = {
-            **counts,
-            "replicas": int(status.get("replicas") or 0),
-            "ready": int(status.get("readyReplicas") or 0),
-        }
-    return counted
-
-
-def _stall(conditions: list[Body]) -> Stall | None:
-    """What keeps a Deployment from progressing, if anything: a replica failure (a quota,
-    an admission webhook: no pod can even be made) before a passed deadline."""
-    by_type = {c.get("type"): c for c in conditions}
-    failure = by_type.get("ReplicaFailure") or {}
-    if failure.get("status") == "True":
-        return Stall("ReplicaFailure", str(failure.get("message") or failure.get("reason") or ""))
-    progressing = by_type.get("Progressing") or {}
-    if progressing.get("status") == "False":
-        return Stall("ProgressDeadlineExceeded", str(progressing.get("message") or ""))
-    return None
-
-
-def _old_pods_may_run(found: Mapping[ChildKey, Body]) -> bool:
-    """Whether a Deployment may still run pods of an older template: its controller has
-    not caught up with its spec yet, or has not replaced all its pods."""
-    for key, child in found.items():
-        if key.kind != "Deployment":
-            continue
-        status = child.get("status") or {}
-        generation = int(child["metadata"].get("generation") or 0)
-        if int(status.get("observedGeneration") or 0) < generation:
-            return True
-        if int(status.get("updatedReplicas") or 0) < int(status.get("replicas") or 0):
-            return True
-    return False
-
-
-def _old_mode_ready(
-    spec: ModelDeploymentSpec,
-    found: Mapping[ChildKey, Body],
-    among: set[ChildKey] | None = None,
-) -> dict[RoleName, int]:
-    """Ready pods of each Deployment of a role the spec's mode no longer has (`among`
-    those children only, if given): after a mode change, the pods serving meanwhile."""
-    return {
-        role: (child.get("status") or {}).get("readyReplicas") or 0
-        for key, child in found.items()
-        if key.kind == "Deployment"
-        and (among is None or key in among)
-        and (role := _role(child)) is not None
-        and role not in spec.roles()
-    }
-
-
-def _owned(child: Body, owner: Owner) -> bool:
-    """Whether a child's owner references name the model (by uid: not a deleted one's)."""
-    refs = child["metadata"].get("ownerReferences") or []
-    return any(ref.get("uid") == owner.uid for ref in refs)
-
-
-def _role(child: Body) -> RoleName | None:
-    """The role a child belongs to (its role label), if any."""
-    value = (child["metadata"].get("labels") or {}).get(ROLE_LABEL)
-    return RoleName(value) if value in {r.value for r in RoleName} else None
-
-
-def _counts(
-    deployment: Body | None,
-    desired: int,
-    changing: bool,
-    was_rolling: bool,
-    trouble: PodTrouble | None,
-) -> RoleCounts:
-    if deployment is None:
-        return RoleCounts(desired=desired, rolling=True)
-    status = deployment.get("status") or {}
-    replicas = int(status.get("replicas") or 0)
-    updated = int(status.get("updatedReplicas") or 0)
-    stale = was_rolling and int(status.get("observedGeneration") or 0) < int(
-        deployment["metadata"].get("generation") or 0
-    )
-    stall = _stall(status.get("conditions") or [])
-    # A role at zero with no pods has none to replace: a new template there is no rollout.
-    rolling = (desired > 0 or replicas > 0) and (changing or stale or updated < replicas)
-    return RoleCounts(
-        desired=desired,
-        replicas=replicas,
-        ready=int(status.get("readyReplicas") or 0),
-        rolling=rolling,
-        stall=stall,
-        trouble=trouble,
-    )
-
-
-def _replaces_pods(drift: Sequence[str]) -> bool:
-    """Whether a Deployment patch of these drifted paths rolls its pods out: only a new
-    pod template does (a repaired spec.strategy or revisionHistoryLimit replaces none)."""
-    return any(path == "spec.template" or path.startswith("spec.template.") for path in drift)
