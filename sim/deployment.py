@@ -116,13 +116,18 @@ def role_setup(
     return RoleSetup(role, config, ScalingPolicy(**rules), replicas, tp)
 
 
+# The most pods of a role a run simulates: each is a real scheduler with its block pool
+# (--replicas 100000000 ran out of memory and was killed, saying nothing).
+MOST_PODS = 100_000
+
+
 def _bounds(role: RoleName, replicas: int, low: int | None, high: int | None) -> dict:
     flags = REPLICA_FLAGS[role]
     for flag, value in zip(flags, (replicas, low, high), strict=True):
         if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 0
+            isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MOST_PODS
         ):
-            raise ValueError(f"{flag} must be an integer >= 0, got {value!r}")
+            raise ValueError(f"{flag} must be an integer in 0..{MOST_PODS:,}, got {value!r}")
     count, fewest, most = flags
     low = replicas if low is None else low
     if high is None:

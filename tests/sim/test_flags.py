@@ -51,7 +51,9 @@ SIM = ["sim", "--model", "llama-8b", "--duration", "2"]
         (["--tp", "0"], "--tp must be an integer >= 1, got 0"),
         # Messages that name the flag and the role.
         (["--seed", "-1"], "--seed must be an integer >= 0, got -1"),
-        (["--replicas", "-1"], "--replicas must be an integer >= 0, got -1"),
+        (["--replicas", "-1"], "--replicas must be an integer in 0..100,000, got -1"),
+        # Each pod is a real scheduler: 10^8 of them ran out of memory, killed in silence.
+        (["--replicas", "100000000"], "--replicas must be an integer in 0..100,000, got 1000"),
         (["--replicas", "0"], "--replicas 0 needs --max-replicas >= 1"),
         (["--mode", "disaggregated", "--prefill", "0"], "--prefill 0 needs --prefill-max >= 1"),
         (["--replicas", "3", "--max-replicas", "2"], "--replicas 3 must be within --min-replicas"),
