@@ -49,6 +49,15 @@ def children_of(model_body: dict[str, Any]) -> list[dict[str, Any]]:
     return [copy.deepcopy(m) for m in plan(model_body, [], DEFAULTS, now=NOW).creates]
 
 
+def rolled_out(children: list[dict], replicas: int) -> None:
+    """The children's Deployments as their controller leaves them: every pod ready."""
+    for child in children:
+        if child["kind"] == "Deployment":
+            child["metadata"]["generation"] = 1
+            counts = {"replicas": replicas, "updatedReplicas": replicas, "readyReplicas": replicas}
+            child["status"] = {"observedGeneration": 1, **counts}
+
+
 def test_a_new_model_creates_its_children_and_reports_pending():
     actions = plan(model(), [], DEFAULTS, now=NOW)
     kinds = sorted(c["kind"] for c in actions.creates)
@@ -595,11 +604,7 @@ def test_an_edit_of_a_roles_replicas_is_no_rollout():
         return body
 
     children = children_of(ready_model(3, 1))
-    for child in children:
-        if child["kind"] == "Deployment":
-            child["metadata"]["generation"] = 1
-            counts = {"replicas": 3, "updatedReplicas": 3, "readyReplicas": 3}
-            child["status"] = {"observedGeneration": 1, **counts}
+    rolled_out(children, 3)
     ready = plan(ready_model(3, 1), children, DEFAULTS, now=NOW).status
     assert ready["phase"] == "Ready"
     edited = plan(ready_model(2, 2, ready), children, DEFAULTS, now=NOW)
@@ -617,11 +622,7 @@ def test_a_repair_outside_the_pod_template_is_no_rollout(field, value):
     body = model({"replicas": 2, "maxReplicas": 4})
     body["metadata"]["generation"] = 1
     children = children_of(body)
-    for child in children:
-        if child["kind"] == "Deployment":
-            child["metadata"]["generation"] = 1
-            counts = {"replicas": 2, "updatedReplicas": 2, "readyReplicas": 2}
-            child["status"] = {"observedGeneration": 1, **counts}
+    rolled_out(children, 2)
     body["status"] = plan(body, children, DEFAULTS, now=NOW).status
     (deployment,) = [c for c in children if c["kind"] == "Deployment"]
     deployment["spec"][field] = value
@@ -674,11 +675,7 @@ def test_a_mode_change_says_the_old_pods_serve_until_the_new_roles_are_ready():
     # It said "no engine pod ready yet" (Pending) while the normal pods served every request.
     normal = model({"replicas": 2, "maxReplicas": 4})
     children = children_of(normal)
-    for child in children:
-        if child["kind"] == "Deployment":
-            child["metadata"]["generation"] = 1
-            counts = {"replicas": 2, "updatedReplicas": 2, "readyReplicas": 2}
-            child["status"] = {"observedGeneration": 1, **counts}
+    rolled_out(children, 2)
     ready = plan(normal, children, DEFAULTS, now=NOW).status
     split = {
         "metadata": {**META, "generation": 2},

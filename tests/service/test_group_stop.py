@@ -28,35 +28,26 @@ def _ranks(group: EngineProcess) -> list[int]:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_group_asked_to_stop_while_loading_stops_cleanly(redis_url, keys, tmp_path, signum):
+def test_a_group_asked_to_stop_while_loading_stops_cleanly(start_group, signum):
     # A rank whose SIGTERM handler is not set yet dies of the signal: the group logged
     # it as a failure and exited 1, as if it had crashed (a scale-down mid-load). A
     # terminal's Ctrl-C (SIGINT to the group and to every rank) raised KeyboardInterrupt
     # in the ranks' imports: tracebacks, an abort, and "ending the group".
-    group = EngineProcess("normal", redis_url, keys, ["--data-parallel-size", "2"])
-    group.log_dir = tmp_path
-    group.start()
-    try:
-        assert eventually(lambda: len(_ranks(group)) == 2, timeout=60), group.log()
-        for pid in [group.process.pid, *_ranks(group)]:
-            os.kill(pid, signum)
-        code = group.process.wait(timeout=60)
-    finally:
-        group.stop()
+    group = start_group()
+    assert eventually(lambda: len(_ranks(group)) == 2, timeout=60), group.log()
+    for pid in [group.process.pid, *_ranks(group)]:
+        os.kill(pid, signum)
+    code = group.process.wait(timeout=60)
     assert code == 0, group.log()
     assert "ending the group" not in group.log()
     assert "Traceback" not in group.log() and "terminate called" not in group.log()
 
 
-def test_a_group_with_a_hung_rank_stops_within_its_drain_and_margin(
-    redis_url, keys, client, tmp_path
-):
+def test_a_group_with_a_hung_rank_stops_within_its_drain_and_margin(start_group, client):
     # A rank stuck (a hung kernel; here, stopped) holds its peer in a vote: neither
     # reads its drain flag, and the group ignored SIGTERM until the kubelet's SIGKILL,
     # which says nothing in the log.
-    extra = ["--data-parallel-size", "2", "--drain-timeout", "1"]
-    group = EngineProcess("normal", redis_url, keys, extra, log_dir=tmp_path)
-    group.start()
+    group = start_group("--drain-timeout", "1")
     try:
         group.wait_ready(timeout=120)
         ids = {group.engine_id, f"{group.engine_id}-r1"}
@@ -87,55 +78,33 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-def test_a_setting_the_ranks_refuse_once_loaded_is_one_error_line(redis_url, keys, tmp_path):
+def test_a_setting_the_ranks_refuse_once_loaded_is_one_error_line(start_group):
     # A KV pool too small for max_model_len is found after the model loads: one rank
     # says `tandem: error: ...` and exits 2; each rank of a group printed a traceback and
     # the group exited 1, and the pod's message (its last log lines) quoted its tail.
-    extra = ["--data-parallel-size", "2", "--num-kv-blocks", "4"]
-    group = EngineProcess("normal", redis_url, keys, extra, log_dir=tmp_path)
-    group.start()
-    try:
-        code = group.process.wait(timeout=120)
-    finally:
-        group.stop()
+    group = start_group("--num-kv-blocks", "4")
+    code = group.process.wait(timeout=120)
     log = group.log()
     assert code == 2, log
     assert "tandem: error: 4 KV blocks of 16 tokens hold 64 tokens" in log
     assert "Traceback" not in log
 
 
-def test_when_a_rank_dies_its_peer_hands_back_what_it_holds(redis_url, keys, client, tmp_path):
+def test_when_a_rank_dies_its_peer_hands_back_what_it_holds(start_group, client):
     # The group killed the healthy ranks at once with the failed one: their requests
     # waited --claim-idle-ms (30 s) for another engine, ready seconds after the crash.
-    group = EngineProcess("normal", redis_url, keys, ["--data-parallel-size", "2"])
-    group.log_dir = tmp_path
-    group.start()
-    stream = keys.work_stream(client.model, PRIORITY_NORMAL)
-    try:
-        group.wait_ready(timeout=120)
-        sampling = {"max_tokens": 1500, "temperature": 0.0, "ignore_eos": True}
-
-        def holders() -> dict[str, int]:
-            return {
-                as_text(c["name"]): c["pending"]
-                for c in client.redis.xinfo_consumers(stream, WORK_GROUP)
-                if c["pending"]
-            }
-
-        # One at a time until both ranks hold some: a burst may all go to one rank.
-        for _ in range(40):
-            client.submit(prompt_token_ids=[1, 2, 3], sampling=sampling)
-            if eventually(lambda: len(holders()) == 2, timeout=0.3):
-                break
-        assert len(holders()) == 2, (holders(), group.log())
-        peer = f"{group.engine_id}-r1"
-        os.kill(_ranks(group)[0], signal.SIGKILL)
-        code = group.process.wait(timeout=PEERS_HAND_BACK_S + 30)
-    finally:
-        group.stop()
+    group = start_group()
+    group.wait_ready(timeout=120)
+    sampling = {"max_tokens": 1500, "temperature": 0.0, "ignore_eos": True}
+    client.submit_burst(8, prompt_token_ids=[1, 2, 3], sampling=sampling)
+    peer = f"{group.engine_id}-r1"
+    assert eventually(lambda: len(client.held()) == 2, timeout=30), (client.held(), group.log())
+    os.kill(_ranks(group)[0], signal.SIGKILL)
+    code = group.process.wait(timeout=PEERS_HAND_BACK_S + 30)
     log = group.log()
     assert code != 0 and "rank-0 exited (signal 9): ending the group" in log, log
-    held = [p for p in client.redis.xpending_range(stream, WORK_GROUP, "-", "+", 100)]
+    stream = client.keys.work_stream(client.model, PRIORITY_NORMAL)
+    held = client.redis.xpending_range(stream, WORK_GROUP, "-", "+", 100)
     peers = [p for p in held if as_text(p["consumer"]) == peer]
     assert peers, held
     # Handed back: idle past any --claim-idle-ms, so the next engine to pull takes them.

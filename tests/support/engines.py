@@ -16,9 +16,16 @@ from pathlib import Path
 import redis
 
 from support.response_reader import ResponseReader
-from tandem.backlog import enqueue
+from tandem.backlog import ENQUEUE_SCRIPT, enqueue, enqueue_call
 from tandem.keys import Keys
-from tandem.protocol import EventKind, ResponseEvent, WorkItem
+from tandem.protocol import (
+    PRIORITY_NORMAL,
+    WORK_GROUP,
+    EventKind,
+    ResponseEvent,
+    WorkItem,
+    as_text,
+)
 from tandem.redis_server import free_port
 
 MODEL = "random:tiny"
@@ -156,6 +163,23 @@ class Client:
         fields.setdefault("sampling", {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True})
         enqueue(self.redis, self.keys, WorkItem(rid, self.model, **fields))
         return rid
+
+    def submit_burst(self, count: int, **fields) -> list[str]:
+        """Queue `count` requests at once, in one script call, as the gateway queues the n
+        choices of a request: engines find them all there together."""
+        fields.setdefault("sampling", {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True})
+        ids = [f"req-{uuid.uuid4().hex[:8]}" for _ in range(count)]
+        items = [WorkItem(rid, self.model, **fields) for rid in ids]
+        script_keys, args = enqueue_call(self.keys, items)
+        self.redis.register_script(ENQUEUE_SCRIPT)(keys=script_keys, args=args)
+        return ids
+
+    def held(self) -> dict[str, int]:
+        """The entries each engine holds (taken, not yet acknowledged) of the model's
+        normal-priority work stream, by engine id."""
+        stream = self.keys.work_stream(self.model, PRIORITY_NORMAL)
+        consumers = self.redis.xinfo_consumers(stream, WORK_GROUP)
+        return {as_text(c["name"]): c["pending"] for c in consumers if c["pending"]}
 
     def events(self, request_id: str, timeout: float = 60.0):
         return ResponseReader(self.redis, self.keys).events(request_id, timeout=timeout)
