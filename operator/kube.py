@@ -77,6 +77,9 @@ KINDS: Mapping[str, ApiResource] = {
     "Pod": ApiResource("", "v1", "pods"),
     "Event": ApiResource("", "v1", "events"),
     "Secret": ApiResource("", "v1", "secrets"),
+    # kopf's peering objects, only listed (operator/main.py checks they exist).
+    "KopfPeering": ApiResource("kopf.dev", "v1", "kopfpeerings"),
+    "ClusterKopfPeering": ApiResource("kopf.dev", "v1", "clusterkopfpeerings", namespaced=False),
 }
 
 

@@ -167,6 +167,19 @@ async def test_only_the_leader_acts_and_the_standby_takes_over(cluster, metrics,
     assert cluster.writes_by(standby)
 
 
+async def test_a_served_namespace_without_its_peering_is_named_at_start(cluster, metrics):
+    # kopf paused the operator in every namespace while one served namespace had no
+    # peering object (made again after the chart's install), saying only that it resumed.
+    def sources() -> MetricSources:
+        return MetricSources(metrics, metrics)
+
+    with pytest.raises(RuntimeError) as failed:
+        await cluster.start_operator(sources, namespaces=(NAMESPACE, "team-b"))
+    assert f"no KopfPeering '{PEERING}' in team-b: kopf pauses the operator" in str(failed.value)
+    await cluster.api.create(PEERINGS, "team-b", {"metadata": {"name": PEERING}})
+    assert await cluster.start_operator(sources, namespaces=(NAMESPACE, "team-b"))
+
+
 async def test_a_replica_that_leads_again_forgets_what_it_saw_before_it_stood_by(
     cluster, metrics, clock
 ):

@@ -86,6 +86,10 @@ class OperatorReplica:
                 raise RuntimeError(f"operator {self.identity} did not start: {self.error!r}")
             await asyncio.sleep(0.01)
 
+    def join(self) -> None:
+        """Wait for a replica whose run ended of itself."""
+        self._thread.join(15)
+
     async def stop(self) -> None:
         if self._stop.is_set():
             return
@@ -154,8 +158,12 @@ class Cluster:
             clock,
             port=server.port,
         )
+        try:
+            await replica.start()
+        except RuntimeError:  # it ended: nothing of it to stop at the end
+            await asyncio.to_thread(replica.join)
+            raise
         self.operators.append(replica)
-        await replica.start()
         return replica
 
     # ------------------------------------------------------------------ objects
