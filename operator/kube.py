@@ -77,7 +77,11 @@ KINDS: Mapping[str, ApiResource] = {
     "Pod": ApiResource("", "v1", "pods"),
     "Event": ApiResource("", "v1", "events"),
     "Secret": ApiResource("", "v1", "secrets"),
-    # kopf's peering objects, only listed (operator/main.py checks they exist).
+    # Only listed at start (operator/main.py): the CRD the API server serves, kopf's
+    # peering objects.
+    "CustomResourceDefinition": ApiResource(
+        "apiextensions.k8s.io", "v1", "customresourcedefinitions", namespaced=False
+    ),
     "KopfPeering": ApiResource("kopf.dev", "v1", "kopfpeerings"),
     "ClusterKopfPeering": ApiResource("kopf.dev", "v1", "clusterkopfpeerings", namespaced=False),
 }

@@ -26,16 +26,16 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import httpx
 import kopf
 
 from tandem.listen import every_interface_url
 from tandem.operator.controller import Controller
 from tandem.operator.handlers import build_registry, configure
-from tandem.operator.kube import ApiError, Backoff, KubeApi
+from tandem.operator.kube import Backoff, KubeApi
 from tandem.operator.kube_connection import Connection
 from tandem.operator.settings import OperatorSettings, from_args
 from tandem.operator.sources import MetricSources, close_sources, production_sources
+from tandem.operator.start_checks import CannotServe, check_crd, check_peerings
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ async def run(
         await close_sources(metric_sources)
 
     await check_peerings(kube, settings)
+    await check_crd(kube)
     registry = build_registry(controller, settings, login, cleanup)
     kopf_settings = kopf.OperatorSettings()
     configure(kopf_settings, settings)
@@ -94,43 +95,6 @@ async def run(
         stop_flag=stop_flag,
         ready_flag=ready_flag,
     )
-
-
-class MissingPeering(RuntimeError):
-    """A peering object the operator's replicas would share is not there."""
-
-
-async def check_peerings(kube: KubeApi, settings: OperatorSettings) -> None:
-    """MissingPeering unless the peering object of every namespace served (or the cluster's)
-    exists: kopf pauses the operator while one is missing, in every namespace, and said
-    only that it resumed (a served namespace made again after the chart's install has
-    none). A listing refused (RBAC of another shape) or an API server out of reach
-    leaves the check undone (kopf goes on to say what it finds)."""
-    if settings.standalone:
-        return
-    name = settings.peering_name
-    wanted = (
-        {"ClusterKopfPeering": [None]}
-        if settings.clusterwide
-        else {"KopfPeering": list(settings.namespaces)}
-    )
-    missing = []
-    for kind, namespaces in wanted.items():
-        for namespace in namespaces:
-            try:
-                found = await kube.list(kind, namespace, {})
-            except (ApiError, httpx.HTTPError, OSError) as error:  # kopf says the rest
-                log.warning("could not check the %s %r: %s", kind, name, error)
-                return
-            if name not in {item["metadata"]["name"] for item in found}:
-                missing.append(f"{kind} {name!r}" + (f" in {namespace}" if namespace else ""))
-    if missing:
-        raise MissingPeering(
-            f"no {', no '.join(missing)}: kopf pauses the operator in every namespace while "
-            "a peering it shares is missing; create it (kubectl apply of a KopfPeering of "
-            "that name, as the chart makes one per namespace served), or run --standalone "
-            "with one replica"
-        )
 
 
 def _connection_info(connection: Connection, settings: OperatorSettings) -> kopf.ConnectionInfo:
@@ -173,7 +137,7 @@ def main(args: argparse.Namespace) -> int:
     log.info("serving ModelDeployments in %s against %s", scope, connection.server)
     try:
         asyncio.run(run(settings, connection, identity=own_identity(os.environ)))
-    except MissingPeering as error:
+    except CannotServe as error:
         print(f"tandem operator: {error}", file=sys.stderr)
         return 2
     return 0

@@ -12,10 +12,12 @@ import logging
 from base64 import b64encode
 from typing import Any
 
+import kmock
 import pytest
 from support.kube_api import DEPLOYMENTS, MODELS, PEERINGS, PODS, SECRETS
 from support.kube_cluster import NAMESPACE, PEERING, eventually, normal_model
 
+from tandem.operator.crd import custom_resource_definition
 from tandem.operator.manifests import DELETION_COST_ANNOTATION
 from tandem.operator.sources import MetricSources
 
@@ -178,6 +180,26 @@ async def test_a_served_namespace_without_its_peering_is_named_at_start(cluster,
     assert f"no KopfPeering '{PEERING}' in team-b: kopf pauses the operator" in str(failed.value)
     await cluster.api.create(PEERINGS, "team-b", {"metadata": {"name": PEERING}})
     assert await cluster.start_operator(sources, namespaces=(NAMESPACE, "team-b"))
+
+
+async def test_a_crd_older_than_the_operator_is_named_at_start(cluster, metrics):
+    # An older CRD's schema has no place for newer status fields: the API server dropped
+    # them from every status written, so the status was written again at every pass and
+    # a rename's guard (the names its old pods serve) was lost.
+    crds = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+    older = custom_resource_definition()
+    status = older["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    del status["properties"]["retiringServedModelNames"]
+    await cluster.api.create(crds, None, older)
+    with pytest.raises(RuntimeError) as failed:
+        await cluster.start_operator(lambda: MetricSources(metrics, metrics))
+    assert "the ModelDeployment CRD is older than this operator: its status has no " in str(
+        failed.value
+    )
+    assert "retiringServedModelNames, which the API server would drop" in str(failed.value)
+    await cluster.api.delete(crds, None, older["metadata"]["name"])
+    await cluster.api.create(crds, None, custom_resource_definition())
+    assert await cluster.start_operator(lambda: MetricSources(metrics, metrics))
 
 
 async def test_a_replica_that_leads_again_forgets_what_it_saw_before_it_stood_by(
