@@ -272,8 +272,13 @@ class LocalActuator:
 
     # ---------------------------------------------------------- autoscaling
 
-    def evaluate(self, now: float | None = None) -> dict[RoleName, Decision]:
-        """Scrape, decide, act: one evaluation of every role."""
+    def evaluate(
+        self, now: float | None = None, *, stopping: bool = False
+    ) -> dict[RoleName, Decision]:
+        """Scrape, decide, act: one evaluation of every role. `stopping` (the stack
+        answers what it admitted, then stops): only a role at zero is started, for
+        requests no engine could answer; more engines, each a model's load, would be
+        drained as soon as they were up."""
         now = time.monotonic() if now is None else now
         observed = asyncio.run(self._observe())
         self._declare()
@@ -281,9 +286,10 @@ class LocalActuator:
         decisions = decide_all(observed, queue, self.policies, self.histories, now)
         for role, decision in decisions.items():
             self.histories[role] = decision.history
-            if decision.changed:
+            if decision.changed and not (stopping and decision.current > 0):
                 self._resize(role, decision)
-            self._say_hold(role, decision)
+            if not stopping:
+                self._say_hold(role, decision)
         return decisions
 
     def _say_hold(self, role: RoleName, decision: Decision) -> None:

@@ -364,7 +364,7 @@ class Stack:
                         # Whatever else runs: a prefill role at zero leaves its
                         # requests waiting however many decoders are up.
                         next_evaluation = time.monotonic() + self.config.scale_every
-                        self.actuator.evaluate()
+                        self.actuator.evaluate(stopping=True)
                 elif empty_since is None:
                     empty_since = time.monotonic()
                 elif time.monotonic() - empty_since >= QUEUE_SETTLE_S:

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # under nohup it stays so
         signal.signal(signal.SIGHUP, hang_up)
     try:
-        stack.start()  # stops what it started if it fails
+        stack.start(say=_say)  # stops what it started if it fails
     except StartError:
         if not args.log_dir:  # a new folder that nothing was written to is no use
             with contextlib.suppress(OSError):

@@ -591,6 +591,24 @@ def test_a_folder_that_holds_no_model_is_refused_before_anything_starts(
     assert error.startswith(f"tandem: error: model '{folder}'") and says in error, error
 
 
+def test_what_the_stack_and_its_autoscaler_say_goes_through_the_same_safe_writer(
+    tmp_path, monkeypatch
+):
+    # The start, and the local autoscaler it starts (scale, starting, ready, draining),
+    # said their lines with print: a reader gone (`| grep -m1`) stopped the whole stack
+    # at the next scale, exit 0, and through a pipe the lines came only at the exit.
+    told: list[object] = []
+
+    def start(self, say=print):
+        told.append(say)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Stack, "start", start)
+    argv = ["up", "--model", "random:tiny", "--port", str(free_port()), "--log-dir", str(tmp_path)]
+    assert cli.main(argv) == 130
+    assert told == [up_command._say]
+
+
 def test_a_line_for_a_reader_that_left_is_dropped_and_tandem_up_serves_on():
     # `tandem up | grep -m1 'API key'`: the next line (an engine's restart) raised
     # BrokenPipeError out of the supervisor, and the whole stack stopped, exit 0.

@@ -124,6 +124,21 @@ def test_a_scale_up_held_by_its_window_is_said_once(actuator, redis_client, keys
     assert local.replicas == {RoleName.NORMAL: 1}
 
 
+def test_a_stopping_stack_starts_a_role_at_zero_and_nothing_more(actuator, redis_client, keys):
+    # While `tandem up` answered what it had admitted, each evaluation could still scale
+    # up: engines, each a model's load, started only to be drained once up.
+    busy = _manifest(targetQueuedTokensPerReplica=100, scaleUpStabilizationSeconds=0)
+    local, said = actuator(busy)
+    redis_client.set(keys.queued_tokens("tiny"), 1000)  # asks for 3 (the most)
+    redis_client.xadd(keys.work_streams("tiny")[0], {"r": "1"})
+    (decision,) = local.evaluate(stopping=True).values()
+    assert decision.replicas == 3 and local.replicas == {RoleName.NORMAL: 1}
+    assert said == []
+    idle, _ = actuator(_manifest(minReplicas=0, replicas=0, scaleUpStabilizationSeconds=0))
+    idle.evaluate(stopping=True)  # the queued request has no engine at all: one starts
+    assert idle.replicas == {RoleName.NORMAL: 1}
+
+
 # Answers /healthz and /readyz, but its metrics fail: an engine up and unreadable.
 _UNREADABLE_ENGINE = """
 import http.server, sys
