@@ -58,8 +58,11 @@ def recommend(
     if current == 0:
         if not demand.active:
             return 0, "no work"
-        # No pod to measure: the queue alone sizes the first step (at least one pod).
-        return max(1, _ceil(demand.up)), f"work queued, scale from zero ({_asks(demand)})"
+        # No pod to measure: the queue alone sizes the first step (at least one pod). A
+        # signal that asks less than one pod is not why (its "asks 0.00" read as such).
+        first = _ceil(demand.up)
+        asked = f" ({_asks(demand)})" if first > 1 else ""
+        return max(1, first), f"work queued, scale from zero{asked}"
     up, down = demand.up / current, demand.down / current
     # With EPSILON: exactly at the band's edge (0.63 / 0.7 = 0.9 in floats) is within.
     if up > 1 + policy.tolerance + EPSILON:

@@ -375,6 +375,8 @@ def test_queued_work_scales_from_zero(role, q, expected):
     d = once(role, observe(0), q, ZERO)
     assert d.replicas == expected
     assert ("scale from zero" in d.reason) == (expected > 0)
+    # Named only where it sized the step: a 9-token prompt's "asks 0.00" read as the cause.
+    assert (" asks " in d.reason) == (expected > 1), d.reason
 
 
 def test_scale_to_zero_after_the_idle_period_not_before():
