@@ -76,15 +76,15 @@ return {1}
 """
 )
 
-# Give back what a take took (same KEYS and ARGV), once: the marker says it was taken
-# and not yet given back. Returns 1 when it gave back.
+# Give back what a take took (same KEYS and ARGV[1..3]; ARGV[4] '1': its request slot too),
+# once: the marker says it was taken and not yet given back. Returns 1 when it gave back.
 _GIVE_BACK_LUA = (
     """
 if redis.call('GET', KEYS[3]) ~= '1' then return 0 end
 """
     + _LEVEL_LUA
     + """
-if rpm > 0 then store(KEYS[1], math.min(rpm, level(KEYS[1], rpm) + 1), rpm) end
+if rpm > 0 and ARGV[4] == '1' then store(KEYS[1], math.min(rpm, level(KEYS[1], rpm) + 1), rpm) end
 if tpm > 0 then store(KEYS[2], math.min(tpm, level(KEYS[2], tpm) + cost), tpm) end
 redis.call('SET', KEYS[3], 'given back', 'KEEPTTL')
 return 1
@@ -157,13 +157,18 @@ class Quotas:
         quota = as_text(reply[1])
         return QuotaDecision(False, quota, float(as_text(reply[2])))
 
-    async def give_back(self, key: ApiKey, tokens: int, request_id: str) -> None:
-        """Return what take() took for `request_id` (an engine refused the request
-        before generating anything), once however often it is called."""
+    async def give_back(
+        self, key: ApiKey, tokens: int, request_id: str, *, request_slot: bool = True
+    ) -> None:
+        """Return what take() took for `request_id`, once however often it is called: its
+        tokens, and its request slot unless `request_slot` is False (an engine that
+        refused the request before any token still took it: given back, a key's rpm
+        let any number of too-long prompts through the queue and the engines)."""
         if key.rpm is None and key.tpm is None:
             return
         script_keys = [*self.bucket_keys(key.name), self.marker_key(key.name, request_id)]
-        await self._give_back(keys=script_keys, args=[key.rpm or 0, key.tpm or 0, tokens])
+        args = [key.rpm or 0, key.tpm or 0, tokens, "1" if request_slot else "0"]
+        await self._give_back(keys=script_keys, args=args)
 
     async def settle(self, key: ApiKey, charged: int, used: int, request_id: str) -> None:
         """Charge `used` tokens for `request_id` instead of the `charged` its take took,

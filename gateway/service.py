@@ -122,12 +122,14 @@ class GatewayService:
             raise
 
     async def _give_back(self, caller: ApiKey, job: Job, ticket: Ticket) -> None:
-        """The quota an engine's refusal did not use: it refuses a prompt before any
+        """The tokens an engine's refusal did not use: it refuses a prompt before any
         token (too long for the context, a token id outside the vocabulary), so a
-        typo in max_tokens took most of a minute's tokens for a 400. An attached
+        typo in max_tokens took most of a minute's tokens for a 400. The request slot
+        stays taken (the request went through the queue and an engine). An attached
         retry took nothing: the first attempt gives back its own."""
         quotas = self.admission.quotas
-        await _quota_aside(quotas.give_back(caller, ticket.charged, job.base_id), "give back", job)
+        back = quotas.give_back(caller, ticket.charged, job.base_id, request_slot=False)
+        await _quota_aside(back, "give back", job)
 
     async def _settle(self, caller: ApiKey, job: Job, ticket: Ticket, used: int) -> None:
         """Charge the tpm quota what the answer used instead of the estimate taken."""

@@ -34,7 +34,7 @@ KEYS = [
     {"key": "sk-other-model", "name": "other", "models": ["other"]},
     {"key": "sk-rpm", "name": "rpm-1", "rpm": 1},
     {"key": "sk-tpm", "name": "tpm-100", "tpm": 100},
-    *({"key": f"sk-give-back-{i}", "name": f"give-back-{i}", "rpm": 1, "tpm": 100} for i in (0, 1)),
+    *({"key": f"sk-give-back-{i}", "name": f"give-back-{i}", "rpm": 2, "tpm": 100} for i in (0, 1)),
     *({"key": f"sk-settle-{i}", "name": f"settle-{i}", "tpm": 200} for i in range(4)),
 ]
 
@@ -521,19 +521,21 @@ def test_an_open_gateway_takes_requests_with_several_authorization_headers(start
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_request_the_engine_refuses_uses_no_quota(gateway, stream):
+def test_a_request_the_engine_refuses_uses_no_tokens_but_its_request(gateway, stream):
     # Charged at admission, an engine's 400 (a token id outside the vocabulary, a
-    # context too long) kept its request and tokens: a typo in max_tokens took most
-    # of a minute's tokens, and the next good request got a 429.
+    # context too long) kept its tokens: a typo in max_tokens took most of a minute's
+    # tokens, and the next good request got a 429. Its request stays counted: given
+    # back too, a key's rpm let any number of too-long prompts through the engines.
     live, _ = gateway
     refused = {"model": "tiny", "prompt": [1, 99999], "max_tokens": 60, "stream": stream}
     with live.http(api_key=f"sk-give-back-{int(stream)}") as client:
         first = client.post("/v1/completions", json=refused)
         assert first.status_code == 400 and "outside the vocabulary" in first.text
         good = client.post("/v1/completions", json={**refused, "prompt": [1, 2]})
-        assert good.status_code == 200, good.text  # rpm 1 and 60 of 100 tokens: room
+        assert good.status_code == 200, good.text  # 62 of 100 tokens: the 62 came back
         again = client.post("/v1/completions", json={**refused, "prompt": [1, 2]})
-        assert again.status_code == 429  # the good one did use the quota
+        assert again.status_code == 429  # rpm 2: the refused request and the good one
+        assert again.json()["error"]["code"] == "rpm_exceeded"
 
 
 def _usage(client: httpx.Client, ask: dict) -> dict:

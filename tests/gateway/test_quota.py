@@ -153,6 +153,19 @@ def test_a_give_back_returns_what_its_take_took_once(redis_url, keys):
     assert (second.admitted, second.quota) == (False, "tpm")
 
 
+def test_a_give_back_may_keep_the_request_slot(redis_url, keys):
+    key = ApiKey("k", rpm=1, tpm=100)
+
+    async def work(a, _):
+        quotas = Quotas(a, keys.prefix)
+        assert (await quotas.take(key, 80, "r1")).admitted
+        await quotas.give_back(key, 80, "r1", request_slot=False)
+        return await quotas.take(key, 80, "r2")
+
+    again = _run(redis_url, work)
+    assert (again.admitted, again.quota) == (False, "rpm")  # the tokens came back, not it
+
+
 def test_a_settlement_gives_back_unused_tokens_and_charges_undercounted_ones(redis_url, keys):
     key = ApiKey("k", tpm=100)
 
