@@ -174,7 +174,8 @@ class Admission:
             # A Redis that refuses writes (full, say) lets the engines' registry entries
             # lapse: that is a 503 to retry, not a model that does not exist.
             await self.broker.check_writable()
-            raise model_not_found(job.model, await self.directory.served_for(caller))
+            served = await self.directory.served_for(caller)
+            raise model_not_found(job.model, served, limited=caller.models is not None)
         if (gap := await self.directory.missing_role(job.model)) is not None:
             raise missing_role(job.model, *gap, MISSING_ROLE_RETRY_S)
         check_context(job, self.directory.context_length(job.model))

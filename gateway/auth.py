@@ -81,7 +81,7 @@ class KeyStore:
         open_access: bool = False,
         source: _KeyFile | None = None,
     ) -> None:
-        if not keys and not open_access:
+        if not keys and not open_access and source is None:
             raise ValueError(
                 "no API keys configured: pass --api-keys-file, set TANDEM_API_KEYS, "
                 "or run with --no-auth on a trusted network"
@@ -107,7 +107,10 @@ class KeyStore:
         if not path:
             return cls(_read_keys(None, env_value))
         source = _KeyFile(Path(path), env_value, clock)
-        return cls(source.read(), source=source)
+        keys = source.read()
+        if not keys:  # `[]`: every key revoked, as in a reload; a restart must not crash-loop
+            log.warning("API keys read from %s: none, every request gets 401", path)
+        return cls(keys, source=source)
 
     def _refresh(self) -> None:
         if self._source is None:

@@ -90,13 +90,17 @@ def forbidden(message: str, code: str = "model_not_allowed", param: str = "model
 _MODELS_NAMED = 8
 
 
-def model_not_found(model: str, served: Sequence[str] = ()) -> GatewayError:
+def model_not_found(
+    model: str, served: Sequence[str] = (), *, limited: bool = False
+) -> GatewayError:
     """`served`: the models served that the caller may use (a misspelt name is the
-    usual cause, and the right one is then in the message)."""
+    usual cause, and the right one is then in the message); `limited`: the caller's key
+    may use only some models (none served read as if the platform served nothing)."""
     shown = ", ".join(sorted(served)[:_MODELS_NAMED])
     if len(served) > _MODELS_NAMED:
         shown += f" and {len(served) - _MODELS_NAMED} more"
-    listed = f"; served: {shown} (GET /v1/models)" if served else "; no model is served now"
+    nothing = "none of the models this key may use" if limited else "no model"
+    listed = f"; served: {shown} (GET /v1/models)" if served else f"; {nothing} is served now"
     return GatewayError(
         404,
         f"The model {model!r} does not exist or no engine is serving it right now{listed}",

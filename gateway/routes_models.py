@@ -51,7 +51,8 @@ async def retrieve_model(model: str, request: Request, caller: Caller) -> ModelC
     check_model(caller, model)
     directory = service_of(request).directory
     if not await directory.is_served(model):
-        raise model_not_found(model, await directory.served_for(caller))
+        served = await directory.served_for(caller)
+        raise model_not_found(model, served, limited=caller.models is not None)
     return _card(model, (await directory.models()).get(model, []))
 
 

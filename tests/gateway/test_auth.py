@@ -94,7 +94,6 @@ def test_open_access_lets_everyone_in_as_anonymous():
 @pytest.mark.parametrize(
     ("entries", "message"),
     [
-        ([], "no API keys configured"),  # a file may list none, but a gateway needs one
         ({"key": "x"}, "expected a list of keys"),
         ([{"key": "x"}], "name must be"),
         ([{"key": "x", "name": "has space"}], "name must be"),
@@ -119,6 +118,16 @@ def test_a_bad_key_file_is_a_clear_error_at_start(tmp_path, entries, message):
     with pytest.raises(ValueError) as caught:
         _store(tmp_path, json.dumps(entries))
     assert message in str(caught.value)
+
+
+def test_a_key_file_listing_none_starts_a_gateway_that_lets_no_one_in(tmp_path):
+    # `[]` revokes every key of a running gateway (as documented); the next start refused
+    # to run, telling its user to pass the --api-keys-file they had passed: a restarted
+    # pod crash-looped.
+    store = _store(tmp_path, "[]")
+    with pytest.raises(GatewayError) as refused:
+        store.authenticate("Bearer sk-anything")
+    assert refused.value.status == 401 and not store.open_access
 
 
 def test_no_keys_at_all_is_refused_unless_open(tmp_path):

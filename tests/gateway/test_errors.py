@@ -210,6 +210,11 @@ CASES = {
     "model nobody serves, key for another": Case(403, {**GOOD, "model": "nope"},
                                                  key="sk-other-model", param="model",
                                                  code="model_not_allowed"),
+    # "no model is served now" read as the whole platform down, tiny served.
+    "a model the key may use, not served": Case(
+        404, {**GOOD, "model": "other"}, key="sk-other-model", param="model",
+        code="model_not_found", message="; none of the models this key may use is served now",
+    ),
     "oversized body": Case(413, {**GOOD, "user": "x" * 5000}, code="request_too_large"),
     "queue full": Case(429, {**GOOD, "model": FULL}, code="queue_full", check=_retry_after),
     "requests per minute": Case(429, GOOD, key="sk-rpm", before=GOOD, code="rpm_exceeded",
