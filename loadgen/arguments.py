@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
-from redis.connection import parse_url
 
 from tandem.lengths import parse_length
 from tandem.loadgen.client import Target
@@ -24,6 +23,7 @@ from tandem.loadgen.report import Slo
 from tandem.loadgen.runner import RunLimits
 from tandem.loadgen.workload import synthetic_workload, trace_workload
 from tandem.outputs import check_dir, check_file
+from tandem.redaction import check_redis_url
 from tandem.trace import TraceRequest, read_trace
 
 DEFAULT_REQUESTS = 100
@@ -120,11 +120,8 @@ def check_arguments(args: argparse.Namespace) -> Plan:
         raise ValueError("--prompt ids needs --api completions (chat messages are text)")
     if not 0 <= args.temperature <= MAX_TEMPERATURE:  # also refuses NaN
         raise ValueError(f"--temperature must be between 0 and 2, got {args.temperature}")
-    if args.redis_url:
-        try:
-            parse_url(args.redis_url)
-        except ValueError as exc:
-            raise ValueError(f"--redis-url {args.redis_url!r}: {exc}") from None
+    if args.redis_url:  # neither the URL nor redis-py's reason: either may hold the password
+        check_redis_url(args.redis_url, "--redis-url")
     limits, workload = _load(args)
     plan = Plan(
         limits=limits,

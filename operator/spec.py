@@ -25,7 +25,7 @@ from tandem.operator.quantity import KvCacheBytes
 from tandem.operator.role_name import RoleName
 from tandem.operator.role_spec import DecodeRole, NormalRole, PrefillRole, RoleSpec
 from tandem.operator.spec_base import CelRule, SecretName, SpecModel, count_set
-from tandem.redaction import check_redis_url
+from tandem.redaction import check_redis_url, redacted
 
 GROUP = "serving.tandem.dev"
 VERSION = "v1alpha1"
@@ -192,6 +192,11 @@ class RedisSpec(SpecModel):
         read of its queue quoted redis-py's reason, half a password in it, in an Event."""
         if url is not None:
             check_redis_url(url, "the URL")
+            if redacted(url) != url:  # in the pods' env: whoever reads Deployments saw it
+                raise ValueError(
+                    "the URL holds a password, which the engines' Deployments would show to "
+                    "whoever may read them: put the URL in a Secret and give urlSecretRef"
+                )
         return url
 
 

@@ -6,6 +6,7 @@ import argparse
 import copy
 import importlib
 import os
+import re
 import sys
 import time
 
@@ -172,22 +173,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Flags whose default is an environment variable's value: where such a value is at fault,
-# the error names the variable too (its user never typed the flag).
-_FLAG_VARIABLES = {"--redis-url": "TANDEM_REDIS_URL", "--api-key": "TANDEM_API_KEY"}
+# Flags whose default is an environment variable's value, by the commands that read it
+# so: where such a value is at fault, the error names the variable too (its user never
+# typed the flag).
+_FLAG_VARIABLES = {
+    "gateway": {"--redis-url": "TANDEM_REDIS_URL"},
+    "engine": {"--redis-url": "TANDEM_REDIS_URL"},
+    "up": {"--redis-url": "TANDEM_REDIS_URL", "--api-key": "TANDEM_API_KEY"},
+}
 
 
 def naming_environment(message: str, argv: list[str]) -> str:
-    """The message, each flag it names that took its value from the environment
-    followed by that variable's name."""
-    for flag, variable in _FLAG_VARIABLES.items():
+    """The message, each flag it names that took its value from the environment (for
+    this command) followed by that variable's name."""
+    command = next((arg for arg in argv if not arg.startswith("-")), "")
+    for flag, variable in _FLAG_VARIABLES.get(command, {}).items():
         # argparse takes a flag's unambiguous prefix (--redis) as the flag.
         typed = any(
             len(name := arg.partition("=")[0]) > 2 and flag.startswith(name) for arg in argv
         )
         named = f"${variable}" in message
-        if flag in message and not typed and not named and os.environ.get(variable):
-            message = message.replace(flag, f"{flag} (from ${variable})", 1)
+        if typed or named or not os.environ.get(variable):
+            continue
+        # The flag as a word: --api-key is the start of --api-keys-file too.
+        word = rf"{re.escape(flag)}(?![\w-])"
+        message = re.sub(word, f"{flag} (from ${variable})", message, count=1)
     return message
 
 

@@ -147,8 +147,13 @@ def test_bad_input_is_one_clear_line(argv, says):
         (["gateway", "--redis-url", "foo://typed"], "error: --redis-url is not a Redis URL"),
         (["gateway", "--redis=foo://typed"], "error: --redis-url is not a Redis URL"),  # prefix
         (["up", "--model", "random:tiny"], "--api-key (from $TANDEM_API_KEY) must be one key"),
+        # Not from the environment here: bench's --redis-url reads none, the gateway's
+        # keys come from --api-keys-file or $TANDEM_API_KEYS (and --api-key is not a word
+        # of --api-keys-file).
+        (["bench", "--url", "http://127.0.0.1:9", "--key-prefix", "x"], "needs --redis-url\n"),
+        (["gateway", "--redis-url", "redis://127.0.0.1:1/0"], "pass --api-keys-file, set"),
     ],
-    ids=["gateway", "engine", "typed", "typed-prefix", "api-key"],
+    ids=["gateway", "engine", "typed", "typed-prefix", "api-key", "bench", "gateway-keys"],
 )
 def test_a_bad_value_from_the_environment_names_its_variable(argv, says, monkeypatch, capsys):
     # The user never typed --redis-url: the value came from an exported variable.

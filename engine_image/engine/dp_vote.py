@@ -61,7 +61,9 @@ def distributed_vote(group: dist.ProcessGroup | None = None) -> Callable[[int], 
         buffer.fill_(value)
         try:
             dist.all_reduce(buffer, op=dist.ReduceOp.MIN, group=group)
-        except RuntimeError as exc:  # gloo's "Connection closed by peer", NCCL's errors
+        # gloo's "Connection closed by peer". An NCCL collective only queues on the stream
+        # and waits (in .item() below) until NCCL's watchdog times out: no PeersLost then.
+        except RuntimeError as exc:
             raise PeersLost(f"a peer rank ended; the group's vote broke: {exc}") from exc
         return int(buffer.item())
 

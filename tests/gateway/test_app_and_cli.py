@@ -308,13 +308,14 @@ def test_a_redis_refusing_the_password_is_named_and_logged_once(start_gateway, t
         with none.http() as client:
             unasked = client.get("/readyz").json()["error"]["message"]
     assert {a.status_code for a in answers} == {503}
-    assert answers[0].json()["error"]["message"] == "Redis refused the password of --redis-url"
-    assert unasked == "Redis asks for a password, and none is in --redis-url"
+    refused = "Redis refused the password of --redis-url ($TANDEM_REDIS_URL)"
+    assert answers[0].json()["error"]["message"] == refused
+    assert unasked == "Redis asks for a password, and none is in --redis-url ($TANDEM_REDIS_URL)"
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("not ready")]
     assert said == [  # once for the three probes; then the other gateway's
-        "not ready: Redis refused the password of --redis-url "
+        "not ready: Redis refused the password of --redis-url ($TANDEM_REDIS_URL) "
         f"(Redis at redis://:***@127.0.0.1:{server.port}/0)",
-        "not ready: Redis asks for a password, and none is in --redis-url "
+        "not ready: Redis asks for a password, and none is in --redis-url ($TANDEM_REDIS_URL) "
         f"(Redis at redis://127.0.0.1:{server.port}/0)",
     ]
     assert reply.status_code == 503

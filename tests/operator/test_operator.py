@@ -292,6 +292,20 @@ async def test_a_redis_url_no_engine_can_read_is_invalid_and_quoted_nowhere(clus
     assert "Secr3tHalf" not in str(event) and "Secr3tHalf" not in str(cluster.model("m")["status"])
 
 
+async def test_a_redis_url_with_a_password_in_the_spec_is_invalid(cluster, operator):
+    # Written into the engines' env: whoever may read Deployments (more than may read
+    # Secrets) saw it. The spec and the CRD said "no password: use urlSecretRef".
+    manifest = normal(minReplicas=1)
+    manifest["spec"]["redis"] = {"url": "redis://:Sup3rSecret@redis.shared.svc:6379/0"}
+    await cluster.apply(manifest)
+    await eventually(lambda: phase(cluster, "m") == "Invalid", what="phase Invalid")
+    message = condition(cluster, "m", "Invalid")["message"]
+    assert (
+        message.startswith("spec.redis.url: the URL holds a password") and "urlSecretRef" in message
+    )
+    assert cluster.children("m") == [] and "Sup3rSecret" not in str(cluster.events())
+
+
 async def test_an_unknown_field_in_a_verbatim_affinity_makes_the_model_invalid(cluster, operator):
     # The CRD keeps `affinity` as given; the API server's default would drop the
     # misspelt key and run the pods anywhere. The operator writes strictly.

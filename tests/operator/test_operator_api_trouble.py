@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from base64 import b64encode
 from typing import Any
 
 import pytest
-from support.kube_api import CHILDREN, MODELS, PODS
-from support.kube_cluster import eventually, normal_model
+from support.kube_api import CHILDREN, MODELS, PODS, SECRETS
+from support.kube_cluster import NAMESPACE, eventually, normal_model
 
 pytestmark = pytest.mark.asyncio
 
@@ -86,7 +87,9 @@ async def test_a_pass_that_keeps_failing_is_one_warning_not_one_a_tick(cluster, 
 
 async def test_an_unreadable_queue_is_said_once_and_so_is_its_return(cluster, operator, metrics):
     model = normal_model(minReplicas=1, maxReplicas=4)
-    model["spec"]["redis"] = {"url": "redis://:hunter2@redis.elsewhere:6379/0"}
+    url = b64encode(b"redis://:hunter2@redis.elsewhere:6379/0").decode()
+    await cluster.api.create(SECRETS, NAMESPACE, {"metadata": {"name": "r"}, "data": {"url": url}})
+    model["spec"]["redis"] = {"urlSecretRef": {"name": "r"}}
     await cluster.apply(model)
     await eventually(lambda: status(cluster).get("phase") == "Ready", what="Ready")
 

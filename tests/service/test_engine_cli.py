@@ -130,7 +130,7 @@ def test_a_redis_refusing_the_password_is_named_at_once():
             done = _engine("--redis-url", url, "--redis-wait", "30")
             assert done.returncode == 1, done.stderr
             assert done.stderr.strip().splitlines()[-1] == (
-                f"tandem: error: Redis at {redacted(url)} {what} --redis-url"
+                f"tandem: error: Redis at {redacted(url)} {what} --redis-url ($TANDEM_REDIS_URL)"
             )
             assert "waiting for Redis" not in done.stderr and "wrong" not in done.stderr
 
