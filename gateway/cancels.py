@@ -118,14 +118,16 @@ class Cancels:
         out on a task of its own (the request's task is being cancelled), which close()
         waits for a moment: still counted, it kept the last reader's leaving (the
         retry's client gone too) from cancelling the work, which ran for nobody."""
-        self._on_the_way_out(self._step_aside(ledger_key, base_id, reader))
+        self.on_the_way_out(self._step_aside(ledger_key, base_id, reader))
 
     def cancel_soon(self, cancel: Cancel) -> None:
         """`cancel` on a task of its own, which close() waits for a moment: the request's
         task is being cancelled (its server shuts down)."""
-        self._on_the_way_out(self.cancel(cancel, _ATTEMPT_S))
+        self.on_the_way_out(self.cancel(cancel, _ATTEMPT_S))
 
-    def _on_the_way_out(self, write: Coroutine[Any, Any, None]) -> None:
+    def on_the_way_out(self, write: Coroutine[Any, Any, None]) -> None:
+        """`write` on a task of its own, which close() waits for a moment (the request's
+        task is being cancelled: its server shuts down)."""
         task = asyncio.get_running_loop().create_task(write)
         self._leaving.add(task)
         task.add_done_callback(self._leaving.discard)

@@ -63,6 +63,7 @@ class Generation:
         directory: ModelDirectory,
         watch: LossWatch | None = None,
         settle: Callable[[int], Awaitable[None]] | None = None,
+        give_back: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.job = job
         self.ticket = ticket
@@ -88,6 +89,9 @@ class Generation:
         # Told the tokens the whole answer used (its usage's total), once every choice
         # finished: the tpm quota's settlement (None: nothing to settle).
         self.settle = settle
+        # Returns the quota the request took, where the server's stop cuts it before its
+        # client got any of it (None: nothing to give back).
+        self.give_back = give_back
 
     # ---------------------------------------------------------------- reading
 
@@ -282,6 +286,10 @@ class Generation:
         ids = self._open_ids()
         cancel = Cancel(self.ticket.base_id, ids, "server_stop", None, queued=self._queued())
         self.cancels.cancel_soon(cancel)
+        if self.give_back is not None and not self._first_token_sent:
+            # Its client retries as a new request (a 503 shutting_down, which the SDKs
+            # retry), charged afresh: a low-rpm key's retry met a 429.
+            self.cancels.on_the_way_out(self.give_back())
 
     async def deadline_passed(self) -> None:
         """The deadline passed while the answer could not go out (see streaming.py)."""

@@ -111,6 +111,9 @@ class GatewayService:
             settle=None
             if ticket.attached
             else functools.partial(self._settle, caller, job, ticket),
+            give_back=None
+            if ticket.attached
+            else functools.partial(self._give_back_all, caller, job, ticket),
         )
         try:
             if job.stream:
@@ -129,6 +132,12 @@ class GatewayService:
         retry took nothing: the first attempt gives back its own."""
         quotas = self.admission.quotas
         back = quotas.give_back(caller, ticket.charged, job.base_id, request_slot=False)
+        await _quota_aside(back, "give back", job)
+
+    async def _give_back_all(self, caller: ApiKey, job: Job, ticket: Ticket) -> None:
+        """The whole quota of a request the server's stop cut before its client got any
+        of it: the client retries it as a new request."""
+        back = self.admission.quotas.give_back(caller, ticket.charged, job.base_id)
         await _quota_aside(back, "give back", job)
 
     async def _settle(self, caller: ApiKey, job: Job, ticket: Ticket, used: int) -> None:

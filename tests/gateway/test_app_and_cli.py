@@ -143,10 +143,12 @@ def test_in_a_pod_of_an_ipv6_cluster_every_interface_is_ipv6(redis_url, keys):
         process.wait()
 
 
-def _quick_to_stop_gateway(redis_url, keys, port: int) -> subprocess.Popen[str]:
+def _quick_to_stop_gateway(
+    redis_url, keys, port: int, auth: tuple[str, ...] = ("--no-auth",)
+) -> subprocess.Popen[str]:
     """`tandem gateway` with a 1 s shutdown timeout, its output in one pipe."""
     cmd = [
-        sys.executable, "-m", "tandem.cli", "gateway", "--no-auth", "--shutdown-timeout", "1",
+        sys.executable, "-m", "tandem.cli", "gateway", *auth, "--shutdown-timeout", "1",
         "--host", "127.0.0.1", "--port", str(port),
         "--redis-url", redis_url, "--key-prefix", keys.prefix,
     ]  # fmt: skip
@@ -189,6 +191,36 @@ def test_requests_cut_by_the_shutdown_timeout_are_answered_503_and_log_one_line_
         assert answer.status_code == 503, answer.text
         assert answer.json()["error"]["code"] == "shutting_down"
         assert answer.headers["retry-after"] == "1"
+
+
+def test_a_request_the_stop_cut_before_its_answer_gives_its_quota_back(
+    redis_url, redis_client, keys, tmp_path
+):
+    # The 503 shutting_down asks for a retry (the SDKs make it, as a new request), but
+    # the cut attempt kept its charge: on a key of 1 request a minute the retry met 429.
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps([{"key": "sk-one", "name": "one", "rpm": 1, "tpm": 1000}]))
+    port = free_port()
+    process = _quick_to_stop_gateway(redis_url, keys, port, ("--api-keys-file", str(path)))
+    try:
+        _gateway_answering(process, port)
+        catalog.declare(redis_client, keys, "idle", "test/idle", ttl_s=60)  # no engine
+        body = {"model": "idle", "prompt": "hi", "max_tokens": 2}
+        headers = {"Authorization": "Bearer sk-one"}
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        with ThreadPoolExecutor(1) as pool:
+            asked = pool.submit(httpx.post, url, json=body, headers=headers, timeout=30)
+            stream = keys.work_stream("idle", PRIORITY_NORMAL)
+            assert eventually(lambda: redis_client.xlen(stream) == 1)
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=15) == 0
+            assert asked.result().status_code == 503
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    (marker,) = redis_client.keys(f"{keys.prefix}:quota:*:taken:*")
+    assert redis_client.get(marker) == b"given back"
 
 
 def test_a_stream_cut_by_the_shutdown_timeout_ends_with_an_error_event(
