@@ -318,9 +318,11 @@ class Controller:
             raise LookupError(f"Secret {ref.name} has no key {ref.key!r}")
         where = f"Secret {ref.name}'s key {ref.key!r}"
         try:
-            url = base64.b64decode(secret["data"][ref.key]).decode().strip()
+            url = base64.b64decode(secret["data"][ref.key]).decode()
         except ValueError:  # the decoder's reason quotes a byte of it
             raise ValueError(f"{where} is not UTF-8 text") from None
+        if url != url.strip():  # the engines read it raw (secretKeyRef): they refuse it
+            raise ValueError(f"{where} begins or ends with whitespace (a file's newline?)")
         # What the URL holds stays out of the Event and log the error goes to.
         check_redis_url(url, where)
         return url

@@ -9,6 +9,7 @@ here, so such a model is taken to share only with the models of its namespace.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 from collections.abc import Mapping
@@ -50,6 +51,8 @@ def url_server(url: str, namespace: str | None) -> tuple[str, ...]:
         host = f"{host}.{namespace}"
     # redis-py's order: ?db=N, else the path, else 0.
     database = parse_qs(parts.query).get("db", [parts.path.strip("/") or "0"])[0]
+    with contextlib.suppress(ValueError):  # /00 is /0
+        database = str(int(database))
     return (host, str(port), database)
 
 

@@ -130,6 +130,15 @@ async def test_the_queue_is_read_from_the_models_own_redis(cluster, operator, me
     assert (url, "m", f"{NAMESPACE}/m") in metrics.declarations
 
 
+async def test_a_url_in_the_models_secret_with_a_newline_is_named(cluster, operator, metrics):
+    # The operator read it stripped, the engines (secretKeyRef) raw: the autoscaler
+    # worked while every engine refused its URL.
+    await _apply_with_redis_secret(cluster, "redis://:pw@model-redis:6379/1\n")
+    (event,) = await eventually(lambda: cluster.events("QueueUnreadable"), what="an Event")
+    assert "Secret model-redis's key 'url' begins or ends with whitespace" in event["message"]
+    assert metrics.queue_reads == []
+
+
 async def test_an_unreadable_url_in_the_models_secret_is_named_not_quoted(
     cluster, operator, metrics
 ):

@@ -267,6 +267,7 @@ def test_a_served_name_is_held_across_namespaces_on_the_operators_redis():
         "rediss://:pw@TANDEM-REDIS.tandem.svc.cluster.local.:6379",
         "redis://tandem-redis.tandem/0",
         "redis://tandem-redis.tandem.svc?db=0",
+        "redis://tandem-redis.tandem.svc:6379/00",  # database 0, as redis-py reads it
     ],
 )
 def test_a_spec_redis_that_names_the_operators_redis_shares_its_queues(url):
