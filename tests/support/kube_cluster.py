@@ -86,8 +86,9 @@ class OperatorReplica:
                 raise RuntimeError(f"operator {self.identity} did not start: {self.error!r}")
             await asyncio.sleep(0.01)
 
-    def join(self) -> None:
-        """Wait for a replica whose run ended of itself."""
+    def halt(self) -> None:
+        """Stop a replica that did not start, whatever its run's error (the start's)."""
+        self._stop.set()
         self._thread.join(15)
 
     async def stop(self) -> None:
@@ -160,8 +161,8 @@ class Cluster:
         )
         try:
             await replica.start()
-        except RuntimeError:  # it ended: nothing of it to stop at the end
-            await asyncio.to_thread(replica.join)
+        except RuntimeError:  # ended, or too slow to start: stopped now, not at the end
+            await asyncio.to_thread(replica.halt)
             raise
         self.operators.append(replica)
         return replica
