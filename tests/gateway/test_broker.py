@@ -376,9 +376,10 @@ def test_live_engines_match_the_registry_and_prune_alike(redis_url, keys, redis_
     assert _run(redis_url, keys, lambda b: b.live_engines("m")) == theirs
 
 
-def test_ping_says_whether_redis_answers(redis_url, keys):
-    assert _run(redis_url, keys, lambda b: b.ping())
-    assert not _run("redis://127.0.0.1:1/0", keys, lambda b: b.ping())
+def test_unready_says_why_redis_does_not_serve(redis_url, keys):
+    assert _run(redis_url, keys, lambda b: b.unready(1.0)) is None
+    closed = "redis://127.0.0.1:1/0"
+    assert _run(closed, keys, lambda b: b.unready(1.0)) == "Redis is unreachable"
 
 
 def test_held_finds_work_by_its_entry_its_marker_or_its_response_stream(
