@@ -89,6 +89,8 @@ class KeyStore:
         self._keys = dict(keys)
         self.open_access = open_access
         self._source = source  # None: the keys never change
+        # The file's last change could not be read: the keys before it stay in use.
+        self.stale = False
 
     @classmethod
     def open(cls) -> KeyStore:
@@ -119,8 +121,10 @@ class KeyStore:
             keys = self._source.read_if_changed()
         except ValueError as exc:  # mid-edit, or a mistake: refusing everyone helps no one
             log.error("API keys not reloaded, the %d in use stay: %s", len(self._keys), exc)
+            self.stale = True
             return
         if keys is not None:
+            self.stale = False
             if keys:
                 log.info("API keys reloaded from %s: %d keys", self._source.path, len(keys))
             else:  # the file's [] with no TANDEM_API_KEYS: every key revoked

@@ -8,7 +8,7 @@ callers cannot blow up the label set with made-up names.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -106,6 +106,12 @@ class GatewayMetrics:
             "engine counts are then the last read).",
             registry=r,
         )
+        self._keys_stale = Gauge(
+            "tandem_gateway_api_keys_stale",
+            "1 while the API key file's last change could not be read: the keys from before "
+            "it are in use (a key it revoked still passes; the log says why), else 0.",
+            registry=r,
+        )
         self._requeued = Counter(
             "tandem_gateway_requeued_total",
             "Work items queued again after a Redis restart lost them.",
@@ -167,6 +173,10 @@ class GatewayMetrics:
 
     def redis_up(self, up: bool) -> None:
         self._redis_up.set(1 if up else 0)
+
+    def keys_stale_when(self, stale: Callable[[], bool]) -> None:
+        """Read `stale` at each scrape for tandem_gateway_api_keys_stale."""
+        self._keys_stale.set_function(lambda: 1.0 if stale() else 0.0)
 
     def rejected(self, reason: str) -> None:
         self._rejections.labels(reason).inc()

@@ -61,6 +61,7 @@ class GatewayService:
     ) -> None:
         self.settings = settings
         self.key_store = key_store
+        metrics.keys_stale_when(lambda: key_store.stale)
         self.client = client
         self.metrics = metrics
         self.keys = Keys(prefix=settings.key_prefix)

@@ -206,9 +206,13 @@ def test_a_changed_keys_file_is_read_again_without_a_restart(tmp_path, caplog):
     # Mid-edit or mistaken: the keys in use stay, and the log says why.
     path.write_text("- {key: sk-new, name: new, rpm: many}\n")
     clock.now += 5
+    assert not store.stale
     assert _allowed(store, "sk-new") and _allowed(store, "sk-kept")
     assert "rpm must be a positive integer" in caplog.text
     assert "API keys not reloaded" in caplog.text
+    # Said by a metric too (tandem_gateway_api_keys_stale): one line, and a key the
+    # edit revoked kept working with nothing else to show it.
+    assert store.stale
     path.unlink()
     clock.now += 5
     assert _allowed(store, "sk-new")
@@ -218,6 +222,7 @@ def test_a_changed_keys_file_is_read_again_without_a_restart(tmp_path, caplog):
     path.symlink_to(tmp_path / "v2.yaml")
     clock.now += 5
     assert _allowed(store, "sk-v2") and not _allowed(store, "sk-new")
+    assert not store.stale
 
 
 def test_a_keys_file_emptied_to_a_list_of_none_revokes_every_key(tmp_path, caplog):
@@ -235,3 +240,16 @@ def test_a_keys_file_emptied_to_a_list_of_none_revokes_every_key(tmp_path, caplo
     assert not _allowed(beside, "sk-one") and _allowed(beside, "sk-env")
     assert not _allowed(alone, "sk-one")
     assert "none, every request gets 401" in caplog.text
+
+
+def test_a_keys_file_that_no_longer_reads_shows_on_metrics(start_gateway, tmp_path):
+    path, clock = tmp_path / "keys.yaml", _Clock()
+    path.write_text("- {key: sk-a, name: a}\n")
+    live = start_gateway(KeyStore.load(str(path), None, clock=clock))
+    with live.http("sk-a") as http:
+        assert http.get("/v1/models").status_code == 200
+        assert live.metric("tandem_gateway_api_keys_stale") == 0
+        path.write_text("- {key: sk-a, name: a, rmp: 5}\n")  # a mistake
+        clock.now += 5
+        assert http.get("/v1/models").status_code == 200  # the key in use stays
+        assert "tandem_gateway_api_keys_stale 1.0" in http.get("/metrics").text
