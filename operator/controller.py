@@ -321,9 +321,8 @@ class Controller:
             url = base64.b64decode(secret["data"][ref.key]).decode()
         except ValueError:  # the decoder's reason quotes a byte of it
             raise ValueError(f"{where} is not UTF-8 text") from None
-        if url != url.strip():  # the engines read it raw (secretKeyRef): they refuse it
-            raise ValueError(f"{where} begins or ends with whitespace (a file's newline?)")
-        # What the URL holds stays out of the Event and log the error goes to.
+        # As the engines read it (secretKeyRef, raw: a file's newline is let pass, a
+        # leading space not). What the URL holds stays out of the Event and log.
         check_redis_url(url, where)
         return url
 

@@ -41,6 +41,7 @@ def check_redis_url(url: str, where: str) -> None:
     'pw'"); one holding a ? or # followed by digits read as a port, and the client
     dialled another server; a query parameter it does not know failed every connection
     with a TypeError."""
+    import redis.asyncio.connection
     from redis.connection import Connection, parse_url
 
     not_redis = ValueError(f"{where} is not a Redis URL: {REDIS_URL_FORMS}")
@@ -54,21 +55,25 @@ def check_redis_url(url: str, where: str) -> None:
     kind = options.pop("connection_class", Connection)
     if kind is Connection and not options.get("host"):
         raise not_redis
-    known = {name for cls in kind.__mro__ for name in _init_parameters(cls)}
+    # What both the engines' (sync) and the gateway's (asyncio) clients take: the
+    # asyncio TLS connection lacks the OCSP options, and failed every call on them.
+    twin = getattr(redis.asyncio.connection, kind.__name__)
+    known = {"max_connections"} | (_parameters(kind) & _parameters(twin))
     if unknown := sorted(set(options) - known):
         tls = " (TLS is a rediss:// URL)" if "ssl" in unknown else ""
         raise ValueError(
-            f"{where}: redis-py knows no connection option {', '.join(unknown)} (a query "
-            f"parameter of the URL){tls}: {REDIS_URL_FORMS}"
+            f"{where}: not every Redis client of Tandem takes the connection option "
+            f"{', '.join(unknown)} (a query parameter of the URL){tls}: {REDIS_URL_FORMS}"
         )
 
 
-def _init_parameters(cls: type) -> set[str]:
-    """The named parameters of a class's own __init__ (none where it has none)."""
-    init = cls.__dict__.get("__init__")
-    if init is None:
-        return set()
-    return set(inspect.signature(init).parameters) - {"self", "args", "kwargs"}
+def _parameters(kind: type) -> set[str]:
+    """The named parameters of a connection class's __init__ and its bases'."""
+    names = set()
+    for cls in kind.__mro__:
+        if (init := cls.__dict__.get("__init__")) is not None:
+            names |= set(inspect.signature(init).parameters)
+    return names - {"self", "args", "kwargs"}
 
 
 def password_given(client: Any) -> bool:

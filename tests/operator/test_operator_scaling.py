@@ -130,12 +130,20 @@ async def test_the_queue_is_read_from_the_models_own_redis(cluster, operator, me
     assert (url, "m", f"{NAMESPACE}/m") in metrics.declarations
 
 
-async def test_a_url_in_the_models_secret_with_a_newline_is_named(cluster, operator, metrics):
-    # The operator read it stripped, the engines (secretKeyRef) raw: the autoscaler
-    # worked while every engine refused its URL.
-    await _apply_with_redis_secret(cluster, "redis://:pw@model-redis:6379/1\n")
+async def test_a_url_in_the_models_secret_is_read_as_the_engines_read_it(
+    cluster, operator, metrics
+):
+    # A file's newline (kubectl create secret --from-file) is let pass, by the engines
+    # (secretKeyRef, raw) and so by the operator; a leading space the engines refuse.
+    url = "redis://:pw@model-redis:6379/1\n"
+    await _apply_with_redis_secret(cluster, url)
+    await eventually(lambda: (url, "m") in metrics.queue_reads, what="a read of the model's Redis")
+
+
+async def test_a_leading_space_in_the_models_secret_is_named(cluster, operator, metrics):
+    await _apply_with_redis_secret(cluster, " redis://:pw@model-redis:6379/1")
     (event,) = await eventually(lambda: cluster.events("QueueUnreadable"), what="an Event")
-    assert "Secret model-redis's key 'url' begins or ends with whitespace" in event["message"]
+    assert "Secret model-redis's key 'url' is not a Redis URL" in event["message"]
     assert metrics.queue_reads == []
 
 

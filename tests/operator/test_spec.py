@@ -15,6 +15,7 @@ from tandem.operator.quantity import QUANTITY_PATTERN, quantity_bytes, quantity_
 from tandem.operator.role_name import RoleName
 from tandem.operator.role_spec import DecodeRole, NormalRole, PrefillRole
 from tandem.operator.spec import EngineSpec, Mode, ModelDeploymentSpec
+from tandem.operator.validation import validate_spec
 from tandem.protocol import Role
 
 MINIMAL = {"model": {"path": "/models/m"}, "normal": {}}
@@ -291,3 +292,10 @@ def test_non_quantities_are_refused_by_the_pattern_and_the_parser(text):
     assert not re.fullmatch(QUANTITY_PATTERN, text)
     with pytest.raises(ValueError, match="not a Kubernetes quantity"):
         quantity_value(text)
+
+
+def test_a_redis_url_of_a_user_without_a_password_is_valid():
+    # An ACL user with nopass: no password to hide (starred in logs all the same).
+    spec = {"model": {"path": "smollm2"}, "normal": {}}
+    spec["redis"] = {"url": "redis://default@redis.shared.svc:6379/0"}
+    assert validate_spec(spec, name="m").redis.url == spec["redis"]["url"]
