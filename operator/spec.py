@@ -18,7 +18,6 @@ from enum import StrEnum
 from typing import Literal
 
 from pydantic import Field, field_validator
-from redis.connection import parse_url
 
 from tandem.engine.config import EngineConfig
 from tandem.operator.model_source import ModelSpec
@@ -192,6 +191,8 @@ class RedisSpec(SpecModel):
         """A URL the engines cannot read crash-looped every pod, and the operator's own
         read of its queue quoted redis-py's reason, half a password in it, in an Event."""
         if url is not None:
+            from redis.connection import parse_url  # not at import: the simulator needs none
+
             check_redis_url(url, "the URL")
             if parse_url(url).keys() & {"password", "ssl_password"}:  # in the pods' env
                 raise ValueError(
