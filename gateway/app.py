@@ -112,7 +112,7 @@ def create_app(
             allow_methods=["GET", "POST"],
             allow_headers=["*"],  # Authorization, the SDKs' x-stainless-*, Idempotency-Key
             # x-request-id: the SDKs' `_request_id`, and `request_id` on their errors.
-            expose_headers=["Retry-After", "x-should-retry", "x-request-id"],
+            expose_headers=["Retry-After", "retry-after-ms", "x-should-retry", "x-request-id"],
             max_age=600,
         )
     app.add_middleware(HeadAsGet)  # outermost: everything inside sees a GET

@@ -144,6 +144,8 @@ def rate_limited(
     headers = {}
     if retry_after is not None:
         headers["Retry-After"] = str(max(1, int(-(-retry_after // 1))))
+        # Read first by the OpenAI SDKs: a key of 600 rpm waits 0.1 s, not a whole second.
+        headers["retry-after-ms"] = str(max(1, int(-(-retry_after * 1000 // 1))))
     if not retryable:
         headers.update(NO_RETRY)
     return GatewayError(

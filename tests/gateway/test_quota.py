@@ -107,6 +107,9 @@ def test_the_429_names_the_quota_and_says_when_to_retry(redis_url, keys):
     assert error.status == 429 and error.code == "rpm_exceeded"
     assert "requests per minute" in error.message and "team-a" in error.message
     assert 55 <= int(error.headers["Retry-After"]) <= 60
+    # To the millisecond, which the SDKs read first (Retry-After rounds up to a second).
+    assert int(error.headers["Retry-After"]) - 1 < int(error.headers["retry-after-ms"]) / 1000
+    assert int(error.headers["retry-after-ms"]) / 1000 <= int(error.headers["Retry-After"])
 
 
 def test_keys_without_limits_never_touch_redis(keys):
