@@ -528,53 +528,45 @@ def test_the_demo_says_what_the_gateway_refused_or_what_broke_the_answer_off():
     assert pieces == ["The cap"] and str(cut.value) == "the answer broke off: the engine failed"
 
 
-def _demo(tmp_path: Path) -> subprocess.Popen[str]:
-    """`tandem demo` on a tiny model, its run folder under tmp_path, its stderr piped."""
+def _signalled_demo(tmp_path: Path, after: str, signum: int, pause_s: float = 0.0):
+    """`tandem demo` on a tiny model (its run folder under tmp_path) sent `signum` pause_s
+    after its first stderr line holding `after`: its exit code, and its stderr."""
     env = {**os.environ, "TMPDIR": str(tmp_path), "TANDEM_CPU_KERNELS": "0"}
-    return subprocess.Popen(
+    demo = subprocess.Popen(
         [sys.executable, "-m", "tandem.cli", "demo", "--model", "random:tiny"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
+    said = []
+    try:
+        for line in demo.stderr:
+            said.append(line)
+            if after in line:
+                time.sleep(pause_s)
+                demo.send_signal(signum)
+                break
+        code = demo.wait(timeout=60)
+    finally:
+        demo.kill()
+    return code, "".join(said) + demo.stderr.read()
 
 
 def test_ctrl_c_while_the_demo_stops_hurries_the_stop_and_leaves_no_run_folder(tmp_path):
     # The Ctrl-C broke out of the stop: the children were killed undrained, and the run
     # folder, its Redis file holding every prompt and answer, stayed in /tmp.
-    demo = _demo(tmp_path)
-    said = []
-    try:
-        for line in demo.stderr:
-            said.append(line)
-            if "answered in" in line:
-                time.sleep(0.5)  # into the stop (its drain takes seconds)
-                demo.send_signal(signal.SIGINT)
-                break
-        code = demo.wait(timeout=60)
-    finally:
-        demo.kill()
-    rest = demo.stderr.read()
+    # (0.5 s into the stop: its drain takes seconds.)
+    code, said = _signalled_demo(tmp_path, "answered in", signal.SIGINT, pause_s=0.5)
     # 130 where the Ctrl-C came before the stop began (a loaded machine): a Ctrl-C then
     # ends the demo, and its stop runs all the same.
-    assert code in (0, 130) and "Traceback" not in rest, "".join(said) + rest
+    assert code in (0, 130) and "Traceback" not in said, said
     assert not list(tmp_path.glob("tandem-up-*"))
 
 
 def test_a_sigterm_to_the_demo_stops_it_as_ctrl_c_does(tmp_path):
     # `timeout`, a cancelled CI job: the demo died at once, and left its run folder
-    # (every prompt and answer in its Redis file) in /tmp.
-    demo = _demo(tmp_path)
-    said = []
-    try:
-        for line in demo.stderr:
-            said.append(line)
-            if "starting" in line:  # its processes launched
-                demo.send_signal(signal.SIGTERM)
-                break
-        code = demo.wait(timeout=60)
-    finally:
-        demo.kill()
-    rest = demo.stderr.read()
-    assert code == 130 and "Traceback" not in rest, "".join(said) + rest
+    # (every prompt and answer in its Redis file) in /tmp. (Sent once its processes
+    # launched.)
+    code, said = _signalled_demo(tmp_path, "starting", signal.SIGTERM)
+    assert code == 130 and "Traceback" not in said, said
     assert not list(tmp_path.glob("tandem-up-*"))
 
 

@@ -155,6 +155,32 @@ def _quick_to_stop_gateway(
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _cut_by_the_stop(
+    process: subprocess.Popen[str], port: int, redis_client, keys, asks: list[tuple[dict, dict]]
+) -> tuple[list[httpx.Response], str]:
+    """Each ask (body, headers) posted to the idle model (no engine) and queued, then the
+    gateway stopped: their answers, and the gateway's output."""
+    try:
+        _gateway_answering(process, port)
+        catalog.declare(redis_client, keys, "idle", "test/idle", ttl_s=60)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        with ThreadPoolExecutor(len(asks)) as pool:
+            asked = [
+                pool.submit(httpx.post, url, json=body, headers=headers, timeout=30)
+                for body, headers in asks
+            ]
+            stream = keys.work_stream("idle", PRIORITY_NORMAL)
+            assert eventually(lambda: redis_client.xlen(stream) == len(asks))
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=15) == 0
+            answers = [answer.result() for answer in asked]
+        return answers, process.stdout.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def test_requests_cut_by_the_shutdown_timeout_are_answered_503_and_log_one_line_each(
     redis_url, redis_client, keys
 ):
@@ -162,26 +188,9 @@ def test_requests_cut_by_the_shutdown_timeout_are_answered_503_and_log_one_line_
     # the cancellation as "Exception in ASGI application" and a traceback.
     port = free_port()
     process = _quick_to_stop_gateway(redis_url, keys, port)
-    try:
-        _gateway_answering(process, port)
-        catalog.declare(redis_client, keys, "idle", "test/idle", ttl_s=60)  # no engine
-        body = {"model": "idle", "prompt": "hi", "max_tokens": 2}
-        with ThreadPoolExecutor(2) as pool:
-            asked = [
-                pool.submit(httpx.post, f"http://127.0.0.1:{port}/v1/completions",
-                            json={**body, "stream": stream}, timeout=30)
-                for stream in (False, True)
-            ]  # fmt: skip
-            stream = keys.work_stream("idle", PRIORITY_NORMAL)
-            assert eventually(lambda: redis_client.xlen(stream) == 2)
-            process.send_signal(signal.SIGTERM)
-            assert process.wait(timeout=15) == 0
-            answers = [answer.result() for answer in asked]
-        output = process.stdout.read()
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    body = {"model": "idle", "prompt": "hi", "max_tokens": 2}
+    asks = [({**body, "stream": stream}, {}) for stream in (False, True)]
+    answers, output = _cut_by_the_stop(process, port, redis_client, keys, asks)
     assert "Traceback" not in output and "CancelledError" not in output, output
     # Worded as the server's own line for a stream cut.
     assert output.count("a request still open at the shutdown timeout (1s) was cut") == 2
@@ -202,23 +211,10 @@ def test_a_request_the_stop_cut_before_its_answer_gives_its_quota_back(
     path.write_text(json.dumps([{"key": "sk-one", "name": "one", "rpm": 1, "tpm": 1000}]))
     port = free_port()
     process = _quick_to_stop_gateway(redis_url, keys, port, ("--api-keys-file", str(path)))
-    try:
-        _gateway_answering(process, port)
-        catalog.declare(redis_client, keys, "idle", "test/idle", ttl_s=60)  # no engine
-        body = {"model": "idle", "prompt": "hi", "max_tokens": 2}
-        headers = {"Authorization": "Bearer sk-one"}
-        url = f"http://127.0.0.1:{port}/v1/completions"
-        with ThreadPoolExecutor(1) as pool:
-            asked = pool.submit(httpx.post, url, json=body, headers=headers, timeout=30)
-            stream = keys.work_stream("idle", PRIORITY_NORMAL)
-            assert eventually(lambda: redis_client.xlen(stream) == 1)
-            process.send_signal(signal.SIGTERM)
-            assert process.wait(timeout=15) == 0
-            assert asked.result().status_code == 503
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    body = {"model": "idle", "prompt": "hi", "max_tokens": 2}
+    asks = [(body, {"Authorization": "Bearer sk-one"})]
+    (answer,), _ = _cut_by_the_stop(process, port, redis_client, keys, asks)
+    assert answer.status_code == 503
     (marker,) = redis_client.keys(f"{keys.prefix}:quota:*:taken:*")
     assert redis_client.get(marker) == b"given back"
 
