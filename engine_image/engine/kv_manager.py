@@ -110,8 +110,9 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return {}
         size, table = self.block_size, self._tables[request.request_id]
-        hashes = list(self._hashes_of(request, end // size))
-        return {hashes[i]: table[i] for i in range(start // size, end // size)}
+        first = start // size
+        hashes = enumerate(self._hashes_of(request, end // size))
+        return {digest: table[i] for i, digest in hashes if i >= first}
 
     def _hashes_of(self, request: Request, num_blocks: int) -> Iterator[BlockHash]:
         """The content hashes of the request's first num_blocks full blocks, each
