@@ -8,6 +8,7 @@ what the model was trained on only where every piece is transformers' own.
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -111,20 +112,34 @@ class ChatRendering:
             )
 
 
-def cut_after_final_message(text: str, final: str | None) -> str:
-    """`text` up to the end of the last message's content, as transformers cuts it: a
-    template that trims the content (Llama 3's `| trim`) leaves its trailing space out."""
-    core = (final or "").strip()
-    if not core or core not in text:
-        raise ValueError(
-            "continue_final_message needs a last message with text that the chat template "
-            "writes into the prompt"
-        )
-    at = text.rindex(core)
-    whole = final.lstrip()
-    if text[at : at + len(whole)] == whole:
-        return text[: at + len(whole)]
-    return text[: at + len(core)]
+class FinalMessageCut:
+    """Where a continued final message ends in the rendered prompt, as transformers finds
+    it: a tag no message can guess is appended to the message's content, and the prompt
+    is cut where the template wrote the tag. (Cutting at the content's last place in the
+    text cut inside the template's own tokens where the content also ends them: an
+    answer begun "end" ended the prompt in "end<|im_end".)"""
+
+    def __init__(self) -> None:
+        # The space after the tag shows whether the template trimmed the content.
+        self._tag = f"TANDEM{secrets.token_hex(8)}CONTINUE "
+
+    def tagged(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The messages, the last one's content (a string) tagged at its end."""
+        last = messages[-1]
+        return [*messages[:-1], {**last, "content": f"{last['content']}{self._tag}"}]
+
+    def cut(self, text: str) -> str:
+        """`text` up to the end of the last message's content: a template that trims the
+        content (Llama 3's `| trim`) leaves its trailing whitespace out."""
+        at = text.rfind(self._tag.rstrip())
+        if at < 0:
+            raise ValueError(
+                "continue_final_message needs a last message that the chat template writes "
+                "into the prompt"
+            )
+        if text.startswith(self._tag, at):
+            return text[:at]
+        return text[:at].rstrip()
 
 
 def checked_messages(messages: Any) -> list[dict[str, Any]]:

@@ -20,8 +20,8 @@ from tandem.engine.admission import PromptTooLongError
 from tandem.engine.chat_template import (
     ChatRendering,
     ChatTemplates,
+    FinalMessageCut,
     checked_messages,
-    cut_after_final_message,
 )
 from tandem.engine.literal_chat import LiteralChat
 from tandem.engine.stop_matcher import StopMatcher, StopStrings
@@ -180,22 +180,21 @@ class Tokenizer:
     def _render(self, checked: list[dict[str, Any]], how: ChatRendering) -> str:
         """apply_chat_template of messages checked_messages already copied and checked."""
         template = self._templates.for_variables(how.extra)
+        final = FinalMessageCut() if how.continue_final_message else None
         context = {
             # As transformers: set, if to None, whether or not the caller gave them.
             "tools": None,
             "documents": None,
             **self._special_tokens,
             **how.extra,
-            "messages": checked,
+            "messages": checked if final is None else final.tagged(checked),
             "add_generation_prompt": how.add_generation_prompt,
         }
         try:
             text = template.render(context)  # a dict: any variable name, "self" too
         except (jinja2.TemplateError, TypeError, ValueError) as err:
             raise ValueError(f"chat template failed to render: {err}") from err
-        if how.continue_final_message:
-            return cut_after_final_message(text, checked[-1]["content"])
-        return text
+        return text if final is None else final.cut(text)
 
     def encode_chat(
         self,

@@ -71,7 +71,7 @@ def test_smollm2_matches_transformers_gguf_tokenizer(smol: Tokenizer) -> None:
     assert smol.apply_chat_template(messages) == theirs.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
     )
-    for begun in ("It is", "It is  ", "  It is\n"):
+    for begun in ("It is", "It is  ", "  It is\n", "end", "im"):  # <|im_end|> holds both
         answer = [*messages, {"role": "assistant", "content": begun}]
         options = {"add_generation_prompt": False, "continue_final_message": True}
         assert smol.apply_chat_template(answer, **options) == theirs.apply_chat_template(
@@ -221,6 +221,10 @@ def test_a_continued_final_message_ends_the_prompt_as_its_template_wrote_it(
         (keeps, "It is ", f"<user>hi{eos}<assistant>It is "),
         (trims, "  It is ", f"hi{eos}It is"),  # the template trimmed the space: so is the cut
         (keeps, "hi", f"<user>hi{eos}<assistant>hi"),  # the content's last place, not its first
+        # Content the template's own text after it also holds: cut where the content ends,
+        # not inside the end-of-turn token.
+        (keeps, eos[:2], f"<user>hi{eos}<assistant>{eos[:2]}"),
+        (keeps, "", f"<user>hi{eos}<assistant>"),  # an answer not begun: its turn opened
     ]
     for template, begun, prompt in cases:
         chat = _with_template(template, tiny)
@@ -233,6 +237,12 @@ def test_a_continued_final_message_ends_the_prompt_as_its_template_wrote_it(
         ids = chat.encode_chat(quoting, **options)
         assert ids.count(2) == 1 and chat.decode(ids, skip_special_tokens=False).endswith(
             f"{eos} x"
+        )
+    # A template that leaves the last message out has nothing to go on from.
+    first_only = _with_template("{{ messages[0]['content'] }}", tiny)
+    with pytest.raises(ValueError, match="a last message that the chat template writes"):
+        first_only.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "It"}], **options
         )
     # The caller's variables reach the template, as transformers passes them.
     greets = _with_template("{{ greeting }}{{ messages[0]['content'] }}", tiny)
