@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from tandem.engine.admission import check_fits
 from tandem.engine.config import EngineConfig
+from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.engine_output import (
     EngineOutput,
     EngineTotals,
@@ -32,7 +33,7 @@ from tandem.engine.request import Request, RequestStatus, SamplingParams
 from tandem.engine.runner import ModelRunner
 from tandem.engine.scheduler import Scheduler, Vote
 from tandem.engine.stop_matcher import StopStrings
-from tandem.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from tandem.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("tandem.engine")
 

@@ -15,10 +15,11 @@ import pytest
 import tokenizers
 import transformers
 
+from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.literal_chat import LiteralChat
 from tandem.engine.model.gguf_container import GGUFContainer
 from tandem.engine.model.gguf_tokenizer import gguf_tokenizer
-from tandem.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from tandem.engine.tokenizer import Tokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

