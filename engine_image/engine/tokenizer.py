@@ -67,6 +67,10 @@ class Tokenizer:
         self._token_texts: dict[int, str] = {}  # token_text's, at most the vocabulary
         self._literal_chat: LiteralChat | None = None  # made at the first chat prompt
         self._last_long: tuple[tuple[str, bool], list[int]] | None = None
+        self._byte_fallback = backend.token_to_id("<0x00>") is not None
+        self._special_ids = frozenset(
+            i for i, token in backend.get_added_tokens_decoder().items() if token.special
+        )
 
     @property
     def backend(self) -> tokenizers.Tokenizer:
@@ -121,7 +125,32 @@ class Tokenizer:
         return list(self._last_long[1])
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """The text of `ids`; bytes that are no UTF-8 read as Python's `bytes.decode(
+        "utf-8", "replace")` reads them, U+FFFD for the bad bytes alone."""
+        text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if REPLACEMENT_CHARACTER in text and self._byte_fallback and self._backend.decoder:
+            # SentencePiece's byte fallback writes U+FFFD for every byte of a run of byte
+            # tokens that is not UTF-8 as a whole, the characters in it too ("\xe2" then
+            # an emoji: five of them, where Python reads one and the emoji).
+            return self._backend.decoder.decode(self._pieces(ids, skip_special_tokens))
+        return text
+
+    def _pieces(self, ids: Sequence[int], skip_special_tokens: bool) -> list[str]:
+        """The tokens of `ids` as the backend's decoder takes them, each run of byte
+        tokens that is no UTF-8 given as its text, read as Python reads it."""
+        pieces: list[str] = []
+        run: list[str] = []  # byte tokens not yet written
+        for token_id in ids:
+            if skip_special_tokens and token_id in self._special_ids:
+                continue
+            piece = self._backend.id_to_token(token_id) or ""
+            if _BYTE_FALLBACK.fullmatch(piece):
+                run.append(piece)
+                continue
+            pieces += _byte_run(run)
+            run = []
+            pieces.append(piece)
+        return pieces + _byte_run(run)
 
     def token_text(self, token_id: int) -> str:
         """One token's own decode, special tokens kept (logprobs name each token so);
@@ -231,6 +260,17 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 _BYTE_LEVEL = _byte_level_alphabet()
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_run(pieces: list[str]) -> list[str]:
+    """A run of byte tokens (`<0xE2>`), kept where its bytes are UTF-8 (the decoder
+    joins them), else their text as Python reads it."""
+    raw = bytes(int(piece[3:5], 16) for piece in pieces)
+    try:
+        raw.decode()
+    except UnicodeDecodeError:
+        return [raw.decode("utf-8", "replace")]
+    return pieces
 
 
 def _refuse_unfit(fewest: int, max_model_len: int) -> None:

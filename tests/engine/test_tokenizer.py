@@ -370,6 +370,17 @@ def _stream(tokenizer, ids, stop=(), chunk=1, skip=True, prompt=()):
     return deltas, stopped_at, detok
 
 
+def test_text_after_a_prompt_cut_inside_a_character_is_the_generated_bytes(
+    tiny: Tokenizer,
+) -> None:
+    # The prompt's ids end inside 🎉 (an answer cut by its length, continued): the bytes
+    # that finish it were dropped; they are the generated text's own, U+FFFD each.
+    ids = tiny.encode("Party 🎉 time")
+    cut = len(tiny.encode("Party ")) + 2
+    deltas, _, _ = _stream(tiny, ids[cut:], prompt=ids[:cut])
+    assert "".join(deltas) == b"\x8e\x89 time".decode("utf-8", "replace") == "\ufffd\ufffd time"
+
+
 def test_multibyte_characters_split_over_tokens(tiny: Tokenizer) -> None:
     text = "日本🎉é!"
     ids = tiny.encode(text)
