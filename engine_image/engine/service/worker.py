@@ -247,7 +247,9 @@ class EngineWorker(Intake):
             held = self.held.get(out.request_id)
             if held is None:
                 continue
-            if out.new_token_ids:
+            # Text may come without tokens: a resumed detokenizer that found a stop
+            # releases the text before it that the last engine held back.
+            if out.new_token_ids or out.text_delta:
                 self.replies.tokens(held, out)
             if out.finish_reason is FinishReason.ERROR:
                 self.replies.fail(
