@@ -291,6 +291,7 @@ class Engine:
 
     def _fail_step(self, plan: StepPlan, exc: Exception) -> list[EngineOutput]:
         """End every request of a step that raised, with the error as the reason."""
+        self.last_step = StepStats()  # nothing computed: no step to count
         outputs = []
         for seq in plan.seqs:
             tracked = self._tracked.pop(seq.request_id, None)

@@ -5,6 +5,7 @@ import pytest
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.admission import ContextLengthError, PromptTooLongError
 from tandem.engine.request import RequestStatus
+from tandem.engine.service.metrics import EngineMetrics
 
 
 @pytest.fixture(scope="module")
@@ -341,6 +342,7 @@ def test_a_step_that_raises_ends_its_requests_not_the_engine(llm, monkeypatch):
     engine = llm.engine
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.add_request("doomed", "x", params)
+    engine.step()  # its prefill, a step that ran
 
     def broken(plan):
         raise RuntimeError("kernel exploded")
@@ -350,6 +352,13 @@ def test_a_step_that_raises_ends_its_requests_not_the_engine(llm, monkeypatch):
         (out,) = engine.step()
     assert out.finish_reason == "error" and "kernel exploded" in out.error
     assert not engine.has_unfinished_requests() and engine.scheduler.kv_usage == 0
+    # Nothing was computed: no step to count (the metrics counted the step before it
+    # again, its time too, so that a failing engine read busy and productive).
+    assert engine.last_step.num_seqs == 0
+    metrics = EngineMetrics("tiny", "normal")
+    metrics.observe_step(engine)
+    labels = {"model": "tiny", "role": "normal"}
+    assert metrics.registry.get_sample_value("tandem_engine_step_seconds_count", labels) == 0
     # The engine goes on serving.
     assert len(llm.generate(["after"], params)[0].token_ids) == 4
 
