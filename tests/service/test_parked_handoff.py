@@ -59,6 +59,31 @@ def test_a_parked_handoff_past_its_deadline_frees_the_prompt_engines_kv_at_once(
     assert eventually(lambda: prompt.metric("tandem_engine_kv_pinned_requests") == 0, 5)
 
 
+def test_a_prompt_engine_full_of_offers_waits_for_a_decoder_and_takes_no_more(
+    engines, client, redis_url
+):
+    # Its pool full of KV no decoder had fetched yet, it stepped empty without pause: a
+    # pull on the Redis every engine shares every few microseconds (~4,700 a second), a
+    # core spent, and prompts taken that it could not start.
+    small = ("--num-kv-blocks", "16", "--max-model-len", "128")  # two 100-token prompts
+    prompt = engines("prompt", *small, "--handoff-ttl", "120")
+    quick = {"max_tokens": 4, **SAMPLING}
+    first = [client.submit(prompt_token_ids=[i + 1] * 100, sampling=quick) for i in range(4)]
+    assert eventually(lambda: prompt.metric("tandem_engine_kv_pinned_requests") == 2, 60)
+    assert prompt.metric("tandem_engine_requests_waiting") == 2  # taken while it had room
+    later = client.submit(prompt_token_ids=[9] * 100, sampling=quick)
+    with redis.Redis.from_url(redis_url) as conn:
+        conn.config_resetstat()
+        time.sleep(2)
+        pulls = conn.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    assert pulls < 50, f"{pulls} pulls in 2 s by an engine that can start nothing"
+    assert prompt.metric("tandem_engine_requests_waiting") == 2  # the later one left queued
+    # A decoder's fetches free the room: every prompt is served, the later one too.
+    engines("completion", *small)
+    for rid in [*first, later]:
+        assert client.answer(rid, timeout=60).final.finish_reason == "length"
+
+
 def _two_handoffs_waiting(engines, client, redis_url, keys) -> None:
     """Two prefilled requests waiting for a decoder: the first decodes 1,400 tokens; the
     second's prompt (1,500 tokens, 94 blocks) does not fit a 128-block decoder beside

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import queue
 import secrets
+import threading
 import time
 
 import torch
@@ -74,6 +75,9 @@ class HandoffFlow:
         self.layout = layout
         self.block_size = block_size
         # PROMPT side.
+        # Set by the threads as they report (a fetch served, a fetch done): what an
+        # engine that can run nothing until then waits on (wait_for_news).
+        self._news = threading.Event()
         self.offers = PinnedOffers()
         self.fetched: queue.SimpleQueue[str] = queue.SimpleQueue()  # from the KV server
         # Each with the work entry it came from, acknowledged as it is published.
@@ -81,7 +85,7 @@ class HandoffFlow:
         # Offers whose handoff was not published (another engine holds the request now).
         self._unpublished: list[str] = []
         # COMPLETION side.
-        self.fetches = KVFetches(fetch_kv, release=release_kv)
+        self.fetches = KVFetches(fetch_kv, release=release_kv, news=self._news)
         self._waiting_room: list[_Taken] = []
         self._parked_since: dict[str, float] = {}  # request id -> time.monotonic()
         self._mismatched: set[str] = set()  # prompt engines of another model, warned of
@@ -149,6 +153,12 @@ class HandoffFlow:
     def on_fetched(self, handle: str) -> None:
         """Called by the KV server thread after a decoder confirmed the KV."""
         self.fetched.put(handle)
+        self._news.set()
+
+    def wait_for_news(self, timeout: float) -> None:
+        """Until a thread reports (its report is for `absorb`), `timeout` seconds at most."""
+        self._news.wait(timeout)
+        self._news.clear()  # a report after this sets it again; absorb reads them all
 
     def expire_offers(self, engine: Engine, now: float) -> None:
         for handle in self.offers.expired(now):

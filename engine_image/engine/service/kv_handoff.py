@@ -124,8 +124,10 @@ class KVFetches:
         max_parallel: int = 2,
         release: Callable[..., bool] | None = None,
         probe_every_s: float = PROBE_EVERY_S,
+        news: threading.Event | None = None,
     ) -> None:
         self._fetch = fetch
+        self._news = news  # set as each outcome is queued: the engine may wait on it
         self._release = release
         self._pool = ThreadPoolExecutor(max_parallel, thread_name_prefix="kv-fetch")
         self._outcomes: queue.SimpleQueue[FetchOutcome] = queue.SimpleQueue()
@@ -159,6 +161,13 @@ class KVFetches:
             self._pool.submit(self._release, **args, timeout=RELEASE_WITHIN_S)
 
     def _run(self, request_id: str, fetch_args: dict[str, object]) -> None:
+        try:
+            self._fetch_one(request_id, fetch_args)
+        finally:
+            if self._news is not None:
+                self._news.set()
+
+    def _fetch_one(self, request_id: str, fetch_args: dict[str, object]) -> None:
         address = str(fetch_args.get("address"))
         probe = False
         try:

@@ -174,7 +174,15 @@ class EngineWorker(Intake):
         # blocks for work (a ~100 ms read held every step: 10 tokens/s), and asks Redis
         # only every GROUP_POLL_S (a round trip each step cost a third of the time).
         now = time.monotonic()
-        if busy or not self._group_busy or now - self._pulled_at >= GROUP_POLL_S:
+        if busy and self._vote is None and self.engine.last_step.num_seqs == 0:
+            # The last step ran nothing, its requests waiting for KV a decoder has yet
+            # to fetch (a PROMPT engine's pool full of offers) or for fetches in flight
+            # (a COMPLETION engine's): wait for that, idle_block_ms at most, and pull
+            # nothing (a prompt taken now would wait too, where an engine with room
+            # would start it). Looping, it spun a core and ran a pull on the shared
+            # Redis every few microseconds.
+            self._wait_for_room()
+        elif busy or not self._group_busy or now - self._pulled_at >= GROUP_POLL_S:
             self._pulled_at = now
             self._pull(block=not busy and not self._group_busy)
         busy = self.engine.has_unfinished_requests()
@@ -186,6 +194,13 @@ class EngineWorker(Intake):
             self.metrics.observe_step(self.engine)
             self._say_preemptions()
         self.writes.after_step(len(self.held))
+
+    def _wait_for_room(self) -> None:
+        timeout = self.settings.idle_block_ms / 1000
+        if self.handoffs is not None:
+            self.handoffs.wait_for_news(timeout)
+        else:
+            time.sleep(timeout)
 
     def _say_preemptions(self) -> None:
         """A line for the requests preempted since the last one (at most every
