@@ -31,9 +31,10 @@ class ScalingPolicy:
     # capacity to use (pod_load.budget_utilization).
     target_budget_utilization: float = 0.7
     # targetQueuedTokensPerReplica (prefill, normal): prompt tokens waiting, in Redis
-    # and inside the engines, that one replica may have ahead of it. Half an
-    # engine's own waiting buffer (max_waiting_tokens, 16k): scale before the
-    # buffers are full and the backlog is only visible in Redis.
+    # and inside the engines, that one replica may have ahead of it. Half the
+    # waiting buffer of an engine of 8k context (max_waiting_tokens, two steps'
+    # budget): scale before the buffers are full and the backlog is only visible
+    # in Redis.
     target_queued_tokens_per_replica: int = 8192
     # tolerance: no change while |demand / current - 1| <= tolerance (HPA's 0.1).
     tolerance: float = 0.1

@@ -33,7 +33,6 @@ from collections.abc import Sequence
 from tandem.engine.admission import PromptTooLongError, check_fits
 from tandem.engine.config import EngineType
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.service.settings import WorkerSettings
 from tandem.operator.autoscaler import Decision, RoleObservation, ScalingHistory, decide_all
 from tandem.operator.pod_load import pod_load
 from tandem.operator.role_name import RoleName
@@ -41,7 +40,7 @@ from tandem.operator.scaling import plan_resize
 from tandem.queue_state import QueueState
 from tandem.sim.cluster_config import ClusterConfig
 from tandem.sim.network import Links
-from tandem.sim.pod import Handoff, Pod, PodState, sampling
+from tandem.sim.pod import Handoff, Pod, PodState, engine_settings, sampling
 from tandem.sim.records import (
     PodLife,
     ReplicaPoint,
@@ -82,15 +81,7 @@ class Cluster:
         self._histories: dict[RoleName, ScalingHistory] = {}
         self._costs = {role: config.cost_model(setup.tp) for role, setup in self._roles.items()}
         self._blocks = {role: config.kv_blocks(setup) for role, setup in self._roles.items()}
-        self._settings = {
-            role: WorkerSettings(
-                role=role.engine_role,
-                model_name="sim",
-                engine_id="sim",
-                http_address="",
-            )
-            for role in self._roles
-        }
+        self._settings = {role: engine_settings(setup) for role, setup in self._roles.items()}
         self._lives: list[PodLife] = []
         self._events: list[ScaleEvent] = []
         self._timeline = ReplicaTimeline()

@@ -25,7 +25,7 @@ from tandem.engine.plan import RequestOutput, StepPlan, StepResult
 from tandem.engine.request import Request, SamplingParams
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.service.room import pull_room
-from tandem.engine.service.settings import WorkerSettings
+from tandem.engine.service.settings import WorkerSettings, waiting_tokens
 from tandem.engine.service.time_integral import TimeIntegral
 from tandem.operator.pod_load import PodSample
 from tandem.sim.deployment import RoleSetup
@@ -34,6 +34,18 @@ from tandem.sim.records import PodLife
 
 # The token every simulated step samples: a list shared by every result, never mutated.
 _TOKEN = [0]
+
+
+def engine_settings(setup: RoleSetup) -> WorkerSettings:
+    """The engine service's settings of a role's pods: what `tandem engine` would run
+    them with (the waiting buffer from their budget, as serve.py sets it)."""
+    return WorkerSettings(
+        role=setup.role.engine_role,
+        model_name="sim",
+        engine_id="sim",
+        http_address="",
+        max_waiting_tokens=waiting_tokens(setup.engine.max_num_batched_tokens),
+    )
 
 
 class PodState(Enum):

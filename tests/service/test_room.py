@@ -8,7 +8,7 @@ from tandem.engine.config import EngineConfig, EngineType
 from tandem.engine.request import Request, SamplingParams
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.service.room import pull_room
-from tandem.engine.service.settings import WorkerSettings
+from tandem.engine.service.settings import WorkerSettings, waiting_tokens
 from tandem.protocol import Role
 
 PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -105,3 +105,20 @@ def test_a_completion_engine_pulls_none_its_scheduler_would_refuse_for_a_recompu
     sched.handoff_failed("r")
     assert pull_room(sched, settings(Role.COMPLETION), held=1) == 0
     assert sched.admit_handoff(Request("p", list(range(20)), PARAMS), [7]) is None
+
+
+def test_the_simulator_gives_its_engines_the_services_waiting_buffer():
+    # The service lets two steps' budget wait; the simulator's pods let 16k wait
+    # whatever their budget: at 1,024, eight times what a real engine would.
+    from tandem.operator.scaling_policy import ScalingPolicy
+    from tandem.sim import deployment as deploy
+    from tandem.sim.pod import engine_settings
+
+    small = deploy.role_setup(
+        "normal", engine={"max_num_batched_tokens": 1024, "enable_chunked_prefill": True}
+    )
+    assert engine_settings(small).max_waiting_tokens == waiting_tokens(1024) == 2 * 1024
+    # The autoscaler's default target is half the buffer of an 8k-context engine
+    # (docs/autoscaling.md), the simulator's default.
+    budget = deploy.role_setup("normal").engine.max_num_batched_tokens
+    assert ScalingPolicy().target_queued_tokens_per_replica * 2 == waiting_tokens(budget)

@@ -28,7 +28,7 @@ from tandem.engine.service.kv_transfer import KVLayout
 from tandem.engine.service.logs import log_to_stderr
 from tandem.engine.service.metrics import EngineMetrics
 from tandem.engine.service.redis_io import RedisIO
-from tandem.engine.service.settings import WorkerSettings
+from tandem.engine.service.settings import WorkerSettings, waiting_tokens
 from tandem.engine.service.worker import EngineWorker
 from tandem.engine.step_vote import Vote
 from tandem.keys import Keys
@@ -84,7 +84,7 @@ def serve(args: argparse.Namespace, rank: int, vote: Vote | None = None) -> int:
         engine_id=engine_id,
         fingerprint=fingerprint,
         keep_alive_every=min(5.0, args.claim_idle_ms / 4000),
-        max_waiting_tokens=2 * config.max_num_batched_tokens,
+        max_waiting_tokens=waiting_tokens(config.max_num_batched_tokens),
         group=group,
         **worker_fields(args),
     )

@@ -7,8 +7,21 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from tandem.engine.config import DEFAULT_MIN_BATCHED_TOKENS
 from tandem.protocol import Role
 from tandem.registry_entry import EngineInfo
+
+# The prompt tokens an engine lets wait in it, in steps of its budget: its next prefill
+# steps' worth and no more (what waits in one engine, no other can start). 16k for an
+# 8k-context model without chunked prefill (its budget is its context): twice the
+# autoscaler's default targetQueuedTokensPerReplica.
+WAITING_STEPS = 2
+
+
+def waiting_tokens(budget: int) -> int:
+    """max_waiting_tokens for an engine whose steps take `budget` tokens."""
+    return WAITING_STEPS * budget
+
 
 # The fields check_values() checks, by rule.
 _AT_LEAST_ONE = ("claim_idle_ms", "max_deliveries", "max_waiting", "max_waiting_tokens")
@@ -51,7 +64,7 @@ class WorkerSettings:
     idle_block_ms: int = 50
     # Pull only while fewer requests (and prompt tokens) wait in the engine.
     max_waiting: int = 16
-    max_waiting_tokens: int = 16_384
+    max_waiting_tokens: int = waiting_tokens(DEFAULT_MIN_BATCHED_TOKENS)
     # SIGTERM: running requests get this long to finish (0: none; others take them over).
     drain_timeout: float = 30.0
     # A KV fetch waiting longer than this (for an answer, then for each read) falls back
