@@ -140,7 +140,8 @@ class EngineMetrics:
         # As the finished requests' usage says: what a client is billed, once per choice.
         self.prompt_tokens = counter(
             "tandem_engine_prompt_tokens_total",
-            "Prompt tokens of the requests this engine finished (their usage; cached ones too).",
+            "Prompt tokens of the choices this engine finished (cached ones too; each choice "
+            "of a request with n > 1 counts its prompt).",
         ).labels(**labels)
         self.generation_tokens = counter(
             "tandem_engine_generation_tokens_total",
