@@ -14,7 +14,7 @@ import time
 from tandem import up_command
 from tandem.preflight import StartError
 
-DEMO_QUESTION = "What is the capital of France?"
+DEMO_QUESTION = up_command.DEMO_QUESTION
 
 
 def _walkthrough(_: argparse.Namespace) -> int:
@@ -96,6 +96,11 @@ SERVICES = {
 }
 
 
+def _sentence(help_text: str) -> str:
+    """A command's one-line help as the description its own --help opens with."""
+    return f"{help_text[:1].upper()}{help_text[1:]}."
+
+
 class _DefaultsFormatter(argparse.HelpFormatter):
     """Each option's default in its help, where it has one worth showing and the
     help does not say it already (the gateway's, the bench's and the simulator's
@@ -121,14 +126,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for command, (help_text, arguments, _) in SERVICES.items():
-        service = sub.add_parser(command, help=help_text, formatter_class=_DefaultsFormatter)
+        service = sub.add_parser(
+            command,
+            help=help_text,
+            description=_sentence(help_text),
+            formatter_class=_DefaultsFormatter,
+        )
         importlib.import_module(arguments).add_arguments(service)
         service.set_defaults(func=_run_service)
 
-    walk = sub.add_parser("walkthrough", help="narrate the step scheduler's rules")
+    walk = sub.add_parser(
+        "walkthrough",
+        help="narrate the step scheduler's rules",
+        description="Run the engine's real scheduler on a toy workload, no model, and say "
+        "what each step does and which rule decided it (docs/scheduler.md).",
+    )
     walk.set_defaults(func=_walkthrough)
 
-    chat = sub.add_parser("chat", help="answer a question with a model in this process")
+    chat_help = "answer a question with a model in this process"
+    chat = sub.add_parser("chat", help=chat_help, description=_sentence(chat_help))
     chat.add_argument("question")
     chat.add_argument(
         "--model",
@@ -152,7 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     up_command.add_parser(sub)
 
     demo = sub.add_parser(
-        "demo", help="the main job: `tandem up`, one streamed chat answer over HTTP, shut down"
+        "demo",
+        help="the main job: `tandem up`, one streamed chat answer over HTTP, shut down",
+        description="Start Tandem on this machine as `tandem up` does, ask one question "
+        "through the OpenAI-compatible API with streaming, print the answer as it comes, "
+        "and stop everything.",
     )
     demo.add_argument(
         "--model",

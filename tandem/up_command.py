@@ -19,6 +19,9 @@ from tandem.run_folder import remove_if_unused
 from tandem.up import Stack, UpConfig
 from tandem.up_config import read_manifest
 
+# What `tandem demo` asks, and the banner's curl: a question a small model answers.
+DEMO_QUESTION = "What is the capital of France?"
+
 # The flags -f replaces, and where the manifest sets each.
 MANIFEST_SETS = {
     "model": ("--model", "spec.model.path"),
@@ -85,6 +88,9 @@ def run(args: argparse.Namespace) -> int:
     if stack.failure is not None:  # it gave up: a supervisor must not read a clean stop
         print(f"tandem: error: {stack.failure}", file=sys.stderr)
         return 1
+    # Said, or "stopping..." was the last line, a stop that ended and one that hangs alike.
+    with contextlib.suppress(OSError):  # a closed terminal: said to nobody
+        print(f"stopped (logs in {stack.log_dir})", file=sys.stderr, flush=True)
     return 0
 
 
@@ -130,7 +136,8 @@ Tandem is up: {stack.mode} mode, model {name!r}{engines}
 
   curl {stack.url}/v1/chat/completions \\
     -H "Authorization: Bearer {stack.api_key}" -H "Content-Type: application/json" \\
-    -d '{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+    -d '{{"model": "{name}", "temperature": 0, "max_tokens": 32,
+         "messages": [{{"role": "user", "content": "{DEMO_QUESTION}"}}]}}'
 
 Ctrl-C stops everything.
 """

@@ -36,3 +36,10 @@ def test_ctrl_c_while_the_command_line_is_read_is_no_traceback(monkeypatch, caps
     monkeypatch.setattr(cli, "build_parser", interrupted)
     assert cli.main(["up"]) == 130
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_every_command_says_what_it_does_in_its_own_help(capsys):
+    # `tandem walkthrough --help` and `tandem demo --help` said only their usage line.
+    commands = cli.build_parser()._subparsers._group_actions[0].choices
+    for name, parser in commands.items():
+        assert parser.description, f"tandem {name} --help has no description"

@@ -280,6 +280,15 @@ def test_the_banner_reports_the_mode_and_engines_a_manifest_runs(tmp_path):
     text = up_command.banner(stack)
     assert "Tandem is up: disaggregated mode, model 'tiny'" in text
     assert "engines  prefill 1 (autoscaled 1-2), decode 1\n" in text
+    # The curl to try asks as the demo does, greedy and short: at the API's default
+    # temperature 1 and 1,024 tokens, a small model's answer to "Hello!" rambled on.
+    body = json.loads(text.split("-d '")[1].split("'")[0])
+    assert body == {
+        "model": "tiny",
+        "temperature": 0,
+        "max_tokens": 32,
+        "messages": [{"role": "user", "content": up_command.DEMO_QUESTION}],
+    }
 
 
 @pytest.mark.parametrize(
@@ -378,9 +387,14 @@ def test_stopped_from_its_terminal_it_answers_the_requests_in_flight(how):
                 else:
                     os.close(terminal)  # the window closed: SIGHUP
                 answers = [reply.result() for reply in replies]
+            after: list[bytes] = []
             if how == "ctrl-c":
-                threading.Thread(target=_drain, args=(terminal,), daemon=True).start()
+                reader = threading.Thread(target=_drain, args=(terminal, after), daemon=True)
+                reader.start()
             assert proc.wait(timeout=60) == 0
+            if how == "ctrl-c":  # it says the stop ended, not only that it began
+                reader.join(10)
+                assert b"\r\nstopped (logs in " in b"".join(after)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -405,11 +419,11 @@ def _stream(client: httpx.Client, url: str, body: dict, headers: dict, seen: lis
         return reply.status_code, usage
 
 
-def _drain(fd: int) -> None:
-    """Read a terminal until it closes: a full one would block its writer."""
+def _drain(fd: int, into: list[bytes]) -> None:
+    """Read a terminal until it closes, `into` a list: a full one would block its writer."""
     with contextlib.suppress(OSError):
-        while os.read(fd, 4096):
-            pass  # what it said is not checked here: read only to keep it writing
+        while piece := os.read(fd, 4096):
+            into.append(piece)
 
 
 def _manifest(**changes) -> dict:
