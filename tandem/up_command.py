@@ -18,6 +18,7 @@ from tandem.preflight import StartError
 from tandem.run_folder import remove_if_unused
 from tandem.up import Stack, UpConfig
 from tandem.up_config import read_manifest
+from tandem.up_engine_args import checked_engine_args
 
 # What `tandem demo` asks, and the banner's curl: a question a small model answers.
 DEMO_QUESTION = "What is the capital of France?"
@@ -27,6 +28,7 @@ MANIFEST_SETS = {
     "model": ("--model", "spec.model.path"),
     "served_model_name": ("--served-model-name", "spec.model.servedModelName"),
     "mode": ("--mode", "spec.mode"),
+    "engine_args": ("--engine-args", "spec.engine"),
 }
 
 
@@ -40,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
             flag, where = MANIFEST_SETS[next(iter(given))]
             raise ValueError(f"{flag} cannot be used with -f: the manifest sets it ({where})")
         manifest = read_manifest(Path(args.file))
+    if "engine_args" in given:
+        given["engine_args"] = checked_engine_args(given["engine_args"])
     config = UpConfig(
         manifest=manifest,
         host=args.host,
@@ -156,9 +160,10 @@ ModelDeployment manifest (-f)."""
 
 UP_EPILOG = """\
 -f MANIFEST runs a ModelDeployment (what the operator serves in a cluster)
-here: its model, served name and mode replace --model, --served-model-name and
---mode, and each role's engines are autoscaled between its minReplicas and
-maxReplicas, evaluated every 5 s (docs/autoscaling.md). It needs apiVersion:
+here: its model, served name, mode and spec.engine replace --model,
+--served-model-name, --mode and --engine-args, and each role's engines are
+autoscaled between its minReplicas and maxReplicas, evaluated every 5 s
+(docs/autoscaling.md). It needs apiVersion:
 serving.tandem.dev/v1alpha1, kind: ModelDeployment, metadata.name, its mode's
 roles (spec.normal, the default mode's; or spec.prefill and spec.decode with
 mode: Disaggregated), and the model as
@@ -175,6 +180,7 @@ examples:
   tandem up --mode disaggregated          a prefill and a decode engine
   tandem up --model ~/models/Llama-3.2-1B-Instruct --served-model-name llama
   tandem up --host 0.0.0.0 --api-key KEY  reachable from other machines
+  tandem up --engine-args '--max-model-len 2048 --enable-chunked-prefill'
   tandem up -f model.yaml                 a ModelDeployment's roles, autoscaled"""
 
 
@@ -210,10 +216,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         f"(default: {UpConfig.mode})",
     )
     what.add_argument(
+        "--engine-args",
+        metavar="FLAGS",
+        help="more `tandem engine` flags for every engine, as one string, such as "
+        "'--max-model-len 2048 --max-num-seqs 16', or with = for one flag alone: "
+        "--engine-args=--enable-chunked-prefill (`tandem engine --help` lists them; "
+        "those tandem up sets, such as --port, are refused)",
+    )
+    what.add_argument(
         "-f",
         "--file",
         metavar="MANIFEST",
-        help="a ModelDeployment YAML file, instead of the three flags above (see below)",
+        help="a ModelDeployment YAML file, instead of the four flags above (see below)",
     )
     where = up.add_argument_group("serving")
     where.add_argument(

@@ -245,6 +245,7 @@ def test_an_engine_that_cannot_start_is_named_with_its_log_and_everything_stops(
         ("--model", "smollm2", "spec.model.path"),
         ("--served-model-name", "tiny", "spec.model.servedModelName"),
         ("--mode", "normal", "spec.mode"),  # the default, given: still refused
+        ("--engine-args", "--max-model-len 64", "spec.engine"),
     ],
 )
 def test_flags_that_the_manifest_sets_are_refused_with_f(tmp_path, capsys, flag, value, field):
@@ -654,3 +655,34 @@ def test_a_line_for_a_reader_that_left_is_dropped_and_tandem_up_serves_on():
     reader.wait(timeout=10)
     assert done.returncode == 0 and "served on" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_engine_args_reach_every_engine_as_tandem_engine_reads_them(monkeypatch, capsys):
+    # tandem up had no way to give the engines a flag (a shorter context, chunked
+    # prefill) but a whole ModelDeployment manifest.
+    started = []
+
+    class Started(Exception):
+        pass
+
+    def stack(config):
+        started.append(config)
+        raise Started
+
+    monkeypatch.setattr(up_command, "Stack", stack)
+    with pytest.raises(Started):
+        cli.main(["up", "--engine-args", "--max-model-len 64 --enable-chunked-prefill"])
+    assert started[0].engine_args == ("--max-model-len", "64", "--enable-chunked-prefill")
+    refused = {
+        "--port 9000": "--engine-args cannot set --port: set by tandem up (a free port each)",
+        "--model=x": "--engine-args cannot set --model: set by --model",
+        "--role prompt": "--engine-args cannot set --role: set by --mode",
+        "--max-model-len 0": "--engine-args: --max-model-len must be at least 1, got 0",
+        "--max-model-len x": "--engine-args: argument --max-model-len: invalid int value: 'x'",
+        "--max-mod 64": "--engine-args: unrecognized arguments: --max-mod 64",  # no prefixes
+        "--seed '1": '--engine-args "--seed \'1": No closing quotation',
+    }
+    for flags, error in refused.items():
+        assert cli.main(["up", f"--engine-args={flags}"]) == 2, flags
+        assert capsys.readouterr().err == f"tandem: error: {error}\n"
+    assert len(started) == 1  # nothing started for any of them
