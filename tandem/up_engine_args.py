@@ -51,10 +51,9 @@ def checked_engine_args(text: str) -> tuple[str, ...]:
             raise ValueError("--engine-args: `tandem engine --help` lists the engine's flags")
     parser = _Refusing(prog="tandem engine", allow_abbrev=False, add_help=False)
     add_arguments(parser)
+    flags = parser.parse_args(words)  # its refusals name --engine-args already
     try:
-        check_arguments(parser.parse_args(words))
+        check_arguments(flags)
     except ValueError as exc:
-        message = str(exc)
-        raise ValueError(message if message.startswith("--engine-args") else
-                         f"--engine-args: {message}") from None  # fmt: skip
+        raise ValueError(f"--engine-args: {exc}") from None
     return words
