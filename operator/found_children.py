@@ -104,7 +104,10 @@ def role_counts(
     trouble: PodTrouble | None,
 ) -> RoleCounts:
     if deployment is None:
-        return RoleCounts(desired=desired, rolling=True)
+        # Not made yet (a new model, a new mode's role), or deleted under a serving model:
+        # no pods to replace, so no rollout (one read as rolling hid the outage of a
+        # deleted Deployment as RollingOut, never Degraded).
+        return RoleCounts(desired=desired)
     status = deployment.get("status") or {}
     replicas = int(status.get("replicas") or 0)
     updated = int(status.get("updatedReplicas") or 0)

@@ -123,7 +123,13 @@ async def test_a_deleted_child_comes_back(cluster, operator):
     await eventually(lambda: phase(cluster, "llama-8b-split") == "Ready")
     old = cluster.child("Deployment", "llama-8b-split-decode")
 
+    cluster.workloads.set_ready(NAMESPACE, "llama-8b-split-decode", 0)  # new pods load
     await cluster.api.delete(DEPLOYMENTS, NAMESPACE, "llama-8b-split-decode")
+    # No decoder serves: an outage, not a rollout (it read RollingOut, then PodsStarting,
+    # Degraded never said).
+    await eventually(lambda: phase(cluster, "llama-8b-split") == "Degraded")
+    status = cluster.model("llama-8b-split")["status"]
+    assert status["reason"] == "ReplicasUnavailable" and "decode lost pods" in status["message"]
 
     def recreated() -> bool:
         new = cluster.child("Deployment", "llama-8b-split-decode")
@@ -133,6 +139,8 @@ async def test_a_deleted_child_comes_back(cluster, operator):
     new = cluster.child("Deployment", "llama-8b-split-decode")
     assert server_free(new) == server_free(old), "recreated as it was, replicas included"
     await eventually(lambda: cluster.events("DriftRepaired"), what="a DriftRepaired Event")
+    assert phase(cluster, "llama-8b-split") == "Degraded"  # until its pods are ready
+    cluster.workloads.set_ready(NAMESPACE, "llama-8b-split-decode", None)
     await eventually(lambda: phase(cluster, "llama-8b-split") == "Ready")
 
 
