@@ -51,13 +51,25 @@ async def check_crd(kube: KubeApi) -> None:
             missing = sorted(
                 set(crd.status_schema()["properties"]) - set(status.get("properties") or {})
             )
+            # Condition types its enum lacks: the API server refuses every status written.
+            allowed = _condition_types(status)
+            if allowed is not None:
+                ours = _condition_types(crd.status_schema()) or []
+                missing += [f"{kind} condition" for kind in ours if kind not in allowed]
             if missing:
                 raise CannotServe(
                     f"the ModelDeployment CRD is older than this operator: its status has no "
                     f"{', '.join(missing)}, which the API server would drop from every status "
-                    "written; upgrade the CRDs first (the tandem-crds chart, or kubectl apply "
-                    "-f crds/modeldeployment.yaml)"
+                    "written, or refuse it; upgrade the CRDs first (the tandem-crds chart, or "
+                    "kubectl apply -f crds/modeldeployment.yaml)"
                 )
+
+
+def _condition_types(status: dict) -> list[str] | None:
+    """The condition types a status schema's enum allows; None: any (no enum)."""
+    conditions = (status.get("properties") or {}).get("conditions") or {}
+    kind = ((conditions.get("items") or {}).get("properties") or {}).get("type") or {}
+    return kind.get("enum")
 
 
 async def check_peerings(kube: KubeApi, settings: OperatorSettings) -> None:

@@ -175,13 +175,24 @@ def status_patch(previous: Body, new: Mapping[str, Any]) -> dict[str, Any] | Non
 def conditions(
     phase: Phase, reason: str, message: str, previous: Body, generation: Any, now: str
 ) -> list[dict[str, Any]]:
-    """Ready, Progressing, Degraded and Invalid; a transition time moves only with the status."""
+    """Ready, Progressing, Degraded and Invalid, and kstatus' Reconciling and Stalled; a
+    transition time moves only with the status.
+
+    kstatus (Flux's health checks, kpt, `kubectl apply --prune` waits) reads only
+    Reconciling and Stalled of a custom resource: without them a model crash-looping or
+    refused read as reconciled. Stalled: what waits on someone (a refused spec, pods that
+    cannot start); Reconciling: what the cluster is still bringing about, lost pods
+    being replaced too."""
     before = {c.get("type"): c for c in previous.get("conditions") or []}
+    replacing = phase is Phase.DEGRADED and reason == "ReplicasUnavailable"
     holds = {
         ConditionType.READY: phase is Phase.READY,
         ConditionType.PROGRESSING: phase in (Phase.PENDING, Phase.PROGRESSING),
         ConditionType.DEGRADED: phase is Phase.DEGRADED,
         ConditionType.INVALID: phase is Phase.INVALID,
+        ConditionType.RECONCILING: phase in (Phase.PENDING, Phase.PROGRESSING) or replacing,
+        ConditionType.STALLED: phase is Phase.INVALID
+        or (phase is Phase.DEGRADED and not replacing),
     }
     result = []
     for kind, true in holds.items():

@@ -27,13 +27,17 @@ class ConditionType(StrEnum):
     PROGRESSING = "Progressing"
     DEGRADED = "Degraded"
     INVALID = "Invalid"
+    # kstatus' (Flux, kpt, cli-utils): work under way; stuck until someone acts.
+    RECONCILING = "Reconciling"
+    STALLED = "Stalled"
 
 
 class Condition(SpecModel):
     """One condition, in the Kubernetes metav1.Condition shape."""
 
     type: ConditionType = Field(
-        strict=False, description="Ready, Progressing, Degraded or Invalid."
+        strict=False,
+        description="Ready, Progressing, Degraded, Invalid, Reconciling or Stalled.",
     )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str | None = Field(
@@ -96,7 +100,7 @@ class ModelDeploymentStatus(SpecModel):
             "x-kubernetes-list-type": "map",
             "x-kubernetes-list-map-keys": ["type"],
         },
-        description="Ready, Progressing, Degraded and Invalid.",
+        description="Ready, Progressing, Degraded, Invalid; Reconciling and Stalled for kstatus.",
     )
     last_scale: ScaleEvent | None = Field(None, description="The last scaling decision.")
     served_model_name: str | None = Field(

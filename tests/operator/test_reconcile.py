@@ -29,7 +29,14 @@ from tandem.operator.scaling import (
     policy,
     scrape_targets,
 )
-from tandem.operator.status import RoleCounts, Stall, conditions, status_patch, valid_status
+from tandem.operator.status import (
+    RoleCounts,
+    Stall,
+    conditions,
+    refusal_status,
+    status_patch,
+    valid_status,
+)
 from tandem.operator.status_model import Phase
 from tandem.operator.validation import validate_spec
 from tandem.protocol import PRIORITIES
@@ -481,11 +488,44 @@ def test_phases(counts, previous, expected):
     status = valid_status(META, {RoleName.NORMAL: RoleCounts(**counts)}, before, NOW)
     assert status["phase"] == expected.value
     held = {c["type"] for c in status["conditions"] if c["status"] == "True"}
-    assert held == {Phase.READY: {"Ready"}, Phase.DEGRADED: {"Degraded"}}.get(
-        expected, {"Progressing"}
+    # kstatus' pair: lost pods are being replaced (Reconciling), other trouble waits on
+    # someone (Stalled).
+    replacing = "Reconciling" if status["reason"] == "ReplicasUnavailable" else "Stalled"
+    assert held == {Phase.READY: {"Ready"}, Phase.DEGRADED: {"Degraded", replacing}}.get(
+        expected, {"Progressing", "Reconciling"}
     )
     (invalid,) = [c for c in status["conditions"] if c["type"] == "Invalid"]
     assert (invalid["status"], invalid["reason"]) == ("False", "SpecValid")
+
+
+def _kstatus(meta: dict, status: dict) -> str:
+    """kstatus' reading of a custom resource (cli-utils' generic rules, which Flux's
+    health checks and kpt use): only observedGeneration, Reconciling and Stalled count."""
+    if status.get("observedGeneration") != meta.get("generation"):
+        return "InProgress"
+    held = {c["type"] for c in status.get("conditions") or [] if c["status"] == "True"}
+    if "Reconciling" in held:
+        return "InProgress"
+    return "Failed" if "Stalled" in held else "Current"
+
+
+def test_kstatus_tools_read_a_model_not_served_as_asked_as_not_current():
+    # Without Reconciling and Stalled, a GitOps wait passed a model whose pods were
+    # starting, crash-looping or refused: kstatus read every phase as Current.
+    crash = PodTrouble("EngineCrashLoop", "engine exited")
+    cases = {
+        "Current": (RoleCounts(desired=1, replicas=1, ready=1), {}),
+        "InProgress": (RoleCounts(desired=2, replicas=2, ready=1), {}),
+        "Failed": (RoleCounts(desired=1, replicas=1, trouble=crash), {}),
+    }
+    for expected, (counts, previous) in cases.items():
+        status = valid_status(META, {RoleName.NORMAL: counts}, previous, NOW)
+        assert _kstatus(META, status) == expected, status["phase"]
+    lost = {"phase": "Ready", "roles": {"normal": {"desired": 2}}}
+    replacing = valid_status(META, {RoleName.NORMAL: RoleCounts(2, 2, 1)}, lost, NOW)
+    assert (replacing["phase"], _kstatus(META, replacing)) == ("Degraded", "InProgress")
+    refused = refusal_status(META, "spec.normal.maxReplicas: too many", {}, NOW)
+    assert _kstatus(META, refused) == "Failed"
 
 
 def test_an_unchanged_status_is_not_written_and_transition_times_stay():
