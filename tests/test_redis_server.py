@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from tandem import redis_server
 from tandem.redis_server import APPEND_ONLY_FILE, RedisServer
 
 
@@ -59,3 +60,30 @@ def test_a_relative_data_folder_is_taken_from_where_it_was_given(
     finally:
         server.stop()
     assert (tmp_path / "logs" / "redis" / "redis.log").is_file()
+
+
+def test_a_restart_waits_for_as_long_as_redis_loads_its_append_only_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Loading takes time with the file's size (half a gigabyte: over 10 s): the start
+    # gave up at its timeout, stopped the loading server, and tandem up stopped with
+    # every request it held. Here each key takes 20 ms to load: 2 s for 100, the start's
+    # timeout 1 s.
+    server = RedisServer(data_dir=tmp_path / "redis", appendonly=True)
+    with server:
+        client = redis.Redis.from_url(server.url)
+        client.mset({f"k{i}": "x" * 65536 for i in range(100)})  # 6 MiB
+        client.bgrewriteaof()  # the keys in its RDB preamble, which the delay slows
+        while client.info("persistence")["aof_rewrite_in_progress"]:
+            time.sleep(0.05)
+        client.close()
+    real = redis_server.find_redis_server()
+    slow = tmp_path / "slow-redis-server"
+    # (A loading Redis 6 answers, LOADING, after each 2 MiB it reads: every 32 keys.)
+    slow.write_text(f'#!/bin/sh\nexec "{real}" "$@" --key-load-delay 20000\n')
+    slow.chmod(0o755)
+    monkeypatch.setattr(redis_server, "find_redis_server", lambda: slow)
+    started = time.monotonic()
+    with server.start(timeout=1):
+        assert time.monotonic() - started > 1.5  # it did load for longer than the timeout
+        assert redis.Redis.from_url(server.url).dbsize() == 100
