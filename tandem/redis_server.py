@@ -23,7 +23,6 @@ import redis
 
 from tandem import parent_death
 
-
 # How long a start waits for a Redis that is loading its data (it answers LOADING, or
 # nothing): its append-only file, however large, is read at disk speed well within it.
 LOADING_LIMIT_S = 600.0
