@@ -45,6 +45,11 @@ class Keys:
         """The work entry id whose Handoff was published (work_queue's publish_handoff)."""
         return f"{self.prefix}:{{{model}}}:handed:{request_id}"
 
+    def pullers(self, model: str, *, handoffs: bool) -> str:
+        """Sorted set: the engines pulling a model's work (or handoff) streams, by the time
+        of their last pull (work_queue's share of a burst among the live ones)."""
+        return f"{self.prefix}:{{{model}}}:{'handoff' if handoffs else 'work'}:pullers"
+
     def queued_tokens(self, model: str) -> str:
         """Counter of (estimated) prompt tokens queued and not yet taken by an engine."""
         return f"{self.prefix}:{{{model}}}:queued_tokens"

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from tandem.backlog import TOKENS_FIELD, enqueue, queue_depth
+from tandem.engine.service import work_queue
 from tandem.engine.service.work_queue import Lapsed, WorkQueue
 from tandem.protocol import (
     PRIORITY_HIGH,
@@ -84,12 +85,25 @@ def test_ranks_of_a_group_even_out_what_they_hold(redis_client, keys, queue):
     for n in range(4):
         enqueue(redis_client, keys, item(f"c{n}"))
     assert [len(rank.pull(256).work) for rank in ranks] == [1, 3, 0]
-    # Alone, as before: everything it has room for.
+    with pytest.raises(ValueError, match="share_with must include the consumer"):
+        queue("stranger", share_with=group)
+
+
+def test_engines_of_a_queue_share_a_burst(redis_client, keys, queue, monkeypatch):
+    # Of two decoders, the first to read took 11 of a burst of 12 and ran them on its
+    # own while the other ran one: each takes its share of what the live ones hold.
+    first, second = queue("engine-a"), queue("engine-b")
+    assert not first.pull(256) and not second.pull(256)  # both read: live
+    for n in range(12):
+        enqueue(redis_client, keys, item(f"b{n}"))
+    assert [len(first.pull(256).work), len(second.pull(256).work)] == [6, 6]
+    # One that has not read its queue for LIVE_MS (full, draining, gone) takes no share:
+    # alone, an engine takes everything it has room for.
+    monkeypatch.setattr(work_queue, "LIVE_MS", 1)
+    time.sleep(0.01)
     for n in range(5):
         enqueue(redis_client, keys, item(f"d{n}"))
     assert len(queue("alone").pull(256).work) == 5
-    with pytest.raises(ValueError, match="share_with must include the consumer"):
-        queue("stranger", share_with=group)
 
 
 def test_dead_consumer_entries_are_reclaimed_until_exhausted(redis_client, keys, queue):

@@ -59,6 +59,10 @@ from tandem.protocol import (
 
 log = logging.getLogger(__name__)
 
+# An engine that read its queue this recently is live: a pull takes no more than its
+# share beside it. Every busy engine pulls each step, an idle one every 50 ms; one that
+# pulls nothing for this long (full, draining, gone) takes no share.
+LIVE_MS = 5_000
 # The most entries of a dead predecessor handed back at a start: far more than one
 # engine holds (its waiting and running requests).
 _INHERITED_MAX = 10_000
@@ -173,6 +177,7 @@ class WorkQueue:
             self.group = WORK_GROUP
             self.streams = keys.work_streams(model)
             self._counter = keys.queued_tokens(model)
+        self._pullers = keys.pullers(model, handoffs=self.role is Role.COMPLETION)
         self._pull_script = client.register_script(PULL_LUA)
         self._keep_alive_script = client.register_script(KEEP_ALIVE_LUA)
         self._hand_back_script = client.register_script(HAND_BACK_LUA)
@@ -227,10 +232,10 @@ class WorkQueue:
         return self._sort(entries, lost)
 
     def _run_pull(self, max_items: int) -> tuple[list[Any], list[Any], list[Any]]:
-        keys = [*self.streams, *([self._counter] if self._counter else [])]
+        keys = [*self.streams, *([self._counter] if self._counter else []), self._pullers]
         has_counter = "1" if self._counter else "0"
         args = [self.group, self.consumer, max_items, self.claim_idle_ms, self.max_deliveries]
-        args += [has_counter, TOKENS_FIELD, len(self.share_with), *self.share_with]
+        args += [has_counter, TOKENS_FIELD, LIVE_MS, len(self.share_with), *self.share_with]
         try:
             entries, lost, newest = self._pull_script(keys=keys, args=args)
         except redis.ResponseError as exc:

@@ -5,9 +5,10 @@ they report are exact (work_queue.py has the Python side).
 """
 
 # KEYS: the streams, highest priority first, then (when ARGV[6] == "1") the
-# queued-tokens counter. ARGV: group, consumer, max_items, claim_idle_ms,
-# max_deliveries, has_counter, tokens field, the number of consumers pulling side by
-# side (0 alone), and their names.
+# queued-tokens counter, then the pullers' sorted set. ARGV: group, consumer,
+# max_items, claim_idle_ms, max_deliveries, has_counter, tokens field, live_ms (an
+# engine that pulled within it is live), the number of consumers pulling side by side
+# as one group (0 alone), and their names.
 # Returns {entries, lost, newest}: entries as {stream index, id, fields, times
 # delivered, reclaimed}; lost: {stream index, id} of entries deleted while still
 # pending (Redis 6.2 keeps them in the PEL and XCLAIM answers nil: acked here so
@@ -16,10 +17,11 @@ they report are exact (work_queue.py has the Python side).
 PULL_LUA = """
 local group, consumer, idle = ARGV[1], ARGV[2], tonumber(ARGV[4])
 local room, max_deliveries = tonumber(ARGV[3]), tonumber(ARGV[5])
-local nstreams = #KEYS
+local pullers = KEYS[#KEYS]
+local nstreams = #KEYS - 1
 local counter = nil
 if ARGV[6] == '1' then
-  counter = KEYS[#KEYS]
+  counter = KEYS[nstreams]
   nstreams = nstreams - 1
 end
 local tokens_field = ARGV[7]
@@ -43,15 +45,31 @@ for i = 1, nstreams do
   end
 end
 
--- Consumers pulling side by side (a data-parallel group's ranks, ARGV[9..]) even out
--- what they hold: this one takes at most its share of their entries and the new ones,
--- less what it holds (at least one). The first to read took a whole burst, and the
--- group's steps went at its pace. A stream holds only pending and undelivered entries
--- (acked ones are deleted): its new ones are its length less its pending count.
-local peers = tonumber(ARGV[8])
+-- Consumers pulling side by side even out what they hold: this one takes at most its
+-- share of their entries and the new ones, less what it holds (at least one). They are
+-- a data-parallel group's ranks (ARGV[10..]), else the engines of this queue that read
+-- it within live_ms. The first to read took a whole burst: a group's steps went at its
+-- pace, and of two decoders one ran 11 sequences while the other ran one. A stream
+-- holds only pending and undelivered entries (acked ones are deleted): its new ones
+-- are its length less its pending count.
+local live_ms, peers = tonumber(ARGV[8]), tonumber(ARGV[9])
+local in_group = {}
+if peers > 1 then
+  for j = 10, 9 + peers do in_group[ARGV[j]] = true end
+elseif live_ms > 0 then
+  -- Every pull, taken or not, notes its time: a consumer group's own idle times move
+  -- only when entries are delivered, so an idle engine would read as gone. (pcall: a
+  -- Redis at its maxmemory refuses the ZADD, and a pull goes on as it did without it.)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  redis.pcall('ZADD', pullers, now, consumer)
+  redis.pcall('ZREMRANGEBYSCORE', pullers, '-inf', now - 10 * live_ms)
+  peers = 0
+  for _, name in ipairs(redis.call('ZRANGEBYSCORE', pullers, now - live_ms, '+inf')) do
+    in_group[name], peers = true, peers + 1
+  end
+end
 if peers > 1 and room > 0 then
-  local in_group = {}
-  for j = 9, 8 + peers do in_group[ARGV[j]] = true end
   local new, held, mine = 0, 0, 0
   for i = 1, nstreams do
     local summary = redis.call('XPENDING', KEYS[i], group)
