@@ -217,7 +217,9 @@ class Generation:
 
     def _absorb(self, index: int, event: ResponseEvent) -> None:
         choice = self.choices[index]
-        if event.event == EventKind.TOKENS:
+        if event.event == EventKind.TOKENS and not self.job.stream:
+            # A stream sends each event as it comes and ends on the usage alone: kept,
+            # its text and logprobs held hundreds of MB of a long answer's to its end.
             choice.parts.append(event.text)
             choice.logprobs.extend(event.logprobs or [])
         elif event.event == EventKind.FINISH:

@@ -4,10 +4,13 @@ timeout cut a stream silent for as long (a decoder restarted mid-answer: ~35 s).
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
+import tracemalloc
 
 import redis
+from support.polling import eventually
 
 from tandem.engine.service.registry import Registry
 from tandem.engine.service.responses import ResponseWriter
@@ -118,3 +121,51 @@ def test_a_silent_started_stream_reaches_the_sdk_whole(start_gateway, redis_url,
     assert raw[-1] == "data: [DONE]"
     assert not failures, failures
     assert "".join(texts) == "ab"
+
+
+def test_a_stream_holds_no_copy_of_what_it_sent(start_gateway, redis_url, keys) -> None:
+    # Every event's text and logprobs were kept to the stream's end, read by nothing: a
+    # long answer with top_logprobs 20 held ~8 KB a token (n 16, 2,000 tokens: 266 MB
+    # of a gateway whose pod has 1 GiB).
+    conn = redis.Redis.from_url(redis_url)
+    Registry(conn, keys, ttl_seconds=600).heartbeat(
+        EngineInfo("stand-in-engine", STAND_IN, "normal", "127.0.0.1:1")
+    )
+    live = start_gateway()
+    top = [{"token": f"t{i}", "logprob": -1.5, "bytes": [116, 48 + i]} for i in range(20)]
+    entry = {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": top}
+    received: list[int] = []
+
+    def ask() -> None:
+        body = {"model": STAND_IN, "prompt": [5, 9], "max_tokens": 2000, "stream": True}
+        body["logprobs"] = 5
+        with (
+            live.http(timeout=60) as client,
+            client.stream("POST", "/v1/completions", json=body) as response,
+        ):
+            for line in response.iter_lines():  # events come merged: count the text
+                if line.startswith("data: {"):
+                    chunk = json.loads(line.removeprefix("data: "))
+                    received.append(sum(len(c["text"]) for c in chunk["choices"]))
+
+    asking = threading.Thread(target=ask)
+    tracemalloc.start()
+    try:
+        asking.start()
+        rid = take_queued(conn, keys)
+        writer = ResponseWriter(conn, keys, "stand-in-engine")
+        baseline = tracemalloc.get_traced_memory()[0]
+        for offset in range(2000):
+            event = ResponseEvent.tokens(offset, [40], "a", "stand-in-engine", [entry])
+            writer.add(rid, event)
+            if offset % 100 == 99:
+                writer.flush()
+        assert eventually(lambda: sum(received) == 2000, 60), "the stream fell behind"
+        held = tracemalloc.get_traced_memory()[0] - baseline
+        writer.add(rid, ResponseEvent.finish(2000, "length", Usage(5, 2000), "stand-in-engine"))
+        writer.flush()
+        asking.join(30)
+    finally:
+        tracemalloc.stop()
+        conn.close()
+    assert held < 6_000_000, f"{held / 1e6:.1f} MB held for a stream of 2,000 tokens"
