@@ -156,5 +156,31 @@ def chat_options(body: ChatCompletionRequest) -> dict[str, Any]:
     if goes_on:
         options["continue_final_message"] = True
     if kwargs:
+        if _depth(kwargs) > MAX_KWARGS_DEPTH:
+            # Deeper, the work item's encoding recursed past Python's limit: a 500 and
+            # a 3,000-line traceback, which the SDKs retried twice.
+            raise bad_request(
+                f"chat_template_kwargs nests objects or arrays more than {MAX_KWARGS_DEPTH} "
+                "levels deep",
+                "chat_template_kwargs",
+            )
         options["chat_template_kwargs"] = kwargs
     return options
+
+
+# Template variables are tools, documents, flags: a few levels, never hundreds.
+MAX_KWARGS_DEPTH = 64
+
+
+def _depth(value: Any) -> int:
+    """How deeply JSON objects and arrays nest in `value` (0 for a scalar); no recursion."""
+    deepest, level = 0, [(value, 0)]
+    while level:
+        item, depth = level.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth + 1)
+            if depth + 1 <= MAX_KWARGS_DEPTH:  # past it, the answer is known
+                level.extend(
+                    (x, depth + 1) for x in (item.values() if isinstance(item, dict) else item)
+                )
+    return deepest

@@ -352,6 +352,18 @@ def test_chat_template_kwargs_may_set_the_template_options_and_win():
         with pytest.raises(GatewayError, match=why) as refused:
             item(**extra)
         assert refused.value.param in ("continue_final_message", "chat_template_kwargs")
+    # Nested 600 deep, the work item's encoding recursed past Python's limit: a 500
+    # with a 3,000-line traceback, retried twice by the SDKs.
+    def nested(depth: int) -> dict:
+        value: dict = {}
+        for _ in range(depth - 1):
+            value = {"x": value}
+        return value
+
+    assert item(chat_template_kwargs=nested(64)).chat_template_kwargs == nested(64)
+    with pytest.raises(GatewayError, match="more than 64 levels deep") as refused:
+        item(chat_template_kwargs=nested(600))
+    assert (refused.value.status, refused.value.param) == (400, "chat_template_kwargs")
 
 
 def test_the_prefix_cache_salt_is_the_keys_own_then_the_requests():
