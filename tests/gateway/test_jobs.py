@@ -352,6 +352,7 @@ def test_chat_template_kwargs_may_set_the_template_options_and_win():
         with pytest.raises(GatewayError, match=why) as refused:
             item(**extra)
         assert refused.value.param in ("continue_final_message", "chat_template_kwargs")
+
     # Nested 600 deep, the work item's encoding recursed past Python's limit: a 500
     # with a 3,000-line traceback, retried twice by the SDKs.
     def nested(depth: int) -> dict:
