@@ -153,12 +153,18 @@ class KeyStore:
         if self.open_access:
             return ANONYMOUS
         self._refresh()
-        scheme, _, token = (authorization or "").strip().partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
+        words = (authorization or "").split(None, 1)  # a tab after the scheme is space too
+        if len(words) < 2 or words[0].lower() != "bearer":
+            # No key as OpenAI reads it (a Basic credential too). The header itself is
+            # not quoted: "Bearersk-..." holds a key.
+            other = ""
+            if words and words[0].lower() != "bearer":
+                other = " (the Authorization header holds no Bearer credential)"
             raise unauthorized(
-                "Missing API key: send it as 'Authorization: Bearer <key>'", "missing_api_key"
+                f"Missing API key{other}: send it as 'Authorization: Bearer <key>'",
+                "missing_api_key",
             )
+        token = words[1].strip()
         digest = _digest(token)
         # Every stored digest is compared, in constant time and without stopping at
         # a match, so the answer's timing says nothing about which bytes matched.

@@ -58,6 +58,7 @@ def test_the_store_keeps_no_plain_key(tmp_path):
         ("", "missing_api_key"),
         ("Basic c2stcGxhaW4=", "missing_api_key"),
         ("Bearer ", "missing_api_key"),
+        ("Bearersk-plain", "missing_api_key"),  # not quoted back: it holds the key
         ("Bearer sk-wrong", "invalid_api_key"),
         ("Bearer sk-plai", "invalid_api_key"),
     ],
@@ -68,6 +69,13 @@ def test_a_missing_or_unknown_key_is_a_401(tmp_path, header, code):
         store.authenticate(header)
     assert caught.value.status == 401 and caught.value.code == code
     assert "sk-plain" not in caught.value.message
+
+
+def test_a_tab_after_bearer_reads_as_a_space(tmp_path):
+    # RFC 9110's whitespace: "Bearer\tsk-..." was told its key was missing.
+    store = _store(tmp_path, json.dumps([{"key": "sk-plain", "name": "a"}]))
+    assert store.authenticate("Bearer\tsk-plain").name == "a"
+    assert store.authenticate("bearer   sk-plain ").name == "a"
 
 
 def test_environment_keys_allow_every_model_and_combine_with_the_file(tmp_path):
