@@ -198,7 +198,11 @@ class Engine:
         )
 
     def handoff_received(self, request_id: str) -> None:
-        self.scheduler.handoff_received(request_id)
+        # Drafts from the prompt and first token, as a local prefill's (placeholders,
+        # verified and rejected, cost the first decode step its speculation).
+        request = self.scheduler.receiving.get(request_id)
+        drafts = None if request is None else self.runner.drafts_for(request_id, request.token_ids)
+        self.scheduler.handoff_received(request_id, drafts)
 
     def handoff_failed(self, request_id: str) -> None:
         self.scheduler.handoff_failed(request_id)

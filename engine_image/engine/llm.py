@@ -314,7 +314,9 @@ def build_engine(
             max_width=-(-config.max_model_len // config.block_size),
             max_queries=1 + config.num_speculative_tokens,
         )
-    speculates = config.num_speculative_tokens > 0
+    # A PROMPT engine samples one token a request and decodes none: an index of each
+    # prompt would be built, and held while its KV waits for a decoder, for nothing.
+    speculates = config.num_speculative_tokens > 0 and config.engine_type is not EngineType.PROMPT
     drafter = NgramDrafter() if speculates and mtp_head is None else None
     runner = ModelRunner(
         loaded.model,

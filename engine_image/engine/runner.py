@@ -167,6 +167,14 @@ class ModelRunner:
         """The MTP head's distributions for the drafts `rows` verify (None: point masses)."""
         return None if self.mtp is None else self.mtp.draft_probs(rows, logits.shape[0])
 
+    def drafts_for(self, request_id: str, token_ids: Sequence[int]) -> list[int] | None:
+        """The drafter's proposal for a request whose tokens came from elsewhere (a KV
+        handoff); None where nothing can propose before a step (no drafter, an MTP head,
+        which needs the step's hidden state)."""
+        if self.drafter is None:
+            return None
+        return self.drafter.propose(request_id, token_ids, self.num_speculative_tokens)
+
     def free(self, request_id: str) -> None:
         """Forget a request that finished or was preempted."""
         self.sampler.free(request_id)

@@ -87,14 +87,16 @@ class HandoffSide:
         needed = kv.blocks_for(num_kv_tokens) + sum(max(0, n) for n in still)
         return kv.usage_with(needed) <= cfg.cache_prefill_watermark
 
-    def handoff_received(self, request_id: str) -> None:
-        """The prompt's KV arrived: the request decodes from its first token on."""
+    def handoff_received(self, request_id: str, drafts: list[int] | None = None) -> None:
+        """The prompt's KV arrived: the request decodes from its first token on, verifying
+        `drafts` (placeholders where None: all an MTP head has before its first step)."""
         request = self.receiving.pop(request_id)
         request.num_computed_tokens = request.num_tokens - 1
         request.status = RequestStatus.RUNNING
-        if self.config.num_speculative_tokens:
-            placeholder = self.config.draft_placeholder_id
-            request.draft_token_ids = [placeholder] * self.config.num_speculative_tokens
+        num_spec = self.config.num_speculative_tokens
+        if num_spec:
+            placeholders = [self.config.draft_placeholder_id] * num_spec
+            request.draft_token_ids = placeholders if drafts is None else drafts[:num_spec]
         self.kv.cache_computed(request)
         self.running.append(request)
 

@@ -4,6 +4,8 @@ import pytest
 
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.admission import ContextLengthError, PromptTooLongError
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm import build_engine
 from tandem.engine.request import RequestStatus
 from tandem.engine.service.metrics import EngineMetrics
 
@@ -390,3 +392,20 @@ def test_a_stop_token_ends_the_text_without_its_own(llm):
     assert stopped.finish_reason == "stop"
     assert stopped.token_ids == free.token_ids[: cut + 1]
     assert stopped.text == llm.tokenizer.decode(free.token_ids[:cut])
+
+
+def test_a_decoder_drafts_from_a_handoff_at_once_and_a_prompt_engine_not_at_all(llm):
+    # A COMPLETION engine's first step verified placeholders after every handoff, never
+    # right (one token where a local prefill's n-gram drafts gave up to 1 + k); a PROMPT
+    # engine indexed every prompt, held while its KV waited, and never drafted.
+    loaded = llm.loaded
+    fields = {"num_speculative_tokens": 4, "vocab_size": loaded.config.vocab_size}
+    fields["max_model_len"] = 256
+    decoder = build_engine(loaded, EngineConfig(engine_type="completion", **fields), 64, seed=0)
+    loop = [7, 8, 9, 10, 11] * 6  # what the n-gram drafter reads at once
+    greedy = SamplingParams(max_tokens=20, temperature=0.0)
+    decoder.admit_handoff("h", loop, [7], greedy)
+    decoder.handoff_received("h")  # (no KV written: only the plan is read here)
+    assert decoder.scheduler.schedule().seqs[0].draft_token_ids == [8, 9, 10, 11]
+    prompts = build_engine(loaded, EngineConfig(engine_type="prompt", **fields), 64, seed=0)
+    assert prompts.runner.drafter is None

@@ -119,7 +119,9 @@ class EngineMetrics:
             "tandem_engine_spec_accepted_total", "Speculative draft tokens accepted."
         ).labels(**labels)
         self.accepted_per_step = histogram(
-            "tandem_engine_spec_accepted_per_step", "Drafts accepted per decode step.", _DRAFTS
+            "tandem_engine_spec_accepted_per_step",
+            "Drafts accepted per sequence in a decode step (the step's mean).",
+            _DRAFTS,
         )
         self.ttft = histogram(
             "tandem_engine_time_to_first_token_seconds",
