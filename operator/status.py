@@ -108,7 +108,7 @@ def valid_status(
         # A new pod's trouble (no node takes it) stays the reason: it is what to fix.
         phase = Phase.PROGRESSING
         if reason in ("PodsStarting", "RollingOut"):
-            summary = ", ".join(f"{r.value} {c.ready}/{c.desired} ready" for r, c in counts.items())
+            summary = _summary(counts)
             reason = "RollingOut"
             message = f"changing mode: {old} serve until the new roles are ready: {summary}"
         else:
@@ -215,8 +215,19 @@ def conditions(
     return result
 
 
+def _summary(counts: Mapping[RoleName, RoleCounts]) -> str:
+    """`normal 2/2 ready, ...`: pods past the desired count are said apart (a scale-down's
+    pods stopping read "normal 4/1 ready")."""
+    parts = []
+    for role, c in counts.items():
+        extra = c.ready - c.desired
+        more = f" ({extra} more stopping)" if extra > 0 else ""
+        parts.append(f"{role.value} {min(c.ready, c.desired)}/{c.desired} ready{more}")
+    return ", ".join(parts)
+
+
 def _phase(counts: Mapping[RoleName, RoleCounts], previous: Body) -> tuple[Phase, str, str]:
-    summary = ", ".join(f"{role.value} {c.ready}/{c.desired} ready" for role, c in counts.items())
+    summary = _summary(counts)
     short = {role: c for role, c in counts.items() if c.ready < c.desired}
     rolling = [role.value for role, c in counts.items() if c.rolling]
     if not short and not rolling:

@@ -528,6 +528,13 @@ def test_kstatus_tools_read_a_model_not_served_as_asked_as_not_current():
     assert _kstatus(META, refused) == "Failed"
 
 
+def test_a_scale_downs_pods_stopping_are_said_apart():
+    # "normal 4/1 ready" under phase Ready: more ready than wanted read as a typo.
+    counts = {RoleName.NORMAL: RoleCounts(desired=1, replicas=4, ready=4)}
+    status = valid_status(META, counts, {}, NOW)
+    assert (status["phase"], status["message"]) == ("Ready", "normal 1/1 ready (3 more stopping)")
+
+
 def test_an_unchanged_status_is_not_written_and_transition_times_stay():
     counts = {RoleName.NORMAL: RoleCounts(desired=1, replicas=1, ready=1)}
     first = valid_status(META, counts, {}, NOW)
