@@ -46,7 +46,8 @@ async def _on_gateway_error(request: Request, exc: GatewayError) -> JSONResponse
 
 
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    return await _on_gateway_error(request, validation_error(exc.errors()))
+    content_type = request.headers.get("content-type")
+    return await _on_gateway_error(request, validation_error(exc.errors(), content_type))
 
 
 async def _on_http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:

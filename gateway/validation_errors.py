@@ -9,8 +9,11 @@ from typing import Any
 from tandem.gateway.errors import GatewayError, bad_request
 
 
-def validation_error(errors: Sequence[Mapping[str, Any]]) -> GatewayError:
-    """FastAPI's list of pydantic errors as one 400, naming the first bad field."""
+def validation_error(
+    errors: Sequence[Mapping[str, Any]], content_type: str | None = None
+) -> GatewayError:
+    """FastAPI's list of pydantic errors as one 400, naming the first bad field;
+    `content_type`: the request's header (a body not sent as JSON is not read as JSON)."""
     if not errors:
         return bad_request("invalid request")
     first = _most_specific(errors)
@@ -25,6 +28,14 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> GatewayError:
             detail = f"{detail} (character {loc[1]})"
         return bad_request(f"The request body is not valid JSON: {detail}".rstrip(": "))
     if param is None:
+        media = (content_type or "").split(";", 1)[0].strip().lower()
+        if not media:
+            return bad_request("The request has no Content-Type: send the body as application/json")
+        if media != "application/json" and not media.endswith("+json"):
+            return bad_request(
+                f"The body's Content-Type is {media!r}, not read as JSON: send it as "
+                "application/json"
+            )
         return bad_request("The body must be a JSON object (Content-Type: application/json)")
     for error in errors:  # the wrong route for the body outweighs any other error
         wrong = _param(error.get("loc", ()))

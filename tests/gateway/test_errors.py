@@ -257,6 +257,9 @@ CASES = {
                       headers={"Content-Encoding": "gzip"}, code="unsupported_media_type",
                       message="Content-Encoding gzip is not supported"),
     "nested too deeply": Case(400, b"[" * 1500 + b"]" * 1500, message="too deeply"),
+    # A JSON object sent as text/plain was told the body must be a JSON object.
+    "JSON sent as text/plain": Case(400, GOOD, headers={"Content-Type": "text/plain"},
+                                    message="Content-Type is 'text/plain', not read as JSON"),
     "trailing slash": Case(404, GOOD, path="/v1/chat/completions/"),
     "trailing slash on models": Case(404, None, path="/v1/models/", method="GET",
                                      check=_no_empty_model),
