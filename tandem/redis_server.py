@@ -166,6 +166,7 @@ class RedisServer:
         """Start the server (again, after it died: same port, same folder, and with
         appendonly the data it had)."""
         binary = find_redis_server()
+        loads_data = self.has_saved_data()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if self.password is not None:
             # Its append-only file holds every prompt and answer: its owner's alone, in a
@@ -207,16 +208,22 @@ class RedisServer:
             try:
                 client.ping()
                 return self
-            except (redis.BusyLoadingError, redis.TimeoutError):
-                # Connected, and it says LOADING or nothing (Redis 6 answers nothing
-                # while it reads an append-only file's snapshot): it loads its data,
-                # which takes as long as it takes (half a gigabyte: over 10 s, and the
-                # restart given up on lost every request it held).
-                if self._process.poll() is None and time.monotonic() < loading_until:
+            except (redis.BusyLoadingError, redis.TimeoutError) as exc:
+                # Connected, and it says LOADING, or nothing with data to load (Redis 6
+                # answers nothing while it reads an append-only file's snapshot): it
+                # loads its data, which takes as long as it takes (half a gigabyte: over
+                # 10 s, and the restart given up on lost every request it held).
+                loading = isinstance(exc, redis.BusyLoadingError) or loads_data
+                if loading and self._process.poll() is None and time.monotonic() < loading_until:
                     deadline = time.monotonic() + timeout
                     continue
                 if self._process.poll() is not None:
                     raise RuntimeError(f"redis-server exited: {self._last_words()}") from None
+                if not loading:  # a server of ours that hangs: as one that never answers
+                    if time.monotonic() <= deadline:
+                        continue
+                    self.stop()
+                    raise RuntimeError(f"redis-server not ready on port {self.port}") from None
                 self.stop()
                 raise RuntimeError(
                     f"redis-server on port {self.port} still loading after {LOADING_LIMIT_S} s"

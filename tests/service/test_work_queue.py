@@ -96,14 +96,33 @@ def test_engines_of_a_queue_share_a_burst(redis_client, keys, queue, monkeypatch
     assert not first.pull(256) and not second.pull(256)  # both read: live
     for n in range(12):
         enqueue(redis_client, keys, item(f"b{n}"))
-    assert [len(first.pull(256).work), len(second.pull(256).work)] == [6, 6]
-    # One that has not read its queue for LIVE_MS (full, draining, gone) takes no share:
+    taken = [first.pull(256).work, second.pull(256).work]
+    assert [len(t) for t in taken] == [6, 6]
+    # One that leaves (drained, stopped) takes no share from then on: a restarted one
+    # took half a burst, then one entry a pull, for as long as the old id looked live.
+    second.ack(taken[1])
+    second.forget_consumers(leaving=True)
+    for n in range(6):
+        enqueue(redis_client, keys, item(f"c{n}"))
+    assert len(first.pull(256).work) == 6
+    # An idle engine's pulls note it at most every LIVE_MS / 2: each note is a write.
+    pullers = keys.pullers(MODEL, handoffs=False)
+    noted = redis_client.zscore(pullers, "engine-a")
+    assert not first.pull(256) and redis_client.zscore(pullers, "engine-a") == noted
+    # A data-parallel group's ranks are noted too: a replica beside them shares with them.
+    ranks = [queue(name, share_with=("g-r0", "g-r1")) for name in ("g-r0", "g-r1")]
+    assert not any(rank.pull(256) for rank in ranks)
+    for n in range(9):
+        enqueue(redis_client, keys, item(f"d{n}"))
+    # 12 held (engine-a's) and 9 new, among 4 live: 6 each.
+    assert len(queue("replica").pull(256).work) == 6
+    # One that has not pulled for LIVE_MS (full, stalled, gone) takes no share:
     # alone, an engine takes everything it has room for.
     monkeypatch.setattr(work_queue, "LIVE_MS", 1)
     time.sleep(0.01)
     for n in range(5):
-        enqueue(redis_client, keys, item(f"d{n}"))
-    assert len(queue("alone").pull(256).work) == 5
+        enqueue(redis_client, keys, item(f"e{n}"))
+    assert len(queue("alone").pull(256).work) == 8  # the 3 left before, and these 5
 
 
 def test_dead_consumer_entries_are_reclaimed_until_exhausted(redis_client, keys, queue):

@@ -59,10 +59,10 @@ from tandem.protocol import (
 
 log = logging.getLogger(__name__)
 
-# An engine that read its queue this recently is live: a pull takes no more than its
-# share beside it. Every busy engine pulls each step, an idle one every 50 ms; one that
-# pulls nothing for this long (full, draining, gone) takes no share.
-LIVE_MS = 5_000
+# An engine that pulled this recently is live: a pull takes no more than its share
+# beside it. A busy engine pulls each step, an idle one every 50 ms; one that pulls
+# nothing this long (full, stalled, gone) takes no share. A leaving one is removed.
+LIVE_MS = 2_000
 # The most entries of a dead predecessor handed back at a start: far more than one
 # engine holds (its waiting and running requests).
 _INHERITED_MAX = 10_000
@@ -355,6 +355,8 @@ class WorkQueue:
         pending, and this one too when `leaving` with nothing pending; returns how many.
         Engines that ran and went would otherwise stay listed in the group forever."""
         args = [self.group, self.claim_idle_ms, self.consumer if leaving else ""]
+        if leaving:  # no share of a burst kept for it: the others take it whole
+            self.client.zrem(self._pullers, self.consumer)
         return int(self._forget_script(keys=self.streams, args=args))
 
     def _per_stream(

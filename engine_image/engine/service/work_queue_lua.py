@@ -47,26 +47,34 @@ end
 
 -- Consumers pulling side by side even out what they hold: this one takes at most its
 -- share of their entries and the new ones, less what it holds (at least one). They are
--- a data-parallel group's ranks (ARGV[10..]), else the engines of this queue that read
--- it within live_ms. The first to read took a whole burst: a group's steps went at its
--- pace, and of two decoders one ran 11 sequences while the other ran one. A stream
--- holds only pending and undelivered entries (acked ones are deleted): its new ones
--- are its length less its pending count.
+-- a data-parallel group's ranks (ARGV[10..]: a group evens out within itself, a burst
+-- not shared with other replicas), else the engines of this queue that pulled within
+-- live_ms, a group's ranks among them. The first to read took a whole burst: a group's
+-- steps went at its pace, and of two decoders one ran 11 sequences, the other one. A
+-- stream holds only pending and undelivered entries (acked ones are deleted): its new
+-- ones are its length less its pending count.
 local live_ms, peers = tonumber(ARGV[8]), tonumber(ARGV[9])
 local in_group = {}
+local now = nil
+if live_ms > 0 then
+  -- Every pull notes its time, a group's ranks' too (a consumer group's own idle times
+  -- move only when entries are delivered: an idle engine would read as gone), at most
+  -- every live_ms / 2 (each note is a write, to the append-only file and replicas).
+  -- pcall: a Redis at its maxmemory refuses the ZADD, and the pull goes on without it.
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local noted = tonumber(redis.call('ZSCORE', pullers, consumer))
+  if not noted or now - noted >= live_ms / 2 then
+    redis.pcall('ZADD', pullers, now, consumer)
+    redis.pcall('ZREMRANGEBYSCORE', pullers, '-inf', now - 10 * live_ms)
+  end
+end
 if peers > 1 then
   for j = 10, 9 + peers do in_group[ARGV[j]] = true end
-elseif live_ms > 0 then
-  -- Every pull, taken or not, notes its time: a consumer group's own idle times move
-  -- only when entries are delivered, so an idle engine would read as gone. (pcall: a
-  -- Redis at its maxmemory refuses the ZADD, and a pull goes on as it did without it.)
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  redis.pcall('ZADD', pullers, now, consumer)
-  redis.pcall('ZREMRANGEBYSCORE', pullers, '-inf', now - 10 * live_ms)
-  peers = 0
+elseif now then
+  in_group[consumer], peers = true, 1
   for _, name in ipairs(redis.call('ZRANGEBYSCORE', pullers, now - live_ms, '+inf')) do
-    in_group[name], peers = true, peers + 1
+    if not in_group[name] then in_group[name], peers = true, peers + 1 end
   end
 end
 if peers > 1 and room > 0 then

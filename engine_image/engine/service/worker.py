@@ -37,7 +37,7 @@ from tandem.engine.service.settings import WorkerSettings
 from tandem.engine.service.work_queue import Delivery
 from tandem.engine.service.worker_intake import Intake
 from tandem.engine.step_vote import PeersLost
-from tandem.protocol import ErrorCode
+from tandem.protocol import ErrorCode, Role
 from tandem.registry_entry import EngineInfo
 
 log = logging.getLogger(__name__)
@@ -177,10 +177,14 @@ class EngineWorker(Intake):
         if busy and self._vote is None and self.engine.last_step.num_seqs == 0:
             # The last step ran nothing, its requests waiting for KV a decoder has yet
             # to fetch (a PROMPT engine's pool full of offers) or for fetches in flight
-            # (a COMPLETION engine's): wait for that, idle_block_ms at most, and pull
-            # nothing (a prompt taken now would wait too, where an engine with room
-            # would start it). Looping, it spun a core and ran a pull on the shared
-            # Redis every few microseconds.
+            # (a COMPLETION engine's): wait for that, idle_block_ms at most. Looping, it
+            # spun a core and ran a pull on the shared Redis every few microseconds. A
+            # decoder pulls first (a handoff's fetch starts beside those in flight);
+            # another engine pulls nothing (a prompt taken now would wait too, where an
+            # engine with room would start it).
+            if self.settings.role is Role.COMPLETION:
+                self._pulled_at = now
+                self._pull(block=False)
             self._wait_for_room()
         elif busy or not self._group_busy or now - self._pulled_at >= GROUP_POLL_S:
             self._pulled_at = now
