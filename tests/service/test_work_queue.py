@@ -530,3 +530,36 @@ def test_entries_a_lost_pull_took_are_released_uncounted_and_known_ones_kept(
     (taken,) = queue("engine-b", claim_idle_ms=30_000, max_deliveries=1).pull(5).work
     assert (taken.request_id, taken.times_delivered, taken.exhausted) == ("lost", 1, False)
     assert engine.keep_alive([held]) == Lapsed(), "the one it knows stays its own"
+
+
+def test_a_share_counts_a_peer_by_its_last_pull_and_no_error_replies_as_work(
+    redis_client, keys, queue, monkeypatch
+):
+    # A pull notes its time at most every LIVE_MS / 2: an engine that pulled 0.6 s ago
+    # read as gone once its note was a whole LIVE_MS old, and a peer took a whole burst.
+    monkeypatch.setattr(work_queue, "LIVE_MS", 1000)
+    first, second = queue("engine-a"), queue("engine-b")
+    assert not first.pull(256)  # noted
+    time.sleep(0.45)
+    assert not first.pull(256)  # not noted again: its note is recent
+    time.sleep(0.6)
+    for n in range(4):
+        enqueue(redis_client, keys, item(f"b{n}"))
+    assert len(second.pull(256).work) == 2
+
+
+def test_error_replies_reclaimed_take_no_share_of_new_work(redis_client, keys, queue):
+    # Entries reclaimed past max_deliveries are errors to send, not work: they took the
+    # pull's share down to its floor of one.
+    dead, third = queue("dead", max_deliveries=1), queue("engine-c", max_deliveries=1)
+    for n in range(4):
+        enqueue(redis_client, keys, item(f"z{n}"))
+    assert len(dead.pull(256).work) == 4  # then it dies, holding them
+    pullers = keys.pullers(MODEL, handoffs=False)
+    redis_client.zrem(pullers, "dead")
+    time.sleep(IDLE_MS / 1000 + 0.05)
+    for n in range(4):
+        enqueue(redis_client, keys, item(f"w{n}"))
+    redis_client.zadd(pullers, {"engine-d": int(time.time() * 1000)})  # live, holding none
+    pulled = third.pull(256)
+    assert (len(pulled.exhausted), len(pulled.work)) == (4, 2)

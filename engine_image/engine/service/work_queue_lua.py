@@ -26,6 +26,7 @@ if ARGV[6] == '1' then
 end
 local tokens_field = ARGV[7]
 local entries, lost = {}, {}
+local exhausted = 0  -- reclaimed here past max_deliveries: errors to send, not work
 
 for i = 1, nstreams do
   if room <= 0 then break end
@@ -37,7 +38,7 @@ for i = 1, nstreams do
       local times = p[4] + 1
       entries[#entries + 1] = {i, entry[1], entry[2], times, 1}
       -- Exhausted entries are reported, not worked on: they take no room.
-      if times <= max_deliveries then room = room - 1 end
+      if times <= max_deliveries then room = room - 1 else exhausted = exhausted + 1 end
     else
       redis.call('XACK', KEYS[i], group, p[1])
       lost[#lost + 1] = {i, p[1]}
@@ -73,7 +74,9 @@ if peers > 1 then
   for j = 10, 9 + peers do in_group[ARGV[j]] = true end
 elseif now then
   in_group[consumer], peers = true, 1
-  for _, name in ipairs(redis.call('ZRANGEBYSCORE', pullers, now - live_ms, '+inf')) do
+  -- A note lags the last pull by up to live_ms / 2: live is noted within 1.5 live_ms.
+  local since = now - math.floor(live_ms * 3 / 2)
+  for _, name in ipairs(redis.call('ZRANGEBYSCORE', pullers, since, '+inf')) do
     if not in_group[name] then in_group[name], peers = true, peers + 1 end
   end
 end
@@ -89,6 +92,7 @@ if peers > 1 and room > 0 then
       end
     end
   end
+  held, mine = held - exhausted, mine - exhausted
   room = math.min(room, math.max(math.ceil((new + held) / peers) - mine, 1))
 end
 
