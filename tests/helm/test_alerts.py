@@ -39,7 +39,7 @@ def test_the_rules_are_valid_prometheus_rules(promtool, rule_groups, tmp_path):
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rule_groups}))
     checked = run_promtool(promtool, "check", "rules", "rules.yaml", cwd=tmp_path)
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 6 rules found" in checked.stdout
+    assert "SUCCESS: 7 rules found" in checked.stdout
 
 
 def test_every_metric_the_rules_read_exists(rule_groups):
@@ -102,6 +102,19 @@ CASES: dict[str, tuple[list[tuple[str, str]], list[tuple[int, str, list[dict[str
             (_series("tandem_gateway_redis_up", OTHER_RELEASE, pod="x"), "0x5"),
         ],
         [(3, "TandemGatewayRedisUnreachable", [{"namespace": NAMESPACE, "pod": "a"}])],
+    ),
+    "API keys stale": (
+        [
+            GATEWAY_UP,
+            # Pod a could not read the key file's last change for 8 minutes; pod b for 3.
+            (_gateway("tandem_gateway_api_keys_stale"), "1x8 0x4"),
+            (_series("tandem_gateway_api_keys_stale", GATEWAY, pod="b"), "0x2 1x3 0x7"),
+            (_series("tandem_gateway_api_keys_stale", OTHER_RELEASE, pod="x"), "1x12"),
+        ],
+        [
+            (7, "TandemGatewayAPIKeysStale", [{"namespace": NAMESPACE, "pod": "a"}]),
+            (11, "TandemGatewayAPIKeysStale", []),  # read again
+        ],
     ),
     "requests failing": (
         [
