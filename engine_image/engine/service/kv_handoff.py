@@ -178,7 +178,11 @@ class KVFetches:
                 self._answered(address)
         except KVTransferError as exc:
             if exc.reason is Reason.TIMEOUT and exc.unanswered:
-                self._suspect(address, probe)
+                # Its offer too is released once the peer answers again (only those
+                # skipped were: this one stayed pinned for nobody until its TTL).
+                handle, token = fetch_args.get("handle"), fetch_args.get("token")
+                offer = None if handle is None else (str(handle), str(token))
+                self._suspect(address, probe, offer)
             elif probe and exc.reason in _ANSWERS:  # it answered, if not with the KV
                 self._answered(address)
             elif probe:  # unreachable: gone (a new pod has another address)
@@ -195,11 +199,16 @@ class KVFetches:
             if probe:
                 self._gone(address)
 
-    def _suspect(self, address: str, probe: bool) -> None:
-        """The peer did not answer a fetch (a probe, if `probe`) within its timeout."""
+    def _suspect(self, address: str, probe: bool, offer: tuple[str, str] | None) -> None:
+        """The peer did not answer a fetch (a probe, if `probe`) of `offer` (handle,
+        token) within its timeout: the offer is released once it answers again."""
         with self._suspects_lock:
             now = time.monotonic()
             suspect = self._suspects.setdefault(address, _Suspect(now, now))
+            if offer is not None:
+                suspect.skipped[offer[0]] = offer[1]
+                while len(suspect.skipped) > _SKIPPED_KEPT:
+                    del suspect.skipped[next(iter(suspect.skipped))]
             suspect.until = now + SUSPECT_FOR_S
             if probe:
                 suspect.failed_probes += 1

@@ -214,6 +214,9 @@ class KVServer:
     def _serve_release(self, conn: socket.socket, request: dict[str, Any]) -> None:
         """A decoder that will not fetch the KV (it recomputes the prompt): free it now,
         as an ack does, not at the offer's expiry. The offer's token, as for a fetch."""
+        if request.get("v") != WIRE_VERSION:  # as a fetch is: another version is refused
+            send_msg(conn, {"ok": False, "reason": Reason.PROTOCOL}, None)
+            return
         handle = request.get("handle")
         pinned = self._lookup(handle) if isinstance(handle, str) else None
         if pinned is None or not _token_matches(request.get("token"), pinned.token):
@@ -302,7 +305,11 @@ class KVServer:
 
 def _token_matches(given: object, token: str) -> bool:
     # In constant time: a reply's delay must not tell how much of a guess was right.
-    return isinstance(given, str) and hmac.compare_digest(given.encode(), token.encode())
+    # surrogatepass: a JSON string may hold a lone surrogate (not UTF-8), which must read
+    # as a token that does not match, not raise (a traceback, no refusal sent).
+    if not isinstance(given, str):
+        return False
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), token.encode())
 
 
 class _Released(Exception):

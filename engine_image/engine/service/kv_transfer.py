@@ -19,6 +19,10 @@ TCP wire format, version WIRE_VERSION (control messages in JSON, KV as raw bytes
               payload: K then V rows of those tokens, [2, tokens, kv_heads, head_dim]
     server -> {"v", "ok": true}: the rows were still pinned when read
     client -> {"v", "op": "ack", "handle"}: only now may the server free the KV
+A decoder that will not fetch (it recomputes the prompt) frees the offer instead:
+    client -> {"v", "op": "release", "handle", "token"}
+    server -> {"v", "ok": true}, or {"v", "ok": false, "reason"} (gone already, another
+              wire version)
 
 The token is a random secret made for each offer and sent only in its Handoff, through
 Redis: a peer that reaches the KV port without reading Redis cannot fetch a request's
