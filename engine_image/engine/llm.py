@@ -89,10 +89,11 @@ class LLM:
     ) -> None:
         unknown = set(engine_config_fields) - set(EngineConfig.field_names())
         if unknown:
-            raise ValueError(f"unknown engine settings: {', '.join(sorted(unknown))}")
+            hint = _VLLM_HINTS.get(min(unknown), "")
+            raise ValueError(f"unknown engine settings: {', '.join(sorted(unknown))}{hint}")
         if "vocab_size" in engine_config_fields:
             raise ValueError("vocab_size comes from the model; do not set it")
-        for name in ("max_model_len", "enable_prefix_caching"):
+        for name in ("max_model_len", "enable_prefix_caching", "enable_chunked_prefill"):
             if name in engine_config_fields and engine_config_fields[name] is None:
                 del engine_config_fields[name]  # vLLM's spelling of "the default"
         check_fields(engine_config_fields)  # before a load of minutes
@@ -357,6 +358,13 @@ def _per_prompt(
     if len(params) != n:
         raise ValueError(f"{len(params)} sampling params for {n} prompts")
     return params
+
+
+# vLLM's names for what is spelled otherwise here: said with the refusal.
+_VLLM_HINTS = {
+    "enforce_eager": " (decode_graphs=False runs every step op by op, as enforce_eager)",
+    "gpu_memory_utilization": " (kv_cache_memory gives the KV cache's bytes)",
+}
 
 
 def _strings(prompts: object) -> list[str]:

@@ -69,7 +69,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens):
-            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+            hint = "" if self.max_tokens is not None else " (not None: the most to generate)"
+            raise ValueError(f"max_tokens must be an integer{hint}, got {self.max_tokens!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not _is_real(self.temperature) or self.temperature < 0:
@@ -84,6 +85,11 @@ class SamplingParams:
             object.__setattr__(self, "top_k", None)
         if self.seed is not None and (not _is_int(self.seed)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed == -1:  # vLLM's spelling of "no seed": read as a seed, every call alike
+            object.__setattr__(self, "seed", None)
+        for name in ("stop_token_ids", "stop", "logit_bias"):  # vLLM's None: none of them
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, ())
         ids = _as_tuple(self.stop_token_ids)
         if ids is None or not all(_is_int(t) and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")

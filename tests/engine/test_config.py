@@ -107,8 +107,8 @@ def test_draft_placeholder_is_the_last_vocab_id():
         # Of the wrong kind: TypeErrors from tuple(), or taken as something else.
         ({"stop_token_ids": [True]}, "stop_token_ids must be token ids"),
         ({"stop_token_ids": 5}, "stop_token_ids must be token ids"),
-        ({"stop_token_ids": None}, "stop_token_ids must be token ids"),
-        ({"stop": None}, "stop must be non-empty strings"),
+        ({"stop_token_ids": 5}, "stop_token_ids must be token ids"),
+        ({"stop": 5}, "stop must be non-empty strings"),
         ({"stop": 5}, "stop must be non-empty strings"),
         ({"ignore_eos": "no"}, "ignore_eos must be True or False"),
     ],
@@ -122,6 +122,16 @@ def test_top_k_0_and_minus_1_keep_every_token_as_in_vllm():
     assert SamplingParams(top_k=0).top_k is None
     assert SamplingParams(top_k=-1).top_k is None
     assert SamplingParams(top_k=1).top_k == 1
+
+
+def test_vllms_none_and_minus_1_spellings_read_as_vllm_reads_them():
+    # seed=-1 is vLLM's "no seed": read as a seed, every call sampled alike.
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=7).seed == 7
+    # None for the lists is none of them (vLLM's defaults; wrappers pass them on).
+    none = SamplingParams(stop=None, stop_token_ids=None, logit_bias=None)
+    assert (none.stop, none.stop_token_ids, none.logit_bias) == ((), (), ())
+    with pytest.raises(ValueError, match=r"max_tokens must be an integer \(not None"):
+        SamplingParams(max_tokens=None)
 
 
 def test_a_single_stop_string_becomes_a_tuple():

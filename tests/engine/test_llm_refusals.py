@@ -169,7 +169,6 @@ def test_max_model_len_none_means_the_models_and_a_number_is_taken(llm):
     [
         ("enable_prefix_caching", "false"),  # read as on
         ("enable_chunked_prefill", 0),
-        ("enable_chunked_prefill", None),
         ("decode_graphs", "yes"),
     ],
 )
@@ -192,3 +191,13 @@ def test_a_dtype_or_device_beside_a_loaded_model_must_be_its_own(llm):
     LLM(llm.loaded, num_kv_blocks=16, dtype="float32", device="cpu")  # its own: taken
     with pytest.raises(ValueError, match=r"no CUDA device|loaded on cpu"):
         LLM(llm.loaded, num_kv_blocks=16, device="cuda")
+
+
+def test_vllms_names_for_settings_spelled_otherwise_here_are_said_with_the_refusal():
+    with pytest.raises(ValueError, match=r"enforce_eager \(decode_graphs=False"):
+        LLM("random:tiny", num_kv_blocks=64, enforce_eager=True)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization \(kv_cache_memory"):
+        LLM("random:tiny", num_kv_blocks=64, gpu_memory_utilization=0.9)
+    # None is the default, as vLLM reads it.
+    llm = LLM("random:tiny", num_kv_blocks=64, max_model_len=256, enable_chunked_prefill=None)
+    assert llm.engine.scheduler.config.enable_chunked_prefill is False
