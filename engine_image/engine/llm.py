@@ -9,7 +9,7 @@ print(out[0].text)
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -370,10 +370,15 @@ _VLLM_HINTS = {
 def _strings(prompts: object) -> list[str]:
     """A list of prompts, or a ValueError that says what was given instead."""
     if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
-        raise ValueError(f"prompts must be a string or a list of strings, got {prompts!r:.80}")
+        hint = " (token ids go in prompt_token_ids=[[...]])" if isinstance(prompts, Mapping) else ""
+        raise ValueError(
+            f"prompts must be a string or a list of strings{hint}, got {prompts!r:.80}"
+        )
     for i, prompt in enumerate(prompts):
         if not isinstance(prompt, str):
-            raise ValueError(f"prompt {i} must be a string, got {prompt!r:.80}")
+            ids = isinstance(prompt, Mapping) or (isinstance(prompt, Sequence) and prompt)
+            hint = " (token ids go in prompt_token_ids=[[...]])" if ids else ""
+            raise ValueError(f"prompt {i} must be a string{hint}, got {prompt!r:.80}")
     return list(prompts)
 
 

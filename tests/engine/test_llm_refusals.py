@@ -201,3 +201,10 @@ def test_vllms_names_for_settings_spelled_otherwise_here_are_said_with_the_refus
     # None is the default, as vLLM reads it.
     llm = LLM("random:tiny", num_kv_blocks=64, max_model_len=256, enable_chunked_prefill=None)
     assert llm.engine.scheduler.config.enable_chunked_prefill is False
+
+
+def test_vllms_auto_dtype_is_the_default_and_token_ids_given_as_prompts_are_pointed_at(llm):
+    assert LLM("random:tiny", dtype="auto", num_kv_blocks=64).loaded.dtype == torch.float32
+    for prompts in ({"prompt_token_ids": [1, 2, 3]}, [[1, 2, 3]]):
+        with pytest.raises(ValueError, match=r"token ids go in prompt_token_ids=\[\[...\]\]"):
+            llm.generate(prompts)

@@ -79,8 +79,9 @@ def pick_device(device: str | torch.device | None) -> torch.device:
 
 
 def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """bf16 on GPUs, fp32 on the CPU unless asked otherwise."""
-    if dtype is None:
+    """bf16 on GPUs, fp32 on the CPU unless asked otherwise ("auto", vLLM's default, as
+    None)."""
+    if dtype is None or dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():  # float64, int8: no kernel runs them
