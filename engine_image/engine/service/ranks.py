@@ -55,19 +55,27 @@ def run_ranks(args: argparse.Namespace, serve: Serve) -> int:
     # raised KeyboardInterrupt in their imports or a C++ call (tracebacks, an abort),
     # read as a failed rank. Until serve() takes SIGTERM (a drain) once loaded, a rank
     # dies of it, which the group counts as stopped.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for proc in procs:
-        proc.start()
-
     asked: list[float] = []  # when the group was asked to stop
+    told: set[int] = set()  # the ranks forwarded a SIGTERM
 
     def forward(_signum: int, _frame: object) -> None:
         asked.append(time.monotonic())
         for proc in procs:
-            if proc.pid is not None and proc.is_alive():
+            if proc.pid is not None and proc.pid not in told and proc.is_alive():
+                told.add(proc.pid)
                 os.kill(proc.pid, signal.SIGTERM)
 
+    # SIGTERM is taken before the ranks start (a rank's exec resets a handler to the
+    # default): one that came between the last start and the handler killed the group.
     signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for proc in procs:
+        if asked:  # asked to stop while starting: the ranks not started never are
+            break
+        proc.start()
+    procs = [proc for proc in procs if proc.pid is not None]
+    if asked:  # a rank starting as the signal came is told now
+        forward(signal.SIGTERM, None)
     signal.signal(signal.SIGINT, forward)
     # A rank that fails (a port taken, a bad device) leaves its peers blocked in a
     # collective for good: end the whole group, so the process exits and is restarted.
