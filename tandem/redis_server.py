@@ -208,31 +208,26 @@ class RedisServer:
             try:
                 client.ping()
                 return self
-            except (redis.BusyLoadingError, redis.TimeoutError) as exc:
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if self._process.poll() is not None:
+                    raise RuntimeError(f"redis-server exited: {self._last_words()}") from None
                 # Connected, and it says LOADING, or nothing with data to load (Redis 6
                 # answers nothing while it reads an append-only file's snapshot): it
                 # loads its data, which takes as long as it takes (half a gigabyte: over
                 # 10 s, and the restart given up on lost every request it held).
-                loading = isinstance(exc, redis.BusyLoadingError) or loads_data
-                if loading and self._process.poll() is None and time.monotonic() < loading_until:
-                    deadline = time.monotonic() + timeout
-                    continue
-                if self._process.poll() is not None:
-                    raise RuntimeError(f"redis-server exited: {self._last_words()}") from None
-                if not loading:  # a server of ours that hangs: as one that never answers
-                    if time.monotonic() <= deadline:
-                        continue
+                loading = isinstance(exc, redis.BusyLoadingError) or (
+                    loads_data and isinstance(exc, redis.TimeoutError)
+                )
+                now = time.monotonic()
+                if loading and now < loading_until:
+                    deadline = now + timeout
+                if now > deadline:
                     self.stop()
-                    raise RuntimeError(f"redis-server not ready on port {self.port}") from None
-                self.stop()
-                raise RuntimeError(
-                    f"redis-server on port {self.port} still loading after {LOADING_LIMIT_S} s"
-                ) from None
-            except redis.ConnectionError:
-                if self._process.poll() is not None:
-                    raise RuntimeError(f"redis-server exited: {self._last_words()}") from None
-                if time.monotonic() > deadline:
-                    self.stop()
+                    if loading:
+                        raise RuntimeError(
+                            f"redis-server on port {self.port} still loading after "
+                            f"{LOADING_LIMIT_S:.0f} s"
+                        ) from None
                     raise RuntimeError(f"redis-server not ready on port {self.port}") from None
                 time.sleep(0.05)
             finally:

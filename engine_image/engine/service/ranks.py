@@ -56,13 +56,11 @@ def run_ranks(args: argparse.Namespace, serve: Serve) -> int:
     # read as a failed rank. Until serve() takes SIGTERM (a drain) once loaded, a rank
     # dies of it, which the group counts as stopped.
     asked: list[float] = []  # when the group was asked to stop
-    told: set[int] = set()  # the ranks forwarded a SIGTERM
 
     def forward(_signum: int, _frame: object) -> None:
         asked.append(time.monotonic())
         for proc in procs:
-            if proc.pid is not None and proc.pid not in told and proc.is_alive():
-                told.add(proc.pid)
+            if proc.pid is not None and proc.is_alive():
                 os.kill(proc.pid, signal.SIGTERM)
 
     # SIGTERM is taken before the ranks start (a rank's exec resets a handler to the
@@ -74,7 +72,7 @@ def run_ranks(args: argparse.Namespace, serve: Serve) -> int:
             break
         proc.start()
     procs = [proc for proc in procs if proc.pid is not None]
-    if asked:  # a rank starting as the signal came is told now
+    if asked:  # a rank starting as the signal came is told now (a drain asked twice is one)
         forward(signal.SIGTERM, None)
     signal.signal(signal.SIGINT, forward)
     # A rank that fails (a port taken, a bad device) leaves its peers blocked in a

@@ -183,7 +183,6 @@ class EngineWorker(Intake):
             # another engine pulls nothing (a prompt taken now would wait too, where an
             # engine with room would start it).
             if self.settings.role is Role.COMPLETION:
-                self._pulled_at = now
                 self._pull(block=False)
             self._wait_for_room()
         elif busy or not self._group_busy or now - self._pulled_at >= GROUP_POLL_S:
