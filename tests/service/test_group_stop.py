@@ -11,7 +11,13 @@ import pytest
 from support.engines import EngineProcess
 from support.polling import eventually
 
-from tandem.engine.service.ranks import PEERS_HAND_BACK_S, STOP_MARGIN_S, rank_device
+from tandem.engine.service.ranks import (
+    PEER_ENDED_CODE,
+    PEERS_HAND_BACK_S,
+    STOP_MARGIN_S,
+    _end_group,
+    rank_device,
+)
 from tandem.engine.service.registry import Registry
 from tandem.protocol import PRIORITY_NORMAL, WORK_GROUP, as_text
 
@@ -111,6 +117,35 @@ def test_when_a_rank_dies_its_peer_hands_back_what_it_holds(start_group, client)
     assert all(p["time_since_delivered"] > 3600 * 1000 for p in peers), peers
     assert f"a peer rank ended: handed {len(peers)} requests back" in log, log
     assert "Traceback" not in log, log
+
+
+class _Rank:
+    """A rank process as the group sees it, which ends when joined."""
+
+    def __init__(self, name: str, exitcode: int | None, ends_with: int | None = None):
+        self.name, self.exitcode, self._ends_with = name, exitcode, ends_with
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._ends_with is not None:
+            self.exitcode = self._ends_with
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def kill(self) -> None:
+        self.exitcode = -signal.SIGKILL
+
+
+def test_the_group_names_the_failed_rank_not_the_peer_reaped_before_it(caplog):
+    # The failed rank's sockets close as it exits: its peer's vote breaks and the peer
+    # may exit before the failed one is reaped. The group named the peer ("rank-0
+    # exited (signal 6)", gloo aborting in its teardown), seen as a CI failure.
+    peer = _Rank("rank-0", PEER_ENDED_CODE)
+    failed = _Rank("rank-1", None, ends_with=1)
+    with caplog.at_level("ERROR", logger="tandem.engine"):
+        code = _end_group([peer, failed], [peer], stopped=(0,))
+    assert code == 1
+    assert caplog.messages == ["rank-1 exited (code 1): ending the group"]
 
 
 def test_more_ranks_than_gpus_is_the_loaders_error_not_cudas(monkeypatch):

@@ -34,6 +34,9 @@ STOP_MARGIN_S = 15.0
 # breaks, and they hand back what they hold (killed at once, their requests waited
 # --claim-idle-ms for a takeover).
 PEERS_HAND_BACK_S = 10.0
+# How a rank exits once its vote broke because a peer ended: the group names the
+# ranks that ended otherwise, the failure's cause, not the first one reaped.
+PEER_ENDED_CODE = 3
 
 
 def run_ranks(args: argparse.Namespace, serve: Serve) -> int:
@@ -90,14 +93,7 @@ def run_ranks(args: argparse.Namespace, serve: Serve) -> int:
         stopped = (0, -signal.SIGTERM) if asked else (0,)
         failed = [proc for proc in ended if proc.exitcode not in stopped]
         if failed:
-            # Its last words may be none (SIGKILL, the OOM killer): the group's log
-            # must say which rank ended it, or the pod's message says nothing. Those
-            # that ended together are all named: which failed first is not known then.
-            said = ", ".join(f"{proc.name} exited ({_how(proc.exitcode)})" for proc in failed)
-            log.error("%s: ending the group", said)
-            code = failed[0].exitcode or 1
-            _kill(procs, grace_s=PEERS_HAND_BACK_S)
-            return code if code > 0 else 1
+            return _end_group(procs, failed, stopped)
         limit = args.drain_timeout + STOP_MARGIN_S
         if running and asked and time.monotonic() > asked[0] + limit:
             # A rank stuck in a step or a vote (a hung kernel, a peer stopped) never
@@ -107,6 +103,31 @@ def run_ranks(args: argparse.Namespace, serve: Serve) -> int:
             _kill(procs)
             return 1
     return 0
+
+
+def _end_group(
+    procs: list[multiprocessing.process.BaseProcess],
+    failed: list[multiprocessing.process.BaseProcess],
+    stopped: tuple[int, ...],
+) -> int:
+    """Name the ranks that failed and kill what is left; the group's exit code."""
+    causes = [proc for proc in failed if proc.exitcode != PEER_ENDED_CODE]
+    if not causes:
+        # A peer saw the broken vote before the failed rank was reaped (its sockets
+        # close as it exits): wait for that one, the one to name.
+        deadline = time.monotonic() + PEERS_HAND_BACK_S
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        ended = [proc for proc in procs if proc.exitcode not in (None, *stopped)]
+        causes = [proc for proc in ended if proc.exitcode != PEER_ENDED_CODE] or failed
+    # Its last words may be none (SIGKILL, the OOM killer): the group's log must say
+    # which rank ended it, or the pod's message says nothing. Those that ended
+    # together are all named: which failed first is not known then.
+    said = ", ".join(f"{proc.name} exited ({_how(proc.exitcode)})" for proc in causes)
+    log.error("%s: ending the group", said)
+    _kill(procs, grace_s=PEERS_HAND_BACK_S)
+    code = causes[0].exitcode or 1
+    return code if code > 0 else 1
 
 
 def _kill(procs: list[multiprocessing.process.BaseProcess], grace_s: float = 0.0) -> None:
@@ -155,7 +176,13 @@ def _rank_main(
         raise SystemExit(2) from None
     except PeersLost:  # the group names the rank that failed; this one handed back
         log.warning("rank-%d: a peer rank ended; stopping with the group", rank)
-        raise SystemExit(1) from None
+        # Not through the interpreter's exit: gloo's group, its peer gone, aborts in
+        # its destructor ("terminate called without an active exception", SIGABRT),
+        # which the group would read as this rank failing.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(PEER_ENDED_CODE)
     # Only after a clean run: a rank that fails keeps its connections until it has exited,
     # so its peers, whose collectives break only then, never exit first in its stead.
     dist.destroy_process_group()
