@@ -19,14 +19,18 @@ class ContextLengthError(ValueError):
 
 
 def check_fits(
-    config: EngineConfig, num_prompt_tokens: int, max_tokens: int, *, exact_max_tokens: bool
+    config: EngineConfig,
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    *,
+    exact_max_tokens: bool,
 ) -> None:
     """Raise PromptTooLongError for a prompt over config.prompt_limit. exact_max_tokens:
     the caller asked for max_tokens of room, so a prompt that leaves less raises
     ContextLengthError (else generation stops at max_model_len)."""
     if (why := prompt_too_long(num_prompt_tokens, config.max_model_len)) is not None:
         raise PromptTooLongError(why)
-    if exact_max_tokens:
+    if exact_max_tokens and max_tokens is not None:
         why = context_exceeded(num_prompt_tokens, max_tokens, config.max_model_len)
         if why is not None:
             raise ContextLengthError(why)

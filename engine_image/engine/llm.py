@@ -9,7 +9,7 @@ print(out[0].text)
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from tandem.engine.model.loader import (
 )
 from tandem.engine.mtp import MtpHead
 from tandem.engine.plan import TokenLogprobs
+from tandem.engine.prompt_inputs import PromptInput, PromptType, read_prompts
 from tandem.engine.request import SamplingParams
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampler import Sampler
@@ -170,23 +171,15 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | None = None,
+        prompts: PromptType | Sequence[PromptType] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> list[CompletionOutput]:
-        """Generate for every prompt (text, or token ids); outputs come back in order."""
-        if (prompts is None) == (prompt_token_ids is None):
-            raise ValueError("give exactly one of prompts or prompt_token_ids")
-        texts: list[str | None]
-        if prompts is not None:
-            texts = [prompts] if isinstance(prompts, str) else _strings(prompts)
-            ids: list[list[int] | None] = [None] * len(texts)
-        else:
-            ids = _id_lists(prompt_token_ids)
-            texts = [None] * len(ids)
-        params = _per_prompt(sampling_params, len(texts))
-        return self._run(texts, ids, params)
+        """Generate for every prompt (text, token ids, or vLLM's prompt dicts:
+        prompt_inputs.py); outputs come back in order."""
+        inputs = read_prompts(prompts, prompt_token_ids)
+        return self._run(inputs, _per_prompt(sampling_params, len(inputs)))
 
     def chat(
         self,
@@ -227,14 +220,11 @@ class LLM:
                 if len(conversations) > 1:  # its class kept (PromptTooLongError)
                     exc.args = (f"conversation {i}: {exc}", *exc.args[1:])
                 raise
-        params = _per_prompt(sampling_params, len(ids))
-        return self._run([None] * len(ids), ids, params)
+        inputs = [PromptInput(None, token_ids) for token_ids in ids]
+        return self._run(inputs, _per_prompt(sampling_params, len(ids)))
 
     def _run(
-        self,
-        texts: list[str | None],
-        ids: list[list[int] | None],
-        params: list[SamplingParams],
+        self, inputs: list[PromptInput], params: list[SamplingParams]
     ) -> list[CompletionOutput]:
         engine = self.engine
         if engine.has_unfinished_requests():
@@ -246,15 +236,21 @@ class LLM:
             )
         order, outputs = [], {}
         try:
-            for index, (text, token_ids, p) in enumerate(zip(texts, ids, params, strict=True)):
+            for index, (prompt, p) in enumerate(zip(inputs, params, strict=True)):
                 rid = f"llm-{next(self._ids)}"
                 try:
-                    request = engine.add_request(rid, text, p, prompt_token_ids=token_ids)
+                    request = engine.add_request(
+                        rid,
+                        prompt.text,
+                        p,
+                        prompt_token_ids=prompt.token_ids,
+                        cache_salt=prompt.cache_salt,
+                    )
                 except ValueError as exc:
-                    if len(texts) > 1:  # say which of the batch's prompts, as given
+                    if len(inputs) > 1:  # say which of the batch's prompts, as given
                         exc.args = (f"prompt {index}: {exc}", *exc.args[1:])
                     raise
-                order.append((rid, text, request))
+                order.append((rid, prompt.text, request))
             pieces: dict[str, list[str]] = {rid: [] for rid, _, _ in order}
             logprobs: dict[str, list[TokenLogprobs]] = {}
             while engine.has_unfinished_requests():
@@ -365,38 +361,6 @@ _VLLM_HINTS = {
     "enforce_eager": " (decode_graphs=False runs every step op by op, as enforce_eager)",
     "gpu_memory_utilization": " (kv_cache_memory gives the KV cache's bytes)",
 }
-
-
-def _strings(prompts: object) -> list[str]:
-    """A list of prompts, or a ValueError that says what was given instead."""
-    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
-        hint = " (token ids go in prompt_token_ids=[[...]])" if isinstance(prompts, Mapping) else ""
-        raise ValueError(
-            f"prompts must be a string or a list of strings{hint}, got {prompts!r:.80}"
-        )
-    for i, prompt in enumerate(prompts):
-        if not isinstance(prompt, str):
-            ids = isinstance(prompt, Mapping) or (isinstance(prompt, Sequence) and prompt)
-            hint = " (token ids go in prompt_token_ids=[[...]])" if ids else ""
-            raise ValueError(f"prompt {i} must be a string{hint}, got {prompt!r:.80}")
-    return list(prompts)
-
-
-def _id_lists(prompt_token_ids: object) -> list[list[int]]:
-    """One list of token ids per prompt (a flat list is one prompt's ids: [[...]])."""
-    if not isinstance(prompt_token_ids, Sequence) or isinstance(prompt_token_ids, str):
-        raise ValueError(
-            f"prompt_token_ids must be a list of lists of ids, got {prompt_token_ids!r:.80}"
-        )
-    if prompt_token_ids and not isinstance(prompt_token_ids[0], Sequence):
-        raise ValueError(
-            "prompt_token_ids is a list of prompts, each a list of token ids: give [[1, 2, 3]] "
-            f"for one prompt, not {prompt_token_ids!r:.40}"
-        )
-    for i, ids in enumerate(prompt_token_ids):
-        if not isinstance(ids, Sequence) or isinstance(ids, str):
-            raise ValueError(f"prompt {i}: a prompt's token ids are a list, got {ids!r:.40}")
-    return [list(p) for p in prompt_token_ids]
 
 
 def _check_as_loaded(

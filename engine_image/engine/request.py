@@ -6,6 +6,7 @@ The scheduler owns Request objects; the runner only reads the StepPlan.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from array import array
 from collections.abc import Mapping
@@ -38,8 +39,8 @@ MAX_LOGPROBS = 20
 
 @dataclass(frozen=True)
 class SamplingParams:
-    # Most tokens to generate.
-    max_tokens: int = 16
+    # Most tokens to generate; None (as vLLM's) generates until the context's end.
+    max_tokens: int | None = 16
     # 0 means greedy.
     temperature: float = 1.0
     # Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p.
@@ -68,10 +69,9 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens):
-            hint = "" if self.max_tokens is not None else " (not None: the most to generate)"
-            raise ValueError(f"max_tokens must be an integer{hint}, got {self.max_tokens!r}")
-        if self.max_tokens < 1:
+        if self.max_tokens is not None and not _is_int(self.max_tokens):
+            raise ValueError(f"max_tokens must be an integer or None, got {self.max_tokens!r}")
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not _is_real(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
@@ -223,7 +223,9 @@ class Request:
             raise ValueError("the prompt is empty: give at least one token")
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
-        self.max_num_tokens = self.num_prompt_tokens + self.sampling_params.max_tokens
+        most = self.sampling_params.max_tokens
+        # No most (None): the scheduler caps it at max_model_len as it takes the request.
+        self.max_num_tokens = self.num_prompt_tokens + (most if most is not None else sys.maxsize)
         stop = set(self.sampling_params.stop_token_ids)
         if self.eos_token_id is not None and not self.sampling_params.ignore_eos:
             stop.add(self.eos_token_id)

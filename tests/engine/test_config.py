@@ -130,8 +130,10 @@ def test_vllms_none_and_minus_1_spellings_read_as_vllm_reads_them():
     # None for the lists is none of them (vLLM's defaults; wrappers pass them on).
     none = SamplingParams(stop=None, stop_token_ids=None, logit_bias=None)
     assert (none.stop, none.stop_token_ids, none.logit_bias) == ((), (), ())
-    with pytest.raises(ValueError, match=r"max_tokens must be an integer \(not None"):
-        SamplingParams(max_tokens=None)
+    # max_tokens=None is "until the context's end" (test_prompt_inputs.py runs it).
+    assert SamplingParams(max_tokens=None).max_tokens is None
+    with pytest.raises(ValueError, match=r"max_tokens must be an integer or None, got '8'"):
+        SamplingParams(max_tokens="8")
 
 
 def test_a_single_stop_string_becomes_a_tuple():

@@ -59,9 +59,9 @@ def test_a_seed_or_mtp_head_of_the_wrong_kind_is_named():
     ("args", "message"),
     [
         ({"prompt_token_ids": [1, 2, 3]}, r"give \[\[1, 2, 3\]\] for one prompt"),
-        ({"prompts": 123}, "prompts must be a string or a list of strings, got 123"),
-        ({"prompts": b"abc"}, "prompts must be a string or a list of strings"),
-        ({"prompts": ["ok", 5]}, "prompt 1 must be a string, got 5"),
+        ({"prompts": 123}, "prompts must be a string, a prompt dict or a list of them, got 123"),
+        ({"prompts": b"abc"}, "prompts must be a string, a prompt dict or a list of them"),
+        ({"prompts": ["ok", 5]}, "prompt 1: a prompt is a string or a prompt dict, got 5"),
         ({"prompts": ["ok", ""]}, "prompt 1: the prompt is empty"),
     ],
     ids=["flat ids", "an int", "bytes", "a non-string", "an empty one"],
@@ -203,8 +203,7 @@ def test_vllms_names_for_settings_spelled_otherwise_here_are_said_with_the_refus
     assert llm.engine.scheduler.config.enable_chunked_prefill is False
 
 
-def test_vllms_auto_dtype_is_the_default_and_token_ids_given_as_prompts_are_pointed_at(llm):
+def test_vllms_auto_dtype_is_the_default_and_bare_token_ids_as_prompts_are_pointed_at(llm):
     assert LLM("random:tiny", dtype="auto", num_kv_blocks=64).loaded.dtype == torch.float32
-    for prompts in ({"prompt_token_ids": [1, 2, 3]}, [[1, 2, 3]]):
-        with pytest.raises(ValueError, match=r"token ids go in prompt_token_ids=\[\[...\]\]"):
-            llm.generate(prompts)
+    with pytest.raises(ValueError, match=r"prompt 0: .*prompt_token_ids=\[\[...\]\]"):
+        llm.generate([[1, 2, 3]])
