@@ -66,6 +66,10 @@ class _GenerationTag(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body, lineno=lineno)
 
 
+# Compiled templates a tokenizer keeps: the checkpoint's few, and callers' own.
+_MOST_COMPILED = 16
+
+
 class ChatTemplates:
     """A checkpoint's chat templates, compiled when first used: its default and the
     named others, of which transformers renders "tool_use" for a conversation given
@@ -74,22 +78,34 @@ class ChatTemplates:
     def __init__(self, default: str | None, named: Mapping[str, str] | None = None) -> None:
         self.default = default
         self.named = dict(named or {})
-        self._compiled: dict[str | None, jinja2.Template] = {}
+        self._compiled: dict[str, jinja2.Template] = {}  # by source
 
-    def for_variables(self, variables: Mapping[str, Any]) -> jinja2.Template:
-        """The template to render with `variables` (the conversation's extra ones)."""
+    def for_variables(
+        self, variables: Mapping[str, Any], given: str | None = None
+    ) -> jinja2.Template:
+        """The template to render with `variables` (the conversation's extra ones): the
+        caller's own (`given`, a template's source), else the checkpoint's."""
+        if given is not None:
+            if not isinstance(given, str) or not given.strip():
+                raise ValueError(f"chat_template must be a Jinja template, got {given!r:.40}")
+            return self._compile(given, "given chat template")
         name = TOOL_USE if variables.get("tools") is not None and TOOL_USE in self.named else None
-        if (template := self._compiled.get(name)) is not None:
-            return template
         source = self.default if name is None else self.named[name]
         if not source:
             raise ValueError("this model has no chat template; send a plain prompt instead")
+        what = "chat template" if name is None else f"{name!r} chat template"
+        return self._compile(source, f"the model's {what}")
+
+    def _compile(self, source: str, what: str) -> jinja2.Template:
+        if (template := self._compiled.get(source)) is not None:
+            return template
         try:
             template = template_environment().from_string(source)
         except jinja2.TemplateError as err:
-            what = "chat template" if name is None else f"{name!r} chat template"
-            raise ValueError(f"the model's {what} does not compile: {err}") from err
-        self._compiled[name] = template
+            raise ValueError(f"{what} does not compile: {err}") from err
+        if len(self._compiled) >= _MOST_COMPILED:  # callers' own: not kept without end
+            self._compiled.pop(next(iter(self._compiled)))
+        self._compiled[source] = template
         return template
 
 
@@ -100,6 +116,7 @@ class ChatRendering:
     add_generation_prompt: bool  # the template opens the assistant's turn
     continue_final_message: bool  # the prompt ends inside the last message, left open
     extra: dict[str, Any]  # more template variables (tools, a template's own flags)
+    template: str | None = None  # a template given to render with, not the checkpoint's
 
     def __post_init__(self) -> None:
         for name in ("add_generation_prompt", "continue_final_message"):

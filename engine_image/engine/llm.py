@@ -175,9 +175,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        use_tqdm: object = True,
+        lora_request: object = None,
     ) -> list[CompletionOutput]:
         """Generate for every prompt (text, token ids, or vLLM's prompt dicts:
-        prompt_inputs.py); outputs come back in order."""
+        prompt_inputs.py); outputs come back in order. use_tqdm (vLLM's progress bar)
+        is taken and shows nothing; lora_request must be None."""
+        _no_lora(lora_request)
         inputs = read_prompts(prompts, prompt_token_ids)
         return self._run(inputs, _per_prompt(sampling_params, len(inputs)))
 
@@ -189,16 +193,26 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        use_tqdm: object = True,
+        lora_request: object = None,
     ) -> list[CompletionOutput]:
         """Answer one conversation (a list of messages) or several, with the model's template.
 
         As vLLM's: continue_final_message (with add_generation_prompt=False) goes on with
         the last message, an assistant's answer begun; chat_template_kwargs are more of
-        the template's variables.
+        the template's variables, tools one of them; chat_template renders instead of
+        the checkpoint's own. use_tqdm shows nothing; lora_request must be None.
         """
+        _no_lora(lora_request)
         options = template_options(
             add_generation_prompt, continue_final_message, chat_template_kwargs
         )
+        if tools is not None:
+            options.setdefault("tools", tools)  # as vLLM: the kwargs' own tools win
+        if chat_template is not None:
+            options["chat_template"] = chat_template
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
         if not isinstance(messages, list | tuple):
@@ -354,6 +368,11 @@ def _per_prompt(
     if len(params) != n:
         raise ValueError(f"{len(params)} sampling params for {n} prompts")
     return params
+
+
+def _no_lora(lora_request: object) -> None:
+    if lora_request is not None:
+        raise ValueError("lora_request: this engine serves no LoRA adapters; give None")
 
 
 # vLLM's names for what is spelled otherwise here: said with the refusal.

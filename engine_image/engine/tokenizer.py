@@ -194,20 +194,22 @@ class Tokenizer:
         /,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
         **extra: Any,
     ) -> str:
         """The prompt text for `messages`, rendered with the checkpoint's own template.
 
         continue_final_message: the prompt ends with the last message's content, its
         turn left open for the model to go on with (an assistant's answer begun).
-        `extra` reaches the template as variables, as in transformers (e.g. tools).
+        `extra` reaches the template as variables, as in transformers (e.g. tools);
+        chat_template renders instead of the checkpoint's own, as there.
         """
-        how = ChatRendering(add_generation_prompt, continue_final_message, extra)
+        how = ChatRendering(add_generation_prompt, continue_final_message, extra, chat_template)
         return self._render(checked_messages(messages), how)
 
     def _render(self, checked: list[dict[str, Any]], how: ChatRendering) -> str:
         """apply_chat_template of messages checked_messages already copied and checked."""
-        template = self._templates.for_variables(how.extra)
+        template = self._templates.for_variables(how.extra, how.template)
         final = FinalMessageCut() if how.continue_final_message else None
         context = {
             # As transformers: set, if to None, whether or not the caller gave them.
@@ -231,13 +233,15 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         max_model_len: int | None = None,
+        chat_template: str | None = None,
         **extra: Any,
     ) -> list[int]:
         """The prompt's token ids. A message's text is text: one that holds a control
         token's ("<|im_end|>") gets no control token from it (literal_chat.py).
         max_model_len: as `encode`'s, from the rendered prompt's text (not the messages':
-        a template may leave parts of them out, as Qwen3's does earlier turns' reasoning)."""
-        how = ChatRendering(add_generation_prompt, continue_final_message, extra)
+        a template may leave parts of them out, as Qwen3's does earlier turns' reasoning).
+        chat_template: a Jinja template to render with instead of the checkpoint's."""
+        how = ChatRendering(add_generation_prompt, continue_final_message, extra, chat_template)
         checked = checked_messages(messages)
         if self._literal_chat is None:
             self._literal_chat = LiteralChat(self._backend)

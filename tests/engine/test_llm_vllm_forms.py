@@ -1,5 +1,6 @@
-"""vLLM's prompt forms in LLM.generate: prompt dicts (text or token ids, with a cache
-salt), mixed in a list, and max_tokens=None; what it has no use for is refused by name."""
+"""vLLM's calls of the offline API run unchanged: prompt dicts (text or token ids, with
+a cache salt) mixed in a list, max_tokens=None, chat's tools and chat_template, use_tqdm;
+what it has no use for is refused by name."""
 
 from __future__ import annotations
 
@@ -73,3 +74,41 @@ def test_prompts_and_prompt_token_ids_together_or_neither_are_refused(llm):
         llm.generate(sampling_params=GREEDY)
     with pytest.raises(ValueError, match="a string, a prompt dict or a list of them"):
         llm.generate(7, GREEDY)
+
+
+# Writes what the tests look for: each message's content, then how many tools.
+COUNTING_TOOLS = "{% for m in messages %}{{ m.content }}{% endfor %}|tools:{{ tools | length }}"
+
+
+def test_chat_renders_with_the_template_and_tools_given(llm):
+    hello = [{"role": "user", "content": "Hello"}]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    [out] = llm.chat(hello, GREEDY, tools=tools, chat_template=COUNTING_TOOLS, use_tqdm=False)
+    assert llm.tokenizer.decode(out.prompt_token_ids) == "Hello|tools:1"
+    # chat_template_kwargs' own tools win, as vLLM merges them.
+    kwargs = {"tools": tools * 2}
+    [out] = llm.chat(
+        hello, GREEDY, tools=tools, chat_template=COUNTING_TOOLS, chat_template_kwargs=kwargs
+    )
+    assert llm.tokenizer.decode(out.prompt_token_ids) == "Hello|tools:2"
+    # The checkpoint's own template again without one given.
+    [own] = llm.chat(hello, GREEDY)
+    assert own.prompt_token_ids[0] == llm.tokenizer.encode("<|im_start|>")[0]
+
+
+def test_a_chat_template_that_does_not_compile_is_named(llm):
+    with pytest.raises(ValueError, match="given chat template does not compile"):
+        llm.chat([{"role": "user", "content": "Hi"}], GREEDY, chat_template="{% if %}")
+    with pytest.raises(ValueError, match="chat_template must be a Jinja template"):
+        llm.chat([{"role": "user", "content": "Hi"}], GREEDY, chat_template="")
+
+
+def test_a_progress_bar_is_taken_and_a_lora_adapter_refused(llm):
+    [out] = llm.generate("Hi", GREEDY, use_tqdm=False)
+    assert out.token_ids
+    for call in (
+        lambda: llm.generate("Hi", GREEDY, lora_request=object()),
+        lambda: llm.chat([{"role": "user", "content": "Hi"}], GREEDY, lora_request=object()),
+    ):
+        with pytest.raises(ValueError, match="lora_request: this engine serves no LoRA"):
+            call()
