@@ -17,13 +17,14 @@ from tandem.protocol import ErrorCode
 
 
 def check_context(job: Job, max_model_len: int | None) -> None:
-    """GatewayError (400, the engines' words and codes) for a job that cannot fit a
+    """GatewayError (400, the engines' words, OpenAI's code) for a job that cannot fit a
     context of `max_model_len` tokens; None: not known (nothing checked)."""
     if max_model_len is None:
         return
     ids = job.items[0].prompt_token_ids
     if ids is not None and (why := prompt_too_long(len(ids), max_model_len)):
-        raise bad_request(why, job.prompt_param, ErrorCode.PROMPT_TOO_LONG)
+        # OpenAI's code for any overflow (errors.answered_code), the prompt alone too.
+        raise bad_request(why, job.prompt_param, ErrorCode.CONTEXT_LENGTH_EXCEEDED)
     if not job.max_tokens_given:  # the engines then stop at the context's end
         return
     max_tokens, field = job.max_tokens, job.max_tokens_param

@@ -283,9 +283,16 @@ def from_engine(
         message or f"engine error {code}",
         type=kind,
         param=param,
-        code=code or ErrorCode.ENGINE_ERROR,
+        code=answered_code(code or ErrorCode.ENGINE_ERROR),
         headers=dict(NO_RETRY) if code in _NOT_RETRIED else None,
     )
+
+
+def answered_code(code: str) -> str:
+    """The code a client gets for an engine's: OpenAI's context_length_exceeded for a
+    prompt too long on its own too (clients catch an overflow by that code, to cut the
+    prompt and retry), the engine's own otherwise."""
+    return ErrorCode.CONTEXT_LENGTH_EXCEEDED if code == ErrorCode.PROMPT_TOO_LONG else code
 
 
 # ------------------------------------------------------------------ OpenAPI

@@ -3,7 +3,7 @@
 An engine refuses a request that cannot fit as it takes it (tandem.engine.admission);
 the gateway refuses the ones it can tell before queueing them (gateway/context_check.py),
 from the context length the engines register, in the same words: clients and people
-recognise one refusal whoever made it. The second is OpenAI's wording.
+recognise one refusal whoever made it, in OpenAI's wording.
 """
 
 from __future__ import annotations
@@ -33,10 +33,11 @@ def prompt_too_long(
     limit = prompt_limit(max_model_len)
     if num_prompt_tokens <= limit:
         return None
+    # OpenAI's first sentence: clients find a context overflow by it (and by its code).
     return (
-        f"The prompt has {'at least ' if at_least else ''}{num_prompt_tokens} tokens, "
-        f"more than this engine's limit of "
-        f"{limit} (max_model_len {max_model_len}, less one token for the completion). "
+        f"This model's maximum context length is {max_model_len} tokens. However, the "
+        f"prompt has {'at least ' if at_least else ''}{num_prompt_tokens} tokens, more than "
+        f"the {limit} that leave room for one token of completion. "
         "Please reduce the length of the prompt."
     )
 

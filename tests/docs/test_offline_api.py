@@ -36,7 +36,9 @@ def test_the_examples_run_and_print_what_the_page_says() -> None:
     lines = result.stdout.splitlines()
     assert lines[0] == "The capital of France is Paris."
     assert any(
-        line.startswith("prompt 1: The prompt has 100000 tokens, more than") for line in lines
+        line.startswith("prompt 1: This model's maximum context length is")
+        and "the prompt has 100000 tokens, more than" in line
+        for line in lines
     ), result.stdout
     assert lines[-1].endswith("drafts accepted)"), result.stdout
     assert not lines[-1].startswith("(0 drafts"), "the n-gram drafter found nothing to draft"

@@ -301,7 +301,7 @@ def test_without_chunking_a_prompt_that_does_not_fit_the_rest_waits():
 def test_a_prompt_over_the_limit_is_refused_not_queued():
     sched = make(max_model_len=2048)
     with pytest.raises(
-        PromptTooLongError, match=r"has 2049 tokens, more than this engine's limit of 2047"
+        PromptTooLongError, match=r"has 2049 tokens, more than the 2047 that leave room"
     ):
         sched.add_request(Request("long", prompt(2049)))
     assert not sched.has_unfinished_requests()

@@ -116,7 +116,7 @@ def test_bad_requests_end_with_clear_errors(engines, client):
         for r in (too_long, bad_params, unknown_param, out_of_vocab, bias_out_of_vocab)
     )
     assert a.error_code == ErrorCode.PROMPT_TOO_LONG
-    assert "has 300 tokens, more than this engine's limit of 255" in a.error_message
+    assert "has 300 tokens, more than the 255 that leave room" in a.error_message
     assert (
         b.error_code == ErrorCode.INVALID_REQUEST
         and "max_tokens must be at least 1" in b.error_message
@@ -263,7 +263,7 @@ def test_a_handoff_longer_than_the_decoders_context_ends_with_a_clear_error(engi
     long = client.submit(prompt_token_ids=[5] * 300, sampling={"max_tokens": 4, **GREEDY})
     answer = client.answer(long, timeout=30)
     assert answer.final.error_code == "prompt_too_long"
-    assert "this engine's limit of 255 (max_model_len 256" in answer.final.error_message
+    assert "maximum context length is 256 tokens" in answer.final.error_message
     wide = client.submit(
         prompt_token_ids=PROMPT, sampling={"max_tokens": 400, **GREEDY}, max_tokens_given=True
     )
