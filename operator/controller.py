@@ -89,6 +89,7 @@ class Controller:
         self._defaults = OperatorDefaults(
             image=settings.engine_image,
             image_pull_secrets=settings.engine_image_pull_secrets,
+            run_as_user=settings.engine_run_as_user,
             redis_url=settings.redis_url,
             key_prefix=settings.key_prefix,
         )

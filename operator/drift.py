@@ -36,6 +36,12 @@ _OPTIONAL_OWNED: Mapping[str, tuple[tuple[str, ...], ...]] = {
             "initContainers",
             "imagePullSecrets",
         )
+    )
+    # The pods' ids, which the operator's --engine-run-as-user none leaves out: pods that
+    # kept the old ones would stay refused by OpenShift's restricted-v2 SCC.
+    + tuple(
+        ("spec", "template", "spec", "securityContext", key)
+        for key in ("runAsUser", "runAsGroup", "fsGroup")
     ),
 }
 _POD = ("spec", "template", "spec")

@@ -22,6 +22,7 @@ from tandem.operator.engine_flags import engine_flags
 from tandem.operator.manifests_pods import container_ports, deployment
 from tandem.operator.role_name import RoleName
 from tandem.operator.role_spec import RoleSpec
+from tandem.operator.settings import DEFAULT_ENGINE_RUN_AS_USER
 from tandem.operator.spec import API_VERSION, KIND, ModelDeploymentSpec
 
 DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
@@ -75,6 +76,8 @@ class OperatorDefaults:
     key_prefix: str = "tandem"
     # Secret names the engine pods pull with when spec.imagePullSecrets is unset.
     image_pull_secrets: tuple[str, ...] = ()
+    # The engine pods' user, group and fsGroup; None: the platform's (OpenShift).
+    run_as_user: int | None = DEFAULT_ENGINE_RUN_AS_USER
 
 
 def selector_labels(name: str, role_name: RoleName) -> dict[str, str]:
@@ -161,6 +164,7 @@ def role_manifests(
             image_pull_secrets=_image_pull_secrets(spec, defaults),
             redis_env=_redis_env(spec, None if secret is None else secret["metadata"]["name"]),
             flags=flags,
+            run_as_user=defaults.run_as_user,
             redis_secret=None if secret is None else secret["data"],
         ),
         {

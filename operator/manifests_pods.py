@@ -26,8 +26,6 @@ from tandem.operator.role_spec import RoleSpec
 from tandem.operator.spec import ModelDeploymentSpec
 
 CONFIG_HASH_ANNOTATION = "serving.tandem.dev/config-hash"
-# The user the engine image runs as (engine_image/Dockerfile).
-ENGINE_UID = 10001
 CACHE_DIR = "/cache"
 # Model loading may take long (a 70B model from network storage); the probe
 # budget covers it so the kubelet never kills a pod that is still loading.
@@ -66,10 +64,12 @@ def deployment(
     image_pull_secrets: Sequence[str],
     redis_env: dict[str, Any],
     flags: Mapping[str, str],
+    run_as_user: int | None,
     redis_secret: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The role's Deployment with `replicas` pods (the autoscaler's number, not the spec's).
 
+    `run_as_user` is the pods' user (None: the platform's, see pod_security_context);
     `redis_secret` is the data of the operator's Redis Secret when the pods read it.
     """
     if replicas < 0:
@@ -98,7 +98,7 @@ def deployment(
             "template": {
                 "metadata": {"labels": pod_labels, "annotations": annotations},
                 "spec": _pod_spec(
-                    spec, role_name, role, image, image_pull_secrets, redis_env, flags
+                    spec, role_name, role, image, image_pull_secrets, redis_env, flags, run_as_user
                 ),
             },
         },
@@ -113,6 +113,7 @@ def _pod_spec(
     image_pull_secrets: Sequence[str],
     redis_env: dict[str, Any],
     flags: Mapping[str, str],
+    run_as_user: int | None,
 ) -> dict[str, Any]:
     volumes, mounts = _volumes(spec, role)
     pod: dict[str, Any] = {
@@ -120,15 +121,7 @@ def _pod_spec(
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": role.drain_timeout_seconds + GRACE_MARGIN_SECONDS,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": ENGINE_UID,
-            "runAsGroup": ENGINE_UID,
-            "fsGroup": ENGINE_UID,
-            # Without this the kubelet chowns every file of a model volume at each mount.
-            "fsGroupChangePolicy": "OnRootMismatch",
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security_context(run_as_user),
     }
     if image_pull_secrets:
         # The pod's, so the fetch-model init container (same image) pulls with them too.
@@ -144,6 +137,29 @@ def _pod_spec(
     if role.affinity:
         pod["affinity"] = dict(role.affinity)
     return pod
+
+
+def pod_security_context(run_as_user: int | None) -> dict[str, Any]:
+    """Non-root, with the runtime's seccomp profile. `run_as_user` fixes user, group and
+    fsGroup; None sets none, for a platform that assigns them: OpenShift's restricted-v2
+    SCC refuses a pod with ids outside its namespace's range, and fills them in itself."""
+    if run_as_user is not None and (type(run_as_user) is not int or run_as_user < 1):
+        raise ValueError(
+            f"run_as_user must be a user id of at least 1 or None, got {run_as_user!r}"
+        )
+    ids = (
+        {}
+        if run_as_user is None
+        else dict.fromkeys(("runAsUser", "runAsGroup", "fsGroup"), run_as_user)
+    )
+    return {
+        "runAsNonRoot": True,
+        **ids,
+        # Without this the kubelet chowns every file of a model volume at each mount
+        # (an fsGroup the platform assigns included).
+        "fsGroupChangePolicy": "OnRootMismatch",
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
 
 
 def _engine_container(

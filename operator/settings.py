@@ -24,6 +24,10 @@ DEFAULT_REDIS_URL = "redis://tandem-redis:6379/0"
 # HPA's sync period: the cadence the scaling rules (docs/autoscaling.md) are tuned for.
 DEFAULT_SCRAPE_INTERVAL_S = 15.0
 DEFAULT_PEERING_NAME = "tandem-operator"
+# The user the engine image runs as (engine_image/Dockerfile).
+DEFAULT_ENGINE_RUN_AS_USER = 10001
+# --engine-run-as-user's spelling of "set no user": the platform assigns one (OpenShift).
+NO_USER = "none"
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 # A Secret's name is a DNS-1123 subdomain. Here (standard library only) so that the
 # spec's imagePullSecrets (spec.py) and the operator's default share one rule.
@@ -43,6 +47,10 @@ class OperatorSettings:
     # docker-registry Secrets the engine pods pull with, for ModelDeployments that leave
     # spec.imagePullSecrets out; looked up in each model's own namespace.
     engine_image_pull_secrets: tuple[str, ...] = ()
+    # User, group and fsGroup of the engine pods; None: none set, so that a platform that
+    # assigns them (OpenShift's restricted-v2 SCC, which refuses ids outside the
+    # namespace's range) may. runAsNonRoot stays either way.
+    engine_run_as_user: int | None = DEFAULT_ENGINE_RUN_AS_USER
     # Redis for ModelDeployments that leave spec.redis out; also where the
     # autoscaler reads queue depths from.
     redis_url: str = DEFAULT_REDIS_URL
@@ -73,6 +81,8 @@ class OperatorSettings:
                 )
             if name in self.engine_image_pull_secrets[:i]:
                 raise ValueError(f"engine image pull secret {name!r} is given twice")
+        if self.engine_run_as_user is not None:
+            _check_user_id(self.engine_run_as_user)
         check_redis_url(self.redis_url, "the operator's Redis URL (--redis-url)")
         for namespace in self.namespaces:
             if not _NAMESPACE.fullmatch(namespace) or len(namespace) > 63:
@@ -106,6 +116,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Secret (in each model's namespace) the engine pods pull with when spec.imagePullSecrets "
         "is unset; repeat for more, comma-separated in the variable (default: none)",
         action="append",
+    )
+    flag(
+        "--engine-run-as-user",
+        "engine_run_as_user",
+        "user id (also group and fsGroup) of the engine pods, never 0; "
+        f"{NO_USER!r}: set none, the platform picks one, as OpenShift does "
+        f"(default {DEFAULT_ENGINE_RUN_AS_USER})",
     )
     flag(
         "--redis-url",
@@ -170,7 +187,14 @@ def from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) ->
         flag = getattr(args, name, None)
         variable = env_name(name)
         raw = env.get(variable)
-        if flag is not None:
+        if isinstance(flag, str):
+            # A flag without an argparse type (its value may be None): read here.
+            option = "--" + name.removesuffix("_s").replace("_", "-")
+            try:
+                values[name] = convert(flag)
+            except ValueError as error:
+                raise ValueError(f"{option}: {error}") from None
+        elif flag is not None:
             values[name] = tuple(flag) if isinstance(flag, list) else flag
         elif raw not in (None, ""):
             try:
@@ -194,6 +218,30 @@ def _names(raw: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in raw.split(",") if part.strip())
 
 
+def _run_as_user(raw: str) -> int | None:
+    """A user id, or NO_USER (any case) for None."""
+    text = raw.strip()
+    if text.lower() == NO_USER:
+        return None
+    try:
+        uid = int(text)
+    except ValueError:
+        raise ValueError(
+            f"expected a user id (a whole number, at least 1) or {NO_USER!r}, got {raw!r}"
+        ) from None
+    return _check_user_id(uid)
+
+
+def _check_user_id(uid: int) -> int:
+    # bool is an int: True would become user 1.
+    if type(uid) is not int or uid < 1:
+        raise ValueError(
+            f"engine run-as-user must be a user id of at least 1 (0 is root, which the "
+            f"pods' runAsNonRoot refuses) or {NO_USER!r} for none, got {uid!r}"
+        )
+    return uid
+
+
 def _boolean(raw: str) -> bool:
     if raw.lower() in ("1", "true", "yes"):
         return True
@@ -205,6 +253,7 @@ def _boolean(raw: str) -> bool:
 _FIELDS = {
     "engine_image": str,
     "engine_image_pull_secrets": _names,
+    "engine_run_as_user": _run_as_user,
     "redis_url": str,
     "key_prefix": str,
     "namespaces": _names,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from support.helm import CHART, named, pod_specs, render, run_helm, template_args
+from support.helm import CHART, named, of_kind, pod_specs, render, run_helm, template_args
 
 PLACEMENT = CHART / "ci" / "placement-values.yaml"
 
@@ -76,3 +76,80 @@ def test_the_test_pod_gets_no_affinity_from_pod_anti_affinity_alone(helm, tmp_pa
     values.write_text(yaml.safe_dump({"gateway": gateway}))
     test = named(render(helm, values=[values]), "Pod", "tandem-test-gateway")["spec"]
     assert "affinity" not in test
+
+
+SPREAD_OVER_NODES = {
+    "maxSkew": 1,
+    "topologyKey": "kubernetes.io/hostname",
+    "whenUnsatisfiable": "ScheduleAnyway",
+    "matchLabelKeys": ["pod-template-hash"],
+}
+
+
+def _spread(manifests, component):
+    """The Deployment's pod spec's topologySpreadConstraints (None: none)."""
+    deployment = named(manifests, "Deployment", f"tandem-{component}")
+    return deployment["spec"]["template"]["spec"].get("topologySpreadConstraints")
+
+
+@pytest.mark.parametrize("component", ["operator", "gateway"])
+def test_replicas_are_spread_over_nodes_softly_by_default(renders, component):
+    # Two replicas on one node go down together with it (a drain, a failure).
+    manifests = renders["defaults-values"]
+    (spread,) = _spread(manifests, component)
+    selector = named(manifests, "Deployment", f"tandem-{component}")["spec"]["selector"]
+    assert {k: v for k, v in spread.items() if k != "labelSelector"} == SPREAD_OVER_NODES
+    assert spread["labelSelector"] == selector
+    # Nothing else is spread: one Redis, a one-shot test pod.
+    for kind, spec in pod_specs(manifests):
+        if not kind.endswith(("-operator", "-gateway")):
+            assert "topologySpreadConstraints" not in spec, kind
+
+
+@pytest.mark.parametrize("component", ["operator", "gateway"])
+def test_a_users_own_spreading_replaces_the_default(helm, tmp_path, component):
+    own = {"maxSkew": 2, "topologyKey": "topology.kubernetes.io/zone"}
+    own |= {"whenUnsatisfiable": "DoNotSchedule", "labelSelector": {"matchLabels": {"a": "b"}}}
+    anti = {"topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {"a": "b"}}}
+    node = {"nodeSelectorTerms": [{"matchExpressions": [{"key": "x", "operator": "Exists"}]}]}
+    cases = [
+        ({"topologySpreadConstraints": [own]}, [own]),
+        (
+            {
+                "affinity": {
+                    "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [anti]}
+                }
+            },
+            None,
+        ),
+        # A node affinity says where, not how far apart: the default spread stays.
+        (
+            {
+                "affinity": {
+                    "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": node}
+                }
+            },
+            "default",
+        ),
+    ]
+    for index, (mine, expected) in enumerate(cases):
+        values = tmp_path / f"values-{index}.yaml"
+        values.write_text(yaml.safe_dump({component: mine}))
+        spread = _spread(render(helm, values=[values]), component)
+        if expected == "default":
+            assert spread[0]["topologyKey"] == "kubernetes.io/hostname", mine
+        else:
+            assert spread == expected, mine
+
+
+def test_the_operator_has_a_disruption_budget_while_it_has_a_standby(renders, helm):
+    # A drain may take the active replica or the standby, not both.
+    manifests = renders["defaults-values"]
+    budget = named(manifests, "PodDisruptionBudget", "tandem-operator")["spec"]
+    operator = named(manifests, "Deployment", "tandem-operator")
+    assert budget["maxUnavailable"] == 1
+    assert budget["selector"] == operator["spec"]["selector"]
+    assert budget["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    for sets in (["operator.replicas=1"], ["operator.podDisruptionBudget.enabled=false"]):
+        budgets = of_kind(render(helm, sets=sets), "PodDisruptionBudget")
+        assert [b["metadata"]["name"] for b in budgets] == ["tandem-gateway"], sets

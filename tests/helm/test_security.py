@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import pytest
-from support.helm import CI_VALUES, pod_specs
+import yaml
+from support.helm import CI_VALUES, named, pod_specs, render
 from support.manifest_schemas import validate
+
+from tandem.operator.settings import OperatorSettings, add_arguments, from_args
 
 IDS = [path.stem for path in CI_VALUES]
 # `helm test` pods run once and exit: a probe would watch nothing. activeDeadlineSeconds
@@ -109,3 +113,56 @@ def test_the_validator_refuses_a_bad_monitor(renders):
     monitor = next(m for m in renders["monitoring-values"] if m["kind"] == "ServiceMonitor")
     with pytest.raises(Exception, match="endpoint"):
         validate({**monitor, "spec": {**monitor["spec"], "endpoint": []}})
+
+
+def _engine_settings(manifests: list[dict[str, Any]]) -> OperatorSettings:
+    """The settings the operator reads from its Deployment's environment."""
+    operator = named(manifests, "Deployment", "tandem-operator")["spec"]["template"]["spec"]
+    env = {e["name"]: e["value"] for e in operator["containers"][0]["env"] if "value" in e}
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return from_args(parser.parse_args([]), env)
+
+
+IDS_FIELDS = {"runAsUser", "runAsGroup", "fsGroup"}
+
+
+@pytest.mark.parametrize("how", ["values-file", "set"])
+def test_a_null_user_leaves_the_ids_to_the_platform(helm, tmp_path, how):
+    # OpenShift's restricted-v2 SCC refuses fixed ids outside the namespace's range and
+    # assigns its own to a pod that sets none. Helm removes a null key: both forms.
+    keys = ["operator.runAsUser", "operator.engineRunAsUser", "gateway.runAsUser"]
+    keys.append("redis.runAsUser")
+    if how == "set":
+        manifests = render(helm, sets=[f"{key}=null" for key in keys])
+    else:
+        values = tmp_path / "values.yaml"
+        nulls: dict[str, Any] = {}
+        for key in keys:
+            block, name = key.split(".")
+            nulls.setdefault(block, {})[name] = None
+        values.write_text(yaml.safe_dump(nulls))
+        manifests = render(helm, values=[values])
+    pods = pod_specs(manifests)
+    assert len(pods) == 4  # operator, gateway, redis, test
+    for where, spec in pods:
+        security = spec["securityContext"]
+        assert not IDS_FIELDS & security.keys(), where
+        assert security["runAsNonRoot"] is True, where
+        assert security["seccompProfile"] == {"type": "RuntimeDefault"}, where
+        for container in _containers(spec):
+            assert container["securityContext"]["runAsNonRoot"] is True, where
+    assert _engine_settings(manifests).engine_run_as_user is None
+    for manifest in manifests:
+        validate(manifest)
+
+
+def test_the_engine_pods_user_reaches_the_operator(renders, helm):
+    assert _engine_settings(renders["defaults-values"]).engine_run_as_user == 10001
+    manifests = render(helm, sets=["operator.engineRunAsUser=1000650000"])
+    assert _engine_settings(manifests).engine_run_as_user == 1000650000
+    # One component's null leaves the others' ids as they are.
+    manifests = render(helm, sets=["gateway.runAsUser=null"])
+    operator = named(manifests, "Deployment", "tandem-operator")["spec"]["template"]["spec"]
+    assert operator["securityContext"]["runAsUser"] == 10001
+    assert _engine_settings(manifests).engine_run_as_user == 10001

@@ -5,11 +5,16 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import subprocess
 from typing import Any
 
 import pytest
 import yaml
+from support.crd_schema import api_server_errors
 from support.helm import CHART, named, render, run_helm, template_args
+
+from tandem.operator import crd
+from tandem.operator.validation import validate_spec
 
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 VALUES_TEXT = (CHART / "values.yaml").read_text()
@@ -164,6 +169,13 @@ BAD_VALUES = [
     (["monitoring.alerts.ruleLabels.team\\.name=ml"], "invalid propertyName 'team.name'"),
     (["redis.nodeSelector.pool=a b"], "at '/redis/nodeSelector/pool'"),
     (["gateway.podDisruptionBudget.maxUnavailable=150%"], "podDisruptionBudget/maxUnavailable"),
+    (["operator.podDisruptionBudget.maxUnavailable=-1"], "/operator/podDisruptionBudget/maxUnava"),
+    # Root: null (no ids, the platform's) is the way to leave the user out, not 0.
+    (["operator.runAsUser=0"], "at '/operator/runAsUser': minimum: got 0, want 1"),
+    (["gateway.runAsUser=-1"], "at '/gateway/runAsUser': minimum: got -1, want 1"),
+    (["redis.runAsUser=0"], "at '/redis/runAsUser': minimum: got 0, want 1"),
+    (["operator.engineRunAsUser=0"], "at '/operator/engineRunAsUser': minimum: got 0, want 1"),
+    (["operator.engineRunAsUser=none"], "at '/operator/engineRunAsUser': got string, want"),
     # Names the API server refuses on the pods or the Ingress, for every object at once.
     (["operator.priorityClassName=High_Priority"], "at '/operator/priorityClassName'"),
     (
@@ -322,7 +334,35 @@ def test_the_notes_send_models_to_a_namespace_the_operator_serves(helm):
     args = ["install", "t", str(CHART), "--dry-run=client", "-n", "tandem-system"]
     result = run_helm(helm, *args, "--values", str(values))
     assert result.returncode == 0, result.stderr
-    assert f"kubectl apply -n {served} -f examples/smollm2-cpu.yaml" in result.stdout
+    assert f"kubectl apply -n {served} -f - <<'EOF'" in result.stdout
+
+
+def _notes(helm: str) -> str:
+    args = ["install", "t", str(CHART), "--dry-run=client", "-n", "tandem-system"]
+    result = run_helm(helm, *args)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split("NOTES:\n", 1)[1]
+
+
+def test_the_notes_model_pastes_into_a_shell_and_is_one_the_cluster_takes(helm):
+    # A packaged chart has no examples/ to apply: the notes carry the model itself.
+    notes = _notes(helm)
+    command = re.search(r"^kubectl apply .*?^EOF$", notes, re.S | re.M)
+    assert command, notes
+    # As pasted into a shell, kubectl standing in: the heredoc ends where it should.
+    shell = "kubectl() { printf '%s\\n' \"$*\"; cat; }\n" + command.group(0) + "\n"
+    done = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, check=True)
+    argv, document = done.stdout.split("\n", 1)
+    assert argv == "apply -n tandem-system -f -"
+    model = yaml.safe_load(document)
+    assert api_server_errors(crd.root_schema(), model) == []
+    spec = validate_spec(model["spec"], name=model["metadata"]["name"])
+    # The curl and SDK calls below it ask for the model by this name.
+    served = spec.model.served_model_name or model["metadata"]["name"]
+    assert notes.count(f'"model": "{served}"') == 1 and f'model="{served}"' in notes
+    # No file of the repository: the chart's home names where they are.
+    assert "examples/" not in notes
+    assert "https://github.com/tandem-serving/tandem" in notes
 
 
 def test_numbers_values_yaml_documents_are_accepted(helm):
@@ -466,10 +506,7 @@ def test_ingress_paths_and_class_stay_as_written(helm, tmp_path):
 
 
 def test_the_notes_keep_a_blank_line_under_their_first_line(helm):
-    args = ["install", "t", str(CHART), "--dry-run=client", "-n", "tandem-system"]
-    result = run_helm(helm, *args)
-    assert result.returncode == 0, result.stderr
-    notes = result.stdout.split("NOTES:\n", 1)[1]
+    notes = _notes(helm)
     assert notes.startswith("Tandem 0.1.0 is installed in namespace tandem-system.\n\n1. Serve")
 
 

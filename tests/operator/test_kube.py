@@ -181,6 +181,39 @@ def test_bad_engine_pull_secrets_are_refused(argv, env, message):
         parse(*argv, env=env)
 
 
+def test_engine_run_as_user_takes_an_id_or_none():
+    variable = "TANDEM_OPERATOR_ENGINE_RUN_AS_USER"
+    assert parse().engine_run_as_user == 10001
+    # An empty variable is unset, as for every setting: the default.
+    assert parse(env={variable: ""}).engine_run_as_user == 10001
+    assert parse(env={variable: "1000650000"}).engine_run_as_user == 1000650000
+    for spelling in ("none", "None", " NONE "):
+        assert parse(env={variable: spelling}).engine_run_as_user is None
+    # The flag's "none" is a value, not "no flag": it beats the variable.
+    assert parse("--engine-run-as-user", "none", env={variable: "5"}).engine_run_as_user is None
+    assert parse("--engine-run-as-user", "7", env={variable: "none"}).engine_run_as_user == 7
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (
+            [],
+            {"TANDEM_OPERATOR_ENGINE_RUN_AS_USER": "0"},
+            "TANDEM_OPERATOR_ENGINE_RUN_AS_USER: .*root",
+        ),
+        (["--engine-run-as-user", "-1"], {}, "--engine-run-as-user: .*at least 1"),
+        (["--engine-run-as-user", "nobody"], {}, "a user id .* or 'none', got 'nobody'"),
+        ([], {"TANDEM_OPERATOR_ENGINE_RUN_AS_USER": "null"}, "or 'none', got 'null'"),
+    ],
+)
+def test_bad_engine_run_as_users_are_refused(argv, env, message):
+    with pytest.raises(ValueError, match=message):
+        parse(*argv, env=env)
+    with pytest.raises(ValueError, match="at least 1"):
+        OperatorSettings(engine_run_as_user=0)
+
+
 def test_bad_settings_name_the_variable():
     with pytest.raises(ValueError, match="TANDEM_OPERATOR_SCRAPE_INTERVAL"):
         parse(env={"TANDEM_OPERATOR_SCRAPE_INTERVAL": "soon"})

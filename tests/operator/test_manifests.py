@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import base64
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,11 @@ from tandem.operator.manifests import (
     pod_deletion_cost_patch,
     role_manifests,
 )
-from tandem.operator.manifests_pods import CONFIG_HASH_ANNOTATION, pull_policy
+from tandem.operator.manifests_pods import (
+    CONFIG_HASH_ANNOTATION,
+    pod_security_context,
+    pull_policy,
+)
 from tandem.operator.role_name import RoleName
 from tandem.operator.spec import ModelDeploymentSpec
 from tandem.operator.validation import validate_spec
@@ -189,6 +194,31 @@ def test_every_pod_is_probed_locked_down_and_drains(path):
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert "TANDEM_REDIS_URL" in env
         assert f"--role={role_name.engine_role.value}" in engine["args"]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_engine_pods_without_a_user_leave_the_ids_to_the_platform(path):
+    # OpenShift's restricted-v2 SCC refuses fixed ids outside the namespace's range and
+    # assigns its own where the pod sets none.
+    owner, spec = _load(path)
+    fixed = _build(owner, spec)
+    platform = _build(owner, spec, replace(DEFAULTS, run_as_user=None))
+    ids = {"runAsUser", "runAsGroup", "fsGroup"}
+    for role_name in spec.roles():
+        security = _pod(fixed, role_name.value)["spec"]["securityContext"]
+        assert {key: security[key] for key in ids} == dict.fromkeys(ids, 10001)
+        security = _pod(platform, role_name.value)["spec"]["securityContext"]
+        assert not ids & security.keys()
+        assert security["runAsNonRoot"] is True
+        assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+    for manifest in platform:
+        assert kubernetes_validate.validate(manifest, K8S_VERSION, strict=True) == K8S_VERSION
+
+
+@pytest.mark.parametrize("uid", [0, -1, True, "10001"])
+def test_a_pod_user_that_is_not_an_id_of_at_least_one_is_refused(uid):
+    with pytest.raises(ValueError, match="at least 1 or None"):
+        pod_security_context(uid)
 
 
 def test_engine_arguments_parse_into_the_configuration_the_spec_describes():

@@ -156,6 +156,24 @@ def test_pull_secrets_taken_out_of_the_spec_are_taken_out_of_the_pods():
     assert plan(with_secret, children, DEFAULTS, now=NOW).patches == ()
 
 
+def test_engine_ids_the_operator_no_longer_sets_are_taken_out_of_the_pods():
+    # --engine-run-as-user none on a cluster whose engine pods were made with ids
+    # (OpenShift refusing them): without nulls the merge patch kept the old ids forever.
+    children = children_of(model())
+    platform = replace(DEFAULTS, run_as_user=None)
+    (patch,) = plan(model(), children, platform, now=NOW).patches
+    ids = ("runAsUser", "runAsGroup", "fsGroup")
+    assert patch.drift == tuple(f"spec.template.spec.securityContext.{key}" for key in ids)
+    security = patch.patch["spec"]["template"]["spec"]["securityContext"]
+    assert {key: security[key] for key in ids} == dict.fromkeys(ids)
+    assert security["runAsNonRoot"] is True
+    # Back to a fixed user: the ids are missing, which is drift already.
+    without = plan(model(), [], platform, now=NOW).creates
+    (back,) = plan(model(), without, DEFAULTS, now=NOW).patches
+    assert back.patch["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == 10001
+    assert plan(model(), without, platform, now=NOW).patches == ()
+
+
 def test_extra_configmap_keys_are_drift():
     config = next(c for c in children_of(model()) if c["kind"] == "ConfigMap")
     desired = copy.deepcopy(config)

@@ -92,14 +92,19 @@ tag is then ignored), else by tag, which defaults to appVersion.
 {{- end }}
 
 {{/*
-Pod-level security of every pod: a fixed non-root user (the image's), and the
-runtime's default seccomp profile. "values" is the component's values block.
+Pod-level security of every pod: a non-root user, and the runtime's default seccomp
+profile. "values" is the component's values block. Its runAsUser (the image's user)
+fixes user, group and fsGroup; null (a key Helm then removes) sets none, for platforms
+that assign them: OpenShift's restricted-v2 SCC refuses ids outside the namespace's range.
 */}}
 {{- define "tandem.podSecurityContext" -}}
 runAsNonRoot: true
-runAsUser: {{ int64 .values.runAsUser }}
-runAsGroup: {{ int64 .values.runAsUser }}
-fsGroup: {{ int64 .values.runAsUser }}
+{{- with .values.runAsUser }}
+runAsUser: {{ int64 . }}
+runAsGroup: {{ int64 . }}
+fsGroup: {{ int64 . }}
+{{- end }}
+{{- /* Kept without an fsGroup too: the one OpenShift assigns needs it as much. */}}
 fsGroupChangePolicy: OnRootMismatch
 seccompProfile:
   type: RuntimeDefault
@@ -140,7 +145,11 @@ imagePullSecrets:
 {{- end }}
 {{- end }}
 
-{{/* Where a component's pods run: "values" is its values block. */}}
+{{/*
+Where a component's pods run: "values" is its values block. With "component" (and
+"root") too, its replicas are spread over nodes softly unless the values place them
+apart themselves (topologySpreadConstraints, or a podAntiAffinity): a user's own wins.
+*/}}
 {{- define "tandem.podPlacement" -}}
 {{- include "tandem.imagePullSecrets" .root }}
 {{- with .values.priorityClassName }}
@@ -158,6 +167,29 @@ tolerations:
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- if .values.topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml .values.topologySpreadConstraints | nindent 2 }}
+{{- else if and .component (not (dig "podAntiAffinity" nil (.values.affinity | default dict))) }}
+topologySpreadConstraints:
+  {{- include "tandem.nodeSpread" . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/*
+A component's default spread ("root", "component"): its pods on different nodes where
+the scheduler can, so one node's loss takes one replica, never all. ScheduleAnyway: a
+preference, so pods still start on a cluster of one node. pod-template-hash: a rollout's
+new pods spread among themselves, not around the old ones about to go.
+*/}}
+{{- define "tandem.nodeSpread" -}}
+- maxSkew: 1
+  topologyKey: kubernetes.io/hostname
+  whenUnsatisfiable: ScheduleAnyway
+  labelSelector:
+    matchLabels:
+      {{- include "tandem.selectorLabels" . | nindent 6 }}
+  matchLabelKeys: [pod-template-hash]
 {{- end }}
 
 {{/* The namespaces whose ModelDeployments the operator serves (scope "namespace"), as JSON. */}}
