@@ -70,23 +70,35 @@ def test_ranks_of_a_group_even_out_what_they_hold(redis_client, keys, queue):
     # group stepped at its pace while its peer ran empty steps.
     group = ("g", "g-r1", "g-r2")
     ranks = [queue(name, share_with=group) for name in group]
-    other = queue("other-engine")  # another pod's engine: not of the group
+    other = queue("other-engine")  # another pod's engine, live beside the group
     for n in range(4):
         enqueue(redis_client, keys, item(f"early{n}"))
-    assert len(other.pull(4).work) == 4  # held elsewhere: not the group's to even out
+    assert len(other.pull(4).work) == 4
     for n in range(9):
         enqueue(redis_client, keys, item(f"b{n}", PRIORITY_HIGH if n % 3 == 0 else PRIORITY_LOW))
     taken = [rank.pull(256).work for rank in ranks]
+    # The other holds 4, more than a share of 13 among 4: the 9 new are the group's.
     assert [len(t) for t in taken] == [3, 3, 3]
     # The others finished theirs: the rank still holding 3 takes one (never none), and
-    # the next the rest of its share.
+    # the two empty ones share the rest, the first to read up to the level (1.5) above.
     ranks[1].ack(taken[1])
     ranks[2].ack(taken[2])
     for n in range(4):
         enqueue(redis_client, keys, item(f"c{n}"))
-    assert [len(rank.pull(256).work) for rank in ranks] == [1, 3, 0]
+    assert [len(rank.pull(256).work) for rank in ranks] == [1, 2, 1]
     with pytest.raises(ValueError, match="share_with must include the consumer"):
         queue("stranger", share_with=group)
+
+
+def test_two_groups_share_a_burst_among_all_their_ranks(redis_client, keys, queue):
+    # A group evened out only within itself: the first group to read took a whole burst
+    # of 16 (8 a rank) while the other group's ranks sat idle.
+    groups = [("a", "a-r1"), ("b", "b-r1")]
+    ranks = [queue(name, share_with=group) for group in groups for name in group]
+    assert not any(rank.pull(256) for rank in ranks)  # all live
+    for n in range(16):
+        enqueue(redis_client, keys, item(f"b{n}"))
+    assert [len(rank.pull(256).work) for rank in ranks] == [4, 4, 4, 4]
 
 
 def test_engines_of_a_queue_share_a_burst(redis_client, keys, queue, monkeypatch):
@@ -114,15 +126,16 @@ def test_engines_of_a_queue_share_a_burst(redis_client, keys, queue, monkeypatch
     assert not any(rank.pull(256) for rank in ranks)
     for n in range(9):
         enqueue(redis_client, keys, item(f"d{n}"))
-    # 12 held (engine-a's) and 9 new, among 4 live: 6 each.
-    assert len(queue("replica").pull(256).work) == 6
+    # engine-a holds 12, more than a share of 21 among 4 live: the 9 new fill the three
+    # others up, 3 each (a share of all, 6, left the third rank none).
+    assert len(queue("replica").pull(256).work) == 3
     # One that has not pulled for LIVE_MS (full, stalled, gone) takes no share:
     # alone, an engine takes everything it has room for.
     monkeypatch.setattr(work_queue, "LIVE_MS", 1)
     time.sleep(0.01)
     for n in range(5):
         enqueue(redis_client, keys, item(f"e{n}"))
-    assert len(queue("alone").pull(256).work) == 8  # the 3 left before, and these 5
+    assert len(queue("alone").pull(256).work) == 11  # the 6 left before, and these 5
 
 
 def test_dead_consumer_entries_are_reclaimed_until_exhausted(redis_client, keys, queue):

@@ -48,12 +48,12 @@ end
 
 -- Consumers pulling side by side even out what they hold: this one takes at most its
 -- share of their entries and the new ones, less what it holds (at least one). They are
--- a data-parallel group's ranks (ARGV[10..]: a group evens out within itself, a burst
--- not shared with other replicas), else the engines of this queue that pulled within
--- live_ms, a group's ranks among them. The first to read took a whole burst: a group's
--- steps went at its pace, and of two decoders one ran 11 sequences, the other one. A
--- stream holds only pending and undelivered entries (acked ones are deleted): its new
--- ones are its length less its pending count.
+-- the engines of this queue that pulled within live_ms (other replicas' ranks among
+-- them), and this one's data-parallel group's ranks (ARGV[10..]), live or not yet: a
+-- group's steps go at its slowest rank's pace. The first to read took a whole burst:
+-- of two decoders one ran 11 sequences, the other one; of two groups' four ranks, two
+-- ran 8 each and two none. A stream holds only pending and undelivered entries (acked
+-- ones are deleted): its new ones are its length less its pending count.
 local live_ms, peers = tonumber(ARGV[8]), tonumber(ARGV[9])
 local in_group = {}
 local now = nil
@@ -70,10 +70,10 @@ if live_ms > 0 then
     redis.pcall('ZREMRANGEBYSCORE', pullers, '-inf', now - 10 * live_ms)
   end
 end
-if peers > 1 then
-  for j = 10, 9 + peers do in_group[ARGV[j]] = true end
-elseif now then
-  in_group[consumer], peers = true, 1
+in_group[consumer] = true
+for j = 10, 9 + peers do in_group[ARGV[j]] = true end
+peers = math.max(peers, 1)
+if now then
   -- A note lags the last pull by up to live_ms / 2: live is noted within 1.5 live_ms.
   local since = now - math.floor(live_ms * 3 / 2)
   for _, name in ipairs(redis.call('ZRANGEBYSCORE', pullers, since, '+inf')) do
@@ -81,19 +81,29 @@ elseif now then
   end
 end
 if peers > 1 and room > 0 then
-  local new, held, mine = 0, 0, 0
+  local new, held = 0, {}
+  for name in pairs(in_group) do held[name] = 0 end
   for i = 1, nstreams do
     local summary = redis.call('XPENDING', KEYS[i], group)
     new = new + math.max(redis.call('XLEN', KEYS[i]) - summary[1], 0)
     for _, c in ipairs(summary[4] or {}) do
-      if in_group[c[1]] then
-        held = held + tonumber(c[2])
-        if c[1] == consumer then mine = mine + tonumber(c[2]) end
-      end
+      if held[c[1]] then held[c[1]] = held[c[1]] + tonumber(c[2]) end
     end
   end
-  held, mine = held - exhausted, mine - exhausted
-  room = math.min(room, math.max(math.ceil((new + held) / peers) - mine, 1))
+  held[consumer] = held[consumer] - exhausted
+  -- The level the new entries fill the least-holding ones up to (one that holds more
+  -- than its share takes none of them, and the rest share them):
+  -- of h1 <= h2 <= ..., the first k for which (new + h1 + ... + hk) / k <= h(k+1).
+  local counts = {}
+  for _, n in pairs(held) do counts[#counts + 1] = n end
+  table.sort(counts)
+  local sum, level = 0, 0
+  for k = 1, #counts do
+    sum = sum + counts[k]
+    level = (new + sum) / k
+    if k == #counts or level <= counts[k + 1] then break end
+  end
+  room = math.min(room, math.max(math.ceil(level) - held[consumer], 1))
 end
 
 local tokens = 0
