@@ -178,9 +178,15 @@ class Scheduler(HandoffSide):
         waiting, kv = self.waiting, self.kv
         plan = StepPlan(is_prefill=True)
         computing: dict[BlockHash, int] = {}  # blocks this step fills, for the prompts after
+        # Past the most in a row, a step only finishes prompts mid-chunk: a new one begun
+        # with the leftover budget was mid-chunk at the next step, and a steady stream of
+        # long prompts ran prompt steps without end (96 in a row seen).
+        capped = self.prompt_steps_in_a_row >= MAX_PROMPT_STEPS_IN_A_ROW and self.running
         while (request := waiting.first()) is not None and budget > 0 and slots > 0:
             rid = request.request_id
             admitted = kv.holds_blocks(rid)
+            if not admitted and capped:
+                break
             cached = [] if admitted else kv.match_prefix(request, computing)
             if not admitted and not self._admits(request, cached, plan):
                 break
@@ -230,9 +236,11 @@ class Scheduler(HandoffSide):
         """Whether a new prompt's blocks keep KV usage within the watermark, the room
         decodes grow into (read once a step, one step filled the pool with prompts the
         next decode step preempted). A PROMPT engine decodes nothing: no room kept. A
-        prompt past the watermark alone is taken where nothing else runs or is taken."""
+        prompt past the watermark alone is taken where nothing else runs, arrives (a
+        handoff's KV: it decodes next) or is taken."""
         cfg, kv = self.config, self.kv
-        if cfg.engine_type is EngineType.PROMPT or not (self.running or plan.seqs):
+        alone = not (self.running or self.receiving or plan.seqs)
+        if cfg.engine_type is EngineType.PROMPT or alone:
             return True
         taken = kv.blocks_taken(request.num_tokens, cached)
         return kv.usage_with(taken) <= cfg.cache_prefill_watermark

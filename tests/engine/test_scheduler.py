@@ -71,6 +71,23 @@ def test_while_requests_decode_prompt_steps_run_eight_in_a_row_at_most():
     assert sched.requests["long"].num_output_tokens >= 300 * 70 // 78 - 8
 
 
+def test_with_chunked_prefill_a_stream_of_long_prompts_keeps_to_the_most_in_a_row():
+    # Each prompt step finished a prompt mid-chunk and began the next with the budget
+    # left: the first waiting prompt was always mid-chunk, exempt from the most in a
+    # row, and the running request waited 96 prompt steps in a row.
+    sched = make(max_model_len=4096, max_num_batched_tokens=64, enable_chunked_prefill=True)
+    start_long_decode(sched, 0)
+    kinds = []
+    for i in range(300):
+        if i % 3 != 2:  # two 97-token prompts every 3 steps: the budget's whole rate
+            sched.add_request(Request(f"q{i}", prompt(97, 10_000 + 100 * i), LONG))
+        kinds.append("P" if step(sched)[0].is_prefill else "D")
+    runs = [len(p) for p in "".join(kinds).split("D")]
+    # At the most, the prompt mid-chunk finishes (97 tokens: two chunks at most).
+    assert max(runs) <= MAX_PROMPT_STEPS_IN_A_ROW + 2, runs
+    assert sched.requests["long"].num_output_tokens >= 300 // (MAX_PROMPT_STEPS_IN_A_ROW + 3)
+
+
 def test_a_burst_arriving_during_a_prompt_step_joins_the_run():
     # Requests a few milliseconds behind the first of a burst come during its prompt
     # step: they are prefilled next, not 70 decode steps later.

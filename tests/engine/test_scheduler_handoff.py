@@ -51,6 +51,24 @@ def test_handoffs_arriving_and_recomputes_waiting_hold_their_slots():
     check_integrity(sched)
 
 
+def test_a_recompute_keeps_the_watermark_while_a_handoff_arrives():
+    # Nothing running, a recompute was admitted past the watermark beside a handoff
+    # whose KV was arriving: its first decode steps preempted it, the KV just fetched.
+    sched = make(engine_type="completion", max_model_len=64, block_size=8, num_blocks=10)
+    _handoff(sched, "b", 32, max_tokens=24)  # 4 of 10 blocks, arriving
+    _handoff(sched, "a", 40, max_tokens=24)  # 5 more: 0.9, the watermark
+    sched.handoff_failed("a")  # recomputed here: 41 tokens, 6 blocks
+    plan, _ = step(sched)
+    assert "a" not in plan.num_scheduled_tokens and sched.kv_usage <= 0.9
+    sched.handoff_received("b")
+    plans = []
+    while sched.has_unfinished_requests():
+        plans.append(step(sched)[0])
+    assert not any(p.preempted_request_ids for p in plans)
+    assert sched.num_preemptions == 0
+    check_integrity(sched)
+
+
 def test_completion_engine_decodes_handoffs_and_never_prefills_new_work():
     sched = make(engine_type="completion", max_model_len=256)
     with pytest.raises(ValueError, match="only decodes requests prefilled elsewhere"):
