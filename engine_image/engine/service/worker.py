@@ -72,6 +72,9 @@ class EngineWorker(Intake):
         self._vote = vote
         # Whether any rank had work at the last vote (this one's own work, alone).
         self._group_busy = False
+        # Whether, at the last vote, ranks had work but none had run any at its last
+        # step (each waiting for KV to arrive or to be fetched).
+        self._group_stalled = False
         self._pulled_at = 0.0  # when it last asked Redis for work
         self._preemptions_said = (0, 0.0)  # the count last said, and when
         self._pull_paused_until = 0.0  # after handing parked handoffs back (monotonic)
@@ -174,23 +177,29 @@ class EngineWorker(Intake):
         # blocks for work (a ~100 ms read held every step: 10 tokens/s), and asks Redis
         # only every GROUP_POLL_S (a round trip each step cost a third of the time).
         now = time.monotonic()
-        if busy and self._vote is None and self.engine.last_step.num_seqs == 0:
+        stalled = busy and self.engine.last_step.num_seqs == 0
+        if stalled and (self._vote is None or self._group_stalled):
             # The last step ran nothing, its requests waiting for KV a decoder has yet
             # to fetch (a PROMPT engine's pool full of offers) or for fetches in flight
-            # (a COMPLETION engine's): wait for that, idle_block_ms at most. Looping, it
-            # spun a core and ran a pull on the shared Redis every few microseconds. A
-            # decoder pulls first (a handoff's fetch starts beside those in flight);
-            # another engine pulls nothing (a prompt taken now would wait too, where an
-            # engine with room would start it).
-            if self.settings.role is Role.COMPLETION:
+            # (a COMPLETION engine's): wait for that, idle_block_ms at most (a group's
+            # rank, where no rank ran anything, GROUP_POLL_S: its peers wait in the
+            # vote). Looping, it spun a core and ran a pull on the shared Redis every
+            # few microseconds. A decoder pulls first (a handoff's fetch starts beside
+            # those in flight), once a wait; another engine pulls nothing (a prompt taken
+            # now would wait too, where an engine with room would start it).
+            wait_s = self.settings.idle_block_ms / 1000
+            if self.settings.role is Role.COMPLETION and now - self._pulled_at >= wait_s:
+                self._pulled_at = now
                 self._pull(block=False)
-            self._wait_for_room()
+            self._wait_for_room(wait_s if self._vote is None else GROUP_POLL_S)
         elif busy or not self._group_busy or now - self._pulled_at >= GROUP_POLL_S:
             self._pulled_at = now
             self._pull(block=not busy and not self._group_busy)
         busy = self.engine.has_unfinished_requests()
         if self._vote is not None:  # an idle rank steps (empty) while any rank works
-            busy = self._vote(0 if busy else 1) == 0
+            # 0: work it may run, 1: work it ran none of at its last step, 2: none.
+            least = self._vote(0 if busy and not stalled else 1 if busy else 2)
+            busy, self._group_stalled = least < 2, least == 1
         self._group_busy = busy
         if busy:
             self._publish(self.engine.step())
@@ -198,8 +207,7 @@ class EngineWorker(Intake):
             self._say_preemptions()
         self.writes.after_step(len(self.held))
 
-    def _wait_for_room(self) -> None:
-        timeout = self.settings.idle_block_ms / 1000
+    def _wait_for_room(self, timeout: float) -> None:
         if self.handoffs is not None:
             self.handoffs.wait_for_news(timeout)
         else:
