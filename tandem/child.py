@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem import parent_death
+from tandem.cpu_cores import usable_cores
 
 # A child that stayed up this long starts its backoff afresh when it dies.
 STABLE_AFTER_S = 60.0
@@ -285,8 +286,7 @@ def engine_threads(num_engines: int) -> int | None:
     """
     if "OMP_NUM_THREADS" in os.environ:
         return None
-    cores = len(os.sched_getaffinity(0))
-    return max(1, (cores - 1) // max(1, num_engines))
+    return max(1, (usable_cores() - 1) // max(1, num_engines))
 
 
 # This machine's own servers are asked directly: a proxy from the environment

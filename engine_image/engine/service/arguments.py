@@ -95,8 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--threads",
         type=int,
-        help="CPU threads for the model (default: torch's, every core it sees; give the "
-        "cores this engine owns when several share a machine or a pod has a CPU limit)",
+        help="CPU threads for the model, each rank's (default: torch's, every core it "
+        "sees; a data-parallel group's ranks share the usable cores, within a CPU quota; "
+        "give the cores this engine owns when several share a machine)",
     )
     model.add_argument(
         "--enforce-eager",

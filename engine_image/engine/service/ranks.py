@@ -15,8 +15,9 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
+from tandem.cpu_cores import usable_cores
 from tandem.engine.step_vote import PeersLost, Vote
 from tandem.parent_death import die_with
 from tandem.redis_server import free_port
@@ -43,6 +44,9 @@ def run_ranks(args: argparse.Namespace, serve: Serve) -> int:
     """Start data_parallel_size rank processes, each running `serve` (a module-level
     function: the spawned processes import it); forward SIGTERM/SIGINT; wait for all."""
     world = args.data_parallel_size
+    if (threads := rank_threads(args.threads, world, os.environ)) != args.threads:
+        args.threads = threads
+        log.info("each rank runs on %d CPU thread(s) (--threads to choose)", threads)
     port = free_port()
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch state
     procs = [
@@ -187,6 +191,15 @@ def _rank_main(
     # so its peers, whose collectives break only then, never exit first in its stead.
     dist.destroy_process_group()
     raise SystemExit(code)
+
+
+def rank_threads(threads: int | None, world: int, environ: Mapping[str, str]) -> int | None:
+    """CPU threads for each of `world` ranks: `threads` (--threads) where given, else
+    the usable cores shared out; None where OMP_NUM_THREADS says (torch reads it).
+    Each rank took every core torch sees: 2 ranks on 2 cores ran 4-8x slower."""
+    if threads is not None or "OMP_NUM_THREADS" in environ:
+        return threads
+    return max(1, usable_cores() // world)
 
 
 def rank_device(device: str | None, rank: int) -> str | None:
