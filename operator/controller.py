@@ -135,8 +135,8 @@ class Controller:
                 await self._failed(model, error)
                 raise  # kopf retries the timer at its next tick; the log has the trace
             self._failing.discard((namespace, name))
-            if memory is None:
-                return None
+            if memory is None or memory.queue_unreadable is not None:
+                return memory  # nothing evaluated: as old as the last evaluation
             return dataclasses.replace(memory, watched_at=self._watch_clock())
 
     def _kept_up(
@@ -236,6 +236,7 @@ class Controller:
     ) -> _Scaling | None:
         meta = model["metadata"]
         memory = memory or scaling.ScalerMemory()
+        watched_at = memory.watched_at
         try:
             spec = validate_spec(model.get("spec"), name=meta["name"])
         except InvalidSpec:
@@ -261,14 +262,17 @@ class Controller:
             )
         except (redis.RedisError, OSError, LookupError, ValueError) as error:
             # Without the queue, an idle-looking model may be drowning in requests:
-            # skip this evaluation rather than scale down on half the picture, and
-            # forget the past, so that the outage never counts as idle time after.
+            # skip this evaluation rather than scale down on half the picture. The past
+            # is kept, as old as the last evaluation: an outage longer than a few
+            # intervals forgets it (_kept_up), so that it never counts as idle time
+            # after. (Forgotten at each failed read, a blip every few minutes held a
+            # role at its peak for good, and kept it from scaling to zero.)
             log.warning(
                 "%s/%s: no queue depth (%s); autoscaling skipped", namespace, meta["name"], error
             )
             why = str(error) or type(error).__name__
             return _Scaling(
-                scaling.ScalerMemory(queue_unreadable=why),
+                memory.queue_unread(why, self._clock(), watched_at),
                 notices=queue_events(memory.queue_unreadable, why),
             )
         samples = await self._sources.sample_all(scaling.scrape_targets(pods))

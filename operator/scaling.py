@@ -9,6 +9,7 @@ status.Scale's). No I/O (logging aside): the controller scrapes and writes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +52,9 @@ class ScalerMemory:
     # When the pass that left it ended (the controller's real clock, not the
     # autoscaler's): a memory much older was not kept up (Controller.reconcile).
     watched_at: float | None = None
+    # Since when (the autoscaler's clock) the queue could not be read, in a stretch
+    # short enough to keep the memory: that time is no idle time (evaluate).
+    queue_unread_since: float | None = None
 
     def watching(self, deployments: Mapping[RoleName, str]) -> ScalerMemory:
         """This memory for the roles' Deployments now: a role whose Deployment is new (a
@@ -61,7 +65,21 @@ class ScalerMemory:
             for role, history in self.histories.items()
             if role in deployments and self.deployments.get(role) == deployments[role]
         }
-        return ScalerMemory(kept, self.samples, dict(deployments), self.queue_unreadable)
+        return ScalerMemory(
+            kept,
+            self.samples,
+            dict(deployments),
+            self.queue_unreadable,
+            queue_unread_since=self.queue_unread_since,
+        )
+
+    def queue_unread(self, why: str, now: float, watched_at: float | None) -> ScalerMemory:
+        """This memory after an evaluation skipped for want of the queue (`why`): kept,
+        as old as the last evaluation (`watched_at`), the unread stretch noted."""
+        since = self.queue_unread_since if self.queue_unread_since is not None else now
+        return dataclasses.replace(
+            self, queue_unreadable=why, queue_unread_since=since, watched_at=watched_at
+        )
 
 
 @dataclass(frozen=True)
@@ -170,9 +188,9 @@ def evaluate(
         )
         # A role seen for the first time (a new model, or an operator that just
         # started) has no past to weigh a first reading against: see starting().
-        before[role_name] = memory.histories.get(role_name) or ScalingHistory.starting(
-            now, replicas[role_name]
-        )
+        before[role_name] = _after_unread(
+            memory.histories.get(role_name), memory.queue_unread_since, now
+        ) or ScalingHistory.starting(now, replicas[role_name])
     watermark = spec.engine.cache_prefill_watermark
     policies = {role_name: policy(role, watermark=watermark) for role_name, role in roles.items()}
     decisions = decide_all(observed, queue, policies, before, now)
@@ -186,6 +204,17 @@ def evaluate(
     alive = {p["metadata"]["name"] for p in pods}
     kept = {n: s for n, s in memory.samples.items() if n in alive and n not in samples}
     return Evaluation(decisions, ScalerMemory(histories, {**kept, **samples}, memory.deployments))
+
+
+def _after_unread(
+    history: ScalingHistory | None, unread_since: float | None, now: float
+) -> ScalingHistory | None:
+    """`history`, its idle clock moved on by the stretch the queue went unread: a model
+    busy through a Redis outage would otherwise have read idle all along it."""
+    if history is None or unread_since is None or history.last_active_at is None:
+        return history
+    active = min(now, history.last_active_at + (now - unread_since))
+    return dataclasses.replace(history, last_active_at=active)
 
 
 def _log_readability(

@@ -251,6 +251,26 @@ async def test_a_replica_that_leads_again_forgets_what_it_saw_before_it_stood_by
     assert not cluster.events("ScaledDown")
 
 
+async def test_a_blip_of_the_queue_keeps_what_the_autoscaler_saw(cluster, metrics, clock):
+    # A failed queue read forgot every role's history: the scale-down window began again
+    # (a blip every few minutes held a role at its peak for good, and off zero).
+    await cluster.start_operator(lambda: MetricSources(metrics, metrics), clock=clock)
+    metrics.default_kv, metrics.running = 0.1, 1  # load for one pod of four
+    window = {"scaleDownStabilizationSeconds": 300}
+    await cluster.apply(normal_model(replicas=4, minReplicas=1, maxReplicas=4, **window))
+    await eventually(lambda: ready(cluster) and len(cluster.pods("m", "normal")) == 4)
+    await asyncio.sleep(0.4)  # evaluations that read all four pods
+    for _ in range(2):  # 200 s of the window, watched
+        clock.advance(100)
+        await asyncio.sleep(0.4)
+    metrics.redis_down = True  # a pass or two, well within the memory's lapse
+    await eventually(lambda: cluster.events("QueueUnreadable"), what="the blip seen")
+    metrics.redis_down = False
+    await eventually(lambda: cluster.events("QueueReadable"), what="the queue read again")
+    clock.advance(150)  # 350 s since the first evaluation: the window passed
+    await eventually(lambda: replicas(cluster, "normal") < 4, what="the scale-down")
+
+
 async def test_api_errors_and_conflicts_are_retried(cluster, metrics, clock, caplog):
     caplog.set_level(logging.WARNING, logger="tandem.operator.kube")
     cluster.api.fail_next("POST", DEPLOYMENTS, status=500, reason="InternalError")
