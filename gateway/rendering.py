@@ -11,6 +11,7 @@ schema documents.
 
 from __future__ import annotations
 
+import codecs
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -147,6 +148,23 @@ class ChatRenderer(Renderer):
         return {"content": entries, "refusal": None} if self.logprobs else None
 
 
+class _Offsets:
+    """Where each of a choice's tokens starts in the prompt and its text, in characters:
+    the tokens' bytes decoded in turn. A token holding part of a character (an emoji,
+    a CJK character) adds none until the one that completes it: counted by their own
+    decodes (U+FFFD each), the offsets ran past the text's end."""
+
+    def __init__(self, start: int) -> None:
+        self._chars = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def take(self, token_bytes: bytes) -> int:
+        """The next token's offset; the offset moves past its text."""
+        at = self._chars
+        self._chars += len(self._decoder.decode(token_bytes))
+        return at
+
+
 class CompletionRenderer(Renderer):
     id_prefix = "cmpl-"
     object = "text_completion"
@@ -157,38 +175,33 @@ class CompletionRenderer(Renderer):
         # text_offset counts from the prompt's start, as OpenAI's does: a text prompt's
         # length (a prompt of token ids has no text here: its offsets start at 0).
         self._prompt_chars = prompt_chars
-        # Per choice, the characters of token text streamed so far (text_offset).
-        self._streamed: dict[int, int] = {}
+        # Per choice, where its streamed tokens have reached (text_offset).
+        self._streamed: dict[int, _Offsets] = {}
 
     def text(
         self, index: int, text: str, logprobs: list[dict[str, Any]] | None = None
     ) -> dict[str, Any]:
-        start = self._streamed.get(index, self._prompt_chars)
-        lists = self._lists(logprobs or [], start)
-        self._streamed[index] = start + sum(len(e["token"]) for e in logprobs or [])
+        offsets = self._streamed.setdefault(index, _Offsets(self._prompt_chars))
+        lists = self._lists(logprobs or [], offsets)
         return self._chunk([self._text(index, text, None, lists)])
 
     def finish(self, index: int, reason: str) -> dict[str, Any]:
         return self._chunk([self._text(index, "", reason, None)])
 
     def _choice(self, index: int, choice: ChoiceResult) -> dict[str, Any]:
-        lists = self._lists(choice.logprobs, self._prompt_chars)
+        lists = self._lists(choice.logprobs, _Offsets(self._prompt_chars))
         return self._text(index, choice.text, choice.finish_reason, lists)
 
-    def _lists(self, entries: list[dict[str, Any]], start: int) -> dict[str, Any] | None:
+    def _lists(self, entries: list[dict[str, Any]], offsets: _Offsets) -> dict[str, Any] | None:
         """The completions endpoint's logprobs: parallel lists over the tokens, each
         token's alternatives as {text: logprob}, and where each token's text starts."""
         if not self.logprobs:
             return None
-        offsets = []
-        for entry in entries:
-            offsets.append(start)
-            start += len(entry["token"])
         return {
             "tokens": [e["token"] for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": [_by_text(e) for e in entries],
-            "text_offset": offsets,
+            "text_offset": [offsets.take(bytes(e["bytes"])) for e in entries],
         }
 
     @staticmethod

@@ -106,6 +106,29 @@ def test_completion_offsets_count_from_the_prompts_start():
     assert second["choices"][0]["logprobs"]["text_offset"] == [8]
 
 
+def test_completion_offsets_count_characters_not_the_tokens_own_decodes():
+    # An emoji in two tokens: each decodes alone to U+FFFD, and counting those the
+    # offsets ran past the text's end (24 tokens of 8 emoji: offsets up to 40 of 25).
+    party = "\N{PARTY POPPER}".encode()  # 4 bytes
+    entries = [
+        {**_entry("\ufffd", -0.1), "bytes": list(party[:2])},
+        {**_entry("\ufffd", -0.2), "bytes": list(party[2:])},
+        {**_entry("!", -0.3), "bytes": list(b"!")},
+    ]
+    choices = [ChoiceResult(["\N{PARTY POPPER}!"], "stop", None, entries)]
+    completion = CompletionRenderer(
+        "xyz", 1, "tiny", include_usage=False, logprobs=True, prompt_chars=5
+    )
+    offsets = completion.response(choices)["choices"][0]["logprobs"]["text_offset"]
+    assert offsets == [5, 5, 6]  # the emoji's tokens where it starts; "!" after it
+    streamed = [
+        completion.text(0, "", entries[:1]),
+        completion.text(0, "\N{PARTY POPPER}", entries[1:2]),
+        completion.text(0, "!", entries[2:]),
+    ]
+    assert [c["choices"][0]["logprobs"]["text_offset"] for c in streamed] == [[5], [5], [6]]
+
+
 def test_completion_top_logprobs_always_hold_the_chosen_token():
     # Sampled below the top 1: OpenAI lists it too (up to logprobs + 1 keys).
     entry = {
