@@ -215,6 +215,7 @@ class Stack:
             "--port", str(cfg.port),
             # Its streams end after the engines answered them, at stop()'s pace.
             "--shutdown-timeout", str(self.stop_timeout),
+            *cfg.gateway_args,
         ]  # fmt: skip
         return Child(
             "gateway",

@@ -17,8 +17,8 @@ from tandem.listen import local_host
 from tandem.preflight import StartError
 from tandem.run_folder import remove_if_unused
 from tandem.up import Stack, UpConfig
+from tandem.up_child_args import checked_engine_args, checked_gateway_args
 from tandem.up_config import read_manifest
-from tandem.up_engine_args import checked_engine_args
 
 # What `tandem demo` asks, and the banner's curl: a question a small model answers.
 DEMO_QUESTION = "What is the capital of France?"
@@ -44,8 +44,10 @@ def run(args: argparse.Namespace) -> int:
         manifest = read_manifest(Path(args.file))
     if "engine_args" in given:
         given["engine_args"] = checked_engine_args(given["engine_args"])
+    gateway_args = checked_gateway_args(args.gateway_args) if args.gateway_args else ()
     config = UpConfig(
         manifest=manifest,
+        gateway_args=gateway_args,
         host=args.host,
         port=args.port,
         api_key=args.api_key,
@@ -181,6 +183,7 @@ examples:
   tandem up --model ~/models/Llama-3.2-1B-Instruct --served-model-name llama
   tandem up --host 0.0.0.0 --api-key KEY  reachable from other machines
   tandem up --engine-args '--max-model-len 2048 --enable-chunked-prefill'
+  tandem up --gateway-args '--default-max-tokens 4096'   longer answers by default
   tandem up -f model.yaml                 a ModelDeployment's roles, autoscaled"""
 
 
@@ -255,6 +258,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="a running Redis to use, such as redis://127.0.0.1:6379/0 (default: "
         "$TANDEM_REDIS_URL, else a redis-server of its own, password-protected, started "
         "and stopped with the rest)",
+    )
+    where.add_argument(
+        "--gateway-args",
+        metavar="FLAGS",
+        help="more `tandem gateway` flags, as one string, such as '--default-max-tokens "
+        "4096 --max-queue 64' (`tandem gateway --help` lists them; those tandem up sets, "
+        "such as --port, are refused)",
     )
     where.add_argument(
         "--ready-timeout",

@@ -21,6 +21,8 @@ class UpConfig:
     redis_url: str | None = None  # None: start an embedded Redis
     # Extra `tandem engine` flags for every engine (e.g. ["--max-model-len", "2048"]).
     engine_args: tuple[str, ...] = ()
+    # Extra `tandem gateway` flags (e.g. ["--default-max-tokens", "4096"]).
+    gateway_args: tuple[str, ...] = ()
     log_dir: Path | None = None
     # Seconds the engines may take to load and serve (--ready-timeout).
     ready_timeout: float = 300.0

@@ -84,7 +84,11 @@ def test_a_served_name_that_json_escapes_is_served(tmp_path, monkeypatch):
     # where a backslash or a quote is escaped: the start failed after --ready-timeout.
     name = 'team\\"tiny"'
     up = config(tmp_path, monkeypatch)
-    up = dataclasses.replace(up, served_model_name=name, ready_timeout=60.0)
+    # And the gateway's own flags reach it (--gateway-args): a default of 3 tokens.
+    gateway_args = ("--default-max-tokens", "3")
+    up = dataclasses.replace(
+        up, served_model_name=name, ready_timeout=60.0, gateway_args=gateway_args
+    )
     stack = Stack(up).start(say=lambda line: None)
     try:
         answer = httpx.post(
@@ -93,10 +97,18 @@ def test_a_served_name_that_json_escapes_is_served(tmp_path, monkeypatch):
             json={"model": name, "prompt": "hi", "max_tokens": 2},
             timeout=60,
         )
+        unbounded = httpx.post(
+            f"{stack.url}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            json={"model": name, "messages": [{"role": "user", "content": "hi"}],
+                  "ignore_eos": True},
+            timeout=60,
+        )  # fmt: skip
     finally:
         stack.stop(say=lambda line: None)
     assert answer.status_code == 200, answer.text
     assert answer.json()["model"] == name
+    assert unbounded.json()["usage"]["completion_tokens"] == 3, unbounded.text
 
 
 def test_a_redis_given_from_outside_is_said_at_start(tmp_path, monkeypatch, redis_url):

@@ -686,3 +686,31 @@ def test_engine_args_reach_every_engine_as_tandem_engine_reads_them(monkeypatch,
         assert cli.main(["up", f"--engine-args={flags}"]) == 2, flags
         assert capsys.readouterr().err == f"tandem: error: {error}\n"
     assert len(started) == 1  # nothing started for any of them
+
+
+def test_gateway_args_reach_the_gateway_as_tandem_gateway_reads_them(monkeypatch, capsys):
+    # Answers without max_tokens stop at the gateway's default (1,024 tokens), which
+    # tandem up gave no way to change.
+    started = []
+
+    class Started(Exception):
+        pass
+
+    def stack(config):
+        started.append(config)
+        raise Started
+
+    monkeypatch.setattr(up_command, "Stack", stack)
+    with pytest.raises(Started):
+        cli.main(["up", "--gateway-args", "--default-max-tokens 4096 --max-queue 64"])
+    assert started[0].gateway_args == ("--default-max-tokens", "4096", "--max-queue", "64")
+    refused = {
+        "--port 9000": "--gateway-args cannot set --port: set by --port",
+        "--no-auth": "--gateway-args cannot set --no-auth: set by --api-key",
+        "--default-max-tokens 0": "--gateway-args: default_max_tokens must be an integer >= 1",
+        "--max-q 64": "--gateway-args: unrecognized arguments: --max-q 64",  # no prefixes
+    }
+    for flags, error in refused.items():
+        assert cli.main(["up", f"--gateway-args={flags}"]) == 2, flags
+        assert capsys.readouterr().err.startswith(f"tandem: error: {error}"), flags
+    assert len(started) == 1  # nothing started for any of them
