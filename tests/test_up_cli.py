@@ -657,20 +657,27 @@ def test_a_line_for_a_reader_that_left_is_dropped_and_tandem_up_serves_on():
     assert "Traceback" not in done.stderr
 
 
-def test_engine_args_reach_every_engine_as_tandem_engine_reads_them(monkeypatch, capsys):
-    # tandem up had no way to give the engines a flag (a shorter context, chunked
-    # prefill) but a whole ModelDeployment manifest.
-    started = []
+class _Started(Exception):
+    """Raised in place of starting a stack: its config is kept."""
 
-    class Started(Exception):
-        pass
+
+@pytest.fixture
+def started(monkeypatch) -> list:
+    """The configs `tandem up` would start stacks with (none starts)."""
+    configs = []
 
     def stack(config):
-        started.append(config)
-        raise Started
+        configs.append(config)
+        raise _Started
 
     monkeypatch.setattr(up_command, "Stack", stack)
-    with pytest.raises(Started):
+    return configs
+
+
+def test_engine_args_reach_every_engine_as_tandem_engine_reads_them(started, capsys):
+    # tandem up had no way to give the engines a flag (a shorter context, chunked
+    # prefill) but a whole ModelDeployment manifest.
+    with pytest.raises(_Started):
         cli.main(["up", "--engine-args", "--max-model-len 64 --enable-chunked-prefill"])
     assert started[0].engine_args == ("--max-model-len", "64", "--enable-chunked-prefill")
     refused = {
@@ -688,20 +695,10 @@ def test_engine_args_reach_every_engine_as_tandem_engine_reads_them(monkeypatch,
     assert len(started) == 1  # nothing started for any of them
 
 
-def test_gateway_args_reach_the_gateway_as_tandem_gateway_reads_them(monkeypatch, capsys):
+def test_gateway_args_reach_the_gateway_as_tandem_gateway_reads_them(started, capsys):
     # Answers without max_tokens stop at the gateway's default (1,024 tokens), which
     # tandem up gave no way to change.
-    started = []
-
-    class Started(Exception):
-        pass
-
-    def stack(config):
-        started.append(config)
-        raise Started
-
-    monkeypatch.setattr(up_command, "Stack", stack)
-    with pytest.raises(Started):
+    with pytest.raises(_Started):
         cli.main(["up", "--gateway-args", "--default-max-tokens 4096 --max-queue 64"])
     assert started[0].gateway_args == ("--default-max-tokens", "4096", "--max-queue", "64")
     refused = {
