@@ -52,6 +52,9 @@ DEFAULT_DRAIN_S = 30.0
 QUEUE_SETTLE_S = 1.0
 # After a second stop request, what the engines get to finish what they run.
 HURRY_S = 5.0
+# What the gateway gets to end its open streams with an error event a client reads
+# (then it is killed): before the stop's deadline, and after a hurried stop's.
+GATEWAY_CUT_S = 3.0
 # How often `tandem up` renews its model's catalog declaration (tandem/catalog.py).
 DECLARE_EVERY_S = 15.0
 
@@ -213,8 +216,9 @@ class Stack:
             sys.executable, "-m", "tandem.cli", "gateway",
             "--host", cfg.host,
             "--port", str(cfg.port),
-            # Its streams end after the engines answered them, at stop()'s pace.
-            "--shutdown-timeout", str(self.stop_timeout),
+            # Its streams end after the engines answered them, at stop()'s pace; those
+            # still open are cut by it (an error event each) before stop() kills it.
+            "--shutdown-timeout", str(self.stop_timeout - GATEWAY_CUT_S),
             *cfg.gateway_args,
         ]  # fmt: skip
         return Child(
@@ -313,7 +317,15 @@ class Stack:
         if self.actuator is not None:
             self.actuator.close()
         if gateway is not None:
-            gateway.wait_or_kill(deadline)
+            if self._hurried_at is not None:
+                # A second interrupt makes uvicorn stop at once: each stream still open
+                # ends with the shutting_down event, where a kill cut it bare ("Connection
+                # error." in the SDKs).
+                gateway.signal(signal.SIGINT)
+                cut_at = time.monotonic() + GATEWAY_CUT_S
+                gateway.wait_or_kill(lambda: max(deadline(), cut_at))
+            else:
+                gateway.wait_or_kill(deadline)
         if self.redis is not None:
             self.redis.stop()
             self.redis = None

@@ -138,6 +138,35 @@ def test_an_engine_dead_as_the_stack_stops_is_restarted_to_answer_what_was_admit
     _stop_while_serving(stack, requests=4, tokens=200, first=lambda: engines[0].kill())
 
 
+def test_a_hurried_stop_ends_open_streams_with_an_error_event(tmp_path, monkeypatch):
+    # Ctrl-C twice: the gateway was killed a few seconds on, its streams cut bare (the
+    # SDKs' "Connection error."), where its own cut ends each with an error event.
+    stack = Stack(config(tmp_path, monkeypatch)).start(say=lambda line: None)
+    engine = next(c for c in stack.children if c is not stack.gateway)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "max_tokens": 200, "ignore_eos": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    stopping = threading.Thread(target=stack.stop, kwargs={"say": lambda line: None})
+    try:
+        with httpx.stream(
+            "POST", f"{stack.url}/v1/chat/completions", json=body, headers=headers, timeout=60
+        ) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            engine.process.send_signal(signal.SIGSTOP)  # the answer stops coming
+            stack.request_stop()
+            stack.request_stop()  # Ctrl-C again
+            stopping.start()
+            rest = "\n".join(lines)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            engine.process.send_signal(signal.SIGCONT)
+        if stopping.is_alive():
+            stopping.join()
+        stack.stop()
+    assert '"code":"shutting_down"' in rest.replace(" ", ""), rest[-500:]
+
+
 def _stop_while_serving(stack: Stack, requests: int, tokens: int, first=None) -> None:
     """Stop the stack with `requests` chat requests admitted (after `first()`); each must
     be answered whole, the stop within its deadline."""
