@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import sys
 import time
@@ -27,6 +28,9 @@ log = logging.getLogger("tandem.engine")
 
 def main(args: argparse.Namespace) -> int:
     log_to_stderr()
+    # Until serve() takes it as a drain, once loaded: a scale-down mid-load killed the
+    # engine by the signal (exit 143), its log saying nothing.
+    signal.signal(signal.SIGTERM, _stopped_while_starting)
     args.host = every_interface(args.host)  # "::" in a pod of an IPv6 cluster
     check_arguments(args)
     check_ports(args)
@@ -40,8 +44,13 @@ def main(args: argparse.Namespace) -> int:
     from tandem.engine.service.serve import serve  # torch, the model's stack
 
     if args.data_parallel_size > 1:
-        return run_ranks(args, serve)
+        return run_ranks(args, serve)  # which takes SIGTERM itself
     return serve(args, rank=0)
+
+
+def _stopped_while_starting(signum: int, _frame: object) -> None:
+    log.info("stopped while starting (%s): nothing was taken", signal.Signals(signum).name)
+    raise SystemExit(0)
 
 
 def wait_for_redis(url: str, wait_s: float) -> None:
