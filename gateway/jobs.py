@@ -57,7 +57,7 @@ _UNSERVED_PARAMS: dict[str, tuple[tuple[object, ...], str | None]] = {
     "response_format": (({"type": "text"},), "response_format other than text"),
     "service_tier": (("auto", "default"), "service_tier other than auto or default"),
     "tool_choice": (("none",), None),
-    "tools": (([],), None),
+    "tools": (([],), 'tools (tool calls; with tool_choice "none" they reach the template only)'),
     "verbosity": (("medium",), "verbosity other than medium"),
     "web_search_options": ((), None),
 }
@@ -200,6 +200,8 @@ class JobBuilder:
                 # not as a format other than text.
                 extra = f"{name}.{next(k for k in value if k != 'type')}"
                 raise bad_request(f"Unrecognized request argument supplied: {extra}", extra)
+            if name == "tools" and value and body.tool_choice == "none":
+                continue  # told not to call them: the template writes them (messages.py)
             if value not in (None, *neutral):
                 raise not_supported(name, what)
         if (

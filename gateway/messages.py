@@ -126,6 +126,10 @@ def chat_options(body: ChatCompletionRequest) -> dict[str, Any]:
     fields that carry them; the defaults are left out. As in vLLM, chat_template_kwargs
     may set add_generation_prompt and continue_final_message too, and wins."""
     kwargs = dict(body.chat_template_kwargs or {})
+    if body.tools and body.tool_choice == "none":
+        # Served as vLLM serves them: the template writes them into the prompt, and the
+        # answer is a message (no tool call is parsed). The kwargs' own tools win.
+        kwargs.setdefault("tools", body.tools)
     if "messages" in kwargs:
         raise bad_request(
             "chat_template_kwargs cannot set messages: give them as messages",

@@ -70,6 +70,21 @@ def test_template_variables_are_charged_as_prompt_too():
     assert job.cost_tokens() == item.estimated_prompt_tokens + 1
 
 
+def test_tools_with_tool_choice_none_reach_the_template_as_vllm_serves_them():
+    # Refused (a 400) however the client asked: agent frameworks attach their tools to
+    # every call, some with tool_choice "none" for a plain answer.
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    [item] = _chat(max_tokens=1, tools=tools, tool_choice="none").items
+    assert item.chat_template_kwargs == {"tools": tools}
+    assert item.estimated_prompt_tokens > _chat(max_tokens=1).items[0].estimated_prompt_tokens
+    own = [{"type": "function", "function": {"name": "other"}}]
+    [item] = _chat(tools=tools, tool_choice="none", chat_template_kwargs={"tools": own}).items
+    assert item.chat_template_kwargs == {"tools": own}  # the kwargs' own win, as vLLM's
+    for choice in (None, "auto", "required"):  # a tool call asked for, or likely
+        with pytest.raises(GatewayError, match=r"tool_choice|tools"):
+            _chat(tools=tools, tool_choice=choice)
+
+
 def test_top_p_0_is_the_likeliest_token_alone():
     [item] = _chat(temperature=1.0, top_p=0, top_k=5).items
     assert item.sampling["top_k"] == 1 and "top_p" not in item.sampling
