@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from tandem.cli import build_parser
-from tandem.operator.manifests_pods import ENGINE_UID
+from tandem.operator.settings import DEFAULT_ENGINE_RUN_AS_USER as ENGINE_UID
 
 ROOT = Path(__file__).resolve().parents[2]
 VALUES = yaml.safe_load((ROOT / "charts" / "tandem" / "values.yaml").read_text())
