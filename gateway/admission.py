@@ -43,6 +43,7 @@ from tandem.gateway.idempotency import IdempotencyLedger, IdempotencyRecord
 from tandem.gateway.jobs import Job
 from tandem.gateway.quota import Quotas
 from tandem.gateway.settings import GatewaySettings
+from tandem.protocol import PRIORITY_NORMAL
 
 # Retry-After of a model whose engines lack a role: an engine starts in seconds.
 MISSING_ROLE_RETRY_S = 5
@@ -250,11 +251,20 @@ class Admission:
         )
 
     async def _reserve_room(self, job: Job) -> None:
-        waiting = await self.queues.reserve(job.model, job.n, self.settings.max_queue)
+        limit = queue_limit(self.settings.max_queue, job.items[0].priority)
+        waiting = await self.queues.reserve(job.model, job.n, limit)
         if waiting is not None:
+            low = " for low priority (half of it)" if limit < self.settings.max_queue else ""
             raise rate_limited(
-                f"The queue of model {job.model!r} is full ({waiting} requests waiting, "
-                f"limit {self.settings.max_queue}); retry later",
+                f"The queue of model {job.model!r} is full{low} ({waiting} requests waiting, "
+                f"each of n choices one; limit {limit}); retry later",
                 "queue_full",
                 self.settings.queue_retry_after_s,
             )
+
+
+def queue_limit(max_queue: int, priority: int) -> int:
+    """The backlog past which a request of `priority` is shed: --max-queue, and half of it
+    for low priority, so that the room left stays the others' (a key held to low
+    priority filled the queue, and every tenant's high-priority request was refused)."""
+    return max_queue if priority >= PRIORITY_NORMAL else (max_queue + 1) // 2

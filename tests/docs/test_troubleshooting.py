@@ -19,6 +19,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
@@ -40,7 +41,7 @@ from tandem.operator.manifests_pods import FETCH_SCRIPT
 from tandem.operator.reconcile import plan
 from tandem.operator.served_names import served_name_holder
 from tandem.operator.validation import invalid_reason
-from tandem.protocol import ErrorCode
+from tandem.protocol import PRIORITY_NORMAL, ErrorCode
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "troubleshooting.md"
@@ -218,6 +219,7 @@ class _FullQueue:
 class _Job:
     model = "smollm2-135m-instruct"
     n = 1
+    items = (SimpleNamespace(priority=PRIORITY_NORMAL),)
 
 
 def _queue_full() -> str:

@@ -57,6 +57,32 @@ def test_a_burst_of_concurrent_requests_queues_no_more_than_the_limit(gateway, k
     assert conn.xlen(keys.work_stream(MODEL, PRIORITY_NORMAL)) == 0
 
 
+def test_low_priority_fills_half_the_queue_and_leaves_the_rest_to_the_others(gateway, keys):
+    # A key held to low priority filled the whole queue: every tenant's request, high
+    # priority too, was refused.
+    live, _ = gateway
+
+    async def burst(priority: str, count: int) -> Counter:
+        headers = {"Authorization": f"Bearer {API_KEY}", "X-Tandem-Timeout": "2",
+                   "X-Tandem-Priority": priority}  # fmt: skip
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        async with httpx.AsyncClient(base_url=live.url, headers=headers, timeout=30) as client:
+            answers = await asyncio.gather(
+                *(client.post("/v1/chat/completions", json=body) for _ in range(count))
+            )
+        return Counter(answer.status_code for answer in answers)
+
+    async def both() -> tuple[Counter, Counter]:
+        low = asyncio.ensure_future(burst("low", 10))
+        await asyncio.sleep(0.5)  # the low ones queued first, waiting out their 2 s
+        high = await burst("high", 5)
+        return await low, high
+
+    low, high = asyncio.run(both())
+    assert low == {429: 10 - 2, 504: 2}, low  # half of 3, rounded up
+    assert high == {429: 5 - 1, 504: 1}, high  # the room left
+
+
 def test_work_nobody_waits_for_any_more_leaves_the_queue(gateway, keys):
     # Timed out (504) or left by its client, queued work kept its place until an engine
     # had room to read and drop it: live requests got 429 queue_full meanwhile, and the
