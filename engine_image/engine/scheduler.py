@@ -181,7 +181,8 @@ class Scheduler(HandoffSide):
         # Past the most in a row, a step only finishes prompts mid-chunk: a new one begun
         # with the leftover budget was mid-chunk at the next step, and a steady stream of
         # long prompts ran prompt steps without end (96 in a row seen).
-        capped = self.prompt_steps_in_a_row >= MAX_PROMPT_STEPS_IN_A_ROW and self.running
+        # As the step begins: what it admits runs too, but decodes only after it.
+        capped = self.prompt_steps_in_a_row >= MAX_PROMPT_STEPS_IN_A_ROW and bool(self.running)
         while (request := waiting.first()) is not None and budget > 0 and slots > 0:
             rid = request.request_id
             admitted = kv.holds_blocks(rid)

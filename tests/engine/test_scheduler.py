@@ -88,6 +88,24 @@ def test_with_chunked_prefill_a_stream_of_long_prompts_keeps_to_the_most_in_a_ro
     assert sched.requests["long"].num_output_tokens >= 300 // (MAX_PROMPT_STEPS_IN_A_ROW + 3)
 
 
+@pytest.mark.parametrize("engine_type", ["normal", "prompt"])
+def test_past_the_most_in_a_row_with_nothing_decoding_a_step_takes_a_whole_burst(engine_type):
+    # The cap read the running list as the step went: once its first prompt ran, the
+    # step took no more, one prompt a step for good on a prompt engine (whose prompt
+    # steps never end a run: it decodes nothing).
+    sched = make(max_model_len=2048, engine_type=engine_type)
+    admitted = []
+    for i in range(12):
+        for j in range(4):
+            sched.add_request(Request(f"q{i}-{j}", prompt(16, 1000 * (4 * i + j)), LONG))
+        admitted.append(len(step(sched)[0].num_scheduled_tokens))
+        for rid in list(sched.handoff):  # a decoder fetched it
+            sched.release_handoff(rid)
+        for request in list(sched.running):
+            sched.abort_request(request.request_id)  # done: nothing decodes
+    assert admitted == [4] * 12
+
+
 def test_a_burst_arriving_during_a_prompt_step_joins_the_run():
     # Requests a few milliseconds behind the first of a burst come during its prompt
     # step: they are prefilled next, not 70 decode steps later.
