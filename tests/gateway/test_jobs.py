@@ -36,8 +36,8 @@ def test_a_chat_request_becomes_one_work_item_with_its_sampling():
     assert item.priority == PRIORITY_NORMAL and item.request_id == job.base_id
     assert item.estimated_prompt_tokens == 2 + 8  # 8 characters / 4, and its template
     assert item.deadline == pytest.approx(time.time() + 60, abs=1)
-    assert job.cost_tokens() == 10 + 5
-    assert job.cost_tokens(12) == 10 + 5  # the client's max_tokens: as given
+    assert job.cost_tokens() == 10 + 1 + 5  # the prompt, the stop string, max_tokens
+    assert job.cost_tokens(12) == 10 + 1 + 5  # the client's max_tokens: as given
 
 
 def test_the_default_max_tokens_is_charged_within_the_models_context():
@@ -83,6 +83,16 @@ def test_tools_with_tool_choice_none_reach_the_template_as_vllm_serves_them():
     for choice in (None, "auto", "required"):  # a tool call asked for, or likely
         with pytest.raises(GatewayError, match=r"tool_choice|tools"):
             _chat(tools=tools, tool_choice=choice)
+
+
+def test_stop_strings_are_charged_as_what_each_choice_carries():
+    # 4 stop strings of 255 kB with n=16 held 16 MB of Redis for 46 tokens of a tpm.
+    stops = ["x" * 4000] * 4
+    plain = _chat(max_tokens=1, n=2)
+    stopped = _chat(max_tokens=1, n=2, stop=stops)
+    assert stopped.cost_tokens() - plain.cost_tokens() == 2 * 4000
+    # Not the prompt's: the queued-tokens gauge the autoscaler reads counts prompts.
+    assert stopped.items[0].estimated_prompt_tokens == plain.items[0].estimated_prompt_tokens
 
 
 def test_top_p_0_is_the_likeliest_token_alone():
