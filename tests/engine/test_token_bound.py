@@ -89,12 +89,12 @@ def test_a_prompt_its_length_shows_too_long_is_refused_unencoded():
     longest = longest_token_chars(llm.tokenizer.backend)
     text = "a" * max(4096, 512 * longest)
     fewest = -(-len(text) // longest)
-    with pytest.raises(PromptTooLongError, match=f"The prompt has at least {fewest} tokens"):
+    with pytest.raises(PromptTooLongError, match=f"the prompt has at least {fewest} tokens"):
         llm.generate(text)
     with pytest.raises(PromptTooLongError, match=r"has at least \d+ tokens"):  # the template's
         llm.chat([{"role": "user", "content": text}])
     # Under the bound, the tokens are counted: the usual refusal.
-    with pytest.raises(PromptTooLongError, match=r"The prompt has \d+ tokens"):
+    with pytest.raises(PromptTooLongError, match=r"the prompt has \d+ tokens"):
         llm.generate("a b " * 1024)  # at least 4096 / longest tokens, in fact ~2048
 
 

@@ -18,7 +18,8 @@ from tandem.protocol import Role
 
 @pytest.fixture
 def rank(redis_client, redis_url, keys):
-    """An idle rank whose group votes `group_busy` (a MIN vote: 0 is someone busy)."""
+    """An idle rank whose group votes `group_busy` (a MIN vote: 0 is someone busy, 2
+    everyone idle; worker.run_once)."""
     engine = LLM("random:tiny", num_kv_blocks=32, max_model_len=128).engine
     settings = WorkerSettings(
         role=Role.NORMAL, model_name="tiny", engine_id="rank-1", http_address=""
@@ -28,9 +29,8 @@ def rank(redis_client, redis_url, keys):
     made = []
 
     def make(group_busy: bool) -> tuple[EngineWorker, list[int]]:
-        worker = EngineWorker(
-            engine, settings, io, EngineMetrics("tiny", "normal"), vote=lambda _: 1 - group_busy
-        )
+        metrics = EngineMetrics("tiny", "normal")
+        worker = EngineWorker(engine, settings, io, metrics, vote=lambda _: 0 if group_busy else 2)
         waits: list[int] = []
         pull = io.queue.pull
 
