@@ -37,7 +37,9 @@ def trace(mean_rate: float, seed: int, duration_s: float = DAY_S) -> list[TraceR
         input_len=LengthDist.parse("lognormal:4000:0.5:1:8000"),
         output_len=LengthDist.parse("lognormal:100:0.5:1:1000"),
         duration_s=duration_s,
-        bursts_per_day=12 * duration_s / DAY_S,
+        # day_trace prorates them to duration_s (12 x d/day); prorated here too, a
+        # 12-hour run drew 3 bursts, an hour's none.
+        bursts_per_day=12,
         seed=seed,
     )
 

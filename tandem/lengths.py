@@ -5,8 +5,9 @@
   `normal:MEAN:STD[:MIN:MAX]`       rounded normal
   `lognormal:MEAN:SIGMA[:MIN:MAX]`  rounded log-normal of that mean (SIGMA: of the log)
 
-Lengths are integers; the first number is the mean of every kind (before
-clipping), so rate x MEAN is the offered token load. Values outside [MIN, MAX]
+Lengths are integers; the mean (before clipping) is the first number of a
+fixed length, normal and lognormal, and (LOW + HIGH) / 2 of uniform, so rate x
+mean is the offered token load. Values outside [MIN, MAX]
 (default [1, MAX_LENGTH]) are clipped rather than resampled: the sampler's
 cost stays fixed and its output reproducible; the bounds cap a tail, they do
 not reshape the distribution, so a spec that would put half its lengths on a

@@ -17,6 +17,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.lengths import MAX_LENGTH
+
 # The latest first arrival a trace may have: a quiet week, no more.
 MAX_FIRST_ARRIVAL_S = 7 * 86400
 
@@ -116,7 +118,10 @@ def _parse_line(text: str, where: str) -> TraceRequest:
     counts = []
     for key in ("input_tokens", "output_tokens"):
         value = obj[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise TraceError(f"{where}: {key} must be an integer >= 1, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LENGTH:
+            # Past it, found mid-run: a prompt of that many ids was built (an OverflowError).
+            raise TraceError(
+                f"{where}: {key} must be an integer in 1..{MAX_LENGTH:,}, got {value!r}"
+            )
         counts.append(value)
     return TraceRequest(float(arrival), counts[0], counts[1])

@@ -40,7 +40,12 @@ def test_a_bad_line_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"line 1: missing output_tokens"):
         read_trace(path)
     path.write_text('{"arrival_s": 0, "input_tokens": 0, "output_tokens": 5}\n')
-    with pytest.raises(ValueError, match=r"line 1: input_tokens must be an integer >= 1"):
+    with pytest.raises(ValueError, match=r"line 1: input_tokens must be an integer in 1\.\."):
+        read_trace(path)
+    # Past the length specs' bound, found mid-run: an OverflowError, or a prompt of
+    # 20 million ids built and sent.
+    path.write_text('{"arrival_s": 0, "input_tokens": 10, "output_tokens": 99999999999}\n')
+    with pytest.raises(ValueError, match=r"line 1: output_tokens must be an integer in 1\.\."):
         read_trace(path)
 
 
