@@ -130,6 +130,13 @@ def chat_options(body: ChatCompletionRequest) -> dict[str, Any]:
         # Served as vLLM serves them: the template writes them into the prompt, and the
         # answer is a message (no tool call is parsed). The kwargs' own tools win.
         kwargs.setdefault("tools", body.tools)
+    if "chat_template" in kwargs:
+        # The engines would render it in place of the model's: a client's Jinja, whose
+        # loops hold every request of the engine (LLM.chat's chat_template is the API's).
+        raise bad_request(
+            "chat_template_kwargs cannot set chat_template: the model's own template renders",
+            "chat_template_kwargs",
+        )
     if "messages" in kwargs:
         raise bad_request(
             "chat_template_kwargs cannot set messages: give them as messages",

@@ -208,6 +208,11 @@ def template_options(
         )
     if chat_template_kwargs and "messages" in chat_template_kwargs:
         raise ValueError("chat_template_kwargs cannot set messages: give them as messages")
+    if chat_template_kwargs and "chat_template" in chat_template_kwargs:
+        # Not a variable: it would replace the template, a client's Jinja run on the engine.
+        raise ValueError(
+            "chat_template_kwargs cannot set chat_template: the model's own template renders"
+        )
     # As vLLM merges them: the kwargs may set the two options too, and win.
     return {
         "add_generation_prompt": add_generation_prompt,

@@ -289,6 +289,10 @@ def test_chat_can_go_on_with_an_assistant_answer_begun(llm):
         },
         "chat_template_kwargs must be a dict": {"chat_template_kwargs": ["x"]},
         "chat_template_kwargs cannot set messages": {"chat_template_kwargs": {"messages": []}},
+        # A client's Jinja in the model's stead (a work item's kwargs reach here too).
+        "chat_template_kwargs cannot set chat_template": {
+            "chat_template_kwargs": {"chat_template": "{% for i in range(9**9) %}{% endfor %}"}
+        },
     }
     for why, options in refusals.items():
         with pytest.raises(ValueError, match=why):

@@ -95,6 +95,15 @@ def test_stop_strings_are_charged_as_what_each_choice_carries():
     assert stopped.items[0].estimated_prompt_tokens == plain.items[0].estimated_prompt_tokens
 
 
+def test_a_template_of_the_clients_own_is_refused():
+    # chat_template_kwargs reached the engines' encode_chat: its chat_template replaced
+    # the model's, a client's Jinja run on the engine (range loops held it for hours).
+    loops = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    with pytest.raises(GatewayError, match="cannot set chat_template") as refused:
+        _chat(chat_template_kwargs={"chat_template": loops})
+    assert refused.value.param == "chat_template_kwargs"
+
+
 def test_top_p_0_is_the_likeliest_token_alone():
     [item] = _chat(temperature=1.0, top_p=0, top_k=5).items
     assert item.sampling["top_k"] == 1 and "top_p" not in item.sampling
