@@ -210,11 +210,11 @@ def refusal(
         counted, fix = "max_tokens", "lower max_tokens or n"
         if default_max_tokens is not None:
             counted = f"max_tokens, unset: {default_max_tokens}, the default within the context"
-            fix = "set max_tokens lower (or n)"
+            fix = "set max_tokens lower, or n"
         return rate_limited(
             f"Request too large for tokens per minute (tpm) of key {key.name!r}: it needs "
-            f"{tokens} tokens (estimated prompt + {counted}, per choice), the limit is "
-            f"{key.tpm}/min; {fix}",
+            f"{tokens} tokens (estimated prompt and stop strings + {counted}, per choice), "
+            f"the limit is {key.tpm}/min; {fix}, or shorten the prompt or stop strings",
             "tpm_exceeded",
             None,
             retryable=False,

@@ -225,12 +225,12 @@ CASES = {
                               message="tokens per minute", check=_retry_after),
     "larger than the tpm quota": Case(429, {**GOOD, "max_tokens": 150}, key="sk-tpm",
                                       code="tpm_exceeded", check=_no_retry,
-                                      message="; lower max_tokens or n"),
+                                      message="; lower max_tokens or n, or shorten the prompt"),
     # Not "lower max_tokens": the client never set it.
     "larger than the tpm quota by default": Case(
         429, {"model": "tiny", "messages": USER}, key="sk-tpm", code="tpm_exceeded",
         check=_no_retry, message="max_tokens, unset: 247, the default within the context, "
-        "per choice), the limit is 100/min; set max_tokens lower (or n)"),
+        "per choice), the limit is 100/min; set max_tokens lower, or n, or shorten"),
     "deadline passed": Case(504, {**GOOD, "model": SLOW}, headers={"X-Tandem-Timeout": "0.3"},
                             code="deadline_exceeded", check=_no_retry),
     "deadline passed, streaming": Case(504, {**GOOD, "model": SLOW_STREAM, "stream": True},
