@@ -8,8 +8,8 @@ Time is Redis's own clock (TIME): replicas with skewed clocks still agree.
 A bucket's key expires when it would have refilled: a missing bucket is full.
 
 The tpm bucket is charged before the work runs, from an estimate (prompt
-UTF-8 bytes / 4, 8 a chat message, + max_tokens, per choice), and settled once the answer is
-whole against the usage the client is told (prompt once, every choice's
+UTF-8 bytes / 4 and stop strings too, 8 a chat message, + max_tokens, per choice),
+settled once the answer is whole against the usage the client is told (prompt once, every choice's
 completion): unused max_tokens come back, and a prompt the estimate undercounted
 is charged in full, the bucket going below zero until it refills. A request
 that ends early (an error, a disconnect, its deadline) keeps the estimate.

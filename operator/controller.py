@@ -150,6 +150,15 @@ class Controller:
         lapse = self._watch_clock() - memory.watched_at
         if lapse <= self._memory_lapse_s:
             return memory
+        if memory.queue_unreadable is not None:
+            # Still unread: the outage is said once (its Event), and ends with one.
+            log.info(
+                "%s/%s: the queue unread for %.0f s: the autoscaler's memory starts afresh",
+                namespace,
+                name,
+                lapse,
+            )
+            return scaling.ScalerMemory(queue_unreadable=memory.queue_unreadable)
         log.info(
             "%s/%s: autoscaler memory %.0f s old (this replica stood by, or its passes "
             "failed): it starts afresh",

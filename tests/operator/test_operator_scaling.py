@@ -271,6 +271,22 @@ async def test_a_blip_of_the_queue_keeps_what_the_autoscaler_saw(cluster, metric
     await eventually(lambda: replicas(cluster, "normal") < 4, what="the scale-down")
 
 
+async def test_a_long_queue_outage_is_one_event(cluster, metrics, clock):
+    # Past the memory's lapse (2 s here) the memory was forgotten mid-outage, and the
+    # next failed read posted QueueUnreadable again.
+    await cluster.start_operator(lambda: MetricSources(metrics, metrics), clock=clock)
+    await cluster.apply(normal_model(replicas=1, minReplicas=1, maxReplicas=4))
+    await eventually(lambda: ready(cluster), what="Ready")
+    await asyncio.sleep(0.5)  # evaluations that read the queue: a memory to keep
+    metrics.redis_down = True
+    await eventually(lambda: cluster.events("QueueUnreadable"), what="the outage seen")
+    await asyncio.sleep(4.0)  # twice the lapse
+    metrics.redis_down = False
+    await eventually(lambda: cluster.events("QueueReadable"), what="the queue read again")
+    assert len(cluster.events("QueueUnreadable")) == 1
+    assert (cluster.events("QueueUnreadable")[0].get("count") or 1) == 1
+
+
 async def test_api_errors_and_conflicts_are_retried(cluster, metrics, clock, caplog):
     caplog.set_level(logging.WARNING, logger="tandem.operator.kube")
     cluster.api.fail_next("POST", DEPLOYMENTS, status=500, reason="InternalError")
