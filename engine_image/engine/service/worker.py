@@ -192,6 +192,11 @@ class EngineWorker(Intake):
                 self._pulled_at = now
                 self._pull(block=False)
             self._wait_for_room(wait_s if self._vote is None else GROUP_POLL_S)
+            # What the news reported (a fetch landed), taken before this turn's step:
+            # absorbed only at the next turn, that step ran empty, and the next turn,
+            # reading stalled again with the news spent, waited out another wait.
+            if self._absorb():
+                self.metrics.observe_queues(self.engine)
         elif busy or not self._group_busy or now - self._pulled_at >= GROUP_POLL_S:
             self._pulled_at = now
             self._pull(block=not busy and not self._group_busy)
