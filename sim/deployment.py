@@ -164,7 +164,9 @@ def disaggregated(
     )
 
 
-def from_yaml(path: str | Path, tp: int = 1, vocab_size: int | None = None) -> Deployment:
+def from_yaml(
+    path: str | Path, tp: int = 1, vocab_size: int | None = None, *, on_gpu: bool = True
+) -> Deployment:
     """The roles of a ModelDeployment manifest, validated as the operator validates it."""
     path = Path(path)
     try:
@@ -186,7 +188,7 @@ def from_yaml(path: str | Path, tp: int = 1, vocab_size: int | None = None) -> D
             config = dataclasses.replace(config, **_defaults(), max_num_batched_tokens=budget)
         # Speculation needs the vocabulary for its draft placeholders (the model's).
         config = dataclasses.replace(config, **_NO_PREFIX_CACHE, vocab_size=vocab_size)
-        _check_gpus(path, role_name, role, tp * config.data_parallel_size)
+        _check_gpus(path, role_name, role, tp * config.data_parallel_size, on_gpu)
         kv_bytes = spec.engine.kv_cache_memory
         roles[role_name] = RoleSetup(
             role_name,
@@ -199,11 +201,19 @@ def from_yaml(path: str | Path, tp: int = 1, vocab_size: int | None = None) -> D
     return Deployment(roles)
 
 
-def _check_gpus(path: Path, role_name: RoleName, role: RoleSpec, simulated: int) -> None:
+def _check_gpus(
+    path: Path, role_name: RoleName, role: RoleSpec, simulated: int, on_gpu: bool
+) -> None:
     """ValueError when a role's pods ask for other GPUs than the run simulates (tp x
-    dp): the answer would be about another deployment."""
+    dp), or for CPUs alone on a GPU device: the answer would be about another
+    deployment."""
     limits = (role.resources.limits or {}) if role.resources is not None else {}
     asked = [int(quantity_value(v)) for k, v in limits.items() if k.endswith("/gpu")]
+    if not asked and on_gpu and "cpu" in limits:
+        raise ValueError(
+            f"{path}: spec.{role_name} pods ask for CPUs and no GPU, the run simulates "
+            "GPUs: give --device cpu, or the pods a GPU limit"
+        )
     if asked and asked[0] != simulated:
         raise ValueError(
             f"{path}: spec.{role_name} pods ask for {asked[0]} GPUs, the run simulates "

@@ -18,7 +18,7 @@ from tandem.outputs import cannot_write, check_dir, check_file, say, write_faile
 from tandem.sim import deployment as deploy
 from tandem.sim.arguments import check_args, check_deployment_args
 from tandem.sim.cluster import ClusterConfig, simulate
-from tandem.sim.devices import device
+from tandem.sim.devices import CPU, device
 from tandem.sim.model_shapes import model_shape
 from tandem.sim.network import Network
 from tandem.sim.report import document, text
@@ -100,7 +100,8 @@ def main(args: argparse.Namespace) -> int:
 
 def _deployment(args: argparse.Namespace, tp: int, vocab_size: int) -> deploy.Deployment:
     if args.deployment:
-        return deploy.from_yaml(args.deployment, tp=tp, vocab_size=vocab_size)
+        on_gpu = device(args.device) is not CPU
+        return deploy.from_yaml(args.deployment, tp=tp, vocab_size=vocab_size, on_gpu=on_gpu)
     engine = {
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,

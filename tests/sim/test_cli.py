@@ -81,6 +81,17 @@ def test_a_deployment_whose_pods_ask_for_other_gpus_than_simulated_is_refused(ca
     assert main([*argv, "--model", "llama-8b"]) == 0
 
 
+def test_a_cpu_deployment_is_refused_on_a_gpu_device(capsys):
+    # It was simulated on H200s without a word: an answer about another deployment.
+    manifest = Path(__file__).parents[2] / "examples/smollm2-cpu.yaml"  # CPU limits, no GPU
+    argv = ["sim", "--deployment", str(manifest), "--model", "smollm2-135m", "--rate", "1",
+            "--duration", "5"]  # fmt: skip
+    assert main(argv) == 2
+    said = capsys.readouterr().err
+    assert "spec.normal pods ask for CPUs and no GPU, the run simulates GPUs" in said
+    assert main([*argv, "--device", "cpu"]) == 0
+
+
 @pytest.mark.parametrize(
     ("flag", "path", "problem"),
     [
