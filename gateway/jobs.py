@@ -23,7 +23,7 @@ from starlette.datastructures import Headers
 
 from tandem.gateway.auth import ApiKey
 from tandem.gateway.errors import bad_request, forbidden, not_supported
-from tandem.gateway.messages import chat_options, engine_message, valid_text
+from tandem.gateway.messages import chat_options, engine_message, tools_for_template, valid_text
 from tandem.gateway.sampling import sampling_fields, with_seed
 from tandem.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from tandem.gateway.settings import GatewaySettings
@@ -206,8 +206,8 @@ class JobBuilder:
                 # not as a format other than text.
                 extra = f"{name}.{next(k for k in value if k != 'type')}"
                 raise bad_request(f"Unrecognized request argument supplied: {extra}", extra)
-            if name == "tools" and value and body.tool_choice == "none":
-                continue  # told not to call them: the template writes them (messages.py)
+            if name == "tools" and tools_for_template(body):
+                continue
             if value not in (None, *neutral):
                 raise not_supported(name, what)
         if (

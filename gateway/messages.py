@@ -121,15 +121,20 @@ def valid_text(value: str, param: str) -> str:
     return value
 
 
+def tools_for_template(body: ChatCompletionRequest) -> bool:
+    """Whether the request's tools are served as vLLM serves them with tool_choice
+    "none": the template writes them into the prompt, and the answer is a message (no
+    tool call is parsed). Other tool use is refused (jobs.py)."""
+    return bool(body.tools) and body.tool_choice == "none"
+
+
 def chat_options(body: ChatCompletionRequest) -> dict[str, Any]:
     """The template options a chat request sets (vLLM's extensions), as the WorkItem
     fields that carry them; the defaults are left out. As in vLLM, chat_template_kwargs
     may set add_generation_prompt and continue_final_message too, and wins."""
     kwargs = dict(body.chat_template_kwargs or {})
-    if body.tools and body.tool_choice == "none":
-        # Served as vLLM serves them: the template writes them into the prompt, and the
-        # answer is a message (no tool call is parsed). The kwargs' own tools win.
-        kwargs.setdefault("tools", body.tools)
+    if tools_for_template(body):
+        kwargs.setdefault("tools", body.tools)  # the kwargs' own tools win, as in vLLM
     if "chat_template" in kwargs:
         # The engines would render it in place of the model's: a client's Jinja, whose
         # loops hold every request of the engine (LLM.chat's chat_template is the API's).

@@ -245,7 +245,6 @@ class Controller:
     ) -> _Scaling | None:
         meta = model["metadata"]
         memory = memory or scaling.ScalerMemory()
-        watched_at = memory.watched_at
         try:
             spec = validate_spec(model.get("spec"), name=meta["name"])
         except InvalidSpec:
@@ -281,7 +280,7 @@ class Controller:
             )
             why = str(error) or type(error).__name__
             return _Scaling(
-                memory.queue_unread(why, self._clock(), watched_at),
+                memory.queue_unread(why, self._clock()),
                 notices=queue_events(memory.queue_unreadable, why),
             )
         samples = await self._sources.sample_all(scaling.scrape_targets(pods))

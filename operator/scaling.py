@@ -65,21 +65,13 @@ class ScalerMemory:
             for role, history in self.histories.items()
             if role in deployments and self.deployments.get(role) == deployments[role]
         }
-        return ScalerMemory(
-            kept,
-            self.samples,
-            dict(deployments),
-            self.queue_unreadable,
-            queue_unread_since=self.queue_unread_since,
-        )
+        return dataclasses.replace(self, histories=kept, deployments=dict(deployments))
 
-    def queue_unread(self, why: str, now: float, watched_at: float | None) -> ScalerMemory:
+    def queue_unread(self, why: str, now: float) -> ScalerMemory:
         """This memory after an evaluation skipped for want of the queue (`why`): kept,
-        as old as the last evaluation (`watched_at`), the unread stretch noted."""
+        as old as the last evaluation (its watched_at), the unread stretch noted."""
         since = self.queue_unread_since if self.queue_unread_since is not None else now
-        return dataclasses.replace(
-            self, queue_unreadable=why, queue_unread_since=since, watched_at=watched_at
-        )
+        return dataclasses.replace(self, queue_unreadable=why, queue_unread_since=since)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ barrier, so threads beyond these cost several times their share (docs/engine-ser
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -17,10 +18,9 @@ def usable_cores(cpu_max: Path = CPU_MAX) -> int:
     """The cores this process may run on (its affinity), fewer where a CPU quota caps it
     (a container's CPU limit: 2.5 CPUs are 3 cores' worth of threads)."""
     cores = len(os.sched_getaffinity(0))
-    try:
+    # No cgroup v2 here, or a file of another form: the affinity alone.
+    with contextlib.suppress(OSError, ValueError):
         quota, period = cpu_max.read_text().split()
         if quota != "max":
             cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):  # no cgroup v2 here, or a file of another form
-        pass
     return cores
