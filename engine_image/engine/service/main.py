@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -50,7 +51,12 @@ def main(args: argparse.Namespace) -> int:
 
 def _stopped_while_starting(signum: int, _frame: object) -> None:
     log.info("stopped while starting (%s): nothing was taken", signal.Signals(signum).name)
-    raise SystemExit(0)
+    sys.stderr.flush()
+    # Not SystemExit: raised in Python code that C++ called (torch's imports run some),
+    # it was swallowed (loading went on, the stop lost) or aborted the process (pybind11's
+    # terminate, SIGABRT). Nothing is registered or taken before serve() runs: nothing to
+    # undo, and the sockets and the kernel build's lock go with the process.
+    os._exit(0)
 
 
 def wait_for_redis(url: str, wait_s: float) -> None:
