@@ -2,6 +2,9 @@
 `tandem engine`, signalled once it takes SIGTERM, while it still loads."""
 
 import signal
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 from support.engines import EngineProcess
@@ -30,3 +33,39 @@ def test_an_engine_stopped_while_starting_says_so_and_exits_0(redis_url, keys, c
     assert "stopped while starting (SIGTERM): nothing was taken" in engine.log()
     assert "Traceback" not in engine.log()
     assert not Registry(client.redis, keys).live()
+
+
+# Where the CI's signal landed: torch's C++ init imports numpy and takes any failure
+# as "no numpy", so a SystemExit raised there was swallowed and the load went on.
+_SIGNALLED_AS_TORCH_IMPORTS_NUMPY = textwrap.dedent("""
+    import os, signal, sys
+    from tandem.engine.service.logs import log_to_stderr
+    from tandem.engine.service.main import _stopped_while_starting
+    if "numpy" in sys.modules:
+        raise SystemExit("numpy was imported before torch: this test no longer tests it")
+    log_to_stderr()
+    signal.signal(signal.SIGTERM, _stopped_while_starting)
+
+    class SignalOnNumpy:
+        def find_spec(self, name, path=None, target=None):
+            if name == "numpy":
+                sys.meta_path.remove(self)
+                os.kill(os.getpid(), signal.SIGTERM)
+            return None
+
+    sys.meta_path.insert(0, SignalOnNumpy())
+    import torch
+    print("went on loading")
+""")
+
+
+def test_a_stop_while_torch_imports_is_not_lost():
+    done = subprocess.run(
+        [sys.executable, "-P", "-c", _SIGNALLED_AS_TORCH_IMPORTS_NUMPY],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "stopped while starting (SIGTERM)" in done.stderr
+    assert "went on loading" not in done.stdout
