@@ -21,14 +21,18 @@ def check_context(job: Job, max_model_len: int | None) -> None:
     context of `max_model_len` tokens; None: not known (nothing checked)."""
     if max_model_len is None:
         return
-    ids = job.items[0].prompt_token_ids
-    if ids is not None and (why := prompt_too_long(len(ids), max_model_len)):
-        # OpenAI's code for any overflow (errors.answered_code), the prompt alone too.
-        raise bad_request(why, job.prompt_param, ErrorCode.CONTEXT_LENGTH_EXCEEDED)
-    if not job.max_tokens_given:  # the engines then stop at the context's end
-        return
     max_tokens, field = job.max_tokens, job.max_tokens_param
-    if ids is not None and (why := context_exceeded(len(ids), max_tokens, max_model_len, field)):
-        raise bad_request(why, job.prompt_param, ErrorCode.CONTEXT_LENGTH_EXCEEDED)
+    for p, item in enumerate(job.prompt_items):  # a batch's: one too long fails it all
+        if (ids := item.prompt_token_ids) is None:
+            continue
+        why = prompt_too_long(len(ids), max_model_len)
+        if why is None and job.max_tokens_given:  # else the engines stop at the context's end
+            why = context_exceeded(len(ids), max_tokens, max_model_len, field)
+        if why is not None:
+            # OpenAI's code for any overflow (errors.answered_code), the prompt alone too.
+            which = f" (prompt {p} of the batch)" if job.prompts > 1 else ""
+            raise bad_request(why + which, job.prompt_param, ErrorCode.CONTEXT_LENGTH_EXCEEDED)
+    if not job.max_tokens_given:
+        return
     if why := completion_too_long(max_tokens, max_model_len, field):
         raise bad_request(why, job.max_tokens_param, ErrorCode.CONTEXT_LENGTH_EXCEEDED)

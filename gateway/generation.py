@@ -145,7 +145,9 @@ class Generation:
             else:  # a retry reads them again while the streams last, not past them
                 await self._answered(self.ticket.ledger_key)
             if self.settle is not None and all(c.usage is not None for c in self.choices):
-                await self.settle(total_usage(self.choices)["total_tokens"])
+                await self.settle(
+                    total_usage(self.choices, self.job.choices_per_prompt)["total_tokens"]
+                )
         except DeadlinePassed:
             await self.abandon("deadline")
             raise deadline_exceeded(

@@ -3,7 +3,7 @@
 Building a Job is where a request is checked beyond its JSON types: refused
 parameters, conflicting ones, the sampling parameters (sampling.py), priority and
 timeout headers. The engine tokenizes; the gateway only estimates the prompt's
-tokens (UTF-8 bytes / 4) for the queued-tokens counter and the tpm quota.
+tokens (prompts.py) for the queued-tokens counter and the tpm quota.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from starlette.datastructures import Headers
 
 from tandem.gateway.auth import ApiKey
 from tandem.gateway.errors import bad_request, forbidden, not_supported
-from tandem.gateway.messages import chat_options, engine_message, tools_for_template, valid_text
+from tandem.gateway.messages import chat_options, engine_message, tools_for_template
+from tandem.gateway.prompts import completion_prompts, estimated_tokens, tokens_of_size, utf8_size
 from tandem.gateway.sampling import sampling_fields, with_seed
 from tandem.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from tandem.gateway.settings import GatewaySettings
@@ -35,9 +36,6 @@ IDEMPOTENCY_HEADER = "idempotency-key"
 _PRIORITIES = {"high": PRIORITY_HIGH, "normal": PRIORITY_NORMAL, "low": PRIORITY_LOW}
 # OpenAI's default max_tokens for (legacy) completions.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-# English runs ~4 characters a token. Bytes, not characters: CJK text runs about a
-# token a character (3 bytes) and emoji more, where characters / 4 counted a quarter.
-_BYTES_PER_TOKEN = 4
 # What a chat template adds around each message (ChatML's <|im_start|>role\n ...
 # <|im_end|>\n, Llama 3's headers: 5 to 7 tokens), so that many short messages cost what
 # they run: 200 empty ones were estimated at 1 token and prefilled ~1,400, a client that
@@ -75,17 +73,29 @@ class Job:
     include_usage: bool
     # Seconds the whole request may take (the work items carry the absolute deadline).
     timeout: float
-    estimated_prompt_tokens: int
     max_tokens: int
     body: ChatCompletionRequest | CompletionRequest = field(repr=False, compare=False)
     # What else each work item carries, its stop strings, in the estimate's tokens: it
     # holds Redis and an engine as a prompt does (4 stop strings of 255 kB, n=16, held
     # 16 MB of Redis for 46 tokens of a key's tpm).
     carried_tokens: int = 0
+    # How many prompts the items hold (a completions batch): prompt-major, each prompt's
+    # choices in a row, so prompt p's choice i is item p * choices_per_prompt + i.
+    prompts: int = 1
 
     @property
     def n(self) -> int:
+        """The work items: every choice of every prompt."""
         return len(self.items)
+
+    @property
+    def choices_per_prompt(self) -> int:
+        return len(self.items) // self.prompts
+
+    @property
+    def prompt_items(self) -> tuple[WorkItem, ...]:
+        """Each prompt's first work item (its choices differ only in their seeds)."""
+        return self.items[:: self.choices_per_prompt]
 
     @property
     def logprobs(self) -> bool:
@@ -113,18 +123,24 @@ class Job:
         return self.items[0].max_tokens_given
 
     def counted_max_tokens(self, max_model_len: int | None = None) -> int:
-        """The max_tokens a quota counts: the client's, else the default cut to the room
-        the prompt leaves in a context of `max_model_len` (as the engine cuts it): a key
-        whose tpm was below the default was refused every such request on a small model."""
+        """The max_tokens a quota counts (of a batch's prompts, the most): the client's,
+        else the default cut to the room the prompt leaves in a context of
+        `max_model_len` (as the engine cuts it): a key whose tpm was below the default
+        was refused every such request on a small model."""
+        return max(self._counted(item, max_model_len) for item in self.prompt_items)
+
+    def _counted(self, item: WorkItem, max_model_len: int | None) -> int:
         if max_model_len is None or self.max_tokens_given:
             return self.max_tokens
-        return max(1, min(self.max_tokens, max_model_len - self.estimated_prompt_tokens))
+        return max(1, min(self.max_tokens, max_model_len - item.estimated_prompt_tokens))
 
     def cost_tokens(self, max_model_len: int | None = None) -> int:
         """What the tpm quota charges: estimated prompt, stop strings and max_tokens, per
         choice."""
-        held = self.estimated_prompt_tokens + self.carried_tokens
-        return self.n * (held + self.counted_max_tokens(max_model_len))
+        return sum(
+            item.estimated_prompt_tokens + self.carried_tokens + self._counted(item, max_model_len)
+            for item in self.items
+        )
 
     @property
     def prompt_param(self) -> str:
@@ -221,15 +237,15 @@ class JobBuilder:
             )
         max_tokens = body.max_completion_tokens or body.max_tokens
         messages = [engine_message(i, m) for i, m in enumerate(body.messages)]
-        size = sum(_utf8_size(m["content"]) + _utf8_size(m.get("name", "")) for m in messages)
-        estimate = _estimate(size) + _TOKENS_PER_MESSAGE * len(messages)
+        size = sum(utf8_size(m["content"]) + utf8_size(m.get("name", "")) for m in messages)
+        estimate = tokens_of_size(size) + _TOKENS_PER_MESSAGE * len(messages)
         options = chat_options(body)
         if kwargs := options.get("chat_template_kwargs"):
             # Variables the template writes into the prompt (tools, documents): left out,
             # 67 KB of them were charged 10 tokens of a key's tpm, for ~25,000 prefilled.
-            estimate += _estimate(_utf8_size(json.dumps(kwargs, ensure_ascii=False)))
+            estimate += tokens_of_size(utf8_size(json.dumps(kwargs, ensure_ascii=False)))
         prompt = {"messages": messages, **options}
-        return self._job("chat", body, headers, caller, prompt, estimate, max_tokens)
+        return self._job("chat", body, headers, caller, [(prompt, estimate)], max_tokens)
 
     def completion(
         self, body: CompletionRequest, headers: Mapping[str, str], caller: ApiKey
@@ -244,18 +260,20 @@ class JobBuilder:
             raise bad_request(f"best_of ({body.best_of}) must be at least n ({n})", "best_of")
         if body.best_of not in (None, n):
             raise not_supported("best_of", "best_of other than n")
-        prompt = _prompt(body.prompt)
-        if "prompt" in prompt:
-            estimate = _estimate(_utf8_size(prompt["prompt"]))
-        else:
-            estimate = len(prompt["prompt_token_ids"])
+        prompts = completion_prompts(body.prompt)
+        if len(prompts) * n > self.settings.max_work_items:
+            raise bad_request(
+                f"a request may queue {self.settings.max_work_items} work items at most (one "
+                f"a choice of each prompt), and {len(prompts)} prompts x n={n} make "
+                f"{len(prompts) * n}: send the prompts in several requests",
+                "prompt",
+            )
         return self._job(
             "completion",
             body,
             headers,
             caller,
-            prompt,
-            estimate,
+            [(prompt, estimated_tokens(prompt)) for prompt in prompts],
             body.max_tokens,
             default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
         )
@@ -266,8 +284,7 @@ class JobBuilder:
         body: ChatCompletionRequest | CompletionRequest,
         headers: Mapping[str, str],
         caller: ApiKey,
-        prompt: dict[str, Any],
-        estimate: int,
+        prompts: list[tuple[dict[str, Any], int]],
         max_tokens: int | None,
         default_max_tokens: int | None = None,
     ) -> Job:
@@ -292,9 +309,12 @@ class JobBuilder:
         salt = cache_salt(caller, body.cache_salt)
         base_id = uuid.uuid4().hex
         now = time.time()
+        single = len(prompts) * n == 1
+        # Each prompt's choice i seeded as choice i of that prompt alone: a batch answers
+        # what its prompts sent one by one answer.
         items = tuple(
             WorkItem(
-                request_id=base_id if n == 1 else f"{base_id}-{i}",
+                request_id=base_id if single else f"{base_id}-{p * n + i}",
                 model=body.model,
                 sampling=with_seed(sampling, i),
                 priority=priority,
@@ -305,6 +325,7 @@ class JobBuilder:
                 cache_salt=salt,
                 **prompt,
             )
+            for p, (prompt, estimate) in enumerate(prompts)
             for i in range(n)
         )
         return Job(
@@ -316,10 +337,10 @@ class JobBuilder:
             stream=bool(body.stream),
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             timeout=timeout,
-            estimated_prompt_tokens=estimate,
             max_tokens=max_tokens,
             body=body,
             carried_tokens=_carried(sampling),
+            prompts=len(prompts),
         )
 
 
@@ -328,37 +349,10 @@ def _refuse_common(body: ChatCompletionRequest | CompletionRequest) -> None:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
 
-def _prompt(prompt: Any) -> dict[str, Any]:
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise bad_request(
-                f"batched prompts (a list of {len(prompt)}) are not supported: "
-                "send one request per prompt",
-                "prompt",
-                "unsupported",
-            )
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad_request("prompt must not be empty", "prompt")
-        return {"prompt": valid_text(prompt, "prompt")}
-    if not prompt:
-        raise bad_request("prompt must not be empty", "prompt")
-    return {"prompt_token_ids": list(prompt)}
-
-
 def _carried(sampling: dict[str, Any]) -> int:
     """The estimate's tokens of a work item's stop strings (none: 0)."""
-    size = sum(_utf8_size(stop) for stop in sampling.get("stop", ()))
-    return _estimate(size) if size else 0
-
-
-def _estimate(utf8_bytes: int) -> int:
-    return max(1, math.ceil(utf8_bytes / _BYTES_PER_TOKEN))
-
-
-def _utf8_size(text: str) -> int:
-    return len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
+    size = sum(utf8_size(stop) for stop in sampling.get("stop", ()))
+    return tokens_of_size(size) if size else 0
 
 
 def cache_salt(caller: ApiKey, salt: str | None) -> str | None:

@@ -34,17 +34,20 @@ class ChoiceResult:
         return "".join(self.parts)
 
 
-def total_usage(choices: Sequence[ChoiceResult]) -> dict[str, Any]:
-    """Usage of a whole request: the prompt once (all choices share it, as OpenAI
-    counts it), the completion tokens of every choice."""
-    first = (choices[0].usage or {}) if choices else {}
-    prompt = int(first.get("prompt_tokens", 0))
+def total_usage(choices: Sequence[ChoiceResult], per_prompt: int | None = None) -> dict[str, Any]:
+    """Usage of a whole request: each prompt once (its choices share it, as OpenAI
+    counts it), the completion tokens of every choice. `per_prompt`: the choices of
+    each prompt of a completions batch, in a row (None: all share one prompt)."""
+    firsts = [c.usage or {} for c in choices[:: per_prompt or len(choices) or 1]]
+    prompt = sum(int(u.get("prompt_tokens", 0)) for u in firsts)
     completion = sum(int((c.usage or {}).get("completion_tokens", 0)) for c in choices)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": int(first.get("cached_tokens", 0))},
+        "prompt_tokens_details": {
+            "cached_tokens": sum(int(u.get("cached_tokens", 0)) for u in firsts)
+        },
     }
 
 
@@ -56,7 +59,14 @@ class Renderer(ABC):
     chunk_object = ""
 
     def __init__(
-        self, base_id: str, created: int, model: str, *, include_usage: bool, logprobs: bool = False
+        self,
+        base_id: str,
+        created: int,
+        model: str,
+        *,
+        include_usage: bool,
+        logprobs: bool = False,
+        per_prompt: int | None = None,
     ) -> None:
         self.id = f"{self.id_prefix}{base_id}"
         self.created = created
@@ -64,6 +74,8 @@ class Renderer(ABC):
         self.include_usage = include_usage
         # Whether the request asked for logprobs: choices carry them, else null.
         self.logprobs = logprobs
+        # The choices of each prompt of a completions batch (None: one prompt for all).
+        self.per_prompt = per_prompt
 
     def response(self, choices: Sequence[ChoiceResult]) -> dict[str, Any]:
         return {
@@ -72,7 +84,7 @@ class Renderer(ABC):
             "created": self.created,
             "model": self.model,
             "choices": [self._choice(i, c) for i, c in enumerate(choices)],
-            "usage": total_usage(choices),
+            "usage": total_usage(choices, self.per_prompt),
         }
 
     def opening(self, n: int) -> list[dict[str, Any]]:
@@ -91,7 +103,7 @@ class Renderer(ABC):
 
     def usage(self, choices: Sequence[ChoiceResult]) -> dict[str, Any]:
         """The last chunk of a stream with include_usage: usage, no choices."""
-        return {**self._chunk([]), "usage": total_usage(choices)}
+        return {**self._chunk([]), "usage": total_usage(choices, self.per_prompt)}
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {
@@ -170,9 +182,9 @@ class CompletionRenderer(Renderer):
     object = "text_completion"
     chunk_object = "text_completion"
 
-    def __init__(self, *args: Any, prompt_chars: int = 0, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, prompt_chars: Sequence[int] = (0,), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # text_offset counts from the prompt's start, as OpenAI's does: a text prompt's
+        # text_offset counts from the prompt's start, as OpenAI's does: each prompt's
         # length (a prompt of token ids has no text here: its offsets start at 0).
         self._prompt_chars = prompt_chars
         # Per choice, where its streamed tokens have reached (text_offset).
@@ -181,7 +193,7 @@ class CompletionRenderer(Renderer):
     def text(
         self, index: int, text: str, logprobs: list[dict[str, Any]] | None = None
     ) -> dict[str, Any]:
-        offsets = self._streamed.setdefault(index, _Offsets(self._prompt_chars))
+        offsets = self._streamed.setdefault(index, _Offsets(self._prompt_start(index)))
         lists = self._lists(logprobs or [], offsets)
         return self._chunk([self._text(index, text, None, lists)])
 
@@ -189,8 +201,12 @@ class CompletionRenderer(Renderer):
         return self._chunk([self._text(index, "", reason, None)])
 
     def _choice(self, index: int, choice: ChoiceResult) -> dict[str, Any]:
-        lists = self._lists(choice.logprobs, _Offsets(self._prompt_chars))
+        lists = self._lists(choice.logprobs, _Offsets(self._prompt_start(index)))
         return self._text(index, choice.text, choice.finish_reason, lists)
+
+    def _prompt_start(self, index: int) -> int:
+        """Where choice `index`'s text starts: after its prompt's characters."""
+        return self._prompt_chars[index // self.per_prompt if self.per_prompt else 0]
 
     def _lists(self, entries: list[dict[str, Any]], offsets: _Offsets) -> dict[str, Any] | None:
         """The completions endpoint's logprobs: parallel lists over the tokens, each

@@ -193,7 +193,7 @@ class ChatCompletionRequest(_Request):
 
 class CompletionRequest(_Request):
     model: str = Field(min_length=1)
-    # A string or token ids; a list of several prompts (batching) is refused.
+    # A string or token ids, or a batch of either: n choices for each prompt (prompts.py).
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     best_of: int | None = Field(default=None, description="Only 1 (or n) is supported.")
     echo: bool | None = Field(default=None, description="Not supported.")

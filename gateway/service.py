@@ -221,10 +221,14 @@ def service_of(request: Request) -> GatewayService:
 
 
 def _renderer(job: Job, ticket: Ticket) -> Renderer:
-    shared = {"include_usage": job.include_usage, "logprobs": job.logprobs}
+    shared = {
+        "include_usage": job.include_usage,
+        "logprobs": job.logprobs,
+        "per_prompt": job.choices_per_prompt,
+    }
     if job.kind == "chat":
         return ChatRenderer(ticket.base_id, ticket.created, job.model, **shared)
-    prompt = job.items[0].prompt
+    chars = tuple(len(item.prompt or "") for item in job.prompt_items)
     return CompletionRenderer(
-        ticket.base_id, ticket.created, job.model, prompt_chars=len(prompt or ""), **shared
+        ticket.base_id, ticket.created, job.model, prompt_chars=chars, **shared
     )

@@ -44,6 +44,9 @@ class GatewaySettings:
     default_max_tokens: int = 1024
     # Most choices one request may ask for (each is its own work item).
     max_n: int = 16
+    # Most work items one request may queue: a completions batch's prompts x n (each
+    # choice of each prompt is one; held to --max-queue too).
+    max_work_items: int = 128
     read_block_ms: int = MAX_READ_BLOCK_MS
     # How long the list of live models is reused before asking the registry again.
     models_cache_s: float = 1.0
@@ -88,6 +91,7 @@ class GatewaySettings:
         _at_least("max_body_bytes", self.max_body_bytes, 1024)
         _at_least("default_max_tokens", self.default_max_tokens, 1)
         _at_least("max_n", self.max_n, 1)
+        _at_least("max_work_items", self.max_work_items, self.max_n)
         _at_least("redis_max_connections", self.redis_max_connections, 2)
         _at_least("queue_retry_after_s", self.queue_retry_after_s, 1)
         if not 1 <= self.read_block_ms <= MAX_READ_BLOCK_MS:

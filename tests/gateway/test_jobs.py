@@ -7,6 +7,7 @@ import time
 import pytest
 
 from tandem.gateway.auth import ANONYMOUS, ApiKey
+from tandem.gateway.context_check import check_context
 from tandem.gateway.errors import GatewayError
 from tandem.gateway.jobs import JobBuilder
 from tandem.gateway.sampling import derive_seed
@@ -239,6 +240,33 @@ def test_prompts_text_token_ids_and_lists_of_one():
     # UTF-8 bytes / 4: CJK text runs about a token a character, not a quarter.
     assert prompt("漢字" * 20).estimated_prompt_tokens == 30
     assert prompt("héllo").estimated_prompt_tokens == 2
+
+
+def test_a_batch_of_prompts_queues_each_prompts_choices_in_a_row():
+    body = CompletionRequest(model="m", prompt=["abcdefgh", "x" * 400], n=2, max_tokens=10, seed=5)
+    job = BUILDER.completion(body, {}, ANONYMOUS)
+    assert job.prompts == 2 and job.choices_per_prompt == 2
+    assert [item.prompt for item in job.items] == ["abcdefgh"] * 2 + ["x" * 400] * 2
+    assert job.request_ids == [f"{job.base_id}-{i}" for i in range(4)]
+    # Each prompt's choice i seeded as that prompt sent alone.
+    seeds = [item.sampling["seed"] for item in job.items]
+    assert seeds == [5, derive_seed(5, 1)] * 2
+    # Each choice charged its own prompt: 2 x (2 + 10) + 2 x (100 + 10).
+    assert job.cost_tokens() == 2 * 12 + 2 * 110
+    # Without max_tokens, each prompt's default is cut to the room its prompt leaves.
+    unset = BUILDER.completion(body.model_copy(update={"max_tokens": None}), {}, ANONYMOUS)
+    assert unset.cost_tokens(104) == 2 * (2 + 16) + 2 * (100 + 4)
+    assert unset.counted_max_tokens(104) == 16
+
+
+def test_a_batch_too_long_for_the_context_names_its_prompt():
+    body = CompletionRequest(model="m", prompt=[[1, 2], [3] * 50], max_tokens=5)
+    with pytest.raises(GatewayError) as caught:
+        check_context(BUILDER.completion(body, {}, ANONYMOUS), max_model_len=40)
+    assert caught.value.code == "context_length_exceeded"
+    assert "prompt has 50 tokens" in caught.value.message
+    assert caught.value.message.endswith("(prompt 1 of the batch)")
+    check_context(BUILDER.completion(body, {}, ANONYMOUS), max_model_len=64)
 
 
 @pytest.mark.parametrize(

@@ -271,6 +271,34 @@ def test_completions_of_text_and_of_token_ids_stream_and_not(sdk, direct):
     assert by_ids.usage.completion_tokens == 8
 
 
+def test_a_batch_of_prompts_answers_as_its_prompts_sent_one_by_one(sdk):
+    # OpenAI's and vLLM's batch: n choices for each prompt, prompt p's choice i at p * n + i.
+    prompts = ["Once upon a time", "The weather today é"]
+    args = dict(model="tiny", max_tokens=6, temperature=1.0, seed=7, n=2, logprobs=1,
+                extra_body={"ignore_eos": True})  # fmt: skip
+    batch = sdk.completions.create(prompt=prompts, **args)
+    alone = [sdk.completions.create(prompt=p, **args) for p in prompts]
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    expected = [c.text for reply in alone for c in reply.choices]
+    assert [c.text for c in batch.choices] == expected
+    # Each prompt counted once, its choices' completions all.
+    assert batch.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in alone)
+    assert batch.usage.completion_tokens == 4 * 6
+    # text_offset counts from each choice's own prompt's start.
+    firsts = [c.logprobs.text_offset[0] for c in batch.choices]
+    assert firsts == [len(prompts[0])] * 2 + [len(prompts[1])] * 2
+
+    merged = ["", "", "", ""]
+    for chunk in sdk.completions.create(prompt=prompts, stream=True, **args):
+        for choice in chunk.choices:
+            merged[choice.index] += choice.text
+    assert merged == expected
+
+    by_ids = sdk.completions.create(prompt=[[5, 9, 17], [33, 2]], **{**args, "n": 1})
+    assert [c.index for c in by_ids.choices] == [0, 1]
+    assert by_ids.usage.prompt_tokens == 5
+
+
 def test_n_2_gives_two_choices_seeded_reproducibly(sdk):
     args = dict(
         model="tiny",

@@ -99,7 +99,7 @@ def test_completion_offsets_count_from_the_prompts_start():
     entries = [_entry("Hel", -0.5), _entry("lo", -0.25)]
     choices = [ChoiceResult(["Hel", "lo"], "stop", None, entries)]
     args = ("xyz", 1, "tiny")
-    completion = CompletionRenderer(*args, include_usage=False, logprobs=True, prompt_chars=5)
+    completion = CompletionRenderer(*args, include_usage=False, logprobs=True, prompt_chars=(5,))
     assert completion.response(choices)["choices"][0]["logprobs"]["text_offset"] == [5, 8]
     first, second = completion.text(0, "Hel", entries[:1]), completion.text(0, "lo", entries[1:])
     assert first["choices"][0]["logprobs"]["text_offset"] == [5]
@@ -117,7 +117,7 @@ def test_completion_offsets_count_characters_not_the_tokens_own_decodes():
     ]
     choices = [ChoiceResult(["\N{PARTY POPPER}!"], "stop", None, entries)]
     completion = CompletionRenderer(
-        "xyz", 1, "tiny", include_usage=False, logprobs=True, prompt_chars=5
+        "xyz", 1, "tiny", include_usage=False, logprobs=True, prompt_chars=(5,)
     )
     offsets = completion.response(choices)["choices"][0]["logprobs"]["text_offset"]
     assert offsets == [5, 5, 6]  # the emoji's tokens where it starts; "!" after it
