@@ -139,8 +139,15 @@ NO_RETRY = {"x-should-retry": "false"}
 
 
 def rate_limited(
-    message: str, code: str, retry_after: float | None, *, retryable: bool = True
+    message: str,
+    code: str,
+    retry_after: float | None,
+    *,
+    retryable: bool = True,
+    type: str = "rate_limit_error",
+    reason: str | None = None,
 ) -> GatewayError:
+    """A 429; `reason` labels the rejection metric where it is not the code."""
     headers = {}
     if retry_after is not None:
         headers["Retry-After"] = str(max(1, int(-(-retry_after // 1))))
@@ -148,9 +155,7 @@ def rate_limited(
         headers["retry-after-ms"] = str(max(1, int(-(-retry_after * 1000 // 1))))
     if not retryable:
         headers.update(NO_RETRY)
-    return GatewayError(
-        429, message, type="rate_limit_error", code=code, headers=headers, reason=code
-    )
+    return GatewayError(429, message, type=type, code=code, headers=headers, reason=reason or code)
 
 
 def deadline_exceeded(message: str) -> GatewayError:

@@ -195,6 +195,11 @@ class Quotas:
             raise refusal(key, tokens, decision, default_max_tokens)
 
 
+# OpenAI's code for a key's rate limits, its type "requests" or "tokens" naming the
+# limit: clients tell a rate limit from other 429s by them. The metric keeps its reasons.
+_OVER_LIMIT = "rate_limit_exceeded"
+
+
 def refusal(
     key: ApiKey, tokens: int, decision: QuotaDecision, default_max_tokens: int | None = None
 ) -> GatewayError:
@@ -202,8 +207,10 @@ def refusal(
         return rate_limited(
             f"Rate limit reached for requests per minute (rpm) of key {key.name!r}: "
             f"limit {key.rpm}/min",
-            "rpm_exceeded",
+            _OVER_LIMIT,
             decision.retry_after,
+            type="requests",
+            reason="rpm_exceeded",
         )
     if decision.quota == "tpm_size":
         # A client that set no max_tokens was told to lower what it never set.
@@ -215,13 +222,17 @@ def refusal(
             f"Request too large for tokens per minute (tpm) of key {key.name!r}: it needs "
             f"{tokens} tokens (estimated prompt and stop strings + {counted}, per choice), "
             f"the limit is {key.tpm}/min; {fix}, or shorten the prompt or stop strings",
-            "tpm_exceeded",
+            _OVER_LIMIT,
             None,
             retryable=False,
+            type="tokens",
+            reason="tpm_exceeded",
         )
     return rate_limited(
         f"Rate limit reached for tokens per minute (tpm) of key {key.name!r}: limit "
         f"{key.tpm}/min, this request needs {tokens}",
-        "tpm_exceeded",
+        _OVER_LIMIT,
         decision.retry_after,
+        type="tokens",
+        reason="tpm_exceeded",
     )

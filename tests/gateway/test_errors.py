@@ -69,6 +69,7 @@ class Case:
     before: dict | None = None
     param: str | None = None
     code: str | None = None
+    type: str | None = None
     message: str = ""
     check: Callable[[httpx.Response], None] | None = None
 
@@ -222,17 +223,20 @@ CASES = {
     ),
     "oversized body": Case(413, {**GOOD, "user": "x" * 5000}, code="request_too_large"),
     "queue full": Case(429, {**GOOD, "model": FULL}, code="queue_full", check=_retry_after),
-    "requests per minute": Case(429, GOOD, key="sk-rpm", before=GOOD, code="rpm_exceeded",
+    "requests per minute": Case(429, GOOD, key="sk-rpm", before=GOOD, type="requests",
+                                code="rate_limit_exceeded",
                                 message="requests per minute", check=_retry_after),
     "tokens per minute": Case(429, {**GOOD, "max_tokens": 60}, key="sk-tpm",
-                              before={**GOOD, "max_tokens": 60}, code="tpm_exceeded",
+                              before={**GOOD, "max_tokens": 60}, type="tokens",
+                              code="rate_limit_exceeded",
                               message="tokens per minute", check=_retry_after),
     "larger than the tpm quota": Case(429, {**GOOD, "max_tokens": 150}, key="sk-tpm",
-                                      code="tpm_exceeded", check=_no_retry,
+                                      code="rate_limit_exceeded", type="tokens",
+                                      check=_no_retry,
                                       message="; lower max_tokens or n, or shorten the prompt"),
     # Not "lower max_tokens": the client never set it.
     "larger than the tpm quota by default": Case(
-        429, {"model": "tiny", "messages": USER}, key="sk-tpm", code="tpm_exceeded",
+        429, {"model": "tiny", "messages": USER}, key="sk-tpm", code="rate_limit_exceeded",
         check=_no_retry, message="max_tokens, unset: 247, the default within the context, "
         "per choice), the limit is 100/min; set max_tokens lower, or n, or shorten"),
     "deadline passed": Case(504, {**GOOD, "model": SLOW}, headers={"X-Tandem-Timeout": "0.3"},
@@ -305,6 +309,8 @@ def test_a_bad_request_gets_an_openai_error_and_the_gateway_keeps_serving(gatewa
             assert error["param"] == case.param
         if case.code is not None:
             assert error["code"] == case.code
+        if case.type is not None:
+            assert error["type"] == case.type
         assert case.message in error["message"]
         if case.check is not None:
             case.check(response)
@@ -549,7 +555,7 @@ def test_a_request_the_engine_refuses_uses_no_tokens_but_its_request(gateway, st
         assert good.status_code == 200, good.text  # 62 of 100 tokens: the 62 came back
         again = client.post("/v1/completions", json={**refused, "prompt": [1, 2]})
         assert again.status_code == 429  # rpm 2: the refused request and the good one
-        assert again.json()["error"]["code"] == "rpm_exceeded"
+        assert again.json()["error"]["type"] == "requests"
 
 
 def _usage(client: httpx.Client, ask: dict) -> dict:
@@ -577,7 +583,7 @@ def test_the_token_quota_charges_what_the_answer_used(gateway, stream):
         # Room for 166 after the estimate, 200 - total_tokens (< 136) after the usage.
         later = client.post("/v1/completions", json={**cjk, "prompt": [1, 2], "max_tokens": 150})
     assert later.status_code == 429, later.text
-    assert later.json()["error"]["code"] == "tpm_exceeded"
+    assert later.json()["error"]["type"] == "tokens"
 
 
 @pytest.mark.parametrize("stream", [False, True])

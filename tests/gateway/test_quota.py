@@ -104,7 +104,9 @@ def test_the_429_names_the_quota_and_says_when_to_retry(redis_url, keys):
         return caught.value
 
     error = _run(redis_url, work)
-    assert error.status == 429 and error.code == "rpm_exceeded"
+    # OpenAI's code and type: clients tell a key's rate limit from other 429s by them.
+    assert error.status == 429 and error.code == "rate_limit_exceeded"
+    assert error.type == "requests" and error.reason == "rpm_exceeded"
     assert "requests per minute" in error.message and "team-a" in error.message
     assert 55 <= int(error.headers["Retry-After"]) <= 60
     # To the millisecond, which the SDKs read first (Retry-After rounds up to a second).
