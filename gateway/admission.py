@@ -3,9 +3,9 @@
 In order, cheapest and most telling first: the key may use the model (403),
 an engine serves it (404) with the roles to finish a request, unless a
 controller declares it (503), an Idempotency-Key already has work (attach),
-the model's queue has room (429), the key's quotas allow it (429). Only
-then is the work queued. Quota is taken last so a request refused for any
-other reason costs the caller nothing.
+the key has a place in flight (429), the model's queue has room (429), the key's
+quotas allow it (429). Only then is the work queued. Quota is taken last so a
+request refused for any other reason costs the caller nothing.
 
 The queue limit compares a model's backlog (`queue_depth(...).total_waiting`)
 with --max-queue. Reading it costs a 9-command transaction, so a reading is
@@ -40,6 +40,7 @@ from tandem.gateway.errors import (
     unavailable,
 )
 from tandem.gateway.idempotency import IdempotencyLedger, IdempotencyRecord
+from tandem.gateway.in_flight import InFlight, in_flight_refusal
 from tandem.gateway.jobs import Job
 from tandem.gateway.quota import Quotas
 from tandem.gateway.settings import GatewaySettings
@@ -161,12 +162,14 @@ class Admission:
         directory: ModelDirectory,
         quotas: Quotas,
         ledger: IdempotencyLedger,
+        in_flight: InFlight,
     ) -> None:
         self.settings = settings
         self.broker = broker
         self.directory = directory
         self.quotas = quotas
         self.ledger = ledger
+        self.in_flight = in_flight
         self.queues = QueueGauge(broker, settings.queue_check_interval_s)
 
     async def admit(self, caller: ApiKey, job: Job, idempotency_key: str | None) -> Ticket:
@@ -214,22 +217,7 @@ class Admission:
                     ledger_key=ledger_key,
                 )
         try:
-            await self._reserve_room(job)
-            charged = False
-            context = self.directory.context_length(job.model)
-            charge = job.cost_tokens(context)
-            try:
-                default = None if job.max_tokens_given else job.counted_max_tokens(context)
-                await self.quotas.admit(caller, charge, job.base_id, job.timeout, default)
-                charged = True
-                entry_ids = await self.broker.enqueue(job.items)
-            except BaseException:
-                self.queues.settle(job.model, job.n, queued=False)
-                if charged:  # nothing queued: a refused request uses no quota
-                    with contextlib.suppress(Exception):  # the first error is the one to report
-                        await self.quotas.give_back(caller, charge, job.base_id)
-                raise
-            self.queues.settle(job.model, job.n, queued=True)
+            entry_ids, charge = await self._queue(caller, job)
         except BaseException:
             if ledger_key is not None:  # nothing queued: a retry must queue afresh
                 with contextlib.suppress(Exception):  # the first error is the one to report
@@ -249,6 +237,37 @@ class Admission:
             entry_ids=tuple(entry_ids),
             charged=charge,
         )
+
+    async def _queue(self, caller: ApiKey, job: Job) -> tuple[list[str], int]:
+        """Take the key's place in flight, the queue's room and the key's quota, then queue
+        the work: its entry ids and the tokens charged. What was taken is given back if a
+        later step fails: a refused request costs nothing."""
+        entered = reserved = charged = False
+        try:
+            if (count := await self.in_flight.enter(caller, job.base_id, job.timeout)) is not None:
+                raise in_flight_refusal(caller, count)
+            entered = True
+            await self._reserve_room(job)
+            reserved = True
+            context = self.directory.context_length(job.model)
+            charge = job.cost_tokens(context)
+            default = None if job.max_tokens_given else job.counted_max_tokens(context)
+            await self.quotas.admit(caller, charge, job.base_id, job.timeout, default)
+            charged = True
+            entry_ids = await self.broker.enqueue(job.items)
+        except BaseException:
+            if reserved:
+                self.queues.settle(job.model, job.n, queued=False)
+            # The first error is the one to report.
+            if charged:
+                with contextlib.suppress(Exception):
+                    await self.quotas.give_back(caller, charge, job.base_id)
+            if entered:
+                with contextlib.suppress(Exception):
+                    await self.in_flight.leave(caller, job.base_id)
+            raise
+        self.queues.settle(job.model, job.n, queued=True)
+        return entry_ids, charge
 
     async def _reserve_room(self, job: Job) -> None:
         limit = queue_limit(self.settings.max_queue, job.items[0].priority)

@@ -1,7 +1,8 @@
 """API keys: who is calling, which models they may use, and their quotas.
 
 Keys come from a file (`--api-keys-file`, YAML or JSON: a list of
-{key | key_sha256, name, models, rpm, tpm, prefix_cache}) and from TANDEM_API_KEYS (plain
+{key | key_sha256, name, models, rpm, tpm, max_in_flight, prefix_cache, max_priority})
+and from TANDEM_API_KEYS (plain
 keys separated by commas: every model, no quota). Only SHA-256 digests are
 kept, so a memory dump or a log of the store never shows a key.
 
@@ -38,7 +39,10 @@ ENV_VAR = "TANDEM_API_KEYS"
 RELOAD_EVERY_S = 5.0
 _NAME = re.compile(r"^[A-Za-z0-9_.@:-]{1,64}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_FIELDS = {"key", "key_sha256", "name", "models", "rpm", "tpm", "prefix_cache", "max_priority"}
+_FIELDS = {
+    "key", "key_sha256", "name", "models", "rpm", "tpm", "max_in_flight", "prefix_cache",
+    "max_priority",
+}  # fmt: skip
 # An unknown field shown by name: a word a field could be, not an API key's shape.
 _FIELD_LIKE = re.compile(r"^[a-z_][a-z0-9_]{0,23}$")
 # Quoted in a YAML error: three characters or more could be (part of) a key.
@@ -57,6 +61,8 @@ class ApiKey:
     # Requests and tokens per minute; None: unlimited.
     rpm: int | None = None
     tpm: int | None = None
+    # Its requests being answered at once, on every replica (in_flight.py); None: any.
+    max_in_flight: int | None = None
     # Its prompts share the engines' prefix cache only among themselves (prefix_cache:
     # own): no other caller can tell from cached_tokens or speed what it sent.
     own_prefix_cache: bool = False
@@ -338,6 +344,7 @@ def _entry(path: Path, index: int, item: Any) -> tuple[bytes, ApiKey]:
         _models(where, item.get("models", "*")),
         _limit(where, "rpm", item.get("rpm")),
         _limit(where, "tpm", item.get("tpm")),
+        _limit(where, "max_in_flight", item.get("max_in_flight")),
         _prefix_cache(where, item.get("prefix_cache", "shared")),
         _max_priority(where, item.get("max_priority")),
     )

@@ -64,6 +64,7 @@ class Generation:
         watch: LossWatch | None = None,
         settle: Callable[[int], Awaitable[None]] | None = None,
         give_back: Callable[[], Awaitable[None]] | None = None,
+        leave: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.job = job
         self.ticket = ticket
@@ -92,6 +93,9 @@ class Generation:
         # Returns the quota the request took, where the server's stop cuts it before its
         # client got any of it (None: nothing to give back).
         self.give_back = give_back
+        # Gives back the request's place in flight (its key's max_in_flight) as its
+        # reading ends, however it ends (None: it holds none).
+        self.leave = leave
 
     # ---------------------------------------------------------------- reading
 
@@ -181,6 +185,14 @@ class Generation:
             await self.abandon("redis_unreachable", last_only=self.ticket.ledger_key is not None)
             lost = f"Lost the connection to Redis while reading: {redis_trouble(exc)}"
             raise unavailable(lost) from None
+        finally:
+            await self._leave()
+
+    async def _leave(self) -> None:
+        """Give back the request's place in flight, once."""
+        if self.leave is not None:
+            leave, self.leave = self.leave, None
+            await self._aside(leave())
 
     async def _forget_record(self) -> None:
         if self.ticket.ledger_key is not None:
@@ -274,6 +286,7 @@ class Generation:
     async def client_gone(self) -> None:
         """The HTTP client left: cancel what still runs (see disconnect.py)."""
         await self.abandon("disconnect")
+        await self._leave()  # its reading may not have begun: no end of it would
 
     def server_stopping(self) -> None:
         """The server shuts down under this attempt. Work with an Idempotency-Key stays

@@ -31,6 +31,7 @@ from tandem.gateway.disconnect import CLIENT_GONE, ClientGone, until_disconnecte
 from tandem.gateway.errors import PROMPT_REFUSALS, GatewayError
 from tandem.gateway.generation import Generation
 from tandem.gateway.idempotency import IdempotencyLedger
+from tandem.gateway.in_flight import InFlight
 from tandem.gateway.jobs import IDEMPOTENCY_HEADER, Job, JobBuilder
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.quota import Quotas
@@ -83,6 +84,7 @@ class GatewayService:
             self.directory,
             Quotas(client, settings.key_prefix),
             self.ledger,
+            InFlight(client, settings.key_prefix),
         )
 
     async def serve(self, request: Request, caller: ApiKey, job: Job) -> Response:
@@ -115,6 +117,10 @@ class GatewayService:
             give_back=None
             if ticket.attached
             else functools.partial(self._give_back_all, caller, job, ticket),
+            # An attached retry holds no place in flight: the first attempt holds one.
+            leave=None
+            if ticket.attached
+            else functools.partial(self.admission.in_flight.leave, caller, job.base_id),
         )
         try:
             if job.stream:

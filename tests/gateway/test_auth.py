@@ -22,12 +22,12 @@ def test_json_and_yaml_files_give_the_same_keys(tmp_path):
     entries = [
         {"key": "sk-plain", "name": "alice", "models": ["tiny"], "rpm": 10, "tpm": 1000},
         {"key_sha256": digest, "name": "bob", "models": "*", "prefix_cache": "own"},
-        {"key": "sk-low", "name": "carol", "max_priority": "low"},
+        {"key": "sk-low", "name": "carol", "max_priority": "low", "max_in_flight": 4},
     ]
     yaml_text = (
         "- key: sk-plain\n  name: alice\n  models: [tiny]\n  rpm: 10\n  tpm: 1000\n"
         f"- key_sha256: {digest}\n  name: bob\n  models: '*'\n  prefix_cache: own\n"
-        "- key: sk-low\n  name: carol\n  max_priority: low\n"
+        "- key: sk-low\n  name: carol\n  max_priority: low\n  max_in_flight: 4\n"
     )
     for store in (_store(tmp_path, json.dumps(entries)), _store(tmp_path, yaml_text, "k.yaml")):
         alice = store.authenticate("Bearer sk-plain")
@@ -38,6 +38,8 @@ def test_json_and_yaml_files_give_the_same_keys(tmp_path):
         assert alice.allows("tiny") and not alice.allows("big") and bob.allows("big")
         assert store.authenticate("Bearer sk-low").max_priority == "low"
         assert alice.max_priority is None  # any
+        assert store.authenticate("Bearer sk-low").max_in_flight == 4
+        assert alice.max_in_flight is None  # any
 
 
 def test_a_yaml_file_in_flow_style_is_yaml(tmp_path):
@@ -110,6 +112,7 @@ def test_open_access_lets_everyone_in_as_anonymous():
         ([{"name": "a", "key_sha256": "abc"}], "64 hex digits"),
         ([{"name": "a", "key": "x", "rpm": 0}], "rpm must be a positive integer"),
         ([{"name": "a", "key": "x", "tpm": "many"}], "tpm must be a positive integer"),
+        ([{"name": "a", "key": "x", "max_in_flight": 0}], "max_in_flight must be a positive"),
         ([{"name": "a", "key": "x", "models": []}], "models must be"),
         ([{"name": "a", "key": "x", "models": ["a", "*"]}], '"*" alone'),
         ([{"name": "a", "key": "x", "rmp": 3}], "unknown fields ['rmp']"),

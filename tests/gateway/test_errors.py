@@ -36,6 +36,7 @@ KEYS = [
     {"key": "sk-tpm", "name": "tpm-100", "tpm": 100},
     *({"key": f"sk-give-back-{i}", "name": f"give-back-{i}", "rpm": 2, "tpm": 100} for i in (0, 1)),
     *({"key": f"sk-settle-{i}", "name": f"settle-{i}", "tpm": 200} for i in range(4)),
+    {"key": "sk-in-flight", "name": "in-flight-1", "max_in_flight": 1},
 ]
 
 
@@ -616,3 +617,44 @@ def test_a_job_header_sent_twice_is_refused(gateway, header):
 
 def _auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
+
+
+def test_a_key_holds_at_most_max_in_flight_requests_being_answered(gateway):
+    # One key with thousands in flight drained a replica's Redis pool: every other
+    # key's requests failed. Its places come back however its requests end.
+    live, _ = gateway
+    slow = {**GOOD, "model": SLOW}
+    with live.http(api_key="sk-in-flight") as client:
+        held = threading.Thread(
+            target=client.post,
+            args=("/v1/chat/completions",),
+            kwargs={"json": slow, "headers": {"X-Tandem-Timeout": "2"}},
+        )
+        held.start()
+        replies: list[httpx.Response] = []
+        assert eventually(lambda: _refused_in_flight(client, replies), timeout=5)
+        refused = replies[-1]
+        assert refused.headers["Retry-After"] == "1"
+        assert "in flight for key 'in-flight-1'" in refused.json()["error"]["message"]
+        with live.http() as other:  # other keys are not held back
+            assert other.post("/v1/chat/completions", json=GOOD).status_code == 200
+        held.join()  # answered at its deadline: its place comes back
+        assert client.post("/v1/chat/completions", json=GOOD).status_code == 200
+        assert client.post("/v1/chat/completions", json=GOOD).status_code == 200
+
+        # A client that leaves gives its place back.
+        with pytest.raises(httpx.ReadTimeout):
+            client.post("/v1/chat/completions", json=slow, timeout=0.5)
+        assert eventually(
+            lambda: client.post("/v1/chat/completions", json=GOOD).status_code == 200, timeout=5
+        )
+    assert live.metric("tandem_gateway_rejections_total", reason="in_flight_exceeded") >= 1
+
+
+def _refused_in_flight(client: httpx.Client, replies: list[httpx.Response]) -> bool:
+    replies.append(reply := client.post("/v1/chat/completions", json=GOOD))
+    if reply.status_code != 429:
+        return False
+    error = reply.json()["error"]
+    assert (error["code"], error["type"]) == ("rate_limit_exceeded", "in_flight")
+    return True

@@ -8,24 +8,13 @@ import uuid
 
 import pytest
 import redis.asyncio as aioredis
+from support.replicas import run_on_two_clients
 
 from tandem import catalog
 from tandem.gateway.auth import ApiKey, KeyStore
 from tandem.gateway.errors import GatewayError
 from tandem.gateway.quota import Quotas
 from tandem.protocol import PRIORITY_NORMAL
-
-
-def _run(redis_url, work):
-    async def main():
-        clients = [aioredis.Redis.from_url(redis_url) for _ in range(2)]
-        try:
-            return await work(*clients)
-        finally:
-            for client in clients:
-                await client.aclose()
-
-    return asyncio.run(main())
 
 
 def test_requests_per_minute_admit_exactly_the_limit_across_replicas(redis_url, keys):
@@ -38,7 +27,7 @@ def test_requests_per_minute_admit_exactly_the_limit_across_replicas(redis_url, 
         )
         return decisions
 
-    decisions = _run(redis_url, work)
+    decisions = run_on_two_clients(redis_url, work)
     assert sum(d.admitted for d in decisions) == 5
     refused = [d for d in decisions if not d.admitted]
     assert {d.quota for d in refused} == {"rpm"}
@@ -53,7 +42,7 @@ def test_a_request_refused_for_tokens_uses_no_request(redis_url, keys):
         quotas = Quotas(a, keys.prefix)
         return [await quotas.take(key, cost, f"r{i}") for i, cost in enumerate((60, 60, 10, 1))]
 
-    first, second, third, fourth = _run(redis_url, work)
+    first, second, third, fourth = run_on_two_clients(redis_url, work)
     assert first.admitted and third.admitted
     assert (second.admitted, second.quota) == (False, "tpm")
     # 40 tokens left, 60 needed: 20 tokens at 100/60 per second.
@@ -71,7 +60,7 @@ def test_a_cost_above_the_whole_bucket_is_refused_for_good(redis_url, keys):
             await quotas.admit(key, 101, "r1", 60.0)
         return decision, caught.value
 
-    decision, error = _run(redis_url, work)
+    decision, error = run_on_two_clients(redis_url, work)
     assert decision.quota == "tpm_size"
     assert error.status == 429 and error.headers == {"x-should-retry": "false"}
     assert "tokens per minute" in error.message and "101" in error.message
@@ -88,7 +77,7 @@ def test_buckets_refill_with_time(redis_url, keys):
         await asyncio.sleep(1.1)
         return burst, await quotas.take(key, 0, "later")
 
-    burst, later = _run(redis_url, work)
+    burst, later = run_on_two_clients(redis_url, work)
     assert sum(d.admitted for d in burst) == 60 and not burst[-1].admitted
     assert later.admitted
 
@@ -103,7 +92,7 @@ def test_the_429_names_the_quota_and_says_when_to_retry(redis_url, keys):
             await quotas.admit(key, 0, "r1", 60.0)
         return caught.value
 
-    error = _run(redis_url, work)
+    error = run_on_two_clients(redis_url, work)
     # OpenAI's code and type: clients tell a key's rate limit from other 429s by them.
     assert error.status == 429 and error.code == "rate_limit_exceeded"
     assert error.type == "requests" and error.reason == "rpm_exceeded"
@@ -137,7 +126,7 @@ def test_a_take_run_again_for_the_same_request_takes_nothing_twice(redis_url, ke
         other = await quotas.take(key, 30, "r1")  # 40 tokens and 1 request were left
         return first, again, other
 
-    first, again, other = _run(redis_url, work)
+    first, again, other = run_on_two_clients(redis_url, work)
     assert first.admitted and again.admitted and other.admitted
 
 
@@ -153,7 +142,7 @@ def test_a_give_back_returns_what_its_take_took_once(redis_url, keys):
         taken = [await quotas.take(key, 80, f"s{i}") for i in range(2)]
         return taken
 
-    first, second = _run(redis_url, work)
+    first, second = run_on_two_clients(redis_url, work)
     assert first.admitted  # the 80 tokens and the request came back, once
     assert (second.admitted, second.quota) == (False, "tpm")
 
@@ -167,7 +156,7 @@ def test_a_give_back_may_keep_the_request_slot(redis_url, keys):
         await quotas.give_back(key, 80, "r1", request_slot=False)
         return await quotas.take(key, 80, "r2")
 
-    again = _run(redis_url, work)
+    again = run_on_two_clients(redis_url, work)
     assert (again.admitted, again.quota) == (False, "rpm")  # the tokens came back, not it
 
 
@@ -183,7 +172,7 @@ def test_a_settlement_gives_back_unused_tokens_and_charges_undercounted_ones(red
         await quotas.settle(key, 70, 250, "next")  # a CJK prompt counted at a quarter
         return fits, await quotas.take(key, 1, "after")
 
-    fits, after = _run(redis_url, work)
+    fits, after = run_on_two_clients(redis_url, work)
     assert fits.admitted
     # 100 - 20 - 250 = -170: one token needs 171 at 100/60 a second.
     assert (after.admitted, after.quota) == (False, "tpm")
@@ -201,7 +190,7 @@ def test_a_bucket_below_zero_outlives_a_minute(redis_url, keys):
         return await a.pttl(quotas.bucket_keys(key.name)[1])
 
     # -200 refills to 100 in 3 minutes.
-    assert _run(redis_url, work) == pytest.approx(180_000, abs=1_000)
+    assert run_on_two_clients(redis_url, work) == pytest.approx(180_000, abs=1_000)
 
 
 def test_nothing_is_settled_after_a_give_back(redis_url, keys):
@@ -214,7 +203,8 @@ def test_nothing_is_settled_after_a_give_back(redis_url, keys):
         await quotas.settle(key, 50, 90, "r")  # a late settlement must not charge again
         return await quotas.take(key, 100, "whole")
 
-    assert _run(redis_url, work).admitted  # all 100 were back: 60 had the 40 been charged
+    # All 100 were back: 60 had the 40 been charged.
+    assert run_on_two_clients(redis_url, work).admitted
 
 
 def test_a_take_can_be_given_back_until_the_requests_deadline(redis_url, keys):
@@ -229,7 +219,7 @@ def test_a_take_can_be_given_back_until_the_requests_deadline(redis_url, keys):
         await quotas.take(key, 10, "long", hold_s=600.0)
         return [await a.pttl(quotas.marker_key(key.name, rid)) for rid in ("short", "long")]
 
-    short, long = _run(redis_url, work)
+    short, long = run_on_two_clients(redis_url, work)
     assert short == pytest.approx(60_000, abs=1_000)
     assert long == pytest.approx(600_000, abs=1_000)
 
