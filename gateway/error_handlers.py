@@ -25,6 +25,7 @@ from tandem.gateway.errors import (
     redis_trouble,
     unavailable,
 )
+from tandem.gateway.middleware import CALLER
 from tandem.gateway.validation_errors import validation_error
 from tandem.redis_refusal import plain, refusal
 
@@ -41,7 +42,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
 async def _on_gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
     if exc.reason is not None:
-        request.app.state.gateway.metrics.rejected(exc.reason)
+        metrics = request.app.state.gateway.metrics
+        metrics.rejected(exc.reason)
+        caller = request.scope.get("state", {}).get(CALLER)  # None: refused before it was known
+        if caller is not None:
+            metrics.key_rejected(caller.name, exc.reason)
     return exc.response()
 
 

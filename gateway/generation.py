@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -65,6 +66,7 @@ class Generation:
         settle: Callable[[int], Awaitable[None]] | None = None,
         give_back: Callable[[], Awaitable[None]] | None = None,
         leave: Callable[[], Awaitable[None]] | None = None,
+        account: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.job = job
         self.ticket = ticket
@@ -96,6 +98,9 @@ class Generation:
         # Gives back the request's place in flight (its key's max_in_flight) as its
         # reading ends, however it ends (None: it holds none).
         self.leave = leave
+        # Told the usage of the whole answer, once every choice finished: the key's
+        # metrics (None: counted elsewhere, an attached retry's by its first attempt).
+        self.account = account
 
     # ---------------------------------------------------------------- reading
 
@@ -148,10 +153,12 @@ class Generation:
                 await self._delivered()
             else:  # a retry reads them again while the streams last, not past them
                 await self._answered(self.ticket.ledger_key)
-            if self.settle is not None and all(c.usage is not None for c in self.choices):
-                await self.settle(
-                    total_usage(self.choices, self.job.choices_per_prompt)["total_tokens"]
-                )
+            if all(c.usage is not None for c in self.choices):
+                usage = total_usage(self.choices, self.job.choices_per_prompt)
+                if self.account is not None:
+                    self.account(usage)
+                if self.settle is not None:
+                    await self.settle(usage["total_tokens"])
         except DeadlinePassed:
             await self.abandon("deadline")
             raise deadline_exceeded(

@@ -153,6 +153,21 @@ class GatewayMetrics:
             ["why"],
             registry=r,
         )
+        # Per API key, by its name (never the key): what each tenant used and was refused.
+        # The names are the keys file's (and "anonymous", "env-N"): no caller makes one up.
+        self._key_tokens = Counter(
+            "tandem_gateway_key_tokens_total",
+            "Tokens of the answers delivered whole, as their usage counts them, by API key "
+            "name, model and type (prompt or completion).",
+            ["key", "model", "type"],
+            registry=r,
+        )
+        self._key_rejections = Counter(
+            "tandem_gateway_key_rejections_total",
+            "Requests of a known API key refused, by its name and reason.",
+            ["key", "reason"],
+            registry=r,
+        )
 
     def started(self, route: str) -> None:
         self._in_flight.labels(route).inc()
@@ -180,6 +195,16 @@ class GatewayMetrics:
 
     def rejected(self, reason: str) -> None:
         self._rejections.labels(reason).inc()
+
+    def key_usage(self, key: str, model: str, usage: Mapping[str, object]) -> None:
+        """An answer delivered whole: its usage, charged to the key's name."""
+        for kind in ("prompt", "completion"):
+            tokens = usage[f"{kind}_tokens"]
+            if isinstance(tokens, int) and tokens > 0:
+                self._key_tokens.labels(key, model, kind).inc(tokens)
+
+    def key_rejected(self, key: str, reason: str) -> None:
+        self._key_rejections.labels(key, reason).inc()
 
     def cancelled(self, why: str, count: int) -> None:
         self._cancellations.labels(why).inc(count)

@@ -121,6 +121,9 @@ class GatewayService:
             leave=None
             if ticket.attached
             else functools.partial(self.admission.in_flight.leave, caller, job.base_id),
+            account=None
+            if ticket.attached
+            else functools.partial(self.metrics.key_usage, caller.name, job.model),
         )
         try:
             if job.stream:

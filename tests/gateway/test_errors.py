@@ -37,6 +37,7 @@ KEYS = [
     *({"key": f"sk-give-back-{i}", "name": f"give-back-{i}", "rpm": 2, "tpm": 100} for i in (0, 1)),
     *({"key": f"sk-settle-{i}", "name": f"settle-{i}", "tpm": 200} for i in range(4)),
     {"key": "sk-in-flight", "name": "in-flight-1", "max_in_flight": 1},
+    *({"key": f"sk-usage-{i}", "name": f"usage-{i}"} for i in (0, 1)),
 ]
 
 
@@ -622,8 +623,9 @@ def _auth(key: str) -> dict[str, str]:
 def test_a_key_holds_at_most_max_in_flight_requests_being_answered(gateway):
     # One key with thousands in flight drained a replica's Redis pool: every other
     # key's requests failed. Its places come back however its requests end.
-    live, _ = gateway
+    live, conn = gateway
     slow = {**GOOD, "model": SLOW}
+    held_places = live.app.state.gateway.admission.in_flight.set_key("in-flight-1")
     with live.http(api_key="sk-in-flight") as client:
         held = threading.Thread(
             target=client.post,
@@ -631,6 +633,7 @@ def test_a_key_holds_at_most_max_in_flight_requests_being_answered(gateway):
             kwargs={"json": slow, "headers": {"X-Tandem-Timeout": "2"}},
         )
         held.start()
+        assert eventually(lambda: conn.zcard(held_places) == 1, timeout=5)
         replies: list[httpx.Response] = []
         assert eventually(lambda: _refused_in_flight(client, replies), timeout=5)
         refused = replies[-1]
@@ -649,6 +652,24 @@ def test_a_key_holds_at_most_max_in_flight_requests_being_answered(gateway):
             lambda: client.post("/v1/chat/completions", json=GOOD).status_code == 200, timeout=5
         )
     assert live.metric("tandem_gateway_rejections_total", reason="in_flight_exceeded") >= 1
+    # Which tenant was held back, by its key's name.
+    by_key = {"key": "in-flight-1", "reason": "in_flight_exceeded"}
+    assert live.metric("tandem_gateway_key_rejections_total", **by_key) >= 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_each_keys_usage_is_counted_by_its_name(gateway, stream):
+    live, _ = gateway
+    key = f"usage-{int(stream)}"
+    ask = {"model": "tiny", "prompt": "Hello there", "max_tokens": 3, "n": 2, "stream": stream}
+
+    def used(kind: str) -> float:
+        return live.metric("tandem_gateway_key_tokens_total", key=key, model="tiny", type=kind)
+
+    with live.http(api_key=f"sk-{key}") as client:
+        usage = _usage(client, ask)
+    assert used("prompt") == usage["prompt_tokens"] > 0
+    assert used("completion") == usage["completion_tokens"] == 6
 
 
 def _refused_in_flight(client: httpx.Client, replies: list[httpx.Response]) -> bool:
