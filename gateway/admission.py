@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
 
@@ -69,6 +69,9 @@ class Ticket:
     entry_ids: tuple[str | None, ...] = ()
     # The tokens the tpm quota took for it (0: attached, the first attempt took them).
     charged: int = 0
+    # Its answer's x-ratelimit-* headers: the key's quotas after it (none: attached, or
+    # a key without quotas).
+    rate_limits: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -217,7 +220,7 @@ class Admission:
                     ledger_key=ledger_key,
                 )
         try:
-            entry_ids, charge = await self._queue(caller, job)
+            entry_ids, charge, rate_limits = await self._queue(caller, job)
         except BaseException:
             if ledger_key is not None:  # nothing queued: a retry must queue afresh
                 with contextlib.suppress(Exception):  # the first error is the one to report
@@ -236,12 +239,14 @@ class Admission:
             ledger_key=ledger_key,
             entry_ids=tuple(entry_ids),
             charged=charge,
+            rate_limits=rate_limits,
         )
 
-    async def _queue(self, caller: ApiKey, job: Job) -> tuple[list[str], int]:
+    async def _queue(self, caller: ApiKey, job: Job) -> tuple[list[str], int, dict[str, str]]:
         """Take the key's place in flight, the queue's room and the key's quota, then queue
-        the work: its entry ids and the tokens charged. What was taken is given back if a
-        later step fails: a refused request costs nothing."""
+        the work: its entry ids, the tokens charged and the key's rate-limit headers.
+        What was taken is given back if a later step fails: a refused request costs
+        nothing."""
         entered = reserved = charged = False
         try:
             if (count := await self.in_flight.enter(caller, job.base_id, job.timeout)) is not None:
@@ -252,7 +257,7 @@ class Admission:
             context = self.directory.context_length(job.model)
             charge = job.cost_tokens(context)
             default = None if job.max_tokens_given else job.counted_max_tokens(context)
-            await self.quotas.admit(caller, charge, job.base_id, job.timeout, default)
+            rate_limits = await self.quotas.admit(caller, charge, job.base_id, job.timeout, default)
             charged = True
             entry_ids = await self.broker.enqueue(job.items)
         except BaseException:
@@ -267,7 +272,7 @@ class Admission:
                     await self.in_flight.leave(caller, job.base_id)
             raise
         self.queues.settle(job.model, job.n, queued=True)
-        return entry_ids, charge
+        return entry_ids, charge, rate_limits
 
     async def _reserve_room(self, job: Job) -> None:
         limit = queue_limit(self.settings.max_queue, job.items[0].priority)

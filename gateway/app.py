@@ -22,6 +22,7 @@ from tandem.gateway.error_handlers import install_error_handlers
 from tandem.gateway.head_requests import HeadAsGet
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.middleware import BodyLimit, RequestObserver
+from tandem.gateway.quota import RATE_LIMIT_HEADERS
 from tandem.gateway.server import graceful_seconds
 from tandem.gateway.service import GatewayService
 from tandem.gateway.settings import GatewaySettings
@@ -112,7 +113,13 @@ def create_app(
             allow_methods=["GET", "POST"],
             allow_headers=["*"],  # Authorization, the SDKs' x-stainless-*, Idempotency-Key
             # x-request-id: the SDKs' `_request_id`, and `request_id` on their errors.
-            expose_headers=["Retry-After", "retry-after-ms", "x-should-retry", "x-request-id"],
+            expose_headers=[
+                "Retry-After",
+                "retry-after-ms",
+                "x-should-retry",
+                "x-request-id",
+                *RATE_LIMIT_HEADERS,
+            ],
             max_age=600,
         )
     app.add_middleware(HeadAsGet)  # outermost: everything inside sees a GET

@@ -146,9 +146,11 @@ def rate_limited(
     retryable: bool = True,
     type: str = "rate_limit_error",
     reason: str | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> GatewayError:
-    """A 429; `reason` labels the rejection metric where it is not the code."""
-    headers = {}
+    """A 429; `reason` labels the rejection metric where it is not the code; `headers`
+    its others (the key's x-ratelimit-*)."""
+    headers = dict(headers or {})
     if retry_after is not None:
         headers["Retry-After"] = str(max(1, int(-(-retry_after // 1))))
         # Read first by the OpenAI SDKs: a key of 600 rpm waits 0.1 s, not a whole second.

@@ -32,6 +32,9 @@ MODEL_LABEL = "model_label"
 # response's id without its prefix, which the engines' logs and traces carry too.
 REQUEST_ID = "request_id"
 REQUEST_ID_HEADER = b"x-request-id"
+# Where the service leaves an admitted request's x-ratelimit-* headers
+# (request.state.rate_limits), the key's quotas after it.
+RATE_LIMITS = "rate_limits"
 # Where BodyLimit leaves the caller it authenticated (request.state.caller): the
 # route's dependency takes it from there rather than hashing the key again.
 CALLER = "caller"
@@ -182,7 +185,8 @@ class RequestObserver:
             if message["type"] == "http.response.start":
                 status, started_response = message["status"], True
                 rid = str(state[REQUEST_ID])
-                headers = [*message.get("headers", ()), (REQUEST_ID_HEADER, rid.encode())]
+                limits = [(k.encode(), v.encode()) for k, v in state.get(RATE_LIMITS, {}).items()]
+                headers = [*message.get("headers", ()), (REQUEST_ID_HEADER, rid.encode()), *limits]
                 message = {**message, "headers": headers}
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 finished_at = time.perf_counter()

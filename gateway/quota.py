@@ -46,13 +46,15 @@ local rpm, tpm, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 """
 
 # KEYS: rpm bucket, tpm bucket, the request's marker. ARGV: rpm limit, tpm limit
-# (0: none), token cost, the marker's life in ms. Returns {1} when admitted, else {0,
-# quota, seconds until it would pass}: "rpm", "tpm", or "tpm_size" (the cost exceeds
-# the whole bucket: never passes). Numbers cross as strings: Redis truncates Lua
-# numbers to integers. The marker makes a take that runs again (its reply lost with a
-# dead connection, the client's retry) admit without taking twice, and lets a give-back
-# find what was taken: it lives as long as the request may (an engine refuses a request
-# it takes from the queue, at any time until its deadline).
+# (0: none), token cost, the marker's life in ms. Returns {1, requests left, tokens
+# left} when admitted, else {0, quota, seconds until it would pass, requests left,
+# tokens left}: quota "rpm", "tpm", or "tpm_size" (the cost exceeds the whole bucket:
+# never passes); what is left is '' for a quota the key has not (and an admission run
+# again says none). Numbers cross as strings: Redis truncates Lua numbers to integers.
+# The marker makes a take that runs again (its reply lost with a dead connection, the
+# client's retry) admit without taking twice, and lets a give-back find what was
+# taken: it lives as long as the request may (an engine refuses a request it takes
+# from the queue, at any time until its deadline).
 _TAKE_LUA = (
     """
 if redis.call('EXISTS', KEYS[3]) == 1 then return {1} end
@@ -60,19 +62,18 @@ if redis.call('EXISTS', KEYS[3]) == 1 then return {1} end
     + _LEVEL_LUA
     + """
 local r, k
-if rpm > 0 then
-  r = level(KEYS[1], rpm)
-  if r < 1 then return {0, 'rpm', tostring((1 - r) * 60 / rpm)} end
+local function left(x) return x and tostring(x) or '' end
+if rpm > 0 then r = level(KEYS[1], rpm) end
+if tpm > 0 then k = level(KEYS[2], tpm) end
+if r and r < 1 then return {0, 'rpm', tostring((1 - r) * 60 / rpm), left(r), left(k)} end
+if k and cost > tpm then return {0, 'tpm_size', '0', left(r), left(k)} end
+if k and k < cost then
+  return {0, 'tpm', tostring((cost - k) * 60 / tpm), left(r), left(k)}
 end
-if tpm > 0 then
-  if cost > tpm then return {0, 'tpm_size', '0'} end
-  k = level(KEYS[2], tpm)
-  if k < cost then return {0, 'tpm', tostring((cost - k) * 60 / tpm)} end
-end
-if r then store(KEYS[1], r - 1, rpm) end
-if k then store(KEYS[2], k - cost, tpm) end
+if r then r = r - 1; store(KEYS[1], r, rpm) end
+if k then k = k - cost; store(KEYS[2], k, tpm) end
 redis.call('SET', KEYS[3], '1', 'PX', ARGV[4])
-return {1}
+return {1, left(r), left(k)}
 """
 )
 
@@ -120,6 +121,10 @@ class QuotaDecision:
     # "rpm", "tpm" or "tpm_size" when refused.
     quota: str = ""
     retry_after: float = 0.0
+    # What the key's buckets hold after it (None: a quota the key has not, or not
+    # known: an admission run again).
+    requests_left: float | None = None
+    tokens_left: float | None = None
 
 
 class Quotas:
@@ -151,11 +156,10 @@ class Quotas:
         script_keys = [*self.bucket_keys(key.name), self.marker_key(key.name, request_id)]
         hold_ms = math.ceil(max(hold_s, _MIN_HOLD_S) * 1000)
         args = [key.rpm or 0, key.tpm or 0, tokens, hold_ms]
-        reply = await self._take(keys=script_keys, args=args)
-        if int(reply[0]) == 1:
-            return QuotaDecision(True)
-        quota = as_text(reply[1])
-        return QuotaDecision(False, quota, float(as_text(reply[2])))
+        reply = [as_text(part) for part in await self._take(keys=script_keys, args=args)]
+        if reply[0] == "1":
+            return QuotaDecision(True, **_left(reply[1:]))
+        return QuotaDecision(False, reply[1], float(reply[2]), **_left(reply[3:]))
 
     async def give_back(
         self, key: ApiKey, tokens: int, request_id: str, *, request_slot: bool = True
@@ -187,12 +191,54 @@ class Quotas:
         request_id: str,
         hold_s: float,
         default_max_tokens: int | None = None,
-    ) -> None:
+    ) -> dict[str, str]:
         """take(), raising the 429 that names the quota when refused;
-        `default_max_tokens`: the max_tokens counted for a client that set none."""
+        `default_max_tokens`: the max_tokens counted for a client that set none.
+        Returns the admitted answer's rate-limit headers."""
         decision = await self.take(key, tokens, request_id, hold_s)
         if not decision.admitted:
             raise refusal(key, tokens, decision, default_max_tokens)
+        return rate_limit_headers(key, decision)
+
+
+def _left(parts: list[str]) -> dict[str, float | None]:
+    """A reply's requests and tokens left ('' or missing: None)."""
+    values = [float(part) if part else None for part in parts] + [None, None]
+    return {"requests_left": values[0], "tokens_left": values[1]}
+
+
+# OpenAI's names of what rate_limit_headers() writes.
+RATE_LIMIT_HEADERS = tuple(
+    f"x-ratelimit-{what}-{kind}"
+    for kind in ("requests", "tokens")
+    for what in ("limit", "remaining", "reset")
+)
+
+
+def rate_limit_headers(key: ApiKey, decision: QuotaDecision) -> dict[str, str]:
+    """OpenAI's x-ratelimit-* headers: each quota's limit, what is left, and when its
+    bucket is full again (clients pace themselves by them)."""
+    headers = {}
+    for kind, limit, left in (
+        ("requests", key.rpm, decision.requests_left),
+        ("tokens", key.tpm, decision.tokens_left),
+    ):
+        if limit is None or left is None:
+            continue
+        headers[f"x-ratelimit-limit-{kind}"] = str(limit)
+        headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(left)))
+        headers[f"x-ratelimit-reset-{kind}"] = _duration((limit - left) * 60 / limit)
+    return headers
+
+
+def _duration(seconds: float) -> str:
+    """A time as OpenAI's reset headers write it (Go's durations): 20ms, 1.5s, 6m0s."""
+    ms = max(0, math.ceil(seconds * 1000))
+    if ms < 1000:
+        return f"{ms}ms"
+    minutes, ms = divmod(ms, 60_000)
+    secs = f"{ms // 1000}.{ms % 1000:03d}".rstrip("0").rstrip(".") + "s"
+    return f"{minutes}m{secs}" if minutes else secs
 
 
 # OpenAI's code for a key's rate limits, its type "requests" or "tokens" naming the
@@ -203,6 +249,7 @@ _OVER_LIMIT = "rate_limit_exceeded"
 def refusal(
     key: ApiKey, tokens: int, decision: QuotaDecision, default_max_tokens: int | None = None
 ) -> GatewayError:
+    headers = rate_limit_headers(key, decision)
     if decision.quota == "rpm":
         return rate_limited(
             f"Rate limit reached for requests per minute (rpm) of key {key.name!r}: "
@@ -211,6 +258,7 @@ def refusal(
             decision.retry_after,
             type="requests",
             reason="rpm_exceeded",
+            headers=headers,
         )
     if decision.quota == "tpm_size":
         # A client that set no max_tokens was told to lower what it never set.
@@ -227,6 +275,7 @@ def refusal(
             retryable=False,
             type="tokens",
             reason="tpm_exceeded",
+            headers=headers,
         )
     return rate_limited(
         f"Rate limit reached for tokens per minute (tpm) of key {key.name!r}: limit "
@@ -235,4 +284,5 @@ def refusal(
         decision.retry_after,
         type="tokens",
         reason="tpm_exceeded",
+        headers=headers,
     )

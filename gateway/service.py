@@ -97,6 +97,7 @@ class GatewayService:
         ticket = await self.admission.admit(caller, job, request.headers.get(IDEMPOTENCY_HEADER))
         request.state.model_label = job.model
         request.state.request_id = ticket.base_id  # the x-request-id header
+        request.state.rate_limits = ticket.rate_limits  # the x-ratelimit-* headers
         renderer = _renderer(job, ticket)
         arrived = cast(float, request.scope.get("state", {}).get("arrived", time.perf_counter()))
         generation = Generation(

@@ -41,6 +41,7 @@ def test_a_page_of_an_allowed_origin_may_call_the_api(start_gateway, engines):
         exposed = answer.headers["access-control-expose-headers"].lower().split(", ")
         assert "x-request-id" in exposed and answer.headers["x-request-id"]
         assert "retry-after-ms" in exposed  # a 429's wait, to the millisecond
+        assert "x-ratelimit-remaining-tokens" in exposed  # a browser client paces itself
         # An error too: the page can read why (here, no key).
         refused = client.post("/v1/chat/completions", json=BODY, headers={"Origin": PAGE})
         assert refused.status_code == 401

@@ -38,6 +38,7 @@ KEYS = [
     *({"key": f"sk-settle-{i}", "name": f"settle-{i}", "tpm": 200} for i in range(4)),
     {"key": "sk-in-flight", "name": "in-flight-1", "max_in_flight": 1},
     *({"key": f"sk-usage-{i}", "name": f"usage-{i}"} for i in (0, 1)),
+    {"key": "sk-paced", "name": "paced", "rpm": 3, "tpm": 10_000},
 ]
 
 
@@ -679,3 +680,24 @@ def _refused_in_flight(client: httpx.Client, replies: list[httpx.Response]) -> b
     error = reply.json()["error"]
     assert (error["code"], error["type"]) == ("rate_limit_exceeded", "in_flight")
     return True
+
+
+def test_answers_carry_the_keys_rate_limit_headers(gateway):
+    # OpenAI's x-ratelimit-*: clients pace themselves by what is left of the key's quotas.
+    live, _ = gateway
+    ask = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 5}
+    with live.http(api_key="sk-paced") as client:
+        plain = client.post("/v1/completions", json=ask)
+        with client.stream("POST", "/v1/completions", json={**ask, "stream": True}) as stream:
+            streamed = stream.headers
+            stream.read()
+        with live.http() as unlimited:  # a key without quotas: no headers
+            free = unlimited.post("/v1/completions", json=ask).headers
+    assert plain.status_code == 200
+    assert plain.headers["x-ratelimit-limit-requests"] == "3"
+    assert plain.headers["x-ratelimit-remaining-requests"] == "2"
+    assert plain.headers["x-ratelimit-reset-requests"] == "20s"  # 3 a minute: one in 20 s
+    assert plain.headers["x-ratelimit-limit-tokens"] == "10000"
+    assert int(plain.headers["x-ratelimit-remaining-tokens"]) == 10_000 - 8  # 3 + 5, charged
+    assert streamed["x-ratelimit-remaining-requests"] == "1"  # a request is back in 20 s
+    assert "x-ratelimit-limit-requests" not in free

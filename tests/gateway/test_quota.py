@@ -13,7 +13,7 @@ from support.replicas import run_on_two_clients
 from tandem import catalog
 from tandem.gateway.auth import ApiKey, KeyStore
 from tandem.gateway.errors import GatewayError
-from tandem.gateway.quota import Quotas
+from tandem.gateway.quota import Quotas, _duration
 from tandem.protocol import PRIORITY_NORMAL
 
 
@@ -62,7 +62,9 @@ def test_a_cost_above_the_whole_bucket_is_refused_for_good(redis_url, keys):
 
     decision, error = run_on_two_clients(redis_url, work)
     assert decision.quota == "tpm_size"
-    assert error.status == 429 and error.headers == {"x-should-retry": "false"}
+    assert error.status == 429 and error.headers["x-should-retry"] == "false"
+    assert "Retry-After" not in error.headers  # it never passes
+    assert error.headers["x-ratelimit-remaining-tokens"] == "100"  # nothing taken
     assert "tokens per minute" in error.message and "101" in error.message
 
 
@@ -247,3 +249,37 @@ def test_a_request_whose_work_could_not_be_queued_uses_no_quota(
         # 100 tokens a minute: with the first 61 still charged, this one would be a 429.
         again = http.post("/v1/completions", json=body, headers={"X-Tandem-Timeout": "0.5"})
     assert again.status_code == 504, again.text  # admitted, queued, nobody served it
+
+
+def test_the_rate_limit_headers_say_what_is_left_and_when_it_is_full(redis_url, keys):
+    # OpenAI's x-ratelimit-* headers, by which clients pace themselves.
+    key = ApiKey("k", rpm=10, tpm=1000)
+
+    async def work(a, _):
+        quotas = Quotas(a, keys.prefix)
+        admitted = await quotas.admit(key, 100, "r0", 60.0)
+        with pytest.raises(GatewayError) as caught:
+            await quotas.admit(key, 950, "r1", 60.0)
+        again = await quotas.admit(key, 100, "r0", 60.0)  # its reply lost: run again
+        return admitted, caught.value.headers, again
+
+    admitted, refused, again = run_on_two_clients(redis_url, work)
+    assert admitted["x-ratelimit-limit-requests"] == "10"
+    assert admitted["x-ratelimit-remaining-requests"] == "9"
+    assert admitted["x-ratelimit-limit-tokens"] == "1000"
+    assert admitted["x-ratelimit-remaining-tokens"] == "900"
+    # Full buckets: a request of 10 a minute refills in 6 s, 100 tokens of 1,000 too.
+    assert admitted["x-ratelimit-reset-requests"] == "6s"
+    assert admitted["x-ratelimit-reset-tokens"] == "6s"
+    assert refused["x-ratelimit-remaining-tokens"] == "900"  # refused: nothing taken
+    assert refused["x-ratelimit-remaining-requests"] == "9"
+    assert again == {}  # what is left is not known to an admission run again
+
+
+@pytest.mark.parametrize(
+    ("seconds", "written"),
+    [(0.0, "0ms"), (0.0201, "21ms"), (1.5, "1.5s"), (59.25, "59.25s"), (360, "6m0s"),
+     (61.5, "1m1.5s")],
+)  # fmt: skip
+def test_reset_times_are_written_as_openai_writes_them(seconds, written):
+    assert _duration(seconds) == written
