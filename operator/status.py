@@ -3,7 +3,10 @@
 The shape is status_model.py's (the CRD's status schema). The phase answers
 "is the model served as asked?":
 
-- Ready: every role has its desired pods ready and nothing is rolling.
+- Ready: every role has its desired pods ready and nothing is rolling; or a Ready
+  model scales up, every pod it had ready still ready (reason ScalingUp, Progressing
+  too), as a Deployment stays Available while its new pods start: the autoscaler's
+  every scale-up turned Ready False, and alerts and dashboards read an outage.
 - Pending: no pod of any role is ready yet (a new model, or scaling from zero).
 - Progressing: some pods ready, others starting, rolling or being added.
 - Degraded: a role is short of ready pods for a reason that will not pass by
@@ -185,12 +188,15 @@ def conditions(
     being replaced too."""
     before = {c.get("type"): c for c in previous.get("conditions") or []}
     replacing = phase is Phase.DEGRADED and reason == "ReplicasUnavailable"
+    scaling = phase is Phase.READY and reason == "ScalingUp"  # serving, and changing
     holds = {
         ConditionType.READY: phase is Phase.READY,
-        ConditionType.PROGRESSING: phase in (Phase.PENDING, Phase.PROGRESSING),
+        ConditionType.PROGRESSING: phase in (Phase.PENDING, Phase.PROGRESSING) or scaling,
         ConditionType.DEGRADED: phase is Phase.DEGRADED,
         ConditionType.INVALID: phase is Phase.INVALID,
-        ConditionType.RECONCILING: phase in (Phase.PENDING, Phase.PROGRESSING) or replacing,
+        ConditionType.RECONCILING: phase in (Phase.PENDING, Phase.PROGRESSING)
+        or replacing
+        or scaling,
         ConditionType.STALLED: phase is Phase.INVALID
         or (phase is Phase.DEGRADED and not replacing),
     }
@@ -226,6 +232,17 @@ def _summary(counts: Mapping[RoleName, RoleCounts]) -> str:
     return ", ".join(parts)
 
 
+def _scaling_up(c: RoleCounts, before: Body | None, already: bool) -> bool:
+    """Whether a role short of its desired pods is scaling up and serves as it did: its
+    count went up (or was going up: `already`), and every pod it had ready, at least
+    one, still is."""
+    if not before:  # a role new to the model (a mode change) served nothing yet
+        return False
+    desired = int(before.get("desired") or 0)
+    had = min(int(before.get("ready", desired) or 0), desired)
+    return (already or c.desired > desired) and c.ready >= max(1, had)
+
+
 def _phase(counts: Mapping[RoleName, RoleCounts], previous: Body) -> tuple[Phase, str, str]:
     summary = _summary(counts)
     short = {role: c for role, c in counts.items() if c.ready < c.desired}
@@ -248,6 +265,16 @@ def _phase(counts: Mapping[RoleName, RoleCounts], previous: Body) -> tuple[Phase
         why = f"{role.value}: {stall.message}; " if stall.message else ""
         return Phase.DEGRADED, stall.reason, f"{roles} cannot progress: {why}{summary}"
     reported = previous.get("roles") or {}
+    if (
+        previous.get("phase") == Phase.READY.value
+        and not rolling
+        and all(
+            _scaling_up(c, reported.get(role.value), previous.get("reason") == "ScalingUp")
+            for role, c in short.items()
+        )
+    ):
+        waiting = "".join(f"{r.value}: {t.message}; " for r, t in troubled)
+        return Phase.READY, "ScalingUp", f"scaling up: {waiting}{summary}"
     # Only Ready, or pods lost since, says it served: a new model whose engines crashed,
     # or that waited on a quota or a slow download past its deadline, is not one that
     # lost pods once that is over (it is starting).

@@ -478,13 +478,8 @@ def test_an_invalid_specs_counts_say_the_pods_as_they_are():
             {"phase": "Degraded", "reason": "ReplicaFailure", "desired": 1},
             Phase.PENDING,
         ),
-        # A scale-up is not a loss:
-        (
-            {"desired": 3, "ready": 2, "replicas": 3},
-            {"phase": "Ready", "desired": 2},
-            Phase.PROGRESSING,
-        ),
-        # Neither is a rollout:
+        # A scale-up is not a loss (test_a_scale_up_of_a_ready_model_stays_ready), nor is
+        # a rollout:
         (
             {"desired": 2, "ready": 1, "replicas": 2, "rolling": True},
             {"phase": "Ready", "desired": 2},
@@ -514,6 +509,42 @@ def test_phases(counts, previous, expected):
     )
     (invalid,) = [c for c in status["conditions"] if c["type"] == "Invalid"]
     assert (invalid["status"], invalid["reason"]) == ("False", "SpecValid")
+
+
+def test_a_scale_up_of_a_ready_model_stays_ready():
+    # Every scale-up of the autoscaler turned Ready False: alerts and dashboards read an
+    # outage while every pod that served still did.
+    def step(previous, **counts):
+        return valid_status(META, {RoleName.NORMAL: RoleCounts(**counts)}, previous, NOW)
+
+    def held(status):
+        return {c["type"] for c in status["conditions"] if c["status"] == "True"}
+
+    ready = step({}, desired=2, replicas=2, ready=2)
+    up = step(ready, desired=3, replicas=3, ready=2)
+    assert (up["phase"], up["reason"]) == ("Ready", "ScalingUp")
+    assert up["message"] == "scaling up: normal 2/3 ready"
+    assert held(up) == {"Ready", "Progressing", "Reconciling"}
+    # Still starting at the next evaluation, the count reported already: still scaling.
+    again = step(up, desired=3, replicas=3, ready=2)
+    assert (again["phase"], again["reason"]) == ("Ready", "ScalingUp")
+    # A pod that served lost meanwhile is a loss.
+    lost = step(again, desired=3, replicas=3, ready=1)
+    assert (lost["phase"], lost["reason"]) == ("Degraded", "ReplicasUnavailable")
+    done = step(again, desired=3, replicas=3, ready=3)
+    assert (done["phase"], done["reason"], held(done)) == ("Ready", "AllReplicasReady", {"Ready"})
+    # A new pod no node takes yet: the scheduler's words, the model still serving.
+    full = PodTrouble("Unschedulable", "0/3 nodes are available")
+    waits = step(ready, desired=3, replicas=3, ready=2, trouble=full)
+    assert (waits["phase"], waits["reason"]) == ("Ready", "ScalingUp")
+    assert "0/3 nodes are available" in waits["message"]
+    # Not from zero: nothing served.
+    idle = step({}, desired=0, replicas=0, ready=0)
+    woken = step(idle, desired=1, replicas=1, ready=0)
+    assert woken["phase"] == "Pending"
+    # Nor a rollout's new pods.
+    rolling = step(ready, desired=3, replicas=3, ready=2, rolling=True)
+    assert rolling["phase"] == "Progressing"
 
 
 def _kstatus(meta: dict, status: dict) -> str:
