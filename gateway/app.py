@@ -23,6 +23,7 @@ from tandem.gateway.head_requests import HeadAsGet
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.middleware import BodyLimit, RequestObserver
 from tandem.gateway.quota import RATE_LIMIT_HEADERS
+from tandem.gateway.request_target import AbsoluteForm
 from tandem.gateway.server import graceful_seconds
 from tandem.gateway.service import GatewayService
 from tandem.gateway.settings import GatewaySettings
@@ -122,7 +123,8 @@ def create_app(
             ],
             max_age=600,
         )
-    app.add_middleware(HeadAsGet)  # outermost: everything inside sees a GET
+    app.add_middleware(HeadAsGet)  # everything inside sees a GET
+    app.add_middleware(AbsoluteForm)  # outermost: everything inside sees the path alone
     open_access = key_store.open_access
     app.openapi = lambda: _openapi(app, open_access=open_access)  # type: ignore[method-assign]
     return app

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import logging
 import socket
 import time
 
 from tandem.gateway.server import OncePer, graceful_seconds
+
+from .live import API_KEY
 
 
 def _closed_within(sock: socket.socket, seconds: float) -> float | None:
@@ -67,6 +70,26 @@ def test_a_body_left_unread_after_the_answer_does_not_hold_the_connection(start_
         assert _healthz_answer(sock)
         sock.sendall(b"null" + b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
         assert _healthz_answer(sock)
+
+
+def test_a_target_in_absolute_form_is_served_as_its_path(start_gateway):
+    # As clients behind a forward proxy send it, and RFC 9112 says a server must accept:
+    # each was a 404 "Invalid URL (GET http://host/v1/models)".
+    gateway = start_gateway()
+    port = int(gateway.url.rsplit(":", 1)[1])
+    for target in (f"http://127.0.0.1:{port}/v1/models", "HTTPS://gw.example/v1/models?x=1"):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        conn.request("GET", target, headers={"Authorization": f"Bearer {API_KEY}"})
+        answer = conn.getresponse()
+        assert answer.status == 200, (target, answer.read())
+        assert json.loads(answer.read())["object"] == "list"
+        conn.close()
+    assert gateway.metric("tandem_gateway_requests_total", route="/v1/models") == 2
+    # Another scheme is no URL of this server's.
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    conn.request("GET", "ftp://gw.example/healthz")
+    assert conn.getresponse().status == 404
+    conn.close()
 
 
 def _healthz_answer(sock: socket.socket) -> bytes:
