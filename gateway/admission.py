@@ -249,9 +249,10 @@ class Admission:
         nothing."""
         entered = reserved = charged = False
         try:
+            entered = True  # a reply lost after the script ran holds a place: given back
             if (count := await self.in_flight.enter(caller, job.base_id, job.timeout)) is not None:
+                entered = False
                 raise in_flight_refusal(caller, count)
-            entered = True
             await self._reserve_room(job)
             reserved = True
             context = self.directory.context_length(job.model)

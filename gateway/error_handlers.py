@@ -42,11 +42,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
 async def _on_gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
     if exc.reason is not None:
-        metrics = request.app.state.gateway.metrics
-        metrics.rejected(exc.reason)
         caller = request.scope.get("state", {}).get(CALLER)  # None: refused before it was known
-        if caller is not None:
-            metrics.key_rejected(caller.name, exc.reason)
+        request.app.state.gateway.metrics.rejected(exc.reason, caller and caller.name)
     return exc.response()
 
 

@@ -95,11 +95,14 @@ class Generation:
         # Returns the quota the request took, where the server's stop cuts it before its
         # client got any of it (None: nothing to give back).
         self.give_back = give_back
-        # Gives back the request's place in flight (its key's max_in_flight) as its
-        # reading ends, however it ends (None: it holds none).
+        # Gives back the work's place in flight (its key's max_in_flight) as its reading
+        # ends, however it ends, unless another attempt reads on (None: it holds none).
         self.leave = leave
-        # Told the usage of the whole answer, once every choice finished: the key's
-        # metrics (None: counted elsewhere, an attached retry's by its first attempt).
+        # Set when this attempt stops reading work that goes on for another reader (an
+        # Idempotency-Key's): the place is that reader's to give back.
+        self._read_on = False
+        # Told the usage of the whole answer once every choice finished (the key's
+        # metrics of what it was delivered; None: not counted).
         self.account = account
 
     # ---------------------------------------------------------------- reading
@@ -131,7 +134,7 @@ class Generation:
                     await self.abandon("choice_failed")
                     error = from_engine(
                         event.error_code,
-                        event.error_message,
+                        self._in_batch(index, event.error_message),
                         self.job.prompt_param,
                         event.error_param,
                         self.job.max_tokens_param,
@@ -196,10 +199,17 @@ class Generation:
             await self._leave()
 
     async def _leave(self) -> None:
-        """Give back the request's place in flight, once."""
-        if self.leave is not None:
+        """Give back the work's place in flight, once, unless another attempt reads on."""
+        if self.leave is not None and not self._read_on:
             leave, self.leave = self.leave, None
             await self._aside(leave())
+
+    def _in_batch(self, index: int, message: str | None) -> str | None:
+        """An engine's words on choice `index`, naming its prompt in a completions batch
+        (as the gateway's own context check does): one prompt of 50 is what to fix."""
+        if message is None or self.job.prompts == 1:
+            return message
+        return f"{message} (prompt {index // self.job.choices_per_prompt} of the batch)"
 
     async def _forget_record(self) -> None:
         if self.ticket.ledger_key is not None:
@@ -305,6 +315,7 @@ class Generation:
             return
         self._abandoned = True
         if key is not None:
+            self._read_on = True  # left queued for a retry to attach to, and give back
             self.cancels.step_aside(key, self.ticket.base_id, self.job.base_id)
             return
         ids = self._open_ids()
@@ -349,6 +360,7 @@ class Generation:
                 log.info(
                     "%s (%s): %d other attempts still read it", self.ticket.base_id, why, others
                 )
+                self._read_on = True
                 return
             if others is None:
                 # Whether another attempt reads it is unknown until Redis answers: the

@@ -10,8 +10,11 @@ waiting work, not work being answered).
 One sorted set per key in Redis: a member per request (its id), scored with when its
 hold ends (Redis's clock, ms): the request's deadline, past which its gateway answers
 it anyway. A replica that dies mid-request leaves its entries, and they lapse then;
-entering drops the lapsed first. An attached retry (Idempotency-Key) reads work that
-holds its place already, and takes none.
+entering drops the lapsed first. A place is the work's (its request id), not an
+attempt's: an Idempotency-Key retry attached to the work takes none, and the last of
+its readers gives it back (one that stops reading while another reads on keeps it). A
+give-back Redis did not take (away, or its reply lost) is kept and sent with this
+replica's next entry of the key: a blip held a key's places until their deadlines.
 """
 
 from __future__ import annotations
@@ -23,13 +26,15 @@ import redis.asyncio as aioredis
 from tandem.gateway.auth import ApiKey
 from tandem.gateway.errors import GatewayError, rate_limited
 
-# KEYS: the key's set. ARGV: its limit, the request id, the hold in ms. Returns {1}
-# when the request holds a place (a take run again finds its own), else {0, count}.
+# KEYS: the key's set. ARGV: its limit, the request id, the hold in ms, then the ids of
+# places given back that Redis did not take then. Returns {1} when the request holds a
+# place (a take run again finds its own), else {0, count}.
 _ENTER_LUA = """
 if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local limit, hold = tonumber(ARGV[1]), tonumber(ARGV[3])
+for i = 4, #ARGV do redis.call('ZREM', KEYS[1], ARGV[i]) end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if redis.call('ZSCORE', KEYS[1], ARGV[2]) then return {1} end
 local count = redis.call('ZCARD', KEYS[1])
@@ -43,6 +48,9 @@ return {1}
 _HOLD_MARGIN_S = 5.0
 # When a refused request may try again: places free as answers end, at no known time.
 _RETRY_AFTER_S = 1.0
+# The most give-backs kept for a key while Redis does not take them (each lapses at its
+# deadline anyway).
+_MOST_UNRETURNED = 4096
 
 
 class InFlight:
@@ -54,6 +62,8 @@ class InFlight:
         # How long past its deadline a request holds its place.
         self.hold_margin_s = hold_margin_s
         self._enter = client.register_script(_ENTER_LUA)
+        # Per key name, the places given back that Redis has not taken yet.
+        self._unreturned: dict[str, set[str]] = {}
 
     def set_key(self, name: str) -> str:
         # The quotas' hash tag: a key's limits on one Cluster slot.
@@ -65,14 +75,29 @@ class InFlight:
         if key.max_in_flight is None:
             return None
         hold_ms = max(1, math.ceil((timeout_s + self.hold_margin_s) * 1000))
-        args = [key.max_in_flight, request_id, hold_ms]
+        unreturned = sorted(self._unreturned.get(key.name, ()))
+        args = [key.max_in_flight, request_id, hold_ms, *unreturned]
         reply = await self._enter(keys=[self.set_key(key.name)], args=args)
+        self._returned(key.name, unreturned)
         return None if int(reply[0]) == 1 else int(reply[1])
 
     async def leave(self, key: ApiKey, request_id: str) -> None:
-        """Give back the request's place (once it has its answer, or is refused)."""
-        if key.max_in_flight is not None:
-            await self.client.zrem(self.set_key(key.name), request_id)
+        """Give back the request's place (once it has its answer, or is refused); kept
+        for the key's next entry if Redis does not take it (raising, or cancelled)."""
+        if key.max_in_flight is None:
+            return
+        unreturned = self._unreturned.setdefault(key.name, set())
+        if len(unreturned) < _MOST_UNRETURNED:
+            unreturned.add(request_id)
+        await self.client.zrem(self.set_key(key.name), request_id)
+        self._returned(key.name, [request_id])
+
+    def _returned(self, name: str, request_ids: list[str]) -> None:
+        unreturned = self._unreturned.get(name)
+        if unreturned is not None:
+            unreturned.difference_update(request_ids)
+            if not unreturned:
+                del self._unreturned[name]
 
 
 def in_flight_refusal(key: ApiKey, count: int) -> GatewayError:

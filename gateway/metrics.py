@@ -153,12 +153,14 @@ class GatewayMetrics:
             ["why"],
             registry=r,
         )
-        # Per API key, by its name (never the key): what each tenant used and was refused.
+        # Per API key, by its name (never the key): what each tenant was delivered and
+        # was refused.
         # The names are the keys file's (and "anonymous", "env-N"): no caller makes one up.
         self._key_tokens = Counter(
             "tandem_gateway_key_tokens_total",
-            "Tokens of the answers delivered whole, as their usage counts them, by API key "
-            "name, model and type (prompt or completion).",
+            "Tokens of the answers delivered whole, as their usage counts them (by each "
+            "attempt that delivers one), by API key name, model and type (prompt or "
+            "completion).",
             ["key", "model", "type"],
             registry=r,
         )
@@ -193,8 +195,11 @@ class GatewayMetrics:
         """Read `stale` at each scrape for tandem_gateway_api_keys_stale."""
         self._keys_stale.set_function(lambda: 1.0 if stale() else 0.0)
 
-    def rejected(self, reason: str) -> None:
+    def rejected(self, reason: str, key: str | None = None) -> None:
+        """A refusal, and the refusals of its caller's key name (None: not known)."""
         self._rejections.labels(reason).inc()
+        if key is not None:
+            self._key_rejections.labels(key, reason).inc()
 
     def key_usage(self, key: str, model: str, usage: Mapping[str, object]) -> None:
         """An answer delivered whole: its usage, charged to the key's name."""
@@ -202,9 +207,6 @@ class GatewayMetrics:
             tokens = usage[f"{kind}_tokens"]
             if isinstance(tokens, int) and tokens > 0:
                 self._key_tokens.labels(key, model, kind).inc(tokens)
-
-    def key_rejected(self, key: str, reason: str) -> None:
-        self._key_rejections.labels(key, reason).inc()
 
     def cancelled(self, why: str, count: int) -> None:
         self._cancellations.labels(why).inc(count)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tandem.gateway.auth import ApiKey
 from tandem.gateway.disconnect import CLIENT_GONE, GONE_MIDWAY, ClientGone
 from tandem.gateway.errors import (
     GatewayError,
@@ -56,13 +57,14 @@ class BodyLimit:
         self,
         app: ASGIApp,
         max_bytes: int,
-        on_reject: Callable[[str], None],
+        on_reject: Callable[[str, str | None], None],
         timeout_s: float,
-        authenticate: Callable[[list[str]], object],
+        authenticate: Callable[[list[str]], ApiKey],
     ) -> None:
         self.app = app
         self.authenticate = authenticate  # KeyStore.caller: the caller, or a 401
         self.max_bytes = max_bytes
+        # Counts a refusal: its reason, and the caller's key name (None: not known yet).
         self.on_reject = on_reject
         self.timeout_s = timeout_s
 
@@ -74,25 +76,26 @@ class BodyLimit:
             caller = self.authenticate(_header_values(scope, b"authorization"))
             scope.setdefault("state", {})[CALLER] = caller
         except GatewayError as error:
-            await self._refuse(error, send)
+            await self._refuse(error, send, None)
             return
+        name = caller.name
         encodings = [v.strip().lower() for v in _header_values(scope, b"content-encoding")]
         if any(e not in ("", "identity") for e in encodings):
             # Read as it came, a compressed body was "not valid UTF-8", which named nothing.
-            await self._refuse(unsupported_encoding(", ".join(encodings)), send)
+            await self._refuse(unsupported_encoding(", ".join(encodings)), send, name)
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await self._refuse(too_large(self.max_bytes), send)
+            await self._refuse(too_large(self.max_bytes), send, name)
             return
         try:
             async with asyncio.timeout(self.timeout_s):
                 body = await self._read(receive)
         except TimeoutError:
-            await self._refuse(body_too_slow(self.timeout_s), send)
+            await self._refuse(body_too_slow(self.timeout_s), send, name)
             return
         except GatewayError as error:
-            await self._refuse(error, send)
+            await self._refuse(error, send, name)
             return
         except ClientGone:
             # Nobody to answer: counted as gone (499), not as the server error an
@@ -126,8 +129,8 @@ class BodyLimit:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _refuse(self, error: GatewayError, send: Send) -> None:
-        self.on_reject(error.reason or "rejected")
+    async def _refuse(self, error: GatewayError, send: Send, key: str | None) -> None:
+        self.on_reject(error.reason or "rejected", key)
         response = error.response()
         # The rest of the body is not read: the connection cannot be reused.
         response.headers["Connection"] = "close"

@@ -232,8 +232,10 @@ def rate_limit_headers(key: ApiKey, decision: QuotaDecision) -> dict[str, str]:
 
 
 def _duration(seconds: float) -> str:
-    """A time as OpenAI's reset headers write it (Go's durations): 20ms, 1.5s, 6m0s."""
+    """A time as OpenAI's reset headers write it (Go's durations): 0s, 20ms, 1.5s, 6m0s."""
     ms = max(0, math.ceil(seconds * 1000))
+    if ms == 0:
+        return "0s"
     if ms < 1000:
         return f"{ms}ms"
     minutes, ms = divmod(ms, 60_000)

@@ -118,13 +118,10 @@ class GatewayService:
             give_back=None
             if ticket.attached
             else functools.partial(self._give_back_all, caller, job, ticket),
-            # An attached retry holds no place in flight: the first attempt holds one.
-            leave=None
-            if ticket.attached
-            else functools.partial(self.admission.in_flight.leave, caller, job.base_id),
-            account=None
-            if ticket.attached
-            else functools.partial(self.metrics.key_usage, caller.name, job.model),
+            # The work's place in flight (an attached retry's too: the last reader gives
+            # it back), and the tokens each attempt delivers.
+            leave=functools.partial(self.admission.in_flight.leave, caller, ticket.base_id),
+            account=functools.partial(self.metrics.key_usage, caller.name, job.model),
         )
         try:
             if job.stream:

@@ -3,11 +3,13 @@ gateway answers the next good request as if nothing happened."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import re
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,7 +38,10 @@ KEYS = [
     {"key": "sk-tpm", "name": "tpm-100", "tpm": 100},
     *({"key": f"sk-give-back-{i}", "name": f"give-back-{i}", "rpm": 2, "tpm": 100} for i in (0, 1)),
     *({"key": f"sk-settle-{i}", "name": f"settle-{i}", "tpm": 200} for i in range(4)),
-    {"key": "sk-in-flight", "name": "in-flight-1", "max_in_flight": 1},
+    *(
+        {"key": f"sk-in-flight{b}", "name": f"in-flight-1{b}", "max_in_flight": 1}
+        for b in ("", "-b")
+    ),
     *({"key": f"sk-usage-{i}", "name": f"usage-{i}"} for i in (0, 1)),
     {"key": "sk-paced", "name": "paced", "rpm": 3, "tpm": 10_000},
 ]
@@ -669,8 +674,12 @@ def test_each_keys_usage_is_counted_by_its_name(gateway, stream):
 
     with live.http(api_key=f"sk-{key}") as client:
         usage = _usage(client, ask)
+        # Refused by the body limit, before any route: its key is known already.
+        assert client.post("/v1/completions", json={**ask, "user": "x" * 5000}).status_code == 413
     assert used("prompt") == usage["prompt_tokens"] > 0
     assert used("completion") == usage["completion_tokens"] == 6
+    refused = {"key": key, "reason": "too_large"}
+    assert live.metric("tandem_gateway_key_rejections_total", **refused) == 1
 
 
 def _refused_in_flight(client: httpx.Client, replies: list[httpx.Response]) -> bool:
@@ -701,3 +710,41 @@ def test_answers_carry_the_keys_rate_limit_headers(gateway):
     assert int(plain.headers["x-ratelimit-remaining-tokens"]) == 10_000 - 8  # 3 + 5, charged
     assert streamed["x-ratelimit-remaining-requests"] == "1"  # a request is back in 20 s
     assert "x-ratelimit-limit-requests" not in free
+
+
+def test_a_retry_attached_to_the_work_holds_its_place_when_the_first_attempt_leaves(gateway):
+    # The first attempt's client left while a retry read on: its place came back with
+    # the work still running, and a key could run any number of requests that way.
+    live, conn = gateway
+    slow = {**GOOD, "model": SLOW}
+    places = live.app.state.gateway.admission.in_flight.set_key("in-flight-1-b")
+    same = {"Idempotency-Key": "attach-me"}
+    with live.http(api_key="sk-in-flight-b") as client:
+
+        def attempt(timeout: float) -> None:
+            with contextlib.suppress(httpx.ReadTimeout):
+                client.post("/v1/chat/completions", json=slow, headers=same, timeout=timeout)
+
+        first = threading.Thread(target=attempt, args=(1.5,))
+        first.start()
+        assert eventually(lambda: conn.zcard(places) == 1, timeout=5)
+        retry = threading.Thread(target=attempt, args=(4.0,))
+        retry.start()
+        first.join()  # its client gone: the retry reads on, and holds the place
+        time.sleep(0.5)
+        assert conn.zcard(places) == 1
+        assert client.post("/v1/chat/completions", json=GOOD).status_code == 429
+        retry.join()  # the last reader gone: the work is cancelled, the place back
+        assert eventually(lambda: conn.zcard(places) == 0, timeout=5)
+        assert client.post("/v1/chat/completions", json=GOOD).status_code == 200
+
+
+def test_an_engines_refusal_of_a_batch_names_its_prompt(gateway):
+    live, _ = gateway
+    batch = {"model": "tiny", "prompt": [[1, 2], [1, 99999]], "max_tokens": 2}
+    with live.http() as client:
+        refused = client.post("/v1/completions", json=batch)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert "outside the vocabulary" in error["message"]
+    assert error["message"].endswith("(prompt 1 of the batch)")

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
 from support.replicas import run_on_two_clients
 
 from tandem.gateway.auth import ApiKey
 from tandem.gateway.in_flight import InFlight
+from tandem.redis_server import free_port
 
 
 def test_exactly_the_limit_enters_across_replicas(redis_url, keys):
@@ -68,3 +73,26 @@ def test_a_key_without_the_limit_costs_no_redis_call(keys):
         return entered
 
     assert asyncio.run(work()) is None
+
+
+def test_a_give_back_redis_did_not_take_goes_with_the_next_entry(redis_url, keys):
+    # Redis away as a request ended (a failover, a fork): its place stayed held until
+    # its deadline, and the key got 429s for ten minutes.
+    key = ApiKey("k", max_in_flight=1)
+
+    async def work(a, _):
+        in_flight = InFlight(a, keys.prefix)
+        await in_flight.enter(key, "r0", 600.0)
+        nowhere = {"host": "127.0.0.1", "port": free_port(), "socket_connect_timeout": 0.2}
+        away = aioredis.Redis(**nowhere, retry=Retry(NoBackoff(), 0))
+        in_flight.client = away  # the give-back meets a Redis that is not there
+        with pytest.raises(RedisError):
+            await in_flight.leave(key, "r0")
+        await away.aclose()
+        in_flight.client = a
+        held = await a.zcard(in_flight.set_key("k"))
+        return held, await in_flight.enter(key, "r1", 600.0)
+
+    held, entered = run_on_two_clients(redis_url, work)
+    assert held == 1  # still held in Redis
+    assert entered is None  # r0's give-back went first
