@@ -20,6 +20,7 @@ from tandem.gateway import routes_chat, routes_completions, routes_models, route
 from tandem.gateway.auth import ENV_VAR, KeyStore
 from tandem.gateway.error_handlers import install_error_handlers
 from tandem.gateway.head_requests import HeadAsGet
+from tandem.gateway.load_shedding import LoadShedder
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.middleware import BodyLimit, RequestObserver
 from tandem.gateway.quota import RATE_LIMIT_HEADERS
@@ -100,6 +101,8 @@ def create_app(
         timeout_s=settings.body_timeout_s,
         authenticate=key_store.caller,
     )
+    # Outside the body limit: a request shed reads no body (nor checks its key).
+    app.add_middleware(LoadShedder, limit=settings.answering_limit, on_reject=metrics.rejected)
     # Added after the body limit, so outside it: it also sees the body limit's 413s.
     app.add_middleware(
         RequestObserver, metrics=metrics, shutdown_s=graceful_seconds(settings.shutdown_timeout)

@@ -185,6 +185,19 @@ def unavailable(
     )
 
 
+def overloaded(answering: int) -> GatewayError:
+    """A completion request past what this replica answers at once (load_shedding.py)."""
+    return GatewayError(
+        503,
+        f"this gateway replica is answering {answering} requests, as many as it takes at "
+        "once; retry: another replica, or this one in a moment, answers",
+        type=SERVER,
+        code="overloaded",
+        headers={"Retry-After": "1"},
+        reason="overloaded",
+    )
+
+
 def shutting_down() -> GatewayError:
     """A request this replica was still working on when its --shutdown-timeout ran out."""
     return GatewayError(

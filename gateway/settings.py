@@ -52,6 +52,9 @@ class GatewaySettings:
     models_cache_s: float = 1.0
     # Every in-flight request holds one connection while it waits for events.
     redis_max_connections: int = 1024
+    # Completion requests answered at once, past which the replica sheds load (503); None:
+    # twice redis_max_connections (load_shedding.py).
+    max_answering: int | None = None
     # On SIGTERM, in-flight requests get this long; after that their connections
     # are cut but their queued work is left to the engines (clients may retry
     # with the same Idempotency-Key through another replica and get the answer).
@@ -77,6 +80,13 @@ class GatewaySettings:
     # none (a browser then refuses the answers to scripts of other origins).
     allowed_origins: tuple[str, ...] = ()
 
+    @property
+    def answering_limit(self) -> int:
+        """The completion requests answered at once (max_answering, or its default)."""
+        if self.max_answering is not None:
+            return self.max_answering
+        return 2 * self.redis_max_connections
+
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
@@ -93,6 +103,8 @@ class GatewaySettings:
         _at_least("max_n", self.max_n, 1)
         _at_least("max_work_items", self.max_work_items, self.max_n)
         _at_least("redis_max_connections", self.redis_max_connections, 2)
+        if self.max_answering is not None:
+            _at_least("max_answering", self.max_answering, 1)
         _at_least("queue_retry_after_s", self.queue_retry_after_s, 1)
         if not 1 <= self.read_block_ms <= MAX_READ_BLOCK_MS:
             raise ValueError(

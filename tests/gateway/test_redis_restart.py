@@ -310,7 +310,8 @@ def test_requests_are_admitted_while_streams_hold_every_pooled_connection(
     # BLOCKs for a connection is not Redis failing to answer (a healthy Redis answered
     # 503 redis_unreachable when the reads were timed in the shared pool).
     conn = _served(server.url, keys)
-    gateway = start_gateway(redis_url=server.url, redis_max_connections=4)
+    # 16 requests answered at once: past the default shedding (twice the pool).
+    gateway = start_gateway(redis_url=server.url, redis_max_connections=4, max_answering=16)
     headers = {"Authorization": f"Bearer {API_KEY}", "X-Tandem-Timeout": "3"}
 
     async def burst() -> list[int]:
