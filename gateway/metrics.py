@@ -154,8 +154,8 @@ class GatewayMetrics:
             registry=r,
         )
         # Per API key, by its name (never the key): what each tenant was delivered and
-        # was refused.
-        # The names are the keys file's (and "anonymous", "env-N"): no caller makes one up.
+        # refused. The names are the keys file's (and "anonymous", "env-N"): no caller
+        # makes one up.
         self._key_tokens = Counter(
             "tandem_gateway_key_tokens_total",
             "Tokens of the answers delivered whole, as their usage counts them (by each "
