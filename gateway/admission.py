@@ -43,6 +43,7 @@ from tandem.gateway.idempotency import IdempotencyLedger, IdempotencyRecord
 from tandem.gateway.in_flight import InFlight, in_flight_refusal
 from tandem.gateway.jobs import Job
 from tandem.gateway.quota import Quotas
+from tandem.gateway.replicas import Replicas
 from tandem.gateway.settings import GatewaySettings
 from tandem.protocol import PRIORITY_NORMAL
 
@@ -166,6 +167,7 @@ class Admission:
         quotas: Quotas,
         ledger: IdempotencyLedger,
         in_flight: InFlight,
+        replicas: Replicas,
     ) -> None:
         self.settings = settings
         self.broker = broker
@@ -173,6 +175,7 @@ class Admission:
         self.quotas = quotas
         self.ledger = ledger
         self.in_flight = in_flight
+        self.replicas = replicas
         self.queues = QueueGauge(broker, settings.queue_check_interval_s)
 
     async def admit(self, caller: ApiKey, job: Job, idempotency_key: str | None) -> Ticket:
@@ -220,7 +223,7 @@ class Admission:
                     ledger_key=ledger_key,
                 )
         try:
-            entry_ids, charge, rate_limits = await self._queue(caller, job)
+            entry_ids, charge, rate_limits = await self._queue(caller, job, ledger_key is None)
         except BaseException:
             if ledger_key is not None:  # nothing queued: a retry must queue afresh
                 with contextlib.suppress(Exception):  # the first error is the one to report
@@ -242,12 +245,14 @@ class Admission:
             rate_limits=rate_limits,
         )
 
-    async def _queue(self, caller: ApiKey, job: Job) -> tuple[list[str], int, dict[str, str]]:
+    async def _queue(
+        self, caller: ApiKey, job: Job, alone: bool
+    ) -> tuple[list[str], int, dict[str, str]]:
         """Take the key's place in flight, the queue's room and the key's quota, then queue
-        the work: its entry ids, the tokens charged and the key's rate-limit headers.
-        What was taken is given back if a later step fails: a refused request costs
-        nothing."""
-        entered = reserved = charged = False
+        the work (`alone`: no retry can attach to it, and it is noted as this replica's):
+        its entry ids, the tokens charged and the key's rate-limit headers. What was
+        taken is given back if a later step fails: a refused request costs nothing."""
+        entered = reserved = charged = noted = False
         try:
             entered = True  # a reply lost after the script ran holds a place: given back
             if (count := await self.in_flight.enter(caller, job.base_id, job.timeout)) is not None:
@@ -260,6 +265,9 @@ class Admission:
             default = None if job.max_tokens_given else job.counted_max_tokens(context)
             rate_limits = await self.quotas.admit(caller, charge, job.base_id, job.timeout, default)
             charged = True
+            if alone:
+                noted = True
+                await self.replicas.answering(job.request_ids)
             entry_ids = await self.broker.enqueue(job.items)
         except BaseException:
             if reserved:
@@ -271,6 +279,9 @@ class Admission:
             if entered:
                 with contextlib.suppress(Exception):
                     await self.in_flight.leave(caller, job.base_id)
+            if noted:
+                with contextlib.suppress(Exception):
+                    await self.replicas.answered(job.request_ids)
             raise
         self.queues.settle(job.model, job.n, queued=True)
         return entry_ids, charge, rate_limits

@@ -69,10 +69,12 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        service.replicas.start()
         try:
             yield
         finally:
             await service.cancels.close()
+            await service.replicas.close()
             if redis_client is None:
                 for owned in (client, reads):
                     await owned.aclose()

@@ -199,10 +199,12 @@ class Generation:
             await self._leave()
 
     async def _leave(self) -> None:
-        """Give back the work's place in flight, once, unless another attempt reads on."""
+        """Give back the work's place in flight, once, unless another attempt reads on:
+        on a task of its own, so that the answer or its error goes out without waiting
+        on Redis (a paused one held a stream's error event past its grace)."""
         if self.leave is not None and not self._read_on:
             leave, self.leave = self.leave, None
-            await self._aside(leave())
+            self.cancels.on_the_way_out(self._aside(leave()))
 
     def _in_batch(self, index: int, message: str | None) -> str | None:
         """An engine's words on choice `index`, naming its prompt in a completions batch

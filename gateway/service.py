@@ -39,6 +39,7 @@ from tandem.gateway.reader import AsyncResponseReader
 from tandem.gateway.readiness import ReadinessLog
 from tandem.gateway.recovery import LossWatch, RedisEpoch
 from tandem.gateway.rendering import ChatRenderer, CompletionRenderer, Renderer
+from tandem.gateway.replicas import Replicas
 from tandem.gateway.scrape import ScrapeReadings
 from tandem.gateway.settings import GatewaySettings
 from tandem.gateway.streaming import EventStreamResponse, with_keepalive
@@ -78,6 +79,9 @@ class GatewayService:
         self.scrape = ScrapeReadings(self.directory, self.broker, metrics, settings.models_cache_s)
         self.ledger = IdempotencyLedger(client, settings.key_prefix)
         self.cancels = Cancels(self.broker, self.ledger, metrics)
+        self.replicas = Replicas(
+            client, self.keys, beat_s=settings.replica_beat_s, lapse_s=settings.replica_lapse_s
+        )
         self.admission = Admission(
             settings,
             self.broker,
@@ -85,6 +89,7 @@ class GatewayService:
             Quotas(client, settings.key_prefix),
             self.ledger,
             InFlight(client, settings.key_prefix),
+            self.replicas,
         )
 
     async def serve(self, request: Request, caller: ApiKey, job: Job) -> Response:
@@ -120,7 +125,7 @@ class GatewayService:
             else functools.partial(self._give_back_all, caller, job, ticket),
             # The work's place in flight (an attached retry's too: the last reader gives
             # it back), and the tokens each attempt delivers.
-            leave=functools.partial(self.admission.in_flight.leave, caller, ticket.base_id),
+            leave=functools.partial(self._done, caller, ticket),
             account=functools.partial(self.metrics.key_usage, caller.name, job.model),
         )
         try:
@@ -131,6 +136,15 @@ class GatewayService:
             if error.code in PROMPT_REFUSALS and not ticket.attached:
                 await self._give_back(caller, job, ticket)
             raise
+
+    async def _done(self, caller: ApiKey, ticket: Ticket) -> None:
+        """Its reader's end of the work: off this replica's work (a dead replica's is
+        cancelled by another), and its key's place in flight back."""
+        try:
+            if ticket.ledger_key is None:
+                await self.replicas.answered(ticket.request_ids)
+        finally:
+            await self.admission.in_flight.leave(caller, ticket.base_id)
 
     async def _give_back(self, caller: ApiKey, job: Job, ticket: Ticket) -> None:
         """The tokens an engine's refusal did not use: it refuses a prompt before any

@@ -52,6 +52,10 @@ class GatewaySettings:
     models_cache_s: float = 1.0
     # Every in-flight request holds one connection while it waits for events.
     redis_max_connections: int = 1024
+    # Seconds between a replica's beats in Redis, and the silence after which another
+    # replica takes it for dead and cancels its work (replicas.py).
+    replica_beat_s: float = 5.0
+    replica_lapse_s: float = 30.0
     # Completion requests answered at once, past which the replica sheds load (503); None:
     # twice redis_max_connections (load_shedding.py).
     max_answering: int | None = None
@@ -115,6 +119,12 @@ class GatewaySettings:
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {value}")
         _positive_seconds("shutdown_timeout", self.shutdown_timeout)
+        _positive_seconds("replica_beat_s", self.replica_beat_s)
+        if self.replica_lapse_s <= 2 * self.replica_beat_s:
+            raise ValueError(
+                f"replica_lapse_s ({self.replica_lapse_s}) must be more than twice "
+                f"replica_beat_s ({self.replica_beat_s}): one late beat is no dead replica"
+            )
         _positive_seconds("redis_outage_s", self.redis_outage_s)
         _positive_seconds("readyz_timeout_s", self.readyz_timeout_s)
         _positive_seconds("keepalive_s", self.keepalive_s)
