@@ -5,7 +5,7 @@ request was a 404 "Invalid URL (GET http://host/v1/models)"."""
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -23,10 +23,13 @@ class AbsoluteForm:
 
 
 def origin_form(scope: Scope) -> Scope:
-    """The scope of an http(s) URL target as its origin form; any other left as it is."""
-    target = urlsplit(scope["path"])
+    """The scope of an http(s) URL target as its origin form; any other left as it is.
+    Split as sent (raw_path), then decoded: split after decoding, a path's %3F or %23
+    cut it short (`http://h/v1/models%3Fx` was served as /v1/models)."""
+    raw = scope.get("raw_path")
+    target = urlsplit(raw.decode("latin-1") if raw else scope["path"])
     if target.scheme.lower() not in ("http", "https") or not target.netloc:
         return scope
-    raw = scope.get("raw_path")
-    raw_path = urlsplit(raw.decode("latin-1")).path.encode("latin-1") if raw else None
-    return {**scope, "path": target.path or "/", "raw_path": raw_path or b"/"}
+    raw_path = target.path or "/"
+    path = unquote(raw_path) if raw else raw_path
+    return {**scope, "path": path, "raw_path": raw_path.encode("latin-1")}

@@ -79,9 +79,10 @@ def test_a_target_in_absolute_form_is_served_as_its_path(start_gateway):
     # each was a 404 "Invalid URL (GET http://host/v1/models)".
     gateway = start_gateway()
     port = int(gateway.url.rsplit(":", 1)[1])
+    authorized = {"Authorization": f"Bearer {API_KEY}"}
     for target in (f"http://127.0.0.1:{port}/v1/models", "HTTPS://gw.example/v1/models?x=1"):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-        conn.request("GET", target, headers={"Authorization": f"Bearer {API_KEY}"})
+        conn.request("GET", target, headers=authorized)
         answer = conn.getresponse()
         assert answer.status == 200, (target, answer.read())
         assert json.loads(answer.read())["object"] == "list"
@@ -89,6 +90,11 @@ def test_a_target_in_absolute_form_is_served_as_its_path(start_gateway):
     # Counted by their route (just after their last byte went out).
     route = {"route": "/v1/models"}
     assert eventually(lambda: gateway.metric("tandem_gateway_requests_total", **route) == 2)
+    # Split as sent, then decoded: an encoded "?" is part of the path (not served here).
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    conn.request("GET", "http://gw.example/v1/models%3Fx", headers=authorized)
+    assert conn.getresponse().status == 404
+    conn.close()
     # Another scheme is no URL of this server's.
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     conn.request("GET", "ftp://gw.example/healthz")

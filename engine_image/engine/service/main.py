@@ -5,6 +5,7 @@ not after seconds of imports."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -12,6 +13,7 @@ import socket
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import redis
 
@@ -52,11 +54,33 @@ def main(args: argparse.Namespace) -> int:
 def _stopped_while_starting(signum: int, _frame: object) -> None:
     log.info("stopped while starting (%s): nothing was taken", signal.Signals(signum).name)
     sys.stderr.flush()
+    # A C++ kernel build's ninja and compilers, which would outlive us (and our lock on
+    # the build's folder) and race the next engine's build into the same folder.
+    _kill_descendants()
     # Not SystemExit: raised in Python code that C++ called (torch's imports run some),
     # it was swallowed (loading went on, the stop lost) or aborted the process (pybind11's
     # terminate, SIGABRT). Nothing is registered or taken before serve() runs: nothing to
-    # undo, and the sockets and the kernel build's lock go with the process.
+    # undo, and the sockets go with the process.
     os._exit(0)
+
+
+def _kill_descendants() -> None:
+    """SIGKILL every process started under this one (Linux's /proc; elsewhere none)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    ours, found = {os.getpid()}, True
+    while found:
+        found = False
+        for pid, parent in parents.items():
+            if parent in ours and pid not in ours:
+                ours.add(pid)
+                found = True
+    for pid in ours - {os.getpid()}:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def wait_for_redis(url: str, wait_s: float) -> None:
