@@ -4,9 +4,10 @@ The shape is status_model.py's (the CRD's status schema). The phase answers
 "is the model served as asked?":
 
 - Ready: every role has its desired pods ready and nothing is rolling; or a Ready
-  model scales up, every pod it had ready still ready (reason ScalingUp, Progressing
-  too), as a Deployment stays Available while its new pods start: the autoscaler's
-  every scale-up turned Ready False, and alerts and dashboards read an outage.
+  model scales up, every pod it served with still ready (reason ScalingUp, Progressing
+  too; a role's floor is its status `serving`), as a Deployment stays Available while
+  its new pods start: the autoscaler's every scale-up turned Ready False, and alerts
+  and dashboards read an outage.
 - Pending: no pod of any role is ready yet (a new model, or scaling from zero).
 - Progressing: some pods ready, others starting, rolling or being added.
 - Degraded: a role is short of ready pods for a reason that will not pass by
@@ -125,7 +126,12 @@ def valid_status(
         "reason": reason,
         "message": message,
         "roles": {
-            role.value: {"desired": c.desired, "replicas": c.replicas, "ready": c.ready}
+            role.value: {
+                "desired": c.desired,
+                "replicas": c.replicas,
+                "ready": c.ready,
+                "serving": _serving(c, (previous.get("roles") or {}).get(role.value)),
+            }
             for role, c in counts.items()
         },
         "conditions": conditions(phase, reason, message, previous, meta.get("generation"), now),
@@ -232,15 +238,22 @@ def _summary(counts: Mapping[RoleName, RoleCounts]) -> str:
     return ", ".join(parts)
 
 
-def _scaling_up(c: RoleCounts, before: Body | None, already: bool) -> bool:
-    """Whether a role short of its desired pods is scaling up and serves as it did: its
-    count went up (or was going up: `already`), and every pod it had ready, at least
-    one, still is."""
-    if not before:  # a role new to the model (a mode change) served nothing yet
-        return False
-    desired = int(before.get("desired") or 0)
-    had = min(int(before.get("ready", desired) or 0), desired)
-    return (already or c.desired > desired) and c.ready >= max(1, had)
+def serving_floor(before: Body | None) -> int:
+    """The pods a role served with when it last had every desired pod ready (status
+    roles' `serving`; a status from before it: its desired count), 0 for a role new to
+    the model. A scale-up that keeps them ready stays Ready; one of them lost degrades."""
+    if not before:
+        return 0
+    if before.get("serving") is not None:
+        return int(before["serving"])
+    return int(before.get("desired") or 0)
+
+
+def _serving(c: RoleCounts, before: Body | None) -> int:
+    """The role's floor after this pass: its desired count once every pod is ready."""
+    if c.ready >= c.desired and not c.rolling:
+        return c.desired
+    return serving_floor(before)
 
 
 def _phase(counts: Mapping[RoleName, RoleCounts], previous: Body) -> tuple[Phase, str, str]:
@@ -265,16 +278,6 @@ def _phase(counts: Mapping[RoleName, RoleCounts], previous: Body) -> tuple[Phase
         why = f"{role.value}: {stall.message}; " if stall.message else ""
         return Phase.DEGRADED, stall.reason, f"{roles} cannot progress: {why}{summary}"
     reported = previous.get("roles") or {}
-    if (
-        previous.get("phase") == Phase.READY.value
-        and not rolling
-        and all(
-            _scaling_up(c, reported.get(role.value), previous.get("reason") == "ScalingUp")
-            for role, c in short.items()
-        )
-    ):
-        waiting = "".join(f"{r.value}: {t.message}; " for r, t in troubled)
-        return Phase.READY, "ScalingUp", f"scaling up: {waiting}{summary}"
     # Only Ready, or pods lost since, says it served: a new model whose engines crashed,
     # or that waited on a quota or a slow download past its deadline, is not one that
     # lost pods once that is over (it is starting).
@@ -282,12 +285,22 @@ def _phase(counts: Mapping[RoleName, RoleCounts], previous: Body) -> tuple[Phase
         previous.get("phase") == Phase.DEGRADED.value
         and previous.get("reason") == "ReplicasUnavailable"
     )
+    floors = {role: serving_floor(reported.get(role.value)) for role in counts}
+    if (
+        was_serving
+        and not rolling
+        and all(
+            role.value in reported and c.desired > floors[role] and c.ready >= max(1, floors[role])
+            for role, c in short.items()
+        )
+    ):
+        waiting = "".join(f"{r.value}: {t.message}; " for r, t in troubled)
+        return Phase.READY, "ScalingUp", f"scaling up: {waiting}{summary}"
+    # A pod it served with is not ready: fewer than its floor, or than it wants now.
     lost = [
         role.value
         for role, c in short.items()
-        if was_serving
-        and not c.rolling
-        and c.desired <= ((reported.get(role.value) or {}).get("desired") or 0)
+        if was_serving and not c.rolling and c.ready < min(c.desired, floors[role])
     ]
     if lost:
         # The replacements' trouble (no node can take them) is what to do about it.

@@ -60,6 +60,12 @@ class RoleStatus(SpecModel):
     desired: int | None = Field(None, ge=0, description="Pods the autoscaler wants.")
     replicas: int | None = Field(None, ge=0, description="Pods that exist.")
     ready: int | None = Field(None, ge=0, description="Pods that pass /readyz.")
+    serving: int | None = Field(
+        None,
+        ge=0,
+        description="Pods the role served with when it last had every desired pod ready: "
+        "a scale-up keeping them ready stays Ready, one of them lost is Degraded.",
+    )
 
 
 class RolesStatus(SpecModel):

@@ -378,11 +378,13 @@ async def test_status_follows_the_readiness_of_the_pods(cluster, operator):
         "desired": 2,
         "replicas": 2,
         "ready": 1,
+        "serving": 0,  # not yet all ready
     }
 
     cluster.workloads.set_ready(NAMESPACE, "m-normal", 2)
     await eventually(lambda: phase(cluster, "m") == "Ready", what="Ready")
     assert condition(cluster, "m", "Ready")["status"] == "True"
+    assert cluster.model("m")["status"]["roles"]["normal"]["serving"] == 2
 
     cluster.workloads.set_ready(NAMESPACE, "m-normal", 1)
     await eventually(lambda: phase(cluster, "m") == "Degraded", what="Degraded")

@@ -71,7 +71,8 @@ def test_a_new_model_creates_its_children_and_reports_pending():
     assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Secret", "Service"]
     assert not actions.patches and not actions.deletes
     assert actions.status["phase"] == "Pending"
-    assert actions.status["roles"] == {"normal": {"desired": 1, "replicas": 0, "ready": 0}}
+    counts = {"desired": 1, "replicas": 0, "ready": 0, "serving": 0}
+    assert actions.status["roles"] == {"normal": counts}
 
 
 def test_what_the_api_server_adds_is_not_drift():
@@ -538,6 +539,19 @@ def test_a_scale_up_of_a_ready_model_stays_ready():
     waits = step(ready, desired=3, replicas=3, ready=2, trouble=full)
     assert (waits["phase"], waits["reason"]) == ("Ready", "ScalingUp")
     assert "0/3 nodes are available" in waits["message"]
+    # A pod that served blips (a readiness probe) while the new ones wait for a node: lost
+    # while it is away, Ready again once it is back (it stayed Degraded to the end).
+    blip = step(waits, desired=3, replicas=3, ready=1, trouble=full)
+    assert (blip["phase"], blip["reason"]) == ("Degraded", "ReplicasUnavailable")
+    back = step(blip, desired=3, replicas=3, ready=2, trouble=full)
+    assert (back["phase"], back["reason"]) == ("Ready", "ScalingUp")
+    # A new pod's blip loses nothing it served with.
+    more = step(again, desired=4, replicas=4, ready=3)
+    new_blip = step(more, desired=4, replicas=4, ready=2)
+    assert (new_blip["phase"], new_blip["reason"]) == ("Ready", "ScalingUp")
+    # A pod lost in the pass that sees the scale-up is lost, not starting.
+    at_once = step(ready, desired=4, replicas=4, ready=1)
+    assert (at_once["phase"], at_once["reason"]) == ("Degraded", "ReplicasUnavailable")
     # Not from zero: nothing served.
     idle = step({}, desired=0, replicas=0, ready=0)
     woken = step(idle, desired=1, replicas=1, ready=0)
