@@ -237,6 +237,8 @@ def test_an_idle_engine_stopped_while_redis_is_paused_says_nothing_was_lost(serv
     engine = engines("normal", *LONG)
     os.kill(server._process.pid, signal.SIGSTOP)
     try:
+        # Stopped before it noticed the pause, it wrote nothing and so said nothing.
+        assert eventually(lambda: "Redis unavailable" in engine.log(), 30), engine.log()
         assert engine.terminate(timeout=30) == 0
     finally:
         os.kill(server._process.pid, signal.SIGCONT)
