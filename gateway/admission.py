@@ -267,7 +267,8 @@ class Admission:
             charged = True
             if alone:
                 noted = True
-                await self.replicas.answering(job.request_ids)
+                place = (caller.name, job.base_id) if caller.max_in_flight is not None else None
+                await self.replicas.answering(job.request_ids, place)
             entry_ids = await self.broker.enqueue(job.items)
         except BaseException:
             if reserved:
@@ -281,7 +282,7 @@ class Admission:
                     await self.in_flight.leave(caller, job.base_id)
             if noted:
                 with contextlib.suppress(Exception):
-                    await self.replicas.answered(job.request_ids)
+                    await self.replicas.answered(job.request_ids, job.base_id)
             raise
         self.queues.settle(job.model, job.n, queued=True)
         return entry_ids, charge, rate_limits

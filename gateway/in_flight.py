@@ -66,8 +66,7 @@ class InFlight:
         self._unreturned: dict[str, set[str]] = {}
 
     def set_key(self, name: str) -> str:
-        # The quotas' hash tag: a key's limits on one Cluster slot.
-        return f"{self.prefix}:quota:{{{name}}}:in-flight"
+        return in_flight_key(self.prefix, name)
 
     async def enter(self, key: ApiKey, request_id: str, timeout_s: float) -> int | None:
         """Hold one of the key's places until `leave` or `timeout_s` (its deadline)
@@ -98,6 +97,12 @@ class InFlight:
             unreturned.difference_update(request_ids)
             if not unreturned:
                 del self._unreturned[name]
+
+
+def in_flight_key(prefix: str, name: str) -> str:
+    """The sorted set of the places in flight of the API key named `name`."""
+    # The quotas' hash tag: a key's limits on one Cluster slot.
+    return f"{prefix}:quota:{{{name}}}:in-flight"
 
 
 def in_flight_refusal(key: ApiKey, count: int) -> GatewayError:

@@ -8,9 +8,10 @@ deadlines, and a new stack on the same Redis (`tandem up` after a kill) waited f
 Each replica beats every `beat_s` in a hash (replica id -> Redis's time of its last
 beat) and keeps the request ids of the work it answers that no retry can attach to (no
 Idempotency-Key: a retry through another replica attaches to the rest) in a set of its
-own. As it beats, it looks for a replica silent for `lapse_s`: the one whose HDEL
-removes it (in a script: once) cancels every request in that replica's set, as a
-client's disconnect does.
+own, with the places in flight of its keys (max_in_flight) that the work holds. As it
+beats, it looks for a replica silent for `lapse_s`: the one whose HDEL removes it (in a
+script: once) cancels every request in that replica's set, as a client's disconnect
+does, and gives its places back (they held their keys at 429 until their deadlines).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from tandem.cancel_notice import cancel_commands
+from tandem.gateway.in_flight import in_flight_key
 from tandem.keys import Keys
 from tandem.protocol import as_text
 
@@ -72,6 +74,10 @@ class Replicas:
     def work_key(self, replica_id: str) -> str:
         return f"{self.keys.prefix}:gateway:{replica_id}:work"
 
+    def places_key(self, replica_id: str) -> str:
+        """A replica's work's places in flight: work id -> its API key's name."""
+        return f"{self.keys.prefix}:gateway:{replica_id}:places"
+
     def start(self) -> None:
         """Beat (and look for dead replicas) on a task of its own until `close`."""
         self._task = asyncio.get_running_loop().create_task(self._beating())
@@ -87,16 +93,26 @@ class Replicas:
             async with asyncio.timeout(1.0):
                 pipe = self.client.pipeline(transaction=True)
                 pipe.hdel(self.hash_key, self.replica_id)
-                pipe.delete(self.work_key(self.replica_id))
+                pipe.delete(self.work_key(self.replica_id), self.places_key(self.replica_id))
                 await pipe.execute()
 
-    async def answering(self, request_ids: Iterable[str]) -> None:
+    async def answering(
+        self, request_ids: Iterable[str], place: tuple[str, str] | None = None
+    ) -> None:
         """Note work this replica answers (before it is queued: a replica killed just
-        after queueing it must not leave it unknown)."""
-        await self.client.sadd(self.work_key(self.replica_id), *request_ids)
+        after queueing it must not leave it unknown); `place`: (API key name, work id)
+        of the key's place in flight it holds."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.sadd(self.work_key(self.replica_id), *request_ids)
+        if place is not None:
+            pipe.hset(self.places_key(self.replica_id), place[1], place[0])
+        await pipe.execute()
 
-    async def answered(self, request_ids: Iterable[str]) -> None:
-        await self.client.srem(self.work_key(self.replica_id), *request_ids)
+    async def answered(self, request_ids: Iterable[str], work_id: str) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.srem(self.work_key(self.replica_id), *request_ids)
+        pipe.hdel(self.places_key(self.replica_id), work_id)
+        await pipe.execute()
 
     async def beat(self) -> list[str]:
         """One beat: the replicas found dead, whose work this one cancelled."""
@@ -108,13 +124,18 @@ class Replicas:
         return dead
 
     async def _cancel_work_of(self, replica_id: str) -> None:
-        key = self.work_key(replica_id)
-        request_ids = [as_text(r) for r in await self.client.smembers(key)]
+        work, places = self.work_key(replica_id), self.places_key(replica_id)
+        request_ids = [as_text(r) for r in await self.client.smembers(work)]
+        held = {as_text(w): as_text(n) for w, n in (await self.client.hgetall(places)).items()}
         if request_ids:
             pipe = self.client.pipeline(transaction=True)
             cancel_commands(pipe, self.keys, request_ids)
             await pipe.execute()
-        await self.client.delete(key)
+        pipe = self.client.pipeline(transaction=False)  # each key's set on its own slot
+        for work_id, name in held.items():
+            pipe.zrem(in_flight_key(self.keys.prefix, name), work_id)
+        pipe.delete(work, places)
+        await pipe.execute()
         log.warning(
             "gateway replica %s went silent for %.0f s without stopping: cancelled the work "
             "of its %d requests", replica_id, self.lapse_s, len(request_ids)

@@ -142,7 +142,7 @@ class GatewayService:
         cancelled by another), and its key's place in flight back."""
         try:
             if ticket.ledger_key is None:
-                await self.replicas.answered(ticket.request_ids)
+                await self.replicas.answered(ticket.request_ids, ticket.base_id)
         finally:
             await self.admission.in_flight.leave(caller, ticket.base_id)
 

@@ -14,6 +14,8 @@ from support.replicas import run_on_two_clients
 
 from tandem.engine.service.cancellation import is_cancelled
 from tandem.engine.service.registry import Registry
+from tandem.gateway.auth import ApiKey
+from tandem.gateway.in_flight import InFlight
 from tandem.gateway.replicas import Replicas
 from tandem.registry_entry import EngineInfo
 
@@ -25,19 +27,28 @@ def test_a_silent_replicas_work_is_cancelled_once(redis_url, keys):
     async def work(a, b):
         dead = Replicas(a, keys, beat_s=0.05, lapse_s=0.3)
         others = [Replicas(b, keys, beat_s=0.05, lapse_s=0.3) for _ in range(2)]
-        await dead.answering(["r1", "r2-0", "r2-1"])
-        await dead.answered(["r1"])  # answered: nothing to cancel
+        key = ApiKey("team", max_in_flight=1)
+        places = InFlight(a, keys.prefix)
+        assert await places.enter(key, "r1", 600.0) is None
+        await dead.answering(["r1"], (key.name, "r1"))
+        await dead.answered(["r1"], "r1")  # answered: nothing to cancel
+        await places.leave(key, "r1")
+        assert await places.enter(key, "r2", 600.0) is None
+        await dead.answering(["r2-0", "r2-1"], (key.name, "r2"))
         await dead.beat()
         checker = Replicas(b, keys, beat_s=0.05, lapse_s=0.3)
         assert await checker.beat() == []  # it beat just now: alive
         await checker.close()
         await asyncio.sleep(0.4)  # silent past the lapse
         found = await asyncio.gather(*(o.beat() for o in others))
-        return dead.replica_id, found, await a.exists(dead.work_key(dead.replica_id))
+        left = await a.exists(dead.work_key(dead.replica_id), dead.places_key(dead.replica_id))
+        # Its place back: the key's requests were refused until its deadline.
+        return dead.replica_id, found, left, await places.enter(key, "r3", 600.0)
 
-    replica_id, found, work_left = run_on_two_clients(redis_url, work)
+    replica_id, found, work_left, entered = run_on_two_clients(redis_url, work)
     assert sorted(found, key=len) == [[], [replica_id]]  # claimed by one of them
     assert not work_left
+    assert entered is None  # r2's place given back: r3 holds the key's one
     with redis.Redis.from_url(redis_url) as conn:
         assert [is_cancelled(conn, keys, r) for r in ("r1", "r2-0", "r2-1")] == [
             False,
