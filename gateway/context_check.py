@@ -13,6 +13,7 @@ from __future__ import annotations
 from tandem.context_window import completion_too_long, context_exceeded, prompt_too_long
 from tandem.gateway.errors import bad_request
 from tandem.gateway.jobs import Job
+from tandem.gateway.prompts import naming_prompt
 from tandem.protocol import ErrorCode
 
 
@@ -30,8 +31,8 @@ def check_context(job: Job, max_model_len: int | None) -> None:
             why = context_exceeded(len(ids), max_tokens, max_model_len, field)
         if why is not None:
             # OpenAI's code for any overflow (errors.answered_code), the prompt alone too.
-            which = f" (prompt {p} of the batch)" if job.prompts > 1 else ""
-            raise bad_request(why + which, job.prompt_param, ErrorCode.CONTEXT_LENGTH_EXCEEDED)
+            why = naming_prompt(why, p, job.prompts)
+            raise bad_request(why, job.prompt_param, ErrorCode.CONTEXT_LENGTH_EXCEEDED)
     if not job.max_tokens_given:
         return
     if why := completion_too_long(max_tokens, max_model_len, field):

@@ -32,6 +32,7 @@ from tandem.gateway.errors import (
 )
 from tandem.gateway.jobs import Job
 from tandem.gateway.metrics import GatewayMetrics
+from tandem.gateway.prompts import naming_prompt
 from tandem.gateway.reader import AsyncResponseReader, DeadlinePassed, ResponseGap
 from tandem.gateway.recovery import LossWatch
 from tandem.gateway.rendering import ChoiceResult, Renderer, total_usage
@@ -208,10 +209,10 @@ class Generation:
 
     def _in_batch(self, index: int, message: str | None) -> str | None:
         """An engine's words on choice `index`, naming its prompt in a completions batch
-        (as the gateway's own context check does): one prompt of 50 is what to fix."""
-        if message is None or self.job.prompts == 1:
-            return message
-        return f"{message} (prompt {index // self.job.choices_per_prompt} of the batch)"
+        (as the gateway's own context check does)."""
+        if message is None:
+            return None
+        return naming_prompt(message, index // self.job.choices_per_prompt, self.job.prompts)
 
     async def _forget_record(self) -> None:
         if self.ticket.ledger_key is not None:

@@ -39,6 +39,12 @@ def _one(prompt: str | list[int], name: str) -> dict[str, Any]:
     return {"prompt_token_ids": list(prompt)}
 
 
+def naming_prompt(message: str, index: int, prompts: int) -> str:
+    """`message` about prompt `index` of a request's `prompts`, naming it in a batch (one
+    prompt of 50 is what to fix)."""
+    return message if prompts == 1 else f"{message} (prompt {index} of the batch)"
+
+
 def estimated_tokens(prompt: dict[str, Any]) -> int:
     """A completion prompt's tokens: exact for token ids, else estimated from its text."""
     if "prompt_token_ids" in prompt:

@@ -11,13 +11,13 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 import redis
 from support.engines import EngineProcess
 from support.polling import eventually
 
+from tandem import process_tree
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.model.model_config import RANDOM_SHAPES
 from tandem.engine.service.registry import Registry
@@ -418,24 +418,10 @@ def test_two_data_parallel_ranks_vote_through_gloo_and_serve(engines, client, re
     # The group's process killed (a supervisor's SIGKILL forwards nothing): its ranks
     # go with it, as a pod's container takes every process in it, not left serving.
     # (Its children: the two ranks and multiprocessing's resource tracker.)
-    children = _children(group.process.pid)
+    children = process_tree.children(group.process.pid)
     assert len(children) >= 2, children
     group.kill()
-    assert eventually(lambda: not any(_alive(pid) for pid in children), 10), "orphans left"
-
-
-def _children(pid: int) -> list[int]:
-    """The processes `pid` started (Linux's /proc)."""
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(child) for child in path.read_text().split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"  # a zombie has exited, its parent (now init) not yet told
+    assert eventually(lambda: not any(map(process_tree.running, children)), 10), "orphans left"
 
 
 def test_a_rank_that_fails_ends_its_whole_group(redis_url, keys, tmp_path):
@@ -447,8 +433,7 @@ def test_a_rank_that_fails_ends_its_whole_group(redis_url, keys, tmp_path):
     proc.port = free_port_pair()
     proc.start()
     try:
-        children = Path(f"/proc/{proc.process.pid}/task/{proc.process.pid}/children")
-        assert eventually(lambda: children.read_text().split() != [], timeout=60)
+        assert eventually(lambda: process_tree.children(proc.process.pid), timeout=60)
         with socket.socket() as taken:
             taken.bind(("127.0.0.1", proc.port + 1))  # before the rank's load ends
             taken.listen()

@@ -14,6 +14,7 @@ from support.engines import EngineProcess
 from support.polling import eventually
 
 from tandem.engine.service.registry import Registry
+from tandem.process_tree import descendants, running
 
 
 def _catches_sigterm(pid: int) -> bool:
@@ -74,19 +75,13 @@ def test_a_stop_while_torch_imports_is_not_lost():
     assert "went on loading" not in done.stdout
 
 
-def _descendants(pid: int) -> dict[int, str]:
-    """The processes under `pid` (pid -> its command name), from /proc."""
-    parents, names = {}, {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            text = stat.read_text()
-            child = int(stat.parent.name)
-            parents[child] = int(text.rsplit(")", 1)[1].split()[1])
-            names[child] = text[text.index("(") + 1 : text.rindex(")")]
-    ours = {pid}
-    while grown := {c for c, p in parents.items() if p in ours and c not in ours}:
-        ours |= grown
-    return {c: names[c] for c in ours - {pid}}
+def _building(pid: int) -> dict[int, str]:
+    """The processes under `pid`, each with its command name."""
+    names = {}
+    for child in descendants(pid):
+        with contextlib.suppress(OSError):
+            names[child] = Path(f"/proc/{child}/comm").read_text().strip()
+    return names
 
 
 def test_an_engine_stopped_while_building_its_kernels_leaves_no_compiler_behind(
@@ -98,20 +93,10 @@ def test_an_engine_stopped_while_building_its_kernels_leaves_no_compiler_behind(
         engine = EngineProcess("normal", redis_url, keys, [], log_dir=tmp_path).start()
     try:
         pid = engine.process.pid
-        assert eventually(lambda: "ninja" in _descendants(pid).values(), timeout=120)
-        building = _descendants(pid)
+        assert eventually(lambda: "ninja" in _building(pid).values(), timeout=120)
+        building = _building(pid)
         engine.process.send_signal(signal.SIGTERM)
         assert engine.process.wait(timeout=30) == 0, engine.log()
     finally:
         engine.stop()
-    assert eventually(lambda: not _running(building), timeout=5), _running(building)
-
-
-def _running(pids: dict[int, str]) -> dict[int, str]:
-    """Those of `pids` still running (a zombie is not: its reaper may be slow)."""
-    running = {}
-    for pid, name in pids.items():
-        with contextlib.suppress(OSError):
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                running[pid] = name
-    return running
+    assert eventually(lambda: not any(map(running, building)), timeout=5), building

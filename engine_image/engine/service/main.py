@@ -13,7 +13,6 @@ import socket
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import redis
 
@@ -24,6 +23,7 @@ from tandem.engine.service.registry import Registry
 from tandem.engine.service.settings import WorkerSettings
 from tandem.keys import Keys
 from tandem.listen import every_interface
+from tandem.process_tree import descendants
 from tandem.redaction import check_redis_url, password_given, redacted, refused_credentials
 
 log = logging.getLogger("tandem.engine")
@@ -56,31 +56,14 @@ def _stopped_while_starting(signum: int, _frame: object) -> None:
     sys.stderr.flush()
     # A C++ kernel build's ninja and compilers, which would outlive us (and our lock on
     # the build's folder) and race the next engine's build into the same folder.
-    _kill_descendants()
+    for pid in descendants(os.getpid()):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
     # Not SystemExit: raised in Python code that C++ called (torch's imports run some),
     # it was swallowed (loading went on, the stop lost) or aborted the process (pybind11's
     # terminate, SIGABRT). Nothing is registered or taken before serve() runs: nothing to
     # undo, and the sockets go with the process.
     os._exit(0)
-
-
-def _kill_descendants() -> None:
-    """SIGKILL every process started under this one (Linux's /proc; elsewhere none)."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-    ours, found = {os.getpid()}, True
-    while found:
-        found = False
-        for pid, parent in parents.items():
-            if parent in ours and pid not in ours:
-                ours.add(pid)
-                found = True
-    for pid in ours - {os.getpid()}:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
 
 
 def wait_for_redis(url: str, wait_s: float) -> None:
